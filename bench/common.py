@@ -1,0 +1,151 @@
+"""Shared benchmark utilities: CUDA-event timing, version capture, result JSON and tables.
+
+torch is imported inside the functions that need it, so `readme_table.py` (which only
+formats stored results) runs on machines without torch or a GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+# Distribution names whose versions are recorded when installed; epicute and the DSL always appear.
+_OPTIONAL_DISTS = ("quack-kernels", "flash-attn-4")
+
+
+def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) -> float:
+    """Median milliseconds of `fn()` over `iters` calls, each bracketed by its own CUDA events.
+
+    Rotating inputs (to defeat L2 reuse) is the caller's job: make `fn` cycle through them.
+    """
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str]:
+    """Versions of epicute, the CuTe DSL, torch and whichever benchmark peers are installed."""
+    import torch
+
+    try:
+        import epicute
+
+        epicute_version = str(getattr(epicute, "__version__", "unknown"))
+    except ImportError:
+        epicute_version = "unknown"
+    found = {
+        "epicute": epicute_version,
+        "nvidia-cutlass-dsl": _dist_version("nvidia-cutlass-dsl") or "unknown",
+        "torch": torch.__version__,
+    }
+    for name in _OPTIONAL_DISTS:
+        version = _dist_version(name)
+        if version is not None:
+            found[name] = version
+    return found
+
+
+def peers(rows: Sequence[Row]) -> list[str]:
+    """Peer keys (every key but `case` and `epicute`) in order of first appearance."""
+    names: list[str] = []
+    for row in rows:
+        for key in row:
+            if key not in ("case", "epicute") and key not in names:
+                names.append(key)
+    return names
+
+
+def ratio(row: Row, peer: str) -> float | None:
+    """epicute / peer for one row, or None when either figure is missing."""
+    ours, theirs = row.get("epicute"), row.get(peer)
+    if isinstance(ours, (int, float)) and isinstance(theirs, (int, float)) and theirs > 0:
+        return ours / theirs
+    return None
+
+
+def geomean(values: Sequence[float]) -> float | None:
+    """Geometric mean of positive values, or None when there are none."""
+    positive = [v for v in values if v > 0]
+    if not positive:
+        return None
+    return math.exp(sum(math.log(v) for v in positive) / len(positive))
+
+
+def write_result(
+    path: str | Path,
+    benchmark: str,
+    command: str,
+    unit: str,
+    higher_is_better: bool,
+    rows: Sequence[Row],
+) -> Path:
+    """Write one benchmark run as JSON (schema shared by every bench script) and return its path."""
+    import torch
+
+    result = {
+        "benchmark": benchmark,
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "versions": versions(),
+        "command": command,
+        "unit": unit,
+        "higher_is_better": higher_is_better,
+        "rows": list(rows),
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+def _fmt(value: object) -> str:
+    return f"{value:.1f}" if isinstance(value, (int, float)) else "-"
+
+
+def print_table(rows: Sequence[Row], unit: str) -> None:
+    """Print rows as a fixed-width table with an epicute/<first peer> ratio column and its geomean."""
+    names = peers(rows)
+    first = names[0] if names else None
+    header = ["case", f"epicute ({unit})", *names]
+    if first is not None:
+        header.append(f"epicute/{first}")
+    table = []
+    ratios: list[float] = []
+    for row in rows:
+        line = [str(row.get("case", "")), _fmt(row.get("epicute")), *(_fmt(row.get(n)) for n in names)]
+        if first is not None:
+            r = ratio(row, first)
+            line.append(f"{r:.3f}" if r is not None else "-")
+            if r is not None:
+                ratios.append(r)
+        table.append(line)
+    widths = [max(len(cells[i]) for cells in [header, *table]) for i in range(len(header))]
+    for cells in [header, *table]:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
+    if first is not None:
+        g = geomean(ratios)
+        print(f"geomean epicute/{first}: {g:.3f}" if g is not None else f"geomean epicute/{first}: -")

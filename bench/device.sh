@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Runs epicute's GPU checks on the device machine, from the repository root:
+#     bash bench/device.sh [test] [bench] [sanitize]      (default: all three, in that order)
+# through the device tool: run(command="bash bench/device.sh", carry=[".device"]).
+# Every step runs even if an earlier one failed; the exit status is non-zero if any failed.
+# Files left in $OUT (the device tool brings back at most 8): gpu-tests.log, bench.log,
+# gemm.json and four sanitize-<tool>-<case>.log.
+set -u -o pipefail
+cd "$(dirname "$0")/.." || exit 1
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(test bench sanitize)
+for step in "${steps[@]}"; do
+    case "$step" in
+        test | bench | sanitize) ;;
+        *) echo "device.sh: unknown step '$step' (want test, bench or sanitize)" >&2; exit 2 ;;
+    esac
+done
+# shellcheck source=/dev/null
+source .device/env.sh || { echo "device.sh: .device/env.sh failed (run stage.sh first?)" >&2; exit 1; }
+export PYTHONUNBUFFERED=1
+# Outside the device tool there is no $OUT: keep the logs in a fresh temp dir instead.
+export OUT="${OUT:-$(mktemp -d)}"
+echo "logs and results go to $OUT"
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv
+python3 -c 'import sys, torch; print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda)'
+
+failed=()
+
+run_test() {
+    python3 -m pytest -m gpu -q tests 2>&1 | tee "$OUT/gpu-tests.log"
+}
+
+run_bench() {
+    python3 bench/gemm.py --all 2>&1 | tee "$OUT/bench.log"
+}
+
+run_sanitize() {
+    local status=0 tool size log
+    for tool in memcheck racecheck; do
+        for size in small ragged; do
+            log="$OUT/sanitize-$tool-$size.log"
+            # No caching allocator: each tensor is its own cudaMalloc, so memcheck sees
+            # out-of-bounds accesses that would otherwise land inside a pooled block.
+            PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+                python3 bench/sanitize_case.py "$size" >"$log" 2>&1 || status=1
+            echo "$tool $size: $(grep -E '^(PASS|FAIL)' "$log" | tail -n 1)" \
+                "| $(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -n 1 | sed 's/^========= //')"
+        done
+    done
+    return $status
+}
+
+for step in "${steps[@]}"; do
+    echo "=== $step ==="
+    "run_$step" || failed+=("$step")
+done
+
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "all steps passed: ${steps[*]}"

@@ -1,0 +1,95 @@
+"""Render stored benchmark results (bench/results/*.json) as markdown tables.
+
+Usage: python bench/readme_table.py [--results DIR] [--write README.md]
+Without --write the tables go to stdout; with it they replace the text between
+`<!-- bench:start -->` and `<!-- bench:end -->` in that file (left untouched if a marker is missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from common import geomean, peers, ratio
+
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _cell(value: object) -> str:
+    return f"{value:.1f}" if isinstance(value, (int, float)) else "–"
+
+
+def render(result: dict[str, Any]) -> str:
+    """One result file as a heading, a provenance line and a table with an epicute/<first peer> column."""
+    rows = result.get("rows", [])
+    names = peers(rows)
+    first = names[0] if names else None
+    unit = result.get("unit", "")
+    better = "higher" if result.get("higher_is_better", True) else "lower"
+    versions = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
+    lines = [
+        f"### {result.get('benchmark', '?')} ({unit}, {better} is better)",
+        "",
+        f"{result.get('device', '?')}, {result.get('date', '?')}: `{result.get('command', '?')}`"
+        + (f" ({versions})" if versions else ""),
+        "",
+    ]
+    header = ["case", "epicute", *names] + ([f"epicute/{first}"] if first else [])
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
+    ratios: list[float] = []
+    for row in rows:
+        cells = [str(row.get("case", "")), _cell(row.get("epicute")), *(_cell(row.get(n)) for n in names)]
+        if first:
+            r = ratio(row, first)
+            cells.append(f"{r:.2f}×" if r is not None else "–")
+            if r is not None:
+                ratios.append(r)
+        lines.append("| " + " | ".join(cells) + " |")
+    if first:
+        g = geomean(ratios)
+        cells = ["geomean", *[""] * (len(header) - 2), f"{g:.2f}×" if g is not None else "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_all(results_dir: Path) -> str:
+    files = sorted(results_dir.glob("*.json"))
+    if not files:
+        return f"_No benchmark results in {results_dir.name}/ yet._"
+    return "\n\n".join(render(json.loads(f.read_text())) for f in files)
+
+
+def replace_block(path: Path, body: str) -> bool:
+    """Put `body` between the markers in `path`; False (file untouched) when a marker is missing."""
+    text = path.read_text()
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start:
+        return False
+    path.write_text(text[: start + len(START)] + "\n" + body + "\n" + text[end:])
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="directory of result JSON")
+    parser.add_argument("--write", type=Path, metavar="FILE", help="update the marked block in FILE")
+    args = parser.parse_args()
+
+    body = render_all(args.results)
+    if args.write is None:
+        print(body)
+        return 0
+    if not replace_block(args.write, body):
+        print(f"{args.write}: markers {START} / {END} not found; file left unchanged", file=sys.stderr)
+        return 1
+    print(f"updated {args.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Kernels written in the CuTe DSL and the pipeline pieces they share."""

@@ -1,0 +1,178 @@
+"""The GEMM problem and the kernel configuration that solves it.
+
+A :class:`GemmProblem` is what the user asked for (sizes, dtypes, majors). A
+:class:`GemmConfig` is every compile-time choice of the kernel (tiles, cluster,
+warp roles, stages, epilogue tile, rasterization). Both are plain, hashable
+Python: the planner makes them without a GPU and the compile cache keys on the
+config, never on a problem's sizes (those stay dynamic in the kernel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from epicute.errors import ConfigError
+
+#: Element sizes of the dtypes the GEMM understands, by short name.
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+AB_DTYPES = ("bf16", "fp16")
+D_DTYPES = ("bf16", "fp16", "fp32")
+
+THREADS_PER_WARPGROUP = 128
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    """``D[l] = A[l] @ B[l]`` with A ``(L, M, K)``, B ``(L, K, N)``, D ``(L, M, N)``.
+
+    ``a_major`` is ``"k"`` when A is row-major (K contiguous) and ``"m"`` when it
+    is column-major; ``b_major`` is ``"n"`` when B is row-major and ``"k"`` when it
+    is column-major (i.e. ``w.t()`` of a row-major ``w``). D is always row-major.
+    """
+
+    m: int
+    n: int
+    k: int
+    l: int = 1
+    ab_dtype: str = "bf16"
+    d_dtype: str = "bf16"
+    a_major: str = "k"
+    b_major: str = "n"
+
+    def __post_init__(self) -> None:
+        if self.ab_dtype not in AB_DTYPES:
+            raise ConfigError(f"ab_dtype={self.ab_dtype!r}: supported are {AB_DTYPES}")
+        if self.d_dtype not in D_DTYPES:
+            raise ConfigError(f"d_dtype={self.d_dtype!r}: supported are {D_DTYPES}")
+        if self.a_major not in ("k", "m"):
+            raise ConfigError(f"a_major={self.a_major!r}: must be 'k' (row-major) or 'm'")
+        if self.b_major not in ("k", "n"):
+            raise ConfigError(f"b_major={self.b_major!r}: must be 'n' (row-major) or 'k'")
+        for name in ("m", "n", "k", "l"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k * self.l
+
+    @property
+    def min_bytes(self) -> int:
+        """Each input read once and the output written once."""
+        ab = DTYPE_BYTES[self.ab_dtype] * (self.m * self.k + self.k * self.n)
+        return self.l * (ab + DTYPE_BYTES[self.d_dtype] * self.m * self.n)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Every compile-time choice of the warp-specialized SM90 GEMM kernel.
+
+    Warp roles: warpgroup 0 is the producer (its first warp issues the TMA loads
+    of A and B); warpgroups ``1..num_mma_warpgroups`` are consumers that run
+    WGMMA and then the epilogue. ``cooperative`` means the consumer warpgroups
+    split one ``tile_m x tile_n`` tile along M (each owns ``tile_m / 2`` rows).
+    """
+
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    cluster_m: int = 1
+    cluster_n: int = 1
+    schedule: str = "cooperative"
+    persistent: bool = True
+    ab_stages: int = 4
+    epi_tile: tuple[int, int] = (128, 32)
+    num_epi_stages: int = 4
+    #: Non-persistent only: D's staging buffers alias the A ring after the mainloop.
+    epi_reuses_ab_smem: bool = False
+    raster_along_m: bool = True
+    #: Tiles are visited in groups of this many clusters along the raster's minor
+    #: axis, so concurrently running CTAs share A/B panels in L2.
+    swizzle: int = 8
+    producer_regs: int = 40
+    consumer_regs: int = 232
+    #: Why the planner chose this; printed by ``explain``.
+    reasons: tuple[str, ...] = field(default=(), compare=False, hash=False)
+
+    @property
+    def num_mma_warpgroups(self) -> int:
+        return 2 if self.schedule == "cooperative" else 1
+
+    @property
+    def num_threads(self) -> int:
+        return (1 + self.num_mma_warpgroups) * THREADS_PER_WARPGROUP
+
+    @property
+    def num_mma_threads(self) -> int:
+        return self.num_mma_warpgroups * THREADS_PER_WARPGROUP
+
+    @property
+    def cluster_size(self) -> int:
+        return self.cluster_m * self.cluster_n
+
+    @property
+    def num_epi_subtiles(self) -> int:
+        return (self.tile_m // self.epi_tile[0]) * (self.tile_n // self.epi_tile[1])
+
+    def key(self) -> tuple:
+        """What changes the generated code (``reasons`` does not)."""
+        return (
+            self.tile_m, self.tile_n, self.tile_k, self.cluster_m, self.cluster_n,
+            self.schedule, self.persistent, self.ab_stages, self.epi_tile,
+            self.num_epi_stages, self.epi_reuses_ab_smem, self.raster_along_m,
+            self.swizzle, self.producer_regs, self.consumer_regs,
+        )  # fmt: skip
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` for a configuration the kernel cannot run."""
+        if self.schedule != "cooperative":
+            raise ConfigError(
+                f"schedule={self.schedule!r}: only 'cooperative' is implemented; "
+                "ping-pong comes with the speed-of-light work"
+            )
+        if self.tile_m != 128:
+            raise ConfigError(
+                f"tile_m={self.tile_m}: the cooperative schedule splits a 128-row tile "
+                "between its two consumer warpgroups (64 rows each); use tile_m=128"
+            )
+        if self.tile_n not in (64, 128, 256):
+            raise ConfigError(f"tile_n={self.tile_n}: must be 64, 128 or 256 (WGMMA N)")
+        if self.tile_k != 64:
+            raise ConfigError(f"tile_k={self.tile_k}: must be 64 (one 128-byte swizzle row)")
+        for name in ("cluster_m", "cluster_n"):
+            if getattr(self, name) not in (1, 2):
+                raise ConfigError(f"{name}={getattr(self, name)}: must be 1 or 2")
+        if self.cluster_size > 2:
+            raise ConfigError("cluster 2x2 is not supported; use 1x1, 2x1 or 1x2")
+        if self.ab_stages < 2:
+            raise ConfigError(f"ab_stages={self.ab_stages}: need at least 2 to overlap TMA and MMA")
+        if self.num_epi_stages < 1:
+            raise ConfigError(f"num_epi_stages={self.num_epi_stages}: need at least 1")
+        epi_m, epi_n = self.epi_tile
+        if epi_m != self.tile_m:
+            raise ConfigError(
+                f"epi_tile={self.epi_tile}: its M must equal tile_m={self.tile_m} "
+                "(each consumer warpgroup stores its own rows of every subtile)"
+            )
+        if epi_n % 16 or self.tile_n % epi_n:
+            raise ConfigError(
+                f"epi_tile={self.epi_tile}: its N must be a multiple of 16 (one stmatrix "
+                f"atom) that divides tile_n={self.tile_n}"
+            )
+        if self.epi_reuses_ab_smem and self.persistent:
+            raise ConfigError(
+                "epi_reuses_ab_smem=True needs persistent=False: a persistent CTA's "
+                "next mainloop refills the A/B ring while this tile's epilogue runs"
+            )
+        for name in ("producer_regs", "consumer_regs"):
+            regs = getattr(self, name)
+            if not 24 <= regs <= 256 or regs % 8:
+                raise ConfigError(f"{name}={regs}: register budgets must be multiples of 8 in [24, 256] (setmaxnreg)")
+        used = THREADS_PER_WARPGROUP * (self.producer_regs + self.num_mma_warpgroups * self.consumer_regs)
+        if used > 65536:
+            raise ConfigError(
+                f"producer_regs={self.producer_regs} and consumer_regs={self.consumer_regs} need {used} registers; "
+                "an SM has 65536"
+            )
+        if self.swizzle < 1:
+            raise ConfigError(f"swizzle={self.swizzle}: must be >= 1")

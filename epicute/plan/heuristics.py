@@ -1,0 +1,177 @@
+"""Choosing a GEMM configuration for a problem: the planner's decisions, with reasons.
+
+Pure Python: it runs without a GPU and is unit-tested on CPU. Each decision
+appends a one-line reason to the config, which ``explain`` prints.
+
+The choices, in order:
+
+1. **tile_n** from {256, 128, 64}: the largest that does not waste most of a tile
+   on a narrow N; between 256 and 128 the one with the smaller estimated time
+   (wave quantization x per-tile efficiency, see :mod:`epicute.plan.roofline`).
+2. **cluster**: 2x1 (B multicast to two M-neighbours, halving its L2->SM
+   traffic) when there are at least two M tiles and more than one wave of
+   tiles; otherwise 1x1, because an idle cluster peer costs an SM.
+3. **persistent or not**: persistent when there is more than one wave of tiles
+   (the epilogue of tile i then overlaps the mainloop of tile i+1, so D needs
+   its own staging buffers); a single wave gains nothing from persistence, so
+   its epilogue stages D in the idle A ring and the smem goes to A/B stages.
+4. **stages**: as many A/B stages as the budget allows after the epilogue's
+   minimum (2 D buffers), then leftover shared memory deepens the D buffers.
+5. **rasterization**: bands of 8 clusters across the longer output dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from epicute.errors import ConfigError
+from epicute.plan.config import GemmConfig, GemmProblem
+from epicute.plan.hardware import H100_SXM, Hardware
+from epicute.plan.roofline import estimate_seconds
+from epicute.plan.smem import ab_stage_bytes, epi_fits_in_a_ring, epi_stage_bytes, smem_total
+
+MAX_AB_STAGES = 8
+MAX_EPI_STAGES = 4
+MIN_EPI_STAGES = 2
+EPI_TILE_N = 32
+_PLANNED_FIELDS = {
+    "tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "persistent", "epi_tile",
+    "epi_reuses_ab_smem", "raster_along_m", "swizzle", "ab_stages", "num_epi_stages",
+}  # fmt: skip
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _num_tiles(problem: GemmProblem, tile_m: int, tile_n: int) -> int:
+    return _ceil_div(problem.m, tile_m) * _ceil_div(problem.n, tile_n) * problem.l
+
+
+def choose_tile_n(problem: GemmProblem, hw: Hardware) -> tuple[int, str]:
+    if problem.n <= 64:
+        return 64, f"N={problem.n} fits one 64-wide tile"
+    if problem.n <= 128:
+        return 128, f"N={problem.n} fits one 128-wide tile"
+    t256 = estimate_seconds(problem, hw, 128, 256)
+    t128 = estimate_seconds(problem, hw, 128, 128)
+    if t256 <= t128:
+        return 256, f"128x256 tiles estimated {t256 * 1e6:.0f} us vs {t128 * 1e6:.0f} us for 128x128"
+    return 128, f"128x128 tiles estimated {t128 * 1e6:.0f} us vs {t256 * 1e6:.0f} us for 128x256 (wave quantization)"
+
+
+def fit_stages(cfg: GemmConfig, problem: GemmProblem, budget: int) -> GemmConfig:
+    """Largest A/B ring, then deepest D staging, that fit in ``budget`` bytes."""
+    ab, d = problem.ab_dtype, problem.d_dtype
+    best = None
+    for ab_stages in range(MAX_AB_STAGES, 1, -1):
+        trial = replace(cfg, ab_stages=ab_stages, num_epi_stages=MIN_EPI_STAGES)
+        if trial.epi_reuses_ab_smem and not epi_fits_in_a_ring(trial, ab, d):
+            continue
+        if smem_total(trial, ab, d) <= budget:
+            best = trial
+            break
+    if best is None:
+        raise ConfigError(
+            f"tile {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} does not fit 2 A/B stages in "
+            f"{budget} bytes of shared memory; use a smaller tile"
+        )
+    for epi_stages in range(MAX_EPI_STAGES, MIN_EPI_STAGES, -1):
+        trial = replace(best, num_epi_stages=epi_stages)
+        if trial.epi_reuses_ab_smem and not epi_fits_in_a_ring(trial, ab, d):
+            continue
+        if smem_total(trial, ab, d) <= budget:
+            return trial
+    return best
+
+
+def choose_config(problem: GemmProblem, hw: Hardware = H100_SXM, **overrides) -> GemmConfig:
+    """The planner's configuration for ``problem``; keyword overrides pin any field.
+
+    Overridden fields are kept as given (and validated); the planner still fits
+    whatever the caller left open (e.g. stages) around them.
+    """
+    unknown = set(overrides) - set(GemmConfig.__dataclass_fields__) - {"reasons"}
+    if unknown:
+        raise ConfigError(f"unknown config field(s) {sorted(unknown)}; known: {sorted(GemmConfig.__dataclass_fields__)}")
+    reasons: list[str] = []
+    tile_n = overrides.get("tile_n")
+    if tile_n is None:
+        tile_n, why = choose_tile_n(problem, hw)
+        reasons.append(f"tile 128x{tile_n}x64: {why}")
+    else:
+        reasons.append(f"tile 128x{tile_n}x64: requested")
+    tile_m = overrides.get("tile_m", 128)
+    tiles = _num_tiles(problem, tile_m, tile_n)
+    tiles_m = _ceil_div(problem.m, tile_m)
+
+    if "cluster_m" in overrides or "cluster_n" in overrides:
+        cluster = (overrides.get("cluster_m", 1), overrides.get("cluster_n", 1))
+        reasons.append(f"cluster {cluster[0]}x{cluster[1]}: requested")
+    elif tiles_m >= 2 and tiles > hw.num_sms:
+        cluster = (2, 1)
+        reasons.append("cluster 2x1: B tiles multicast to 2 CTAs, halving B's L2->SM traffic")
+    else:
+        cluster = (1, 1)
+        reasons.append(f"cluster 1x1: {tiles} tile(s) fill at most one wave; a cluster peer would idle an SM")
+
+    max_clusters = hw.num_sms // (cluster[0] * cluster[1])
+    if "persistent" in overrides:
+        persistent = overrides["persistent"]
+        reasons.append(f"{'persistent' if persistent else 'one tile per CTA'}: requested")
+    elif _ceil_div(tiles, cluster[0] * cluster[1]) > max_clusters:
+        persistent = True
+        reasons.append(
+            f"persistent grid of {max_clusters * cluster[0] * cluster[1]} CTAs over {tiles} tiles: "
+            "tile i's epilogue overlaps tile i+1's mainloop, so D gets its own smem"
+        )
+    else:
+        persistent = False
+        reasons.append(f"one tile per CTA ({tiles} tiles <= {hw.num_sms} SMs): D staging reuses the idle A ring")
+
+    raster_along_m = overrides.get("raster_along_m", problem.m >= problem.n)
+    cfg = GemmConfig(
+        tile_m=tile_m,
+        tile_n=tile_n,
+        tile_k=overrides.get("tile_k", 64),
+        cluster_m=cluster[0],
+        cluster_n=cluster[1],
+        persistent=persistent,
+        epi_tile=overrides.get("epi_tile", (tile_m, min(EPI_TILE_N, tile_n))),
+        epi_reuses_ab_smem=overrides.get("epi_reuses_ab_smem", not persistent),
+        raster_along_m=raster_along_m,
+        swizzle=overrides.get("swizzle", 8),
+    )
+    if "ab_stages" in overrides or "num_epi_stages" in overrides:
+        cfg = replace(
+            cfg,
+            ab_stages=overrides.get("ab_stages", cfg.ab_stages),
+            num_epi_stages=overrides.get("num_epi_stages", cfg.num_epi_stages),
+        )
+        reasons.append("stages: requested")
+    else:
+        cfg = fit_stages(cfg, problem, hw.smem_per_cta_bytes)
+        reasons.append(
+            f"{cfg.ab_stages} A/B stages of {ab_stage_bytes(cfg, problem.ab_dtype)} B and "
+            f"{cfg.num_epi_stages} D buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B fill the "
+            f"{hw.smem_per_cta_bytes} B budget"
+        )
+    reasons.append(
+        f"raster: bands of {cfg.swizzle} clusters along {'N, swept down M' if raster_along_m else 'M, swept across N'}"
+    )
+    # Fields the planner has no opinion on (register budgets, schedule) pass through.
+    passthrough = {k: v for k, v in overrides.items() if k not in _PLANNED_FIELDS}
+    cfg = replace(cfg, **passthrough, reasons=tuple(reasons))
+    cfg.validate()
+    if cfg.epi_reuses_ab_smem and not epi_fits_in_a_ring(cfg, problem.ab_dtype, problem.d_dtype):
+        raise ConfigError(
+            f"{cfg.num_epi_stages} D staging buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B do not fit in "
+            f"the A ring they would reuse ({cfg.ab_stages} stages); raise ab_stages or lower num_epi_stages"
+        )
+    total = smem_total(cfg, problem.ab_dtype, problem.d_dtype)
+    if total > hw.smem_per_cta_bytes:
+        raise ConfigError(
+            f"configuration needs {total} B of shared memory, over the {hw.smem_per_cta_bytes} B "
+            "per CTA; lower ab_stages or num_epi_stages"
+        )
+    return cfg

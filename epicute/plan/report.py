@@ -1,0 +1,82 @@
+"""Rendering a plan as the text ``epicute.explain`` and ``epicute explain`` print.
+
+Plain text on purpose: it reads the same in a terminal, a log file and a test.
+"""
+
+from __future__ import annotations
+
+from epicute.plan.config import THREADS_PER_WARPGROUP
+from epicute.plan.plan import GemmPlan
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f} KiB"
+
+
+def render_plan(plan: GemmPlan) -> str:
+    p, c, hw = plan.problem, plan.config, plan.hardware
+    a_desc = "row-major (K contiguous)" if p.a_major == "k" else "column-major (M contiguous)"
+    b_desc = "row-major (N contiguous)" if p.b_major == "n" else "column-major (K contiguous)"
+    lines = [
+        f"epicute GEMM plan: D[{p.l}x{p.m}x{p.n}] = A[{p.l}x{p.m}x{p.k}] @ B[{p.l}x{p.k}x{p.n}]",
+        f"  A {p.ab_dtype} {a_desc}; B {p.ab_dtype} {b_desc}; D {p.d_dtype} row-major; accumulate fp32",
+        f"  target {hw.arch} on {hw.name}" + ("" if hw.detected else " (no GPU detected: planning for an H100)"),
+        "",
+        "tiles",
+        f"  CTA tile        {c.tile_m} x {c.tile_n} x {c.tile_k}   ({plan.num_tiles} output tiles)",
+        f"  cluster         {c.cluster_m} x {c.cluster_n}"
+        + (f"   (TMA multicast: A to {c.cluster_n}, B to {c.cluster_m} CTAs)" if c.cluster_size > 1 else ""),
+        f"  schedule        {c.schedule}, {'persistent' if c.persistent else 'one tile per CTA'}",
+        f"  grid            {plan.grid}  x {c.num_threads} threads, cluster {(c.cluster_m, c.cluster_n, 1)}",
+        f"  rasterization   bands of {c.swizzle} clusters, {'along N swept down M' if c.raster_along_m else 'along M swept across N'}",
+        f"  epilogue tile   {c.epi_tile[0]} x {c.epi_tile[1]}  ({c.num_epi_subtiles} subtiles per tile, row-major order)",
+        "",
+        "warp roles",
+        f"  warpgroup 0     producer: warp 0 issues TMA loads of A and B   setmaxnreg {c.producer_regs}",
+    ]
+    for wg in range(c.num_mma_warpgroups):
+        rows = c.tile_m // c.num_mma_warpgroups
+        lines.append(
+            f"  warpgroup {wg + 1}     consumer: WGMMA on rows {wg * rows}-{(wg + 1) * rows - 1}, then epilogue"
+            f"   setmaxnreg {c.consumer_regs}"
+        )
+    regs = THREADS_PER_WARPGROUP * (c.producer_regs + c.num_mma_warpgroups * c.consumer_regs)
+    lines += [
+        f"  registers       {regs} of 65536 per SM",
+        "",
+        "pipelines",
+        f"  A/B load ring   PipelineTmaAsync, {c.ab_stages} stages, full+empty mbarriers, "
+        f"{(c.tile_m + c.tile_n) * c.tile_k * 2} B per stage",
+        f"  D store         PipelineTmaStore, {c.num_epi_stages} buffers, one elected thread "
+        f"commits and waits until <= {c.num_epi_stages - 1} stores are in flight",
+        f"  epilogue sync   named barrier 1 over the {c.num_mma_threads} MMA threads, "
+        "fence.proxy.async.shared::cta before each store",
+        "",
+        "shared memory",
+    ]
+    width = max(len(item.name) for item in plan.smem)
+    for item in plan.smem:
+        lines.append(f"  {item.name:<{width}}  {item.bytes:>7} B  {item.what}")
+    total = plan.smem_bytes
+    lines.append(
+        f"  {'total':<{width}}  {total:>7} B  {_kib(total)} of {_kib(hw.smem_per_cta_bytes)} ({total / hw.smem_per_cta_bytes:.0%})"
+    )
+    if c.epi_reuses_ab_smem:
+        lines.append("  D staging aliases the A ring: with one tile per CTA the ring is idle once the mainloop ends")
+    else:
+        lines.append("  D staging has its own buffers: the next tile's mainloop refills the A/B ring during this epilogue")
+    r = plan.roofline
+    lines += [
+        "",
+        "roofline",
+        f"  work            {r.flops / 1e9:.2f} GFLOP, {r.min_bytes / 1e6:.2f} MB moved at least "
+        f"(intensity {r.intensity:.0f} FLOP/B)",
+        f"  compute bound   {r.compute_s * 1e6:.1f} us at {hw.peak_tflops_16bit:.0f} TFLOP/s",
+        f"  memory bound    {r.memory_s * 1e6:.1f} us at {hw.hbm_tb_per_s:.2f} TB/s",
+        f"  predicted       {r.predicted_s * 1e6:.1f} us ({r.bound}-bound, {r.waves:.2f} waves)"
+        + (f" = {r.flops / r.predicted_s / 1e12:.0f} TFLOP/s" if r.predicted_s else ""),
+        "",
+        "why",
+    ]
+    lines += [f"  - {reason}" for reason in c.reasons]
+    return "\n".join(lines)

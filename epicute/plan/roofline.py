@@ -1,0 +1,63 @@
+"""A small performance model: roofline bounds plus wave quantization.
+
+Used by the planner to compare tile shapes and by ``explain`` to predict time.
+The sustained-efficiency factors are what a warp-specialized WGMMA mainloop of
+each tile width reaches on an H100 (the wider the tile, the fewer shared-memory
+bytes per FLOP); they rank candidates, they do not promise a number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epicute.plan.config import GemmProblem
+from epicute.plan.hardware import Hardware
+
+#: Fraction of the tensor-core peak a mainloop sustains, by tile N (tile M is 128).
+MAINLOOP_EFFICIENCY = {256: 0.82, 128: 0.74, 64: 0.55}
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    flops: int
+    min_bytes: int
+    compute_s: float
+    memory_s: float
+    #: compute time with wave quantization and tile efficiency, or memory time
+    predicted_s: float
+    waves: float
+    bound: str
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / max(self.min_bytes, 1)
+
+
+def estimate_seconds(problem: GemmProblem, hw: Hardware, tile_m: int, tile_n: int) -> float:
+    return roofline(problem, hw, tile_m, tile_n).predicted_s
+
+
+def roofline(problem: GemmProblem, hw: Hardware, tile_m: int, tile_n: int, tile_k: int = 64) -> Roofline:
+    flops = problem.flops
+    compute_s = flops / (hw.peak_tflops_16bit * 1e12)
+    memory_s = problem.min_bytes / (hw.hbm_tb_per_s * 1e12)
+    tiles = _ceil_div(problem.m, tile_m) * _ceil_div(problem.n, tile_n) * problem.l
+    waves = _ceil_div(tiles, hw.num_sms) if tiles else 0
+    k_padded = _ceil_div(problem.k, tile_k) * tile_k
+    per_sm_flops = hw.peak_tflops_16bit * 1e12 / hw.num_sms * MAINLOOP_EFFICIENCY.get(tile_n, 0.5)
+    tile_s = 2 * tile_m * tile_n * k_padded / per_sm_flops
+    quantized_s = waves * tile_s
+    predicted = max(quantized_s, memory_s)
+    return Roofline(
+        flops=flops,
+        min_bytes=problem.min_bytes,
+        compute_s=compute_s,
+        memory_s=memory_s,
+        predicted_s=predicted,
+        waves=tiles / hw.num_sms if tiles else 0.0,
+        bound="compute" if quantized_s >= memory_s else "memory",
+    )

@@ -1,0 +1,1 @@
+"""Runtime: argument validation, compiling and caching kernels, launching them."""

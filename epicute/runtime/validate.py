@@ -1,0 +1,187 @@
+"""Checking GEMM arguments before anything is compiled or launched.
+
+Every rule here exists because breaking it would otherwise crash, hang or
+silently corrupt a kernel: TMA needs 16-byte-aligned base addresses and
+row strides, WGMMA supports a fixed set of dtypes, and an output that aliases
+an input would be read while it is being written. Each error names the argument
+and the fix. Nothing is ever copied behind the user's back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epicute.errors import AlignmentError, DeviceError, DtypeError, OutputError, ShapeError
+from epicute.plan.config import GemmProblem
+
+TORCH_TO_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+NAME_TO_TORCH = {v: k for k, v in TORCH_TO_NAME.items()}
+AB_TORCH_DTYPES = (torch.bfloat16, torch.float16)
+D_TORCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TMA_ALIGN_BYTES = 16
+
+
+@dataclass
+class GemmCall:
+    """Validated operands, viewed as 3-D ``(L, ., .)`` tensors, and the problem."""
+
+    problem: GemmProblem
+    a: torch.Tensor
+    b: torch.Tensor
+    out: torch.Tensor | None
+    out_dtype: torch.dtype
+    batched: bool
+
+
+def _as_3d(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dim() == 2:
+        return t.unsqueeze(0)
+    if t.dim() == 3:
+        return t
+    raise ShapeError(f"{name} has {t.dim()} dimensions {tuple(t.shape)}; expected 2 (M, K) or 3 (L, M, K)")
+
+
+def _major(t: torch.Tensor, name: str, row_major: str, col_major: str) -> str:
+    """Which of the last two dims is contiguous; the other stride stays free."""
+    if t.stride(-1) == 1 or t.size(-1) == 1:
+        return row_major
+    if t.stride(-2) == 1 or t.size(-2) == 1:
+        return col_major
+    raise AlignmentError(
+        f"{name} has strides {tuple(t.stride())}: neither of its last two dimensions is contiguous, "
+        f"which TMA needs; pass {name}.contiguous()"
+    )
+
+
+def _check_tma_strides(t: torch.Tensor, name: str, contiguous_dim: int, dims: str) -> torch.Tensor:
+    """Every stride but the unit one must be a multiple of 16 bytes.
+
+    A size-1 batch dimension's stride is never used, so it is normalized
+    instead of rejected.
+    """
+    elem = t.element_size()
+    if t.data_ptr() % TMA_ALIGN_BYTES:
+        raise AlignmentError(
+            f"{name}.data_ptr() is {t.data_ptr() % TMA_ALIGN_BYTES} bytes past a 16-byte boundary "
+            f"(a view with an element offset?); TMA needs 16-byte-aligned bases: pass {name}.clone()"
+        )
+    step = TMA_ALIGN_BYTES // elem
+    # A size-1 dimension's stride is never stepped along, but TMA still encodes
+    # it: give it an aligned value instead of rejecting the tensor.
+    strides = [
+        -(-max(st, 1) // step) * step if size == 1 and d != contiguous_dim and (st % step or st == 0) else st
+        for d, (size, st) in enumerate(zip(t.shape, t.stride()))
+    ]
+    if strides != list(t.stride()):
+        t = t.as_strided(t.shape, strides)
+    for d in range(3):
+        if d == contiguous_dim:
+            continue
+        if t.stride(d) % step:
+            extent = t.size(contiguous_dim)
+            hint = (
+                f"its contiguous dimension {dims[contiguous_dim]}={extent} is not a multiple of {step}: "
+                f"pad it to {-(-extent // step) * step}"
+                if d != 0 and t.stride(d) == extent
+                else f"make every stride but the contiguous one a multiple of {step} elements"
+            )
+            raise AlignmentError(
+                f"{name} stride {t.stride(d)} (dim {d}) is not a multiple of 16 bytes, which TMA needs; {hint}"
+            )
+    return t
+
+
+def _overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
+        return False
+    x0 = x.data_ptr()
+    x1 = x0 + sum((s - 1) * st for s, st in zip(x.shape, x.stride())) * x.element_size() + x.element_size()
+    y0 = y.data_ptr()
+    y1 = y0 + sum((s - 1) * st for s, st in zip(y.shape, y.stride())) * y.element_size() + y.element_size()
+    return x0 < y1 and y0 < x1
+
+
+def check_gemm_args(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    require_cuda: bool = True,
+) -> GemmCall:
+    """Validate ``a @ b`` (optionally into ``out``) and describe it as a :class:`GemmProblem`."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise DtypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if require_cuda:
+        for name, t in (("a", a), ("b", b)):
+            if t.device.type != "cuda":
+                raise DeviceError(f"{name} is on {t.device}; epicute kernels run on a CUDA device: pass {name}.cuda()")
+        if a.device != b.device:
+            raise DeviceError(f"a is on {a.device} but b is on {b.device}; move both to one GPU")
+        major, minor = torch.cuda.get_device_capability(a.device)
+        if (major, minor) != (9, 0):
+            raise DeviceError(
+                f"{torch.cuda.get_device_name(a.device)} is sm_{major}{minor}; epicute's kernels need a Hopper GPU (sm_90)"
+            )
+    if a.dtype not in AB_TORCH_DTYPES:
+        raise DtypeError(f"a has dtype {a.dtype}; supported are torch.bfloat16 and torch.float16")
+    if b.dtype != a.dtype:
+        raise DtypeError(f"b has dtype {b.dtype} but a has {a.dtype}; cast one so that they match")
+    if a.dim() != b.dim():
+        raise ShapeError(f"a is {a.dim()}-D {tuple(a.shape)} but b is {b.dim()}-D {tuple(b.shape)}; use the same rank")
+    batched = a.dim() == 3
+    a3, b3 = _as_3d(a, "a"), _as_3d(b, "b")
+    if a3.size(0) != b3.size(0):
+        raise ShapeError(f"batch sizes differ: a has L={a3.size(0)}, b has L={b3.size(0)}")
+    if a3.size(2) != b3.size(1):
+        raise ShapeError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a's K={a3.size(2)} != b's K={b3.size(1)}")
+    l, m, k = a3.shape
+    n = b3.size(2)
+
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise OutputError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise OutputError(f"out has dtype {out.dtype} but out_dtype={out_dtype}; drop one or make them agree")
+        out_dtype = out.dtype
+    out_dtype = out_dtype or a.dtype
+    if out_dtype not in D_TORCH_DTYPES:
+        raise DtypeError(f"out_dtype={out_dtype}; supported are torch.bfloat16, torch.float16 and torch.float32")
+
+    a_major = _major(a3, "a", "k", "m")
+    b_major = _major(b3, "b", "n", "k")
+    out3 = None
+    if out is not None:
+        expected = (l, m, n) if batched else (m, n)
+        if tuple(out.shape) != expected:
+            raise OutputError(f"out has shape {tuple(out.shape)}; a @ b has shape {expected}")
+        if out.device != a.device:
+            raise OutputError(f"out is on {out.device} but the operands are on {a.device}")
+        for name, t in (("a", a), ("b", b)):
+            if _overlaps(out, t):
+                raise OutputError(f"out shares memory with {name}; the kernel would read {name} while writing out")
+        out3 = _as_3d(out, "out")
+        if m * n and out3.stride(-1) != 1 and n > 1:
+            raise OutputError(f"out has strides {tuple(out.stride())}; it must be row-major (last stride 1)")
+
+    problem = GemmProblem(
+        m=m, n=n, k=k, l=l,
+        ab_dtype=TORCH_TO_NAME[a.dtype], d_dtype=TORCH_TO_NAME[out_dtype],
+        a_major=a_major, b_major=b_major,
+    )  # fmt: skip
+    if m and n and k:
+        a3 = _check_tma_strides(a3, "a", 2 if a_major == "k" else 1, "LMK")
+        b3 = _check_tma_strides(b3, "b", 2 if b_major == "n" else 1, "LKN")
+        if out3 is not None:
+            out3 = _check_tma_strides(out3, "out", 2, "LMN")
+        else:
+            d_step = TMA_ALIGN_BYTES // torch.empty((), dtype=out_dtype).element_size()
+            if n % d_step:
+                raise AlignmentError(
+                    f"N={n} is not a multiple of {d_step}: the {out_dtype} output's rows would not be "
+                    f"16-byte aligned for TMA; pad N to {-(-n // d_step) * d_step}"
+                )
+    return GemmCall(problem, a3, b3, out3, out_dtype, batched)

@@ -1,0 +1,152 @@
+"""The planner's choices: every plan fits and validates, and each decision follows its rule."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from epicute import ConfigError
+from epicute.plan import H100_SXM, GemmProblem, current_hardware, plan_gemm
+from epicute.plan.heuristics import MAX_AB_STAGES, MIN_EPI_STAGES, choose_config
+from epicute.plan.smem import smem_total
+
+BUDGET = H100_SXM.smem_per_cta_bytes
+BIG = GemmProblem(8192, 8192, 8192)
+TINY = GemmProblem(1, 8, 8)
+PROBLEMS = {
+    "8192^3": BIG,
+    "4096^3": GemmProblem(4096, 4096, 4096),
+    "1x8x8": TINY,
+    "1000x4104x1000": GemmProblem(1000, 4104, 1000),
+    "256x4096x4096": GemmProblem(256, 4096, 4096),
+    "batched-L3": GemmProblem(1024, 1024, 1024, l=3),
+    "N64-fp32-out": GemmProblem(4096, 64, 4096, d_dtype="fp32"),
+    "colmajor-fp16": GemmProblem(2048, 2048, 2048, ab_dtype="fp16", a_major="m", b_major="k"),
+}
+
+
+@pytest.fixture(params=list(PROBLEMS), ids=list(PROBLEMS))
+def problem(request):
+    return PROBLEMS[request.param]
+
+
+def test_plan_fits_validates_and_explains(problem):
+    cfg = choose_config(problem, H100_SXM)
+    cfg.validate()
+    assert smem_total(cfg, problem.ab_dtype, problem.d_dtype) <= BUDGET
+    assert len(cfg.reasons) >= 5
+    assert all(isinstance(reason, str) and reason for reason in cfg.reasons)
+
+
+def test_ab_stages_are_maximal(problem):
+    cfg = choose_config(problem, H100_SXM)
+    if cfg.ab_stages < MAX_AB_STAGES:
+        deeper = replace(cfg, ab_stages=cfg.ab_stages + 1, num_epi_stages=MIN_EPI_STAGES)
+        assert smem_total(deeper, problem.ab_dtype, problem.d_dtype) > BUDGET
+
+
+@pytest.mark.parametrize("name", ["8192^3", "4096^3"])
+def test_big_problems_get_persistent_2x1_clusters_of_wide_tiles(name):
+    cfg = choose_config(PROBLEMS[name], H100_SXM)
+    assert (cfg.tile_n, cfg.cluster_m, cfg.cluster_n) == (256, 2, 1)
+    assert cfg.persistent and not cfg.epi_reuses_ab_smem
+    assert any(reason.startswith("persistent grid of 132 CTAs") for reason in cfg.reasons)
+
+
+@pytest.mark.parametrize("name", ["1x8x8", "256x4096x4096", "batched-L3"])
+def test_single_wave_problems_reuse_the_a_ring(name):
+    cfg = choose_config(PROBLEMS[name], H100_SXM)
+    assert not cfg.persistent and cfg.epi_reuses_ab_smem
+    assert (cfg.cluster_m, cfg.cluster_n) == (1, 1)
+
+
+def test_tiny_problem_gets_narrow_tile_and_deepest_ring():
+    cfg = choose_config(TINY, H100_SXM)
+    assert cfg.tile_n == 64
+    assert cfg.epi_tile == (128, 32)
+    assert cfg.ab_stages == MAX_AB_STAGES
+    assert cfg.reasons[0] == "tile 128x64x64: N=8 fits one 64-wide tile"
+
+
+@pytest.mark.parametrize(("n", "tile_n"), [(1, 64), (64, 64), (65, 128), (128, 128)])
+def test_narrow_n_picks_the_smallest_covering_tile(n, tile_n):
+    assert choose_config(GemmProblem(4096, n, 4096), H100_SXM).tile_n == tile_n
+
+
+def test_wave_quantization_prefers_128_wide_tiles():
+    # 128x256 tiles: 8 x 17 = 136 tiles, just over one wave of 132 SMs.
+    cfg = choose_config(PROBLEMS["1000x4104x1000"], H100_SXM)
+    assert cfg.tile_n == 128
+    assert "wave quantization" in cfg.reasons[0]
+
+
+def test_batch_counts_towards_waves():
+    # One 1024^3 GEMM is 32 tiles of 128x256; 8 of them are 256 tiles, two waves.
+    cfg = choose_config(GemmProblem(1024, 1024, 1024, l=8), H100_SXM)
+    assert cfg.persistent and (cfg.cluster_m, cfg.cluster_n) == (2, 1)
+
+
+def test_override_tile_n():
+    cfg = choose_config(BIG, H100_SXM, tile_n=128)
+    assert cfg.tile_n == 128
+    assert cfg.reasons[0] == "tile 128x128x64: requested"
+    assert smem_total(cfg, "bf16", "bf16") <= BUDGET
+
+
+def test_override_persistent_false_reuses_the_a_ring():
+    cfg = choose_config(BIG, H100_SXM, persistent=False)
+    assert not cfg.persistent and cfg.epi_reuses_ab_smem
+    assert "one tile per CTA: requested" in cfg.reasons
+
+
+def test_override_stages():
+    cfg = choose_config(BIG, H100_SXM, ab_stages=3)
+    assert cfg.ab_stages == 3
+    assert "stages: requested" in cfg.reasons
+
+
+def test_register_overrides_pass_through():
+    cfg = choose_config(BIG, H100_SXM, producer_regs=48, consumer_regs=224)
+    assert (cfg.producer_regs, cfg.consumer_regs) == (48, 224)
+    assert cfg.tile_n == choose_config(BIG, H100_SXM).tile_n
+
+
+def test_unknown_override_is_rejected():
+    with pytest.raises(ConfigError, match=r"unknown config field\(s\) \['tile_x'\]"):
+        choose_config(BIG, H100_SXM, tile_x=128)
+
+
+def test_override_that_cannot_fit_names_shared_memory():
+    with pytest.raises(ConfigError, match=r"needs \d+ B of shared memory, over the 232448 B"):
+        choose_config(BIG, H100_SXM, tile_n=256, ab_stages=8)
+
+
+def test_invalid_override_is_rejected_by_validate():
+    with pytest.raises(ConfigError, match=r"tile_n=96"):
+        choose_config(BIG, H100_SXM, tile_n=96)
+
+
+def test_plan_gemm_uses_given_hardware():
+    small = replace(H100_SXM, num_sms=66)
+    plan = plan_gemm(BIG, small)
+    assert plan.hardware is small
+    assert plan.grid == (2, 1, 33)
+
+
+def test_current_hardware_without_gpu_is_h100(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    current_hardware.cache_clear()
+    try:
+        hw = current_hardware()
+    finally:
+        current_hardware.cache_clear()
+    assert hw == H100_SXM
+    assert (hw.num_sms, hw.smem_per_cta_bytes, hw.arch, hw.detected) == (132, 227 * 1024, "sm_90a", False)
+
+
+def test_reused_d_staging_must_fit_in_the_a_ring():
+    # fp32 D: 4 x 128x32x4 B = 64 KiB would alias a 2-stage A ring of 32 KiB.
+    with pytest.raises(ConfigError, match="do not fit in the A ring"):
+        choose_config(GemmProblem(1, 8, 8, d_dtype="fp32"), H100_SXM, ab_stages=2)
