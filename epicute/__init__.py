@@ -3,9 +3,15 @@
 Public surface: :func:`gemm`, :func:`explain`, and the :class:`EpicuteError`
 hierarchy. Planning lives in :mod:`epicute.plan`, CuTe-DSL kernels in
 :mod:`epicute.kernels`, validation/compile/launch in :mod:`epicute.runtime`.
+Fused epilogues: the :func:`epilogue` decorator, :mod:`ops`, ready ones in ``epilogues``
+and the operand pins, all from :mod:`epicute.epilogue`.
 """
 
 from epicute.api import explain, gemm
+from epicute.epilogue import library as epilogues
+from epicute.epilogue import ops
+from epicute.epilogue.operands import ColVector, RowVector, Scalar, Tile
+from epicute.epilogue.tracer import epilogue
 from epicute.errors import (
     AlignmentError,
     CompileError,
@@ -13,6 +19,7 @@ from epicute.errors import (
     DeviceError,
     DtypeError,
     EpicuteError,
+    EpilogueError,
     OutputError,
     ShapeError,
 )
@@ -23,3 +30,4 @@ __all__ = [
     "gemm", "explain", "EpicuteError", "AlignmentError", "CompileError", "ConfigError",
     "DeviceError", "DtypeError", "OutputError", "ShapeError", "__version__",
 ]  # fmt: skip
+__all__ += ["epilogue", "ops", "epilogues", "RowVector", "ColVector", "Scalar", "Tile", "EpilogueError"]

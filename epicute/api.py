@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import Any, Callable, TextIO
 
 import torch
 
+from epicute.epilogue.reference import reference_gemm
+from epicute.epilogue.tracer import as_epilogue
+from epicute.errors import ConfigError, DeviceError, EpilogueError
 from epicute.plan import GemmPlan, render_plan
 from epicute.runtime.launch import cached_plan, launch_gemm
 from epicute.runtime.validate import check_gemm_args
@@ -20,32 +23,93 @@ def gemm(
     a: torch.Tensor,
     b: torch.Tensor,
     *,
+    epilogue: Callable | None = None,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    out_dtypes: dict[str, torch.dtype] | None = None,
+    backend: str = "kernel",
     config: dict | None = None,
-) -> torch.Tensor:
-    """``a @ b`` on a Hopper GPU with epicute's warp-specialized TMA/WGMMA kernel.
+    **operands: Any,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """``a @ b`` on a Hopper GPU, optionally with a fused epilogue.
 
     Args:
         a: ``(M, K)`` or batched ``(L, M, K)``, bf16 or fp16, row- or column-major.
         b: ``(K, N)`` or ``(L, K, N)``, same dtype as ``a``, row- or column-major
             (``w.t()`` of a row-major ``(N, K)`` weight works without a copy).
+        epilogue: a function ``f(acc, *operands) -> {"D": ...}`` (see
+            :func:`epicute.epilogue`); its operands are passed by name as keyword
+            arguments (scalars, row/column vectors or full tiles).
         out: optional preallocated row-major output ``(M, N)`` / ``(L, M, N)``.
         out_dtype: bf16, fp16 or fp32; defaults to ``out.dtype`` or ``a.dtype``.
+        out_dtypes: dtypes of the epilogue's outputs by name (``"D"`` included).
+        backend: ``"kernel"`` (the GPU) or ``"reference"`` (float32 on the CPU,
+            any device: the oracle every GPU test compares against).
         config: optional :class:`epicute.plan.GemmConfig` fields to pin
             (e.g. ``{"tile_n": 128}``); the planner chooses the rest.
 
     Returns:
-        The product, accumulated in fp32 and rounded once to ``out_dtype``.
+        D, accumulated in fp32 and rounded once to its dtype; a dict of all
+        outputs when the epilogue returns more than ``"D"``.
 
     Example:
         >>> import torch, epicute                                  # doctest: +SKIP
         >>> a = torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16)
         >>> w = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16)
         >>> y = epicute.gemm(a, w.t())                              # (1000, 14336)
+        >>> z = epicute.gemm(a, w.t(), epilogue=lambda acc, bias: epicute.ops.relu(acc + bias),
+        ...                  bias=torch.randn(14336, device="cuda", dtype=torch.bfloat16))
     """
-    call = check_gemm_args(a, b, out, out_dtype)
-    return launch_gemm(call, cached_plan(call.problem, _overrides(config)))
+    if backend not in ("kernel", "reference"):
+        raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
+    if epilogue is None and (operands or out_dtypes):
+        raise EpilogueError(f"operands {sorted(operands) or list(out_dtypes)} were given without an epilogue")
+    if out_dtypes and "D" in out_dtypes:
+        out_dtype = out_dtype or out_dtypes["D"]
+    call = check_gemm_args(a, b, out, out_dtype, require_cuda=backend == "kernel")
+    if epilogue is None:
+        if backend == "reference":
+            return _deliver(call, {"D": _reference_matmul(call)})
+        return launch_gemm(call, cached_plan(call.problem, _overrides(config)))
+
+    p = call.problem
+    epi = as_epilogue(epilogue)
+    specs = epi.operands(operands, p.m, p.n, p.l)
+    dtypes = {"D": call.out_dtype, **(out_dtypes or {})}
+    if backend == "reference":
+        results = reference_gemm(call.a, call.b, epi, operands, dtypes)
+        return _deliver(call, results)
+    graph = epi.trace(
+        {k: s.kind for k, s in specs.items()}, {k: s.dtype for k, s in specs.items()}, dtypes, d_dtype=call.out_dtype
+    )
+    from epicute.kernels.epilogue_emit import EpilogueFusion  # imports the CuTe DSL: only when launching
+
+    fusion = EpilogueFusion(graph, tuple((s.name, s.kind, s.dtype) for s in specs.values()))
+    tensors = []
+    for s in specs.values():
+        if s.kind == "scalar":
+            continue
+        if s.value.device != call.a.device:
+            raise DeviceError(f"operand {s.name!r} is on {s.value.device}; move it to {call.a.device}")
+        tensors.append(s.value)
+    scalars = tuple(float(s.value) for s in specs.values() if s.kind == "scalar")
+    plan = cached_plan(p, _overrides(config))
+    return launch_gemm(call, plan, fusion, tuple(tensors), scalars)
+
+
+def _reference_matmul(call) -> torch.Tensor:
+    return torch.matmul(call.a.cpu().float(), call.b.cpu().float()).to(call.out_dtype)
+
+
+def _deliver(call, results: dict[str, torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Reference results in the caller's rank, D copied into ``out`` when given."""
+    if not call.batched:
+        results = {k: v[0] if v.dim() == 3 else v for k, v in results.items()}
+    if call.out is not None:
+        target = call.out if call.batched else call.out[0]
+        target.copy_(results["D"].reshape(target.shape))
+        results["D"] = target if call.batched else call.out[0]
+    return results["D"] if set(results) == {"D"} else results
 
 
 def explain(

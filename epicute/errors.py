@@ -36,6 +36,10 @@ class ConfigError(EpicuteError, ValueError):
     """A kernel configuration (tile, cluster, stages, epilogue tile) is invalid."""
 
 
+class EpilogueError(EpicuteError, ValueError):
+    """An epilogue function cannot be traced, or its operands do not fit it."""
+
+
 class CompileError(EpicuteError, RuntimeError):
     """The CuTe DSL failed to compile a kernel that the planner accepted."""
 
@@ -48,5 +52,6 @@ __all__ = [
     "AlignmentError",
     "OutputError",
     "ConfigError",
+    "EpilogueError",
     "CompileError",
 ]

@@ -32,6 +32,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
 from cutlass.utils import LayoutEnum
 
+from epicute.kernels.epilogue_emit import EpilogueFusion
 from epicute.kernels.pipeline import TmaStoreEpilogue, make_tma_load_pipeline, stage_of
 from epicute.kernels.tile_scheduler import TileScheduler
 from epicute.plan.config import THREADS_PER_WARPGROUP, GemmConfig
@@ -58,8 +59,10 @@ class GemmSm90:
         a_major: str,
         b_major: str,
         max_active_clusters: int,
+        fusion: EpilogueFusion | None = None,
     ):
         cfg.validate()
+        self.fusion = fusion
         self.cfg = cfg
         self.ab_dtype = CUTLASS_DTYPES[ab_dtype]
         self.d_dtype = CUTLASS_DTYPES[d_dtype]
@@ -81,11 +84,22 @@ class GemmSm90:
 
     # ------------------------------------------------------------------ host
     @cute.jit
-    def __call__(self, mA_lmk: cute.Tensor, mB_lkn: cute.Tensor, mD_lmn: cute.Tensor, stream):
+    def __call__(
+        self,
+        mA_lmk: cute.Tensor,
+        mB_lkn: cute.Tensor,
+        mD_lmn: cute.Tensor,
+        epi_tensors: tuple,
+        epi_scalars: tuple,
+        stream,
+    ):
+        """``epi_tensors``/``epi_scalars``: the fused epilogue's operands (see epilogue_emit)."""
         cfg = self.cfg
         mA = _rotate(mA_lmk, [1, 2, 0])  # (M, K, L)
         mB = _rotate(mB_lkn, [2, 1, 0])  # (N, K, L)
         mD = _rotate(mD_lmn, [1, 2, 0])  # (M, N, L)
+        # Operands arrive batch-first like A/B/D; the kernel indexes them batch-last.
+        epi_tensors = tuple(_rotate(t, [1, 0] if cute.rank(t) == 2 else [1, 2, 0]) for t in epi_tensors)
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
@@ -133,7 +147,7 @@ class GemmSm90:
         self.kernel(
             tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_d, tma_mD,
             a_smem_staged, b_smem_staged, d_smem_staged,
-            clusters_m, clusters_n, num_batches,
+            clusters_m, clusters_n, num_batches, epi_tensors, epi_scalars,
         ).launch(
             grid=(cfg.cluster_m, cfg.cluster_n, launched),
             block=[cfg.num_threads, 1, 1],
@@ -177,6 +191,8 @@ class GemmSm90:
         clusters_m: Int32,
         clusters_n: Int32,
         num_batches: Int32,
+        epi_tensors: tuple,
+        epi_scalars: tuple,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -303,6 +319,14 @@ class GemmSm90:
             n_subtiles_n = cfg.tile_n // cfg.epi_tile[1]
             # Subtiles are visited row-major: (tile_m/epi_m, tile_n/epi_n).
             epi_tile_layout = cute.make_layout((cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
+            if cutlass.const_expr(self.fusion is not None):
+                # Global (m, n, l) of every accumulator element, in tRS_rAcc's order.
+                extent_mn = (cute.size(mD, mode=[0]), cute.size(mD, mode=[1]))
+                gcD = cute.local_tile(
+                    cute.make_identity_tensor(mD.shape),
+                    cute.slice_(self.tile_shape_mnk, (None, None, 0)),
+                    (None, None, None),
+                )
 
             scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.ab_stages)
@@ -329,13 +353,16 @@ class GemmSm90:
                         release_state.advance()
                     read_state.advance()
                 cute.nvgpu.warpgroup.wait_group(0)
-                ab_pipeline.consumer_release(release_state)
-                release_state.advance()
+                if k_tiles > 0:  # K == 0: nothing was read, acc stays zero for the epilogue
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
 
                 # ---- epilogue
                 if cutlass.const_expr(cfg.epi_reuses_ab_smem):
                     # The other warpgroup may still be reading the A ring.
                     store.sync()
+                if cutlass.const_expr(self.fusion is not None):
+                    tRS_cD = tiled_copy_r2s.retile(thr_mma.partition_C(gcD[(None, None, tm, tn, tl)]))
                 gD_subtiles = cute.zipped_divide(gD[(None, None, tm, tn, tl)], cfg.epi_tile)
                 bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
                     tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_subtiles
@@ -343,6 +370,10 @@ class GemmSm90:
                 for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
                     for v in cutlass.range_constexpr(subtile_size):
                         tRS_rD[v] = tRS_rAcc[epi_idx * subtile_size + v]
+                    if cutlass.const_expr(self.fusion is not None):
+                        for v in cutlass.range_constexpr(subtile_size):
+                            m, n, l = tRS_cD[epi_idx * subtile_size + v]
+                            tRS_rD[v] = self.fusion.apply(tRS_rD[v], m, n, l, extent_mn, epi_tensors, epi_scalars)
                     tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
                     buf = stage_of(tiles_done * cfg.num_epi_subtiles + epi_idx, cfg.num_epi_stages)
                     cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])

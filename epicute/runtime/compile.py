@@ -11,8 +11,8 @@ tensors directly and launch on torch's current stream.
 
 from __future__ import annotations
 
-import os
 import threading
+import warnings
 import time
 from dataclasses import dataclass
 
@@ -20,11 +20,6 @@ from epicute.errors import CompileError
 from epicute.plan.config import DTYPE_BYTES, GemmConfig
 
 TARGET_ARCH = "sm_90a"
-
-
-def _ensure_target_arch() -> None:
-    # Without a GPU the DSL cannot query the arch; tell it what we build for.
-    os.environ.setdefault("CUTE_DSL_ARCH", TARGET_ARCH)
 
 
 @dataclass(frozen=True)
@@ -38,11 +33,14 @@ class GemmVariant:
     b_major: str
     max_active_clusters: int
     arch: str = TARGET_ARCH
+    #: the fused epilogue (an ``epicute.kernels.epilogue_emit.EpilogueFusion``), if any
+    fusion: object = None
 
     def key(self) -> tuple:
         return (
             "gemm", self.config.key(), self.ab_dtype, self.d_dtype, self.a_major,
             self.b_major, self.max_active_clusters, self.arch,
+            None if self.fusion is None else self.fusion.key(),
         )  # fmt: skip
 
 
@@ -59,15 +57,37 @@ def _fake_operand(dtype, dims: tuple, contiguous: int):
     return cute.runtime.make_fake_tensor(dtype, dims, stride=stride, assumed_align=16)
 
 
+def _fake_epilogue_operands(fusion) -> tuple[tuple, tuple]:
+    """Fake operand tensors (batch-first, fully dynamic strides: they are read
+    element by element, so any layout works) and fp32 scalar placeholders."""
+    from epicute.kernels.epilogue_emit import DSL_DTYPES  # first: sets the target arch
+
+    import cutlass
+    import cutlass.cute as cute
+
+    if fusion is None:
+        return (), ()
+    rank = {"row": 2, "col": 2, "tile": 3}
+    tensors = tuple(
+        cute.runtime.make_fake_tensor(
+            DSL_DTYPES[dtype],
+            tuple(cute.sym_int() for _ in range(rank[kind])),
+            stride=tuple(cute.sym_int64() for _ in range(rank[kind])),
+            assumed_align=DSL_DTYPES[dtype].width // 8,
+        )
+        for _, kind, dtype in fusion.tensor_operands
+    )
+    return tensors, tuple(cutlass.Float32(0.0) for _ in fusion.scalar_operands)
+
+
 def compile_gemm(variant: GemmVariant):
     """Compile one GEMM variant for ``variant.arch``; returns the callable ``f(a, b, d)``.
 
     ``a`` is ``(L, M, K)``, ``b`` ``(L, K, N)``, ``d`` ``(L, M, N)`` torch tensors.
     """
-    _ensure_target_arch()
-    import cutlass.cute as cute
+    from epicute.kernels.gemm_sm90 import CUTLASS_DTYPES, GemmSm90  # first: sets the target arch
 
-    from epicute.kernels.gemm_sm90 import CUTLASS_DTYPES, GemmSm90
+    import cutlass.cute as cute
 
     ab = CUTLASS_DTYPES[variant.ab_dtype]
     d = CUTLASS_DTYPES[variant.d_dtype]
@@ -76,12 +96,19 @@ def compile_gemm(variant: GemmVariant):
     fake_b = _fake_operand(ab, (l, k, n), contiguous=2 if variant.b_major == "n" else 1)
     fake_d = _fake_operand(d, (l, m, n), contiguous=2)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
     kernel = GemmSm90(
         variant.config, variant.ab_dtype, variant.d_dtype, variant.a_major, variant.b_major,
-        variant.max_active_clusters,
+        variant.max_active_clusters, variant.fusion,
     )  # fmt: skip
     try:
-        return cute.compile(kernel, fake_a, fake_b, fake_d, stream, options="--enable-tvm-ffi")
+        with warnings.catch_warnings():
+            # Empty operand tuples (no fused epilogue) become compile-time constants,
+            # which is what we want; the DSL warns about it on every compile.
+            warnings.filterwarnings("ignore", message=r"Argument epi_(tensors|scalars) .*cannot be converted")
+            return cute.compile(
+                kernel, fake_a, fake_b, fake_d, epi_tensors, epi_scalars, stream, options="--enable-tvm-ffi"
+            )
     except Exception as exc:  # the DSL raises many types; report one
         raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
 

@@ -21,23 +21,28 @@ def cached_plan(problem: GemmProblem, overrides: tuple = ()) -> GemmPlan:
     return plan_gemm(problem, **dict(overrides))
 
 
-def variant_of(plan: GemmPlan) -> GemmVariant:
+def variant_of(plan: GemmPlan, fusion=None) -> GemmVariant:
     p = plan.problem
-    return GemmVariant(plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.max_active_clusters)
+    return GemmVariant(
+        plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.max_active_clusters, fusion=fusion
+    )
 
 
-def launch_gemm(call: GemmCall, plan: GemmPlan) -> torch.Tensor:
-    """Run ``call`` with ``plan``; returns the output in the caller's rank."""
+def launch_gemm(
+    call: GemmCall, plan: GemmPlan, fusion=None, epi_tensors: tuple = (), epi_scalars: tuple = ()
+) -> torch.Tensor:
+    """Run ``call`` with ``plan`` (and the fused epilogue, if any); returns D in the caller's rank."""
     p = call.problem
     out3 = call.out
     if out3 is None:
         out3 = torch.empty((p.l, p.m, p.n), dtype=call.out_dtype, device=call.a.device)
     if p.m and p.n:
-        if p.k == 0:
+        if p.k == 0 and fusion is None:
             out3.zero_()
         else:
-            kernel = GEMM_CACHE.get(variant_of(plan))
-            kernel(call.a, call.b, out3)
+            # K = 0 with an epilogue still runs the kernel: no k-tiles, acc stays zero.
+            kernel = GEMM_CACHE.get(variant_of(plan, fusion))
+            kernel(call.a, call.b, out3, epi_tensors, epi_scalars)
     if call.out is not None:
         return call.out if call.out.dim() == 3 or not call.batched else out3
     return out3 if call.batched else out3[0]

@@ -1,0 +1,100 @@
+"""The epilogue graph IR: what a traced epilogue function *is*.
+
+A :class:`Graph` is a list of :class:`Node` in topological order (every node's
+arguments come before it). It is the single representation that the CPU
+reference interpreter evaluates, the scheduler turns into a chain of per-subtile
+stages, and the kernel emits as register code. It is plain, immutable Python:
+printable, hashable, and free of torch or CuTe objects.
+
+Node ``kind`` says how a value is laid over the output tile:
+
+- ``"tile"``: one value per (m, n) element (the accumulator, full-tile operands);
+- ``"row"``: one value per column n, broadcast along M (shape ``(N,)``/``(L, N)``);
+- ``"col"``: one value per row m, broadcast along N (shape ``(M,)``/``(L, M)``);
+- ``"scalar"``: one value for the whole problem.
+
+An elementwise op's result kind is the "widest" of its arguments' kinds
+(scalar < row/col < tile; row with col gives tile). Reductions turn a tile
+into ``"col"`` (row_*: one value per row), ``"row"`` (col_*: one per column) or
+``"scalar"`` (amax).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = ("scalar", "row", "col", "tile")
+
+#: Elementwise ops: name -> arity.
+ELEMENTWISE = {
+    "add": 2, "sub": 2, "mul": 2, "div": 2, "neg": 1, "abs": 1,
+    "minimum": 2, "maximum": 2, "fma": 3,
+    "exp": 1, "exp2": 1, "log": 1, "sqrt": 1, "rsqrt": 1, "tanh": 1, "sigmoid": 1,
+    "relu": 1, "gelu_erf": 1, "gelu_tanh": 1, "silu": 1, "softplus": 1,
+    "clamp": 1,          # attrs: lo, hi (either may be None)
+    "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2, "ne": 2,   # comparisons give 0/1 masks
+    "where": 3,          # where(cond, a, b)
+    "cast": 1,           # attrs: dtype; rounds to dtype (values stay fp32 in registers)
+    "quantize": 2,       # quantize(x, scale): saturating cast of x * scale; attrs: dtype
+}  # fmt: skip
+
+#: Reductions over a tile: name -> (result kind, combine).
+REDUCTIONS = {
+    "row_sum": ("col", "sum"), "row_max": ("col", "max"), "row_amax": ("col", "amax"),
+    "col_sum": ("row", "sum"), "col_max": ("row", "max"), "col_amax": ("row", "amax"),
+    "amax": ("scalar", "amax"),
+}  # fmt: skip
+
+#: What a reduction's output holds before any element is combined into it (also the
+#: result over an empty extent): the host initializes reduction outputs with this.
+REDUCTION_IDENTITY = {"sum": 0.0, "max": float("-inf"), "amax": 0.0}
+
+#: Leaves: the accumulator, a named operand, a compile-time constant.
+LEAVES = ("acc", "input", "const")
+
+
+@dataclass(frozen=True)
+class Node:
+    id: int
+    op: str
+    args: tuple[int, ...] = ()
+    kind: str = "tile"
+    dtype: str = "fp32"
+    #: Sorted (key, value) pairs: ``name`` for inputs, ``value`` for consts,
+    #: ``dtype`` for casts/quantize, ``lo``/``hi`` for clamp.
+    attrs: tuple[tuple[str, Any], ...] = ()
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        return dict(self.attrs).get(key, default)
+
+    def __str__(self) -> str:
+        args = ", ".join(f"%{a}" for a in self.args)
+        attrs = ", ".join(f"{k}={v!r}" for k, v in self.attrs)
+        inner = ", ".join(x for x in (args, attrs) if x)
+        return f"%{self.id} = {self.op}({inner}) : {self.kind} {self.dtype}"
+
+
+@dataclass(frozen=True)
+class Graph:
+    nodes: tuple[Node, ...]
+    #: operand name -> node id of its ``input`` node, in parameter order
+    inputs: tuple[tuple[str, int], ...]
+    #: output name -> node id; ``"D"`` is the main output
+    outputs: tuple[tuple[str, int], ...]
+    #: dtype of each output as stored (D and aux tiles; reductions are fp32)
+    output_dtypes: tuple[tuple[str, str], ...] = field(default=())
+
+    def node(self, node_id: int) -> Node:
+        return self.nodes[node_id]
+
+    def input_node(self, name: str) -> Node:
+        return self.nodes[dict(self.inputs)[name]]
+
+    def output_node(self, name: str) -> Node:
+        return self.nodes[dict(self.outputs)[name]]
+
+    def __str__(self) -> str:
+        lines = [str(n) for n in self.nodes]
+        lines += [f"output {name} = %{nid}" for name, nid in self.outputs]
+        return "\n".join(lines)

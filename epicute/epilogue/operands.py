@@ -1,0 +1,198 @@
+"""Operands of an epilogue: what kind each passed value is, and its canonical view.
+
+An operand's kind is read off what the user passes, given the GEMM's M, N, L:
+a Python number or 1-element tensor is a ``"scalar"``; ``(N,)``/``(L, N)`` a
+``"row"`` vector; ``(M,)``/``(L, M)``/``(M, 1)``/``(L, M, 1)`` a ``"col"`` vector;
+``(M, N)``/``(L, M, N)`` a ``"tile"``. When a shape fits two kinds that mean
+different math (a 1-D vector when M == N, say) the user pins the kind with
+:class:`RowVector`, :class:`ColVector`, :class:`Scalar` or :class:`Tile`,
+either at the call or as the parameter's annotation in the epilogue.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from epicute.epilogue.dtypes import TORCH_TO_IR
+from epicute.errors import EpilogueError
+
+
+@dataclass(frozen=True, eq=False)
+class Pin:
+    """A value whose operand kind is fixed by the user instead of inferred from its shape."""
+
+    value: Any
+    kind: ClassVar[str]
+
+
+class Scalar(Pin):
+    """One value for the whole problem: a Python number or a 1-element tensor."""
+
+    kind = "scalar"
+
+
+class RowVector(Pin):
+    """One value per column n, broadcast along M: shape ``(N,)`` or ``(L, N)``."""
+
+    kind = "row"
+
+
+class ColVector(Pin):
+    """One value per row m, broadcast along N: shape ``(M,)``, ``(L, M)``, ``(M, 1)`` or ``(L, M, 1)``."""
+
+    kind = "col"
+
+
+class Tile(Pin):
+    """One value per (m, n): shape ``(M, N)`` or ``(L, M, N)``."""
+
+    kind = "tile"
+
+
+PINS: dict[str, type[Pin]] = {cls.kind: cls for cls in (Scalar, RowVector, ColVector, Tile)}
+
+
+@dataclass(frozen=True, eq=False)
+class OperandSpec:
+    """An operand resolved against a problem.
+
+    ``value`` is a Python float for a scalar, else a view (never a copy) of the
+    tensor in canonical shape: row ``(L, N)``, col ``(L, M)``, tile ``(L, M, N)``;
+    a missing L is broadcast with a zero stride. ``dtype`` is the IR dtype the
+    kernel loads (``"fp32"`` for scalars).
+    """
+
+    name: str
+    kind: str
+    dtype: str
+    value: float | torch.Tensor
+
+
+#: Accepted tensor shapes per kind, as the problem dimension each axis runs over.
+_FORMS = (
+    ("row", ("n",)), ("row", ("l", "n")),
+    ("col", ("m",)), ("col", ("l", "m")), ("col", ("m", "1")), ("col", ("l", "m", "1")),
+    ("tile", ("m", "n")), ("tile", ("l", "m", "n")),
+)  # fmt: skip
+_CANONICAL = {"row": ("l", "n"), "col": ("l", "m"), "tile": ("l", "m", "n")}
+_MEANING = {
+    "scalar": "a scalar",
+    "row": "a row vector (one value per column n, broadcast along M)",
+    "col": "a column vector (one value per row m, broadcast along N)",
+    "tile": "a tile (one value per (m, n))",
+}
+
+
+def _describe_forms(kind: str, sizes: dict[str, int]) -> str:
+    if kind == "scalar":
+        return "a Python number or a 1-element tensor"
+    shapes = []
+    for form in (f for k, f in _FORMS if k == kind):
+        symbolic = ", ".join(d.upper() for d in form) + ("," if len(form) == 1 else "")
+        shapes.append(f"({symbolic}) = {tuple(sizes[d] for d in form)}")
+    return " or ".join(shapes)
+
+
+def _scalar(name: str, value: Any) -> OperandSpec:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    return OperandSpec(name, "scalar", "fp32", float(value))
+
+
+def operand_spec(name: str, value: Any, m: int, n: int, l: int = 1, declared: str | None = None) -> OperandSpec:
+    """Resolve one operand against an ``L x M x N`` problem.
+
+    ``declared`` is the kind the epilogue's annotation fixes, if any; a pin
+    passed by the user must agree with it.
+    """
+    kind = declared
+    if isinstance(value, Pin):
+        if declared is not None and value.kind != declared:
+            raise EpilogueError(
+                f"operand {name!r} is declared {PINS[declared].__name__} by the epilogue, but was passed as "
+                f"{type(value).__name__}"
+            )
+        kind, value = value.kind, value.value
+    is_tensor = isinstance(value, torch.Tensor)
+    if not is_tensor and not isinstance(value, numbers.Real):
+        raise EpilogueError(f"operand {name!r}: expected a torch tensor or a Python number, got {type(value).__name__}")
+    sizes = {"l": l, "m": m, "n": n, "1": 1}
+    if kind == "scalar" or (kind is None and (not is_tensor or value.numel() == 1)):
+        if is_tensor and value.numel() != 1:
+            raise EpilogueError(
+                f"operand {name!r} has shape {tuple(value.shape)}, but a scalar must be {_describe_forms('scalar', sizes)}"
+            )
+        return _scalar(name, value)
+    if not is_tensor:
+        raise EpilogueError(f"operand {name!r} is a number, but it is pinned to {_MEANING[kind]}: pass a tensor")
+    if value.dtype not in TORCH_TO_IR:
+        raise EpilogueError(
+            f"operand {name!r} has dtype {value.dtype}; use bf16, fp16, fp32 or fp8 (e.g. {name}.float())"
+        )
+
+    shape = tuple(value.shape)
+    matches = [
+        (k, form) for k, form in _FORMS
+        if (kind is None or k == kind) and len(form) == len(shape) and all(sizes[d] == s for d, s in zip(form, shape))
+    ]  # fmt: skip
+    if not matches:
+        kinds = [kind] if kind is not None else list(_MEANING)
+        accepted = "; ".join(f"{_describe_forms(k, sizes)} for {_MEANING[k]}" for k in kinds)
+        raise EpilogueError(f"operand {name!r} has shape {shape}; with M={m}, N={n}, L={l} it must be {accepted}")
+
+    # Two readings mean the same math when the same problem axes index its non-unit
+    # dimensions (e.g. (1, N) as a row or as an M == 1 tile); keep the narrowest kind.
+    readings: dict[tuple[str, ...], str] = {}
+    for k, form in matches:
+        readings.setdefault(tuple(d for d, s in zip(form, shape) if s != 1), k)
+    if len(readings) > 1:
+        kinds = list(readings.values())
+        fits = " and ".join(_MEANING[k] for k in kinds)
+        pins = " or ".join(f"epicute.{PINS[k].__name__}({name})" for k in kinds)
+        raise EpilogueError(
+            f"operand {name!r} with shape {shape} is ambiguous for M={m}, N={n}, L={l}: it fits {fits}; "
+            f"say which by wrapping it: {pins}"
+        )
+    ((axes, kind),) = readings.items()
+    return OperandSpec(name, kind, TORCH_TO_IR[value.dtype], _canonical(value, axes, kind, sizes))
+
+
+def _canonical(t: torch.Tensor, axes: tuple[str, ...], kind: str, sizes: dict[str, int]) -> torch.Tensor:
+    """View ``t``, whose non-unit dimensions run over ``axes``, in ``kind``'s canonical shape."""
+    view = t.reshape([s for s in t.shape if s != 1])  # dropping unit dims is always a view
+    for i, d in enumerate(_CANONICAL[kind]):
+        if d not in axes:
+            view = view.unsqueeze(i)
+    return view.expand(*(sizes[d] for d in _CANONICAL[kind]))
+
+
+def resolve_operands(
+    params: Sequence[str],
+    values: Mapping[str, Any],
+    m: int,
+    n: int,
+    l: int = 1,
+    *,
+    declared: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    epilogue: str = "epilogue",
+) -> dict[str, OperandSpec]:
+    """Resolve every operand of an epilogue taking ``params`` (in order) from ``values``.
+
+    ``declared`` maps parameters to kinds fixed by their annotations, ``defaults``
+    to the parameters' default values (used when not passed).
+    """
+    declared, defaults = declared or {}, defaults or {}
+    missing = [p for p in params if p not in values and p not in defaults]
+    extra = [k for k in values if k not in params]
+    if missing or extra:
+        problems = [f"missing {', '.join(map(repr, missing))}"] if missing else []
+        problems += [f"unexpected {', '.join(map(repr, extra))}"] if extra else []
+        takes = ", ".join(params) or "no operands"
+        raise EpilogueError(f"epilogue {epilogue!r} takes {takes} (after acc): {'; '.join(problems)}")
+    return {p: operand_spec(p, values[p] if p in values else defaults[p], m, n, l, declared.get(p)) for p in params}

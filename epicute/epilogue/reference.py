@@ -1,0 +1,184 @@
+"""The CPU reference: what an epilogue graph computes, spelled out in torch.
+
+This interpreter defines the semantics the kernel must reproduce, and is what
+GPU results are checked against. Values live in ``(L, M, N)`` broadcasting
+shapes: a tile ``(L, M, N)``, a row ``(L, 1, N)``, a col ``(L, M, 1)``, a scalar
+``()``. Everything computes in ``compute_dtype`` (fp32, like the kernel's
+registers); scalars and constants are rounded to fp32 first, as the kernel
+receives them, and ``cast``/``quantize`` round to their dtype and go on in the
+compute dtype. Conversions to fp8 saturate at the format's largest finite value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from epicute.epilogue.dtypes import FP8_MAX, IR_TO_TORCH, ir_dtype
+from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, Graph, Node
+from epicute.epilogue.operands import OperandSpec
+from epicute.epilogue.tracer import Epilogue, as_epilogue
+from epicute.errors import EpilogueError, ShapeError
+
+Tensor = torch.Tensor
+
+_UNARY: dict[str, Callable[[Tensor], Tensor]] = {
+    "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log,
+    "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "relu": torch.relu, "gelu_erf": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu, "softplus": F.softplus,
+}  # fmt: skip
+_BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
+    "minimum": torch.minimum, "maximum": torch.maximum,
+}  # fmt: skip
+_COMPARE: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
+}  # fmt: skip
+
+
+def round_to(x: Tensor, dtype: str) -> Tensor:
+    """``x`` converted to the IR ``dtype`` (round to nearest even; fp8 saturates, NaN stays NaN)."""
+    if dtype in FP8_MAX:
+        x = x.clamp(-FP8_MAX[dtype], FP8_MAX[dtype])
+    return x.to(IR_TO_TORCH[dtype])
+
+
+def _fp32(value: float, compute: torch.dtype, device: torch.device) -> Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=device).to(compute)
+
+
+def _input(
+    node: Node, spec: OperandSpec, lmn: tuple[int, int, int], compute: torch.dtype, device: torch.device
+) -> Tensor:
+    name = spec.name
+    if spec.kind != node.kind:
+        raise EpilogueError(f"operand {name!r} is a {spec.kind} operand, but the graph was traced with it {node.kind}")
+    if spec.kind == "scalar":
+        return _fp32(spec.value, compute, device)
+    l, m, n = lmn
+    expected = {"row": (l, n), "col": (l, m), "tile": (l, m, n)}[spec.kind]
+    if tuple(spec.value.shape) != expected:
+        raise EpilogueError(
+            f"operand {name!r} has canonical shape {tuple(spec.value.shape)}, but the accumulator (L, M, N) = "
+            f"{lmn} needs {expected}: resolve operands against the same problem"
+        )
+    value = spec.value.to(device=device, dtype=compute)
+    return value.unsqueeze(1) if spec.kind == "row" else value.unsqueeze(2) if spec.kind == "col" else value
+
+
+def _reduce(x: Tensor, op: str, lmn: tuple[int, int, int]) -> Tensor:
+    combine = REDUCTIONS[op][1]
+    x = x.expand(*lmn).abs() if combine == "amax" else x.expand(*lmn)
+    dims = (2,) if op.startswith("row_") else (1,) if op.startswith("col_") else (0, 1, 2)
+    if x.numel() == 0:  # torch's max refuses empty extents; the identity is the answer
+        shape = [s for i, s in enumerate(x.shape) if i not in dims]
+        return x.new_full(shape, REDUCTION_IDENTITY[combine])
+    return x.sum(dim=dims) if combine == "sum" else x.amax(dim=dims)
+
+
+def _apply(node: Node, a: list[Tensor], lmn: tuple[int, int, int]) -> Tensor:
+    op = node.op
+    if op in _UNARY:
+        return _UNARY[op](a[0])
+    if op in _BINARY:
+        return _BINARY[op](a[0], a[1])
+    if op in _COMPARE:
+        return _COMPARE[op](a[0], a[1]).to(a[0].dtype)
+    if op == "fma":
+        return a[0] * a[1] + a[2]
+    if op == "clamp":
+        return torch.clamp(a[0], node.attr("lo"), node.attr("hi"))
+    if op == "where":
+        return torch.where(a[0] != 0, a[1], a[2])
+    if op == "cast":
+        return round_to(a[0], node.attr("dtype")).to(a[0].dtype)
+    if op == "quantize":
+        x = a[0] * a[1]
+        return round_to(x, node.attr("dtype")).to(x.dtype)
+    if op in REDUCTIONS:
+        return _reduce(a[0], op, lmn)
+    raise EpilogueError(f"%{node.id}: unknown op {op!r}")
+
+
+def evaluate(
+    graph: Graph,
+    acc: Tensor,
+    operands: Mapping[str, OperandSpec],
+    out_dtypes: Mapping[str, torch.dtype] | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> dict[str, Tensor]:
+    """Every output of ``graph`` for the accumulator ``acc`` ``(L, M, N)``, on ``acc``'s device.
+
+    Tile outputs come back ``(L, M, N)`` in their stored dtype (the graph's, or
+    ``out_dtypes[name]`` if given), row_* reductions ``(L, M)`` fp32, col_*
+    ``(L, N)`` fp32, ``amax`` a 0-d fp32 over all batches.
+    """
+    if acc.dim() != 3:
+        raise ShapeError(f"acc has shape {tuple(acc.shape)}; evaluate needs (L, M, N)")
+    lmn = (acc.shape[0], acc.shape[1], acc.shape[2])
+    device = acc.device
+    values: list[Tensor] = []
+    for node in graph.nodes:
+        if node.op == "acc":
+            values.append(acc.to(compute_dtype))
+        elif node.op == "input":
+            name = node.attr("name")
+            if name not in operands:
+                raise EpilogueError(f"evaluate: no operand {name!r} (have {sorted(operands)})")
+            values.append(_input(node, operands[name], lmn, compute_dtype, device))
+        elif node.op == "const":
+            values.append(_fp32(node.attr("value"), compute_dtype, device))
+        else:
+            values.append(_apply(node, [values[i] for i in node.args], lmn))
+    stored = dict(graph.output_dtypes)
+    stored.update({k: ir_dtype(v, f"out_dtypes[{k!r}]") for k, v in (out_dtypes or {}).items()})
+    results: dict[str, Tensor] = {}
+    for name, node_id in graph.outputs:
+        value = values[node_id]
+        if graph.node(node_id).op in REDUCTIONS:
+            results[name] = value.to(torch.float32)
+        else:
+            results[name] = round_to(value.expand(*lmn), stored[name])
+    return results
+
+
+def _batched(t: Tensor, name: str, dims: str) -> Tensor:
+    if t.dim() == 2:
+        return t.unsqueeze(0)
+    if t.dim() == 3:
+        return t
+    raise ShapeError(f"{name} has shape {tuple(t.shape)}; expected 2-D {dims} or batched 3-D (L, {dims[1:]}")
+
+
+def reference_gemm(
+    a: Tensor,
+    b: Tensor,
+    epilogue: Epilogue | Callable,
+    operands: Mapping[str, Any] | None = None,
+    out_dtypes: Mapping[str, torch.dtype] | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> dict[str, Tensor]:
+    """``epilogue(a @ b, **operands)`` on the CPU: what ``epicute.gemm`` with this epilogue must return.
+
+    ``a`` is ``(M, K)``/``(L, M, K)`` and ``b`` ``(K, N)``/``(L, K, N)`` on any
+    device; the product accumulates in ``compute_dtype``. D's dtype defaults to
+    ``a``'s (as in :func:`epicute.gemm`). With 2-D inputs the outputs drop L.
+    """
+    epi = as_epilogue(epilogue)
+    a3, b3 = _batched(a, "a", "(M, K)"), _batched(b, "b", "(K, N)")
+    if a.dim() != b.dim() or a3.shape[0] != b3.shape[0] or a3.shape[2] != b3.shape[1]:
+        raise ShapeError(f"a {tuple(a.shape)} and b {tuple(b.shape)} do not multiply: need (L, M, K) @ (L, K, N)")
+    l, m, n = a3.shape[0], a3.shape[1], b3.shape[2]
+    specs = epi.operands(operands or {}, m, n, l)
+    d_dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    graph = epi.trace(
+        {k: s.kind for k, s in specs.items()}, {k: s.dtype for k, s in specs.items()}, out_dtypes, d_dtype=d_dtype
+    )
+    cpu = torch.device("cpu")
+    acc = torch.matmul(a3.to(cpu, compute_dtype), b3.to(cpu, compute_dtype))
+    results = evaluate(graph, acc, specs, compute_dtype=compute_dtype)
+    return results if a.dim() == 3 else {k: v.squeeze(0) if v.dim() else v for k, v in results.items()}

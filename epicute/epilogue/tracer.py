@@ -1,0 +1,222 @@
+"""``@epicute.epilogue``: a plain Python function of the accumulator, traced into a Graph.
+
+The function's first parameter is the fp32 accumulator ``acc``; the others are
+operands, passed by name at the GEMM call. It returns ``{"D": value, ...}`` (or
+just the value of D): ``"D"`` is the main output, other keys are aux outputs (a
+tile, stored as its own tensor, or a reduction). Tracing calls the function once
+on :class:`~epicute.epilogue.proxy.Value` proxies. Scalar operands stay inputs
+of the graph, so changing ``alpha`` never recompiles; numbers written in (or
+captured by) the function become constants, so changing them does.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from epicute.epilogue.dtypes import ir_dtype
+from epicute.epilogue.graph import KINDS, REDUCTIONS, Graph, Node
+from epicute.epilogue.operands import OperandSpec, Pin, resolve_operands
+from epicute.epilogue.proxy import Recorder, Value
+from epicute.errors import EpilogueError
+
+
+def _signature(fn: Callable) -> inspect.Signature:
+    # Annotations (e.g. ``scale: ColVector``) may be strings under ``from __future__
+    # import annotations``; ones that do not evaluate are not pins, so keep them raw.
+    try:
+        return inspect.signature(fn, eval_str=True)
+    except (NameError, AttributeError, SyntaxError):
+        return inspect.signature(fn)
+
+
+class Epilogue:
+    """A traceable epilogue: ``fn``, its ``name``, and its operand ``params`` (after ``acc``).
+
+    Annotating a parameter with :class:`~epicute.epilogue.operands.RowVector`,
+    ``ColVector``, ``Scalar`` or ``Tile`` fixes that operand's kind; a parameter's
+    default value is used when the operand is not passed.
+    """
+
+    def __init__(self, fn: Callable) -> None:
+        if not callable(fn):
+            raise EpilogueError(f"an epilogue must be a function of the accumulator; got {type(fn).__name__}")
+        functools.update_wrapper(self, fn)
+        sig = _signature(fn)
+        params = list(sig.parameters.values())
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        self.fn = fn
+        self.name: str = getattr(fn, "__name__", type(fn).__name__)
+        if not params or params[0].kind not in positional:
+            raise EpilogueError(
+                f"epilogue {self.name!r}: its first parameter must be the accumulator, e.g. f(acc, ...)"
+            )
+        for p in params:
+            if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+                raise EpilogueError(
+                    f"epilogue {self.name!r}: list its operands by name instead of *{p.name}/**{p.name}"
+                )
+        operands = params[1:]
+        self.params: tuple[str, ...] = tuple(p.name for p in operands)
+        self.pins: dict[str, str] = {
+            p.name: p.annotation.kind
+            for p in operands
+            if isinstance(p.annotation, type) and issubclass(p.annotation, Pin)
+        }
+        self.defaults: dict[str, Any] = {p.name: p.default for p in operands if p.default is not p.empty}
+        self._keyword_only = frozenset(p.name for p in operands if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<epilogue {self.name}({', '.join(('acc', *self.params))})>"
+
+    def operands(self, values: Mapping[str, Any], m: int, n: int, l: int = 1) -> dict[str, OperandSpec]:
+        """Resolve the operands passed by name (``values``) against an ``L x M x N`` problem."""
+        return resolve_operands(
+            self.params, values, m, n, l, declared=self.pins, defaults=self.defaults, epilogue=self.name
+        )
+
+    def trace(
+        self,
+        operand_kinds: Mapping[str, str],
+        operand_dtypes: Mapping[str, str] | None = None,
+        out_dtypes: Mapping[str, torch.dtype | str] | None = None,
+        *,
+        d_dtype: torch.dtype | str = "fp32",
+    ) -> Graph:
+        """The graph of this epilogue for operands of these kinds and dtypes (default fp32).
+
+        A tile output is stored in ``out_dtypes[name]`` if given, else in the dtype
+        of its own final ``cast``/``quantize``, else in D's requested dtype
+        (``out_dtypes["D"]``, defaulting to ``d_dtype``). Reductions are fp32.
+        """
+        operand_dtypes = operand_dtypes or {}
+        if set(operand_kinds) != set(self.params) or not set(operand_dtypes) <= set(self.params):
+            raise EpilogueError(
+                f"epilogue {self.name!r} takes operands {self.params}; got operand_kinds for "
+                f"{tuple(operand_kinds)} and operand_dtypes for {tuple(operand_dtypes)}"
+            )
+        rec = Recorder()
+        acc = rec.add("acc")
+        inputs: dict[str, Value] = {}
+        for p in self.params:
+            kind = operand_kinds[p]
+            if kind not in KINDS:
+                raise EpilogueError(f"operand {p!r}: kind {kind!r} is not one of {KINDS}")
+            dtype = ir_dtype(operand_dtypes.get(p, "fp32"), f"operand {p!r}")
+            inputs[p] = rec.add("input", kind=kind, dtype=dtype, attrs=(("name", p),))
+        with rec.active():
+            result = self.fn(
+                acc,
+                *(inputs[p] for p in self.params if p not in self._keyword_only),
+                **{p: inputs[p] for p in self._keyword_only},
+            )
+        outputs = self._outputs(result, rec)
+        return _finish(rec, inputs, outputs, self._output_dtypes(outputs, out_dtypes or {}, d_dtype))
+
+    def _outputs(self, result: Any, rec: Recorder) -> dict[str, Node]:
+        """The returned outputs as nodes, D first, after checking what each may be."""
+        result = result if isinstance(result, dict) else {"D": result}
+        if "D" not in result:
+            raise EpilogueError(
+                f"epilogue {self.name!r} returned outputs {tuple(result)} without 'D', the main output: "
+                "return {'D': ..., <aux outputs>}"
+            )
+        outputs: dict[str, Node] = {}
+        for name in ("D", *(k for k in result if k != "D")):
+            value = result[name]
+            if not isinstance(name, str) or not name.isidentifier():
+                raise EpilogueError(f"epilogue {self.name!r}: output name {name!r} must be a Python identifier")
+            if not isinstance(value, Value) or value._rec is not rec:
+                raise EpilogueError(
+                    f"epilogue {self.name!r}: output {name!r} is {type(value).__name__}, not a value computed "
+                    "from acc and the operands in this trace"
+                )
+            node = value.node
+            if name == "D" and node.kind != "tile":
+                raise EpilogueError(
+                    f"epilogue {self.name!r}: D is a {node.kind} value; it must be a tile (one per (m, n)): "
+                    "a function of acc or of a tile operand"
+                )
+            if node.kind != "tile" and node.op not in REDUCTIONS:
+                raise EpilogueError(
+                    f"epilogue {self.name!r}: output {name!r} is a {node.kind} value; an aux output is either "
+                    "a tile (stored like D) or the result of a reduction (row_sum, col_amax, amax, ...)"
+                )
+            outputs[name] = node
+        return outputs
+
+    def _output_dtypes(
+        self, outputs: dict[str, Node], out_dtypes: Mapping[str, torch.dtype | str], d_dtype: torch.dtype | str
+    ) -> dict[str, str]:
+        unknown = set(out_dtypes) - set(outputs)
+        if unknown:
+            raise EpilogueError(
+                f"out_dtypes names {sorted(unknown)}, but epilogue {self.name!r} returns {tuple(outputs)}"
+            )
+        explicit = {k: ir_dtype(v, f"out_dtypes[{k!r}]") for k, v in out_dtypes.items()}
+        requested_d = explicit.get("D", ir_dtype(d_dtype, "D's dtype"))
+        stored: dict[str, str] = {}
+        for name, node in outputs.items():
+            if node.op in REDUCTIONS:
+                if explicit.get(name, "fp32") != "fp32":
+                    raise EpilogueError(f"out_dtypes[{name!r}]: {name} is a reduction, which is always stored fp32")
+                stored[name] = "fp32"
+            elif name in explicit:
+                stored[name] = explicit[name]
+            else:
+                stored[name] = node.dtype if node.op in ("cast", "quantize") else requested_d
+        return stored
+
+
+def _finish(rec: Recorder, inputs: dict[str, Value], outputs: dict[str, Node], dtypes: dict[str, str]) -> Graph:
+    """Drop nodes no output needs (inputs stay: they are the kernel's interface), renumber densely."""
+    live = {0, *(v.id for v in inputs.values()), *(node.id for node in outputs.values())}
+    for node in reversed(rec.nodes):
+        if node.id in live:
+            live.update(node.args)
+    new_id = {old: new for new, old in enumerate(sorted(live))}
+    nodes = tuple(
+        replace(node, id=new_id[node.id], args=tuple(new_id[a] for a in node.args))
+        for node in rec.nodes
+        if node.id in live
+    )
+    return Graph(
+        nodes=nodes,
+        inputs=tuple((name, new_id[v.id]) for name, v in inputs.items()),
+        outputs=tuple((name, new_id[node.id]) for name, node in outputs.items()),
+        output_dtypes=tuple(dtypes.items()),
+    )
+
+
+def epilogue(fn: Callable) -> Epilogue:
+    """Decorator: make ``fn(acc, *operands)`` an epilogue for ``epicute.gemm(..., epilogue=fn)``.
+
+    Example:
+        >>> import epicute
+        >>> @epicute.epilogue
+        ... def ffn_out(acc, bias, residual, alpha):
+        ...     return {"D": epicute.ops.gelu(alpha * acc + bias) + residual}
+        >>> print(ffn_out.trace({"bias": "row", "residual": "tile", "alpha": "scalar"}))
+        %0 = acc() : tile fp32
+        %1 = input(name='bias') : row fp32
+        %2 = input(name='residual') : tile fp32
+        %3 = input(name='alpha') : scalar fp32
+        %4 = mul(%3, %0) : tile fp32
+        %5 = add(%4, %1) : tile fp32
+        %6 = gelu_erf(%5) : tile fp32
+        %7 = add(%6, %2) : tile fp32
+        output D = %7
+    """
+    return fn if isinstance(fn, Epilogue) else Epilogue(fn)
+
+
+#: What a caller passing ``epilogue=`` uses: decorated or not, any function of ``acc`` is accepted.
+as_epilogue = epilogue

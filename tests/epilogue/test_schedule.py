@@ -1,0 +1,102 @@
+"""The stage chain an epilogue lowers to, and how it prints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epicute import ops
+from epicute.epilogue.schedule import Stage, schedule
+from epicute.epilogue.tracer import as_epilogue
+from epicute.errors import EpilogueError
+
+
+def full(acc, bias, residual, alpha, unused):
+    y = alpha * acc + bias
+    return {"D": ops.gelu(y) + residual, "pre": y, "rmax": ops.row_amax(y), "colsum": ops.col_sum(acc)}
+
+
+KINDS = {"bias": "row", "residual": "tile", "alpha": "scalar", "unused": "tile"}
+
+
+def traced(out_dtypes=None):
+    epi = as_epilogue(full)
+    return epi.trace(KINDS, {"bias": "bf16", "residual": "bf16"}, out_dtypes, d_dtype=torch.bfloat16)
+
+
+def test_stage_chain_for_a_tile_operand_a_vector_an_aux_output_and_reductions():
+    sched = schedule(traced({"pre": torch.float32}))
+    assert [(s.scope, s.kind) for s in sched.stages] == [
+        ("tile", "load_vectors"),
+        ("subtile", "slice_acc"),
+        ("subtile", "load_tiles"),
+        ("subtile", "compute"),
+        ("subtile", "cast"), ("subtile", "cast"),
+        ("subtile", "store_smem"), ("subtile", "store_smem"),
+        ("subtile", "fence_barrier"),
+        ("subtile", "tma_store"), ("subtile", "tma_store"),
+        ("subtile", "reduce"), ("subtile", "reduce"),
+        ("subtile", "advance"),
+        ("tile", "finalize_reductions"),
+    ]  # fmt: skip
+    assert sched.tile_operands == ("residual",) and sched.vector_operands == ("bias",)
+    assert sched.scalar_operands == ("alpha",) and sched.tile_outputs == ("D", "pre")
+    assert sched.reductions == ("rmax", "colsum")
+
+
+def test_stages_carry_their_nodes():
+    graph = traced()
+    sched = schedule(graph)
+    by_kind = {}
+    for s in sched.stages:
+        by_kind.setdefault(s.kind, []).append(s)
+    assert by_kind["load_vectors"][0].nodes == (dict(graph.inputs)["bias"],)
+    assert by_kind["load_tiles"][0].nodes == (dict(graph.inputs)["residual"],)
+    compute_ops = [graph.node(i).op for i in by_kind["compute"][0].nodes]
+    assert compute_ops == ["mul", "add", "gelu_erf", "add"]
+    assert [s.nodes for s in by_kind["cast"]] == [(dict(graph.outputs)["D"],), (dict(graph.outputs)["pre"],)]
+    assert [graph.node(s.nodes[0]).op for s in by_kind["reduce"]] == ["row_amax", "col_sum"]
+
+
+def test_printing_one_line_per_stage():
+    text = str(schedule(traced({"pre": torch.float32})))
+    lines = text.splitlines()
+    assert len(lines) == 15
+    assert (
+        lines[0] == " 0  tile     load_vectors         bias (row, bf16): global -> registers, this tile's slice, once"
+    )
+    assert lines[2].startswith(" 2  subtile  load_tiles           residual (bf16)")
+    assert "D: fp32 -> bf16 (round to nearest even)" in lines[4] and "pre: fp32 -> fp32 (no conversion)" in lines[5]
+    assert "commit the bulk group" in lines[10] and "commit" not in lines[9]
+    assert "rmax = row_amax(%6)" in lines[11] and "out-of-bounds elements excluded" in lines[11]
+    assert lines[14].endswith("rmax (L, M) by atomic max, colsum (L, N) by atomic add")
+    assert "unused" not in text
+
+
+def test_minimal_epilogue_has_only_the_fixed_links():
+    sched = schedule(as_epilogue(lambda acc: acc).trace({}))
+    assert [s.kind for s in sched.stages] == [
+        "slice_acc",
+        "cast",
+        "store_smem",
+        "fence_barrier",
+        "tma_store",
+        "advance",
+    ]
+    assert sched.tile_operands == sched.vector_operands == sched.reductions == ()
+
+
+def test_operand_specs_must_match_the_graph():
+    epi = as_epilogue(lambda acc, b: acc + b)
+    graph = epi.trace({"b": "row"}, {"b": "bf16"})
+    good = epi.operands({"b": torch.ones(8, dtype=torch.bfloat16)}, 4, 8)
+    assert schedule(graph, good).vector_operands == ("b",)
+    with pytest.raises(EpilogueError, match="'b': the graph was traced for row bf16, got row fp32"):
+        schedule(graph, epi.operands({"b": torch.ones(8)}, 4, 8))
+    with pytest.raises(EpilogueError, match="got nothing"):
+        schedule(graph, {})
+
+
+def test_stage_scope_and_str():
+    assert Stage("load_vectors", "x").scope == "tile" and Stage("compute", "y").scope == "subtile"
+    assert str(Stage("advance", "next")) == "subtile  advance              next"
