@@ -85,16 +85,20 @@ def gemm(
     from epicute.kernels.epilogue_emit import EpilogueFusion  # imports the CuTe DSL: only when launching
 
     fusion = EpilogueFusion(graph, tuple((s.name, s.kind, s.dtype) for s in specs.values()))
+    tensors, scalars = kernel_operands(specs, call.a.device)
+    return launch_gemm(call, cached_plan(p, _overrides(config)), fusion, tensors, scalars)
+
+
+def kernel_operands(specs: dict, device: torch.device) -> tuple[tuple, tuple]:
+    """The kernel's operand tuples: tensors (checked to be on ``device``) and fp32 scalars."""
     tensors = []
     for s in specs.values():
         if s.kind == "scalar":
             continue
-        if s.value.device != call.a.device:
-            raise DeviceError(f"operand {s.name!r} is on {s.value.device}; move it to {call.a.device}")
+        if s.value.device != device:
+            raise DeviceError(f"operand {s.name!r} is on {s.value.device}; move it to {device}")
         tensors.append(s.value)
-    scalars = tuple(float(s.value) for s in specs.values() if s.kind == "scalar")
-    plan = cached_plan(p, _overrides(config))
-    return launch_gemm(call, plan, fusion, tuple(tensors), scalars)
+    return tuple(tensors), tuple(float(s.value) for s in specs.values() if s.kind == "scalar")
 
 
 def _reference_matmul(call) -> torch.Tensor:
