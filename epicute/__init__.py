@@ -5,12 +5,16 @@ hierarchy. Planning lives in :mod:`epicute.plan`, CuTe-DSL kernels in
 :mod:`epicute.kernels`, validation/compile/launch in :mod:`epicute.runtime`.
 Fused epilogues: the :func:`epilogue` decorator, :mod:`ops`, ready ones in ``epilogues``
 and the operand pins, all from :mod:`epicute.epilogue`.
+Attention: :func:`attention` (FlashAttention-3 style forward) with traced
+``score_mod`` and ``epilogue`` hooks, and :func:`explain_attention`.
 """
 
 from epicute.api import explain, gemm
+from epicute.attention_api import attention, explain_attention
 from epicute.epilogue import library as epilogues
 from epicute.epilogue import ops
 from epicute.epilogue.operands import ColVector, RowVector, Scalar, Tile
+from epicute.epilogue.score_mod import score_mod
 from epicute.epilogue.tracer import epilogue
 from epicute.errors import (
     AlignmentError,
@@ -31,3 +35,4 @@ __all__ = [
     "DeviceError", "DtypeError", "OutputError", "ShapeError", "__version__",
 ]  # fmt: skip
 __all__ += ["epilogue", "ops", "epilogues", "RowVector", "ColVector", "Scalar", "Tile", "EpilogueError"]
+__all__ += ["attention", "explain_attention", "score_mod"]

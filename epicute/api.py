@@ -8,10 +8,16 @@ from typing import Any, Callable, TextIO
 import torch
 
 from epicute.epilogue.reference import reference_gemm
-from epicute.epilogue.tracer import as_epilogue
-from epicute.errors import ConfigError, DeviceError, EpilogueError
+from epicute.epilogue.dtypes import IR_TO_TORCH
+from epicute.epilogue.graph import REDUCTIONS
+from epicute.epilogue.tracer import as_epilogue, trace_for_gemm
+from epicute.errors import ConfigError, EpilogueError
+from epicute.epilogue.schedule import schedule
 from epicute.plan import GemmPlan, render_plan
+from epicute.plan.smem import NO_EPILOGUE
+from epicute.runtime.epilogue_args import aux_outputs, check_outs_names, kernel_inputs
 from epicute.runtime.launch import cached_plan, launch_gemm
+from epicute.runtime.torch_ops import gemm_op_call
 from epicute.runtime.validate import check_gemm_args
 
 
@@ -27,6 +33,7 @@ def gemm(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     out_dtypes: dict[str, torch.dtype] | None = None,
+    outs: dict[str, torch.Tensor] | None = None,
     backend: str = "kernel",
     config: dict | None = None,
     **operands: Any,
@@ -42,7 +49,9 @@ def gemm(
             arguments (scalars, row/column vectors or full tiles).
         out: optional preallocated row-major output ``(M, N)`` / ``(L, M, N)``.
         out_dtype: bf16, fp16 or fp32; defaults to ``out.dtype`` or ``a.dtype``.
-        out_dtypes: dtypes of the epilogue's outputs by name (``"D"`` included).
+        out_dtypes: dtypes of the epilogue's outputs by name (``"D"`` included);
+            fp8 outputs saturate at the format's largest finite value.
+        outs: preallocated aux tile outputs by name (D goes in ``out``).
         backend: ``"kernel"`` (the GPU) or ``"reference"`` (float32 on the CPU,
             any device: the oracle every GPU test compares against).
         config: optional :class:`epicute.plan.GemmConfig` fields to pin
@@ -50,7 +59,9 @@ def gemm(
 
     Returns:
         D, accumulated in fp32 and rounded once to its dtype; a dict of all
-        outputs when the epilogue returns more than ``"D"``.
+        outputs when the epilogue returns more than ``"D"``: aux tiles like D,
+        ``row_*`` reductions ``(M,)``/``(L, M)``, ``col_*`` ``(N,)``/``(L, N)``
+        and ``amax`` a 0-d tensor, all fp32, bitwise reproducible run to run.
 
     Example:
         >>> import torch, epicute                                  # doctest: +SKIP
@@ -60,10 +71,17 @@ def gemm(
         >>> z = epicute.gemm(a, w.t(), epilogue=lambda acc, bias: epicute.ops.relu(acc + bias),
         ...                  bias=torch.randn(14336, device="cuda", dtype=torch.bfloat16))
     """
+    if torch.compiler.is_compiling():
+        # torch.compile sees one custom op (epicute::gemm), never this Python code.
+        return gemm_op_call(
+            a, b, epilogue=epilogue, out=out, out_dtype=out_dtype, out_dtypes=out_dtypes, outs=outs,
+            backend=backend, config=config, operands=operands,
+        )  # fmt: skip
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
-    if epilogue is None and (operands or out_dtypes):
-        raise EpilogueError(f"operands {sorted(operands) or list(out_dtypes)} were given without an epilogue")
+    if epilogue is None and (operands or out_dtypes or outs):
+        given = sorted(operands) or list(out_dtypes or outs)
+        raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
     if out_dtypes and "D" in out_dtypes:
         out_dtype = out_dtype or out_dtypes["D"]
     call = check_gemm_args(a, b, out, out_dtype, require_cuda=backend == "kernel")
@@ -75,44 +93,39 @@ def gemm(
     p = call.problem
     epi = as_epilogue(epilogue)
     specs = epi.operands(operands, p.m, p.n, p.l)
-    dtypes = {"D": call.out_dtype, **(out_dtypes or {})}
+    outs = dict(outs or {})
+    d_explicit = out is not None or out_dtype is not None
+    graph = trace_for_gemm(epi, specs, call.out_dtype, d_explicit, out_dtypes, {k: v.dtype for k, v in outs.items()})
+    stored = {name: IR_TO_TORCH[dtype] for name, dtype in graph.output_dtypes}
+    if stored["D"] != call.out_dtype:  # the epilogue's own cast/quantize chose D's dtype
+        call = check_gemm_args(a, b, out, stored["D"], require_cuda=backend == "kernel")
     if backend == "reference":
-        results = reference_gemm(call.a, call.b, epi, operands, dtypes)
-        return _deliver(call, results)
-    graph = epi.trace(
-        {k: s.kind for k, s in specs.items()}, {k: s.dtype for k, s in specs.items()}, dtypes, d_dtype=call.out_dtype
-    )
+        check_outs_names(outs, tuple(n for n, i in graph.outputs if n != "D" and graph.node(i).op not in REDUCTIONS))
+        return _deliver(call, reference_gemm(call.a, call.b, epi, operands, stored), outs)
     from epicute.kernels.epilogue_emit import EpilogueFusion  # imports the CuTe DSL: only when launching
 
     fusion = EpilogueFusion(graph, tuple((s.name, s.kind, s.dtype) for s in specs.values()))
-    tensors, scalars = kernel_operands(specs, call.a.device)
-    return launch_gemm(call, cached_plan(p, _overrides(config)), fusion, tensors, scalars)
-
-
-def kernel_operands(specs: dict, device: torch.device) -> tuple[tuple, tuple]:
-    """The kernel's operand tuples: tensors (checked to be on ``device``) and fp32 scalars."""
-    tensors = []
-    for s in specs.values():
-        if s.kind == "scalar":
-            continue
-        if s.value.device != device:
-            raise DeviceError(f"operand {s.name!r} is on {s.value.device}; move it to {device}")
-        tensors.append(s.value)
-    return tuple(tensors), tuple(float(s.value) for s in specs.values() if s.kind == "scalar")
+    device = call.a.device
+    tensors, scalars = kernel_inputs(fusion, specs, device)
+    aux = aux_outputs(fusion, outs, (p.l, p.m, p.n), call.batched, device)
+    plan = cached_plan(call.problem, _overrides(config), fusion.buffers())
+    return launch_gemm(call, plan, fusion, tensors, scalars, aux)
 
 
 def _reference_matmul(call) -> torch.Tensor:
     return torch.matmul(call.a.cpu().float(), call.b.cpu().float()).to(call.out_dtype)
 
 
-def _deliver(call, results: dict[str, torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
-    """Reference results in the caller's rank, D copied into ``out`` when given."""
+def _deliver(call, results: dict[str, torch.Tensor], outs: dict | None = None):
+    """Reference results in the caller's rank, copied into ``out``/``outs`` when given."""
     if not call.batched:
-        results = {k: v[0] if v.dim() == 3 else v for k, v in results.items()}
+        results = {k: v[0] if v.dim() else v for k, v in results.items()}
+    targets = dict(outs or {})
     if call.out is not None:
-        target = call.out if call.batched else call.out[0]
-        target.copy_(results["D"].reshape(target.shape))
-        results["D"] = target if call.batched else call.out[0]
+        targets["D"] = call.out if call.batched else call.out[0]
+    for name, target in targets.items():
+        target.copy_(results[name].reshape(target.shape))
+        results[name] = target
     return results["D"] if set(results) == {"D"} else results
 
 
@@ -120,14 +133,19 @@ def explain(
     a: torch.Tensor,
     b: torch.Tensor,
     *,
+    epilogue: Callable | None = None,
     out_dtype: torch.dtype | None = None,
+    out_dtypes: dict[str, torch.dtype] | None = None,
     config: dict | None = None,
     file: TextIO | None | str = "stdout",
+    **operands: Any,
 ) -> GemmPlan:
     """Print (to ``file``, default stdout; ``None`` to stay quiet) and return the plan for ``a @ b``.
 
-    Works without a GPU: ``a`` and ``b`` may live on any device, ``"meta"``
-    included, and the plan then targets an H100.
+    With ``epilogue`` (and its operands, as for :func:`gemm`) the plan budgets
+    the epilogue's shared memory and the text ends with its stage chain.
+    Works without a GPU: tensors may live on any device, ``"meta"`` included,
+    and the plan then targets an H100.
 
     Example:
         >>> import torch, epicute
@@ -135,9 +153,28 @@ def explain(
         >>> plan = epicute.explain(a, a, file=None)
         >>> plan.config.tile_m, plan.config.tile_n
         (128, 256)
+        >>> bias = torch.empty(8192, dtype=torch.bfloat16, device="meta")
+        >>> plan = epicute.explain(a, a, epilogue=lambda acc, bias, residual: epicute.ops.gelu(acc + bias) + residual,
+        ...                        bias=epicute.RowVector(bias), residual=a, file=None)
+        >>> [item.name for item in plan.smem][-2:]
+        ['operand tile 0', 'row vector 0']
     """
+    if out_dtypes and "D" in out_dtypes:
+        out_dtype = out_dtype or out_dtypes["D"]
     call = check_gemm_args(a, b, None, out_dtype, require_cuda=False)
-    plan = cached_plan(call.problem, _overrides(config))
+    buffers = NO_EPILOGUE
+    if epilogue is not None:
+        p = call.problem
+        epi = as_epilogue(epilogue)
+        specs = epi.operands(operands, p.m, p.n, p.l)
+        graph = epi.trace(
+            {k: s.kind for k, s in specs.items()}, {k: s.dtype for k, s in specs.items()},
+            {"D": call.out_dtype, **(out_dtypes or {})}, d_dtype=call.out_dtype,
+        )  # fmt: skip
+        buffers = schedule(graph).buffers()
+    elif operands or out_dtypes:
+        raise EpilogueError(f"operands/outputs {sorted(operands) or list(out_dtypes)} were given without an epilogue")
+    plan = cached_plan(call.problem, _overrides(config), buffers)
     if file is not None:
         # Resolved per call so redirect_stdout, capsys and notebooks see the text.
         print(render_plan(plan), file=sys.stdout if file == "stdout" else file)

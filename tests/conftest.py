@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_kernel_cache(tmp_path_factory):
+    """Tests compile into a cache of their own, never the user's (unless EPICUTE_CACHE_DIR says otherwise)."""
+    if "EPICUTE_CACHE_DIR" in os.environ:
+        yield
+        return
+    os.environ["EPICUTE_CACHE_DIR"] = str(tmp_path_factory.mktemp("epicute-cache"))
+    yield
+    del os.environ["EPICUTE_CACHE_DIR"]
 
 
 def has_hopper() -> bool:

@@ -46,13 +46,3 @@ def test_unknown_backend_is_an_error():
     with pytest.raises(ConfigError, match="backend='triton'"):
         epicute.gemm(rand(8, 8), rand(8, 8), backend="triton")
 
-
-def test_kernel_operands_must_share_the_gemm_device():
-    from epicute.api import kernel_operands
-    from epicute.epilogue.tracer import as_epilogue
-
-    specs = as_epilogue(lambda acc, bias, alpha: alpha * acc + bias).operands({"bias": rand(40), "alpha": 2.0}, 24, 40)
-    with pytest.raises(epicute.DeviceError, match="operand 'bias' is on cpu; move it to meta"):
-        kernel_operands(specs, torch.device("meta"))
-    tensors, scalars = kernel_operands(specs, torch.device("cpu"))
-    assert len(tensors) == 1 and tensors[0].shape == (1, 40) and scalars == (2.0,)

@@ -50,8 +50,13 @@ REDUCTIONS = {
 #: result over an empty extent): the host initializes reduction outputs with this.
 REDUCTION_IDENTITY = {"sum": 0.0, "max": float("-inf"), "amax": 0.0}
 
-#: Leaves: the accumulator, a named operand, a compile-time constant.
-LEAVES = ("acc", "input", "const")
+#: Leaves: the accumulator, a named operand, a compile-time constant, an index.
+LEAVES = ("acc", "input", "const", "index")
+
+#: ``index`` leaves (score modifiers of attention): the position of a score in the
+#: ``(L, M, N) = (batch * heads, seqlen_q, seqlen_k)`` problem, by ``name`` attr,
+#: and the kind that follows from what each one varies along.
+INDEX_KINDS = {"b": "col", "h": "col", "q_idx": "col", "kv_idx": "row"}
 
 
 @dataclass(frozen=True)

@@ -110,8 +110,12 @@ def evaluate(
     operands: Mapping[str, OperandSpec],
     out_dtypes: Mapping[str, torch.dtype] | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    index_values: Mapping[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """Every output of ``graph`` for the accumulator ``acc`` ``(L, M, N)``, on ``acc``'s device.
+
+    ``index_values`` gives each ``index`` leaf (score modifiers) as a tensor that
+    broadcasts against ``(L, M, N)``.
 
     Tile outputs come back ``(L, M, N)`` in their stored dtype (the graph's, or
     ``out_dtypes[name]`` if given), row_* reductions ``(L, M)`` fp32, col_*
@@ -132,6 +136,11 @@ def evaluate(
             values.append(_input(node, operands[name], lmn, compute_dtype, device))
         elif node.op == "const":
             values.append(_fp32(node.attr("value"), compute_dtype, device))
+        elif node.op == "index":
+            name = node.attr("name")
+            if index_values is None or name not in index_values:
+                raise EpilogueError(f"evaluate: the graph reads index {name!r}; pass index_values={{{name!r}: ...}}")
+            values.append(index_values[name].to(device=device, dtype=compute_dtype))
         else:
             values.append(_apply(node, [values[i] for i in node.args], lmn))
     stored = dict(graph.output_dtypes)

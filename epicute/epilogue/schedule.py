@@ -19,12 +19,12 @@ from epicute.epilogue.dtypes import FP8_MAX
 from epicute.epilogue.graph import LEAVES, REDUCTIONS, Graph
 from epicute.epilogue.operands import OperandSpec
 from epicute.errors import EpilogueError
+from epicute.plan.smem import EpilogueBuffers
 
 #: Stages run once per output tile; all others run once per epilogue subtile.
 PER_TILE = ("load_vectors", "finalize_reductions")
 
 _REDUCED_SHAPE = {"col": "(L, M)", "row": "(L, N)", "scalar": "scalar"}
-_ATOMIC = {"sum": "atomic add", "max": "atomic max", "amax": "atomic max"}
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,23 @@ class EpilogueSchedule:
     tile_outputs: tuple[str, ...]
     reductions: tuple[str, ...]
 
+    def buffers(self) -> EpilogueBuffers:
+        """Shared memory the kernel gives this epilogue (what the planner budgets and ``explain`` prints)."""
+        g = self.graph
+        inputs, stored = dict(g.inputs), dict(g.output_dtypes)
+        kinds = [g.node(inputs[name]).kind for name in self.vector_operands]
+        return EpilogueBuffers(
+            tile_inputs=tuple(g.node(inputs[name]).dtype for name in self.tile_operands),
+            aux_outputs=tuple(stored[name] for name in self.tile_outputs if name != "D"),
+            vectors=tuple(k for k in kinds if k == "row") + tuple(k for k in kinds if k == "col"),
+            chain=tuple(str(stage) for stage in self.stages),
+        )
+
     def __str__(self) -> str:
         return "\n".join(f"{i:>2}  {stage}" for i, stage in enumerate(self.stages))
 
 
-def _needed(graph: Graph) -> set[int]:
+def needed_nodes(graph: Graph) -> set[int]:
     """Ids of the nodes some output depends on."""
     needed = {node_id for _, node_id in graph.outputs}
     for node in reversed(graph.nodes):
@@ -79,7 +91,7 @@ def schedule(graph: Graph, operand_specs: Mapping[str, OperandSpec] | None = Non
             if spec is None or (spec.kind, spec.dtype) != (node.kind, node.dtype):
                 got = "nothing" if spec is None else f"{spec.kind} {spec.dtype}"
                 raise EpilogueError(f"operand {name!r}: the graph was traced for {node.kind} {node.dtype}, got {got}")
-    needed = _needed(graph)
+    needed = needed_nodes(graph)
     used = [(name, graph.node(node_id)) for name, node_id in graph.inputs if node_id in needed]
     vectors = [(name, node) for name, node in used if node.kind in ("row", "col")]
     tiles = [(name, node) for name, node in used if node.kind == "tile"]
@@ -91,7 +103,8 @@ def schedule(graph: Graph, operand_specs: Mapping[str, OperandSpec] | None = Non
     stages: list[Stage] = []
     if vectors:
         listed = ", ".join(f"{name} ({node.kind}, {node.dtype})" for name, node in vectors)
-        stages.append(Stage("load_vectors", f"{listed}: global -> registers, this tile's slice, once",
+        stages.append(Stage("load_vectors", f"{listed}: this tile's slice, global -> registers before the "
+                            "mainloop (latency hidden), -> smem after it",
                             tuple(node.id for _, node in vectors)))  # fmt: skip
     stages.append(Stage("slice_acc", "acc: this subtile's fp32 accumulators (registers)", (0,)))
     for name, node in tiles:
@@ -115,10 +128,10 @@ def schedule(graph: Graph, operand_specs: Mapping[str, OperandSpec] | None = Non
                             f"{combine} partials, out-of-bounds elements excluded", (node.id,)))  # fmt: skip
     stages.append(Stage("advance", "next subtile: accumulator slice, staging buffer, tile-operand pipeline"))
     if reductions:
-        listed = ", ".join(
-            f"{name} {_REDUCED_SHAPE[node.kind]} by {_ATOMIC[REDUCTIONS[node.op][1]]}" for name, node in reductions
-        )
-        stages.append(Stage("finalize_reductions", f"combine partials across threads and warps, then {listed}",
+        listed = ", ".join(f"{name} {_REDUCED_SHAPE[node.kind]}" for name, node in reductions)
+        stages.append(Stage("finalize_reductions", "butterfly-shuffle partials across lanes, store per-tile partials "
+                            f"to an fp32 workspace; after the kernel one ordered torch reduction gives {listed} "
+                            "(deterministic: no float atomics)",
                             tuple(node.id for _, node in reductions)))  # fmt: skip
 
     return EpilogueSchedule(

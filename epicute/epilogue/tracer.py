@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from epicute.epilogue.dtypes import ir_dtype
-from epicute.epilogue.graph import KINDS, REDUCTIONS, Graph, Node
+from epicute.epilogue.graph import INDEX_KINDS, KINDS, REDUCTIONS, Graph, Node
 from epicute.epilogue.operands import OperandSpec, Pin, resolve_operands
 from epicute.epilogue.proxy import Recorder, Value
 from epicute.errors import EpilogueError
@@ -43,6 +43,10 @@ class Epilogue:
     default value is used when the operand is not passed.
     """
 
+    #: Positional parameters after ``acc`` that are traced as ``index`` leaves
+    #: (see :data:`~epicute.epilogue.graph.INDEX_KINDS`), not operands.
+    INDEX_PARAMS: tuple[str, ...] = ()
+
     def __init__(self, fn: Callable) -> None:
         if not callable(fn):
             raise EpilogueError(f"an epilogue must be a function of the accumulator; got {type(fn).__name__}")
@@ -61,7 +65,13 @@ class Epilogue:
                 raise EpilogueError(
                     f"epilogue {self.name!r}: list its operands by name instead of *{p.name}/**{p.name}"
                 )
-        operands = params[1:]
+        n_index = len(self.INDEX_PARAMS)
+        if n_index and (len(params) <= n_index or any(p.kind not in positional for p in params[1 : 1 + n_index])):
+            raise EpilogueError(
+                f"{self.name!r}: takes the value first, then the positional indices "
+                f"{', '.join(self.INDEX_PARAMS)}, then its operands, e.g. f(score, {', '.join(self.INDEX_PARAMS)})"
+            )
+        operands = params[1 + n_index :]
         self.params: tuple[str, ...] = tuple(p.name for p in operands)
         self.pins: dict[str, str] = {
             p.name: p.annotation.kind
@@ -105,6 +115,7 @@ class Epilogue:
             )
         rec = Recorder()
         acc = rec.add("acc")
+        indices = [rec.add("index", kind=INDEX_KINDS[i], attrs=(("name", i),)) for i in self.INDEX_PARAMS]
         inputs: dict[str, Value] = {}
         for p in self.params:
             kind = operand_kinds[p]
@@ -115,6 +126,7 @@ class Epilogue:
         with rec.active():
             result = self.fn(
                 acc,
+                *indices,
                 *(inputs[p] for p in self.params if p not in self._keyword_only),
                 **{p: inputs[p] for p in self._keyword_only},
             )
@@ -220,3 +232,34 @@ def epilogue(fn: Callable) -> Epilogue:
 
 #: What a caller passing ``epilogue=`` uses: decorated or not, any function of ``acc`` is accepted.
 as_epilogue = epilogue
+
+
+def trace_for_gemm(
+    epi: Epilogue,
+    specs: Mapping[str, Any],
+    d_dtype: torch.dtype,
+    d_explicit: bool,
+    out_dtypes: Mapping[str, torch.dtype] | None = None,
+    outs_dtypes: Mapping[str, torch.dtype] | None = None,
+) -> Graph:
+    """The graph ``epicute.gemm`` runs, with every output's stored dtype settled.
+
+    D is stored in ``d_dtype`` when the caller fixed it (``out``, ``out_dtype``
+    or ``out_dtypes["D"]``: ``d_explicit``), else in the dtype of the epilogue's
+    own final cast/quantize, else in ``d_dtype`` (a's dtype). Preallocated aux
+    outputs (``outs_dtypes``) fix theirs unless ``out_dtypes`` names them;
+    names the epilogue does not return are left for the caller to reject.
+    """
+    kinds = {k: s.kind for k, s in specs.items()}
+    operand_dtypes = {k: s.dtype for k, s in specs.items()}
+    dtypes = dict(out_dtypes or {})
+    if d_explicit:
+        dtypes["D"] = d_dtype
+    graph = epi.trace(kinds, operand_dtypes, dtypes, d_dtype=d_dtype)
+    stored = dict(graph.output_dtypes)
+    pinned = {
+        name: dtype
+        for name, dtype in (outs_dtypes or {}).items()
+        if name in stored and name not in dtypes and stored[name] != ir_dtype(dtype, f"outs[{name!r}]")
+    }
+    return epi.trace(kinds, operand_dtypes, {**dtypes, **pinned}, d_dtype=d_dtype) if pinned else graph

@@ -1,34 +1,83 @@
-"""Emitting an epilogue graph as register code inside a kernel's epilogue.
+"""Emitting an epilogue graph into the GEMM kernel's TMA-store epilogue.
 
-:class:`EpilogueFusion` is the compile-time half (the graph and each operand's
-kind and dtype: part of the kernel variant). At trace time the kernel calls
-:meth:`EpilogueFusion.apply` once per accumulator element of a subtile, with the
-element's global (m, n, l) coordinates; the graph's nodes become fp32 scalar
-DSL ops, in topological order.
+:class:`EpilogueFusion` is the compile-time half: the traced graph and its stage
+schedule, split into what each part of the kernel handles --
 
-Operands reach the kernel as two tuples: ``tensors`` (row vectors ``(N, L)``,
-column vectors ``(M, L)``, full tiles ``(M, N, L)``, in parameter order) and
-``scalars`` (fp32, in parameter order). Loads clamp their coordinates into the
-problem, so ragged edges read a valid element; the TMA store clips those lanes.
+- **tile operands**: TMA-loaded into a shared-memory ring, one epilogue subtile
+  per stage, by the producer's epilogue-load warp while the mainloop runs;
+- **row / column vectors**: this tile's slice loaded by the consumer threads
+  *before* the mainloop (one element each, so the latency hides behind it),
+  parked in shared memory after it, and read once per distinct coordinate;
+- **scalars**: fp32 kernel arguments;
+- **outputs**: D and any auxiliary full tiles, staged and TMA-stored together;
+- **reductions**: folded per thread, combined across lanes with butterfly
+  shuffles, and written as per-tile partials to an fp32 workspace in global
+  memory; the host finalizes them with one ordered torch reduction, so results
+  are bitwise reproducible (no float atomics).
+
+The device half is :meth:`EpilogueFusion.compute` (one element: every node as
+fp32 scalar DSL ops, the reference interpreter's semantics) and the reduction
+helpers the kernel calls per subtile and per tile.
+
+Kernel tensor arguments arrive batch-first in :attr:`EpilogueFusion.tensor_args`
+order: tile operands, row vectors, column vectors, aux outputs, workspaces.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from epicute.epilogue.graph import Graph
+from epicute.epilogue.dtypes import FP8_MAX
+from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, Graph
 from epicute.epilogue.hashing import semantic_hash
+from epicute.epilogue.schedule import EpilogueSchedule, needed_nodes, schedule
 from epicute.errors import EpilogueError
+from epicute.plan.smem import EpilogueBuffers
 
-#: Epilogue value dtypes the kernel can load or round to.
-DSL_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
+#: Epilogue value dtypes the kernel can load, store or round to.
+DSL_DTYPES = {
+    "bf16": cutlass.BFloat16,
+    "fp16": cutlass.Float16,
+    "fp32": cutlass.Float32,
+    "fp8e4m3": cutlass.Float8E4M3FN,
+    "fp8e5m2": cutlass.Float8E5M2,
+}
+
+#: Rows one warp owns in a WGMMA accumulator (64-row atom / 4 warps): the band of
+#: rows a column-reduction partial covers.
+ROWS_PER_WARP = 16
 
 _SQRT1_2 = 0.7071067811865476
 _GELU_TANH_C = 0.7978845608028654
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One reduction output: ``axis`` "row" (row_*: over N, one value per row),
+    "col" (col_*: over M, one per column) or "all" (amax)."""
+
+    name: str
+    node: int
+    arg: int
+    combine: str  # "sum" | "max" | "amax"
+    axis: str
+
+    def workspace_shape(self, l: int, m: int, n: int, tile_n: int) -> tuple[int, int, int]:
+        """Per-tile partials, batch-first: row (L, N tiles, M); col (L, M bands, N); all (L, M bands, N tiles)."""
+        bands, tiles_n = -(-m // ROWS_PER_WARP), -(-n // tile_n)
+        return {"row": (l, tiles_n, m), "col": (l, bands, n), "all": (l, bands, tiles_n)}[self.axis]
+
+    def finalize(self, workspace):
+        """The deterministic final combine (a torch reduction in a fixed order)."""
+        if self.axis == "all":
+            return workspace.amax() if workspace.numel() else workspace.new_zeros(())
+        if workspace.shape[1] == 0:  # nothing to combine (N or M is 0): the identity
+            return workspace.new_full((workspace.shape[0], workspace.shape[2]), REDUCTION_IDENTITY[self.combine])
+        return workspace.sum(dim=1) if self.combine == "sum" else workspace.amax(dim=1)
 
 
 @dataclass(frozen=True)
@@ -36,68 +85,152 @@ class EpilogueFusion:
     graph: Graph
     #: (name, kind, dtype) of each operand, in parameter order
     operands: tuple[tuple[str, str, str], ...]
+    sched: EpilogueSchedule = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        outputs = dict(self.graph.outputs)
-        if set(outputs) != {"D"}:
-            extra = sorted(set(outputs) - {"D"})
-            raise EpilogueError(
-                f"epilogue outputs {extra}: the GEMM kernel emits only the main output 'D' so far; "
-                "run aux outputs and reductions with backend='reference'"
-            )
-        if self.graph.node(outputs["D"]).kind != "tile":
-            raise EpilogueError("output 'D' must be a full tile (depend on acc)")
+        object.__setattr__(self, "sched", schedule(self.graph))
+        # The tracer already guarantees a tile "D" and only tile or reduction outputs.
         for node in self.graph.nodes:
-            if node.op in ("quantize",) or node.op.endswith(("_sum", "_max", "_amax")) or node.op == "amax":
-                raise EpilogueError(f"op {node.op!r} is not emitted by the GEMM kernel yet; use backend='reference'")
-            if node.op == "cast" and node.attr("dtype") not in DSL_DTYPES:
-                raise EpilogueError(f"cast to {node.attr('dtype')} is not emitted by the kernel yet")
+            if node.op == "index":
+                raise EpilogueError("index inputs (q_idx, kv_idx, ...) exist only in attention score_mod")
+            if node.op in ("cast", "quantize") and node.attr("dtype") not in DSL_DTYPES:
+                raise EpilogueError(f"%{node.id} {node.op} to {node.attr('dtype')}: the kernel rounds to {sorted(DSL_DTYPES)}")
         for name, kind, dtype in self.operands:
             if kind != "scalar" and dtype not in DSL_DTYPES:
-                raise EpilogueError(f"operand {name!r} has dtype {dtype}; the kernel loads bf16, fp16 or fp32")
+                raise EpilogueError(f"operand {name!r} has dtype {dtype}; the kernel loads {sorted(DSL_DTYPES)}")
+
+    # ------------------------------------------------------------ host side
+    def _dtype(self, name: str) -> str:
+        return next(d for n, _, d in self.operands if n == name)
+
+    def _kind(self, name: str) -> str:
+        return next(k for n, k, _ in self.operands if n == name)
 
     @property
-    def tensor_operands(self) -> tuple[tuple[str, str, str], ...]:
-        return tuple(op for op in self.operands if op[1] != "scalar")
+    def tile_inputs(self) -> tuple[str, ...]:
+        return self.sched.tile_operands
 
     @property
-    def scalar_operands(self) -> tuple[tuple[str, str, str], ...]:
-        return tuple(op for op in self.operands if op[1] == "scalar")
+    def row_inputs(self) -> tuple[str, ...]:
+        return tuple(n for n in self.sched.vector_operands if self._kind(n) == "row")
+
+    @property
+    def col_inputs(self) -> tuple[str, ...]:
+        return tuple(n for n in self.sched.vector_operands if self._kind(n) == "col")
+
+    @property
+    def scalar_inputs(self) -> tuple[str, ...]:
+        return self.sched.scalar_operands
+
+    @property
+    def output_dtypes(self) -> dict[str, str]:
+        return dict(self.graph.output_dtypes)
+
+    @property
+    def aux_outputs(self) -> tuple[str, ...]:
+        return tuple(n for n in self.sched.tile_outputs if n != "D")
+
+    @property
+    def reductions(self) -> tuple[Reduction, ...]:
+        outputs = dict(self.graph.outputs)
+        result = []
+        for name in self.sched.reductions:
+            node = self.graph.node(outputs[name])
+            kind, combine = REDUCTIONS[node.op]
+            axis = {"col": "row", "row": "col", "scalar": "all"}[kind]
+            result.append(Reduction(name, node.id, node.args[0], combine, axis))
+        return tuple(result)
+
+    @property
+    def tensor_args(self) -> tuple[tuple[str, str, str], ...]:
+        """(role, name, dtype) of the kernel's tensor arguments, in order."""
+        outs = self.output_dtypes
+        return (
+            tuple(("tile", n, self._dtype(n)) for n in self.tile_inputs)
+            + tuple(("row", n, self._dtype(n)) for n in self.row_inputs)
+            + tuple(("col", n, self._dtype(n)) for n in self.col_inputs)
+            + tuple(("aux", n, outs[n]) for n in self.aux_outputs)
+            + tuple(("workspace", r.name, "fp32") for r in self.reductions)
+        )
+
+    def buffers(self) -> EpilogueBuffers:
+        """Shared memory this epilogue needs (the planner's and the kernel's single source)."""
+        return self.sched.buffers()
 
     def key(self) -> tuple:
         return (semantic_hash(self.graph), self.operands)
 
-    # ------------------------------------------------------------ device side
-    def apply(self, acc, m, n, l, extent_mn, tensors, scalars):
-        """The D value of one element: ``acc`` and the operands at (m, n, l)."""
-        g = self.graph
-        slot = {name: i for i, (name, _, _) in enumerate(self.tensor_operands)}
-        scalar_slot = {name: i for i, (name, _, _) in enumerate(self.scalar_operands)}
-        m_in = cutlass.min(m, extent_mn[0] - 1)
-        n_in = cutlass.min(n, extent_mn[1] - 1)
+    # ---------------------------------------------------------- device side
+    def compute(self, acc, tiles: dict, vectors: dict, scalars: tuple) -> dict:
+        """Every needed node's fp32 value for one element.
+
+        ``tiles``/``vectors``: this element's operand values by name (fp32);
+        ``scalars``: the kernel's scalar tuple, in :attr:`scalar_inputs` order.
+        """
+        scalar_slot = {name: i for i, name in enumerate(self.scalar_inputs)}
+        needed = needed_nodes(self.graph)
         values = {}
-        for node in g.nodes:
-            args = [values[a] for a in node.args]
+        for node in self.graph.nodes:
+            if node.id not in needed or node.op in REDUCTIONS:
+                continue
             if node.op == "acc":
                 v = acc
             elif node.op == "const":
                 v = Float32(node.attr("value"))
             elif node.op == "input":
                 name = node.attr("name")
-                if node.kind == "scalar":
-                    v = scalars[scalar_slot[name]]
-                else:
-                    t = tensors[slot[name]]
-                    coord = {"row": (n_in, l), "col": (m_in, l), "tile": (m_in, n_in, l)}[node.kind]
-                    v = t[coord].to(Float32)
+                v = (
+                    scalars[scalar_slot[name]]
+                    if node.kind == "scalar"
+                    else tiles[name]
+                    if node.kind == "tile"
+                    else vectors[name]
+                )
             else:
-                v = _emit_op(node.op, args, node)
+                v = _emit_op(node.op, [values[a] for a in node.args], node)
             values[node.id] = v
-        return values[dict(g.outputs)["D"]]
+        return values
 
 
+# ------------------------------------------------------------------ reductions
+def combine(kind: str, a, b):
+    """Fold two partials (``amax`` partials are already absolute values)."""
+    return a + b if kind == "sum" else cutlass.max(a, b)
+
+
+def fold_element(kind: str, partial, x, valid):
+    """``partial`` with element ``x`` folded in; lanes outside the problem contribute the identity."""
+    x = cutlass.select_(x < Float32(0.0), -x, x) if kind == "amax" else x
+    return combine(kind, partial, cutlass.select_(valid, x, identity(kind)))
+
+
+def identity(kind: str):
+    return Float32(REDUCTION_IDENTITY[kind])
+
+
+def butterfly(kind: str, value, lane_masks: tuple[int, ...]):
+    """Combine ``value`` across the lanes that differ in ``lane_masks`` bits (fixed order: deterministic)."""
+    for mask in lane_masks:
+        value = combine(kind, value, cute.arch.shuffle_sync_bfly(value, offset=mask))
+    return value
+
+
+# ------------------------------------------------------------- elementwise ops
 def _select(cond, a, b):
     return cutlass.select_(cond, a, b)
+
+
+def round_to(x, dtype: str):
+    """``x`` rounded to ``dtype`` and back to fp32; fp8 saturates to its largest finite value."""
+    if dtype in FP8_MAX:
+        x = saturate(x, dtype)
+    return x.to(DSL_DTYPES[dtype]).to(Float32)
+
+
+def saturate(x, dtype: str):
+    """Clamp ``x`` into fp8 ``dtype``'s finite range (the reference's saturating conversion)."""
+    limit = Float32(FP8_MAX[dtype])
+    return cutlass.max(cutlass.min(x, limit), -limit)
 
 
 def _emit_op(op: str, args: list, node):
@@ -154,5 +287,77 @@ def _emit_op(op: str, args: list, node):
     if op == "where":
         return _select(args[0] != zero, args[1], args[2])
     if op == "cast":
-        return args[0].to(DSL_DTYPES[node.attr("dtype")]).to(Float32)
+        return round_to(args[0], node.attr("dtype"))
+    if op == "quantize":
+        return round_to(args[0] * args[1], node.attr("dtype"))
     raise EpilogueError(f"unknown epilogue op {op!r}")
+
+
+# ----------------------------------------------------------- device-side state
+@cute.jit
+def store_if(pred, tensor: cute.Tensor, coord, value):
+    """``tensor[coord] = value`` where ``pred`` holds (a predicated global store)."""
+    if pred:
+        tensor[coord] = value
+
+
+class TileEpilogue:
+    """Trace-time state of the fused epilogue over one output tile, for one thread.
+
+    ``coords`` holds the tile-local (m, n) of each of this thread's accumulator
+    values (dynamic), ``coords0`` thread 0's (static ints). Layouts are linear
+    in the thread index, so equal static coordinates mean equal offsets from
+    this thread's base: the key under which each vector element is read from
+    shared memory once and each reduction partial is folded.
+    """
+
+    def __init__(self, fusion: EpilogueFusion, coords, coords0, vectors: list, scalars: tuple, origin, extent):
+        self.fusion = fusion
+        self.coords, self.coords0 = coords, coords0
+        self.vectors = dict(zip(fusion.row_inputs + fusion.col_inputs, vectors))
+        self.scalars = scalars
+        self.origin, self.extent = origin, extent  # global (m, n) of the tile's corner; problem (M, N)
+        self._vector_cache: dict = {}
+        #: row reductions: (name, static m) -> [partial, tile-local m]
+        self.row_partials: dict = {}
+        #: whole-tensor reductions: name -> partial
+        self.all_partials = {r.name: identity(r.combine) for r in fusion.reductions if r.axis == "all"}
+
+    def _vector(self, name: str, m0, n0, m, n):
+        row = name in self.fusion.row_inputs
+        key = (name, n0 if row else m0)
+        if key not in self._vector_cache:
+            self._vector_cache[key] = self.vectors[name][n if row else m]
+        return self._vector_cache[key]
+
+    def subtile(self, rD, base: int, tiles: list, aux: list) -> dict:
+        """Compute one subtile in place: ``rD`` holds its accumulators in, D (fp32) out.
+
+        ``tiles``: register copies of the operand tiles' subtile; ``aux``: fp32
+        register tensors receiving the aux outputs. Returns this subtile's column
+        reduction partials, ``(name, static n) -> [partial, tile-local n]``.
+        """
+        fusion, outputs = self.fusion, dict(self.fusion.graph.outputs)
+        col_partials: dict = {}
+        for v in range(cute.size(rD)):
+            m0, n0 = self.coords0[base + v]
+            m, n = self.coords[base + v]
+            vectors = {name: self._vector(name, m0, n0, m, n) for name in self.vectors}
+            tile_values = {name: t[v].to(Float32) for name, t in zip(fusion.tile_inputs, tiles)}
+            values = fusion.compute(rD[v], tile_values, vectors, self.scalars)
+            rD[v] = values[outputs["D"]]
+            for name, out in zip(fusion.aux_outputs, aux):
+                out[v] = values[outputs[name]]
+            if fusion.reductions:
+                valid = (self.origin[0] + m < self.extent[0]) & (self.origin[1] + n < self.extent[1])
+            for r in fusion.reductions:
+                x = values[r.arg]
+                if r.axis == "row":
+                    slot = self.row_partials.setdefault((r.name, m0), [identity(r.combine), m])
+                elif r.axis == "col":
+                    slot = col_partials.setdefault((r.name, n0), [identity(r.combine), n])
+                else:
+                    self.all_partials[r.name] = fold_element(r.combine, self.all_partials[r.name], x, valid)
+                    continue
+                slot[0] = fold_element(r.combine, slot[0], x, valid)
+        return col_partials

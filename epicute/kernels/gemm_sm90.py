@@ -13,7 +13,13 @@ each):
 - epilogue (all consumer threads): for each ``epi_tile`` subtile in row-major
   order, copy its accumulators out, cast, ``stmatrix`` into one of
   ``num_epi_stages`` staging buffers and publish it with a TMA store
-  (:class:`~epicute.kernels.pipeline.TmaStoreEpilogue`).
+  (:class:`~epicute.kernels.pipeline.TmaStoreEpilogue`);
+- fused epilogue (optional, :mod:`epicute.kernels.epilogue_emit`): warp 1 of the
+  producer warpgroup TMA-loads the full-tile operands one subtile ahead into a
+  ``num_c_stages`` ring; consumers fetch this tile's row/column vector slices
+  before the mainloop and park them in shared memory after it; per element
+  they compute the graph in fp32; aux tile outputs are staged and stored with
+  D in one bulk group; reductions leave per-tile partials in fp32 workspaces.
 
 Host tensors arrive in torch order -- A ``(L, M, K)``, B ``(L, K, N)``, D
 ``(L, M, N)`` with any of the supported majors -- and are rotated to CuTe's
@@ -29,15 +35,22 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Int32
+from cutlass import Float32, Int32
 from cutlass.utils import LayoutEnum
 
-from epicute.kernels.epilogue_emit import EpilogueFusion
-from epicute.kernels.pipeline import TmaStoreEpilogue, make_tma_load_pipeline, stage_of
+from epicute.kernels import epilogue_emit as emit
+from epicute.kernels.epilogue_emit import DSL_DTYPES, ROWS_PER_WARP, EpilogueFusion
+from epicute.kernels.pipeline import (
+    TmaStoreEpilogue,
+    make_local_tma_load_pipeline,
+    make_tma_load_pipeline,
+    stage_of,
+)
 from epicute.kernels.tile_scheduler import TileScheduler
 from epicute.plan.config import THREADS_PER_WARPGROUP, GemmConfig
+from epicute.plan.smem import NO_EPILOGUE, epilogue_region, epilogue_region_bytes
 
-CUTLASS_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
+CUTLASS_DTYPES = DSL_DTYPES
 
 #: WGMMA M of one warpgroup's atom.
 WGMMA_M = 64
@@ -66,6 +79,7 @@ class GemmSm90:
         self.cfg = cfg
         self.ab_dtype = CUTLASS_DTYPES[ab_dtype]
         self.d_dtype = CUTLASS_DTYPES[d_dtype]
+        self.d_dtype_name = d_dtype
         self.acc_dtype = cutlass.Float32
         # (M, K) with K contiguous is row-major; (N, K) with K contiguous too.
         self.a_layout = LayoutEnum.ROW_MAJOR if a_major == "k" else LayoutEnum.COL_MAJOR
@@ -79,8 +93,12 @@ class GemmSm90:
         self.b_mcast_ctas = cfg.cluster_m
         self.max_active_clusters = max_active_clusters
         self.load_warp = 0
+        # A second producer warp streams the epilogue's operand tiles, so the
+        # mainloop's loads never wait behind them.
+        self.epi_load_warp = 1
         # First warp of the first consumer warpgroup issues the TMA stores.
         self.store_warp = THREADS_PER_WARPGROUP // 32
+        self.epi_buffers = fusion.buffers() if fusion is not None else NO_EPILOGUE
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -98,8 +116,6 @@ class GemmSm90:
         mA = _rotate(mA_lmk, [1, 2, 0])  # (M, K, L)
         mB = _rotate(mB_lkn, [2, 1, 0])  # (N, K, L)
         mD = _rotate(mD_lmn, [1, 2, 0])  # (M, N, L)
-        # Operands arrive batch-first like A/B/D; the kernel indexes them batch-last.
-        epi_tensors = tuple(_rotate(t, [1, 0] if cute.rank(t) == 2 else [1, 2, 0]) for t in epi_tensors)
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
@@ -123,6 +139,27 @@ class GemmSm90:
             cfg.epi_tile,
         )
 
+        # Fused epilogue: TMA atoms for operand tiles (loads) and aux outputs
+        # (stores); vectors and reduction workspaces are indexed element-wise in
+        # their torch (batch-first) order.
+        epi_loads, epi_stores, epi_vectors, epi_workspaces = (), (), (), ()
+        if cutlass.const_expr(self.fusion is not None):
+            for (role, _, dtype), t in zip(self.fusion.tensor_args, epi_tensors):
+                if cutlass.const_expr(role == "tile"):
+                    layout = self._epi_smem_layout(dtype, cfg.num_c_stages)
+                    epi_loads += (cute.nvgpu.cpasync.make_tiled_tma_atom(
+                        cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), _rotate(t, [1, 2, 0]),
+                        cute.slice_(layout, (None, None, 0)), cfg.epi_tile),)  # fmt: skip
+                elif cutlass.const_expr(role == "aux"):
+                    layout = self._epi_smem_layout(dtype, cfg.num_epi_stages)
+                    epi_stores += (cute.nvgpu.cpasync.make_tiled_tma_atom(
+                        cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), _rotate(t, [1, 2, 0]),
+                        cute.slice_(layout, (None, None, 0)), cfg.epi_tile),)  # fmt: skip
+                elif cutlass.const_expr(role == "workspace"):
+                    epi_workspaces += (t,)
+                else:
+                    epi_vectors += (t,)
+
         tiles_m = cute.ceil_div(cute.size(mD, mode=[0]), cfg.tile_m)
         tiles_n = cute.ceil_div(cute.size(mD, mode=[1]), cfg.tile_n)
         num_batches = cute.size(mD, mode=[2])
@@ -134,20 +171,27 @@ class GemmSm90:
             launched = cutlass.min(total_clusters, Int32(self.max_active_clusters))
 
         d_staging_elems = 0 if cfg.epi_reuses_ab_smem else cute.cosize(d_smem_staged)
+        # Mirrors epicute.plan.smem.smem_table field for field.
+        num_epi_barriers = 2 * cfg.num_c_stages if self.epi_buffers.loads_tiles else 0
 
         @cute.struct
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.ab_stages]
+            epi_barriers: cute.struct.MemRange[cutlass.Int64, num_epi_barriers]
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], 1024]
             sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, d_staging_elems], 1024]
+            epi_region: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, epilogue_region_bytes(cfg, self.epi_buffers)], 1024
+            ]
 
         self.shared_storage = SharedStorage
 
         self.kernel(
             tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_d, tma_mD,
             a_smem_staged, b_smem_staged, d_smem_staged,
-            clusters_m, clusters_n, num_batches, epi_tensors, epi_scalars,
+            clusters_m, clusters_n, num_batches,
+            epi_loads, epi_stores, epi_vectors, epi_workspaces, epi_scalars,
         ).launch(
             grid=(cfg.cluster_m, cfg.cluster_n, launched),
             block=[cfg.num_threads, 1, 1],
@@ -166,6 +210,10 @@ class GemmSm90:
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
             op, tensor, cute.slice_(smem_staged, (None, None, 0)), smem_tile, num_multicast=mcast_ctas
         )
+
+    def _epi_smem_layout(self, dtype: str, stages: int):
+        """Staged, swizzled smem layout of one epilogue subtile of ``dtype`` (row-major, like D)."""
+        return sm90_utils.make_smem_layout_epi(DSL_DTYPES[dtype], LayoutEnum.ROW_MAJOR, self.cfg.epi_tile, stages)
 
     def _scheduler(self, clusters_m, clusters_n, num_batches) -> TileScheduler:
         # Each role builds its own (the DSL cannot carry Python objects across a
@@ -191,7 +239,10 @@ class GemmSm90:
         clusters_m: Int32,
         clusters_n: Int32,
         num_batches: Int32,
-        epi_tensors: tuple,
+        epi_loads: tuple,
+        epi_stores: tuple,
+        epi_vectors: tuple,
+        epi_workspaces: tuple,
         epi_scalars: tuple,
     ):
         cfg = self.cfg
@@ -203,6 +254,8 @@ class GemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
+            for atom, _ in epi_loads + epi_stores:
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
         # Position inside the cluster, and which peers our multicasts reach.
         cta_layout_mnk = cute.make_layout((cfg.cluster_m, cfg.cluster_n, 1))
@@ -218,6 +271,14 @@ class GemmSm90:
         tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0))) + cute.size_in_bytes(
             self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0))
         )
+        fusion = self.fusion
+        if cutlass.const_expr(self.epi_buffers.loads_tiles):
+            c_tx_bytes = sum(cfg.epi_tile[0] * cfg.epi_tile[1] * DSL_DTYPES[d].width // 8
+                             for d in self.epi_buffers.tile_inputs)  # fmt: skip
+            # Created first: the mainloop ring's init fence and sync below cover it.
+            c_pipeline = make_local_tma_load_pipeline(
+                storage.epi_barriers.data_ptr(), cfg.num_c_stages, c_tx_bytes, cfg.num_mma_threads // 32
+            )
         ab_pipeline = make_tma_load_pipeline(
             storage.ab_barriers.data_ptr(),
             cfg.ab_stages,
@@ -238,6 +299,22 @@ class GemmSm90:
             sD = cute.make_tensor(d_ptr, d_smem_staged.outer)
         else:
             sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+        # The fused epilogue's buffers, carved from its region at the planner's offsets.
+        regions = iter(epilogue_region(cfg, self.epi_buffers))
+        sC, sAux, sVec = [], [], []
+        if cutlass.const_expr(fusion is not None):
+            region_base = storage.epi_region.data_ptr()
+            for dtype in self.epi_buffers.tile_inputs:
+                layout = self._epi_smem_layout(dtype, cfg.num_c_stages)
+                ptr = cute.recast_ptr(region_base + next(regions).offset, layout.inner, dtype=DSL_DTYPES[dtype])
+                sC.append(cute.make_tensor(ptr, layout.outer))
+            for dtype in self.epi_buffers.aux_outputs:
+                layout = self._epi_smem_layout(dtype, cfg.num_epi_stages)
+                ptr = cute.recast_ptr(region_base + next(regions).offset, layout.inner, dtype=DSL_DTYPES[dtype])
+                sAux.append(cute.make_tensor(ptr, layout.outer))
+            for kind in self.epi_buffers.vectors:
+                ptr = cute.recast_ptr(region_base + next(regions).offset, dtype=Float32)
+                sVec.append(cute.make_tensor(ptr, cute.make_layout(cfg.tile_n if kind == "row" else cfg.tile_m)))
 
         # Global tiles: (bM, bK, RestM, RestK, L) etc.
         gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
@@ -289,6 +366,35 @@ class GemmSm90:
                 # Stay alive until consumers (ours and peers') released every
                 # stage, so no remote arrive targets an exited CTA.
                 ab_pipeline.producer_tail(state)
+            if cutlass.const_expr(self.epi_buffers.loads_tiles):
+                if warp_idx == self.epi_load_warp:
+                    # One stage = one epilogue subtile of every operand tile, in the
+                    # consumers' subtile order; the ring runs ahead by num_c_stages.
+                    scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
+                    fill_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_c_stages)
+                    n_subtiles_n = cfg.tile_n // cfg.epi_tile[1]
+                    epi_tile_layout = cute.make_layout(
+                        (cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1)
+                    )
+                    work = scheduler.first()
+                    while scheduler.is_valid(work):
+                        tm, tn, tl = scheduler.tile_coord(work)
+                        partitions = []
+                        for (atom, mC), sC_i in zip(epi_loads, sC):
+                            gC = cute.local_tile(mC, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
+                            partitions.append(cute.nvgpu.cpasync.tma_partition(
+                                atom, 0, cute.make_layout(1), cute.group_modes(sC_i, 0, 2),
+                                cute.zipped_divide(gC[(None, None, tm, tn, tl)], cfg.epi_tile)))  # fmt: skip
+                        for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
+                            c_pipeline.producer_acquire(fill_state)
+                            barrier = c_pipeline.producer_get_barrier(fill_state)
+                            for (atom, _), (tCsC, tCgC) in zip(epi_loads, partitions):
+                                cute.copy(atom, tCgC[(None, epi_tile_layout.get_hier_coord(epi_idx))],
+                                          tCsC[(None, fill_state.index)], tma_bar_ptr=barrier)  # fmt: skip
+                            c_pipeline.producer_commit(fill_state)
+                            fill_state.advance()
+                        work += scheduler.stride()
+                    c_pipeline.producer_tail(fill_state)
         else:
             # ---------------- consumer warpgroups: MMA, then epilogue
             cute.arch.warpgroup_reg_alloc(cfg.consumer_regs)
@@ -300,12 +406,15 @@ class GemmSm90:
             acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
             k_blocks = cute.size(tCrA, mode=[2])
 
-            # Register -> smem copy of D (stmatrix for 16-bit outputs).
-            copy_atom_r2s = sm90_utils.get_smem_store_op(self.d_layout, self.d_dtype, self.acc_dtype)
+            # Register -> smem copies. Which accumulator values a thread holds comes
+            # from a 16-bit stmatrix atom whatever the output dtype; the store
+            # itself is stmatrix for 16-bit outputs and plain stores otherwise.
             stmatrix_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4), self.d_dtype
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4), cutlass.Float16
             )
-            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(stmatrix_atom, tiled_mma))
+            tiled_copy_C_atom = cute.make_tiled_copy_C_atom(stmatrix_atom, tiled_mma)
+            copy_atom_r2s = sm90_utils.get_smem_store_op(self.d_layout, self.d_dtype, self.acc_dtype)
+            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_C_atom)
             thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
             tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, stage)
             tRS_rAcc = tiled_copy_r2s.retile(acc)
@@ -319,14 +428,38 @@ class GemmSm90:
             n_subtiles_n = cfg.tile_n // cfg.epi_tile[1]
             # Subtiles are visited row-major: (tile_m/epi_m, tile_n/epi_n).
             epi_tile_layout = cute.make_layout((cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
-            if cutlass.const_expr(self.fusion is not None):
-                # Global (m, n, l) of every accumulator element, in tRS_rAcc's order.
+            if cutlass.const_expr(fusion is not None):
                 extent_mn = (cute.size(mD, mode=[0]), cute.size(mD, mode=[1]))
-                gcD = cute.local_tile(
-                    cute.make_identity_tensor(mD.shape),
-                    cute.slice_(self.tile_shape_mnk, (None, None, 0)),
-                    (None, None, None),
-                )
+                lane = mma_tidx % 32
+                ident = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
+                tRS_cT = tiled_copy_r2s.retile(thr_mma.partition_C(ident))
+                tRS_cT0 = tiled_copy_r2s.retile(tiled_mma.get_slice(0).partition_C(ident))
+                # smem -> registers for operand tiles (ldmatrix when 16-bit), in
+                # the same value order as the accumulators.
+                c_s2r = []
+                for dtype, sC_i in zip(self.epi_buffers.tile_inputs, sC):
+                    op = (
+                        cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4)
+                        if DSL_DTYPES[dtype].width == 16
+                        else cute.nvgpu.CopyUniversalOp()
+                    )
+                    tiled_s2r = cute.make_tiled_copy_S(cute.make_copy_atom(op, DSL_DTYPES[dtype]), tiled_copy_C_atom)
+                    thr_s2r = tiled_s2r.get_slice(mma_tidx)
+                    rC = cute.make_rmem_tensor(tRS_rD.layout, DSL_DTYPES[dtype])
+                    c_s2r.append((tiled_s2r, thr_s2r.partition_S(sC_i), rC, thr_s2r.retile(rC)))
+                # registers -> smem for aux outputs: fp32 values, rounded copy, staged view.
+                aux_r2s = []
+                for dtype, sAux_i in zip(self.epi_buffers.aux_outputs, sAux):
+                    aux_store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, DSL_DTYPES[dtype], self.acc_dtype)
+                    tiled_aux = cute.make_tiled_copy_S(aux_store_op, tiled_copy_C_atom)
+                    aux_r2s.append((
+                        tiled_aux,
+                        tiled_aux.get_slice(mma_tidx).partition_D(sAux_i),
+                        cute.make_rmem_tensor(subtile_shape, self.acc_dtype),
+                        cute.make_rmem_tensor(subtile_shape, DSL_DTYPES[dtype]),
+                    ))  # fmt: skip
+                if cutlass.const_expr(self.epi_buffers.loads_tiles):
+                    c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_c_stages)
 
             scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.ab_stages)
@@ -335,6 +468,18 @@ class GemmSm90:
             work = scheduler.first()
             while scheduler.is_valid(work):
                 tm, tn, tl = scheduler.tile_coord(work)
+                if cutlass.const_expr(fusion is not None):
+                    origin_mn = (tm * cfg.tile_m, tn * cfg.tile_n)
+                    # This thread's element of the tile's vector slices, fetched now
+                    # so the load latency hides behind the mainloop (clamped into
+                    # the problem: lanes past the edge are never used).
+                    vector_prefetch = []
+                    for t in epi_vectors[: len(fusion.row_inputs)]:
+                        n = cutlass.min(origin_mn[1] + cutlass.min(mma_tidx, cfg.tile_n - 1), extent_mn[1] - 1)
+                        vector_prefetch.append(t[(tl, n)].to(Float32))
+                    for t in epi_vectors[len(fusion.row_inputs) :]:
+                        m = cutlass.min(origin_mn[0] + cutlass.min(mma_tidx, cfg.tile_m - 1), extent_mn[0] - 1)
+                        vector_prefetch.append(t[(tl, m)].to(Float32))
 
                 # ---- mainloop: keep one WGMMA batch in flight, release a stage
                 # only after the WGMMA that read it has retired.
@@ -361,28 +506,100 @@ class GemmSm90:
                 if cutlass.const_expr(cfg.epi_reuses_ab_smem):
                     # The other warpgroup may still be reading the A ring.
                     store.sync()
-                if cutlass.const_expr(self.fusion is not None):
-                    tRS_cD = tiled_copy_r2s.retile(thr_mma.partition_C(gcD[(None, None, tm, tn, tl)]))
                 gD_subtiles = cute.zipped_divide(gD[(None, None, tm, tn, tl)], cfg.epi_tile)
                 bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
                     tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_subtiles
                 )
+                if cutlass.const_expr(fusion is not None):
+                    if cutlass.const_expr(len(sVec) > 0):
+                        # Park the vector slices; every reader of the previous tile's
+                        # slices passed that tile's last store barrier already.
+                        for buf, value in zip(sVec, vector_prefetch):
+                            emit.store_if(mma_tidx < cute.size(buf), buf, mma_tidx, value)
+                        store.sync()
+                    tile_epi = emit.TileEpilogue(fusion, tRS_cT, tRS_cT0, sVec, epi_scalars, origin_mn, extent_mn)
+                    # All of a thread's rows lie in its warp's 16-row band.
+                    band = (origin_mn[0] + tRS_cT[0][0]) // ROWS_PER_WARP
+                    aux_partitions = []
+                    for (aux_tma, mAux), sAux_i in zip(epi_stores, sAux):
+                        gAux = cute.local_tile(mAux, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
+                        aux_partitions.append(cute.nvgpu.cpasync.tma_partition(
+                            aux_tma, 0, cute.make_layout(1), cute.group_modes(sAux_i, 0, 2),
+                            cute.zipped_divide(gAux[(None, None, tm, tn, tl)], cfg.epi_tile)))  # fmt: skip
                 for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
                     for v in cutlass.range_constexpr(subtile_size):
                         tRS_rD[v] = tRS_rAcc[epi_idx * subtile_size + v]
-                    if cutlass.const_expr(self.fusion is not None):
-                        for v in cutlass.range_constexpr(subtile_size):
-                            m, n, l = tRS_cD[epi_idx * subtile_size + v]
-                            tRS_rD[v] = self.fusion.apply(tRS_rD[v], m, n, l, extent_mn, epi_tensors, epi_scalars)
-                    tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
                     buf = stage_of(tiles_done * cfg.num_epi_subtiles + epi_idx, cfg.num_epi_stages)
+                    more_stores = ()
+                    if cutlass.const_expr(fusion is not None):
+                        if cutlass.const_expr(self.epi_buffers.loads_tiles):
+                            c_pipeline.consumer_wait(c_state)
+                            for tiled_s2r, tSR_sC, _, tSR_rC in c_s2r:
+                                cute.copy(tiled_s2r, tSR_sC[(None, None, None, c_state.index)], tSR_rC)
+                            c_pipeline.consumer_release(c_state)
+                            c_state.advance()
+                        col_partials = tile_epi.subtile(
+                            tRS_rD, epi_idx * subtile_size, [c[2] for c in c_s2r], [a[2] for a in aux_r2s]
+                        )
+                        self._store_col_partials(fusion, col_partials, epi_workspaces, band, origin_mn, extent_mn, tl, lane)
+                        for (tiled_aux, tRS_sAux, rAux, rAux_out), dtype, (bSG_sA, bSG_gA), (aux_tma, _) in zip(
+                            aux_r2s, self.epi_buffers.aux_outputs, aux_partitions, epi_stores
+                        ):
+                            _round_for_store(rAux, dtype)
+                            rAux_out.store(rAux.load().to(DSL_DTYPES[dtype]))
+                            cute.copy(tiled_aux, tiled_aux.retile(rAux_out), tRS_sAux[(None, None, None, buf)])
+                            subtile_coord = epi_tile_layout.get_hier_coord(epi_idx)
+                            more_stores += ((aux_tma, bSG_sA[(None, buf)], bSG_gA[(None, subtile_coord)]),)
+                    _round_for_store(tRS_rD, self.d_dtype_name)
+                    tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
                     cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
                     store.publish(
                         is_store_warp,
                         tma_d,
                         bSG_sD[(None, buf)],
                         bSG_gD[(None, epi_tile_layout.get_hier_coord(epi_idx))],
+                        more_stores,
                     )
+                if cutlass.const_expr(fusion is not None):
+                    self._store_tile_partials(fusion, tile_epi, epi_workspaces, band, origin_mn, extent_mn, tn, tl, lane)
                 tiles_done += 1
                 work += scheduler.stride()
             store.drain(is_store_warp)
+
+    # ------------------------------------------------- fused-epilogue pieces
+    @staticmethod
+    def _store_col_partials(fusion, col_partials, workspaces, band, origin_mn, extent_mn, tl, lane):
+        """Column reductions of one subtile: lanes sharing a column (they differ in
+        lane bits 2-4) combine; lanes 0-3 then hold the warp's 16-row partial."""
+        for r, ws in zip(fusion.reductions, workspaces):
+            if r.axis != "col":
+                continue
+            for (name, _), (partial, n_local) in col_partials.items():
+                if name != r.name:
+                    continue
+                value = emit.butterfly(r.combine, partial, (4, 8, 16))
+                n = origin_mn[1] + n_local
+                pred = (lane < 4) & (n < extent_mn[1]) & (band * ROWS_PER_WARP < extent_mn[0])
+                emit.store_if(pred, ws, (tl, band, n), value)
+
+    @staticmethod
+    def _store_tile_partials(fusion, tile_epi, workspaces, band, origin_mn, extent_mn, tn, tl, lane):
+        """Row reductions (the 4 lanes of a quad share a row) and whole-tile ones (the warp)."""
+        for r, ws in zip(fusion.reductions, workspaces):
+            if r.axis == "row":
+                for (name, _), (partial, m_local) in tile_epi.row_partials.items():
+                    if name != r.name:
+                        continue
+                    value = emit.butterfly(r.combine, partial, (1, 2))
+                    m = origin_mn[0] + m_local
+                    emit.store_if((lane % 4 == 0) & (m < extent_mn[0]), ws, (tl, tn, m), value)
+            elif r.axis == "all":
+                value = emit.butterfly(r.combine, tile_epi.all_partials[r.name], (1, 2, 4, 8, 16))
+                emit.store_if((lane == 0) & (band * ROWS_PER_WARP < extent_mn[0]), ws, (tl, band, tn), value)
+
+
+def _round_for_store(values, dtype: str) -> None:
+    """fp8 outputs saturate like the reference's conversion; other dtypes round as converted."""
+    if dtype in emit.FP8_MAX:
+        for v in range(cute.size(values)):
+            values[v] = emit.saturate(values[v], dtype)

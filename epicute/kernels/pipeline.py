@@ -3,7 +3,9 @@
 - :class:`NamedBarriers`: the hardware barrier ids, allocated in one place so two
   kernel parts can never collide on an id (id 0 is ``__syncthreads``).
 - :func:`make_tma_load_pipeline`: a multi-stage TMA load ring (full/empty
-  mbarriers) with the consumer arrive count that TMA multicast needs.
+  mbarriers) with the consumer arrive count that TMA multicast needs;
+  :func:`make_local_tma_load_pipeline`: the same for a CTA-private ring (the
+  GEMM epilogue's operand tiles).
 - :class:`TmaStoreEpilogue`: the register -> smem -> TMA-store hand-off of seed
   000: fence, named barrier over the epilogue threads, one elected thread issues
   the bulk store and commits/acquires the store group, barrier again.
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import cutlass
@@ -22,6 +25,11 @@ class NamedBarriers(enum.IntEnum):
     """Hardware named-barrier ids (0 is reserved for ``__syncthreads``)."""
 
     EPILOGUE = 1
+    #: Ping-pong schedulers of consumer warpgroups 1..3: a warpgroup syncs on its
+    #: own before issuing its GEMMs and arrives at the next one's after.
+    PINGPONG_WG1 = 2
+    PINGPONG_WG2 = 3
+    PINGPONG_WG3 = 4
 
 
 def make_tma_load_pipeline(
@@ -75,13 +83,17 @@ class TmaStoreEpilogue:
         return self
 
     @cute.jit
-    def publish(self, is_store_warp, tma_atom, smem_src, gmem_dst):
+    def publish(self, is_store_warp, tma_atom, smem_src, gmem_dst, more_stores=()):
+        """Store one staged subtile (plus ``more_stores``: further ``(atom, smem, gmem)``
+        outputs of the same subtile, e.g. an epilogue's aux tiles) as one bulk group."""
         # stmatrix writes through the generic proxy; TMA reads through the async
         # proxy: each writing thread fences before the barrier makes it visible.
         cute.arch.fence_proxy("async.shared", space="cta")
         self.barrier.arrive_and_wait()
         if is_store_warp:
             cute.copy(tma_atom, smem_src, gmem_dst)
+            for atom, src, dst in more_stores:
+                cute.copy(atom, src, dst)
             self.store_pipeline.producer_commit()
             self.store_pipeline.producer_acquire()
         # Nobody may overwrite a staging buffer until the store warp has seen
@@ -97,6 +109,26 @@ class TmaStoreEpilogue:
         """Wait for every outstanding store before the CTA exits."""
         if is_store_warp:
             self.store_pipeline.producer_tail()
+
+
+def make_local_tma_load_pipeline(barrier_storage, num_stages: int, tx_bytes: int, num_consumer_warps: int):
+    """A TMA load ring private to this CTA (no multicast), even inside a cluster.
+
+    The stock constructor decides which lanes release a stage from the cluster
+    layout; for a CTA-local ring exactly one lane per consumer warp must arrive
+    on our own empty barrier, whatever our rank in the cluster. The caller's
+    later barrier-init fence and sync (the mainloop ring's) covers this ring too.
+    """
+    ring = pipeline.PipelineTmaAsync.create(
+        barrier_storage=barrier_storage,
+        num_stages=num_stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_warps),
+        tx_count=tx_bytes,
+        defer_sync=True,
+    )
+    lane = cute.arch.lane_idx()
+    return dataclasses.replace(ring, is_signaling_thread=lane == 0)
 
 
 def stage_of(count, num_stages: int):

@@ -7,8 +7,9 @@ from epicute.plan.config import GemmConfig, GemmProblem
 from epicute.plan.hardware import H100_SXM, Hardware, current_hardware
 from epicute.plan.plan import GemmPlan, plan_gemm
 from epicute.plan.report import render_plan
+from epicute.plan.smem import EpilogueBuffers
 
 __all__ = [
-    "GemmConfig", "GemmProblem", "GemmPlan", "Hardware", "H100_SXM",
+    "EpilogueBuffers", "GemmConfig", "GemmProblem", "GemmPlan", "Hardware", "H100_SXM",
     "current_hardware", "plan_gemm", "render_plan",
 ]  # fmt: skip

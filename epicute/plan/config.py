@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from epicute.errors import ConfigError
 
 #: Element sizes of the dtypes the GEMM understands, by short name.
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8e4m3": 1, "fp8e5m2": 1}
 AB_DTYPES = ("bf16", "fp16")
-D_DTYPES = ("bf16", "fp16", "fp32")
+D_DTYPES = ("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2")
 
 THREADS_PER_WARPGROUP = 128
 
@@ -83,6 +83,8 @@ class GemmConfig:
     ab_stages: int = 4
     epi_tile: tuple[int, int] = (128, 32)
     num_epi_stages: int = 4
+    #: Depth of the ring through which full-tile epilogue operands arrive (TMA, one subtile per stage).
+    num_c_stages: int = 2
     #: Non-persistent only: D's staging buffers alias the A ring after the mainloop.
     epi_reuses_ab_smem: bool = False
     raster_along_m: bool = True
@@ -119,7 +121,7 @@ class GemmConfig:
         return (
             self.tile_m, self.tile_n, self.tile_k, self.cluster_m, self.cluster_n,
             self.schedule, self.persistent, self.ab_stages, self.epi_tile,
-            self.num_epi_stages, self.epi_reuses_ab_smem, self.raster_along_m,
+            self.num_epi_stages, self.num_c_stages, self.epi_reuses_ab_smem, self.raster_along_m,
             self.swizzle, self.producer_regs, self.consumer_regs,
         )  # fmt: skip
 
@@ -148,6 +150,8 @@ class GemmConfig:
             raise ConfigError(f"ab_stages={self.ab_stages}: need at least 2 to overlap TMA and MMA")
         if self.num_epi_stages < 1:
             raise ConfigError(f"num_epi_stages={self.num_epi_stages}: need at least 1")
+        if self.num_c_stages < 1:
+            raise ConfigError(f"num_c_stages={self.num_c_stages}: need at least 1")
         epi_m, epi_n = self.epi_tile
         if epi_m != self.tile_m:
             raise ConfigError(

@@ -28,7 +28,15 @@ from epicute.errors import ConfigError
 from epicute.plan.config import GemmConfig, GemmProblem
 from epicute.plan.hardware import H100_SXM, Hardware
 from epicute.plan.roofline import estimate_seconds
-from epicute.plan.smem import ab_stage_bytes, epi_fits_in_a_ring, epi_stage_bytes, smem_total
+from epicute.plan.smem import (
+    NO_EPILOGUE,
+    EpilogueBuffers,
+    ab_stage_bytes,
+    epi_fits_in_a_ring,
+    epi_stage_bytes,
+    epilogue_region_bytes,
+    smem_total,
+)
 
 MAX_AB_STAGES = 8
 MAX_EPI_STAGES = 4
@@ -36,7 +44,7 @@ MIN_EPI_STAGES = 2
 EPI_TILE_N = 32
 _PLANNED_FIELDS = {
     "tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "persistent", "epi_tile",
-    "epi_reuses_ab_smem", "raster_along_m", "swizzle", "ab_stages", "num_epi_stages",
+    "epi_reuses_ab_smem", "raster_along_m", "swizzle", "ab_stages", "num_epi_stages", "num_c_stages",
 }  # fmt: skip
 
 
@@ -60,33 +68,44 @@ def choose_tile_n(problem: GemmProblem, hw: Hardware) -> tuple[int, str]:
     return 128, f"128x128 tiles estimated {t128 * 1e6:.0f} us vs {t256 * 1e6:.0f} us for 128x256 (wave quantization)"
 
 
-def fit_stages(cfg: GemmConfig, problem: GemmProblem, budget: int) -> GemmConfig:
-    """Largest A/B ring, then deepest D staging, that fit in ``budget`` bytes."""
+def fit_stages(cfg: GemmConfig, problem: GemmProblem, budget: int, epi: EpilogueBuffers = NO_EPILOGUE) -> GemmConfig:
+    """Largest A/B ring, then deepest D staging, that fit in ``budget`` bytes.
+
+    The fused epilogue's buffers (``epi``: operand rings, aux staging, vectors)
+    are paid first; they scale with ``num_epi_stages`` too, so deeper D staging
+    is only bought when every output's ring still fits.
+    """
     ab, d = problem.ab_dtype, problem.d_dtype
     best = None
     for ab_stages in range(MAX_AB_STAGES, 1, -1):
         trial = replace(cfg, ab_stages=ab_stages, num_epi_stages=MIN_EPI_STAGES)
         if trial.epi_reuses_ab_smem and not epi_fits_in_a_ring(trial, ab, d):
             continue
-        if smem_total(trial, ab, d) <= budget:
+        if smem_total(trial, ab, d, epi) <= budget:
             best = trial
             break
     if best is None:
         raise ConfigError(
             f"tile {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} does not fit 2 A/B stages in "
-            f"{budget} bytes of shared memory; use a smaller tile"
+            f"{budget} bytes of shared memory next to the epilogue's "
+            f"{epilogue_region_bytes(cfg, epi)} B; use a smaller tile (config={{'tile_n': 128}})"
         )
     for epi_stages in range(MAX_EPI_STAGES, MIN_EPI_STAGES, -1):
         trial = replace(best, num_epi_stages=epi_stages)
         if trial.epi_reuses_ab_smem and not epi_fits_in_a_ring(trial, ab, d):
             continue
-        if smem_total(trial, ab, d) <= budget:
+        if smem_total(trial, ab, d, epi) <= budget:
             return trial
     return best
 
 
-def choose_config(problem: GemmProblem, hw: Hardware = H100_SXM, **overrides) -> GemmConfig:
+def choose_config(
+    problem: GemmProblem, hw: Hardware = H100_SXM, epilogue: EpilogueBuffers = NO_EPILOGUE, **overrides
+) -> GemmConfig:
     """The planner's configuration for ``problem``; keyword overrides pin any field.
+
+    ``epilogue`` is what a fused epilogue needs in shared memory; the A/B ring
+    gives way to it.
 
     Overridden fields are kept as given (and validated); the planner still fits
     whatever the caller left open (e.g. stages) around them.
@@ -142,6 +161,7 @@ def choose_config(problem: GemmProblem, hw: Hardware = H100_SXM, **overrides) ->
         raster_along_m=raster_along_m,
         swizzle=overrides.get("swizzle", 8),
     )
+    cfg = replace(cfg, num_c_stages=overrides.get("num_c_stages", cfg.num_c_stages))
     if "ab_stages" in overrides or "num_epi_stages" in overrides:
         cfg = replace(
             cfg,
@@ -150,11 +170,13 @@ def choose_config(problem: GemmProblem, hw: Hardware = H100_SXM, **overrides) ->
         )
         reasons.append("stages: requested")
     else:
-        cfg = fit_stages(cfg, problem, hw.smem_per_cta_bytes)
+        cfg = fit_stages(cfg, problem, hw.smem_per_cta_bytes, epilogue)
+        extra = epilogue_region_bytes(cfg, epilogue)
         reasons.append(
             f"{cfg.ab_stages} A/B stages of {ab_stage_bytes(cfg, problem.ab_dtype)} B and "
-            f"{cfg.num_epi_stages} D buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B fill the "
-            f"{hw.smem_per_cta_bytes} B budget"
+            f"{cfg.num_epi_stages} D buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B"
+            + (f" next to the fused epilogue's {extra} B" if extra else "")
+            + f" fill the {hw.smem_per_cta_bytes} B budget"
         )
     reasons.append(
         f"raster: bands of {cfg.swizzle} clusters along {'N, swept down M' if raster_along_m else 'M, swept across N'}"
@@ -168,7 +190,7 @@ def choose_config(problem: GemmProblem, hw: Hardware = H100_SXM, **overrides) ->
             f"{cfg.num_epi_stages} D staging buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B do not fit in "
             f"the A ring they would reuse ({cfg.ab_stages} stages); raise ab_stages or lower num_epi_stages"
         )
-    total = smem_total(cfg, problem.ab_dtype, problem.d_dtype)
+    total = smem_total(cfg, problem.ab_dtype, problem.d_dtype, epilogue)
     if total > hw.smem_per_cta_bytes:
         raise ConfigError(
             f"configuration needs {total} B of shared memory, over the {hw.smem_per_cta_bytes} B "

@@ -11,7 +11,7 @@ from epicute.plan.config import GemmConfig, GemmProblem
 from epicute.plan.hardware import Hardware, current_hardware
 from epicute.plan.heuristics import choose_config
 from epicute.plan.roofline import Roofline, roofline
-from epicute.plan.smem import SmemItem, smem_table
+from epicute.plan.smem import NO_EPILOGUE, EpilogueBuffers, SmemItem, smem_table
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -23,10 +23,12 @@ class GemmPlan:
     problem: GemmProblem
     config: GemmConfig
     hardware: Hardware
+    #: shared memory the fused epilogue needs (none without an epilogue)
+    epilogue: EpilogueBuffers = NO_EPILOGUE
 
     @property
     def smem(self) -> list[SmemItem]:
-        return smem_table(self.config, self.problem.ab_dtype, self.problem.d_dtype)
+        return smem_table(self.config, self.problem.ab_dtype, self.problem.d_dtype, self.epilogue)
 
     @property
     def smem_bytes(self) -> int:
@@ -59,10 +61,13 @@ class GemmPlan:
         return roofline(self.problem, self.hardware, self.config.tile_m, self.config.tile_n, self.config.tile_k)
 
 
-def plan_gemm(problem: GemmProblem, hardware: Hardware | None = None, **overrides) -> GemmPlan:
+def plan_gemm(
+    problem: GemmProblem, hardware: Hardware | None = None, epilogue: EpilogueBuffers = NO_EPILOGUE, **overrides
+) -> GemmPlan:
     """Plan ``problem`` for ``hardware`` (default: the visible GPU, else an H100).
 
-    Keyword overrides pin :class:`GemmConfig` fields, e.g. ``tile_n=128``.
+    ``epilogue`` is the fused epilogue's shared-memory needs; keyword overrides
+    pin :class:`GemmConfig` fields, e.g. ``tile_n=128``.
     """
     hw = hardware or current_hardware()
-    return GemmPlan(problem, choose_config(problem, hw, **overrides), hw)
+    return GemmPlan(problem, choose_config(problem, hw, epilogue, **overrides), hw, epilogue)

@@ -34,6 +34,9 @@ def render_plan(plan: GemmPlan) -> str:
         "warp roles",
         f"  warpgroup 0     producer: warp 0 issues TMA loads of A and B   setmaxnreg {c.producer_regs}",
     ]
+    e = plan.epilogue
+    if e.loads_tiles:
+        lines.append(f"                  warp 1 issues TMA loads of the epilogue's {len(e.tile_inputs)} tile operand(s)")
     for wg in range(c.num_mma_warpgroups):
         rows = c.tile_m // c.num_mma_warpgroups
         lines.append(
@@ -48,7 +51,15 @@ def render_plan(plan: GemmPlan) -> str:
         f"  A/B load ring   PipelineTmaAsync, {c.ab_stages} stages, full+empty mbarriers, "
         f"{(c.tile_m + c.tile_n) * c.tile_k * 2} B per stage",
         f"  D store         PipelineTmaStore, {c.num_epi_stages} buffers, one elected thread "
-        f"commits and waits until <= {c.num_epi_stages - 1} stores are in flight",
+        f"commits and waits until <= {c.num_epi_stages - 1} stores are in flight"
+        + (f" (D and {len(e.aux_outputs)} aux output(s) per commit group)" if e.aux_outputs else ""),
+    ]
+    if e.loads_tiles:
+        lines.append(
+            f"  epilogue loads  PipelineTmaAsync, {c.num_c_stages} stages of one {c.epi_tile[0]}x{c.epi_tile[1]} "
+            "subtile per tile operand, released by each consumer warp after its smem -> register copy"
+        )
+    lines += [
         f"  epilogue sync   named barrier 1 over the {c.num_mma_threads} MMA threads, "
         "fence.proxy.async.shared::cta before each store",
         "",
@@ -79,4 +90,7 @@ def render_plan(plan: GemmPlan) -> str:
         "why",
     ]
     lines += [f"  - {reason}" for reason in c.reasons]
+    if e.chain:
+        lines += ["", "epilogue chain (tile: once per tile; subtile: once per epilogue subtile)"]
+        lines += [f"  {stage}" for stage in e.chain]
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Compiling kernel variants, with or without a GPU, and the in-process cache.
+"""Compiling kernel variants, with or without a GPU; every compile goes through the cache.
 
 Kernels are compiled against *fake* tensors: symbolic sizes and strides, fixed
 dtypes, majors and 16-byte alignment. The result therefore serves every
@@ -7,19 +7,26 @@ none is present), which is how CI proves every variant builds.
 
 Compiled functions use the DSL's TVM-FFI calling convention: they take torch
 tensors directly and launch on torch's current stream.
+
+:class:`KernelFamily` puts one kernel kind's variants through the process-wide
+:data:`~epicute.runtime.cache.KERNEL_CACHE` (memory, then disk, then compile):
+a variant only needs ``key()`` (a ``CacheKey``); attention registers its own family.
 """
 
 from __future__ import annotations
 
-import threading
+import functools
 import warnings
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from epicute.errors import CompileError
 from epicute.plan.config import DTYPE_BYTES, GemmConfig
+from epicute.runtime.cache import KERNEL_CACHE, TARGET_ARCH, CacheKey
 
-TARGET_ARCH = "sm_90a"
+#: Base-address alignment every TMA operand is compiled to assume (checked per call on the host).
+OPERAND_ALIGN_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -36,12 +43,20 @@ class GemmVariant:
     #: the fused epilogue (an ``epicute.kernels.epilogue_emit.EpilogueFusion``), if any
     fusion: object = None
 
-    def key(self) -> tuple:
-        return (
-            "gemm", self.config.key(), self.ab_dtype, self.d_dtype, self.a_major,
-            self.b_major, self.max_active_clusters, self.arch,
-            None if self.fusion is None else self.fusion.key(),
+    def key(self) -> CacheKey:
+        """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
+        parts = (
+            self.config.key(), self.ab_dtype, self.d_dtype, self.a_major, self.b_major,
+            self.max_active_clusters, None if self.fusion is None else self.fusion.key(),
+            ("align", OPERAND_ALIGN_BYTES),
         )  # fmt: skip
+        c = self.config
+        label = (
+            f"{c.tile_m}x{c.tile_n}x{c.tile_k} cluster {c.cluster_m}x{c.cluster_n} "
+            f"{'persistent' if c.persistent else 'one tile/CTA'} {self.ab_dtype}->{self.d_dtype} "
+            f"A:{self.a_major} B:{self.b_major}" + ("" if self.fusion is None else " +epilogue")
+        )
+        return CacheKey("gemm", parts, self.arch, label)
 
 
 def _fake_operand(dtype, dims: tuple, contiguous: int):
@@ -54,12 +69,16 @@ def _fake_operand(dtype, dims: tuple, contiguous: int):
 
     div = 16 * 8 // dtype.width
     stride = tuple(1 if i == contiguous else cute.sym_int64(divisibility=div) for i in range(3))
-    return cute.runtime.make_fake_tensor(dtype, dims, stride=stride, assumed_align=16)
+    return cute.runtime.make_fake_tensor(dtype, dims, stride=stride, assumed_align=OPERAND_ALIGN_BYTES)
 
 
 def _fake_epilogue_operands(fusion) -> tuple[tuple, tuple]:
-    """Fake operand tensors (batch-first, fully dynamic strides: they are read
-    element by element, so any layout works) and fp32 scalar placeholders."""
+    """Fake epilogue tensors (batch-first, in ``fusion.tensor_args`` order) and fp32 scalar placeholders.
+
+    Operand and aux tiles go through TMA, so they are row-major with 16-byte
+    aligned strides like D; vectors and workspaces are indexed element by
+    element, so any strides work.
+    """
     from epicute.kernels.epilogue_emit import DSL_DTYPES  # first: sets the target arch
 
     import cutlass
@@ -67,17 +86,18 @@ def _fake_epilogue_operands(fusion) -> tuple[tuple, tuple]:
 
     if fusion is None:
         return (), ()
-    rank = {"row": 2, "col": 2, "tile": 3}
-    tensors = tuple(
-        cute.runtime.make_fake_tensor(
-            DSL_DTYPES[dtype],
-            tuple(cute.sym_int() for _ in range(rank[kind])),
-            stride=tuple(cute.sym_int64() for _ in range(rank[kind])),
-            assumed_align=DSL_DTYPES[dtype].width // 8,
-        )
-        for _, kind, dtype in fusion.tensor_operands
-    )
-    return tensors, tuple(cutlass.Float32(0.0) for _ in fusion.scalar_operands)
+    tensors = []
+    for role, _, dtype in fusion.tensor_args:
+        dsl = DSL_DTYPES[dtype]
+        if role in ("tile", "aux"):
+            tensors.append(_fake_operand(dsl, tuple(cute.sym_int() for _ in range(3)), contiguous=2))
+        else:
+            rank = 3 if role == "workspace" else 2
+            tensors.append(cute.runtime.make_fake_tensor(
+                dsl, tuple(cute.sym_int() for _ in range(rank)),
+                stride=tuple(cute.sym_int64() for _ in range(rank)), assumed_align=max(dsl.width // 8, 1),
+            ))  # fmt: skip
+    return tuple(tensors), tuple(cutlass.Float32(0.0) for _ in fusion.scalar_inputs)
 
 
 def compile_gemm(variant: GemmVariant):
@@ -113,36 +133,34 @@ def compile_gemm(variant: GemmVariant):
         raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
 
 
-class CompileCache:
-    """In-process cache of compiled variants; safe to use from several threads."""
-
-    def __init__(self) -> None:
-        self._fns: dict[tuple, object] = {}
-        self._lock = threading.Lock()
-        self.compile_seconds: dict[tuple, float] = {}
-
-    def get(self, variant: GemmVariant):
-        key = variant.key()
-        fn = self._fns.get(key)
-        if fn is not None:
-            return fn
-        with self._lock:
-            fn = self._fns.get(key)
-            if fn is None:
-                start = time.perf_counter()
-                fn = compile_gemm(variant)
-                self.compile_seconds[key] = time.perf_counter() - start
-                self._fns[key] = fn
-        return fn
-
-    def __len__(self) -> int:
-        return len(self._fns)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._fns.clear()
+#: Every kernel family by kind (``epicute compile`` looks them up here).
+FAMILIES: dict[str, KernelFamily] = {}
 
 
-GEMM_CACHE = CompileCache()
+class KernelFamily:
+    """One kernel kind's compiled variants, through :data:`KERNEL_CACHE`.
 
-__all__ = ["GemmVariant", "compile_gemm", "CompileCache", "GEMM_CACHE", "DTYPE_BYTES", "TARGET_ARCH"]
+    ``compile_fn(variant)`` compiles a variant; ``variant.key()`` (a
+    :class:`~epicute.runtime.cache.CacheKey`) names it.
+    """
+
+    def __init__(self, kind: str, compile_fn: Callable[[Any], Any]) -> None:
+        self.kind = kind
+        self.compile_fn = compile_fn
+        FAMILIES[kind] = self
+
+    def get(self, variant) -> Callable:
+        """The compiled kernel of ``variant`` (memory, else disk, else compiled now)."""
+        return KERNEL_CACHE.get(variant.key(), functools.partial(self.compile_fn, variant))
+
+    def ensure_on_disk(self, variant) -> tuple[str, Any]:
+        """Ahead of time: compile ``variant`` into the disk cache unless it is there."""
+        return KERNEL_CACHE.ensure_on_disk(variant.key(), functools.partial(self.compile_fn, variant))
+
+
+GEMM_CACHE = KernelFamily("gemm", compile_gemm)
+
+__all__ = [
+    "GemmVariant", "compile_gemm", "KernelFamily", "FAMILIES", "GEMM_CACHE", "DTYPE_BYTES", "TARGET_ARCH",
+    "OPERAND_ALIGN_BYTES",
+]  # fmt: skip

@@ -3,6 +3,10 @@
 Per call: look up the plan (cached per problem), look up the compiled variant
 (cached per variant), launch. Problem sizes are dynamic in the compiled kernel,
 so a new shape costs a plan, never a compile, unless it picks a new variant.
+
+Both lookups are ``lru_cache`` hits keyed on small frozen dataclasses, so a
+cached call costs a few microseconds of Python before the TVM-FFI launch
+(``bench/runtime.py`` measures it).
 """
 
 from __future__ import annotations
@@ -12,13 +16,20 @@ import functools
 import torch
 
 from epicute.plan import GemmPlan, GemmProblem, plan_gemm
+from epicute.plan.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.runtime.compile import GEMM_CACHE, GemmVariant
 from epicute.runtime.validate import GemmCall
 
 
 @functools.lru_cache(maxsize=4096)
-def cached_plan(problem: GemmProblem, overrides: tuple = ()) -> GemmPlan:
-    return plan_gemm(problem, **dict(overrides))
+def cached_plan(problem: GemmProblem, overrides: tuple = (), epilogue: EpilogueBuffers = NO_EPILOGUE) -> GemmPlan:
+    return plan_gemm(problem, epilogue=epilogue, **dict(overrides))
+
+
+@functools.lru_cache(maxsize=4096)
+def kernel_for(plan: GemmPlan, fusion=None):
+    """The compiled kernel of ``plan`` (and fusion): memory, disk or a compile, once per process."""
+    return GEMM_CACHE.get(variant_of(plan, fusion))
 
 
 def variant_of(plan: GemmPlan, fusion=None) -> GemmVariant:
@@ -29,20 +40,44 @@ def variant_of(plan: GemmPlan, fusion=None) -> GemmVariant:
 
 
 def launch_gemm(
-    call: GemmCall, plan: GemmPlan, fusion=None, epi_tensors: tuple = (), epi_scalars: tuple = ()
-) -> torch.Tensor:
-    """Run ``call`` with ``plan`` (and the fused epilogue, if any); returns D in the caller's rank."""
+    call: GemmCall,
+    plan: GemmPlan,
+    fusion=None,
+    epi_inputs: tuple = (),
+    epi_scalars: tuple = (),
+    aux: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Run ``call`` with ``plan`` (and the fused epilogue, if any).
+
+    Returns D in the caller's rank; with an epilogue that has more outputs, a
+    dict of all of them (aux tiles from ``aux``, reductions finalized here).
+    """
     p = call.problem
     out3 = call.out
     if out3 is None:
         out3 = torch.empty((p.l, p.m, p.n), dtype=call.out_dtype, device=call.a.device)
+    aux = aux or {}
+    workspaces = {}
+    if fusion is not None:
+        workspaces = {
+            r.name: torch.empty(r.workspace_shape(p.l, p.m, p.n, plan.config.tile_n), dtype=torch.float32,
+                                device=call.a.device)
+            for r in fusion.reductions
+        }  # fmt: skip
     if p.m and p.n:
         if p.k == 0 and fusion is None:
             out3.zero_()
         else:
             # K = 0 with an epilogue still runs the kernel: no k-tiles, acc stays zero.
-            kernel = GEMM_CACHE.get(variant_of(plan, fusion))
-            kernel(call.a, call.b, out3, epi_tensors, epi_scalars)
-    if call.out is not None:  # validation made its rank match the operands'
-        return call.out
-    return out3 if call.batched else out3[0]
+            kernel = kernel_for(plan, fusion)
+            kernel(call.a, call.b, out3, epi_inputs + tuple(aux.values()) + tuple(workspaces.values()), epi_scalars)
+    d = call.out if call.out is not None else out3 if call.batched else out3[0]
+    if fusion is None or set(fusion.output_dtypes) == {"D"}:
+        return d
+    results = {"D": d}
+    for name, t in aux.items():
+        results[name] = t if call.batched else t[0]
+    for r in fusion.reductions:
+        value = r.finalize(workspaces[r.name])
+        results[r.name] = value if call.batched or r.axis == "all" else value[0]
+    return results

@@ -1,0 +1,234 @@
+"""Runtime figures: cold compile, disk load, host overhead per call, recompiles in a size sweep.
+
+Usage: python bench/runtime.py [--out PATH]
+Writes bench/results/runtime.json (and $OUT/runtime.json when OUT is set); one row per
+figure, the unit in the case name's suffix (_s, _ms, _us, or a count):
+
+- cold_compile_gemm_s: the DSL compile of one GEMM variant (empty cache); cold_first_call_gemm_s
+  adds planning, export to disk, load and launch. cold_compile_attention_s when attention exists.
+- disk_load_ms: a fresh process loading that variant from the disk cache (median of 3 processes);
+  fresh_process_first_call_ms: that process's whole first call (load + launch, imports excluded).
+- host_overhead_us: host time per cached call on a tiny problem, launches queued without a sync
+  (peer: torch.matmul); host_overhead_epilogue_us with a bias+relu epilogue; kernel_time_us: the
+  GPU time of the same call by CUDA events, to show which side bounds a tiny call.
+- recompiles_in_size_sweep: kernels fetched beyond the distinct variants the planner picks over 8 sizes (target 0);
+  torch_compile_graphs_in_size_sweep: graphs torch.compile(dynamic=True) built over the same sweep.
+Exits 2 without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+from common import Row, write_result
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "bench" / "results" / "runtime.json"
+PINS = {"tile_n": 128, "persistent": False, "cluster_m": 1}
+SWEEP_M = (1, 17, 129, 1000, 1024, 2049, 4096, 8191)
+
+FRESH = textwrap.dedent(
+    """
+    import time, torch, epicute
+    from epicute.runtime.cache import KERNEL_CACHE
+    a = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    epicute.gemm(a, b, config=%r)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    (how, seconds), = KERNEL_CACHE.events.values()
+    print(how, seconds, first)
+    """
+)
+
+
+def fresh_cache(directory: str) -> None:
+    """Point the disk cache at ``directory`` and forget every kernel this process holds."""
+    from epicute.runtime.cache import KERNEL_CACHE
+    from epicute.runtime.launch import kernel_for
+
+    os.environ["EPICUTE_CACHE_DIR"] = directory
+    kernel_for.cache_clear()
+    KERNEL_CACHE.clear_memory()
+
+
+def cold_gemm(directory: str) -> tuple[float, float]:
+    import epicute
+    from epicute.runtime.cache import KERNEL_CACHE
+
+    fresh_cache(directory)
+    a = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    epicute.gemm(a, b, config=PINS)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    ((how, seconds),) = KERNEL_CACHE.events.values()
+    assert how == "compiled", how
+    return seconds, first
+
+
+def cold_attention(directory: str) -> float | None:
+    """First attention call with an empty cache, if this epicute has attention."""
+    try:
+        from epicute import attention
+    except ImportError:
+        return None
+    from epicute.runtime.cache import KERNEL_CACHE
+
+    fresh_cache(directory)
+    q = torch.randn(1, 512, 8, 128, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    attention(q, q, q)
+    torch.cuda.synchronize()
+    compiled = [seconds for how, seconds in KERNEL_CACHE.events.values() if how == "compiled"]
+    return sum(compiled) if compiled else None
+
+
+def disk_load(directory: str) -> tuple[float, float]:
+    env = {**os.environ, "EPICUTE_CACHE_DIR": directory, "PYTHONPATH": str(REPO)}
+    loads, firsts = [], []
+    for _ in range(3):
+        out = subprocess.run(
+            [sys.executable, "-c", FRESH % (PINS,)], env=env, capture_output=True, text=True, timeout=600
+        )
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr)
+        how, seconds, first = out.stdout.split()[-3:]
+        assert how == "disk", f"the fresh process did not load from disk: {how}"
+        loads.append(float(seconds))
+        firsts.append(float(first))
+    return statistics.median(loads), statistics.median(firsts)
+
+
+def host_us(fn, calls: int = 200, reps: int = 20) -> float:
+    """Best-of-reps host time per call, launches queued (no sync inside a rep)."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+        torch.cuda.synchronize()
+    return best * 1e6
+
+
+def gpu_us(fn, calls: int = 200) -> float:
+    """GPU time per call by CUDA events around back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) * 1e3 / calls
+
+
+def size_sweep() -> tuple[int, int]:
+    import epicute
+    from epicute.runtime.cache import KERNEL_CACHE
+
+    from epicute.plan import GemmProblem
+    from epicute.runtime.launch import cached_plan, variant_of
+
+    b = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    # The planner may still pick a second variant for some sizes (that is a new kernel, not a recompile).
+    variants = {variant_of(cached_plan(GemmProblem(m, 1024, 512), tuple(sorted(PINS.items())))).key() for m in SWEEP_M}
+    new = [v for v in variants if v not in KERNEL_CACHE]
+    before = KERNEL_CACHE.stats.compiles + KERNEL_CACHE.stats.disk_loads
+    for m in SWEEP_M:
+        epicute.gemm(torch.randn(m, 512, device="cuda", dtype=torch.bfloat16), b, config=PINS)
+    recompiles = KERNEL_CACHE.stats.compiles + KERNEL_CACHE.stats.disk_loads - before - len(new)
+
+    torch._dynamo.reset()
+    graphs = 0
+
+    def backend(gm, example_inputs):
+        nonlocal graphs
+        graphs += 1
+        return gm.forward
+
+    compiled = torch.compile(lambda x, w: epicute.gemm(x, w, config=PINS), backend=backend, dynamic=True, fullgraph=True)
+    for m in SWEEP_M:
+        compiled(torch.randn(m, 512, device="cuda", dtype=torch.bfloat16), b)
+    torch.cuda.synchronize()
+    return recompiles, graphs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON path")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return 2
+    import epicute
+
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as directory:
+        compile_s, first_s = cold_gemm(directory)
+        rows += [{"case": "cold_compile_gemm_s", "epicute": round(compile_s, 3)},
+                 {"case": "cold_first_call_gemm_s", "epicute": round(first_s, 3)}]  # fmt: skip
+        load_s, fresh_first_s = disk_load(directory)
+        rows += [{"case": "disk_load_ms", "epicute": round(load_s * 1e3, 2)},
+                 {"case": "fresh_process_first_call_ms", "epicute": round(fresh_first_s * 1e3, 2)}]  # fmt: skip
+        with tempfile.TemporaryDirectory() as attention_dir:
+            attention_s = cold_attention(attention_dir)
+        if attention_s is not None:
+            rows.append({"case": "cold_compile_attention_s", "epicute": round(attention_s, 3)})
+        os.environ["EPICUTE_CACHE_DIR"] = directory
+
+        a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+        bias = torch.randn(64, device="cuda", dtype=torch.bfloat16)
+
+        @epicute.epilogue
+        def bias_relu(acc, bias):
+            return epicute.ops.relu(acc + bias)
+
+        host = host_us(lambda: epicute.gemm(a, b))
+        rows.append({"case": "host_overhead_us", "epicute": round(host, 2),
+                     "torch_matmul": round(host_us(lambda: torch.matmul(a, b)), 2)})  # fmt: skip
+        rows.append({"case": "host_overhead_epilogue_us",
+                     "epicute": round(host_us(lambda: epicute.gemm(a, b, epilogue=bias_relu, bias=bias)), 2),
+                     "torch_matmul": round(host_us(lambda: torch.relu(torch.addmm(bias, a, b))), 2)})  # fmt: skip
+        rows.append({"case": "kernel_time_us", "epicute": round(gpu_us(lambda: epicute.gemm(a, b)), 2),
+                     "torch_matmul": round(gpu_us(lambda: torch.matmul(a, b)), 2)})  # fmt: skip
+        recompiles, graphs = size_sweep()
+        rows += [{"case": "recompiles_in_size_sweep", "epicute": recompiles},
+                 {"case": "torch_compile_graphs_in_size_sweep", "epicute": graphs}]  # fmt: skip
+
+    command = shlex.join(["python", "bench/runtime.py", *sys.argv[1:]])
+    path = write_result(args.out, "runtime", command, "see case suffix (_s, _ms, _us, count)", False, rows)
+    print(f"wrote {path}")
+    if os.environ.get("OUT"):
+        shutil.copy(path, Path(os.environ["OUT"]) / "runtime.json")
+    width = max(len(r["case"]) for r in rows)
+    for r in rows:
+        peers = "  ".join(f"{k} {v}" for k, v in r.items() if k not in ("case", "epicute"))
+        print(f"{r['case'].ljust(width)}  {r['epicute']}  {peers}")
+    print(f"targets: disk load {load_s * 1e3:.1f} ms (<= 100), host overhead {host:.1f} us (<= 10), "
+          f"recompiles {recompiles} (0)")  # fmt: skip
+    return 0 if recompiles == 0 and load_s <= 0.1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""``epicute bench``: GEMM throughput over a list of shapes, against the peers installed.
+
+Each shape is checked against float32 torch first (a wrong kernel is reported,
+never timed), then timed with CUDA events over rotating inputs (so L2 starts
+cold) for epicute, cuBLAS (``torch.matmul``) and quack when it is installed.
+The plot needs matplotlib (``pip install 'epicute[plot]'``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from epicute.errors import ConfigError, DeviceError
+
+Shape = tuple[int, int, int]
+Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+
+DEFAULT_SHAPES: tuple[Shape, ...] = (
+    (1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
+    (4096, 14336, 4096), (8192, 4096, 14336),
+)  # fmt: skip
+TOLERANCE = 1e-2
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    """``"4096x4096x4096,1x8192x8192"`` -> ``[(4096, 4096, 4096), (1, 8192, 8192)]``."""
+    shapes = []
+    for item in text.split(","):
+        try:
+            m, n, k = (int(x) for x in item.strip().lower().split("x"))
+        except ValueError:
+            raise ConfigError(f"shape {item.strip()!r}: write it as MxNxK, e.g. 4096x4096x4096") from None
+        shapes.append((m, n, k))
+    return shapes
+
+
+def require_matplotlib():
+    """``matplotlib.pyplot`` with a file-only backend, or a ConfigError saying how to get it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("the plot needs matplotlib: pip install 'epicute[plot]' (or pass --no-plot)") from None
+    return plt
+
+
+def contenders() -> dict[str, Gemm]:
+    """epicute first, then each peer that imports."""
+    import epicute
+
+    found: dict[str, Gemm] = {
+        "epicute": lambda a, b, d: epicute.gemm(a, b, out=d),
+        "cublas": lambda a, b, d: torch.matmul(a, b, out=d),
+    }
+    try:
+        from quack.gemm_interface import gemm as quack_gemm
+
+        found["quack"] = lambda a, b, d: quack_gemm(a, b, out=d, tuned=False)
+    except Exception:  # noqa: BLE001 - a peer that does not import is left out
+        pass
+    return found
+
+
+def _median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, stop in events:
+        start.record()
+        fn()
+        stop.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(stop) for start, stop in events)
+
+
+def run_shape(shape: Shape, fns: dict[str, Gemm], dtype: torch.dtype = torch.bfloat16) -> dict[str, float | str | None]:
+    """TFLOPS of each contender on one shape (None: failed or wrong; the reason under ``"<name>_error"``)."""
+    m, n, k = shape
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    count = max(2, math.ceil(2 * l2 / (2 * (m * k + k * n + m * n))))
+    sets = [
+        (torch.randn(m, k, device="cuda", dtype=dtype), torch.randn(k, n, device="cuda", dtype=dtype),
+         torch.empty(m, n, device="cuda", dtype=dtype))
+        for _ in range(count)
+    ]  # fmt: skip
+    a0, b0, _ = sets[0]
+    ref = a0.float() @ b0.float()
+    row: dict[str, float | str | None] = {"case": f"{m}x{n}x{k}"}
+    for name, fn in fns.items():
+        try:
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+            fn(a0, b0, out)
+            err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if not err <= TOLERANCE:  # NaN fails too
+                row[name], row[f"{name}_error"] = None, f"relative error {err:.2e}"
+                continue
+            cycle = itertools.cycle(sets)
+            ms = _median_ms(lambda fn=fn, cycle=cycle: fn(*next(cycle)))
+            row[name] = round(2 * m * n * k / (ms * 1e-3) / 1e12, 1)
+        except Exception as exc:  # noqa: BLE001 - one failing contender must not stop the others
+            row[name], row[f"{name}_error"] = None, f"{type(exc).__name__}: {exc}"
+    return row
+
+
+def check_device() -> str:
+    """The GPU's name, or a DeviceError when there is no Hopper GPU to benchmark on."""
+    if not torch.cuda.is_available():
+        raise DeviceError("epicute bench needs a CUDA GPU (sm_90); none is visible. Try `epicute doctor`")
+    if torch.cuda.get_device_capability() != (9, 0):
+        raise DeviceError(f"{torch.cuda.get_device_name()} is not a Hopper GPU (sm_90); epicute's kernels need one")
+    return torch.cuda.get_device_name()
+
+
+def plot(rows: Sequence[dict], names: Sequence[str], path: Path, title: str) -> Path:
+    """TFLOPS vs shape, one bar group per shape and one bar per contender, as a PNG."""
+    plt = require_matplotlib()
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows)), 4.0))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(rows))]
+        ax.bar(xs, [row.get(name) or 0.0 for row in rows], width, label=name)
+    ax.set_xticks(range(len(rows)), [str(row["case"]) for row in rows], rotation=20, ha="right")
+    ax.set_ylabel("TFLOPS")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["DEFAULT_SHAPES", "parse_shapes", "require_matplotlib", "contenders", "run_shape", "check_device", "plot"]

@@ -1,0 +1,620 @@
+"""FlashAttention-3 style attention forward for SM90, built from the GEMM's parts.
+
+``O = softmax(Q K^T * scale) V`` per (batch, head); one CTA per ``tile_m`` query
+rows of one (batch, head). Warp roles (as in the GEMM: producer warpgroup 0,
+consumers after it):
+
+- producer (warp 0): TMA loads of Q -- once, bundled with the first K tile on
+  that stage's full barrier through extra transaction bytes -- then K and V
+  through their own ``stages``-deep rings (:func:`make_tma_load_pipeline`).
+  K runs one block ahead of V, so the consumers can issue QK^T of block j+1
+  before PV of block j.
+- consumers (``num_mma_warpgroups`` x 64 query rows): per key block, S = Q K^T
+  (WGMMA from smem), score_mod, masks, online softmax in registers (row max and
+  sum; each warp holds whole rows, checked by the planner), P cast to 16 bits in
+  registers and O += P V (WGMMA with A from registers).
+  **Intra-warpgroup overlap**: the QK^T WGMMA of block j+1 and the PV WGMMA of
+  block j are in flight while the softmax of block j+1 runs.
+  With ``rescale_o_early`` (large head_dim) O is rescaled under the QK^T WGMMA
+  instead of after PV retires. **Ping-pong**: before issuing its two GEMMs a warpgroup syncs on its own named
+  barrier, after issuing them it arrives at the next warpgroup's; the first one
+  is pre-armed, so the warpgroups take turns at the tensor cores while the
+  others run softmax.
+- The first key block (the right-most: it holds the ragged seqlen_k edge and the
+  causal diagonal) is peeled: its softmax is compile-time ``is_first`` and the
+  first PV runs with the accumulate flag off. Causal masking runs only on blocks
+  that cross the diagonal; blocks fully above it are never loaded. The causal
+  diagonal is aligned bottom-right (query i sees keys <= i + seqlen_k - seqlen_q).
+- Epilogue: O normalized by the row sums, the user's epilogue per element, cast,
+  ``stmatrix`` into Q's shared memory (the rows each warpgroup stages are the
+  rows only it read), TMA store (:class:`TmaStoreEpilogue`, which clips the
+  ragged seqlen_q edge); LSE (natural log, fp32) written by one lane per row.
+
+Sizes, strides, head counts are dynamic; head_dim, tiles, dtype, causal and the
+fused graphs are compile-time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, cute, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from epicute.epilogue.graph import Graph
+from epicute.epilogue.hashing import semantic_hash
+from epicute.errors import EpilogueError
+from epicute.kernels.epilogue_emit import DSL_DTYPES, _emit_op
+from epicute.kernels.pipeline import NamedBarriers, TmaStoreEpilogue, make_tma_load_pipeline
+from epicute.plan.attention import WGMMA_M, AttentionConfig
+from epicute.plan.config import THREADS_PER_WARPGROUP
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+#: Operand kinds of the attention hooks, as the kernel indexes them.
+#: score_mod: "scalar", "head" ((heads_q,) vector); epilogue: "scalar", "row" ((head_dim,)), "tile" ((B, Sq, H, D)).
+OPERAND_KINDS = ("scalar", "head", "row", "tile")
+
+
+@dataclass(frozen=True)
+class AttentionFusion:
+    """A traced graph applied per element inside the attention kernel (score_mod or output epilogue).
+
+    Kept small on purpose: the graph's ops are emitted by the shared scalar
+    emitter (``epilogue_emit._emit_op``); only the leaves are attention-specific.
+    """
+
+    graph: Graph
+    #: (name, kind, dtype) per operand, in parameter order; kind in OPERAND_KINDS
+    operands: tuple[tuple[str, str, str], ...]
+
+    def __post_init__(self) -> None:
+        outputs = dict(self.graph.outputs)
+        if set(outputs) != {"D"}:
+            raise EpilogueError(
+                f"outputs {sorted(set(outputs) - {'D'})}: the attention kernel fuses only the main value so far; "
+                "use backend='reference' for aux outputs and reductions"
+            )
+        for node in self.graph.nodes:
+            if node.op == "quantize" or node.op.endswith(("_sum", "_max", "_amax")) or node.op == "amax":
+                raise EpilogueError(
+                    f"op {node.op!r} is not emitted by the attention kernel yet; use backend='reference'"
+                )
+            if node.op == "cast" and node.attr("dtype") not in DSL_DTYPES:
+                raise EpilogueError(f"cast to {node.attr('dtype')} is not emitted by the kernel yet")
+        for name, kind, dtype in self.operands:
+            if kind not in OPERAND_KINDS:
+                raise EpilogueError(f"operand {name!r}: kind {kind!r} is not one of {OPERAND_KINDS}")
+            if kind != "scalar" and dtype not in DSL_DTYPES:
+                raise EpilogueError(f"operand {name!r} has dtype {dtype}; the kernel loads bf16, fp16 or fp32")
+
+    @property
+    def tensor_operands(self) -> tuple[tuple[str, str, str], ...]:
+        return tuple(op for op in self.operands if op[1] != "scalar")
+
+    @property
+    def scalar_operands(self) -> tuple[tuple[str, str, str], ...]:
+        return tuple(op for op in self.operands if op[1] == "scalar")
+
+    def key(self) -> tuple:
+        return (semantic_hash(self.graph), self.operands)
+
+    def emit(self, acc, index: dict, operand: dict):
+        """The graph's output for one element: ``acc``, index leaves and operand values by name."""
+        values = {}
+        for node in self.graph.nodes:
+            if node.op == "acc":
+                v = acc
+            elif node.op == "const":
+                v = Float32(node.attr("value"))
+            elif node.op == "index":
+                v = index[node.attr("name")]
+            elif node.op == "input":
+                v = operand[node.attr("name")]
+            else:
+                v = _emit_op(node.op, [values[a] for a in node.args], node)
+            values[node.id] = v
+        return values[dict(self.graph.outputs)["D"]]
+
+
+def _select(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
+    """A view of ``tensor`` with its modes permuted (no data moves)."""
+    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=order))
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+    """Row-major (``cols`` contiguous) swizzled smem layout, optionally staged."""
+    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def _acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """View a WGMMA accumulator ``((2, 2, V), M, N)`` as ``((2, M), (2, V, N))`` = (rows, cols) of this thread."""
+    shape = cute.make_layout(t.layout.shape)  # compact col-major over the accumulator's modes
+    rows_cols = cute.make_layout(
+        ((shape.shape[0][1], shape.shape[1]), (shape.shape[0][0], shape.shape[0][2], shape.shape[2])),
+        stride=((shape.stride[0][1], shape.stride[1]), (shape.stride[0][0], shape.stride[0][2], shape.stride[2])),
+    )
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, rows_cols))
+
+
+def _acc_as_operand_a(t: cute.Tensor) -> cute.Tensor:
+    """View an accumulator ``((2, 2, N/8), M, 1)`` as the A fragment ``((2, 2, 2), M, N/16)`` of the next WGMMA."""
+    l = cute.logical_divide(t.layout, ((None, None, 2), None, None))
+    view = cute.make_layout(
+        ((l.shape[0][0], l.shape[0][1], l.shape[0][2][0]), l.shape[1], (l.shape[0][2][1], l.shape[2])),
+        stride=((l.stride[0][0], l.stride[0][1], l.stride[0][2][0]), l.stride[1], (l.stride[0][2][1], l.stride[2])),
+    )
+    return cute.make_tensor(t.iterator, view)
+
+
+class AttentionSm90:
+    """Compile-time description of one attention kernel variant (see module docstring)."""
+
+    def __init__(
+        self,
+        cfg: AttentionConfig,
+        dtype: str,
+        causal: bool,
+        score_mod: AttentionFusion | None = None,
+        epilogue: AttentionFusion | None = None,
+    ):
+        cfg.validate(dtype=dtype)
+        self.cfg = cfg
+        self.dtype = DSL_DTYPES[dtype]
+        self.causal = causal
+        self.score_mod = score_mod
+        self.epilogue = epilogue
+        self.num_wg = cfg.num_mma_warpgroups
+        self.load_warp = 0
+        # First warp of the first consumer warpgroup issues the O store.
+        self.store_warp = THREADS_PER_WARPGROUP // 32
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        mQ_bshd: cute.Tensor,
+        mK_bshd: cute.Tensor,
+        mV_bshd: cute.Tensor,
+        mO_bshd: cute.Tensor,
+        mLSE_bhs: cute.Tensor,
+        softmax_scale: Float32,
+        score_tensors: tuple,
+        score_scalars: tuple,
+        epi_tensors: tuple,
+        epi_scalars: tuple,
+        stream,
+    ):
+        cfg = self.cfg
+        d = cfg.head_dim
+        # (batch, seqlen, heads, dim) -> (seqlen, dim, heads, batch): TMA boxes are (rows, dim).
+        mQ, mK, mV, mO = (_select(t, [1, 3, 2, 0]) for t in (mQ_bshd, mK_bshd, mV_bshd, mO_bshd))
+        mLSE = _select(mLSE_bhs, [2, 1, 0])  # (seqlen_q, heads, batch)
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (self.num_wg, 1, 1), tiler_mn=(WGMMA_M, cfg.tile_n),
+        )  # fmt: skip
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            (self.num_wg, 1, 1), tiler_mn=(WGMMA_M, d), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        sQ_layout = _smem_layout(self.dtype, cfg.tile_m, d)
+        sK_layout = _smem_layout(self.dtype, cfg.tile_n, d, cfg.stages)
+        sV_layout = _smem_layout(self.dtype, cfg.tile_n, d, cfg.stages)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (cfg.tile_m, d))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (cfg.tile_n, d))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (cfg.tile_n, d))
+        # O is staged in Q's buffer with Q's layout.
+        tma_o, tma_mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (cfg.tile_m, d))
+
+        @cute.struct
+        class SharedStorage:
+            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        m_blocks = cute.ceil_div(cute.size(mQ, mode=[0]), cfg.tile_m)
+        # Query heads per key/value head (GQA/MQA), once on the host.
+        group = cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2])
+        scale_log2 = softmax_scale * LOG2_E
+        if cutlass.const_expr(self.score_mod is not None):
+            # score_mod sees scaled scores, so the scale is applied before it and exp2 only changes base.
+            scale_log2 = Float32(LOG2_E)
+
+        self.kernel(
+            tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO, mLSE,
+            sQ_layout, sK_layout, sV_layout, group, softmax_scale, scale_log2,
+            score_tensors, score_scalars, epi_tensors, epi_scalars,
+        ).launch(
+            grid=(m_blocks, cute.size(mQ, mode=[2]), cute.size(mQ, mode=[3])),
+            block=[cfg.num_threads, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )  # fmt: skip
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_o: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        group: Int32,
+        softmax_scale: Float32,
+        scale_log2: Float32,
+        score_tensors: tuple,
+        score_scalars: tuple,
+        epi_tensors: tuple,
+        epi_scalars: tuple,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        if warp_idx == self.load_warp:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        kv_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        consumer_warps = cfg.num_mma_threads // 32
+        k_pipe = make_tma_load_pipeline(storage.k_barriers.data_ptr(), cfg.stages, kv_bytes, consumer_warps, (1, 1), 1)
+        v_pipe = make_tma_load_pipeline(storage.v_barriers.data_ptr(), cfg.stages, kv_bytes, consumer_warps, (1, 1), 1)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        cute.arch.sync_threads()
+
+        bx, head, batch = cute.arch.block_idx()
+        seqlen_q = cute.size(mQ, mode=[0])
+        seqlen_k = cute.size(mK, mode=[0])
+        m_block = bx
+        if cutlass.const_expr(self.causal and cfg.lpt_order):
+            # The last query rows see the most keys: launch them first.
+            m_block = cute.ceil_div(seqlen_q, cfg.tile_m) - 1 - bx
+        n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
+
+        if warpgroup_idx == 0:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == self.load_warp:
+                self._load(
+                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, k_pipe, v_pipe,
+                    m_block, head // group, head, batch, n_blocks, sQ_layout,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            self._consume(
+                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, k_pipe, v_pipe, tma_o, mO, mLSE,
+                m_block, head, batch, n_blocks, seqlen_q, seqlen_k, softmax_scale, scale_log2,
+                score_tensors, score_scalars, epi_tensors, epi_scalars, tidx - THREADS_PER_WARPGROUP,
+                warp_idx == self.store_warp,
+            )  # fmt: skip
+
+    def _n_blocks(self, m_block, seqlen_q, seqlen_k):
+        """Key blocks this query tile reads: all of them, or (causal) up to the last row's diagonal.
+
+        At least one: a tile whose rows all see no key still runs one block, fully
+        masked, and so writes O = 0 and LSE = -inf.
+        """
+        cfg = self.cfg
+        n = (seqlen_k + cfg.tile_n - 1) // cfg.tile_n
+        if cutlass.const_expr(self.causal):
+            # Exclusive key bound of the tile's last row, bottom-right aligned.
+            end = (m_block + 1) * cfg.tile_m + seqlen_k - seqlen_q
+            n = cutlass.min(n, (cutlass.max(end, 1) + cfg.tile_n - 1) // cfg.tile_n)
+        return n
+
+    @cute.jit
+    def _load(
+        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, k_pipe, v_pipe,
+        m_block, head_kv, head, batch, n_blocks, sQ_layout,
+    ):  # fmt: skip
+        cfg = self.cfg
+        d = cfg.head_dim
+        one = cute.make_layout(1)
+        gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, d), (m_block, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.tile_n, d), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, d), (None, 0))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+        # Q rides on the first K stage's full barrier: its bytes are added to that
+        # stage's transaction count before either copy is issued, so the phase
+        # completes only once both have landed.
+        k_pipe.producer_acquire(state)
+        barrier = k_pipe.producer_get_barrier(state)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_expect_tx(barrier, cute.size_in_bytes(self.dtype, sQ_layout))
+        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=barrier)
+        cute.copy(tma_k, tKgK[None, n_blocks - 1], tKsK[None, state.index], tma_bar_ptr=barrier)
+        # K runs one block ahead of V: K[n - 1] is in flight before V[n].
+        for i in cutlass.range(n_blocks - 1, unroll=1):
+            n = n_blocks - 2 - i
+            v_state = state.clone()
+            state.advance()
+            k_pipe.producer_acquire(state)
+            cute.copy(tma_k, tKgK[None, n], tKsK[None, state.index], tma_bar_ptr=k_pipe.producer_get_barrier(state))
+            v_pipe.producer_acquire(v_state)
+            cute.copy(tma_v, tVgV[None, n + 1], tVsV[None, v_state.index],
+                      tma_bar_ptr=v_pipe.producer_get_barrier(v_state))  # fmt: skip
+        v_pipe.producer_acquire(state)
+        cute.copy(tma_v, tVgV[None, 0], tVsV[None, state.index], tma_bar_ptr=v_pipe.producer_get_barrier(state))
+        # No producer_tail: without a cluster no remote CTA arrives on our barriers.
+
+    # ------------------------------------------------------------ consumers
+    @cute.jit
+    def _wgmma(self, tiled_mma, acc, tA, tB, accumulate, wg_wait: cutlass.Constexpr[int]):
+        """Issue one warpgroup GEMM (all k-blocks), commit it, optionally wait for all but ``wg_wait``."""
+        warpgroup.fence()
+        # A fresh atom per GEMM: its accumulate field is state we change below.
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        if cutlass.const_expr(wg_wait >= 0):
+            warpgroup.wait_group(wg_wait)
+
+    def _sched_sync(self, wg):
+        """Wait for this warpgroup's turn at the tensor cores."""
+        if cutlass.const_expr(self.cfg.pingpong):
+            cute.arch.barrier(
+                barrier_id=int(NamedBarriers.PINGPONG_WG1) + wg, number_of_threads=2 * THREADS_PER_WARPGROUP
+            )
+
+    def _sched_arrive(self, wg):
+        """Hand the tensor cores to the next warpgroup."""
+        if cutlass.const_expr(self.cfg.pingpong):
+            nxt = (wg + 1) % self.num_wg
+            cute.arch.barrier_arrive(
+                barrier_id=int(NamedBarriers.PINGPONG_WG1) + nxt, number_of_threads=2 * THREADS_PER_WARPGROUP
+            )
+
+    @cute.jit
+    def _scores(
+        self, acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+        mask_seqlen: cutlass.Constexpr[bool], mask_causal: cutlass.Constexpr[bool],
+    ):  # fmt: skip
+        """score_mod, then the ragged-seqlen_k and causal masks (-inf), on one S block in registers."""
+        cfg = self.cfg
+        if cutlass.const_expr(self.score_mod is not None):
+            for v in cutlass.range_constexpr(cute.size(acc_S)):
+                row, col = tScS[v]
+                index = dict(index_bh)
+                index["q_idx"] = (m_block * cfg.tile_m + row).to(Float32)
+                index["kv_idx"] = (n * cfg.tile_n + col).to(Float32)
+                acc_S[v] = self.score_mod.emit(acc_S[v] * softmax_scale, index, score_operands)
+        if cutlass.const_expr(mask_seqlen or mask_causal):
+            S = _acc_rows_cols(acc_S)
+            cS = _acc_rows_cols(tScS)
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                # Columns >= limit (block-local) are masked for this row.
+                limit = seqlen_k - n * cfg.tile_n
+                if cutlass.const_expr(mask_causal):
+                    q = m_block * cfg.tile_m + cS[r, 0][0]
+                    limit = cutlass.min(limit, q + 1 + seqlen_k - seqlen_q - n * cfg.tile_n)
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    S[r, c] = cutlass.select_(cS[0, c][1] >= limit, -Float32.inf, S[r, c])
+
+    @cute.jit
+    def _online_softmax(self, acc_S, row_max, row_sum, row_scale, scale_log2, is_first: cutlass.Constexpr[bool]):
+        """Fold one S block into the running row max/sum; S becomes P (unnormalized); row_scale rescales O."""
+        S = _acc_rows_cols(acc_S)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            s_row = S[r, None].load()
+            init = -Float32.inf if cutlass.const_expr(is_first) else row_max[r]
+            m = s_row.reduce(cute.ReductionOp.MAX, init, 0)
+            # The 4 lanes of a quad hold the rest of the row (whole rows per warp: see plan.attention).
+            m = cute.arch.warp_reduction_max(m, threads_in_group=4)
+            m_prev = row_max[r]
+            row_max[r] = m
+            # A row that saw only masked scores keeps max -inf; exp2 must see 0 there, not NaN.
+            m_safe = cutlass.select_(m == -Float32.inf, Float32(0.0), m)
+            p = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+            S[r, None].store(p)
+            block_sum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if cutlass.const_expr(is_first):
+                row_sum[r] = block_sum
+                row_scale[r] = Float32(1.0)
+            else:
+                scale = cute.math.exp2((m_prev - m_safe) * scale_log2, fastmath=True)
+                row_scale[r] = scale
+                row_sum[r] = row_sum[r] * scale + block_sum
+
+    @cute.jit
+    def _rescale(self, acc_O, row_scale):
+        O = _acc_rows_cols(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            O[r, None].store(O[r, None].load() * row_scale[r])
+
+    @cute.jit
+    def _consume(
+        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, k_pipe, v_pipe, tma_o, mO, mLSE,
+        m_block, head, batch, n_blocks, seqlen_q, seqlen_k, softmax_scale, scale_log2,
+        score_tensors, score_scalars, epi_tensors, epi_scalars, mma_tidx, is_store_warp,
+    ):  # fmt: skip
+        cfg = self.cfg
+        d = cfg.head_dim
+        wg = cute.arch.make_warp_uniform(mma_tidx // THREADS_PER_WARPGROUP)
+        thr_qk = tiled_mma_qk.get_slice(mma_tidx)
+        thr_pv = tiled_mma_pv.get_slice(mma_tidx)
+        # V^T view (head_dim, tile_n, stages) for PV's B operand.
+        sVt = cute.composition(sV, cute.make_ordered_layout((d, cfg.tile_n, cfg.stages), order=(1, 0, 2)))
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, d)), Float32)
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+        rows = cute.size(_acc_rows_cols(acc_S), mode=[0])
+        row_max = cute.make_rmem_tensor(rows, Float32)
+        row_sum = cute.make_rmem_tensor(rows, Float32)
+        row_scale = cute.make_rmem_tensor(rows, Float32)
+
+        # score_mod leaves that are constant over the tile, loaded once.
+        index_bh = {"b": batch.to(Float32), "h": head.to(Float32)}
+        score_operands = {}
+        if cutlass.const_expr(self.score_mod is not None):
+            for i, (name, _, _) in enumerate(self.score_mod.tensor_operands):
+                score_operands[name] = score_tensors[i][head].to(Float32)
+            for i, (name, _, _) in enumerate(self.score_mod.scalar_operands):
+                score_operands[name] = score_scalars[i]
+
+        # Nested on purpose: the outer test is resolved at trace time, the inner one at run time.
+        if cutlass.const_expr(cfg.pingpong):  # noqa: SIM102
+            if wg == 0:
+                # Pre-arm: warpgroup 1 may issue first.
+                cute.arch.barrier_arrive(
+                    barrier_id=int(NamedBarriers.PINGPONG_WG1), number_of_threads=2 * THREADS_PER_WARPGROUP
+                )
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+        # ---- first (right-most) block, peeled: its softmax is compile-time is_first.
+        n = n_blocks - 1
+        k_pipe.consumer_wait(read)  # also waits for Q (same barrier)
+        self._sched_sync(wg)
+        self._wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
+        self._sched_arrive(wg)
+        warpgroup.wait_group(0)
+        k_pipe.consumer_release(read)
+        self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+                     True, self.causal)  # fmt: skip
+        self._online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, True)
+        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+
+        # ---- blocks crossing the causal diagonal, then blocks fully below it.
+        n_masked = 0
+        if cutlass.const_expr(self.causal):
+            first_masked = cutlass.max(m_block * cfg.tile_m + seqlen_k - seqlen_q, 0) // cfg.tile_n
+            n_masked = cutlass.max(n_blocks - 1 - first_masked, 0)
+        for i in cutlass.range(n_blocks - 1, unroll=1):
+            n = n_blocks - 2 - i
+            read_v = read.clone()
+            read.advance()
+            k_pipe.consumer_wait(read)
+            self._sched_sync(wg)
+            self._wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
+            if cutlass.const_expr(cfg.rescale_o_early):
+                # The previous softmax's scale, applied while QK^T runs (the last PV has retired).
+                self._rescale(acc_O, row_scale)
+            v_pipe.consumer_wait(read_v)
+            # O's accumulate flag is off for the first PV: no zero-fill of O needed.
+            self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read_v.index], i > 0, -1)
+            self._sched_arrive(wg)
+            warpgroup.wait_group(1)  # S is ready; PV still runs under the softmax
+            k_pipe.consumer_release(read)
+            if i < n_masked:
+                self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+                             False, True)  # fmt: skip
+            else:
+                self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+                             False, False)  # fmt: skip
+            self._online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, False)
+            warpgroup.wait_group(0)
+            v_pipe.consumer_release(read_v)
+            tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+            if cutlass.const_expr(not cfg.rescale_o_early):
+                self._rescale(acc_O, row_scale)
+        # ---- the last PV.
+        if cutlass.const_expr(cfg.rescale_o_early):
+            self._rescale(acc_O, row_scale)
+        v_pipe.consumer_wait(read)
+        self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read.index], n_blocks > 1, 0)
+        v_pipe.consumer_release(read)
+
+        self._epilogue(
+            tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, sQ, tma_o, mO, mLSE,
+            m_block, head, batch, seqlen_q, epi_tensors, epi_scalars, mma_tidx, is_store_warp,
+        )  # fmt: skip
+
+    @cute.jit
+    def _epilogue(
+        self, tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, sO, tma_o, mO, mLSE,
+        m_block, head, batch, seqlen_q, epi_tensors, epi_scalars, mma_tidx, is_store_warp,
+    ):  # fmt: skip
+        cfg = self.cfg
+        d = cfg.head_dim
+        # ---- finalize: 1 / row sum, and LSE = max * scale + ln(sum).
+        lse = cute.make_rmem_tensor(cute.size(row_sum), Float32)
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            empty = total == Float32(0.0)  # every score of the row was masked
+            row_scale[r] = cute.arch.rcp_approx(cutlass.select_(empty, Float32(1.0), total))
+            lse[r] = cutlass.select_(
+                empty, -Float32.inf, (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+            )
+        self._rescale(acc_O, row_scale)
+
+        cO = thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, d)))
+        cO_rc = _acc_rows_cols(cO)
+        if cO_rc[0, 0][1] == 0:  # one lane of each quad writes its rows' LSE
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                q = m_block * cfg.tile_m + cO_rc[r, 0][0]
+                if q < seqlen_q:
+                    mLSE[q, head, batch] = lse[r]
+
+        if cutlass.const_expr(self.epilogue is not None):
+            self._apply_epilogue(acc_O, cO, m_block, head, batch, seqlen_q, epi_tensors, epi_scalars)
+
+        rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        tiled_copy_r2s = cute.make_tiled_copy_C(
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32), tiled_mma_pv
+        )
+        thr_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+        # sO is Q's buffer: this warpgroup's rows of it were read only by its own QK^T WGMMAs, all retired.
+        cute.copy(tiled_copy_r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
+        store = TmaStoreEpilogue(1, cfg.num_mma_threads)
+        gO = cute.local_tile(mO[None, None, head, batch], (cfg.tile_m, d), (m_block, 0))
+        tOsO, tOgO = cpasync.tma_partition(
+            tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+        )
+        store.publish(is_store_warp, tma_o, tOsO, tOgO)
+        store.drain(is_store_warp)
+
+    @cute.jit
+    def _apply_epilogue(self, acc_O, cO, m_block, head, batch, seqlen_q, epi_tensors, epi_scalars):
+        """The user's epilogue on each normalized O element; tile operands are read at (b, q, h, d)."""
+        cfg = self.cfg
+        fusion = self.epilogue
+        for v in cutlass.range_constexpr(cute.size(acc_O)):
+            row, col = cO[v]
+            # Rows past seqlen_q read a valid row; the TMA store clips them.
+            q = cutlass.min(m_block * cfg.tile_m + row, seqlen_q - 1)
+            operand = {}
+            for i, (name, kind, _) in enumerate(fusion.tensor_operands):
+                t = epi_tensors[i]
+                operand[name] = (t[batch, q, head, col] if kind == "tile" else t[col]).to(Float32)
+            for i, (name, _, _) in enumerate(fusion.scalar_operands):
+                operand[name] = epi_scalars[i]
+            acc_O[v] = fusion.emit(acc_O[v], {}, operand)

@@ -1,0 +1,304 @@
+"""Planning the FlashAttention-3 style forward kernel: problem, config, smem, row ownership.
+
+An :class:`AttentionProblem` is what the user asked for (sizes, heads, dtype,
+causal). An :class:`AttentionConfig` is every compile-time choice of the kernel:
+``tile_m`` query rows per CTA split over ``num_mma_warpgroups`` consumer
+warpgroups (64 rows each, one WGMMA M atom), ``tile_n`` keys per K/V stage,
+``stages`` of the K and V rings, ping-pong and intra-warpgroup overlap.
+
+The online softmax reduces each score row inside one warp (in-thread, then a
+4-lane shuffle), so it is only correct if the QK^T WGMMA layout hands every
+warp whole rows of the score tile. :func:`row_ownership` checks that on a model
+of the WGMMA accumulator layout and :meth:`AttentionConfig.validate` refuses
+layouts that split a row across warps; ``explain_attention`` prints the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from epicute.errors import ConfigError
+from epicute.plan.config import DTYPE_BYTES, THREADS_PER_WARPGROUP
+from epicute.plan.hardware import Hardware, current_hardware
+from epicute.plan.smem import BUFFER_ALIGN, MBARRIER_BYTES, SmemItem, _round_up
+
+HEAD_DIMS = (64, 128, 256)
+#: Rows of one WGMMA atom: each consumer warpgroup owns this many query rows.
+WGMMA_M = 64
+#: Rows a single warp holds in a WGMMA accumulator (4 warps x 16 = 64).
+ROWS_PER_WARP = 16
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """``O = softmax(Q K^T * scale) V`` per (batch, head); layout ``(batch, seqlen, heads, head_dim)``."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: str = "bf16"
+    causal: bool = False
+
+    @property
+    def flops(self) -> int:
+        """Useful matmul FLOPs (2 GEMMs; causal counts the unmasked half, as flash-attn reports)."""
+        full = 4 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
+        return full // 2 if self.causal else full
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Compile-time choices of the SM90 attention forward kernel (see module docstring)."""
+
+    head_dim: int = 128
+    tile_m: int = 128
+    tile_n: int = 128
+    stages: int = 2
+    #: Consumer warpgroups take turns at the tensor cores through named barriers.
+    pingpong: bool = True
+    #: Rescale O for block j while the QK^T WGMMA of block j+1 runs, instead of after PV
+    #: retires (pays off when O is large: head_dim > 128).
+    rescale_o_early: bool = False
+    #: WGMMA atoms along (M, N) of the QK^T tiled MMA; N must be 1 (whole rows per warp).
+    mma_atoms_mn: tuple[int, int] = (2, 1)
+    #: Causal grid walks m-blocks longest-first (the last query rows see the most keys).
+    lpt_order: bool = True
+    producer_regs: int = 24
+    consumer_regs: int = 240
+    reasons: tuple[str, ...] = field(default=(), compare=False, hash=False)
+
+    @property
+    def num_mma_warpgroups(self) -> int:
+        return self.tile_m // WGMMA_M
+
+    @property
+    def num_threads(self) -> int:
+        return (1 + self.num_mma_warpgroups) * THREADS_PER_WARPGROUP
+
+    @property
+    def num_mma_threads(self) -> int:
+        return self.num_mma_warpgroups * THREADS_PER_WARPGROUP
+
+    def key(self) -> tuple:
+        return (
+            self.head_dim, self.tile_m, self.tile_n, self.stages, self.pingpong, self.rescale_o_early,
+            self.mma_atoms_mn, self.lpt_order, self.producer_regs, self.consumer_regs,
+        )  # fmt: skip
+
+    def validate(self, hardware: Hardware | None = None, dtype: str = "bf16") -> None:
+        """Raise :class:`ConfigError` for a configuration the kernel cannot run."""
+        hw = hardware or current_hardware()
+        if self.head_dim not in HEAD_DIMS:
+            raise ConfigError(f"head_dim={self.head_dim}: supported are {HEAD_DIMS}")
+        if self.tile_m % WGMMA_M or not 1 <= self.num_mma_warpgroups <= 3:
+            raise ConfigError(f"tile_m={self.tile_m}: must be 64, 128 or 192 (64 query rows per consumer warpgroup)")
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ConfigError(f"tile_n={self.tile_n}: must be a multiple of 16 in [16, 256] (WGMMA N and PV's K)")
+        if self.stages < 1:
+            raise ConfigError(f"stages={self.stages}: need at least 1")
+        if self.mma_atoms_mn != (self.num_mma_warpgroups, 1):
+            ownership = row_ownership(self)
+            if not ownership.whole_rows:
+                raise ConfigError(
+                    f"mma_atoms_mn={self.mma_atoms_mn}: {ownership.problem}; the online softmax reduces a score "
+                    f"row inside one warp, so use mma_atoms_mn=({self.num_mma_warpgroups}, 1)"
+                )
+            raise ConfigError(
+                f"mma_atoms_mn={self.mma_atoms_mn}: must tile tile_m={self.tile_m} as ({self.num_mma_warpgroups}, 1)"
+            )
+        if self.pingpong and self.num_mma_warpgroups < 2:
+            raise ConfigError("pingpong=True needs at least 2 consumer warpgroups (tile_m >= 128)")
+        for name in ("producer_regs", "consumer_regs"):
+            regs = getattr(self, name)
+            if not 24 <= regs <= 256 or regs % 8:
+                raise ConfigError(f"{name}={regs}: register budgets must be multiples of 8 in [24, 256] (setmaxnreg)")
+        used = THREADS_PER_WARPGROUP * (self.producer_regs + self.num_mma_warpgroups * self.consumer_regs)
+        if used > 65536:
+            raise ConfigError(f"registers: {used} needed, an SM has 65536; lower consumer_regs")
+        total = attention_smem_total(self, dtype)
+        if total > hw.smem_per_cta_bytes:
+            raise ConfigError(
+                f"shared memory: {total} B needed, {hw.smem_per_cta_bytes} B available; lower stages or tile_n"
+            )
+
+
+@dataclass(frozen=True)
+class RowOwnership:
+    """Which warp holds which score rows under a QK^T tiled-MMA layout."""
+
+    whole_rows: bool
+    #: (warpgroup, warp, first row, last row) per warp, when rows are whole
+    warps: tuple[tuple[int, int, int, int], ...]
+    problem: str = ""
+
+
+def _wgmma_fragment(atom_m: int, atom_n: int, tile_n_atom: int) -> dict[tuple[int, int], set[int]]:
+    """(row, col) -> global warp ids holding it, for a grid of m64nN WGMMA atoms.
+
+    In an m64nNk16 accumulator, lane ``l`` of warp ``w`` holds rows
+    ``16 w + l // 4 (+ 8)`` and columns ``8 j + 2 (l % 4) (+ 1)``; atom ``(i, j)``
+    of the grid is run by warpgroup ``i + atom_m * j``.
+    """
+    owners: dict[tuple[int, int], set[int]] = {}
+    for am in range(atom_m):
+        for an in range(atom_n):
+            wg = am + atom_m * an
+            for w in range(4):
+                for lane in range(32):
+                    for dr in (0, 8):
+                        row = am * WGMMA_M + ROWS_PER_WARP * w + lane // 4 + dr
+                        for j in range(tile_n_atom // 8):
+                            for dc in (0, 1):
+                                col = an * tile_n_atom + 8 * j + 2 * (lane % 4) + dc
+                                owners.setdefault((row, col), set()).add(4 * wg + w)
+    return owners
+
+
+def row_ownership(cfg: AttentionConfig) -> RowOwnership:
+    """Check, on the WGMMA accumulator model, that each score row lives in exactly one warp."""
+    atom_m, atom_n = cfg.mma_atoms_mn
+    if cfg.tile_n % atom_n or (cfg.tile_n // atom_n) % 8:
+        return RowOwnership(False, (), f"tile_n={cfg.tile_n} does not split into {atom_n} WGMMA atoms")
+    owners = _wgmma_fragment(atom_m, atom_n, cfg.tile_n // atom_n)
+    by_row: dict[int, set[int]] = {}
+    for (row, _), warps in owners.items():
+        by_row.setdefault(row, set()).update(warps)
+    split = sorted(r for r, w in by_row.items() if len(w) > 1)
+    if split:
+        return RowOwnership(
+            False, (), f"row {split[0]} of the score tile is spread over warps {sorted(by_row[split[0]])}"
+        )
+    rows_of: dict[int, list[int]] = {}
+    for row, (warp,) in by_row.items():
+        rows_of.setdefault(warp, []).append(row)
+    warps = tuple((w // 4, w % 4, min(r), max(r)) for w, r in sorted(rows_of.items()))
+    return RowOwnership(True, warps)
+
+
+def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
+    """The FA3 tile choices for H100, with every field overridable."""
+    if head_dim not in HEAD_DIMS:
+        raise ConfigError(f"head_dim={head_dim}: supported are {HEAD_DIMS}")
+    if head_dim == 64:
+        base = {"tile_m": 128, "tile_n": 128}
+        why = (
+            "head_dim 64: 128x128 tiles, 2 warpgroups ping-ponging (3 warpgroups x 64 rows at 160 registers "
+            "measured 154 TFLOPS on H100: register-starved)"
+        )
+    elif head_dim == 128:
+        base = {"tile_m": 128, "tile_n": 128}
+        why = "head_dim 128: 128x128 tiles, 2 warpgroups ping-ponging (FA3's choice)"
+    else:
+        base = {"tile_m": 128, "tile_n": 80, "pingpong": False, "rescale_o_early": True}
+        why = (
+            "head_dim 256: 128x80 tiles so two K/V stages fit in smem; no ping-pong (softmax is cheap next to "
+            "the GEMMs); O (128 fp32 registers per thread) is rescaled under the QK^T WGMMA"
+        )
+    base.update(head_dim=head_dim)
+    base.update(overrides)
+    if "tile_m" in overrides and "mma_atoms_mn" not in overrides:
+        base["mma_atoms_mn"] = (base["tile_m"] // WGMMA_M, 1)
+    return AttentionConfig(
+        **base, reasons=(why,) + (("causal: m-blocks are launched longest-first",) if causal else ())
+    )
+
+
+def attention_smem_table(cfg: AttentionConfig, dtype: str = "bf16") -> list[SmemItem]:
+    """Every region of the kernel's shared storage, in order (mirrors the kernel's struct)."""
+    esize = DTYPE_BYTES[dtype]
+    barriers = 4 * cfg.stages * MBARRIER_BYTES
+    q = cfg.tile_m * cfg.head_dim * esize
+    kv = cfg.tile_n * cfg.head_dim * esize * cfg.stages
+    return [
+        SmemItem("K/V barriers", barriers, f"K and V rings: {cfg.stages} full + {cfg.stages} empty mbarriers each"),
+        SmemItem("alignment padding", _round_up(barriers, BUFFER_ALIGN) - barriers, "buffers start 1024-aligned"),
+        SmemItem("Q (then O)", _round_up(q, BUFFER_ALIGN),
+                 f"{cfg.tile_m}x{cfg.head_dim} {dtype}; the O tile is staged here for its TMA store"),
+        SmemItem("K ring", _round_up(kv, BUFFER_ALIGN), f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}"),
+        SmemItem("V ring", _round_up(kv, BUFFER_ALIGN), f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}"),
+    ]  # fmt: skip
+
+
+def attention_smem_total(cfg: AttentionConfig, dtype: str = "bf16") -> int:
+    return sum(item.bytes for item in attention_smem_table(cfg, dtype))
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    problem: AttentionProblem
+    config: AttentionConfig
+    hardware: Hardware
+
+    @property
+    def m_blocks(self) -> int:
+        return -(-self.problem.seqlen_q // self.config.tile_m)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        p = self.problem
+        return (self.m_blocks, p.heads_q, p.batch)
+
+
+def plan_attention(problem: AttentionProblem, hardware: Hardware | None = None, **overrides) -> AttentionPlan:
+    """Choose and validate the kernel configuration for ``problem``."""
+    hw = hardware or current_hardware()
+    cfg = default_config(problem.head_dim, problem.causal, **overrides)
+    cfg.validate(hw, problem.dtype)
+    return AttentionPlan(problem, cfg, hw)
+
+
+def render_attention_plan(plan: AttentionPlan) -> str:
+    """The text ``epicute.explain_attention`` prints."""
+    p, c, hw = plan.problem, plan.config, plan.hardware
+    group = p.heads_q // p.heads_kv
+    lines = [
+        f"epicute attention plan: O[{p.batch}x{p.seqlen_q}x{p.heads_q}x{p.head_dim}] = softmax(Q K^T) V, "
+        f"seqlen_k={p.seqlen_k}, {p.dtype}" + (", causal (bottom-right aligned)" if p.causal else ""),
+        f"  heads: {p.heads_q} query / {p.heads_kv} key-value ({'MHA' if group == 1 else f'GQA {group}:1'})",
+        f"  target {hw.arch} on {hw.name}",
+        "",
+        "tiles",
+        f"  CTA tile        {c.tile_m} query rows x {c.tile_n} keys, head_dim {c.head_dim}",
+        f"  grid            {plan.grid} (m-blocks, heads, batch) x {c.num_threads} threads",
+        "",
+        "warp roles",
+        "  warpgroup 0     producer: warp 0 issues TMA loads of Q (with the first K), K and V   setmaxnreg "
+        + str(c.producer_regs),
+    ]
+    for wg in range(c.num_mma_warpgroups):
+        lines.append(
+            f"  warpgroup {wg + 1}     consumer: rows {wg * WGMMA_M}-{(wg + 1) * WGMMA_M - 1}: QK^T, online softmax, "
+            f"PV, epilogue   setmaxnreg {c.consumer_regs}"
+        )
+    lines += [
+        "  ping-pong       " + (
+            "each warpgroup arrives at the next one's scheduler barrier after issuing its GEMMs, "
+            "syncs on its own before the next ones (warpgroup 1 pre-armed)" if c.pingpong else "off"),
+        (
+            "  overlap         softmax of block j+1 runs while the PV WGMMA of block j is in flight"
+            + ("; O is rescaled under the QK^T WGMMA" if c.rescale_o_early else "")
+        ),
+        "",
+        "score-row ownership (online softmax reduces rows inside a warp)",
+    ]  # fmt: skip
+    own = row_ownership(c)
+    if own.whole_rows:
+        lines.append(
+            f"  ok: QK^T atoms {c.mma_atoms_mn}; every warp holds whole rows of the {c.tile_m}x{c.tile_n} tile"
+        )
+        for wg, w, lo, hi in own.warps:
+            lines.append(f"    warpgroup {wg + 1} warp {w}: rows {lo}-{hi}, all {c.tile_n} columns")
+    else:
+        lines.append(f"  REFUSED: {own.problem}")
+    lines += ["", "shared memory"]
+    table = attention_smem_table(c, p.dtype)
+    width = max(len(item.name) for item in table)
+    for item in table:
+        lines.append(f"  {item.name:<{width}}  {item.bytes:>7} B  {item.what}")
+    total = sum(item.bytes for item in table)
+    lines.append(f"  {'total':<{width}}  {total:>7} B  of {hw.smem_per_cta_bytes} B")
+    lines += ["", "why"] + [f"  - {r}" for r in c.reasons]
+    return "\n".join(lines)

@@ -1,0 +1,425 @@
+"""The compile cache: compiled kernels in memory, and exported object files on disk.
+
+A kernel is cached under a :class:`CacheKey`: its kind (``"gemm"``,
+``"attention"``), the fields that change its generated code (plan/config, epilogue
+semantic hash, dtypes, majors, alignment), the target arch, and the code
+versions (epicute's version plus a fingerprint of the kernel sources, the CuTe
+DSL and TVM-FFI versions). Nothing that varies per call belongs in a key:
+problem sizes and strides (other than the contiguous one, which is 1) are
+symbolic in the compiled kernels, so a new shape never recompiles; data pointers
+are checked for 16-byte alignment on the host instead. :meth:`CacheKey.__init__`
+rejects anything but plain Python values (a tensor that leaked into a key would
+recompile on every call).
+
+Lookups go to an in-process dict first, then to a directory of exported object
+files (``export_to_c``, loaded back with ``cute.runtime.load_module`` through
+TVM-FFI, ~ms instead of ~s), so a new process, or a GPU machine fed by an
+ahead-of-time ``epicute compile`` on a CPU machine, loads instead of compiling.
+
+Where: ``$EPICUTE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/epicute`` (default
+``~/.cache/epicute``); ``EPICUTE_CACHE=0`` turns the disk store off. Both are
+read at each miss, never on the hot path.
+
+Many processes may share the directory (every rank of a job, say): one
+compiles a key under an ``fcntl`` lock while the others wait, then load its
+entry. Entries are written to temporary files and renamed into place, the
+object file first and its manifest (key text, sha256, size) last, so a reader
+sees either a complete entry or none. An entry whose manifest or checksum does
+not match (a truncated write, a disk error) is reported once, removed and
+rebuilt.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from epicute.errors import CompileError
+
+TARGET_ARCH = "sm_90a"
+#: Bump when the on-disk layout changes, so old entries are never misread.
+STORE_FORMAT = "epicute-cache 1"
+#: Sources whose text is the generated code: editing one invalidates every entry.
+CODEGEN_SOURCES = ("kernels", "runtime/compile.py", "epilogue/hashing.py")
+#: How long a process waits for another one compiling the same key.
+LOCK_TIMEOUT_S = 900.0
+
+_PRIMITIVES = (str, int, float, bool, type(None))
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Keys hold only str/int/float/bool/None and tuples of them: stable text, no tensors."""
+    if isinstance(value, tuple):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+    elif not isinstance(value, _PRIMITIVES):
+        raise TypeError(
+            f"cache key part {where} is a {type(value).__name__}; keys may hold only str, int, float, bool, "
+            "None and tuples of them (a tensor or an object in a key would recompile on every call)"
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def code_versions() -> tuple[tuple[str, str], ...]:
+    """The versions a compiled object depends on, as ``(name, version)`` pairs (computed once)."""
+    import epicute
+    import epicute.kernels  # first: sets the DSL's target arch before cutlass loads
+
+    import cutlass
+    import tvm_ffi
+
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for rel in CODEGEN_SOURCES:
+        path = root / rel
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        for f in files:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return (
+        ("epicute", epicute.__version__),
+        ("epicute-sources", h.hexdigest()[:16]),
+        ("cutlass-dsl", cutlass.__version__),
+        ("tvm-ffi", tvm_ffi.__version__),
+        ("format", STORE_FORMAT),
+    )
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Everything that changes one kernel's generated code, and nothing else.
+
+    ``kind`` names the kernel family, ``parts`` its codegen-relevant fields (plain
+    values only, see the module docstring), ``arch`` the target.
+    """
+
+    kind: str
+    parts: tuple
+    arch: str = TARGET_ARCH
+    #: A one-line description for ``epicute cache ls``; not part of the key.
+    label: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        _check_plain((self.kind, self.parts, self.arch), "key")
+
+    @functools.cached_property
+    def text(self) -> str:
+        """Canonical text (``repr`` of plain values is stable across processes and machines)."""
+        lines = [f"kind={self.kind}", f"arch={self.arch}", f"parts={self.parts!r}"]
+        return "\n".join(lines + [f"{name}={version}" for name, version in code_versions()])
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """sha256 of :attr:`text`: the entry's file name."""
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+def cache_dir() -> Path | None:
+    """The disk store's directory, or None when ``EPICUTE_CACHE=0``."""
+    if os.environ.get("EPICUTE_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    base = os.environ.get("EPICUTE_CACHE_DIR")
+    if base:
+        return Path(base).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "epicute"
+
+
+def _kernels_dir(root: Path) -> Path:
+    return root / "kernels"
+
+
+@contextmanager
+def _file_lock(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path``; released when its holder exits, even by a crash."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise CompileError(
+                        f"waited {timeout_s:.0f} s for {path} (another process compiling this kernel); "
+                        "if none is, delete the file or set EPICUTE_CACHE_DIR elsewhere"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class CorruptEntry(Exception):
+    """An on-disk entry that cannot be trusted (internal: it is rebuilt)."""
+
+
+@dataclass
+class CacheStats:
+    """What this process's cache did since it started (or was cleared)."""
+
+    compiles: int = 0
+    disk_loads: int = 0
+    rebuilt_corrupt: int = 0
+    compile_seconds: float = 0.0
+    disk_load_seconds: float = 0.0
+
+
+class KernelCache:
+    """Compiled kernels by :class:`CacheKey`; thread- and process-safe; any kernel kind.
+
+    :meth:`get` returns a callable taking torch tensors (the TVM-FFI calling
+    convention: it launches on torch's current stream).
+    """
+
+    def __init__(self) -> None:
+        self._fns: dict[CacheKey, Callable] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._warned: set[str] = set()
+        self.stats = CacheStats()
+        #: How each key was obtained in this process: ("compiled" | "disk", seconds).
+        self.events: dict[CacheKey, tuple[str, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._fns)
+
+    def __contains__(self, key: CacheKey) -> bool:
+        return key in self._fns
+
+    def get(self, key: CacheKey, build: Callable[[], Any]) -> Callable:
+        """The kernel for ``key``: from memory, else from disk, else ``build()`` (then stored).
+
+        ``build`` returns a CuTe DSL compiled function (``cute.compile(...,
+        options="--enable-tvm-ffi")``); it is only called on a miss.
+        """
+        fn = self._fns.get(key)
+        if fn is not None:
+            return fn
+        with self._locks.setdefault(key.digest, threading.Lock()):
+            fn = self._fns.get(key)
+            if fn is None:
+                fn = self._fetch(key, build)
+                self._fns[key] = fn
+        return fn
+
+    def ensure_on_disk(self, key: CacheKey, build: Callable[[], Any]) -> tuple[str, Path]:
+        """Ahead-of-time: make sure ``key`` has a disk entry; returns ("cached" | "compiled", path).
+
+        Never loads the entry into this process (no GPU is needed).
+        """
+        root = cache_dir()
+        if root is None:
+            raise CompileError("EPICUTE_CACHE=0 disables the disk cache, so there is nowhere to compile to")
+        directory = _kernels_dir(root)
+        directory.mkdir(parents=True, exist_ok=True)
+        with _file_lock(directory / f"{key.digest}.lock"):
+            try:
+                if self._read_verified(directory, key) is not None:
+                    return "cached", directory / f"{key.digest}.o"
+            except CorruptEntry as exc:
+                self._discard(directory, key, str(exc))
+            self._store(directory, key, self._compile(key, build))
+        return "compiled", directory / f"{key.digest}.o"
+
+    def clear_memory(self) -> None:
+        """Forget the in-process kernels (disk entries stay)."""
+        self._fns.clear()
+        self.events.clear()
+
+    # ------------------------------------------------------------------ internals
+    def _compile(self, key: CacheKey, build: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        compiled = build()
+        seconds = time.perf_counter() - start
+        self.stats.compiles += 1
+        self.stats.compile_seconds += seconds
+        self.events[key] = ("compiled", seconds)
+        return compiled
+
+    def _fetch(self, key: CacheKey, build: Callable[[], Any]) -> Callable:
+        root = cache_dir()
+        if root is None:
+            return self._compile(key, build)
+        directory = _kernels_dir(root)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self._warn(f"dir:{directory}", f"epicute: cannot create cache directory {directory} ({exc}); compiling")
+            return self._compile(key, build)
+        fn = self._load(directory, key, locked=False)
+        if fn is not None:
+            return fn
+        # One process compiles; the others wait here and then load its entry.
+        with _file_lock(directory / f"{key.digest}.lock"):
+            fn = self._load(directory, key, locked=True)
+            if fn is not None:
+                return fn
+            compiled = self._compile(key, build)
+            try:
+                self._store(directory, key, compiled)
+            except OSError as exc:
+                self._warn(f"write:{directory}", f"epicute: cannot write to the kernel cache {directory} ({exc})")
+                return compiled
+        # Serve what was written: the calling path is then identical for a
+        # fresh and a loaded kernel, and a bad export shows up now, not later.
+        return self._load(directory, key, locked=False, record=False) or compiled
+
+    def _read_verified(self, directory: Path, key: CacheKey) -> dict | None:
+        """The entry's manifest if the entry is complete and intact; None if absent."""
+        obj = directory / f"{key.digest}.o"
+        manifest_path = directory / f"{key.digest}.json"
+        if not manifest_path.exists():
+            if obj.exists():
+                raise CorruptEntry("object file without a manifest")
+            return None
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            data = obj.read_bytes()
+        except (OSError, ValueError) as exc:
+            raise CorruptEntry(f"unreadable ({exc})") from exc
+        if manifest.get("key") != key.text:
+            raise CorruptEntry("manifest is for another key")
+        if len(data) != manifest.get("size") or hashlib.sha256(data).hexdigest() != manifest.get("sha256"):
+            raise CorruptEntry(f"object file is {len(data)} bytes and fails its checksum (truncated?)")
+        return manifest
+
+    def _load(self, directory: Path, key: CacheKey, locked: bool, record: bool = True) -> Callable | None:
+        """The entry's kernel, or None. Only a ``locked`` caller (no writer can be
+        active) judges a bad entry damaged and removes it; otherwise it is a miss."""
+        start = time.perf_counter()
+        try:
+            manifest = self._read_verified(directory, key)
+            if manifest is None:
+                return None
+            fn = load_exported(directory / f"{key.digest}.o", manifest["function"])
+        except Exception as exc:  # CorruptEntry, or the DSL's loader (it raises several types)
+            if locked:
+                reason = str(exc) if isinstance(exc, CorruptEntry) else f"does not load ({type(exc).__name__}: {exc})"
+                self._discard(directory, key, reason)
+            return None
+        if record:
+            seconds = time.perf_counter() - start
+            self.stats.disk_loads += 1
+            self.stats.disk_load_seconds += seconds
+            self.events[key] = ("disk", seconds)
+        return fn
+
+    def _store(self, directory: Path, key: CacheKey, compiled: Any) -> None:
+        function = f"epicute_{key.kind}_{key.digest[:16]}"
+        obj = directory / f"{key.digest}.o"
+        tmp = directory / f".{key.digest}.{os.getpid()}.{threading.get_ident()}.tmp.o"
+        try:
+            compiled.export_to_c(str(tmp), function_name=function)
+            data = tmp.read_bytes()
+        finally:
+            tmp.unlink(missing_ok=True)
+        _write_atomic(obj, data)
+        seconds = self.events.get(key, ("compiled", 0.0))[1]
+        manifest = {
+            "key": key.text,
+            "kind": key.kind,
+            "arch": key.arch,
+            "parts": repr(key.parts),
+            "label": key.label,
+            "function": function,
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "versions": dict(code_versions()),
+            "compile_seconds": round(seconds, 3),
+            "created": time.time(),
+        }
+        _write_atomic(directory / f"{key.digest}.json", json.dumps(manifest, indent=1).encode())
+
+    def _discard(self, directory: Path, key: CacheKey, reason: str) -> None:
+        self.stats.rebuilt_corrupt += 1
+        self._warn(key.digest, f"epicute: kernel cache entry {key.digest[:16]} ({key.kind}) is damaged: {reason}; rebuilding it")
+        for suffix in (".json", ".o"):  # manifest first: a reader never sees a half-removed entry as whole
+            (directory / f"{key.digest}{suffix}").unlink(missing_ok=True)
+
+    def _warn(self, tag: str, message: str) -> None:
+        if tag not in self._warned:
+            self._warned.add(tag)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def load_exported(path: Path, function: str) -> Callable:
+    """Load an exported kernel as a TVM-FFI function (works without a GPU; launching needs one)."""
+    import epicute.kernels  # noqa: F401  (sets the target arch before the DSL loads)
+    import cutlass.cute as cute
+
+    return cute.runtime.load_module(str(path), enable_tvm_ffi=True)[function]
+
+
+# ---------------------------------------------------------------------- inspection
+def disk_entries(root: Path | None = None) -> list[dict]:
+    """Manifests of the entries on disk (``root`` defaults to :func:`cache_dir`), newest first.
+
+    Each has a ``current`` flag: False when it was built by other code versions
+    (it can never be hit again; ``epicute cache clear --stale`` removes those).
+    """
+    root = root if root is not None else cache_dir()
+    if root is None or not _kernels_dir(root).is_dir():
+        return []
+    current = dict(code_versions())
+    entries = []
+    for manifest_path in _kernels_dir(root).glob("*.json"):
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError):
+            manifest = {"kind": "?", "size": 0, "versions": {}, "damaged": True}
+        manifest["digest"] = manifest_path.stem
+        manifest["current"] = manifest.get("versions") == current
+        entries.append(manifest)
+    return sorted(entries, key=lambda e: e.get("created", 0.0), reverse=True)
+
+
+def clear_disk(root: Path | None = None, stale_only: bool = False) -> int:
+    """Remove disk entries (only those of other code versions with ``stale_only``); returns how many."""
+    root = root if root is not None else cache_dir()
+    if root is None or not _kernels_dir(root).is_dir():
+        return 0
+    directory = _kernels_dir(root)
+    removed = 0
+    for entry in disk_entries(root):
+        if stale_only and entry["current"]:
+            continue
+        for suffix in (".json", ".o", ".lock"):
+            (directory / f"{entry['digest']}{suffix}").unlink(missing_ok=True)
+        removed += 1
+    if not stale_only:  # leftovers: orphaned object files, temporaries, locks
+        for path in directory.iterdir():
+            if path.is_file():
+                path.unlink(missing_ok=True)
+    return removed
+
+
+#: The process-wide cache every kernel kind goes through.
+KERNEL_CACHE = KernelCache()
+
+__all__ = [
+    "CacheKey", "KernelCache", "KERNEL_CACHE", "CacheStats", "cache_dir", "code_versions",
+    "disk_entries", "clear_disk", "load_exported", "TARGET_ARCH",
+]  # fmt: skip

@@ -1,0 +1,226 @@
+"""epicute's kernels as ``torch.library`` custom ops, for ``torch.compile`` and CUDA graphs.
+
+``torch.ops.epicute.gemm(a, b, operands, scalars, epilogue, spec) -> list[Tensor]``
+runs :func:`epicute.gemm`. Under ``torch.compile`` (``fullgraph=True`` included)
+:func:`epicute.gemm` itself turns into one call of this op, so user code needs no
+change; the op's fake implementation gives every output's shape, dtype and
+strides without running anything, and its real one is the eager path. Outputs
+are ``[D, *aux outputs]`` in the epilogue's output order.
+
+Epilogues reach the op as a registry key (a string in the graph, never a Python
+object): :func:`register_epilogue` traces the function once, with every operand
+as a tile unless its annotation pins another kind, and keys it by the semantic
+hash of that graph (``"<name>:<hash prefix>"``), so the same epilogue gets the
+same key in every process. Operand kinds and dtypes are resolved inside the op,
+against the actual tensors, exactly as in eager mode. Everything else the call
+needs (operand names, pins, dtypes, config) travels as ``spec``, a JSON string.
+
+CUDA graphs: capture works once the kernel is cached (call once before capturing,
+or run ``epicute compile`` ahead of time); pass epilogue scalars as Python
+numbers, since reading a 1-element tensor synchronizes.
+
+Other kernels register here in the same style (``epicute::attention`` goes next
+to ``epicute::gemm``): a ``custom_op`` whose real implementation is the public
+eager function, a ``register_fake`` giving output metadata, a ``meta`` kernel
+reusing it, and a traceable ``*_op_call`` the public function delegates to while
+``torch.compiler.is_compiling()``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
+from epicute.epilogue.graph import REDUCTIONS
+from epicute.epilogue.hashing import semantic_hash
+from epicute.epilogue.operands import PINS, Pin
+from epicute.epilogue.tracer import Epilogue, as_epilogue, trace_for_gemm
+from epicute.errors import ConfigError, EpilogueError
+
+_EPILOGUES: dict[str, Epilogue] = {}
+_OUTPUTS: dict[str, tuple[str, ...]] = {}
+_LOCK = threading.Lock()
+
+
+def register_epilogue(fn: Callable) -> str:
+    """Register an epilogue for the custom ops; returns its key (the same in every process).
+
+    :func:`epicute.gemm` does this by itself under ``torch.compile``; call it
+    directly only to run a graph exported with ``torch.export`` in a new process.
+    """
+    return _register(fn)[0]
+
+
+def registered_epilogue(key: str) -> Epilogue:
+    """The epilogue registered under ``key``."""
+    try:
+        return _EPILOGUES[key]
+    except KeyError:
+        raise EpilogueError(
+            f"no epilogue is registered under {key!r} in this process; call "
+            "epicute.register_epilogue(fn) before running a graph exported elsewhere"
+        ) from None
+
+
+def _register(fn: Callable) -> tuple[str, tuple[str, ...]]:
+    epi = as_epilogue(fn)
+    kinds = {p: epi.pins.get(p, "tile") for p in epi.params}
+    try:
+        graph = epi.trace(kinds, {}, None, d_dtype="fp32")
+    except EpilogueError as exc:
+        raise EpilogueError(
+            f"epilogue {epi.name!r} cannot be keyed for torch.compile by tracing its operands as tiles ({exc}); "
+            "annotate each operand's kind (epicute.RowVector, ColVector, Scalar, Tile) in its signature"
+        ) from exc
+    key = f"{epi.name}:{semantic_hash(graph)[:24]}"
+    with _LOCK:
+        # An earlier registration under this key traced to the same graph: keep it.
+        _EPILOGUES.setdefault(key, epi)
+        _OUTPUTS[key] = tuple(name for name, _ in graph.outputs)
+    return key, _OUTPUTS[key]
+
+
+# Under dynamo these run once, at trace time, and their results become constants of the graph.
+_register_traced = torch._dynamo.assume_constant_result(_register)
+
+
+def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
+    return None if dtype is None else ir_dtype(dtype, "dtype")
+
+
+@torch._dynamo.assume_constant_result
+def _spec_text(
+    tensor_names: tuple, scalar_names: tuple, pins: tuple, out_dtype: Any, out_dtypes: tuple, config: tuple
+) -> str:
+    spec = {
+        "tensors": list(tensor_names),
+        "scalars": list(scalar_names),
+        "pins": dict(pins),
+        "out_dtype": _dtype_name(out_dtype),
+        "out_dtypes": {k: _dtype_name(v) for k, v in out_dtypes},
+        "config": dict(config),
+    }
+    return json.dumps(spec, sort_keys=True)
+
+
+def _gemm_kwargs(operands: list[torch.Tensor], scalars: list[float], epilogue: str, spec: dict) -> dict:
+    """The keyword arguments of the :func:`epicute.gemm` call the op stands for."""
+    values: dict[str, Any] = dict(zip(spec["tensors"], operands))
+    values.update(zip(spec["scalars"], scalars))
+    for name, kind in spec["pins"].items():
+        values[name] = PINS[kind](values[name])
+    return {
+        "epilogue": registered_epilogue(epilogue) if epilogue else None,
+        "out_dtype": IR_TO_TORCH[spec["out_dtype"]] if spec["out_dtype"] else None,
+        "out_dtypes": {k: IR_TO_TORCH[v] for k, v in spec["out_dtypes"].items()} or None,
+        "config": spec["config"] or None,
+        **values,
+    }
+
+
+@torch.library.custom_op("epicute::gemm", mutates_args=())
+def gemm_op(
+    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], scalars: list[float], epilogue: str, spec: str
+) -> list[torch.Tensor]:
+    """``epicute.gemm(a, b, ...)`` as an op: ``[D, *aux outputs]`` (see the module docstring)."""
+    from epicute.api import gemm
+
+    result = gemm(a, b, **_gemm_kwargs(operands, scalars, epilogue, json.loads(spec)))
+    if isinstance(result, torch.Tensor):
+        return [result]
+    return [result[name] for name in _OUTPUTS[epilogue]]
+
+
+@gemm_op.register_fake
+def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
+    spec = json.loads(spec)
+    l_dims = (a.shape[0],) if a.dim() == 3 else ()
+    m, n = a.shape[-2], b.shape[-1]
+    d_dtype = IR_TO_TORCH[spec["out_dtype"] or spec["out_dtypes"].get("D") or ir_dtype(a.dtype, "a")]
+    if not epilogue:
+        return [a.new_empty((*l_dims, m, n), dtype=d_dtype)]
+    epi = registered_epilogue(epilogue)
+    values: dict[str, Any] = dict(zip(spec["scalars"], scalars))
+    for name, t in zip(spec["tensors"], operands):
+        # A 1-element tensor read as a scalar: its value is irrelevant to shapes (and unreadable here).
+        is_scalar = t.numel() == 1 and spec["pins"].get(name, "scalar") == "scalar"
+        values[name] = 0.0 if is_scalar else t
+    for name, kind in spec["pins"].items():
+        values[name] = PINS[kind](values[name])
+    l = a.shape[0] if a.dim() == 3 else 1
+    specs = epi.operands(values, m, n, l)
+    # D's dtype follows epicute.gemm's rule (trace_for_gemm); out_dtypes already holds outs' dtypes.
+    d_explicit = bool(spec["out_dtype"] or "D" in spec["out_dtypes"])
+    out_dtypes = {k: IR_TO_TORCH[v] for k, v in spec["out_dtypes"].items()}
+    graph = trace_for_gemm(epi, specs, d_dtype, d_explicit, out_dtypes)
+    stored = dict(graph.output_dtypes)
+    shapes = {"col": (*l_dims, m), "row": (*l_dims, n), "scalar": ()}
+    outputs = []
+    for name, node_id in graph.outputs:
+        op = graph.node(node_id).op
+        if op in REDUCTIONS:
+            outputs.append(a.new_empty(shapes[REDUCTIONS[op][0]], dtype=torch.float32))
+        else:
+            outputs.append(a.new_empty((*l_dims, m, n), dtype=IR_TO_TORCH[stored[name]]))
+    return outputs
+
+
+# The meta device runs the fake implementation, so shapes can be checked with no GPU.
+# Some torch versions already route Meta to the fake implementation (and refuse a second kernel).
+if not torch._C._dispatch_has_kernel_for_dispatch_key(gemm_op._qualname, "Meta"):
+    gemm_op.register_kernel("meta")(_gemm_fake)
+
+
+def gemm_op_call(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    epilogue: Callable | None,
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+    out_dtypes: dict | None,
+    outs: dict[str, torch.Tensor] | None,
+    backend: str,
+    config: dict | None,
+    operands: dict[str, Any],
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """:func:`epicute.gemm` while ``torch.compile`` traces it: one ``epicute::gemm`` op (dynamo-traceable)."""
+    if backend != "kernel":
+        raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
+    if epilogue is None and (operands or out_dtypes or outs):
+        raise EpilogueError(f"operands/outputs {sorted(operands) or list(out_dtypes or outs)} were given without an epilogue")
+    # Preallocated outputs: the op returns fresh ones in their dtypes, copied in below.
+    if out is not None and out_dtype is None:
+        out_dtype = out.dtype
+    out_dtypes = {**{name: t.dtype for name, t in (outs or {}).items()}, **(out_dtypes or {})}
+    key, outputs = _register_traced(epilogue) if epilogue is not None else ("", ("D",))
+    tensor_names, tensors, scalar_names, scalars, pins = [], [], [], [], []
+    for name in sorted(operands):
+        value = operands[name]
+        if isinstance(value, Pin):
+            pins.append((name, value.kind))
+            value = value.value
+        if isinstance(value, torch.Tensor):
+            tensor_names.append(name)
+            tensors.append(value)
+        else:
+            scalar_names.append(name)
+            scalars.append(float(value))
+    spec = _spec_text(
+        tuple(tensor_names), tuple(scalar_names), tuple(pins), out_dtype,
+        tuple(sorted(out_dtypes.items())), tuple(sorted((config or {}).items())),
+    )  # fmt: skip
+    results = torch.ops.epicute.gemm(a, b, tensors, scalars, key, spec)
+    results = dict(zip(outputs, results))
+    for name, target in {**(outs or {}), **({"D": out} if out is not None else {})}.items():
+        target.copy_(results[name])
+        results[name] = target
+    return results["D"] if len(outputs) == 1 else results
+
+
+__all__ = ["gemm_op", "gemm_op_call", "register_epilogue", "registered_epilogue"]

@@ -1,0 +1,303 @@
+"""The compile cache: what goes into a key, and the disk store (round trip, damage, races).
+
+The store tests use a stand-in for a compiled function (``export_to_c`` writes
+known bytes, loading reads them back) so they exercise the cache's logic in
+milliseconds; ``test_real_kernel_round_trip_in_a_fresh_process`` does it with a
+real GEMM compiled for sm_90a.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import epicute
+from epicute.kernels.epilogue_emit import EpilogueFusion
+from epicute.plan import GemmConfig, GemmProblem
+from epicute.runtime import cache as cache_mod
+from epicute.runtime.cache import CacheKey, KernelCache, clear_disk, disk_entries
+from epicute.runtime.compile import GemmVariant
+from epicute.runtime.launch import cached_plan, variant_of
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _fusion(fn, kinds: dict, dtypes: dict | None = None) -> EpilogueFusion:
+    epi = epicute.epilogue(fn)
+    dtypes = dtypes or {}
+    graph = epi.trace(kinds, dtypes, {"D": "bf16"}, d_dtype="bf16")
+    return EpilogueFusion(graph, tuple((p, kinds[p], dtypes.get(p, "fp32")) for p in epi.params))
+
+
+BASE = GemmVariant(GemmConfig(tile_n=128), "bf16", "bf16", "k", "n", 132)
+
+
+# ------------------------------------------------------------------------- keys
+def test_equal_variants_have_equal_keys():
+    again = GemmVariant(GemmConfig(tile_n=128), "bf16", "bf16", "k", "n", 132)
+    assert again.key() == BASE.key() and again.key().digest == BASE.key().digest
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        replace(BASE, config=GemmConfig(tile_n=256)),
+        replace(BASE, config=GemmConfig(tile_n=128, ab_stages=5)),
+        replace(BASE, config=GemmConfig(tile_n=128, cluster_m=2)),
+        replace(BASE, config=GemmConfig(tile_n=128, persistent=False)),
+        replace(BASE, ab_dtype="fp16"),
+        replace(BASE, d_dtype="fp32"),
+        replace(BASE, a_major="m"),
+        replace(BASE, b_major="k"),
+        replace(BASE, max_active_clusters=66),
+        replace(BASE, arch="sm_100a"),
+        replace(BASE, fusion=_fusion(lambda acc, bias: acc + bias, {"bias": "row"})),
+    ],
+    ids=["tile", "stages", "cluster", "persistence", "ab-dtype", "d-dtype", "a-major", "b-major", "clusters",
+         "arch", "epilogue"],  # fmt: skip
+)
+def test_each_codegen_change_changes_the_key(changed):
+    assert changed.key() != BASE.key()
+    assert changed.key().digest != BASE.key().digest
+
+
+def test_epilogue_constants_kinds_and_dtypes_are_in_the_key_but_not_scalar_values():
+    add_row = replace(BASE, fusion=_fusion(lambda acc, bias: acc + bias, {"bias": "row"}))
+    key = add_row.key().digest
+    assert replace(BASE, fusion=_fusion(lambda acc, b: acc + b, {"b": "col"})).key().digest != key
+    assert replace(BASE, fusion=_fusion(lambda acc, bias: acc + bias, {"bias": "row"}, {"bias": "bf16"})).key().digest != key
+    assert replace(BASE, fusion=_fusion(lambda acc, bias: acc + bias + 1.0, {"bias": "row"})).key().digest != key
+    assert replace(BASE, fusion=_fusion(lambda acc, bias: acc + bias, {"bias": "row"})).key().digest == key
+    # alpha is an input of the graph: its value is a kernel argument, never part of the key
+    scaled = _fusion(lambda acc, alpha: alpha * acc, {"alpha": "scalar"})
+    assert replace(BASE, fusion=scaled).key() == replace(BASE, fusion=_fusion(lambda acc, alpha: alpha * acc, {"alpha": "scalar"})).key()
+
+
+def test_problem_sizes_are_not_in_the_key():
+    """Sizes that the planner serves with one config share one compiled kernel."""
+    keys = {
+        variant_of(cached_plan(GemmProblem(m, 8192, 8192), ())).key()
+        for m in (8192, 8193, 9000, 16384)
+    }
+    assert len(keys) == 1
+    # Odd sizes and batch counts too, with the config pinned.
+    pinned = (("cluster_m", 1), ("persistent", False), ("tile_n", 128))
+    assert variant_of(cached_plan(GemmProblem(17, 136, 72, 3), pinned)).key() == \
+        variant_of(cached_plan(GemmProblem(1000, 4104, 136, 1), pinned)).key()
+
+
+def test_a_tensor_can_never_leak_into_a_key():
+    with pytest.raises(TypeError, match="Tensor"):
+        CacheKey("gemm", (1, torch.zeros(1)))
+    with pytest.raises(TypeError, match="GemmConfig"):
+        CacheKey("gemm", ((GemmConfig(),),))
+
+
+def test_label_is_not_part_of_the_key():
+    assert CacheKey("gemm", (1,), label="a") == CacheKey("gemm", (1,), label="b")
+    assert CacheKey("gemm", (1,), label="a").digest == CacheKey("gemm", (1,)).digest
+
+
+def test_key_text_names_the_code_versions():
+    text = BASE.key().text
+    for needle in ("kind=gemm", "arch=sm_90a", "cutlass-dsl=4.8.1", "epicute=", "epicute-sources=", "tvm-ffi="):
+        assert needle in text
+
+
+# ------------------------------------------------------------------- disk store
+class FakeCompiled:
+    """Stands in for a DSL-compiled function: exports known bytes."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def export_to_c(self, path: str, function_name: str) -> None:
+        Path(path).write_bytes(self.payload + b"|" + function_name.encode())
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """A fresh cache directory; loading an entry returns ("loaded", its bytes)."""
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("EPICUTE_CACHE", raising=False)
+    monkeypatch.setattr(cache_mod, "load_exported", lambda path, function: ("loaded", Path(path).read_bytes()))
+    return tmp_path
+
+
+def _builder(payload: bytes, calls: list):
+    def build():
+        calls.append(payload)
+        return FakeCompiled(payload)
+
+    return build
+
+
+def test_round_trip_loads_in_a_new_cache_instead_of_compiling(store):
+    key = CacheKey("test", ("round-trip", os.urandom(8).hex()))
+    calls: list = []
+    first = KernelCache()
+    fn = first.get(key, _builder(b"kernel-1", calls))
+    assert fn[0] == "loaded" and fn[1].startswith(b"kernel-1|epicute_test_")  # served from what was written
+    assert first.get(key, _builder(b"other", calls)) is fn  # memory hit
+    assert calls == [b"kernel-1"] and first.stats.compiles == 1
+
+    second = KernelCache()  # a new process, as far as the cache can tell
+    assert second.get(key, _builder(b"other", calls))[1] == fn[1]
+    assert calls == [b"kernel-1"]
+    assert second.stats.disk_loads == 1 and second.stats.compiles == 0
+    assert second.events[key][0] == "disk"
+    (entry,) = disk_entries(store)
+    assert entry["digest"] == key.digest and entry["current"] and entry["kind"] == "test"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no-manifest", "bad-manifest"])
+def test_damaged_entry_is_detected_rebuilt_and_reported_once(store, damage):
+    key = CacheKey("test", ("damage", damage, os.urandom(8).hex()))
+    calls: list = []
+    KernelCache().get(key, _builder(b"good-kernel", calls))
+    obj, manifest = store / "kernels" / f"{key.digest}.o", store / "kernels" / f"{key.digest}.json"
+    if damage == "truncate":
+        obj.write_bytes(obj.read_bytes()[:5])
+    elif damage == "flip":
+        data = bytearray(obj.read_bytes())
+        data[0] ^= 0xFF
+        obj.write_bytes(bytes(data))
+    elif damage == "no-manifest":
+        manifest.unlink()
+    else:
+        manifest.write_text("{not json")
+
+    cache = KernelCache()
+    with pytest.warns(RuntimeWarning, match="damaged.*rebuilding"):
+        fn = cache.get(key, _builder(b"good-kernel", calls))
+    assert fn[1].startswith(b"good-kernel|")
+    assert calls == [b"good-kernel", b"good-kernel"] and cache.stats.rebuilt_corrupt == 1
+    # Rebuilt: a third process loads it cleanly, with no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        third = KernelCache()
+        third.get(key, _builder(b"unused", calls))
+    assert third.stats.disk_loads == 1 and len(calls) == 2
+
+
+def test_cache_off_writes_nothing(store, monkeypatch):
+    monkeypatch.setenv("EPICUTE_CACHE", "0")
+    calls: list = []
+    cache = KernelCache()
+    fn = cache.get(CacheKey("test", ("off",)), _builder(b"x", calls))
+    assert isinstance(fn, FakeCompiled) and calls == [b"x"]
+    assert not (store / "kernels").exists()
+    assert cache_mod.cache_dir() is None
+
+
+def test_clear_removes_entries_and_stale_only_keeps_current(store):
+    calls: list = []
+    cache = KernelCache()
+    for i in range(3):
+        cache.get(CacheKey("test", ("clear", i)), _builder(b"k%d" % i, calls))
+    stale = store / "kernels" / f"{CacheKey('test', ('clear', 0)).digest}.json"
+    stale.write_text(stale.read_text().replace('"cutlass-dsl": "4.8.1"', '"cutlass-dsl": "0.0"'))
+    assert sum(not e["current"] for e in disk_entries(store)) == 1
+    assert clear_disk(store, stale_only=True) == 1
+    assert len(disk_entries(store)) == 2
+    assert clear_disk(store) == 2
+    assert disk_entries(store) == [] and list((store / "kernels").iterdir()) == []
+
+
+RACER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from epicute.runtime import cache as cache_mod
+
+    log = Path(sys.argv[1])
+    cache_mod.load_exported = lambda path, function: Path(path).read_bytes()
+
+    class Compiled:
+        def export_to_c(self, path, function_name):
+            Path(path).write_bytes(b"raced-kernel")
+
+    def build():
+        with open(log, "a") as f:
+            f.write(f"compile {time.time()}\\n")
+        time.sleep(3.0)  # long enough that the other process arrives while this one compiles
+        with open(log, "a") as f:
+            f.write(f"compiled {time.time()}\\n")
+        return Compiled()
+
+    key = cache_mod.CacheKey("test", ("race", sys.argv[2]))
+    key.text  # computed before "enter": the versions import the DSL (slow, and not the race)
+    with open(log, "a") as f:
+        f.write(f"enter {time.time()}\\n")
+    fn = cache_mod.KernelCache().get(key, build)
+    assert fn == b"raced-kernel", fn
+    print("ok")
+    """
+)
+
+
+def test_two_processes_racing_on_one_key_compile_once(tmp_path):
+    script = tmp_path / "racer.py"
+    script.write_text(RACER)
+    log = tmp_path / "compiles.log"
+    env = {**os.environ, "EPICUTE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    env.pop("EPICUTE_CACHE", None)
+    tag = os.urandom(8).hex()
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(log), tag], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert out.strip() == "ok"
+    events = [line.split() for line in log.read_text().splitlines()]
+    assert [e[0] for e in events].count("compile") == 1
+    compiled_at = next(float(t) for name, t in events if name == "compiled")
+    # Both processes asked while the one compile was running: the second waited, then loaded.
+    assert all(float(t) < compiled_at for name, t in events if name == "enter")
+
+
+# ----------------------------------------------------- real kernels (no GPU needed)
+FRESH_LOAD = textwrap.dedent(
+    """
+    import sys, torch
+    from epicute.plan import GemmProblem
+    from epicute.runtime.cache import KERNEL_CACHE
+    from epicute.runtime.compile import GEMM_CACHE
+    from epicute.runtime.launch import cached_plan, variant_of
+
+    fn = GEMM_CACHE.get(variant_of(cached_plan(GemmProblem(17, 136, 72, 3), ())))
+    print("compiles", KERNEL_CACHE.stats.compiles, "disk_loads", KERNEL_CACHE.stats.disk_loads)
+    t = torch.zeros(1, 8, 8, dtype=torch.bfloat16)
+    try:
+        fn(t, t, t, (), ())  # CPU tensors: the loaded kernel's own argument check answers
+    except ValueError as exc:
+        print("signature:", exc)
+    """
+)
+
+
+@pytest.mark.compile
+def test_real_kernel_round_trip_in_a_fresh_process(tmp_path):
+    """Compile a GEMM here into a cache dir; a new process loads it (and never compiles)."""
+    env = {**os.environ, "EPICUTE_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    env.pop("EPICUTE_CACHE", None)
+    script = tmp_path / "load.py"
+    script.write_text(FRESH_LOAD)
+    first = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "compiles 1 disk_loads 0" in first.stdout
+    second = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert "compiles 0 disk_loads 1" in second.stdout
+    assert "mA_lmk" in second.stdout and "expected device_type=cuda" in second.stdout

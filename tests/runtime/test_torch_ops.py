@@ -1,0 +1,165 @@
+"""``epicute::gemm`` as a torch custom op: fake shapes, opcheck, torch.compile tracing (no GPU).
+
+The op's real implementation launches kernels, so here it runs on meta tensors
+(whose kernel is the fake implementation) and under FakeTensorMode; the GPU
+tests run it for real, in CUDA graphs and compiled end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import epicute
+from epicute.errors import ConfigError, EpilogueError
+from epicute.runtime.torch_ops import register_epilogue, registered_epilogue
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def spec(tensors=(), scalars=(), pins=None, out_dtype=None, out_dtypes=None, config=None) -> str:
+    return json.dumps(
+        {"tensors": list(tensors), "scalars": list(scalars), "pins": pins or {}, "out_dtype": out_dtype,
+         "out_dtypes": out_dtypes or {}, "config": config or {}},
+        sort_keys=True,
+    )  # fmt: skip
+
+
+@epicute.epilogue
+def bias_relu(acc, bias, alpha):
+    return epicute.ops.relu(alpha * acc + bias)
+
+
+CASES = [
+    # (a, b, operands, scalars, epilogue, spec, expected [(shape, dtype)])
+    ((meta(17, 72), meta(72, 136), [], [], None, spec()), [((17, 136), torch.bfloat16)]),
+    ((meta(3, 17, 72), meta(3, 72, 136), [], [], None, spec(out_dtype="fp32")), [((3, 17, 136), torch.float32)]),
+    (
+        (meta(129, 64), meta(64, 1000), [meta(1000)], [0.5], bias_relu, spec(["bias"], ["alpha"])),
+        [((129, 1000), torch.bfloat16)],
+    ),
+    (
+        (meta(2, 33, 64), meta(2, 64, 40, dtype=torch.float16), [], [2.0], epicute.epilogues.tensor_quant,
+         spec(scalars=["scale"], out_dtypes={"D": "fp8e4m3"})),
+        [((2, 33, 40), torch.float8_e4m3fn), ((), torch.float32)],
+    ),
+]  # fmt: skip
+
+
+def _args(case):
+    a, b, operands, scalars, epi, text = case
+    b = b.to(a.dtype)
+    return (a, b, operands, scalars, register_epilogue(epi) if epi is not None else "", text)
+
+
+@pytest.mark.parametrize("case, expected", CASES, ids=["2d", "batched-fp32", "bias-relu", "aux-amax"])
+def test_fake_outputs_have_eager_shapes_dtypes_and_strides(case, expected):
+    outs = torch.ops.epicute.gemm(*_args(case))
+    assert [(tuple(o.shape), o.dtype) for o in outs] == expected
+    assert all(o.is_contiguous() for o in outs)
+
+
+@pytest.mark.parametrize("case", [c for c, _ in CASES[:3]], ids=["2d", "batched-fp32", "bias-relu"])
+def test_opcheck_on_meta_tensors(case):
+    torch.library.opcheck(torch.ops.epicute.gemm.default, _args(case))
+
+
+def test_epilogue_keys_are_semantic_and_stable_across_processes():
+    def make(shift):
+        def shifted(acc, bias, alpha):
+            return epicute.ops.relu(alpha * acc + bias + shift)
+
+        return shifted
+
+    # Two function objects that trace to one graph share a key; a captured constant is part of it.
+    assert register_epilogue(make(1.0)) == register_epilogue(make(1.0))
+    assert register_epilogue(make(2.0)) != register_epilogue(make(1.0))
+    assert register_epilogue(bias_relu).startswith("bias_relu:")
+    key = register_epilogue(epicute.epilogues.row_col_quant)
+    assert registered_epilogue(key) is epicute.epilogues.row_col_quant
+    code = "import epicute; from epicute.runtime.torch_ops import register_epilogue as r; print(r(epicute.epilogues.row_col_quant))"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == key, out.stderr
+    with pytest.raises(EpilogueError, match="register_epilogue"):
+        registered_epilogue("nobody:0")
+
+
+def f_plain(a, b):
+    return epicute.gemm(a, b, out_dtype=torch.float32) * 2
+
+
+def f_fused(a, w, bias):
+    return epicute.gemm(a, w.t(), epilogue=bias_relu, bias=bias, alpha=0.5) + 1
+
+
+def f_aux(a, b):
+    out = epicute.gemm(a, b, epilogue=epicute.epilogues.tensor_quant, scale=2.0,
+                       out_dtypes={"D": torch.float8_e4m3fn})
+    return out["D"].float().sum() + out["amax"]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_fullgraph_traces_through_gemm_on_meta(backend):
+    torch._dynamo.reset()
+    a, b, w, bias = meta(17, 64), meta(64, 136), meta(136, 64), meta(136)
+    d = torch.compile(f_plain, fullgraph=True, backend=backend)(a, b)
+    assert d.shape == (17, 136) and d.dtype == torch.float32
+    y = torch.compile(f_fused, fullgraph=True, backend=backend)(a, w, bias)
+    assert y.shape == (17, 136) and y.dtype == torch.bfloat16 and y.stride() == (136, 1)
+    s = torch.compile(f_aux, fullgraph=True, backend=backend)(a, b)
+    assert s.shape == () and s.dtype == torch.float32
+
+
+def test_torch_compile_under_fake_tensor_mode_records_one_op_per_call():
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with FakeTensorMode():
+        a = torch.empty(129, 64, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(136, 64, dtype=torch.bfloat16, device="cuda")
+        bias = torch.empty(136, dtype=torch.bfloat16, device="cuda")
+        y = torch.compile(f_fused, fullgraph=True, backend=backend)(a, w, bias)
+    assert y.shape == (129, 136) and y.device.type == "cuda"
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "epicute" in str(n.target)]
+    assert len(calls) == 1
+    # The epilogue is a string key in the graph, not a Python object.
+    assert any(isinstance(arg, str) and arg.startswith("bias_relu:") for arg in calls[0].args)
+
+
+def test_compiled_out_argument_is_written():
+    torch._dynamo.reset()
+
+    def f(a, b, out):
+        return epicute.gemm(a, b, out=out)
+
+    a, b, out = meta(17, 64), meta(64, 136), meta(17, 136, dtype=torch.float32)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(a, b, out)
+    assert got.shape == (17, 136) and got.dtype == torch.float32  # D computed in out's dtype, as in eager
+
+
+def test_compiled_reference_backend_is_refused():
+    torch._dynamo.reset()
+
+    def f(a, b):
+        return epicute.gemm(a, b, backend="reference")
+
+    with pytest.raises(Exception) as info:
+        torch.compile(f, fullgraph=True, backend="eager")(meta(8, 8), meta(8, 8))
+    assert isinstance(info.value, ConfigError) or "backend='kernel'" in str(info.value)
