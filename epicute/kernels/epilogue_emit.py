@@ -200,8 +200,8 @@ def combine(kind: str, a, b):
 
 def fold_element(kind: str, partial, x, valid):
     """``partial`` with element ``x`` folded in; lanes outside the problem contribute the identity."""
-    x = cutlass.select_(x < Float32(0.0), -x, x) if kind == "amax" else x
-    return combine(kind, partial, cutlass.select_(valid, x, identity(kind)))
+    x = _select(x < Float32(0.0), -x, x) if kind == "amax" else x
+    return combine(kind, partial, _select(valid, x, identity(kind)))
 
 
 def identity(kind: str):
@@ -217,7 +217,8 @@ def butterfly(kind: str, value, lane_masks: tuple[int, ...]):
 
 # ------------------------------------------------------------- elementwise ops
 def _select(cond, a, b):
-    return cutlass.select_(cond, a, b)
+    # select_ yields a raw IR value; keep every node value a Float32 (cast needs .to()).
+    return Float32(cutlass.select_(cond, a, b))
 
 
 def round_to(x, dtype: str):

@@ -74,7 +74,9 @@ def test_cold_compile_warm_call_and_fresh_process_disk_load(tmp_path, monkeypatc
 
     script = tmp_path / "fresh.py"
     script.write_text(FRESH)
-    env = {**os.environ, "EPICUTE_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    # Keep the caller's PYTHONPATH (the device bundle lives there), with the repository first.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "EPICUTE_CACHE_DIR": str(tmp_path), "PYTHONPATH": path}
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     how, load_s, first_s, err, compiles = out.stdout.split()
