@@ -10,34 +10,22 @@ import datetime
 import importlib.metadata
 import json
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 Row = dict[str, Any]
 
-# Distribution names whose versions are recorded when installed; epicute and the DSL always appear.
-_OPTIONAL_DISTS = ("quack-kernels", "flash-attn-4")
-
 
 def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) -> float:
-    """Median milliseconds of `fn()` over `iters` calls, each bracketed by its own CUDA events.
+    """Median CUDA-event milliseconds of ``fn()``: :func:`epicute.benchmark.time_cuda`, imported
+    here on first use so that formatting stored results needs no torch."""
+    from epicute.benchmark import time_cuda as timed
 
-    Rotating inputs (to defeat L2 reuse) is the caller's job: make `fn` cycle through them.
-    """
-    import torch
+    return timed(fn, warmup=warmup, iters=iters)
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+# Distribution names whose versions are recorded when installed; epicute and the DSL always appear.
+_OPTIONAL_DISTS = ("quack-kernels", "flash-attn-4")
 
 
 def _dist_version(name: str) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Any, Callable, TextIO
 
 import torch
@@ -18,7 +19,7 @@ from epicute.plan.smem import NO_EPILOGUE
 from epicute.runtime.epilogue_args import aux_outputs, check_outs_names, kernel_inputs
 from epicute.runtime.launch import cached_plan, launch_gemm
 from epicute.runtime.torch_ops import gemm_op_call
-from epicute.runtime.validate import check_gemm_args
+from epicute.runtime.validate import TORCH_TO_NAME, check_gemm_args
 
 
 def _overrides(config: dict | None) -> tuple:
@@ -95,21 +96,68 @@ def gemm(
     specs = epi.operands(operands, p.m, p.n, p.l)
     outs = dict(outs or {})
     d_explicit = out is not None or out_dtype is not None
-    graph = trace_for_gemm(epi, specs, call.out_dtype, d_explicit, out_dtypes, {k: v.dtype for k, v in outs.items()})
-    stored = {name: IR_TO_TORCH[dtype] for name, dtype in graph.output_dtypes}
-    if stored["D"] != call.out_dtype:  # the epilogue's own cast/quantize chose D's dtype
-        call = check_gemm_args(a, b, out, stored["D"], require_cuda=backend == "kernel")
+    outs_dtypes = {k: v.dtype for k, v in outs.items()}
     if backend == "reference":
+        graph = trace_for_gemm(epi, specs, call.out_dtype, d_explicit, out_dtypes, outs_dtypes)
+        stored = {name: IR_TO_TORCH[dtype] for name, dtype in graph.output_dtypes}
+        call = _with_d_dtype(call, stored["D"], a, b, out, require_cuda=False)
         check_outs_names(outs, tuple(n for n, i in graph.outputs if n != "D" and graph.node(i).op not in REDUCTIONS))
         return _deliver(call, reference_gemm(call.a, call.b, epi, operands, stored), outs)
-    from epicute.kernels.epilogue_emit import EpilogueFusion  # imports the CuTe DSL: only when launching
-
-    fusion = EpilogueFusion(graph, tuple((s.name, s.kind, s.dtype) for s in specs.values()))
+    memo = _capture_key(epilogue)
+    if memo is not None:
+        memo = (memo, tuple((s.name, s.kind, s.dtype) for s in specs.values()), p, call.out_dtype, d_explicit,
+                tuple(sorted((out_dtypes or {}).items())), tuple(sorted(outs_dtypes.items())), _overrides(config))  # fmt: skip
+    prepared = _PREPARED.get(memo) if memo is not None else None
+    if prepared is None:
+        prepared = _prepare_fusion(epi, specs, call, d_explicit, out_dtypes, outs_dtypes, config)
+        if memo is not None:
+            if len(_PREPARED) >= 1024:
+                _PREPARED.clear()
+            _PREPARED[memo] = prepared
+    fusion, d_dtype, plan = prepared
+    call = _with_d_dtype(call, d_dtype, a, b, out, require_cuda=True)
     device = call.a.device
     tensors, scalars = kernel_inputs(fusion, specs, device)
     aux = aux_outputs(fusion, outs, (p.l, p.m, p.n), call.batched, device)
-    plan = cached_plan(call.problem, _overrides(config), fusion.buffers())
     return launch_gemm(call, plan, fusion, tensors, scalars, aux)
+
+
+#: Traced, fused and planned epilogue calls, by what they depend on (see _capture_key).
+_PREPARED: dict[tuple, tuple] = {}
+
+
+def _capture_key(fn: Callable) -> tuple | None:
+    """What tracing ``fn`` can depend on besides its code: the function object, its
+    closure values, defaults and the module globals it names. A later call with an
+    equal key reuses the trace; ``None`` (something unhashable) means always trace."""
+    fn = getattr(fn, "fn", fn)  # an Epilogue's function
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    cells = tuple(cell.cell_contents for cell in fn.__closure__ or ())
+    names = tuple((name, fn.__globals__[name]) for name in code.co_names if name in fn.__globals__)
+    key = (fn, cells, fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items())), names)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _prepare_fusion(epi, specs, call, d_explicit, out_dtypes, outs_dtypes, config) -> tuple:
+    """Trace, lower and plan one epilogue call: (fusion, D's dtype, plan)."""
+    from epicute.kernels.epilogue_emit import EpilogueFusion  # imports the CuTe DSL: only when launching
+
+    graph = trace_for_gemm(epi, specs, call.out_dtype, d_explicit, out_dtypes, outs_dtypes)
+    d_dtype = IR_TO_TORCH[dict(graph.output_dtypes)["D"]]
+    fusion = EpilogueFusion(graph, tuple((s.name, s.kind, s.dtype) for s in specs.values()))
+    problem = replace(call.problem, d_dtype=TORCH_TO_NAME[d_dtype])
+    return fusion, d_dtype, cached_plan(problem, _overrides(config), fusion.buffers())
+
+
+def _with_d_dtype(call, d_dtype, a, b, out, *, require_cuda: bool):
+    """``call`` again with D stored in ``d_dtype`` (an epilogue's own cast/quantize may choose it)."""
+    return call if d_dtype == call.out_dtype else check_gemm_args(a, b, out, d_dtype, require_cuda=require_cuda)
 
 
 def _reference_matmul(call) -> torch.Tensor:

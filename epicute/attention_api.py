@@ -32,6 +32,7 @@ from epicute.epilogue.score_mod import score_mod as as_score_mod
 from epicute.epilogue.tracer import Epilogue, as_epilogue
 from epicute.errors import ConfigError, DeviceError, EpilogueError
 from epicute.plan.attention import AttentionPlan, AttentionProblem, plan_attention, render_attention_plan
+from epicute.runtime.torch_ops import attention_op_call
 from epicute.runtime.validate_attention import AttentionCall, check_attention_args
 
 #: Attention operand kind -> the epilogue IR kind it is traced as (see module docstring).
@@ -184,6 +185,19 @@ def _hooks(call: AttentionCall, score_mod, epilogue, operands: dict) -> tuple[_H
     return score, out
 
 
+def _kernel_variant(call: AttentionCall, score: _Hook | None, epi: _Hook | None, config: dict | None):
+    """The ``AttentionVariant`` (compile cache entry) the kernel backend launches for this call."""
+    from epicute.kernels.attention_sm90 import AttentionFusion  # imports the CuTe DSL: only when launching
+    from epicute.runtime.attention import AttentionVariant
+
+    plan = _cached_plan(call.problem, tuple(sorted((config or {}).items())))
+    return AttentionVariant(
+        plan.config, call.problem.dtype, call.problem.causal,
+        None if score is None else AttentionFusion(score.graph, score.signature),
+        None if epi is None else AttentionFusion(epi.graph, epi.signature),
+    )  # fmt: skip
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -223,6 +237,12 @@ def attention(
         >>> softcap = lambda s, b, h, qi, ki: 30 * epicute.ops.tanh(s / 30)
         >>> o, lse = epicute.attention(q, kv, kv, score_mod=softcap, return_lse=True)
     """
+    if torch.compiler.is_compiling():
+        # torch.compile sees one custom op (epicute::attention), never this Python code.
+        return attention_op_call(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,
+            epilogue=epilogue, out=out, backend=backend, config=config, operands=operands,
+        )  # fmt: skip
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
     call = check_attention_args(
@@ -234,18 +254,11 @@ def attention(
         lse = lse.to(q.device)
         out = ref.to(q.device) if out is None else out.copy_(ref)
     else:
-        from epicute.kernels.attention_sm90 import AttentionFusion  # imports the CuTe DSL: only when launching
-        from epicute.runtime.attention import AttentionVariant, launch_attention
+        from epicute.runtime.attention import launch_attention
 
-        plan = _cached_plan(call.problem, tuple(sorted((config or {}).items())))
-        variant = AttentionVariant(
-            plan.config, call.problem.dtype, call.problem.causal,
-            None if score is None else AttentionFusion(score.graph, score.signature),
-            None if epi is None else AttentionFusion(epi.graph, epi.signature),
-        )  # fmt: skip
         device = q.device
         out, lse = launch_attention(
-            call, variant,
+            call, _kernel_variant(call, score, epi, config),
             score.kernel_operands(device) if score else ((), ()),
             epi.kernel_operands(device) if epi else ((), ()),
         )  # fmt: skip

@@ -69,9 +69,15 @@ def contenders() -> dict[str, Gemm]:
     return found
 
 
-def _median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
+def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` calls, each bracketed by its own CUDA events.
+
+    Warm-up calls are excluded; rotating inputs (to defeat L2 reuse) is the
+    caller's job: make ``fn`` cycle through them. ``bench/`` uses this too.
+    """
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, stop in events:
         start.record()
@@ -103,7 +109,7 @@ def run_shape(shape: Shape, fns: dict[str, Gemm], dtype: torch.dtype = torch.bfl
                 row[name], row[f"{name}_error"] = None, f"relative error {err:.2e}"
                 continue
             cycle = itertools.cycle(sets)
-            ms = _median_ms(lambda fn=fn, cycle=cycle: fn(*next(cycle)))
+            ms = time_cuda(lambda fn=fn, cycle=cycle: fn(*next(cycle)), warmup=5, iters=30)
             row[name] = round(2 * m * n * k / (ms * 1e-3) / 1e12, 1)
         except Exception as exc:  # noqa: BLE001 - one failing contender must not stop the others
             row[name], row[f"{name}_error"] = None, f"{type(exc).__name__}: {exc}"
@@ -138,4 +144,4 @@ def plot(rows: Sequence[dict], names: Sequence[str], path: Path, title: str) -> 
     return path
 
 
-__all__ = ["DEFAULT_SHAPES", "parse_shapes", "require_matplotlib", "contenders", "run_shape", "check_device", "plot"]
+__all__ = ["DEFAULT_SHAPES", "check_device", "contenders", "parse_shapes", "plot", "require_matplotlib", "run_shape"]

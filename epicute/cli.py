@@ -50,10 +50,20 @@ def explain_gemm(
     tile_n: Optional[int] = typer.Option(None, help="pin the CTA tile's N (64, 128, 256)"),
     cluster_m: Optional[int] = typer.Option(None, help="pin the cluster's M extent (1 or 2)"),
     persistent: Optional[bool] = typer.Option(None, "--persistent/--no-persistent", help="pin persistence"),
+    epilogue: Optional[str] = typer.Option(
+        None, help="a fused epilogue by import path, e.g. epicute.epilogue.library:row_col_quant"
+    ),
+    operand: list[str] = typer.Option(
+        [], help="an epilogue operand as name=kind[:dtype] (kind: scalar, row, col, tile); repeat per operand"
+    ),
 ) -> None:
-    """Plan D = A @ B and print tiles, warp roles, pipelines, shared memory and roofline."""
+    """Plan D = A @ B (optionally with a fused epilogue) and print tiles, warp roles, pipelines,
+    shared memory, roofline and the epilogue's stage chain."""
+    from dataclasses import replace
+
     from epicute.errors import EpicuteError
     from epicute.plan import GemmProblem, plan_gemm, render_plan
+    from epicute.plan.smem import NO_EPILOGUE
 
     overrides = {
         key: value
@@ -62,7 +72,20 @@ def explain_gemm(
     }
     try:
         problem = GemmProblem(m, n, k, l, dtype, out_dtype or dtype, a_major, b_major)
-        plan = plan_gemm(problem, **overrides)
+        buffers = NO_EPILOGUE
+        if epilogue:
+            from epicute.epilogue.tracer import as_epilogue
+            from epicute.runtime.aot import _gemm_fusion, import_object
+
+            operands = dict(item.split("=", 1) if "=" in item else (item, "") for item in operand)
+            fusion = _gemm_fusion(
+                as_epilogue(import_object(epilogue)), operands, problem.d_dtype, out_dtype is not None, {}
+            )
+            problem = replace(problem, d_dtype=fusion.output_dtypes["D"])
+            buffers = fusion.buffers()
+        elif operand:
+            raise typer.BadParameter("--operand needs --epilogue")
+        plan = plan_gemm(problem, epilogue=buffers, **overrides)
     except EpicuteError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc

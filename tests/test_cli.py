@@ -102,3 +102,14 @@ def test_bench_rejects_bad_shapes_and_needs_a_gpu():
     if not has_hopper():
         result = runner.invoke(app, ["bench", "--shapes", "256x256x256", "--no-plot"])
         assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
+
+
+def test_explain_gemm_with_a_fused_epilogue_prints_its_chain_and_buffers():
+    args = ["explain", "gemm", "--m", "4096", "--n", "4096", "--k", "4096",
+            "--epilogue", "epicute.epilogue.library:tensor_quant", "--operand", "scale=scalar"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "D fp8e4m3 row-major" in result.output  # the epilogue's quantize picks D's dtype
+    assert "epilogue chain" in result.output and "finalize_reductions" in result.output
+    bad = runner.invoke(app, [*args[:-2], "--operand", "scale=diagonal"])
+    assert bad.exit_code == 2 and "kind 'diagonal'" in bad.output

@@ -46,3 +46,30 @@ def test_unknown_backend_is_an_error():
     with pytest.raises(ConfigError, match="backend='triton'"):
         epicute.gemm(rand(8, 8), rand(8, 8), backend="triton")
 
+
+
+SCALE = 2.0
+
+
+def test_trace_memo_key_follows_what_the_trace_depends_on():
+    """A fused call reuses its trace only while the function, its closure, defaults and named globals are unchanged."""
+    global SCALE
+    from epicute.api import _capture_key
+
+    def scaled(acc, bias):
+        return acc * SCALE + bias
+
+    before = _capture_key(scaled)
+    assert before == _capture_key(scaled) and hash(before) == hash(_capture_key(scaled))
+    SCALE = 3.0
+    try:
+        assert _capture_key(scaled) != before
+    finally:
+        SCALE = 2.0
+
+    def closing_over(c):
+        return lambda acc: acc * c
+
+    assert _capture_key(closing_over(1.0)) != _capture_key(closing_over(2.0))
+    assert _capture_key(closing_over([1.0])) is None  # unhashable capture: always trace
+    assert _capture_key(epicute.epilogues.plain) == _capture_key(epicute.epilogues.plain.fn)

@@ -56,13 +56,13 @@ def _num_tiles(problem: GemmProblem, tile_m: int, tile_n: int) -> int:
     return _ceil_div(problem.m, tile_m) * _ceil_div(problem.n, tile_n) * problem.l
 
 
-def choose_tile_n(problem: GemmProblem, hw: Hardware) -> tuple[int, str]:
+def choose_tile_n(problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers = NO_EPILOGUE) -> tuple[int, str]:
     if problem.n <= 64:
         return 64, f"N={problem.n} fits one 64-wide tile"
     if problem.n <= 128:
         return 128, f"N={problem.n} fits one 128-wide tile"
-    t256 = estimate_seconds(problem, hw, 128, 256)
-    t128 = estimate_seconds(problem, hw, 128, 128)
+    t256 = estimate_seconds(problem, hw, 128, 256, epilogue)
+    t128 = estimate_seconds(problem, hw, 128, 128, epilogue)
     if t256 <= t128:
         return 256, f"128x256 tiles estimated {t256 * 1e6:.0f} us vs {t128 * 1e6:.0f} us for 128x128"
     return 128, f"128x128 tiles estimated {t128 * 1e6:.0f} us vs {t256 * 1e6:.0f} us for 128x256 (wave quantization)"
@@ -116,7 +116,7 @@ def choose_config(
     reasons: list[str] = []
     tile_n = overrides.get("tile_n")
     if tile_n is None:
-        tile_n, why = choose_tile_n(problem, hw)
+        tile_n, why = choose_tile_n(problem, hw, epilogue)
         reasons.append(f"tile 128x{tile_n}x64: {why}")
     else:
         reasons.append(f"tile 128x{tile_n}x64: requested")

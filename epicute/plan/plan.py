@@ -58,7 +58,8 @@ class GemmPlan:
 
     @property
     def roofline(self) -> Roofline:
-        return roofline(self.problem, self.hardware, self.config.tile_m, self.config.tile_n, self.config.tile_k)
+        c = self.config
+        return roofline(self.problem, self.hardware, c.tile_m, c.tile_n, c.tile_k, self.epilogue)
 
 
 def plan_gemm(

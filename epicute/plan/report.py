@@ -84,6 +84,13 @@ def render_plan(plan: GemmPlan) -> str:
         f"(intensity {r.intensity:.0f} FLOP/B)",
         f"  compute bound   {r.compute_s * 1e6:.1f} us at {hw.peak_tflops_16bit:.0f} TFLOP/s",
         f"  memory bound    {r.memory_s * 1e6:.1f} us at {hw.hbm_tb_per_s:.2f} TB/s",
+    ]
+    if r.epilogue_bytes:
+        lines.append(
+            f"  epilogue        +{r.epilogue_bytes / 1e6:.2f} MB of operand/aux tiles; +{r.epilogue_tile_s * 1e6:.2f} us "
+            "per tile, exposed (the cooperative epilogue runs with no WGMMA in flight)"
+        )
+    lines += [
         f"  predicted       {r.predicted_s * 1e6:.1f} us ({r.bound}-bound, {r.waves:.2f} waves)"
         + (f" = {r.flops / r.predicted_s / 1e12:.0f} TFLOP/s" if r.predicted_s else ""),
         "",

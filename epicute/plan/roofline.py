@@ -4,14 +4,21 @@ Used by the planner to compare tile shapes and by ``explain`` to predict time.
 The sustained-efficiency factors are what a warp-specialized WGMMA mainloop of
 each tile width reaches on an H100 (the wider the tile, the fewer shared-memory
 bytes per FLOP); they rank candidates, they do not promise a number.
+
+A fused epilogue adds its operand tiles and aux outputs to the bytes moved, and,
+because the cooperative schedule runs the epilogue while no WGMMA is in flight,
+each tile pays the time its SM needs to move those extra bytes at its share of
+HBM bandwidth (the plain D store is asynchronous and hides behind the next
+mainloop).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epicute.plan.config import GemmProblem
+from epicute.plan.config import DTYPE_BYTES, GemmProblem
 from epicute.plan.hardware import Hardware
+from epicute.plan.smem import NO_EPILOGUE, EpilogueBuffers
 
 #: Fraction of the tensor-core peak a mainloop sustains, by tile N (tile M is 128).
 MAINLOOP_EFFICIENCY = {256: 0.82, 128: 0.74, 64: 0.55}
@@ -31,33 +38,52 @@ class Roofline:
     predicted_s: float
     waves: float
     bound: str
+    #: bytes the fused epilogue adds (operand tiles read, aux tiles written)
+    epilogue_bytes: int = 0
+    #: per-tile time the fused epilogue's extra traffic adds, exposed in the cooperative schedule
+    epilogue_tile_s: float = 0.0
 
     @property
     def intensity(self) -> float:
         return self.flops / max(self.min_bytes, 1)
 
 
-def estimate_seconds(problem: GemmProblem, hw: Hardware, tile_m: int, tile_n: int) -> float:
-    return roofline(problem, hw, tile_m, tile_n).predicted_s
+def estimate_seconds(
+    problem: GemmProblem, hw: Hardware, tile_m: int, tile_n: int, epilogue: EpilogueBuffers = NO_EPILOGUE
+) -> float:
+    return roofline(problem, hw, tile_m, tile_n, epilogue=epilogue).predicted_s
 
 
-def roofline(problem: GemmProblem, hw: Hardware, tile_m: int, tile_n: int, tile_k: int = 64) -> Roofline:
+def roofline(
+    problem: GemmProblem,
+    hw: Hardware,
+    tile_m: int,
+    tile_n: int,
+    tile_k: int = 64,
+    epilogue: EpilogueBuffers = NO_EPILOGUE,
+) -> Roofline:
     flops = problem.flops
+    extra_per_elem = sum(DTYPE_BYTES[d] for d in epilogue.tile_inputs + epilogue.aux_outputs)
+    epilogue_bytes = problem.l * problem.m * problem.n * extra_per_elem
+    min_bytes = problem.min_bytes + epilogue_bytes
     compute_s = flops / (hw.peak_tflops_16bit * 1e12)
-    memory_s = problem.min_bytes / (hw.hbm_tb_per_s * 1e12)
+    memory_s = min_bytes / (hw.hbm_tb_per_s * 1e12)
     tiles = _ceil_div(problem.m, tile_m) * _ceil_div(problem.n, tile_n) * problem.l
     waves = _ceil_div(tiles, hw.num_sms) if tiles else 0
     k_padded = _ceil_div(problem.k, tile_k) * tile_k
     per_sm_flops = hw.peak_tflops_16bit * 1e12 / hw.num_sms * MAINLOOP_EFFICIENCY.get(tile_n, 0.5)
-    tile_s = 2 * tile_m * tile_n * k_padded / per_sm_flops
+    epilogue_tile_s = tile_m * tile_n * extra_per_elem / (hw.hbm_tb_per_s * 1e12 / hw.num_sms)
+    tile_s = 2 * tile_m * tile_n * k_padded / per_sm_flops + epilogue_tile_s
     quantized_s = waves * tile_s
     predicted = max(quantized_s, memory_s)
     return Roofline(
         flops=flops,
-        min_bytes=problem.min_bytes,
+        min_bytes=min_bytes,
         compute_s=compute_s,
         memory_s=memory_s,
         predicted_s=predicted,
         waves=tiles / hw.num_sms if tiles else 0.0,
         bound="compute" if quantized_s >= memory_s else "memory",
+        epilogue_bytes=epilogue_bytes,
+        epilogue_tile_s=epilogue_tile_s,
     )

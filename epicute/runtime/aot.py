@@ -21,6 +21,24 @@ made, and the variants those calls would compile are built::
 Sizes pick the plan (tiles, cluster, stages), not the code's sizes: list a
 shape per regime the application runs (decode-sized M, prefill-sized M...).
 The planner assumes an H100 SXM (132 SMs) unless a Hopper GPU is visible.
+
+Attention needs no sizes at all (its plan depends on head_dim, causal and dtype
+only; batch, sequence lengths and head counts are runtime values)::
+
+    [[attention]]
+    dtype = "bf16"                  # q, k, v: bf16 | fp16
+    head_dim = [64, 128]            # one or a list: 64 | 128 | 256
+    causal = [false, true]          # one or a list
+    heads = [32, 8]                 # [heads_q, heads_kv]; optional (default [1, 1]): the GQA
+                                    # ratio is a runtime value, one variant serves every ratio
+    config = { tile_n = 64 }        # optional pins, as attention(config=...)
+    score_mod = "mypkg.mods:alibi"  # optional, module:function
+    epilogue = "mypkg.mods:gate"    # optional, module:function
+    operands = { slopes = "head:fp32", cap = "scalar", gate = "tile:bf16" }  # kind[:dtype]
+
+Operand kinds are those :func:`epicute.attention` infers from shapes: ``scalar``;
+``head``, a per-head vector ``(heads_q,)`` (score_mod); ``row``, a ``(head_dim,)``
+vector, and ``tile``, ``(batch, seqlen_q, heads_q, head_dim)`` (epilogue).
 """
 
 from __future__ import annotations
@@ -87,10 +105,12 @@ def import_object(path: str) -> Any:
     return obj
 
 
-def _operand(name: str, text: str) -> tuple[str, str]:
+def _operand(name: str, text: str, kinds: tuple[str, ...] = ("scalar", "row", "col", "tile")) -> tuple[str, str]:
     kind, _, dtype = str(text).partition(":")
-    if kind not in ("scalar", "row", "col", "tile"):
-        raise EpilogueError(f"operand {name!r}: kind {kind!r} must be scalar, row, col or tile (e.g. 'row:bf16')")
+    if kind not in kinds:
+        raise EpilogueError(
+            f"operand {name!r}: kind {kind!r} must be {', '.join(kinds[:-1])} or {kinds[-1]} (e.g. '{kinds[1]}:bf16')"
+        )
     if kind == "scalar":
         return kind, "fp32"
     return kind, dtype or "fp32"
@@ -110,14 +130,14 @@ def gemm_variants(entry: dict) -> list:
         raise ConfigError("[[gemm]] entry: give shapes = [[M, N, K], ...] (sizes pick the plan)")
     dtype = entry.get("dtype", "bf16")
     out_dtype = entry.get("out_dtype", dtype)
-    # TOML has no tuples; GemmConfig does (epi_tile).
-    overrides = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (entry.get("config") or {}).items()))
+    overrides = tuple(sorted(_config_pins(entry).items()))
     fusion = None
     if entry.get("epilogue"):
         fusion = _gemm_fusion(
             as_epilogue(import_object(entry["epilogue"])), entry.get("operands") or {}, out_dtype,
-            entry.get("out_dtypes") or {},
+            "out_dtype" in entry, entry.get("out_dtypes") or {},
         )  # fmt: skip
+        out_dtype = fusion.output_dtypes["D"]
     elif entry.get("operands") or entry.get("out_dtypes"):
         raise ConfigError("[[gemm]] entry: operands/out_dtypes need an epilogue")
     variants = {}
@@ -132,8 +152,10 @@ def gemm_variants(entry: dict) -> list:
     return list(variants.values())
 
 
-def _gemm_fusion(epi, operands: dict, out_dtype: str, out_dtypes: dict):
+def _gemm_fusion(epi, operands: dict, out_dtype: str, d_explicit: bool, out_dtypes: dict):
     """The fused epilogue exactly as :func:`epicute.gemm` builds it for operands of these kinds/dtypes."""
+    from epicute.epilogue.operands import OperandSpec
+    from epicute.epilogue.tracer import trace_for_gemm
     from epicute.kernels.epilogue_emit import EpilogueFusion
 
     missing = [p for p in epi.params if p not in operands and p not in epi.defaults]
@@ -143,13 +165,85 @@ def _gemm_fusion(epi, operands: dict, out_dtype: str, out_dtypes: dict):
             f"epilogue {epi.name!r} takes operands {epi.params}: give each as name = 'kind[:dtype]' "
             f"(missing {missing}, unexpected {extra})"
         )
-    specs = {p: _operand(p, operands.get(p, "scalar")) for p in epi.params}
-    dtypes = {"D": out_dtype, **out_dtypes}
-    graph = epi.trace({p: k for p, (k, _) in specs.items()}, {p: d for p, (_, d) in specs.items()}, dtypes, d_dtype=out_dtype)
-    return EpilogueFusion(graph, tuple((p, k, d) for p, (k, d) in specs.items()))
+    specs = {p: OperandSpec(p, *_operand(p, operands.get(p, "scalar")), value=None) for p in epi.params}
+    graph = trace_for_gemm(epi, specs, out_dtype, d_explicit, out_dtypes)
+    return EpilogueFusion(graph, tuple((s.name, s.kind, s.dtype) for s in specs.values()))
 
 
 JOB_KINDS["gemm"] = gemm_variants
+
+
+def _config_pins(entry: dict) -> dict:
+    """The entry's ``config`` table; TOML has no tuples, configs do (epi_tile, mma_atoms_mn)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in (entry.get("config") or {}).items()}
+
+
+def attention_variants(entry: dict) -> list:
+    """The attention variants the calls described by one ``[[attention]]`` entry would compile, deduplicated.
+
+    Each is found by running :func:`epicute.attention`'s own checks and hook
+    tracing on tiny CPU tensors of the entry's dtype and operand kinds, so its
+    key is the one a real call of any size makes.
+    """
+    import itertools
+
+    import torch
+
+    from epicute.attention_api import _hooks, _kernel_variant
+    from epicute.epilogue.dtypes import IR_TO_TORCH
+    from epicute.epilogue.score_mod import score_mod as as_score_mod
+    from epicute.epilogue.tracer import as_epilogue
+    from epicute.runtime.validate_attention import check_attention_args
+
+    allowed = {"dtype", "head_dim", "causal", "heads", "config", "score_mod", "epilogue", "operands"}
+    unknown = sorted(set(entry) - allowed)
+    if unknown:
+        raise ConfigError(f"[[attention]] entry: unknown fields {unknown}; known are {sorted(allowed)}")
+    dtype = entry.get("dtype", "bf16")
+    if dtype not in ("bf16", "fp16"):
+        raise ConfigError(f"[[attention]] entry: dtype {dtype!r} must be 'bf16' or 'fp16'")
+    heads = entry.get("heads", [1, 1])
+    if not (isinstance(heads, list) and len(heads) == 2 and all(isinstance(h, int) and h > 0 for h in heads)):
+        raise ConfigError(f"[[attention]] entry: heads = {heads!r}; give [heads_q, heads_kv], e.g. [32, 8]")
+    hooks = {
+        "score_mod": as_score_mod(import_object(entry["score_mod"])) if entry.get("score_mod") else None,
+        "epilogue": as_epilogue(import_object(entry["epilogue"])) if entry.get("epilogue") else None,
+    }
+    declared = {p: hook for hook in hooks.values() if hook is not None for p in hook.params}
+    operands = entry.get("operands") or {}
+    missing = sorted(p for p, hook in declared.items() if p not in operands and p not in hook.defaults)
+    extra = sorted(set(operands) - set(declared))
+    if missing or extra:
+        raise EpilogueError(
+            f"[[attention]] entry: the hooks take operands {sorted(declared)}: give each as name = 'kind[:dtype]' "
+            f"(missing {missing}, unexpected {extra})"
+        )
+    specs = {name: _operand(name, text, ("scalar", "head", "row", "tile")) for name, text in operands.items()}
+    for name, (_, dt) in specs.items():
+        if dt not in IR_TO_TORCH:
+            raise EpilogueError(f"operand {name!r}: dtype {dt!r} is not one of {sorted(IR_TO_TORCH)}")
+    head_dims, causals = (entry.get(f, default) for f, default in (("head_dim", 128), ("causal", False)))
+    head_dims, causals = (x if isinstance(x, list) else [x] for x in (head_dims, causals))
+    if not all(isinstance(c, bool) for c in causals):
+        raise ConfigError(f"[[attention]] entry: causal = {entry['causal']!r}; give true, false or a list of them")
+    heads_q, heads_kv = heads
+    variants = {}
+    for head_dim, causal in itertools.product(head_dims, causals):
+        q = torch.zeros(1, 1, heads_q, head_dim, dtype=IR_TO_TORCH[dtype])
+        kv = torch.zeros(1, 1, heads_kv, head_dim, dtype=IR_TO_TORCH[dtype])
+        shapes = {"head": (heads_q,), "row": (head_dim,), "tile": tuple(q.shape)}
+        values = {
+            name: 0.0 if kind == "scalar" else torch.zeros(shapes[kind], dtype=IR_TO_TORCH[dt])
+            for name, (kind, dt) in specs.items()
+        }
+        call = check_attention_args(q, kv, kv, causal=causal, softmax_scale=None, require_cuda=False)
+        score, epi = _hooks(call, hooks["score_mod"], hooks["epilogue"], values)
+        variant = _kernel_variant(call, score, epi, _config_pins(entry))
+        variants.setdefault(variant.key(), (variant, f"d{head_dim} {dtype}" + (" causal" if causal else "")))
+    return list(variants.values())
+
+
+JOB_KINDS["attention"] = attention_variants
 
 
 def compile_spec(path: str | Path, dry_run: bool = False, on_result: Callable[[AotResult], None] | None = None):
@@ -171,4 +265,4 @@ def compile_spec(path: str | Path, dry_run: bool = False, on_result: Callable[[A
     return results
 
 
-__all__ = ["AotResult", "JOB_KINDS", "read_spec", "gemm_variants", "compile_spec", "import_object"]
+__all__ = ["AotResult", "JOB_KINDS", "read_spec", "gemm_variants", "attention_variants", "compile_spec", "import_object"]

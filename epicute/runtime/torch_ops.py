@@ -19,11 +19,19 @@ CUDA graphs: capture works once the kernel is cached (call once before capturing
 or run ``epicute compile`` ahead of time); pass epilogue scalars as Python
 numbers, since reading a 1-element tensor synchronizes.
 
-Other kernels register here in the same style (``epicute::attention`` goes next
-to ``epicute::gemm``): a ``custom_op`` whose real implementation is the public
-eager function, a ``register_fake`` giving output metadata, a ``meta`` kernel
-reusing it, and a traceable ``*_op_call`` the public function delegates to while
-``torch.compiler.is_compiling()``.
+``torch.ops.epicute.attention(q, k, v, operands, scalars, score_mod, epilogue, spec)
+-> (O, LSE)`` runs :func:`epicute.attention` the same way: ``score_mod`` and
+``epilogue`` are registry keys (``""`` for none; a score_mod is registered with
+its indices traced as index leaves, :func:`register_score_mod`), the hooks'
+operands travel by name in ``spec`` together with ``causal``, ``softmax_scale``
+and ``config``. LSE is always computed (the kernel writes it anyway);
+:func:`epicute.attention` drops it unless ``return_lse=True``. O is contiguous in
+q's dtype, LSE fp32 ``(batch, heads_q, seqlen_q)``, whatever the hooks are.
+
+Every kernel registers here in this style: a ``custom_op`` whose real
+implementation is the public eager function, a ``register_fake`` giving output
+metadata, a ``meta`` kernel reusing it, and a traceable ``*_op_call`` the public
+function delegates to while ``torch.compiler.is_compiling()``.
 """
 
 from __future__ import annotations
@@ -39,8 +47,9 @@ from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
 from epicute.epilogue.graph import REDUCTIONS
 from epicute.epilogue.hashing import semantic_hash
 from epicute.epilogue.operands import PINS, Pin
+from epicute.epilogue.score_mod import score_mod as as_score_mod
 from epicute.epilogue.tracer import Epilogue, as_epilogue, trace_for_gemm
-from epicute.errors import ConfigError, EpilogueError
+from epicute.errors import ConfigError, EpilogueError, ShapeError
 
 _EPILOGUES: dict[str, Epilogue] = {}
 _OUTPUTS: dict[str, tuple[str, ...]] = {}
@@ -56,8 +65,13 @@ def register_epilogue(fn: Callable) -> str:
     return _register(fn)[0]
 
 
+def register_score_mod(fn: Callable) -> str:
+    """:func:`register_epilogue` for an attention ``score_mod`` (done by :func:`epicute.attention` under ``torch.compile``)."""
+    return _register_score_mod(fn)[0]
+
+
 def registered_epilogue(key: str) -> Epilogue:
-    """The epilogue registered under ``key``."""
+    """The epilogue (or score_mod: a ``ScoreMod``) registered under ``key``."""
     try:
         return _EPILOGUES[key]
     except KeyError:
@@ -67,8 +81,8 @@ def registered_epilogue(key: str) -> Epilogue:
         ) from None
 
 
-def _register(fn: Callable) -> tuple[str, tuple[str, ...]]:
-    epi = as_epilogue(fn)
+def _register(fn: Callable, hook: Callable[[Callable], Epilogue] = as_epilogue) -> tuple[str, tuple[str, ...]]:
+    epi = hook(fn)
     kinds = {p: epi.pins.get(p, "tile") for p in epi.params}
     try:
         graph = epi.trace(kinds, {}, None, d_dtype="fp32")
@@ -85,8 +99,47 @@ def _register(fn: Callable) -> tuple[str, tuple[str, ...]]:
     return key, _OUTPUTS[key]
 
 
+def _register_score_mod(fn: Callable) -> tuple[str, tuple[str, ...]]:
+    # Its own function (not a partial): assume_constant_result wraps plain functions.
+    return _register(fn, as_score_mod)
+
+
 # Under dynamo these run once, at trace time, and their results become constants of the graph.
+# Dynamo folds them only over constant arguments: hand them the plain function (a
+# constant to dynamo), not an Epilogue/ScoreMod object (some torch versions refuse
+# user objects there); the hook rebuilds the same object from it (_plain_fn).
 _register_traced = torch._dynamo.assume_constant_result(_register)
+_register_score_mod_traced = torch._dynamo.assume_constant_result(_register_score_mod)
+
+
+def _plain_fn(hook: Callable) -> Callable:
+    return hook.fn if isinstance(hook, Epilogue) else hook
+
+
+def _split_operands(operands: dict[str, Any]) -> tuple[list, list, list, list, list]:
+    """Keyword operands as (tensor names, tensors, scalar names, scalars, pins), sorted by name."""
+    tensor_names, tensors, scalar_names, scalars, pins = [], [], [], [], []
+    for name in sorted(operands):
+        value = operands[name]
+        if isinstance(value, Pin):
+            pins.append((name, value.kind))
+            value = value.value
+        if isinstance(value, torch.Tensor):
+            tensor_names.append(name)
+            tensors.append(value)
+        else:
+            scalar_names.append(name)
+            scalars.append(float(value))
+    return tensor_names, tensors, scalar_names, scalars, pins
+
+
+def _operand_values(operands: list[torch.Tensor], scalars: list[float], spec: dict) -> dict[str, Any]:
+    """The keyword operands :func:`_split_operands` took apart (pins re-applied)."""
+    values: dict[str, Any] = dict(zip(spec["tensors"], operands))
+    values.update(zip(spec["scalars"], scalars))
+    for name, kind in spec["pins"].items():
+        values[name] = PINS[kind](values[name])
+    return values
 
 
 def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
@@ -110,16 +163,12 @@ def _spec_text(
 
 def _gemm_kwargs(operands: list[torch.Tensor], scalars: list[float], epilogue: str, spec: dict) -> dict:
     """The keyword arguments of the :func:`epicute.gemm` call the op stands for."""
-    values: dict[str, Any] = dict(zip(spec["tensors"], operands))
-    values.update(zip(spec["scalars"], scalars))
-    for name, kind in spec["pins"].items():
-        values[name] = PINS[kind](values[name])
     return {
         "epilogue": registered_epilogue(epilogue) if epilogue else None,
         "out_dtype": IR_TO_TORCH[spec["out_dtype"]] if spec["out_dtype"] else None,
         "out_dtypes": {k: IR_TO_TORCH[v] for k, v in spec["out_dtypes"].items()} or None,
         "config": spec["config"] or None,
-        **values,
+        **_operand_values(operands, scalars, spec),
     }
 
 
@@ -198,19 +247,8 @@ def gemm_op_call(
     if out is not None and out_dtype is None:
         out_dtype = out.dtype
     out_dtypes = {**{name: t.dtype for name, t in (outs or {}).items()}, **(out_dtypes or {})}
-    key, outputs = _register_traced(epilogue) if epilogue is not None else ("", ("D",))
-    tensor_names, tensors, scalar_names, scalars, pins = [], [], [], [], []
-    for name in sorted(operands):
-        value = operands[name]
-        if isinstance(value, Pin):
-            pins.append((name, value.kind))
-            value = value.value
-        if isinstance(value, torch.Tensor):
-            tensor_names.append(name)
-            tensors.append(value)
-        else:
-            scalar_names.append(name)
-            scalars.append(float(value))
+    key, outputs = _register_traced(_plain_fn(epilogue)) if epilogue is not None else ("", ("D",))
+    tensor_names, tensors, scalar_names, scalars, pins = _split_operands(operands)
     spec = _spec_text(
         tuple(tensor_names), tuple(scalar_names), tuple(pins), out_dtype,
         tuple(sorted(out_dtypes.items())), tuple(sorted((config or {}).items())),
@@ -223,4 +261,90 @@ def gemm_op_call(
     return results["D"] if len(outputs) == 1 else results
 
 
-__all__ = ["gemm_op", "gemm_op_call", "register_epilogue", "registered_epilogue"]
+@torch._dynamo.assume_constant_result
+def _attention_spec_text(
+    tensor_names: tuple, scalar_names: tuple, pins: tuple, causal: bool, softmax_scale: Any, config: tuple
+) -> str:
+    spec = {
+        "tensors": list(tensor_names),
+        "scalars": list(scalar_names),
+        "pins": dict(pins),
+        "causal": bool(causal),
+        "softmax_scale": None if softmax_scale is None else float(softmax_scale),
+        "config": dict(config),
+    }
+    return json.dumps(spec, sort_keys=True)
+
+
+@torch.library.custom_op("epicute::attention", mutates_args=())
+def attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    score_mod: str,
+    epilogue: str,
+    spec: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``epicute.attention(q, k, v, ..., return_lse=True)`` as an op: ``(O, LSE)`` (see the module docstring)."""
+    from epicute.attention_api import attention
+
+    spec = json.loads(spec)
+    return attention(
+        q, k, v, causal=spec["causal"], softmax_scale=spec["softmax_scale"], return_lse=True,
+        score_mod=registered_epilogue(score_mod) if score_mod else None,
+        epilogue=registered_epilogue(epilogue) if epilogue else None,
+        config=spec["config"] or None, **_operand_values(operands, scalars, spec),
+    )  # fmt: skip
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, operands, scalars, score_mod, epilogue, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    # Output metadata never depends on the hooks: O is stored in q's dtype (the kernel's
+    # O tile is q's type), contiguous like eager's torch.empty_like(q, contiguous_format).
+    if q.dim() != 4:
+        raise ShapeError(f"q has shape {tuple(q.shape)}; attention takes 4-D (batch, seqlen, heads, head_dim) tensors")
+    batch, seqlen_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
+if not torch._C._dispatch_has_kernel_for_dispatch_key(attention_op._qualname, "Meta"):
+    attention_op.register_kernel("meta")(_attention_fake)
+
+
+def attention_op_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+    return_lse: bool,
+    score_mod: Callable | None,
+    epilogue: Callable | None,
+    out: torch.Tensor | None,
+    backend: str,
+    config: dict | None,
+    operands: dict[str, Any],
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`epicute.attention` while ``torch.compile`` traces it: one ``epicute::attention`` op."""
+    if backend != "kernel":
+        raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
+    score_key = _register_score_mod_traced(_plain_fn(score_mod))[0] if score_mod is not None else ""
+    epi_key = _register_traced(_plain_fn(epilogue))[0] if epilogue is not None else ""
+    tensor_names, tensors, scalar_names, scalars, pins = _split_operands(operands)
+    spec = _attention_spec_text(
+        tuple(tensor_names), tuple(scalar_names), tuple(pins), causal, softmax_scale,
+        tuple(sorted((config or {}).items())),
+    )  # fmt: skip
+    o, lse = torch.ops.epicute.attention(q, k, v, tensors, scalars, score_key, epi_key, spec)
+    if out is not None:  # the op returns a fresh O, copied in (eager writes out directly)
+        o = out.copy_(o)
+    return (o, lse) if return_lse else o
+
+
+__all__ = [
+    "gemm_op", "gemm_op_call", "attention_op", "attention_op_call", "register_epilogue", "register_score_mod",
+    "registered_epilogue",
+]  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from epicute import ConfigError
-from epicute.plan import H100_SXM, GemmProblem, current_hardware, plan_gemm
+from epicute.plan import H100_SXM, GemmProblem, current_hardware, plan_gemm, render_plan
 from epicute.plan.heuristics import MAX_AB_STAGES, MIN_EPI_STAGES, choose_config
 from epicute.plan.smem import smem_total
 
@@ -150,3 +150,17 @@ def test_reused_d_staging_must_fit_in_the_a_ring():
     # fp32 D: 4 x 128x32x4 B = 64 KiB would alias a 2-stage A ring of 32 KiB.
     with pytest.raises(ConfigError, match="do not fit in the A ring"):
         choose_config(GemmProblem(1, 8, 8, d_dtype="fp32"), H100_SXM, ab_stages=2)
+
+
+def test_fused_epilogue_shrinks_the_ab_ring_and_shows_in_the_roofline():
+    from epicute.plan.smem import EpilogueBuffers
+
+    problem = GemmProblem(8192, 8192, 8192)
+    epi = EpilogueBuffers(tile_inputs=("bf16",), aux_outputs=("bf16",), vectors=("row",), chain=("tile load_vectors",))
+    plain, fused = plan_gemm(problem, H100_SXM), plan_gemm(problem, H100_SXM, epilogue=epi)
+    assert fused.config.ab_stages < plain.config.ab_stages
+    assert fused.smem_bytes <= BUDGET
+    assert fused.roofline.epilogue_bytes == 8192 * 8192 * 4
+    assert fused.roofline.predicted_s > plain.roofline.predicted_s
+    text = render_plan(fused)
+    assert "epilogue chain" in text and "tile load_vectors" in text and "epilogue        +268.44 MB" in text

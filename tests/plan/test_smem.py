@@ -84,3 +84,19 @@ def test_epi_fits_in_a_ring():
     cfg = GemmConfig(ab_stages=2, epi_tile=(128, 32), num_epi_stages=4, persistent=False, epi_reuses_ab_smem=True)
     assert epi_fits_in_a_ring(cfg, "bf16", "bf16")  # 4 x 128x32 x 2 B = 32768
     assert not epi_fits_in_a_ring(cfg, "bf16", "fp32")  # 4 x 128x32 x 4 B = 65536
+
+
+def test_epilogue_region_is_in_the_table_and_the_total():
+    from epicute.plan.smem import EpilogueBuffers, epilogue_region, epilogue_region_bytes
+
+    cfg = GemmConfig(tile_n=256, ab_stages=3, num_epi_stages=2, num_c_stages=2)
+    epi = EpilogueBuffers(tile_inputs=("bf16", "fp32"), aux_outputs=("fp8e4m3",), vectors=("row", "col"))
+    regions = epilogue_region(cfg, epi)
+    assert [r.name for r in regions] == ["operand tile 0", "operand tile 1", "aux output 0", "row vector 0", "col vector 1"]
+    assert [r.bytes for r in regions] == [2 * 128 * 32 * 2, 2 * 128 * 32 * 4, 2 * 128 * 32 * 1, 256 * 4, 128 * 4]
+    assert all(r.offset % 1024 == 0 for r in regions)
+    plain = smem_total(cfg, "bf16", "bf16")
+    table = smem_table(cfg, "bf16", "bf16", epi)
+    assert "epilogue-load barriers" in [item.name for item in table]
+    # The region and its barriers (2 x 2 mbarriers, inside the first alignment pad) are all that is added.
+    assert smem_total(cfg, "bf16", "bf16", epi) == plain + epilogue_region_bytes(cfg, epi)

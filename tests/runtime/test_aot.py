@@ -73,6 +73,20 @@ operands = { scale_m = "col:fp32", scale_n = "row:bf16" }
     assert launched.key() == aot_fused.key()
 
 
+def test_spec_without_out_dtype_stores_d_like_gemm_does(monkeypatch, tmp_path):
+    """No out_dtype: D takes the epilogue's own quantize dtype (fp8), in the spec as in epicute.gemm."""
+    spec = tmp_path / "q.toml"
+    spec.write_text(
+        '[[gemm]]\nshapes = [[256, 512, 128]]\nepilogue = "epicute.epilogue.library:tensor_quant"\n'
+        'operands = { scale = "scalar" }\n'
+    )
+    ((aot, _),) = gemm_variants(read_spec(spec)["gemm"][0])
+    assert aot.d_dtype == "fp8e4m3"
+    a, b = torch.randn(256, 128, dtype=torch.bfloat16), torch.randn(128, 512, dtype=torch.bfloat16)
+    launched = _launched_variant(monkeypatch, a, b, epilogue=epicute.epilogues.tensor_quant, scale=0.5)
+    assert launched.key() == aot.key()
+
+
 @pytest.mark.parametrize(
     "text, error, match",
     [

@@ -1,0 +1,136 @@
+"""Ahead-of-time attention compiles: an ``[[attention]]`` spec entry builds exactly what calls launch.
+
+Compiling happens here without a GPU; a fresh process making an attention call
+of other sizes then finds the entry on disk and loads it instead of compiling.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from epicute.errors import ConfigError, EpilogueError, ShapeError
+from epicute.runtime.aot import attention_variants, compile_spec, read_spec
+from tests.runtime.test_attention_cache import launched_key, qkv
+
+REPO = Path(__file__).resolve().parents[2]
+HOOKS = "tests.runtime.test_attention_cache"
+
+SPEC = f"""
+[[attention]]
+dtype = "bf16"
+head_dim = 64
+causal = true
+heads = [8, 2]
+config = {{ tile_n = 64 }}
+score_mod = "{HOOKS}:softcap_alibi"
+epilogue = "{HOOKS}:gated"
+operands = {{ slopes = "head:fp32", cap = "scalar", gate = "tile:bf16", bias = "row" }}
+"""
+
+
+def test_spec_variants_are_the_ones_attention_launches(monkeypatch, tmp_path):
+    from tests.runtime.test_attention_cache import gated, softcap_alibi
+
+    spec = tmp_path / "k.toml"
+    spec.write_text(SPEC + '\n[[attention]]\nhead_dim = [64, 128, 256]\ncausal = [false, true]\ndtype = "fp16"\n')
+    hooked, grid = read_spec(spec)["attention"]
+    ((aot_hooked, what),) = attention_variants(hooked)
+    assert what == "d64 bf16 causal"
+    # Any sizes and any GQA ratio: the same variant.
+    q, k, v = qkv(2, 100, 77, 12, 3, 64)
+    launched = launched_key(
+        monkeypatch, q, k, v, causal=True, config={"tile_n": 64}, score_mod=softcap_alibi, slopes=torch.rand(12),
+        cap=30.0, epilogue=gated, gate=torch.randn_like(q), bias=torch.randn(64),
+    )  # fmt: skip
+    assert launched == aot_hooked.key()
+
+    aot_grid = attention_variants(grid)
+    assert [w for _, w in aot_grid] == [f"d{d} fp16{c}" for d in (64, 128, 256) for c in ("", " causal")]
+    for (variant, _), (d, causal) in zip(aot_grid, [(d, c) for d in (64, 128, 256) for c in (False, True)]):
+        q, k, v = qkv(1, 17, 1000, 4, 1, d, dtype=torch.float16)
+        assert launched_key(monkeypatch, q, k, v, causal=causal) == variant.key()
+
+
+def test_dry_run_lists_attention_next_to_gemm(tmp_path):
+    spec = tmp_path / "k.toml"
+    spec.write_text("[[gemm]]\nshapes = [[128, 128, 64]]\n[[attention]]\nhead_dim = [64, 128]\n")
+    results = compile_spec(spec, dry_run=True)
+    assert [(r.kind, r.what, r.status) for r in results] == [
+        ("gemm", "128x128x64", "planned"), ("attention", "d64 bf16", "planned"), ("attention", "d128 bf16", "planned"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "text, error, match",
+    [
+        ("[[attention]]\nhead_dims = 64\n", ConfigError, "unknown fields"),
+        ("[[attention]]\ndtype = 'fp32'\n", ConfigError, "'bf16' or 'fp16'"),
+        ("[[attention]]\nheads = [8]\n", ConfigError, r"\[heads_q, heads_kv\]"),
+        ("[[attention]]\nheads = [8, 3]\n", ShapeError, "multiple of heads_kv"),
+        ("[[attention]]\ncausal = 'yes'\n", ConfigError, "true, false"),
+        ("[[attention]]\nhead_dim = 96\n", ShapeError, "head_dim=96"),
+        ("[[attention]]\nconfig = { tile_m = 100 }\n", ConfigError, "tile_m=100"),
+        ("[[attention]]\nscore_mod = 'nope'\n", ConfigError, "module:function"),
+        (f"[[attention]]\nscore_mod = '{HOOKS}:softcap_alibi'\n", EpilogueError, r"missing \['cap', 'slopes'\]"),
+        (f"[[attention]]\nepilogue = '{HOOKS}:gated'\noperands = {{ gate = 'tile', bias = 'row', x = 'scalar' }}\n",
+         EpilogueError, r"unexpected \['x'\]"),
+        (f"[[attention]]\nepilogue = '{HOOKS}:gated'\noperands = {{ gate = 'col', bias = 'row' }}\n",
+         EpilogueError, "must be scalar, head, row or tile"),
+        (f"[[attention]]\nepilogue = '{HOOKS}:gated'\noperands = {{ gate = 'tile:int7', bias = 'row' }}\n",
+         EpilogueError, "dtype 'int7'"),
+        (f"[[attention]]\nscore_mod = '{HOOKS}:gated'\n", EpilogueError, "positional indices"),
+        ("[[attention]]\noperands = { x = 'scalar' }\n", EpilogueError, r"unexpected \['x'\]"),
+    ],
+)  # fmt: skip
+def test_bad_attention_specs_say_what_to_fix(tmp_path, text, error, match):
+    spec = tmp_path / "bad.toml"
+    spec.write_text(text)
+    with pytest.raises(error, match=match):
+        compile_spec(spec, dry_run=True)
+
+
+LOADER = textwrap.dedent(
+    f"""
+    import pytest, torch
+    import epicute.runtime.attention as rt
+    from epicute.runtime.cache import KERNEL_CACHE
+    from {HOOKS} import gated, launched_variant, qkv, softcap_alibi
+
+    # An epicute.attention call of other sizes and another GQA ratio than the spec's; its
+    # launch only fetches the kernel (launching needs the GPU).
+    q, k, v = qkv(3, 129, 1000, 4, 1, 64)
+    variant = launched_variant(
+        pytest.MonkeyPatch(), q, k, v, causal=True, config={{"tile_n": 64}}, score_mod=softcap_alibi,
+        slopes=torch.rand(4), cap=30.0, epilogue=gated, gate=torch.randn_like(q), bias=torch.randn(64),
+    )
+    assert callable(rt.ATTENTION_CACHE.get(variant))
+    print("compiles", KERNEL_CACHE.stats.compiles, "disk_loads", KERNEL_CACHE.stats.disk_loads)
+    """
+)
+
+
+@pytest.mark.compile
+def test_aot_compile_then_a_fresh_process_loads(tmp_path):
+    spec = tmp_path / "k.toml"
+    spec.write_text(SPEC)
+    env = {**os.environ, "EPICUTE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    env.pop("EPICUTE_CACHE", None)
+    cli = [sys.executable, "-m", "epicute.cli", "compile", str(spec)]
+    built = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert "1 variants (1 compiled now)" in built.stdout
+    again = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert "(0 compiled now)" in again.stdout and "cached" in again.stdout
+
+    loader = tmp_path / "load.py"
+    loader.write_text(LOADER)
+    loaded = subprocess.run([sys.executable, str(loader)], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert loaded.returncode == 0, loaded.stderr
+    assert "compiles 0 disk_loads 1" in loaded.stdout
