@@ -362,3 +362,38 @@ class TileEpilogue:
                     continue
                 slot[0] = fold_element(r.combine, slot[0], x, valid)
         return col_partials
+
+    def store_col_partials(self, col_partials: dict, workspaces: tuple, band, tl, lane) -> None:
+        """One subtile's column reductions: lanes sharing a column (they differ in lane
+        bits 2-4) combine, then lanes 0-3 hold their warp's 16-row partial and store it."""
+        for r, ws in zip(self.fusion.reductions, workspaces):
+            if r.axis != "col":
+                continue
+            for (name, _), (partial, n_local) in col_partials.items():
+                if name != r.name:
+                    continue
+                value = butterfly(r.combine, partial, (4, 8, 16))
+                n = self.origin[1] + n_local
+                pred = (lane < 4) & (n < self.extent[1]) & (band * ROWS_PER_WARP < self.extent[0])
+                store_if(pred, ws, (tl, band, n), value)
+
+    def store_tile_partials(self, workspaces: tuple, band, tn, tl, lane) -> None:
+        """The tile's row reductions (the 4 lanes of a quad share a row) and whole-tile ones (the warp)."""
+        for r, ws in zip(self.fusion.reductions, workspaces):
+            if r.axis == "row":
+                for (name, _), (partial, m_local) in self.row_partials.items():
+                    if name != r.name:
+                        continue
+                    value = butterfly(r.combine, partial, (1, 2))
+                    m = self.origin[0] + m_local
+                    store_if((lane % 4 == 0) & (m < self.extent[0]), ws, (tl, tn, m), value)
+            elif r.axis == "all":
+                value = butterfly(r.combine, self.all_partials[r.name], (1, 2, 4, 8, 16))
+                store_if((lane == 0) & (band * ROWS_PER_WARP < self.extent[0]), ws, (tl, band, tn), value)
+
+
+def round_for_store(values, dtype: str) -> None:
+    """Prepare fp32 ``values`` for conversion to an output ``dtype``: fp8 saturates like the reference."""
+    if dtype in FP8_MAX:
+        for v in range(cute.size(values)):
+            values[v] = saturate(values[v], dtype)

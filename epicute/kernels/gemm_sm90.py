@@ -514,8 +514,8 @@ class GemmSm90:
                     if cutlass.const_expr(len(sVec) > 0):
                         # Park the vector slices; every reader of the previous tile's
                         # slices passed that tile's last store barrier already.
-                        for buf, value in zip(sVec, vector_prefetch):
-                            emit.store_if(mma_tidx < cute.size(buf), buf, mma_tidx, value)
+                        for vec_smem, value in zip(sVec, vector_prefetch):
+                            emit.store_if(mma_tidx < cute.size(vec_smem), vec_smem, mma_tidx, value)
                         store.sync()
                     tile_epi = emit.TileEpilogue(fusion, tRS_cT, tRS_cT0, sVec, epi_scalars, origin_mn, extent_mn)
                     # All of a thread's rows lie in its warp's 16-row band.
@@ -541,16 +541,16 @@ class GemmSm90:
                         col_partials = tile_epi.subtile(
                             tRS_rD, epi_idx * subtile_size, [c[2] for c in c_s2r], [a[2] for a in aux_r2s]
                         )
-                        self._store_col_partials(fusion, col_partials, epi_workspaces, band, origin_mn, extent_mn, tl, lane)
+                        tile_epi.store_col_partials(col_partials, epi_workspaces, band, tl, lane)
                         for (tiled_aux, tRS_sAux, rAux, rAux_out), dtype, (bSG_sA, bSG_gA), (aux_tma, _) in zip(
                             aux_r2s, self.epi_buffers.aux_outputs, aux_partitions, epi_stores
                         ):
-                            _round_for_store(rAux, dtype)
+                            emit.round_for_store(rAux, dtype)
                             rAux_out.store(rAux.load().to(DSL_DTYPES[dtype]))
                             cute.copy(tiled_aux, tiled_aux.retile(rAux_out), tRS_sAux[(None, None, None, buf)])
                             subtile_coord = epi_tile_layout.get_hier_coord(epi_idx)
                             more_stores += ((aux_tma, bSG_sA[(None, buf)], bSG_gA[(None, subtile_coord)]),)
-                    _round_for_store(tRS_rD, self.d_dtype_name)
+                    emit.round_for_store(tRS_rD, self.d_dtype_name)
                     tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
                     cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
                     store.publish(
@@ -561,45 +561,7 @@ class GemmSm90:
                         more_stores,
                     )
                 if cutlass.const_expr(fusion is not None):
-                    self._store_tile_partials(fusion, tile_epi, epi_workspaces, band, origin_mn, extent_mn, tn, tl, lane)
+                    tile_epi.store_tile_partials(epi_workspaces, band, tn, tl, lane)
                 tiles_done += 1
                 work += scheduler.stride()
             store.drain(is_store_warp)
-
-    # ------------------------------------------------- fused-epilogue pieces
-    @staticmethod
-    def _store_col_partials(fusion, col_partials, workspaces, band, origin_mn, extent_mn, tl, lane):
-        """Column reductions of one subtile: lanes sharing a column (they differ in
-        lane bits 2-4) combine; lanes 0-3 then hold the warp's 16-row partial."""
-        for r, ws in zip(fusion.reductions, workspaces):
-            if r.axis != "col":
-                continue
-            for (name, _), (partial, n_local) in col_partials.items():
-                if name != r.name:
-                    continue
-                value = emit.butterfly(r.combine, partial, (4, 8, 16))
-                n = origin_mn[1] + n_local
-                pred = (lane < 4) & (n < extent_mn[1]) & (band * ROWS_PER_WARP < extent_mn[0])
-                emit.store_if(pred, ws, (tl, band, n), value)
-
-    @staticmethod
-    def _store_tile_partials(fusion, tile_epi, workspaces, band, origin_mn, extent_mn, tn, tl, lane):
-        """Row reductions (the 4 lanes of a quad share a row) and whole-tile ones (the warp)."""
-        for r, ws in zip(fusion.reductions, workspaces):
-            if r.axis == "row":
-                for (name, _), (partial, m_local) in tile_epi.row_partials.items():
-                    if name != r.name:
-                        continue
-                    value = emit.butterfly(r.combine, partial, (1, 2))
-                    m = origin_mn[0] + m_local
-                    emit.store_if((lane % 4 == 0) & (m < extent_mn[0]), ws, (tl, tn, m), value)
-            elif r.axis == "all":
-                value = emit.butterfly(r.combine, tile_epi.all_partials[r.name], (1, 2, 4, 8, 16))
-                emit.store_if((lane == 0) & (band * ROWS_PER_WARP < extent_mn[0]), ws, (tl, band, tn), value)
-
-
-def _round_for_store(values, dtype: str) -> None:
-    """fp8 outputs saturate like the reference's conversion; other dtypes round as converted."""
-    if dtype in emit.FP8_MAX:
-        for v in range(cute.size(values)):
-            values[v] = emit.saturate(values[v], dtype)
