@@ -9,7 +9,7 @@ Attention: :func:`attention` (FlashAttention-3 style forward) with traced
 ``score_mod`` and ``epilogue`` hooks, and :func:`explain_attention`.
 """
 
-from epicute.api import explain, gemm
+from epicute.api import explain, gemm, tune
 from epicute.attention_api import attention, explain_attention
 from epicute.epilogue import library as epilogues
 from epicute.epilogue import ops
@@ -31,7 +31,7 @@ from epicute.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "gemm", "explain", "EpicuteError", "AlignmentError", "CompileError", "ConfigError",
+    "gemm", "explain", "tune", "EpicuteError", "AlignmentError", "CompileError", "ConfigError",
     "DeviceError", "DtypeError", "OutputError", "ShapeError", "__version__",
 ]  # fmt: skip
 __all__ += ["epilogue", "ops", "epilogues", "RowVector", "ColVector", "Scalar", "Tile", "EpilogueError"]

@@ -1,24 +1,28 @@
-"""epicute's public functions: :func:`gemm` and :func:`explain`."""
+"""epicute's public functions: :func:`gemm`, :func:`explain` and :func:`tune`."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import replace
 from typing import Any, Callable, TextIO
 
 import torch
+from rich.progress import Progress
 
 from epicute.epilogue.reference import reference_gemm
 from epicute.epilogue.dtypes import IR_TO_TORCH
 from epicute.epilogue.graph import REDUCTIONS
 from epicute.epilogue.tracer import as_epilogue, trace_for_gemm
-from epicute.errors import ConfigError, EpilogueError
+from epicute.epilogue.hashing import semantic_hash
+from epicute.errors import ConfigError, DeviceError, EpilogueError
 from epicute.epilogue.schedule import schedule
-from epicute.plan import GemmPlan, render_plan
-from epicute.plan.smem import NO_EPILOGUE
+from epicute.plan import GemmPlan, GemmProblem, current_hardware, render_plan
+from epicute.plan.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.runtime.epilogue_args import aux_outputs, check_outs_names, kernel_inputs
 from epicute.runtime.launch import cached_plan, launch_gemm
 from epicute.runtime.torch_ops import gemm_op_call
+from epicute.runtime.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry, tune_key
 from epicute.runtime.validate import TORCH_TO_NAME, check_gemm_args
 
 
@@ -37,6 +41,7 @@ def gemm(
     outs: dict[str, torch.Tensor] | None = None,
     backend: str = "kernel",
     config: dict | None = None,
+    tune: bool = False,
     **operands: Any,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """``a @ b`` on a Hopper GPU, optionally with a fused epilogue.
@@ -57,6 +62,8 @@ def gemm(
             any device: the oracle every GPU test compares against).
         config: optional :class:`epicute.plan.GemmConfig` fields to pin
             (e.g. ``{"tile_n": 128}``); the planner chooses the rest.
+        tune: use the fastest config measured for this problem by :func:`tune`
+            (stored on disk); the first call for a new problem runs the tuning.
 
     Returns:
         D, accumulated in fp32 and rounded once to its dtype; a dict of all
@@ -80,6 +87,9 @@ def gemm(
         )  # fmt: skip
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
+    if tune and backend == "kernel":
+        tuned = _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands)
+        config = {**tuned, **(config or {})}  # the caller's pins win
     if epilogue is None and (operands or out_dtypes or outs):
         given = sorted(operands) or list(out_dtypes or outs)
         raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
@@ -160,6 +170,81 @@ def _with_d_dtype(call, d_dtype, a, b, out, *, require_cuda: bool):
     return call if d_dtype == call.out_dtype else check_gemm_args(a, b, out, d_dtype, require_cuda=require_cuda)
 
 
+def tune(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    epilogue: Callable | None = None,
+    out_dtype: torch.dtype | None = None,
+    out_dtypes: dict[str, torch.dtype] | None = None,
+    iters: int = 20,
+    warmup: int = 5,
+    progress: bool = True,
+    **operands: Any,
+) -> TuneResult:
+    """Time every config the planner accepts for ``a @ b`` (with ``epilogue``) on the GPU; store the fastest.
+
+    Later ``gemm(..., tune=True)`` calls for the same problem (and epilogue, GPU
+    and epicute version), in any process, use the stored winner.
+
+    Example:
+        >>> result = epicute.tune(x, w.t(), iters=10)                 # doctest: +SKIP
+        >>> result.best, result.speedup_over_planner                  # doctest: +SKIP
+        ({'cluster_m': 2, 'cluster_n': 1, 'persistent': True, 'tile_n': 256}, 1.0)
+    """
+    from epicute.benchmark import time_cuda
+
+    if not torch.cuda.is_available():
+        raise DeviceError("tune() times candidate kernels on a CUDA GPU; none is visible")
+    key, problem, buffers = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)
+    options = candidates(problem, current_hardware(), buffers)
+
+    def measure(overrides: dict) -> float:
+        run = functools.partial(gemm, a, b, epilogue=epilogue, out_dtype=out_dtype, out_dtypes=out_dtypes,
+                                config=overrides, **operands)  # fmt: skip
+        return time_cuda(run, warmup=warmup, iters=iters)
+
+    with Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task("tuning", total=len(options))
+
+        def advance(name: str) -> None:
+            bar.update(task, advance=1, description=f"tuning {name}")
+
+        result = pick_fastest(options, measure, advance)
+    store_winner(key, result)
+    _TUNED[key] = result.best
+    return result
+
+
+#: Stored winners already read in this process, by tune key.
+_TUNED: dict[str, dict] = {}
+
+
+def _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands) -> tuple[str, GemmProblem, EpilogueBuffers]:
+    """The tune key, the problem (D's dtype settled) and the epilogue's buffers of one call."""
+    call = check_gemm_args(a, b, None, out_dtype or (out_dtypes or {}).get("D"), require_cuda=False)
+    problem, epi_hash, buffers = call.problem, None, NO_EPILOGUE
+    if epilogue is not None:
+        p = call.problem
+        epi = as_epilogue(epilogue)
+        specs = epi.operands(operands, p.m, p.n, p.l)
+        explicit = out_dtype is not None or "D" in (out_dtypes or {})
+        graph = trace_for_gemm(epi, specs, call.out_dtype, explicit, out_dtypes, {})
+        problem = replace(p, d_dtype=dict(graph.output_dtypes)["D"])
+        epi_hash, buffers = semantic_hash(graph), schedule(graph).buffers()
+    return tune_key(problem, epi_hash, current_hardware().name), problem, buffers
+
+
+def _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands) -> dict:
+    key, _, _ = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)
+    if key not in _TUNED:
+        stored = stored_entry(key)
+        _TUNED[key] = stored["best"] if stored is not None else tune(
+            a, b, epilogue=epilogue, out_dtype=out_dtype, out_dtypes=out_dtypes, **operands
+        ).best
+    return _TUNED[key]
+
+
 def _reference_matmul(call) -> torch.Tensor:
     return torch.matmul(call.a.cpu().float(), call.b.cpu().float()).to(call.out_dtype)
 
@@ -224,6 +309,15 @@ def explain(
         raise EpilogueError(f"operands/outputs {sorted(operands) or list(out_dtypes)} were given without an epilogue")
     plan = cached_plan(call.problem, _overrides(config), buffers)
     if file is not None:
+        text = render_plan(plan)
+        tuned = stored_entry(_tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)[0])
+        if tuned is not None:
+            times = tuned["times_ms"]
+            text += (
+                f"\n\ntuned (epicute.tune, stored): {label(tuned['best'])} at {times[label(tuned['best'])]:.3f} ms vs the "
+                f"planner's {label(tuned['planner'])} at {times[label(tuned['planner'])]:.3f} ms; "
+                "gemm(..., tune=True) uses it"
+            )
         # Resolved per call so redirect_stdout, capsys and notebooks see the text.
-        print(render_plan(plan), file=sys.stdout if file == "stdout" else file)
+        print(text, file=sys.stdout if file == "stdout" else file)
     return plan

@@ -265,4 +265,6 @@ def compile_spec(path: str | Path, dry_run: bool = False, on_result: Callable[[A
     return results
 
 
-__all__ = ["AotResult", "JOB_KINDS", "read_spec", "gemm_variants", "attention_variants", "compile_spec", "import_object"]
+__all__ = [
+    "AotResult", "JOB_KINDS", "read_spec", "gemm_variants", "attention_variants", "compile_spec", "import_object",
+]  # fmt: skip

@@ -66,7 +66,10 @@ def register_epilogue(fn: Callable) -> str:
 
 
 def register_score_mod(fn: Callable) -> str:
-    """:func:`register_epilogue` for an attention ``score_mod`` (done by :func:`epicute.attention` under ``torch.compile``)."""
+    """:func:`register_epilogue` for an attention ``score_mod``.
+
+    :func:`epicute.attention` does this by itself under ``torch.compile``.
+    """
     return _register_score_mod(fn)[0]
 
 
@@ -142,6 +145,11 @@ def _operand_values(operands: list[torch.Tensor], scalars: list[float], spec: di
     return values
 
 
+def _config(spec: dict) -> dict | None:
+    """The call's config pins; JSON turned their tuples (epi_tile, mma_atoms_mn) into lists."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in spec["config"].items()} or None
+
+
 def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
     return None if dtype is None else ir_dtype(dtype, "dtype")
 
@@ -167,7 +175,7 @@ def _gemm_kwargs(operands: list[torch.Tensor], scalars: list[float], epilogue: s
         "epilogue": registered_epilogue(epilogue) if epilogue else None,
         "out_dtype": IR_TO_TORCH[spec["out_dtype"]] if spec["out_dtype"] else None,
         "out_dtypes": {k: IR_TO_TORCH[v] for k, v in spec["out_dtypes"].items()} or None,
-        "config": spec["config"] or None,
+        "config": _config(spec),
         **_operand_values(operands, scalars, spec),
     }
 
@@ -295,7 +303,7 @@ def attention_op(
         q, k, v, causal=spec["causal"], softmax_scale=spec["softmax_scale"], return_lse=True,
         score_mod=registered_epilogue(score_mod) if score_mod else None,
         epilogue=registered_epilogue(epilogue) if epilogue else None,
-        config=spec["config"] or None, **_operand_values(operands, scalars, spec),
+        config=_config(spec), **_operand_values(operands, scalars, spec),
     )  # fmt: skip
 
 

@@ -131,6 +131,8 @@ def test_aot_compile_then_a_fresh_process_loads(tmp_path):
 
     loader = tmp_path / "load.py"
     loader.write_text(LOADER)
-    loaded = subprocess.run([sys.executable, str(loader)], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    loaded = subprocess.run(
+        [sys.executable, str(loader)], env=env, capture_output=True, text=True, timeout=600, cwd=REPO
+    )
     assert loaded.returncode == 0, loaded.stderr
     assert "compiles 0 disk_loads 1" in loaded.stdout

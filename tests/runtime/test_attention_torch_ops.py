@@ -109,7 +109,7 @@ def f_hooks(q, k, v, slopes, gate, bias):
 
 
 def f_plain_fn_hook(q, k, v):
-    return epicute.attention(q, k, v, score_mod=softcap_30, config={"tile_n": 64})
+    return epicute.attention(q, k, v, score_mod=softcap_30, config={"tile_n": 64, "mma_atoms_mn": (2, 1)})
 
 
 def f_out(q, k, v, out):
@@ -196,10 +196,10 @@ def qkv(b, sq, sk, hq, hkv, d):
 @pytest.mark.parametrize("shape", [(2, 17, 40, 4, 1, 64), (1, 70, 33, 6, 2, 128)], ids=["mqa-sq<sk", "gqa-sq>sk"])
 def test_compiled_call_equals_eager_on_cpu_through_the_op(reference_op, shape):
     torch._dynamo.reset()
-    b, sq, sk, hq, hkv, d = shape
+    *_, hq, _, d = shape
     q, k, v = qkv(*shape)
     slopes, gate, bias = torch.rand(hq), torch.randn_like(q), torch.randn(d)
-    eager = attention_api.attention
+    eager = attention_api.attention  # eager on the reference backend (the fixture's)
     o, lse = torch.compile(f_hooks, fullgraph=True, backend="aot_eager")(q, k, v, slopes, gate, bias)
     (kwargs,) = reference_op  # the op ran once, with the call's arguments rebuilt from the graph
     assert kwargs["score_mod"].fn is softcap_alibi.fn and kwargs["epilogue"].fn is gated.fn and kwargs["causal"] is True
@@ -217,6 +217,9 @@ def test_compiled_call_equals_eager_on_cpu_through_the_op(reference_op, shape):
     out = torch.full_like(q, float("nan"))
     got = torch.compile(f_out, fullgraph=True, backend="eager")(q, k, v, out)
     assert torch.equal(got, eager(q, k, v)) and torch.equal(out, got)
+    reference_op.clear()
+    torch.compile(f_plain_fn_hook, fullgraph=True, backend="eager")(q, k, v)
+    assert reference_op[0]["config"] == {"tile_n": 64, "mma_atoms_mn": (2, 1)}  # tuples survive JSON
 
 
 def test_compiled_reference_backend_is_refused():
