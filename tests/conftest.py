@@ -38,3 +38,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out64).all():
         return float("inf")
     return ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for a fresh Python process running this checkout: the repository first on
+    PYTHONPATH, the caller's entries kept (the device bundle lives there), plus ``extra``."""
+    import os
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}

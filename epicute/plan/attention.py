@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epicute.errors import ConfigError
-from epicute.plan.config import DTYPE_BYTES, THREADS_PER_WARPGROUP
+from epicute.plan.config import DTYPE_BYTES, WarpRoles
 from epicute.plan.hardware import Hardware, current_hardware
 from epicute.plan.smem import BUFFER_ALIGN, MBARRIER_BYTES, SmemItem, _round_up
 
@@ -50,7 +50,7 @@ class AttentionProblem:
 
 
 @dataclass(frozen=True)
-class AttentionConfig:
+class AttentionConfig(WarpRoles):
     """Compile-time choices of the SM90 attention forward kernel (see module docstring)."""
 
     head_dim: int = 128
@@ -73,14 +73,6 @@ class AttentionConfig:
     @property
     def num_mma_warpgroups(self) -> int:
         return self.tile_m // WGMMA_M
-
-    @property
-    def num_threads(self) -> int:
-        return (1 + self.num_mma_warpgroups) * THREADS_PER_WARPGROUP
-
-    @property
-    def num_mma_threads(self) -> int:
-        return self.num_mma_warpgroups * THREADS_PER_WARPGROUP
 
     def key(self) -> tuple:
         return (
@@ -111,13 +103,7 @@ class AttentionConfig:
             )
         if self.pingpong and self.num_mma_warpgroups < 2:
             raise ConfigError("pingpong=True needs at least 2 consumer warpgroups (tile_m >= 128)")
-        for name in ("producer_regs", "consumer_regs"):
-            regs = getattr(self, name)
-            if not 24 <= regs <= 256 or regs % 8:
-                raise ConfigError(f"{name}={regs}: register budgets must be multiples of 8 in [24, 256] (setmaxnreg)")
-        used = THREADS_PER_WARPGROUP * (self.producer_regs + self.num_mma_warpgroups * self.consumer_regs)
-        if used > 65536:
-            raise ConfigError(f"registers: {used} needed, an SM has 65536; lower consumer_regs")
+        self.validate_registers()
         total = attention_smem_total(self, dtype)
         if total > hw.smem_per_cta_bytes:
             raise ConfigError(

@@ -63,8 +63,42 @@ class GemmProblem:
         return self.l * (ab + DTYPE_BYTES[self.d_dtype] * self.m * self.n)
 
 
+class WarpRoles:
+    """Thread and register arithmetic shared by the warp-specialized kernels' configs:
+    one producer warpgroup plus ``num_mma_warpgroups`` consumers, each group's
+    register budget set with ``setmaxnreg``."""
+
+    producer_regs: int
+    consumer_regs: int
+
+    @property
+    def num_mma_warpgroups(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def num_threads(self) -> int:
+        return (1 + self.num_mma_warpgroups) * THREADS_PER_WARPGROUP
+
+    @property
+    def num_mma_threads(self) -> int:
+        return self.num_mma_warpgroups * THREADS_PER_WARPGROUP
+
+    def validate_registers(self) -> None:
+        """Raise :class:`ConfigError` unless the register budgets are valid and fit an SM."""
+        for name in ("producer_regs", "consumer_regs"):
+            regs = getattr(self, name)
+            if not 24 <= regs <= 256 or regs % 8:
+                raise ConfigError(f"{name}={regs}: register budgets must be multiples of 8 in [24, 256] (setmaxnreg)")
+        used = THREADS_PER_WARPGROUP * (self.producer_regs + self.num_mma_warpgroups * self.consumer_regs)
+        if used > 65536:
+            raise ConfigError(
+                f"producer_regs={self.producer_regs} and consumer_regs={self.consumer_regs} need {used} registers; "
+                "an SM has 65536"
+            )
+
+
 @dataclass(frozen=True)
-class GemmConfig:
+class GemmConfig(WarpRoles):
     """Every compile-time choice of the warp-specialized SM90 GEMM kernel.
 
     Warp roles: warpgroup 0 is the producer (its first warp issues the TMA loads
@@ -99,14 +133,6 @@ class GemmConfig:
     @property
     def num_mma_warpgroups(self) -> int:
         return 2 if self.schedule == "cooperative" else 1
-
-    @property
-    def num_threads(self) -> int:
-        return (1 + self.num_mma_warpgroups) * THREADS_PER_WARPGROUP
-
-    @property
-    def num_mma_threads(self) -> int:
-        return self.num_mma_warpgroups * THREADS_PER_WARPGROUP
 
     @property
     def cluster_size(self) -> int:
@@ -168,15 +194,6 @@ class GemmConfig:
                 "epi_reuses_ab_smem=True needs persistent=False: a persistent CTA's "
                 "next mainloop refills the A/B ring while this tile's epilogue runs"
             )
-        for name in ("producer_regs", "consumer_regs"):
-            regs = getattr(self, name)
-            if not 24 <= regs <= 256 or regs % 8:
-                raise ConfigError(f"{name}={regs}: register budgets must be multiples of 8 in [24, 256] (setmaxnreg)")
-        used = THREADS_PER_WARPGROUP * (self.producer_regs + self.num_mma_warpgroups * self.consumer_regs)
-        if used > 65536:
-            raise ConfigError(
-                f"producer_regs={self.producer_regs} and consumer_regs={self.consumer_regs} need {used} registers; "
-                "an SM has 65536"
-            )
+        self.validate_registers()
         if self.swizzle < 1:
             raise ConfigError(f"swizzle={self.swizzle}: must be >= 1")

@@ -155,18 +155,26 @@ def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
 
 
 @torch._dynamo.assume_constant_result
-def _spec_text(
-    tensor_names: tuple, scalar_names: tuple, pins: tuple, out_dtype: Any, out_dtypes: tuple, config: tuple
-) -> str:
+def _spec_text(tensor_names: tuple, scalar_names: tuple, pins: tuple, config: tuple, fields: tuple) -> str:
+    """An op's static arguments as JSON: operand names and pins, config pins, and the
+    kernel's own ``fields`` (``(name, value)`` pairs; see :func:`_plain`)."""
     spec = {
         "tensors": list(tensor_names),
         "scalars": list(scalar_names),
         "pins": dict(pins),
-        "out_dtype": _dtype_name(out_dtype),
-        "out_dtypes": {k: _dtype_name(v) for k, v in out_dtypes},
         "config": dict(config),
+        **{name: _plain(value) for name, value in fields},
     }
     return json.dumps(spec, sort_keys=True)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value: torch dtypes by IR name, ``((name, value), ...)`` tuples as dicts."""
+    if isinstance(value, torch.dtype):
+        return _dtype_name(value)
+    if isinstance(value, tuple):
+        return {name: _plain(v) for name, v in value}
+    return value
 
 
 def _gemm_kwargs(operands: list[torch.Tensor], scalars: list[float], epilogue: str, spec: dict) -> dict:
@@ -258,8 +266,8 @@ def gemm_op_call(
     key, outputs = _register_traced(_plain_fn(epilogue)) if epilogue is not None else ("", ("D",))
     tensor_names, tensors, scalar_names, scalars, pins = _split_operands(operands)
     spec = _spec_text(
-        tuple(tensor_names), tuple(scalar_names), tuple(pins), out_dtype,
-        tuple(sorted(out_dtypes.items())), tuple(sorted((config or {}).items())),
+        tuple(tensor_names), tuple(scalar_names), tuple(pins), tuple(sorted((config or {}).items())),
+        (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted(out_dtypes.items())))),
     )  # fmt: skip
     results = torch.ops.epicute.gemm(a, b, tensors, scalars, key, spec)
     results = dict(zip(outputs, results))
@@ -267,21 +275,6 @@ def gemm_op_call(
         target.copy_(results[name])
         results[name] = target
     return results["D"] if len(outputs) == 1 else results
-
-
-@torch._dynamo.assume_constant_result
-def _attention_spec_text(
-    tensor_names: tuple, scalar_names: tuple, pins: tuple, causal: bool, softmax_scale: Any, config: tuple
-) -> str:
-    spec = {
-        "tensors": list(tensor_names),
-        "scalars": list(scalar_names),
-        "pins": dict(pins),
-        "causal": bool(causal),
-        "softmax_scale": None if softmax_scale is None else float(softmax_scale),
-        "config": dict(config),
-    }
-    return json.dumps(spec, sort_keys=True)
 
 
 @torch.library.custom_op("epicute::attention", mutates_args=())
@@ -342,9 +335,9 @@ def attention_op_call(
     score_key = _register_score_mod_traced(_plain_fn(score_mod))[0] if score_mod is not None else ""
     epi_key = _register_traced(_plain_fn(epilogue))[0] if epilogue is not None else ""
     tensor_names, tensors, scalar_names, scalars, pins = _split_operands(operands)
-    spec = _attention_spec_text(
-        tuple(tensor_names), tuple(scalar_names), tuple(pins), causal, softmax_scale,
-        tuple(sorted((config or {}).items())),
+    spec = _spec_text(
+        tuple(tensor_names), tuple(scalar_names), tuple(pins), tuple(sorted((config or {}).items())),
+        (("causal", bool(causal)), ("softmax_scale", None if softmax_scale is None else float(softmax_scale))),
     )  # fmt: skip
     o, lse = torch.ops.epicute.attention(q, k, v, tensors, scalars, score_key, epi_key, spec)
     if out is not None:  # the op returns a fresh O, copied in (eager writes out directly)

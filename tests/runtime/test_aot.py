@@ -6,7 +6,6 @@ disk and loads them instead of compiling (launching them needs the device).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import epicute
 import epicute.api as api
 from epicute.errors import ConfigError, EpilogueError
 from epicute.runtime.aot import compile_spec, gemm_variants, read_spec
+from tests.conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,7 +127,7 @@ LOADER = textwrap.dedent(
 def test_aot_compile_then_a_fresh_process_loads(tmp_path):
     spec = tmp_path / "k.toml"
     spec.write_text(SPEC)
-    env = {**os.environ, "EPICUTE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    env = subprocess_env(EPICUTE_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("EPICUTE_CACHE", None)
     cli = [sys.executable, "-m", "epicute.cli", "compile", str(spec)]
     built = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=600)

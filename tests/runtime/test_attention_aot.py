@@ -6,7 +6,6 @@ of other sizes then finds the entry on disk and loads it instead of compiling.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import torch
 
 from epicute.errors import ConfigError, EpilogueError, ShapeError
 from epicute.runtime.aot import attention_variants, compile_spec, read_spec
+from tests.conftest import subprocess_env
 from tests.runtime.test_attention_cache import launched_key, qkv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,7 +120,7 @@ LOADER = textwrap.dedent(
 def test_aot_compile_then_a_fresh_process_loads(tmp_path):
     spec = tmp_path / "k.toml"
     spec.write_text(SPEC)
-    env = {**os.environ, "EPICUTE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    env = subprocess_env(EPICUTE_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("EPICUTE_CACHE", None)
     cli = [sys.executable, "-m", "epicute.cli", "compile", str(spec)]
     built = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)

@@ -14,7 +14,6 @@ tensors, its launch replaced), so the keys are the ones a real call makes.
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ import epicute.runtime.attention as rt_attention
 import epicute.runtime.compile as rt_compile
 from epicute import ops
 from epicute.runtime.cache import CacheKey, KernelCache
+from tests.conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -140,7 +140,7 @@ def test_key_is_plain_text_with_versions_and_the_same_in_a_fresh_process(monkeyp
         "args, kwargs = hooked(1, 100, 7, 8, 1, causal=True)\n"
         "print(launched_key(pytest.MonkeyPatch(), *args, **kwargs).digest)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = subprocess_env()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.stdout.strip() == key.digest, out.stderr
 

@@ -26,6 +26,7 @@ from epicute.runtime import cache as cache_mod
 from epicute.runtime.cache import CacheKey, KernelCache, clear_disk, disk_entries
 from epicute.runtime.compile import GemmVariant
 from epicute.runtime.launch import cached_plan, variant_of
+from tests.conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -248,7 +249,7 @@ def test_two_processes_racing_on_one_key_compile_once(tmp_path):
     script = tmp_path / "racer.py"
     script.write_text(RACER)
     log = tmp_path / "compiles.log"
-    env = {**os.environ, "EPICUTE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    env = subprocess_env(EPICUTE_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("EPICUTE_CACHE", None)
     tag = os.urandom(8).hex()
     procs = [
@@ -290,7 +291,7 @@ FRESH_LOAD = textwrap.dedent(
 @pytest.mark.compile
 def test_real_kernel_round_trip_in_a_fresh_process(tmp_path):
     """Compile a GEMM here into a cache dir; a new process loads it (and never compiles)."""
-    env = {**os.environ, "EPICUTE_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    env = subprocess_env(EPICUTE_CACHE_DIR=str(tmp_path))
     env.pop("EPICUTE_CACHE", None)
     script = tmp_path / "load.py"
     script.write_text(FRESH_LOAD)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import torch
 import epicute
 from epicute.runtime.cache import KERNEL_CACHE
 from epicute.runtime.launch import kernel_for
-from tests.conftest import rel_err
+from tests.conftest import rel_err, subprocess_env
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
@@ -74,9 +73,7 @@ def test_cold_compile_warm_call_and_fresh_process_disk_load(tmp_path, monkeypatc
 
     script = tmp_path / "fresh.py"
     script.write_text(FRESH)
-    # Keep the caller's PYTHONPATH (the device bundle lives there), with the repository first.
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "EPICUTE_CACHE_DIR": str(tmp_path), "PYTHONPATH": path}
+    env = subprocess_env(EPICUTE_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     how, load_s, first_s, err, compiles = out.stdout.split()

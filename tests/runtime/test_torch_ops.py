@@ -8,7 +8,6 @@ tests run it for real, in CUDA graphs and compiled end to end.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import epicute
 from epicute.errors import ConfigError, EpilogueError
 from epicute.runtime.torch_ops import register_epilogue, registered_epilogue
+from tests.conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,7 +89,7 @@ def test_epilogue_keys_are_semantic_and_stable_across_processes():
     key = register_epilogue(epicute.epilogues.row_col_quant)
     assert registered_epilogue(key) is epicute.epilogues.row_col_quant
     code = "import epicute; from epicute.runtime.torch_ops import register_epilogue as r; print(r(epicute.epilogues.row_col_quant))"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = subprocess_env()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == key, out.stderr
     with pytest.raises(EpilogueError, match="register_epilogue"):
