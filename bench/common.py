@@ -10,6 +10,8 @@ import datetime
 import importlib.metadata
 import json
 import math
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -91,7 +93,9 @@ def write_result(
     higher_is_better: bool,
     rows: Sequence[Row],
 ) -> Path:
-    """Write one benchmark run as JSON (schema shared by every bench script) and return its path."""
+    """Write one benchmark run as JSON (schema shared by every bench script) and return its path.
+
+    On the device, a copy also goes to ``$OUT`` (the folder whose files come back)."""
     import torch
 
     result = {
@@ -107,6 +111,10 @@ def write_result(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
+    if os.environ.get("OUT"):
+        copy = Path(os.environ["OUT"]) / path.name
+        if copy.resolve() != path.resolve():
+            shutil.copy(path, copy)
     return path
 
 

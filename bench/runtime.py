@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -100,7 +99,9 @@ def cold_attention(directory: str) -> float | None:
 
 
 def disk_load(directory: str) -> tuple[float, float]:
-    env = {**os.environ, "EPICUTE_CACHE_DIR": directory, "PYTHONPATH": str(REPO)}
+    # Keep the caller's PYTHONPATH entries: on the device the DSL bundle lives there.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "EPICUTE_CACHE_DIR": directory, "PYTHONPATH": path}
     loads, firsts = [], []
     for _ in range(3):
         out = subprocess.run(
@@ -144,9 +145,8 @@ def gpu_us(fn, calls: int = 200) -> float:
 
 def size_sweep() -> tuple[int, int]:
     import epicute
-    from epicute.runtime.cache import KERNEL_CACHE
-
     from epicute.plan import GemmProblem
+    from epicute.runtime.cache import KERNEL_CACHE
     from epicute.runtime.launch import cached_plan, variant_of
 
     b = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
@@ -198,7 +198,8 @@ def main() -> int:
 
         a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
-        bias = torch.randn(64, device="cuda", dtype=torch.bfloat16)
+        # Square, so a bare 1-D bias is ambiguous: RowVector says it runs along N.
+        bias = epicute.RowVector(torch.randn(64, device="cuda", dtype=torch.bfloat16))
 
         @epicute.epilogue
         def bias_relu(acc, bias):
@@ -209,7 +210,7 @@ def main() -> int:
                      "torch_matmul": round(host_us(lambda: torch.matmul(a, b)), 2)})  # fmt: skip
         rows.append({"case": "host_overhead_epilogue_us",
                      "epicute": round(host_us(lambda: epicute.gemm(a, b, epilogue=bias_relu, bias=bias)), 2),
-                     "torch_matmul": round(host_us(lambda: torch.relu(torch.addmm(bias, a, b))), 2)})  # fmt: skip
+                     "torch_matmul": round(host_us(lambda: torch.relu(torch.addmm(bias.value, a, b))), 2)})  # fmt: skip
         rows.append({"case": "kernel_time_us", "epicute": round(gpu_us(lambda: epicute.gemm(a, b)), 2),
                      "torch_matmul": round(gpu_us(lambda: torch.matmul(a, b)), 2)})  # fmt: skip
         recompiles, graphs = size_sweep()
@@ -219,8 +220,6 @@ def main() -> int:
     command = shlex.join(["python", "bench/runtime.py", *sys.argv[1:]])
     path = write_result(args.out, "runtime", command, "see case suffix (_s, _ms, _us, count)", False, rows)
     print(f"wrote {path}")
-    if os.environ.get("OUT"):
-        shutil.copy(path, Path(os.environ["OUT"]) / "runtime.json")
     width = max(len(r["case"]) for r in rows)
     for r in rows:
         peers = "  ".join(f"{k} {v}" for k, v in r.items() if k not in ("case", "epicute"))
