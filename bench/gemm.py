@@ -28,6 +28,8 @@ ALL_SHAPES: list[Shape] = [
     (4096, 14336, 4096),
     (8192, 4096, 14336),
     (2048, 8192, 8192),
+] + [  # small M (decode-like batches) over the (N, K) of common layers
+    (m, n, k) for m in (256, 512, 1024) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192))
 ]
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gemm.json"
 TOLERANCE = 1e-2

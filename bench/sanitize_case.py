@@ -1,8 +1,10 @@
 """One small epicute.gemm call for compute-sanitizer to watch (see bench/device.sh).
 
-Usage: python bench/sanitize_case.py small|ragged
+Usage: python bench/sanitize_case.py small|ragged|pingpong
 `small` is one aligned 128x256x64 tile problem; `ragged` (M=129, N=136, K=72) exercises the
-partial-tile paths. Prints PASS/FAIL and exits 1 on failure.
+partial-tile paths; `pingpong` gives every CTA of the ping-pong schedule two or three ragged
+tiles, so both warpgroups' turns and the shared staging buffers are exercised. Prints
+PASS/FAIL and exits 1 on failure.
 """
 
 from __future__ import annotations
@@ -11,7 +13,12 @@ import sys
 
 import torch
 
-CASES: dict[str, tuple[int, int, int]] = {"small": (128, 256, 64), "ragged": (129, 136, 72)}
+#: name -> (M, N, K, config overrides)
+CASES: dict[str, tuple[int, int, int, dict]] = {
+    "small": (128, 256, 64, {}),
+    "ragged": (129, 136, 72, {}),
+    "pingpong": (2049, 2056, 72, {"schedule": "pingpong", "tile_n": 128}),
+}
 TOLERANCE = 1e-2
 
 
@@ -25,13 +32,13 @@ def main() -> int:
     import epicute  # imported late: it needs the CuTe DSL, which CPU-only machines may lack
 
     name = sys.argv[1]
-    m, n, k = CASES[name]
+    m, n, k, config = CASES[name]
     torch.manual_seed(0)
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     # NaN poison: any element the kernel fails to write makes the error NaN, hence FAIL.
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    epicute.gemm(a, b, out=out)
+    epicute.gemm(a, b, out=out, config=config)
     torch.cuda.synchronize()
     ref = a.float() @ b.float()
     err = ((out.float() - ref).norm() / ref.norm()).item()

@@ -49,7 +49,7 @@ from epicute.epilogue.graph import Graph
 from epicute.epilogue.hashing import semantic_hash
 from epicute.errors import EpilogueError
 from epicute.kernels.epilogue_emit import DSL_DTYPES, _emit_op
-from epicute.kernels.pipeline import NamedBarriers, TmaStoreEpilogue, make_tma_load_pipeline
+from epicute.kernels.pipeline import NamedBarriers, TmaStoreEpilogue, WarpgroupTurns, make_tma_load_pipeline
 from epicute.plan.attention import WGMMA_M, AttentionConfig
 from epicute.plan.config import THREADS_PER_WARPGROUP
 
@@ -384,21 +384,6 @@ class AttentionSm90:
         if cutlass.const_expr(wg_wait >= 0):
             warpgroup.wait_group(wg_wait)
 
-    def _sched_sync(self, wg):
-        """Wait for this warpgroup's turn at the tensor cores."""
-        if cutlass.const_expr(self.cfg.pingpong):
-            cute.arch.barrier(
-                barrier_id=int(NamedBarriers.PINGPONG_WG1) + wg, number_of_threads=2 * THREADS_PER_WARPGROUP
-            )
-
-    def _sched_arrive(self, wg):
-        """Hand the tensor cores to the next warpgroup."""
-        if cutlass.const_expr(self.cfg.pingpong):
-            nxt = (wg + 1) % self.num_wg
-            cute.arch.barrier_arrive(
-                barrier_id=int(NamedBarriers.PINGPONG_WG1) + nxt, number_of_threads=2 * THREADS_PER_WARPGROUP
-            )
-
     @cute.jit
     def _scores(
         self, acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
@@ -490,21 +475,16 @@ class AttentionSm90:
             for i, (name, _, _) in enumerate(self.score_mod.scalar_operands):
                 score_operands[name] = score_scalars[i]
 
-        # Nested on purpose: the outer test is resolved at trace time, the inner one at run time.
-        if cutlass.const_expr(cfg.pingpong):  # noqa: SIM102
-            if wg == 0:
-                # Pre-arm: warpgroup 1 may issue first.
-                cute.arch.barrier_arrive(
-                    barrier_id=int(NamedBarriers.PINGPONG_WG1), number_of_threads=2 * THREADS_PER_WARPGROUP
-                )
+        mma_turns = WarpgroupTurns(NamedBarriers.MMA_TURN_WG1, self.num_wg, enabled=cfg.pingpong)
+        mma_turns.grant_first(wg)
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
         # ---- first (right-most) block, peeled: its softmax is compile-time is_first.
         n = n_blocks - 1
         k_pipe.consumer_wait(read)  # also waits for Q (same barrier)
-        self._sched_sync(wg)
+        mma_turns.wait(wg)
         self._wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
-        self._sched_arrive(wg)
+        mma_turns.pass_on(wg)
         warpgroup.wait_group(0)
         k_pipe.consumer_release(read)
         self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
@@ -522,7 +502,7 @@ class AttentionSm90:
             read_v = read.clone()
             read.advance()
             k_pipe.consumer_wait(read)
-            self._sched_sync(wg)
+            mma_turns.wait(wg)
             self._wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
             if cutlass.const_expr(cfg.rescale_o_early):
                 # The previous softmax's scale, applied while QK^T runs (the last PV has retired).
@@ -530,7 +510,7 @@ class AttentionSm90:
             v_pipe.consumer_wait(read_v)
             # O's accumulate flag is off for the first PV: no zero-fill of O needed.
             self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read_v.index], i > 0, -1)
-            self._sched_arrive(wg)
+            mma_turns.pass_on(wg)
             warpgroup.wait_group(1)  # S is ready; PV still runs under the softmax
             k_pipe.consumer_release(read)
             if i < n_masked:

@@ -321,8 +321,8 @@ class TileEpilogue:
         self._vector_cache: dict = {}
         #: row reductions: (name, static m) -> [partial, tile-local m]
         self.row_partials: dict = {}
-        #: whole-tensor reductions: name -> partial
-        self.all_partials = {r.name: identity(r.combine) for r in fusion.reductions if r.axis == "all"}
+        #: whole-tensor reductions, per 16-row band: (name, static band) -> [partial, tile-local m]
+        self.all_partials: dict = {}
 
     def _vector(self, name: str, m0, n0, m, n):
         row = name in self.fusion.row_inputs
@@ -336,7 +336,8 @@ class TileEpilogue:
 
         ``tiles``: register copies of the operand tiles' subtile; ``aux``: fp32
         register tensors receiving the aux outputs. Returns this subtile's column
-        reduction partials, ``(name, static n) -> [partial, tile-local n]``.
+        reduction partials, ``(name, static n) -> [partial, tile-local n, tile-local m]`` (a
+        subtile holds one 16-row band of each warp, so any of its rows names the band).
         """
         fusion, outputs = self.fusion, dict(self.fusion.graph.outputs)
         col_partials: dict = {}
@@ -356,29 +357,35 @@ class TileEpilogue:
                 if r.axis == "row":
                     slot = self.row_partials.setdefault((r.name, m0), [identity(r.combine), m])
                 elif r.axis == "col":
-                    slot = col_partials.setdefault((r.name, n0), [identity(r.combine), n])
+                    slot = col_partials.setdefault((r.name, n0), [identity(r.combine), n, m])
                 else:
-                    self.all_partials[r.name] = fold_element(r.combine, self.all_partials[r.name], x, valid)
-                    continue
+                    key = (r.name, m0 // ROWS_PER_WARP)
+                    slot = self.all_partials.setdefault(key, [identity(r.combine), m])
                 slot[0] = fold_element(r.combine, slot[0], x, valid)
         return col_partials
 
-    def store_col_partials(self, col_partials: dict, workspaces: tuple, band, tl, lane) -> None:
+    def _band(self, m_local):
+        """The global 16-row band (one warp's rows of a WGMMA block) holding tile-local row ``m_local``."""
+        return (self.origin[0] + m_local) // ROWS_PER_WARP
+
+    def store_col_partials(self, col_partials: dict, workspaces: tuple, tl, lane) -> None:
         """One subtile's column reductions: lanes sharing a column (they differ in lane
         bits 2-4) combine, then lanes 0-3 hold their warp's 16-row partial and store it."""
         for r, ws in zip(self.fusion.reductions, workspaces):
             if r.axis != "col":
                 continue
-            for (name, _), (partial, n_local) in col_partials.items():
+            for (name, _), (partial, n_local, m_local) in col_partials.items():
                 if name != r.name:
                     continue
                 value = butterfly(r.combine, partial, (4, 8, 16))
+                band = self._band(m_local)
                 n = self.origin[1] + n_local
                 pred = (lane < 4) & (n < self.extent[1]) & (band * ROWS_PER_WARP < self.extent[0])
                 store_if(pred, ws, (tl, band, n), value)
 
-    def store_tile_partials(self, workspaces: tuple, band, tn, tl, lane) -> None:
-        """The tile's row reductions (the 4 lanes of a quad share a row) and whole-tile ones (the warp)."""
+    def store_tile_partials(self, workspaces: tuple, tn, tl, lane) -> None:
+        """The tile's row reductions (the 4 lanes of a quad share a row) and whole-tile ones (the
+        warp, once per 16-row band it covers)."""
         for r, ws in zip(self.fusion.reductions, workspaces):
             if r.axis == "row":
                 for (name, _), (partial, m_local) in self.row_partials.items():
@@ -388,8 +395,12 @@ class TileEpilogue:
                     m = self.origin[0] + m_local
                     store_if((lane % 4 == 0) & (m < self.extent[0]), ws, (tl, tn, m), value)
             elif r.axis == "all":
-                value = butterfly(r.combine, self.all_partials[r.name], (1, 2, 4, 8, 16))
-                store_if((lane == 0) & (band * ROWS_PER_WARP < self.extent[0]), ws, (tl, band, tn), value)
+                for (name, _), (partial, m_local) in self.all_partials.items():
+                    if name != r.name:
+                        continue
+                    value = butterfly(r.combine, partial, (1, 2, 4, 8, 16))
+                    band = self._band(m_local)
+                    store_if((lane == 0) & (band * ROWS_PER_WARP < self.extent[0]), ws, (tl, band, tn), value)
 
 
 def round_for_store(values, dtype: str) -> None:

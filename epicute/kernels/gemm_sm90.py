@@ -1,16 +1,21 @@
 """The warp-specialized, persistent SM90 GEMM with a TMA-store epilogue.
 
-``D[l] = A[l] @ B[l]``. One CTA = one producer warpgroup + ``num_mma_warpgroups``
-consumer warpgroups (cooperative: two warpgroups split a 128-row tile, 64 rows
-each):
+``D[l] = A[l] @ B[l]``. One CTA = one producer warpgroup + two consumer
+warpgroups. Under the *cooperative* schedule both consumers split one 128-row
+tile (64 rows each); under *ping-pong* each consumer owns alternate tiles of the
+CTA's schedule, and two ``WarpgroupTurns`` order them: mainloops take turns at
+the tensor cores, epilogues take turns at the staging buffers, so one
+warpgroup's epilogue runs under the other's mainloop. Consumers working on
+one tile form a *team* (both warpgroups, or one).
 
 - producer (warp 0 of warpgroup 0, registers lowered to ``producer_regs``):
   walks the tile schedule and streams A/B k-tiles into an ``ab_stages``-deep
   shared-memory ring with TMA (multicast across the cluster when it has 2 CTAs);
 - consumers (registers raised to ``consumer_regs``): wait on the ring's full
   barriers, issue WGMMA with fp32 accumulators, release stages once the WGMMA
-  that read them retired, then run the epilogue for that tile;
-- epilogue (all consumer threads): for each ``epi_tile`` subtile in row-major
+  that read them retired, then run the epilogue for that tile; a ping-pong
+  warpgroup steps its ring positions over the other's tiles;
+- epilogue (the team's threads): for each ``epi_tile`` subtile in row-major
   order, copy its accumulators out, cast, ``stmatrix`` into one of
   ``num_epi_stages`` staging buffers and publish it with a TMA store
   (:class:`~epicute.kernels.pipeline.TmaStoreEpilogue`);
@@ -39,9 +44,11 @@ from cutlass import Float32, Int32
 from cutlass.utils import LayoutEnum
 
 from epicute.kernels import epilogue_emit as emit
-from epicute.kernels.epilogue_emit import DSL_DTYPES, ROWS_PER_WARP, EpilogueFusion
+from epicute.kernels.epilogue_emit import DSL_DTYPES, EpilogueFusion
 from epicute.kernels.pipeline import (
+    NamedBarriers,
     TmaStoreEpilogue,
+    WarpgroupTurns,
     make_local_tma_load_pipeline,
     make_tma_load_pipeline,
     stage_of,
@@ -96,8 +103,6 @@ class GemmSm90:
         # A second producer warp streams the epilogue's operand tiles, so the
         # mainloop's loads never wait behind them.
         self.epi_load_warp = 1
-        # First warp of the first consumer warpgroup issues the TMA stores.
-        self.store_warp = THREADS_PER_WARPGROUP // 32
         self.epi_buffers = fusion.buffers() if fusion is not None else NO_EPILOGUE
 
     # ------------------------------------------------------------------ host
@@ -123,7 +128,7 @@ class GemmSm90:
             self.a_layout.sm90_mma_major_mode(),
             self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
-            (cfg.num_mma_warpgroups, 1, 1),
+            (cfg.tile_warpgroups, 1, 1),
             tiler_mn=(WGMMA_M, cfg.tile_n),
         )
         a_smem_staged = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_shape_mnk, self.ab_dtype, cfg.ab_stages)
@@ -222,6 +227,13 @@ class GemmSm90:
             clusters_m, clusters_n, num_batches, self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
         )
 
+    def _skip_tiles(self, tiles, k_tiles, read_state, release_state, c_state):
+        """Step a consumer's ring positions over ``tiles`` tiles of other teams."""
+        read_state.advance(tiles * k_tiles)
+        release_state.advance(tiles * k_tiles)
+        if cutlass.const_expr(self.epi_buffers.loads_tiles):
+            c_state.advance(tiles * self.cfg.num_epi_subtiles)
+
     # ---------------------------------------------------------------- device
     @cute.kernel
     def kernel(
@@ -277,13 +289,13 @@ class GemmSm90:
                              for d in self.epi_buffers.tile_inputs)  # fmt: skip
             # Created first: the mainloop ring's init fence and sync below cover it.
             c_pipeline = make_local_tma_load_pipeline(
-                storage.epi_barriers.data_ptr(), cfg.num_c_stages, c_tx_bytes, cfg.num_mma_threads // 32
+                storage.epi_barriers.data_ptr(), cfg.num_c_stages, c_tx_bytes, cfg.tile_threads // 32
             )
         ab_pipeline = make_tma_load_pipeline(
             storage.ab_barriers.data_ptr(),
             cfg.ab_stages,
             tx_bytes,
-            num_consumer_warps=cfg.num_mma_threads // 32,
+            num_consumer_warps=cfg.tile_threads // 32,  # a stage feeds one tile's team
             cluster_shape_mn=self.cluster_shape_mn,
             mcast_ctas=self.a_mcast_ctas + self.b_mcast_ctas - 1,
         )
@@ -398,7 +410,9 @@ class GemmSm90:
         else:
             # ---------------- consumer warpgroups: MMA, then epilogue
             cute.arch.warpgroup_reg_alloc(cfg.consumer_regs)
-            mma_tidx = tidx - THREADS_PER_WARPGROUP
+            # A team: the consumer warpgroups on one tile (both cooperative, one ping-pong).
+            team = cute.arch.make_warp_uniform((tidx - THREADS_PER_WARPGROUP) // cfg.tile_threads)
+            mma_tidx = (tidx - THREADS_PER_WARPGROUP) % cfg.tile_threads
             thr_mma = tiled_mma.get_slice(mma_tidx)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
@@ -423,8 +437,9 @@ class GemmSm90:
             tRS_rD_out = cute.make_rmem_tensor(subtile_shape, self.d_dtype)
             subtile_size = cute.size(tRS_rD)
 
-            store = TmaStoreEpilogue(cfg.num_epi_stages, cfg.num_mma_threads)
-            is_store_warp = warp_idx == self.store_warp
+            store = TmaStoreEpilogue(cfg.num_epi_stages, cfg.tile_threads)
+            # The team's first warp issues its TMA stores.
+            is_store_warp = mma_tidx // 32 == 0
             n_subtiles_n = cfg.tile_n // cfg.epi_tile[1]
             # Subtiles are visited row-major: (tile_m/epi_m, tile_n/epi_n).
             epi_tile_layout = cute.make_layout((cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
@@ -458,14 +473,24 @@ class GemmSm90:
                         cute.make_rmem_tensor(subtile_shape, self.acc_dtype),
                         cute.make_rmem_tensor(subtile_shape, DSL_DTYPES[dtype]),
                     ))  # fmt: skip
-                if cutlass.const_expr(self.epi_buffers.loads_tiles):
-                    c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_c_stages)
+            c_state = None
+            if cutlass.const_expr(self.epi_buffers.loads_tiles):
+                c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_c_stages)
 
             scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.ab_stages)
+            ping_pong = cfg.num_teams > 1
+            mma_turns = WarpgroupTurns(NamedBarriers.MMA_TURN_WG1, cfg.num_teams, enabled=ping_pong)
+            epilogue_turns = WarpgroupTurns(NamedBarriers.EPILOGUE_TURN_WG1, cfg.num_teams, enabled=ping_pong)
+            mma_turns.grant_first(team)
+            epilogue_turns.grant_first(team)
+            # Team t takes the CTA's tiles t, t + num_teams, ...; the rings carry every
+            # tile in schedule order, so a team steps its positions over the others' tiles.
+            if cutlass.const_expr(ping_pong):
+                self._skip_tiles(team, k_tiles, read_state, release_state, c_state)
             tiles_done = Int32(0)
-            work = scheduler.first()
+            work = scheduler.first() + team * scheduler.stride()
             while scheduler.is_valid(work):
                 tm, tn, tl = scheduler.tile_coord(work)
                 if cutlass.const_expr(fusion is not None):
@@ -474,17 +499,19 @@ class GemmSm90:
                     # so the load latency hides behind the mainloop (clamped into
                     # the problem: lanes past the edge are never used).
                     vector_prefetch = []
-                    for t in epi_vectors[: len(fusion.row_inputs)]:
-                        n = cutlass.min(origin_mn[1] + cutlass.min(mma_tidx, cfg.tile_n - 1), extent_mn[1] - 1)
-                        vector_prefetch.append(t[(tl, n)].to(Float32))
-                    for t in epi_vectors[len(fusion.row_inputs) :]:
-                        m = cutlass.min(origin_mn[0] + cutlass.min(mma_tidx, cfg.tile_m - 1), extent_mn[0] - 1)
-                        vector_prefetch.append(t[(tl, m)].to(Float32))
+                    for i, t in enumerate(epi_vectors):
+                        axis = 1 if i < len(fusion.row_inputs) else 0
+                        length = cfg.tile_n if axis == 1 else cfg.tile_m
+                        for j in cutlass.range_constexpr(-(-length // cfg.tile_threads)):
+                            pos = cutlass.min(mma_tidx + j * cfg.tile_threads, length - 1)
+                            idx = cutlass.min(origin_mn[axis] + pos, extent_mn[axis] - 1)
+                            vector_prefetch.append(t[(tl, idx)].to(Float32))
 
                 # ---- mainloop: keep one WGMMA batch in flight, release a stage
                 # only after the WGMMA that read it has retired.
                 acc.fill(0.0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                mma_turns.wait(team)
                 cute.nvgpu.warpgroup.fence()
                 for k_tile in range(k_tiles):
                     ab_pipeline.consumer_wait(read_state)
@@ -497,12 +524,15 @@ class GemmSm90:
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
                     read_state.advance()
+                # Every WGMMA of this tile is issued: the other team may issue its own.
+                mma_turns.pass_on(team)
                 cute.nvgpu.warpgroup.wait_group(0)
                 if k_tiles > 0:  # K == 0: nothing was read, acc stays zero for the epilogue
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
 
                 # ---- epilogue
+                epilogue_turns.wait(team)
                 if cutlass.const_expr(cfg.epi_reuses_ab_smem):
                     # The other warpgroup may still be reading the A ring.
                     store.sync()
@@ -514,12 +544,13 @@ class GemmSm90:
                     if cutlass.const_expr(len(sVec) > 0):
                         # Park the vector slices; every reader of the previous tile's
                         # slices passed that tile's last store barrier already.
-                        for vec_smem, value in zip(sVec, vector_prefetch):
-                            emit.store_if(mma_tidx < cute.size(vec_smem), vec_smem, mma_tidx, value)
+                        values = iter(vector_prefetch)
+                        for vec_smem in sVec:
+                            for j in cutlass.range_constexpr(-(-cute.size(vec_smem) // cfg.tile_threads)):
+                                pos = mma_tidx + j * cfg.tile_threads
+                                emit.store_if(pos < cute.size(vec_smem), vec_smem, pos, next(values))
                         store.sync()
                     tile_epi = emit.TileEpilogue(fusion, tRS_cT, tRS_cT0, sVec, epi_scalars, origin_mn, extent_mn)
-                    # All of a thread's rows lie in its warp's 16-row band.
-                    band = (origin_mn[0] + tRS_cT[0][0]) // ROWS_PER_WARP
                     aux_partitions = []
                     for (aux_tma, mAux), sAux_i in zip(epi_stores, sAux):
                         gAux = cute.local_tile(mAux, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
@@ -541,7 +572,7 @@ class GemmSm90:
                         col_partials = tile_epi.subtile(
                             tRS_rD, epi_idx * subtile_size, [c[2] for c in c_s2r], [a[2] for a in aux_r2s]
                         )
-                        tile_epi.store_col_partials(col_partials, epi_workspaces, band, tl, lane)
+                        tile_epi.store_col_partials(col_partials, epi_workspaces, tl, lane)
                         for (tiled_aux, tRS_sAux, rAux, rAux_out), dtype, (bSG_sA, bSG_gA), (aux_tma, _) in zip(
                             aux_r2s, self.epi_buffers.aux_outputs, aux_partitions, epi_stores
                         ):
@@ -561,7 +592,13 @@ class GemmSm90:
                         more_stores,
                     )
                 if cutlass.const_expr(fusion is not None):
-                    tile_epi.store_tile_partials(epi_workspaces, band, tn, tl, lane)
+                    tile_epi.store_tile_partials(epi_workspaces, tn, tl, lane)
+                if cutlass.const_expr(ping_pong):
+                    # The other team overwrites the staging buffers next: our last
+                    # stores must have read them before we pass the turn.
+                    store.drain(is_store_warp)
+                    self._skip_tiles(cfg.num_teams - 1, k_tiles, read_state, release_state, c_state)
+                epilogue_turns.pass_on(team)
                 tiles_done += 1
-                work += scheduler.stride()
+                work += cfg.num_teams * scheduler.stride()
             store.drain(is_store_warp)

@@ -9,6 +9,9 @@
 - :class:`TmaStoreEpilogue`: the register -> smem -> TMA-store hand-off of seed
   000: fence, named barrier over the epilogue threads, one elected thread issues
   the bulk store and commits/acquires the store group, barrier again.
+- :class:`WarpgroupTurns`: ping-pong turn-taking between consumer warpgroups
+  (seed 002), used by attention for its GEMMs and by the ping-pong GEMM for
+  its mainloops and its epilogues.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ class NamedBarriers(enum.IntEnum):
     """Hardware named-barrier ids (0 is reserved for ``__syncthreads``)."""
 
     EPILOGUE = 1
-    #: Ping-pong schedulers of consumer warpgroups 1..3: a warpgroup syncs on its
-    #: own before issuing its GEMMs and arrives at the next one's after.
-    PINGPONG_WG1 = 2
-    PINGPONG_WG2 = 3
-    PINGPONG_WG3 = 4
+    #: Tensor-core turns of consumer warpgroups 1..3 (see WarpgroupTurns).
+    MMA_TURN_WG1 = 2
+    MMA_TURN_WG2 = 3
+    MMA_TURN_WG3 = 4
+    #: Epilogue turns of ping-pong GEMM warpgroups 1..2: their epilogues share
+    #: the staging buffers, so they take turns.
+    EPILOGUE_TURN_WG1 = 5
+    EPILOGUE_TURN_WG2 = 6
 
 
 def make_tma_load_pipeline(
@@ -109,6 +115,50 @@ class TmaStoreEpilogue:
         """Wait for every outstanding store before the CTA exits."""
         if is_store_warp:
             self.store_pipeline.producer_tail()
+
+
+class WarpgroupTurns:
+    """Consumer warpgroups taking turns at something (the tensor cores, the epilogue's buffers).
+
+    Warpgroup ``wg`` owns named barrier ``first + wg``, counted over two
+    warpgroups: it *waits* there before its turn (its 128 threads sync) and,
+    after its turn, *passes* to the next warpgroup by arriving (128 threads) at
+    that one's barrier. :meth:`grant_first` pre-arms warpgroup 0, which has no
+    predecessor for its first turn. A pass nobody waits for (the last tile)
+    is harmless: barrier state does not outlive the CTA. With ``enabled=False``
+    (a schedule without turns) every call emits nothing.
+    """
+
+    def __init__(self, first: NamedBarriers, num_warpgroups: int, enabled: bool = True):
+        self.first = int(first)
+        self.num_warpgroups = num_warpgroups
+        self.num_threads = 2 * 128  # two warpgroups meet at each barrier
+        self.enabled = enabled
+
+    # No runtime state: the DSL may carry it through loops as-is.
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    def wait(self, wg):
+        """Block until it is warpgroup ``wg``'s turn."""
+        if self.enabled:
+            cute.arch.barrier(barrier_id=self.first + wg, number_of_threads=self.num_threads)
+
+    def pass_on(self, wg):
+        """End ``wg``'s turn: the next warpgroup may go."""
+        if self.enabled:
+            nxt = (wg + 1) % self.num_warpgroups
+            cute.arch.barrier_arrive(barrier_id=self.first + nxt, number_of_threads=self.num_threads)
+
+    @cute.jit
+    def grant_first(self, wg):
+        """Called once by every warpgroup: warpgroup 0's first turn needs no predecessor."""
+        if cutlass.const_expr(self.enabled):
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=self.first, number_of_threads=self.num_threads)
 
 
 def make_local_tma_load_pipeline(barrier_storage, num_stages: int, tx_bytes: int, num_consumer_warps: int):

@@ -19,6 +19,10 @@ AB_DTYPES = ("bf16", "fp16")
 D_DTYPES = ("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2")
 
 THREADS_PER_WARPGROUP = 128
+SCHEDULES = ("cooperative", "pingpong")
+TILE_N = (64, 128, 192, 256)
+#: Accumulator registers a consumer thread may hold (of its 232): the rest is the epilogue's.
+MAX_ACC_REGS = 192
 
 
 @dataclass(frozen=True)
@@ -102,9 +106,14 @@ class GemmConfig(WarpRoles):
     """Every compile-time choice of the warp-specialized SM90 GEMM kernel.
 
     Warp roles: warpgroup 0 is the producer (its first warp issues the TMA loads
-    of A and B); warpgroups ``1..num_mma_warpgroups`` are consumers that run
-    WGMMA and then the epilogue. ``cooperative`` means the consumer warpgroups
-    split one ``tile_m x tile_n`` tile along M (each owns ``tile_m / 2`` rows).
+    of A and B); warpgroups 1 and 2 are consumers that run WGMMA and then the
+    epilogue. The ``schedule`` says how they share the work:
+
+    - ``"cooperative"``: both split one ``tile_m x tile_n`` tile along M (64 rows
+      each); the epilogue runs while no WGMMA is in flight.
+    - ``"pingpong"``: each warpgroup owns whole tiles (alternate tiles of the CTA's
+      schedule); named barriers give the tensor cores to one warpgroup's mainloop
+      at a time, so one warpgroup's epilogue runs under the other's mainloop.
     """
 
     tile_m: int = 128
@@ -132,7 +141,31 @@ class GemmConfig(WarpRoles):
 
     @property
     def num_mma_warpgroups(self) -> int:
+        return 2
+
+    @property
+    def tile_warpgroups(self) -> int:
+        """Consumer warpgroups working on one tile (a *team*): 2 cooperative, 1 ping-pong."""
         return 2 if self.schedule == "cooperative" else 1
+
+    @property
+    def num_teams(self) -> int:
+        """Tiles a CTA has in flight at once."""
+        return self.num_mma_warpgroups // self.tile_warpgroups
+
+    @property
+    def tile_threads(self) -> int:
+        return self.tile_warpgroups * THREADS_PER_WARPGROUP
+
+    @property
+    def acc_regs(self) -> int:
+        """fp32 accumulator registers per consumer thread."""
+        return self.tile_m * self.tile_n // self.tile_threads
+
+    @property
+    def epi_tile_m(self) -> int:
+        """An epilogue subtile spans one 64-row WGMMA block of each warpgroup of the team."""
+        return 64 * self.tile_warpgroups
 
     @property
     def cluster_size(self) -> int:
@@ -153,18 +186,28 @@ class GemmConfig(WarpRoles):
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for a configuration the kernel cannot run."""
-        if self.schedule != "cooperative":
-            raise ConfigError(
-                f"schedule={self.schedule!r}: only 'cooperative' is implemented; "
-                "ping-pong comes with the speed-of-light work"
-            )
-        if self.tile_m != 128:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r}: must be one of {SCHEDULES}")
+        if self.schedule == "cooperative" and self.tile_m != 128:
             raise ConfigError(
                 f"tile_m={self.tile_m}: the cooperative schedule splits a 128-row tile "
                 "between its two consumer warpgroups (64 rows each); use tile_m=128"
             )
-        if self.tile_n not in (64, 128, 256):
-            raise ConfigError(f"tile_n={self.tile_n}: must be 64, 128 or 256 (WGMMA N)")
+        if self.schedule == "pingpong":
+            if self.tile_m not in (64, 128):
+                raise ConfigError(f"tile_m={self.tile_m}: a ping-pong warpgroup owns a 64- or 128-row tile")
+            if not self.persistent:
+                raise ConfigError(
+                    "schedule='pingpong' needs persistent=True: its two warpgroups take alternate tiles of a CTA"
+                )
+        if self.acc_regs > MAX_ACC_REGS:
+            raise ConfigError(
+                f"tile {self.tile_m}x{self.tile_n} with schedule={self.schedule!r} needs {self.acc_regs} "
+                f"accumulator registers per thread (at most {MAX_ACC_REGS} leave room for the epilogue); "
+                "use a smaller tile or the cooperative schedule"
+            )
+        if self.tile_n not in TILE_N:
+            raise ConfigError(f"tile_n={self.tile_n}: must be one of {TILE_N} (WGMMA N)")
         if self.tile_k != 64:
             raise ConfigError(f"tile_k={self.tile_k}: must be 64 (one 128-byte swizzle row)")
         for name in ("cluster_m", "cluster_n"):
@@ -179,10 +222,10 @@ class GemmConfig(WarpRoles):
         if self.num_c_stages < 1:
             raise ConfigError(f"num_c_stages={self.num_c_stages}: need at least 1")
         epi_m, epi_n = self.epi_tile
-        if epi_m != self.tile_m:
+        if epi_m != self.epi_tile_m:
             raise ConfigError(
-                f"epi_tile={self.epi_tile}: its M must equal tile_m={self.tile_m} "
-                "(each consumer warpgroup stores its own rows of every subtile)"
+                f"epi_tile={self.epi_tile}: its M must be {self.epi_tile_m} with schedule={self.schedule!r} "
+                "(one 64-row WGMMA block per warpgroup, so subtiles follow the accumulators' order)"
             )
         if epi_n % 16 or self.tile_n % epi_n:
             raise ConfigError(

@@ -27,6 +27,13 @@ def render_plan(plan: GemmPlan) -> str:
         f"  cluster         {c.cluster_m} x {c.cluster_n}"
         + (f"   (TMA multicast: A to {c.cluster_n}, B to {c.cluster_m} CTAs)" if c.cluster_size > 1 else ""),
         f"  schedule        {c.schedule}, {'persistent' if c.persistent else 'one tile per CTA'}",
+    ]
+    if plan.split_k > 1:
+        lines.append(
+            f"  split-K         {plan.split_k} slices of K={plan.kernel_problem.k} run as a batch into an fp32 "
+            f"workspace {plan.split_k}x{p.m}x{p.n}; one ordered torch.sum rounds to {p.d_dtype} (no atomics)"
+        )
+    lines += [
         f"  grid            {plan.grid}  x {c.num_threads} threads, cluster {(c.cluster_m, c.cluster_n, 1)}",
         f"  rasterization   bands of {c.swizzle} clusters, {'along N swept down M' if c.raster_along_m else 'along M swept across N'}",
         f"  epilogue tile   {c.epi_tile[0]} x {c.epi_tile[1]}  ({c.num_epi_subtiles} subtiles per tile, row-major order)",
@@ -38,11 +45,15 @@ def render_plan(plan: GemmPlan) -> str:
     if e.loads_tiles:
         lines.append(f"                  warp 1 issues TMA loads of the epilogue's {len(e.tile_inputs)} tile operand(s)")
     for wg in range(c.num_mma_warpgroups):
-        rows = c.tile_m // c.num_mma_warpgroups
-        lines.append(
-            f"  warpgroup {wg + 1}     consumer: WGMMA on rows {wg * rows}-{(wg + 1) * rows - 1}, then epilogue"
-            f"   setmaxnreg {c.consumer_regs}"
-        )
+        if c.schedule == "pingpong":
+            work = (
+                f"WGMMA on whole tiles {wg}, {wg + 2}, ... of the CTA, then their epilogues; "
+                f"takes turns with warpgroup {2 - wg} (named barriers {2 + wg} mainloop, {5 + wg} epilogue)"
+            )
+        else:
+            rows = c.tile_m // c.num_mma_warpgroups
+            work = f"WGMMA on rows {wg * rows}-{(wg + 1) * rows - 1}, then epilogue"
+        lines.append(f"  warpgroup {wg + 1}     consumer: {work}   setmaxnreg {c.consumer_regs}")
     regs = THREADS_PER_WARPGROUP * (c.producer_regs + c.num_mma_warpgroups * c.consumer_regs)
     lines += [
         f"  registers       {regs} of 65536 per SM",
@@ -60,8 +71,9 @@ def render_plan(plan: GemmPlan) -> str:
             "subtile per tile operand, released by each consumer warp after its smem -> register copy"
         )
     lines += [
-        f"  epilogue sync   named barrier 1 over the {c.num_mma_threads} MMA threads, "
-        "fence.proxy.async.shared::cta before each store",
+        f"  epilogue sync   named barrier 1 over the {c.tile_threads} threads of a tile, "
+        "fence.proxy.async.shared::cta before each store"
+        + ("; stores drained before the epilogue turn passes" if c.schedule == "pingpong" else ""),
         "",
         "shared memory",
     ]
@@ -87,8 +99,12 @@ def render_plan(plan: GemmPlan) -> str:
     ]
     if r.epilogue_bytes:
         lines.append(
-            f"  epilogue        +{r.epilogue_bytes / 1e6:.2f} MB of operand/aux tiles; +{r.epilogue_tile_s * 1e6:.2f} us "
-            "per tile, exposed (the cooperative epilogue runs with no WGMMA in flight)"
+            f"  epilogue        +{r.epilogue_bytes / 1e6:.2f} MB of operand/aux tiles; {r.epilogue_tile_s * 1e6:.2f} us "
+            + (
+                "per tile, exposed (the cooperative epilogue runs with no WGMMA in flight)"
+                if r.epilogue_exposed
+                else "per tile, under the other warpgroup's mainloop (ping-pong)"
+            )
         )
     lines += [
         f"  predicted       {r.predicted_s * 1e6:.1f} us ({r.bound}-bound, {r.waves:.2f} waves)"

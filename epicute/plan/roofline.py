@@ -5,11 +5,12 @@ The sustained-efficiency factors are what a warp-specialized WGMMA mainloop of
 each tile width reaches on an H100 (the wider the tile, the fewer shared-memory
 bytes per FLOP); they rank candidates, they do not promise a number.
 
-A fused epilogue adds its operand tiles and aux outputs to the bytes moved, and,
-because the cooperative schedule runs the epilogue while no WGMMA is in flight,
-each tile pays the time its SM needs to move those extra bytes at its share of
-HBM bandwidth (the plain D store is asynchronous and hides behind the next
-mainloop).
+A fused epilogue adds its operand tiles and aux outputs to the bytes moved.
+The cooperative schedule runs the epilogue while no WGMMA is in flight, so each
+tile pays the time its SM needs to move those extra bytes at its share of HBM
+bandwidth; the ping-pong schedule runs it under the other warpgroup's
+mainloop, so only what exceeds that mainloop shows (the plain D store is
+asynchronous and hides behind the next mainloop in both).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from epicute.plan.config import DTYPE_BYTES, GemmProblem
 from epicute.plan.hardware import Hardware
 from epicute.plan.smem import NO_EPILOGUE, EpilogueBuffers
 
-#: Fraction of the tensor-core peak a mainloop sustains, by tile N (tile M is 128).
-MAINLOOP_EFFICIENCY = {256: 0.82, 128: 0.74, 64: 0.55}
+#: Fraction of the tensor-core peak a mainloop sustains, by tile N (tile M is 128);
+#: calibrated against bench/results/configs.json (H100 SXM, bf16).
+MAINLOOP_EFFICIENCY = {256: 0.82, 192: 0.78, 128: 0.74, 64: 0.55}
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -40,8 +42,10 @@ class Roofline:
     bound: str
     #: bytes the fused epilogue adds (operand tiles read, aux tiles written)
     epilogue_bytes: int = 0
-    #: per-tile time the fused epilogue's extra traffic adds, exposed in the cooperative schedule
+    #: per-tile time the fused epilogue's extra traffic takes
     epilogue_tile_s: float = 0.0
+    #: whether that time adds to the tile's (cooperative) or overlaps another tile's mainloop (ping-pong)
+    epilogue_exposed: bool = True
 
     @property
     def intensity(self) -> float:
@@ -49,9 +53,14 @@ class Roofline:
 
 
 def estimate_seconds(
-    problem: GemmProblem, hw: Hardware, tile_m: int, tile_n: int, epilogue: EpilogueBuffers = NO_EPILOGUE
+    problem: GemmProblem,
+    hw: Hardware,
+    tile_m: int,
+    tile_n: int,
+    epilogue: EpilogueBuffers = NO_EPILOGUE,
+    schedule: str = "cooperative",
 ) -> float:
-    return roofline(problem, hw, tile_m, tile_n, epilogue=epilogue).predicted_s
+    return roofline(problem, hw, tile_m, tile_n, epilogue=epilogue, schedule=schedule).predicted_s
 
 
 def roofline(
@@ -61,6 +70,7 @@ def roofline(
     tile_n: int,
     tile_k: int = 64,
     epilogue: EpilogueBuffers = NO_EPILOGUE,
+    schedule: str = "cooperative",
 ) -> Roofline:
     flops = problem.flops
     extra_per_elem = sum(DTYPE_BYTES[d] for d in epilogue.tile_inputs + epilogue.aux_outputs)
@@ -73,7 +83,13 @@ def roofline(
     k_padded = _ceil_div(problem.k, tile_k) * tile_k
     per_sm_flops = hw.peak_tflops_16bit * 1e12 / hw.num_sms * MAINLOOP_EFFICIENCY.get(tile_n, 0.5)
     epilogue_tile_s = tile_m * tile_n * extra_per_elem / (hw.hbm_tb_per_s * 1e12 / hw.num_sms)
-    tile_s = 2 * tile_m * tile_n * k_padded / per_sm_flops + epilogue_tile_s
+    mainloop_s = 2 * tile_m * tile_n * k_padded / per_sm_flops
+    if schedule == "pingpong":
+        # Two tiles in flight per SM, each mainloop with the tensor cores to itself:
+        # an epilogue costs only what outlasts the other warpgroup's mainloop.
+        tile_s = max(mainloop_s, epilogue_tile_s)
+    else:
+        tile_s = mainloop_s + epilogue_tile_s
     quantized_s = waves * tile_s
     predicted = max(quantized_s, memory_s)
     return Roofline(
@@ -86,4 +102,5 @@ def roofline(
         bound="compute" if quantized_s >= memory_s else "memory",
         epilogue_bytes=epilogue_bytes,
         epilogue_tile_s=epilogue_tile_s,
+        epilogue_exposed=schedule != "pingpong",
     )

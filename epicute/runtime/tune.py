@@ -2,7 +2,7 @@
 
 The planner's choice comes from a model (:mod:`epicute.plan.roofline`); tuning
 measures. The candidates are every configuration the planner accepts for the
-problem when tile N, the cluster shape and persistence are pinned (it still
+problem when the schedule, tile N, the cluster shape and persistence are pinned (it still
 fits the stages around each), deduplicated, the planner's own choice first.
 Each one is compiled once (through the compile cache) and timed by CUDA-event
 medians on the caller's own inputs. The winner's overrides are stored in
@@ -26,7 +26,7 @@ from epicute.plan.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.runtime.cache import _file_lock, _write_atomic, cache_dir, code_versions
 
 #: The axes tuning explores; stages are fitted by the planner for each point.
-TILE_N = (64, 128, 256)
+SCHEDULE_TILE_N = (("cooperative", (64, 128, 192, 256)), ("pingpong", (64, 128, 192)))
 CLUSTERS = ((1, 1), (2, 1), (1, 2))
 PERSISTENT = (True, False)
 
@@ -53,10 +53,13 @@ def candidates(problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers = N
     own = choose_config(problem, hw, epilogue)
     seen = {own.key()}
     result = [_overrides_of(own)]
-    for tile_n, (cm, cn), persistent in itertools.product(TILE_N, CLUSTERS, PERSISTENT):
+    points = [(schedule, n) for schedule, widths in SCHEDULE_TILE_N for n in widths]
+    for (schedule, tile_n), (cm, cn), persistent in itertools.product(points, CLUSTERS, PERSISTENT):
         if tile_n == 64 and problem.n > 128:  # a 64-wide tile only pays off on narrow N
             continue
-        pins = {"tile_n": tile_n, "cluster_m": cm, "cluster_n": cn, "persistent": persistent}
+        if schedule == "pingpong" and not persistent:  # its warpgroups take alternate tiles of a CTA
+            continue
+        pins = {"schedule": schedule, "tile_n": tile_n, "cluster_m": cm, "cluster_n": cn, "persistent": persistent}
         try:
             cfg = choose_config(problem, hw, epilogue, **pins)
         except ConfigError:
@@ -68,7 +71,10 @@ def candidates(problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers = N
 
 
 def _overrides_of(cfg) -> dict:
-    return {"tile_n": cfg.tile_n, "cluster_m": cfg.cluster_m, "cluster_n": cfg.cluster_n, "persistent": cfg.persistent}
+    return {
+        "schedule": cfg.schedule, "tile_n": cfg.tile_n, "cluster_m": cfg.cluster_m, "cluster_n": cfg.cluster_n,
+        "persistent": cfg.persistent,
+    }  # fmt: skip
 
 
 def pick_fastest(

@@ -451,7 +451,10 @@ def random_program(seed: int) -> Program:
         "persistent": rng.random() < 0.6,
         "cluster_m": rng.choice((1, 1, 2)),
         "raster_along_m": rng.random() < 0.5,
+        "schedule": rng.choice(("cooperative", "pingpong")),
     }
+    if config["schedule"] == "pingpong":
+        config["persistent"] = True  # its warpgroups take alternate tiles of a persistent CTA
     program = Program(
         seed=seed, source=source, operands=tuple(b.operands), outputs=tuple(outputs), depth=depth,
         config=tuple(sorted(config.items())), ab_dtype=rng.choice((torch.bfloat16, torch.float16)),

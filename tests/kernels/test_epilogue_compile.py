@@ -49,6 +49,11 @@ EPILOGUES = {
                                  {"persistent": False, "epi_reuses_ab_smem": True, "ab_stages": 3}),
     "where_compare_fp16": (lambda acc, thr: ops.where(acc > thr, acc, ops.softplus(acc)), {"thr": "col"},
                            {"D": torch.float16}, {}),
+    "pingpong_everything": (lambda acc, bias, scale_m, residual: {
+                                "D": ops.gelu(acc * scale_m + bias) + residual, "pre": acc,
+                                "rs": ops.row_sum(acc), "ca": ops.col_amax(acc), "am": ops.amax(acc)},
+                            {"bias": "row", "scale_m": "col", "residual": "tile"}, None,
+                            {"schedule": "pingpong", "tile_n": 192, "cluster_m": 2}),
 }  # fmt: skip
 
 

@@ -23,17 +23,21 @@ VARIANTS = [
     (GemmConfig(tile_n=128, persistent=False, epi_reuses_ab_smem=True, ab_stages=7), "fp16", "bf16", "k", "k"),
     (GemmConfig(tile_n=64, cluster_m=2, persistent=False, epi_tile=(128, 16), num_epi_stages=1), "bf16", "fp32", "k", "k"),
     (GemmConfig(tile_n=256, epi_tile=(128, 128), num_epi_stages=1, raster_along_m=False, swizzle=1), "bf16", "fp16", "m", "k"),
+    (GemmConfig(tile_n=192, cluster_m=2, ab_stages=5, num_epi_stages=2), "bf16", "bf16", "k", "n"),
+    (GemmConfig(schedule="pingpong", tile_n=128, epi_tile=(64, 32), cluster_m=2, ab_stages=6), "bf16", "bf16", "k", "n"),
+    (GemmConfig(schedule="pingpong", tile_n=192, epi_tile=(64, 64), ab_stages=5), "fp16", "fp32", "m", "k"),
+    (GemmConfig(schedule="pingpong", tile_m=64, tile_n=256, epi_tile=(64, 32), cluster_n=2), "bf16", "fp8e4m3", "k", "k"),
 ]
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0].tile_n}-c{v[0].cluster_m}x{v[0].cluster_n}-{v[1]}{v[2]}-{v[3]}{v[4]}")
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0].schedule}-{v[0].tile_m}x{v[0].tile_n}-c{v[0].cluster_m}x{v[0].cluster_n}-{v[1]}{v[2]}-{v[3]}{v[4]}")
 def test_variant_compiles(variant):
     cfg, ab, d, a_major, b_major = variant
     fn = compile_gemm(GemmVariant(cfg, ab, d, a_major, b_major, max_active_clusters=132 // cfg.cluster_size))
     assert callable(fn)
 
 
-@pytest.mark.parametrize("mnk", [(8192, 8192, 8192), (1, 8, 8), (1000, 4104, 136)])
+@pytest.mark.parametrize("mnk", [(8192, 8192, 8192), (1, 8, 8), (1000, 4104, 136), (256, 4096, 4096)])
 def test_planned_variants_compile(mnk):
     plan = plan_gemm(GemmProblem(*mnk))
     assert callable(compile_gemm(variant_of(plan)))

@@ -86,7 +86,13 @@ def test_fused_epilogue_in_every_kernel_path():
     a, b = rand(m, k), rand(k, n) / k**0.5
     bias, residual = rand(n), rand(m, n)
     ref = epicute.gemm(a, b, epilogue=ffn, backend="reference", bias=bias, residual=residual, alpha=0.7)
-    for config in ({"cluster_m": 2, "persistent": True}, {"persistent": False, "tile_n": 128}, {"tile_n": 64}):
+    for config in (
+        {"cluster_m": 2, "persistent": True},
+        {"persistent": False, "tile_n": 128},
+        {"tile_n": 64},
+        {"schedule": "pingpong", "tile_n": 128, "cluster_m": 2},
+        {"schedule": "pingpong", "tile_n": 192},
+    ):
         got = epicute.gemm(a, b, epilogue=ffn, config=config, bias=bias, residual=residual, alpha=0.7)
         assert rel_err(got.float().cpu(), ref.float().cpu()) <= 1e-2, config
 

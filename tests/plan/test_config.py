@@ -24,6 +24,10 @@ def test_default_config_is_valid():
         {"tile_n": 64, "cluster_m": 2, "persistent": False, "epi_tile": (128, 16), "num_epi_stages": 1},
         {"cluster_n": 2, "persistent": False, "epi_reuses_ab_smem": True},
         {"epi_tile": (128, 256), "producer_regs": 24, "consumer_regs": 240, "swizzle": 1},
+        {"schedule": "pingpong", "tile_n": 128, "epi_tile": (64, 32)},
+        {"schedule": "pingpong", "tile_n": 192, "epi_tile": (64, 64), "cluster_m": 2},
+        {"schedule": "pingpong", "tile_m": 64, "tile_n": 256, "epi_tile": (64, 32)},
+        {"tile_n": 192, "epi_tile": (128, 32)},
     ],
     ids=_field_id,
 )
@@ -43,7 +47,8 @@ BAD_CONFIGS = [
     ({"num_epi_stages": 0}, r"num_epi_stages=0"),
     ({"tile_n": 128, "epi_tile": (128, 48)}, r"epi_tile=\(128, 48\).*divides tile_n=128"),
     ({"epi_tile": (128, 8)}, r"epi_tile=\(128, 8\).*multiple of 16"),
-    ({"epi_tile": (64, 32)}, r"epi_tile=\(64, 32\).*M must equal tile_m=128"),
+    ({"epi_tile": (64, 32)}, r"epi_tile=\(64, 32\).*M must be 128 with schedule='cooperative'"),
+    ({"schedule": "pingpong", "tile_n": 128}, r"epi_tile=\(128, 32\).*M must be 64 with schedule='pingpong'"),
     ({"epi_reuses_ab_smem": True, "persistent": True}, r"epi_reuses_ab_smem=True needs persistent=False"),
     ({"producer_regs": 44}, r"producer_regs=44: register budgets must be multiples of 8"),
     ({"consumer_regs": 228}, r"consumer_regs=228: register budgets must be multiples of 8"),
@@ -51,7 +56,10 @@ BAD_CONFIGS = [
     ({"consumer_regs": 264}, r"consumer_regs=264: .*in \[24, 256\]"),
     ({"producer_regs": 56, "consumer_regs": 240}, r"need 68608 registers; an SM has 65536"),
     ({"swizzle": 0}, r"swizzle=0"),
-    ({"schedule": "pingpong"}, r"schedule='pingpong'"),
+    ({"schedule": "pingpong"}, r"tile 128x256 with schedule='pingpong' needs 256 accumulator registers"),
+    ({"schedule": "pingpong", "tile_n": 128, "epi_tile": (64, 32), "persistent": False}, r"needs persistent=True"),
+    ({"schedule": "pingpong", "tile_m": 192, "tile_n": 64, "epi_tile": (64, 32)}, r"tile_m=192"),
+    ({"schedule": "stream-k"}, r"schedule='stream-k': must be one of"),
 ]
 
 
@@ -68,6 +76,10 @@ def test_config_derived_counts():
     assert cfg.num_mma_threads == 256
     assert cfg.cluster_size == 2
     assert cfg.num_epi_subtiles == 8
+    assert (cfg.tile_warpgroups, cfg.num_teams, cfg.acc_regs) == (2, 1, 128)
+    pingpong = GemmConfig(schedule="pingpong", tile_n=128, epi_tile=(64, 32))
+    assert (pingpong.tile_warpgroups, pingpong.num_teams, pingpong.acc_regs) == (1, 2, 128)
+    assert pingpong.num_threads == 384 and pingpong.num_epi_subtiles == 8
 
 
 def test_config_key_and_equality_ignore_reasons():

@@ -59,7 +59,12 @@ def test_big_problems_get_persistent_2x1_clusters_of_wide_tiles(name):
 def test_single_wave_problems_reuse_the_a_ring(name):
     cfg = choose_config(PROBLEMS[name], H100_SXM)
     assert not cfg.persistent and cfg.epi_reuses_ab_smem
-    assert (cfg.cluster_m, cfg.cluster_n) == (1, 1)
+    problem = PROBLEMS[name]
+    tiles_m = -(-problem.m // 128)
+    tiles = tiles_m * -(-problem.n // cfg.tile_n) * problem.l
+    # 2x1 clusters (B multicast) once there are two rows of tiles and half a wave of them.
+    expected = (2, 1) if tiles_m >= 2 and 2 * tiles >= 132 else (1, 1)
+    assert (cfg.cluster_m, cfg.cluster_n) == expected
 
 
 def test_tiny_problem_gets_narrow_tile_and_deepest_ring():
@@ -67,7 +72,8 @@ def test_tiny_problem_gets_narrow_tile_and_deepest_ring():
     assert cfg.tile_n == 64
     assert cfg.epi_tile == (128, 32)
     assert cfg.ab_stages == MAX_AB_STAGES
-    assert cfg.reasons[0] == "tile 128x64x64: N=8 fits one 64-wide tile"
+    assert cfg.reasons[:2] == ("schedule cooperative: plain GEMM: two warpgroups on one 128-row tile",
+                               "tile 128x64x64: N=8 fits one 64-wide tile")  # fmt: skip
 
 
 @pytest.mark.parametrize(("n", "tile_n"), [(1, 64), (64, 64), (65, 128), (128, 128)])
@@ -79,7 +85,7 @@ def test_wave_quantization_prefers_128_wide_tiles():
     # 128x256 tiles: 8 x 17 = 136 tiles, just over one wave of 132 SMs.
     cfg = choose_config(PROBLEMS["1000x4104x1000"], H100_SXM)
     assert cfg.tile_n == 128
-    assert "wave quantization" in cfg.reasons[0]
+    assert "wave quantization" in cfg.reasons[1]
 
 
 def test_batch_counts_towards_waves():
@@ -91,7 +97,7 @@ def test_batch_counts_towards_waves():
 def test_override_tile_n():
     cfg = choose_config(BIG, H100_SXM, tile_n=128)
     assert cfg.tile_n == 128
-    assert cfg.reasons[0] == "tile 128x128x64: requested"
+    assert cfg.reasons[1] == "tile 128x128x64: requested"
     assert smem_total(cfg, "bf16", "bf16") <= BUDGET
 
 
@@ -157,10 +163,19 @@ def test_fused_epilogue_shrinks_the_ab_ring_and_shows_in_the_roofline():
 
     problem = GemmProblem(8192, 8192, 8192)
     epi = EpilogueBuffers(tile_inputs=("bf16",), aux_outputs=("bf16",), vectors=("row",), chain=("tile load_vectors",))
-    plain, fused = plan_gemm(problem, H100_SXM), plan_gemm(problem, H100_SXM, epilogue=epi)
-    assert fused.config.ab_stages < plain.config.ab_stages
+    fused = plan_gemm(problem, H100_SXM, epilogue=epi)
+    # A fused epilogue gets the ping-pong schedule; against a plain GEMM of the same tiles:
+    assert (fused.config.schedule, fused.config.tile_n) == ("pingpong", 192)
+    plain = plan_gemm(problem, H100_SXM, schedule="pingpong", tile_n=192)
+    stages = lambda plan: (plan.config.ab_stages, plan.config.num_epi_stages)  # noqa: E731
+    assert stages(fused) < stages(plain)  # the A/B ring or the D staging gave way
     assert fused.smem_bytes <= BUDGET
     assert fused.roofline.epilogue_bytes == 8192 * 8192 * 4
-    assert fused.roofline.predicted_s > plain.roofline.predicted_s
+    # Ping-pong hides the epilogue's per-tile time under the other mainloop; cooperative pays it.
+    assert fused.roofline.predicted_s == plain.roofline.predicted_s and not fused.roofline.epilogue_exposed
+    coop = plan_gemm(problem, H100_SXM, epilogue=epi, schedule="cooperative", tile_n=256)
+    assert coop.roofline.predicted_s > plan_gemm(problem, H100_SXM, tile_n=256).roofline.predicted_s
+    assert "exposed (the cooperative epilogue" in render_plan(coop)
     text = render_plan(fused)
+    assert "under the other warpgroup's mainloop (ping-pong)" in text and "takes turns with warpgroup 2" in text
     assert "epilogue chain" in text and "tile load_vectors" in text and "epilogue        +268.44 MB" in text

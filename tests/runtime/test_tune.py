@@ -23,10 +23,12 @@ def test_candidates_are_distinct_valid_configs_with_the_planners_first():
     problem = GemmProblem(4096, 4096, 4096)
     options = candidates(problem, H100_SXM)
     assert options[0] == {k: getattr(choose_config(problem, H100_SXM), k)
-                          for k in ("tile_n", "cluster_m", "cluster_n", "persistent")}  # fmt: skip
+                          for k in ("schedule", "tile_n", "cluster_m", "cluster_n", "persistent")}  # fmt: skip
     keys = [choose_config(problem, H100_SXM, **o).key() for o in options]
     assert len(set(keys)) == len(keys) >= 6
-    assert {o["tile_n"] for o in options} == {128, 256}  # 64 only for narrow N
+    assert {o["tile_n"] for o in options} == {128, 192, 256}  # 64 only for narrow N
+    assert {o["schedule"] for o in options} == {"cooperative", "pingpong"}
+    assert all(o["persistent"] for o in options if o["schedule"] == "pingpong")
     narrow = candidates(GemmProblem(4096, 96, 4096), H100_SXM)
     assert 64 in {o["tile_n"] for o in narrow}
 
