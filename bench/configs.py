@@ -31,10 +31,6 @@ CANDIDATES: dict[str, dict] = {
     "pp_128x192_c1x1": {"schedule": "pingpong", "tile_n": 192},
     "pp_128x192_c2x1": {"schedule": "pingpong", "tile_n": 192, "cluster_m": 2},
     "pp_64x256_c2x1": {"schedule": "pingpong", "tile_m": 64, "tile_n": 256, "cluster_m": 2},
-    "unsplit": {"split_k": 1},
-    "split2_128x128": {"split_k": 2, "tile_n": 128},
-    "split4_128x128": {"split_k": 4, "tile_n": 128},
-    "split4_128x256": {"split_k": 4, "tile_n": 256},
 }
 
 

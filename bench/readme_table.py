@@ -3,6 +3,9 @@
 Usage: python bench/readme_table.py [--results DIR] [--write README.md]
 Without --write the tables go to stdout; with it they replace the text between
 `<!-- bench:start -->` and `<!-- bench:end -->` in that file (left untouched if a marker is missing).
+Only the benchmarks against peers are rendered (README_BENCHMARKS), each followed, for
+the GEMM, by a text bar chart of epicute vs its peers across shapes (the repository
+keeps no images); the planner's evidence (configs*.json) stays in its JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from common import geomean, peers, ratio
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
+README_BENCHMARKS = ("gemm", "epilogue", "attention", "runtime")
+CHART_WIDTH = 40
 
 
 def _cell(value: object) -> str:
@@ -57,11 +62,36 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def chart(result: dict[str, Any]) -> str:
+    """Horizontal text bars, one per contender per case, scaled to the largest figure."""
+    rows = result.get("rows", [])
+    names = ["epicute", *peers(rows)]
+    top = max((r[n] for r in rows for n in names if isinstance(r.get(n), (int, float))), default=0)
+    if not top:
+        return ""
+    width = max(len(n) for n in names)
+    lines = ["```"]
+    for row in rows:
+        lines.append(str(row.get("case", "")))
+        for name in names:
+            value = row.get(name)
+            if isinstance(value, (int, float)):
+                lines.append(f"  {name:<{width}} {'█' * round(CHART_WIDTH * value / top):<{CHART_WIDTH}} {value:.0f}")
+    lines.append("```")
+    return "\n".join(lines)
+
+
 def render_all(results_dir: Path) -> str:
-    files = sorted(results_dir.glob("*.json"))
-    if not files:
+    results = [json.loads((results_dir / f"{name}.json").read_text())
+               for name in README_BENCHMARKS if (results_dir / f"{name}.json").exists()]  # fmt: skip
+    if not results:
         return f"_No benchmark results in {results_dir.name}/ yet._"
-    return "\n\n".join(render(json.loads(f.read_text())) for f in files)
+    parts = []
+    for result in results:
+        parts.append(render(result))
+        if result.get("benchmark") == "gemm":
+            parts.append(chart(result))
+    return "\n\n".join(parts)
 
 
 def replace_block(path: Path, body: str) -> bool:

@@ -27,13 +27,6 @@ def render_plan(plan: GemmPlan) -> str:
         f"  cluster         {c.cluster_m} x {c.cluster_n}"
         + (f"   (TMA multicast: A to {c.cluster_n}, B to {c.cluster_m} CTAs)" if c.cluster_size > 1 else ""),
         f"  schedule        {c.schedule}, {'persistent' if c.persistent else 'one tile per CTA'}",
-    ]
-    if plan.split_k > 1:
-        lines.append(
-            f"  split-K         {plan.split_k} slices of K={plan.kernel_problem.k} run as a batch into an fp32 "
-            f"workspace {plan.split_k}x{p.m}x{p.n}; one ordered torch.sum rounds to {p.d_dtype} (no atomics)"
-        )
-    lines += [
         f"  grid            {plan.grid}  x {c.num_threads} threads, cluster {(c.cluster_m, c.cluster_n, 1)}",
         f"  rasterization   bands of {c.swizzle} clusters, {'along N swept down M' if c.raster_along_m else 'along M swept across N'}",
         f"  epilogue tile   {c.epi_tile[0]} x {c.epi_tile[1]}  ({c.num_epi_subtiles} subtiles per tile, row-major order)",

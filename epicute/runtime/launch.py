@@ -33,23 +33,10 @@ def kernel_for(plan: GemmPlan, fusion=None):
 
 
 def variant_of(plan: GemmPlan, fusion=None) -> GemmVariant:
-    p = plan.kernel_problem
+    p = plan.problem
     return GemmVariant(
         plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.max_active_clusters, fusion=fusion
     )
-
-
-def _split_k(call: GemmCall, plan: GemmPlan, out3: torch.Tensor) -> None:
-    """Run K as ``plan.split_k`` slices (a batch over strided views of A and B), then sum the
-    fp32 partials in a fixed order and round once into ``out3`` (see epicute.plan.split_k)."""
-    splits, a, b = plan.split_k, call.a[0], call.b[0]
-    k = call.problem.k // splits
-    # Slice s of A is a[:, s*k:(s+1)*k] and of B is b[s*k:(s+1)*k, :]: one more stride each.
-    a_slices = a.as_strided((splits, a.size(0), k), (k * a.stride(1), a.stride(0), a.stride(1)))
-    b_slices = b.as_strided((splits, k, b.size(1)), (k * b.stride(0), b.stride(0), b.stride(1)))
-    partials = torch.empty((splits, call.problem.m, call.problem.n), dtype=torch.float32, device=a.device)
-    kernel_for(plan)(a_slices, b_slices, partials, (), ())
-    out3[0].copy_(partials.sum(dim=0))
 
 
 def launch_gemm(
@@ -69,9 +56,6 @@ def launch_gemm(
     out3 = call.out
     if out3 is None:
         out3 = torch.empty((p.l, p.m, p.n), dtype=call.out_dtype, device=call.a.device)
-    if plan.split_k > 1 and p.m and p.n:
-        _split_k(call, plan, out3)
-        return out3 if call.batched else out3[0]
     aux = aux or {}
     workspaces = {}
     if fusion is not None:

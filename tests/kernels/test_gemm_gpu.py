@@ -121,25 +121,3 @@ def test_large_square_matches_cublas_accuracy():
     a, b = operand(4096, 4096, torch.bfloat16, False), operand(4096, 4096, torch.bfloat16, False)
     run_and_check(a, b, torch.bfloat16)
 
-
-# Split-K: ragged M and N, every major, forced and planner-chosen slice counts.
-SPLIT_CASES = [
-    (256, 4096, 4096, None, False, False),  # the planner splits this one itself
-    (17, 1000, 4096, 4, False, True),
-    (136, 264, 8192, 8, True, False),
-    (1, 136, 2048, 2, False, False),
-]
-
-
-@pytest.mark.parametrize("m,n,k,splits,a_t,b_t", SPLIT_CASES)
-@pytest.mark.parametrize("out_dtype", (torch.bfloat16, torch.float32))
-def test_split_k_matches_and_is_deterministic(m, n, k, splits, a_t, b_t, out_dtype):
-    a, b = operand(m, k, torch.bfloat16, a_t), operand(k, n, torch.bfloat16, b_t)
-    config = None if splits is None else {"split_k": splits}
-    if splits is None:
-        from epicute.plan import GemmProblem, plan_gemm
-
-        assert plan_gemm(GemmProblem(m, n, k, d_dtype="bf16" if out_dtype == torch.bfloat16 else "fp32")).split_k > 1
-    run_and_check(a, b, out_dtype, config)
-    first, second = (epicute.gemm(a, b, out_dtype=out_dtype, config=config) for _ in range(2))
-    assert torch.equal(first, second), "split-K results differ between two runs"
