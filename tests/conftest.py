@@ -40,6 +40,52 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
 
 
+def aot_compile_then_fresh_load(tmp_path, spec_text: str, loader_text: str) -> None:
+    """``epicute compile`` a spec into a private cache (twice: the second finds it cached),
+    then assert a fresh process running ``loader_text`` loads its one kernel from disk."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    spec = tmp_path / "k.toml"
+    spec.write_text(spec_text)
+    env = subprocess_env(EPICUTE_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("EPICUTE_CACHE", None)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, *args], check=False, env=env, capture_output=True, text=True, timeout=600, cwd=repo
+        )
+
+    built = run("-m", "epicute.cli", "compile", str(spec))
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert "1 variants (1 compiled now)" in built.stdout
+    again = run("-m", "epicute.cli", "compile", str(spec))
+    assert "(0 compiled now)" in again.stdout and "cached" in again.stdout
+
+    loader = tmp_path / "load.py"
+    loader.write_text(loader_text)
+    loaded = run(str(loader))
+    assert loaded.returncode == 0, loaded.stderr
+    assert "compiles 0 disk_loads 1" in loaded.stdout
+
+
+def recording_backend():
+    """A fresh dynamo state and a ``torch.compile`` backend that records each graph it is
+    given (and runs it unchanged): ``backend, graphs = recording_backend()``."""
+    import torch
+
+    torch._dynamo.reset()
+    graphs: list = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend, graphs
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for a fresh Python process running this checkout: the repository first on
     PYTHONPATH, the caller's entries kept (the device bundle lives there), plus ``extra``."""

@@ -126,6 +126,23 @@ def _replay(t: torch.Tensor, recipe: tuple | None) -> torch.Tensor:
     return t if recipe is None else t.as_strided(*recipe)
 
 
+def check_on_one_hopper_gpu(*named: tuple[str, torch.Tensor]) -> None:
+    """Raise :class:`DeviceError` unless every ``(name, tensor)`` lives on one CUDA device, a Hopper GPU."""
+    for name, t in named:
+        if t.device.type != "cuda":
+            raise DeviceError(f"{name} is on {t.device}; epicute kernels run on a CUDA device: pass {name}.cuda()")
+    devices = {t.device for _, t in named}
+    if len(devices) > 1:
+        where = ", ".join(f"{name} on {t.device}" for name, t in named)
+        raise DeviceError(f"{where}; move them to one GPU")
+    device = named[0][1].device
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        raise DeviceError(
+            f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}; epicute's kernels need a Hopper GPU (sm_90)"
+        )
+
+
 def check_gemm_args(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -162,16 +179,7 @@ def _check_gemm_args(
         if not isinstance(t, torch.Tensor):
             raise DtypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if require_cuda:
-        for name, t in (("a", a), ("b", b)):
-            if t.device.type != "cuda":
-                raise DeviceError(f"{name} is on {t.device}; epicute kernels run on a CUDA device: pass {name}.cuda()")
-        if a.device != b.device:
-            raise DeviceError(f"a is on {a.device} but b is on {b.device}; move both to one GPU")
-        major, minor = torch.cuda.get_device_capability(a.device)
-        if (major, minor) != (9, 0):
-            raise DeviceError(
-                f"{torch.cuda.get_device_name(a.device)} is sm_{major}{minor}; epicute's kernels need a Hopper GPU (sm_90)"
-            )
+        check_on_one_hopper_gpu(("a", a), ("b", b))
     if a.dtype not in AB_TORCH_DTYPES:
         raise DtypeError(f"a has dtype {a.dtype}; supported are torch.bfloat16 and torch.float16")
     if b.dtype != a.dtype:

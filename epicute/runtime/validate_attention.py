@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from epicute.errors import AlignmentError, ConfigError, DeviceError, DtypeError, OutputError, ShapeError
+from epicute.errors import AlignmentError, ConfigError, DtypeError, OutputError, ShapeError
 from epicute.plan.attention import HEAD_DIMS, AttentionProblem
-from epicute.runtime.validate import TMA_ALIGN_BYTES, TORCH_TO_NAME, _overlaps
+from epicute.runtime.validate import TMA_ALIGN_BYTES, TORCH_TO_NAME, _overlaps, check_on_one_hopper_gpu
 
 ATTN_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -69,16 +69,7 @@ def check_attention_args(
                 f"{name} has shape {tuple(t.shape)}; attention takes 4-D (batch, seqlen, heads, head_dim) tensors"
             )
     if require_cuda:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.device.type != "cuda":
-                raise DeviceError(f"{name} is on {t.device}; epicute kernels run on a CUDA device: pass {name}.cuda()")
-        if not q.device == k.device == v.device:
-            raise DeviceError(f"q, k, v are on {q.device}, {k.device}, {v.device}; move them to one GPU")
-        major, minor = torch.cuda.get_device_capability(q.device)
-        if (major, minor) != (9, 0):
-            raise DeviceError(
-                f"{torch.cuda.get_device_name(q.device)} is sm_{major}{minor}; epicute's kernels need a Hopper GPU (sm_90)"
-            )
+        check_on_one_hopper_gpu(("q", q), ("k", k), ("v", v))
     if q.dtype not in ATTN_DTYPES:
         raise DtypeError(f"q has dtype {q.dtype}; supported are torch.bfloat16 and torch.float16")
     for name, t in (("k", k), ("v", v)):

@@ -6,8 +6,6 @@ disk and loads them instead of compiling (launching them needs the device).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import epicute
 import epicute.api as api
 from epicute.errors import ConfigError, EpilogueError
 from epicute.runtime.aot import compile_spec, gemm_variants, read_spec
-from tests.conftest import subprocess_env
+from tests.conftest import aot_compile_then_fresh_load
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,19 +123,4 @@ LOADER = textwrap.dedent(
 
 @pytest.mark.compile
 def test_aot_compile_then_a_fresh_process_loads(tmp_path):
-    spec = tmp_path / "k.toml"
-    spec.write_text(SPEC)
-    env = subprocess_env(EPICUTE_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop("EPICUTE_CACHE", None)
-    cli = [sys.executable, "-m", "epicute.cli", "compile", str(spec)]
-    built = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stdout + built.stderr
-    assert "1 variants (1 compiled now)" in built.stdout
-    again = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=600)
-    assert "(0 compiled now)" in again.stdout and "cached" in again.stdout
-
-    loader = tmp_path / "load.py"
-    loader.write_text(LOADER)
-    loaded = subprocess.run([sys.executable, str(loader)], env=env, capture_output=True, text=True, timeout=600)
-    assert loaded.returncode == 0, loaded.stderr
-    assert "compiles 0 disk_loads 1" in loaded.stdout
+    aot_compile_then_fresh_load(tmp_path, SPEC, LOADER)

@@ -23,7 +23,7 @@ from epicute import ops
 from epicute.epilogue.score_mod import ScoreMod
 from epicute.errors import ConfigError
 from epicute.runtime.torch_ops import register_epilogue, register_score_mod, registered_epilogue
-from tests.conftest import rel_err
+from tests.conftest import recording_backend, rel_err
 from tests.runtime.test_attention_cache import gated, softcap_30, softcap_alibi
 
 
@@ -137,12 +137,7 @@ def test_torch_compile_fullgraph_traces_through_attention_on_meta(backend, shape
 
 
 def test_dynamic_sizes_trace_once():
-    torch._dynamo.reset()
-    frames = []
-
-    def backend(gm, example_inputs):
-        frames.append(gm)
-        return gm.forward
+    backend, frames = recording_backend()
 
     f = torch.compile(f_hooks, fullgraph=True, backend=backend, dynamic=True)
     # Sizes distinct within a call (dynamo's duck sizing would otherwise tie equal ones together).
@@ -154,12 +149,7 @@ def test_dynamic_sizes_trace_once():
 
 
 def test_torch_compile_under_fake_tensor_mode_records_one_op_per_call():
-    torch._dynamo.reset()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    backend, graphs = recording_backend()
 
     with FakeTensorMode():
         q = torch.empty(2, 129, 8, 128, dtype=torch.bfloat16, device="cuda")

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import epicute
 from epicute.errors import ConfigError, EpilogueError
 from epicute.runtime.torch_ops import register_epilogue, registered_epilogue
-from tests.conftest import subprocess_env
+from tests.conftest import recording_backend, subprocess_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,12 +123,7 @@ def test_torch_compile_fullgraph_traces_through_gemm_on_meta(backend):
 
 
 def test_torch_compile_under_fake_tensor_mode_records_one_op_per_call():
-    torch._dynamo.reset()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    backend, graphs = recording_backend()
 
     with FakeTensorMode():
         a = torch.empty(129, 64, dtype=torch.bfloat16, device="cuda")
