@@ -31,6 +31,13 @@ CANDIDATES: dict[str, dict] = {
     "pp_128x192_c1x1": {"schedule": "pingpong", "tile_n": 192},
     "pp_128x192_c2x1": {"schedule": "pingpong", "tile_n": 192, "cluster_m": 2},
     "pp_64x256_c2x1": {"schedule": "pingpong", "tile_m": 64, "tile_n": 256, "cluster_m": 2},
+    # under-filled problems (small M): more, narrower tiles
+    "coop_128x64_c2x1": {"tile_n": 64, "cluster_m": 2, "persistent": True},
+    "pp_64x128_c1x1": {"schedule": "pingpong", "tile_m": 64, "tile_n": 128},
+    "pp_64x128_c2x1": {"schedule": "pingpong", "tile_m": 64, "tile_n": 128, "cluster_m": 2},
+    "coop_128x128_c1x1": {"tile_n": 128, "persistent": True},
+    "coop_planned": {"schedule": "cooperative"},
+    "pp_planned": {"schedule": "pingpong"},
 }
 
 

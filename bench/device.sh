@@ -3,7 +3,7 @@
 #     bash bench/device.sh [test] [bench] [sanitize]      (default: all three, in that order)
 # through the device tool: run(command="bash bench/device.sh", carry=[".device"]).
 # Every step runs even if an earlier one failed; the exit status is non-zero if any failed.
-# Files left in $OUT (the device tool brings back at most 8): gpu-tests.log, bench.log,
+# Files left in $OUT: gpu-tests.log (every shard's log), bench.log,
 # gemm.json and four sanitize-<tool>-<case>.log.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -27,8 +27,33 @@ python3 -c 'import sys, torch; print("python", sys.version.split()[0], "| torch"
 
 failed=()
 
+# The GPU suite compiles ~150 kernel variants (1-4 s each, on one CPU core), so it
+# runs as EPICUTE_TEST_SHARDS pytest processes (default 8) over round-robin slices of
+# the test ids; tests are small, so sharing the GPU costs little. EPICUTE_TEST_PATHS
+# (default: tests) narrows the run, e.g. to tests/kernels/test_attention_gpu.py.
 run_test() {
-    python3 -m pytest -m gpu -q tests 2>&1 | tee "$OUT/gpu-tests.log"
+    local shards=${EPICUTE_TEST_SHARDS:-8} dir i status=0
+    dir=$(mktemp -d)
+    # shellcheck disable=SC2086  # several paths split on spaces
+    python3 -m pytest -m gpu -q --collect-only -p no:cacheprovider ${EPICUTE_TEST_PATHS:-tests} 2>/dev/null |
+        grep '::' >"$dir/ids"
+    echo "$(wc -l <"$dir/ids") GPU tests in $shards shards"
+    for ((i = 0; i < shards; i++)); do
+        awk -v n="$shards" -v i="$i" 'NR % n == i' "$dir/ids" >"$dir/ids-$i"
+        [ -s "$dir/ids-$i" ] || continue
+        (mapfile -t ids <"$dir/ids-$i"
+         python3 -m pytest -m gpu -q -p no:cacheprovider "${ids[@]}" >"$dir/log-$i" 2>&1) &
+    done
+    wait
+    for ((i = 0; i < shards; i++)); do
+        [ -f "$dir/log-$i" ] || continue
+        cat "$dir/log-$i" >>"$OUT/gpu-tests.log"
+        echo "shard $i: $(tail -n 1 "$dir/log-$i")"
+        grep -qE "(failed|error)" <(tail -n 1 "$dir/log-$i") && status=1
+        grep -qE "passed" <(tail -n 1 "$dir/log-$i") || status=1
+    done
+    grep -E "^(FAILED|ERROR) " "$OUT/gpu-tests.log"
+    return $status
 }
 
 run_bench() {

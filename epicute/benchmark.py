@@ -69,17 +69,28 @@ def contenders() -> dict[str, Gemm]:
     return found
 
 
-def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) -> float:
-    """Median milliseconds of ``fn()`` over ``iters`` calls, each bracketed by its own CUDA events.
+#: GPU cycles (~0.5 ms on an H100) the stream sleeps before each timed call.
+HOST_AHEAD_CYCLES = 1_000_000
 
-    Warm-up calls are excluded; rotating inputs (to defeat L2 reuse) is the
-    caller's job: make ``fn`` cycle through them. ``bench/`` uses this too.
+
+def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) -> float:
+    """Median milliseconds of GPU work of ``fn()`` over ``iters`` calls, each bracketed by its own CUDA events.
+
+    Before each call the stream sleeps (``torch.cuda._sleep``) long enough for
+    the host to enqueue the call's kernels, so the start event fires right
+    before them and the figure is kernel time: without it, a kernel shorter
+    than its host-side cost (a few tens of microseconds at small M) would be
+    timed as host overhead, and each library's Python cost (measured apart by
+    ``bench/runtime.py``) would decide small shapes. Warm-up calls are
+    excluded; rotating inputs (to defeat L2 reuse) is the caller's job: make
+    ``fn`` cycle through them. ``bench/`` uses this too.
     """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, stop in events:
+        torch.cuda._sleep(HOST_AHEAD_CYCLES)
         start.record()
         fn()
         stop.record()

@@ -104,12 +104,37 @@ def _scalar(name: str, value: Any) -> OperandSpec:
     return OperandSpec(name, "scalar", "fp32", float(value))
 
 
+#: Tensor operands resolved before: (name, declared kind, pin kind, shape, stride, dtype, m, n, l)
+#: -> (kind, IR dtype, canonical view's size and stride). What a resolution decides
+#: depends on nothing else, so a repeat replays the view (``as_strided``) instead.
+_RESOLVED: dict[tuple, tuple] = {}
+_RESOLVED_MAX = 4096
+
+
 def operand_spec(name: str, value: Any, m: int, n: int, l: int = 1, declared: str | None = None) -> OperandSpec:
     """Resolve one operand against an ``L x M x N`` problem.
 
     ``declared`` is the kind the epilogue's annotation fixes, if any; a pin
     passed by the user must agree with it.
     """
+    pin = type(value).kind if isinstance(value, Pin) else None
+    tensor = value.value if pin is not None else value
+    if type(tensor) is not torch.Tensor:  # numbers, and tensor subclasses (fake, functional)
+        return _resolve(name, value, m, n, l, declared)
+    sig = (name, declared, pin, tensor.shape, tensor.stride(), tensor.dtype, m, n, l)
+    hit = _RESOLVED.get(sig)
+    if hit is not None:
+        kind, dtype, size, stride = hit
+        return OperandSpec(name, kind, dtype, tensor.as_strided(size, stride))
+    spec = _resolve(name, value, m, n, l, declared)
+    if spec.kind != "scalar":  # a 1-element tensor scalar is read (.item()) per call
+        if len(_RESOLVED) >= _RESOLVED_MAX:
+            _RESOLVED.clear()
+        _RESOLVED[sig] = (spec.kind, spec.dtype, tuple(spec.value.shape), tuple(spec.value.stride()))
+    return spec
+
+
+def _resolve(name: str, value: Any, m: int, n: int, l: int, declared: str | None) -> OperandSpec:
     kind = declared
     if isinstance(value, Pin):
         if declared is not None and value.kind != declared:

@@ -25,6 +25,8 @@ order: tile operands, row vectors, column vectors, aux outputs, workspaces.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import cutlass
@@ -100,37 +102,38 @@ class EpilogueFusion:
                 raise EpilogueError(f"operand {name!r} has dtype {dtype}; the kernel loads {sorted(DSL_DTYPES)}")
 
     # ------------------------------------------------------------ host side
+    # Cached: the fusion is immutable, and the launch path reads these on every call.
     def _dtype(self, name: str) -> str:
         return next(d for n, _, d in self.operands if n == name)
 
     def _kind(self, name: str) -> str:
         return next(k for n, k, _ in self.operands if n == name)
 
-    @property
+    @functools.cached_property
     def tile_inputs(self) -> tuple[str, ...]:
         return self.sched.tile_operands
 
-    @property
+    @functools.cached_property
     def row_inputs(self) -> tuple[str, ...]:
         return tuple(n for n in self.sched.vector_operands if self._kind(n) == "row")
 
-    @property
+    @functools.cached_property
     def col_inputs(self) -> tuple[str, ...]:
         return tuple(n for n in self.sched.vector_operands if self._kind(n) == "col")
 
-    @property
+    @functools.cached_property
     def scalar_inputs(self) -> tuple[str, ...]:
         return self.sched.scalar_operands
 
-    @property
+    @functools.cached_property
     def output_dtypes(self) -> dict[str, str]:
         return dict(self.graph.output_dtypes)
 
-    @property
+    @functools.cached_property
     def aux_outputs(self) -> tuple[str, ...]:
         return tuple(n for n in self.sched.tile_outputs if n != "D")
 
-    @property
+    @functools.cached_property
     def reductions(self) -> tuple[Reduction, ...]:
         outputs = dict(self.graph.outputs)
         result = []
@@ -141,7 +144,7 @@ class EpilogueFusion:
             result.append(Reduction(name, node.id, node.args[0], combine, axis))
         return tuple(result)
 
-    @property
+    @functools.cached_property
     def tensor_args(self) -> tuple[tuple[str, str, str], ...]:
         """(role, name, dtype) of the kernel's tensor arguments, in order."""
         outs = self.output_dtypes

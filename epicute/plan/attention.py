@@ -177,11 +177,18 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
     elif head_dim == 128:
         base = {"tile_m": 128, "tile_n": 128}
         why = "head_dim 128: 128x128 tiles, 2 warpgroups ping-ponging (FA3's choice)"
-    else:
+    elif not causal:
         base = {"tile_m": 128, "tile_n": 80, "pingpong": False, "rescale_o_early": True}
         why = (
             "head_dim 256: 128x80 tiles so two K/V stages fit in smem; no ping-pong (softmax is cheap next to "
             "the GEMMs); O (128 fp32 registers per thread) is rescaled under the QK^T WGMMA"
+        )
+    else:
+        base = {"tile_m": 128, "tile_n": 80, "pingpong": False, "rescale_o_early": False}
+        why = (
+            "head_dim 256, causal: 128x80 tiles, no ping-pong; O is rescaled after PV, as masked diagonal "
+            "blocks leave the QK^T WGMMA too short to hide it (measured 745 vs 720 TFLOPS, "
+            "bench/results/attention_configs.json)"
         )
     base.update(head_dim=head_dim)
     base.update(overrides)

@@ -7,11 +7,15 @@ The choices, in order (measurements behind them: ``bench/results/configs*.json``
 
 0. **schedule**: cooperative 128x256 for a plain GEMM (fastest measured there);
    ping-pong with a fused epilogue, whose math and extra bytes then run under
-   the other warpgroup's mainloop (128x192 tiles measured 4-9% faster fused).
-1. **tile_n**: cooperative from {256, 128, 64}, ping-pong from {192, 128, 64}: the
-   largest that does not waste most of a tile on a narrow N; between the two
-   wide ones the one with the smaller estimated time (wave quantization x
-   per-tile efficiency, see :mod:`epicute.plan.roofline`).
+   the other warpgroup's mainloop (128x192 tiles measured 4-9% faster fused),
+   unless the problem has at most four 128x128 tiles per SM: with so few
+   tiles per warpgroup the overlap does not pay for a lone warpgroup's slower
+   mainloop, and cooperative measured faster.
+1. **tile_n**: cooperative from {256, 128, 64}, ping-pong from {192, 128, 64}:
+   the one with the smallest estimated time (wave quantization x per-tile
+   efficiency, see :mod:`epicute.plan.roofline`). Narrow tiles win where wider
+   ones leave SMs idle: 256x4096x4096 runs 64 tiles of 128x128 but 128 of
+   128x64 (measured 414 vs 330 TFLOPS).
 2. **cluster**: 2x1 (B multicast to two M-neighbours, halving its L2->SM
    traffic) when there are at least two M tiles and at least half a wave of
    tiles (measured: +12-40% on small-M shapes with a long K); otherwise 1x1,
@@ -47,6 +51,8 @@ MAX_AB_STAGES = 8
 MAX_EPI_STAGES = 4
 MIN_EPI_STAGES = 2
 EPI_TILE_N = 32
+#: A fused epilogue gets ping-pong above this many waves of 128x128 tiles (see choose_schedule).
+PINGPONG_MIN_WAVES = 4
 _PLANNED_FIELDS = {
     "tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "persistent", "epi_tile", "schedule",
     "epi_reuses_ab_smem", "raster_along_m", "swizzle", "ab_stages", "num_epi_stages", "num_c_stages",
@@ -61,10 +67,19 @@ def _num_tiles(problem: GemmProblem, tile_m: int, tile_n: int) -> int:
     return _ceil_div(problem.m, tile_m) * _ceil_div(problem.n, tile_n) * problem.l
 
 
-def choose_schedule(epilogue: EpilogueBuffers) -> tuple[str, str]:
-    if epilogue.chain:
-        return "pingpong", "a fused epilogue runs under the other warpgroup's mainloop"
-    return "cooperative", "plain GEMM: two warpgroups on one 128-row tile"
+def choose_schedule(problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers) -> tuple[str, str]:
+    if not epilogue.chain:
+        return "cooperative", "plain GEMM: two warpgroups on one 128-row tile"
+    tiles = _num_tiles(problem, 128, 128)
+    if tiles <= PINGPONG_MIN_WAVES * hw.num_sms:
+        # Measured, gelu/bias/residual (bench/results/configs_epilogue_{one_wave,waves}.json):
+        # cooperative 569 vs ping-pong 525 TFLOPS at 512x4096x4096 (1 wave; ncu: 74% vs 55%
+        # tensor-pipe use), 658 vs 580 at 1024x4096x4096 (2), 732 vs 654 at 1024x8192x8192
+        # (3.9); ping-pong ahead from 1024x14336x4096 (6.8 waves: 654 vs 636).
+        return "cooperative", (
+            f"{tiles} 128x128 tiles are at most {PINGPONG_MIN_WAVES} per SM: too few for ping-pong's overlap to pay"
+        )
+    return "pingpong", "a fused epilogue runs under the other warpgroup's mainloop"
 
 
 def choose_tile_n(
@@ -75,11 +90,12 @@ def choose_tile_n(
     if problem.n <= 128:
         return 128, f"N={problem.n} fits one 128-wide tile"
     wide = 192 if schedule == "pingpong" else 256
-    t_wide = estimate_seconds(problem, hw, 128, wide, epilogue, schedule)
-    t128 = estimate_seconds(problem, hw, 128, 128, epilogue, schedule)
-    if t_wide <= t128:
-        return wide, f"128x{wide} tiles estimated {t_wide * 1e6:.0f} us vs {t128 * 1e6:.0f} us for 128x128"
-    return 128, f"128x128 tiles estimated {t128 * 1e6:.0f} us vs {t_wide * 1e6:.0f} us for 128x{wide} (wave quantization)"
+    # Widest first, so that a tie keeps the tile with the most reuse per byte.
+    times = {width: estimate_seconds(problem, hw, 128, width, epilogue, schedule) for width in (wide, 128, 64)}
+    best = min(times, key=times.__getitem__)
+    others = ", ".join(f"{seconds * 1e6:.0f} us for 128x{width}" for width, seconds in times.items() if width != best)
+    why = {wide: "", 128: " (wave quantization)", 64: " (too few wider tiles to fill the SMs)"}[best]
+    return best, f"128x{best} tiles estimated {times[best] * 1e6:.0f} us vs {others}{why}"
 
 
 def fit_stages(cfg: GemmConfig, problem: GemmProblem, budget: int, epi: EpilogueBuffers = NO_EPILOGUE) -> GemmConfig:
@@ -138,7 +154,7 @@ def choose_config(
         schedule = "cooperative"
         reasons.append("schedule cooperative: one tile per CTA leaves a ping-pong warpgroup idle")
     else:
-        schedule, why = choose_schedule(epilogue)
+        schedule, why = choose_schedule(problem, hw, epilogue)
         reasons.append(f"schedule {schedule}: {why}")
     tile_m = overrides.get("tile_m", 128)
     tile_n = overrides.get("tile_n")

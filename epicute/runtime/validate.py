@@ -6,10 +6,11 @@ row strides, WGMMA supports a fixed set of dtypes, and an output that aliases
 an input would be read while it is being written. Each error names the argument
 and the fix. Nothing is ever copied behind the user's back.
 
-A call whose operands have the shapes, strides, dtypes and devices of one
-validated before skips the rules (their outcome depends on nothing else) except
-the one that can change between such calls: the 16-byte alignment of the data
-pointers. That keeps validation near a microsecond on the hot path.
+A call whose operands (``out`` included) have the shapes, strides, dtypes and
+devices of one validated before skips the rules (their outcome depends on
+nothing else) except those that can change between such calls: the 16-byte
+alignment of the data pointers and whether ``out`` overlaps ``a`` or ``b``.
+That keeps validation near a microsecond on the hot path.
 """
 
 from __future__ import annotations
@@ -102,28 +103,41 @@ def _check_tma_strides(t: torch.Tensor, name: str, contiguous_dim: int, dims: st
     return t
 
 
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _ranges_meet(x0: int, x_span: int, y0: int, y_span: int) -> bool:
+    """Whether byte ranges ``[x0, x0 + x_span)`` and ``[y0, y0 + y_span)`` meet."""
+    return x0 < y0 + y_span and y0 < x0 + x_span
+
+
 def _overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
     if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
         return False
-    x0 = x.data_ptr()
-    x1 = x0 + sum((s - 1) * st for s, st in zip(x.shape, x.stride())) * x.element_size() + x.element_size()
-    y0 = y.data_ptr()
-    y1 = y0 + sum((s - 1) * st for s, st in zip(y.shape, y.stride())) * y.element_size() + y.element_size()
-    return x0 < y1 and y0 < x1
+    return _ranges_meet(x.data_ptr(), _span_bytes(x), y.data_ptr(), _span_bytes(y))
 
 
-#: Operand signatures validated before -> (problem, how to view a and b in 3-D, out_dtype, batched).
+#: Operand signatures validated before -> (problem, how to view a, b and out in 3-D,
+#: out's byte span, out_dtype, batched).
 _VALIDATED: dict[tuple, tuple] = {}
 _VALIDATED_MAX = 4096
 
 
-def _view_recipe(t: torch.Tensor, t3: torch.Tensor) -> tuple | None:
+def _view_recipe(t: torch.Tensor | None, t3: torch.Tensor | None) -> tuple | None:
     """How ``t3`` is obtained from ``t``: None (it is ``t``) or ``(size, stride)`` for ``as_strided``."""
     return None if t3 is t else (tuple(t3.shape), tuple(t3.stride()))
 
 
-def _replay(t: torch.Tensor, recipe: tuple | None) -> torch.Tensor:
+def _replay(t: torch.Tensor | None, recipe: tuple | None) -> torch.Tensor | None:
     return t if recipe is None else t.as_strided(*recipe)
+
+
+def _signature(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 def check_on_one_hopper_gpu(*named: tuple[str, torch.Tensor]) -> None:
@@ -154,18 +168,30 @@ def check_gemm_args(
     """Validate ``a @ b`` (optionally into ``out``) and describe it as a :class:`GemmProblem`."""
     # Only plain tensors take the shortcut: subclasses (fake, functional) may not
     # have real data pointers, and are never on a hot path.
-    if out is None and type(a) is torch.Tensor and type(b) is torch.Tensor:
-        sig = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device, out_dtype, require_cuda)
-        hit = _VALIDATED.get(sig)
-        if hit is not None and not (a.data_ptr() | b.data_ptr()) % TMA_ALIGN_BYTES:
-            problem, a_recipe, b_recipe, d_dtype, batched = hit
-            return GemmCall(problem, _replay(a, a_recipe), _replay(b, b_recipe), None, d_dtype, batched)
-        call = _check_gemm_args(a, b, None, out_dtype, require_cuda)
-        if len(_VALIDATED) >= _VALIDATED_MAX:
-            _VALIDATED.clear()
-        _VALIDATED[sig] = (call.problem, _view_recipe(a, call.a), _view_recipe(b, call.b), call.out_dtype, call.batched)
-        return call
-    return _check_gemm_args(a, b, out, out_dtype, require_cuda)
+    if type(a) is not torch.Tensor or type(b) is not torch.Tensor or not (out is None or type(out) is torch.Tensor):
+        return _check_gemm_args(a, b, out, out_dtype, require_cuda)
+    sig = (_signature(a), _signature(b), _signature(out), out_dtype, require_cuda)
+    hit = _VALIDATED.get(sig)
+    if hit is not None:
+        problem, recipes, (a_span, b_span, out_span), d_dtype, batched = hit
+        pointers = a.data_ptr() | b.data_ptr() | (0 if out is None else out.data_ptr())
+        if not pointers % TMA_ALIGN_BYTES and (
+            # Distinct allocations never share addresses: comparing ranges is exact.
+            out is None
+            or not (
+                _ranges_meet(out.data_ptr(), out_span, a.data_ptr(), a_span)
+                or _ranges_meet(out.data_ptr(), out_span, b.data_ptr(), b_span)
+            )
+        ):
+            a3, b3, out3 = (_replay(t, r) for t, r in zip((a, b, out), recipes))
+            return GemmCall(problem, a3, b3, out3, d_dtype, batched)
+    call = _check_gemm_args(a, b, out, out_dtype, require_cuda)  # raises what the shortcut only suspected
+    if len(_VALIDATED) >= _VALIDATED_MAX:
+        _VALIDATED.clear()
+    recipes = tuple(_view_recipe(t, t3) for t, t3 in ((a, call.a), (b, call.b), (out, call.out)))
+    spans = tuple(0 if t is None else _span_bytes(t) for t in (a, b, out))
+    _VALIDATED[sig] = (call.problem, recipes, spans, call.out_dtype, call.batched)
+    return call
 
 
 def _check_gemm_args(

@@ -46,6 +46,25 @@ def test_kind_and_canonical_view_from_shape(gen, shape):
     assert spec.value.data_ptr() == t.data_ptr(), "canonical operands must be views, not copies"
 
 
+@pytest.mark.parametrize("shape", list(CASES))
+def test_repeat_resolution_views_the_new_tensor(gen, shape):
+    # The second resolution of a same-shaped operand replays the first's view on the new data.
+    kind, meaning = CASES[shape]
+    operand_spec("x", randn(gen, *shape, dtype=torch.bfloat16), M, N, L)
+    t = randn(gen, *shape, dtype=torch.bfloat16)[..., :]  # a view: storage offsets must carry over
+    offset = randn(gen, 3 + t.numel(), dtype=torch.bfloat16)[3:].view(t.shape)
+    for value in (t, offset):
+        spec = operand_spec("x", value, M, N, L)
+        assert spec.kind == kind and spec.value.data_ptr() == value.data_ptr()
+        assert torch.equal(broadcast(spec.value, kind), meaning(value).expand(L, M, N))
+
+
+def test_repeat_resolution_still_checks_a_pin_against_the_shape(gen):
+    operand_spec("x", RowVector(randn(gen, N)), M, N, L)
+    with pytest.raises(EpilogueError, match="ambiguous|must be"):
+        operand_spec("x", ColVector(randn(gen, N)), M, N, L)
+
+
 @pytest.mark.parametrize(
     "value", [0.5, 2, torch.tensor(0.5), torch.tensor([0.5]), torch.tensor([[0.5]], dtype=torch.bfloat16)]
 )

@@ -205,3 +205,40 @@ def test_size_one_m_with_unit_stride_is_normalized():
     call = check(a, rand(K, N))
     assert call.problem.m == 1 and call.problem.a_major == "k"
     assert call.a.stride(1) % 8 == 0 and call.a.stride(2) == 1
+
+
+# --- repeated signatures (the hot path) ----------------------------------------
+# A call shaped like one validated before skips the shape rules, but the rules
+# that depend on the data pointers still hold on every call.
+
+
+def test_repeat_with_out_matches_the_full_check():
+    a, b, out = rand(2, M, K), rand(2, N, K).transpose(-1, -2), rand(2, M, N)
+    first = check(a, b, out=out)
+    a2, b2, out2 = rand(2, M, K), rand(2, N, K).transpose(-1, -2), rand(2, M, N)
+    again = check(a2, b2, out=out2)
+    assert again.problem == first.problem and again.batched
+    for got, want in ((again.a, a2), (again.b, b2), (again.out, out2)):
+        assert got.data_ptr() == want.data_ptr() and torch.equal(got, want)
+
+
+def test_repeat_catches_out_aliasing_a():
+    a = rand(2 * M, M)  # out=a[:M] below has a's shape (M, K=M) only when K == N
+    check(rand(M, M), rand(M, M), out=rand(M, M))
+    with pytest.raises(OutputError, match=r"out shares memory with a"):
+        check(a[M:], rand(M, M), out=a[: M + 1][1:])
+
+
+def test_repeat_catches_out_overlapping_b():
+    b = rand(3 * K, N)
+    check(rand(M, K), rand(K, N), out=rand(M, N).reshape(M, N))
+    check(rand(M, K), b[:K], out=b[2 * K : 2 * K + M])  # same signature, disjoint: fine
+    with pytest.raises(OutputError, match=r"out shares memory with b"):
+        check(rand(M, K), b[K : 2 * K], out=b[2 * K - 1 : 2 * K - 1 + M])
+
+
+def test_repeat_catches_a_misaligned_pointer():
+    storage = rand(M * K + 8)
+    check(storage[:-8].view(M, K), rand(K, N))
+    with pytest.raises(AlignmentError, match=r"a.data_ptr\(\) is 2 bytes past a 16-byte boundary"):
+        check(storage[1:-7].view(M, K), rand(K, N))
