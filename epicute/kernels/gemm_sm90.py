@@ -227,6 +227,22 @@ class GemmSm90:
             clusters_m, clusters_n, num_batches, self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
         )
 
+    def _output_tiles(self, tensor: cute.Tensor) -> cute.Tensor:
+        """``tensor`` (L, M, N) viewed as (tile_m, tile_n, tiles_m, tiles_n, L)."""
+        return cute.local_tile(tensor, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
+
+    def _subtile_partition(self, atom, smem_staged: cute.Tensor, tiles: cute.Tensor, tm, tn, tl):
+        """TMA (smem, gmem) partitions of output tile (tm, tn, tl) in ``epi_tile`` subtiles:
+        a smem stage and a gmem subtile are both one TMA box."""
+        return cute.nvgpu.cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(smem_staged, 0, 2),
+            cute.zipped_divide(tiles[(None, None, tm, tn, tl)], self.cfg.epi_tile),
+        )  # fmt: skip
+
+    def _slots_per_thread(self, length: int) -> int:
+        """How many positions of a ``length``-long tile vector each MMA thread handles."""
+        return -(-length // self.cfg.tile_threads)
+
     def _skip_tiles(self, tiles, k_tiles, read_state, release_state, c_state):
         """Step a consumer's ring positions over ``tiles`` tiles of other teams."""
         read_state.advance(tiles * k_tiles)
@@ -331,7 +347,7 @@ class GemmSm90:
         # Global tiles: (bM, bK, RestM, RestK, L) etc.
         gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
         gB = cute.local_tile(mB, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None))
-        gD = cute.local_tile(mD, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
+        gD = self._output_tiles(mD)
         k_tiles = cute.size(gA, mode=[3])
 
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
@@ -391,12 +407,10 @@ class GemmSm90:
                     work = scheduler.first()
                     while scheduler.is_valid(work):
                         tm, tn, tl = scheduler.tile_coord(work)
-                        partitions = []
-                        for (atom, mC), sC_i in zip(epi_loads, sC):
-                            gC = cute.local_tile(mC, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
-                            partitions.append(cute.nvgpu.cpasync.tma_partition(
-                                atom, 0, cute.make_layout(1), cute.group_modes(sC_i, 0, 2),
-                                cute.zipped_divide(gC[(None, None, tm, tn, tl)], cfg.epi_tile)))  # fmt: skip
+                        partitions = [
+                            self._subtile_partition(atom, sC_i, self._output_tiles(mC), tm, tn, tl)
+                            for (atom, mC), sC_i in zip(epi_loads, sC)
+                        ]
                         for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
                             c_pipeline.producer_acquire(fill_state)
                             barrier = c_pipeline.producer_get_barrier(fill_state)
@@ -502,7 +516,7 @@ class GemmSm90:
                     for i, t in enumerate(epi_vectors):
                         axis = 1 if i < len(fusion.row_inputs) else 0
                         length = cfg.tile_n if axis == 1 else cfg.tile_m
-                        for j in cutlass.range_constexpr(-(-length // cfg.tile_threads)):
+                        for j in cutlass.range_constexpr(self._slots_per_thread(length)):
                             pos = cutlass.min(mma_tidx + j * cfg.tile_threads, length - 1)
                             idx = cutlass.min(origin_mn[axis] + pos, extent_mn[axis] - 1)
                             vector_prefetch.append(t[(tl, idx)].to(Float32))
@@ -536,27 +550,22 @@ class GemmSm90:
                 if cutlass.const_expr(cfg.epi_reuses_ab_smem):
                     # The other warpgroup may still be reading the A ring.
                     store.sync()
-                gD_subtiles = cute.zipped_divide(gD[(None, None, tm, tn, tl)], cfg.epi_tile)
-                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                    tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_subtiles
-                )
+                bSG_sD, bSG_gD = self._subtile_partition(tma_d, sD, gD, tm, tn, tl)
                 if cutlass.const_expr(fusion is not None):
                     if cutlass.const_expr(len(sVec) > 0):
                         # Park the vector slices; every reader of the previous tile's
                         # slices passed that tile's last store barrier already.
                         values = iter(vector_prefetch)
                         for vec_smem in sVec:
-                            for j in cutlass.range_constexpr(-(-cute.size(vec_smem) // cfg.tile_threads)):
+                            for j in cutlass.range_constexpr(self._slots_per_thread(cute.size(vec_smem))):
                                 pos = mma_tidx + j * cfg.tile_threads
                                 emit.store_if(pos < cute.size(vec_smem), vec_smem, pos, next(values))
                         store.sync()
                     tile_epi = emit.TileEpilogue(fusion, tRS_cT, tRS_cT0, sVec, epi_scalars, origin_mn, extent_mn)
-                    aux_partitions = []
-                    for (aux_tma, mAux), sAux_i in zip(epi_stores, sAux):
-                        gAux = cute.local_tile(mAux, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
-                        aux_partitions.append(cute.nvgpu.cpasync.tma_partition(
-                            aux_tma, 0, cute.make_layout(1), cute.group_modes(sAux_i, 0, 2),
-                            cute.zipped_divide(gAux[(None, None, tm, tn, tl)], cfg.epi_tile)))  # fmt: skip
+                    aux_partitions = [
+                        self._subtile_partition(aux_tma, sAux_i, self._output_tiles(mAux), tm, tn, tl)
+                        for (aux_tma, mAux), sAux_i in zip(epi_stores, sAux)
+                    ]
                 for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
                     for v in cutlass.range_constexpr(subtile_size):
                         tRS_rD[v] = tRS_rAcc[epi_idx * subtile_size + v]
