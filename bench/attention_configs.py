@@ -24,10 +24,10 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "attention_configs.j
 CANDIDATES: dict[tuple[int, int, int, int], dict[str, dict]] = {
     (64, 4096, 8, 8): {
         "planner": {},
-        "stages3": {"stages": 3},
-        "n192": {"tile_n": 192},
-        "n160": {"tile_n": 160},
-        "no_pingpong": {"pingpong": False},
+        "m128": {"tile_m": 128},
+        "m192_n112": {"tile_n": 112},
+        "m192_n144": {"tile_n": 144},
+        "m192_stages3": {"stages": 3},
     },
     (128, 8192, 4, 16): {
         "planner": {},

@@ -9,6 +9,13 @@ Attention: :func:`attention` (FlashAttention-3 style forward) with traced
 ``score_mod`` and ``epilogue`` hooks, and :func:`explain_attention`.
 """
 
+import os
+
+# The DSL reads its target architecture when ``cutlass`` is first imported; on a
+# machine without a GPU it would assume a newer one than we compile for. Every
+# epicute module imports ``cutlass`` (lazily) after this line has run.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
 from epicute.api import explain, gemm, tune
 from epicute.attention_api import attention, explain_attention
 from epicute.epilogue import library as epilogues

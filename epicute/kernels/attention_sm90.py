@@ -1,7 +1,8 @@
 """FlashAttention-3 style attention forward for SM90, built from the GEMM's parts.
 
 ``O = softmax(Q K^T * scale) V`` per (batch, head); one CTA per ``tile_m`` query
-rows of one (batch, head). Warp roles (as in the GEMM: producer warpgroup 0,
+rows of one (batch, head). Causal launches start the longest query blocks first,
+a band of heads at a time sized so their K and V share L2 (:meth:`_work_coord`). Warp roles (as in the GEMM: producer warpgroup 0,
 consumers after it):
 
 - producer (warp 0): TMA loads of Q -- once, bundled with the first K tile on
@@ -49,8 +50,10 @@ from epicute.epilogue.graph import Graph
 from epicute.epilogue.hashing import semantic_hash
 from epicute.errors import EpilogueError
 from epicute.kernels.epilogue_emit import DSL_DTYPES, _emit_op
+from epicute.kernels.fragments import pack_16bit
 from epicute.kernels.pipeline import NamedBarriers, TmaStoreEpilogue, WarpgroupTurns, make_tma_load_pipeline
-from epicute.plan.attention import WGMMA_M, AttentionConfig
+from epicute.kernels.tile_scheduler import band_coord
+from epicute.plan.attention import LPT_L2_BUDGET_BYTES, WGMMA_M, AttentionConfig
 from epicute.plan.config import THREADS_PER_WARPGROUP
 
 LOG2_E = math.log2(math.e)
@@ -176,6 +179,8 @@ class AttentionSm90:
         self.load_warp = 0
         # First warp of the first consumer warpgroup issues the O store.
         self.store_warp = THREADS_PER_WARPGROUP // 32
+        #: Longest-processing-time-first order (causal only: otherwise every query block is as long).
+        self.lpt = causal and cfg.lpt_order
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -235,12 +240,20 @@ class AttentionSm90:
             # score_mod sees scaled scores, so the scale is applied before it and exp2 only changes base.
             scale_log2 = Float32(LOG2_E)
 
+        heads, batches = cute.size(mQ, mode=[2]), cute.size(mQ, mode=[3])
+        grid = (m_blocks, heads, batches)
+        if cutlass.const_expr(self.lpt):
+            grid = (m_blocks * heads * batches, 1, 1)  # walked longest-first: see _work_coord
+        # plan.attention.lpt_heads_per_band on the runtime seqlen_k.
+        kv_bytes_per_key = 2 * d * self.dtype.width // 8
+        heads_per_band = cutlass.max((LPT_L2_BUDGET_BYTES // kv_bytes_per_key) // cute.size(mK, mode=[0]), 1)
+
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO, mLSE,
-            sQ_layout, sK_layout, sV_layout, group, softmax_scale, scale_log2,
+            sQ_layout, sK_layout, sV_layout, group, heads_per_band, softmax_scale, scale_log2,
             score_tensors, score_scalars, epi_tensors, epi_scalars,
         ).launch(
-            grid=(m_blocks, cute.size(mQ, mode=[2]), cute.size(mQ, mode=[3])),
+            grid=grid,
             block=[cfg.num_threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
@@ -265,6 +278,7 @@ class AttentionSm90:
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         group: Int32,
+        heads_per_band: Int32,
         softmax_scale: Float32,
         scale_log2: Float32,
         score_tensors: tuple,
@@ -291,13 +305,9 @@ class AttentionSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         cute.arch.sync_threads()
 
-        bx, head, batch = cute.arch.block_idx()
         seqlen_q = cute.size(mQ, mode=[0])
         seqlen_k = cute.size(mK, mode=[0])
-        m_block = bx
-        if cutlass.const_expr(self.causal and cfg.lpt_order):
-            # The last query rows see the most keys: launch them first.
-            m_block = cute.ceil_div(seqlen_q, cfg.tile_m) - 1 - bx
+        m_block, head, batch = self._work_coord(seqlen_q, cute.size(mQ, mode=[2]), heads_per_band)
         n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
 
         if warpgroup_idx == 0:
@@ -315,6 +325,24 @@ class AttentionSm90:
                 score_tensors, score_scalars, epi_tensors, epi_scalars, tidx - THREADS_PER_WARPGROUP,
                 warp_idx == self.store_warp,
             )  # fmt: skip
+
+    @cute.jit
+    def _work_coord(self, seqlen_q, heads, heads_per_band):
+        """(m_block, head, batch) of this CTA.
+
+        Without LPT the grid is (m-blocks, heads, batch) as is. With LPT it is linear, walked as
+        an (m-block, batch x head) raster in bands of ``heads_per_band`` heads with m-blocks
+        descending: every band's longest blocks start first and the short ones fill the tail,
+        while the CTAs in flight share the K and V of a few heads in L2.
+        """
+        bx, by, bz = cute.arch.block_idx()
+        m_block, head, batch = Int32(bx), Int32(by), Int32(bz)
+        if cutlass.const_expr(self.lpt):
+            m_blocks = cute.ceil_div(seqlen_q, self.cfg.tile_m)
+            head_batches = Int32(cute.arch.grid_dim()[0]) // m_blocks
+            longest_first, bh = band_coord(Int32(bx), m_blocks, head_batches, heads_per_band)
+            m_block, head, batch = m_blocks - 1 - longest_first, bh % heads, bh // heads
+        return m_block, head, batch
 
     def _n_blocks(self, m_block, seqlen_q, seqlen_k):
         """Key blocks this query tile reads: all of them, or (causal) up to the last row's diagonal.
@@ -490,7 +518,7 @@ class AttentionSm90:
         self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
                      True, self.causal)  # fmt: skip
         self._online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, True)
-        tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+        pack_16bit(_acc_as_operand_a(acc_S), tOrP)
 
         # ---- blocks crossing the causal diagonal, then blocks fully below it.
         n_masked = 0
@@ -503,7 +531,10 @@ class AttentionSm90:
             read.advance()
             k_pipe.consumer_wait(read)
             mma_turns.wait(wg)
-            self._wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
+            # A fresh accumulator per block: with accumulate off, its old values are dead and
+            # need not stay in registers (as WGMMA inputs) until the QK^T is issued.
+            acc_S_n = cute.make_rmem_tensor(acc_S.layout, Float32)
+            self._wgmma(tiled_mma_qk, acc_S_n, tSrQ, tSrK[None, None, None, read.index], False, -1)
             if cutlass.const_expr(cfg.rescale_o_early):
                 # The previous softmax's scale, applied while QK^T runs (the last PV has retired).
                 self._rescale(acc_O, row_scale)
@@ -514,15 +545,15 @@ class AttentionSm90:
             warpgroup.wait_group(1)  # S is ready; PV still runs under the softmax
             k_pipe.consumer_release(read)
             if i < n_masked:
-                self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+                self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
                              False, True)  # fmt: skip
             else:
-                self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+                self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
                              False, False)  # fmt: skip
-            self._online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, False)
+            self._online_softmax(acc_S_n, row_max, row_sum, row_scale, scale_log2, False)
             warpgroup.wait_group(0)
             v_pipe.consumer_release(read_v)
-            tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+            pack_16bit(_acc_as_operand_a(acc_S_n), tOrP)
             if cutlass.const_expr(not cfg.rescale_o_early):
                 self._rescale(acc_O, row_scale)
         # ---- the last PV.
@@ -567,7 +598,7 @@ class AttentionSm90:
             self._apply_epilogue(acc_O, cO, m_block, head, batch, seqlen_q, epi_tensors, epi_scalars)
 
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
+        pack_16bit(acc_O, rO)
         tiled_copy_r2s = cute.make_tiled_copy_C(
             sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32), tiled_mma_pv
         )

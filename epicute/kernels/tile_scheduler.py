@@ -11,6 +11,9 @@ compact block of the output and share A and B panels in L2.
 The producer warp and the consumer warpgroups each own a scheduler instance; as
 the schedule is static, they visit the same tiles in the same order without
 talking to each other.
+
+:func:`band_coord` is the band walk on its own; the attention kernel orders its
+causal work with it too (longest query blocks first, a band of heads at a time).
 """
 
 from __future__ import annotations
@@ -19,6 +22,20 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
+
+
+def band_coord(linear, major, minor, group):
+    """``(major_idx, minor_idx)`` of the ``linear``-th cell of a ``major x minor`` grid walked in
+    bands of ``group`` minor indices: across a band's width first, then down the major axis,
+    band after band (the last band may be narrower). Cells that run at the same moment share
+    their band's few minor indices, so whatever those index stays hot in L2."""
+    band_size = group * major
+    band = linear // band_size
+    first_minor = band * group
+    width = cutlass.min(group, minor - first_minor)
+    within = linear - band * band_size
+    major_idx = within // width
+    return major_idx, first_minor + within - major_idx * width
 
 
 class TileScheduler:
@@ -76,14 +93,7 @@ class TileScheduler:
             major, minor = self.clusters_m, self.clusters_n
         else:
             major, minor = self.clusters_n, self.clusters_m
-        # Bands of `group` minor-axis clusters; the last band may be narrower.
-        band_size = self.group * major
-        band = r // band_size
-        first_minor = band * self.group
-        width = cutlass.min(Int32(self.group), minor - first_minor)
-        within = r - band * band_size
-        major_idx = within // width
-        minor_idx = first_minor + within - major_idx * width
+        major_idx, minor_idx = band_coord(r, major, minor, Int32(self.group))
         if cutlass.const_expr(self.raster_along_m):
             cm, cn = major_idx, minor_idx
         else:

@@ -27,6 +27,12 @@ HEAD_DIMS = (64, 128, 256)
 WGMMA_M = 64
 #: Rows a single warp holds in a WGMMA accumulator (4 warps x 16 = 64).
 ROWS_PER_WARP = 16
+#: K and V bytes the CTAs in flight share in L2 under causal LPT ordering: FlashAttention-3's
+#: figure, two thirds of H100's 50 MiB, the rest left to Q, O and the band edges.
+LPT_L2_BUDGET_BYTES = 32 * 1024 * 1024
+#: setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the
+#: producer only issues TMA; the consumers take the rest of the 64K register file.
+REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,8 @@ class AttentionConfig(WarpRoles):
     rescale_o_early: bool = False
     #: WGMMA atoms along (M, N) of the QK^T tiled MMA; N must be 1 (whole rows per warp).
     mma_atoms_mn: tuple[int, int] = (2, 1)
-    #: Causal grid walks m-blocks longest-first (the last query rows see the most keys).
+    #: Causal launches walk the m-blocks longest-first (the last query rows see the most keys),
+    #: over every head of an L2-sized band (see :func:`lpt_heads_per_band`).
     lpt_order: bool = True
     producer_regs: int = 24
     consumer_regs: int = 240
@@ -169,10 +176,11 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
     if head_dim not in HEAD_DIMS:
         raise ConfigError(f"head_dim={head_dim}: supported are {HEAD_DIMS}")
     if head_dim == 64:
-        base = {"tile_m": 128, "tile_n": 128}
+        base = {"tile_m": 192, "tile_n": 128}
         why = (
-            "head_dim 64: 128x128 tiles, 2 warpgroups ping-ponging (3 warpgroups x 64 rows at 160 registers "
-            "measured 154 TFLOPS on H100: register-starved)"
+            "head_dim 64: 192x128 tiles, 3 warpgroups taking turns at the tensor cores: d64's short WGMMAs "
+            "need a third warpgroup's softmax to hide behind (3 x 128 threads x 160 registers + 128 x 32 "
+            "fills the 64K register file)"
         )
     elif head_dim == 128:
         base = {"tile_m": 128, "tile_n": 128}
@@ -192,11 +200,23 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
         )
     base.update(head_dim=head_dim)
     base.update(overrides)
-    if "tile_m" in overrides and "mma_atoms_mn" not in overrides:
-        base["mma_atoms_mn"] = (base["tile_m"] // WGMMA_M, 1)
+    warpgroups = base["tile_m"] // WGMMA_M
+    base.setdefault("mma_atoms_mn", (warpgroups, 1))
+    producer_regs, consumer_regs = REGISTER_SPLIT.get(warpgroups, REGISTER_SPLIT[2])
+    base.setdefault("producer_regs", producer_regs)
+    base.setdefault("consumer_regs", consumer_regs)
     return AttentionConfig(
-        **base, reasons=(why,) + (("causal: m-blocks are launched longest-first",) if causal else ())
+        **base,
+        reasons=(why,) + (("causal: one linear grid, longest query blocks first, a band of L2-sized heads at a time",)
+                          if causal and base.get("lpt_order", True) else ()),
     )
+
+
+def lpt_heads_per_band(head_dim: int, seqlen_k: int, esize: int = 2):
+    """Heads whose K and V (``seqlen_k x head_dim`` each) fit :data:`LPT_L2_BUDGET_BYTES`, at least one.
+
+    Plain integer arithmetic: the kernel evaluates the same expression on its runtime sizes."""
+    return max((LPT_L2_BUDGET_BYTES // (2 * head_dim * esize)) // seqlen_k, 1)
 
 
 def attention_smem_table(cfg: AttentionConfig, dtype: str = "bf16") -> list[SmemItem]:
@@ -230,8 +250,15 @@ class AttentionPlan:
         return -(-self.problem.seqlen_q // self.config.tile_m)
 
     @property
+    def lpt(self) -> bool:
+        """Causal work order: longest query blocks first over a linear grid."""
+        return self.problem.causal and self.config.lpt_order
+
+    @property
     def grid(self) -> tuple[int, int, int]:
         p = self.problem
+        if self.lpt:
+            return (self.m_blocks * p.heads_q * p.batch, 1, 1)
         return (self.m_blocks, p.heads_q, p.batch)
 
 
@@ -255,7 +282,12 @@ def render_attention_plan(plan: AttentionPlan) -> str:
         "",
         "tiles",
         f"  CTA tile        {c.tile_m} query rows x {c.tile_n} keys, head_dim {c.head_dim}",
-        f"  grid            {plan.grid} (m-blocks, heads, batch) x {c.num_threads} threads",
+        f"  grid            {plan.grid} x {c.num_threads} threads: "
+        + (
+            f"m-blocks x heads x batch walked longest-first in bands of "
+            f"{lpt_heads_per_band(p.head_dim, p.seqlen_k, DTYPE_BYTES[p.dtype])} heads (K+V fit L2)"
+            if plan.lpt else "(m-blocks, heads, batch)"
+        ),
         "",
         "warp roles",
         "  warpgroup 0     producer: warp 0 issues TMA loads of Q (with the first K), K and V   setmaxnreg "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from epicute.errors import ConfigError
@@ -10,6 +12,7 @@ from epicute.plan.attention import (
     AttentionProblem,
     attention_smem_total,
     default_config,
+    lpt_heads_per_band,
     plan_attention,
     render_attention_plan,
     row_ownership,
@@ -53,7 +56,30 @@ def test_config_errors():
 def test_plan_and_render():
     problem = AttentionProblem(batch=2, seqlen_q=1000, seqlen_k=4097, heads_q=8, heads_kv=1, head_dim=256, causal=True)
     plan = plan_attention(problem, H100_SXM)
-    assert plan.grid == (8, 8, 2)
+    assert plan.grid == (8 * 8 * 2, 1, 1)  # causal: one linear grid walked longest-first
     text = render_attention_plan(plan)
     assert "GQA 8:1" in text and "rows 0-15, all 80 columns" in text and "total" in text
+    # 32 MiB of K+V at 4097 keys x 256 x 2 B x 2 tensors: 7 heads per band.
+    assert lpt_heads_per_band(256, 4097) == 7 and "bands of 7 heads" in text
+    assert plan_attention(problem, H100_SXM, lpt_order=False).grid == (8, 8, 2)
+    assert plan_attention(replace(problem, causal=False), H100_SXM).grid == (8, 8, 2)
     assert problem.flops == 4 * 2 * 8 * 1000 * 4097 * 256 // 2
+
+
+def test_register_split_follows_the_warpgroup_count():
+    # d64 runs three consumer warpgroups (192 rows): 3 x 160 + 32 registers per thread slot fill an SM.
+    cfg = default_config(64, False)
+    assert (cfg.tile_m, cfg.num_mma_warpgroups, cfg.producer_regs, cfg.consumer_regs) == (192, 3, 32, 160)
+    # Pinning two warpgroups brings their own budget unless the budget is pinned too.
+    two = default_config(64, False, tile_m=128)
+    assert (two.mma_atoms_mn, two.producer_regs, two.consumer_regs) == ((2, 1), 24, 240)
+    assert default_config(64, False, tile_m=128, consumer_regs=200).consumer_regs == 200
+    for cfg in (default_config(d, causal) for d in (64, 128, 256) for causal in (False, True)):
+        cfg.validate_registers()
+    with pytest.raises(ConfigError, match="an SM has 65536"):
+        default_config(64, False, consumer_regs=176).validate(H100_SXM)
+
+
+def test_lpt_heads_per_band_is_at_least_one():
+    assert lpt_heads_per_band(128, 10**7) == 1
+    assert lpt_heads_per_band(64, 1) == 32 * 1024 * 1024 // 256
