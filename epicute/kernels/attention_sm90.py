@@ -2,8 +2,8 @@
 
 ``O = softmax(Q K^T * scale) V`` per (batch, head); one CTA per ``tile_m`` query
 rows of one (batch, head). Causal launches start the longest query blocks first,
-a band of heads at a time sized so their K and V share L2 (:meth:`_work_coord`). Warp roles (as in the GEMM: producer warpgroup 0,
-consumers after it):
+a band of heads at a time sized so their K and V share L2 (:meth:`_work_coord`).
+Warp roles (as in the GEMM: producer warpgroup 0, consumers after it):
 
 - producer (warp 0): TMA loads of Q -- once, bundled with the first K tile on
   that stage's full barrier through extra transaction bytes -- then K and V
@@ -50,8 +50,14 @@ from epicute.epilogue.graph import Graph
 from epicute.epilogue.hashing import semantic_hash
 from epicute.errors import EpilogueError
 from epicute.kernels.epilogue_emit import DSL_DTYPES, _emit_op
-from epicute.kernels.fragments import pack_16bit
-from epicute.kernels.pipeline import NamedBarriers, TmaStoreEpilogue, WarpgroupTurns, make_tma_load_pipeline
+from epicute.kernels.fragments import pack_16bit, warpgroup_slice
+from epicute.kernels.pipeline import (
+    NamedBarriers,
+    TmaStoreEpilogue,
+    WarpgroupTurns,
+    make_tma_load_pipeline,
+    release_after,
+)
 from epicute.kernels.tile_scheduler import band_coord
 from epicute.plan.attention import LPT_L2_BUDGET_BYTES, WGMMA_M, AttentionConfig
 from epicute.plan.config import THREADS_PER_WARPGROUP
@@ -445,9 +451,9 @@ class AttentionSm90:
         for r in cutlass.range_constexpr(cute.size(row_max)):
             s_row = S[r, None].load()
             init = -Float32.inf if cutlass.const_expr(is_first) else row_max[r]
-            m = s_row.reduce(cute.ReductionOp.MAX, init, 0)
             # The 4 lanes of a quad hold the rest of the row (whole rows per warp: see plan.attention).
-            m = cute.arch.warp_reduction_max(m, threads_in_group=4)
+            # Float32(): the shuffle reduction uses fmax only for Float32, else a compare/select pair.
+            m = cute.arch.warp_reduction_max(Float32(s_row.reduce(cute.ReductionOp.MAX, init, 0)), threads_in_group=4)
             m_prev = row_max[r]
             row_max[r] = m
             # A row that saw only masked scores keeps max -inf; exp2 must see 0 there, not NaN.
@@ -482,9 +488,11 @@ class AttentionSm90:
         thr_pv = tiled_mma_pv.get_slice(mma_tidx)
         # V^T view (head_dim, tile_n, stages) for PV's B operand.
         sVt = cute.composition(sV, cute.make_ordered_layout((d, cfg.tile_n, cfg.stages), order=(1, 0, 2)))
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        # Shared-memory operands: see warpgroup_slice.
+        wg_qk = warpgroup_slice(tiled_mma_qk, wg)
+        tSrQ = tiled_mma_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = tiled_mma_pv.make_fragment_B(warpgroup_slice(tiled_mma_pv, wg).partition_B(sVt))
         tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
         acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, d)), Float32)
@@ -543,7 +551,8 @@ class AttentionSm90:
             self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read_v.index], i > 0, -1)
             mma_turns.pass_on(wg)
             warpgroup.wait_group(1)  # S is ready; PV still runs under the softmax
-            k_pipe.consumer_release(read)
+            if cutlass.const_expr(not cfg.release_k_late):
+                k_pipe.consumer_release(read)
             if i < n_masked:
                 self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
                              False, True)  # fmt: skip
@@ -551,6 +560,10 @@ class AttentionSm90:
                 self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
                              False, False)  # fmt: skip
             self._online_softmax(acc_S_n, row_max, row_sum, row_scale, scale_log2, False)
+            if cutlass.const_expr(cfg.release_k_late):
+                # K's stage is free since S landed; released after the softmax (whose last row sum
+                # it waits for) so the PV wait below stays after the softmax too: see release_after.
+                release_after(k_pipe, read, row_sum[cute.size(row_sum) - 1])
             warpgroup.wait_group(0)
             v_pipe.consumer_release(read_v)
             pack_16bit(_acc_as_operand_a(acc_S_n), tOrP)

@@ -1,5 +1,12 @@
 """Register-fragment helpers shared by the SM90 kernels.
 
+:func:`warpgroup_slice` slices a tiled WGMMA for partitioning shared-memory
+operands: a WGMMA operand descriptor is the same for all 128 threads of a
+warpgroup, so slicing by a warp-uniform warpgroup index (not the thread index)
+lets the compiler keep descriptors in uniform registers. Sliced per thread,
+they are computed in ordinary registers -- which the kernel then carries
+through its mainloop -- and moved to uniform registers before every WGMMA.
+
 :func:`pack_16bit` converts an fp32 fragment (a WGMMA accumulator) to bf16 or
 fp16 two elements per instruction (``cvt.rn.bf16x2.f32``), so each pair is born
 in the 32-bit register that WGMMA's A operand and ``stmatrix`` read. The generic
@@ -16,6 +23,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from epicute.plan.config import THREADS_PER_WARPGROUP
 
 _PACK_INSTR = {BFloat16: "cvt.rn.bf16x2.f32", Float16: "cvt.rn.f16x2.f32"}
 
@@ -44,3 +53,10 @@ def pack_16bit(src: cute.Tensor, dst: cute.Tensor):
     words = cute.recast_tensor(dst, Int32)
     for i in cutlass.range_constexpr(cute.size(words)):
         words[i] = _pack_pair(src[2 * i], src[2 * i + 1], instr)
+
+
+def warpgroup_slice(tiled_mma, warpgroup):
+    """The slice of ``tiled_mma`` for the first thread of (warp-uniform) ``warpgroup``:
+    partition shared-memory A/B operands with it; accumulators still come from a
+    per-thread slice."""
+    return tiled_mma.get_slice(warpgroup * THREADS_PER_WARPGROUP)

@@ -45,6 +45,7 @@ from cutlass.utils import LayoutEnum
 
 from epicute.kernels import epilogue_emit as emit
 from epicute.kernels.epilogue_emit import DSL_DTYPES, EpilogueFusion
+from epicute.kernels.fragments import warpgroup_slice
 from epicute.kernels.pipeline import (
     NamedBarriers,
     TmaStoreEpilogue,
@@ -428,8 +429,10 @@ class GemmSm90:
             team = cute.arch.make_warp_uniform((tidx - THREADS_PER_WARPGROUP) // cfg.tile_threads)
             mma_tidx = (tidx - THREADS_PER_WARPGROUP) % cfg.tile_threads
             thr_mma = tiled_mma.get_slice(mma_tidx)
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            # Shared-memory operands: see warpgroup_slice.
+            wg_mma = warpgroup_slice(tiled_mma, cute.arch.make_warp_uniform(mma_tidx // THREADS_PER_WARPGROUP))
+            tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
             acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_shape_mnk, (None, None, 0)))
             acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
             k_blocks = cute.size(tCrA, mode=[2])

@@ -12,6 +12,8 @@
 - :class:`WarpgroupTurns`: ping-pong turn-taking between consumer warpgroups
   (seed 002), used by attention for its GEMMs and by the ping-pong GEMM for
   its mainloops and its epilogues.
+- :func:`release_after`: a ring release pinned after a value is computed, so
+  ptxas cannot hoist it (and a WGMMA wait behind it) above that computation.
 """
 
 from __future__ import annotations
@@ -179,6 +181,22 @@ def make_local_tma_load_pipeline(barrier_storage, num_stages: int, tx_bytes: int
     )
     lane = cute.arch.lane_idx()
     return dataclasses.replace(ring, is_signaling_thread=lane == 0)
+
+
+@cute.jit
+def release_after(ring: pipeline.PipelineTmaAsync, state, anchor):
+    """``ring.consumer_release(state)``, issued only once ``anchor`` (an fp32 value) is computed.
+
+    ptxas moves an mbarrier arrive up to where its operands are ready and keeps a later
+    ``wgmma.wait_group`` below the arrives before it; a release written after a stretch
+    of register math can thus drag the wait for an in-flight WGMMA up above that math and
+    serialize what was meant to overlap. Predicating the arrive on ``not anchor < 0`` --
+    true for any value the caller passes that is never negative, NaN included -- makes it
+    depend on ``anchor`` without changing what it does.
+    """
+    if ring.is_signaling_thread:
+        if not anchor < cutlass.Float32(0.0):
+            ring.sync_object_empty.arrive(state.index, ring.consumer_mask)
 
 
 def stage_of(count, num_stages: int):

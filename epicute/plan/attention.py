@@ -68,6 +68,11 @@ class AttentionConfig(WarpRoles):
     #: Rescale O for block j while the QK^T WGMMA of block j+1 runs, instead of after PV
     #: retires (pays off when O is large: head_dim > 128).
     rescale_o_early: bool = False
+    #: Release each K stage after the block's softmax rather than as soon as S lands. ptxas keeps
+    #: the wait for the in-flight PV WGMMA below the last ring release, so the early release lets
+    #: that wait (and the end of the overlap) rise above the softmax; the late one keeps the
+    #: softmax under the PV but gives the producer less time to refill the stage.
+    release_k_late: bool = True
     #: WGMMA atoms along (M, N) of the QK^T tiled MMA; N must be 1 (whole rows per warp).
     mma_atoms_mn: tuple[int, int] = (2, 1)
     #: Causal launches walk the m-blocks longest-first (the last query rows see the most keys),
@@ -84,7 +89,7 @@ class AttentionConfig(WarpRoles):
     def key(self) -> tuple:
         return (
             self.head_dim, self.tile_m, self.tile_n, self.stages, self.pingpong, self.rescale_o_early,
-            self.mma_atoms_mn, self.lpt_order, self.producer_regs, self.consumer_regs,
+            self.release_k_late, self.mma_atoms_mn, self.lpt_order, self.producer_regs, self.consumer_regs,
         )  # fmt: skip
 
     def validate(self, hardware: Hardware | None = None, dtype: str = "bf16") -> None:
@@ -186,10 +191,11 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
         base = {"tile_m": 128, "tile_n": 128}
         why = "head_dim 128: 128x128 tiles, 2 warpgroups ping-ponging (FA3's choice)"
     elif not causal:
-        base = {"tile_m": 128, "tile_n": 80, "pingpong": False, "rescale_o_early": True}
+        base = {"tile_m": 128, "tile_n": 80, "pingpong": False, "rescale_o_early": True, "release_k_late": False}
         why = (
             "head_dim 256: 128x80 tiles so two K/V stages fit in smem; no ping-pong (softmax is cheap next to "
-            "the GEMMs); O (128 fp32 registers per thread) is rescaled under the QK^T WGMMA"
+            "the GEMMs); O (128 fp32 registers per thread) is rescaled under the QK^T WGMMA; K stages are "
+            "released as soon as S lands (40 KB refills on short blocks: measured 729 vs 678 TFLOPS)"
         )
     else:
         base = {"tile_m": 128, "tile_n": 80, "pingpong": False, "rescale_o_early": False}
@@ -216,7 +222,7 @@ def lpt_heads_per_band(head_dim: int, seqlen_k: int, esize: int = 2):
     """Heads whose K and V (``seqlen_k x head_dim`` each) fit :data:`LPT_L2_BUDGET_BYTES`, at least one.
 
     Plain integer arithmetic: the kernel evaluates the same expression on its runtime sizes."""
-    return max((LPT_L2_BUDGET_BYTES // (2 * head_dim * esize)) // seqlen_k, 1)
+    return max((LPT_L2_BUDGET_BYTES // (2 * head_dim * esize)) // max(seqlen_k, 1), 1)
 
 
 def attention_smem_table(cfg: AttentionConfig, dtype: str = "bf16") -> list[SmemItem]:
@@ -305,6 +311,7 @@ def render_attention_plan(plan: AttentionPlan) -> str:
         (
             "  overlap         softmax of block j+1 runs while the PV WGMMA of block j is in flight"
             + ("; O is rescaled under the QK^T WGMMA" if c.rescale_o_early else "")
+            + ("; K stages released after the softmax" if c.release_k_late else "; K stages released when S lands")
         ),
         "",
         "score-row ownership (online softmax reduces rows inside a warp)",

@@ -83,3 +83,13 @@ def test_register_split_follows_the_warpgroup_count():
 def test_lpt_heads_per_band_is_at_least_one():
     assert lpt_heads_per_band(128, 10**7) == 1
     assert lpt_heads_per_band(64, 1) == 32 * 1024 * 1024 // 256
+
+
+def test_k_release_point_is_a_planner_choice():
+    # Late K release keeps the PV wait below the softmax; d256 without causal masking refills 40 KB
+    # K stages on short blocks and measured faster releasing them as soon as S lands.
+    assert not default_config(256, False).release_k_late
+    assert all(default_config(d, c).release_k_late for d, c in ((64, False), (64, True), (128, False), (256, True)))
+    problem = AttentionProblem(batch=1, seqlen_q=512, seqlen_k=512, heads_q=2, heads_kv=2, head_dim=256)
+    assert "K stages released when S lands" in render_attention_plan(plan_attention(problem, H100_SXM))
+    assert default_config(256, False).key() != default_config(256, False, release_k_late=True).key()
