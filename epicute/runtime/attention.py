@@ -18,6 +18,7 @@ import torch
 from epicute.errors import CompileError
 from epicute.plan.attention import AttentionConfig
 from epicute.runtime.cache import TARGET_ARCH, CacheKey
+from epicute.runtime import compile as compile_module
 from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily
 
 
@@ -108,7 +109,7 @@ def compile_attention(variant: AttentionVariant):
             warnings.filterwarnings("ignore", message=r"Argument (score|epi)_(tensors|scalars) .*cannot be converted")
             return cute.compile(
                 kernel, q, k, v, o, lse, cutlass.Float32(1.0), score_tensors, score_scalars,
-                epi_tensors, epi_scalars, stream, options="--enable-tvm-ffi",
+                epi_tensors, epi_scalars, stream, options=compile_module.DSL_COMPILE_OPTIONS,
             )  # fmt: skip
     except Exception as exc:  # the DSL raises many types; report one
         raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc

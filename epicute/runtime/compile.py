@@ -25,6 +25,10 @@ from epicute.errors import CompileError
 from epicute.plan.config import DTYPE_BYTES, GemmConfig
 from epicute.runtime.cache import KERNEL_CACHE, TARGET_ARCH, CacheKey
 
+#: Options of every ``cute.compile``: kernels are called through TVM-FFI. Tests append
+#: ``remarks{ptx}`` to have the DSL print ptxas's register and spill report.
+DSL_COMPILE_OPTIONS = "--enable-tvm-ffi"
+
 #: Base-address alignment every TMA operand is compiled to assume (checked per call on the host).
 OPERAND_ALIGN_BYTES = 16
 
@@ -127,7 +131,7 @@ def compile_gemm(variant: GemmVariant):
             # which is what we want; the DSL warns about it on every compile.
             warnings.filterwarnings("ignore", message=r"Argument epi_(tensors|scalars) .*cannot be converted")
             return cute.compile(
-                kernel, fake_a, fake_b, fake_d, epi_tensors, epi_scalars, stream, options="--enable-tvm-ffi"
+                kernel, fake_a, fake_b, fake_d, epi_tensors, epi_scalars, stream, options=DSL_COMPILE_OPTIONS
             )
     except Exception as exc:  # the DSL raises many types; report one
         raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc

@@ -31,13 +31,17 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0].schedule}-{v[0].tile_m}x{v[0].tile_n}-c{v[0].cluster_m}x{v[0].cluster_n}-{v[1]}{v[2]}-{v[3]}{v[4]}")
-def test_variant_compiles(variant):
+def test_variant_compiles(variant, ptxas_report):
     cfg, ab, d, a_major, b_major = variant
     fn = compile_gemm(GemmVariant(cfg, ab, d, a_major, b_major, max_active_clusters=132 // cfg.cluster_size))
     assert callable(fn)
+    spills, _ = ptxas_report()
+    assert max(spills) == 0, f"{cfg}: ptxas spilled {spills} bytes"
 
 
 @pytest.mark.parametrize("mnk", [(8192, 8192, 8192), (1, 8, 8), (1000, 4104, 136), (256, 4096, 4096)])
-def test_planned_variants_compile(mnk):
+def test_planned_variants_compile(mnk, ptxas_report):
     plan = plan_gemm(GemmProblem(*mnk))
     assert callable(compile_gemm(variant_of(plan)))
+    spills, _ = ptxas_report()
+    assert max(spills) == 0, f"{plan.config}: ptxas spilled {spills} bytes"
