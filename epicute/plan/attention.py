@@ -208,9 +208,9 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
     base.update(overrides)
     warpgroups = base["tile_m"] // WGMMA_M
     base.setdefault("mma_atoms_mn", (warpgroups, 1))
-    producer_regs, consumer_regs = REGISTER_SPLIT.get(warpgroups, REGISTER_SPLIT[2])
-    base.setdefault("producer_regs", producer_regs)
-    base.setdefault("consumer_regs", consumer_regs)
+    if warpgroups in REGISTER_SPLIT:  # other tile_m values are refused by validate()
+        base.setdefault("producer_regs", REGISTER_SPLIT[warpgroups][0])
+        base.setdefault("consumer_regs", REGISTER_SPLIT[warpgroups][1])
     return AttentionConfig(
         **base,
         reasons=(why,) + (("causal: one linear grid, longest query blocks first, a band of L2-sized heads at a time",)
