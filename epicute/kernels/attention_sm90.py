@@ -59,7 +59,7 @@ from epicute.kernels.pipeline import (
     release_after,
 )
 from epicute.kernels.tile_scheduler import band_coord
-from epicute.plan.attention import LPT_L2_BUDGET_BYTES, WGMMA_M, AttentionConfig
+from epicute.plan.attention import WGMMA_M, AttentionConfig, lpt_keys_per_band
 from epicute.plan.config import THREADS_PER_WARPGROUP
 
 LOG2_E = math.log2(math.e)
@@ -251,8 +251,8 @@ class AttentionSm90:
         if cutlass.const_expr(self.lpt):
             grid = (m_blocks * heads * batches, 1, 1)  # walked longest-first: see _work_coord
         # plan.attention.lpt_heads_per_band on the runtime seqlen_k.
-        kv_bytes_per_key = 2 * d * self.dtype.width // 8
-        heads_per_band = cutlass.max((LPT_L2_BUDGET_BYTES // kv_bytes_per_key) // cute.size(mK, mode=[0]), 1)
+        keys_per_band = lpt_keys_per_band(d, self.dtype.width // 8)
+        heads_per_band = cutlass.max(keys_per_band // cute.size(mK, mode=[0]), 1)
 
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO, mLSE,

@@ -218,11 +218,15 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
     )
 
 
-def lpt_heads_per_band(head_dim: int, seqlen_k: int, esize: int = 2):
-    """Heads whose K and V (``seqlen_k x head_dim`` each) fit :data:`LPT_L2_BUDGET_BYTES`, at least one.
+def lpt_keys_per_band(head_dim: int, esize: int = 2) -> int:
+    """Keys whose K and V rows fit :data:`LPT_L2_BUDGET_BYTES` together (a compile-time constant)."""
+    return LPT_L2_BUDGET_BYTES // (2 * head_dim * esize)
 
-    Plain integer arithmetic: the kernel evaluates the same expression on its runtime sizes."""
-    return max((LPT_L2_BUDGET_BYTES // (2 * head_dim * esize)) // max(seqlen_k, 1), 1)
+
+def lpt_heads_per_band(head_dim: int, seqlen_k: int, esize: int = 2) -> int:
+    """Heads whose K and V (``seqlen_k x head_dim`` each) fit the budget, at least one; the kernel
+    divides :func:`lpt_keys_per_band` by its runtime seqlen_k the same way."""
+    return max(lpt_keys_per_band(head_dim, esize) // max(seqlen_k, 1), 1)
 
 
 def attention_smem_table(cfg: AttentionConfig, dtype: str = "bf16") -> list[SmemItem]:
