@@ -26,6 +26,7 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) ->
 
     return timed(fn, warmup=warmup, iters=iters)
 
+
 # Distribution names whose versions are recorded when installed; epicute and the DSL always appear.
 _OPTIONAL_DISTS = ("quack-kernels", "flash-attn-4")
 
@@ -77,6 +78,16 @@ def ratio(row: Row, peer: str) -> float | None:
     return None
 
 
+def best_ratio(row: Row, names: Sequence[str]) -> float | None:
+    """epicute / the fastest of ``names`` for one (higher-is-better) row, or None when a figure is missing."""
+    figures = [row.get(n) for n in names]
+    figures = [f for f in figures if isinstance(f, (int, float)) and f > 0]
+    ours = row.get("epicute")
+    if not figures or not isinstance(ours, (int, float)):
+        return None
+    return ours / max(figures)
+
+
 def geomean(values: Sequence[float]) -> float | None:
     """Geometric mean of positive values, or None when there are none."""
     positive = [v for v in values if v > 0]
@@ -123,25 +134,34 @@ def _fmt(value: object) -> str:
 
 
 def print_table(rows: Sequence[Row], unit: str) -> None:
-    """Print rows as a fixed-width table with an epicute/<first peer> ratio column and its geomean."""
+    """Print rows as a fixed-width table with an epicute/<first peer> ratio column, with several
+    peers an epicute/best-peer column too, and their geomeans."""
     names = peers(rows)
     first = names[0] if names else None
+    vs_best = len(names) > 1
     header = ["case", f"epicute ({unit})", *names]
     if first is not None:
         header.append(f"epicute/{first}")
+    if vs_best:
+        header.append("epicute/best")
     table = []
     ratios: list[float] = []
+    best_ratios: list[float] = []
     for row in rows:
         line = [str(row.get("case", "")), _fmt(row.get("epicute")), *(_fmt(row.get(n)) for n in names)]
-        if first is not None:
-            r = ratio(row, first)
-            line.append(f"{r:.3f}" if r is not None else "-")
-            if r is not None:
-                ratios.append(r)
+        for wanted, r, kept in (
+            (first is not None, ratio(row, first), ratios),
+            (vs_best, best_ratio(row, names), best_ratios),
+        ):
+            if wanted:
+                line.append(f"{r:.3f}" if r is not None else "-")
+                if r is not None:
+                    kept.append(r)
         table.append(line)
     widths = [max(len(cells[i]) for cells in [header, *table]) for i in range(len(header))]
     for cells in [header, *table]:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))))
-    if first is not None:
-        g = geomean(ratios)
-        print(f"geomean epicute/{first}: {g:.3f}" if g is not None else f"geomean epicute/{first}: -")
+    for wanted, label, kept in ((first is not None, first, ratios), (vs_best, "best", best_ratios)):
+        if wanted:
+            g = geomean(kept)
+            print(f"geomean epicute/{label}: {g:.3f}" if g is not None else f"geomean epicute/{label}: -")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import geomean, peers, ratio
+from common import best_ratio, geomean, peers, ratio
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
@@ -29,35 +29,40 @@ def _cell(value: object) -> str:
 
 
 def render(result: dict[str, Any]) -> str:
-    """One result file as a heading, a provenance line and a table with an epicute/<first peer> column."""
+    """One result file as a heading, a provenance line and a table with an epicute/<first peer>
+    column, and for higher-is-better results with several peers an epicute/best-peer column."""
     rows = result.get("rows", [])
     names = peers(rows)
     first = names[0] if names else None
+    higher = result.get("higher_is_better", True)
+    vs_best = higher and len(names) > 1
     unit = result.get("unit", "")
-    better = "higher" if result.get("higher_is_better", True) else "lower"
     versions = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
     lines = [
-        f"### {result.get('benchmark', '?')} ({unit}, {better} is better)",
+        f"### {result.get('benchmark', '?')} ({unit}, {'higher' if higher else 'lower'} is better)",
         "",
         f"{result.get('device', '?')}, {result.get('date', '?')}: `{result.get('command', '?')}`"
         + (f" ({versions})" if versions else ""),
         "",
     ]
-    header = ["case", "epicute", *names] + ([f"epicute/{first}"] if first else [])
+    columns = ([(f"epicute/{first}", lambda row: ratio(row, first))] if first else []) + (
+        [("epicute/best", lambda row: best_ratio(row, names))] if vs_best else []
+    )
+    header = ["case", "epicute", *names] + [label for label, _ in columns]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
-    ratios: list[float] = []
+    kept: list[list[float]] = [[] for _ in columns]
     for row in rows:
         cells = [str(row.get("case", "")), _cell(row.get("epicute")), *(_cell(row.get(n)) for n in names)]
-        if first:
-            r = ratio(row, first)
+        for (_, of), values in zip(columns, kept):
+            r = of(row)
             cells.append(f"{r:.2f}×" if r is not None else "–")
             if r is not None:
-                ratios.append(r)
+                values.append(r)
         lines.append("| " + " | ".join(cells) + " |")
-    if first:
-        g = geomean(ratios)
-        cells = ["geomean", *[""] * (len(header) - 2), f"{g:.2f}×" if g is not None else "–"]
+    if columns:
+        means = [geomean(values) for values in kept]
+        cells = ["geomean", *[""] * (len(header) - 1 - len(columns)), *(f"{g:.2f}×" if g else "–" for g in means)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

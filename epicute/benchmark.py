@@ -2,7 +2,8 @@
 
 Each shape is checked against float32 torch first (a wrong kernel is reported,
 never timed), then timed with CUDA events over rotating inputs (so L2 starts
-cold) for epicute, cuBLAS (``torch.matmul``) and quack when it is installed.
+cold) for epicute, cuBLAS (``torch.matmul``) and quack when it is installed:
+the median of three rounds that interleave the contenders.
 The plot needs matplotlib (``pip install 'epicute[plot]'``).
 """
 
@@ -26,6 +27,8 @@ DEFAULT_SHAPES: tuple[Shape, ...] = (
     (4096, 14336, 4096), (8192, 4096, 14336),
 )  # fmt: skip
 TOLERANCE = 1e-2
+#: Timing rounds per shape, contenders interleaved within each (see run_shape).
+TIMING_ROUNDS = 3
 
 
 def parse_shapes(text: str) -> list[Shape]:
@@ -111,19 +114,27 @@ def run_shape(shape: Shape, fns: dict[str, Gemm], dtype: torch.dtype = torch.bfl
     a0, b0, _ = sets[0]
     ref = a0.float() @ b0.float()
     row: dict[str, float | str | None] = {"case": f"{m}x{n}x{k}"}
-    for name, fn in fns.items():
+    correct = []
+    for name, fn in fns.items():  # untimed first calls (compiles), checked against the reference
         try:
             out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
             fn(a0, b0, out)
             err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
             if not err <= TOLERANCE:  # NaN fails too
                 row[name], row[f"{name}_error"] = None, f"relative error {err:.2e}"
-                continue
-            cycle = itertools.cycle(sets)
-            ms = time_cuda(lambda fn=fn, cycle=cycle: fn(*next(cycle)), warmup=5, iters=30)
-            row[name] = round(2 * m * n * k / (ms * 1e-3) / 1e12, 1)
+            else:
+                correct.append(name)
         except Exception as exc:  # noqa: BLE001 - one failing contender must not stop the others
             row[name], row[f"{name}_error"] = None, f"{type(exc).__name__}: {exc}"
+    # Interleaved rounds, median per contender: whoever is timed first after the untimed calls
+    # would otherwise meet the GPU still ramping its clocks, and drift hits all alike.
+    samples: dict[str, list[float]] = {name: [] for name in correct}
+    for _ in range(TIMING_ROUNDS):
+        for name in correct:
+            cycle = itertools.cycle(sets)
+            samples[name].append(time_cuda(lambda fn=fns[name], cycle=cycle: fn(*next(cycle)), warmup=5, iters=30))
+    for name, times in samples.items():
+        row[name] = round(2 * m * n * k / (statistics.median(times) * 1e-3) / 1e12, 1)
     return row
 
 

@@ -1,15 +1,20 @@
 """FlashAttention-3 style attention forward for SM90, built from the GEMM's parts.
 
-``O = softmax(Q K^T * scale) V`` per (batch, head); one CTA per ``tile_m`` query
-rows of one (batch, head). Causal launches start the longest query blocks first,
-a band of heads at a time sized so their K and V share L2 (:meth:`_work_coord`).
+``O = softmax(Q K^T * scale) V`` per (batch, head); a work tile is ``tile_m``
+query rows of one (batch, head). Tiles are numbered m-block fastest, or, for
+causal launches, longest query blocks first, a band of heads at a time sized so
+their K and V share L2 (:meth:`_work_coord`). A CTA runs tiles ``blockIdx.x,
+blockIdx.x + gridDim.x, ...``: one tile each, or (``persistent``) one CTA per SM
+walking tiles, so that the next tile's K loads and its Q load run under the
+current tile's epilogue instead of behind a CTA launch.
 Warp roles (as in the GEMM: producer warpgroup 0, consumers after it):
 
-- producer (warp 0): TMA loads of Q -- once, bundled with the first K tile on
-  that stage's full barrier through extra transaction bytes -- then K and V
-  through their own ``stages``-deep rings (:func:`make_tma_load_pipeline`).
-  K runs one block ahead of V, so the consumers can issue QK^T of block j+1
-  before PV of block j.
+- producer (warp 0): per tile, TMA loads of the first K block, then Q (through a
+  one-stage ring: the previous tile's O is staged in Q's buffer, so the load
+  waits for the store warp to release it), then K and V through their own
+  ``stages``-deep rings (:func:`make_tma_load_pipeline`), whose positions carry
+  over from tile to tile. K runs one block ahead of V, so the consumers can
+  issue QK^T of block j+1 before PV of block j.
 - consumers (``num_mma_warpgroups`` x 64 query rows): per key block, S = Q K^T
   (WGMMA from smem), score_mod, masks, online softmax in registers (row max and
   sum; each warp holds whole rows, checked by the planner), P cast to 16 bits in
@@ -29,7 +34,9 @@ Warp roles (as in the GEMM: producer warpgroup 0, consumers after it):
 - Epilogue: O normalized by the row sums, the user's epilogue per element, cast,
   ``stmatrix`` into Q's shared memory (the rows each warpgroup stages are the
   rows only it read), TMA store (:class:`TmaStoreEpilogue`, which clips the
-  ragged seqlen_q edge); LSE (natural log, fp32) written by one lane per row.
+  ragged seqlen_q edge); once the store has read the buffer, the store warp
+  hands it back to the producer for the next tile's Q. LSE (natural log, fp32)
+  written by one lane per row.
 
 Sizes, strides, head counts are dynamic; head_dim, tiles, dtype, causal and the
 fused graphs are compile-time.
@@ -42,7 +49,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, cute, pipeline
+from cutlass import Float32, Int32, cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
@@ -53,10 +60,12 @@ from epicute.kernels.epilogue_emit import DSL_DTYPES, _emit_op
 from epicute.kernels.fragments import pack_16bit, warpgroup_slice
 from epicute.kernels.pipeline import (
     NamedBarriers,
+    RingState,
     TmaStoreEpilogue,
     WarpgroupTurns,
     make_tma_load_pipeline,
     release_after,
+    wait_full,
 )
 from epicute.kernels.tile_scheduler import band_coord
 from epicute.plan.attention import WGMMA_M, AttentionConfig, lpt_keys_per_band
@@ -202,6 +211,7 @@ class AttentionSm90:
         score_scalars: tuple,
         epi_tensors: tuple,
         epi_scalars: tuple,
+        max_ctas: Int32,
         stream,
     ):
         cfg = self.cfg
@@ -231,6 +241,7 @@ class AttentionSm90:
 
         @cute.struct
         class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
             v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -246,10 +257,10 @@ class AttentionSm90:
             # score_mod sees scaled scores, so the scale is applied before it and exp2 only changes base.
             scale_log2 = Float32(LOG2_E)
 
-        heads, batches = cute.size(mQ, mode=[2]), cute.size(mQ, mode=[3])
-        grid = (m_blocks, heads, batches)
-        if cutlass.const_expr(self.lpt):
-            grid = (m_blocks * heads * batches, 1, 1)  # walked longest-first: see _work_coord
+        num_tiles = m_blocks * cute.size(mQ, mode=[2]) * cute.size(mQ, mode=[3])
+        num_ctas = num_tiles
+        if cutlass.const_expr(cfg.persistent):
+            num_ctas = cutlass.min(num_tiles, max_ctas)
         # plan.attention.lpt_heads_per_band on the runtime seqlen_k.
         keys_per_band = lpt_keys_per_band(d, self.dtype.width // 8)
         heads_per_band = cutlass.max(keys_per_band // cute.size(mK, mode=[0]), 1)
@@ -259,7 +270,7 @@ class AttentionSm90:
             sQ_layout, sK_layout, sV_layout, group, heads_per_band, softmax_scale, scale_log2,
             score_tensors, score_scalars, epi_tensors, epi_scalars,
         ).launch(
-            grid=grid,
+            grid=(num_ctas, 1, 1),
             block=[cfg.num_threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
@@ -304,51 +315,57 @@ class AttentionSm90:
         storage = smem.allocate(self.shared_storage)
         kv_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         consumer_warps = cfg.num_mma_threads // 32
-        k_pipe = make_tma_load_pipeline(storage.k_barriers.data_ptr(), cfg.stages, kv_bytes, consumer_warps, (1, 1), 1)
-        v_pipe = make_tma_load_pipeline(storage.v_barriers.data_ptr(), cfg.stages, kv_bytes, consumer_warps, (1, 1), 1)
+        # Q's buffer: filled by the producer, handed back by the store warp alone (one arrive).
+        q_pipe = make_tma_load_pipeline(
+            storage.q_barriers.data_ptr(), 1, cute.size_in_bytes(self.dtype, sQ_layout), 1, (1, 1), 1, defer_sync=True
+        )
+        k_pipe, v_pipe = (
+            make_tma_load_pipeline(
+                barriers.data_ptr(), cfg.stages, kv_bytes, consumer_warps, (1, 1), 1, defer_sync=True
+            )
+            for barriers in (storage.k_barriers, storage.v_barriers)
+        )
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # Barrier initialization is visible to every thread (and the async proxy) before first use.
+        cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-
-        seqlen_q = cute.size(mQ, mode=[0])
-        seqlen_k = cute.size(mK, mode=[0])
-        m_block, head, batch = self._work_coord(seqlen_q, cute.size(mQ, mode=[2]), heads_per_band)
-        n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
 
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == self.load_warp:
                 self._load(
-                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, k_pipe, v_pipe,
-                    m_block, head // group, head, batch, n_blocks, sQ_layout,
+                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             self._consume(
-                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, k_pipe, v_pipe, tma_o, mO, mLSE,
-                m_block, head, batch, n_blocks, seqlen_q, seqlen_k, softmax_scale, scale_log2,
-                score_tensors, score_scalars, epi_tensors, epi_scalars, tidx - THREADS_PER_WARPGROUP,
-                warp_idx == self.store_warp,
+                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, tma_o, mO, mLSE, heads_per_band,
+                softmax_scale, scale_log2, score_tensors, score_scalars, epi_tensors, epi_scalars,
+                tidx - THREADS_PER_WARPGROUP, warp_idx == self.store_warp, seqlen_k=cute.size(mK, mode=[0]),
             )  # fmt: skip
 
-    @cute.jit
-    def _work_coord(self, seqlen_q, heads, heads_per_band):
-        """(m_block, head, batch) of this CTA.
+    def _tiles(self, mQ):
+        """(m-blocks, tiles): this CTA walks tiles ``blockIdx.x, blockIdx.x + gridDim.x, ...`` below ``tiles``."""
+        m_blocks = cute.ceil_div(cute.size(mQ, mode=[0]), self.cfg.tile_m)
+        return m_blocks, m_blocks * cute.size(mQ, mode=[2]) * cute.size(mQ, mode=[3])
 
-        Without LPT the grid is (m-blocks, heads, batch) as is. With LPT it is linear, walked as
-        an (m-block, batch x head) raster in bands of ``heads_per_band`` heads with m-blocks
+    @cute.jit
+    def _work_coord(self, tile, m_blocks, heads, head_batches, heads_per_band):
+        """(m_block, head, batch) of work tile ``tile``.
+
+        Without LPT, tiles run m-block fastest, then head, then batch. With LPT they walk an
+        (m-block, batch x head) raster in bands of ``heads_per_band`` heads with m-blocks
         descending: every band's longest blocks start first and the short ones fill the tail,
-        while the CTAs in flight share the K and V of a few heads in L2.
+        while the tiles in flight share the K and V of a few heads in L2.
         """
-        bx, by, bz = cute.arch.block_idx()
-        m_block, head, batch = Int32(bx), Int32(by), Int32(bz)
+        m_block = tile % m_blocks
+        bh = tile // m_blocks
         if cutlass.const_expr(self.lpt):
-            m_blocks = cute.ceil_div(seqlen_q, self.cfg.tile_m)
-            head_batches = Int32(cute.arch.grid_dim()[0]) // m_blocks
-            longest_first, bh = band_coord(Int32(bx), m_blocks, head_batches, heads_per_band)
-            m_block, head, batch = m_blocks - 1 - longest_first, bh % heads, bh // heads
-        return m_block, head, batch
+            longest_first, bh = band_coord(tile, m_blocks, head_batches, heads_per_band)
+            m_block = m_blocks - 1 - longest_first
+        return m_block, bh % heads, bh // heads
 
     def _n_blocks(self, m_block, seqlen_q, seqlen_k):
         """Key blocks this query tile reads: all of them, or (causal) up to the last row's diagonal.
@@ -366,41 +383,49 @@ class AttentionSm90:
 
     @cute.jit
     def _load(
-        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, k_pipe, v_pipe,
-        m_block, head_kv, head, batch, n_blocks, sQ_layout,
+        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band,
     ):  # fmt: skip
         cfg = self.cfg
         d = cfg.head_dim
         one = cute.make_layout(1)
-        gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, d), (m_block, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.tile_n, d), (None, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, d), (None, 0))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        seqlen_q, seqlen_k = cute.size(mQ, mode=[0]), cute.size(mK, mode=[0])
+        heads = cute.size(mQ, mode=[2])
+        head_batches = heads * cute.size(mQ, mode=[3])
+        state = RingState.producer(cfg.stages)
+        q_state = RingState.producer(1)
+        m_blocks, num_tiles = self._tiles(mQ)
+        for tile in cutlass.range(cute.arch.block_idx()[0], num_tiles, cute.arch.grid_dim()[0], unroll=1):
+            m_block, head, batch = self._work_coord(tile, m_blocks, heads, head_batches, heads_per_band)
+            n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
+            gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, d), (m_block, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            gK = cute.local_tile(mK[None, None, head // group, batch], (cfg.tile_n, d), (None, 0))
+            tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+            gV = cute.local_tile(mV[None, None, head // group, batch], (cfg.tile_n, d), (None, 0))
+            tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-        # Q rides on the first K stage's full barrier: its bytes are added to that
-        # stage's transaction count before either copy is issued, so the phase
-        # completes only once both have landed.
-        k_pipe.producer_acquire(state)
-        barrier = k_pipe.producer_get_barrier(state)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_expect_tx(barrier, cute.size_in_bytes(self.dtype, sQ_layout))
-        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=barrier)
-        cute.copy(tma_k, tKgK[None, n_blocks - 1], tKsK[None, state.index], tma_bar_ptr=barrier)
-        # K runs one block ahead of V: K[n - 1] is in flight before V[n].
-        for i in cutlass.range(n_blocks - 1, unroll=1):
-            n = n_blocks - 2 - i
-            v_state = state.clone()
-            state.advance()
+            # The first K block before Q: it only needs a free K stage, while Q waits for the
+            # previous tile's O to leave Q's buffer.
             k_pipe.producer_acquire(state)
-            cute.copy(tma_k, tKgK[None, n], tKsK[None, state.index], tma_bar_ptr=k_pipe.producer_get_barrier(state))
-            v_pipe.producer_acquire(v_state)
-            cute.copy(tma_v, tVgV[None, n + 1], tVsV[None, v_state.index],
-                      tma_bar_ptr=v_pipe.producer_get_barrier(v_state))  # fmt: skip
-        v_pipe.producer_acquire(state)
-        cute.copy(tma_v, tVgV[None, 0], tVsV[None, state.index], tma_bar_ptr=v_pipe.producer_get_barrier(state))
+            cute.copy(tma_k, tKgK[None, n_blocks - 1], tKsK[None, state.index],
+                      tma_bar_ptr=k_pipe.producer_get_barrier(state))  # fmt: skip
+            q_pipe.producer_acquire(q_state)
+            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+            q_state.advance()
+            # K runs one block ahead of V: K[n - 1] is in flight before V[n].
+            for i in cutlass.range(n_blocks - 1, unroll=1):
+                n = n_blocks - 2 - i
+                v_state = state.clone()
+                state.advance()
+                k_pipe.producer_acquire(state)
+                cute.copy(tma_k, tKgK[None, n], tKsK[None, state.index],
+                          tma_bar_ptr=k_pipe.producer_get_barrier(state))  # fmt: skip
+                v_pipe.producer_acquire(v_state)
+                cute.copy(tma_v, tVgV[None, n + 1], tVsV[None, v_state.index],
+                          tma_bar_ptr=v_pipe.producer_get_barrier(v_state))  # fmt: skip
+            v_pipe.producer_acquire(state)
+            cute.copy(tma_v, tVgV[None, 0], tVsV[None, state.index], tma_bar_ptr=v_pipe.producer_get_barrier(state))
+            state.advance()
         # No producer_tail: without a cluster no remote CTA arrives on our barriers.
 
     # ------------------------------------------------------------ consumers
@@ -460,14 +485,14 @@ class AttentionSm90:
             m_safe = cutlass.select_(m == -Float32.inf, Float32(0.0), m)
             p = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
             S[r, None].store(p)
-            block_sum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             if cutlass.const_expr(is_first):
-                row_sum[r] = block_sum
+                row_sum[r] = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 row_scale[r] = Float32(1.0)
             else:
                 scale = cute.math.exp2((m_prev - m_safe) * scale_log2, fastmath=True)
                 row_scale[r] = scale
-                row_sum[r] = row_sum[r] * scale + block_sum
+                # The reduction starts from the rescaled running sum (no separate add of a block sum).
+                row_sum[r] = p.reduce(cute.ReductionOp.ADD, row_sum[r] * scale, 0)
 
     @cute.jit
     def _rescale(self, acc_O, row_scale):
@@ -477,9 +502,9 @@ class AttentionSm90:
 
     @cute.jit
     def _consume(
-        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, k_pipe, v_pipe, tma_o, mO, mLSE,
-        m_block, head, batch, n_blocks, seqlen_q, seqlen_k, softmax_scale, scale_log2,
-        score_tensors, score_scalars, epi_tensors, epi_scalars, mma_tidx, is_store_warp,
+        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, tma_o, mO, mLSE, heads_per_band,
+        softmax_scale, scale_log2, score_tensors, score_scalars, epi_tensors, epi_scalars, mma_tidx, is_store_warp,
+        seqlen_k,
     ):  # fmt: skip
         cfg = self.cfg
         d = cfg.head_dim
@@ -494,97 +519,113 @@ class AttentionSm90:
         tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = tiled_mma_pv.make_fragment_B(warpgroup_slice(tiled_mma_pv, wg).partition_B(sVt))
         tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
-        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
-        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, d)), Float32)
         tScS = thr_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
-        rows = cute.size(_acc_rows_cols(acc_S), mode=[0])
-        row_max = cute.make_rmem_tensor(rows, Float32)
-        row_sum = cute.make_rmem_tensor(rows, Float32)
-        row_scale = cute.make_rmem_tensor(rows, Float32)
-
-        # score_mod leaves that are constant over the tile, loaded once.
-        index_bh = {"b": batch.to(Float32), "h": head.to(Float32)}
-        score_operands = {}
-        if cutlass.const_expr(self.score_mod is not None):
-            for i, (name, _, _) in enumerate(self.score_mod.tensor_operands):
-                score_operands[name] = score_tensors[i][head].to(Float32)
-            for i, (name, _, _) in enumerate(self.score_mod.scalar_operands):
-                score_operands[name] = score_scalars[i]
 
         mma_turns = WarpgroupTurns(NamedBarriers.MMA_TURN_WG1, self.num_wg, enabled=cfg.pingpong)
         mma_turns.grant_first(wg)
+        store = TmaStoreEpilogue(1, cfg.num_mma_threads)
+        read = RingState.consumer(cfg.stages)
+        q_read = RingState.consumer(1)
+        seqlen_q = cute.size(mO, mode=[0])
+        heads = cute.size(mO, mode=[2])
+        head_batches = heads * cute.size(mO, mode=[3])
+        m_blocks, num_tiles = self._tiles(mO)
+        for tile in cutlass.range(cute.arch.block_idx()[0], num_tiles, cute.arch.grid_dim()[0], unroll=1):
+            m_block, head, batch = self._work_coord(tile, m_blocks, heads, head_batches, heads_per_band)
+            n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
+            acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
+            acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, d)), Float32)
+            rows = cute.size(_acc_rows_cols(acc_S), mode=[0])
+            row_max = cute.make_rmem_tensor(rows, Float32)
+            row_sum = cute.make_rmem_tensor(rows, Float32)
+            row_scale = cute.make_rmem_tensor(rows, Float32)
 
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-        # ---- first (right-most) block, peeled: its softmax is compile-time is_first.
-        n = n_blocks - 1
-        k_pipe.consumer_wait(read)  # also waits for Q (same barrier)
-        mma_turns.wait(wg)
-        self._wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
-        mma_turns.pass_on(wg)
-        warpgroup.wait_group(0)
-        k_pipe.consumer_release(read)
-        self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
-                     True, self.causal)  # fmt: skip
-        self._online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, True)
-        pack_16bit(_acc_as_operand_a(acc_S), tOrP)
+            index_bh = {"b": batch.to(Float32), "h": head.to(Float32)}
+            score_operands = {}
+            if cutlass.const_expr(self.score_mod is not None):
+                for i, (name, _, _) in enumerate(self.score_mod.tensor_operands):
+                    score_operands[name] = score_tensors[i][head].to(Float32)
+                for i, (name, _, _) in enumerate(self.score_mod.scalar_operands):
+                    score_operands[name] = score_scalars[i]
 
-        # ---- blocks crossing the causal diagonal, then blocks fully below it.
-        n_masked = 0
-        if cutlass.const_expr(self.causal):
-            first_masked = cutlass.max(m_block * cfg.tile_m + seqlen_k - seqlen_q, 0) // cfg.tile_n
-            n_masked = cutlass.max(n_blocks - 1 - first_masked, 0)
-        for i in cutlass.range(n_blocks - 1, unroll=1):
-            n = n_blocks - 2 - i
-            read_v = read.clone()
-            read.advance()
-            k_pipe.consumer_wait(read)
+            # ---- first (right-most) block, peeled: its softmax is compile-time is_first.
+            n = n_blocks - 1
+            wait_full(q_pipe, q_read)
+            wait_full(k_pipe, read)
             mma_turns.wait(wg)
-            # A fresh accumulator per block: with accumulate off, its old values are dead and
-            # need not stay in registers (as WGMMA inputs) until the QK^T is issued.
-            acc_S_n = cute.make_rmem_tensor(acc_S.layout, Float32)
-            self._wgmma(tiled_mma_qk, acc_S_n, tSrQ, tSrK[None, None, None, read.index], False, -1)
-            if cutlass.const_expr(cfg.rescale_o_early):
-                # The previous softmax's scale, applied while QK^T runs (the last PV has retired).
-                self._rescale(acc_O, row_scale)
-            v_pipe.consumer_wait(read_v)
-            # O's accumulate flag is off for the first PV: no zero-fill of O needed.
-            self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read_v.index], i > 0, -1)
+            self._wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
             mma_turns.pass_on(wg)
-            warpgroup.wait_group(1)  # S is ready; PV still runs under the softmax
-            if cutlass.const_expr(not cfg.release_k_late):
-                k_pipe.consumer_release(read)
-            if i < n_masked:
-                self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
-                             False, True)  # fmt: skip
-            else:
-                self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
-                             False, False)  # fmt: skip
-            self._online_softmax(acc_S_n, row_max, row_sum, row_scale, scale_log2, False)
-            if cutlass.const_expr(cfg.release_k_late):
-                # K's stage is free since S landed; released after the softmax (whose last row sum
-                # it waits for) so the PV wait below stays after the softmax too: see release_after.
-                release_after(k_pipe, read, row_sum[cute.size(row_sum) - 1])
             warpgroup.wait_group(0)
-            v_pipe.consumer_release(read_v)
-            pack_16bit(_acc_as_operand_a(acc_S_n), tOrP)
-            if cutlass.const_expr(not cfg.rescale_o_early):
-                self._rescale(acc_O, row_scale)
-        # ---- the last PV.
-        if cutlass.const_expr(cfg.rescale_o_early):
-            self._rescale(acc_O, row_scale)
-        v_pipe.consumer_wait(read)
-        self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read.index], n_blocks > 1, 0)
-        v_pipe.consumer_release(read)
+            k_pipe.consumer_release(read)
+            self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+                         True, self.causal)  # fmt: skip
+            self._online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, True)
+            pack_16bit(_acc_as_operand_a(acc_S), tOrP)
 
-        self._epilogue(
-            tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, sQ, tma_o, mO, mLSE,
-            m_block, head, batch, seqlen_q, epi_tensors, epi_scalars, mma_tidx, is_store_warp,
-        )  # fmt: skip
+            # ---- blocks crossing the causal diagonal, then blocks fully below it.
+            n_masked = 0
+            if cutlass.const_expr(self.causal):
+                first_masked = cutlass.max(m_block * cfg.tile_m + seqlen_k - seqlen_q, 0) // cfg.tile_n
+                n_masked = cutlass.max(n_blocks - 1 - first_masked, 0)
+            for i in cutlass.range(n_blocks - 1, unroll=1):
+                n = n_blocks - 2 - i
+                read_v = read.clone()
+                read.advance()
+                wait_full(k_pipe, read)
+                mma_turns.wait(wg)
+                # A fresh accumulator per block: with accumulate off, its old values are dead and
+                # need not stay in registers (as WGMMA inputs) until the QK^T is issued.
+                acc_S_n = cute.make_rmem_tensor(acc_S.layout, Float32)
+                self._wgmma(tiled_mma_qk, acc_S_n, tSrQ, tSrK[None, None, None, read.index], False, -1)
+                if cutlass.const_expr(cfg.rescale_o_early):
+                    # The previous softmax's scale, applied while QK^T runs (the last PV has retired).
+                    self._rescale(acc_O, row_scale)
+                wait_full(v_pipe, read_v)
+                # O's accumulate flag is off for the first PV: no zero-fill of O needed.
+                self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read_v.index], i > 0, -1)
+                mma_turns.pass_on(wg)
+                warpgroup.wait_group(1)  # S is ready; PV still runs under the softmax
+                if cutlass.const_expr(not cfg.release_k_late):
+                    k_pipe.consumer_release(read)
+                if i < n_masked:
+                    self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+                                 False, True)  # fmt: skip
+                else:
+                    self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+                                 False, False)  # fmt: skip
+                self._online_softmax(acc_S_n, row_max, row_sum, row_scale, scale_log2, False)
+                if cutlass.const_expr(cfg.release_k_late):
+                    # K's stage is free since S landed; released after the softmax (whose last row sum
+                    # it waits for) so the PV wait below stays after the softmax too: see release_after.
+                    release_after(k_pipe, read, row_sum[cute.size(row_sum) - 1])
+                warpgroup.wait_group(0)
+                v_pipe.consumer_release(read_v)
+                pack_16bit(_acc_as_operand_a(acc_S_n), tOrP)
+                if cutlass.const_expr(not cfg.rescale_o_early):
+                    self._rescale(acc_O, row_scale)
+            # ---- the last PV.
+            if cutlass.const_expr(cfg.rescale_o_early):
+                self._rescale(acc_O, row_scale)
+            wait_full(v_pipe, read)
+            self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read.index], n_blocks > 1, 0)
+            v_pipe.consumer_release(read)
+
+            read.advance()
+
+            self._epilogue(
+                tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, sQ, tma_o, mO, mLSE,
+                m_block, head, batch, seqlen_q, epi_tensors, epi_scalars, mma_tidx, is_store_warp, store,
+            )  # fmt: skip
+            # The O store has read Q's buffer (publish waits for that): the next tile's Q may land.
+            if is_store_warp:
+                q_pipe.consumer_release(q_read)
+            q_read.advance()
+        store.drain(is_store_warp)
 
     @cute.jit
     def _epilogue(
         self, tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, sO, tma_o, mO, mLSE,
-        m_block, head, batch, seqlen_q, epi_tensors, epi_scalars, mma_tidx, is_store_warp,
+        m_block, head, batch, seqlen_q, epi_tensors, epi_scalars, mma_tidx, is_store_warp, store,
     ):  # fmt: skip
         cfg = self.cfg
         d = cfg.head_dim
@@ -618,13 +659,11 @@ class AttentionSm90:
         thr_r2s = tiled_copy_r2s.get_slice(mma_tidx)
         # sO is Q's buffer: this warpgroup's rows of it were read only by its own QK^T WGMMAs, all retired.
         cute.copy(tiled_copy_r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
-        store = TmaStoreEpilogue(1, cfg.num_mma_threads)
         gO = cute.local_tile(mO[None, None, head, batch], (cfg.tile_m, d), (m_block, 0))
         tOsO, tOgO = cpasync.tma_partition(
             tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
         )
         store.publish(is_store_warp, tma_o, tOsO, tOgO)
-        store.drain(is_store_warp)
 
     @cute.jit
     def _apply_epilogue(self, acc_O, cO, m_block, head, batch, seqlen_q, epi_tensors, epi_scalars):

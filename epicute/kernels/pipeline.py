@@ -14,6 +14,9 @@
   its mainloops and its epilogues.
 - :func:`release_after`: a ring release pinned after a value is computed, so
   ptxas cannot hoist it (and a WGMMA wait behind it) above that computation.
+- :class:`RingState` and :func:`wait_full`: a ring position carried as one
+  counter, and a consumer wait whose retry loop stays off the hot path (the
+  attention loop's per-block bookkeeping).
 """
 
 from __future__ import annotations
@@ -47,13 +50,15 @@ def make_tma_load_pipeline(
     num_consumer_warps: int,
     cluster_shape_mn: tuple[int, int],
     mcast_ctas: int,
+    defer_sync: bool = False,
 ) -> pipeline.PipelineTmaAsync:
     """A producer/consumer ring fed by TMA.
 
     The producer is one thread (it arms the full barrier with ``tx_bytes``). Every
     consumer warp releases a stage by arriving on the empty barrier of each CTA
     whose TMA multicast wrote into that stage, so the arrive count is
-    ``consumer warps x CTAs multicasting into us``.
+    ``consumer warps x CTAs multicasting into us``. With ``defer_sync`` the caller
+    fences and syncs once after creating all its rings.
     """
     producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
     consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_warps * mcast_ctas)
@@ -64,6 +69,7 @@ def make_tma_load_pipeline(
         consumer_group=consumer,
         tx_count=tx_bytes,
         cta_layout_vmnk=cute.make_layout((1, *cluster_shape_mn, 1)),
+        defer_sync=defer_sync,
     )
 
 
@@ -197,6 +203,62 @@ def release_after(ring: pipeline.PipelineTmaAsync, state, anchor):
     if ring.is_signaling_thread:
         if not anchor < cutlass.Float32(0.0):
             ring.sync_object_empty.arrive(state.index, ring.consumer_mask)
+
+
+class RingState:
+    """A position in a ring of ``stages`` buffers, carried as one counter.
+
+    ``pipeline.PipelineState`` carries (count, index, phase) and advances with a
+    compare and two selects; here ``index = count % stages`` and ``phase =
+    (count // stages) % 2`` are derived where used (a mask and a shift for
+    power-of-two rings), so a loop carries a single Int32. It
+    duck-types ``PipelineState`` for the ring methods, which read only ``index``
+    and ``phase``. Producers start one phase ahead (every buffer starts empty).
+    """
+
+    def __init__(self, stages: int, count):
+        self.stages = stages
+        self.count = count
+
+    @staticmethod
+    def producer(stages: int) -> RingState:
+        return RingState(stages, cutlass.Int32(stages))
+
+    @staticmethod
+    def consumer(stages: int) -> RingState:
+        return RingState(stages, cutlass.Int32(0))
+
+    @property
+    def index(self):
+        if self.stages & (self.stages - 1) == 0:  # count >= 0: a mask, no signed remainder
+            return self.count & (self.stages - 1)
+        return self.count % self.stages
+
+    @property
+    def phase(self):
+        if self.stages & (self.stages - 1) == 0:
+            return (self.count >> (self.stages.bit_length() - 1)) & 1
+        return (self.count // self.stages) % 2
+
+    def clone(self) -> RingState:
+        return RingState(self.stages, self.count)
+
+    def advance(self) -> None:
+        self.count = self.count + 1
+
+    def __extract_mlir_values__(self):
+        return [self.count.ir_value()]
+
+    def __new_from_mlir_values__(self, values):
+        return RingState(self.stages, cutlass.Int32(values[0]))
+
+
+@cute.jit
+def wait_full(ring, state):
+    """``ring.consumer_wait(state)``, polling once first: when the stage has already
+    landed (the steady state) only that probe runs, and ptxas moves the blocking
+    retry loop out of line."""
+    ring.consumer_wait(state, ring.consumer_try_wait(state))
 
 
 def stage_of(count, num_stages: int):

@@ -70,14 +70,17 @@ class AttentionConfig(WarpRoles):
     rescale_o_early: bool = False
     #: Release each K stage after the block's softmax rather than as soon as S lands. ptxas keeps
     #: the wait for the in-flight PV WGMMA below the last ring release, so the early release lets
-    #: that wait (and the end of the overlap) rise above the softmax; the late one keeps the
-    #: softmax under the PV but gives the producer less time to refill the stage.
+    #: that wait (and the V release after it) rise above the softmax; the late one keeps the
+    #: softmax under the PV but gives the producer less time to refill K and V. Planned for
+    #: causal launches only (see :func:`default_config`).
     release_k_late: bool = True
     #: WGMMA atoms along (M, N) of the QK^T tiled MMA; N must be 1 (whole rows per warp).
     mma_atoms_mn: tuple[int, int] = (2, 1)
     #: Causal launches walk the m-blocks longest-first (the last query rows see the most keys),
     #: over every head of an L2-sized band (see :func:`lpt_heads_per_band`).
     lpt_order: bool = True
+    #: One CTA per SM walking work tiles (see :attr:`AttentionPlan.grid`), instead of one CTA per tile.
+    persistent: bool = False
     producer_regs: int = 24
     consumer_regs: int = 240
     reasons: tuple[str, ...] = field(default=(), compare=False, hash=False)
@@ -89,7 +92,8 @@ class AttentionConfig(WarpRoles):
     def key(self) -> tuple:
         return (
             self.head_dim, self.tile_m, self.tile_n, self.stages, self.pingpong, self.rescale_o_early,
-            self.release_k_late, self.mma_atoms_mn, self.lpt_order, self.producer_regs, self.consumer_regs,
+            self.release_k_late, self.mma_atoms_mn, self.lpt_order, self.persistent, self.producer_regs,
+            self.consumer_regs,
         )  # fmt: skip
 
     def validate(self, hardware: Hardware | None = None, dtype: str = "bf16") -> None:
@@ -191,11 +195,10 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
         base = {"tile_m": 128, "tile_n": 128}
         why = "head_dim 128: 128x128 tiles, 2 warpgroups ping-ponging (FA3's choice)"
     elif not causal:
-        base = {"tile_m": 128, "tile_n": 80, "pingpong": False, "rescale_o_early": True, "release_k_late": False}
+        base = {"tile_m": 128, "tile_n": 80, "pingpong": False, "rescale_o_early": True}
         why = (
             "head_dim 256: 128x80 tiles so two K/V stages fit in smem; no ping-pong (softmax is cheap next to "
-            "the GEMMs); O (128 fp32 registers per thread) is rescaled under the QK^T WGMMA; K stages are "
-            "released as soon as S lands (40 KB refills on short blocks: measured 729 vs 678 TFLOPS)"
+            "the GEMMs); O (128 fp32 registers per thread) is rescaled under the QK^T WGMMA"
         )
     else:
         base = {"tile_m": 128, "tile_n": 80, "pingpong": False, "rescale_o_early": False}
@@ -204,18 +207,28 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
             "blocks leave the QK^T WGMMA too short to hide it (measured 745 vs 720 TFLOPS, "
             "bench/results/attention_configs.json)"
         )
-    base.update(head_dim=head_dim)
+    # Without causal masking every block is full and the rings are the bottleneck: K and V stages
+    # go back to the producer as early as possible (d128 s8192 661 vs 640 TFLOPS, d256 729 vs 678).
+    # Causal launches keep the softmax under the PV WGMMA (d128 causal 650 vs 583).
+    base.update(head_dim=head_dim, release_k_late=causal)
+    # Tiles of equal length (no causal mask) run on persistent CTAs: the next tile's first K block
+    # and Q load under the current tile's epilogue (d128 s2048 638 vs 626 TFLOPS). Causal tiles
+    # differ in length and a static walk loses the longest-first balance (d256 s8192 539 vs 685),
+    # so they keep one CTA per tile and the hardware's dynamic dispatch.
+    base.update(persistent=not causal)
     base.update(overrides)
     warpgroups = base["tile_m"] // WGMMA_M
     base.setdefault("mma_atoms_mn", (warpgroups, 1))
     if warpgroups in REGISTER_SPLIT:  # other tile_m values are refused by validate()
         base.setdefault("producer_regs", REGISTER_SPLIT[warpgroups][0])
         base.setdefault("consumer_regs", REGISTER_SPLIT[warpgroups][1])
-    return AttentionConfig(
-        **base,
-        reasons=(why,) + (("causal: one linear grid, longest query blocks first, a band of L2-sized heads at a time",)
-                          if causal and base.get("lpt_order", True) else ()),
-    )
+    if causal and base.get("lpt_order", True):
+        order = "causal: one CTA per tile, longest query blocks first, a band of L2-sized heads at a time"
+    elif base["persistent"]:
+        order = "one persistent CTA per SM: a tile's first K block and Q load under the previous tile's epilogue"
+    else:
+        order = "one CTA per tile"
+    return AttentionConfig(**base, reasons=(why, order))
 
 
 def lpt_keys_per_band(head_dim: int, esize: int = 2) -> int:
@@ -232,11 +245,14 @@ def lpt_heads_per_band(head_dim: int, seqlen_k: int, esize: int = 2) -> int:
 def attention_smem_table(cfg: AttentionConfig, dtype: str = "bf16") -> list[SmemItem]:
     """Every region of the kernel's shared storage, in order (mirrors the kernel's struct)."""
     esize = DTYPE_BYTES[dtype]
-    barriers = 4 * cfg.stages * MBARRIER_BYTES
+    barriers = (2 + 4 * cfg.stages) * MBARRIER_BYTES
     q = cfg.tile_m * cfg.head_dim * esize
     kv = cfg.tile_n * cfg.head_dim * esize * cfg.stages
     return [
-        SmemItem("K/V barriers", barriers, f"K and V rings: {cfg.stages} full + {cfg.stages} empty mbarriers each"),
+        SmemItem(
+            "Q/K/V barriers", barriers,
+            f"Q ring: 1 full + 1 empty mbarrier; K and V rings: {cfg.stages} full + {cfg.stages} empty each",
+        ),
         SmemItem("alignment padding", _round_up(barriers, BUFFER_ALIGN) - barriers, "buffers start 1024-aligned"),
         SmemItem("Q (then O)", _round_up(q, BUFFER_ALIGN),
                  f"{cfg.tile_m}x{cfg.head_dim} {dtype}; the O tile is staged here for its TMA store"),
@@ -265,11 +281,16 @@ class AttentionPlan:
         return self.problem.causal and self.config.lpt_order
 
     @property
+    def num_tiles(self) -> int:
+        """Work tiles: ``tile_m`` query rows of one (batch, head)."""
+        return self.m_blocks * self.problem.heads_q * self.problem.batch
+
+    @property
     def grid(self) -> tuple[int, int, int]:
-        p = self.problem
-        if self.lpt:
-            return (self.m_blocks * p.heads_q * p.batch, 1, 1)
-        return (self.m_blocks, p.heads_q, p.batch)
+        """One CTA per tile, or (persistent) one per SM walking tiles ``x, x + grid, ...``."""
+        if self.config.persistent:
+            return (min(self.num_tiles, self.hardware.num_sms), 1, 1)
+        return (self.num_tiles, 1, 1)
 
 
 def plan_attention(problem: AttentionProblem, hardware: Hardware | None = None, **overrides) -> AttentionPlan:
@@ -292,16 +313,18 @@ def render_attention_plan(plan: AttentionPlan) -> str:
         "",
         "tiles",
         f"  CTA tile        {c.tile_m} query rows x {c.tile_n} keys, head_dim {c.head_dim}",
-        f"  grid            {plan.grid} x {c.num_threads} threads: "
+        f"  grid            {plan.grid} x {c.num_threads} threads, "
+        + (f"persistent over {plan.num_tiles} tiles: " if c.persistent else "one CTA per tile: ")
         + (
             f"m-blocks x heads x batch walked longest-first in bands of "
             f"{lpt_heads_per_band(p.head_dim, p.seqlen_k, DTYPE_BYTES[p.dtype])} heads (K+V fit L2)"
-            if plan.lpt else "(m-blocks, heads, batch)"
+            if plan.lpt
+            else "m-block fastest, then head, then batch"
         ),
         "",
         "warp roles",
-        "  warpgroup 0     producer: warp 0 issues TMA loads of Q (with the first K), K and V   setmaxnreg "
-        + str(c.producer_regs),
+        "  warpgroup 0     producer: warp 0 issues TMA loads of each tile's first K block, Q, then K and V   "
+        "setmaxnreg " + str(c.producer_regs),
     ]
     for wg in range(c.num_mma_warpgroups):
         lines.append(

@@ -17,6 +17,7 @@ import torch
 
 from epicute.errors import CompileError
 from epicute.plan.attention import AttentionConfig
+from epicute.plan.hardware import current_hardware
 from epicute.runtime.cache import TARGET_ARCH, CacheKey
 from epicute.runtime import compile as compile_module
 from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily
@@ -82,8 +83,9 @@ def _fake_operands(fusion) -> tuple[tuple, tuple]:
 
 def compile_attention(variant: AttentionVariant):
     """Compile one variant; returns ``f(q, k, v, o, lse, softmax_scale, score_tensors, score_scalars,
-    epi_tensors, epi_scalars)`` taking torch tensors (layout ``(batch, seqlen, heads, head_dim)``, LSE
-    ``(batch, heads, seqlen_q)`` fp32 contiguous)."""
+    epi_tensors, epi_scalars, max_ctas)`` taking torch tensors (layout ``(batch, seqlen, heads, head_dim)``,
+    LSE ``(batch, heads, seqlen_q)`` fp32 contiguous); a persistent variant launches at most ``max_ctas``
+    CTAs (one per SM)."""
     import cutlass
     from cutlass import cute
 
@@ -109,7 +111,7 @@ def compile_attention(variant: AttentionVariant):
             warnings.filterwarnings("ignore", message=r"Argument (score|epi)_(tensors|scalars) .*cannot be converted")
             return cute.compile(
                 kernel, q, k, v, o, lse, cutlass.Float32(1.0), score_tensors, score_scalars,
-                epi_tensors, epi_scalars, stream, options=compile_module.DSL_COMPILE_OPTIONS,
+                epi_tensors, epi_scalars, cutlass.Int32(1), stream, options=compile_module.DSL_COMPILE_OPTIONS,
             )  # fmt: skip
     except Exception as exc:  # the DSL raises many types; report one
         raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
@@ -133,5 +135,6 @@ def launch_attention(
     lse = new_lse((p.batch, p.heads_q, p.seqlen_q), call.q.device)
     if out.numel():
         kernel = ATTENTION_CACHE.get(variant)
-        kernel(call.q, call.k, call.v, out, lse, call.softmax_scale, *score_operands, *epi_operands)
+        max_ctas = current_hardware().num_sms
+        kernel(call.q, call.k, call.v, out, lse, call.softmax_scale, *score_operands, *epi_operands, max_ctas)
     return out, lse

@@ -39,10 +39,11 @@ def qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16):
     return q, k, v
 
 
-def check(q, k, v, causal=False, score_mod=None, epilogue=None, **operands):
+def check(q, k, v, causal=False, score_mod=None, epilogue=None, config=None, **operands):
     out = torch.full_like(q, float("nan"))
     got, lse = epicute.attention(
-        q, k, v, causal=causal, score_mod=score_mod, epilogue=epilogue, out=out, return_lse=True, **operands
+        q, k, v, causal=causal, score_mod=score_mod, epilogue=epilogue, out=out, return_lse=True, config=config,
+        **operands,
     )
     assert got.data_ptr() == out.data_ptr()
     call = check_attention_args(q, k, v, causal=causal, softmax_scale=None)
@@ -118,6 +119,20 @@ def test_epilogues(d):
     for causal in (False, True):
         check(q, k, v, causal=causal, epilogue=gated, gate=gate, residual=residual, alpha=1.5)
         check(q, k, v, causal=causal, epilogue=biased, bias=bias)
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_persistent_ctas_walk_many_tiles(d, causal):
+    # More tiles than SMs, so every CTA runs several (ragged m-blocks, GQA, both seqlen orders):
+    # O staged in Q's buffer and the K/V ring positions must hand over cleanly from tile to tile.
+    persistent = {"persistent": True}
+    for b, sq, sk, hq, hkv in ((2, 1000, 1000, 24, 6), (3, 4097, 129, 8, 8), (2, 17, 4097, 96, 8)):
+        check(*qkv(b, sq, sk, hq, hkv, d), causal=causal, config=persistent)
+    q, k, v = qkv(2, 1000, 777, 24, 6, d)
+    slopes = torch.rand(24, device="cuda")
+    check(q, k, v, causal=causal, config=persistent, score_mod=lambda s, b, h, qi, ki, slopes: s + slopes * (ki - qi),
+          epilogue=lambda o, gate: o * ops.sigmoid(gate), slopes=slopes, gate=torch.randn_like(q))  # fmt: skip
 
 
 def test_score_mod_and_epilogue_together():

@@ -56,13 +56,17 @@ def test_config_errors():
 def test_plan_and_render():
     problem = AttentionProblem(batch=2, seqlen_q=1000, seqlen_k=4097, heads_q=8, heads_kv=1, head_dim=256, causal=True)
     plan = plan_attention(problem, H100_SXM)
-    assert plan.grid == (8 * 8 * 2, 1, 1)  # causal: one linear grid walked longest-first
+    assert plan.num_tiles == 8 * 8 * 2 and plan.grid == (8 * 8 * 2, 1, 1)  # one CTA per tile, linear
     text = render_attention_plan(plan)
     assert "GQA 8:1" in text and "rows 0-15, all 80 columns" in text and "total" in text
     # 32 MiB of K+V at 4097 keys x 256 x 2 B x 2 tensors: 7 heads per band.
     assert lpt_heads_per_band(256, 4097) == 7 and "bands of 7 heads" in text
-    assert plan_attention(problem, H100_SXM, lpt_order=False).grid == (8, 8, 2)
-    assert plan_attention(replace(problem, causal=False), H100_SXM).grid == (8, 8, 2)
+    assert "one CTA per tile" in text
+    assert "m-block fastest" in render_attention_plan(plan_attention(problem, H100_SXM, lpt_order=False))
+    # Persistent: one CTA per SM (132 on H100) walks the 128 tiles, or fewer CTAs when there are fewer tiles.
+    persistent = plan_attention(replace(problem, batch=4), H100_SXM, persistent=True)
+    assert persistent.grid == (132, 1, 1) and "persistent over 256 tiles" in render_attention_plan(persistent)
+    assert plan_attention(problem, H100_SXM, persistent=True).grid == (128, 1, 1)
     assert problem.flops == 4 * 2 * 8 * 1000 * 4097 * 256 // 2
 
 
@@ -86,10 +90,16 @@ def test_lpt_heads_per_band_is_at_least_one():
 
 
 def test_k_release_point_is_a_planner_choice():
-    # Late K release keeps the PV wait below the softmax; d256 without causal masking refills 40 KB
-    # K stages on short blocks and measured faster releasing them as soon as S lands.
-    assert not default_config(256, False).release_k_late
-    assert all(default_config(d, c).release_k_late for d, c in ((64, False), (64, True), (128, False), (256, True)))
+    # Late K release keeps the PV wait below the softmax (measured faster with causal masking);
+    # without it the rings are the bottleneck and stages go back to the producer as S lands.
+    for d in (64, 128, 256):
+        assert default_config(d, True).release_k_late
+        assert not default_config(d, False).release_k_late
+        # Equal-length (non-causal) tiles run on persistent CTAs; causal ones keep dynamic dispatch.
+        assert default_config(d, False).persistent and not default_config(d, True).persistent
+    assert default_config(128, False, release_k_late=True).release_k_late  # still overridable
     problem = AttentionProblem(batch=1, seqlen_q=512, seqlen_k=512, heads_q=2, heads_kv=2, head_dim=256)
     assert "K stages released when S lands" in render_attention_plan(plan_attention(problem, H100_SXM))
+    causal = AttentionProblem(batch=1, seqlen_q=512, seqlen_k=512, heads_q=2, heads_kv=2, head_dim=128, causal=True)
+    assert "K stages released after the softmax" in render_attention_plan(plan_attention(causal, H100_SXM))
     assert default_config(256, False).key() != default_config(256, False, release_k_late=True).key()
