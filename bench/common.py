@@ -79,8 +79,9 @@ def ratio(row: Row, peer: str) -> float | None:
 
 
 def best_ratio(row: Row, names: Sequence[str]) -> float | None:
-    """epicute / the fastest of ``names`` for one (higher-is-better) row, or None when a figure is missing."""
-    figures = [row.get(n) for n in names]
+    """epicute / the fastest peer among ``names`` for one (higher-is-better) row, or None when a figure
+    is missing; epicute's own reference figures (``epicute_*``, e.g. the plain GEMM) are not peers."""
+    figures = [row.get(n) for n in names if not n.startswith("epicute")]
     figures = [f for f in figures if isinstance(f, (int, float)) and f > 0]
     ours = row.get("epicute")
     if not figures or not isinstance(ours, (int, float)):

@@ -9,7 +9,8 @@ free epilogue would reach; the target is fused time <= 1.03x of it at the large
 shapes, <= 1.10x at M <= 1024) and, for ``ffn``, quack's fused bias + residual
 (quack has no gelu in ``gemm_add``, so it does less work; its default
 config, ``tuned=False``, as in bench/gemm.py). Effective
-TFLOPS = 2MNK / time, timed over rotating input sets (cold L2) like bench/gemm.py.
+TFLOPS = 2MNK / time, timed over rotating input sets (cold L2) like bench/gemm.py,
+as the median of three rounds that interleave the contenders.
 Writes bench/results/epilogue.json (and $OUT/epilogue.json).
 
 Usage: python bench/epilogue.py [--shapes MxNxK,...] [--epilogues ffn,rowcol_fp8]
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
@@ -27,6 +29,8 @@ import torch.nn.functional as F
 from common import Row, print_table, time_cuda, write_result
 from gemm import make_sets, parse_shapes, rotating
 
+#: Timing rounds per case, contenders interleaved within each.
+ROUNDS = 3
 SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (1024, 14336, 4096), (512, 4096, 4096)]
 ALPHA = 0.5
 FP8 = torch.float8_e4m3fn
@@ -101,15 +105,17 @@ def main() -> int:
     for m, n, k in args.shapes:
         sets = make_sets(m, n, k)
         plain = rotating(lambda a, b, d: epicute.gemm(a, b, out=d), sets)
-        plain_tflops = round(2 * m * n * k / time_cuda(plain) / 1e9, 1)
+        plain()  # compiles outside any timing
         for case in args.epilogues.split(","):
             ops, reference, fns, d_dtype = CASES[case](epicute, m, n)
             outs = [torch.empty(m, n, device="cuda", dtype=d_dtype) for _ in sets]
+            pairs = [(a, b, d) for (a, b, _), d in zip(sets, outs)]
             a0, b0, _ = sets[0]
             # The same math in fp32, rounded once to D's dtype as the kernel rounds.
             ref = reference(a0.float() @ b0.float(), ops).to(d_dtype).float()
             row: Row = {"case": f"{case} {m}x{n}x{k}"}
-            for name, fn in fns.items():
+            timed = {}
+            for name, fn in fns.items():  # untimed first calls (compiles), checked against the reference
                 try:
                     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32).to(d_dtype)
                     fn(a0, b0, out, ops)
@@ -120,15 +126,21 @@ def main() -> int:
                     if name == "epicute" and not err <= TOLERANCE:
                         all_ok = False
                         raise AssertionError(f"rel err {err:.2e} > {TOLERANCE}")
-                    pairs = [(a, b, d) for (a, b, _), d in zip(sets, outs)]
-                    ms = time_cuda(rotating(lambda a, b, d, fn=fn, ops=ops: fn(a, b, d, ops), pairs))
-                    row[name] = round(2 * m * n * k / ms / 1e9, 1)
+                    timed[name] = rotating(lambda a, b, d, fn=fn, ops=ops: fn(a, b, d, ops), pairs)
                 except Exception as exc:  # noqa: BLE001 - one failing contender must not stop the rest
                     print(f"  {row['case']} {name:12s} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
                     row[name] = None
-            row["epicute_plain"] = plain_tflops
+            timed["epicute_plain"] = plain
+            # Interleaved rounds, median per contender (the plain GEMM too, so the fused/plain
+            # ratio compares figures from the same rounds): see bench/attention.py.
+            samples: dict[str, list[float]] = {name: [] for name in timed}
+            for _ in range(ROUNDS):
+                for name, fn in timed.items():
+                    samples[name].append(time_cuda(fn))
+            for name, times in samples.items():
+                row[name] = round(2 * m * n * k / statistics.median(times) / 1e9, 1)
             if row.get("epicute"):
-                print(f"  {row['case']}: fused time {plain_tflops / row['epicute']:.3f}x of the plain GEMM")
+                print(f"  {row['case']}: fused time {row['epicute_plain'] / row['epicute']:.3f}x of the plain GEMM")
             rows.append(row)
         torch.cuda.empty_cache()
     print_table(rows, "TFLOPS")
