@@ -540,6 +540,7 @@ class AttentionSm90:
             row_sum = cute.make_rmem_tensor(rows, Float32)
             row_scale = cute.make_rmem_tensor(rows, Float32)
 
+            # score_mod leaves that are constant over the tile, loaded once.
             index_bh = {"b": batch.to(Float32), "h": head.to(Float32)}
             score_operands = {}
             if cutlass.const_expr(self.score_mod is not None):
@@ -609,8 +610,7 @@ class AttentionSm90:
             wait_full(v_pipe, read)
             self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read.index], n_blocks > 1, 0)
             v_pipe.consumer_release(read)
-
-            read.advance()
+            read.advance()  # the next tile's first block, on the ring's next stage
 
             self._epilogue(
                 tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, sQ, tma_o, mO, mLSE,

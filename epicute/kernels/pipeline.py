@@ -211,9 +211,9 @@ class RingState:
     ``pipeline.PipelineState`` carries (count, index, phase) and advances with a
     compare and two selects; here ``index = count % stages`` and ``phase =
     (count // stages) % 2`` are derived where used (a mask and a shift for
-    power-of-two rings), so a loop carries a single Int32. It
-    duck-types ``PipelineState`` for the ring methods, which read only ``index``
-    and ``phase``. Producers start one phase ahead (every buffer starts empty).
+    power-of-two rings), so a loop carries a single Int32. It duck-types
+    ``PipelineState`` for the ring methods, which read only ``index`` and
+    ``phase``. Producers start one phase ahead (every buffer starts empty).
     """
 
     def __init__(self, stages: int, count):
