@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import Row, print_table, time_cuda, write_result
+from common import Row, print_table, time_interleaved, write_result
 
 #: (head_dim, seqlen, batch, heads)
 CASES = [
@@ -29,8 +28,6 @@ CASES = [
 QUICK = [(128, 8192, 4, 16), (64, 4096, 8, 8), (256, 8192, 2, 32)]
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "attention.json"
 TOLERANCE = 1e-2
-#: Timing rounds per case, contenders interleaved within each (see bench_case).
-ROUNDS = 3
 
 Attn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
@@ -79,14 +76,9 @@ def bench_case(d: int, s: int, b: int, h: int, causal: bool, fns: dict[str, Attn
             outputs[name] = fn(q, k, v, causal)
         except Exception as exc:  # noqa: BLE001 - a failing contender leaves its cell empty
             print(f"{row['case']}: {name} failed: {type(exc).__name__}: {str(exc)[:300]}")
-    # Interleaved rounds, median per contender: whoever is timed first after the untimed calls
-    # above would otherwise meet the GPU still ramping its clocks, and drift hits all alike.
-    samples: dict[str, list[float]] = {name: [] for name in outputs}
-    for _ in range(ROUNDS):
-        for name in outputs:
-            samples[name].append(time_cuda(lambda fn=fns[name]: fn(q, k, v, causal), warmup=5, iters=20))
-    for name, times in samples.items():
-        row[name] = round(flops / statistics.median(times) / 1e9, 1)
+    timed = {name: (lambda fn=fns[name]: fn(q, k, v, causal)) for name in outputs}
+    for name, ms in time_interleaved(timed, warmup=5, iters=20).items():
+        row[name] = round(flops / ms / 1e9, 1)
     ours = outputs.pop("epicute", None)
     ok = ours is not None
     if ok and outputs:

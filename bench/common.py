@@ -27,6 +27,14 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) ->
     return timed(fn, warmup=warmup, iters=iters)
 
 
+def time_interleaved(fns: dict[str, Callable[[], object]], **timing) -> dict[str, float]:
+    """Median CUDA-event milliseconds per contender over interleaved rounds:
+    :func:`epicute.benchmark.time_interleaved`, imported on first use like :func:`time_cuda`."""
+    from epicute.benchmark import time_interleaved as timed
+
+    return timed(fns, **timing)
+
+
 # Distribution names whose versions are recorded when installed; epicute and the DSL always appear.
 _OPTIONAL_DISTS = ("quack-kernels", "flash-attn-4")
 

@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import Row, print_table, time_cuda, write_result
+from common import Row, print_table, time_interleaved, write_result
 from gemm import make_sets, parse_shapes, rotating
 
-#: Timing rounds per case, contenders interleaved within each.
-ROUNDS = 3
 SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (1024, 14336, 4096), (512, 4096, 4096)]
 ALPHA = 0.5
 FP8 = torch.float8_e4m3fn
@@ -130,15 +127,10 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001 - one failing contender must not stop the rest
                     print(f"  {row['case']} {name:12s} FAILED: {type(exc).__name__}: {str(exc)[:300]}")
                     row[name] = None
+            # The plain GEMM in the same rounds, so the fused/plain ratio compares like with like.
             timed["epicute_plain"] = plain
-            # Interleaved rounds, median per contender (the plain GEMM too, so the fused/plain
-            # ratio compares figures from the same rounds): see bench/attention.py.
-            samples: dict[str, list[float]] = {name: [] for name in timed}
-            for _ in range(ROUNDS):
-                for name, fn in timed.items():
-                    samples[name].append(time_cuda(fn))
-            for name, times in samples.items():
-                row[name] = round(2 * m * n * k / statistics.median(times) / 1e9, 1)
+            for name, ms in time_interleaved(timed).items():
+                row[name] = round(2 * m * n * k / ms / 1e9, 1)
             if row.get("epicute"):
                 print(f"  {row['case']}: fused time {row['epicute_plain'] / row['epicute']:.3f}x of the plain GEMM")
             rows.append(row)

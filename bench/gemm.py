@@ -1,6 +1,8 @@
 """bf16 GEMM throughput: epicute.gemm vs cuBLAS (torch.matmul) and quack, in TFLOPS.
 
 Usage: python bench/gemm.py [--all | --shapes 4096x4096x4096,...] [--out PATH] [--quack-tuned]
+Each shape: every contender's first call is checked against fp32 torch and not timed, then all
+are timed over rotating input sets (cold L2) as the median of three interleaved rounds.
 Writes bench/results/gemm.json (and $OUT/gemm.json when OUT is set). Exits 1 when epicute
 failed or was wrong on any case, 2 without a CUDA device.
 """
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import Row, print_table, time_cuda, write_result
+from common import Row, print_table, time_interleaved, write_result
 
 Shape = tuple[int, int, int]
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]  # (a, b, out): writes out
@@ -102,12 +104,10 @@ def run_case(shape: Shape, fns: dict[str, Gemm], seen_errors: set[str]) -> tuple
     row: Row = {"case": f"bf16 {m}x{n}x{k}"}
     epicute_ok = True
     print(f"{row['case']}: {len(sets)} rotating input sets")
-    for name, fn in fns.items():
+    checked = {}
+    for name, fn in fns.items():  # untimed first calls (compiles), checked against the reference
         try:
             err = rel_error(fn, a0, b0, ref)
-            flag = "" if err <= TOLERANCE else f"   <<<<<<<< WRONG: rel err > {TOLERANCE:g} >>>>>>>>"
-            print(f"  {name:8s} rel err {err:.2e}{flag}")
-            ms = time_cuda(rotating(fn, sets))
         except Exception as exc:  # noqa: BLE001 - a failing contender must not stop the others
             message = f"{name}: {type(exc).__name__}: {exc}"
             if message not in seen_errors:
@@ -119,9 +119,13 @@ def run_case(shape: Shape, fns: dict[str, Gemm], seen_errors: set[str]) -> tuple
                 row["epicute"] = None
                 epicute_ok = False
             continue
-        row[name] = round(2 * m * n * k / (ms * 1e-3) / 1e12, 1)
+        flag = "" if err <= TOLERANCE else f"   <<<<<<<< WRONG: rel err > {TOLERANCE:g} >>>>>>>>"
+        print(f"  {name:8s} rel err {err:.2e}{flag}")
         if name == "epicute" and not err <= TOLERANCE:  # `not <=` also catches NaN
             epicute_ok = False
+        checked[name] = rotating(fn, sets)
+    for name, ms in time_interleaved(checked).items():
+        row[name] = round(2 * m * n * k / (ms * 1e-3) / 1e12, 1)
     return row, epicute_ok
 
 

@@ -27,7 +27,7 @@ DEFAULT_SHAPES: tuple[Shape, ...] = (
     (4096, 14336, 4096), (8192, 4096, 14336),
 )  # fmt: skip
 TOLERANCE = 1e-2
-#: Timing rounds per shape, contenders interleaved within each (see run_shape).
+#: Timing rounds per case, contenders interleaved within each (see time_interleaved).
 TIMING_ROUNDS = 3
 
 
@@ -101,6 +101,20 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) ->
     return statistics.median(start.elapsed_time(stop) for start, stop in events)
 
 
+def time_interleaved(
+    fns: dict[str, Callable[[], object]], *, rounds: int = TIMING_ROUNDS, **timing
+) -> dict[str, float]:
+    """Median milliseconds per contender over ``rounds`` rounds, each timing every contender once
+    (:func:`time_cuda`, ``timing`` passed on). Interleaving keeps any contender from being the one
+    timed while the GPU still ramps its clocks after untimed calls (compiles, checks), and spreads
+    drift over all alike."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(time_cuda(fn, **timing))
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def run_shape(shape: Shape, fns: dict[str, Gemm], dtype: torch.dtype = torch.bfloat16) -> dict[str, float | str | None]:
     """TFLOPS of each contender on one shape (None: failed or wrong; the reason under ``"<name>_error"``)."""
     m, n, k = shape
@@ -126,15 +140,9 @@ def run_shape(shape: Shape, fns: dict[str, Gemm], dtype: torch.dtype = torch.bfl
                 correct.append(name)
         except Exception as exc:  # noqa: BLE001 - one failing contender must not stop the others
             row[name], row[f"{name}_error"] = None, f"{type(exc).__name__}: {exc}"
-    # Interleaved rounds, median per contender: whoever is timed first after the untimed calls
-    # would otherwise meet the GPU still ramping its clocks, and drift hits all alike.
-    samples: dict[str, list[float]] = {name: [] for name in correct}
-    for _ in range(TIMING_ROUNDS):
-        for name in correct:
-            cycle = itertools.cycle(sets)
-            samples[name].append(time_cuda(lambda fn=fns[name], cycle=cycle: fn(*next(cycle)), warmup=5, iters=30))
-    for name, times in samples.items():
-        row[name] = round(2 * m * n * k / (statistics.median(times) * 1e-3) / 1e12, 1)
+    timed = {name: (lambda fn=fns[name], cycle=itertools.cycle(sets): fn(*next(cycle))) for name in correct}
+    for name, ms in time_interleaved(timed, warmup=5, iters=30).items():
+        row[name] = round(2 * m * n * k / (ms * 1e-3) / 1e12, 1)
     return row
 
 

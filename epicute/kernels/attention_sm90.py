@@ -360,11 +360,11 @@ class AttentionSm90:
         descending: every band's longest blocks start first and the short ones fill the tail,
         while the tiles in flight share the K and V of a few heads in L2.
         """
-        m_block = tile % m_blocks
-        bh = tile // m_blocks
         if cutlass.const_expr(self.lpt):
             longest_first, bh = band_coord(tile, m_blocks, head_batches, heads_per_band)
             m_block = m_blocks - 1 - longest_first
+        else:
+            m_block, bh = tile % m_blocks, tile // m_blocks
         return m_block, bh % heads, bh // heads
 
     def _n_blocks(self, m_block, seqlen_q, seqlen_k):
