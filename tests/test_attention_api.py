@@ -114,8 +114,9 @@ def test_explain_shows_whole_rows_and_smem(capsys):
     plan = epicute.explain_attention(q, kv, kv, causal=True)
     text = capsys.readouterr().out
     assert "every warp holds whole rows" in text and "GQA 4:1" in text and "ping-pong" in text
-    # Causal: one linear grid over 64 m-blocks x 16 heads x 4 batches, walked longest-first.
-    assert plan.grid == (64 * 16 * 4, 1, 1) and "longest-first in bands of 8 heads" in text
+    # Causal: one CTA per SM claiming the 64 m-blocks x 16 heads x 4 batches, longest-first.
+    assert plan.grid == (132, 1, 1) and plan.num_tiles == 64 * 16 * 4
+    assert "claims its next from an atomic counter" in text and "longest-first in bands of 8 heads" in text
 
 
 def bad(exc, match, *args, **kwargs):

@@ -3,10 +3,13 @@
 ``O = softmax(Q K^T * scale) V`` per (batch, head); a work tile is ``tile_m``
 query rows of one (batch, head). Tiles are numbered m-block fastest, or, for
 causal launches, longest query blocks first, a band of heads at a time sized so
-their K and V share L2 (:meth:`_work_coord`). A CTA runs tiles ``blockIdx.x,
-blockIdx.x + gridDim.x, ...``: one tile each, or (``persistent``) one CTA per SM
-walking tiles, so that the next tile's K loads and its Q load run under the
-current tile's epilogue instead of behind a CTA launch.
+their K and V share L2 (:meth:`_work_coord`). A CTA runs one tile, or
+(``persistent``) one CTA per SM walks tiles, so that the next tile's K loads and
+its Q load run under the current tile's epilogue instead of behind a CTA
+launch: tiles ``blockIdx.x + i * gridDim.x``, or (``dynamic_tiles``, for causal
+tiles of unequal length) whichever tile a global counter hands out next
+(:class:`TileQueue`: the producer claims, and announces each tile to the
+consumers with its Q load).
 Warp roles (as in the GEMM: producer warpgroup 0, consumers after it):
 
 - producer (warp 0): per tile, TMA loads of the first K block, then Q (through a
@@ -67,7 +70,7 @@ from epicute.kernels.pipeline import (
     release_after,
     wait_full,
 )
-from epicute.kernels.tile_scheduler import band_coord
+from epicute.kernels.tile_scheduler import TileQueue, band_coord
 from epicute.plan.attention import WGMMA_M, AttentionConfig, lpt_keys_per_band
 from epicute.plan.config import THREADS_PER_WARPGROUP
 
@@ -212,6 +215,7 @@ class AttentionSm90:
         epi_tensors: tuple,
         epi_scalars: tuple,
         max_ctas: Int32,
+        tile_counter: cute.Tensor,
         stream,
     ):
         cfg = self.cfg
@@ -244,6 +248,7 @@ class AttentionSm90:
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
             v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
+            tile_slot: cute.struct.MemRange[Int32, 1]  # the tile announced with the current Q (TileQueue)
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
@@ -268,7 +273,7 @@ class AttentionSm90:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO, mLSE,
             sQ_layout, sK_layout, sV_layout, group, heads_per_band, softmax_scale, scale_log2,
-            score_tensors, score_scalars, epi_tensors, epi_scalars,
+            score_tensors, score_scalars, epi_tensors, epi_scalars, tile_counter,
         ).launch(
             grid=(num_ctas, 1, 1),
             block=[cfg.num_threads, 1, 1],
@@ -302,6 +307,7 @@ class AttentionSm90:
         score_scalars: tuple,
         epi_tensors: tuple,
         epi_scalars: tuple,
+        tile_counter: cute.Tensor,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -328,6 +334,12 @@ class AttentionSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        _, num_tiles = self._tiles(mQ)
+        tiles = TileQueue(
+            storage.tile_slot.get_tensor(cute.make_layout(1)),
+            num_tiles,
+            tile_counter if cutlass.const_expr(cfg.dynamic_tiles) else None,
+        )
         # Barrier initialization is visible to every thread (and the async proxy) before first use.
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -336,18 +348,18 @@ class AttentionSm90:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == self.load_warp:
                 self._load(
-                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band,
+                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band, tiles,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             self._consume(
                 tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, tma_o, mO, mLSE, heads_per_band,
                 softmax_scale, scale_log2, score_tensors, score_scalars, epi_tensors, epi_scalars,
-                tidx - THREADS_PER_WARPGROUP, warp_idx == self.store_warp, seqlen_k=cute.size(mK, mode=[0]),
+                tidx - THREADS_PER_WARPGROUP, warp_idx == self.store_warp, tiles, seqlen_k=cute.size(mK, mode=[0]),
             )  # fmt: skip
 
     def _tiles(self, mQ):
-        """(m-blocks, tiles): this CTA walks tiles ``blockIdx.x, blockIdx.x + gridDim.x, ...`` below ``tiles``."""
+        """(m-blocks, work tiles)."""
         m_blocks = cute.ceil_div(cute.size(mQ, mode=[0]), self.cfg.tile_m)
         return m_blocks, m_blocks * cute.size(mQ, mode=[2]) * cute.size(mQ, mode=[3])
 
@@ -383,7 +395,7 @@ class AttentionSm90:
 
     @cute.jit
     def _load(
-        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band,
+        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band, tiles,
     ):  # fmt: skip
         cfg = self.cfg
         d = cfg.head_dim
@@ -394,7 +406,8 @@ class AttentionSm90:
         state = RingState.producer(cfg.stages)
         q_state = RingState.producer(1)
         m_blocks, num_tiles = self._tiles(mQ)
-        for tile in cutlass.range(cute.arch.block_idx()[0], num_tiles, cute.arch.grid_dim()[0], unroll=1):
+        tile = tiles.first()
+        while tile < num_tiles:
             m_block, head, batch = self._work_coord(tile, m_blocks, heads, head_batches, heads_per_band)
             n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
             gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, d), (m_block, 0))
@@ -409,7 +422,7 @@ class AttentionSm90:
             k_pipe.producer_acquire(state)
             cute.copy(tma_k, tKgK[None, n_blocks - 1], tKsK[None, state.index],
                       tma_bar_ptr=k_pipe.producer_get_barrier(state))  # fmt: skip
-            q_pipe.producer_acquire(q_state)
+            tiles.announce(q_pipe, q_state, tile)  # the consumers learn the tile with its Q
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
             q_state.advance()
             # K runs one block ahead of V: K[n - 1] is in flight before V[n].
@@ -426,6 +439,10 @@ class AttentionSm90:
             v_pipe.producer_acquire(state)
             cute.copy(tma_v, tVgV[None, 0], tVsV[None, state.index], tma_bar_ptr=v_pipe.producer_get_barrier(state))
             state.advance()
+            # Claimed once this tile's loads are issued, as late as the ring allows: the consumers
+            # are a few blocks from its end, so a dynamic claim sees how the other CTAs got on.
+            tile = tiles.claim_next(tile)
+        tiles.announce_end(q_pipe, q_state)
         # No producer_tail: without a cluster no remote CTA arrives on our barriers.
 
     # ------------------------------------------------------------ consumers
@@ -504,7 +521,7 @@ class AttentionSm90:
     def _consume(
         self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, tma_o, mO, mLSE, heads_per_band,
         softmax_scale, scale_log2, score_tensors, score_scalars, epi_tensors, epi_scalars, mma_tidx, is_store_warp,
-        seqlen_k,
+        tiles, seqlen_k,
     ):  # fmt: skip
         cfg = self.cfg
         d = cfg.head_dim
@@ -530,7 +547,10 @@ class AttentionSm90:
         heads = cute.size(mO, mode=[2])
         head_batches = heads * cute.size(mO, mode=[3])
         m_blocks, num_tiles = self._tiles(mO)
-        for tile in cutlass.range(cute.arch.block_idx()[0], num_tiles, cute.arch.grid_dim()[0], unroll=1):
+        # Each tile's index arrives with its Q (TileQueue).
+        wait_full(q_pipe, q_read)
+        tile = tiles.current()
+        while tile < num_tiles:
             m_block, head, batch = self._work_coord(tile, m_blocks, heads, head_batches, heads_per_band)
             n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
             acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
@@ -551,7 +571,6 @@ class AttentionSm90:
 
             # ---- first (right-most) block, peeled: its softmax is compile-time is_first.
             n = n_blocks - 1
-            wait_full(q_pipe, q_read)
             wait_full(k_pipe, read)
             mma_turns.wait(wg)
             self._wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
@@ -620,6 +639,8 @@ class AttentionSm90:
             if is_store_warp:
                 q_pipe.consumer_release(q_read)
             q_read.advance()
+            wait_full(q_pipe, q_read)
+            tile = tiles.current()
         store.drain(is_store_warp)
 
     @cute.jit

@@ -1,6 +1,6 @@
-"""A static persistent tile scheduler with grouped rasterization.
+"""Persistent tile schedulers: the GEMM's static one with grouped rasterization, attention's queue.
 
-The grid is ``(cluster_m, cluster_n, num_launched_clusters)``; cluster ``z``
+GEMM: the grid is ``(cluster_m, cluster_n, num_launched_clusters)``; cluster ``z``
 processes linear cluster ids ``z, z + grid_z, z + 2 grid_z, ...`` until the
 problem is exhausted. A linear id maps to (cluster_m, cluster_n, batch) through
 *bands* of ``group`` clusters across the raster's minor axis; a band is walked
@@ -14,6 +14,9 @@ talking to each other.
 
 :func:`band_coord` is the band walk on its own; the attention kernel orders its
 causal work with it too (longest query blocks first, a band of heads at a time).
+:class:`TileQueue` is the attention kernel's walk over its linear tile order:
+strided, or claimed from a global counter when tiles differ in length; its
+producer announces each tile to the consumers through shared memory.
 """
 
 from __future__ import annotations
@@ -61,7 +64,9 @@ class TileScheduler:
         return [v for x in (self.clusters_m, self.clusters_n, self.num_batches) for v in extract_mlir_values(x)]
 
     def __new_from_mlir_values__(self, values):
-        m, n, l = (new_from_mlir_values(x, [v]) for x, v in zip((self.clusters_m, self.clusters_n, self.num_batches), values))
+        m, n, l = (
+            new_from_mlir_values(x, [v]) for x, v in zip((self.clusters_m, self.clusters_n, self.num_batches), values)
+        )
         return TileScheduler(m, n, l, self.cluster_shape_mn, self.group, self.raster_along_m)
 
     @staticmethod
@@ -104,3 +109,70 @@ class TileScheduler:
             cn * self.cluster_shape_mn[1] + Int32(cta_n),
             batch,
         )
+
+
+class TileQueue:
+    """Work tiles of a persistent CTA, claimed by its producer warp and announced to its consumers.
+
+    A CTA starts on tile ``blockIdx.x``. Its next tile is either static (``tile +
+    gridDim.x``) or, with ``counter`` (a global int32 that is 0 at launch), claimed
+    dynamically: ``gridDim.x + atomicAdd(counter, 1)``, so CTAs that drew short tiles
+    come back for more and a longest-first order keeps its balance. The launch's last
+    claim returns ``num_tiles - 1`` (every tile past the first wave is claimed once, and
+    every CTA makes one last, failing claim); its claimer stores 0 back, so the next
+    launch on the stream finds the counter at 0 without a memset.
+
+    Only the producer claims; it announces each tile by writing its index to
+    ``slot`` (shared memory) before arming the full barrier of the ring that carries
+    the tile's first load (attention: Q's). A barrier arrive releases the arriving
+    thread's prior writes and a consumer's wait acquires them, so a consumer reads
+    the slot after waiting on that barrier. An index ``>= num_tiles`` ends the walk.
+    """
+
+    def __init__(self, slot: cute.Tensor, num_tiles, counter: cute.Tensor | None = None):
+        self.slot = slot
+        self.num_tiles = num_tiles
+        self.counter = counter
+
+    # Read-only inside loops: the DSL may carry it as-is.
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    def first(self):
+        return Int32(cute.arch.block_idx()[0])
+
+    @cute.jit
+    def claim_next(self, tile):
+        """The producer warp's next tile after ``tile`` (call with the whole warp)."""
+        grid = Int32(cute.arch.grid_dim()[0])
+        if cutlass.const_expr(self.counter is None):
+            return tile + grid
+        claimed = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            claimed = cute.arch.atomic_add(self.counter.iterator, Int32(1))
+            if claimed == self.num_tiles - 1:  # the launch's last claim: leave 0 for the next one
+                self.counter[0] = Int32(0)
+        return grid + cute.arch.shuffle_sync(claimed, 0)
+
+    @cute.jit
+    def announce(self, ring, state, tile):
+        """Wait for ``ring``'s stage to be free, write ``tile`` to the slot, then arm the
+        stage's full barrier for its TMA load (the caller issues the load)."""
+        ring.sync_object_empty.wait(state.index, state.phase)
+        self.slot[0] = tile  # every lane writes the same value: the arriving lane's own write is released
+        ring.sync_object_full.arrive(state.index, ring.producer_mask)
+
+    @cute.jit
+    def announce_end(self, ring, state):
+        """The consumers' stop: an out-of-range index on a stage that no load fills."""
+        ring.sync_object_empty.wait(state.index, state.phase)
+        self.slot[0] = self.num_tiles
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(ring.sync_object_full.get_barrier(state.index))
+
+    def current(self):
+        """The announced tile index (a consumer calls this after waiting on the ring's full barrier)."""
+        return self.slot[0]

@@ -81,6 +81,9 @@ class AttentionConfig(WarpRoles):
     lpt_order: bool = True
     #: One CTA per SM walking work tiles (see :attr:`AttentionPlan.grid`), instead of one CTA per tile.
     persistent: bool = False
+    #: Persistent CTAs claim their next tile from a global atomic counter (in the tile order above)
+    #: instead of striding by the grid: tiles of unequal length (causal) keep the longest-first balance.
+    dynamic_tiles: bool = False
     producer_regs: int = 24
     consumer_regs: int = 240
     reasons: tuple[str, ...] = field(default=(), compare=False, hash=False)
@@ -92,8 +95,8 @@ class AttentionConfig(WarpRoles):
     def key(self) -> tuple:
         return (
             self.head_dim, self.tile_m, self.tile_n, self.stages, self.pingpong, self.rescale_o_early,
-            self.release_k_late, self.mma_atoms_mn, self.lpt_order, self.persistent, self.producer_regs,
-            self.consumer_regs,
+            self.release_k_late, self.mma_atoms_mn, self.lpt_order, self.persistent, self.dynamic_tiles,
+            self.producer_regs, self.consumer_regs,
         )  # fmt: skip
 
     def validate(self, hardware: Hardware | None = None, dtype: str = "bf16") -> None:
@@ -117,6 +120,8 @@ class AttentionConfig(WarpRoles):
             raise ConfigError(
                 f"mma_atoms_mn={self.mma_atoms_mn}: must tile tile_m={self.tile_m} as ({self.num_mma_warpgroups}, 1)"
             )
+        if self.dynamic_tiles and not self.persistent:
+            raise ConfigError("dynamic_tiles=True needs persistent=True (one CTA per tile has nothing to claim)")
         if self.pingpong and self.num_mma_warpgroups < 2:
             raise ConfigError("pingpong=True needs at least 2 consumer warpgroups (tile_m >= 128)")
         self.validate_registers()
@@ -211,23 +216,26 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
     # go back to the producer as early as possible (d128 s8192 661 vs 640 TFLOPS, d256 729 vs 678).
     # Causal launches keep the softmax under the PV WGMMA (d128 causal 650 vs 583).
     base.update(head_dim=head_dim, release_k_late=causal)
-    # Tiles of equal length (no causal mask) run on persistent CTAs: the next tile's first K block
-    # and Q load under the current tile's epilogue (d128 s2048 638 vs 626 TFLOPS). Causal tiles
-    # differ in length and a static walk loses the longest-first balance (d256 s8192 539 vs 685),
-    # so they keep one CTA per tile and the hardware's dynamic dispatch.
-    base.update(persistent=not causal)
+    # Persistent CTAs: the next tile's first K block and Q load run under the current tile's
+    # epilogue (d128 s2048 638 vs 626 TFLOPS). Causal tiles differ in length: striding by the grid
+    # loses the longest-first balance (d256 s8192 539 vs 685), so they claim tiles from a counter
+    # (on an H200: d128 s2048 503 vs 470 for one CTA per tile, d256 s2048 580 vs 553, s8192 level).
+    base.update(persistent=True)
     base.update(overrides)
+    base.setdefault("dynamic_tiles", causal and base["persistent"])
     warpgroups = base["tile_m"] // WGMMA_M
     base.setdefault("mma_atoms_mn", (warpgroups, 1))
     if warpgroups in REGISTER_SPLIT:  # other tile_m values are refused by validate()
         base.setdefault("producer_regs", REGISTER_SPLIT[warpgroups][0])
         base.setdefault("consumer_regs", REGISTER_SPLIT[warpgroups][1])
-    if causal and base.get("lpt_order", True):
-        order = "causal: one CTA per tile, longest query blocks first, a band of L2-sized heads at a time"
-    elif base["persistent"]:
-        order = "one persistent CTA per SM: a tile's first K block and Q load under the previous tile's epilogue"
-    else:
+    if not base["persistent"]:
         order = "one CTA per tile"
+    else:
+        order = "one persistent CTA per SM: a tile's first K block and Q load under the previous tile's epilogue"
+        if base.get("dynamic_tiles"):
+            order += "; causal tiles differ in length, so each CTA claims its next tile from an atomic counter"
+    if causal and base.get("lpt_order", True):
+        order += "; longest query blocks first, a band of L2-sized heads at a time"
     return AttentionConfig(**base, reasons=(why, order))
 
 
@@ -246,6 +254,7 @@ def attention_smem_table(cfg: AttentionConfig, dtype: str = "bf16") -> list[Smem
     """Every region of the kernel's shared storage, in order (mirrors the kernel's struct)."""
     esize = DTYPE_BYTES[dtype]
     barriers = (2 + 4 * cfg.stages) * MBARRIER_BYTES
+    slot = 4
     q = cfg.tile_m * cfg.head_dim * esize
     kv = cfg.tile_n * cfg.head_dim * esize * cfg.stages
     return [
@@ -253,7 +262,11 @@ def attention_smem_table(cfg: AttentionConfig, dtype: str = "bf16") -> list[Smem
             "Q/K/V barriers", barriers,
             f"Q ring: 1 full + 1 empty mbarrier; K and V rings: {cfg.stages} full + {cfg.stages} empty each",
         ),
-        SmemItem("alignment padding", _round_up(barriers, BUFFER_ALIGN) - barriers, "buffers start 1024-aligned"),
+        SmemItem("tile slot", slot, "int32: the work tile the producer announces with each Q load"),
+        SmemItem(
+            "alignment padding", _round_up(barriers + slot, BUFFER_ALIGN) - barriers - slot,
+            "buffers start 1024-aligned",
+        ),
         SmemItem("Q (then O)", _round_up(q, BUFFER_ALIGN),
                  f"{cfg.tile_m}x{cfg.head_dim} {dtype}; the O tile is staged here for its TMA store"),
         SmemItem("K ring", _round_up(kv, BUFFER_ALIGN), f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}"),
@@ -287,7 +300,8 @@ class AttentionPlan:
 
     @property
     def grid(self) -> tuple[int, int, int]:
-        """One CTA per tile, or (persistent) one per SM walking tiles ``x, x + grid, ...``."""
+        """One CTA per tile, or (persistent) one per SM walking tiles ``x, x + grid, ...`` or
+        (``dynamic_tiles``) claiming them from a counter."""
         if self.config.persistent:
             return (min(self.num_tiles, self.hardware.num_sms), 1, 1)
         return (self.num_tiles, 1, 1)
@@ -314,7 +328,12 @@ def render_attention_plan(plan: AttentionPlan) -> str:
         "tiles",
         f"  CTA tile        {c.tile_m} query rows x {c.tile_n} keys, head_dim {c.head_dim}",
         f"  grid            {plan.grid} x {c.num_threads} threads, "
-        + (f"persistent over {plan.num_tiles} tiles: " if c.persistent else "one CTA per tile: ")
+        + (
+            f"persistent over {plan.num_tiles} tiles"
+            + (" (each CTA claims its next from an atomic counter): " if c.dynamic_tiles else " (strided): ")
+            if c.persistent
+            else "one CTA per tile: "
+        )
         + (
             f"m-blocks x heads x batch walked longest-first in bands of "
             f"{lpt_heads_per_band(p.head_dim, p.seqlen_k, DTYPE_BYTES[p.dtype])} heads (K+V fit L2)"

@@ -6,6 +6,11 @@ against fake tensors -- sizes, batch/seq/head strides and head counts symbolic,
 head_dim static and contiguous, 16-byte aligned -- so one compile serves every
 problem shape, on machines without a GPU too. Compiled variants live in the
 process-wide kernel cache under the ``"attention"`` family.
+
+Dynamically scheduled variants (``AttentionConfig.dynamic_tiles``) claim work
+tiles from an int32 counter in global memory (:func:`tile_counter`): one per
+(device, stream), zero between launches because each launch's last claim
+resets it, so a launch needs no memset and concurrent streams never share one.
 """
 
 from __future__ import annotations
@@ -83,9 +88,10 @@ def _fake_operands(fusion) -> tuple[tuple, tuple]:
 
 def compile_attention(variant: AttentionVariant):
     """Compile one variant; returns ``f(q, k, v, o, lse, softmax_scale, score_tensors, score_scalars,
-    epi_tensors, epi_scalars, max_ctas)`` taking torch tensors (layout ``(batch, seqlen, heads, head_dim)``,
-    LSE ``(batch, heads, seqlen_q)`` fp32 contiguous); a persistent variant launches at most ``max_ctas``
-    CTAs (one per SM)."""
+    epi_tensors, epi_scalars, max_ctas, tile_counter)`` taking torch tensors (layout ``(batch, seqlen,
+    heads, head_dim)``, LSE ``(batch, heads, seqlen_q)`` fp32 contiguous); a persistent variant launches
+    at most ``max_ctas`` CTAs (one per SM); a dynamically scheduled one claims tiles from
+    ``tile_counter`` (int32, one element, zero at launch), which the others never read."""
     import cutlass
     from cutlass import cute
 
@@ -101,6 +107,7 @@ def compile_attention(variant: AttentionVariant):
         stride=(cute.sym_int64(), cute.sym_int64(), 1),
         assumed_align=4,
     )
+    counter = cute.runtime.make_fake_tensor(cutlass.Int32, (1,), stride=(1,), assumed_align=4)
     score_tensors, score_scalars = _fake_operands(variant.score_mod)
     epi_tensors, epi_scalars = _fake_operands(variant.epilogue)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -111,13 +118,27 @@ def compile_attention(variant: AttentionVariant):
             warnings.filterwarnings("ignore", message=r"Argument (score|epi)_(tensors|scalars) .*cannot be converted")
             return cute.compile(
                 kernel, q, k, v, o, lse, cutlass.Float32(1.0), score_tensors, score_scalars,
-                epi_tensors, epi_scalars, cutlass.Int32(1), stream, options=compile_module.DSL_COMPILE_OPTIONS,
+                epi_tensors, epi_scalars, cutlass.Int32(1), counter, stream, options=compile_module.DSL_COMPILE_OPTIONS,
             )  # fmt: skip
     except Exception as exc:  # the DSL raises many types; report one
         raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
 
 
 ATTENTION_CACHE = KernelFamily("attention", compile_attention)
+
+
+_TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def tile_counter(device: torch.device) -> torch.Tensor:
+    """The work counter of dynamically scheduled launches on ``device``'s current stream
+    (see the module docstring): allocated zeroed on first use, then left at zero by every launch."""
+    stream = torch.cuda.current_stream(device)
+    key = (stream.device_index, stream.cuda_stream)
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 def new_lse(shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
@@ -136,5 +157,8 @@ def launch_attention(
     if out.numel():
         kernel = ATTENTION_CACHE.get(variant)
         max_ctas = current_hardware().num_sms
-        kernel(call.q, call.k, call.v, out, lse, call.softmax_scale, *score_operands, *epi_operands, max_ctas)
+        kernel(
+            call.q, call.k, call.v, out, lse, call.softmax_scale, *score_operands, *epi_operands, max_ctas,
+            tile_counter(call.q.device),
+        )  # fmt: skip
     return out, lse

@@ -18,6 +18,7 @@ import epicute
 import epicute.runtime.attention as rt_attention
 from epicute import ops
 from epicute.attention_api import _hooks, reference_attention
+from epicute.runtime.attention import tile_counter
 from epicute.runtime.validate_attention import check_attention_args
 from tests.conftest import rel_err
 
@@ -42,7 +43,15 @@ def qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16):
 def check(q, k, v, causal=False, score_mod=None, epilogue=None, config=None, **operands):
     out = torch.full_like(q, float("nan"))
     got, lse = epicute.attention(
-        q, k, v, causal=causal, score_mod=score_mod, epilogue=epilogue, out=out, return_lse=True, config=config,
+        q,
+        k,
+        v,
+        causal=causal,
+        score_mod=score_mod,
+        epilogue=epilogue,
+        out=out,
+        return_lse=True,
+        config=config,
         **operands,
     )
     assert got.data_ptr() == out.data_ptr()
@@ -123,16 +132,40 @@ def test_epilogues(d):
 
 @pytest.mark.parametrize("d", (64, 128, 256))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
-def test_persistent_ctas_walk_many_tiles(d, causal):
+@pytest.mark.parametrize("dynamic", (False, True), ids=("static", "dynamic"))
+def test_persistent_ctas_walk_many_tiles(d, causal, dynamic):
     # More tiles than SMs, so every CTA runs several (ragged m-blocks, GQA, both seqlen orders):
-    # O staged in Q's buffer and the K/V ring positions must hand over cleanly from tile to tile.
-    persistent = {"persistent": True}
+    # O staged in Q's buffer and the K/V ring positions must hand over cleanly from tile to tile,
+    # and (dynamic) every tile is claimed exactly once from the counter, which each launch leaves at 0.
+    persistent = {"persistent": True, "dynamic_tiles": dynamic}
     for b, sq, sk, hq, hkv in ((2, 1000, 1000, 24, 6), (3, 4097, 129, 8, 8), (2, 17, 4097, 96, 8)):
         check(*qkv(b, sq, sk, hq, hkv, d), causal=causal, config=persistent)
     q, k, v = qkv(2, 1000, 777, 24, 6, d)
     slopes = torch.rand(24, device="cuda")
     check(q, k, v, causal=causal, config=persistent, score_mod=lambda s, b, h, qi, ki, slopes: s + slopes * (ki - qi),
           epilogue=lambda o, gate: o * ops.sigmoid(gate), slopes=slopes, gate=torch.randn_like(q))  # fmt: skip
+    torch.cuda.synchronize()
+    assert tile_counter(q.device).item() == 0
+
+
+def test_tile_counters_are_per_stream():
+    # Two streams running dynamically scheduled launches at once must not share a counter.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        on_side = tile_counter(torch.device("cuda"))
+    assert on_side.data_ptr() != tile_counter(torch.device("cuda")).data_ptr()
+    config = {"persistent": True, "dynamic_tiles": True}
+    cases = [qkv(2, 1000, 1000, 24, 6, 128), qkv(4, 777, 2000, 16, 4, 128)]
+    outs = [torch.full_like(q, float("nan")) for q, _, _ in cases]
+    torch.cuda.synchronize()
+    for stream, (q, k, v), out in zip((torch.cuda.current_stream(), side), cases, outs):
+        with torch.cuda.stream(stream):
+            epicute.attention(q, k, v, causal=True, config=config, out=out)
+    torch.cuda.synchronize()
+    for (q, k, v), out in zip(cases, outs):
+        call = check_attention_args(q, k, v, causal=True, softmax_scale=None)
+        ref, _ = reference_attention(call, out_dtype=torch.float32, device="cuda")
+        assert rel_err(out, ref) <= TOL
 
 
 def test_score_mod_and_epilogue_together():

@@ -56,16 +56,18 @@ def test_config_errors():
 def test_plan_and_render():
     problem = AttentionProblem(batch=2, seqlen_q=1000, seqlen_k=4097, heads_q=8, heads_kv=1, head_dim=256, causal=True)
     plan = plan_attention(problem, H100_SXM)
-    assert plan.num_tiles == 8 * 8 * 2 and plan.grid == (8 * 8 * 2, 1, 1)  # one CTA per tile, linear
+    # 128 tiles <= 132 SMs: one persistent CTA each, claiming further tiles from the counter.
+    assert plan.num_tiles == 8 * 8 * 2 and plan.grid == (8 * 8 * 2, 1, 1)
     text = render_attention_plan(plan)
     assert "GQA 8:1" in text and "rows 0-15, all 80 columns" in text and "total" in text
     # 32 MiB of K+V at 4097 keys x 256 x 2 B x 2 tensors: 7 heads per band.
     assert lpt_heads_per_band(256, 4097) == 7 and "bands of 7 heads" in text
-    assert "one CTA per tile" in text
+    assert "persistent over 128 tiles (each CTA claims its next from an atomic counter)" in text
+    assert "one CTA per tile" in render_attention_plan(plan_attention(problem, H100_SXM, persistent=False))
     assert "m-block fastest" in render_attention_plan(plan_attention(problem, H100_SXM, lpt_order=False))
     # Persistent: one CTA per SM (132 on H100) walks the 128 tiles, or fewer CTAs when there are fewer tiles.
-    persistent = plan_attention(replace(problem, batch=4), H100_SXM, persistent=True)
-    assert persistent.grid == (132, 1, 1) and "persistent over 256 tiles" in render_attention_plan(persistent)
+    persistent = plan_attention(replace(problem, batch=4), H100_SXM, dynamic_tiles=False)
+    assert persistent.grid == (132, 1, 1) and "persistent over 256 tiles (strided)" in render_attention_plan(persistent)
     assert plan_attention(problem, H100_SXM, persistent=True).grid == (128, 1, 1)
     assert problem.flops == 4 * 2 * 8 * 1000 * 4097 * 256 // 2
 
@@ -95,11 +97,19 @@ def test_k_release_point_is_a_planner_choice():
     for d in (64, 128, 256):
         assert default_config(d, True).release_k_late
         assert not default_config(d, False).release_k_late
-        # Equal-length (non-causal) tiles run on persistent CTAs; causal ones keep dynamic dispatch.
-        assert default_config(d, False).persistent and not default_config(d, True).persistent
+        # Persistent CTAs everywhere; causal tiles differ in length, so those CTAs claim tiles dynamically.
+        assert default_config(d, False).persistent and default_config(d, True).persistent
+        assert default_config(d, True).dynamic_tiles and not default_config(d, False).dynamic_tiles
     assert default_config(128, False, release_k_late=True).release_k_late  # still overridable
     problem = AttentionProblem(batch=1, seqlen_q=512, seqlen_k=512, heads_q=2, heads_kv=2, head_dim=256)
     assert "K stages released when S lands" in render_attention_plan(plan_attention(problem, H100_SXM))
     causal = AttentionProblem(batch=1, seqlen_q=512, seqlen_k=512, heads_q=2, heads_kv=2, head_dim=128, causal=True)
     assert "K stages released after the softmax" in render_attention_plan(plan_attention(causal, H100_SXM))
     assert default_config(256, False).key() != default_config(256, False, release_k_late=True).key()
+
+
+def test_dynamic_tiles_need_persistent_ctas():
+    with pytest.raises(ConfigError, match="dynamic_tiles=True needs persistent=True"):
+        default_config(128, True, persistent=False, dynamic_tiles=True).validate(H100_SXM)
+    assert not default_config(128, True, persistent=False).dynamic_tiles  # one CTA per tile, as asked
+    assert default_config(128, True).key() != default_config(128, True, dynamic_tiles=False).key()
