@@ -248,7 +248,7 @@ class AttentionSm90:
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
             v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
-            tile_slot: cute.struct.MemRange[Int32, 1]  # the tile announced with the current Q (TileQueue)
+            tile_slot: cute.struct.MemRange[Int32, 4]  # a dynamic tile announced with its Q (TileQueue)
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
@@ -336,7 +336,7 @@ class AttentionSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         _, num_tiles = self._tiles(mQ)
         tiles = TileQueue(
-            storage.tile_slot.get_tensor(cute.make_layout(1)),
+            storage.tile_slot.get_tensor(cute.make_layout(4)),
             num_tiles,
             tile_counter if cutlass.const_expr(cfg.dynamic_tiles) else None,
         )
@@ -422,7 +422,7 @@ class AttentionSm90:
             k_pipe.producer_acquire(state)
             cute.copy(tma_k, tKgK[None, n_blocks - 1], tKsK[None, state.index],
                       tma_bar_ptr=k_pipe.producer_get_barrier(state))  # fmt: skip
-            tiles.announce(q_pipe, q_state, tile)  # the consumers learn the tile with its Q
+            tiles.acquire_and_announce(q_pipe, q_state, tile, (m_block, head, batch))
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
             q_state.advance()
             # K runs one block ahead of V: K[n - 1] is in flight before V[n].
@@ -547,11 +547,12 @@ class AttentionSm90:
         heads = cute.size(mO, mode=[2])
         head_batches = heads * cute.size(mO, mode=[3])
         m_blocks, num_tiles = self._tiles(mO)
-        # Each tile's index arrives with its Q (TileQueue).
-        wait_full(q_pipe, q_read)
-        tile = tiles.current()
+        tile = tiles.consumer_next(None, q_pipe, q_read)
         while tile < num_tiles:
-            m_block, head, batch = self._work_coord(tile, m_blocks, heads, head_batches, heads_per_band)
+            if cutlass.const_expr(tiles.dynamic):
+                m_block, head, batch = tiles.announced_coords(3)  # waited for with the tile's Q
+            else:
+                m_block, head, batch = self._work_coord(tile, m_blocks, heads, head_batches, heads_per_band)
             n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
             acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
             acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, d)), Float32)
@@ -571,6 +572,8 @@ class AttentionSm90:
 
             # ---- first (right-most) block, peeled: its softmax is compile-time is_first.
             n = n_blocks - 1
+            if cutlass.const_expr(not tiles.dynamic):
+                wait_full(q_pipe, q_read)
             wait_full(k_pipe, read)
             mma_turns.wait(wg)
             self._wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
@@ -639,8 +642,7 @@ class AttentionSm90:
             if is_store_warp:
                 q_pipe.consumer_release(q_read)
             q_read.advance()
-            wait_full(q_pipe, q_read)
-            tile = tiles.current()
+            tile = tiles.consumer_next(tile, q_pipe, q_read)
         store.drain(is_store_warp)
 
     @cute.jit

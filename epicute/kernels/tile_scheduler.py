@@ -26,6 +26,8 @@ import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
+from epicute.kernels.pipeline import wait_full
+
 
 def band_coord(linear, major, minor, group):
     """``(major_idx, minor_idx)`` of the ``linear``-th cell of a ``major x minor`` grid walked in
@@ -112,27 +114,30 @@ class TileScheduler:
 
 
 class TileQueue:
-    """Work tiles of a persistent CTA, claimed by its producer warp and announced to its consumers.
+    """Work tiles of a persistent CTA: a static stride, or claimed from a global counter.
 
     A CTA starts on tile ``blockIdx.x``. Its next tile is either static (``tile +
-    gridDim.x``) or, with ``counter`` (a global int32 that is 0 at launch), claimed
-    dynamically: ``gridDim.x + atomicAdd(counter, 1)``, so CTAs that drew short tiles
-    come back for more and a longest-first order keeps its balance. The launch's last
-    claim returns ``num_tiles - 1`` (every tile past the first wave is claimed once, and
-    every CTA makes one last, failing claim); its claimer stores 0 back, so the next
-    launch on the stream finds the counter at 0 without a memset.
+    gridDim.x``: every role of the CTA computes it alone) or, with ``counter`` (a
+    global int32 that is 0 at launch), claimed dynamically: ``gridDim.x +
+    atomicAdd(counter, 1)``, so CTAs that drew short tiles come back for more and a
+    longest-first order keeps its balance. The launch's last claim returns
+    ``num_tiles - 1`` (every tile past the first wave is claimed once, and every CTA
+    makes one last, failing claim); its claimer stores 0 back, so the next launch on
+    the stream finds the counter at 0 without a memset.
 
-    Only the producer claims; it announces each tile by writing its index to
-    ``slot`` (shared memory) before arming the full barrier of the ring that carries
-    the tile's first load (attention: Q's). A barrier arrive releases the arriving
-    thread's prior writes and a consumer's wait acquires them, so a consumer reads
-    the slot after waiting on that barrier. An index ``>= num_tiles`` ends the walk.
+    Dynamic tiles are claimed by the producer warp alone, which announces each one
+    to the consumers: it writes the tile's index and coordinates to ``slot`` (shared
+    memory, four int32) before arming the full barrier of the ring that carries the
+    tile's first load (attention: Q's). A barrier arrive releases the arriving
+    thread's prior writes and a consumer's wait acquires them, so the consumers read
+    the slot after waiting on that barrier; an index ``>= num_tiles`` ends their walk.
     """
 
     def __init__(self, slot: cute.Tensor, num_tiles, counter: cute.Tensor | None = None):
         self.slot = slot
         self.num_tiles = num_tiles
         self.counter = counter
+        self.dynamic = counter is not None
 
     # Read-only inside loops: the DSL may carry it as-is.
     def __extract_mlir_values__(self):
@@ -148,7 +153,7 @@ class TileQueue:
     def claim_next(self, tile):
         """The producer warp's next tile after ``tile`` (call with the whole warp)."""
         grid = Int32(cute.arch.grid_dim()[0])
-        if cutlass.const_expr(self.counter is None):
+        if cutlass.const_expr(not self.dynamic):
             return tile + grid
         claimed = Int32(0)
         if cute.arch.lane_idx() == 0:
@@ -158,21 +163,36 @@ class TileQueue:
         return grid + cute.arch.shuffle_sync(claimed, 0)
 
     @cute.jit
-    def announce(self, ring, state, tile):
-        """Wait for ``ring``'s stage to be free, write ``tile`` to the slot, then arm the
-        stage's full barrier for its TMA load (the caller issues the load)."""
+    def acquire_and_announce(self, ring, state, tile, coords: tuple):
+        """``ring.producer_acquire(state)`` for the tile's first load; dynamic tiles also get
+        their index and coordinates written to the slot between the wait and the arrive."""
         ring.sync_object_empty.wait(state.index, state.phase)
-        self.slot[0] = tile  # every lane writes the same value: the arriving lane's own write is released
+        if cutlass.const_expr(self.dynamic):
+            # Every lane writes the same values: the arriving lane's own writes are released.
+            for i, value in enumerate((tile, *coords)):
+                self.slot[i] = value
         ring.sync_object_full.arrive(state.index, ring.producer_mask)
 
     @cute.jit
     def announce_end(self, ring, state):
-        """The consumers' stop: an out-of-range index on a stage that no load fills."""
-        ring.sync_object_empty.wait(state.index, state.phase)
-        self.slot[0] = self.num_tiles
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive(ring.sync_object_full.get_barrier(state.index))
+        """Dynamic tiles: the consumers' stop, an out-of-range index on a stage no load fills."""
+        if cutlass.const_expr(self.dynamic):
+            ring.sync_object_empty.wait(state.index, state.phase)
+            self.slot[0] = self.num_tiles
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(ring.sync_object_full.get_barrier(state.index))
 
-    def current(self):
-        """The announced tile index (a consumer calls this after waiting on the ring's full barrier)."""
-        return self.slot[0]
+    @cute.jit
+    def consumer_next(self, tile, ring, state):
+        """The consumers' tile after ``tile`` (``None``: their first): static, computed here;
+        dynamic, announced (waits for ``ring``'s stage ``state`` to be full)."""
+        if cutlass.const_expr(self.dynamic):
+            wait_full(ring, state)
+            return self.slot[0]
+        if cutlass.const_expr(tile is None):
+            return self.first()
+        return tile + Int32(cute.arch.grid_dim()[0])
+
+    def announced_coords(self, count: int) -> tuple:
+        """The coordinates announced with the current dynamic tile."""
+        return tuple(self.slot[1 + i] for i in range(count))

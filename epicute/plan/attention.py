@@ -254,7 +254,7 @@ def attention_smem_table(cfg: AttentionConfig, dtype: str = "bf16") -> list[Smem
     """Every region of the kernel's shared storage, in order (mirrors the kernel's struct)."""
     esize = DTYPE_BYTES[dtype]
     barriers = (2 + 4 * cfg.stages) * MBARRIER_BYTES
-    slot = 4
+    slot = 4 * 4
     q = cfg.tile_m * cfg.head_dim * esize
     kv = cfg.tile_n * cfg.head_dim * esize * cfg.stages
     return [
@@ -262,7 +262,7 @@ def attention_smem_table(cfg: AttentionConfig, dtype: str = "bf16") -> list[Smem
             "Q/K/V barriers", barriers,
             f"Q ring: 1 full + 1 empty mbarrier; K and V rings: {cfg.stages} full + {cfg.stages} empty each",
         ),
-        SmemItem("tile slot", slot, "int32: the work tile the producer announces with each Q load"),
+        SmemItem("tile slot", slot, "int32 x 4: a dynamic tile and its coordinates, announced with its Q load"),
         SmemItem(
             "alignment padding", _round_up(barriers + slot, BUFFER_ALIGN) - barriers - slot,
             "buffers start 1024-aligned",
