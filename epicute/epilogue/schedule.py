@@ -26,6 +26,19 @@ PER_TILE = ("load_vectors", "finalize_reductions")
 
 _REDUCED_SHAPE = {"col": "(L, M)", "row": "(L, N)", "scalar": "scalar"}
 
+#: Estimated SASS instructions per element of each op as the kernel emits it (fp32; the
+#: transcendental ones with their range reduction, IEEE division and square root with
+#: their fix-up sequence). Only the epilogue's code size is estimated from this.
+OP_INSTRUCTIONS = {
+    "add": 1, "sub": 1, "mul": 1, "fma": 1, "neg": 1, "abs": 1, "minimum": 1, "maximum": 1, "relu": 1,
+    "clamp": 2, "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2, "ne": 2, "where": 2, "cast": 2, "quantize": 4,
+    "div": 10, "exp": 8, "exp2": 4, "log": 12, "sqrt": 8, "rsqrt": 2, "tanh": 15,
+    "sigmoid": 19, "silu": 19, "gelu_erf": 16, "gelu_tanh": 21, "softplus": 25,
+}  # fmt: skip
+#: Per element and per operand or output: a tile operand's smem load and conversion, a
+#: vector's smem read, a stored output's conversion and staging, a reduction's fold.
+IO_INSTRUCTIONS = {"tile_input": 2, "vector": 1, "tile_output": 2, "reduction": 4}
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -68,6 +81,19 @@ class EpilogueSchedule:
             aux_outputs=tuple(stored[name] for name in self.tile_outputs if name != "D"),
             vectors=tuple(k for k in kinds if k == "row") + tuple(k for k in kinds if k == "col"),
             chain=tuple(str(stage) for stage in self.stages),
+            instructions_per_element=self.instructions_per_element(),
+        )
+
+    def instructions_per_element(self) -> int:
+        """Estimated SASS instructions per output element (:data:`OP_INSTRUCTIONS`)."""
+        compute = next((stage.nodes for stage in self.stages if stage.kind == "compute"), ())
+        io = IO_INSTRUCTIONS
+        return (
+            sum(OP_INSTRUCTIONS[self.graph.node(i).op] for i in compute)
+            + io["tile_input"] * len(self.tile_operands)
+            + io["vector"] * len(self.vector_operands)
+            + io["tile_output"] * len(self.tile_outputs)
+            + io["reduction"] * len(self.reductions)
         )
 
     def __str__(self) -> str:

@@ -16,6 +16,11 @@ The choices, in order (measurements behind them: ``bench/results/configs*.json``
    efficiency, see :mod:`epicute.plan.roofline`). Narrow tiles win where wider
    ones leave SMs idle: 256x4096x4096 runs 64 tiles of 128x128 but 128 of
    128x64 (measured 414 vs 330 TFLOPS).
+   **epilogue code**: the epilogue is unrolled over a thread's accumulators, so
+   its code grows with elements per thread x instructions per element; past
+   :data:`EPILOGUE_CODE_BUDGET` it evicts the mainloop from the instruction
+   cache, and the planner moves to cooperative tiles with fewer elements per
+   thread.
 2. **cluster**: 2x1 (B multicast to two M-neighbours, halving its L2->SM
    traffic) when there are at least two M tiles and at least half a wave of
    tiles (measured: +12-40% on small-M shapes with a long K); otherwise 1x1,
@@ -34,7 +39,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from epicute.errors import ConfigError
-from epicute.plan.config import GemmConfig, GemmProblem
+from epicute.plan.config import THREADS_PER_WARPGROUP, GemmConfig, GemmProblem
 from epicute.plan.hardware import H100_SXM, Hardware
 from epicute.plan.roofline import estimate_seconds
 from epicute.plan.smem import (
@@ -51,6 +56,11 @@ MAX_AB_STAGES = 8
 MAX_EPI_STAGES = 4
 MIN_EPI_STAGES = 2
 EPI_TILE_N = 32
+#: Unrolled epilogue instructions per consumer thread that leave the mainloop's code in
+#: the SM's instruction cache. Measured (gelu chains at 4096x14336x4096, bench/NOTES.md):
+#: up to ~7.5k the cost follows the arithmetic; at 9-11k the kernels ran 2.2-2.9x the
+#: plain GEMM's time, with ncu's no-instruction stalls up 500-fold.
+EPILOGUE_CODE_BUDGET = 8192
 #: A fused epilogue gets ping-pong above this many waves of 128x128 tiles (see choose_schedule).
 PINGPONG_MIN_WAVES = 4
 _PLANNED_FIELDS = {
@@ -80,6 +90,36 @@ def choose_schedule(problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffer
             f"{tiles} 128x128 tiles are at most {PINGPONG_MIN_WAVES} per SM: too few for ping-pong's overlap to pay"
         )
     return "pingpong", "a fused epilogue runs under the other warpgroup's mainloop"
+
+
+def epilogue_code(epilogue: EpilogueBuffers, schedule: str, tile_m: int, tile_n: int) -> int:
+    """Estimated unrolled epilogue instructions per consumer thread of a tile."""
+    threads = THREADS_PER_WARPGROUP * (1 if schedule == "pingpong" else 2)
+    return tile_m * tile_n // threads * epilogue.instructions_per_element
+
+
+def fit_epilogue_code(
+    problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers, schedule: str, tile_n: int
+) -> tuple[str, int, str]:
+    """(schedule, tile_n, reason) whose 128-row tile keeps the epilogue's code within budget:
+    the given pair if it fits, else the widest cooperative tile that does (else the narrowest)."""
+    per_element = epilogue.instructions_per_element
+    code = epilogue_code(epilogue, schedule, 128, tile_n)
+    note = f"epilogue code ~{per_element} instructions per element x {code // per_element} per thread = {code}"
+    if code <= EPILOGUE_CODE_BUDGET:
+        return schedule, tile_n, f"{note}, within the {EPILOGUE_CODE_BUDGET} budget"
+    widest, _ = choose_tile_n(problem, hw, epilogue, "cooperative")
+    widths = [w for w in (256, 128, 64) if w <= widest] or [64]
+    width = next((w for w in widths if epilogue_code(epilogue, "cooperative", 128, w) <= EPILOGUE_CODE_BUDGET), 64)
+    return (
+        "cooperative",
+        width,
+        (
+            f"{note}, over the {EPILOGUE_CODE_BUDGET} budget (beyond it the unrolled epilogue evicts the mainloop "
+            f"from the instruction cache): cooperative 128x{width} "
+            f"({epilogue_code(epilogue, 'cooperative', 128, width)}) instead of {schedule} 128x{tile_n}"
+        ),
+    )
 
 
 def choose_tile_n(
@@ -142,7 +182,9 @@ def choose_config(
     """
     unknown = set(overrides) - set(GemmConfig.__dataclass_fields__) - {"reasons"}
     if unknown:
-        raise ConfigError(f"unknown config field(s) {sorted(unknown)}; known: {sorted(GemmConfig.__dataclass_fields__)}")
+        raise ConfigError(
+            f"unknown config field(s) {sorted(unknown)}; known: {sorted(GemmConfig.__dataclass_fields__)}"
+        )
     reasons: list[str] = []
     if "schedule" in overrides:
         schedule = overrides["schedule"]
@@ -163,6 +205,21 @@ def choose_config(
         reasons.append(f"tile {tile_m}x{tile_n}x64: {why}")
     else:
         reasons.append(f"tile {tile_m}x{tile_n}x64: requested")
+    if epilogue.instructions_per_element and tile_m == 128:
+        pinned = {"schedule", "tile_n"} & set(overrides)
+        if pinned:
+            code = epilogue_code(epilogue, schedule, tile_m, tile_n)
+            reasons.append(f"epilogue code ~{code} instructions per thread ({EPILOGUE_CODE_BUDGET} budget; "
+                           f"{' and '.join(sorted(pinned))} requested)")  # fmt: skip
+        else:
+            fitted_schedule, fitted_n, why = fit_epilogue_code(problem, hw, epilogue, schedule, tile_n)
+            if (fitted_schedule, fitted_n) != (schedule, tile_n):
+                schedule, tile_n = fitted_schedule, fitted_n
+                reasons[-2:] = [
+                    f"schedule {schedule}: see epilogue code",
+                    f"tile {tile_m}x{tile_n}x64: see epilogue code",
+                ]
+            reasons.append(why)
     tiles = _num_tiles(problem, tile_m, tile_n)
     tiles_m = _ceil_div(problem.m, tile_m)
 

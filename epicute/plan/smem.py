@@ -15,7 +15,7 @@ region with :func:`epilogue_region`, the same offsets this table prints.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from epicute.plan.config import DTYPE_BYTES, GemmConfig
 
@@ -44,8 +44,12 @@ class EpilogueBuffers:
     aux_outputs: tuple[str, ...] = ()
     #: kinds ("row" / "col") of the vector operands, staged as fp32 once per tile
     vectors: tuple[str, ...] = ()
-    #: the stage chain, as ``explain`` prints it (not part of the layout)
-    chain: tuple[str, ...] = field(default=(), compare=False)
+    #: the stage chain, as ``explain`` prints it (not part of the layout, but part of the
+    #: identity: plans are cached by these buffers, and each epilogue's plan shows its own chain)
+    chain: tuple[str, ...] = ()
+    #: estimated SASS instructions per output element (the epilogue is unrolled over a
+    #: thread's elements, so this sizes its code: see ``heuristics.EPILOGUE_CODE_BUDGET``)
+    instructions_per_element: int = 0
 
     @property
     def loads_tiles(self) -> bool:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from epicute import ops
-from epicute.epilogue.schedule import Stage, schedule
+from epicute.epilogue.schedule import IO_INSTRUCTIONS, OP_INSTRUCTIONS, Stage, schedule
 from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import EpilogueError
 
@@ -101,3 +101,17 @@ def test_operand_specs_must_match_the_graph():
 def test_stage_scope_and_str():
     assert Stage("load_vectors", "x").scope == "tile" and Stage("compute", "y").scope == "subtile"
     assert str(Stage("advance", "next")) == "subtile  advance              next"
+
+
+def test_instructions_per_element_counts_ops_and_io():
+    sched = schedule(traced({"pre": torch.float32}))
+    io = IO_INSTRUCTIONS
+    # mul, add, gelu, add; one tile operand, one vector; D and "pre" stored; two reductions.
+    expected = 1 + 1 + OP_INSTRUCTIONS["gelu_erf"] + 1 + io["tile_input"] + io["vector"]
+    expected += 2 * io["tile_output"] + 2 * io["reduction"]
+    assert sched.instructions_per_element() == expected
+    assert sched.buffers().instructions_per_element == expected
+    # Every elementwise op of the language has a cost.
+    from epicute.epilogue.graph import ELEMENTWISE
+
+    assert set(OP_INSTRUCTIONS) == set(ELEMENTWISE)

@@ -199,3 +199,47 @@ def test_fused_epilogue_shrinks_the_ab_ring_and_shows_in_the_roofline():
     text = render_plan(fused)
     assert "under the other warpgroup's mainloop (ping-pong)" in text and "takes turns with warpgroup 2" in text
     assert "epilogue chain" in text and "tile load_vectors" in text and "epilogue        +268.44 MB" in text
+
+
+def test_epilogue_code_over_budget_moves_to_cooperative_tiles():
+    from epicute.plan.heuristics import EPILOGUE_CODE_BUDGET, epilogue_code
+    from epicute.plan.smem import EpilogueBuffers
+
+    problem = GemmProblem(4096, 14336, 4096)
+
+    def plan(per_element):
+        epi = EpilogueBuffers(
+            tile_inputs=("bf16",), vectors=("row",), chain=("x",), instructions_per_element=per_element
+        )
+        return choose_config(problem, H100_SXM, epi), epi
+
+    # One or two gelus (24 / 40 per element): ping-pong 128x192, 192 elements per thread, within budget.
+    for per_element in (24, 40):
+        cfg, epi = plan(per_element)
+        assert (cfg.schedule, cfg.tile_n) == ("pingpong", 192)
+        assert epilogue_code(epi, "pingpong", 128, 192) <= EPILOGUE_CODE_BUDGET
+        assert any("within the 8192 budget" in r for r in cfg.reasons)
+    # Three gelus (56): 10752 unrolled on ping-pong 128x192 -> cooperative 128x256 (128 per thread).
+    cfg, _ = plan(56)
+    assert (cfg.schedule, cfg.tile_n) == ("cooperative", 256)
+    assert any("cooperative 128x256 (7168) instead of pingpong 128x192" in r for r in cfg.reasons)
+    # Four (72): 128x256 would still be 9216 -> 128x128.
+    cfg, _ = plan(72)
+    assert (cfg.schedule, cfg.tile_n) == ("cooperative", 128)
+    # What the caller pins is kept, with the estimate reported.
+    cfg = choose_config(problem, H100_SXM, plan(72)[1], schedule="pingpong", tile_n=192)
+    assert (cfg.schedule, cfg.tile_n) == ("pingpong", 192)
+    assert any("13824 instructions per thread" in r and "requested" in r for r in cfg.reasons)
+
+
+def test_plans_of_different_epilogues_with_equal_buffers_are_not_shared():
+    import epicute
+    from epicute import ops
+
+    a = torch.empty(256, 256, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(256, 512, dtype=torch.bfloat16, device="meta")
+    bias = epicute.RowVector(torch.empty(512, dtype=torch.bfloat16, device="meta"))
+    relu = epicute.explain(a, b, epilogue=lambda acc, bias: ops.relu(acc + bias), bias=bias)
+    gelu = epicute.explain(a, b, epilogue=lambda acc, bias: ops.gelu(acc + bias), bias=bias)
+    assert "relu" in " ".join(relu.epilogue.chain) and "gelu_erf" in " ".join(gelu.epilogue.chain)
+    assert gelu.epilogue.instructions_per_element > relu.epilogue.instructions_per_element
