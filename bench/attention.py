@@ -2,7 +2,7 @@
 
 Usage: python bench/attention.py [--quick] [--out PATH]
 Cases keep batch * heads = 64 (the flash-attn convention), causal and not; each figure
-is the median of 3 rounds that interleave the contenders (20 timed calls each). FLOPs are
+is the median of 5 rounds that interleave the contenders (20 timed calls each). FLOPs are
 4 * b * h * sq * sk * d, halved for causal (as flash-attn reports). Writes
 bench/results/attention.json (and $OUT/attention.json when OUT is set). Exits 1 when
 epicute was wrong on any case, 2 without a CUDA device.

@@ -10,7 +10,7 @@ shapes, <= 1.10x at M <= 1024) and, for ``ffn``, quack's fused bias + residual
 (quack has no gelu in ``gemm_add``, so it does less work; its default
 config, ``tuned=False``, as in bench/gemm.py). Effective
 TFLOPS = 2MNK / time, timed over rotating input sets (cold L2) like bench/gemm.py,
-as the median of three rounds that interleave the contenders.
+as the median of five rounds that interleave the contenders.
 Writes bench/results/epilogue.json (and $OUT/epilogue.json).
 
 Usage: python bench/epilogue.py [--shapes MxNxK,...] [--epilogues ffn,rowcol_fp8]

@@ -3,7 +3,7 @@
 Each shape is checked against float32 torch first (a wrong kernel is reported,
 never timed), then timed with CUDA events over rotating inputs (so L2 starts
 cold) for epicute, cuBLAS (``torch.matmul``) and quack when it is installed:
-the median of three rounds that interleave the contenders.
+the median of five rounds that interleave the contenders.
 The plot needs matplotlib (``pip install 'epicute[plot]'``).
 """
 
@@ -27,8 +27,9 @@ DEFAULT_SHAPES: tuple[Shape, ...] = (
     (4096, 14336, 4096), (8192, 4096, 14336),
 )  # fmt: skip
 TOLERANCE = 1e-2
-#: Timing rounds per case, contenders interleaved within each (see time_interleaved).
-TIMING_ROUNDS = 3
+#: Timing rounds per case, contenders interleaved within each (see time_interleaved). Five: single
+#: rounds of one attention config spread 628-718 TFLOPS in one process on the device.
+TIMING_ROUNDS = 5
 
 
 def parse_shapes(text: str) -> list[Shape]:
