@@ -185,41 +185,35 @@ def choose_config(
         raise ConfigError(
             f"unknown config field(s) {sorted(unknown)}; known: {sorted(GemmConfig.__dataclass_fields__)}"
         )
-    reasons: list[str] = []
     if "schedule" in overrides:
-        schedule = overrides["schedule"]
-        reasons.append(f"schedule {schedule}: requested")
+        schedule, schedule_why = overrides["schedule"], "requested"
     elif overrides.get("tile_n") == 256:
-        schedule = "cooperative"
-        reasons.append("schedule cooperative: a 128x256 tile needs both warpgroups' registers")
+        schedule, schedule_why = "cooperative", "a 128x256 tile needs both warpgroups' registers"
     elif overrides.get("persistent") is False or overrides.get("epi_reuses_ab_smem"):
-        schedule = "cooperative"
-        reasons.append("schedule cooperative: one tile per CTA leaves a ping-pong warpgroup idle")
+        schedule, schedule_why = "cooperative", "one tile per CTA leaves a ping-pong warpgroup idle"
     else:
-        schedule, why = choose_schedule(problem, hw, epilogue)
-        reasons.append(f"schedule {schedule}: {why}")
+        schedule, schedule_why = choose_schedule(problem, hw, epilogue)
     tile_m = overrides.get("tile_m", 128)
     tile_n = overrides.get("tile_n")
     if tile_n is None:
-        tile_n, why = choose_tile_n(problem, hw, epilogue, schedule)
-        reasons.append(f"tile {tile_m}x{tile_n}x64: {why}")
+        tile_n, tile_why = choose_tile_n(problem, hw, epilogue, schedule)
     else:
-        reasons.append(f"tile {tile_m}x{tile_n}x64: requested")
+        tile_why = "requested"
+    code_why = None
     if epilogue.instructions_per_element and tile_m == 128:
         pinned = {"schedule", "tile_n"} & set(overrides)
         if pinned:
             code = epilogue_code(epilogue, schedule, tile_m, tile_n)
-            reasons.append(f"epilogue code ~{code} instructions per thread ({EPILOGUE_CODE_BUDGET} budget; "
-                           f"{' and '.join(sorted(pinned))} requested)")  # fmt: skip
+            code_why = (f"epilogue code ~{code} instructions per thread ({EPILOGUE_CODE_BUDGET} budget; "
+                        f"{' and '.join(sorted(pinned))} requested)")  # fmt: skip
         else:
-            fitted_schedule, fitted_n, why = fit_epilogue_code(problem, hw, epilogue, schedule, tile_n)
+            fitted_schedule, fitted_n, code_why = fit_epilogue_code(problem, hw, epilogue, schedule, tile_n)
             if (fitted_schedule, fitted_n) != (schedule, tile_n):
                 schedule, tile_n = fitted_schedule, fitted_n
-                reasons[-2:] = [
-                    f"schedule {schedule}: see epilogue code",
-                    f"tile {tile_m}x{tile_n}x64: see epilogue code",
-                ]
-            reasons.append(why)
+                schedule_why = tile_why = "the epilogue's code (below)"
+    reasons = [f"schedule {schedule}: {schedule_why}", f"tile {tile_m}x{tile_n}x64: {tile_why}"]
+    if code_why:
+        reasons.append(code_why)
     tiles = _num_tiles(problem, tile_m, tile_n)
     tiles_m = _ceil_div(problem.m, tile_m)
 

@@ -130,11 +130,15 @@ ATTENTION_CACHE = KernelFamily("attention", compile_attention)
 _TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def tile_counter(device: torch.device) -> torch.Tensor:
+def tile_counter(device: torch.device, dynamic: bool = True) -> torch.Tensor:
     """The work counter of dynamically scheduled launches on ``device``'s current stream
-    (see the module docstring): allocated zeroed on first use, then left at zero by every launch."""
-    stream = torch.cuda.current_stream(device)
-    key = (stream.device_index, stream.cuda_stream)
+    (see the module docstring): allocated zeroed on first use, then left at zero by every launch.
+    With ``dynamic=False``, one placeholder per device that the kernel never reads (no stream query)."""
+    if dynamic:
+        stream = torch.cuda.current_stream(device)
+        key = (stream.device_index, stream.cuda_stream)
+    else:
+        key = (device.index, None)
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
         counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
@@ -159,6 +163,6 @@ def launch_attention(
         max_ctas = current_hardware().num_sms
         kernel(
             call.q, call.k, call.v, out, lse, call.softmax_scale, *score_operands, *epi_operands, max_ctas,
-            tile_counter(call.q.device),
+            tile_counter(call.q.device, variant.config.dynamic_tiles),
         )  # fmt: skip
     return out, lse
