@@ -76,6 +76,10 @@ from epicute.plan.config import THREADS_PER_WARPGROUP
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+#: Lazy rescaling (AttentionConfig.lazy_rescale): a row's reference max moves only when a block
+#: raises it by more than this many powers of two, so unnormalized P stays <= 2**8 (exact enough
+#: in bf16/fp16, and far from overflow in the fp32 row sums).
+RESCALE_THRESHOLD = 8.0
 
 #: Operand kinds of the attention hooks, as the kernel indexes them.
 #: score_mod: "scalar", "head" ((heads_q,) vector); epilogue: "scalar", "row" ((head_dim,)), "tile" ((B, Sq, H, D)).
@@ -488,7 +492,13 @@ class AttentionSm90:
 
     @cute.jit
     def _online_softmax(self, acc_S, row_max, row_sum, row_scale, scale_log2, is_first: cutlass.Constexpr[bool]):
-        """Fold one S block into the running row max/sum; S becomes P (unnormalized); row_scale rescales O."""
+        """Fold one S block into the running row max/sum; S becomes P (unnormalized); row_scale rescales O.
+
+        With ``cfg.lazy_rescale`` a row keeps its reference max until a block raises it by more than
+        ``RESCALE_THRESHOLD`` (log2 units): P stays below 2**RESCALE_THRESHOLD, the sum and O stay
+        consistent with the max actually used (which LSE reads), and row_scale is exactly 1 on every
+        other block, so :meth:`_rescale_lazy` can skip O's rescale.
+        """
         S = _acc_rows_cols(acc_S)
         for r in cutlass.range_constexpr(cute.size(row_max)):
             s_row = S[r, None].load()
@@ -497,6 +507,11 @@ class AttentionSm90:
             # Float32(): the shuffle reduction uses fmax only for Float32, else a compare/select pair.
             m = cute.arch.warp_reduction_max(Float32(s_row.reduce(cute.ReductionOp.MAX, init, 0)), threads_in_group=4)
             m_prev = row_max[r]
+            grows = True
+            if cutlass.const_expr(self.cfg.lazy_rescale and not is_first):
+                # NaN (both -inf: nothing unmasked yet) compares false: the row keeps -inf.
+                grows = (m - m_prev) * scale_log2 > Float32(RESCALE_THRESHOLD)
+                m = cutlass.select_(grows, m, m_prev)
             row_max[r] = m
             # A row that saw only masked scores keeps max -inf; exp2 must see 0 there, not NaN.
             m_safe = cutlass.select_(m == -Float32.inf, Float32(0.0), m)
@@ -507,6 +522,8 @@ class AttentionSm90:
                 row_scale[r] = Float32(1.0)
             else:
                 scale = cute.math.exp2((m_prev - m_safe) * scale_log2, fastmath=True)
+                if cutlass.const_expr(self.cfg.lazy_rescale):
+                    scale = cutlass.select_(grows, scale, Float32(1.0))
                 row_scale[r] = scale
                 # The reduction starts from the rescaled running sum (no separate add of a block sum).
                 row_sum[r] = p.reduce(cute.ReductionOp.ADD, row_sum[r] * scale, 0)
@@ -516,6 +533,18 @@ class AttentionSm90:
         O = _acc_rows_cols(acc_O)
         for r in cutlass.range_constexpr(cute.size(row_scale)):
             O[r, None].store(O[r, None].load() * row_scale[r])
+
+    @cute.jit
+    def _rescale_lazy(self, acc_O, row_scale):
+        """O's rescale in the loop: skipped by a warp none of whose rows changed its max (lazy_rescale)."""
+        if cutlass.const_expr(self.cfg.lazy_rescale):
+            changed = row_scale[0] != Float32(1.0)
+            for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+                changed = changed | (row_scale[r] != Float32(1.0))
+            if cute.arch.vote_any_sync(changed):
+                self._rescale(acc_O, row_scale)
+        else:
+            self._rescale(acc_O, row_scale)
 
     @cute.jit
     def _consume(
@@ -602,7 +631,7 @@ class AttentionSm90:
                 self._wgmma(tiled_mma_qk, acc_S_n, tSrQ, tSrK[None, None, None, read.index], False, -1)
                 if cutlass.const_expr(cfg.rescale_o_early):
                     # The previous softmax's scale, applied while QK^T runs (the last PV has retired).
-                    self._rescale(acc_O, row_scale)
+                    self._rescale_lazy(acc_O, row_scale)
                 wait_full(v_pipe, read_v)
                 # O's accumulate flag is off for the first PV: no zero-fill of O needed.
                 self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read_v.index], i > 0, -1)
@@ -625,10 +654,10 @@ class AttentionSm90:
                 v_pipe.consumer_release(read_v)
                 pack_16bit(_acc_as_operand_a(acc_S_n), tOrP)
                 if cutlass.const_expr(not cfg.rescale_o_early):
-                    self._rescale(acc_O, row_scale)
+                    self._rescale_lazy(acc_O, row_scale)
             # ---- the last PV.
             if cutlass.const_expr(cfg.rescale_o_early):
-                self._rescale(acc_O, row_scale)
+                self._rescale_lazy(acc_O, row_scale)
             wait_full(v_pipe, read)
             self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read.index], n_blocks > 1, 0)
             v_pipe.consumer_release(read)

@@ -74,6 +74,9 @@ class AttentionConfig(WarpRoles):
     #: softmax under the PV but gives the producer less time to refill K and V. Planned for
     #: causal launches only (see :func:`default_config`).
     release_k_late: bool = True
+    #: Keep each row's reference max until a block raises it by more than 2**8, so O's rescale
+    #: (head_dim / 2 multiplies per thread and block) runs only on the few blocks that move it.
+    lazy_rescale: bool = True
     #: WGMMA atoms along (M, N) of the QK^T tiled MMA; N must be 1 (whole rows per warp).
     mma_atoms_mn: tuple[int, int] = (2, 1)
     #: Causal launches walk the m-blocks longest-first (the last query rows see the most keys),
@@ -95,7 +98,7 @@ class AttentionConfig(WarpRoles):
     def key(self) -> tuple:
         return (
             self.head_dim, self.tile_m, self.tile_n, self.stages, self.pingpong, self.rescale_o_early,
-            self.release_k_late, self.mma_atoms_mn, self.lpt_order, self.persistent, self.dynamic_tiles,
+            self.release_k_late, self.lazy_rescale, self.mma_atoms_mn, self.lpt_order, self.persistent, self.dynamic_tiles,
             self.producer_regs, self.consumer_regs,
         )  # fmt: skip
 
@@ -216,6 +219,11 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
     # go back to the producer as early as possible (d128 s8192 661 vs 640 TFLOPS, d256 729 vs 678).
     # Causal launches keep the softmax under the PV WGMMA (d128 causal 650 vs 583).
     base.update(head_dim=head_dim, release_k_late=causal)
+    # Lazy rescaling skips O's rescale (head_dim / 2 multiplies per thread) on most blocks: at d128 and
+    # d256 that beats its vote and branch (d128 s16384 666 vs 650 TFLOPS, d256 s2048 725 vs 715, d256
+    # causal s8192 700 vs 690); at d64 the rescale is 32 multiplies and it is a wash (530 vs 530,
+    # causal 434 vs 439).
+    base.setdefault("lazy_rescale", head_dim >= 128)
     # Persistent CTAs: the next tile's first K block and Q load run under the current tile's
     # epilogue (d128 s2048 638 vs 626 TFLOPS). Causal tiles differ in length: striding by the grid
     # loses the longest-first balance (d256 s8192 539 vs 685), so they claim tiles from a counter
@@ -359,6 +367,10 @@ def render_attention_plan(plan: AttentionPlan) -> str:
             + ("; O is rescaled under the QK^T WGMMA" if c.rescale_o_early else "")
             + ("; K stages released after the softmax" if c.release_k_late else "; K stages released when S lands")
         ),
+        "  rescale         " + (
+            "lazy: a row's reference max moves only when a block raises it by more than 2^8; "
+            "a warp skips O's rescale unless one of its rows moved" if c.lazy_rescale
+            else "every block (O times exp2 of the max's change)"),
         "",
         "score-row ownership (online softmax reduces rows inside a warp)",
     ]  # fmt: skip

@@ -168,6 +168,17 @@ def test_tile_counters_are_per_stream():
         assert rel_err(out, ref) <= TOL
 
 
+@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("lazy", (True, False), ids=("lazy", "eager"))
+def test_rescaling_with_growing_scores(d, lazy):
+    """Key norms ramp up 30x along the sequence, so row maxima keep rising: some blocks move a row's
+    max by less than the lazy-rescale threshold (P above 1 kept unnormalized), others by more."""
+    q, k, v = qkv(2, 1000, 4097, 4, 2, d)
+    k *= torch.linspace(1.0, 30.0, 4097, device="cuda", dtype=k.dtype)[None, :, None, None]
+    for causal in (False, True):
+        check(q, k, v, causal=causal, config={"lazy_rescale": lazy})
+
+
 def test_score_mod_and_epilogue_together():
     q, k, v = qkv(1, 129, 4097, 8, 2, 128)
     check(q, k, v, causal=True, score_mod=lambda s, b, h, qi, ki: ops.minimum(s, 2.0),

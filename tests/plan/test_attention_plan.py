@@ -108,6 +108,19 @@ def test_k_release_point_is_a_planner_choice():
     assert default_config(256, False).key() != default_config(256, False, release_k_late=True).key()
 
 
+def test_lazy_rescale_is_a_planner_choice():
+    # Skipping O's rescale pays for its vote and branch where O is large (d128, d256), not at d64.
+    for causal in (False, True):
+        assert default_config(128, causal).lazy_rescale and default_config(256, causal).lazy_rescale
+        assert not default_config(64, causal).lazy_rescale
+    assert default_config(64, False, lazy_rescale=True).lazy_rescale  # still overridable
+    assert default_config(128, False).key() != default_config(128, False, lazy_rescale=False).key()
+    lazy = AttentionProblem(batch=1, seqlen_q=512, seqlen_k=512, heads_q=2, heads_kv=2, head_dim=128)
+    eager = AttentionProblem(batch=1, seqlen_q=512, seqlen_k=512, heads_q=2, heads_kv=2, head_dim=64)
+    assert "rescale         lazy" in render_attention_plan(plan_attention(lazy, H100_SXM))
+    assert "rescale         every block" in render_attention_plan(plan_attention(eager, H100_SXM))
+
+
 def test_dynamic_tiles_need_persistent_ctas():
     with pytest.raises(ConfigError, match="dynamic_tiles=True needs persistent=True"):
         default_config(128, True, persistent=False, dynamic_tiles=True).validate(H100_SXM)
