@@ -6,10 +6,11 @@ causal launches, longest query blocks first, a band of heads at a time sized so
 their K and V share L2 (:meth:`_work_coord`). A CTA runs one tile, or
 (``persistent``) one CTA per SM walks tiles, so that the next tile's K loads and
 its Q load run under the current tile's epilogue instead of behind a CTA
-launch: tiles ``blockIdx.x + i * gridDim.x``, or (``dynamic_tiles``, for causal
-tiles of unequal length) whichever tile a global counter hands out next
-(:class:`TileQueue`: the producer claims, and announces each tile to the
-consumers with its Q load).
+launch: tiles ``blockIdx.x + i * gridDim.x``, or (``dynamic_tiles``, planned for
+every persistent launch) whichever tile a global counter hands out next, which
+keeps causal tiles of unequal length balanced and the tiles in flight a
+contiguous window of the order (:class:`TileQueue`: the producer claims, and
+announces each tile to the consumers with its Q load).
 Warp roles (as in the GEMM: producer warpgroup 0, consumers after it):
 
 - producer (warp 0): per tile, TMA loads of the first K block, then Q (through a

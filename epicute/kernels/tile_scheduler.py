@@ -15,8 +15,9 @@ talking to each other.
 :func:`band_coord` is the band walk on its own; the attention kernel orders its
 causal work with it too (longest query blocks first, a band of heads at a time).
 :class:`TileQueue` is the attention kernel's walk over its linear tile order:
-strided, or claimed from a global counter when tiles differ in length; its
-producer announces each tile to the consumers through shared memory.
+strided, or claimed from a global counter (tiles of unequal length stay balanced,
+and the tiles in flight a contiguous window of the order); its producer
+announces each tile to the consumers through shared memory.
 """
 
 from __future__ import annotations

@@ -228,9 +228,14 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
     # epilogue (d128 s2048 638 vs 626 TFLOPS). Causal tiles differ in length: striding by the grid
     # loses the longest-first balance (d256 s8192 539 vs 685), so they claim tiles from a counter
     # (on an H200: d128 s2048 503 vs 470 for one CTA per tile, d256 s2048 580 vs 553, s8192 level).
+    # Every persistent launch claims its tiles from a counter, full attention too: the tiles in
+    # flight then stay a contiguous window of the m-block-fastest order (K and V of a few heads in
+    # L2), where striding by the grid lets CTAs drift apart (H100, 7-11 interleaved rounds, static
+    # vs claimed: d128 s2048 642 vs 648, s16384 677 vs 682, s8192 666 vs 676 with single static
+    # rounds down to 528; d256 s2048 732 vs 739; d64 s4096 532 vs 533).
     base.update(persistent=True)
     base.update(overrides)
-    base.setdefault("dynamic_tiles", causal and base["persistent"])
+    base.setdefault("dynamic_tiles", base["persistent"])
     warpgroups = base["tile_m"] // WGMMA_M
     base.setdefault("mma_atoms_mn", (warpgroups, 1))
     if warpgroups in REGISTER_SPLIT:  # other tile_m values are refused by validate()
@@ -241,7 +246,10 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
     else:
         order = "one persistent CTA per SM: a tile's first K block and Q load under the previous tile's epilogue"
         if base.get("dynamic_tiles"):
-            order += "; causal tiles differ in length, so each CTA claims its next tile from an atomic counter"
+            order += (
+                "; each CTA claims its next tile from an atomic counter (causal tiles differ in length; "
+                "full ones stay a contiguous window of the tile order)"
+            )
     if causal and base.get("lpt_order", True):
         order += "; longest query blocks first, a band of L2-sized heads at a time"
     return AttentionConfig(**base, reasons=(why, order))
