@@ -79,6 +79,16 @@ def _num_tiles(problem: GemmProblem, tile_m: int, tile_n: int) -> int:
 
 def choose_schedule(problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers) -> tuple[str, str]:
     if not epilogue.chain:
+        # Ping-pong's widest tile (128x192: one warpgroup holds its accumulators) fills the last
+        # wave better than 128x256 on some shapes, and reuses more per byte than 128x128
+        # (1024x14336x4096: 716 vs 672 and 692 TFLOPS, bench/results/configs_pingpong.json).
+        cooperative = min(estimate_seconds(problem, hw, 128, n) for n in (256, 128, 64))
+        pingpong = estimate_seconds(problem, hw, 128, 192, schedule="pingpong")
+        if problem.n > 128 and pingpong < cooperative:
+            return "pingpong", (
+                f"plain GEMM: ping-pong 128x192 tiles estimated {pingpong * 1e6:.0f} us vs "
+                f"{cooperative * 1e6:.0f} us for the best cooperative tile (wave quantization)"
+            )
         return "cooperative", "plain GEMM: two warpgroups on one 128-row tile"
     tiles = _num_tiles(problem, 128, 128)
     if tiles <= PINGPONG_MIN_WAVES * hw.num_sms:

@@ -88,6 +88,16 @@ def test_wave_quantization_prefers_128_wide_tiles():
     assert "wave quantization" in cfg.reasons[1]
 
 
+def test_plain_gemm_takes_pingpong_where_its_tile_fills_the_waves_best():
+    # 1024x14336: 448 tiles of 128x256 are 3.4 waves, 896 of 128x128 need the less efficient
+    # tile; ping-pong's 600 tiles of 128x192 sit between (measured 716 vs 672 and 692 TFLOPS).
+    cfg = choose_config(GemmProblem(1024, 14336, 4096), H100_SXM)
+    assert (cfg.schedule, cfg.tile_n) == ("pingpong", 192)
+    assert "ping-pong 128x192 tiles estimated" in cfg.reasons[0]
+    for m, n, k in ((4096, 4096, 4096), (1024, 4096, 4096), (512, 14336, 4096), (8192, 8192, 8192)):
+        assert choose_config(GemmProblem(m, n, k), H100_SXM).schedule == "cooperative", (m, n, k)
+
+
 @pytest.mark.parametrize("k", [4096, 14336])
 def test_under_filled_problem_takes_narrow_tiles(k):
     # 256 x 4096: 64 tiles of 128x128 leave half the SMs idle; 128 tiles of 128x64 do not
