@@ -201,6 +201,9 @@ def choose_config(
         schedule, schedule_why = "cooperative", "a 128x256 tile needs both warpgroups' registers"
     elif overrides.get("persistent") is False or overrides.get("epi_reuses_ab_smem"):
         schedule, schedule_why = "cooperative", "one tile per CTA leaves a ping-pong warpgroup idle"
+    elif not epilogue.chain and {"tile_m", "tile_n", "epi_tile"} & set(overrides):
+        # A plain GEMM's ping-pong is a tile choice (128x192); a pinned tile keeps the default.
+        schedule, schedule_why = "cooperative", "plain GEMM with a pinned tile: two warpgroups on one 128-row tile"
     else:
         schedule, schedule_why = choose_schedule(problem, hw, epilogue)
     tile_m = overrides.get("tile_m", 128)

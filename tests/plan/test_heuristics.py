@@ -96,6 +96,10 @@ def test_plain_gemm_takes_pingpong_where_its_tile_fills_the_waves_best():
     assert "ping-pong 128x192 tiles estimated" in cfg.reasons[0]
     for m, n, k in ((4096, 4096, 4096), (1024, 4096, 4096), (512, 14336, 4096), (8192, 8192, 8192)):
         assert choose_config(GemmProblem(m, n, k), H100_SXM).schedule == "cooperative", (m, n, k)
+    # A pinned tile keeps the cooperative default (its epi_tile may not suit ping-pong).
+    pinned = choose_config(GemmProblem(1024, 14336, 4096), H100_SXM, tile_n=128, epi_tile=(128, 128))
+    assert pinned.schedule == "cooperative" and "pinned tile" in pinned.reasons[0]
+    pinned.validate()
 
 
 @pytest.mark.parametrize("k", [4096, 14336])
