@@ -102,17 +102,36 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) ->
     return statistics.median(start.elapsed_time(stop) for start, stop in events)
 
 
+def balanced_orders(n: int, rounds: int) -> list[list[int]]:
+    """``rounds`` orders of ``n`` contenders from a Williams design: over each ``n`` rounds (``2n``
+    for odd ``n``) every contender is timed right after every other one equally often."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(c + i) % n for c in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [rows[r % len(rows)] for r in range(rounds)] if n else []
+
+
 def time_interleaved(
     fns: dict[str, Callable[[], object]], *, rounds: int = TIMING_ROUNDS, **timing
 ) -> dict[str, float]:
     """Median milliseconds per contender over ``rounds`` rounds, each timing every contender once
     (:func:`time_cuda`, ``timing`` passed on). Interleaving keeps any contender from being the one
     timed while the GPU still ramps its clocks after untimed calls (compiles, checks), and spreads
-    drift over all alike."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(time_cuda(fn, **timing))
+    drift over all alike. The order changes from round to round (:func:`balanced_orders`), so no
+    contender is always timed right after the same neighbour: after a slow, low-power one the GPU
+    has power headroom and boosts its clock for whatever comes next."""
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for order in balanced_orders(len(names), rounds):
+        for i in order:
+            samples[names[i]].append(time_cuda(fns[names[i]], **timing))
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
