@@ -98,8 +98,8 @@ class AttentionConfig(WarpRoles):
     def key(self) -> tuple:
         return (
             self.head_dim, self.tile_m, self.tile_n, self.stages, self.pingpong, self.rescale_o_early,
-            self.release_k_late, self.lazy_rescale, self.mma_atoms_mn, self.lpt_order, self.persistent, self.dynamic_tiles,
-            self.producer_regs, self.consumer_regs,
+            self.release_k_late, self.lazy_rescale, self.mma_atoms_mn, self.lpt_order, self.persistent,
+            self.dynamic_tiles, self.producer_regs, self.consumer_regs,
         )  # fmt: skip
 
     def validate(self, hardware: Hardware | None = None, dtype: str = "bf16") -> None:
