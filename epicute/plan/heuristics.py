@@ -77,19 +77,25 @@ def _num_tiles(problem: GemmProblem, tile_m: int, tile_n: int) -> int:
     return _ceil_div(problem.m, tile_m) * _ceil_div(problem.n, tile_n) * problem.l
 
 
-def choose_schedule(problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers) -> tuple[str, str]:
+def choose_schedule(
+    problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers, tile_pinned: bool = False
+) -> tuple[str, str]:
     if not epilogue.chain:
-        # Ping-pong's widest tile (128x192: one warpgroup holds its accumulators) fills the last
-        # wave better than 128x256 on some shapes, and reuses more per byte than 128x128
-        # (1024x14336x4096: 716 vs 672 and 692 TFLOPS, bench/results/configs_pingpong.json).
-        cooperative = min(estimate_seconds(problem, hw, 128, n) for n in (256, 128, 64))
-        pingpong = estimate_seconds(problem, hw, 128, 192, schedule="pingpong")
-        if problem.n > 128 and pingpong < cooperative:
-            return "pingpong", (
-                f"plain GEMM: ping-pong 128x192 tiles estimated {pingpong * 1e6:.0f} us vs "
-                f"{cooperative * 1e6:.0f} us for the best cooperative tile (wave quantization)"
-            )
-        return "cooperative", "plain GEMM: two warpgroups on one 128-row tile"
+        # A plain GEMM's ping-pong is a tile choice: its widest tile (128x192, one warpgroup's
+        # accumulators) fills the last wave better than 128x256 on some shapes and reuses more
+        # per byte than 128x128 (1024x14336x4096: 716 vs 672 and 692 TFLOPS,
+        # bench/results/configs_pingpong.json). A pinned tile keeps the cooperative default.
+        if not tile_pinned and problem.n > 128:
+            coop_n, _ = choose_tile_n(problem, hw, epilogue, "cooperative")
+            cooperative = estimate_seconds(problem, hw, 128, coop_n)
+            pingpong = estimate_seconds(problem, hw, 128, 192, schedule="pingpong")
+            if pingpong < cooperative:
+                return "pingpong", (
+                    f"plain GEMM: ping-pong 128x192 tiles estimated {pingpong * 1e6:.0f} us vs "
+                    f"{cooperative * 1e6:.0f} us for cooperative 128x{coop_n} (wave quantization)"
+                )
+        why = "plain GEMM with a pinned tile" if tile_pinned else "plain GEMM"
+        return "cooperative", f"{why}: two warpgroups on one 128-row tile"
     tiles = _num_tiles(problem, 128, 128)
     if tiles <= PINGPONG_MIN_WAVES * hw.num_sms:
         # Measured, gelu/bias/residual (bench/results/configs_epilogue_{one_wave,waves}.json):
@@ -201,11 +207,9 @@ def choose_config(
         schedule, schedule_why = "cooperative", "a 128x256 tile needs both warpgroups' registers"
     elif overrides.get("persistent") is False or overrides.get("epi_reuses_ab_smem"):
         schedule, schedule_why = "cooperative", "one tile per CTA leaves a ping-pong warpgroup idle"
-    elif not epilogue.chain and {"tile_m", "tile_n", "epi_tile"} & set(overrides):
-        # A plain GEMM's ping-pong is a tile choice (128x192); a pinned tile keeps the default.
-        schedule, schedule_why = "cooperative", "plain GEMM with a pinned tile: two warpgroups on one 128-row tile"
     else:
-        schedule, schedule_why = choose_schedule(problem, hw, epilogue)
+        tile_pinned = bool({"tile_m", "tile_n", "epi_tile"} & set(overrides))
+        schedule, schedule_why = choose_schedule(problem, hw, epilogue, tile_pinned)
     tile_m = overrides.get("tile_m", 128)
     tile_n = overrides.get("tile_n")
     if tile_n is None:
