@@ -25,6 +25,11 @@ class Hardware:
     arch: str = "sm_90a"
     detected: bool = False
 
+    @property
+    def tensor_clock_hz(self) -> float:
+        """The SM clock the tensor-core peak assumes (4096 dense 16-bit FLOP per SM per cycle)."""
+        return self.peak_tflops_16bit * 1e12 / (self.num_sms * 4096)
+
 
 H100_SXM = Hardware(
     name="NVIDIA H100 SXM (assumed)",

@@ -5,8 +5,9 @@ appends a one-line reason to the config, which ``explain`` prints.
 
 The choices, in order (measurements behind them: ``bench/results/configs*.json``):
 
-0. **schedule**: cooperative 128x256 for a plain GEMM (fastest measured there);
-   ping-pong with a fused epilogue, whose math and extra bytes then run under
+0. **schedule**: cooperative for a plain GEMM, unless ping-pong's 128x192 tile is
+   estimated faster (it fills the last wave better on some shapes: 8192^3,
+   1024x14336x4096); ping-pong with a fused epilogue, whose math and extra bytes then run under
    the other warpgroup's mainloop (128x192 tiles measured 4-9% faster fused),
    unless the problem has at most four 128x128 tiles per SM: with so few
    tiles per warpgroup the overlap does not pay for a lone warpgroup's slower
@@ -31,7 +32,9 @@ The choices, in order (measurements behind them: ``bench/results/configs*.json``
    its epilogue stages D in the idle A ring and the smem goes to A/B stages.
 4. **stages**: as many A/B stages as the budget allows after the epilogue's
    minimum (2 D buffers), then leftover shared memory deepens the D buffers.
-5. **rasterization**: bands of 8 clusters across the longer output dimension.
+5. **rasterization**: bands of 8 clusters, swept along the longer output dimension (the
+   smaller operand is the one re-read per band); when M == N, the walk whose tiles in
+   flight cover the squarer block of the output.
 """
 
 from __future__ import annotations
@@ -105,7 +108,26 @@ def choose_schedule(
         return "cooperative", (
             f"{tiles} 128x128 tiles are at most {PINGPONG_MIN_WAVES} per SM: too few for ping-pong's overlap to pay"
         )
-    return "pingpong", "a fused epilogue runs under the other warpgroup's mainloop"
+    # Enough tiles: compare the two schedules' best tiles. The cooperative epilogue's
+    # arithmetic is exposed but runs on 128x256 tiles, which fill these waves better than
+    # ping-pong's 128x192 on most shapes (fused gelu, cooperative vs ping-pong TFLOPS:
+    # 4096^3 713 vs 661, 2048x8192x8192 786 vs 709, 16384x4096x4096 735 vs 704; ping-pong
+    # ahead at 4096x14336x4096 and 8192^3: bench/NOTES.md, session 9).
+    estimates = {}
+    for schedule in ("pingpong", "cooperative"):
+        width, _ = choose_tile_n(problem, hw, epilogue, schedule)
+        estimates[schedule] = (estimate_seconds(problem, hw, 128, width, epilogue, schedule), width)
+    best = min(estimates, key=lambda name: estimates[name][0])
+    other = "cooperative" if best == "pingpong" else "pingpong"
+    return best, (
+        f"fused epilogue: {best} 128x{estimates[best][1]} estimated {estimates[best][0] * 1e6:.0f} us vs "
+        f"{estimates[other][0] * 1e6:.0f} us for {other} 128x{estimates[other][1]} "
+        + (
+            "(the epilogue runs under the other warpgroup's mainloop)"
+            if best == "pingpong"
+            else "(wider tiles fill the waves better than the epilogue costs exposed)"
+        )
+    )
 
 
 def epilogue_code(epilogue: EpilogueBuffers, schedule: str, tile_m: int, tile_n: int) -> int:
@@ -152,6 +174,47 @@ def choose_tile_n(
     others = ", ".join(f"{seconds * 1e6:.0f} us for 128x{width}" for width, seconds in times.items() if width != best)
     why = {wide: "", 128: " (wave quantization)", 64: " (too few wider tiles to fill the SMs)"}[best]
     return best, f"128x{best} tiles estimated {times[best] * 1e6:.0f} us vs {others}{why}"
+
+
+def raster_window(
+    problem: GemmProblem, tile_mn: tuple[int, int], cluster: tuple[int, int], band: int, in_flight: int, along_m: bool
+) -> tuple[int, int]:
+    """(rows, columns) of the output that ``in_flight`` tiles cover at one moment when the
+    tile scheduler walks bands of ``band`` clusters (across N, swept down M if ``along_m``)."""
+    rows, cols = tile_mn[0] * cluster[0], tile_mn[1] * cluster[1]
+    clusters_m, clusters_n = _ceil_div(problem.m, rows), _ceil_div(problem.n, cols)
+    clusters = _ceil_div(in_flight, cluster[0] * cluster[1])
+    if along_m:
+        width = min(band, clusters_n)
+        return min(_ceil_div(clusters, width), clusters_m) * rows, width * cols
+    height = min(band, clusters_m)
+    return height * rows, min(_ceil_div(clusters, height), clusters_n) * cols
+
+
+def choose_raster(
+    problem: GemmProblem, tile_mn: tuple[int, int], cluster: tuple[int, int], band: int, in_flight: int
+) -> tuple[bool, str]:
+    """Whether bands run across N, swept down M (True), or across M, swept across N.
+
+    Each band re-reads the operand it sweeps: bands across N read A once per band, so the
+    longer output dimension is the one swept. When M == N that is a tie, and the walk
+    whose tiles in flight cover the squarer block of the output wins: every k-step those
+    tiles read (rows + columns) x 64 elements from L2, and the squarer block re-uses more
+    of them. Ping-pong's 128x192 tiles, two per SM, cover 4352x1536 one way and 2048x3264
+    the other at 8192^3; measured 778 vs 792 TFLOPS (bench/NOTES.md, session 9)."""
+    if problem.m != problem.n:
+        along_m = problem.m > problem.n
+        return along_m, f"{'A' if along_m else 'B'}, the smaller operand, is the one re-read per band"
+    windows = {along_m: raster_window(problem, tile_mn, cluster, band, in_flight, along_m) for along_m in (True, False)}
+    along_m = sum(windows[True]) <= sum(windows[False])
+    rows, cols = windows[along_m]
+    other = windows[not along_m]
+    if sum(windows[True]) == sum(windows[False]):
+        return True, f"M == N: either walk covers {rows}x{cols} with the {in_flight} tiles in flight"
+    return along_m, (
+        f"M == N: the {in_flight} tiles in flight cover {rows}x{cols} instead of {other[0]}x{other[1]}, "
+        "fewer A rows plus B columns per k-step"
+    )
 
 
 def fit_stages(cfg: GemmConfig, problem: GemmProblem, budget: int, epi: EpilogueBuffers = NO_EPILOGUE) -> GemmConfig:
@@ -263,7 +326,13 @@ def choose_config(
         persistent = False
         reasons.append(f"one tile per CTA ({tiles} tiles <= {hw.num_sms} SMs): D staging reuses the idle A ring")
 
-    raster_along_m = overrides.get("raster_along_m", problem.m >= problem.n)
+    if "raster_along_m" in overrides:
+        raster_along_m, raster_why = overrides["raster_along_m"], "requested"
+    else:
+        tiles_in_flight = max_clusters * cluster[0] * cluster[1] * (2 if schedule == "pingpong" else 1)
+        raster_along_m, raster_why = choose_raster(
+            problem, (tile_m, tile_n), cluster, overrides.get("swizzle", 8), tiles_in_flight
+        )
     cfg = GemmConfig(
         schedule=schedule,
         tile_m=tile_m,
@@ -296,6 +365,7 @@ def choose_config(
         )
     reasons.append(
         f"raster: bands of {cfg.swizzle} clusters along {'N, swept down M' if raster_along_m else 'M, swept across N'}"
+        f" ({raster_why})"
     )
     # Fields the planner has no opinion on (register budgets, schedule) pass through.
     passthrough = {k: v for k, v in overrides.items() if k not in _PLANNED_FIELDS}

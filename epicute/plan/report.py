@@ -90,13 +90,14 @@ def render_plan(plan: GemmPlan) -> str:
         f"  compute bound   {r.compute_s * 1e6:.1f} us at {hw.peak_tflops_16bit:.0f} TFLOP/s",
         f"  memory bound    {r.memory_s * 1e6:.1f} us at {hw.hbm_tb_per_s:.2f} TB/s",
     ]
-    if r.epilogue_bytes:
+    if r.epilogue_bytes or r.epilogue_alu_s:
         lines.append(
-            f"  epilogue        +{r.epilogue_bytes / 1e6:.2f} MB of operand/aux tiles; {r.epilogue_tile_s * 1e6:.2f} us "
+            f"  epilogue        +{r.epilogue_bytes / 1e6:.2f} MB of operand/aux tiles ({r.epilogue_tile_s * 1e6:.2f} us "
+            f"per tile, fetched under the mainloop); {r.epilogue_alu_s * 1e6:.2f} us of arithmetic per tile, "
             + (
-                "per tile, exposed (the cooperative epilogue runs with no WGMMA in flight)"
+                "exposed (the cooperative epilogue runs with no WGMMA in flight)"
                 if r.epilogue_exposed
-                else "per tile, under the other warpgroup's mainloop (ping-pong)"
+                else "under the other warpgroup's mainloop (ping-pong), which loses about half of it"
             )
         )
     lines += [

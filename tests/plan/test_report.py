@@ -12,7 +12,7 @@ import epicute
 import epicute.api
 from epicute.plan import H100_SXM, GemmPlan, GemmProblem, plan_gemm, render_plan
 
-BIG = GemmProblem(8192, 8192, 8192)
+BIG = GemmProblem(4096, 4096, 4096)
 TINY = GemmProblem(1, 8, 8, d_dtype="fp32")
 
 
@@ -34,8 +34,8 @@ def _smem_rows(text: str) -> tuple[list[int], int]:
 def test_big_plan_report_sections():
     plan = plan_gemm(BIG, H100_SXM)
     text = render_plan(plan)
-    assert text.startswith("epicute GEMM plan: D[1x8192x8192] = A[1x8192x8192] @ B[1x8192x8192]")
-    assert "CTA tile        128 x 256 x 64   (2048 output tiles)" in text
+    assert text.startswith("epicute GEMM plan: D[1x4096x4096] = A[1x4096x4096] @ B[1x4096x4096]")
+    assert "CTA tile        128 x 256 x 64   (512 output tiles)" in text
     assert "cluster         2 x 1   (TMA multicast: A to 1, B to 2 CTAs)" in text
     assert "cooperative, persistent" in text
     assert "grid            (2, 1, 66)  x 384 threads" in text
