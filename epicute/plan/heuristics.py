@@ -7,11 +7,12 @@ The choices, in order (measurements behind them: ``bench/results/configs*.json``
 
 0. **schedule**: cooperative for a plain GEMM, unless ping-pong's 128x192 tile is
    estimated faster (it fills the last wave better on some shapes: 8192^3,
-   1024x14336x4096); ping-pong with a fused epilogue, whose math and extra bytes then run under
-   the other warpgroup's mainloop (128x192 tiles measured 4-9% faster fused),
-   unless the problem has at most four 128x128 tiles per SM: with so few
-   tiles per warpgroup the overlap does not pay for a lone warpgroup's slower
-   mainloop, and cooperative measured faster.
+   1024x14336x4096). With a fused epilogue: cooperative when the problem has at
+   most four 128x128 tiles per SM (with so few tiles per warpgroup the overlap
+   does not pay for a lone warpgroup's slower mainloop); otherwise whichever
+   schedule's best tile the roofline estimates faster, charging the epilogue's
+   arithmetic in full to cooperative and half to ping-pong, which runs it under
+   the other warpgroup's mainloop.
 1. **tile_n**: cooperative from {256, 128, 64}, ping-pong from {192, 128, 64}:
    the one with the smallest estimated time (wave quantization x per-tile
    efficiency, see :mod:`epicute.plan.roofline`). Narrow tiles win where wider
@@ -206,11 +207,11 @@ def choose_raster(
         along_m = problem.m > problem.n
         return along_m, f"{'A' if along_m else 'B'}, the smaller operand, is the one re-read per band"
     windows = {along_m: raster_window(problem, tile_mn, cluster, band, in_flight, along_m) for along_m in (True, False)}
-    along_m = sum(windows[True]) <= sum(windows[False])
-    rows, cols = windows[along_m]
-    other = windows[not along_m]
     if sum(windows[True]) == sum(windows[False]):
+        rows, cols = windows[True]
         return True, f"M == N: either walk covers {rows}x{cols} with the {in_flight} tiles in flight"
+    along_m = sum(windows[True]) < sum(windows[False])
+    (rows, cols), other = windows[along_m], windows[not along_m]
     return along_m, (
         f"M == N: the {in_flight} tiles in flight cover {rows}x{cols} instead of {other[0]}x{other[1]}, "
         "fewer A rows plus B columns per k-step"
