@@ -90,8 +90,7 @@ def choose_schedule(
         # per byte than 128x128 (1024x14336x4096: 716 vs 672 and 692 TFLOPS,
         # bench/results/configs_pingpong.json). A pinned tile keeps the cooperative default.
         if not tile_pinned and problem.n > 128:
-            coop_n, _ = choose_tile_n(problem, hw, epilogue, "cooperative")
-            cooperative = estimate_seconds(problem, hw, 128, coop_n)
+            cooperative, coop_n = best_tile_estimate(problem, hw, epilogue, "cooperative")
             pingpong = estimate_seconds(problem, hw, 128, 192, schedule="pingpong")
             if pingpong < cooperative:
                 return "pingpong", (
@@ -114,10 +113,9 @@ def choose_schedule(
     # ping-pong's 128x192 on most shapes (fused gelu, cooperative vs ping-pong TFLOPS:
     # 4096^3 713 vs 661, 2048x8192x8192 786 vs 709, 16384x4096x4096 735 vs 704; ping-pong
     # ahead at 4096x14336x4096 and 8192^3: bench/NOTES.md, session 9).
-    estimates = {}
-    for schedule in ("pingpong", "cooperative"):
-        width, _ = choose_tile_n(problem, hw, epilogue, schedule)
-        estimates[schedule] = (estimate_seconds(problem, hw, 128, width, epilogue, schedule), width)
+    estimates = {
+        schedule: best_tile_estimate(problem, hw, epilogue, schedule) for schedule in ("pingpong", "cooperative")
+    }
     best = min(estimates, key=lambda name: estimates[name][0])
     other = "cooperative" if best == "pingpong" else "pingpong"
     return best, (
@@ -161,6 +159,14 @@ def fit_epilogue_code(
     )
 
 
+def best_tile_estimate(
+    problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers, schedule: str
+) -> tuple[float, int]:
+    """(estimated seconds, tile N) of ``schedule``'s best 128-row tile."""
+    width, _ = choose_tile_n(problem, hw, epilogue, schedule)
+    return estimate_seconds(problem, hw, 128, width, epilogue, schedule), width
+
+
 def choose_tile_n(
     problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers = NO_EPILOGUE, schedule: str = "cooperative"
 ) -> tuple[int, str]:
@@ -178,13 +184,12 @@ def choose_tile_n(
 
 
 def raster_window(
-    problem: GemmProblem, tile_mn: tuple[int, int], cluster: tuple[int, int], band: int, in_flight: int, along_m: bool
+    problem: GemmProblem, tile_mn: tuple[int, int], cluster: tuple[int, int], band: int, clusters: int, along_m: bool
 ) -> tuple[int, int]:
-    """(rows, columns) of the output that ``in_flight`` tiles cover at one moment when the
-    tile scheduler walks bands of ``band`` clusters (across N, swept down M if ``along_m``)."""
+    """(rows, columns) of the output that ``clusters`` clusters in flight cover at one moment when
+    the tile scheduler walks bands of ``band`` clusters (across N, swept down M if ``along_m``)."""
     rows, cols = tile_mn[0] * cluster[0], tile_mn[1] * cluster[1]
     clusters_m, clusters_n = _ceil_div(problem.m, rows), _ceil_div(problem.n, cols)
-    clusters = _ceil_div(in_flight, cluster[0] * cluster[1])
     if along_m:
         width = min(band, clusters_n)
         return min(_ceil_div(clusters, width), clusters_m) * rows, width * cols
@@ -209,11 +214,11 @@ def choose_raster(
     windows = {along_m: raster_window(problem, tile_mn, cluster, band, in_flight, along_m) for along_m in (True, False)}
     if sum(windows[True]) == sum(windows[False]):
         rows, cols = windows[True]
-        return True, f"M == N: either walk covers {rows}x{cols} with the {in_flight} tiles in flight"
+        return True, f"M == N: either walk covers {rows}x{cols} with the {in_flight} clusters in flight"
     along_m = sum(windows[True]) < sum(windows[False])
     (rows, cols), other = windows[along_m], windows[not along_m]
     return along_m, (
-        f"M == N: the {in_flight} tiles in flight cover {rows}x{cols} instead of {other[0]}x{other[1]}, "
+        f"M == N: the {in_flight} clusters in flight cover {rows}x{cols} instead of {other[0]}x{other[1]}, "
         "fewer A rows plus B columns per k-step"
     )
 
@@ -330,9 +335,10 @@ def choose_config(
     if "raster_along_m" in overrides:
         raster_along_m, raster_why = overrides["raster_along_m"], "requested"
     else:
-        tiles_in_flight = max_clusters * cluster[0] * cluster[1] * (2 if schedule == "pingpong" else 1)
+        # A ping-pong CTA has two tiles in flight, so its clusters count twice.
+        in_flight = max_clusters * (2 if schedule == "pingpong" else 1)
         raster_along_m, raster_why = choose_raster(
-            problem, (tile_m, tile_n), cluster, overrides.get("swizzle", 8), tiles_in_flight
+            problem, (tile_m, tile_n), cluster, overrides.get("swizzle", 8), in_flight
         )
     cfg = GemmConfig(
         schedule=schedule,
