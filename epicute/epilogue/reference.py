@@ -25,10 +25,16 @@ from epicute.errors import EpilogueError, ShapeError
 
 Tensor = torch.Tensor
 
+
+def _gelu_erf(x: Tensor) -> Tensor:
+    """torch's gelu, except at +-inf: the limits inf and 0, as the kernel computes them (torch gives NaN)."""
+    return torch.where(x.isinf(), x.clamp(min=0.0), F.gelu(x))
+
+
 _UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log,
     "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
-    "relu": torch.relu, "gelu_erf": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": torch.relu, "gelu_erf": _gelu_erf, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "silu": F.silu, "softplus": F.softplus,
 }  # fmt: skip
 _BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {

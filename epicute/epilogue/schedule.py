@@ -33,7 +33,7 @@ OP_INSTRUCTIONS = {
     "add": 1, "sub": 1, "mul": 1, "fma": 1, "neg": 1, "abs": 1, "minimum": 1, "maximum": 1, "relu": 1,
     "clamp": 2, "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2, "ne": 2, "where": 2, "cast": 2, "quantize": 4,
     "div": 10, "exp": 8, "exp2": 4, "log": 12, "sqrt": 8, "rsqrt": 2, "tanh": 15,
-    "sigmoid": 19, "silu": 19, "gelu_erf": 16, "gelu_tanh": 21, "softplus": 25,
+    "sigmoid": 19, "silu": 19, "gelu_erf": 14, "gelu_tanh": 21, "softplus": 25,
 }  # fmt: skip
 #: Per element and per operand or output: a tile operand's smem load and conversion, a
 #: vector's smem read, a stored output's conversion and staging, a reduction's fold.

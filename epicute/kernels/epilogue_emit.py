@@ -60,6 +60,9 @@ _LOG2E = 1.4426950408889634
 _ERFC_P = 0.3275911
 _ERFC_POLY = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
 _GELU_TANH_C = 0.7978845608028654
+#: exp2(-(x s)^2) = exp(-x^2 / 2)
+_GELU_EXP2_SCALE = 0.8493218002880191  # sqrt(log2(e) / 2)
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -244,25 +247,30 @@ def saturate(x, dtype: str):
     return cutlass.max(cutlass.min(x, limit), -limit)
 
 
-def gelu_erf(x, absf, rcp, exp2, where, const=Float32):
+def gelu_erf(x, absf, rcp, exp2, maximum, minimum, const=Float32):
     """``x * Phi(x)`` through erfc of ``|x| / sqrt(2)``, written over its primitives
     so the same code runs in the kernel (DSL scalars) and in tests (torch tensors).
 
-    One reciprocal, one exp2, four multiply-adds for the polynomial and a few
-    multiplies: ~16 instructions per element against ~28 for
-    ``0.5 x (1 + erf(x / sqrt(2)))`` with the generic erf, which evaluates both of
-    its polynomial ranges and selects. The fused epilogue is ALU-bound (every
-    output element pays this), so that is its cost. Error <= 7e-7 absolute over
-    all fp32 inputs (torch's fp32 gelu: 1.2e-6); the small tail
-    ``Phi(-|x|) = erfc(|x| / sqrt(2)) / 2`` is computed directly, not as
-    ``1 - ...``, so negative inputs keep their relative accuracy."""
-    z = absf(x) * const(_SQRT1_2)
-    t = rcp(const(1.0) + const(_ERFC_P) * z)
+    One reciprocal, one exp2 and twelve fp32 ALU instructions per element, against
+    ~28 for ``0.5 x (1 + erf(x / sqrt(2)))`` with the generic erf, which evaluates
+    both of its polynomial ranges and selects. The ALU count is what a fused
+    epilogue pays: under ping-pong each fp32 instruction per element slows the
+    other warpgroup's WGMMAs by ~0.25 % at K = 4096, where two MUFU instructions
+    cost ~0.6 % together (bench/NOTES.md, session 10). So ``x * Phi(x)`` is written
+    ``max(x, 0) - |x| Phi(-|x|)`` (no select), and ``x * s`` with
+    ``s = sqrt(log2(e) / 2)`` feeds both the reciprocal's argument and exp2's.
+    Error <= 7e-7 absolute over all fp32 inputs (torch's fp32 gelu: 1.2e-6); the
+    tail ``Phi(-|x|) = erfc(|x| / sqrt(2)) / 2`` is computed directly, not as
+    ``1 - ...``, so negative inputs keep their relative accuracy. ``|x|`` is capped
+    at the largest float before it multiplies the tail (which is 0 there), so
+    ``gelu(+inf) = inf`` and ``gelu(-inf) = 0``, the limits."""
+    xs = x * const(_GELU_EXP2_SCALE)
+    t = rcp(const(1.0) + const(_ERFC_P * _SQRT1_2 / _GELU_EXP2_SCALE) * absf(xs))
     half_poly = const(0.5 * _ERFC_POLY[0])  # Phi = erfc / 2: the half folded into P
     for coeff in _ERFC_POLY[1:]:
         half_poly = half_poly * t + const(0.5 * coeff)
-    tail = t * half_poly * exp2(z * z * const(-_LOG2E))  # Phi(-|x|)
-    return x * where(x < const(0.0), tail, const(1.0) - tail)
+    tail = t * half_poly * exp2(-xs * xs)  # Phi(-|x|)
+    return maximum(x, const(0.0)) - minimum(absf(x), const(_FLOAT32_MAX)) * tail
 
 
 def _emit_op(op: str, args: list, node):
@@ -295,7 +303,7 @@ def _emit_op(op: str, args: list, node):
         return cutlass.max(args[0], zero)
     if op == "gelu_erf":
         exp2 = functools.partial(math.exp2, fastmath=True)
-        return gelu_erf(args[0], math.absf, cute.arch.rcp_approx, exp2, _select)
+        return gelu_erf(args[0], math.absf, cute.arch.rcp_approx, exp2, cutlass.max, cutlass.min)
     if op == "gelu_tanh":
         x = args[0]
         return Float32(0.5) * x * (one + math.tanh(Float32(_GELU_TANH_C) * (x + Float32(0.044715) * x * x * x)))

@@ -80,6 +80,13 @@ def test_unary_op(gen, name, on):
     torch.testing.assert_close(out.double(), ref, **F32)
 
 
+def test_gelu_takes_its_limits_at_infinity():
+    # The kernel computes gelu(-inf) = 0 and gelu(inf) = inf; the reference agrees (torch's gelu gives NaN at both).
+    acc = torch.tensor([float("-inf"), float("inf"), -1.0]).reshape(1, 1, 3)
+    out = run(lambda acc: ops.gelu(acc), acc)["D"].flatten()
+    assert out[0] == 0 and out[1] == float("inf") and out[2] == torch.nn.functional.gelu(torch.tensor(-1.0))
+
+
 def test_softplus_is_linear_above_the_threshold():
     acc = torch.tensor([20.5, 30.0, 100.0]).reshape(1, 1, 3)
     torch.testing.assert_close(run(ops.softplus, acc)["D"], acc)
