@@ -54,14 +54,12 @@ DSL_DTYPES = {
 ROWS_PER_WARP = 16
 
 _SQRT1_2 = 0.7071067811865476
-_LOG2E = 1.4426950408889634
 # erfc(z) ~ t * P(t) * exp(-z^2), t = 1 / (1 + p z), z >= 0: Abramowitz & Stegun 7.1.26,
 # absolute error <= 1.5e-7 on erf.
 _ERFC_P = 0.3275911
 _ERFC_POLY = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
 _GELU_TANH_C = 0.7978845608028654
-#: exp2(-(x s)^2) = exp(-x^2 / 2)
-_GELU_EXP2_SCALE = 0.8493218002880191  # sqrt(log2(e) / 2)
+_GELU_EXP2_SCALE = 0.8493218002880191  # s = sqrt(log2(e) / 2): exp2(-(x s)^2) = exp(-x^2 / 2)
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
