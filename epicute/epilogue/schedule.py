@@ -28,7 +28,8 @@ _REDUCED_SHAPE = {"col": "(L, M)", "row": "(L, N)", "scalar": "scalar"}
 
 #: Estimated SASS instructions per element of each op as the kernel emits it (fp32; the
 #: transcendental ones with their range reduction, IEEE division and square root with
-#: their fix-up sequence). Only the epilogue's code size is estimated from this.
+#: their fix-up sequence). The planner sizes the unrolled epilogue's code from this and the
+#: roofline its arithmetic time per tile.
 OP_INSTRUCTIONS = {
     "add": 1, "sub": 1, "mul": 1, "fma": 1, "neg": 1, "abs": 1, "minimum": 1, "maximum": 1, "relu": 1,
     "clamp": 2, "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2, "ne": 2, "where": 2, "cast": 2, "quantize": 4,

@@ -47,8 +47,8 @@ class EpilogueBuffers:
     #: the stage chain, as ``explain`` prints it (not part of the layout, but part of the
     #: identity: plans are cached by these buffers, and each epilogue's plan shows its own chain)
     chain: tuple[str, ...] = ()
-    #: estimated SASS instructions per output element (the epilogue is unrolled over a
-    #: thread's elements, so this sizes its code: see ``heuristics.EPILOGUE_CODE_BUDGET``)
+    #: estimated SASS instructions per output element: sizes the unrolled epilogue's code
+    #: (``heuristics.EPILOGUE_CODE_BUDGET``) and its arithmetic time (``roofline``)
     instructions_per_element: int = 0
 
     @property
