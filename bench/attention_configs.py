@@ -11,6 +11,7 @@ one row per case, one key per configuration, TFLOPS.
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import sys
 from pathlib import Path
@@ -62,9 +63,12 @@ def main() -> int:
         for causal in (False, True):
             flops = 4 * b * h * s * s * d // (2 if causal else 1)
             row: Row = {"case": f"d{d} b{b} h{h} s{s}" + (" causal" if causal else "")}
-            fns = {name: lambda c=c: epicute.attention(q, k, v, causal=causal, config=c) for name, c in configs.items()}
+            fns = {
+                name: functools.partial(epicute.attention, q, k, v, causal=causal, config=c)
+                for name, c in configs.items()
+            }
             if fa_cute is not None:
-                fns["fa_cute"] = lambda: fa_cute(q, k, v, causal)
+                fns["fa_cute"] = functools.partial(fa_cute, q, k, v, causal)
             reference = None
             for name, fn in fns.items():
                 try:
@@ -79,7 +83,11 @@ def main() -> int:
                     print(f"  {row['case']} {name}: {type(exc).__name__}: {str(exc)[:200]}")
                     row[name] = None
             best = max((v, key) for key, v in row.items() if isinstance(v, float))
-            print(f"{row['case']}: " + "  ".join(f"{key} {v}" for key, v in row.items() if key != "case") + f"  -> {best[1]}")
+            print(
+                f"{row['case']}: "
+                + "  ".join(f"{key} {v}" for key, v in row.items() if key != "case")
+                + f"  -> {best[1]}"
+            )
             rows.append(row)
     command = shlex.join(["python", "bench/attention_configs.py", *sys.argv[1:]])
     write_result(args.out, "attention_configs", command, "TFLOPS", True, rows)

@@ -85,9 +85,14 @@ def main() -> int:
                 print(f"  {name}: {type(exc).__name__}: {str(exc)[:200]}")
                 row[name] = None
         if not args.epilogue:
-            row["cublas"] = round(2 * m * n * k / time_cuda(rotating(lambda a, b, d: torch.matmul(a, b, out=d), sets)) / 1e9, 1)
+            cublas_ms = time_cuda(rotating(lambda a, b, d: torch.matmul(a, b, out=d), sets))
+            row["cublas"] = round(2 * m * n * k / cublas_ms / 1e9, 1)
         best = max((v, key) for key, v in row.items() if isinstance(v, float))
-        print(f"{row['case']}: " + "  ".join(f"{key} {v}" for key, v in row.items() if key != "case") + f"  -> {best[1]}")
+        print(
+            f"{row['case']}: "
+            + "  ".join(f"{key} {v}" for key, v in row.items() if key != "case")
+            + f"  -> {best[1]}"
+        )
         rows.append(row)
         del sets
         torch.cuda.empty_cache()

@@ -28,7 +28,7 @@ def sass_counts(cubin: Path) -> Counter:
         if match:
             opcode = match.group(1)
             for name in WATCH:
-                if opcode == name or opcode.startswith(name + "_") or opcode.startswith(name + "."):
+                if opcode == name or opcode.startswith((name + "_", name + ".")):
                     counts[name] += 1
     return counts
 
@@ -59,7 +59,12 @@ def main(shapes: list[str]) -> int:
                 print(f"{shape}: no cubin was written")
                 return 1
             counts = sass_counts(cubins[0])
-        ok = counts["HGMMA"] > 0 and counts["UTMALDG"] > 0 and counts["UTMASTG"] > 0 and not counts["LDL"] + counts["STL"]
+        ok = (
+            counts["HGMMA"] > 0
+            and counts["UTMALDG"] > 0
+            and counts["UTMASTG"] > 0
+            and not counts["LDL"] + counts["STL"]
+        )
         status |= not ok
         c = plan.config
         print(f"{shape} tile 128x{c.tile_n} cluster {c.cluster_m}x{c.cluster_n}: "

@@ -105,7 +105,12 @@ def disk_load(directory: str) -> tuple[float, float]:
     loads, firsts = [], []
     for _ in range(3):
         out = subprocess.run(
-            [sys.executable, "-c", FRESH % (PINS,)], env=env, capture_output=True, text=True, timeout=600
+            [sys.executable, "-c", FRESH % (PINS,)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,  # a failure is raised below with the child's stderr
         )
         if out.returncode != 0:
             raise RuntimeError(out.stderr)
@@ -166,7 +171,9 @@ def size_sweep() -> tuple[int, int]:
         graphs += 1
         return gm.forward
 
-    compiled = torch.compile(lambda x, w: epicute.gemm(x, w, config=PINS), backend=backend, dynamic=True, fullgraph=True)
+    compiled = torch.compile(
+        lambda x, w: epicute.gemm(x, w, config=PINS), backend=backend, dynamic=True, fullgraph=True
+    )
     for m in SWEEP_M:
         compiled(torch.randn(m, 512, device="cuda", dtype=torch.bfloat16), b)
     torch.cuda.synchronize()

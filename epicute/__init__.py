@@ -11,11 +11,14 @@ Attention: :func:`attention` (FlashAttention-3 style forward) with traced
 
 import os
 
+from epicute.runtime.target import DEFAULT_ARCH  # pure Python: neither torch nor the DSL
+
 # The DSL reads its target architecture when ``cutlass`` is first imported; on a
 # machine without a GPU it would assume a newer one than we compile for. Every
 # epicute module imports ``cutlass`` (lazily) after this line has run.
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+os.environ.setdefault("CUTE_DSL_ARCH", DEFAULT_ARCH)
 
+from epicute import errors
 from epicute.api import explain, gemm, tune
 from epicute.attention_api import attention, explain_attention
 from epicute.epilogue import library as epilogues
@@ -23,23 +26,12 @@ from epicute.epilogue import ops
 from epicute.epilogue.operands import ColVector, RowVector, Scalar, Tile
 from epicute.epilogue.score_mod import score_mod
 from epicute.epilogue.tracer import epilogue
-from epicute.errors import (
-    AlignmentError,
-    CompileError,
-    ConfigError,
-    DeviceError,
-    DtypeError,
-    EpicuteError,
-    EpilogueError,
-    OutputError,
-    ShapeError,
-)
+from epicute.errors import *  # noqa: F403  (every error class: errors.__all__)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "gemm", "explain", "tune", "EpicuteError", "AlignmentError", "CompileError", "ConfigError",
-    "DeviceError", "DtypeError", "OutputError", "ShapeError", "__version__",
+    "ColVector", "RowVector", "Scalar", "Tile", "__version__", "attention", "epilogue", "epilogues", "explain",
+    "explain_attention", "gemm", "ops", "score_mod", "tune",
 ]  # fmt: skip
-__all__ += ["epilogue", "ops", "epilogues", "RowVector", "ColVector", "Scalar", "Tile", "EpilogueError"]
-__all__ += ["attention", "explain_attention", "score_mod"]
+__all__ += errors.__all__  # every error class: users catch them by name

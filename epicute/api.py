@@ -4,26 +4,27 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 import torch
 from rich.progress import Progress
 
-from epicute.epilogue.reference import reference_gemm
-from epicute.epilogue.dtypes import IR_TO_TORCH
-from epicute.epilogue.graph import REDUCTIONS
-from epicute.epilogue.tracer import as_epilogue, trace_for_gemm
+from epicute.epilogue.dtypes import IR_TO_TORCH, TORCH_TO_IR
 from epicute.epilogue.hashing import semantic_hash
+from epicute.epilogue.operands import OperandSpec
+from epicute.epilogue.reference import reference_gemm, round_to
+from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import ConfigError, DeviceError, EpilogueError
-from epicute.epilogue.schedule import schedule
-from epicute.plan import GemmPlan, GemmProblem, current_hardware, render_plan
-from epicute.plan.smem import NO_EPILOGUE, EpilogueBuffers
+from epicute.gemm.prepare import GemmRequest, PreparedGemm, ir_items, prepare
+from epicute.plan import GemmPlan, render_plan
 from epicute.runtime.epilogue_args import aux_outputs, check_outs_names, kernel_inputs
-from epicute.runtime.launch import cached_plan, launch_gemm
+from epicute.runtime.launch import launch_gemm
+from epicute.runtime.target import Target, current_target, resolve_target
 from epicute.runtime.torch_ops import gemm_op_call
 from epicute.runtime.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry, tune_key
-from epicute.runtime.validate import TORCH_TO_NAME, check_gemm_args
+from epicute.runtime.validate import GemmCall, check_gemm_args, check_has_values
 
 
 def _overrides(config: dict | None) -> tuple:
@@ -54,14 +55,19 @@ def gemm(
             :func:`epicute.epilogue`); its operands are passed by name as keyword
             arguments (scalars, row/column vectors or full tiles).
         out: optional preallocated row-major output ``(M, N)`` / ``(L, M, N)``.
-        out_dtype: bf16, fp16 or fp32; defaults to ``out.dtype`` or ``a.dtype``.
-        out_dtypes: dtypes of the epilogue's outputs by name (``"D"`` included);
+        out_dtype: D's dtype: bf16, fp16, fp32, or fp8 ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``
+            (saturating at the format's largest finite value; N a multiple of 16); defaults to
+            ``out.dtype``, else the dtype an epilogue's own final ``ops.cast``/``ops.quantize`` of D
+            gives, else ``a.dtype``.
+        out_dtypes: dtypes of the epilogue's outputs by name (``"D"`` included); an output
+            without one is stored in the dtype of its own final ``cast``/``quantize``, else in D's.
             fp8 outputs saturate at the format's largest finite value.
         outs: preallocated aux tile outputs by name (D goes in ``out``).
         backend: ``"kernel"`` (the GPU) or ``"reference"`` (float32 on the CPU,
             any device: the oracle every GPU test compares against).
         config: optional :class:`epicute.plan.GemmConfig` fields to pin
-            (e.g. ``{"tile_n": 128}``); the planner chooses the rest.
+            (e.g. ``{"tile_n": 128}``); the planner chooses the rest. The reference
+            backend checks the pins as the kernel would, then has no use for them.
         tune: use the fastest config measured for this problem by :func:`tune`
             (stored on disk); the first call for a new problem runs the tuning.
 
@@ -70,6 +76,9 @@ def gemm(
         outputs when the epilogue returns more than ``"D"``: aux tiles like D,
         ``row_*`` reductions ``(M,)``/``(L, M)``, ``col_*`` ``(N,)``/``(L, N)``
         and ``amax`` a 0-d tensor, all fp32, bitwise reproducible run to run.
+        Reductions propagate NaN (``*_max`` and ``amax`` included); over an empty
+        extent a sum is 0, a max -inf and an amax 0. ``K = 0`` gives the epilogue
+        of a zero accumulator.
 
     Example:
         >>> import torch, epicute                                  # doctest: +SKIP
@@ -87,53 +96,73 @@ def gemm(
         )  # fmt: skip
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
+    if backend == "reference":
+        check_has_values(("a", a), ("b", b))
     if tune and backend == "kernel":
         tuned = _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands)
         config = {**tuned, **(config or {})}  # the caller's pins win
+    on_gpu = backend == "kernel"
+    call, specs, request = describe_call(a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, on_gpu)
+    prepared = _prepare_memo(request, epilogue)
+    if prepared.epilogue is None:
+        if backend == "reference":
+            return _deliver(call, {"D": _reference_matmul(call)})
+        return launch_gemm(call, prepared.plan)
+    call = _with_d_dtype(call, prepared.d_torch_dtype, a, b, out, require_cuda=on_gpu)
+    outs = dict(outs or {})
+    if backend == "reference":
+        check_outs_names(outs, prepared.epilogue.aux_outputs)
+        stored = {name: IR_TO_TORCH[dtype] for name, dtype in prepared.output_dtypes.items()}
+        return _deliver(call, reference_gemm(call.a, call.b, request.epilogue, operands, stored), outs)
+    p, device = call.problem, call.a.device
+    tensors, scalars = kernel_inputs(prepared.fusion, specs, device)
+    aux = aux_outputs(prepared.fusion, outs, (p.l, p.m, p.n), call.batched, device)
+    return launch_gemm(call, prepared.plan, prepared.fusion, tensors, scalars, aux)
+
+
+def describe_call(
+    a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, require_cuda: bool
+) -> tuple[GemmCall, dict[str, OperandSpec], GemmRequest]:
+    """Validate a call's tensors and describe it: the call, its resolved operands and its :class:`GemmRequest`."""
     if epilogue is None and (operands or out_dtypes or outs):
         given = sorted(operands) or list(out_dtypes or outs)
         raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
     if out_dtypes and "D" in out_dtypes:
         out_dtype = out_dtype or out_dtypes["D"]
-    call = check_gemm_args(a, b, out, out_dtype, require_cuda=backend == "kernel")
+    call = check_gemm_args(a, b, out, out_dtype, require_cuda=require_cuda)
     if epilogue is None:
-        if backend == "reference":
-            return _deliver(call, {"D": _reference_matmul(call)})
-        return launch_gemm(call, cached_plan(call.problem, _overrides(config)))
-
+        return call, {}, GemmRequest(call.problem, overrides=_overrides(config))
     p = call.problem
     epi = as_epilogue(epilogue)
     specs = epi.operands(operands, p.m, p.n, p.l)
-    outs = dict(outs or {})
-    d_explicit = out is not None or out_dtype is not None
-    outs_dtypes = {k: v.dtype for k, v in outs.items()}
-    if backend == "reference":
-        graph = trace_for_gemm(epi, specs, call.out_dtype, d_explicit, out_dtypes, outs_dtypes)
-        stored = {name: IR_TO_TORCH[dtype] for name, dtype in graph.output_dtypes}
-        call = _with_d_dtype(call, stored["D"], a, b, out, require_cuda=False)
-        check_outs_names(outs, tuple(n for n, i in graph.outputs if n != "D" and graph.node(i).op not in REDUCTIONS))
-        return _deliver(call, reference_gemm(call.a, call.b, epi, operands, stored), outs)
-    memo = _capture_key(epilogue)
-    if memo is not None:
-        memo = (memo, tuple((s.name, s.kind, s.dtype) for s in specs.values()), p, call.out_dtype, d_explicit,
-                tuple(sorted((out_dtypes or {}).items())), tuple(sorted(outs_dtypes.items())), _overrides(config))  # fmt: skip
-    prepared = _PREPARED.get(memo) if memo is not None else None
+    request = GemmRequest(
+        p, epi, tuple((s.name, s.kind, s.dtype) for s in specs.values()),
+        d_explicit=out is not None or out_dtype is not None,
+        out_dtypes=ir_items(out_dtypes, "out_dtypes"),
+        outs_dtypes=ir_items({name: t.dtype for name, t in (outs or {}).items()}, "outs"),
+        overrides=_overrides(config),
+    )  # fmt: skip
+    return call, specs, request
+
+
+#: Prepared epilogue calls, by what tracing depends on (see _capture_key) and the rest of the request.
+_PREPARED: dict[tuple, PreparedGemm] = {}
+
+
+def _prepare_memo(request: GemmRequest, epilogue: Callable | None) -> PreparedGemm:
+    """:func:`prepare`, remembered per epilogue capture: a repeat call neither traces nor plans."""
+    if request.epilogue is None:
+        return prepare(request)  # a plan-cache hit
+    capture = _capture_key(epilogue)
+    key = None if capture is None else (capture, replace(request, epilogue=None))
+    prepared = _PREPARED.get(key) if key is not None else None
     if prepared is None:
-        prepared = _prepare_fusion(epi, specs, call, d_explicit, out_dtypes, outs_dtypes, config)
-        if memo is not None:
+        prepared = prepare(request)
+        if key is not None:
             if len(_PREPARED) >= 1024:
                 _PREPARED.clear()
-            _PREPARED[memo] = prepared
-    fusion, d_dtype, plan = prepared
-    call = _with_d_dtype(call, d_dtype, a, b, out, require_cuda=True)
-    device = call.a.device
-    tensors, scalars = kernel_inputs(fusion, specs, device)
-    aux = aux_outputs(fusion, outs, (p.l, p.m, p.n), call.batched, device)
-    return launch_gemm(call, plan, fusion, tensors, scalars, aux)
-
-
-#: Traced, fused and planned epilogue calls, by what they depend on (see _capture_key).
-_PREPARED: dict[tuple, tuple] = {}
+            _PREPARED[key] = prepared
+    return prepared
 
 
 def _capture_key(fn: Callable) -> tuple | None:
@@ -152,17 +181,6 @@ def _capture_key(fn: Callable) -> tuple | None:
     except TypeError:
         return None
     return key
-
-
-def _prepare_fusion(epi, specs, call, d_explicit, out_dtypes, outs_dtypes, config) -> tuple:
-    """Trace, lower and plan one epilogue call: (fusion, D's dtype, plan)."""
-    from epicute.kernels.epilogue_emit import EpilogueFusion  # imports the CuTe DSL: only when launching
-
-    graph = trace_for_gemm(epi, specs, call.out_dtype, d_explicit, out_dtypes, outs_dtypes)
-    d_dtype = IR_TO_TORCH[dict(graph.output_dtypes)["D"]]
-    fusion = EpilogueFusion(graph, tuple((s.name, s.kind, s.dtype) for s in specs.values()))
-    problem = replace(call.problem, d_dtype=TORCH_TO_NAME[d_dtype])
-    return fusion, d_dtype, cached_plan(problem, _overrides(config), fusion.buffers())
 
 
 def _with_d_dtype(call, d_dtype, a, b, out, *, require_cuda: bool):
@@ -196,8 +214,8 @@ def tune(
 
     if not torch.cuda.is_available():
         raise DeviceError("tune() times candidate kernels on a CUDA GPU; none is visible")
-    key, problem, buffers = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)
-    options = candidates(problem, current_hardware(), buffers)
+    key, prepared = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)
+    options = candidates(prepared.plan.problem, prepared.plan.target, prepared.plan.epilogue)
 
     def measure(overrides: dict) -> float:
         run = functools.partial(gemm, a, b, epilogue=epilogue, out_dtype=out_dtype, out_dtypes=out_dtypes,
@@ -220,23 +238,16 @@ def tune(
 _TUNED: dict[str, dict] = {}
 
 
-def _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands) -> tuple[str, GemmProblem, EpilogueBuffers]:
-    """The tune key, the problem (D's dtype settled) and the epilogue's buffers of one call."""
-    call = check_gemm_args(a, b, None, out_dtype or (out_dtypes or {}).get("D"), require_cuda=False)
-    problem, epi_hash, buffers = call.problem, None, NO_EPILOGUE
-    if epilogue is not None:
-        p = call.problem
-        epi = as_epilogue(epilogue)
-        specs = epi.operands(operands, p.m, p.n, p.l)
-        explicit = out_dtype is not None or "D" in (out_dtypes or {})
-        graph = trace_for_gemm(epi, specs, call.out_dtype, explicit, out_dtypes, {})
-        problem = replace(p, d_dtype=dict(graph.output_dtypes)["D"])
-        epi_hash, buffers = semantic_hash(graph), schedule(graph).buffers()
-    return tune_key(problem, epi_hash, current_hardware().name), problem, buffers
+def _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands) -> tuple[str, PreparedGemm]:
+    """The tune key of one call and its preparation (the problem with D's dtype settled, the epilogue's buffers)."""
+    _, _, request = describe_call(a, b, epilogue, None, out_dtype, out_dtypes, None, None, operands, False)
+    prepared = prepare(request)
+    epi_hash = None if prepared.epilogue is None else semantic_hash(prepared.epilogue.graph)
+    return tune_key(prepared.plan.problem, epi_hash, current_target().device), prepared
 
 
 def _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands) -> dict:
-    key, _, _ = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)
+    key, _ = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)
     if key not in _TUNED:
         stored = stored_entry(key)
         _TUNED[key] = stored["best"] if stored is not None else tune(
@@ -246,7 +257,8 @@ def _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands) -> dict:
 
 
 def _reference_matmul(call) -> torch.Tensor:
-    return torch.matmul(call.a.cpu().float(), call.b.cpu().float()).to(call.out_dtype)
+    """The plain GEMM in float32 on the CPU, stored like the kernel stores D (fp8 saturates)."""
+    return round_to(torch.matmul(call.a.cpu().float(), call.b.cpu().float()), TORCH_TO_IR[call.out_dtype])
 
 
 def _deliver(call, results: dict[str, torch.Tensor], outs: dict | None = None):
@@ -267,18 +279,25 @@ def explain(
     b: torch.Tensor,
     *,
     epilogue: Callable | None = None,
+    out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     out_dtypes: dict[str, torch.dtype] | None = None,
+    outs: dict[str, torch.Tensor] | None = None,
     config: dict | None = None,
-    file: TextIO | None | str = "stdout",
+    target: Target | str | None = None,
+    file: TextIO | str | None = "stdout",
     **operands: Any,
 ) -> GemmPlan:
     """Print (to ``file``, default stdout; ``None`` to stay quiet) and return the plan for ``a @ b``.
 
-    With ``epilogue`` (and its operands, as for :func:`gemm`) the plan budgets
-    the epilogue's shared memory and the text ends with its stage chain.
+    Takes :func:`gemm`'s arguments and goes the same way (:func:`epicute.gemm.prepare.prepare`),
+    so the plan is the one ``gemm`` launches: with ``epilogue`` (and its operands) it
+    budgets the epilogue's shared memory, D's dtype is the one stored, and the text
+    ends with the stage chain the kernel runs.
     Works without a GPU: tensors may live on any device, ``"meta"`` included,
-    and the plan then targets an H100.
+    and the plan then targets an H100 SXM, or ``target``: a name of
+    :data:`epicute.runtime.target.TARGETS` (``"h100-pcie"``, ``"h20"``...) or a
+    :class:`~epicute.runtime.target.Target` (default: the visible GPU).
 
     Example:
         >>> import torch, epicute
@@ -292,30 +311,20 @@ def explain(
         >>> [item.name for item in plan.smem][-2:]
         ['operand tile 0', 'row vector 0']
     """
-    if out_dtypes and "D" in out_dtypes:
-        out_dtype = out_dtype or out_dtypes["D"]
-    call = check_gemm_args(a, b, None, out_dtype, require_cuda=False)
-    buffers = NO_EPILOGUE
-    if epilogue is not None:
-        p = call.problem
-        epi = as_epilogue(epilogue)
-        specs = epi.operands(operands, p.m, p.n, p.l)
-        graph = epi.trace(
-            {k: s.kind for k, s in specs.items()}, {k: s.dtype for k, s in specs.items()},
-            {"D": call.out_dtype, **(out_dtypes or {})}, d_dtype=call.out_dtype,
-        )  # fmt: skip
-        buffers = schedule(graph).buffers()
-    elif operands or out_dtypes:
-        raise EpilogueError(f"operands/outputs {sorted(operands) or list(out_dtypes)} were given without an epilogue")
-    plan = cached_plan(call.problem, _overrides(config), buffers)
+    _, _, request = describe_call(a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, False)
+    resolved = resolve_target(target)
+    plan = prepare(replace(request, target=resolved)).plan
     if file is not None:
         text = render_plan(plan)
-        tuned = stored_entry(_tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)[0])
+        # Tuned winners are stored per GPU: only the current one's apply to its own plan.
+        tuned = None
+        if resolved == current_target():
+            tuned = stored_entry(_tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)[0])
         if tuned is not None:
-            times = tuned["times_ms"]
+            times, best, planner = tuned["times_ms"], label(tuned["best"]), label(tuned["planner"])
             text += (
-                f"\n\ntuned (epicute.tune, stored): {label(tuned['best'])} at {times[label(tuned['best'])]:.3f} ms vs the "
-                f"planner's {label(tuned['planner'])} at {times[label(tuned['planner'])]:.3f} ms; "
+                f"\n\ntuned (epicute.tune, stored): {best} at {times[best]:.3f} ms vs the "
+                f"planner's {planner} at {times[planner]:.3f} ms; "
                 "gemm(..., tune=True) uses it"
             )
         # Resolved per call so redirect_stdout, capsys and notebooks see the text.

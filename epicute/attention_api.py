@@ -32,7 +32,9 @@ from epicute.epilogue.score_mod import score_mod as as_score_mod
 from epicute.epilogue.tracer import Epilogue, as_epilogue
 from epicute.errors import ConfigError, DeviceError, EpilogueError
 from epicute.plan.attention import AttentionPlan, AttentionProblem, plan_attention, render_attention_plan
+from epicute.runtime.target import Target, resolve_target
 from epicute.runtime.torch_ops import attention_op_call
+from epicute.runtime.validate import check_has_values
 from epicute.runtime.validate_attention import AttentionCall, check_attention_args
 
 #: Attention operand kind -> the epilogue IR kind it is traced as (see module docstring).
@@ -40,8 +42,8 @@ _IR_KIND = {"scalar": "scalar", "head": "col", "row": "row", "tile": "tile"}
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_plan(problem: AttentionProblem, overrides: tuple) -> AttentionPlan:
-    return plan_attention(problem, **dict(overrides))
+def _cached_plan(problem: AttentionProblem, overrides: tuple, target: Target | None = None) -> AttentionPlan:
+    return plan_attention(problem, target, **dict(overrides))
 
 
 def _operand_kind(hook: str, name: str, value: Any, p: AttentionProblem) -> tuple[str, Any]:
@@ -49,7 +51,8 @@ def _operand_kind(hook: str, name: str, value: Any, p: AttentionProblem) -> tupl
     if isinstance(value, Pin):
         if value.kind != "scalar":
             raise EpilogueError(
-                f"operand {name!r}: {type(value).__name__} pins are for GEMM epilogues; attention infers kinds from shapes"
+                f"operand {name!r}: {type(value).__name__} pins are for GEMM epilogues; "
+                "attention infers kinds from shapes"
             )
         value = value.value
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
@@ -185,16 +188,20 @@ def _hooks(call: AttentionCall, score_mod, epilogue, operands: dict) -> tuple[_H
     return score, out
 
 
-def _kernel_variant(call: AttentionCall, score: _Hook | None, epi: _Hook | None, config: dict | None):
-    """The ``AttentionVariant`` (compile cache entry) the kernel backend launches for this call."""
+def _kernel_variant(
+    call: AttentionCall, score: _Hook | None, epi: _Hook | None, config: dict | None, target: Target | None = None
+):
+    """The ``AttentionVariant`` (compile cache entry) the kernel backend launches for this call, planned
+    for ``target`` (None: the current one); its key holds the target's arch, not its SM count."""
     from epicute.kernels.attention_sm90 import AttentionFusion  # imports the CuTe DSL: only when launching
     from epicute.runtime.attention import AttentionVariant
 
-    plan = _cached_plan(call.problem, tuple(sorted((config or {}).items())))
+    plan = _cached_plan(call.problem, tuple(sorted((config or {}).items())), target)
     return AttentionVariant(
         plan.config, call.problem.dtype, call.problem.causal,
         None if score is None else AttentionFusion(score.graph, score.signature),
         None if epi is None else AttentionFusion(epi.graph, epi.signature),
+        plan.target.arch,
     )  # fmt: skip
 
 
@@ -217,12 +224,15 @@ def attention(
 
     Args:
         q: ``(batch, seqlen_q, heads_q, head_dim)``, bf16 or fp16, head_dim 64, 128 or 256.
-        k, v: ``(batch, seqlen_k, heads_kv, head_dim)``; ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA).
+        k, v: ``(batch, seqlen_k, heads_kv, head_dim)``; ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA):
+            query head ``h`` reads KV head ``h // (heads_q // heads_kv)``, as flash-attn and SDPA do.
         causal: query i attends keys ``<= i + seqlen_k - seqlen_q`` (bottom-right aligned, as flash-attn);
             rows that see no key give O = 0 and LSE = -inf.
         softmax_scale: defaults to ``head_dim ** -0.5``.
         return_lse: also return the log-sum-exp of each row, fp32 ``(batch, heads_q, seqlen_q)``.
-        score_mod: ``f(score, b, h, q_idx, kv_idx, *operands)`` on the scaled scores (see :mod:`epicute.ops`).
+        score_mod: ``f(score, b, h, q_idx, kv_idx, *operands)`` on the scaled scores (see :mod:`epicute.ops`);
+            ``b`` and ``h`` are the batch and query-head indices, ``q_idx`` and ``kv_idx`` the raw 0-based
+            positions in q's and k's sequences (not shifted by the causal alignment), as FlexAttention's.
         epilogue: ``f(o, *operands)`` on the normalized output before it is stored.
         out: optional preallocated output, same shape, dtype and device as ``q``.
         backend: ``"kernel"`` (the GPU) or ``"reference"`` (float32 on the CPU, any device).
@@ -245,6 +255,8 @@ def attention(
         )  # fmt: skip
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
+    if backend == "reference":
+        check_has_values(("q", q), ("k", k), ("v", v))
     call = check_attention_args(
         q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, require_cuda=backend == "kernel"
     )
@@ -261,6 +273,7 @@ def attention(
             call, _kernel_variant(call, score, epi, config),
             score.kernel_operands(device) if score else ((), ()),
             epi.kernel_operands(device) if epi else ((), ()),
+            _cached_plan(call.problem, tuple(sorted((config or {}).items()))).max_ctas,  # planned, a cache hit
         )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -272,9 +285,13 @@ def explain_attention(
     *,
     causal: bool = False,
     config: dict | None = None,
-    file: TextIO | None | str = "stdout",
+    target: Target | str | None = None,
+    file: TextIO | str | None = "stdout",
 ) -> AttentionPlan:
     """Print (to ``file``; ``None`` to stay quiet) and return the attention plan; works on ``"meta"`` tensors.
+
+    ``target``: the GPU to plan for, a name of :data:`epicute.runtime.target.TARGETS` or a
+    :class:`~epicute.runtime.target.Target` (default: the visible GPU, else an H100 SXM).
 
     Example:
         >>> import torch, epicute
@@ -284,7 +301,7 @@ def explain_attention(
         (128, 128)
     """
     call = check_attention_args(q, k, v, causal=causal, softmax_scale=None, require_cuda=False)
-    plan = _cached_plan(call.problem, tuple(sorted((config or {}).items())))
+    plan = _cached_plan(call.problem, tuple(sorted((config or {}).items())), resolve_target(target))
     if file is not None:
         print(render_attention_plan(plan), file=sys.stdout if file == "stdout" else file)
     return plan

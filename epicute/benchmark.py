@@ -135,6 +135,12 @@ def time_interleaved(
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+def _rotating(fn: Gemm, sets: Sequence[tuple[torch.Tensor, ...]]) -> Callable[[], object]:
+    """``fn`` on the next of ``sets`` at each call, cycling (one cycle of its own per contender)."""
+    cycle = itertools.cycle(sets)
+    return lambda: fn(*next(cycle))
+
+
 def run_shape(shape: Shape, fns: dict[str, Gemm], dtype: torch.dtype = torch.bfloat16) -> dict[str, float | str | None]:
     """TFLOPS of each contender on one shape (None: failed or wrong; the reason under ``"<name>_error"``)."""
     m, n, k = shape
@@ -160,7 +166,7 @@ def run_shape(shape: Shape, fns: dict[str, Gemm], dtype: torch.dtype = torch.bfl
                 correct.append(name)
         except Exception as exc:  # noqa: BLE001 - one failing contender must not stop the others
             row[name], row[f"{name}_error"] = None, f"{type(exc).__name__}: {exc}"
-    timed = {name: (lambda fn=fns[name], cycle=itertools.cycle(sets): fn(*next(cycle))) for name in correct}
+    timed = {name: _rotating(fns[name], sets) for name in correct}
     for name, ms in time_interleaved(timed, warmup=5, iters=30).items():
         row[name] = round(2 * m * n * k / (ms * 1e-3) / 1e12, 1)
     return row

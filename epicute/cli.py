@@ -1,27 +1,67 @@
 """The ``epicute`` command line: ``demo``, ``explain``, ``bench``, ``compile``, ``cache``, ``doctor``.
 
-Thin on purpose: each command parses arguments and calls the library. Errors
-epicute raises on purpose are printed in one line and exit with status 2.
+Thin on purpose: each command parses arguments and calls the library, importing
+what it needs when it runs (``epicute --help`` loads neither dynamo nor the CuTe
+DSL). Errors epicute raises on purpose are printed in one line and exit with
+status 2. Text from users and libraries is never read as rich markup: ``[plot]``
+or ``[[gemm]]`` in a message is printed as it is.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="epicute: fused Hopper kernels from Python.")
 explain_app = typer.Typer(no_args_is_help=True, help="Print the plan epicute would run, with or without a GPU.")
 app.add_typer(explain_app, name="explain")
 cache_app = typer.Typer(no_args_is_help=True, help="The compiled-kernel cache on disk: list, describe, clear.")
 app.add_typer(cache_app, name="cache")
-# soft_wrap: plans are tables; never re-wrap them to the terminal width.
-console = Console(highlight=False, soft_wrap=True)
+# soft_wrap: plans are tables; never re-wrap them to the terminal width. markup=False: see
+# the module docstring; the few styled strings pass markup=True and escape what they embed.
+console = Console(highlight=False, soft_wrap=True, markup=False)
 
-DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+# Spelled out here, not imported: the library modules that define them import torch, and
+# `epicute --help` should not wait for it. tests/test_cli.py checks that they agree.
+#: The dtype names of A/B and of D (epicute.plan.config.AB_DTYPES, D_DTYPES).
+AB_DTYPES = ("bf16", "fp16")
+D_DTYPES = ("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2")
+#: epicute.epilogue.library.__all__
+READY_EPILOGUES = "row_col_quant, tensor_quant, plain"
+#: epicute.runtime.target.TARGETS
+TARGET_NAMES = ("h100-sxm", "h100-pcie", "h200", "h20")
+TARGET_HELP = f"the GPU to plan for: {', '.join(TARGET_NAMES)} (default: the visible GPU, else h100-sxm)"
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    console.print(f"[red]error:[/red] {escape(str(exc))}", markup=True)
+    return typer.Exit(2)
+
+
+def _print_table(table: Table) -> None:
+    """A table at its natural width when piped: a pipe's default 80 columns would cut keys and labels."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    from rich.measure import Measurement
+
+    width = Measurement.get(console, console.options.update_width(1 << 16), table).maximum
+    Console(width=width, highlight=False, markup=False).print(table)
+
+
+def _check_choice(option: str, value: str, choices: tuple) -> None:
+    from epicute.errors import DtypeError
+
+    if value not in choices:
+        raise DtypeError(f"{option} {value!r}: give one of {', '.join(choices)}")
 
 
 @app.command()
@@ -43,64 +83,93 @@ def explain_gemm(
     n: int = typer.Option(..., help="columns of B and D"),
     k: int = typer.Option(..., help="the reduction dimension"),
     l: int = typer.Option(1, "--l", "--batch", help="batch count L"),
-    dtype: str = typer.Option("bf16", help="A/B dtype: bf16 or fp16"),
-    out_dtype: Optional[str] = typer.Option(None, help="D dtype: bf16, fp16 or fp32 (default: dtype)"),
+    dtype: str = typer.Option("bf16", help="A/B dtype: " + ", ".join(AB_DTYPES)),
+    out_dtype: str | None = typer.Option(None, help="D dtype: " + ", ".join(D_DTYPES) + " (default: dtype)"),
     a_major: str = typer.Option("k", help="'k': A row-major; 'm': A column-major"),
     b_major: str = typer.Option("n", help="'n': B row-major; 'k': B column-major"),
-    tile_n: Optional[int] = typer.Option(None, help="pin the CTA tile's N (64, 128, 256)"),
-    cluster_m: Optional[int] = typer.Option(None, help="pin the cluster's M extent (1 or 2)"),
-    persistent: Optional[bool] = typer.Option(None, "--persistent/--no-persistent", help="pin persistence"),
-    epilogue: Optional[str] = typer.Option(
-        None, help="a fused epilogue by import path, e.g. epicute.epilogue.library:row_col_quant"
+    tile_n: int | None = typer.Option(None, help="pin the CTA tile's N (64, 128, 192, 256)"),
+    cluster_m: int | None = typer.Option(None, help="pin the cluster's M extent (1 or 2)"),
+    persistent: bool | None = typer.Option(None, "--persistent/--no-persistent", help="pin persistence"),
+    epilogue: str | None = typer.Option(
+        None,
+        help=f"a fused epilogue: module:function (importable from the working directory or PYTHONPATH), "
+        f"or a ready one by name ({READY_EPILOGUES})",
     ),
     operand: list[str] = typer.Option(
         [], help="an epilogue operand as name=kind[:dtype] (kind: scalar, row, col, tile); repeat per operand"
     ),
+    target: str | None = typer.Option(None, help=TARGET_HELP),
 ) -> None:
     """Plan D = A @ B (optionally with a fused epilogue) and print tiles, warp roles, pipelines,
     shared memory, roofline and the epilogue's stage chain."""
-    from dataclasses import replace
+    from epicute.errors import ConfigError, EpicuteError
+    from epicute.gemm.prepare import prepare
+    from epicute.plan import GemmProblem, render_plan
+    from epicute.runtime.aot import gemm_request
+    from epicute.runtime.target import resolve_target
 
-    from epicute.errors import EpicuteError
-    from epicute.plan import GemmProblem, plan_gemm, render_plan
-    from epicute.plan.smem import NO_EPILOGUE
-
-    overrides = {
+    pins = {
         key: value
         for key, value in (("tile_n", tile_n), ("cluster_m", cluster_m), ("persistent", persistent))
         if value is not None
     }
     try:
+        _check_choice("--dtype", dtype, AB_DTYPES)
+        if out_dtype is not None:
+            _check_choice("--out-dtype", out_dtype, D_DTYPES)
+        for option, value, choices in (("--a-major", a_major, ("k", "m")), ("--b-major", b_major, ("n", "k"))):
+            if value not in choices:
+                raise ConfigError(f"{option} {value!r}: give one of {', '.join(choices)}")
+        if operand and not epilogue:
+            raise ConfigError("--operand needs --epilogue (the operands are the epilogue's)")
+        operands = dict(item.split("=", 1) if "=" in item else (item, "") for item in operand)
+        resolved = resolve_target(target)
         problem = GemmProblem(m, n, k, l, dtype, out_dtype or dtype, a_major, b_major)
-        buffers = NO_EPILOGUE
-        if epilogue:
-            from epicute.epilogue.tracer import as_epilogue
-            from epicute.runtime.aot import _gemm_fusion, import_object
-
-            operands = dict(item.split("=", 1) if "=" in item else (item, "") for item in operand)
-            fusion = _gemm_fusion(
-                as_epilogue(import_object(epilogue)), operands, problem.d_dtype, out_dtype is not None, {}
-            )
-            problem = replace(problem, d_dtype=fusion.output_dtypes["D"])
-            buffers = fusion.buffers()
-        elif operand:
-            raise typer.BadParameter("--operand needs --epilogue")
-        plan = plan_gemm(problem, epilogue=buffers, **overrides)
+        plan = prepare(gemm_request(problem, epilogue, operands, out_dtype is not None, {}, pins, resolved)).plan
     except EpicuteError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
-    console.print(render_plan(plan), markup=False)
+        raise _fail(exc) from exc
+    console.print(render_plan(plan))
 
 
-def _fail(exc: Exception) -> typer.Exit:
-    console.print(f"[red]error:[/red] {exc}", markup=True)
-    return typer.Exit(2)
+@explain_app.command("attention")
+def explain_attention_cmd(
+    batch: int = typer.Option(1, min=1, help="batch size"),
+    seqlen_q: int = typer.Option(..., min=1, help="query sequence length"),
+    seqlen_k: int | None = typer.Option(None, min=1, help="key/value sequence length (default: seqlen-q)"),
+    heads_q: int = typer.Option(..., min=1, help="query heads"),
+    heads_kv: int | None = typer.Option(None, min=1, help="key/value heads, dividing heads-q (default: heads-q)"),
+    head_dim: int = typer.Option(128, min=1, help="head dimension: 64, 128 or 256"),
+    dtype: str = typer.Option("bf16", help="q, k, v dtype: " + ", ".join(AB_DTYPES)),
+    causal: bool = typer.Option(False, "--causal/--no-causal", help="causal mask"),
+    target: str | None = typer.Option(None, help=TARGET_HELP),
+) -> None:
+    """Plan a FlashAttention-3 style forward O = softmax(Q K^T) V and print tiles, warp roles,
+    pipelines, shared memory and roofline (no GPU needed)."""
+    from epicute.errors import EpicuteError
+
+    try:
+        _check_choice("--dtype", dtype, AB_DTYPES)
+        import torch
+
+        from epicute.attention_api import explain_attention
+        from epicute.plan.attention import render_attention_plan
+
+        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        q = torch.empty(batch, seqlen_q, heads_q, head_dim, dtype=torch_dtype, device="meta")
+        kv = torch.empty(batch, seqlen_k or seqlen_q, heads_kv or heads_q, head_dim, dtype=torch_dtype, device="meta")
+        plan = explain_attention(q, kv, kv, causal=causal, target=target, file=None)
+    except EpicuteError as exc:
+        raise _fail(exc) from exc
+    console.print(render_attention_plan(plan))
 
 
 @app.command("compile")
 def compile_cmd(
     spec: Path = typer.Argument(..., help="TOML (or .json) spec of the kernels to build; see epicute.runtime.aot"),
     dry_run: bool = typer.Option(False, "--dry-run", help="list the variants and their keys, compile nothing"),
+    target: str | None = typer.Option(
+        None, help=TARGET_HELP + "; the kernels serve every GPU of its arch, the plans are this one's"
+    ),
 ) -> None:
     """Compile kernels ahead of time into the disk cache (no GPU needed); a GPU machine then loads them."""
     from rich.table import Table
@@ -108,16 +177,22 @@ def compile_cmd(
     from epicute.errors import EpicuteError
     from epicute.runtime.aot import compile_spec
     from epicute.runtime.cache import cache_dir
+    from epicute.runtime.target import resolve_target
 
     table = Table("kind", "problem", "key", "status", "seconds")
     try:
-        with console.status("compiling for sm_90a..."):
-            results = compile_spec(spec, dry_run=dry_run, on_result=lambda r: console.print(f"  {r.kind} {r.what}: {r.status}"))
+        resolved = resolve_target(target)
+        console.print(f"target {resolved.describe()}")
+        with console.status(f"compiling for {resolved.arch}..."):
+            results = compile_spec(
+                spec, dry_run=dry_run, on_result=lambda r: console.print(f"  {r.kind} {r.what}: {r.status}"),
+                target=resolved,
+            )  # fmt: skip
     except EpicuteError as exc:
         raise _fail(exc) from exc
     for r in results:
         table.add_row(r.kind, r.what, r.digest[:16], r.status, f"{r.seconds:.2f}")
-    console.print(table)
+    _print_table(table)
     built = sum(r.status == "compiled" for r in results)
     console.print(f"{len(results)} variants ({built} compiled now) in {cache_dir()}")
 
@@ -127,26 +202,44 @@ def cache_ls() -> None:
     """One line per cached kernel: key, kind, size, compile time, and whether this version can use it."""
     from rich.table import Table
 
-    from epicute.runtime.cache import cache_dir, disk_entries
+    from epicute.runtime.cache import disk_entries
 
-    entries = disk_entries()
+    root = _usable_cache_dir()
+    entries = disk_entries(root, verify=True) if root else []
     table = Table("key", "kind", "KiB", "compile s", "created", "usable", "variant")
     for e in entries:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["created"])) if "created" in e else "?"
-        usable = "yes" if e["current"] else "stale"
-        table.add_row(e["digest"][:16], e.get("kind", "?"), f"{e.get('size', 0) / 1024:.0f}",
-                      str(e.get("compile_seconds", "?")), created, usable, e.get("label") or e.get("parts", "damaged"))  # fmt: skip
-    console.print(table)
-    console.print(f"{len(entries)} entries in {cache_dir() or 'nowhere (EPICUTE_CACHE=0)'}")
+        usable = "damaged" if e["damaged"] else "yes" if e["current"] else "stale"
+        variant = e.get("label") or e.get("parts", "?")
+        kib, seconds = f"{e.get('size', 0) / 1024:.0f}", str(e.get("compile_seconds", "?"))
+        table.add_row(e["digest"][:16], str(e.get("kind", "?")), kib, seconds, created, usable, variant)
+    _print_table(table)
+    console.print(f"{len(entries)} entries in {root or 'nowhere (EPICUTE_CACHE=0)'}")
+    damaged = [e for e in entries if e["damaged"]]
+    for e in damaged:
+        console.print(f"damaged {e['digest'][:16]}: {e['damaged']}")
+    if damaged:
+        console.print("the next call that needs a damaged entry rebuilds it; `epicute cache clear` removes them now")
+
+
+def _usable_cache_dir(writable: bool = False):
+    """The cache directory (None when EPICUTE_CACHE=0), or exit 2 saying why it cannot be used."""
+    from epicute.errors import EpicuteError
+    from epicute.runtime.cache import check_cache_dir
+
+    try:
+        return check_cache_dir(writable=writable)
+    except EpicuteError as exc:
+        raise _fail(exc) from exc
 
 
 @cache_app.command("info")
 def cache_info() -> None:
     """Where the cache lives, whether it is on, and how big it is."""
-    from epicute.runtime.cache import cache_dir, code_versions, disk_entries
+    from epicute.runtime.cache import code_versions, disk_entries
 
-    root = cache_dir()
-    entries = disk_entries()
+    root = _usable_cache_dir()
+    entries = disk_entries(root) if root else []
     console.print(f"directory   {root if root else '(disabled: EPICUTE_CACHE=0)'}")
     console.print(f"entries     {len(entries)} ({sum(not e['current'] for e in entries)} stale)")
     console.print(f"size        {sum(e.get('size', 0) for e in entries) / 2**20:.2f} MiB")
@@ -157,10 +250,11 @@ def cache_info() -> None:
 @cache_app.command("clear")
 def cache_clear(stale: bool = typer.Option(False, "--stale", help="only entries other versions built")) -> None:
     """Delete cached kernels (they are rebuilt on the next call)."""
-    from epicute.runtime.cache import cache_dir, clear_disk
+    from epicute.runtime.cache import clear_disk
 
-    removed = clear_disk(stale_only=stale)
-    console.print(f"removed {removed} {'stale ' if stale else ''}entries from {cache_dir() or 'nowhere (EPICUTE_CACHE=0)'}")
+    root = _usable_cache_dir(writable=True)
+    removed = clear_disk(root, stale_only=stale) if root else 0
+    console.print(f"removed {removed} {'stale ' if stale else ''}entries from {root or 'nowhere (EPICUTE_CACHE=0)'}")
 
 
 @app.command()
@@ -172,16 +266,16 @@ def doctor() -> None:
     width = max(len(c.name) for c in found)
     for c in found:
         mark = "[green]ok[/green]  " if c.ok else "[yellow]warn[/yellow]"
-        console.print(f"{mark} {c.name.ljust(width)}  {c.found}", markup=True)
+        console.print(f"{mark} {escape(c.name.ljust(width))}  {escape(c.found)}", markup=True)
         if c.fix:
-            console.print(f"       {' ' * width}  -> {c.fix}", markup=False)
+            console.print(f"       {' ' * width}  -> {c.fix}")
     missing = [c for c in found if not c.ok]
     console.print("everything epicute needs is here" if not missing else f"{len(missing)} item(s) to look at (above)")
 
 
 @app.command()
 def bench(
-    shapes: Optional[str] = typer.Option(None, help="comma-separated MxNxK list (default: a standard set)"),
+    shapes: str | None = typer.Option(None, help="comma-separated MxNxK list (default: a standard set)"),
     plot: Path = typer.Option(Path("epicute-bench.png"), help="where to write the TFLOPS-vs-shape PNG"),
     no_plot: bool = typer.Option(False, "--no-plot", help="skip the plot (no matplotlib needed)"),
 ) -> None:
@@ -194,9 +288,9 @@ def bench(
 
     try:
         todo = benchmark.parse_shapes(shapes) if shapes else list(benchmark.DEFAULT_SHAPES)
+        device = benchmark.check_device()  # first: without a GPU, installing matplotlib would not help
         if not no_plot:
-            benchmark.require_matplotlib()  # fail before minutes of timing, not after
-        device = benchmark.check_device()
+            benchmark.require_matplotlib()  # before minutes of timing, not after
     except EpicuteError as exc:
         raise _fail(exc) from exc
     fns = benchmark.contenders()
@@ -210,11 +304,11 @@ def bench(
     table = Table("shape", *(f"{name} TFLOPS" for name in fns), title=f"bf16 GEMM on {device}")
     for row in rows:
         table.add_row(str(row["case"]), *(f"{row[name]:.1f}" if row.get(name) else "failed" for name in fns))
-    console.print(table)
+    _print_table(table)
     for row in rows:
         for name in fns:
             if row.get(f"{name}_error"):
-                console.print(f"{row['case']} {name}: {row[f'{name}_error']}", markup=False)
+                console.print(f"{row['case']} {name}: {row[f'{name}_error']}")
     if not no_plot:
         console.print(f"plot: {benchmark.plot(rows, list(fns), plot, f'bf16 GEMM on {device}')}")
     if any(row.get("epicute") is None for row in rows):
@@ -222,4 +316,4 @@ def bench(
 
 
 if __name__ == "__main__":
-    app()
+    app(prog_name="epicute")

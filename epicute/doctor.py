@@ -37,7 +37,11 @@ def _driver() -> str | None:
         return None
     try:
         out = subprocess.run(
-            [smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+            [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,  # a failing nvidia-smi means "no driver found", read from returncode below
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -49,39 +53,48 @@ def checks() -> list[Check]:
     import torch
 
     import epicute
-    from epicute.runtime.cache import cache_dir, disk_entries
+    from epicute.errors import ConfigError
+    from epicute.runtime.cache import cache_dir, check_cache_dir, disk_entries
 
     found = [Check("python", platform.python_version(), True), Check("epicute", epicute.__version__, True)]
     found.append(Check("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})", True))
     dsl = _version("nvidia-cutlass-dsl")
-    found.append(Check("CuTe DSL", dsl or "missing", dsl == "4.8.1", "" if dsl == "4.8.1" else "pip install nvidia-cutlass-dsl==4.8.1"))
-    for dist, why in (("apache-tvm-ffi", "the low-overhead launch path"), ("torch-c-dlpack-ext", "fast tensor passing")):
+    dsl_fix = "" if dsl == "4.8.1" else "pip install nvidia-cutlass-dsl==4.8.1"
+    found.append(Check("CuTe DSL", dsl or "missing", dsl == "4.8.1", dsl_fix))
+    for dist, why in (
+        ("apache-tvm-ffi", "the low-overhead launch path"),
+        ("torch-c-dlpack-ext", "fast tensor passing"),
+    ):
         v = _version(dist)
         found.append(Check(dist, v or "missing", v is not None, "" if v else f"pip install {dist} ({why})"))
     driver = _driver()
-    found.append(Check("NVIDIA driver", driver or "none found", driver is not None, "" if driver else "install the NVIDIA driver to run kernels"))
+    driver_fix = "" if driver else "install the NVIDIA driver to run kernels"
+    found.append(Check("NVIDIA driver", driver or "none found", driver is not None, driver_fix))
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
         name = torch.cuda.get_device_name()
         hopper = cap == (9, 0)
-        found.append(Check("GPU", f"{name} (sm_{cap[0]}{cap[1]})", hopper, "" if hopper else "epicute's kernels need a Hopper GPU (sm_90): they compile here but cannot run"))
+        gpu_fix = "" if hopper else "epicute's kernels need a Hopper GPU (sm_90): they compile here but cannot run"
+        found.append(Check("GPU", f"{name} (sm_{cap[0]}{cap[1]})", hopper, gpu_fix))
     else:
-        found.append(Check("GPU", "none visible", False, "kernels compile for sm_90a here (epicute compile, epicute demo) but run only on a Hopper GPU"))
+        gpu_fix = "kernels compile for sm_90a here (epicute compile, epicute demo) but run only on a Hopper GPU"
+        found.append(Check("GPU", "none visible", False, gpu_fix))
     found.append(Check("target arch", os.environ.get("CUTE_DSL_ARCH", "sm_90a (set on import)"), True))
     root = cache_dir()
     if root is None:
-        found.append(Check("kernel cache", "disabled (EPICUTE_CACHE=0)", False, "unset EPICUTE_CACHE to keep compiled kernels across processes"))
+        cache_fix = "unset EPICUTE_CACHE to keep compiled kernels across processes"
+        found.append(Check("kernel cache", "disabled (EPICUTE_CACHE=0)", False, cache_fix))
     else:
-        entries = disk_entries(root)
-        stale = sum(not e["current"] for e in entries)
-        size = sum(e.get("size", 0) for e in entries)
-        writable = os.access(root if root.exists() else root.parent if root.parent.exists() else "/", os.W_OK)
-        found.append(Check(
-            "kernel cache",
-            f"{root}: {len(entries)} entries ({stale} stale), {size / 2**20:.1f} MiB",
-            writable,
-            "" if writable else f"{root} is not writable: set EPICUTE_CACHE_DIR to a writable directory",
-        ))  # fmt: skip
+        try:
+            check_cache_dir(root, writable=True)
+        except ConfigError as exc:
+            found.append(Check("kernel cache", f"{root}: unusable", False, str(exc)))
+        else:
+            entries = disk_entries(root)
+            stale = sum(not e["current"] for e in entries)
+            size = sum(e.get("size", 0) for e in entries)
+            summary = f"{root}: {len(entries)} entries ({stale} stale), {size / 2**20:.1f} MiB"
+            found.append(Check("kernel cache", summary, True))
     for dist, extra, why in (("matplotlib", "plot", "epicute bench's plot"), ("quack-kernels", None, "a bench peer")):
         v = _version(dist)
         fix = "" if v else f"pip install {f'epicute[{extra}]' if extra else dist} for {why} (optional)"

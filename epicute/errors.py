@@ -45,13 +45,13 @@ class CompileError(EpicuteError, RuntimeError):
 
 
 __all__ = [
-    "EpicuteError",
+    "AlignmentError",
+    "CompileError",
+    "ConfigError",
     "DeviceError",
     "DtypeError",
-    "ShapeError",
-    "AlignmentError",
-    "OutputError",
-    "ConfigError",
+    "EpicuteError",
     "EpilogueError",
-    "CompileError",
+    "OutputError",
+    "ShapeError",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import epicute.benchmark as benchmark
+from epicute import benchmark
 
 
 @pytest.mark.parametrize("n", (2, 3, 4, 5))

@@ -4,6 +4,8 @@ A user writes ``f(acc, *operands)`` with :mod:`epicute.ops` and decorates it
 with :func:`epilogue`; the pieces here turn it into everything the kernel needs:
 
 - :mod:`.graph`: the IR (nodes, kinds, dtypes; fixed, shared with the kernel emitter);
+- :mod:`.optable`: the elementwise ops, each declared once (arity, attrs, torch reference,
+  kernel code, instruction estimate, fuzzer domain): everything else reads it;
 - :mod:`.tracer` (and :mod:`.proxy`, :mod:`.ops`): the function -> a :class:`Graph`;
 - :mod:`.operands`: passed values -> operand kinds and canonical views (and the pins);
 - :mod:`.hashing`: the graph's semantic hash, the compile-cache key;
@@ -24,7 +26,23 @@ from epicute.epilogue.schedule import EpilogueSchedule, Stage, schedule
 from epicute.epilogue.tracer import Epilogue, as_epilogue, epilogue
 
 __all__ = [
-    "epilogue", "as_epilogue", "Epilogue", "ops", "library", "Graph", "Node", "semantic_hash",
-    "RowVector", "ColVector", "Scalar", "Tile", "OperandSpec", "resolve_operands",
-    "evaluate", "reference_gemm", "schedule", "EpilogueSchedule", "Stage",
+    "ColVector",
+    "Epilogue",
+    "EpilogueSchedule",
+    "Graph",
+    "Node",
+    "OperandSpec",
+    "RowVector",
+    "Scalar",
+    "Stage",
+    "Tile",
+    "as_epilogue",
+    "epilogue",
+    "evaluate",
+    "library",
+    "ops",
+    "reference_gemm",
+    "resolve_operands",
+    "schedule",
+    "semantic_hash",
 ]  # fmt: skip

@@ -33,3 +33,10 @@ def ir_dtype(dtype: torch.dtype | str, what: str) -> str:
         return TORCH_TO_IR[dtype]
     supported = ", ".join(f"torch.{str(d).removeprefix('torch.')}" for d in TORCH_TO_IR)
     raise EpilogueError(f"{what}: dtype {dtype!r} is not supported; use one of {supported}")
+
+
+def round_to(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    """``x`` converted to the IR ``dtype`` (round to nearest even; fp8 saturates, NaN stays NaN)."""
+    if dtype in FP8_MAX:
+        x = x.clamp(-FP8_MAX[dtype], FP8_MAX[dtype])
+    return x.to(IR_TO_TORCH[dtype])

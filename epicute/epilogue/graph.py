@@ -9,8 +9,8 @@ printable, hashable, and free of torch or CuTe objects.
 Node ``kind`` says how a value is laid over the output tile:
 
 - ``"tile"``: one value per (m, n) element (the accumulator, full-tile operands);
-- ``"row"``: one value per column n, broadcast along M (shape ``(N,)``/``(L, N)``);
-- ``"col"``: one value per row m, broadcast along N (shape ``(M,)``/``(L, M)``);
+- ``"row"``: one value per column n, broadcast along M (shape ``(N,)``/``(L, N)``, as torch broadcasts);
+- ``"col"``: one value per row m, broadcast along N (shape ``(M, 1)``/``(L, M, 1)``);
 - ``"scalar"``: one value for the whole problem.
 
 An elementwise op's result kind is the "widest" of its arguments' kinds
@@ -24,20 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from epicute.epilogue import optable
+
 KINDS = ("scalar", "row", "col", "tile")
 
-#: Elementwise ops: name -> arity.
-ELEMENTWISE = {
-    "add": 2, "sub": 2, "mul": 2, "div": 2, "neg": 1, "abs": 1,
-    "minimum": 2, "maximum": 2, "fma": 3,
-    "exp": 1, "exp2": 1, "log": 1, "sqrt": 1, "rsqrt": 1, "tanh": 1, "sigmoid": 1,
-    "relu": 1, "gelu_erf": 1, "gelu_tanh": 1, "silu": 1, "softplus": 1,
-    "clamp": 1,          # attrs: lo, hi (either may be None)
-    "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2, "ne": 2,   # comparisons give 0/1 masks
-    "where": 3,          # where(cond, a, b)
-    "cast": 1,           # attrs: dtype; rounds to dtype (values stay fp32 in registers)
-    "quantize": 2,       # quantize(x, scale): saturating cast of x * scale; attrs: dtype
-}  # fmt: skip
+#: Elementwise ops: name -> arity. Each op is declared in :mod:`epicute.epilogue.optable`
+#: (attrs, reference semantics, kernel code, cost); this is a live view of that table.
+ELEMENTWISE = optable.view(lambda op: op.arity, "arities")
 
 #: Reductions over a tile: name -> (result kind, combine).
 REDUCTIONS = {

@@ -1,12 +1,18 @@
 """Operands of an epilogue: what kind each passed value is, and its canonical view.
 
-An operand's kind is read off what the user passes, given the GEMM's M, N, L:
-a Python number or 1-element tensor is a ``"scalar"``; ``(N,)``/``(L, N)`` a
-``"row"`` vector; ``(M,)``/``(L, M)``/``(M, 1)``/``(L, M, 1)`` a ``"col"`` vector;
-``(M, N)``/``(L, M, N)`` a ``"tile"``. When a shape fits two kinds that mean
-different math (a 1-D vector when M == N, say) the user pins the kind with
-:class:`RowVector`, :class:`ColVector`, :class:`Scalar` or :class:`Tile`,
-either at the call or as the parameter's annotation in the epilogue.
+An operand's kind is read off what the user passes, given the GEMM's M, N, L,
+by torch's broadcasting against the ``(L, M, N)`` result: trailing dimensions
+line up with ``(..., M, N)``, each of size 1 or the axis' size. So a Python
+number or 1-element tensor is a ``"scalar"``; ``(N,)``, ``(1, N)``, ``(L, 1, N)``
+a ``"row"`` vector (one value per column n); ``(M, 1)``, ``(L, M, 1)`` a
+``"col"`` vector (one value per row m); ``(M, N)``, ``(L, M, N)`` a ``"tile"``.
+A 1-D tensor is therefore always a row vector, also when M == N: its meaning
+never depends on the sizes of one call. One batched form goes beyond torch:
+``(L, N)`` is a per-batch row vector. A shape that fits two kinds meaning
+different math (``(L, N)`` when L == M) must be pinned with :class:`RowVector`,
+:class:`ColVector`, :class:`Scalar` or :class:`Tile`, at the call or as the
+parameter's annotation in the epilogue; a pin also accepts its kind's compact
+forms (``ColVector(t)`` for ``t`` of shape ``(M,)`` or ``(L, M)``).
 """
 
 from __future__ import annotations
@@ -73,10 +79,15 @@ class OperandSpec:
     value: float | torch.Tensor
 
 
-#: Accepted tensor shapes per kind, as the problem dimension each axis runs over.
-_FORMS = (
-    ("row", ("n",)), ("row", ("l", "n")),
+#: Shapes a pinned operand may take, as the problem dimension each axis runs over.
+_PINNED_FORMS = (
+    ("row", ("n",)), ("row", ("l", "n")), ("row", ("1", "n")), ("row", ("l", "1", "n")),
     ("col", ("m",)), ("col", ("l", "m")), ("col", ("m", "1")), ("col", ("l", "m", "1")),
+    ("tile", ("m", "n")), ("tile", ("l", "m", "n")),
+)  # fmt: skip
+#: Shapes read without a pin, per kind, for error messages (torch broadcasting, plus (L, N) rows).
+_UNPINNED_FORMS = (
+    ("row", ("n",)), ("row", ("l", "n")), ("col", ("m", "1")), ("col", ("l", "m", "1")),
     ("tile", ("m", "n")), ("tile", ("l", "m", "n")),
 )  # fmt: skip
 _CANONICAL = {"row": ("l", "n"), "col": ("l", "m"), "tile": ("l", "m", "n")}
@@ -88,11 +99,11 @@ _MEANING = {
 }
 
 
-def _describe_forms(kind: str, sizes: dict[str, int]) -> str:
+def _describe_forms(kind: str, sizes: dict[str, int], pinned: bool) -> str:
     if kind == "scalar":
         return "a Python number or a 1-element tensor"
     shapes = []
-    for form in (f for k, f in _FORMS if k == kind):
+    for form in (f for k, f in (_PINNED_FORMS if pinned else _UNPINNED_FORMS) if k == kind):
         symbolic = ", ".join(d.upper() for d in form) + ("," if len(form) == 1 else "")
         shapes.append(f"({symbolic}) = {tuple(sizes[d] for d in form)}")
     return " or ".join(shapes)
@@ -150,7 +161,8 @@ def _resolve(name: str, value: Any, m: int, n: int, l: int, declared: str | None
     if kind == "scalar" or (kind is None and (not is_tensor or value.numel() == 1)):
         if is_tensor and value.numel() != 1:
             raise EpilogueError(
-                f"operand {name!r} has shape {tuple(value.shape)}, but a scalar must be {_describe_forms('scalar', sizes)}"
+                f"operand {name!r} has shape {tuple(value.shape)}, but a scalar must be "
+                f"{_describe_forms('scalar', sizes, pinned=True)}"
             )
         return _scalar(name, value)
     if not is_tensor:
@@ -161,20 +173,19 @@ def _resolve(name: str, value: Any, m: int, n: int, l: int, declared: str | None
         )
 
     shape = tuple(value.shape)
-    matches = [
-        (k, form) for k, form in _FORMS
-        if (kind is None or k == kind) and len(form) == len(shape) and all(sizes[d] == s for d, s in zip(form, shape))
-    ]  # fmt: skip
-    if not matches:
+    readings = _pinned_readings(shape, kind, sizes) if kind is not None else _broadcast_readings(shape, sizes)
+    if not readings:
         kinds = [kind] if kind is not None else list(_MEANING)
-        accepted = "; ".join(f"{_describe_forms(k, sizes)} for {_MEANING[k]}" for k in kinds)
-        raise EpilogueError(f"operand {name!r} has shape {shape}; with M={m}, N={n}, L={l} it must be {accepted}")
-
-    # Two readings mean the same math when the same problem axes index its non-unit
-    # dimensions (e.g. (1, N) as a row or as an M == 1 tile); keep the narrowest kind.
-    readings: dict[tuple[str, ...], str] = {}
-    for k, form in matches:
-        readings.setdefault(tuple(d for d, s in zip(form, shape) if s != 1), k)
+        accepted = "; ".join(f"{_describe_forms(k, sizes, kind is not None)} for {_MEANING[k]}" for k in kinds)
+        hint = ""
+        if kind is None and shape in ((m,), (l, m)):
+            hint = (
+                f". A tensor's last dimension runs over N, as in torch's broadcasting: for one value per row m "
+                f"pass {name}[..., None] or epicute.ColVector({name})"
+            )
+        raise EpilogueError(
+            f"operand {name!r} has shape {shape}; with M={m}, N={n}, L={l} it must be {accepted}{hint}"
+        )
     if len(readings) > 1:
         kinds = list(readings.values())
         fits = " and ".join(_MEANING[k] for k in kinds)
@@ -185,6 +196,43 @@ def _resolve(name: str, value: Any, m: int, n: int, l: int, declared: str | None
         )
     ((axes, kind),) = readings.items()
     return OperandSpec(name, kind, TORCH_TO_IR[value.dtype], _canonical(value, axes, kind, sizes))
+
+
+def _kind_of(axes: tuple[str, ...]) -> str:
+    """The narrowest kind whose canonical shape holds every axis in ``axes``."""
+    if "m" in axes:
+        return "tile" if "n" in axes else "col"
+    return "row"  # a per-batch value with neither m nor n is a row broadcast along N
+
+
+def _readings(matches, shape: tuple[int, ...]) -> dict[tuple[str, ...], str]:
+    """Distinct meanings of ``(kind, form)`` matches, keyed by the problem axes the non-unit dimensions
+    run over: two readings with the same axes (``(1, N)`` as a row or as an M == 1 tile) mean the same
+    math, and the narrowest kind is kept."""
+    readings: dict[tuple[str, ...], str] = {}
+    for k, form in matches:
+        readings.setdefault(tuple(d for d, size in zip(form, shape) if size != 1), k)
+    return readings
+
+
+def _pinned_readings(shape: tuple[int, ...], kind: str, sizes: dict[str, int]) -> dict[tuple[str, ...], str]:
+    matches = [
+        (k, form) for k, form in _PINNED_FORMS
+        if k == kind and len(form) == len(shape) and all(sizes[d] == size for d, size in zip(form, shape))
+    ]  # fmt: skip
+    return _readings(matches, shape)
+
+
+def _broadcast_readings(shape: tuple[int, ...], sizes: dict[str, int]) -> dict[tuple[str, ...], str]:
+    """Torch's reading of ``shape`` against ``(L, M, N)``, and the per-batch row reading of ``(L, N)``."""
+    matches = []
+    form = ("l", "m", "n")[3 - len(shape) :] if len(shape) <= 3 else None
+    if form is not None and all(size in (1, sizes[d]) for d, size in zip(form, shape)):
+        axes = tuple(d for d, size in zip(form, shape) if size != 1)
+        matches.append((_kind_of(axes), form))
+    if len(shape) == 2 and shape == (sizes["l"], sizes["n"]):
+        matches.append(("row", ("l", "n")))
+    return _readings(matches, shape)
 
 
 def _canonical(t: torch.Tensor, axes: tuple[str, ...], kind: str, sizes: dict[str, int]) -> torch.Tensor:

@@ -5,14 +5,24 @@ of the kernel) and records one op of the epilogue graph. Names follow torch.
 Everything computes in fp32 unless :func:`cast` or :func:`quantize` says
 otherwise; comparisons give 0/1 masks for :func:`where`. Operators
 (``+ - * /``, unary ``-``, ``abs()``, ``< <= > >=``) work on traced values too.
+
+Each elementwise op is declared once, in :mod:`epicute.epilogue.optable`: the
+functions of the plain ones (``exp``, ``minimum``, ``where``, ...) are made from
+their entries, with the entry's parameters and docstring; the ones that check
+their arguments (``gelu``, ``clamp``, ``cast``, ``quantize``) are written out
+here, and so are the reductions.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import numbers
+from collections.abc import Callable
 
 import torch
 
+from epicute.epilogue import optable
 from epicute.epilogue.dtypes import FP8_MAX, ir_dtype
 from epicute.epilogue.proxy import Value, record
 from epicute.errors import EpilogueError
@@ -21,87 +31,13 @@ from epicute.errors import EpilogueError
 Arg = Value | float
 
 
-def neg(x: Arg) -> Value:
-    """``-x``."""
-    return record("neg", (x,))
-
-
-def abs(x: Arg) -> Value:
-    """``|x|``."""
-    return record("abs", (x,))
-
-
-def minimum(a: Arg, b: Arg) -> Value:
-    """Elementwise minimum; NaN if either is NaN (like ``torch.minimum``)."""
-    return record("minimum", (a, b))
-
-
-def maximum(a: Arg, b: Arg) -> Value:
-    """Elementwise maximum; NaN if either is NaN (like ``torch.maximum``)."""
-    return record("maximum", (a, b))
-
-
-def fma(a: Arg, b: Arg, c: Arg) -> Value:
-    """``a * b + c``."""
-    return record("fma", (a, b, c))
-
-
-def exp(x: Arg) -> Value:
-    """``e ** x``."""
-    return record("exp", (x,))
-
-
-def exp2(x: Arg) -> Value:
-    """``2 ** x``."""
-    return record("exp2", (x,))
-
-
-def log(x: Arg) -> Value:
-    """Natural logarithm."""
-    return record("log", (x,))
-
-
-def sqrt(x: Arg) -> Value:
-    """Square root."""
-    return record("sqrt", (x,))
-
-
-def rsqrt(x: Arg) -> Value:
-    """``1 / sqrt(x)``."""
-    return record("rsqrt", (x,))
-
-
-def tanh(x: Arg) -> Value:
-    """Hyperbolic tangent."""
-    return record("tanh", (x,))
-
-
-def sigmoid(x: Arg) -> Value:
-    """``1 / (1 + exp(-x))``."""
-    return record("sigmoid", (x,))
-
-
-def relu(x: Arg) -> Value:
-    """``max(x, 0)``."""
-    return record("relu", (x,))
-
-
+# --------------------------------------------------- ops that check arguments
 def gelu(x: Arg, approximate: str = "none") -> Value:
     """GELU: ``"none"`` is ``x * Phi(x)`` with erf, ``"tanh"`` the tanh approximation (as in torch)."""
-    ops = {"none": "gelu_erf", "tanh": "gelu_tanh"}
-    if approximate not in ops:
+    variants = {dict(op.variant)["approximate"]: op.name for op in optable.all_ops() if op.function == "gelu"}
+    if approximate not in variants:
         raise EpilogueError(f"gelu: approximate={approximate!r}; use 'none' (erf) or 'tanh'")
-    return record(ops[approximate], (x,))
-
-
-def silu(x: Arg) -> Value:
-    """``x * sigmoid(x)``."""
-    return record("silu", (x,))
-
-
-def softplus(x: Arg) -> Value:
-    """``log(1 + exp(x))`` (``x`` itself above 20, like ``torch.nn.functional.softplus``)."""
-    return record("softplus", (x,))
+    return optable.call(variants[approximate], x)
 
 
 def clamp(x: Arg, lo: float | None = None, hi: float | None = None) -> Value:
@@ -116,43 +52,7 @@ def clamp(x: Arg, lo: float | None = None, hi: float | None = None) -> Value:
             )
     if lo is not None and hi is not None and lo > hi:
         raise EpilogueError(f"clamp: lo={lo} > hi={hi}")
-    attrs = (("hi", None if hi is None else float(hi)), ("lo", None if lo is None else float(lo)))
-    return record("clamp", (x,), attrs)
-
-
-def lt(a: Arg, b: Arg) -> Value:
-    """``a < b`` as a 0/1 mask."""
-    return record("lt", (a, b))
-
-
-def le(a: Arg, b: Arg) -> Value:
-    """``a <= b`` as a 0/1 mask."""
-    return record("le", (a, b))
-
-
-def gt(a: Arg, b: Arg) -> Value:
-    """``a > b`` as a 0/1 mask."""
-    return record("gt", (a, b))
-
-
-def ge(a: Arg, b: Arg) -> Value:
-    """``a >= b`` as a 0/1 mask."""
-    return record("ge", (a, b))
-
-
-def eq(a: Arg, b: Arg) -> Value:
-    """``a == b`` as a 0/1 mask (``==`` itself is not traced)."""
-    return record("eq", (a, b))
-
-
-def ne(a: Arg, b: Arg) -> Value:
-    """``a != b`` as a 0/1 mask (``!=`` itself is not traced)."""
-    return record("ne", (a, b))
-
-
-def where(cond: Arg, a: Arg, b: Arg) -> Value:
-    """``a`` where ``cond`` is nonzero, else ``b`` (``cond`` is usually a comparison)."""
-    return record("where", (cond, a, b))
+    return optable.call("clamp", x, hi=None if hi is None else float(hi), lo=None if lo is None else float(lo))
 
 
 def cast(x: Arg, dtype: torch.dtype) -> Value:
@@ -160,7 +60,7 @@ def cast(x: Arg, dtype: torch.dtype) -> Value:
 
     Rounding is to nearest even; conversions to fp8 saturate to its largest finite value.
     """
-    return record("cast", (x,), (("dtype", ir_dtype(dtype, "cast")),))
+    return optable.call("cast", x, dtype=ir_dtype(dtype, "cast"))
 
 
 def quantize(x: Arg, scale: Arg, dtype: torch.dtype = torch.float8_e4m3fn) -> Value:
@@ -174,9 +74,10 @@ def quantize(x: Arg, scale: Arg, dtype: torch.dtype = torch.float8_e4m3fn) -> Va
             f"quantize: dtype {dtype} is not an fp8 dtype; use torch.float8_e4m3fn or torch.float8_e5m2 "
             "(ops.cast rounds to other dtypes)"
         )
-    return record("quantize", (x, scale), (("dtype", name),))
+    return optable.call("quantize", x, scale, dtype=name)
 
 
+# ----------------------------------------------------------------- reductions
 def row_sum(x: Value) -> Value:
     """Sum over N of a tile: one value per row m (an output of shape ``(M,)``/``(L, M)``)."""
     return record("row_sum", (x,))
@@ -212,8 +113,60 @@ def amax(x: Value) -> Value:
     return record("amax", (x,))
 
 
-__all__ = [
-    "neg", "abs", "minimum", "maximum", "fma", "exp", "exp2", "log", "sqrt", "rsqrt", "tanh", "sigmoid",
-    "relu", "gelu", "silu", "softplus", "clamp", "lt", "le", "gt", "ge", "eq", "ne", "where", "cast",
-    "quantize", "row_sum", "row_max", "row_amax", "col_sum", "col_max", "col_amax", "amax",
-]  # fmt: skip
+# ------------------------------------------------ ops made from table entries
+def _function_of(op: optable.OpDef) -> Callable[..., Value]:
+    """The ``epicute.ops`` function of a table entry: its parameters (then its attrs, by keyword), its doc."""
+    params = [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="Arg") for p in op.param_names]
+    params += [inspect.Parameter(a, inspect.Parameter.KEYWORD_ONLY) for a in op.attrs]
+    signature = inspect.Signature(params, return_annotation="Value")
+
+    def function(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        return optable.call(op.name, *(bound.arguments[p] for p in op.param_names),
+                            **{a: bound.arguments[a] for a in op.attrs})  # fmt: skip
+
+    function.__name__ = function.__qualname__ = op.function_name
+    function.__module__ = __name__
+    function.__doc__ = op.doc
+    function.__signature__ = signature
+    return function
+
+
+def _generated(op: optable.OpDef) -> bool:
+    """Whether an entry's function is made here (not written out above: no variants to choose between)."""
+    return op.function_name is not None and not op.variant and op.function_name not in _WRITTEN
+
+
+#: The functions written out above; every other table entry with a function gets one made here.
+_WRITTEN = frozenset(
+    name for name, value in list(globals().items())
+    if inspect.isfunction(value) and value.__module__ == __name__ and not name.startswith("_")
+)  # fmt: skip
+for _op in optable.BUILTIN:
+    if _generated(_op):
+        globals()[_op.function_name] = _function_of(_op)
+del _op
+
+#: Functions of ops registered after import (``optable.register``), made on first use.
+_REGISTERED: dict[str, tuple[optable.OpDef, Callable[..., Value]]] = {}
+
+
+class UnknownOpError(EpilogueError, AttributeError):
+    """``ops.<name>`` for a name that is no op (an AttributeError too, so ``hasattr`` keeps working)."""
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):  # protocol lookups (inspect, copy, pickle) expect a plain AttributeError
+        raise AttributeError(name)
+    op = next((op for op in optable.all_ops() if op.function_name == name and _generated(op)), None)
+    if op is not None:  # a registered op's function
+        if _REGISTERED.get(name, (None,))[0] is not op:
+            _REGISTERED[name] = (op, _function_of(op))
+        return _REGISTERED[name][1]
+    names = sorted({*__all__, *(op.function_name for op in optable.all_ops() if op.function_name)})
+    close = difflib.get_close_matches(name, names, n=3)
+    hint = f"did you mean {', '.join(f'ops.{c}' for c in close)}? " if close else ""
+    raise UnknownOpError(f"epicute.ops has no op {name!r}; {hint}the ops are: {', '.join(names)}")
+
+
+__all__ = sorted(_WRITTEN | {op.function_name for op in optable.BUILTIN if _generated(op)})

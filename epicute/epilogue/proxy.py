@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from epicute.epilogue import optable
 from epicute.epilogue.graph import REDUCTIONS, Node
 from epicute.errors import EpilogueError
 
@@ -107,7 +108,7 @@ def record(op: str, operands: Sequence[Any], attrs: tuple[tuple[str, Any], ...] 
                 f"is a {x.kind} value"
             )
         return rec.add(op, ids, REDUCTIONS[op][0], "fp32")
-    dtype = dict(attrs)["dtype"] if op in ("cast", "quantize") else "fp32"
+    dtype = dict(attrs)["dtype"] if optable.get(op).rounds else "fp32"
     return rec.add(op, ids, join_kinds([a.kind for a in args]), dtype, tuple(sorted(attrs)))
 
 
@@ -199,7 +200,7 @@ class Value:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def __bool__(self) -> bool:  # noqa: PLE0304 - raises: a traced value has no truth value
+    def __bool__(self) -> bool:
         _untraceable("bool() (an if, while, and/or or assert on a traced value)")
 
     def __float__(self) -> float:
@@ -208,7 +209,7 @@ class Value:
     def __int__(self) -> int:
         _untraceable("int()")
 
-    def __index__(self) -> int:  # noqa: PLE0305 - raises: a traced value has no integer value
+    def __index__(self) -> int:
         _untraceable("using a traced value as an index")
 
     @classmethod

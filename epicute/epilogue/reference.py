@@ -1,12 +1,14 @@
 """The CPU reference: what an epilogue graph computes, spelled out in torch.
 
 This interpreter defines the semantics the kernel must reproduce, and is what
-GPU results are checked against. Values live in ``(L, M, N)`` broadcasting
-shapes: a tile ``(L, M, N)``, a row ``(L, 1, N)``, a col ``(L, M, 1)``, a scalar
-``()``. Everything computes in ``compute_dtype`` (fp32, like the kernel's
-registers); scalars and constants are rounded to fp32 first, as the kernel
-receives them, and ``cast``/``quantize`` round to their dtype and go on in the
-compute dtype. Conversions to fp8 saturate at the format's largest finite value.
+GPU results are checked against; each elementwise op's torch formula is its
+``reference`` in :mod:`epicute.epilogue.optable`. Values live in ``(L, M, N)``
+broadcasting shapes: a tile ``(L, M, N)``, a row ``(L, 1, N)``, a col
+``(L, M, 1)``, a scalar ``()``. Everything computes in ``compute_dtype`` (fp32,
+like the kernel's registers); scalars and constants are rounded to fp32 first,
+as the kernel receives them, and ``cast``/``quantize`` round to their dtype and
+go on in the compute dtype. Conversions to fp8 saturate at the format's largest
+finite value.
 """
 
 from __future__ import annotations
@@ -15,42 +17,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from epicute.epilogue.dtypes import FP8_MAX, IR_TO_TORCH, ir_dtype
+from epicute.epilogue import optable
+from epicute.epilogue.dtypes import ir_dtype, round_to
 from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, Graph, Node
 from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.tracer import Epilogue, as_epilogue
 from epicute.errors import EpilogueError, ShapeError
 
 Tensor = torch.Tensor
-
-
-def _gelu_erf(x: Tensor) -> Tensor:
-    """torch's gelu, except at +-inf: the limits inf and 0, as the kernel computes them (torch gives NaN)."""
-    return torch.where(x.isinf(), x.clamp(min=0.0), F.gelu(x))
-
-
-_UNARY: dict[str, Callable[[Tensor], Tensor]] = {
-    "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log,
-    "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
-    "relu": torch.relu, "gelu_erf": _gelu_erf, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu, "softplus": F.softplus,
-}  # fmt: skip
-_BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
-    "minimum": torch.minimum, "maximum": torch.maximum,
-}  # fmt: skip
-_COMPARE: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
-}  # fmt: skip
-
-
-def round_to(x: Tensor, dtype: str) -> Tensor:
-    """``x`` converted to the IR ``dtype`` (round to nearest even; fp8 saturates, NaN stays NaN)."""
-    if dtype in FP8_MAX:
-        x = x.clamp(-FP8_MAX[dtype], FP8_MAX[dtype])
-    return x.to(IR_TO_TORCH[dtype])
 
 
 def _fp32(value: float, compute: torch.dtype, device: torch.device) -> Tensor:
@@ -87,27 +62,12 @@ def _reduce(x: Tensor, op: str, lmn: tuple[int, int, int]) -> Tensor:
 
 
 def _apply(node: Node, a: list[Tensor], lmn: tuple[int, int, int]) -> Tensor:
-    op = node.op
-    if op in _UNARY:
-        return _UNARY[op](a[0])
-    if op in _BINARY:
-        return _BINARY[op](a[0], a[1])
-    if op in _COMPARE:
-        return _COMPARE[op](a[0], a[1]).to(a[0].dtype)
-    if op == "fma":
-        return a[0] * a[1] + a[2]
-    if op == "clamp":
-        return torch.clamp(a[0], node.attr("lo"), node.attr("hi"))
-    if op == "where":
-        return torch.where(a[0] != 0, a[1], a[2])
-    if op == "cast":
-        return round_to(a[0], node.attr("dtype")).to(a[0].dtype)
-    if op == "quantize":
-        x = a[0] * a[1]
-        return round_to(x, node.attr("dtype")).to(x.dtype)
-    if op in REDUCTIONS:
-        return _reduce(a[0], op, lmn)
-    raise EpilogueError(f"%{node.id}: unknown op {op!r}")
+    if node.op in REDUCTIONS:
+        return _reduce(a[0], node.op, lmn)
+    op = optable.find(node.op)
+    if op is None:
+        raise EpilogueError(f"%{node.id}: unknown op {node.op!r}")
+    return op.reference(*a, **dict(node.attrs))
 
 
 def evaluate(

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from epicute.epilogue import optable
 from epicute.epilogue.dtypes import FP8_MAX
 from epicute.epilogue.graph import LEAVES, REDUCTIONS, Graph
 from epicute.epilogue.operands import OperandSpec
@@ -28,14 +29,10 @@ _REDUCED_SHAPE = {"col": "(L, M)", "row": "(L, N)", "scalar": "scalar"}
 
 #: Estimated SASS instructions per element of each op as the kernel emits it (fp32; the
 #: transcendental ones with their range reduction, IEEE division and square root with
-#: their fix-up sequence). The planner sizes the unrolled epilogue's code from this and the
+#: their fix-up sequence): each op's ``instructions`` in :mod:`epicute.epilogue.optable`,
+#: a live view. The planner sizes the unrolled epilogue's code from this and the
 #: roofline its arithmetic time per tile.
-OP_INSTRUCTIONS = {
-    "add": 1, "sub": 1, "mul": 1, "fma": 1, "neg": 1, "abs": 1, "minimum": 1, "maximum": 1, "relu": 1,
-    "clamp": 2, "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2, "ne": 2, "where": 2, "cast": 2, "quantize": 4,
-    "div": 10, "exp": 8, "exp2": 4, "log": 12, "sqrt": 8, "rsqrt": 2, "tanh": 15,
-    "sigmoid": 19, "silu": 19, "gelu_erf": 14, "gelu_tanh": 21, "softplus": 25,
-}  # fmt: skip
+OP_INSTRUCTIONS = optable.view(lambda op: op.instructions, "instructions per element")
 #: Per element and per operand or output: a tile operand's smem load and conversion, a
 #: vector's smem read, a stored output's conversion and staging, a reduction's fold.
 IO_INSTRUCTIONS = {"tile_input": 2, "vector": 1, "tile_output": 2, "reduction": 4}

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from epicute.epilogue import optable
 from epicute.epilogue.dtypes import ir_dtype
 from epicute.epilogue.graph import INDEX_KINDS, KINDS, REDUCTIONS, Graph, Node
 from epicute.epilogue.operands import OperandSpec, Pin, resolve_operands
@@ -184,7 +185,7 @@ class Epilogue:
             elif name in explicit:
                 stored[name] = explicit[name]
             else:
-                stored[name] = node.dtype if node.op in ("cast", "quantize") else requested_d
+                stored[name] = node.dtype if optable.rounds(node.op) else requested_d
         return stored
 
 

@@ -54,8 +54,9 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, cute
-from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from epicute.epilogue.graph import Graph
 from epicute.epilogue.hashing import semantic_hash
@@ -106,13 +107,21 @@ class AttentionFusion:
                 f"outputs {sorted(set(outputs) - {'D'})}: the attention kernel fuses only the main value so far; "
                 "use backend='reference' for aux outputs and reductions"
             )
+        # What it emits: the leaves (index ones included: score_mod's positions) and the op table's
+        # elementwise ops whose entry says ``attention`` (all but quantize); no reductions (only D is fused).
+        from epicute.epilogue import optable
+        from epicute.epilogue.graph import LEAVES
+
         for node in self.graph.nodes:
-            if node.op == "quantize" or node.op.endswith(("_sum", "_max", "_amax")) or node.op == "amax":
+            if node.op in LEAVES:
+                continue
+            op = optable.find(node.op)
+            if op is None or not op.attention:
                 raise EpilogueError(
                     f"op {node.op!r} is not emitted by the attention kernel yet; use backend='reference'"
                 )
-            if node.op == "cast" and node.attr("dtype") not in DSL_DTYPES:
-                raise EpilogueError(f"cast to {node.attr('dtype')} is not emitted by the kernel yet")
+            if op.rounds and node.attr("dtype") not in DSL_DTYPES:
+                raise EpilogueError(f"{node.op} to {node.attr('dtype')} is not emitted by the kernel yet")
         for name, kind, dtype in self.operands:
             if kind not in OPERAND_KINDS:
                 raise EpilogueError(f"operand {name!r}: kind {kind!r} is not one of {OPERAND_KINDS}")
@@ -230,11 +239,11 @@ class AttentionSm90:
         mLSE = _select(mLSE_bhs, [2, 1, 0])  # (seqlen_q, heads, batch)
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
             (self.num_wg, 1, 1), tiler_mn=(WGMMA_M, cfg.tile_n),
         )  # fmt: skip
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             (self.num_wg, 1, 1), tiler_mn=(WGMMA_M, d), a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
         sQ_layout = _smem_layout(self.dtype, cfg.tile_m, d)
@@ -322,7 +331,7 @@ class AttentionSm90:
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         kv_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         consumer_warps = cfg.num_mma_threads // 32

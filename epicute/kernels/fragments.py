@@ -19,8 +19,7 @@ to inject another fence there (its warning C7519).
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass import BFloat16, Float16, Float32, Int32, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 

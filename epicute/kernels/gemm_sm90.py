@@ -37,14 +37,14 @@ k-tiles add zeros) and clips out-of-bounds stores.
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32
-from cutlass.utils import LayoutEnum
+from cutlass import Float32, Int32, cute, pipeline
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
+from epicute.epilogue.fusion import EpilogueFusion
 from epicute.kernels import epilogue_emit as emit
-from epicute.kernels.epilogue_emit import DSL_DTYPES, EpilogueFusion
+from epicute.kernels.epilogue_emit import DSL_DTYPES
 from epicute.kernels.fragments import warpgroup_slice
 from epicute.kernels.pipeline import (
     NamedBarriers,
@@ -79,7 +79,6 @@ class GemmSm90:
         d_dtype: str,
         a_major: str,
         b_major: str,
-        max_active_clusters: int,
         fusion: EpilogueFusion | None = None,
     ):
         cfg.validate()
@@ -99,7 +98,6 @@ class GemmSm90:
         # a B tile by the CTAs of one cluster column.
         self.a_mcast_ctas = cfg.cluster_n
         self.b_mcast_ctas = cfg.cluster_m
-        self.max_active_clusters = max_active_clusters
         self.load_warp = 0
         # A second producer warp streams the epilogue's operand tiles, so the
         # mainloop's loads never wait behind them.
@@ -115,9 +113,13 @@ class GemmSm90:
         mD_lmn: cute.Tensor,
         epi_tensors: tuple,
         epi_scalars: tuple,
+        max_active_clusters: Int32,
         stream,
     ):
-        """``epi_tensors``/``epi_scalars``: the fused epilogue's operands (see epilogue_emit)."""
+        """``epi_tensors``/``epi_scalars``: the fused epilogue's operands (see epilogue_emit).
+        ``max_active_clusters``: a persistent grid's cluster budget on this GPU (the host's
+        ``GemmPlan.max_active_clusters``: SMs // cluster size), a runtime value so that one
+        compiled kernel serves every SM count; one-tile-per-CTA variants ignore it."""
         cfg = self.cfg
         mA = _rotate(mA_lmk, [1, 2, 0])  # (M, K, L)
         mB = _rotate(mB_lkn, [2, 1, 0])  # (N, K, L)
@@ -172,9 +174,9 @@ class GemmSm90:
         clusters_m, clusters_n, total_clusters = TileScheduler.num_clusters(
             tiles_m, tiles_n, num_batches, self.cluster_shape_mn
         )
-        launched = total_clusters
-        if cutlass.const_expr(cfg.persistent):
-            launched = cutlass.min(total_clusters, Int32(self.max_active_clusters))
+        # The plan's grid by the same formula; the tile scheduler strides by gridDim.z, so
+        # whatever this launches, the persistent clusters cover every tile exactly once.
+        launched = cfg.launched_clusters(total_clusters, max_active_clusters, cutlass.min)
 
         d_staging_elems = 0 if cfg.epi_reuses_ab_smem else cute.cosize(d_smem_staged)
         # Mirrors epicute.plan.smem.smem_table field for field.
@@ -295,7 +297,7 @@ class GemmSm90:
         a_mcast_mask = a_mcast_mask if self.a_mcast_ctas > 1 else 0
         b_mcast_mask = b_mcast_mask if self.b_mcast_ctas > 1 else 0
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0))) + cute.size_in_bytes(
             self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0))
@@ -373,7 +375,7 @@ class GemmSm90:
 
         if warpgroup_idx == 0:
             # ---------------- producer warpgroup
-            cute.arch.warpgroup_reg_dealloc(cfg.producer_regs)
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == self.load_warp:
                 scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.ab_stages)
@@ -395,7 +397,7 @@ class GemmSm90:
                 # Stay alive until consumers (ours and peers') released every
                 # stage, so no remote arrive targets an exited CTA.
                 ab_pipeline.producer_tail(state)
-            if cutlass.const_expr(self.epi_buffers.loads_tiles):
+            if cutlass.const_expr(self.epi_buffers.loads_tiles):  # noqa: SIM102 - compile-time guard, dynamic if
                 if warp_idx == self.epi_load_warp:
                     # One stage = one epilogue subtile of every operand tile, in the
                     # consumers' subtile order; the ring runs ahead by num_c_stages.
@@ -424,7 +426,7 @@ class GemmSm90:
                     c_pipeline.producer_tail(fill_state)
         else:
             # ---------------- consumer warpgroups: MMA, then epilogue
-            cute.arch.warpgroup_reg_alloc(cfg.consumer_regs)
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
             # A team: the consumer warpgroups on one tile (both cooperative, one ping-pong).
             team = cute.arch.make_warp_uniform((tidx - THREADS_PER_WARPGROUP) // cfg.tile_threads)
             mma_tidx = (tidx - THREADS_PER_WARPGROUP) % cfg.tile_threads

@@ -25,8 +25,7 @@ import dataclasses
 import enum
 
 import cutlass
-import cutlass.cute as cute
-import cutlass.pipeline as pipeline
+from cutlass import cute, pipeline
 
 
 class NamedBarriers(enum.IntEnum):
@@ -164,7 +163,7 @@ class WarpgroupTurns:
     @cute.jit
     def grant_first(self, wg):
         """Called once by every warpgroup: warpgroup 0's first turn needs no predecessor."""
-        if cutlass.const_expr(self.enabled):
+        if cutlass.const_expr(self.enabled):  # noqa: SIM102 - compile-time guard around a dynamic if
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=self.first, number_of_threads=self.num_threads)
 
@@ -200,9 +199,8 @@ def release_after(ring: pipeline.PipelineTmaAsync, state, anchor):
     true for any value the caller passes that is never negative, NaN included -- makes it
     depend on ``anchor`` without changing what it does.
     """
-    if ring.is_signaling_thread:
-        if not anchor < cutlass.Float32(0.0):
-            ring.sync_object_empty.arrive(state.index, ring.consumer_mask)
+    if ring.is_signaling_thread and not anchor < cutlass.Float32(0.0):
+        ring.sync_object_empty.arrive(state.index, ring.consumer_mask)
 
 
 class RingState:

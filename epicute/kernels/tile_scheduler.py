@@ -2,7 +2,10 @@
 
 GEMM: the grid is ``(cluster_m, cluster_n, num_launched_clusters)``; cluster ``z``
 processes linear cluster ids ``z, z + grid_z, z + 2 grid_z, ...`` until the
-problem is exhausted. A linear id maps to (cluster_m, cluster_n, batch) through
+problem is exhausted. ``num_launched_clusters`` is set per launch
+(:meth:`~epicute.plan.config.GemmConfig.launched_clusters` of the runtime
+``max_active_clusters``) and the stride is read back from ``gridDim.z``, so the
+compiled code holds no SM count. A linear id maps to (cluster_m, cluster_n, batch) through
 *bands* of ``group`` clusters across the raster's minor axis; a band is walked
 across its width first, then down the raster axis (``raster_along_m``: bands of
 N columns swept down M). Clusters that run at the same moment thus cover a
@@ -23,8 +26,7 @@ announces each tile to the consumers through shared memory.
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, cute
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
 from epicute.kernels.pipeline import wait_full

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from epicute.errors import ConfigError
 from epicute.plan.config import DTYPE_BYTES, WarpRoles
-from epicute.plan.hardware import Hardware, current_hardware
 from epicute.plan.smem import BUFFER_ALIGN, MBARRIER_BYTES, SmemItem, _round_up
+from epicute.runtime.target import Target, resolve_target
 
 HEAD_DIMS = (64, 128, 256)
 #: Rows of one WGMMA atom: each consumer warpgroup owns this many query rows.
@@ -102,9 +102,10 @@ class AttentionConfig(WarpRoles):
             self.dynamic_tiles, self.producer_regs, self.consumer_regs,
         )  # fmt: skip
 
-    def validate(self, hardware: Hardware | None = None, dtype: str = "bf16") -> None:
-        """Raise :class:`ConfigError` for a configuration the kernel cannot run."""
-        hw = hardware or current_hardware()
+    def validate(self, target: Target | str | None = None, dtype: str = "bf16") -> None:
+        """Raise :class:`ConfigError` for a configuration the kernel cannot run on ``target``
+        (default: the visible GPU, else an H100 SXM)."""
+        hw = resolve_target(target)
         if self.head_dim not in HEAD_DIMS:
             raise ConfigError(f"head_dim={self.head_dim}: supported are {HEAD_DIMS}")
         if self.tile_m % WGMMA_M or not 1 <= self.num_mma_warpgroups <= 3:
@@ -294,11 +295,20 @@ def attention_smem_total(cfg: AttentionConfig, dtype: str = "bf16") -> int:
     return sum(item.bytes for item in attention_smem_table(cfg, dtype))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class AttentionPlan:
     problem: AttentionProblem
     config: AttentionConfig
-    hardware: Hardware
+    #: the GPU planned for: its SM count bounds the persistent grid (a launch argument, not code)
+    target: Target
+
+    def __repr__(self) -> str:
+        # One line, so a REPL echoing explain_attention()'s result does not bury the text it printed.
+        p, c = self.problem, self.config
+        return (
+            f"<AttentionPlan b{p.batch} sq{p.seqlen_q} sk{p.seqlen_k} h{p.heads_q}/{p.heads_kv} d{p.head_dim}"
+            f"{' causal' if p.causal else ''}: tile {c.tile_m}x{c.tile_n}, grid {self.grid}>"
+        )
 
     @property
     def m_blocks(self) -> int:
@@ -315,17 +325,38 @@ class AttentionPlan:
         return self.m_blocks * self.problem.heads_q * self.problem.batch
 
     @property
+    def max_ctas(self) -> int:
+        """The persistent kernel's CTA budget on :attr:`target` (one per SM): its launch argument
+        (``AttentionSm90.__call__``'s ``max_ctas``), never part of its compile key."""
+        return self.target.num_sms
+
+    @property
     def grid(self) -> tuple[int, int, int]:
         """One CTA per tile, or (persistent) one per SM walking tiles ``x, x + grid, ...`` or
-        (``dynamic_tiles``) claiming them from a counter."""
+        (``dynamic_tiles``) claiming them from a counter; the kernel computes the same on the device
+        from ``max_ctas``."""
         if self.config.persistent:
-            return (min(self.num_tiles, self.hardware.num_sms), 1, 1)
+            return (min(self.num_tiles, self.max_ctas), 1, 1)
         return (self.num_tiles, 1, 1)
 
+    @property
+    def flops(self) -> int:
+        return self.problem.flops
 
-def plan_attention(problem: AttentionProblem, hardware: Hardware | None = None, **overrides) -> AttentionPlan:
-    """Choose and validate the kernel configuration for ``problem``."""
-    hw = hardware or current_hardware()
+    @property
+    def min_bytes(self) -> int:
+        """Q, K, V read once, O written once (and the fp32 LSE)."""
+        p = self.problem
+        elem = DTYPE_BYTES[p.dtype]
+        q_o = 2 * p.batch * p.seqlen_q * p.heads_q * p.head_dim * elem
+        k_v = 2 * p.batch * p.seqlen_k * p.heads_kv * p.head_dim * elem
+        return q_o + k_v + 4 * p.batch * p.heads_q * p.seqlen_q
+
+
+def plan_attention(problem: AttentionProblem, target: Target | str | None = None, **overrides) -> AttentionPlan:
+    """Choose and validate the kernel configuration for ``problem`` on ``target`` (a :class:`Target`
+    or its name; default: the visible GPU, else an H100 SXM)."""
+    hw = resolve_target(target)
     cfg = default_config(problem.head_dim, problem.causal, **overrides)
     cfg.validate(hw, problem.dtype)
     return AttentionPlan(problem, cfg, hw)
@@ -333,13 +364,13 @@ def plan_attention(problem: AttentionProblem, hardware: Hardware | None = None, 
 
 def render_attention_plan(plan: AttentionPlan) -> str:
     """The text ``epicute.explain_attention`` prints."""
-    p, c, hw = plan.problem, plan.config, plan.hardware
+    p, c, hw = plan.problem, plan.config, plan.target
     group = p.heads_q // p.heads_kv
     lines = [
         f"epicute attention plan: O[{p.batch}x{p.seqlen_q}x{p.heads_q}x{p.head_dim}] = softmax(Q K^T) V, "
         f"seqlen_k={p.seqlen_k}, {p.dtype}" + (", causal (bottom-right aligned)" if p.causal else ""),
         f"  heads: {p.heads_q} query / {p.heads_kv} key-value ({'MHA' if group == 1 else f'GQA {group}:1'})",
-        f"  target {hw.arch} on {hw.name}",
+        f"  target          {hw.describe()}",
         "",
         "tiles",
         f"  CTA tile        {c.tile_m} query rows x {c.tile_n} keys, head_dim {c.head_dim}",
@@ -398,5 +429,18 @@ def render_attention_plan(plan: AttentionPlan) -> str:
         lines.append(f"  {item.name:<{width}}  {item.bytes:>7} B  {item.what}")
     total = sum(item.bytes for item in table)
     lines.append(f"  {'total':<{width}}  {total:>7} B  of {hw.smem_per_cta_bytes} B")
+    compute_s = plan.flops / (hw.peak_tflops(p.dtype) * 1e12)
+    memory_s = plan.min_bytes / (hw.hbm_tb_per_s * 1e12)
+    lines += [
+        "",
+        "roofline",
+        (
+            f"  work            {plan.flops / 1e9:.2f} GFLOP, {plan.min_bytes / 1e6:.2f} MB moved at least "
+            f"(intensity {plan.flops / max(plan.min_bytes, 1):.0f} FLOP/B)"
+        ),
+        f"  compute bound   {compute_s * 1e6:.1f} us at {hw.peak_tflops(p.dtype):.0f} TFLOP/s",
+        f"  memory bound    {memory_s * 1e6:.1f} us at {hw.hbm_tb_per_s:.2f} TB/s",
+        f"  waves           {plan.num_tiles / hw.num_sms:.2f} ({plan.num_tiles} tiles on {hw.num_sms} SMs)",
+    ]
     lines += ["", "why"] + [f"  - {r}" for r in c.reasons]
     return "\n".join(lines)

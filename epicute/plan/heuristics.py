@@ -44,7 +44,6 @@ from dataclasses import replace
 
 from epicute.errors import ConfigError
 from epicute.plan.config import THREADS_PER_WARPGROUP, GemmConfig, GemmProblem
-from epicute.plan.hardware import H100_SXM, Hardware
 from epicute.plan.roofline import estimate_seconds
 from epicute.plan.smem import (
     NO_EPILOGUE,
@@ -55,6 +54,7 @@ from epicute.plan.smem import (
     epilogue_region_bytes,
     smem_total,
 )
+from epicute.runtime.target import H100_SXM, Target
 
 MAX_AB_STAGES = 8
 MAX_EPI_STAGES = 4
@@ -82,7 +82,7 @@ def _num_tiles(problem: GemmProblem, tile_m: int, tile_n: int) -> int:
 
 
 def choose_schedule(
-    problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers, tile_pinned: bool = False
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, tile_pinned: bool = False
 ) -> tuple[str, str]:
     if not epilogue.chain:
         # A plain GEMM's ping-pong is a tile choice: its widest tile (128x192, one warpgroup's
@@ -136,7 +136,7 @@ def epilogue_code(epilogue: EpilogueBuffers, schedule: str, tile_m: int, tile_n:
 
 
 def fit_epilogue_code(
-    problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers, schedule: str, tile_n: int
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str, tile_n: int
 ) -> tuple[str, int, str]:
     """(schedule, tile_n, reason) whose 128-row tile keeps the epilogue's code within budget:
     the given pair if it fits, else the widest cooperative tile that does (else the narrowest)."""
@@ -160,7 +160,7 @@ def fit_epilogue_code(
 
 
 def best_tile_estimate(
-    problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers, schedule: str
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str
 ) -> tuple[float, int]:
     """(estimated seconds, tile N) of ``schedule``'s best 128-row tile."""
     width, _ = choose_tile_n(problem, hw, epilogue, schedule)
@@ -168,7 +168,7 @@ def best_tile_estimate(
 
 
 def choose_tile_n(
-    problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers = NO_EPILOGUE, schedule: str = "cooperative"
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers = NO_EPILOGUE, schedule: str = "cooperative"
 ) -> tuple[int, str]:
     if problem.n <= 64:
         return 64, f"N={problem.n} fits one 64-wide tile"
@@ -255,7 +255,7 @@ def fit_stages(cfg: GemmConfig, problem: GemmProblem, budget: int, epi: Epilogue
 
 
 def choose_config(
-    problem: GemmProblem, hw: Hardware = H100_SXM, epilogue: EpilogueBuffers = NO_EPILOGUE, **overrides
+    problem: GemmProblem, hw: Target = H100_SXM, epilogue: EpilogueBuffers = NO_EPILOGUE, **overrides
 ) -> GemmConfig:
     """The planner's configuration for ``problem``; keyword overrides pin any field.
 
@@ -312,7 +312,8 @@ def choose_config(
     else:
         cluster = (1, 1)
         reasons.append(
-            f"cluster 1x1: {tiles} tile(s) in {tiles_m} row(s) of tiles fill under half a wave; a cluster peer would idle an SM"
+            f"cluster 1x1: {tiles} tile(s) in {tiles_m} row(s) of tiles fill under half a wave; "
+            "a cluster peer would idle an SM"
         )
 
     max_clusters = hw.num_sms // (cluster[0] * cluster[1])

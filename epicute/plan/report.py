@@ -14,29 +14,40 @@ def _kib(n: int) -> str:
 
 
 def render_plan(plan: GemmPlan) -> str:
-    p, c, hw = plan.problem, plan.config, plan.hardware
+    p, c, hw = plan.problem, plan.config, plan.target
     a_desc = "row-major (K contiguous)" if p.a_major == "k" else "column-major (M contiguous)"
     b_desc = "row-major (N contiguous)" if p.b_major == "n" else "column-major (K contiguous)"
     lines = [
         f"epicute GEMM plan: D[{p.l}x{p.m}x{p.n}] = A[{p.l}x{p.m}x{p.k}] @ B[{p.l}x{p.k}x{p.n}]",
         f"  A {p.ab_dtype} {a_desc}; B {p.ab_dtype} {b_desc}; D {p.d_dtype} row-major; accumulate fp32",
-        f"  target {hw.arch} on {hw.name}" + ("" if hw.detected else " (no GPU detected: planning for an H100)"),
+        f"  target          {hw.describe()}",
         "",
         "tiles",
         f"  CTA tile        {c.tile_m} x {c.tile_n} x {c.tile_k}   ({plan.num_tiles} output tiles)",
         f"  cluster         {c.cluster_m} x {c.cluster_n}"
         + (f"   (TMA multicast: A to {c.cluster_n}, B to {c.cluster_m} CTAs)" if c.cluster_size > 1 else ""),
         f"  schedule        {c.schedule}, {'persistent' if c.persistent else 'one tile per CTA'}",
-        f"  grid            {plan.grid}  x {c.num_threads} threads, cluster {(c.cluster_m, c.cluster_n, 1)}",
-        f"  rasterization   bands of {c.swizzle} clusters, {'along N swept down M' if c.raster_along_m else 'along M swept across N'}",
-        f"  epilogue tile   {c.epi_tile[0]} x {c.epi_tile[1]}  ({c.num_epi_subtiles} subtiles per tile, row-major order)",
+        f"  grid            {plan.grid}  x {c.num_threads} threads, cluster {(c.cluster_m, c.cluster_n, 1)}"
+        + (
+            f"; at most {plan.max_active_clusters} clusters on {hw.num_sms} SMs (a launch argument)"
+            if c.persistent
+            else ""
+        ),
+        f"  rasterization   bands of {c.swizzle} clusters, "
+        + ("along N swept down M" if c.raster_along_m else "along M swept across N"),
+        (
+            f"  epilogue tile   {c.epi_tile[0]} x {c.epi_tile[1]}  "
+            f"({c.num_epi_subtiles} subtiles per tile, row-major order)"
+        ),
         "",
         "warp roles",
         f"  warpgroup 0     producer: warp 0 issues TMA loads of A and B   setmaxnreg {c.producer_regs}",
     ]
     e = plan.epilogue
     if e.loads_tiles:
-        lines.append(f"                  warp 1 issues TMA loads of the epilogue's {len(e.tile_inputs)} tile operand(s)")
+        lines.append(
+            f"                  warp 1 issues TMA loads of the epilogue's {len(e.tile_inputs)} tile operand(s)"
+        )
     for wg in range(c.num_mma_warpgroups):
         if c.schedule == "pingpong":
             work = (
@@ -52,8 +63,10 @@ def render_plan(plan: GemmPlan) -> str:
         f"  registers       {regs} of 65536 per SM",
         "",
         "pipelines",
-        f"  A/B load ring   PipelineTmaAsync, {c.ab_stages} stages, full+empty mbarriers, "
-        f"{(c.tile_m + c.tile_n) * c.tile_k * 2} B per stage",
+        (
+            f"  A/B load ring   PipelineTmaAsync, {c.ab_stages} stages, full+empty mbarriers, "
+            f"{(c.tile_m + c.tile_n) * c.tile_k * 2} B per stage"
+        ),
         f"  D store         PipelineTmaStore, {c.num_epi_stages} buffers, one elected thread "
         f"commits and waits until <= {c.num_epi_stages - 1} stores are in flight"
         + (f" (D and {len(e.aux_outputs)} aux output(s) per commit group)" if e.aux_outputs else ""),
@@ -75,25 +88,31 @@ def render_plan(plan: GemmPlan) -> str:
         lines.append(f"  {item.name:<{width}}  {item.bytes:>7} B  {item.what}")
     total = plan.smem_bytes
     lines.append(
-        f"  {'total':<{width}}  {total:>7} B  {_kib(total)} of {_kib(hw.smem_per_cta_bytes)} ({total / hw.smem_per_cta_bytes:.0%})"
+        f"  {'total':<{width}}  {total:>7} B  {_kib(total)} of {_kib(hw.smem_per_cta_bytes)} "
+        f"({total / hw.smem_per_cta_bytes:.0%})"
     )
     if c.epi_reuses_ab_smem:
         lines.append("  D staging aliases the A ring: with one tile per CTA the ring is idle once the mainloop ends")
     else:
-        lines.append("  D staging has its own buffers: the next tile's mainloop refills the A/B ring during this epilogue")
+        lines.append(
+            "  D staging has its own buffers: the next tile's mainloop refills the A/B ring during this epilogue"
+        )
     r = plan.roofline
     lines += [
         "",
         "roofline",
-        f"  work            {r.flops / 1e9:.2f} GFLOP, {r.min_bytes / 1e6:.2f} MB moved at least "
-        f"(intensity {r.intensity:.0f} FLOP/B)",
-        f"  compute bound   {r.compute_s * 1e6:.1f} us at {hw.peak_tflops_16bit:.0f} TFLOP/s",
+        (
+            f"  work            {r.flops / 1e9:.2f} GFLOP, {r.min_bytes / 1e6:.2f} MB moved at least "
+            f"(intensity {r.intensity:.0f} FLOP/B)"
+        ),
+        f"  compute bound   {r.compute_s * 1e6:.1f} us at {hw.peak_tflops(p.ab_dtype):.0f} TFLOP/s",
         f"  memory bound    {r.memory_s * 1e6:.1f} us at {hw.hbm_tb_per_s:.2f} TB/s",
     ]
     if r.epilogue_bytes or r.epilogue_alu_s:
         lines.append(
-            f"  epilogue        +{r.epilogue_bytes / 1e6:.2f} MB of operand/aux tiles ({r.epilogue_tile_s * 1e6:.2f} us "
-            f"per tile, fetched under the mainloop); {r.epilogue_alu_s * 1e6:.2f} us of arithmetic per tile, "
+            f"  epilogue        +{r.epilogue_bytes / 1e6:.2f} MB of operand/aux tiles "
+            f"({r.epilogue_tile_s * 1e6:.2f} us per tile, fetched under the mainloop); "
+            f"{r.epilogue_alu_s * 1e6:.2f} us of arithmetic per tile, "
             + (
                 "exposed (the cooperative epilogue runs with no WGMMA in flight)"
                 if r.epilogue_exposed

@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epicute.plan.config import DTYPE_BYTES, GemmProblem
-from epicute.plan.hardware import Hardware
 from epicute.plan.smem import NO_EPILOGUE, EpilogueBuffers
+from epicute.runtime.target import Target
 
 #: Fraction of the tensor-core peak a mainloop sustains, by tile N (tile M is 128);
 #: calibrated against bench/results/configs.json and configs_pingpong.json (H100 SXM,
@@ -68,7 +68,7 @@ class Roofline:
 
 def estimate_seconds(
     problem: GemmProblem,
-    hw: Hardware,
+    hw: Target,
     tile_m: int,
     tile_n: int,
     epilogue: EpilogueBuffers = NO_EPILOGUE,
@@ -79,7 +79,7 @@ def estimate_seconds(
 
 def roofline(
     problem: GemmProblem,
-    hw: Hardware,
+    hw: Target,
     tile_m: int,
     tile_n: int,
     tile_k: int = 64,
@@ -90,12 +90,13 @@ def roofline(
     extra_per_elem = sum(DTYPE_BYTES[d] for d in epilogue.tile_inputs + epilogue.aux_outputs)
     epilogue_bytes = problem.l * problem.m * problem.n * extra_per_elem
     min_bytes = problem.min_bytes + epilogue_bytes
-    compute_s = flops / (hw.peak_tflops_16bit * 1e12)
+    peak_flops = hw.peak_tflops(problem.ab_dtype) * 1e12
+    compute_s = flops / peak_flops
     memory_s = min_bytes / (hw.hbm_tb_per_s * 1e12)
     tiles = _ceil_div(problem.m, tile_m) * _ceil_div(problem.n, tile_n) * problem.l
     waves = _ceil_div(tiles, hw.num_sms) if tiles else 0
     k_padded = _ceil_div(problem.k, tile_k) * tile_k
-    per_sm_flops = hw.peak_tflops_16bit * 1e12 / hw.num_sms * MAINLOOP_EFFICIENCY.get(tile_n, 0.5)
+    per_sm_flops = peak_flops / hw.num_sms * MAINLOOP_EFFICIENCY.get(tile_n, 0.5)
     epilogue_tile_s = tile_m * tile_n * extra_per_elem / (hw.hbm_tb_per_s * 1e12 / hw.num_sms)
     epilogue_alu_s = tile_m * tile_n * epilogue.instructions_per_element / (SM_ISSUE_PER_CYCLE * hw.tensor_clock_hz)
     mainloop_s = 2 * tile_m * tile_n * k_padded / per_sm_flops

@@ -74,10 +74,12 @@ def epilogue_region(cfg: GemmConfig, epi: EpilogueBuffers) -> list[Region]:
     epi_elems = cfg.epi_tile[0] * cfg.epi_tile[1]
     shape = f"{cfg.epi_tile[0]}x{cfg.epi_tile[1]}"
     wanted = [
-        (f"operand tile {i}", epi_elems * DTYPE_BYTES[d] * cfg.num_c_stages, f"{cfg.num_c_stages} x {shape} {d}, TMA-loaded")
+        (f"operand tile {i}", epi_elems * DTYPE_BYTES[d] * cfg.num_c_stages,
+         f"{cfg.num_c_stages} x {shape} {d}, TMA-loaded")
         for i, d in enumerate(epi.tile_inputs)
     ] + [
-        (f"aux output {i}", epi_elems * DTYPE_BYTES[d] * cfg.num_epi_stages, f"{cfg.num_epi_stages} x {shape} {d}, TMA-stored")
+        (f"aux output {i}", epi_elems * DTYPE_BYTES[d] * cfg.num_epi_stages,
+         f"{cfg.num_epi_stages} x {shape} {d}, TMA-stored")
         for i, d in enumerate(epi.aux_outputs)
     ] + [
         (f"{kind} vector {i}", (cfg.tile_n if kind == "row" else cfg.tile_m) * 4,

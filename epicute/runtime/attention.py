@@ -22,10 +22,10 @@ import torch
 
 from epicute.errors import CompileError
 from epicute.plan.attention import AttentionConfig
-from epicute.plan.hardware import current_hardware
-from epicute.runtime.cache import TARGET_ARCH, CacheKey
 from epicute.runtime import compile as compile_module
+from epicute.runtime.cache import CacheKey
 from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily
+from epicute.runtime.target import DEFAULT_ARCH, SM90A, current_target
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class AttentionVariant:
     #: ``epicute.kernels.attention_sm90.AttentionFusion`` of the score_mod / output epilogue, if any
     score_mod: object = None
     epilogue: object = None
-    arch: str = TARGET_ARCH
+    #: the target's arch; nothing else of the target (the persistent CTA count is a launch argument)
+    arch: str = DEFAULT_ARCH
 
     def key(self) -> CacheKey:
         """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
@@ -87,7 +88,7 @@ def _fake_operands(fusion) -> tuple[tuple, tuple]:
 
 
 def compile_attention(variant: AttentionVariant):
-    """Compile one variant; returns ``f(q, k, v, o, lse, softmax_scale, score_tensors, score_scalars,
+    """Compile one variant for sm_90a; returns ``f(q, k, v, o, lse, softmax_scale, score_tensors, score_scalars,
     epi_tensors, epi_scalars, max_ctas, tile_counter)`` taking torch tensors (layout ``(batch, seqlen,
     heads, head_dim)``, LSE ``(batch, heads, seqlen_q)`` fp32 contiguous); a persistent variant launches
     at most ``max_ctas`` CTAs (one per SM); a dynamically scheduled one claims tiles from
@@ -124,7 +125,7 @@ def compile_attention(variant: AttentionVariant):
         raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
 
 
-ATTENTION_CACHE = KernelFamily("attention", compile_attention)
+ATTENTION_CACHE = KernelFamily("attention", {SM90A: compile_attention})
 
 
 _TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
@@ -151,16 +152,22 @@ def new_lse(shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
 
 
 def launch_attention(
-    call, variant: AttentionVariant, score_operands: tuple = ((), ()), epi_operands: tuple = ((), ())
+    call,
+    variant: AttentionVariant,
+    score_operands: tuple = ((), ()),
+    epi_operands: tuple = ((), ()),
+    max_ctas: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel on a validated ``call``; returns O ``(B, Sq, Hq, D)`` (``call.out`` if given)
-    and LSE ``(B, Hq, Sq)`` fp32."""
+    and LSE ``(B, Hq, Sq)`` fp32. ``max_ctas`` bounds a persistent grid (the plan's
+    :attr:`~epicute.plan.attention.AttentionPlan.max_ctas`; default: one CTA per SM of the current GPU)."""
     p = call.problem
     out = call.out if call.out is not None else torch.empty_like(call.q, memory_format=torch.contiguous_format)
     lse = new_lse((p.batch, p.heads_q, p.seqlen_q), call.q.device)
     if out.numel():
         kernel = ATTENTION_CACHE.get(variant)
-        max_ctas = current_hardware().num_sms
+        if max_ctas is None:
+            max_ctas = current_target().num_sms
         kernel(
             call.q, call.k, call.v, out, lse, call.softmax_scale, *score_operands, *epi_operands, max_ctas,
             tile_counter(call.q.device, variant.config.dynamic_tiles),

@@ -4,9 +4,11 @@ A kernel is cached under a :class:`CacheKey`: its kind (``"gemm"``,
 ``"attention"``), the fields that change its generated code (plan/config, epilogue
 semantic hash, dtypes, majors, alignment), the target arch, and the code
 versions (epicute's version plus a fingerprint of the kernel sources, the CuTe
-DSL and TVM-FFI versions). Nothing that varies per call belongs in a key:
-problem sizes and strides (other than the contiguous one, which is 1) are
-symbolic in the compiled kernels, so a new shape never recompiles; data pointers
+DSL and TVM-FFI versions). Nothing that varies per call or per GPU of an arch
+belongs in a key: the number of persistent CTAs (from the SM count) is a launch
+argument, so a cache filled for one Hopper part serves every other; problem
+sizes and strides (other than the contiguous one, which is 1) are symbolic in
+the compiled kernels, so a new shape never recompiles; data pointers
 are checked for 16-byte alignment on the host instead. :meth:`CacheKey.__init__`
 rejects anything but plain Python values (a tensor that leaked into a key would
 recompile on every call).
@@ -27,6 +29,10 @@ object file first and its manifest (key text, sha256, size) last, so a reader
 sees either a complete entry or none. An entry whose manifest or checksum does
 not match (a truncated write, a disk error) is reported once, removed and
 rebuilt.
+
+Within a process, every miss (load, compile, export) holds one lock: the CuTe
+DSL builds its MLIR through process-global state, and two compiles on two
+threads at once abort the interpreter. Hits never take it.
 """
 
 from __future__ import annotations
@@ -45,17 +51,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epicute.errors import CompileError
+from epicute.errors import CompileError, ConfigError
+from epicute.runtime.target import DEFAULT_ARCH
 
-TARGET_ARCH = "sm_90a"
 #: Bump when the on-disk layout changes, so old entries are never misread.
 STORE_FORMAT = "epicute-cache 1"
-#: Sources whose text is the generated code: editing one invalidates every entry.
-CODEGEN_SOURCES = ("kernels", "runtime/compile.py", "epilogue/hashing.py")
+#: Sources whose text shapes the generated code: editing one invalidates every entry. Generous on
+#: purpose (all of epilogue/, whose op table holds the emitters; the config and shared-memory layout
+#: the kernels read): a needless recompile costs seconds, a stale kernel a wrong result.
+CODEGEN_SOURCES = (
+    "kernels", "epilogue", "plan/config.py", "plan/smem.py", "runtime/compile.py", "runtime/attention.py",
+)  # fmt: skip
 #: How long a process waits for another one compiling the same key.
 LOCK_TIMEOUT_S = 900.0
 
 _PRIMITIVES = (str, int, float, bool, type(None))
+
+#: Held around everything that enters the CuTe DSL on a miss (see the module docstring).
+_DSL_LOCK = threading.RLock()
 
 
 def _check_plain(value: Any, where: str) -> None:
@@ -73,11 +86,10 @@ def _check_plain(value: Any, where: str) -> None:
 @functools.lru_cache(maxsize=1)
 def code_versions() -> tuple[tuple[str, str], ...]:
     """The versions a compiled object depends on, as ``(name, version)`` pairs (computed once)."""
-    import epicute
-    import epicute.kernels  # first: sets the DSL's target arch before cutlass loads
-
     import cutlass
     import tvm_ffi
+
+    import epicute
 
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
@@ -100,12 +112,13 @@ class CacheKey:
     """Everything that changes one kernel's generated code, and nothing else.
 
     ``kind`` names the kernel family, ``parts`` its codegen-relevant fields (plain
-    values only, see the module docstring), ``arch`` the target.
+    values only, see the module docstring), ``arch`` the target's arch (``Target.arch``;
+    nothing else of the target: SM counts are launch arguments, so one entry serves every part).
     """
 
     kind: str
     parts: tuple
-    arch: str = TARGET_ARCH
+    arch: str = DEFAULT_ARCH
     #: A one-line description for ``epicute cache ls``; not part of the key.
     label: str = field(default="", compare=False)
 
@@ -137,6 +150,44 @@ def cache_dir() -> Path | None:
 
 def _kernels_dir(root: Path) -> Path:
     return root / "kernels"
+
+
+def check_cache_dir(root: Path | None = None, *, writable: bool = False, create: bool = False) -> Path | None:
+    """:func:`cache_dir` (or ``root``), checked usable; None when ``EPICUTE_CACHE=0``.
+
+    A directory that does not exist yet is fine if it can be created. Raises
+    :class:`ConfigError` naming ``EPICUTE_CACHE_DIR`` when the store's path runs
+    into a regular file, or (``writable``) cannot be written; ``create`` makes it.
+    Listing needs no write access: a read-only copy of a cache is usable for loading.
+    """
+    root = root if root is not None else cache_dir()
+    if root is None:
+        return None
+    directory = _kernels_dir(root)
+    origin = "set by EPICUTE_CACHE_DIR" if os.environ.get("EPICUTE_CACHE_DIR") else "the default location"
+
+    def unusable(problem: str) -> ConfigError:
+        return ConfigError(
+            f"the kernel cache directory {root} ({origin}) is unusable: {problem}; set EPICUTE_CACHE_DIR to a "
+            "writable directory (or EPICUTE_CACHE=0 to run without a disk cache)"
+        )
+
+    probe = directory  # the deepest part of the path that exists says what can happen below it
+    try:
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+    except OSError as exc:  # exists() passes on "no such file", not on e.g. a parent without search permission
+        raise unusable(f"cannot look at {probe} ({exc.strerror or exc})") from exc
+    if not probe.is_dir():
+        raise unusable(f"{probe} is a file, not a directory")
+    if (writable or create) and not os.access(probe, os.W_OK | os.X_OK):
+        raise unusable(f"{probe} is not writable")
+    if create:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise unusable(f"cannot create {directory} ({exc})") from exc
+    return root
 
 
 @contextmanager
@@ -197,7 +248,6 @@ class KernelCache:
 
     def __init__(self) -> None:
         self._fns: dict[CacheKey, Callable] = {}
-        self._locks: dict[str, threading.Lock] = {}
         self._warned: set[str] = set()
         self.stats = CacheStats()
         #: How each key was obtained in this process: ("compiled" | "disk", seconds).
@@ -218,7 +268,7 @@ class KernelCache:
         fn = self._fns.get(key)
         if fn is not None:
             return fn
-        with self._locks.setdefault(key.digest, threading.Lock()):
+        with _DSL_LOCK:
             fn = self._fns.get(key)
             if fn is None:
                 fn = self._fetch(key, build)
@@ -235,7 +285,7 @@ class KernelCache:
             raise CompileError("EPICUTE_CACHE=0 disables the disk cache, so there is nowhere to compile to")
         directory = _kernels_dir(root)
         directory.mkdir(parents=True, exist_ok=True)
-        with _file_lock(directory / f"{key.digest}.lock"):
+        with _DSL_LOCK, _file_lock(directory / f"{key.digest}.lock"):
             try:
                 if self._read_verified(directory, key) is not None:
                     return "cached", directory / f"{key.digest}.o"
@@ -309,13 +359,14 @@ class KernelCache:
     def _load(self, directory: Path, key: CacheKey, locked: bool, record: bool = True) -> Callable | None:
         """The entry's kernel, or None. Only a ``locked`` caller (no writer can be
         active) judges a bad entry damaged and removes it; otherwise it is a miss."""
+        _dsl_cute()  # imported outside the timed load: a fresh process pays it once, whatever it then loads
         start = time.perf_counter()
         try:
             manifest = self._read_verified(directory, key)
             if manifest is None:
                 return None
             fn = load_exported(directory / f"{key.digest}.o", manifest["function"])
-        except Exception as exc:  # CorruptEntry, or the DSL's loader (it raises several types)
+        except Exception as exc:  # noqa: BLE001 - CorruptEntry, or the DSL's loader (any type): a bad entry is a miss
             if locked:
                 reason = str(exc) if isinstance(exc, CorruptEntry) else f"does not load ({type(exc).__name__}: {exc})"
                 self._discard(directory, key, reason)
@@ -355,7 +406,10 @@ class KernelCache:
 
     def _discard(self, directory: Path, key: CacheKey, reason: str) -> None:
         self.stats.rebuilt_corrupt += 1
-        self._warn(key.digest, f"epicute: kernel cache entry {key.digest[:16]} ({key.kind}) is damaged: {reason}; rebuilding it")
+        self._warn(
+            key.digest,
+            f"epicute: kernel cache entry {key.digest[:16]} ({key.kind}) is damaged: {reason}; rebuilding it",
+        )
         for suffix in (".json", ".o"):  # manifest first: a reader never sees a half-removed entry as whole
             (directory / f"{key.digest}{suffix}").unlink(missing_ok=True)
 
@@ -367,18 +421,26 @@ class KernelCache:
 
 def load_exported(path: Path, function: str) -> Callable:
     """Load an exported kernel as a TVM-FFI function (works without a GPU; launching needs one)."""
-    import epicute.kernels  # noqa: F401  (sets the target arch before the DSL loads)
-    import cutlass.cute as cute
+    return _dsl_cute().runtime.load_module(str(path), enable_tvm_ffi=True)[function]
 
-    return cute.runtime.load_module(str(path), enable_tvm_ffi=True)[function]
+
+def _dsl_cute():
+    """The DSL's ``cute`` module. Its first import takes seconds; ``epicute/__init__`` has already
+    set the target arch it reads."""
+    from cutlass import cute
+
+    return cute
 
 
 # ---------------------------------------------------------------------- inspection
-def disk_entries(root: Path | None = None) -> list[dict]:
+def disk_entries(root: Path | None = None, verify: bool = False) -> list[dict]:
     """Manifests of the entries on disk (``root`` defaults to :func:`cache_dir`), newest first.
 
     Each has a ``current`` flag: False when it was built by other code versions
-    (it can never be hit again; ``epicute cache clear --stale`` removes those).
+    (it can never be hit again; ``epicute cache clear --stale`` removes those),
+    and a ``damaged`` one: why the entry cannot be used, or ``""``. An unreadable
+    manifest is always damaged; ``verify`` also reads each object file and checks
+    it against its manifest (present, size, sha256) as a load would.
     """
     root = root if root is not None else cache_dir()
     if root is None or not _kernels_dir(root).is_dir():
@@ -388,12 +450,30 @@ def disk_entries(root: Path | None = None) -> list[dict]:
     for manifest_path in _kernels_dir(root).glob("*.json"):
         try:
             manifest = json.loads(manifest_path.read_text())
-        except (OSError, ValueError):
-            manifest = {"kind": "?", "size": 0, "versions": {}, "damaged": True}
+            if not isinstance(manifest, dict):
+                raise TypeError("not a JSON object")
+            manifest["damaged"] = _entry_damage(manifest_path, manifest) if verify else ""
+        except (OSError, ValueError, TypeError):
+            manifest = {"kind": "?", "size": 0, "versions": {}, "damaged": "unreadable manifest"}
         manifest["digest"] = manifest_path.stem
         manifest["current"] = manifest.get("versions") == current
         entries.append(manifest)
     return sorted(entries, key=lambda e: e.get("created", 0.0), reverse=True)
+
+
+def _entry_damage(manifest_path: Path, manifest: dict) -> str:
+    """Why the entry of this manifest could not be loaded (the checks of ``_read_verified``), or ``""``."""
+    if hashlib.sha256(str(manifest.get("key", "")).encode()).hexdigest() != manifest_path.stem:
+        return "manifest is for another key"
+    try:
+        data = manifest_path.with_suffix(".o").read_bytes()
+    except FileNotFoundError:
+        return "object file missing"
+    except OSError as exc:
+        return f"object file unreadable ({exc.strerror or exc})"
+    if len(data) != manifest.get("size") or hashlib.sha256(data).hexdigest() != manifest.get("sha256"):
+        return f"object file is {len(data)} bytes and fails its checksum"
+    return ""
 
 
 def clear_disk(root: Path | None = None, stale_only: bool = False) -> int:
@@ -420,6 +500,14 @@ def clear_disk(root: Path | None = None, stale_only: bool = False) -> int:
 KERNEL_CACHE = KernelCache()
 
 __all__ = [
-    "CacheKey", "KernelCache", "KERNEL_CACHE", "CacheStats", "cache_dir", "code_versions",
-    "disk_entries", "clear_disk", "load_exported", "TARGET_ARCH",
+    "KERNEL_CACHE",
+    "CacheKey",
+    "CacheStats",
+    "KernelCache",
+    "cache_dir",
+    "check_cache_dir",
+    "clear_disk",
+    "code_versions",
+    "disk_entries",
+    "load_exported",
 ]  # fmt: skip

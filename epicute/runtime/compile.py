@@ -10,7 +10,13 @@ tensors directly and launch on torch's current stream.
 
 :class:`KernelFamily` puts one kernel kind's variants through the process-wide
 :data:`~epicute.runtime.cache.KERNEL_CACHE` (memory, then disk, then compile):
-a variant only needs ``key()`` (a ``CacheKey``); attention registers its own family.
+a variant only needs ``key()`` (a ``CacheKey``) and ``arch``; a family compiles
+each arch with its own function (``GEMM_CACHE.register("sm_100a", ...)`` would
+add a Blackwell kernel beside the Hopper one); attention registers its own family.
+
+What depends on the GPU but not on the code -- the number of persistent CTAs --
+is a launch argument (``max_active_clusters``), so keys hold the arch and no
+SM count: one ahead-of-time cache serves every Hopper part.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from epicute.errors import CompileError
+from epicute.errors import CompileError, ConfigError
 from epicute.plan.config import DTYPE_BYTES, GemmConfig
-from epicute.runtime.cache import KERNEL_CACHE, TARGET_ARCH, CacheKey
+from epicute.runtime.cache import KERNEL_CACHE, CacheKey
+from epicute.runtime.target import DEFAULT_ARCH, SM90A
 
 #: Options of every ``cute.compile``: kernels are called through TVM-FFI. Tests append
 #: ``remarks{ptx}`` to have the DSL print ptxas's register and spill report.
@@ -35,15 +42,15 @@ OPERAND_ALIGN_BYTES = 16
 
 @dataclass(frozen=True)
 class GemmVariant:
-    """Everything that changes the generated GEMM code (and nothing else)."""
+    """Everything that changes the generated GEMM code (and nothing else: the persistent
+    cluster budget, which depends on the GPU's SM count, is an argument of each launch)."""
 
     config: GemmConfig
     ab_dtype: str
     d_dtype: str
     a_major: str
     b_major: str
-    max_active_clusters: int
-    arch: str = TARGET_ARCH
+    arch: str = DEFAULT_ARCH
     #: the fused epilogue (an ``epicute.kernels.epilogue_emit.EpilogueFusion``), if any
     fusion: object = None
 
@@ -51,7 +58,7 @@ class GemmVariant:
         """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
         parts = (
             self.config.key(), self.ab_dtype, self.d_dtype, self.a_major, self.b_major,
-            self.max_active_clusters, None if self.fusion is None else self.fusion.key(),
+            None if self.fusion is None else self.fusion.key(),
             ("align", OPERAND_ALIGN_BYTES),
         )  # fmt: skip
         c = self.config
@@ -69,7 +76,7 @@ def _fake_operand(dtype, dims: tuple, contiguous: int):
     The other strides are symbolic but declared divisible by 16 bytes (TMA's
     rule, checked on the host before every launch).
     """
-    import cutlass.cute as cute
+    from cutlass import cute
 
     div = 16 * 8 // dtype.width
     stride = tuple(1 if i == contiguous else cute.sym_int64(divisibility=div) for i in range(3))
@@ -83,10 +90,10 @@ def _fake_epilogue_operands(fusion) -> tuple[tuple, tuple]:
     aligned strides like D; vectors and workspaces are indexed element by
     element, so any strides work.
     """
-    from epicute.kernels.epilogue_emit import DSL_DTYPES  # first: sets the target arch
-
     import cutlass
-    import cutlass.cute as cute
+    from cutlass import cute
+
+    from epicute.kernels.epilogue_emit import DSL_DTYPES  # first: sets the target arch
 
     if fusion is None:
         return (), ()
@@ -104,14 +111,18 @@ def _fake_epilogue_operands(fusion) -> tuple[tuple, tuple]:
     return tuple(tensors), tuple(cutlass.Float32(0.0) for _ in fusion.scalar_inputs)
 
 
-def compile_gemm(variant: GemmVariant):
-    """Compile one GEMM variant for ``variant.arch``; returns the callable ``f(a, b, d)``.
+def compile_gemm_sm90(variant: GemmVariant):
+    """Compile one GEMM variant for sm_90a; returns the callable
+    ``f(a, b, d, epi_tensors, epi_scalars, max_active_clusters)``.
 
-    ``a`` is ``(L, M, K)``, ``b`` ``(L, K, N)``, ``d`` ``(L, M, N)`` torch tensors.
+    ``a`` is ``(L, M, K)``, ``b`` ``(L, K, N)``, ``d`` ``(L, M, N)`` torch tensors;
+    ``max_active_clusters`` (an int, :attr:`epicute.plan.GemmPlan.max_active_clusters`)
+    bounds a persistent variant's grid, and is ignored by the others.
     """
-    from epicute.kernels.gemm_sm90 import CUTLASS_DTYPES, GemmSm90  # first: sets the target arch
+    import cutlass
+    from cutlass import cute
 
-    import cutlass.cute as cute
+    from epicute.kernels.gemm_sm90 import CUTLASS_DTYPES, GemmSm90  # first: sets the target arch
 
     ab = CUTLASS_DTYPES[variant.ab_dtype]
     d = CUTLASS_DTYPES[variant.d_dtype]
@@ -122,49 +133,83 @@ def compile_gemm(variant: GemmVariant):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
     kernel = GemmSm90(
-        variant.config, variant.ab_dtype, variant.d_dtype, variant.a_major, variant.b_major,
-        variant.max_active_clusters, variant.fusion,
-    )  # fmt: skip
+        variant.config, variant.ab_dtype, variant.d_dtype, variant.a_major, variant.b_major, variant.fusion
+    )
     try:
         with warnings.catch_warnings():
             # Empty operand tuples (no fused epilogue) become compile-time constants,
             # which is what we want; the DSL warns about it on every compile.
             warnings.filterwarnings("ignore", message=r"Argument epi_(tensors|scalars) .*cannot be converted")
+            # A runtime Int32 (its value here is a placeholder): the cluster budget is given per launch.
+            max_active_clusters = cutlass.Int32(1)
             return cute.compile(
-                kernel, fake_a, fake_b, fake_d, epi_tensors, epi_scalars, stream, options=DSL_COMPILE_OPTIONS
-            )
+                kernel, fake_a, fake_b, fake_d, epi_tensors, epi_scalars, max_active_clusters, stream,
+                options=DSL_COMPILE_OPTIONS,
+            )  # fmt: skip
     except Exception as exc:  # the DSL raises many types; report one
         raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
 
 
-#: Every kernel family by kind (``epicute compile`` looks them up here).
+#: Every kernel family by kind (``epicute compile`` looks them up here); each compiles per arch.
 FAMILIES: dict[str, KernelFamily] = {}
 
 
 class KernelFamily:
-    """One kernel kind's compiled variants, through :data:`KERNEL_CACHE`.
+    """One kernel kind's compiled variants, through :data:`KERNEL_CACHE`, found by (kind, arch).
 
-    ``compile_fn(variant)`` compiles a variant; ``variant.key()`` (a
-    :class:`~epicute.runtime.cache.CacheKey`) names it.
+    ``compilers[arch](variant)`` compiles a variant whose ``arch`` is ``arch``;
+    ``variant.key()`` (a :class:`~epicute.runtime.cache.CacheKey`, which holds the
+    arch) names it. Another arch's kernel is added beside the others with
+    :meth:`register`, never inside them.
     """
 
-    def __init__(self, kind: str, compile_fn: Callable[[Any], Any]) -> None:
+    def __init__(self, kind: str, compilers: dict[str, Callable[[Any], Any]]) -> None:
         self.kind = kind
-        self.compile_fn = compile_fn
+        self.compilers = dict(compilers)
         FAMILIES[kind] = self
+
+    def register(self, arch: str, compile_fn: Callable[[Any], Any]) -> None:
+        """Compile this family's variants for ``arch`` with ``compile_fn``."""
+        self.compilers[arch] = compile_fn
+
+    def compiler(self, arch: str) -> Callable[[Any], Any]:
+        """The compile function of ``arch``; :class:`ConfigError` if this family has none."""
+        try:
+            return self.compilers[arch]
+        except KeyError:
+            raise ConfigError(
+                f"no {self.kind} kernel for {arch}: epicute's {self.kind} kernels are for {', '.join(self.compilers)}"
+            ) from None
+
+    def compile(self, variant) -> Any:
+        """Compile ``variant`` now (no cache) with its arch's function."""
+        return self.compiler(variant.arch)(variant)
 
     def get(self, variant) -> Callable:
         """The compiled kernel of ``variant`` (memory, else disk, else compiled now)."""
-        return KERNEL_CACHE.get(variant.key(), functools.partial(self.compile_fn, variant))
+        return KERNEL_CACHE.get(variant.key(), functools.partial(self.compile, variant))
 
     def ensure_on_disk(self, variant) -> tuple[str, Any]:
         """Ahead of time: compile ``variant`` into the disk cache unless it is there."""
-        return KERNEL_CACHE.ensure_on_disk(variant.key(), functools.partial(self.compile_fn, variant))
+        self.compiler(variant.arch)  # an arch without kernels fails here, before any lock or file
+        return KERNEL_CACHE.ensure_on_disk(variant.key(), functools.partial(self.compile, variant))
 
 
-GEMM_CACHE = KernelFamily("gemm", compile_gemm)
+GEMM_CACHE = KernelFamily("gemm", {SM90A: compile_gemm_sm90})
+
+
+def compile_gemm(variant: GemmVariant):
+    """Compile one GEMM variant for ``variant.arch`` (no cache); see :func:`compile_gemm_sm90`."""
+    return GEMM_CACHE.compile(variant)
+
 
 __all__ = [
-    "GemmVariant", "compile_gemm", "KernelFamily", "FAMILIES", "GEMM_CACHE", "DTYPE_BYTES", "TARGET_ARCH",
+    "DTYPE_BYTES",
+    "FAMILIES",
+    "GEMM_CACHE",
     "OPERAND_ALIGN_BYTES",
+    "GemmVariant",
+    "KernelFamily",
+    "compile_gemm",
+    "compile_gemm_sm90",
 ]  # fmt: skip

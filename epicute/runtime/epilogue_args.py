@@ -20,7 +20,7 @@ import torch
 
 from epicute.epilogue.dtypes import IR_TO_TORCH
 from epicute.epilogue.operands import OperandSpec
-from epicute.errors import AlignmentError, DeviceError, OutputError
+from epicute.errors import DeviceError, OutputError
 from epicute.runtime.validate import _check_tma_strides
 
 
@@ -66,13 +66,7 @@ def aux_outputs(
     for name in fusion.aux_outputs:
         dtype = IR_TO_TORCH[dtypes[name]]
         t = outs.get(name)
-        if t is None:
-            step = 16 // dtype.itemsize
-            if lmn[2] % step:
-                raise AlignmentError(
-                    f"aux output {name!r} is {dtype}: TMA stores its rows only if N={lmn[2]} is a multiple of "
-                    f"{step}; pad N, or store it in a wider dtype (out_dtypes={{{name!r}: torch.bfloat16}})"
-                )
+        if t is None:  # prepare() checked that TMA can store its rows
             result[name] = torch.empty(lmn, dtype=dtype, device=device)
             continue
         label = f"outs[{name!r}]"

@@ -18,12 +18,16 @@ import torch
 from epicute.plan import GemmPlan, GemmProblem, plan_gemm
 from epicute.plan.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.runtime.compile import GEMM_CACHE, GemmVariant
+from epicute.runtime.target import Target
 from epicute.runtime.validate import GemmCall
 
 
 @functools.lru_cache(maxsize=4096)
-def cached_plan(problem: GemmProblem, overrides: tuple = (), epilogue: EpilogueBuffers = NO_EPILOGUE) -> GemmPlan:
-    return plan_gemm(problem, epilogue=epilogue, **dict(overrides))
+def cached_plan(
+    problem: GemmProblem, overrides: tuple = (), epilogue: EpilogueBuffers = NO_EPILOGUE, target: Target | None = None
+) -> GemmPlan:
+    """:func:`plan_gemm` for ``target`` (None: the current one), once per argument set."""
+    return plan_gemm(problem, target, epilogue=epilogue, **dict(overrides))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -33,10 +37,25 @@ def kernel_for(plan: GemmPlan, fusion=None):
 
 
 def variant_of(plan: GemmPlan, fusion=None) -> GemmVariant:
+    """What ``plan`` compiles: its config, dtypes and majors for its target's arch (not its SM count,
+    which reaches the kernel at launch as ``plan.max_active_clusters``)."""
     p = plan.problem
-    return GemmVariant(
-        plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.max_active_clusters, fusion=fusion
-    )
+    return GemmVariant(plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion)
+
+
+def _zero_k_operands(call: GemmCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero A and B with K = one 16-byte row, in the call's majors: K = 0 with an epilogue is the
+    epilogue of a zero accumulator, and a TMA descriptor cannot describe an empty K."""
+    p, a = call.problem, call.a
+    k = 16 // a.element_size()
+
+    def zeros(rows: int, contiguous: int) -> torch.Tensor:  # (L, rows, contiguous), row strides 16-byte aligned
+        padded = -(-contiguous // k) * k
+        return torch.zeros(p.l, rows, padded, dtype=a.dtype, device=a.device)[:, :, :contiguous]
+
+    a0 = zeros(p.m, k) if p.a_major == "k" else zeros(k, p.m).transpose(1, 2)
+    b0 = zeros(k, p.n) if p.b_major == "n" else zeros(p.n, k).transpose(1, 2)
+    return a0, b0
 
 
 def launch_gemm(
@@ -68,9 +87,10 @@ def launch_gemm(
         if p.k == 0 and fusion is None:
             out3.zero_()
         else:
-            # K = 0 with an epilogue still runs the kernel: no k-tiles, acc stays zero.
+            a, b = (call.a, call.b) if p.k else _zero_k_operands(call)
             kernel = kernel_for(plan, fusion)
-            kernel(call.a, call.b, out3, epi_inputs + tuple(aux.values()) + tuple(workspaces.values()), epi_scalars)
+            epi_tensors = epi_inputs + tuple(aux.values()) + tuple(workspaces.values())
+            kernel(a, b, out3, epi_tensors, epi_scalars, plan.max_active_clusters)
     d = out3 if call.batched else out3[0]  # out3 is the caller's out (viewed 3-D) when given
     if fusion is None or set(fusion.output_dtypes) == {"D"}:
         return d

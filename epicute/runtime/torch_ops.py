@@ -48,8 +48,10 @@ from epicute.epilogue.graph import REDUCTIONS
 from epicute.epilogue.hashing import semantic_hash
 from epicute.epilogue.operands import PINS, Pin
 from epicute.epilogue.score_mod import score_mod as as_score_mod
-from epicute.epilogue.tracer import Epilogue, as_epilogue, trace_for_gemm
+from epicute.epilogue.tracer import Epilogue, as_epilogue
 from epicute.errors import ConfigError, EpilogueError, ShapeError
+from epicute.gemm.prepare import GemmRequest, lower_epilogue
+from epicute.plan.config import GemmProblem
 
 _EPILOGUES: dict[str, Epilogue] = {}
 _OUTPUTS: dict[str, tuple[str, ...]] = {}
@@ -80,7 +82,8 @@ def registered_epilogue(key: str) -> Epilogue:
     except KeyError:
         raise EpilogueError(
             f"no epilogue is registered under {key!r} in this process; call "
-            "epicute.register_epilogue(fn) before running a graph exported elsewhere"
+            "epicute.runtime.torch_ops.register_epilogue(fn) (register_score_mod(fn) for a score_mod) "
+            "before running a graph exported elsewhere"
         ) from None
 
 
@@ -107,12 +110,19 @@ def _register_score_mod(fn: Callable) -> tuple[str, tuple[str, ...]]:
     return _register(fn, as_score_mod)
 
 
+def _assume_constant_result(fn: Callable) -> Callable:
+    """What ``torch._dynamo.assume_constant_result`` does (it only marks ``fn``), without importing
+    dynamo: that import costs seconds, and ``import epicute`` must stay cheap for the CLI."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # Under dynamo these run once, at trace time, and their results become constants of the graph.
 # Dynamo folds them only over constant arguments: hand them the plain function (a
 # constant to dynamo), not an Epilogue/ScoreMod object (some torch versions refuse
 # user objects there); the hook rebuilds the same object from it (_plain_fn).
-_register_traced = torch._dynamo.assume_constant_result(_register)
-_register_score_mod_traced = torch._dynamo.assume_constant_result(_register_score_mod)
+_register_traced = _assume_constant_result(_register)
+_register_score_mod_traced = _assume_constant_result(_register_score_mod)
 
 
 def _plain_fn(hook: Callable) -> Callable:
@@ -154,7 +164,7 @@ def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
     return None if dtype is None else ir_dtype(dtype, "dtype")
 
 
-@torch._dynamo.assume_constant_result
+@_assume_constant_result
 def _spec_text(tensor_names: tuple, scalar_names: tuple, pins: tuple, config: tuple, fields: tuple) -> str:
     """An op's static arguments as JSON: operand names and pins, config pins, and the
     kernel's own ``fields`` (``(name, value)`` pairs; see :func:`_plain`)."""
@@ -219,10 +229,15 @@ def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
         values[name] = PINS[kind](values[name])
     l = a.shape[0] if a.dim() == 3 else 1
     specs = epi.operands(values, m, n, l)
-    # D's dtype follows epicute.gemm's rule (trace_for_gemm); out_dtypes already holds outs' dtypes.
-    d_explicit = bool(spec["out_dtype"] or "D" in spec["out_dtypes"])
-    out_dtypes = {k: IR_TO_TORCH[v] for k, v in spec["out_dtypes"].items()}
-    graph = trace_for_gemm(epi, specs, d_dtype, d_explicit, out_dtypes)
+    # D's dtype follows epicute.gemm's rule (prepare's first half); out_dtypes already holds outs' dtypes.
+    # Sizes are symbolic here and never planned, so the request's problem carries only the dtypes.
+    request = GemmRequest(
+        GemmProblem(0, 0, 0, 1, ir_dtype(a.dtype, "a"), ir_dtype(d_dtype, "out_dtype")), epi,
+        tuple((s.name, s.kind, s.dtype) for s in specs.values()),
+        d_explicit=bool(spec["out_dtype"] or "D" in spec["out_dtypes"]),
+        out_dtypes=tuple(sorted(spec["out_dtypes"].items())),
+    )  # fmt: skip
+    graph = lower_epilogue(request).graph
     stored = dict(graph.output_dtypes)
     shapes = {"col": (*l_dims, m), "row": (*l_dims, n), "scalar": ()}
     outputs = []
@@ -258,7 +273,8 @@ def gemm_op_call(
     if backend != "kernel":
         raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
     if epilogue is None and (operands or out_dtypes or outs):
-        raise EpilogueError(f"operands/outputs {sorted(operands) or list(out_dtypes or outs)} were given without an epilogue")
+        given = sorted(operands) or list(out_dtypes or outs)
+        raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
     # Preallocated outputs: the op returns fresh ones in their dtypes, copied in below.
     if out is not None and out_dtype is None:
         out_dtype = out.dtype
@@ -346,6 +362,11 @@ def attention_op_call(
 
 
 __all__ = [
-    "gemm_op", "gemm_op_call", "attention_op", "attention_op_call", "register_epilogue", "register_score_mod",
+    "attention_op",
+    "attention_op_call",
+    "gemm_op",
+    "gemm_op_call",
+    "register_epilogue",
+    "register_score_mod",
     "registered_epilogue",
 ]  # fmt: skip

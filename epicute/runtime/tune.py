@@ -20,10 +20,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from epicute.errors import ConfigError
-from epicute.plan import GemmProblem, Hardware
+from epicute.plan import GemmProblem
 from epicute.plan.heuristics import choose_config
 from epicute.plan.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.runtime.cache import _file_lock, _write_atomic, cache_dir, code_versions
+from epicute.runtime.target import Target
 
 #: The axes tuning explores; stages are fitted by the planner for each point.
 SCHEDULE_TILE_N = (("cooperative", (64, 128, 192, 256)), ("pingpong", (64, 128, 192)))
@@ -48,7 +49,7 @@ def label(overrides: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(overrides.items()))
 
 
-def candidates(problem: GemmProblem, hw: Hardware, epilogue: EpilogueBuffers = NO_EPILOGUE) -> list[dict]:
+def candidates(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers = NO_EPILOGUE) -> list[dict]:
     """Override dicts of every distinct config the planner accepts; the planner's own choice first."""
     own = choose_config(problem, hw, epilogue)
     seen = {own.key()}
@@ -89,7 +90,7 @@ def pick_fastest(
             progress(name)
         try:
             times[name] = measure(overrides)
-        except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is just not a winner
+        except Exception as exc:
             if overrides is options[0]:
                 raise ConfigError(f"the planner's own config ({name}) failed to run: {exc}") from exc
             continue
@@ -114,7 +115,8 @@ def _store_path():
 
 
 def stored_entry(key: str) -> dict | None:
-    """What tuning stored for ``key`` (``best``, ``times_ms``, ``planner``), or None (never tuned, or caching disabled)."""
+    """What tuning stored for ``key`` (``best``, ``times_ms``, ``planner``), or None (never tuned, or caching
+    disabled)."""
     path = _store_path()
     if path is None or not path.exists():
         return None

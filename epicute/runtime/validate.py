@@ -54,10 +54,18 @@ def _as_3d(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _major(t: torch.Tensor, name: str, row_major: str, col_major: str) -> str:
-    """Which of the last two dims is contiguous; the other stride stays free."""
-    if t.stride(-1) == 1 or t.size(-1) == 1:
+    """Which of the last two dims is contiguous; the other stride stays free.
+
+    A size-1 dimension's stride is never stepped along, so it counts as
+    contiguous; when both count, the dimension that really has unit stride
+    and extent wins (``x.t()`` of a ``(1, 64)`` row is column-major, K = 1).
+    """
+    row, col = (t.stride(-1) == 1 or t.size(-1) == 1), (t.stride(-2) == 1 or t.size(-2) == 1)
+    if row and col and t.size(-1) == 1 and t.size(-2) > 1:
+        return col_major
+    if row:
         return row_major
-    if t.stride(-2) == 1 or t.size(-2) == 1:
+    if col:
         return col_major
     raise AlignmentError(
         f"{name} has strides {tuple(t.stride())}: neither of its last two dimensions is contiguous, "
@@ -138,6 +146,16 @@ def _replay(t: torch.Tensor | None, recipe: tuple | None) -> torch.Tensor | None
 
 def _signature(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def check_has_values(*named: tuple[str, torch.Tensor]) -> None:
+    """Raise :class:`DeviceError` for a ``meta`` tensor: the reference backend computes values, and it has none."""
+    for name, t in named:
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            raise DeviceError(
+                f"{name} is a meta tensor: backend='reference' computes values and it has none; pass real tensors "
+                "(explain works on meta tensors)"
+            )
 
 
 def check_on_one_hopper_gpu(*named: tuple[str, torch.Tensor]) -> None:

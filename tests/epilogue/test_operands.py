@@ -25,9 +25,9 @@ def broadcast(spec_value: torch.Tensor, kind: str) -> torch.Tensor:
 # shape -> (kind, the (L, M, N) tensor the passed value t stands for)
 CASES = {
     (N,): ("row", lambda t: t[None, None, :]),
+    (1, N): ("row", lambda t: t[None, :, :]),
     (L, N): ("row", lambda t: t[:, None, :]),
-    (M,): ("col", lambda t: t[None, :, None]),
-    (L, M): ("col", lambda t: t[:, :, None]),
+    (L, 1, N): ("row", lambda t: t),
     (M, 1): ("col", lambda t: t[None, :, :]),
     (L, M, 1): ("col", lambda t: t),
     (M, N): ("tile", lambda t: t[None]),
@@ -87,12 +87,24 @@ def test_readings_with_the_same_meaning_pick_the_narrowest_kind(gen):
     assert spec.kind == "col" and spec.value.shape == (1, 6)
 
 
-def test_square_problem_vector_is_ambiguous_and_the_error_names_the_pins(gen):
-    with pytest.raises(EpilogueError) as err:
-        operand_spec("bias", randn(gen, 8), 8, 8, 1)
-    msg = str(err.value)
-    assert "'bias'" in msg and "(8,)" in msg and "M=8, N=8" in msg
-    assert "epicute.RowVector(bias)" in msg and "epicute.ColVector(bias)" in msg
+def test_a_1d_operand_is_a_row_vector_also_when_m_equals_n(gen):
+    # torch's broadcasting: the last dimension runs over N, whatever M is.
+    t = randn(gen, 8)
+    spec = operand_spec("bias", t, 8, 8, 1)
+    assert spec.kind == "row" and torch.equal(spec.value, t[None])
+    assert operand_spec("bias", t, 8, 8, 3).kind == "row"
+    col = operand_spec("bias", t[:, None], 8, 8, 1)
+    assert col.kind == "col" and torch.equal(col.value, t[None])
+
+
+@pytest.mark.parametrize("shape", [(M,), (L, M)])
+def test_a_length_m_vector_needs_a_column_shape_or_pin(gen, shape):
+    t = randn(gen, *shape)
+    with pytest.raises(EpilogueError, match=r"last dimension runs over N.*scale\[\.\.\., None\] or epicute\.ColVector"):
+        operand_spec("scale", t, M, N, L)
+    spec = operand_spec("scale", ColVector(t), M, N, L)
+    assert spec.kind == "col"
+    assert torch.equal(broadcast(spec.value, "col"), t.reshape(-1, M)[:, :, None].expand(L, M, N))
 
 
 def test_pins_resolve_the_square_ambiguity(gen):
@@ -105,7 +117,7 @@ def test_pins_resolve_the_square_ambiguity(gen):
 
 def test_batch_equal_to_M_makes_L_by_N_ambiguous_until_pinned(gen):
     t = randn(gen, 4, 6)
-    with pytest.raises(EpilogueError, match=r"epicute\.RowVector\(w\) or epicute\.Tile\(w\)"):
+    with pytest.raises(EpilogueError, match=r"epicute\.Tile\(w\) or epicute\.RowVector\(w\)"):
         operand_spec("w", t, 4, 6, 4)
     tile = operand_spec("w", Tile(t), 4, 6, 4)
     assert tile.kind == "tile" and tile.value.shape == (4, 4, 6) and torch.equal(tile.value[3], t)

@@ -155,7 +155,8 @@ def test_every_op_function_records_its_op():
 
     recorded = set(ops_of(as_epilogue(f).trace({"x": "row"})))
     expected = {"neg", "abs", "minimum", "maximum", "fma", "exp", "exp2", "log", "sqrt", "rsqrt", "tanh",
-                "sigmoid", "relu", "gelu_erf", "silu", "softplus", "lt", "le", "gt", "ge", "eq", "ne", "where"}  # fmt: skip
+                "sigmoid", "relu", "gelu_erf", "silu", "softplus",
+                "lt", "le", "gt", "ge", "eq", "ne", "where"}  # fmt: skip
     assert expected <= recorded
 
 

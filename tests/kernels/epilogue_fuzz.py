@@ -28,14 +28,19 @@ would turn it into a full jump at the rare element that sits on the edge. So:
    times a power of two, so every product and partial sum is exact in fp32 and
    acc is the same bits whatever the order of summation (and ``|acc| <= 4``).
 2. **Jumps only see stable values**: values both sides compute bit for bit --
-   acc, operands, constants, and what neg, abs, relu, clamp, minimum, maximum,
-   mul (IEEE, rounded once), where, comparisons, cast and quantize make of
-   stable values. add/sub/div/fma and the transcendentals are not stable.
+   acc, operands, constants, and what the ops whose table entry says so make of
+   stable values (neg, abs, relu, clamp, minimum, maximum, mul: IEEE, rounded
+   once; where, comparisons, cast, quantize). add/sub/div/fma and the
+   transcendentals are not stable.
 3. **Values are bounded.** Operands lie in [-3, 3]; every node carries a
-   rigorous bound on ``|value|``; log/sqrt/rsqrt and divisors take
-   ``abs(x) + 1``, exp/exp2 inputs are scaled by a power of two to ``|x| <= 4``,
-   and a node whose bound passes 256 is scaled down by an exact power of two.
-   No inf, NaN or fp16 overflow can appear.
+   rigorous bound on ``|value|``; each op is fed what its domain allows
+   (log/sqrt/rsqrt and divisors take ``abs(x) + 1``, exp/exp2 inputs are scaled
+   by a power of two to ``|x| <= 4``), and a node whose bound passes 256 is
+   scaled down by an exact power of two. No inf, NaN or fp16 overflow can appear.
+
+Which ops exist and what each may be fed (its :class:`~epicute.epilogue.optable.Domain`:
+argument kinds, result bound, stability, attrs, weight) come from the op table,
+:mod:`epicute.epilogue.optable`: an op added there is fuzzed without a change here.
 
 Tolerances (``rel_err`` of tests/conftest.py, per output)
 ---------------------------------------------------------
@@ -71,6 +76,8 @@ import torch
 
 import epicute
 from epicute import ops
+from epicute.epilogue import optable
+from epicute.epilogue.dtypes import IR_TO_TORCH
 from tests.conftest import rel_err
 
 MAX_DEPTH = 6
@@ -87,12 +94,10 @@ FP8_FLIP_FRACTION = 1e-3
 
 OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 REDUCTION_OPS = ("row_sum", "row_max", "row_amax", "col_sum", "col_max", "col_amax", "amax")
-#: Ops whose result is stable when their inputs are (module docstring, point 2).
-STABLE_OPS = ("neg", "abs", "relu", "clamp", "mul", "minimum", "maximum", "where", "mask", "cast", "quantize")
-SMOOTH_OPS = (
-    "add", "sub", "div", "fma", "exp", "exp2", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "gelu", "silu", "softplus",
-)  # fmt: skip
-_TORCH_NAME = {torch.bfloat16: "torch.bfloat16", torch.float16: "torch.float16", FP8: "torch.float8_e4m3fn"}
+#: Argument kinds (``Domain.args``) a Python constant may stand in for, and the ones that keep
+#: a stable value stable (the others add a guard).
+CONSTANT_KINDS = ("any", "stable", "positive", "nonzero")
+UNGUARDED_KINDS = ("any", "stable", "condition", "leaf")
 _SCALAR_FORMS = ("float", "0-d", "1-element", "pinned")
 
 
@@ -134,9 +139,9 @@ class Program:
 
     @cached_property
     def fn(self):
-        namespace = {"ops": ops, "torch": torch}
+        namespace = {"ops": ops, "optable": optable, "torch": torch}
         # The program is source text so that a failure can print it; exec turns it into the epilogue.
-        exec(compile(self.source, f"<fuzz program {self.seed}>", "exec"), namespace)  # noqa: S102
+        exec(compile(self.source, f"<fuzz program {self.seed}>", "exec"), namespace)
         return namespace[f"fuzz_{self.seed}"]
 
     @property
@@ -183,6 +188,24 @@ def _join(*kinds: str) -> str:
 def _pow2_at_most(x: float) -> float:
     """The largest power of two <= x (x > 0): scaling by it is exact."""
     return 2.0 ** math.floor(math.log2(x))
+
+
+def fuzzed_ops(stable: bool = False) -> list[optable.OpDef]:
+    """The ops of the table programs draw from; ``stable``: those giving stable values from stable ones."""
+    return [
+        op for op in optable.all_ops()
+        if not stable or (op.domain.stable and all(kind in UNGUARDED_KINDS for kind in op.domain.args))
+    ]  # fmt: skip
+
+
+def _atom(code: str) -> str:
+    """``code`` as an operand of a Python operator (parenthesized unless a name or a non-negative number)."""
+    return code if code.isidentifier() or code.replace(".", "", 1).isdigit() else f"({code})"
+
+
+def _literal(name: str, value) -> str:
+    """An attr's value in source: ``dtype`` attrs (IR names) as torch dtypes."""
+    return f"torch.{str(IR_TO_TORCH[value]).removeprefix('torch.')}" if name == "dtype" else repr(value)
 
 
 class _Builder:
@@ -239,172 +262,70 @@ class _Builder:
         reusable = [e for e in self.pool if e.depth <= depth and (e.stable or not stable)]
         if reusable and rng.random() < 0.2:
             return rng.choice(reusable)
-        op = rng.choice(STABLE_OPS if stable else STABLE_OPS + SMOOTH_OPS)
-        return getattr(self, f"op_{op}")(depth - 1, stable)
+        code, args, bound, is_stable = self.expression(self.pick(fuzzed_ops(stable)), depth - 1, stable)
+        return self.emit(code, args, bound, is_stable)
 
-    # ------------------------------------------------------------ stable ops
-    def op_neg(self, d, stable):
-        x = self.gen(d, stable)
-        return self.emit(self.rng.choice((f"-{x.code}", f"ops.neg({x.code})")), [x], x.bound, x.stable)
+    def pick(self, candidates: list[optable.OpDef]) -> optable.OpDef:
+        return self.rng.choices(candidates, weights=[op.domain.weight for op in candidates])[0]
 
-    def op_abs(self, d, stable):
-        x = self.gen(d, stable)
-        return self.emit(self.rng.choice((f"abs({x.code})", f"ops.abs({x.code})")), [x], x.bound, x.stable)
+    # ------------------------------------------------------- ops of the table
+    def expression(self, op: optable.OpDef, d: int, stable: bool) -> tuple[str, list[_Expr], float, bool]:
+        """``op`` on fresh arguments at most ``d`` ops deep, as source (not yet assigned to a variable):
+        the code, the values it reads, the bound on ``|result|``, whether the result is stable."""
+        rng, dom = self.rng, op.domain
+        attrs = dom.attrs(rng) if dom.attrs else {}
+        slots = [i for i, kind in enumerate(dom.args) if kind in CONSTANT_KINDS]
+        constant = rng.choice(slots) if len(dom.args) > 1 and slots and rng.random() < 0.3 else None
+        codes, bounds, read, all_stable = [], [], [], True
+        for i, kind in enumerate(dom.args):
+            code, bound, used, arg_stable = self.argument(kind, d, stable, constant=i == constant)
+            codes.append(code)
+            bounds.append(bound)
+            read += used
+            all_stable &= arg_stable
+        return self.spell(op, codes, attrs), read, dom.bound(*bounds, **attrs), dom.stable and all_stable
 
-    def op_relu(self, d, stable):
-        x = self.gen(d, stable)
-        return self.emit(f"ops.relu({x.code})", [x], x.bound, x.stable)
-
-    def op_clamp(self, d, stable):
-        x = self.gen(d, stable)
-        lo, hi = round(self.rng.uniform(-2.0, 0.0), 2), round(self.rng.uniform(0.1, 2.0), 2)
-        form = self.rng.choice(("both", "lo", "hi"))
-        if form == "both":
-            return self.emit(f"ops.clamp({x.code}, {lo}, {hi})", [x], min(x.bound, max(-lo, hi)), x.stable)
-        if form == "lo":
-            return self.emit(f"ops.clamp({x.code}, lo={lo})", [x], max(x.bound, -lo), x.stable)
-        return self.emit(f"ops.clamp({x.code}, hi={hi})", [x], max(x.bound, hi), x.stable)
-
-    def op_mul(self, d, stable):
-        x = self.gen(d, stable)
-        if self.rng.random() < 0.3:
-            c = self.const()
-            return self.emit(f"{c} * {x.code}", [x], x.bound * abs(c), x.stable)
-        y = self.gen(d, stable)
-        return self.emit(f"{x.code} * {y.code}", [x, y], x.bound * y.bound, x.stable and y.stable)
-
-    def op_minimum(self, d, stable):
-        return self._min_max("minimum", d, stable)
-
-    def op_maximum(self, d, stable):
-        return self._min_max("maximum", d, stable)
-
-    def _min_max(self, name, d, stable):
-        x = self.gen(d, stable)
-        if self.rng.random() < 0.3:
-            c = self.const(0.0, 2.0)
-            return self.emit(f"ops.{name}({x.code}, {c})", [x], max(x.bound, abs(c)), x.stable)
-        y = self.gen(d, stable)
-        return self.emit(f"ops.{name}({x.code}, {y.code})", [x, y], max(x.bound, y.bound), x.stable and y.stable)
-
-    def condition(self, d, comparison_only: bool = False) -> tuple[str, list[_Expr]]:
-        """A comparison of stable values (a 0/1 mask), else maybe a stable value where tests for nonzero."""
+    def argument(self, kind: str, d: int, stable: bool, constant: bool) -> tuple[str, float, list[_Expr], bool]:
+        """One argument of a ``Domain.args`` kind: its code, bound, the values it reads, whether it is stable."""
         rng = self.rng
-        x = self.gen(d, stable=True)
-        if not comparison_only and rng.random() < 0.15:
-            return x.code, [x]
-        cmp = rng.choice(("<", "<=", ">", ">=", "eq", "ne"))
-        if rng.random() < 0.4:
-            y_code, args = repr(0.0 if cmp in ("eq", "ne") else self.const(0.0, 2.0)), [x]
-        else:
-            y = self.gen(d, stable=True)
-            y_code, args = y.code, [x, y]
-        code = f"ops.{cmp}({x.code}, {y_code})" if cmp in ("eq", "ne") else f"{x.code} {cmp} {y_code}"
-        return code, args
+        if constant:
+            c = {
+                "any": lambda: self.const(),
+                "stable": lambda: rng.choice((0.0, self.const(0.0, 2.0))),  # stable values are often 0
+                "positive": lambda: abs(self.const(1.0, 3.0)),
+                "nonzero": lambda: self.const(1.0, 3.0),
+            }[kind]()
+            return repr(c), abs(c), [], True
+        if kind == "leaf":
+            if rng.random() < 0.4:
+                c = self.const(0.5, 4.0)
+                return repr(c), abs(c), [], True
+            s = self.operand() if rng.random() < 0.7 else _ACC
+            return s.code, s.bound, [s], True
+        if kind == "condition":
+            if rng.random() < 0.15:  # a stable value itself: nonzero is true
+                x = self.gen(d, stable=True)
+                return x.code, x.bound, [x], True
+            mask = self.pick([op for op in fuzzed_ops(True) if op.domain.mask])  # a comparison
+            code, read, bound, _ = self.expression(mask, d, True)
+            return code, bound, read, True
+        x = self.gen(d, stable=stable or kind == "stable")
+        if kind in ("positive", "nonzero"):
+            return f"abs({x.code}) + 1.0", x.bound + 1.0, [x], False
+        if kind == "small":
+            scale = 1.0 if x.bound <= 4.0 else 1.0 / _pow2_at_most(x.bound / 2.0)
+            return (x.code if scale == 1.0 else f"{x.code} * {scale!r}"), x.bound * scale, [x], False
+        return x.code, x.bound, [x], x.stable
 
-    def op_mask(self, d, stable):
-        code, args = self.condition(d, comparison_only=True)
-        return self.emit(code, args, 1.0, True)
-
-    def op_where(self, d, stable):
-        cond, cond_args = self.condition(d)
-        a, b = self.gen(d, stable), self.gen(d, stable)
-        return self.emit(
-            f"ops.where({cond}, {a.code}, {b.code})", [*cond_args, a, b], max(a.bound, b.bound), a.stable and b.stable
-        )
-
-    def op_cast(self, d, stable):
-        x = self.gen(d, stable=True)
-        dtype = self.rng.choice((torch.bfloat16, torch.float16, FP8))
-        grow = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, FP8: 2.0**-4}[dtype]
-        bound = (min(x.bound, 448.0) if dtype is FP8 else x.bound) * (1 + grow)
-        return self.emit(f"ops.cast({x.code}, {_TORCH_NAME[dtype]})", [x], bound, True)
-
-    def op_quantize(self, d, stable):
-        x = self.gen(d, stable=True)
-        e5m2 = self.rng.random() < 0.3
-        if self.rng.random() < 0.4:
-            c = self.const(0.5, 4.0)
-            scale_code, args, product = repr(c), [x], x.bound * abs(c)
-        else:
-            s = self.operand() if self.rng.random() < 0.7 else _ACC
-            scale_code, args, product = s.code, [x, s], x.bound * s.bound
-        limit, grow = (57344.0, 2.0**-3) if e5m2 else (448.0, 2.0**-4)
-        code = f"ops.quantize({x.code}, {scale_code}" + (", torch.float8_e5m2)" if e5m2 else ")")
-        return self.emit(code, args, min(product, limit) * (1 + grow), True)
-
-    # ------------------------------------------------------------ smooth ops
-    def op_add(self, d, stable):
-        return self._add_sub("+", d)
-
-    def op_sub(self, d, stable):
-        return self._add_sub("-", d)
-
-    def _add_sub(self, sign, d):
-        x = self.gen(d)
-        if self.rng.random() < 0.3:
-            c = self.const()
-            code = f"{x.code} {sign} {c}" if self.rng.random() < 0.5 else f"{c} {sign} {x.code}"
-            return self.emit(code, [x], x.bound + abs(c), False)
-        y = self.gen(d)
-        return self.emit(f"{x.code} {sign} {y.code}", [x, y], x.bound + y.bound, False)
-
-    def op_div(self, d, stable):
-        x = self.gen(d)
-        if self.rng.random() < 0.3:
-            c = self.const(0.5, 3.0)
-            return self.emit(f"{x.code} / {c}", [x], x.bound / abs(c), False)
-        y = self.gen(d)
-        return self.emit(f"{x.code} / (abs({y.code}) + 1.0)", [x, y], x.bound, False)
-
-    def op_fma(self, d, stable):
-        x, y, z = self.gen(d), self.gen(d), self.gen(d)
-        return self.emit(f"ops.fma({x.code}, {y.code}, {z.code})", [x, y, z], x.bound * y.bound + z.bound, False)
-
-    def op_exp(self, d, stable):
-        return self._exp("exp", math.e, d)
-
-    def op_exp2(self, d, stable):
-        return self._exp("exp2", 2.0, d)
-
-    def _exp(self, name, base, d):
-        x = self.gen(d)
-        scale = 1.0 if x.bound <= 4.0 else 1.0 / _pow2_at_most(x.bound / 2.0)
-        arg = x.code if scale == 1.0 else f"{x.code} * {scale!r}"
-        return self.emit(f"ops.{name}({arg})", [x], base ** (x.bound * scale), False)
-
-    def op_log(self, d, stable):
-        x = self.gen(d)
-        return self.emit(f"ops.log(abs({x.code}) + 1.0)", [x], math.log1p(x.bound), False)
-
-    def op_sqrt(self, d, stable):
-        x = self.gen(d)
-        return self.emit(f"ops.sqrt(abs({x.code}) + 1.0)", [x], math.sqrt(x.bound + 1.0), False)
-
-    def op_rsqrt(self, d, stable):
-        x = self.gen(d)
-        return self.emit(f"ops.rsqrt(abs({x.code}) + 1.0)", [x], 1.0, False)
-
-    def op_tanh(self, d, stable):
-        x = self.gen(d)
-        return self.emit(f"ops.tanh({x.code})", [x], 1.0, False)
-
-    def op_sigmoid(self, d, stable):
-        x = self.gen(d)
-        return self.emit(f"ops.sigmoid({x.code})", [x], 1.0, False)
-
-    def op_gelu(self, d, stable):
-        x = self.gen(d)
-        form = self.rng.choice(("", ", approximate='tanh'"))
-        return self.emit(f"ops.gelu({x.code}{form})", [x], x.bound, False)
-
-    def op_silu(self, d, stable):
-        x = self.gen(d)
-        return self.emit(f"ops.silu({x.code})", [x], x.bound, False)
-
-    def op_softplus(self, d, stable):
-        x = self.gen(d)
-        return self.emit(f"ops.softplus({x.code})", [x], x.bound + math.log(2.0), False)
+    def spell(self, op: optable.OpDef, codes: list[str], attrs: dict) -> str:
+        """``op`` on ``codes`` as a user writes it: its operator or its ``ops`` function, at random."""
+        keywords = [f"{k}={_literal(k, v)}" for k, v in (*op.variant, *attrs.items())]
+        forms = []
+        if op.operator is not None:
+            forms.append(op.operator.format(*(_atom(c) for c in codes)))
+        if op.function_name is not None:
+            forms.append(f"ops.{op.function_name}({', '.join(codes + keywords)})")
+        return self.rng.choice(forms) if forms else f"optable.call({op.name!r}, {', '.join(codes + keywords)})"
 
     # --------------------------------------------------------------- outputs
     def tile(self, depth: int, *, need_acc: bool = False) -> _Expr:
@@ -466,9 +387,9 @@ def random_program(seed: int) -> Program:
 def _fit_tile_n(program: Program) -> Program:
     """``program`` with its pinned tile_n narrowed until the epilogue's buffers fit in shared memory."""
     from epicute.epilogue.dtypes import TORCH_TO_IR
+    from epicute.epilogue.fusion import EpilogueFusion
     from epicute.epilogue.tracer import as_epilogue
     from epicute.errors import ConfigError
-    from epicute.kernels.epilogue_emit import EpilogueFusion  # imports the CuTe DSL
     from epicute.plan import GemmProblem
     from epicute.plan.heuristics import choose_config
 

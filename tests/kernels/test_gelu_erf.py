@@ -1,20 +1,18 @@
-"""The kernel's gelu (``epilogue_emit.gelu_erf``) run on torch float32 tensors,
-against float64 ``x * Phi(x)``: the same code the kernel emits, on every range of x."""
+"""The kernel's gelu (the ``gelu_erf`` entry of the op table, ``optable.gelu_erf``) run on torch
+float32 tensors, against float64 ``x * Phi(x)``: the same code the kernel emits, on every range of x."""
 
 import math
 
 import pytest
 import torch
 
-from epicute.kernels.epilogue_emit import gelu_erf
+from epicute.epilogue import optable
 
 
 def kernel_gelu_fp32(x: torch.Tensor) -> torch.Tensor:
-    # rcp/exp2 in fp32 as the kernel's rcp.approx / ex2.approx (<= 2 ulp: below what is checked).
-    return gelu_erf(
-        x, torch.abs, torch.reciprocal, torch.exp2,
-        lambda a, b: torch.clamp(a, min=b), lambda a, b: torch.clamp(a, max=b), const=float,
-    )  # fmt: skip
+    # The emitter over the torch math namespace: rcp/exp2 in fp32 as the kernel's rcp.approx /
+    # ex2.approx (<= 2 ulp: below what is checked).
+    return optable.get("gelu_erf").emit(optable.TORCH_MATH, x)
 
 
 def exact_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ PROGRAMS = {
     "bias_gelu_tanh": (lambda acc, bias: ops.gelu(acc + bias, approximate="tanh"), {"bias": "row"}),
     "ffn_out": (lambda acc, bias, residual, alpha: ops.gelu(alpha * acc + bias) + residual,
                 {"bias": "row", "residual": "tile", "alpha": "scalar"}),
-    "alpha_beta_c": (lambda acc, alpha, beta, C: alpha * acc + beta * C, {"alpha": "scalar", "beta": "scalar", "C": "tile"}),
+    "alpha_beta_c": (lambda acc, alpha, beta, C: alpha * acc + beta * C,
+                     {"alpha": "scalar", "beta": "scalar", "C": "tile"}),
     "residual_add": (lambda acc, residual: acc + residual, {"residual": "tile"}),
     "row_col_scale": (lambda acc, scale_m, scale_n: acc * scale_m * scale_n, {"scale_m": "col", "scale_n": "row"}),
     "swish": (lambda acc, bias: ops.silu(acc + bias), {"bias": "row"}),
@@ -53,7 +54,7 @@ PROGRAMS = {
 def make_operand(kind: str, l: int, m: int, n: int, batched: bool):
     if kind == "scalar":
         return float(torch.randn(()).item()) + 2.0
-    shape = {"row": (n,), "col": (m,), "tile": (m, n)}[kind]
+    shape = {"row": (n,), "col": (m, 1), "tile": (m, n)}[kind]
     if batched:
         shape = (l, *shape)
     return rand(*shape)
@@ -151,7 +152,8 @@ REDUCTION_PROGRAMS = {
     "row_sum_col_amax": (lambda acc: {"D": acc, "rs": ops.row_sum(acc), "ca": ops.col_amax(acc)}, {}),
     "row_max": (lambda acc, bias: {"D": ops.relu(acc + bias), "rm": ops.row_max(acc + bias)}, {"bias": "row"}),
     # All values <= -1: a masked (out-of-problem) lane folding in 0 or garbage would show.
-    "max_of_negatives": (lambda acc: {"D": acc, "rm": ops.row_max(-abs(acc) - 1.0), "cm": ops.col_max(-abs(acc) - 1.0)}, {}),
+    "max_of_negatives": (lambda acc: {"D": acc, "rm": ops.row_max(-abs(acc) - 1.0),
+                                      "cm": ops.col_max(-abs(acc) - 1.0)}, {}),
     "col_sum": (lambda acc, s: {"D": acc * s, "cs": ops.col_sum(acc * s)}, {"s": "col"}),
     "amax": (lambda acc, t: {"D": acc + t, "am": ops.amax(acc + t), "ra": ops.row_amax(acc)}, {"t": "tile"}),
 }  # fmt: skip

@@ -112,7 +112,8 @@ def test_without_out_and_2d_result():
 def test_zero_sizes():
     a, b = operand(0, 64, torch.bfloat16, False), operand(64, 32, torch.bfloat16, False)
     assert epicute.gemm(a, b).shape == (0, 32)
-    a, b = torch.empty(16, 0, device="cuda", dtype=torch.bfloat16), torch.empty(0, 32, device="cuda", dtype=torch.bfloat16)
+    a = torch.empty(16, 0, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty(0, 32, device="cuda", dtype=torch.bfloat16)
     d = epicute.gemm(a, b)
     assert d.shape == (16, 32) and (d == 0).all()
 
@@ -121,3 +122,24 @@ def test_large_square_matches_cublas_accuracy():
     a, b = operand(4096, 4096, torch.bfloat16, False), operand(4096, 4096, torch.bfloat16, False)
     run_and_check(a, b, torch.bfloat16)
 
+
+
+@pytest.mark.parametrize("budget", [1, 3, 7])
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_persistent_clusters_cover_every_tile_once_for_any_runtime_budget(budget, cluster_m):
+    # The persistent CTA count is a launch argument (not compiled in): a budget far below the SM
+    # count makes every cluster walk many tiles; a poisoned output shows any tile left unwritten.
+    from epicute.gemm.prepare import GemmRequest, prepare
+    from epicute.plan import GemmProblem
+    from epicute.runtime.launch import kernel_for
+
+    m, n, k = 1000, 1032, 200  # 8 x 5 tiles of 128 x 256 (ragged in both)
+    a, b = operand(m, k, torch.bfloat16, False), operand(k, n, torch.bfloat16, False)
+    pins = (("cluster_m", cluster_m), ("persistent", True), ("tile_n", 256))
+    plan = prepare(GemmRequest(GemmProblem(m, n, k), overrides=pins)).plan
+    assert plan.config.persistent and plan.num_tiles > budget * plan.config.cluster_size
+    kernel = kernel_for(plan)
+    out = torch.full((1, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    kernel(a.unsqueeze(0), b.unsqueeze(0), out, (), (), budget)
+    torch.cuda.synchronize()
+    assert rel_err(out[0], torch.matmul(a.float(), b.float())) <= TOL[torch.bfloat16]

@@ -17,7 +17,7 @@ from epicute.plan.attention import (
     render_attention_plan,
     row_ownership,
 )
-from epicute.plan.hardware import H100_SXM
+from epicute.runtime.target import H100_SXM
 
 
 @pytest.mark.parametrize("d", (64, 128, 256))

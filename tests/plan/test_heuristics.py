@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from epicute import ConfigError
-from epicute.plan import H100_SXM, GemmProblem, current_hardware, plan_gemm, render_plan
+from epicute.plan import GemmProblem, plan_gemm, render_plan
 from epicute.plan.heuristics import MAX_AB_STAGES, MIN_EPI_STAGES, choose_config, choose_raster, raster_window
 from epicute.plan.smem import smem_total
+from epicute.runtime.target import H100_SXM, current_target
 
 BUDGET = H100_SXM.smem_per_cta_bytes
 BIG = GemmProblem(8192, 8192, 8192)
@@ -215,21 +216,21 @@ def test_invalid_override_is_rejected_by_validate():
         choose_config(BIG, H100_SXM, tile_n=96)
 
 
-def test_plan_gemm_uses_given_hardware():
+def test_plan_gemm_uses_given_target():
     small = replace(H100_SXM, num_sms=66)
     plan = plan_gemm(BIG, small)
-    assert plan.hardware is small
+    assert plan.target is small
     assert plan.grid == (2, 1, 33)
 
 
-def test_current_hardware_without_gpu_is_h100(monkeypatch):
+def test_current_target_without_gpu_is_h100(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    current_hardware.cache_clear()
+    current_target.cache_clear()
     try:
-        hw = current_hardware()
+        hw = current_target()
     finally:
-        current_hardware.cache_clear()
-    assert hw == H100_SXM
+        current_target.cache_clear()
+    assert replace(hw, origin="named") == H100_SXM and hw.origin.startswith("assumed")
     assert (hw.num_sms, hw.smem_per_cta_bytes, hw.arch, hw.detected) == (132, 227 * 1024, "sm_90a", False)
 
 
@@ -251,7 +252,7 @@ def test_fused_epilogue_shrinks_the_ab_ring_and_shows_in_the_roofline():
     # A fused epilogue gets the ping-pong schedule; against a plain GEMM of the same tiles:
     assert (fused.config.schedule, fused.config.tile_n) == ("pingpong", 192)
     plain = plan_gemm(problem, H100_SXM, schedule="pingpong", tile_n=192)
-    stages = lambda plan: (plan.config.ab_stages, plan.config.num_epi_stages)  # noqa: E731
+    stages = lambda plan: (plan.config.ab_stages, plan.config.num_epi_stages)
     assert stages(fused) < stages(plain)  # the A/B ring or the D staging gave way
     assert fused.smem_bytes <= BUDGET
     assert fused.roofline.epilogue_bytes == 8192 * 8192 * 4

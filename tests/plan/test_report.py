@@ -10,7 +10,8 @@ import torch
 
 import epicute
 import epicute.api
-from epicute.plan import H100_SXM, GemmPlan, GemmProblem, plan_gemm, render_plan
+from epicute.plan import GemmPlan, GemmProblem, plan_gemm, render_plan
+from epicute.runtime.target import H100_SXM
 
 BIG = GemmProblem(4096, 4096, 4096)
 TINY = GemmProblem(1, 8, 8, d_dtype="fp32")

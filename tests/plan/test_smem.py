@@ -92,7 +92,9 @@ def test_epilogue_region_is_in_the_table_and_the_total():
     cfg = GemmConfig(tile_n=256, ab_stages=3, num_epi_stages=2, num_c_stages=2)
     epi = EpilogueBuffers(tile_inputs=("bf16", "fp32"), aux_outputs=("fp8e4m3",), vectors=("row", "col"))
     regions = epilogue_region(cfg, epi)
-    assert [r.name for r in regions] == ["operand tile 0", "operand tile 1", "aux output 0", "row vector 0", "col vector 1"]
+    assert [r.name for r in regions] == [
+        "operand tile 0", "operand tile 1", "aux output 0", "row vector 0", "col vector 1"
+    ]  # fmt: skip
     assert [r.bytes for r in regions] == [2 * 128 * 32 * 2, 2 * 128 * 32 * 4, 2 * 128 * 32 * 1, 256 * 4, 128 * 4]
     assert all(r.offset % 1024 == 0 for r in regions)
     plain = smem_total(cfg, "bf16", "bf16")

@@ -6,6 +6,7 @@ disk and loads them instead of compiling (launching them needs the device).
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -13,9 +14,9 @@ import pytest
 import torch
 
 import epicute
-import epicute.api as api
+from epicute import api
 from epicute.errors import ConfigError, EpilogueError
-from epicute.runtime.aot import compile_spec, gemm_variants, read_spec
+from epicute.runtime.aot import compile_spec, gemm_variants, import_object, read_spec
 from tests.conftest import aot_compile_then_fresh_load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +37,9 @@ def _launched_variant(monkeypatch, a, b, **kwargs):
     seen = {}
     real_check = api.check_gemm_args
     monkeypatch.setattr(api, "check_gemm_args", lambda *args, **kw: real_check(*args, **{**kw, "require_cuda": False}))
-    monkeypatch.setattr(api, "launch_gemm", lambda call, plan, fusion=None, *rest, **kw: seen.update(v=variant_of(plan, fusion)))
+    monkeypatch.setattr(
+        api, "launch_gemm", lambda call, plan, fusion=None, *rest, **kw: seen.update(v=variant_of(plan, fusion))
+    )
     epicute.gemm(a, b, **kwargs)
     return seen["v"]
 
@@ -92,18 +95,102 @@ def test_spec_without_out_dtype_stores_d_like_gemm_does(monkeypatch, tmp_path):
         ("[[gemm]]\ndtype = 'bf16'\n", ConfigError, "shapes"),
         ("[[gemm]]\nshapes = [[8, 8]]\n", ConfigError, r"\[M, N, K\]"),
         ("[[gemm]]\nshapes = [[8, 8, 8]]\nepilogue = 'nope'\n", ConfigError, "module:function"),
-        ("[[gemm]]\nshapes = [[8, 8, 8]]\nepilogue = 'epicute.epilogue.library:missing'\n", ConfigError, "cannot import"),
-        ("[[gemm]]\nshapes = [[8, 8, 8]]\nepilogue = 'epicute.epilogue.library:row_col_quant'\n", EpilogueError, "missing"),
+        (
+            "[[gemm]]\nshapes = [[8, 8, 8]]\nepilogue = 'epicute.epilogue.library:missing'\n",
+            ConfigError,
+            "cannot import",
+        ),
+        (
+            "[[gemm]]\nshapes = [[8, 8, 8]]\nepilogue = 'epicute.epilogue.library:row_col_quant'\n",
+            EpilogueError,
+            "missing",
+        ),
         ("[[gemm]]\nshapes = [[8, 8, 8]]\noperands = { x = 'row' }\n", ConfigError, "need an epilogue"),
         ("[[conv]]\nshapes = [[8, 8, 8]]\n", ConfigError, "unknown kernel kinds"),
         ("[[gemm]\n", ConfigError, "not valid TOML"),
+        ("", ConfigError, r"names no kernels to compile; add an entry, e.g. \[\[gemm\]\] then shapes"),
+        ("gemm = []\n", ConfigError, "names no kernels"),
+        ("gemm = 3\n", ConfigError, r"gemm entry 1 is 3; each entry is a table of fields: write \[\[gemm\]\]"),
+        ('[[gemm]]\nshapes = [["a", 64, 64]]\n', ConfigError, r"shape \['a', 64, 64\]: give \[M, N, K\]"),
+        ("[[gemm]]\nshapes = [[8, 8, -8]]\n", ConfigError, "integers >= 0"),
+        ("[[gemm]]\nshapes = 8\n", ConfigError, "shapes = 8; give shapes"),
+        ("[[gemm]]\nshapes = [[8, 8, 8]]\ndtype = 'int8'\n", ConfigError, "dtype = 'int8'; A and B's dtype is one"),
+        ("[[gemm]]\nshapes = [[8, 8, 8]]\nout_dtype = 'fp64'\n", ConfigError, "out_dtype = 'fp64'; D's dtype is"),
+        ("[[gemm]]\nshapes = [[8, 8, 8]]\nepilogue = 3\n", ConfigError, "epilogue = 3; it takes a string"),
+        ("[[gemm]]\nshapes = [[8, 8, 8]]\nconfig = 3\n", ConfigError, "config = 3; it takes a table"),
+        ("[[gemm]]\nshapes = [[8, 8, 8]]\nconfig = { tile_n = 'x' }\n", ConfigError, "config tile_n = 'x'; it takes"),
+        ("[[gemm]]\nshapes = [[8, 8, 8]]\nconfig = { tiles = 1 }\n", ConfigError, "config field 'tiles' is unknown"),
+        ("[[attention]]\nconfig = { foo = 1 }\n", ConfigError, "config field 'foo' is unknown"),
+        ("[[attention]]\nhead_dim = 'x'\n", ConfigError, "head_dim = 'x'; give 64, 128, 256"),
+        ("[[gemm]]\nshapes = [[8, 8, 8]]\n[[gemm]]\nshapes = [[8, 8]]\n", ConfigError, r"toml, \[\[gemm\]\] entry 2"),
     ],
-)
+)  # fmt: skip
 def test_bad_specs_say_what_to_fix(tmp_path, text, error, match):
     spec = tmp_path / "bad.toml"
     spec.write_text(text)
     with pytest.raises(error, match=match):
         compile_spec(spec, dry_run=True)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"gemm": [{"shapes": [[8, 8, 8]]},]}', "bad.json is not valid JSON"),
+        ("[1, 2]", r"a spec maps kernel kinds to entries, e.g. \{\"gemm\""),
+        ("{}", r"names no kernels to compile; add an entry, e.g. \{\"gemm\""),
+    ],
+)
+def test_bad_json_specs_say_what_to_fix(tmp_path, text, match):
+    spec = tmp_path / "bad.json"
+    spec.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        compile_spec(spec, dry_run=True)
+
+
+def test_spec_modules_are_found_beside_the_spec_and_in_the_working_directory(tmp_path, monkeypatch):
+    for name, where in (("beside_spec", tmp_path / "specs"), ("in_cwd", tmp_path / "work")):
+        where.mkdir()
+        source = "import epicute\n\n@epicute.epilogue\ndef scaled(acc, s):\n    return acc * s\n"
+        (where / f"{name}.py").write_text(source)
+    spec = tmp_path / "specs" / "k.toml"
+    entry = "[[gemm]]\nshapes = [[64, 64, 64]]\nepilogue = '{}:scaled'\noperands = {{ s = 'scalar' }}\n"
+    spec.write_text(entry.format("beside_spec") + entry.format("in_cwd"))
+    monkeypatch.chdir(tmp_path / "work")
+    path_before = list(sys.path)
+    assert [r.status for r in compile_spec(spec, dry_run=True)] == ["planned", "planned"]
+    assert sys.path == path_before  # searched while importing only
+
+
+def test_import_object_names_ready_epilogues_and_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    library = epicute.epilogues
+    assert import_object("row_col_quant") is library.row_col_quant
+    assert import_object("epicute.epilogues:tensor_quant") is library.tensor_quant
+    assert import_object("epicute.epilogue.library:plain") is library.plain
+    with pytest.raises(ConfigError, match=f"no module 'mypkg' in {tmp_path} or on PYTHONPATH; run from the directory"):
+        import_object("mypkg.epilogues:bias_gelu")
+    (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
+    with pytest.raises(ConfigError, match="importing broken needs a module that is missing"):
+        import_object("broken:fn")
+    (tmp_path / "raises.py").write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(ConfigError, match="importing raises raised RuntimeError: boom"):
+        import_object("raises:fn")
+    with pytest.raises(ConfigError, match="module epicute.epilogues has no 'nope'"):
+        import_object("epicute.epilogues:nope")
+    with pytest.raises(ConfigError, match="is not an import path"):
+        import_object("foo[/bar]:fn")
+
+
+def test_compile_checks_the_cache_directory_before_compiling(tmp_path, monkeypatch):
+    spec = tmp_path / "k.toml"
+    spec.write_text("[[gemm]]\nshapes = [[8, 8, 8]]\n")
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path / "afile" / "cache"))
+    with pytest.raises(ConfigError, match="EPICUTE_CACHE_DIR.*is a file, not a directory; set EPICUTE_CACHE_DIR"):
+        compile_spec(spec)
+    monkeypatch.setenv("EPICUTE_CACHE", "0")
+    with pytest.raises(ConfigError, match="EPICUTE_CACHE=0"):
+        compile_spec(spec)
 
 
 LOADER = textwrap.dedent(

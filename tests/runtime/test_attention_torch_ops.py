@@ -18,8 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import epicute
-import epicute.attention_api as attention_api
-from epicute import ops
+from epicute import attention_api, ops
 from epicute.epilogue.score_mod import ScoreMod
 from epicute.errors import ConfigError
 from epicute.runtime.torch_ops import register_epilogue, register_score_mod, registered_epilogue

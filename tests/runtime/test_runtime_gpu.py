@@ -1,4 +1,5 @@
-"""The runtime on the GPU: compile/warm/disk-load timings, CUDA graphs, torch.compile, the op for real."""
+"""The runtime on the GPU: compile, warm call and disk load (what happens; bench/runtime.py times it),
+CUDA graphs, torch.compile, the op for real."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def test_cold_compile_warm_call_and_fresh_process_disk_load(tmp_path, monkeypatc
     torch.cuda.synchronize()
     cold = time.perf_counter() - start
     ((how, compile_s),) = KERNEL_CACHE.events.values()
-    assert how == "compiled" and compile_s > 0.05
+    assert how == "compiled"
 
     start = time.perf_counter()
     for _ in range(100):
@@ -69,18 +70,19 @@ def test_cold_compile_warm_call_and_fresh_process_disk_load(tmp_path, monkeypatc
     warm = (time.perf_counter() - start) / 100
     torch.cuda.synchronize()
     assert rel_err(d, a.float() @ b.float()) < 1e-2
-    assert warm < cold / 100, (warm, cold)
 
     script = tmp_path / "fresh.py"
     script.write_text(FRESH)
     env = subprocess_env(EPICUTE_CACHE_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     assert out.returncode == 0, out.stderr
     how, load_s, first_s, err, compiles = out.stdout.split()
     print(f"cold {cold:.2f} s (compile {compile_s:.2f} s), warm {warm * 1e6:.1f} us, "
           f"fresh-process load {float(load_s) * 1e3:.1f} ms, first call {float(first_s) * 1e3:.0f} ms")  # fmt: skip
-    assert how == "disk" and compiles == "0"
-    assert float(load_s) < 0.5 and float(err) < 1e-2
+    # How long each step takes is bench/runtime.py's to measure (no timings in tests); here: what happened.
+    assert how == "disk" and compiles == "0" and float(err) < 1e-2
 
 
 @pytest.mark.parametrize("with_epilogue", [False, True], ids=["plain", "bias-relu"])
@@ -131,19 +133,3 @@ def test_opcheck_with_cuda_tensors():
     plain = '{"config": {}, "out_dtype": "fp32", "out_dtypes": {}, "pins": {}, "scalars": [], "tensors": []}'
     torch.library.opcheck(torch.ops.epicute.gemm.default, (a, b, [], [], "", plain))
 
-
-def test_host_overhead_of_a_cached_call_is_small():
-    """Loose bound (the benchmark reports the figure): tiny problem, launches queued, no sync."""
-    a, b = randn(64, 64), randn(64, 64)
-    out = epicute.gemm(a, b)
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(200):
-            out = epicute.gemm(a, b)
-        best = min(best, (time.perf_counter() - start) / 200)
-        torch.cuda.synchronize()
-    print(f"host time per cached call: {best * 1e6:.1f} us")
-    assert best < 50e-6
-    assert rel_err(out, a.float() @ b.float()) < 1e-2

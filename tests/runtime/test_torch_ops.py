@@ -88,9 +88,14 @@ def test_epilogue_keys_are_semantic_and_stable_across_processes():
     assert register_epilogue(bias_relu).startswith("bias_relu:")
     key = register_epilogue(epicute.epilogues.row_col_quant)
     assert registered_epilogue(key) is epicute.epilogues.row_col_quant
-    code = "import epicute; from epicute.runtime.torch_ops import register_epilogue as r; print(r(epicute.epilogues.row_col_quant))"
+    code = (
+        "import epicute; from epicute.runtime.torch_ops import register_epilogue as r; "
+        "print(r(epicute.epilogues.row_col_quant))"
+    )
     env = subprocess_env()
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert out.stdout.strip() == key, out.stderr
     with pytest.raises(EpilogueError, match="register_epilogue"):
         registered_epilogue("nobody:0")
@@ -158,3 +163,20 @@ def test_compiled_reference_backend_is_refused():
     with pytest.raises(Exception) as info:
         torch.compile(f, fullgraph=True, backend="eager")(meta(8, 8), meta(8, 8))
     assert isinstance(info.value, ConfigError) or "backend='kernel'" in str(info.value)
+
+
+def test_constant_result_marks_are_dynamos_own():
+    """torch_ops marks its trace-time constants without importing dynamo; the mark must be the one
+    ``torch._dynamo.assume_constant_result`` sets, or tracing would step into them."""
+    from epicute.runtime import torch_ops
+
+    def ours():
+        return 0
+
+    def dynamos():
+        return 0
+
+    torch_ops._assume_constant_result(ours)
+    torch._dynamo.assume_constant_result(dynamos)
+    assert ours.__dict__ == dynamos.__dict__ != {}
+    assert all(f._dynamo_marked_constant for f in (torch_ops._register_traced, torch_ops._spec_text))

@@ -7,9 +7,10 @@ import torch
 
 import epicute
 from epicute.api import _tune_identity, _tuned_overrides
-from epicute.plan import H100_SXM, GemmProblem
+from epicute.plan import GemmProblem
 from epicute.plan.heuristics import choose_config
 from epicute.plan.smem import EpilogueBuffers
+from epicute.runtime.target import H100_SXM
 from epicute.runtime.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry
 
 

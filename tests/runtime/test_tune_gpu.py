@@ -17,7 +17,7 @@ def test_tune_stores_a_winner_that_gemm_uses(monkeypatch, tmp_path):
     a = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(1024, 1032, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(1032, device="cuda", dtype=torch.bfloat16)
-    fn = lambda acc, bias: epicute.ops.relu(acc + bias)  # noqa: E731
+    fn = lambda acc, bias: epicute.ops.relu(acc + bias)
     result = epicute.tune(a, b, epilogue=fn, bias=bias, iters=3, warmup=1, progress=False)
     assert len(result.times_ms) >= 4 and all(t > 0 for t in result.times_ms.values())
     assert result.times_ms[epicute.runtime.tune.label(result.best)] == min(result.times_ms.values())

@@ -207,6 +207,17 @@ def test_size_one_m_with_unit_stride_is_normalized():
     assert call.a.stride(1) % 8 == 0 and call.a.stride(2) == 1
 
 
+@pytest.mark.parametrize("layout", ["rr", "rc", "cr", "cc"])
+def test_k1_is_accepted_in_every_layout(layout):
+    # K = 1: A's K dimension has size 1, so A counts as column-major (M contiguous) whether it is an
+    # (M, 1) tensor or the transpose of a (1, M) row; its only real stride is then M's unit one.
+    a = rand(M, 1) if layout[0] == "r" else rand(1, M).t()
+    b = rand(1, N) if layout[1] == "r" else rand(N, 1).t()
+    call = check(a, b)
+    assert call.problem.k == 1 and call.problem.a_major == "m" and call.problem.b_major == "n"
+    assert call.a.stride(2) % 8 == 0 and call.a.stride(1) == 1 and call.b.stride(1) % 8 == 0
+
+
 # --- repeated signatures (the hot path) ----------------------------------------
 # A call shaped like one validated before skips the shape rules, but the rules
 # that depend on the data pointers still hold on every call.

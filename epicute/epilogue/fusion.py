@@ -1,0 +1,152 @@
+"""A fused GEMM epilogue as the kernel runs it: the host half, pure Python.
+
+:class:`EpilogueFusion` is the traced graph and its stage schedule, split into
+what each part of the kernel handles --
+
+- **tile operands**: TMA-loaded into a shared-memory ring, one epilogue subtile
+  per stage, by the producer's epilogue-load warp while the mainloop runs;
+- **row / column vectors**: this tile's slice loaded by the consumer threads
+  *before* the mainloop (one element each, so the latency hides behind it),
+  parked in shared memory after it, and read once per distinct coordinate;
+- **scalars**: fp32 kernel arguments;
+- **outputs**: D and any auxiliary full tiles, staged and TMA-stored together;
+- **reductions**: folded per thread, combined across lanes with butterfly
+  shuffles, and written as per-tile partials to an fp32 workspace in global
+  memory; :meth:`Reduction.finalize` combines them with one ordered torch
+  reduction, so results are bitwise reproducible (no float atomics).
+
+Kernel tensor arguments arrive batch-first in :attr:`EpilogueFusion.tensor_args`
+order: tile operands, row vectors, column vectors, aux outputs, workspaces. The
+device half (the DSL code of each node) is :mod:`epicute.kernels.epilogue_emit`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from epicute.epilogue import optable
+from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, Graph
+from epicute.epilogue.hashing import semantic_hash
+from epicute.epilogue.schedule import EpilogueSchedule, schedule
+from epicute.errors import EpilogueError
+from epicute.plan.smem import EpilogueBuffers
+
+#: Value dtypes the kernel can load, store or round to.
+KERNEL_DTYPES = frozenset(("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2"))
+
+#: Rows one warp owns in a WGMMA accumulator (64-row atom / 4 warps): the band of
+#: rows a column-reduction partial covers.
+ROWS_PER_WARP = 16
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One reduction output: ``axis`` "row" (row_*: over N, one value per row),
+    "col" (col_*: over M, one per column) or "all" (amax)."""
+
+    name: str
+    node: int
+    arg: int
+    combine: str  # "sum" | "max" | "amax"
+    axis: str
+
+    def workspace_shape(self, l: int, m: int, n: int, tile_n: int) -> tuple[int, int, int]:
+        """Per-tile partials, batch-first: row (L, N tiles, M); col (L, M bands, N); all (L, M bands, N tiles)."""
+        bands, tiles_n = -(-m // ROWS_PER_WARP), -(-n // tile_n)
+        return {"row": (l, tiles_n, m), "col": (l, bands, n), "all": (l, bands, tiles_n)}[self.axis]
+
+    def finalize(self, workspace):
+        """The deterministic final combine (a torch reduction in a fixed order)."""
+        if self.axis == "all":
+            return workspace.amax() if workspace.numel() else workspace.new_zeros(())
+        if workspace.shape[1] == 0:  # nothing to combine (N or M is 0): the identity
+            return workspace.new_full((workspace.shape[0], workspace.shape[2]), REDUCTION_IDENTITY[self.combine])
+        return workspace.sum(dim=1) if self.combine == "sum" else workspace.amax(dim=1)
+
+
+@dataclass(frozen=True)
+class EpilogueFusion:
+    graph: Graph
+    #: (name, kind, dtype) of each operand, in parameter order
+    operands: tuple[tuple[str, str, str], ...]
+    sched: EpilogueSchedule = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sched", schedule(self.graph))
+        # The tracer already guarantees a tile "D" and only tile or reduction outputs.
+        for node in self.graph.nodes:
+            if node.op == "index":
+                raise EpilogueError("index inputs (q_idx, kv_idx, ...) exist only in attention score_mod")
+            if optable.rounds(node.op) and node.attr("dtype") not in KERNEL_DTYPES:
+                raise EpilogueError(
+                    f"%{node.id} {node.op} to {node.attr('dtype')}: the kernel rounds to {sorted(KERNEL_DTYPES)}"
+                )
+        for name, kind, dtype in self.operands:
+            if kind != "scalar" and dtype not in KERNEL_DTYPES:
+                raise EpilogueError(f"operand {name!r} has dtype {dtype}; the kernel loads {sorted(KERNEL_DTYPES)}")
+
+    # ------------------------------------------------------------ host side
+    # Cached: the fusion is immutable, and the launch path reads these on every call.
+    def _dtype(self, name: str) -> str:
+        return next(d for n, _, d in self.operands if n == name)
+
+    def _kind(self, name: str) -> str:
+        return next(k for n, k, _ in self.operands if n == name)
+
+    @functools.cached_property
+    def tile_inputs(self) -> tuple[str, ...]:
+        return self.sched.tile_operands
+
+    @functools.cached_property
+    def row_inputs(self) -> tuple[str, ...]:
+        return tuple(n for n in self.sched.vector_operands if self._kind(n) == "row")
+
+    @functools.cached_property
+    def col_inputs(self) -> tuple[str, ...]:
+        return tuple(n for n in self.sched.vector_operands if self._kind(n) == "col")
+
+    @functools.cached_property
+    def scalar_inputs(self) -> tuple[str, ...]:
+        return self.sched.scalar_operands
+
+    @functools.cached_property
+    def output_dtypes(self) -> dict[str, str]:
+        return dict(self.graph.output_dtypes)
+
+    @functools.cached_property
+    def aux_outputs(self) -> tuple[str, ...]:
+        return tuple(n for n in self.sched.tile_outputs if n != "D")
+
+    @functools.cached_property
+    def reductions(self) -> tuple[Reduction, ...]:
+        outputs = dict(self.graph.outputs)
+        result = []
+        for name in self.sched.reductions:
+            node = self.graph.node(outputs[name])
+            kind, combine = REDUCTIONS[node.op]
+            axis = {"col": "row", "row": "col", "scalar": "all"}[kind]
+            result.append(Reduction(name, node.id, node.args[0], combine, axis))
+        return tuple(result)
+
+    @functools.cached_property
+    def tensor_args(self) -> tuple[tuple[str, str, str], ...]:
+        """(role, name, dtype) of the kernel's tensor arguments, in order."""
+        outs = self.output_dtypes
+        return (
+            tuple(("tile", n, self._dtype(n)) for n in self.tile_inputs)
+            + tuple(("row", n, self._dtype(n)) for n in self.row_inputs)
+            + tuple(("col", n, self._dtype(n)) for n in self.col_inputs)
+            + tuple(("aux", n, outs[n]) for n in self.aux_outputs)
+            + tuple(("workspace", r.name, "fp32") for r in self.reductions)
+        )
+
+    def buffers(self) -> EpilogueBuffers:
+        """Shared memory this epilogue needs (the planner's and the kernel's single source)."""
+        return self.sched.buffers()
+
+    def key(self) -> tuple:
+        return (semantic_hash(self.graph), self.operands)
+
+
+__all__ = ["KERNEL_DTYPES", "ROWS_PER_WARP", "EpilogueFusion", "Reduction"]
