@@ -154,7 +154,7 @@ def _prepare_memo(request: GemmRequest, epilogue: Callable | None) -> PreparedGe
     if request.epilogue is None:
         return prepare(request)  # a plan-cache hit
     capture = _capture_key(epilogue)
-    key = None if capture is None else (capture, replace(request, epilogue=None))
+    key = None if capture is None else (capture, request.signature())
     prepared = _PREPARED.get(key) if key is not None else None
     if prepared is None:
         prepared = prepare(request)

@@ -72,6 +72,14 @@ class EpilogueFusion:
     operands: tuple[tuple[str, str, str], ...]
     sched: EpilogueSchedule = field(init=False, compare=False, repr=False)
 
+    def __hash__(self) -> int:
+        # Computed once: every launch with an epilogue looks its kernel up by fusion (a deep graph hash otherwise).
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.graph, self.operands))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "sched", schedule(self.graph))
         # The tracer already guarantees a tile "D" and only tile or reduction outputs.

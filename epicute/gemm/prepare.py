@@ -15,7 +15,8 @@ implementation needs output dtypes for symbolic sizes, which cannot be planned.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
@@ -56,6 +57,15 @@ class GemmRequest:
     outs_dtypes: tuple[tuple[str, str], ...] = ()
     overrides: tuple[tuple[str, object], ...] = ()
     target: Target | None = None
+
+
+    def signature(self) -> tuple:
+        """Every field but the epilogue object, whose identity changes from call to call (a caller that
+        memoizes keys the epilogue by what its trace depends on instead)."""
+        return tuple(getattr(self, name) for name in _SIGNATURE_FIELDS)
+
+
+_SIGNATURE_FIELDS = tuple(f.name for f in fields(GemmRequest) if f.name != "epilogue")
 
 
 @dataclass(frozen=True)
@@ -121,11 +131,19 @@ def prepare(request: GemmRequest) -> PreparedGemm:
 
     target = resolve_target(request.target)
     if request.epilogue is None:
-        return PreparedGemm(cached_plan(request.problem, request.overrides, NO_EPILOGUE, target))
+        return _prepare_plain(request.problem, request.overrides, target)
     lowered = lower_epilogue(request)
     problem = replace(request.problem, d_dtype=lowered.d_dtype)
     _check_aux_rows(lowered, problem.n)
     return PreparedGemm(cached_plan(problem, request.overrides, lowered.fusion.buffers(), target), lowered)
+
+
+@functools.lru_cache(maxsize=4096)
+def _prepare_plain(problem: GemmProblem, overrides: tuple, target: Target) -> PreparedGemm:
+    """A plain GEMM's preparation: its plan (one object per argument set, so its kernel lookup is cheap)."""
+    from epicute.runtime.launch import cached_plan
+
+    return PreparedGemm(cached_plan(problem, overrides, NO_EPILOGUE, target))
 
 
 def _check_aux_rows(lowered: LoweredEpilogue, n: int) -> None:

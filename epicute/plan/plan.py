@@ -27,6 +27,14 @@ class GemmPlan:
     #: shared memory the fused epilogue needs (none without an epilogue)
     epilogue: EpilogueBuffers = NO_EPILOGUE
 
+    def __hash__(self) -> int:
+        # Computed once: every launch looks its kernel up by plan (a deep hash of config and target otherwise).
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.problem, self.config, self.target, self.epilogue))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     def __repr__(self) -> str:
         # One line, so a REPL echoing explain()'s result does not bury the text explain printed.
         p, c = self.problem, self.config
