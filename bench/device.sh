@@ -30,7 +30,7 @@ failed=()
 # The GPU suite compiles ~150 kernel variants (1-4 s each, on one CPU core), so it
 # runs as EPICUTE_TEST_SHARDS pytest processes (default 8) over round-robin slices of
 # the test ids; tests are small, so sharing the GPU costs little. EPICUTE_TEST_PATHS
-# (default: tests) narrows the run, e.g. to tests/kernels/test_attention_gpu.py.
+# (default: tests) narrows the run, e.g. to tests/attention/test_attention_gpu.py.
 run_test() {
     local shards=${EPICUTE_TEST_SHARDS:-8} dir i status=0
     dir=$(mktemp -d)

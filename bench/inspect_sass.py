@@ -34,9 +34,9 @@ def sass_counts(cubin: Path) -> Counter:
 
 
 def main(shapes: list[str]) -> int:
-    from epicute.plan import GemmProblem, plan_gemm
-    from epicute.runtime.compile import compile_gemm
-    from epicute.runtime.launch import variant_of
+    from epicute.gemm import GemmProblem, plan_gemm
+    from epicute.gemm.compile import compile_gemm
+    from epicute.gemm.launch import variant_of
 
     status = 0
     seen = set()

@@ -56,8 +56,8 @@ FRESH = textwrap.dedent(
 
 def fresh_cache(directory: str) -> None:
     """Point the disk cache at ``directory`` and forget every kernel this process holds."""
+    from epicute.gemm.launch import kernel_for
     from epicute.runtime.cache import KERNEL_CACHE
-    from epicute.runtime.launch import kernel_for
 
     os.environ["EPICUTE_CACHE_DIR"] = directory
     kernel_for.cache_clear()
@@ -150,9 +150,9 @@ def gpu_us(fn, calls: int = 200) -> float:
 
 def size_sweep() -> tuple[int, int]:
     import epicute
-    from epicute.plan import GemmProblem
+    from epicute.gemm import GemmProblem
+    from epicute.gemm.launch import cached_plan, variant_of
     from epicute.runtime.cache import KERNEL_CACHE
-    from epicute.runtime.launch import cached_plan, variant_of
 
     b = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
     # The planner may still pick a second variant for some sizes (that is a new kernel, not a recompile).

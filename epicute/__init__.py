@@ -1,8 +1,8 @@
 """epicute: a Python compiler for fused NVIDIA Hopper (SM90) kernels.
 
 Public surface: :func:`gemm`, :func:`explain`, and the :class:`EpicuteError`
-hierarchy. Planning lives in :mod:`epicute.plan`, CuTe-DSL kernels in
-:mod:`epicute.kernels`, validation/compile/launch in :mod:`epicute.runtime`.
+hierarchy. Planning lives in :mod:`epicute.gemm`, CuTe-DSL kernels in
+:mod:`epicute.sm90`, validation/compile/launch in :mod:`epicute.runtime`.
 Fused epilogues: the :func:`epilogue` decorator, :mod:`ops`, ready ones in ``epilogues``
 and the operand pins, all from :mod:`epicute.epilogue`.
 Attention: :func:`attention` (FlashAttention-3 style forward) with traced
@@ -19,14 +19,14 @@ from epicute.runtime.target import DEFAULT_ARCH  # pure Python: neither torch no
 os.environ.setdefault("CUTE_DSL_ARCH", DEFAULT_ARCH)
 
 from epicute import errors
-from epicute.api import explain, gemm, tune
-from epicute.attention_api import attention, explain_attention
+from epicute.attention.api import attention, explain_attention
 from epicute.epilogue import library as epilogues
 from epicute.epilogue import ops
 from epicute.epilogue.operands import ColVector, RowVector, Scalar, Tile
 from epicute.epilogue.score_mod import score_mod
 from epicute.epilogue.tracer import epilogue
 from epicute.errors import *  # noqa: F403  (every error class: errors.__all__)
+from epicute.gemm.api import explain, gemm, tune
 
 __version__ = "0.1.0"
 

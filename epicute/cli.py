@@ -31,7 +31,7 @@ console = Console(highlight=False, soft_wrap=True, markup=False)
 
 # Spelled out here, not imported: the library modules that define them import torch, and
 # `epicute --help` should not wait for it. tests/test_cli.py checks that they agree.
-#: The dtype names of A/B and of D (epicute.plan.config.AB_DTYPES, D_DTYPES).
+#: The dtype names of A/B and of D (epicute.gemm.config.AB_DTYPES, D_DTYPES).
 AB_DTYPES = ("bf16", "fp16")
 D_DTYPES = ("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2")
 #: epicute.epilogue.library.__all__
@@ -103,8 +103,8 @@ def explain_gemm(
     """Plan D = A @ B (optionally with a fused epilogue) and print tiles, warp roles, pipelines,
     shared memory, roofline and the epilogue's stage chain."""
     from epicute.errors import ConfigError, EpicuteError
+    from epicute.gemm import GemmProblem, render_plan
     from epicute.gemm.prepare import prepare
-    from epicute.plan import GemmProblem, render_plan
     from epicute.runtime.aot import gemm_request
     from epicute.runtime.target import resolve_target
 
@@ -151,8 +151,8 @@ def explain_attention_cmd(
         _check_choice("--dtype", dtype, AB_DTYPES)
         import torch
 
-        from epicute.attention_api import explain_attention
-        from epicute.plan.attention import render_attention_plan
+        from epicute.attention.api import explain_attention
+        from epicute.attention.plan import render_attention_plan
 
         torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         q = torch.empty(batch, seqlen_q, heads_q, head_dim, dtype=torch_dtype, device="meta")

@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 import torch
 
-from epicute.api import explain, gemm
-from epicute.plan import GemmPlan, GemmProblem, plan_gemm, render_plan
+from epicute.gemm import GemmPlan, GemmProblem, plan_gemm, render_plan
+from epicute.gemm.api import explain, gemm
+from epicute.gemm.compile import GEMM_CACHE
+from epicute.gemm.launch import variant_of
 from epicute.runtime.cache import KERNEL_CACHE
-from epicute.runtime.compile import GEMM_CACHE
-from epicute.runtime.launch import variant_of
 
 
 def _median_ms(fn: Callable[[], object], iters: int = 30) -> float:

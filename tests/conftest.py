@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
+
+from epicute.runtime import compile as compile_module
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -95,3 +98,20 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     repo = str(Path(__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+@pytest.fixture
+def ptxas_report(monkeypatch, capfd):
+    """Compiles made under this fixture print ptxas's report (``remarks{ptx}``); the returned
+    function reads what was printed since the last call: ``(spill store bytes per kernel,
+    injected-WGMMA-fence warnings)``. Spills and injected fences are what cost attention most:
+    see bench/NOTES.md, "Attention registers and instruction order"."""
+    monkeypatch.setattr(compile_module, "DSL_COMPILE_OPTIONS", compile_module.DSL_COMPILE_OPTIONS + " remarks{ptx}")
+
+    def read() -> tuple[list[int], list[str]]:
+        out = "".join(capfd.readouterr())
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", out)]
+        assert spills, "no ptxas report was printed: did the compile go through DSL_COMPILE_OPTIONS?"
+        return spills, re.findall(r"\(C7519\)[^\n]*", out)
+
+    return read

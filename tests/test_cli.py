@@ -331,7 +331,7 @@ def test_explain_attention_prints_the_plan(tmp_path):
 def test_cli_spells_dtypes_and_ready_epilogues_as_the_library_does():
     import epicute
     from epicute import cli
-    from epicute.plan import config
+    from epicute.gemm import config
 
     assert (cli.AB_DTYPES, cli.D_DTYPES) == (config.AB_DTYPES, config.D_DTYPES)
     assert sorted(cli.READY_EPILOGUES.split(", ")) == sorted(epicute.epilogues.__all__)

@@ -17,7 +17,7 @@ what each part of the kernel handles --
 
 Kernel tensor arguments arrive batch-first in :attr:`EpilogueFusion.tensor_args`
 order: tile operands, row vectors, column vectors, aux outputs, workspaces. The
-device half (the DSL code of each node) is :mod:`epicute.kernels.epilogue_emit`.
+device half (the DSL code of each node) is :mod:`epicute.sm90.epilogue_emit`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, Graph
 from epicute.epilogue.hashing import semantic_hash
 from epicute.epilogue.schedule import EpilogueSchedule, schedule
 from epicute.errors import EpilogueError
-from epicute.plan.smem import EpilogueBuffers
+from epicute.gemm.smem import EpilogueBuffers
 
 #: Value dtypes the kernel can load, store or round to.
 KERNEL_DTYPES = frozenset(("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2"))

@@ -12,9 +12,9 @@ that handles ops reads it from this table instead of keeping a list of its own:
   (:attr:`OpDef.reference`, the oracle the kernel is checked against);
 - :data:`epicute.epilogue.schedule.OP_INSTRUCTIONS`: the instruction estimate
   that sizes the epilogue's code and its arithmetic time in the planner;
-- :mod:`epicute.kernels.epilogue_emit` (the GEMM kernel) and the attention
+- :mod:`epicute.sm90.epilogue_emit` (the GEMM kernel) and the attention
   kernel: the DSL code (:attr:`OpDef.emit`), and which ops attention emits;
-- ``tests/kernels/epilogue_fuzz.py``: what random programs may feed the op
+- ``tests/gemm/epilogue_fuzz.py``: what random programs may feed the op
   (:class:`Domain`).
 
 This module is pure Python (torch, no CuTe DSL), so ``explain`` and the CLI run
@@ -61,7 +61,7 @@ DOMAIN_KINDS = ("any", "stable", "condition", "positive", "nonzero", "small", "l
 
 @dataclass(frozen=True)
 class Domain:
-    """What the epilogue fuzzer (tests/kernels/epilogue_fuzz.py) may feed an op, and what it knows of the result.
+    """What the epilogue fuzzer (tests/gemm/epilogue_fuzz.py) may feed an op, and what it knows of the result.
 
     The fuzzer keeps every value finite and bounded, and values that feed a jump
     (a comparison, a rounding) *stable*: computed bit for bit alike by the kernel
@@ -154,7 +154,7 @@ class OpDef:
 class TorchMath:
     """The math namespace of emitters, on torch float32 tensors (and Python floats).
 
-    ``epicute.kernels.epilogue_emit.DSL_MATH`` is the kernel's: same names, same
+    ``epicute.sm90.epilogue_emit.DSL_MATH`` is the kernel's: same names, same
     meaning, each one DSL call. Here the approximate primitives are exact
     (``rcp_approx`` is a division, fastmath is ignored): running an emitter on
     torch shows its formula's error, not the hardware's last ulps.

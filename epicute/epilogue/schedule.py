@@ -20,7 +20,7 @@ from epicute.epilogue.dtypes import FP8_MAX
 from epicute.epilogue.graph import LEAVES, REDUCTIONS, Graph
 from epicute.epilogue.operands import OperandSpec
 from epicute.errors import EpilogueError
-from epicute.plan.smem import EpilogueBuffers
+from epicute.gemm.smem import EpilogueBuffers
 
 #: Stages run once per output tile; all others run once per epilogue subtile.
 PER_TILE = ("load_vectors", "finalize_reductions")

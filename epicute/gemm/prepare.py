@@ -23,13 +23,13 @@ from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
 from epicute.epilogue.fusion import EpilogueFusion
 from epicute.epilogue.graph import Graph
 from epicute.errors import AlignmentError
-from epicute.plan import GemmPlan, GemmProblem
-from epicute.plan.smem import NO_EPILOGUE
+from epicute.gemm import GemmPlan, GemmProblem
+from epicute.gemm.smem import NO_EPILOGUE
 from epicute.runtime.target import Target, resolve_target
 
 if TYPE_CHECKING:
     from epicute.epilogue.tracer import Epilogue
-    from epicute.runtime.compile import GemmVariant
+    from epicute.gemm.compile import GemmVariant
 
 #: TMA moves 16-byte rows: a tile stored by TMA needs N * element size to be a multiple of it.
 TMA_ROW_BYTES = 16
@@ -108,7 +108,7 @@ class PreparedGemm:
 
     def variant(self) -> GemmVariant:
         """The compiled kernel this request runs (its cache key names it)."""
-        from epicute.runtime.launch import variant_of
+        from epicute.gemm.launch import variant_of
 
         return variant_of(self.plan, self.fusion)
 
@@ -127,7 +127,7 @@ def lower_epilogue(request: GemmRequest) -> LoweredEpilogue:
 
 def prepare(request: GemmRequest) -> PreparedGemm:
     """The epilogue lowered, D's stored dtype settled, the outputs checked, the problem planned."""
-    from epicute.runtime.launch import cached_plan
+    from epicute.gemm.launch import cached_plan
 
     target = resolve_target(request.target)
     if request.epilogue is None:
@@ -141,7 +141,7 @@ def prepare(request: GemmRequest) -> PreparedGemm:
 @functools.lru_cache(maxsize=4096)
 def _prepare_plain(problem: GemmProblem, overrides: tuple, target: Target) -> PreparedGemm:
     """A plain GEMM's preparation: its plan (one object per argument set, so its kernel lookup is cheap)."""
-    from epicute.runtime.launch import cached_plan
+    from epicute.gemm.launch import cached_plan
 
     return PreparedGemm(cached_plan(problem, overrides, NO_EPILOGUE, target))
 

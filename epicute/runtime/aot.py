@@ -59,8 +59,8 @@ from typing import TYPE_CHECKING, Any
 from epicute.errors import ConfigError, EpicuteError, EpilogueError
 
 if TYPE_CHECKING:
+    from epicute.gemm import GemmProblem
     from epicute.gemm.prepare import GemmRequest
-    from epicute.plan import GemmProblem
     from epicute.runtime.target import Target
 
 #: Per kernel family (a ``KernelFamily`` of the same kind compiles them): a function
@@ -194,9 +194,9 @@ def _operand(name: str, text: str, kinds: tuple[str, ...] = ("scalar", "row", "c
 def gemm_variants(entry: dict, target: Target | None = None) -> list:
     """The GEMM variants the calls described by one ``[[gemm]]`` entry would compile on ``target``
     (None: the current one), deduplicated."""
+    from epicute.gemm import GemmProblem
+    from epicute.gemm.config import AB_DTYPES, D_DTYPES, GemmConfig
     from epicute.gemm.prepare import prepare
-    from epicute.plan import GemmProblem
-    from epicute.plan.config import AB_DTYPES, D_DTYPES, GemmConfig
 
     allowed = {"shapes", "dtype", "out_dtype", "a_major", "b_major", "config", "epilogue", "operands", "out_dtypes"}
     unknown = sorted(set(entry) - allowed)
@@ -315,12 +315,12 @@ def attention_variants(entry: dict, target: Target | None = None) -> list:
 
     import torch
 
-    from epicute.attention_api import _hooks, _kernel_variant
+    from epicute.attention.api import _hooks, _kernel_variant
+    from epicute.attention.plan import AttentionConfig
+    from epicute.attention.validate import check_attention_args
     from epicute.epilogue.dtypes import IR_TO_TORCH
     from epicute.epilogue.score_mod import score_mod as as_score_mod
     from epicute.epilogue.tracer import as_epilogue
-    from epicute.plan.attention import AttentionConfig
-    from epicute.runtime.validate_attention import check_attention_args
 
     allowed = {"dtype", "head_dim", "causal", "heads", "config", "score_mod", "epilogue", "operands"}
     unknown = sorted(set(entry) - allowed)

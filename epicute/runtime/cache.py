@@ -60,7 +60,8 @@ STORE_FORMAT = "epicute-cache 1"
 #: purpose (all of epilogue/, whose op table holds the emitters; the config and shared-memory layout
 #: the kernels read): a needless recompile costs seconds, a stale kernel a wrong result.
 CODEGEN_SOURCES = (
-    "kernels", "epilogue", "plan/config.py", "plan/smem.py", "runtime/compile.py", "runtime/attention.py",
+    "sm90", "epilogue", "gemm/kernel_sm90.py", "gemm/compile.py", "gemm/config.py", "gemm/smem.py",
+    "attention/kernel_sm90.py", "attention/launch.py", "runtime/compile.py",
 )  # fmt: skip
 #: How long a process waits for another one compiling the same key.
 LOCK_TIMEOUT_S = 900.0

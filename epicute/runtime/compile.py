@@ -22,15 +22,11 @@ SM count: one ahead-of-time cache serves every Hopper part.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from epicute.errors import CompileError, ConfigError
-from epicute.plan.config import DTYPE_BYTES, GemmConfig
-from epicute.runtime.cache import KERNEL_CACHE, CacheKey
-from epicute.runtime.target import DEFAULT_ARCH, SM90A
+from epicute.errors import ConfigError
+from epicute.runtime.cache import KERNEL_CACHE
 
 #: Options of every ``cute.compile``: kernels are called through TVM-FFI. Tests append
 #: ``remarks{ptx}`` to have the DSL print ptxas's register and spill report.
@@ -38,116 +34,6 @@ DSL_COMPILE_OPTIONS = "--enable-tvm-ffi"
 
 #: Base-address alignment every TMA operand is compiled to assume (checked per call on the host).
 OPERAND_ALIGN_BYTES = 16
-
-
-@dataclass(frozen=True)
-class GemmVariant:
-    """Everything that changes the generated GEMM code (and nothing else: the persistent
-    cluster budget, which depends on the GPU's SM count, is an argument of each launch)."""
-
-    config: GemmConfig
-    ab_dtype: str
-    d_dtype: str
-    a_major: str
-    b_major: str
-    arch: str = DEFAULT_ARCH
-    #: the fused epilogue (an ``epicute.kernels.epilogue_emit.EpilogueFusion``), if any
-    fusion: object = None
-
-    def key(self) -> CacheKey:
-        """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
-        parts = (
-            self.config.key(), self.ab_dtype, self.d_dtype, self.a_major, self.b_major,
-            None if self.fusion is None else self.fusion.key(),
-            ("align", OPERAND_ALIGN_BYTES),
-        )  # fmt: skip
-        c = self.config
-        label = (
-            f"{c.tile_m}x{c.tile_n}x{c.tile_k} cluster {c.cluster_m}x{c.cluster_n} "
-            f"{'persistent' if c.persistent else 'one tile/CTA'} {self.ab_dtype}->{self.d_dtype} "
-            f"A:{self.a_major} B:{self.b_major}" + ("" if self.fusion is None else " +epilogue")
-        )
-        return CacheKey("gemm", parts, self.arch, label)
-
-
-def _fake_operand(dtype, dims: tuple, contiguous: int):
-    """A fake (L, X, Y) tensor whose mode ``contiguous`` has stride 1.
-
-    The other strides are symbolic but declared divisible by 16 bytes (TMA's
-    rule, checked on the host before every launch).
-    """
-    from cutlass import cute
-
-    div = 16 * 8 // dtype.width
-    stride = tuple(1 if i == contiguous else cute.sym_int64(divisibility=div) for i in range(3))
-    return cute.runtime.make_fake_tensor(dtype, dims, stride=stride, assumed_align=OPERAND_ALIGN_BYTES)
-
-
-def _fake_epilogue_operands(fusion) -> tuple[tuple, tuple]:
-    """Fake epilogue tensors (batch-first, in ``fusion.tensor_args`` order) and fp32 scalar placeholders.
-
-    Operand and aux tiles go through TMA, so they are row-major with 16-byte
-    aligned strides like D; vectors and workspaces are indexed element by
-    element, so any strides work.
-    """
-    import cutlass
-    from cutlass import cute
-
-    from epicute.kernels.epilogue_emit import DSL_DTYPES  # first: sets the target arch
-
-    if fusion is None:
-        return (), ()
-    tensors = []
-    for role, _, dtype in fusion.tensor_args:
-        dsl = DSL_DTYPES[dtype]
-        if role in ("tile", "aux"):
-            tensors.append(_fake_operand(dsl, tuple(cute.sym_int() for _ in range(3)), contiguous=2))
-        else:
-            rank = 3 if role == "workspace" else 2
-            tensors.append(cute.runtime.make_fake_tensor(
-                dsl, tuple(cute.sym_int() for _ in range(rank)),
-                stride=tuple(cute.sym_int64() for _ in range(rank)), assumed_align=max(dsl.width // 8, 1),
-            ))  # fmt: skip
-    return tuple(tensors), tuple(cutlass.Float32(0.0) for _ in fusion.scalar_inputs)
-
-
-def compile_gemm_sm90(variant: GemmVariant):
-    """Compile one GEMM variant for sm_90a; returns the callable
-    ``f(a, b, d, epi_tensors, epi_scalars, max_active_clusters)``.
-
-    ``a`` is ``(L, M, K)``, ``b`` ``(L, K, N)``, ``d`` ``(L, M, N)`` torch tensors;
-    ``max_active_clusters`` (an int, :attr:`epicute.plan.GemmPlan.max_active_clusters`)
-    bounds a persistent variant's grid, and is ignored by the others.
-    """
-    import cutlass
-    from cutlass import cute
-
-    from epicute.kernels.gemm_sm90 import CUTLASS_DTYPES, GemmSm90  # first: sets the target arch
-
-    ab = CUTLASS_DTYPES[variant.ab_dtype]
-    d = CUTLASS_DTYPES[variant.d_dtype]
-    l, m, n, k = (cute.sym_int() for _ in range(4))
-    fake_a = _fake_operand(ab, (l, m, k), contiguous=2 if variant.a_major == "k" else 1)
-    fake_b = _fake_operand(ab, (l, k, n), contiguous=2 if variant.b_major == "n" else 1)
-    fake_d = _fake_operand(d, (l, m, n), contiguous=2)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
-    kernel = GemmSm90(
-        variant.config, variant.ab_dtype, variant.d_dtype, variant.a_major, variant.b_major, variant.fusion
-    )
-    try:
-        with warnings.catch_warnings():
-            # Empty operand tuples (no fused epilogue) become compile-time constants,
-            # which is what we want; the DSL warns about it on every compile.
-            warnings.filterwarnings("ignore", message=r"Argument epi_(tensors|scalars) .*cannot be converted")
-            # A runtime Int32 (its value here is a placeholder): the cluster budget is given per launch.
-            max_active_clusters = cutlass.Int32(1)
-            return cute.compile(
-                kernel, fake_a, fake_b, fake_d, epi_tensors, epi_scalars, max_active_clusters, stream,
-                options=DSL_COMPILE_OPTIONS,
-            )  # fmt: skip
-    except Exception as exc:  # the DSL raises many types; report one
-        raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
 
 
 #: Every kernel family by kind (``epicute compile`` looks them up here); each compiles per arch.
@@ -195,21 +81,4 @@ class KernelFamily:
         return KERNEL_CACHE.ensure_on_disk(variant.key(), functools.partial(self.compile, variant))
 
 
-GEMM_CACHE = KernelFamily("gemm", {SM90A: compile_gemm_sm90})
-
-
-def compile_gemm(variant: GemmVariant):
-    """Compile one GEMM variant for ``variant.arch`` (no cache); see :func:`compile_gemm_sm90`."""
-    return GEMM_CACHE.compile(variant)
-
-
-__all__ = [
-    "DTYPE_BYTES",
-    "FAMILIES",
-    "GEMM_CACHE",
-    "OPERAND_ALIGN_BYTES",
-    "GemmVariant",
-    "KernelFamily",
-    "compile_gemm",
-    "compile_gemm_sm90",
-]  # fmt: skip
+__all__ = ["DSL_COMPILE_OPTIONS", "FAMILIES", "OPERAND_ALIGN_BYTES", "KernelFamily"]

@@ -50,8 +50,8 @@ from epicute.epilogue.operands import PINS, Pin
 from epicute.epilogue.score_mod import score_mod as as_score_mod
 from epicute.epilogue.tracer import Epilogue, as_epilogue
 from epicute.errors import ConfigError, EpilogueError, ShapeError
+from epicute.gemm.config import GemmProblem
 from epicute.gemm.prepare import GemmRequest, lower_epilogue
-from epicute.plan.config import GemmProblem
 
 _EPILOGUES: dict[str, Epilogue] = {}
 _OUTPUTS: dict[str, tuple[str, ...]] = {}
@@ -203,7 +203,7 @@ def gemm_op(
     a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], scalars: list[float], epilogue: str, spec: str
 ) -> list[torch.Tensor]:
     """``epicute.gemm(a, b, ...)`` as an op: ``[D, *aux outputs]`` (see the module docstring)."""
-    from epicute.api import gemm
+    from epicute.gemm.api import gemm
 
     result = gemm(a, b, **_gemm_kwargs(operands, scalars, epilogue, json.loads(spec)))
     if isinstance(result, torch.Tensor):
@@ -305,7 +305,7 @@ def attention_op(
     spec: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``epicute.attention(q, k, v, ..., return_lse=True)`` as an op: ``(O, LSE)`` (see the module docstring)."""
-    from epicute.attention_api import attention
+    from epicute.attention.api import attention
 
     spec = json.loads(spec)
     return attention(

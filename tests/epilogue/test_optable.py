@@ -175,7 +175,7 @@ def test_a_new_op_is_one_table_entry(gen):
 
 
 def test_a_new_op_is_fuzzed():
-    from tests.kernels import epilogue_fuzz as fuzz
+    from tests.gemm import epilogue_fuzz as fuzz
 
     with optable.registered(square_plus_one()) as op:
         assert op in fuzz.fuzzed_ops()
@@ -207,7 +207,7 @@ def test_registering_checks_the_entry():
 
 def test_math_namespaces_provide_the_same_primitives():
     pytest.importorskip("cutlass")
-    from epicute.kernels.epilogue_emit import DSL_MATH
+    from epicute.sm90.epilogue_emit import DSL_MATH
 
     for name in optable.MATH_PRIMITIVES:
         assert callable(getattr(DSL_MATH, name)) and callable(getattr(optable.TORCH_MATH, name)), name
@@ -215,11 +215,11 @@ def test_math_namespaces_provide_the_same_primitives():
 
 @pytest.mark.compile
 def test_a_new_op_compiles_into_the_gemm_and_attention_accepts_it():
+    from epicute.attention.kernel_sm90 import AttentionFusion
     from epicute.epilogue.fusion import EpilogueFusion
-    from epicute.kernels.attention_sm90 import AttentionFusion
-    from epicute.plan import GemmProblem
-    from epicute.plan.heuristics import choose_config
-    from epicute.runtime.compile import GemmVariant, compile_gemm
+    from epicute.gemm import GemmProblem
+    from epicute.gemm.compile import GemmVariant, compile_gemm
+    from epicute.gemm.heuristics import choose_config
 
     with optable.registered(square_plus_one()):
         epi = as_epilogue(lambda acc, bias: ops.square_plus_one(acc + bias) * bias)

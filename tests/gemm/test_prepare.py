@@ -17,12 +17,12 @@ import torch
 
 import epicute
 from epicute import AlignmentError, ops
-from epicute import api as api_module
 from epicute.epilogue import library
 from epicute.epilogue.dtypes import TORCH_TO_IR
+from epicute.gemm import GemmProblem, render_plan
+from epicute.gemm import api as api_module
+from epicute.gemm import validate as validate_module
 from epicute.gemm.prepare import GemmRequest, prepare
-from epicute.plan import GemmProblem, render_plan
-from epicute.runtime import validate as validate_module
 
 M, N, K = 200, 144, 72
 

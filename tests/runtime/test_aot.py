@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import epicute
-from epicute import api
 from epicute.errors import ConfigError, EpilogueError
+from epicute.gemm import api
 from epicute.runtime.aot import compile_spec, gemm_variants, import_object, read_spec
 from tests.conftest import aot_compile_then_fresh_load
 
@@ -32,7 +32,7 @@ config = { tile_n = 128, persistent = false, cluster_m = 1 }
 
 def _launched_variant(monkeypatch, a, b, **kwargs):
     """The variant epicute.gemm would launch for these (CPU) tensors, captured instead of launched."""
-    from epicute.runtime.launch import variant_of
+    from epicute.gemm.launch import variant_of
 
     seen = {}
     real_check = api.check_gemm_args
@@ -195,10 +195,10 @@ def test_compile_checks_the_cache_directory_before_compiling(tmp_path, monkeypat
 
 LOADER = textwrap.dedent(
     """
-    from epicute.plan import GemmProblem
+    from epicute.gemm import GemmProblem
     from epicute.runtime.cache import KERNEL_CACHE
-    from epicute.runtime.compile import GEMM_CACHE
-    from epicute.runtime.launch import cached_plan, variant_of
+    from epicute.gemm.compile import GEMM_CACHE
+    from epicute.gemm.launch import cached_plan, variant_of
 
     # What epicute.gemm does for a (3, 17, 72) @ (3, 72, 136)^T call with these pins.
     pins = (("cluster_m", 1), ("persistent", False), ("tile_n", 128))

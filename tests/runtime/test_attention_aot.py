@@ -97,7 +97,7 @@ def test_bad_attention_specs_say_what_to_fix(tmp_path, text, error, match):
 LOADER = textwrap.dedent(
     f"""
     import pytest, torch
-    import epicute.runtime.attention as rt
+    from epicute.attention import launch as rt
     from epicute.runtime.cache import KERNEL_CACHE
     from {HOOKS} import gated, launched_variant, qkv, softcap_alibi
 

@@ -22,9 +22,10 @@ import pytest
 import torch
 
 import epicute
-import epicute.runtime.attention as rt_attention
-import epicute.runtime.compile as rt_compile
-from epicute import attention_api, ops
+from epicute import ops
+from epicute.attention import api as attention_api
+from epicute.attention import launch as rt_attention
+from epicute.runtime import compile as rt_compile
 from epicute.runtime.cache import CacheKey, KernelCache
 from tests.conftest import subprocess_env
 

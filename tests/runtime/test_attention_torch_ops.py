@@ -18,7 +18,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import epicute
-from epicute import attention_api, ops
+from epicute import ops
+from epicute.attention import api as attention_api
 from epicute.epilogue.score_mod import ScoreMod
 from epicute.errors import ConfigError
 from epicute.runtime.torch_ops import register_epilogue, register_score_mod, registered_epilogue

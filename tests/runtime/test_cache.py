@@ -21,11 +21,11 @@ import torch
 
 import epicute
 from epicute.epilogue.fusion import EpilogueFusion
-from epicute.plan import GemmConfig, GemmProblem
+from epicute.gemm import GemmConfig, GemmProblem
+from epicute.gemm.compile import GemmVariant
+from epicute.gemm.launch import cached_plan, variant_of
 from epicute.runtime import cache as cache_mod
 from epicute.runtime.cache import CacheKey, KernelCache, clear_disk, disk_entries
-from epicute.runtime.compile import GemmVariant
-from epicute.runtime.launch import cached_plan, variant_of
 from tests.conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -328,10 +328,10 @@ def test_two_processes_racing_on_one_key_compile_once(tmp_path):
 FRESH_LOAD = textwrap.dedent(
     """
     import sys, torch
-    from epicute.plan import GemmProblem
+    from epicute.gemm import GemmProblem
     from epicute.runtime.cache import KERNEL_CACHE
-    from epicute.runtime.compile import GEMM_CACHE
-    from epicute.runtime.launch import cached_plan, variant_of
+    from epicute.gemm.compile import GEMM_CACHE
+    from epicute.gemm.launch import cached_plan, variant_of
 
     fn = GEMM_CACHE.get(variant_of(cached_plan(GemmProblem(17, 136, 72, 3), ())))
     print("compiles", KERNEL_CACHE.stats.compiles, "disk_loads", KERNEL_CACHE.stats.disk_loads)

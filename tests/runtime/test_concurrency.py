@@ -15,10 +15,10 @@ import torch
 
 import epicute
 from epicute import ops
-from epicute.plan import GemmConfig
+from epicute.gemm import GemmConfig
+from epicute.gemm.compile import GemmVariant, compile_gemm
+from epicute.gemm.launch import kernel_for
 from epicute.runtime.cache import KERNEL_CACHE, KernelCache
-from epicute.runtime.compile import GemmVariant, compile_gemm
-from epicute.runtime.launch import kernel_for
 from tests.conftest import rel_err
 
 

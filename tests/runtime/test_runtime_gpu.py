@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import epicute
+from epicute.gemm.launch import kernel_for
 from epicute.runtime.cache import KERNEL_CACHE
-from epicute.runtime.launch import kernel_for
 from tests.conftest import rel_err, subprocess_env
 
 pytestmark = pytest.mark.gpu

@@ -1,0 +1,307 @@
+"""epicute's attention: :func:`attention` (FlashAttention-3 style forward) and :func:`explain_attention`.
+
+Layout ``(batch, seqlen, heads, head_dim)`` as in flash-attn. Two traced hooks
+share the epilogue language (:mod:`epicute.ops`):
+
+- ``score_mod(score, b, h, q_idx, kv_idx, *operands)`` rewrites each scaled
+  score ``q . k * softmax_scale`` before the softmax; operands are scalars or
+  per-head vectors ``(heads_q,)`` (ALiBi slopes);
+- ``epilogue(o, *operands)`` rewrites each element of the normalized output
+  before it is stored; operands are scalars, ``(head_dim,)`` vectors or full
+  ``(batch, seqlen_q, heads_q, head_dim)`` tiles.
+
+Operands are passed by name as keyword arguments and go to whichever hook
+declares them.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import torch
+
+from epicute.attention.plan import AttentionPlan, AttentionProblem, plan_attention, render_attention_plan
+from epicute.attention.validate import AttentionCall, check_attention_args
+from epicute.epilogue.dtypes import TORCH_TO_IR
+from epicute.epilogue.operands import OperandSpec, Pin
+from epicute.epilogue.reference import evaluate
+from epicute.epilogue.score_mod import ScoreMod
+from epicute.epilogue.score_mod import score_mod as as_score_mod
+from epicute.epilogue.tracer import Epilogue, as_epilogue
+from epicute.errors import ConfigError, DeviceError, EpilogueError
+from epicute.runtime.checks import check_has_values
+from epicute.runtime.target import Target, resolve_target
+from epicute.runtime.torch_ops import attention_op_call
+
+#: Attention operand kind -> the epilogue IR kind it is traced as (see module docstring).
+_IR_KIND = {"scalar": "scalar", "head": "col", "row": "row", "tile": "tile"}
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_plan(problem: AttentionProblem, overrides: tuple, target: Target | None = None) -> AttentionPlan:
+    return plan_attention(problem, target, **dict(overrides))
+
+
+def _operand_kind(hook: str, name: str, value: Any, p: AttentionProblem) -> tuple[str, Any]:
+    """(attention kind, value) of one operand of ``hook`` ("score_mod" or "epilogue")."""
+    if isinstance(value, Pin):
+        if value.kind != "scalar":
+            raise EpilogueError(
+                f"operand {name!r}: {type(value).__name__} pins are for GEMM epilogues; "
+                "attention infers kinds from shapes"
+            )
+        value = value.value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return "scalar", float(value)
+    if not isinstance(value, torch.Tensor):
+        raise EpilogueError(f"operand {name!r}: expected a torch tensor or a Python number, got {type(value).__name__}")
+    if value.numel() == 1:
+        return "scalar", float(value.item())
+    if value.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise EpilogueError(f"operand {name!r} has dtype {value.dtype}; use bf16, fp16 or fp32 (e.g. {name}.float())")
+    shape = tuple(value.shape)
+    if hook == "score_mod" and shape == (p.heads_q,):
+        return "head", value
+    if hook == "epilogue" and shape == (p.head_dim,):
+        return "row", value
+    if hook == "epilogue" and shape == (p.batch, p.seqlen_q, p.heads_q, p.head_dim):
+        return "tile", value
+    accepted = (
+        f"a number or a per-head vector ({p.heads_q},)"
+        if hook == "score_mod"
+        else f"a number, a ({p.head_dim},) vector or a (batch, seqlen_q, heads, head_dim) = "
+        f"{(p.batch, p.seqlen_q, p.heads_q, p.head_dim)} tile"
+    )
+    raise EpilogueError(f"operand {name!r} of the {hook} has shape {shape}; it must be {accepted}")
+
+
+class _Hook:
+    """One traced hook (score_mod or epilogue) resolved against a problem."""
+
+    def __init__(self, hook: str, fn: Epilogue, values: dict[str, Any], p: AttentionProblem, out_dtype: str):
+        self.fn = fn
+        missing = [name for name in fn.params if name not in values and name not in fn.defaults]
+        if missing:
+            raise EpilogueError(f"{hook} {fn.name!r} needs operands {missing}: pass them as keyword arguments")
+        self.operands = {
+            name: _operand_kind(hook, name, values[name] if name in values else fn.defaults[name], p)
+            for name in fn.params
+        }
+        dtypes = {n: "fp32" if k == "scalar" else TORCH_TO_IR[v.dtype] for n, (k, v) in self.operands.items()}
+        self.graph = fn.trace({n: _IR_KIND[k] for n, (k, _) in self.operands.items()}, dtypes, d_dtype=out_dtype)
+        self.signature = tuple((n, k, dtypes[n]) for n, (k, _) in self.operands.items())
+
+    def kernel_operands(self, device: torch.device) -> tuple[tuple, tuple]:
+        tensors = []
+        for name, (kind, value) in self.operands.items():
+            if kind == "scalar":
+                continue
+            if value.device != device:
+                raise DeviceError(f"operand {name!r} is on {value.device}; move it to {device}")
+            tensors.append(value)
+        return tuple(tensors), tuple(v for k, v in self.operands.values() if k == "scalar")
+
+    def reference_specs(self, p: AttentionProblem) -> dict[str, OperandSpec]:
+        """Operands in the IR's canonical ``(L, M, N)`` views, ``L = batch * heads`` (CPU copies)."""
+        L = p.batch * p.heads_q
+        specs = {}
+        for name, (kind, value) in self.operands.items():
+            if kind == "scalar":
+                specs[name] = OperandSpec(name, "scalar", "fp32", value)
+                continue
+            t = value.detach().cpu()
+            if kind == "head":
+                t = t.repeat(p.batch)[:, None].expand(L, p.seqlen_q)
+            elif kind == "row":
+                t = t[None, :].expand(L, p.head_dim)
+            else:
+                t = t.permute(0, 2, 1, 3).reshape(L, p.seqlen_q, p.head_dim)
+            specs[name] = OperandSpec(name, _IR_KIND[kind], TORCH_TO_IR[value.dtype], t)
+        return specs
+
+
+def reference_attention(
+    call: AttentionCall,
+    score: _Hook | None = None,
+    epi: _Hook | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O ``(B, Sq, H, D)`` and LSE ``(B, H, Sq)`` computed in ``compute_dtype`` on ``device`` (the CPU by
+    default; GPU tests use the GPU with TF32 off for speed): what the kernel must return.
+
+    Fully masked rows (causal with seqlen_q > seqlen_k) give O = 0 and LSE = -inf, as flash-attn does.
+    """
+    p = call.problem
+    B, Sq, Sk, H, D = p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.head_dim
+    group = H // p.heads_kv
+    q = call.q.to(device, compute_dtype).permute(0, 2, 1, 3).reshape(B * H, Sq, D)
+    k, v = (t.to(device, compute_dtype).repeat_interleave(group, dim=2).permute(0, 2, 1, 3).reshape(B * H, Sk, D)
+            for t in (call.k, call.v))  # fmt: skip
+    s = torch.matmul(q, k.transpose(-1, -2)) * call.softmax_scale
+    if score is not None:
+        l_idx = torch.arange(B * H, device=device)
+        index = {
+            "b": (l_idx // H).view(-1, 1, 1), "h": (l_idx % H).view(-1, 1, 1),
+            "q_idx": torch.arange(Sq, device=device).view(1, -1, 1),
+            "kv_idx": torch.arange(Sk, device=device).view(1, 1, -1),
+        }  # fmt: skip
+        s = evaluate(score.graph, s, score.reference_specs(p), compute_dtype=compute_dtype, index_values=index)["D"]
+        s = s.to(compute_dtype)
+    if p.causal:
+        allowed = torch.arange(Sk, device=device).view(1, -1) <= torch.arange(Sq, device=device).view(-1, 1) + (Sk - Sq)
+        s = s.masked_fill(~allowed, float("-inf"))
+    if Sk:
+        row_max = s.amax(dim=-1, keepdim=True)
+    else:
+        row_max = torch.full((B * H, Sq, 1), float("-inf"), dtype=compute_dtype, device=device)
+    row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
+    e = torch.exp(s - row_max)
+    total = e.sum(dim=-1, keepdim=True)
+    lse = torch.where(total == 0, float("-inf"), row_max + torch.log(total)).squeeze(-1)
+    o = torch.matmul(e, v) / torch.where(total == 0, torch.ones_like(total), total)
+    if epi is not None:
+        o = evaluate(epi.graph, o, epi.reference_specs(p), compute_dtype=compute_dtype)["D"].to(compute_dtype)
+    o = o.reshape(B, H, Sq, D).permute(0, 2, 1, 3)
+    return o.to(out_dtype or call.q.dtype), lse.reshape(B, H, Sq).to(torch.float32)
+
+
+def _hooks(call: AttentionCall, score_mod, epilogue, operands: dict) -> tuple[_Hook | None, _Hook | None]:
+    p = call.problem
+    sm = None if score_mod is None else as_score_mod(score_mod)
+    epi = None if epilogue is None else as_epilogue(epilogue)
+    if sm is not None and not isinstance(sm, ScoreMod):
+        raise EpilogueError("score_mod must be a function f(score, b, h, q_idx, kv_idx, *operands)")
+    declared = set(sm.params if sm else ()) | set(epi.params if epi else ())
+    unknown = sorted(set(operands) - declared)
+    if unknown:
+        raise EpilogueError(
+            f"operands {unknown} are not parameters of the score_mod or the epilogue (they take {sorted(declared)})"
+        )
+    score = None if sm is None else _Hook("score_mod", sm, operands, p, "fp32")
+    out = None if epi is None else _Hook("epilogue", epi, operands, p, p.dtype)
+    return score, out
+
+
+def _kernel_variant(
+    call: AttentionCall, score: _Hook | None, epi: _Hook | None, config: dict | None, target: Target | None = None
+):
+    """The ``AttentionVariant`` (compile cache entry) the kernel backend launches for this call, planned
+    for ``target`` (None: the current one); its key holds the target's arch, not its SM count."""
+    from epicute.attention.kernel_sm90 import AttentionFusion  # imports the CuTe DSL: only when launching
+    from epicute.attention.launch import AttentionVariant
+
+    plan = _cached_plan(call.problem, tuple(sorted((config or {}).items())), target)
+    return AttentionVariant(
+        plan.config, call.problem.dtype, call.problem.causal,
+        None if score is None else AttentionFusion(score.graph, score.signature),
+        None if epi is None else AttentionFusion(epi.graph, epi.signature),
+        plan.target.arch,
+    )  # fmt: skip
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    score_mod: Callable | None = None,
+    epilogue: Callable | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "kernel",
+    config: dict | None = None,
+    **operands: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(q k^T * softmax_scale) v`` on a Hopper GPU (FlashAttention-3 style).
+
+    Args:
+        q: ``(batch, seqlen_q, heads_q, head_dim)``, bf16 or fp16, head_dim 64, 128 or 256.
+        k, v: ``(batch, seqlen_k, heads_kv, head_dim)``; ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA):
+            query head ``h`` reads KV head ``h // (heads_q // heads_kv)``, as flash-attn and SDPA do.
+        causal: query i attends keys ``<= i + seqlen_k - seqlen_q`` (bottom-right aligned, as flash-attn);
+            rows that see no key give O = 0 and LSE = -inf.
+        softmax_scale: defaults to ``head_dim ** -0.5``.
+        return_lse: also return the log-sum-exp of each row, fp32 ``(batch, heads_q, seqlen_q)``.
+        score_mod: ``f(score, b, h, q_idx, kv_idx, *operands)`` on the scaled scores (see :mod:`epicute.ops`);
+            ``b`` and ``h`` are the batch and query-head indices, ``q_idx`` and ``kv_idx`` the raw 0-based
+            positions in q's and k's sequences (not shifted by the causal alignment), as FlexAttention's.
+        epilogue: ``f(o, *operands)`` on the normalized output before it is stored.
+        out: optional preallocated output, same shape, dtype and device as ``q``.
+        backend: ``"kernel"`` (the GPU) or ``"reference"`` (float32 on the CPU, any device).
+        config: :class:`epicute.attention.plan.AttentionConfig` fields to pin (e.g. ``{"tile_n": 64}``).
+        **operands: the hooks' operands by name.
+
+    Example:
+        >>> import torch, epicute                                               # doctest: +SKIP
+        >>> q = torch.randn(2, 1000, 16, 128, device="cuda", dtype=torch.bfloat16)
+        >>> kv = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
+        >>> o = epicute.attention(q, kv, kv, causal=True)
+        >>> softcap = lambda s, b, h, qi, ki: 30 * epicute.ops.tanh(s / 30)
+        >>> o, lse = epicute.attention(q, kv, kv, score_mod=softcap, return_lse=True)
+    """
+    if torch.compiler.is_compiling():
+        # torch.compile sees one custom op (epicute::attention), never this Python code.
+        return attention_op_call(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,
+            epilogue=epilogue, out=out, backend=backend, config=config, operands=operands,
+        )  # fmt: skip
+    if backend not in ("kernel", "reference"):
+        raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
+    if backend == "reference":
+        check_has_values(("q", q), ("k", k), ("v", v))
+    call = check_attention_args(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, require_cuda=backend == "kernel"
+    )
+    score, epi = _hooks(call, score_mod, epilogue, operands)
+    if backend == "reference":
+        ref, lse = reference_attention(call, score, epi)
+        lse = lse.to(q.device)
+        out = ref.to(q.device) if out is None else out.copy_(ref)
+    else:
+        from epicute.attention.launch import launch_attention
+
+        device = q.device
+        out, lse = launch_attention(
+            call, _kernel_variant(call, score, epi, config),
+            score.kernel_operands(device) if score else ((), ()),
+            epi.kernel_operands(device) if epi else ((), ()),
+            _cached_plan(call.problem, tuple(sorted((config or {}).items()))).max_ctas,  # planned, a cache hit
+        )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def explain_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    config: dict | None = None,
+    target: Target | str | None = None,
+    file: TextIO | str | None = "stdout",
+) -> AttentionPlan:
+    """Print (to ``file``; ``None`` to stay quiet) and return the attention plan; works on ``"meta"`` tensors.
+
+    ``target``: the GPU to plan for, a name of :data:`epicute.runtime.target.TARGETS` or a
+    :class:`~epicute.runtime.target.Target` (default: the visible GPU, else an H100 SXM).
+
+    Example:
+        >>> import torch, epicute
+        >>> q = torch.empty(4, 8192, 16, 128, dtype=torch.bfloat16, device="meta")
+        >>> plan = epicute.explain_attention(q, q, q, file=None)
+        >>> plan.config.tile_m, plan.config.tile_n
+        (128, 128)
+    """
+    call = check_attention_args(q, k, v, causal=causal, softmax_scale=None, require_cuda=False)
+    plan = _cached_plan(call.problem, tuple(sorted((config or {}).items())), resolve_target(target))
+    if file is not None:
+        print(render_attention_plan(plan), file=sys.stdout if file == "stdout" else file)
+    return plan

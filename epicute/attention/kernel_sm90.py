@@ -1,0 +1,745 @@
+"""FlashAttention-3 style attention forward for SM90, built from the GEMM's parts.
+
+``O = softmax(Q K^T * scale) V`` per (batch, head); a work tile is ``tile_m``
+query rows of one (batch, head). Tiles are numbered m-block fastest, or, for
+causal launches, longest query blocks first, a band of heads at a time sized so
+their K and V share L2 (:meth:`_work_coord`). A CTA runs one tile, or
+(``persistent``) one CTA per SM walks tiles, so that the next tile's K loads and
+its Q load run under the current tile's epilogue instead of behind a CTA
+launch: tiles ``blockIdx.x + i * gridDim.x``, or (``dynamic_tiles``, planned for
+every persistent launch) whichever tile a global counter hands out next, which
+keeps causal tiles of unequal length balanced and the tiles in flight a
+contiguous window of the order (:class:`TileQueue`: the producer claims, and
+announces each tile to the consumers with its Q load).
+Warp roles (as in the GEMM: producer warpgroup 0, consumers after it):
+
+- producer (warp 0): per tile, TMA loads of the first K block, then Q (through a
+  one-stage ring: the previous tile's O is staged in Q's buffer, so the load
+  waits for the store warp to release it), then K and V through their own
+  ``stages``-deep rings (:func:`make_tma_load_pipeline`), whose positions carry
+  over from tile to tile. K runs one block ahead of V, so the consumers can
+  issue QK^T of block j+1 before PV of block j.
+- consumers (``num_mma_warpgroups`` x 64 query rows): per key block, S = Q K^T
+  (WGMMA from smem), score_mod, masks, online softmax in registers (row max and
+  sum; each warp holds whole rows, checked by the planner), P cast to 16 bits in
+  registers and O += P V (WGMMA with A from registers).
+  **Intra-warpgroup overlap**: the QK^T WGMMA of block j+1 and the PV WGMMA of
+  block j are in flight while the softmax of block j+1 runs.
+  With ``rescale_o_early`` (large head_dim) O is rescaled under the QK^T WGMMA
+  instead of after PV retires. **Ping-pong**: before issuing its two GEMMs a warpgroup syncs on its own named
+  barrier, after issuing them it arrives at the next warpgroup's; the first one
+  is pre-armed, so the warpgroups take turns at the tensor cores while the
+  others run softmax.
+- The first key block (the right-most: it holds the ragged seqlen_k edge and the
+  causal diagonal) is peeled: its softmax is compile-time ``is_first`` and the
+  first PV runs with the accumulate flag off. Causal masking runs only on blocks
+  that cross the diagonal; blocks fully above it are never loaded. The causal
+  diagonal is aligned bottom-right (query i sees keys <= i + seqlen_k - seqlen_q).
+- Epilogue: O normalized by the row sums, the user's epilogue per element, cast,
+  ``stmatrix`` into Q's shared memory (the rows each warpgroup stages are the
+  rows only it read), TMA store (:class:`TmaStoreEpilogue`, which clips the
+  ragged seqlen_q edge); once the store has read the buffer, the store warp
+  hands it back to the producer for the next tile's Q. LSE (natural log, fp32)
+  written by one lane per row.
+
+Sizes, strides, head counts are dynamic; head_dim, tiles, dtype, causal and the
+fused graphs are compile-time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, cute
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from epicute.attention.plan import WGMMA_M, AttentionConfig, lpt_keys_per_band
+from epicute.epilogue.graph import Graph
+from epicute.epilogue.hashing import semantic_hash
+from epicute.errors import EpilogueError
+from epicute.gemm.config import THREADS_PER_WARPGROUP
+from epicute.sm90.epilogue_emit import DSL_DTYPES, _emit_op
+from epicute.sm90.fragments import pack_16bit, warpgroup_slice
+from epicute.sm90.pipeline import (
+    NamedBarriers,
+    RingState,
+    TmaStoreEpilogue,
+    WarpgroupTurns,
+    make_tma_load_pipeline,
+    release_after,
+    wait_full,
+)
+from epicute.sm90.tile_scheduler import TileQueue, band_coord
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+#: Lazy rescaling (AttentionConfig.lazy_rescale): a row's reference max moves only when a block
+#: raises it by more than this many powers of two, so unnormalized P stays <= 2**8 (exact enough
+#: in bf16/fp16, and far from overflow in the fp32 row sums).
+RESCALE_THRESHOLD = 8.0
+
+#: Operand kinds of the attention hooks, as the kernel indexes them.
+#: score_mod: "scalar", "head" ((heads_q,) vector); epilogue: "scalar", "row" ((head_dim,)), "tile" ((B, Sq, H, D)).
+OPERAND_KINDS = ("scalar", "head", "row", "tile")
+
+
+@dataclass(frozen=True)
+class AttentionFusion:
+    """A traced graph applied per element inside the attention kernel (score_mod or output epilogue).
+
+    Kept small on purpose: the graph's ops are emitted by the shared scalar
+    emitter (``epilogue_emit._emit_op``); only the leaves are attention-specific.
+    """
+
+    graph: Graph
+    #: (name, kind, dtype) per operand, in parameter order; kind in OPERAND_KINDS
+    operands: tuple[tuple[str, str, str], ...]
+
+    def __post_init__(self) -> None:
+        outputs = dict(self.graph.outputs)
+        if set(outputs) != {"D"}:
+            raise EpilogueError(
+                f"outputs {sorted(set(outputs) - {'D'})}: the attention kernel fuses only the main value so far; "
+                "use backend='reference' for aux outputs and reductions"
+            )
+        # What it emits: the leaves (index ones included: score_mod's positions) and the op table's
+        # elementwise ops whose entry says ``attention`` (all but quantize); no reductions (only D is fused).
+        from epicute.epilogue import optable
+        from epicute.epilogue.graph import LEAVES
+
+        for node in self.graph.nodes:
+            if node.op in LEAVES:
+                continue
+            op = optable.find(node.op)
+            if op is None or not op.attention:
+                raise EpilogueError(
+                    f"op {node.op!r} is not emitted by the attention kernel yet; use backend='reference'"
+                )
+            if op.rounds and node.attr("dtype") not in DSL_DTYPES:
+                raise EpilogueError(f"{node.op} to {node.attr('dtype')} is not emitted by the kernel yet")
+        for name, kind, dtype in self.operands:
+            if kind not in OPERAND_KINDS:
+                raise EpilogueError(f"operand {name!r}: kind {kind!r} is not one of {OPERAND_KINDS}")
+            if kind != "scalar" and dtype not in DSL_DTYPES:
+                raise EpilogueError(f"operand {name!r} has dtype {dtype}; the kernel loads bf16, fp16 or fp32")
+
+    @property
+    def tensor_operands(self) -> tuple[tuple[str, str, str], ...]:
+        return tuple(op for op in self.operands if op[1] != "scalar")
+
+    @property
+    def scalar_operands(self) -> tuple[tuple[str, str, str], ...]:
+        return tuple(op for op in self.operands if op[1] == "scalar")
+
+    def key(self) -> tuple:
+        return (semantic_hash(self.graph), self.operands)
+
+    def emit(self, acc, index: dict, operand: dict):
+        """The graph's output for one element: ``acc``, index leaves and operand values by name."""
+        values = {}
+        for node in self.graph.nodes:
+            if node.op == "acc":
+                v = acc
+            elif node.op == "const":
+                v = Float32(node.attr("value"))
+            elif node.op == "index":
+                v = index[node.attr("name")]
+            elif node.op == "input":
+                v = operand[node.attr("name")]
+            else:
+                v = _emit_op(node.op, [values[a] for a in node.args], node)
+            values[node.id] = v
+        return values[dict(self.graph.outputs)["D"]]
+
+
+def _select(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
+    """A view of ``tensor`` with its modes permuted (no data moves)."""
+    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=order))
+
+
+def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+    """Row-major (``cols`` contiguous) swizzled smem layout, optionally staged."""
+    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def _acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """View a WGMMA accumulator ``((2, 2, V), M, N)`` as ``((2, M), (2, V, N))`` = (rows, cols) of this thread."""
+    shape = cute.make_layout(t.layout.shape)  # compact col-major over the accumulator's modes
+    rows_cols = cute.make_layout(
+        ((shape.shape[0][1], shape.shape[1]), (shape.shape[0][0], shape.shape[0][2], shape.shape[2])),
+        stride=((shape.stride[0][1], shape.stride[1]), (shape.stride[0][0], shape.stride[0][2], shape.stride[2])),
+    )
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, rows_cols))
+
+
+def _acc_as_operand_a(t: cute.Tensor) -> cute.Tensor:
+    """View an accumulator ``((2, 2, N/8), M, 1)`` as the A fragment ``((2, 2, 2), M, N/16)`` of the next WGMMA."""
+    l = cute.logical_divide(t.layout, ((None, None, 2), None, None))
+    view = cute.make_layout(
+        ((l.shape[0][0], l.shape[0][1], l.shape[0][2][0]), l.shape[1], (l.shape[0][2][1], l.shape[2])),
+        stride=((l.stride[0][0], l.stride[0][1], l.stride[0][2][0]), l.stride[1], (l.stride[0][2][1], l.stride[2])),
+    )
+    return cute.make_tensor(t.iterator, view)
+
+
+class AttentionSm90:
+    """Compile-time description of one attention kernel variant (see module docstring)."""
+
+    def __init__(
+        self,
+        cfg: AttentionConfig,
+        dtype: str,
+        causal: bool,
+        score_mod: AttentionFusion | None = None,
+        epilogue: AttentionFusion | None = None,
+    ):
+        cfg.validate(dtype=dtype)
+        self.cfg = cfg
+        self.dtype = DSL_DTYPES[dtype]
+        self.causal = causal
+        self.score_mod = score_mod
+        self.epilogue = epilogue
+        self.num_wg = cfg.num_mma_warpgroups
+        self.load_warp = 0
+        # First warp of the first consumer warpgroup issues the O store.
+        self.store_warp = THREADS_PER_WARPGROUP // 32
+        #: Longest-processing-time-first order (causal only: otherwise every query block is as long).
+        self.lpt = causal and cfg.lpt_order
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        mQ_bshd: cute.Tensor,
+        mK_bshd: cute.Tensor,
+        mV_bshd: cute.Tensor,
+        mO_bshd: cute.Tensor,
+        mLSE_bhs: cute.Tensor,
+        softmax_scale: Float32,
+        score_tensors: tuple,
+        score_scalars: tuple,
+        epi_tensors: tuple,
+        epi_scalars: tuple,
+        max_ctas: Int32,
+        tile_counter: cute.Tensor,
+        stream,
+    ):
+        cfg = self.cfg
+        d = cfg.head_dim
+        # (batch, seqlen, heads, dim) -> (seqlen, dim, heads, batch): TMA boxes are (rows, dim).
+        mQ, mK, mV, mO = (_select(t, [1, 3, 2, 0]) for t in (mQ_bshd, mK_bshd, mV_bshd, mO_bshd))
+        mLSE = _select(mLSE_bhs, [2, 1, 0])  # (seqlen_q, heads, batch)
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            (self.num_wg, 1, 1), tiler_mn=(WGMMA_M, cfg.tile_n),
+        )  # fmt: skip
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            (self.num_wg, 1, 1), tiler_mn=(WGMMA_M, d), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        sQ_layout = _smem_layout(self.dtype, cfg.tile_m, d)
+        sK_layout = _smem_layout(self.dtype, cfg.tile_n, d, cfg.stages)
+        sV_layout = _smem_layout(self.dtype, cfg.tile_n, d, cfg.stages)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (cfg.tile_m, d))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (cfg.tile_n, d))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (cfg.tile_n, d))
+        # O is staged in Q's buffer with Q's layout.
+        tma_o, tma_mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (cfg.tile_m, d))
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
+            tile_slot: cute.struct.MemRange[Int32, 4]  # a dynamic tile announced with its Q (TileQueue)
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        m_blocks = cute.ceil_div(cute.size(mQ, mode=[0]), cfg.tile_m)
+        # Query heads per key/value head (GQA/MQA), once on the host.
+        group = cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2])
+        scale_log2 = softmax_scale * LOG2_E
+        if cutlass.const_expr(self.score_mod is not None):
+            # score_mod sees scaled scores, so the scale is applied before it and exp2 only changes base.
+            scale_log2 = Float32(LOG2_E)
+
+        num_tiles = m_blocks * cute.size(mQ, mode=[2]) * cute.size(mQ, mode=[3])
+        num_ctas = num_tiles
+        if cutlass.const_expr(cfg.persistent):
+            num_ctas = cutlass.min(num_tiles, max_ctas)
+        # plan.attention.lpt_heads_per_band on the runtime seqlen_k.
+        keys_per_band = lpt_keys_per_band(d, self.dtype.width // 8)
+        heads_per_band = cutlass.max(keys_per_band // cute.size(mK, mode=[0]), 1)
+
+        self.kernel(
+            tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO, mLSE,
+            sQ_layout, sK_layout, sV_layout, group, heads_per_band, softmax_scale, scale_log2,
+            score_tensors, score_scalars, epi_tensors, epi_scalars, tile_counter,
+        ).launch(
+            grid=(num_ctas, 1, 1),
+            block=[cfg.num_threads, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )  # fmt: skip
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_o: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        group: Int32,
+        heads_per_band: Int32,
+        softmax_scale: Float32,
+        scale_log2: Float32,
+        score_tensors: tuple,
+        score_scalars: tuple,
+        epi_tensors: tuple,
+        epi_scalars: tuple,
+        tile_counter: cute.Tensor,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        if warp_idx == self.load_warp:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        kv_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        consumer_warps = cfg.num_mma_threads // 32
+        # Q's buffer: filled by the producer, handed back by the store warp alone (one arrive).
+        q_pipe = make_tma_load_pipeline(
+            storage.q_barriers.data_ptr(), 1, cute.size_in_bytes(self.dtype, sQ_layout), 1, (1, 1), 1, defer_sync=True
+        )
+        k_pipe, v_pipe = (
+            make_tma_load_pipeline(
+                barriers.data_ptr(), cfg.stages, kv_bytes, consumer_warps, (1, 1), 1, defer_sync=True
+            )
+            for barriers in (storage.k_barriers, storage.v_barriers)
+        )
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        _, num_tiles = self._tiles(mQ)
+        tiles = TileQueue(
+            storage.tile_slot.get_tensor(cute.make_layout(4)),
+            num_tiles,
+            tile_counter if cutlass.const_expr(cfg.dynamic_tiles) else None,
+        )
+        # Barrier initialization is visible to every thread (and the async proxy) before first use.
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if warpgroup_idx == 0:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == self.load_warp:
+                self._load(
+                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band, tiles,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            self._consume(
+                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, tma_o, mO, mLSE, heads_per_band,
+                softmax_scale, scale_log2, score_tensors, score_scalars, epi_tensors, epi_scalars,
+                tidx - THREADS_PER_WARPGROUP, warp_idx == self.store_warp, tiles, seqlen_k=cute.size(mK, mode=[0]),
+            )  # fmt: skip
+
+    def _tiles(self, mQ):
+        """(m-blocks, work tiles)."""
+        m_blocks = cute.ceil_div(cute.size(mQ, mode=[0]), self.cfg.tile_m)
+        return m_blocks, m_blocks * cute.size(mQ, mode=[2]) * cute.size(mQ, mode=[3])
+
+    @cute.jit
+    def _work_coord(self, tile, m_blocks, heads, head_batches, heads_per_band):
+        """(m_block, head, batch) of work tile ``tile``.
+
+        Without LPT, tiles run m-block fastest, then head, then batch. With LPT they walk an
+        (m-block, batch x head) raster in bands of ``heads_per_band`` heads with m-blocks
+        descending: every band's longest blocks start first and the short ones fill the tail,
+        while the tiles in flight share the K and V of a few heads in L2.
+        """
+        if cutlass.const_expr(self.lpt):
+            longest_first, bh = band_coord(tile, m_blocks, head_batches, heads_per_band)
+            m_block = m_blocks - 1 - longest_first
+        else:
+            m_block, bh = tile % m_blocks, tile // m_blocks
+        return m_block, bh % heads, bh // heads
+
+    def _n_blocks(self, m_block, seqlen_q, seqlen_k):
+        """Key blocks this query tile reads: all of them, or (causal) up to the last row's diagonal.
+
+        At least one: a tile whose rows all see no key still runs one block, fully
+        masked, and so writes O = 0 and LSE = -inf.
+        """
+        cfg = self.cfg
+        n = (seqlen_k + cfg.tile_n - 1) // cfg.tile_n
+        if cutlass.const_expr(self.causal):
+            # Exclusive key bound of the tile's last row, bottom-right aligned.
+            end = (m_block + 1) * cfg.tile_m + seqlen_k - seqlen_q
+            n = cutlass.min(n, (cutlass.max(end, 1) + cfg.tile_n - 1) // cfg.tile_n)
+        return n
+
+    @cute.jit
+    def _load(
+        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band, tiles,
+    ):  # fmt: skip
+        cfg = self.cfg
+        d = cfg.head_dim
+        one = cute.make_layout(1)
+        seqlen_q, seqlen_k = cute.size(mQ, mode=[0]), cute.size(mK, mode=[0])
+        heads = cute.size(mQ, mode=[2])
+        head_batches = heads * cute.size(mQ, mode=[3])
+        state = RingState.producer(cfg.stages)
+        q_state = RingState.producer(1)
+        m_blocks, num_tiles = self._tiles(mQ)
+        tile = tiles.first()
+        while tile < num_tiles:
+            m_block, head, batch = self._work_coord(tile, m_blocks, heads, head_batches, heads_per_band)
+            n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
+            gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, d), (m_block, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            gK = cute.local_tile(mK[None, None, head // group, batch], (cfg.tile_n, d), (None, 0))
+            tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+            gV = cute.local_tile(mV[None, None, head // group, batch], (cfg.tile_n, d), (None, 0))
+            tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+            # The first K block before Q: it only needs a free K stage, while Q waits for the
+            # previous tile's O to leave Q's buffer.
+            k_pipe.producer_acquire(state)
+            cute.copy(tma_k, tKgK[None, n_blocks - 1], tKsK[None, state.index],
+                      tma_bar_ptr=k_pipe.producer_get_barrier(state))  # fmt: skip
+            tiles.acquire_and_announce(q_pipe, q_state, tile, (m_block, head, batch))
+            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+            q_state.advance()
+            # K runs one block ahead of V: K[n - 1] is in flight before V[n].
+            for i in cutlass.range(n_blocks - 1, unroll=1):
+                n = n_blocks - 2 - i
+                v_state = state.clone()
+                state.advance()
+                k_pipe.producer_acquire(state)
+                cute.copy(tma_k, tKgK[None, n], tKsK[None, state.index],
+                          tma_bar_ptr=k_pipe.producer_get_barrier(state))  # fmt: skip
+                v_pipe.producer_acquire(v_state)
+                cute.copy(tma_v, tVgV[None, n + 1], tVsV[None, v_state.index],
+                          tma_bar_ptr=v_pipe.producer_get_barrier(v_state))  # fmt: skip
+            v_pipe.producer_acquire(state)
+            cute.copy(tma_v, tVgV[None, 0], tVsV[None, state.index], tma_bar_ptr=v_pipe.producer_get_barrier(state))
+            state.advance()
+            # Claimed once this tile's loads are issued, as late as the ring allows: the consumers
+            # are a few blocks from its end, so a dynamic claim sees how the other CTAs got on.
+            tile = tiles.claim_next(tile)
+        tiles.announce_end(q_pipe, q_state)
+        # No producer_tail: without a cluster no remote CTA arrives on our barriers.
+
+    # ------------------------------------------------------------ consumers
+    @cute.jit
+    def _wgmma(self, tiled_mma, acc, tA, tB, accumulate, wg_wait: cutlass.Constexpr[int]):
+        """Issue one warpgroup GEMM (all k-blocks), commit it, optionally wait for all but ``wg_wait``."""
+        warpgroup.fence()
+        # A fresh atom per GEMM: its accumulate field is state we change below.
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        if cutlass.const_expr(wg_wait >= 0):
+            warpgroup.wait_group(wg_wait)
+
+    @cute.jit
+    def _scores(
+        self, acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+        mask_seqlen: cutlass.Constexpr[bool], mask_causal: cutlass.Constexpr[bool],
+    ):  # fmt: skip
+        """score_mod, then the ragged-seqlen_k and causal masks (-inf), on one S block in registers."""
+        cfg = self.cfg
+        if cutlass.const_expr(self.score_mod is not None):
+            for v in cutlass.range_constexpr(cute.size(acc_S)):
+                row, col = tScS[v]
+                index = dict(index_bh)
+                index["q_idx"] = (m_block * cfg.tile_m + row).to(Float32)
+                index["kv_idx"] = (n * cfg.tile_n + col).to(Float32)
+                acc_S[v] = self.score_mod.emit(acc_S[v] * softmax_scale, index, score_operands)
+        if cutlass.const_expr(mask_seqlen or mask_causal):
+            S = _acc_rows_cols(acc_S)
+            cS = _acc_rows_cols(tScS)
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                # Columns >= limit (block-local) are masked for this row.
+                limit = seqlen_k - n * cfg.tile_n
+                if cutlass.const_expr(mask_causal):
+                    q = m_block * cfg.tile_m + cS[r, 0][0]
+                    limit = cutlass.min(limit, q + 1 + seqlen_k - seqlen_q - n * cfg.tile_n)
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    S[r, c] = cutlass.select_(cS[0, c][1] >= limit, -Float32.inf, S[r, c])
+
+    @cute.jit
+    def _online_softmax(self, acc_S, row_max, row_sum, row_scale, scale_log2, is_first: cutlass.Constexpr[bool]):
+        """Fold one S block into the running row max/sum; S becomes P (unnormalized); row_scale rescales O.
+
+        With ``cfg.lazy_rescale`` a row keeps its reference max until a block raises it by more than
+        ``RESCALE_THRESHOLD`` (log2 units): P stays below 2**RESCALE_THRESHOLD, the sum and O stay
+        consistent with the max actually used (which LSE reads), and row_scale is exactly 1 on every
+        other block, so :meth:`_rescale_lazy` can skip O's rescale.
+        """
+        S = _acc_rows_cols(acc_S)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            s_row = S[r, None].load()
+            init = -Float32.inf if cutlass.const_expr(is_first) else row_max[r]
+            # The 4 lanes of a quad hold the rest of the row (whole rows per warp: see plan.attention).
+            # Float32(): the shuffle reduction uses fmax only for Float32, else a compare/select pair.
+            m = cute.arch.warp_reduction_max(Float32(s_row.reduce(cute.ReductionOp.MAX, init, 0)), threads_in_group=4)
+            m_prev = row_max[r]
+            grows = True
+            if cutlass.const_expr(self.cfg.lazy_rescale and not is_first):
+                # NaN (both -inf: nothing unmasked yet) compares false: the row keeps -inf.
+                grows = (m - m_prev) * scale_log2 > Float32(RESCALE_THRESHOLD)
+                m = cutlass.select_(grows, m, m_prev)
+            row_max[r] = m
+            # A row that saw only masked scores keeps max -inf; exp2 must see 0 there, not NaN.
+            m_safe = cutlass.select_(m == -Float32.inf, Float32(0.0), m)
+            p = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
+            S[r, None].store(p)
+            if cutlass.const_expr(is_first):
+                row_sum[r] = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                row_scale[r] = Float32(1.0)
+            else:
+                scale = cute.math.exp2((m_prev - m_safe) * scale_log2, fastmath=True)
+                if cutlass.const_expr(self.cfg.lazy_rescale):
+                    scale = cutlass.select_(grows, scale, Float32(1.0))
+                row_scale[r] = scale
+                # The reduction starts from the rescaled running sum (no separate add of a block sum).
+                row_sum[r] = p.reduce(cute.ReductionOp.ADD, row_sum[r] * scale, 0)
+
+    @cute.jit
+    def _rescale(self, acc_O, row_scale):
+        O = _acc_rows_cols(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            O[r, None].store(O[r, None].load() * row_scale[r])
+
+    @cute.jit
+    def _rescale_lazy(self, acc_O, row_scale):
+        """O's rescale in the loop: skipped by a warp none of whose rows changed its max (lazy_rescale)."""
+        if cutlass.const_expr(self.cfg.lazy_rescale):
+            changed = row_scale[0] != Float32(1.0)
+            for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+                changed = changed | (row_scale[r] != Float32(1.0))
+            if cute.arch.vote_any_sync(changed):
+                self._rescale(acc_O, row_scale)
+        else:
+            self._rescale(acc_O, row_scale)
+
+    @cute.jit
+    def _consume(
+        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, tma_o, mO, mLSE, heads_per_band,
+        softmax_scale, scale_log2, score_tensors, score_scalars, epi_tensors, epi_scalars, mma_tidx, is_store_warp,
+        tiles, seqlen_k,
+    ):  # fmt: skip
+        cfg = self.cfg
+        d = cfg.head_dim
+        wg = cute.arch.make_warp_uniform(mma_tidx // THREADS_PER_WARPGROUP)
+        thr_qk = tiled_mma_qk.get_slice(mma_tidx)
+        thr_pv = tiled_mma_pv.get_slice(mma_tidx)
+        # V^T view (head_dim, tile_n, stages) for PV's B operand.
+        sVt = cute.composition(sV, cute.make_ordered_layout((d, cfg.tile_n, cfg.stages), order=(1, 0, 2)))
+        # Shared-memory operands: see warpgroup_slice.
+        wg_qk = warpgroup_slice(tiled_mma_qk, wg)
+        tSrQ = tiled_mma_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = tiled_mma_pv.make_fragment_B(warpgroup_slice(tiled_mma_pv, wg).partition_B(sVt))
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+
+        mma_turns = WarpgroupTurns(NamedBarriers.MMA_TURN_WG1, self.num_wg, enabled=cfg.pingpong)
+        mma_turns.grant_first(wg)
+        store = TmaStoreEpilogue(1, cfg.num_mma_threads)
+        read = RingState.consumer(cfg.stages)
+        q_read = RingState.consumer(1)
+        seqlen_q = cute.size(mO, mode=[0])
+        heads = cute.size(mO, mode=[2])
+        head_batches = heads * cute.size(mO, mode=[3])
+        m_blocks, num_tiles = self._tiles(mO)
+        tile = tiles.consumer_next(None, q_pipe, q_read)
+        while tile < num_tiles:
+            if cutlass.const_expr(tiles.dynamic):
+                m_block, head, batch = tiles.announced_coords(3)  # waited for with the tile's Q
+            else:
+                m_block, head, batch = self._work_coord(tile, m_blocks, heads, head_batches, heads_per_band)
+            n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
+            acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
+            acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, d)), Float32)
+            rows = cute.size(_acc_rows_cols(acc_S), mode=[0])
+            row_max = cute.make_rmem_tensor(rows, Float32)
+            row_sum = cute.make_rmem_tensor(rows, Float32)
+            row_scale = cute.make_rmem_tensor(rows, Float32)
+
+            # score_mod leaves that are constant over the tile, loaded once.
+            index_bh = {"b": batch.to(Float32), "h": head.to(Float32)}
+            score_operands = {}
+            if cutlass.const_expr(self.score_mod is not None):
+                for i, (name, _, _) in enumerate(self.score_mod.tensor_operands):
+                    score_operands[name] = score_tensors[i][head].to(Float32)
+                for i, (name, _, _) in enumerate(self.score_mod.scalar_operands):
+                    score_operands[name] = score_scalars[i]
+
+            # ---- first (right-most) block, peeled: its softmax is compile-time is_first.
+            n = n_blocks - 1
+            if cutlass.const_expr(not tiles.dynamic):
+                wait_full(q_pipe, q_read)
+            wait_full(k_pipe, read)
+            mma_turns.wait(wg)
+            self._wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
+            mma_turns.pass_on(wg)
+            warpgroup.wait_group(0)
+            k_pipe.consumer_release(read)
+            self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+                         True, self.causal)  # fmt: skip
+            self._online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, True)
+            pack_16bit(_acc_as_operand_a(acc_S), tOrP)
+
+            # ---- blocks crossing the causal diagonal, then blocks fully below it.
+            n_masked = 0
+            if cutlass.const_expr(self.causal):
+                first_masked = cutlass.max(m_block * cfg.tile_m + seqlen_k - seqlen_q, 0) // cfg.tile_n
+                n_masked = cutlass.max(n_blocks - 1 - first_masked, 0)
+            for i in cutlass.range(n_blocks - 1, unroll=1):
+                n = n_blocks - 2 - i
+                read_v = read.clone()
+                read.advance()
+                wait_full(k_pipe, read)
+                mma_turns.wait(wg)
+                # A fresh accumulator per block: with accumulate off, its old values are dead and
+                # need not stay in registers (as WGMMA inputs) until the QK^T is issued.
+                acc_S_n = cute.make_rmem_tensor(acc_S.layout, Float32)
+                self._wgmma(tiled_mma_qk, acc_S_n, tSrQ, tSrK[None, None, None, read.index], False, -1)
+                if cutlass.const_expr(cfg.rescale_o_early):
+                    # The previous softmax's scale, applied while QK^T runs (the last PV has retired).
+                    self._rescale_lazy(acc_O, row_scale)
+                wait_full(v_pipe, read_v)
+                # O's accumulate flag is off for the first PV: no zero-fill of O needed.
+                self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read_v.index], i > 0, -1)
+                mma_turns.pass_on(wg)
+                warpgroup.wait_group(1)  # S is ready; PV still runs under the softmax
+                if cutlass.const_expr(not cfg.release_k_late):
+                    k_pipe.consumer_release(read)
+                if i < n_masked:
+                    self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+                                 False, True)  # fmt: skip
+                else:
+                    self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+                                 False, False)  # fmt: skip
+                self._online_softmax(acc_S_n, row_max, row_sum, row_scale, scale_log2, False)
+                if cutlass.const_expr(cfg.release_k_late):
+                    # K's stage is free since S landed; released after the softmax (whose last row sum
+                    # it waits for) so the PV wait below stays after the softmax too: see release_after.
+                    release_after(k_pipe, read, row_sum[cute.size(row_sum) - 1])
+                warpgroup.wait_group(0)
+                v_pipe.consumer_release(read_v)
+                pack_16bit(_acc_as_operand_a(acc_S_n), tOrP)
+                if cutlass.const_expr(not cfg.rescale_o_early):
+                    self._rescale_lazy(acc_O, row_scale)
+            # ---- the last PV.
+            if cutlass.const_expr(cfg.rescale_o_early):
+                self._rescale_lazy(acc_O, row_scale)
+            wait_full(v_pipe, read)
+            self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read.index], n_blocks > 1, 0)
+            v_pipe.consumer_release(read)
+            read.advance()  # the next tile's first block, on the ring's next stage
+
+            self._epilogue(
+                tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, sQ, tma_o, mO, mLSE,
+                m_block, head, batch, seqlen_q, epi_tensors, epi_scalars, mma_tidx, is_store_warp, store,
+            )  # fmt: skip
+            # The O store has read Q's buffer (publish waits for that): the next tile's Q may land.
+            if is_store_warp:
+                q_pipe.consumer_release(q_read)
+            q_read.advance()
+            tile = tiles.consumer_next(tile, q_pipe, q_read)
+        store.drain(is_store_warp)
+
+    @cute.jit
+    def _epilogue(
+        self, tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, sO, tma_o, mO, mLSE,
+        m_block, head, batch, seqlen_q, epi_tensors, epi_scalars, mma_tidx, is_store_warp, store,
+    ):  # fmt: skip
+        cfg = self.cfg
+        d = cfg.head_dim
+        # ---- finalize: 1 / row sum, and LSE = max * scale + ln(sum).
+        lse = cute.make_rmem_tensor(cute.size(row_sum), Float32)
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            empty = total == Float32(0.0)  # every score of the row was masked
+            row_scale[r] = cute.arch.rcp_approx(cutlass.select_(empty, Float32(1.0), total))
+            lse[r] = cutlass.select_(
+                empty, -Float32.inf, (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+            )
+        self._rescale(acc_O, row_scale)
+
+        cO = thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, d)))
+        cO_rc = _acc_rows_cols(cO)
+        if cO_rc[0, 0][1] == 0:  # one lane of each quad writes its rows' LSE
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                q = m_block * cfg.tile_m + cO_rc[r, 0][0]
+                if q < seqlen_q:
+                    mLSE[q, head, batch] = lse[r]
+
+        if cutlass.const_expr(self.epilogue is not None):
+            self._apply_epilogue(acc_O, cO, m_block, head, batch, seqlen_q, epi_tensors, epi_scalars)
+
+        rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
+        pack_16bit(acc_O, rO)
+        tiled_copy_r2s = cute.make_tiled_copy_C(
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32), tiled_mma_pv
+        )
+        thr_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+        # sO is Q's buffer: this warpgroup's rows of it were read only by its own QK^T WGMMAs, all retired.
+        cute.copy(tiled_copy_r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
+        gO = cute.local_tile(mO[None, None, head, batch], (cfg.tile_m, d), (m_block, 0))
+        tOsO, tOgO = cpasync.tma_partition(
+            tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+        )
+        store.publish(is_store_warp, tma_o, tOsO, tOgO)
+
+    @cute.jit
+    def _apply_epilogue(self, acc_O, cO, m_block, head, batch, seqlen_q, epi_tensors, epi_scalars):
+        """The user's epilogue on each normalized O element; tile operands are read at (b, q, h, d)."""
+        cfg = self.cfg
+        fusion = self.epilogue
+        for v in cutlass.range_constexpr(cute.size(acc_O)):
+            row, col = cO[v]
+            # Rows past seqlen_q read a valid row; the TMA store clips them.
+            q = cutlass.min(m_block * cfg.tile_m + row, seqlen_q - 1)
+            operand = {}
+            for i, (name, kind, _) in enumerate(fusion.tensor_operands):
+                t = epi_tensors[i]
+                operand[name] = (t[batch, q, head, col] if kind == "tile" else t[col]).to(Float32)
+            for i, (name, _, _) in enumerate(fusion.scalar_operands):
+                operand[name] = epi_scalars[i]
+            acc_O[v] = fusion.emit(acc_O[v], {}, operand)

@@ -1,0 +1,446 @@
+"""Planning the FlashAttention-3 style forward kernel: problem, config, smem, row ownership.
+
+An :class:`AttentionProblem` is what the user asked for (sizes, heads, dtype,
+causal). An :class:`AttentionConfig` is every compile-time choice of the kernel:
+``tile_m`` query rows per CTA split over ``num_mma_warpgroups`` consumer
+warpgroups (64 rows each, one WGMMA M atom), ``tile_n`` keys per K/V stage,
+``stages`` of the K and V rings, ping-pong and intra-warpgroup overlap.
+
+The online softmax reduces each score row inside one warp (in-thread, then a
+4-lane shuffle), so it is only correct if the QK^T WGMMA layout hands every
+warp whole rows of the score tile. :func:`row_ownership` checks that on a model
+of the WGMMA accumulator layout and :meth:`AttentionConfig.validate` refuses
+layouts that split a row across warps; ``explain_attention`` prints the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from epicute.errors import ConfigError
+from epicute.gemm.config import DTYPE_BYTES, WarpRoles
+from epicute.gemm.smem import BUFFER_ALIGN, MBARRIER_BYTES, SmemItem, _round_up
+from epicute.runtime.target import Target, resolve_target
+
+HEAD_DIMS = (64, 128, 256)
+#: Rows of one WGMMA atom: each consumer warpgroup owns this many query rows.
+WGMMA_M = 64
+#: Rows a single warp holds in a WGMMA accumulator (4 warps x 16 = 64).
+ROWS_PER_WARP = 16
+#: K and V bytes the CTAs in flight share in L2 under causal LPT ordering: FlashAttention-3's
+#: figure, two thirds of H100's 50 MiB, the rest left to Q, O and the band edges.
+LPT_L2_BUDGET_BYTES = 32 * 1024 * 1024
+#: setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the
+#: producer only issues TMA; the consumers take the rest of the 64K register file.
+REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """``O = softmax(Q K^T * scale) V`` per (batch, head); layout ``(batch, seqlen, heads, head_dim)``."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: str = "bf16"
+    causal: bool = False
+
+    @property
+    def flops(self) -> int:
+        """Useful matmul FLOPs (2 GEMMs; causal counts the unmasked half, as flash-attn reports)."""
+        full = 4 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
+        return full // 2 if self.causal else full
+
+
+@dataclass(frozen=True)
+class AttentionConfig(WarpRoles):
+    """Compile-time choices of the SM90 attention forward kernel (see module docstring)."""
+
+    head_dim: int = 128
+    tile_m: int = 128
+    tile_n: int = 128
+    stages: int = 2
+    #: Consumer warpgroups take turns at the tensor cores through named barriers.
+    pingpong: bool = True
+    #: Rescale O for block j while the QK^T WGMMA of block j+1 runs, instead of after PV
+    #: retires (pays off when O is large: head_dim > 128).
+    rescale_o_early: bool = False
+    #: Release each K stage after the block's softmax rather than as soon as S lands. ptxas keeps
+    #: the wait for the in-flight PV WGMMA below the last ring release, so the early release lets
+    #: that wait (and the V release after it) rise above the softmax; the late one keeps the
+    #: softmax under the PV but gives the producer less time to refill K and V. Planned for
+    #: causal launches only (see :func:`default_config`).
+    release_k_late: bool = True
+    #: Keep each row's reference max until a block raises it by more than 2**8, so O's rescale
+    #: (head_dim / 2 multiplies per thread and block) runs only on the few blocks that move it.
+    lazy_rescale: bool = True
+    #: WGMMA atoms along (M, N) of the QK^T tiled MMA; N must be 1 (whole rows per warp).
+    mma_atoms_mn: tuple[int, int] = (2, 1)
+    #: Causal launches walk the m-blocks longest-first (the last query rows see the most keys),
+    #: over every head of an L2-sized band (see :func:`lpt_heads_per_band`).
+    lpt_order: bool = True
+    #: One CTA per SM walking work tiles (see :attr:`AttentionPlan.grid`), instead of one CTA per tile.
+    persistent: bool = False
+    #: Persistent CTAs claim their next tile from a global atomic counter (in the tile order above)
+    #: instead of striding by the grid: tiles of unequal length (causal) keep the longest-first balance.
+    dynamic_tiles: bool = False
+    producer_regs: int = 24
+    consumer_regs: int = 240
+    reasons: tuple[str, ...] = field(default=(), compare=False, hash=False)
+
+    @property
+    def num_mma_warpgroups(self) -> int:
+        return self.tile_m // WGMMA_M
+
+    def key(self) -> tuple:
+        return (
+            self.head_dim, self.tile_m, self.tile_n, self.stages, self.pingpong, self.rescale_o_early,
+            self.release_k_late, self.lazy_rescale, self.mma_atoms_mn, self.lpt_order, self.persistent,
+            self.dynamic_tiles, self.producer_regs, self.consumer_regs,
+        )  # fmt: skip
+
+    def validate(self, target: Target | str | None = None, dtype: str = "bf16") -> None:
+        """Raise :class:`ConfigError` for a configuration the kernel cannot run on ``target``
+        (default: the visible GPU, else an H100 SXM)."""
+        hw = resolve_target(target)
+        if self.head_dim not in HEAD_DIMS:
+            raise ConfigError(f"head_dim={self.head_dim}: supported are {HEAD_DIMS}")
+        if self.tile_m % WGMMA_M or not 1 <= self.num_mma_warpgroups <= 3:
+            raise ConfigError(f"tile_m={self.tile_m}: must be 64, 128 or 192 (64 query rows per consumer warpgroup)")
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ConfigError(f"tile_n={self.tile_n}: must be a multiple of 16 in [16, 256] (WGMMA N and PV's K)")
+        if self.stages < 1:
+            raise ConfigError(f"stages={self.stages}: need at least 1")
+        if self.mma_atoms_mn != (self.num_mma_warpgroups, 1):
+            ownership = row_ownership(self)
+            if not ownership.whole_rows:
+                raise ConfigError(
+                    f"mma_atoms_mn={self.mma_atoms_mn}: {ownership.problem}; the online softmax reduces a score "
+                    f"row inside one warp, so use mma_atoms_mn=({self.num_mma_warpgroups}, 1)"
+                )
+            raise ConfigError(
+                f"mma_atoms_mn={self.mma_atoms_mn}: must tile tile_m={self.tile_m} as ({self.num_mma_warpgroups}, 1)"
+            )
+        if self.dynamic_tiles and not self.persistent:
+            raise ConfigError("dynamic_tiles=True needs persistent=True (one CTA per tile has nothing to claim)")
+        if self.pingpong and self.num_mma_warpgroups < 2:
+            raise ConfigError("pingpong=True needs at least 2 consumer warpgroups (tile_m >= 128)")
+        self.validate_registers()
+        total = attention_smem_total(self, dtype)
+        if total > hw.smem_per_cta_bytes:
+            raise ConfigError(
+                f"shared memory: {total} B needed, {hw.smem_per_cta_bytes} B available; lower stages or tile_n"
+            )
+
+
+@dataclass(frozen=True)
+class RowOwnership:
+    """Which warp holds which score rows under a QK^T tiled-MMA layout."""
+
+    whole_rows: bool
+    #: (warpgroup, warp, first row, last row) per warp, when rows are whole
+    warps: tuple[tuple[int, int, int, int], ...]
+    problem: str = ""
+
+
+def _wgmma_fragment(atom_m: int, atom_n: int, tile_n_atom: int) -> dict[tuple[int, int], set[int]]:
+    """(row, col) -> global warp ids holding it, for a grid of m64nN WGMMA atoms.
+
+    In an m64nNk16 accumulator, lane ``l`` of warp ``w`` holds rows
+    ``16 w + l // 4 (+ 8)`` and columns ``8 j + 2 (l % 4) (+ 1)``; atom ``(i, j)``
+    of the grid is run by warpgroup ``i + atom_m * j``.
+    """
+    owners: dict[tuple[int, int], set[int]] = {}
+    for am in range(atom_m):
+        for an in range(atom_n):
+            wg = am + atom_m * an
+            for w in range(4):
+                for lane in range(32):
+                    for dr in (0, 8):
+                        row = am * WGMMA_M + ROWS_PER_WARP * w + lane // 4 + dr
+                        for j in range(tile_n_atom // 8):
+                            for dc in (0, 1):
+                                col = an * tile_n_atom + 8 * j + 2 * (lane % 4) + dc
+                                owners.setdefault((row, col), set()).add(4 * wg + w)
+    return owners
+
+
+def row_ownership(cfg: AttentionConfig) -> RowOwnership:
+    """Check, on the WGMMA accumulator model, that each score row lives in exactly one warp."""
+    atom_m, atom_n = cfg.mma_atoms_mn
+    if cfg.tile_n % atom_n or (cfg.tile_n // atom_n) % 8:
+        return RowOwnership(False, (), f"tile_n={cfg.tile_n} does not split into {atom_n} WGMMA atoms")
+    owners = _wgmma_fragment(atom_m, atom_n, cfg.tile_n // atom_n)
+    by_row: dict[int, set[int]] = {}
+    for (row, _), warps in owners.items():
+        by_row.setdefault(row, set()).update(warps)
+    split = sorted(r for r, w in by_row.items() if len(w) > 1)
+    if split:
+        return RowOwnership(
+            False, (), f"row {split[0]} of the score tile is spread over warps {sorted(by_row[split[0]])}"
+        )
+    rows_of: dict[int, list[int]] = {}
+    for row, (warp,) in by_row.items():
+        rows_of.setdefault(warp, []).append(row)
+    warps = tuple((w // 4, w % 4, min(r), max(r)) for w, r in sorted(rows_of.items()))
+    return RowOwnership(True, warps)
+
+
+def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
+    """The FA3 tile choices for H100, with every field overridable."""
+    if head_dim not in HEAD_DIMS:
+        raise ConfigError(f"head_dim={head_dim}: supported are {HEAD_DIMS}")
+    if head_dim == 64:
+        base = {"tile_m": 192, "tile_n": 128}
+        why = (
+            "head_dim 64: 192x128 tiles, 3 warpgroups taking turns at the tensor cores: d64's short WGMMAs "
+            "need a third warpgroup's softmax to hide behind (3 x 128 threads x 160 registers + 128 x 32 "
+            "fills the 64K register file)"
+        )
+    elif head_dim == 128:
+        base = {"tile_m": 128, "tile_n": 128}
+        why = "head_dim 128: 128x128 tiles, 2 warpgroups ping-ponging (FA3's choice)"
+    elif not causal:
+        base = {"tile_m": 128, "tile_n": 80, "pingpong": False, "rescale_o_early": True}
+        why = (
+            "head_dim 256: 128x80 tiles so two K/V stages fit in smem; no ping-pong (softmax is cheap next to "
+            "the GEMMs); O (128 fp32 registers per thread) is rescaled under the QK^T WGMMA"
+        )
+    else:
+        base = {"tile_m": 128, "tile_n": 80, "pingpong": False, "rescale_o_early": False}
+        why = (
+            "head_dim 256, causal: 128x80 tiles, no ping-pong; O is rescaled after PV, as masked diagonal "
+            "blocks leave the QK^T WGMMA too short to hide it (measured 745 vs 720 TFLOPS, "
+            "bench/results/attention_configs.json)"
+        )
+    # Without causal masking every block is full and the rings are the bottleneck: K and V stages
+    # go back to the producer as early as possible (d128 s8192 661 vs 640 TFLOPS, d256 729 vs 678).
+    # Causal launches keep the softmax under the PV WGMMA (d128 causal 650 vs 583).
+    base.update(head_dim=head_dim, release_k_late=causal)
+    # Lazy rescaling skips O's rescale (head_dim / 2 multiplies per thread) on most blocks: at d128 and
+    # d256 that beats its vote and branch (d128 s16384 666 vs 650 TFLOPS, d256 s2048 725 vs 715, d256
+    # causal s8192 700 vs 690); at d64 the rescale is 32 multiplies and it is a wash (530 vs 530,
+    # causal 434 vs 439).
+    base.setdefault("lazy_rescale", head_dim >= 128)
+    # Persistent CTAs: the next tile's first K block and Q load run under the current tile's
+    # epilogue (d128 s2048 638 vs 626 TFLOPS). Causal tiles differ in length: striding by the grid
+    # loses the longest-first balance (d256 s8192 539 vs 685), so they claim tiles from a counter
+    # (on an H200: d128 s2048 503 vs 470 for one CTA per tile, d256 s2048 580 vs 553, s8192 level).
+    # Every persistent launch claims its tiles from a counter, full attention too: the tiles in
+    # flight then stay a contiguous window of the m-block-fastest order (K and V of a few heads in
+    # L2), where striding by the grid lets CTAs drift apart (H100, 7-11 interleaved rounds, static
+    # vs claimed: d128 s2048 642 vs 648, s16384 677 vs 682, s8192 666 vs 676 with single static
+    # rounds down to 528; d256 s2048 732 vs 739; d64 s4096 532 vs 533).
+    base.update(persistent=True)
+    base.update(overrides)
+    base.setdefault("dynamic_tiles", base["persistent"])
+    warpgroups = base["tile_m"] // WGMMA_M
+    base.setdefault("mma_atoms_mn", (warpgroups, 1))
+    if warpgroups in REGISTER_SPLIT:  # other tile_m values are refused by validate()
+        base.setdefault("producer_regs", REGISTER_SPLIT[warpgroups][0])
+        base.setdefault("consumer_regs", REGISTER_SPLIT[warpgroups][1])
+    if not base["persistent"]:
+        order = "one CTA per tile"
+    else:
+        order = "one persistent CTA per SM: a tile's first K block and Q load under the previous tile's epilogue"
+        if base.get("dynamic_tiles"):
+            order += (
+                "; each CTA claims its next tile from an atomic counter (causal tiles differ in length; "
+                "full ones stay a contiguous window of the tile order)"
+            )
+    if causal and base.get("lpt_order", True):
+        order += "; longest query blocks first, a band of L2-sized heads at a time"
+    return AttentionConfig(**base, reasons=(why, order))
+
+
+def lpt_keys_per_band(head_dim: int, esize: int = 2) -> int:
+    """Keys whose K and V rows fit :data:`LPT_L2_BUDGET_BYTES` together (a compile-time constant)."""
+    return LPT_L2_BUDGET_BYTES // (2 * head_dim * esize)
+
+
+def lpt_heads_per_band(head_dim: int, seqlen_k: int, esize: int = 2) -> int:
+    """Heads whose K and V (``seqlen_k x head_dim`` each) fit the budget, at least one; the kernel
+    divides :func:`lpt_keys_per_band` by its runtime seqlen_k the same way."""
+    return max(lpt_keys_per_band(head_dim, esize) // max(seqlen_k, 1), 1)
+
+
+def attention_smem_table(cfg: AttentionConfig, dtype: str = "bf16") -> list[SmemItem]:
+    """Every region of the kernel's shared storage, in order (mirrors the kernel's struct)."""
+    esize = DTYPE_BYTES[dtype]
+    barriers = (2 + 4 * cfg.stages) * MBARRIER_BYTES
+    slot = 4 * 4
+    q = cfg.tile_m * cfg.head_dim * esize
+    kv = cfg.tile_n * cfg.head_dim * esize * cfg.stages
+    return [
+        SmemItem(
+            "Q/K/V barriers", barriers,
+            f"Q ring: 1 full + 1 empty mbarrier; K and V rings: {cfg.stages} full + {cfg.stages} empty each",
+        ),
+        SmemItem("tile slot", slot, "int32 x 4: a dynamic tile and its coordinates, announced with its Q load"),
+        SmemItem(
+            "alignment padding", _round_up(barriers + slot, BUFFER_ALIGN) - barriers - slot,
+            "buffers start 1024-aligned",
+        ),
+        SmemItem("Q (then O)", _round_up(q, BUFFER_ALIGN),
+                 f"{cfg.tile_m}x{cfg.head_dim} {dtype}; the O tile is staged here for its TMA store"),
+        SmemItem("K ring", _round_up(kv, BUFFER_ALIGN), f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}"),
+        SmemItem("V ring", _round_up(kv, BUFFER_ALIGN), f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}"),
+    ]  # fmt: skip
+
+
+def attention_smem_total(cfg: AttentionConfig, dtype: str = "bf16") -> int:
+    return sum(item.bytes for item in attention_smem_table(cfg, dtype))
+
+
+@dataclass(frozen=True, repr=False)
+class AttentionPlan:
+    problem: AttentionProblem
+    config: AttentionConfig
+    #: the GPU planned for: its SM count bounds the persistent grid (a launch argument, not code)
+    target: Target
+
+    def __repr__(self) -> str:
+        # One line, so a REPL echoing explain_attention()'s result does not bury the text it printed.
+        p, c = self.problem, self.config
+        return (
+            f"<AttentionPlan b{p.batch} sq{p.seqlen_q} sk{p.seqlen_k} h{p.heads_q}/{p.heads_kv} d{p.head_dim}"
+            f"{' causal' if p.causal else ''}: tile {c.tile_m}x{c.tile_n}, grid {self.grid}>"
+        )
+
+    @property
+    def m_blocks(self) -> int:
+        return -(-self.problem.seqlen_q // self.config.tile_m)
+
+    @property
+    def lpt(self) -> bool:
+        """Causal work order: longest query blocks first over a linear grid."""
+        return self.problem.causal and self.config.lpt_order
+
+    @property
+    def num_tiles(self) -> int:
+        """Work tiles: ``tile_m`` query rows of one (batch, head)."""
+        return self.m_blocks * self.problem.heads_q * self.problem.batch
+
+    @property
+    def max_ctas(self) -> int:
+        """The persistent kernel's CTA budget on :attr:`target` (one per SM): its launch argument
+        (``AttentionSm90.__call__``'s ``max_ctas``), never part of its compile key."""
+        return self.target.num_sms
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """One CTA per tile, or (persistent) one per SM walking tiles ``x, x + grid, ...`` or
+        (``dynamic_tiles``) claiming them from a counter; the kernel computes the same on the device
+        from ``max_ctas``."""
+        if self.config.persistent:
+            return (min(self.num_tiles, self.max_ctas), 1, 1)
+        return (self.num_tiles, 1, 1)
+
+    @property
+    def flops(self) -> int:
+        return self.problem.flops
+
+    @property
+    def min_bytes(self) -> int:
+        """Q, K, V read once, O written once (and the fp32 LSE)."""
+        p = self.problem
+        elem = DTYPE_BYTES[p.dtype]
+        q_o = 2 * p.batch * p.seqlen_q * p.heads_q * p.head_dim * elem
+        k_v = 2 * p.batch * p.seqlen_k * p.heads_kv * p.head_dim * elem
+        return q_o + k_v + 4 * p.batch * p.heads_q * p.seqlen_q
+
+
+def plan_attention(problem: AttentionProblem, target: Target | str | None = None, **overrides) -> AttentionPlan:
+    """Choose and validate the kernel configuration for ``problem`` on ``target`` (a :class:`Target`
+    or its name; default: the visible GPU, else an H100 SXM)."""
+    hw = resolve_target(target)
+    cfg = default_config(problem.head_dim, problem.causal, **overrides)
+    cfg.validate(hw, problem.dtype)
+    return AttentionPlan(problem, cfg, hw)
+
+
+def render_attention_plan(plan: AttentionPlan) -> str:
+    """The text ``epicute.explain_attention`` prints."""
+    p, c, hw = plan.problem, plan.config, plan.target
+    group = p.heads_q // p.heads_kv
+    lines = [
+        f"epicute attention plan: O[{p.batch}x{p.seqlen_q}x{p.heads_q}x{p.head_dim}] = softmax(Q K^T) V, "
+        f"seqlen_k={p.seqlen_k}, {p.dtype}" + (", causal (bottom-right aligned)" if p.causal else ""),
+        f"  heads: {p.heads_q} query / {p.heads_kv} key-value ({'MHA' if group == 1 else f'GQA {group}:1'})",
+        f"  target          {hw.describe()}",
+        "",
+        "tiles",
+        f"  CTA tile        {c.tile_m} query rows x {c.tile_n} keys, head_dim {c.head_dim}",
+        f"  grid            {plan.grid} x {c.num_threads} threads, "
+        + (
+            f"persistent over {plan.num_tiles} tiles"
+            + (" (each CTA claims its next from an atomic counter): " if c.dynamic_tiles else " (strided): ")
+            if c.persistent
+            else "one CTA per tile: "
+        )
+        + (
+            f"m-blocks x heads x batch walked longest-first in bands of "
+            f"{lpt_heads_per_band(p.head_dim, p.seqlen_k, DTYPE_BYTES[p.dtype])} heads (K+V fit L2)"
+            if plan.lpt
+            else "m-block fastest, then head, then batch"
+        ),
+        "",
+        "warp roles",
+        "  warpgroup 0     producer: warp 0 issues TMA loads of each tile's first K block, Q, then K and V   "
+        "setmaxnreg " + str(c.producer_regs),
+    ]
+    for wg in range(c.num_mma_warpgroups):
+        lines.append(
+            f"  warpgroup {wg + 1}     consumer: rows {wg * WGMMA_M}-{(wg + 1) * WGMMA_M - 1}: QK^T, online softmax, "
+            f"PV, epilogue   setmaxnreg {c.consumer_regs}"
+        )
+    lines += [
+        "  ping-pong       " + (
+            "each warpgroup arrives at the next one's scheduler barrier after issuing its GEMMs, "
+            "syncs on its own before the next ones (warpgroup 1 pre-armed)" if c.pingpong else "off"),
+        (
+            "  overlap         softmax of block j+1 runs while the PV WGMMA of block j is in flight"
+            + ("; O is rescaled under the QK^T WGMMA" if c.rescale_o_early else "")
+            + ("; K stages released after the softmax" if c.release_k_late else "; K stages released when S lands")
+        ),
+        "  rescale         " + (
+            "lazy: a row's reference max moves only when a block raises it by more than 2^8; "
+            "a warp skips O's rescale unless one of its rows moved" if c.lazy_rescale
+            else "every block (O times exp2 of the max's change)"),
+        "",
+        "score-row ownership (online softmax reduces rows inside a warp)",
+    ]  # fmt: skip
+    own = row_ownership(c)
+    if own.whole_rows:
+        lines.append(
+            f"  ok: QK^T atoms {c.mma_atoms_mn}; every warp holds whole rows of the {c.tile_m}x{c.tile_n} tile"
+        )
+        for wg, w, lo, hi in own.warps:
+            lines.append(f"    warpgroup {wg + 1} warp {w}: rows {lo}-{hi}, all {c.tile_n} columns")
+    else:
+        lines.append(f"  REFUSED: {own.problem}")
+    lines += ["", "shared memory"]
+    table = attention_smem_table(c, p.dtype)
+    width = max(len(item.name) for item in table)
+    for item in table:
+        lines.append(f"  {item.name:<{width}}  {item.bytes:>7} B  {item.what}")
+    total = sum(item.bytes for item in table)
+    lines.append(f"  {'total':<{width}}  {total:>7} B  of {hw.smem_per_cta_bytes} B")
+    compute_s = plan.flops / (hw.peak_tflops(p.dtype) * 1e12)
+    memory_s = plan.min_bytes / (hw.hbm_tb_per_s * 1e12)
+    lines += [
+        "",
+        "roofline",
+        (
+            f"  work            {plan.flops / 1e9:.2f} GFLOP, {plan.min_bytes / 1e6:.2f} MB moved at least "
+            f"(intensity {plan.flops / max(plan.min_bytes, 1):.0f} FLOP/B)"
+        ),
+        f"  compute bound   {compute_s * 1e6:.1f} us at {hw.peak_tflops(p.dtype):.0f} TFLOP/s",
+        f"  memory bound    {memory_s * 1e6:.1f} us at {hw.hbm_tb_per_s:.2f} TB/s",
+        f"  waves           {plan.num_tiles / hw.num_sms:.2f} ({plan.num_tiles} tiles on {hw.num_sms} SMs)",
+    ]
+    lines += ["", "why"] + [f"  - {r}" for r in c.reasons]
+    return "\n".join(lines)

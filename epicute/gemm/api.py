@@ -1,0 +1,333 @@
+"""epicute's public functions: :func:`gemm`, :func:`explain` and :func:`tune`."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, TextIO
+
+import torch
+from rich.progress import Progress
+
+from epicute.epilogue.dtypes import IR_TO_TORCH, TORCH_TO_IR
+from epicute.epilogue.hashing import semantic_hash
+from epicute.epilogue.operands import OperandSpec
+from epicute.epilogue.reference import reference_gemm, round_to
+from epicute.epilogue.tracer import as_epilogue
+from epicute.errors import ConfigError, DeviceError, EpilogueError
+from epicute.gemm import GemmPlan, render_plan
+from epicute.gemm.epilogue_args import aux_outputs, check_outs_names, kernel_inputs
+from epicute.gemm.launch import launch_gemm
+from epicute.gemm.prepare import GemmRequest, PreparedGemm, ir_items, prepare
+from epicute.gemm.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry, tune_key
+from epicute.gemm.validate import GemmCall, check_gemm_args
+from epicute.runtime.checks import check_has_values
+from epicute.runtime.target import Target, current_target, resolve_target
+from epicute.runtime.torch_ops import gemm_op_call
+
+
+def _overrides(config: dict | None) -> tuple:
+    return tuple(sorted((config or {}).items()))
+
+
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    epilogue: Callable | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    out_dtypes: dict[str, torch.dtype] | None = None,
+    outs: dict[str, torch.Tensor] | None = None,
+    backend: str = "kernel",
+    config: dict | None = None,
+    tune: bool = False,
+    **operands: Any,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """``a @ b`` on a Hopper GPU, optionally with a fused epilogue.
+
+    Args:
+        a: ``(M, K)`` or batched ``(L, M, K)``, bf16 or fp16, row- or column-major.
+        b: ``(K, N)`` or ``(L, K, N)``, same dtype as ``a``, row- or column-major
+            (``w.t()`` of a row-major ``(N, K)`` weight works without a copy).
+        epilogue: a function ``f(acc, *operands) -> {"D": ...}`` (see
+            :func:`epicute.epilogue`); its operands are passed by name as keyword
+            arguments (scalars, row/column vectors or full tiles).
+        out: optional preallocated row-major output ``(M, N)`` / ``(L, M, N)``.
+        out_dtype: D's dtype: bf16, fp16, fp32, or fp8 ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``
+            (saturating at the format's largest finite value; N a multiple of 16); defaults to
+            ``out.dtype``, else the dtype an epilogue's own final ``ops.cast``/``ops.quantize`` of D
+            gives, else ``a.dtype``.
+        out_dtypes: dtypes of the epilogue's outputs by name (``"D"`` included); an output
+            without one is stored in the dtype of its own final ``cast``/``quantize``, else in D's.
+            fp8 outputs saturate at the format's largest finite value.
+        outs: preallocated aux tile outputs by name (D goes in ``out``).
+        backend: ``"kernel"`` (the GPU) or ``"reference"`` (float32 on the CPU,
+            any device: the oracle every GPU test compares against).
+        config: optional :class:`epicute.gemm.config.GemmConfig` fields to pin
+            (e.g. ``{"tile_n": 128}``); the planner chooses the rest. The reference
+            backend checks the pins as the kernel would, then has no use for them.
+        tune: use the fastest config measured for this problem by :func:`tune`
+            (stored on disk); the first call for a new problem runs the tuning.
+
+    Returns:
+        D, accumulated in fp32 and rounded once to its dtype; a dict of all
+        outputs when the epilogue returns more than ``"D"``: aux tiles like D,
+        ``row_*`` reductions ``(M,)``/``(L, M)``, ``col_*`` ``(N,)``/``(L, N)``
+        and ``amax`` a 0-d tensor, all fp32, bitwise reproducible run to run.
+        Reductions propagate NaN (``*_max`` and ``amax`` included); over an empty
+        extent a sum is 0, a max -inf and an amax 0. ``K = 0`` gives the epilogue
+        of a zero accumulator.
+
+    Example:
+        >>> import torch, epicute                                  # doctest: +SKIP
+        >>> a = torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16)
+        >>> w = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16)
+        >>> y = epicute.gemm(a, w.t())                              # (1000, 14336)
+        >>> z = epicute.gemm(a, w.t(), epilogue=lambda acc, bias: epicute.ops.relu(acc + bias),
+        ...                  bias=torch.randn(14336, device="cuda", dtype=torch.bfloat16))
+    """
+    if torch.compiler.is_compiling():
+        # torch.compile sees one custom op (epicute::gemm), never this Python code.
+        return gemm_op_call(
+            a, b, epilogue=epilogue, out=out, out_dtype=out_dtype, out_dtypes=out_dtypes, outs=outs,
+            backend=backend, config=config, operands=operands,
+        )  # fmt: skip
+    if backend not in ("kernel", "reference"):
+        raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
+    if backend == "reference":
+        check_has_values(("a", a), ("b", b))
+    if tune and backend == "kernel":
+        tuned = _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands)
+        config = {**tuned, **(config or {})}  # the caller's pins win
+    on_gpu = backend == "kernel"
+    call, specs, request = describe_call(a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, on_gpu)
+    prepared = _prepare_memo(request, epilogue)
+    if prepared.epilogue is None:
+        if backend == "reference":
+            return _deliver(call, {"D": _reference_matmul(call)})
+        return launch_gemm(call, prepared.plan)
+    call = _with_d_dtype(call, prepared.d_torch_dtype, a, b, out, require_cuda=on_gpu)
+    outs = dict(outs or {})
+    if backend == "reference":
+        check_outs_names(outs, prepared.epilogue.aux_outputs)
+        stored = {name: IR_TO_TORCH[dtype] for name, dtype in prepared.output_dtypes.items()}
+        return _deliver(call, reference_gemm(call.a, call.b, request.epilogue, operands, stored), outs)
+    p, device = call.problem, call.a.device
+    tensors, scalars = kernel_inputs(prepared.fusion, specs, device)
+    aux = aux_outputs(prepared.fusion, outs, (p.l, p.m, p.n), call.batched, device)
+    return launch_gemm(call, prepared.plan, prepared.fusion, tensors, scalars, aux)
+
+
+def describe_call(
+    a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, require_cuda: bool
+) -> tuple[GemmCall, dict[str, OperandSpec], GemmRequest]:
+    """Validate a call's tensors and describe it: the call, its resolved operands and its :class:`GemmRequest`."""
+    if epilogue is None and (operands or out_dtypes or outs):
+        given = sorted(operands) or list(out_dtypes or outs)
+        raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
+    if out_dtypes and "D" in out_dtypes:
+        out_dtype = out_dtype or out_dtypes["D"]
+    call = check_gemm_args(a, b, out, out_dtype, require_cuda=require_cuda)
+    if epilogue is None:
+        return call, {}, GemmRequest(call.problem, overrides=_overrides(config))
+    p = call.problem
+    epi = as_epilogue(epilogue)
+    specs = epi.operands(operands, p.m, p.n, p.l)
+    request = GemmRequest(
+        p, epi, tuple((s.name, s.kind, s.dtype) for s in specs.values()),
+        d_explicit=out is not None or out_dtype is not None,
+        out_dtypes=ir_items(out_dtypes, "out_dtypes"),
+        outs_dtypes=ir_items({name: t.dtype for name, t in (outs or {}).items()}, "outs"),
+        overrides=_overrides(config),
+    )  # fmt: skip
+    return call, specs, request
+
+
+#: Prepared epilogue calls, by what tracing depends on (see _capture_key) and the rest of the request.
+_PREPARED: dict[tuple, PreparedGemm] = {}
+
+
+def _prepare_memo(request: GemmRequest, epilogue: Callable | None) -> PreparedGemm:
+    """:func:`prepare`, remembered per epilogue capture: a repeat call neither traces nor plans."""
+    if request.epilogue is None:
+        return prepare(request)  # a plan-cache hit
+    capture = _capture_key(epilogue)
+    key = None if capture is None else (capture, request.signature())
+    prepared = _PREPARED.get(key) if key is not None else None
+    if prepared is None:
+        prepared = prepare(request)
+        if key is not None:
+            if len(_PREPARED) >= 1024:
+                _PREPARED.clear()
+            _PREPARED[key] = prepared
+    return prepared
+
+
+def _capture_key(fn: Callable) -> tuple | None:
+    """What tracing ``fn`` can depend on besides its code: the function object, its
+    closure values, defaults and the module globals it names. A later call with an
+    equal key reuses the trace; ``None`` (something unhashable) means always trace."""
+    fn = getattr(fn, "fn", fn)  # an Epilogue's function
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    cells = tuple(cell.cell_contents for cell in fn.__closure__ or ())
+    names = tuple((name, fn.__globals__[name]) for name in code.co_names if name in fn.__globals__)
+    key = (fn, cells, fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items())), names)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _with_d_dtype(call, d_dtype, a, b, out, *, require_cuda: bool):
+    """``call`` again with D stored in ``d_dtype`` (an epilogue's own cast/quantize may choose it)."""
+    return call if d_dtype == call.out_dtype else check_gemm_args(a, b, out, d_dtype, require_cuda=require_cuda)
+
+
+def tune(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    epilogue: Callable | None = None,
+    out_dtype: torch.dtype | None = None,
+    out_dtypes: dict[str, torch.dtype] | None = None,
+    iters: int = 20,
+    warmup: int = 5,
+    progress: bool = True,
+    **operands: Any,
+) -> TuneResult:
+    """Time every config the planner accepts for ``a @ b`` (with ``epilogue``) on the GPU; store the fastest.
+
+    Later ``gemm(..., tune=True)`` calls for the same problem (and epilogue, GPU
+    and epicute version), in any process, use the stored winner.
+
+    Example:
+        >>> result = epicute.tune(x, w.t(), iters=10)                 # doctest: +SKIP
+        >>> result.best, result.speedup_over_planner                  # doctest: +SKIP
+        ({'cluster_m': 2, 'cluster_n': 1, 'persistent': True, 'tile_n': 256}, 1.0)
+    """
+    from epicute.benchmark import time_cuda
+
+    if not torch.cuda.is_available():
+        raise DeviceError("tune() times candidate kernels on a CUDA GPU; none is visible")
+    key, prepared = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)
+    options = candidates(prepared.plan.problem, prepared.plan.target, prepared.plan.epilogue)
+
+    def measure(overrides: dict) -> float:
+        run = functools.partial(gemm, a, b, epilogue=epilogue, out_dtype=out_dtype, out_dtypes=out_dtypes,
+                                config=overrides, **operands)  # fmt: skip
+        return time_cuda(run, warmup=warmup, iters=iters)
+
+    with Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task("tuning", total=len(options))
+
+        def advance(name: str) -> None:
+            bar.update(task, advance=1, description=f"tuning {name}")
+
+        result = pick_fastest(options, measure, advance)
+    store_winner(key, result)
+    _TUNED[key] = result.best
+    return result
+
+
+#: Stored winners already read in this process, by tune key.
+_TUNED: dict[str, dict] = {}
+
+
+def _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands) -> tuple[str, PreparedGemm]:
+    """The tune key of one call and its preparation (the problem with D's dtype settled, the epilogue's buffers)."""
+    _, _, request = describe_call(a, b, epilogue, None, out_dtype, out_dtypes, None, None, operands, False)
+    prepared = prepare(request)
+    epi_hash = None if prepared.epilogue is None else semantic_hash(prepared.epilogue.graph)
+    return tune_key(prepared.plan.problem, epi_hash, current_target().device), prepared
+
+
+def _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands) -> dict:
+    key, _ = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)
+    if key not in _TUNED:
+        stored = stored_entry(key)
+        _TUNED[key] = stored["best"] if stored is not None else tune(
+            a, b, epilogue=epilogue, out_dtype=out_dtype, out_dtypes=out_dtypes, **operands
+        ).best
+    return _TUNED[key]
+
+
+def _reference_matmul(call) -> torch.Tensor:
+    """The plain GEMM in float32 on the CPU, stored like the kernel stores D (fp8 saturates)."""
+    return round_to(torch.matmul(call.a.cpu().float(), call.b.cpu().float()), TORCH_TO_IR[call.out_dtype])
+
+
+def _deliver(call, results: dict[str, torch.Tensor], outs: dict | None = None):
+    """Reference results in the caller's rank, copied into ``out``/``outs`` when given."""
+    if not call.batched:
+        results = {k: v[0] if v.dim() else v for k, v in results.items()}
+    targets = dict(outs or {})
+    if call.out is not None:
+        targets["D"] = call.out if call.batched else call.out[0]
+    for name, target in targets.items():
+        target.copy_(results[name].reshape(target.shape))
+        results[name] = target
+    return results["D"] if set(results) == {"D"} else results
+
+
+def explain(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    epilogue: Callable | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    out_dtypes: dict[str, torch.dtype] | None = None,
+    outs: dict[str, torch.Tensor] | None = None,
+    config: dict | None = None,
+    target: Target | str | None = None,
+    file: TextIO | str | None = "stdout",
+    **operands: Any,
+) -> GemmPlan:
+    """Print (to ``file``, default stdout; ``None`` to stay quiet) and return the plan for ``a @ b``.
+
+    Takes :func:`gemm`'s arguments and goes the same way (:func:`epicute.gemm.prepare.prepare`),
+    so the plan is the one ``gemm`` launches: with ``epilogue`` (and its operands) it
+    budgets the epilogue's shared memory, D's dtype is the one stored, and the text
+    ends with the stage chain the kernel runs.
+    Works without a GPU: tensors may live on any device, ``"meta"`` included,
+    and the plan then targets an H100 SXM, or ``target``: a name of
+    :data:`epicute.runtime.target.TARGETS` (``"h100-pcie"``, ``"h20"``...) or a
+    :class:`~epicute.runtime.target.Target` (default: the visible GPU).
+
+    Example:
+        >>> import torch, epicute
+        >>> a = torch.empty(8192, 8192, dtype=torch.bfloat16, device="meta")
+        >>> plan = epicute.explain(a, a, file=None)
+        >>> plan.config.tile_m, plan.config.tile_n
+        (128, 256)
+        >>> bias = torch.empty(8192, dtype=torch.bfloat16, device="meta")
+        >>> plan = epicute.explain(a, a, epilogue=lambda acc, bias, residual: epicute.ops.gelu(acc + bias) + residual,
+        ...                        bias=epicute.RowVector(bias), residual=a, file=None)
+        >>> [item.name for item in plan.smem][-2:]
+        ['operand tile 0', 'row vector 0']
+    """
+    _, _, request = describe_call(a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, False)
+    resolved = resolve_target(target)
+    plan = prepare(replace(request, target=resolved)).plan
+    if file is not None:
+        text = render_plan(plan)
+        # Tuned winners are stored per GPU: only the current one's apply to its own plan.
+        tuned = None
+        if resolved == current_target():
+            tuned = stored_entry(_tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)[0])
+        if tuned is not None:
+            times, best, planner = tuned["times_ms"], label(tuned["best"]), label(tuned["planner"])
+            text += (
+                f"\n\ntuned (epicute.tune, stored): {best} at {times[best]:.3f} ms vs the "
+                f"planner's {planner} at {times[planner]:.3f} ms; "
+                "gemm(..., tune=True) uses it"
+            )
+        # Resolved per call so redirect_stdout, capsys and notebooks see the text.
+        print(text, file=sys.stdout if file == "stdout" else file)
+    return plan

@@ -1,0 +1,393 @@
+"""Choosing a GEMM configuration for a problem: the planner's decisions, with reasons.
+
+Pure Python: it runs without a GPU and is unit-tested on CPU. Each decision
+appends a one-line reason to the config, which ``explain`` prints.
+
+The choices, in order (measurements behind them: ``bench/results/configs*.json``):
+
+0. **schedule**: cooperative for a plain GEMM, unless ping-pong's 128x192 tile is
+   estimated faster (it fills the last wave better on some shapes: 8192^3,
+   1024x14336x4096). With a fused epilogue: cooperative when the problem has at
+   most four 128x128 tiles per SM (with so few tiles per warpgroup the overlap
+   does not pay for a lone warpgroup's slower mainloop); otherwise whichever
+   schedule's best tile the roofline estimates faster, charging the epilogue's
+   arithmetic in full to cooperative and half to ping-pong, which runs it under
+   the other warpgroup's mainloop.
+1. **tile_n**: cooperative from {256, 128, 64}, ping-pong from {192, 128, 64}:
+   the one with the smallest estimated time (wave quantization x per-tile
+   efficiency, see :mod:`epicute.gemm.roofline`). Narrow tiles win where wider
+   ones leave SMs idle: 256x4096x4096 runs 64 tiles of 128x128 but 128 of
+   128x64 (measured 414 vs 330 TFLOPS).
+   **epilogue code**: the epilogue is unrolled over a thread's accumulators, so
+   its code grows with elements per thread x instructions per element; past
+   :data:`EPILOGUE_CODE_BUDGET` it evicts the mainloop from the instruction
+   cache, and the planner moves to cooperative tiles with fewer elements per
+   thread.
+2. **cluster**: 2x1 (B multicast to two M-neighbours, halving its L2->SM
+   traffic) when there are at least two M tiles and at least half a wave of
+   tiles (measured: +12-40% on small-M shapes with a long K); otherwise 1x1,
+   because an idle cluster peer costs an SM.
+3. **persistent or not**: persistent when there is more than one wave of tiles
+   (the epilogue of tile i then overlaps the mainloop of tile i+1, so D needs
+   its own staging buffers); a single wave gains nothing from persistence, so
+   its epilogue stages D in the idle A ring and the smem goes to A/B stages.
+4. **stages**: as many A/B stages as the budget allows after the epilogue's
+   minimum (2 D buffers), then leftover shared memory deepens the D buffers.
+5. **rasterization**: bands of 8 clusters, swept along the longer output dimension (the
+   smaller operand is the one re-read per band); when M == N, the walk whose tiles in
+   flight cover the squarer block of the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from epicute.errors import ConfigError
+from epicute.gemm.config import THREADS_PER_WARPGROUP, GemmConfig, GemmProblem
+from epicute.gemm.roofline import estimate_seconds
+from epicute.gemm.smem import (
+    NO_EPILOGUE,
+    EpilogueBuffers,
+    ab_stage_bytes,
+    epi_fits_in_a_ring,
+    epi_stage_bytes,
+    epilogue_region_bytes,
+    smem_total,
+)
+from epicute.runtime.target import H100_SXM, Target
+
+MAX_AB_STAGES = 8
+MAX_EPI_STAGES = 4
+MIN_EPI_STAGES = 2
+EPI_TILE_N = 32
+#: Unrolled epilogue instructions per consumer thread that leave the mainloop's code in
+#: the SM's instruction cache. Measured (gelu chains at 4096x14336x4096, bench/NOTES.md):
+#: up to ~7.5k the cost follows the arithmetic; at 9-11k the kernels ran 2.2-2.9x the
+#: plain GEMM's time, with ncu's no-instruction stalls up 500-fold.
+EPILOGUE_CODE_BUDGET = 8192
+#: A fused epilogue gets ping-pong above this many waves of 128x128 tiles (see choose_schedule).
+PINGPONG_MIN_WAVES = 4
+_PLANNED_FIELDS = {
+    "tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "persistent", "epi_tile", "schedule",
+    "epi_reuses_ab_smem", "raster_along_m", "swizzle", "ab_stages", "num_epi_stages", "num_c_stages",
+}  # fmt: skip
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _num_tiles(problem: GemmProblem, tile_m: int, tile_n: int) -> int:
+    return _ceil_div(problem.m, tile_m) * _ceil_div(problem.n, tile_n) * problem.l
+
+
+def choose_schedule(
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, tile_pinned: bool = False
+) -> tuple[str, str]:
+    if not epilogue.chain:
+        # A plain GEMM's ping-pong is a tile choice: its widest tile (128x192, one warpgroup's
+        # accumulators) fills the last wave better than 128x256 on some shapes and reuses more
+        # per byte than 128x128 (1024x14336x4096: 716 vs 672 and 692 TFLOPS,
+        # bench/results/configs_pingpong.json). A pinned tile keeps the cooperative default.
+        if not tile_pinned and problem.n > 128:
+            cooperative, coop_n = best_tile_estimate(problem, hw, epilogue, "cooperative")
+            pingpong = estimate_seconds(problem, hw, 128, 192, schedule="pingpong")
+            if pingpong < cooperative:
+                return "pingpong", (
+                    f"plain GEMM: ping-pong 128x192 tiles estimated {pingpong * 1e6:.0f} us vs "
+                    f"{cooperative * 1e6:.0f} us for cooperative 128x{coop_n} (wave quantization)"
+                )
+        why = "plain GEMM with a pinned tile" if tile_pinned else "plain GEMM"
+        return "cooperative", f"{why}: two warpgroups on one 128-row tile"
+    tiles = _num_tiles(problem, 128, 128)
+    if tiles <= PINGPONG_MIN_WAVES * hw.num_sms:
+        # Measured, gelu/bias/residual (bench/results/configs_epilogue_{one_wave,waves}.json):
+        # cooperative 569 vs ping-pong 525 TFLOPS at 512x4096x4096 (1 wave; ncu: 74% vs 55%
+        # tensor-pipe use), 658 vs 580 at 1024x4096x4096 (2), 732 vs 654 at 1024x8192x8192
+        # (3.9); ping-pong ahead from 1024x14336x4096 (6.8 waves: 654 vs 636).
+        return "cooperative", (
+            f"{tiles} 128x128 tiles are at most {PINGPONG_MIN_WAVES} per SM: too few for ping-pong's overlap to pay"
+        )
+    # Enough tiles: compare the two schedules' best tiles. The cooperative epilogue's
+    # arithmetic is exposed but runs on 128x256 tiles, which fill these waves better than
+    # ping-pong's 128x192 on most shapes (fused gelu, cooperative vs ping-pong TFLOPS:
+    # 4096^3 713 vs 661, 2048x8192x8192 786 vs 709, 16384x4096x4096 735 vs 704; ping-pong
+    # ahead at 4096x14336x4096 and 8192^3: bench/NOTES.md, session 9).
+    estimates = {
+        schedule: best_tile_estimate(problem, hw, epilogue, schedule) for schedule in ("pingpong", "cooperative")
+    }
+    best = min(estimates, key=lambda name: estimates[name][0])
+    other = "cooperative" if best == "pingpong" else "pingpong"
+    return best, (
+        f"fused epilogue: {best} 128x{estimates[best][1]} estimated {estimates[best][0] * 1e6:.0f} us vs "
+        f"{estimates[other][0] * 1e6:.0f} us for {other} 128x{estimates[other][1]} "
+        + (
+            "(the epilogue runs under the other warpgroup's mainloop)"
+            if best == "pingpong"
+            else "(wider tiles fill the waves better than the epilogue costs exposed)"
+        )
+    )
+
+
+def epilogue_code(epilogue: EpilogueBuffers, schedule: str, tile_m: int, tile_n: int) -> int:
+    """Estimated unrolled epilogue instructions per consumer thread of a tile."""
+    threads = THREADS_PER_WARPGROUP * (1 if schedule == "pingpong" else 2)
+    return tile_m * tile_n // threads * epilogue.instructions_per_element
+
+
+def fit_epilogue_code(
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str, tile_n: int
+) -> tuple[str, int, str]:
+    """(schedule, tile_n, reason) whose 128-row tile keeps the epilogue's code within budget:
+    the given pair if it fits, else the widest cooperative tile that does (else the narrowest)."""
+    per_element = epilogue.instructions_per_element
+    code = epilogue_code(epilogue, schedule, 128, tile_n)
+    note = f"epilogue code ~{per_element} instructions per element x {code // per_element} per thread = {code}"
+    if code <= EPILOGUE_CODE_BUDGET:
+        return schedule, tile_n, f"{note}, within the {EPILOGUE_CODE_BUDGET} budget"
+    widest, _ = choose_tile_n(problem, hw, epilogue, "cooperative")
+    widths = [w for w in (256, 128, 64) if w <= widest] or [64]
+    width = next((w for w in widths if epilogue_code(epilogue, "cooperative", 128, w) <= EPILOGUE_CODE_BUDGET), 64)
+    return (
+        "cooperative",
+        width,
+        (
+            f"{note}, over the {EPILOGUE_CODE_BUDGET} budget (beyond it the unrolled epilogue evicts the mainloop "
+            f"from the instruction cache): cooperative 128x{width} "
+            f"({epilogue_code(epilogue, 'cooperative', 128, width)}) instead of {schedule} 128x{tile_n}"
+        ),
+    )
+
+
+def best_tile_estimate(
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str
+) -> tuple[float, int]:
+    """(estimated seconds, tile N) of ``schedule``'s best 128-row tile."""
+    width, _ = choose_tile_n(problem, hw, epilogue, schedule)
+    return estimate_seconds(problem, hw, 128, width, epilogue, schedule), width
+
+
+def choose_tile_n(
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers = NO_EPILOGUE, schedule: str = "cooperative"
+) -> tuple[int, str]:
+    if problem.n <= 64:
+        return 64, f"N={problem.n} fits one 64-wide tile"
+    if problem.n <= 128:
+        return 128, f"N={problem.n} fits one 128-wide tile"
+    wide = 192 if schedule == "pingpong" else 256
+    # Widest first, so that a tie keeps the tile with the most reuse per byte.
+    times = {width: estimate_seconds(problem, hw, 128, width, epilogue, schedule) for width in (wide, 128, 64)}
+    best = min(times, key=times.__getitem__)
+    others = ", ".join(f"{seconds * 1e6:.0f} us for 128x{width}" for width, seconds in times.items() if width != best)
+    why = {wide: "", 128: " (wave quantization)", 64: " (too few wider tiles to fill the SMs)"}[best]
+    return best, f"128x{best} tiles estimated {times[best] * 1e6:.0f} us vs {others}{why}"
+
+
+def raster_window(
+    problem: GemmProblem, tile_mn: tuple[int, int], cluster: tuple[int, int], band: int, clusters: int, along_m: bool
+) -> tuple[int, int]:
+    """(rows, columns) of the output that ``clusters`` clusters in flight cover at one moment when
+    the tile scheduler walks bands of ``band`` clusters (across N, swept down M if ``along_m``)."""
+    rows, cols = tile_mn[0] * cluster[0], tile_mn[1] * cluster[1]
+    clusters_m, clusters_n = _ceil_div(problem.m, rows), _ceil_div(problem.n, cols)
+    if along_m:
+        width = min(band, clusters_n)
+        return min(_ceil_div(clusters, width), clusters_m) * rows, width * cols
+    height = min(band, clusters_m)
+    return height * rows, min(_ceil_div(clusters, height), clusters_n) * cols
+
+
+def choose_raster(
+    problem: GemmProblem, tile_mn: tuple[int, int], cluster: tuple[int, int], band: int, in_flight: int
+) -> tuple[bool, str]:
+    """Whether bands run across N, swept down M (True), or across M, swept across N.
+
+    Each band re-reads the operand it sweeps: bands across N read A once per band, so the
+    longer output dimension is the one swept. When M == N that is a tie, and the walk
+    whose tiles in flight cover the squarer block of the output wins: every k-step those
+    tiles read (rows + columns) x 64 elements from L2, and the squarer block re-uses more
+    of them. Ping-pong's 128x192 tiles, two per SM, cover 4352x1536 one way and 2048x3264
+    the other at 8192^3; measured 778 vs 792 TFLOPS (bench/NOTES.md, session 9)."""
+    if problem.m != problem.n:
+        along_m = problem.m > problem.n
+        return along_m, f"{'A' if along_m else 'B'}, the smaller operand, is the one re-read per band"
+    windows = {along_m: raster_window(problem, tile_mn, cluster, band, in_flight, along_m) for along_m in (True, False)}
+    if sum(windows[True]) == sum(windows[False]):
+        rows, cols = windows[True]
+        return True, f"M == N: either walk covers {rows}x{cols} with the {in_flight} clusters in flight"
+    along_m = sum(windows[True]) < sum(windows[False])
+    (rows, cols), other = windows[along_m], windows[not along_m]
+    return along_m, (
+        f"M == N: the {in_flight} clusters in flight cover {rows}x{cols} instead of {other[0]}x{other[1]}, "
+        "fewer A rows plus B columns per k-step"
+    )
+
+
+def fit_stages(cfg: GemmConfig, problem: GemmProblem, budget: int, epi: EpilogueBuffers = NO_EPILOGUE) -> GemmConfig:
+    """Largest A/B ring, then deepest D staging, that fit in ``budget`` bytes.
+
+    The fused epilogue's buffers (``epi``: operand rings, aux staging, vectors)
+    are paid first; they scale with ``num_epi_stages`` too, so deeper D staging
+    is only bought when every output's ring still fits.
+    """
+    ab, d = problem.ab_dtype, problem.d_dtype
+    best = None
+    for ab_stages in range(MAX_AB_STAGES, 1, -1):
+        trial = replace(cfg, ab_stages=ab_stages, num_epi_stages=MIN_EPI_STAGES)
+        if trial.epi_reuses_ab_smem and not epi_fits_in_a_ring(trial, ab, d):
+            continue
+        if smem_total(trial, ab, d, epi) <= budget:
+            best = trial
+            break
+    if best is None:
+        raise ConfigError(
+            f"tile {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} does not fit 2 A/B stages in "
+            f"{budget} bytes of shared memory next to the epilogue's "
+            f"{epilogue_region_bytes(cfg, epi)} B; use a smaller tile (config={{'tile_n': 128}})"
+        )
+    for epi_stages in range(MAX_EPI_STAGES, MIN_EPI_STAGES, -1):
+        trial = replace(best, num_epi_stages=epi_stages)
+        if trial.epi_reuses_ab_smem and not epi_fits_in_a_ring(trial, ab, d):
+            continue
+        if smem_total(trial, ab, d, epi) <= budget:
+            return trial
+    return best
+
+
+def choose_config(
+    problem: GemmProblem, hw: Target = H100_SXM, epilogue: EpilogueBuffers = NO_EPILOGUE, **overrides
+) -> GemmConfig:
+    """The planner's configuration for ``problem``; keyword overrides pin any field.
+
+    ``epilogue`` is what a fused epilogue needs in shared memory; the A/B ring
+    gives way to it.
+
+    Overridden fields are kept as given (and validated); the planner still fits
+    whatever the caller left open (e.g. stages) around them.
+    """
+    unknown = set(overrides) - set(GemmConfig.__dataclass_fields__) - {"reasons"}
+    if unknown:
+        raise ConfigError(
+            f"unknown config field(s) {sorted(unknown)}; known: {sorted(GemmConfig.__dataclass_fields__)}"
+        )
+    if "schedule" in overrides:
+        schedule, schedule_why = overrides["schedule"], "requested"
+    elif overrides.get("tile_n") == 256:
+        schedule, schedule_why = "cooperative", "a 128x256 tile needs both warpgroups' registers"
+    elif overrides.get("persistent") is False or overrides.get("epi_reuses_ab_smem"):
+        schedule, schedule_why = "cooperative", "one tile per CTA leaves a ping-pong warpgroup idle"
+    else:
+        tile_pinned = bool({"tile_m", "tile_n", "epi_tile"} & set(overrides))
+        schedule, schedule_why = choose_schedule(problem, hw, epilogue, tile_pinned)
+    tile_m = overrides.get("tile_m", 128)
+    tile_n = overrides.get("tile_n")
+    if tile_n is None:
+        tile_n, tile_why = choose_tile_n(problem, hw, epilogue, schedule)
+    else:
+        tile_why = "requested"
+    code_why = None
+    if epilogue.instructions_per_element and tile_m == 128:
+        pinned = {"schedule", "tile_n"} & set(overrides)
+        if pinned:
+            code = epilogue_code(epilogue, schedule, tile_m, tile_n)
+            code_why = (f"epilogue code ~{code} instructions per thread ({EPILOGUE_CODE_BUDGET} budget; "
+                        f"{' and '.join(sorted(pinned))} requested)")  # fmt: skip
+        else:
+            fitted_schedule, fitted_n, code_why = fit_epilogue_code(problem, hw, epilogue, schedule, tile_n)
+            if (fitted_schedule, fitted_n) != (schedule, tile_n):
+                schedule, tile_n = fitted_schedule, fitted_n
+                schedule_why = tile_why = "the epilogue's code (below)"
+    reasons = [f"schedule {schedule}: {schedule_why}", f"tile {tile_m}x{tile_n}x64: {tile_why}"]
+    if code_why:
+        reasons.append(code_why)
+    tiles = _num_tiles(problem, tile_m, tile_n)
+    tiles_m = _ceil_div(problem.m, tile_m)
+
+    if "cluster_m" in overrides or "cluster_n" in overrides:
+        cluster = (overrides.get("cluster_m", 1), overrides.get("cluster_n", 1))
+        reasons.append(f"cluster {cluster[0]}x{cluster[1]}: requested")
+    elif tiles_m >= 2 and 2 * tiles >= hw.num_sms:
+        cluster = (2, 1)
+        reasons.append("cluster 2x1: B tiles multicast to 2 CTAs, halving B's L2->SM traffic")
+    else:
+        cluster = (1, 1)
+        reasons.append(
+            f"cluster 1x1: {tiles} tile(s) in {tiles_m} row(s) of tiles fill under half a wave; "
+            "a cluster peer would idle an SM"
+        )
+
+    max_clusters = hw.num_sms // (cluster[0] * cluster[1])
+    if schedule == "pingpong" and "persistent" not in overrides:
+        persistent = True
+        reasons.append("persistent: the ping-pong warpgroups take alternate tiles of each CTA")
+    elif "persistent" in overrides:
+        persistent = overrides["persistent"]
+        reasons.append(f"{'persistent' if persistent else 'one tile per CTA'}: requested")
+    elif _ceil_div(tiles, cluster[0] * cluster[1]) > max_clusters:
+        persistent = True
+        reasons.append(
+            f"persistent grid of {max_clusters * cluster[0] * cluster[1]} CTAs over {tiles} tiles: "
+            "tile i's epilogue overlaps tile i+1's mainloop, so D gets its own smem"
+        )
+    else:
+        persistent = False
+        reasons.append(f"one tile per CTA ({tiles} tiles <= {hw.num_sms} SMs): D staging reuses the idle A ring")
+
+    if "raster_along_m" in overrides:
+        raster_along_m, raster_why = overrides["raster_along_m"], "requested"
+    else:
+        # A ping-pong CTA has two tiles in flight, so its clusters count twice.
+        in_flight = max_clusters * (2 if schedule == "pingpong" else 1)
+        raster_along_m, raster_why = choose_raster(
+            problem, (tile_m, tile_n), cluster, overrides.get("swizzle", 8), in_flight
+        )
+    cfg = GemmConfig(
+        schedule=schedule,
+        tile_m=tile_m,
+        tile_n=tile_n,
+        tile_k=overrides.get("tile_k", 64),
+        cluster_m=cluster[0],
+        cluster_n=cluster[1],
+        persistent=persistent,
+        epi_tile=overrides.get("epi_tile", (64 if schedule == "pingpong" else tile_m, min(EPI_TILE_N, tile_n))),
+        epi_reuses_ab_smem=overrides.get("epi_reuses_ab_smem", not persistent),
+        raster_along_m=raster_along_m,
+        swizzle=overrides.get("swizzle", 8),
+    )
+    cfg = replace(cfg, num_c_stages=overrides.get("num_c_stages", cfg.num_c_stages))
+    if "ab_stages" in overrides or "num_epi_stages" in overrides:
+        cfg = replace(
+            cfg,
+            ab_stages=overrides.get("ab_stages", cfg.ab_stages),
+            num_epi_stages=overrides.get("num_epi_stages", cfg.num_epi_stages),
+        )
+        reasons.append("stages: requested")
+    else:
+        cfg = fit_stages(cfg, problem, hw.smem_per_cta_bytes, epilogue)
+        extra = epilogue_region_bytes(cfg, epilogue)
+        reasons.append(
+            f"{cfg.ab_stages} A/B stages of {ab_stage_bytes(cfg, problem.ab_dtype)} B and "
+            f"{cfg.num_epi_stages} D buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B"
+            + (f" next to the fused epilogue's {extra} B" if extra else "")
+            + f" fill the {hw.smem_per_cta_bytes} B budget"
+        )
+    reasons.append(
+        f"raster: bands of {cfg.swizzle} clusters along {'N, swept down M' if raster_along_m else 'M, swept across N'}"
+        f" ({raster_why})"
+    )
+    # Fields the planner has no opinion on (register budgets, schedule) pass through.
+    passthrough = {k: v for k, v in overrides.items() if k not in _PLANNED_FIELDS}
+    cfg = replace(cfg, **passthrough, reasons=tuple(reasons))
+    cfg.validate()
+    if cfg.epi_reuses_ab_smem and not epi_fits_in_a_ring(cfg, problem.ab_dtype, problem.d_dtype):
+        raise ConfigError(
+            f"{cfg.num_epi_stages} D staging buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B do not fit in "
+            f"the A ring they would reuse ({cfg.ab_stages} stages); raise ab_stages or lower num_epi_stages"
+        )
+    total = smem_total(cfg, problem.ab_dtype, problem.d_dtype, epilogue)
+    if total > hw.smem_per_cta_bytes:
+        raise ConfigError(
+            f"configuration needs {total} B of shared memory, over the {hw.smem_per_cta_bytes} B "
+            "per CTA; lower ab_stages or num_epi_stages"
+        )
+    return cfg

@@ -1,0 +1,618 @@
+"""The warp-specialized, persistent SM90 GEMM with a TMA-store epilogue.
+
+``D[l] = A[l] @ B[l]``. One CTA = one producer warpgroup + two consumer
+warpgroups. Under the *cooperative* schedule both consumers split one 128-row
+tile (64 rows each); under *ping-pong* each consumer owns alternate tiles of the
+CTA's schedule, and two ``WarpgroupTurns`` order them: mainloops take turns at
+the tensor cores, epilogues take turns at the staging buffers, so one
+warpgroup's epilogue runs under the other's mainloop. Consumers working on
+one tile form a *team* (both warpgroups, or one).
+
+- producer (warp 0 of warpgroup 0, registers lowered to ``producer_regs``):
+  walks the tile schedule and streams A/B k-tiles into an ``ab_stages``-deep
+  shared-memory ring with TMA (multicast across the cluster when it has 2 CTAs);
+- consumers (registers raised to ``consumer_regs``): wait on the ring's full
+  barriers, issue WGMMA with fp32 accumulators, release stages once the WGMMA
+  that read them retired, then run the epilogue for that tile; a ping-pong
+  warpgroup steps its ring positions over the other's tiles;
+- epilogue (the team's threads): for each ``epi_tile`` subtile in row-major
+  order, copy its accumulators out, cast, ``stmatrix`` into one of
+  ``num_epi_stages`` staging buffers and publish it with a TMA store
+  (:class:`~epicute.sm90.pipeline.TmaStoreEpilogue`);
+- fused epilogue (optional, :mod:`epicute.sm90.epilogue_emit`): warp 1 of the
+  producer warpgroup TMA-loads the full-tile operands one subtile ahead into a
+  ``num_c_stages`` ring; consumers fetch this tile's row/column vector slices
+  before the mainloop and park them in shared memory after it; per element
+  they compute the graph in fp32; aux tile outputs are staged and stored with
+  D in one bulk group; reductions leave per-tile partials in fp32 workspaces.
+
+Host tensors arrive in torch order -- A ``(L, M, K)``, B ``(L, K, N)``, D
+``(L, M, N)`` with any of the supported majors -- and are rotated to CuTe's
+``(M, K, L)`` / ``(N, K, L)`` / ``(M, N, L)`` at trace time, which is free.
+Problem sizes and strides are dynamic: one compiled kernel serves every shape.
+Ragged edges need no code: TMA zero-fills out-of-bounds loads (so partial
+k-tiles add zeros) and clips out-of-bounds stores.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, cute, pipeline
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from epicute.epilogue.fusion import EpilogueFusion
+from epicute.gemm.config import THREADS_PER_WARPGROUP, GemmConfig
+from epicute.gemm.smem import NO_EPILOGUE, epilogue_region, epilogue_region_bytes
+from epicute.sm90 import epilogue_emit as emit
+from epicute.sm90.epilogue_emit import DSL_DTYPES
+from epicute.sm90.fragments import warpgroup_slice
+from epicute.sm90.pipeline import (
+    NamedBarriers,
+    TmaStoreEpilogue,
+    WarpgroupTurns,
+    make_local_tma_load_pipeline,
+    make_tma_load_pipeline,
+    stage_of,
+)
+from epicute.sm90.tile_scheduler import TileScheduler
+
+CUTLASS_DTYPES = DSL_DTYPES
+
+#: WGMMA M of one warpgroup's atom.
+WGMMA_M = 64
+
+
+def _rotate(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
+    """A view of ``tensor`` with its modes permuted (no data moves)."""
+    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=order))
+
+
+class GemmSm90:
+    """Compile-time description of one GEMM kernel variant (see module docstring)."""
+
+    def __init__(
+        self,
+        cfg: GemmConfig,
+        ab_dtype: str,
+        d_dtype: str,
+        a_major: str,
+        b_major: str,
+        fusion: EpilogueFusion | None = None,
+    ):
+        cfg.validate()
+        self.fusion = fusion
+        self.cfg = cfg
+        self.ab_dtype = CUTLASS_DTYPES[ab_dtype]
+        self.d_dtype = CUTLASS_DTYPES[d_dtype]
+        self.d_dtype_name = d_dtype
+        self.acc_dtype = cutlass.Float32
+        # (M, K) with K contiguous is row-major; (N, K) with K contiguous too.
+        self.a_layout = LayoutEnum.ROW_MAJOR if a_major == "k" else LayoutEnum.COL_MAJOR
+        self.b_layout = LayoutEnum.ROW_MAJOR if b_major == "k" else LayoutEnum.COL_MAJOR
+        self.d_layout = LayoutEnum.ROW_MAJOR
+        self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
+        self.cluster_shape_mn = (cfg.cluster_m, cfg.cluster_n)
+        # An A tile is shared by the CTAs of one cluster row (same M, other N);
+        # a B tile by the CTAs of one cluster column.
+        self.a_mcast_ctas = cfg.cluster_n
+        self.b_mcast_ctas = cfg.cluster_m
+        self.load_warp = 0
+        # A second producer warp streams the epilogue's operand tiles, so the
+        # mainloop's loads never wait behind them.
+        self.epi_load_warp = 1
+        self.epi_buffers = fusion.buffers() if fusion is not None else NO_EPILOGUE
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        mA_lmk: cute.Tensor,
+        mB_lkn: cute.Tensor,
+        mD_lmn: cute.Tensor,
+        epi_tensors: tuple,
+        epi_scalars: tuple,
+        max_active_clusters: Int32,
+        stream,
+    ):
+        """``epi_tensors``/``epi_scalars``: the fused epilogue's operands (see epilogue_emit).
+        ``max_active_clusters``: a persistent grid's cluster budget on this GPU (the host's
+        ``GemmPlan.max_active_clusters``: SMs // cluster size), a runtime value so that one
+        compiled kernel serves every SM count; one-tile-per-CTA variants ignore it."""
+        cfg = self.cfg
+        mA = _rotate(mA_lmk, [1, 2, 0])  # (M, K, L)
+        mB = _rotate(mB_lkn, [2, 1, 0])  # (N, K, L)
+        mD = _rotate(mD_lmn, [1, 2, 0])  # (M, N, L)
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            self.a_layout.sm90_mma_major_mode(),
+            self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (cfg.tile_warpgroups, 1, 1),
+            tiler_mn=(WGMMA_M, cfg.tile_n),
+        )
+        a_smem_staged = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_shape_mnk, self.ab_dtype, cfg.ab_stages)
+        b_smem_staged = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_shape_mnk, self.ab_dtype, cfg.ab_stages)
+        d_smem_staged = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, cfg.epi_tile, cfg.num_epi_stages)
+
+        tma_a, tma_mA = self._make_tma_load(mA, a_smem_staged, (cfg.tile_m, cfg.tile_k), self.a_mcast_ctas)
+        tma_b, tma_mB = self._make_tma_load(mB, b_smem_staged, (cfg.tile_n, cfg.tile_k), self.b_mcast_ctas)
+        tma_d, tma_mD = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+            mD,
+            cute.slice_(d_smem_staged, (None, None, 0)),
+            cfg.epi_tile,
+        )
+
+        # Fused epilogue: TMA atoms for operand tiles (loads) and aux outputs
+        # (stores); vectors and reduction workspaces are indexed element-wise in
+        # their torch (batch-first) order.
+        epi_loads, epi_stores, epi_vectors, epi_workspaces = (), (), (), ()
+        if cutlass.const_expr(self.fusion is not None):
+            for (role, _, dtype), t in zip(self.fusion.tensor_args, epi_tensors):
+                if cutlass.const_expr(role == "tile"):
+                    layout = self._epi_smem_layout(dtype, cfg.num_c_stages)
+                    epi_loads += (cute.nvgpu.cpasync.make_tiled_tma_atom(
+                        cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), _rotate(t, [1, 2, 0]),
+                        cute.slice_(layout, (None, None, 0)), cfg.epi_tile),)  # fmt: skip
+                elif cutlass.const_expr(role == "aux"):
+                    layout = self._epi_smem_layout(dtype, cfg.num_epi_stages)
+                    epi_stores += (cute.nvgpu.cpasync.make_tiled_tma_atom(
+                        cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), _rotate(t, [1, 2, 0]),
+                        cute.slice_(layout, (None, None, 0)), cfg.epi_tile),)  # fmt: skip
+                elif cutlass.const_expr(role == "workspace"):
+                    epi_workspaces += (t,)
+                else:
+                    epi_vectors += (t,)
+
+        tiles_m = cute.ceil_div(cute.size(mD, mode=[0]), cfg.tile_m)
+        tiles_n = cute.ceil_div(cute.size(mD, mode=[1]), cfg.tile_n)
+        num_batches = cute.size(mD, mode=[2])
+        clusters_m, clusters_n, total_clusters = TileScheduler.num_clusters(
+            tiles_m, tiles_n, num_batches, self.cluster_shape_mn
+        )
+        # The plan's grid by the same formula; the tile scheduler strides by gridDim.z, so
+        # whatever this launches, the persistent clusters cover every tile exactly once.
+        launched = cfg.launched_clusters(total_clusters, max_active_clusters, cutlass.min)
+
+        d_staging_elems = 0 if cfg.epi_reuses_ab_smem else cute.cosize(d_smem_staged)
+        # Mirrors epicute.gemm.smem.smem_table field for field.
+        num_epi_barriers = 2 * cfg.num_c_stages if self.epi_buffers.loads_tiles else 0
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.ab_stages]
+            epi_barriers: cute.struct.MemRange[cutlass.Int64, num_epi_barriers]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, d_staging_elems], 1024]
+            epi_region: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, epilogue_region_bytes(cfg, self.epi_buffers)], 1024
+            ]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(
+            tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_d, tma_mD,
+            a_smem_staged, b_smem_staged, d_smem_staged,
+            clusters_m, clusters_n, num_batches,
+            epi_loads, epi_stores, epi_vectors, epi_workspaces, epi_scalars,
+        ).launch(
+            grid=(cfg.cluster_m, cfg.cluster_n, launched),
+            block=[cfg.num_threads, 1, 1],
+            cluster=(cfg.cluster_m, cfg.cluster_n, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )  # fmt: skip
+
+    @staticmethod
+    def _make_tma_load(tensor, smem_staged, smem_tile, mcast_ctas: int):
+        op = (
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+            if mcast_ctas > 1
+            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        )
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(
+            op, tensor, cute.slice_(smem_staged, (None, None, 0)), smem_tile, num_multicast=mcast_ctas
+        )
+
+    def _epi_smem_layout(self, dtype: str, stages: int):
+        """Staged, swizzled smem layout of one epilogue subtile of ``dtype`` (row-major, like D)."""
+        return sm90_utils.make_smem_layout_epi(DSL_DTYPES[dtype], LayoutEnum.ROW_MAJOR, self.cfg.epi_tile, stages)
+
+    def _scheduler(self, clusters_m, clusters_n, num_batches) -> TileScheduler:
+        # Each role builds its own (the DSL cannot carry Python objects across a
+        # runtime branch); the schedule is static, so they agree tile for tile.
+        return TileScheduler(
+            clusters_m, clusters_n, num_batches, self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
+        )
+
+    def _output_tiles(self, tensor: cute.Tensor) -> cute.Tensor:
+        """``tensor`` (L, M, N) viewed as (tile_m, tile_n, tiles_m, tiles_n, L)."""
+        return cute.local_tile(tensor, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
+
+    def _subtile_partition(self, atom, smem_staged: cute.Tensor, tiles: cute.Tensor, tm, tn, tl):
+        """TMA (smem, gmem) partitions of output tile (tm, tn, tl) in ``epi_tile`` subtiles:
+        a smem stage and a gmem subtile are both one TMA box."""
+        return cute.nvgpu.cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(smem_staged, 0, 2),
+            cute.zipped_divide(tiles[(None, None, tm, tn, tl)], self.cfg.epi_tile),
+        )  # fmt: skip
+
+    def _slots_per_thread(self, length: int) -> int:
+        """How many positions of a ``length``-long tile vector each MMA thread handles."""
+        return -(-length // self.cfg.tile_threads)
+
+    def _skip_tiles(self, tiles, k_tiles, read_state, release_state, c_state):
+        """Step a consumer's ring positions over ``tiles`` tiles of other teams."""
+        read_state.advance(tiles * k_tiles)
+        release_state.advance(tiles * k_tiles)
+        if cutlass.const_expr(self.epi_buffers.loads_tiles):
+            c_state.advance(tiles * self.cfg.num_epi_subtiles)
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_d: cute.CopyAtom,
+        mD: cute.Tensor,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        d_smem_staged: cute.ComposedLayout,
+        clusters_m: Int32,
+        clusters_n: Int32,
+        num_batches: Int32,
+        epi_loads: tuple,
+        epi_stores: tuple,
+        epi_vectors: tuple,
+        epi_workspaces: tuple,
+        epi_scalars: tuple,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+
+        if warp_idx == self.load_warp:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
+            for atom, _ in epi_loads + epi_stores:
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
+
+        # Position inside the cluster, and which peers our multicasts reach.
+        cta_layout_mnk = cute.make_layout((cfg.cluster_m, cfg.cluster_n, 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        a_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
+        b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+        a_mcast_mask = a_mcast_mask if self.a_mcast_ctas > 1 else 0
+        b_mcast_mask = b_mcast_mask if self.b_mcast_ctas > 1 else 0
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0))) + cute.size_in_bytes(
+            self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0))
+        )
+        fusion = self.fusion
+        if cutlass.const_expr(self.epi_buffers.loads_tiles):
+            c_tx_bytes = sum(cfg.epi_tile[0] * cfg.epi_tile[1] * DSL_DTYPES[d].width // 8
+                             for d in self.epi_buffers.tile_inputs)  # fmt: skip
+            # Created first: the mainloop ring's init fence and sync below cover it.
+            c_pipeline = make_local_tma_load_pipeline(
+                storage.epi_barriers.data_ptr(), cfg.num_c_stages, c_tx_bytes, cfg.tile_threads // 32
+            )
+        ab_pipeline = make_tma_load_pipeline(
+            storage.ab_barriers.data_ptr(),
+            cfg.ab_stages,
+            tx_bytes,
+            num_consumer_warps=cfg.tile_threads // 32,  # a stage feeds one tile's team
+            cluster_shape_mn=self.cluster_shape_mn,
+            mcast_ctas=self.a_mcast_ctas + self.b_mcast_ctas - 1,
+        )
+        # Peers must see our initialized barriers before any multicast lands.
+        if cutlass.const_expr(cfg.cluster_size > 1):
+            cute.arch.cluster_arrive_relaxed()
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        if cutlass.const_expr(cfg.epi_reuses_ab_smem):
+            # Non-persistent: the A ring is idle once the only mainloop is done.
+            d_ptr = cute.recast_ptr(storage.sA.data_ptr(), d_smem_staged.inner, dtype=self.d_dtype)
+            sD = cute.make_tensor(d_ptr, d_smem_staged.outer)
+        else:
+            sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+        # The fused epilogue's buffers, carved from its region at the planner's offsets.
+        regions = iter(epilogue_region(cfg, self.epi_buffers))
+        sC, sAux, sVec = [], [], []
+        if cutlass.const_expr(fusion is not None):
+            region_base = storage.epi_region.data_ptr()
+            for dtype in self.epi_buffers.tile_inputs:
+                layout = self._epi_smem_layout(dtype, cfg.num_c_stages)
+                ptr = cute.recast_ptr(region_base + next(regions).offset, layout.inner, dtype=DSL_DTYPES[dtype])
+                sC.append(cute.make_tensor(ptr, layout.outer))
+            for dtype in self.epi_buffers.aux_outputs:
+                layout = self._epi_smem_layout(dtype, cfg.num_epi_stages)
+                ptr = cute.recast_ptr(region_base + next(regions).offset, layout.inner, dtype=DSL_DTYPES[dtype])
+                sAux.append(cute.make_tensor(ptr, layout.outer))
+            for kind in self.epi_buffers.vectors:
+                ptr = cute.recast_ptr(region_base + next(regions).offset, dtype=Float32)
+                sVec.append(cute.make_tensor(ptr, cute.make_layout(cfg.tile_n if kind == "row" else cfg.tile_m)))
+
+        # Global tiles: (bM, bK, RestM, RestK, L) etc.
+        gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None))
+        gD = self._output_tiles(mD)
+        k_tiles = cute.size(gA, mode=[3])
+
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a,
+            cluster_coord[1],
+            cute.make_layout(cfg.cluster_n),
+            cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b,
+            cluster_coord[0],
+            cute.make_layout(cfg.cluster_m),
+            cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
+
+        if cutlass.const_expr(cfg.cluster_size > 1):
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+
+        if warpgroup_idx == 0:
+            # ---------------- producer warpgroup
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == self.load_warp:
+                scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.ab_stages)
+                work = scheduler.first()
+                while scheduler.is_valid(work):
+                    tm, tn, tl = scheduler.tile_coord(work)
+                    tAgA_tile = tAgA[(None, tm, None, tl)]
+                    tBgB_tile = tBgB[(None, tn, None, tl)]
+                    for k_tile in range(k_tiles):
+                        ab_pipeline.producer_acquire(state)
+                        barrier = ab_pipeline.producer_get_barrier(state)
+                        cute.copy(tma_a, tAgA_tile[(None, k_tile)], tAsA[(None, state.index)],
+                                  tma_bar_ptr=barrier, mcast_mask=a_mcast_mask)  # fmt: skip
+                        cute.copy(tma_b, tBgB_tile[(None, k_tile)], tBsB[(None, state.index)],
+                                  tma_bar_ptr=barrier, mcast_mask=b_mcast_mask)  # fmt: skip
+                        ab_pipeline.producer_commit(state)  # no-op for TMA: bytes arm the barrier
+                        state.advance()
+                    work += scheduler.stride()
+                # Stay alive until consumers (ours and peers') released every
+                # stage, so no remote arrive targets an exited CTA.
+                ab_pipeline.producer_tail(state)
+            if cutlass.const_expr(self.epi_buffers.loads_tiles):  # noqa: SIM102 - compile-time guard, dynamic if
+                if warp_idx == self.epi_load_warp:
+                    # One stage = one epilogue subtile of every operand tile, in the
+                    # consumers' subtile order; the ring runs ahead by num_c_stages.
+                    scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
+                    fill_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_c_stages)
+                    n_subtiles_n = cfg.tile_n // cfg.epi_tile[1]
+                    epi_tile_layout = cute.make_layout(
+                        (cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1)
+                    )
+                    work = scheduler.first()
+                    while scheduler.is_valid(work):
+                        tm, tn, tl = scheduler.tile_coord(work)
+                        partitions = [
+                            self._subtile_partition(atom, sC_i, self._output_tiles(mC), tm, tn, tl)
+                            for (atom, mC), sC_i in zip(epi_loads, sC)
+                        ]
+                        for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
+                            c_pipeline.producer_acquire(fill_state)
+                            barrier = c_pipeline.producer_get_barrier(fill_state)
+                            for (atom, _), (tCsC, tCgC) in zip(epi_loads, partitions):
+                                cute.copy(atom, tCgC[(None, epi_tile_layout.get_hier_coord(epi_idx))],
+                                          tCsC[(None, fill_state.index)], tma_bar_ptr=barrier)  # fmt: skip
+                            c_pipeline.producer_commit(fill_state)
+                            fill_state.advance()
+                        work += scheduler.stride()
+                    c_pipeline.producer_tail(fill_state)
+        else:
+            # ---------------- consumer warpgroups: MMA, then epilogue
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            # A team: the consumer warpgroups on one tile (both cooperative, one ping-pong).
+            team = cute.arch.make_warp_uniform((tidx - THREADS_PER_WARPGROUP) // cfg.tile_threads)
+            mma_tidx = (tidx - THREADS_PER_WARPGROUP) % cfg.tile_threads
+            thr_mma = tiled_mma.get_slice(mma_tidx)
+            # Shared-memory operands: see warpgroup_slice.
+            wg_mma = warpgroup_slice(tiled_mma, cute.arch.make_warp_uniform(mma_tidx // THREADS_PER_WARPGROUP))
+            tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
+            acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_shape_mnk, (None, None, 0)))
+            acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            k_blocks = cute.size(tCrA, mode=[2])
+
+            # Register -> smem copies. Which accumulator values a thread holds comes
+            # from a 16-bit stmatrix atom whatever the output dtype; the store
+            # itself is stmatrix for 16-bit outputs and plain stores otherwise.
+            stmatrix_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4), cutlass.Float16
+            )
+            tiled_copy_C_atom = cute.make_tiled_copy_C_atom(stmatrix_atom, tiled_mma)
+            copy_atom_r2s = sm90_utils.get_smem_store_op(self.d_layout, self.d_dtype, self.acc_dtype)
+            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_C_atom)
+            thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+            tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, stage)
+            tRS_rAcc = tiled_copy_r2s.retile(acc)
+            subtile_shape = cute.shape(thr_copy_r2s.partition_S(sD))[:3]
+            tRS_rD = cute.make_rmem_tensor(subtile_shape, self.acc_dtype)
+            tRS_rD_out = cute.make_rmem_tensor(subtile_shape, self.d_dtype)
+            subtile_size = cute.size(tRS_rD)
+
+            store = TmaStoreEpilogue(cfg.num_epi_stages, cfg.tile_threads)
+            # The team's first warp issues its TMA stores.
+            is_store_warp = mma_tidx // 32 == 0
+            n_subtiles_n = cfg.tile_n // cfg.epi_tile[1]
+            # Subtiles are visited row-major: (tile_m/epi_m, tile_n/epi_n).
+            epi_tile_layout = cute.make_layout((cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
+            if cutlass.const_expr(fusion is not None):
+                extent_mn = (cute.size(mD, mode=[0]), cute.size(mD, mode=[1]))
+                lane = mma_tidx % 32
+                ident = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
+                tRS_cT = tiled_copy_r2s.retile(thr_mma.partition_C(ident))
+                tRS_cT0 = tiled_copy_r2s.retile(tiled_mma.get_slice(0).partition_C(ident))
+                # smem -> registers for operand tiles (ldmatrix when 16-bit), in
+                # the same value order as the accumulators.
+                c_s2r = []
+                for dtype, sC_i in zip(self.epi_buffers.tile_inputs, sC):
+                    op = (
+                        cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4)
+                        if DSL_DTYPES[dtype].width == 16
+                        else cute.nvgpu.CopyUniversalOp()
+                    )
+                    tiled_s2r = cute.make_tiled_copy_S(cute.make_copy_atom(op, DSL_DTYPES[dtype]), tiled_copy_C_atom)
+                    thr_s2r = tiled_s2r.get_slice(mma_tidx)
+                    rC = cute.make_rmem_tensor(tRS_rD.layout, DSL_DTYPES[dtype])
+                    c_s2r.append((tiled_s2r, thr_s2r.partition_S(sC_i), rC, thr_s2r.retile(rC)))
+                # registers -> smem for aux outputs: fp32 values, rounded copy, staged view.
+                aux_r2s = []
+                for dtype, sAux_i in zip(self.epi_buffers.aux_outputs, sAux):
+                    aux_store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, DSL_DTYPES[dtype], self.acc_dtype)
+                    tiled_aux = cute.make_tiled_copy_S(aux_store_op, tiled_copy_C_atom)
+                    aux_r2s.append((
+                        tiled_aux,
+                        tiled_aux.get_slice(mma_tidx).partition_D(sAux_i),
+                        cute.make_rmem_tensor(subtile_shape, self.acc_dtype),
+                        cute.make_rmem_tensor(subtile_shape, DSL_DTYPES[dtype]),
+                    ))  # fmt: skip
+            c_state = None
+            if cutlass.const_expr(self.epi_buffers.loads_tiles):
+                c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_c_stages)
+
+            scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.ab_stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.ab_stages)
+            ping_pong = cfg.num_teams > 1
+            mma_turns = WarpgroupTurns(NamedBarriers.MMA_TURN_WG1, cfg.num_teams, enabled=ping_pong)
+            epilogue_turns = WarpgroupTurns(NamedBarriers.EPILOGUE_TURN_WG1, cfg.num_teams, enabled=ping_pong)
+            mma_turns.grant_first(team)
+            epilogue_turns.grant_first(team)
+            # Team t takes the CTA's tiles t, t + num_teams, ...; the rings carry every
+            # tile in schedule order, so a team steps its positions over the others' tiles.
+            if cutlass.const_expr(ping_pong):
+                self._skip_tiles(team, k_tiles, read_state, release_state, c_state)
+            tiles_done = Int32(0)
+            work = scheduler.first() + team * scheduler.stride()
+            while scheduler.is_valid(work):
+                tm, tn, tl = scheduler.tile_coord(work)
+                if cutlass.const_expr(fusion is not None):
+                    origin_mn = (tm * cfg.tile_m, tn * cfg.tile_n)
+                    # This thread's element of the tile's vector slices, fetched now
+                    # so the load latency hides behind the mainloop (clamped into
+                    # the problem: lanes past the edge are never used).
+                    vector_prefetch = []
+                    for i, t in enumerate(epi_vectors):
+                        axis = 1 if i < len(fusion.row_inputs) else 0
+                        length = cfg.tile_n if axis == 1 else cfg.tile_m
+                        for j in cutlass.range_constexpr(self._slots_per_thread(length)):
+                            pos = cutlass.min(mma_tidx + j * cfg.tile_threads, length - 1)
+                            idx = cutlass.min(origin_mn[axis] + pos, extent_mn[axis] - 1)
+                            vector_prefetch.append(t[(tl, idx)].to(Float32))
+
+                # ---- mainloop: keep one WGMMA batch in flight, release a stage
+                # only after the WGMMA that read it has retired.
+                acc.fill(0.0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                mma_turns.wait(team)
+                cute.nvgpu.warpgroup.fence()
+                for k_tile in range(k_tiles):
+                    ab_pipeline.consumer_wait(read_state)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        coord = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    if k_tile > 0:
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                    read_state.advance()
+                # Every WGMMA of this tile is issued: the other team may issue its own.
+                mma_turns.pass_on(team)
+                cute.nvgpu.warpgroup.wait_group(0)
+                if k_tiles > 0:  # K == 0: nothing was read, acc stays zero for the epilogue
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+
+                # ---- epilogue
+                epilogue_turns.wait(team)
+                if cutlass.const_expr(cfg.epi_reuses_ab_smem):
+                    # The other warpgroup may still be reading the A ring.
+                    store.sync()
+                bSG_sD, bSG_gD = self._subtile_partition(tma_d, sD, gD, tm, tn, tl)
+                if cutlass.const_expr(fusion is not None):
+                    if cutlass.const_expr(len(sVec) > 0):
+                        # Park the vector slices; every reader of the previous tile's
+                        # slices passed that tile's last store barrier already.
+                        values = iter(vector_prefetch)
+                        for vec_smem in sVec:
+                            for j in cutlass.range_constexpr(self._slots_per_thread(cute.size(vec_smem))):
+                                pos = mma_tidx + j * cfg.tile_threads
+                                emit.store_if(pos < cute.size(vec_smem), vec_smem, pos, next(values))
+                        store.sync()
+                    tile_epi = emit.TileEpilogue(fusion, tRS_cT, tRS_cT0, sVec, epi_scalars, origin_mn, extent_mn)
+                    aux_partitions = [
+                        self._subtile_partition(aux_tma, sAux_i, self._output_tiles(mAux), tm, tn, tl)
+                        for (aux_tma, mAux), sAux_i in zip(epi_stores, sAux)
+                    ]
+                for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
+                    for v in cutlass.range_constexpr(subtile_size):
+                        tRS_rD[v] = tRS_rAcc[epi_idx * subtile_size + v]
+                    buf = stage_of(tiles_done * cfg.num_epi_subtiles + epi_idx, cfg.num_epi_stages)
+                    more_stores = ()
+                    if cutlass.const_expr(fusion is not None):
+                        if cutlass.const_expr(self.epi_buffers.loads_tiles):
+                            c_pipeline.consumer_wait(c_state)
+                            for tiled_s2r, tSR_sC, _, tSR_rC in c_s2r:
+                                cute.copy(tiled_s2r, tSR_sC[(None, None, None, c_state.index)], tSR_rC)
+                            c_pipeline.consumer_release(c_state)
+                            c_state.advance()
+                        col_partials = tile_epi.subtile(
+                            tRS_rD, epi_idx * subtile_size, [c[2] for c in c_s2r], [a[2] for a in aux_r2s]
+                        )
+                        tile_epi.store_col_partials(col_partials, epi_workspaces, tl, lane)
+                        for (tiled_aux, tRS_sAux, rAux, rAux_out), dtype, (bSG_sA, bSG_gA), (aux_tma, _) in zip(
+                            aux_r2s, self.epi_buffers.aux_outputs, aux_partitions, epi_stores
+                        ):
+                            emit.round_for_store(rAux, dtype)
+                            rAux_out.store(rAux.load().to(DSL_DTYPES[dtype]))
+                            cute.copy(tiled_aux, tiled_aux.retile(rAux_out), tRS_sAux[(None, None, None, buf)])
+                            subtile_coord = epi_tile_layout.get_hier_coord(epi_idx)
+                            more_stores += ((aux_tma, bSG_sA[(None, buf)], bSG_gA[(None, subtile_coord)]),)
+                    emit.round_for_store(tRS_rD, self.d_dtype_name)
+                    tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
+                    cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                    store.publish(
+                        is_store_warp,
+                        tma_d,
+                        bSG_sD[(None, buf)],
+                        bSG_gD[(None, epi_tile_layout.get_hier_coord(epi_idx))],
+                        more_stores,
+                    )
+                if cutlass.const_expr(fusion is not None):
+                    tile_epi.store_tile_partials(epi_workspaces, tn, tl, lane)
+                if cutlass.const_expr(ping_pong):
+                    # The other team overwrites the staging buffers next: our last
+                    # stores must have read them before we pass the turn.
+                    store.drain(is_store_warp)
+                    self._skip_tiles(cfg.num_teams - 1, k_tiles, read_state, release_state, c_state)
+                epilogue_turns.pass_on(team)
+                tiles_done += 1
+                work += cfg.num_teams * scheduler.stride()
+            store.drain(is_store_warp)

@@ -1,0 +1,97 @@
+"""A :class:`GemmPlan`: problem + chosen config + everything derived from them.
+
+This is what ``explain`` prints and what the runtime compiles and launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epicute.gemm.config import GemmConfig, GemmProblem
+from epicute.gemm.heuristics import choose_config
+from epicute.gemm.roofline import Roofline, roofline
+from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers, SmemItem, smem_table
+from epicute.runtime.target import Target, resolve_target
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, repr=False)
+class GemmPlan:
+    problem: GemmProblem
+    config: GemmConfig
+    #: the GPU planned for: its SM count sets the persistent grid (a launch argument, not code)
+    target: Target
+    #: shared memory the fused epilogue needs (none without an epilogue)
+    epilogue: EpilogueBuffers = NO_EPILOGUE
+
+    def __hash__(self) -> int:
+        # Computed once: every launch looks its kernel up by plan (a deep hash of config and target otherwise).
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.problem, self.config, self.target, self.epilogue))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __repr__(self) -> str:
+        # One line, so a REPL echoing explain()'s result does not bury the text explain printed.
+        p, c = self.problem, self.config
+        return (
+            f"<GemmPlan {p.m}x{p.n}x{p.k} L={p.l} {p.ab_dtype}->{p.d_dtype}: {c.schedule} {c.tile_m}x{c.tile_n}"
+            f"x{c.tile_k} cluster {c.cluster_m}x{c.cluster_n}, {c.ab_stages} stages, grid {self.grid} "
+            "(epicute.gemm.render_plan(plan) prints it all)>"
+        )
+
+    @property
+    def smem(self) -> list[SmemItem]:
+        return smem_table(self.config, self.problem.ab_dtype, self.problem.d_dtype, self.epilogue)
+
+    @property
+    def smem_bytes(self) -> int:
+        return sum(item.bytes for item in self.smem)
+
+    @property
+    def num_tiles(self) -> int:
+        p, c = self.problem, self.config
+        return _ceil_div(p.m, c.tile_m) * _ceil_div(p.n, c.tile_n) * p.l
+
+    @property
+    def max_active_clusters(self) -> int:
+        """The persistent kernel's cluster budget on :attr:`target`: its launch argument
+        (``GemmSm90.__call__``'s ``max_active_clusters``), never part of its compile key."""
+        return max(1, self.target.num_sms // self.config.cluster_size)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """Launch grid (cluster_m, cluster_n, clusters), as the kernel computes it on the device
+        (the same :meth:`GemmConfig.launched_clusters`, given :attr:`max_active_clusters` at launch)."""
+        p, c = self.problem, self.config
+        clusters = (
+            _ceil_div(_ceil_div(p.m, c.tile_m), c.cluster_m)
+            * _ceil_div(_ceil_div(p.n, c.tile_n), c.cluster_n)
+            * p.l
+        )
+        return (c.cluster_m, c.cluster_n, c.launched_clusters(clusters, self.max_active_clusters))
+
+    @property
+    def roofline(self) -> Roofline:
+        c = self.config
+        return roofline(self.problem, self.target, c.tile_m, c.tile_n, c.tile_k, self.epilogue, c.schedule)
+
+
+def plan_gemm(
+    problem: GemmProblem,
+    target: Target | str | None = None,
+    epilogue: EpilogueBuffers = NO_EPILOGUE,
+    **overrides,
+) -> GemmPlan:
+    """Plan ``problem`` for ``target`` (a :class:`Target` or its name; default: the visible GPU,
+    else an H100 SXM).
+
+    ``epilogue`` is the fused epilogue's shared-memory needs; keyword overrides
+    pin :class:`GemmConfig` fields, e.g. ``tile_n=128``.
+    """
+    hw = resolve_target(target)
+    return GemmPlan(problem, choose_config(problem, hw, epilogue, **overrides), hw, epilogue)

@@ -1,0 +1,124 @@
+"""A small performance model: roofline bounds plus wave quantization.
+
+Used by the planner to compare tile shapes and by ``explain`` to predict time.
+The sustained-efficiency factors are what a warp-specialized WGMMA mainloop of
+each tile width reaches on an H100 (the wider the tile, the fewer shared-memory
+bytes per FLOP); they rank candidates, they do not promise a number.
+
+A fused epilogue adds its operand tiles and aux outputs to the bytes moved, and
+its arithmetic: the planner's instruction estimate per element, issued at the
+SM's 128 thread-instructions per cycle. Its operand tiles are fetched by TMA
+while the mainloop runs and its outputs stored asynchronously, so per tile its
+bytes show only where they outlast the mainloop. Its arithmetic is exposed in
+the cooperative schedule, which runs the epilogue with no WGMMA in flight; the
+ping-pong schedule runs it under the other warpgroup's mainloop, which then
+loses about half of the epilogue's issue time (ncu: tensor pipe 98.5 % -> 95 %
+active with a gelu epilogue). Measured (bench/NOTES.md, session 9): the
+cooperative gelu epilogue costs 1.074x / 1.040x / 1.077x the plain GEMM's time at
+4096^3, 2048x8192x8192, 16384x4096x4096, where this model says 1.077x / 1.039x /
+1.077x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epicute.gemm.config import DTYPE_BYTES, GemmProblem
+from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
+from epicute.runtime.target import Target
+
+#: Fraction of the tensor-core peak a mainloop sustains, by tile N (tile M is 128);
+#: calibrated against bench/results/configs.json and configs_pingpong.json (H100 SXM,
+#: bf16; TFLOPS over the useful share of the waves' tiles: 128x128 reaches 0.65-0.72,
+#: 128x256 0.81-0.82, ping-pong 128x192 0.78-0.84, mean 0.81).
+MAINLOOP_EFFICIENCY = {256: 0.82, 192: 0.81, 128: 0.70, 64: 0.55}
+#: Thread-instructions an SM issues per cycle: four schedulers, one warp (32 threads) each.
+SM_ISSUE_PER_CYCLE = 128
+#: Share of a ping-pong epilogue's issue time that the other warpgroup's mainloop loses.
+PINGPONG_EPILOGUE_SHARE = 0.5
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    flops: int
+    min_bytes: int
+    compute_s: float
+    memory_s: float
+    #: compute time with wave quantization and tile efficiency, or memory time
+    predicted_s: float
+    waves: float
+    bound: str
+    #: bytes the fused epilogue adds (operand tiles read, aux tiles written)
+    epilogue_bytes: int = 0
+    #: per-tile time the fused epilogue's extra traffic takes
+    epilogue_tile_s: float = 0.0
+    #: per-tile time the SM spends issuing the fused epilogue's arithmetic
+    epilogue_alu_s: float = 0.0
+    #: whether that time adds to the tile's (cooperative) or overlaps another tile's mainloop (ping-pong)
+    epilogue_exposed: bool = True
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / max(self.min_bytes, 1)
+
+
+def estimate_seconds(
+    problem: GemmProblem,
+    hw: Target,
+    tile_m: int,
+    tile_n: int,
+    epilogue: EpilogueBuffers = NO_EPILOGUE,
+    schedule: str = "cooperative",
+) -> float:
+    return roofline(problem, hw, tile_m, tile_n, epilogue=epilogue, schedule=schedule).predicted_s
+
+
+def roofline(
+    problem: GemmProblem,
+    hw: Target,
+    tile_m: int,
+    tile_n: int,
+    tile_k: int = 64,
+    epilogue: EpilogueBuffers = NO_EPILOGUE,
+    schedule: str = "cooperative",
+) -> Roofline:
+    flops = problem.flops
+    extra_per_elem = sum(DTYPE_BYTES[d] for d in epilogue.tile_inputs + epilogue.aux_outputs)
+    epilogue_bytes = problem.l * problem.m * problem.n * extra_per_elem
+    min_bytes = problem.min_bytes + epilogue_bytes
+    peak_flops = hw.peak_tflops(problem.ab_dtype) * 1e12
+    compute_s = flops / peak_flops
+    memory_s = min_bytes / (hw.hbm_tb_per_s * 1e12)
+    tiles = _ceil_div(problem.m, tile_m) * _ceil_div(problem.n, tile_n) * problem.l
+    waves = _ceil_div(tiles, hw.num_sms) if tiles else 0
+    k_padded = _ceil_div(problem.k, tile_k) * tile_k
+    per_sm_flops = peak_flops / hw.num_sms * MAINLOOP_EFFICIENCY.get(tile_n, 0.5)
+    epilogue_tile_s = tile_m * tile_n * extra_per_elem / (hw.hbm_tb_per_s * 1e12 / hw.num_sms)
+    epilogue_alu_s = tile_m * tile_n * epilogue.instructions_per_element / (SM_ISSUE_PER_CYCLE * hw.tensor_clock_hz)
+    mainloop_s = 2 * tile_m * tile_n * k_padded / per_sm_flops
+    if schedule == "pingpong":
+        # Two tiles in flight per SM, each mainloop with the tensor cores to itself: an
+        # epilogue slows the other warpgroup's mainloop by its share of the issue slots,
+        # and its bytes cost only what outlasts that mainloop.
+        tile_s = max(mainloop_s + PINGPONG_EPILOGUE_SHARE * epilogue_alu_s, epilogue_tile_s + epilogue_alu_s)
+    else:
+        tile_s = max(mainloop_s, epilogue_tile_s) + epilogue_alu_s
+    quantized_s = waves * tile_s
+    predicted = max(quantized_s, memory_s)
+    return Roofline(
+        flops=flops,
+        min_bytes=min_bytes,
+        compute_s=compute_s,
+        memory_s=memory_s,
+        predicted_s=predicted,
+        waves=tiles / hw.num_sms if tiles else 0.0,
+        bound="compute" if quantized_s >= memory_s else "memory",
+        epilogue_bytes=epilogue_bytes,
+        epilogue_tile_s=epilogue_tile_s,
+        epilogue_alu_s=epilogue_alu_s,
+        epilogue_exposed=schedule != "pingpong",
+    )

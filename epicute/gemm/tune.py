@@ -1,0 +1,140 @@
+"""Opt-in autotuning: time the planner's candidate configs on the GPU, keep the fastest.
+
+The planner's choice comes from a model (:mod:`epicute.gemm.roofline`); tuning
+measures. The candidates are every configuration the planner accepts for the
+problem when the schedule, tile N, the cluster shape and persistence are pinned (it still
+fits the stages around each), deduplicated, the planner's own choice first.
+Each one is compiled once (through the compile cache) and timed by CUDA-event
+medians on the caller's own inputs. The winner's overrides are stored in
+``tuned.json`` in the cache directory, keyed like the compile cache (problem,
+epilogue semantic hash, GPU name, code versions), so later calls and processes
+reuse it: ``epicute.gemm(..., tune=True)`` and ``epicute.explain`` look it up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from epicute.errors import ConfigError
+from epicute.gemm import GemmProblem
+from epicute.gemm.heuristics import choose_config
+from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
+from epicute.runtime.cache import _file_lock, _write_atomic, cache_dir, code_versions
+from epicute.runtime.target import Target
+
+#: The axes tuning explores; stages are fitted by the planner for each point.
+SCHEDULE_TILE_N = (("cooperative", (64, 128, 192, 256)), ("pingpong", (64, 128, 192)))
+CLUSTERS = ((1, 1), (2, 1), (1, 2))
+PERSISTENT = (True, False)
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The fastest overrides, every candidate's median milliseconds, and the planner's own pick."""
+
+    best: dict
+    times_ms: dict[str, float]
+    planner: dict
+
+    @property
+    def speedup_over_planner(self) -> float:
+        return self.times_ms[label(self.planner)] / self.times_ms[label(self.best)]
+
+
+def label(overrides: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(overrides.items()))
+
+
+def candidates(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers = NO_EPILOGUE) -> list[dict]:
+    """Override dicts of every distinct config the planner accepts; the planner's own choice first."""
+    own = choose_config(problem, hw, epilogue)
+    seen = {own.key()}
+    result = [_overrides_of(own)]
+    points = [(schedule, n) for schedule, widths in SCHEDULE_TILE_N for n in widths]
+    for (schedule, tile_n), (cm, cn), persistent in itertools.product(points, CLUSTERS, PERSISTENT):
+        if tile_n == 64 and problem.n > 128:  # a 64-wide tile only pays off on narrow N
+            continue
+        if schedule == "pingpong" and not persistent:  # its warpgroups take alternate tiles of a CTA
+            continue
+        pins = {"schedule": schedule, "tile_n": tile_n, "cluster_m": cm, "cluster_n": cn, "persistent": persistent}
+        try:
+            cfg = choose_config(problem, hw, epilogue, **pins)
+        except ConfigError:
+            continue
+        if cfg.key() not in seen:
+            seen.add(cfg.key())
+            result.append(_overrides_of(cfg))
+    return result
+
+
+def _overrides_of(cfg) -> dict:
+    return {
+        "schedule": cfg.schedule, "tile_n": cfg.tile_n, "cluster_m": cfg.cluster_m, "cluster_n": cfg.cluster_n,
+        "persistent": cfg.persistent,
+    }  # fmt: skip
+
+
+def pick_fastest(
+    options: list[dict], measure: Callable[[dict], float], progress: Callable[[str], None] | None = None
+) -> TuneResult:
+    """Time every option with ``measure`` (median ms); options that fail to build or run are skipped."""
+    times: dict[str, float] = {}
+    by_label = {}
+    for overrides in options:
+        name = label(overrides)
+        if progress is not None:
+            progress(name)
+        try:
+            times[name] = measure(overrides)
+        except Exception as exc:
+            if overrides is options[0]:
+                raise ConfigError(f"the planner's own config ({name}) failed to run: {exc}") from exc
+            continue
+        by_label[name] = overrides
+    best = min(times, key=times.__getitem__)
+    return TuneResult(best=by_label[best], times_ms=times, planner=options[0])
+
+
+# ----------------------------------------------------------------- the store
+def tune_key(problem: GemmProblem, epilogue_hash: str | None, device_name: str) -> str:
+    """Stable text key of one tuned problem (sizes included: the winner depends on them)."""
+    text = json.dumps(
+        {"problem": asdict(problem), "epilogue": epilogue_hash, "device": device_name, "code": code_versions()},
+        sort_keys=True,
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _store_path():
+    root = cache_dir()
+    return None if root is None else root / "tuned.json"
+
+
+def stored_entry(key: str) -> dict | None:
+    """What tuning stored for ``key`` (``best``, ``times_ms``, ``planner``), or None (never tuned, or caching
+    disabled)."""
+    path = _store_path()
+    if path is None or not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text()).get(key)
+    except (OSError, ValueError):
+        return None  # an unreadable store is as good as none: tuning again rewrites it
+
+
+def store_winner(key: str, result: TuneResult) -> None:
+    path = _store_path()
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(path.with_suffix(".lock")):
+        try:
+            table = json.loads(path.read_text()) if path.exists() else {}
+        except ValueError:
+            table = {}
+        table[key] = {"best": result.best, "times_ms": result.times_ms, "planner": result.planner}
+        _write_atomic(path, json.dumps(table, indent=1, sort_keys=True).encode())

@@ -1,0 +1,242 @@
+"""Checking GEMM arguments before anything is compiled or launched.
+
+Every rule here exists because breaking it would otherwise crash, hang or
+silently corrupt a kernel: TMA needs 16-byte-aligned base addresses and
+row strides, WGMMA supports a fixed set of dtypes, and an output that aliases
+an input would be read while it is being written. Each error names the argument
+and the fix. Nothing is ever copied behind the user's back.
+
+A call whose operands (``out`` included) have the shapes, strides, dtypes and
+devices of one validated before skips the rules (their outcome depends on
+nothing else) except those that can change between such calls: the 16-byte
+alignment of the data pointers and whether ``out`` overlaps ``a`` or ``b``.
+That keeps validation near a microsecond on the hot path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epicute.epilogue.dtypes import TORCH_TO_IR
+from epicute.errors import AlignmentError, DtypeError, OutputError, ShapeError
+from epicute.gemm.config import GemmProblem
+from epicute.runtime.checks import (
+    TMA_ALIGN_BYTES,
+    check_on_one_hopper_gpu,
+    overlaps,
+    ranges_meet,
+    span_bytes,
+)
+
+AB_TORCH_DTYPES = (torch.bfloat16, torch.float16)
+#: D's dtypes; fp8 conversions saturate at the format's largest finite value.
+D_TORCH_DTYPES = tuple(TORCH_TO_IR)
+
+
+@dataclass
+class GemmCall:
+    """Validated operands, viewed as 3-D ``(L, ., .)`` tensors, and the problem."""
+
+    problem: GemmProblem
+    a: torch.Tensor
+    b: torch.Tensor
+    out: torch.Tensor | None
+    out_dtype: torch.dtype
+    batched: bool
+
+
+def _as_3d(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dim() == 2:
+        return t.unsqueeze(0)
+    if t.dim() == 3:
+        return t
+    raise ShapeError(f"{name} has {t.dim()} dimensions {tuple(t.shape)}; expected 2 (M, K) or 3 (L, M, K)")
+
+
+def _major(t: torch.Tensor, name: str, row_major: str, col_major: str) -> str:
+    """Which of the last two dims is contiguous; the other stride stays free.
+
+    A size-1 dimension's stride is never stepped along, so it counts as
+    contiguous; when both count, the dimension that really has unit stride
+    and extent wins (``x.t()`` of a ``(1, 64)`` row is column-major, K = 1).
+    """
+    row, col = (t.stride(-1) == 1 or t.size(-1) == 1), (t.stride(-2) == 1 or t.size(-2) == 1)
+    if row and col and t.size(-1) == 1 and t.size(-2) > 1:
+        return col_major
+    if row:
+        return row_major
+    if col:
+        return col_major
+    raise AlignmentError(
+        f"{name} has strides {tuple(t.stride())}: neither of its last two dimensions is contiguous, "
+        f"which TMA needs; pass {name}.contiguous()"
+    )
+
+
+def _check_tma_strides(t: torch.Tensor, name: str, contiguous_dim: int, dims: str) -> torch.Tensor:
+    """Every stride but the unit one must be a multiple of 16 bytes.
+
+    A size-1 batch dimension's stride is never used, so it is normalized
+    instead of rejected.
+    """
+    elem = t.element_size()
+    if t.data_ptr() % TMA_ALIGN_BYTES:
+        raise AlignmentError(
+            f"{name}.data_ptr() is {t.data_ptr() % TMA_ALIGN_BYTES} bytes past a 16-byte boundary "
+            f"(a view with an element offset?); TMA needs 16-byte-aligned bases: pass {name}.clone()"
+        )
+    step = TMA_ALIGN_BYTES // elem
+    # A size-1 dimension's stride is never stepped along, but TMA still encodes
+    # it: give it an aligned value instead of rejecting the tensor.
+    strides = [
+        -(-max(st, 1) // step) * step if size == 1 and d != contiguous_dim and (st % step or st == 0) else st
+        for d, (size, st) in enumerate(zip(t.shape, t.stride()))
+    ]
+    if strides != list(t.stride()):
+        t = t.as_strided(t.shape, strides)
+    for d in range(3):
+        if d == contiguous_dim:
+            continue
+        if t.stride(d) % step:
+            extent = t.size(contiguous_dim)
+            hint = (
+                f"its contiguous dimension {dims[contiguous_dim]}={extent} is not a multiple of {step}: "
+                f"pad it to {-(-extent // step) * step}"
+                if d != 0 and t.stride(d) == extent
+                else f"make every stride but the contiguous one a multiple of {step} elements"
+            )
+            raise AlignmentError(
+                f"{name} stride {t.stride(d)} (dim {d}) is not a multiple of 16 bytes, which TMA needs; {hint}"
+            )
+    return t
+
+
+#: Operand signatures validated before -> (problem, how to view a, b and out in 3-D,
+#: out's byte span, out_dtype, batched).
+_VALIDATED: dict[tuple, tuple] = {}
+_VALIDATED_MAX = 4096
+
+
+def _view_recipe(t: torch.Tensor | None, t3: torch.Tensor | None) -> tuple | None:
+    """How ``t3`` is obtained from ``t``: None (it is ``t``) or ``(size, stride)`` for ``as_strided``."""
+    return None if t3 is t else (tuple(t3.shape), tuple(t3.stride()))
+
+
+def _replay(t: torch.Tensor | None, recipe: tuple | None) -> torch.Tensor | None:
+    return t if recipe is None else t.as_strided(*recipe)
+
+
+def _signature(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def check_gemm_args(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    require_cuda: bool = True,
+) -> GemmCall:
+    """Validate ``a @ b`` (optionally into ``out``) and describe it as a :class:`GemmProblem`."""
+    # Only plain tensors take the shortcut: subclasses (fake, functional) may not
+    # have real data pointers, and are never on a hot path.
+    if type(a) is not torch.Tensor or type(b) is not torch.Tensor or not (out is None or type(out) is torch.Tensor):
+        return _check_gemm_args(a, b, out, out_dtype, require_cuda)
+    sig = (_signature(a), _signature(b), _signature(out), out_dtype, require_cuda)
+    hit = _VALIDATED.get(sig)
+    if hit is not None:
+        problem, recipes, (a_span, b_span, out_span), d_dtype, batched = hit
+        pointers = a.data_ptr() | b.data_ptr() | (0 if out is None else out.data_ptr())
+        if not pointers % TMA_ALIGN_BYTES and (
+            # Distinct allocations never share addresses: comparing ranges is exact.
+            out is None
+            or not (
+                ranges_meet(out.data_ptr(), out_span, a.data_ptr(), a_span)
+                or ranges_meet(out.data_ptr(), out_span, b.data_ptr(), b_span)
+            )
+        ):
+            a3, b3, out3 = (_replay(t, r) for t, r in zip((a, b, out), recipes))
+            return GemmCall(problem, a3, b3, out3, d_dtype, batched)
+    call = _check_gemm_args(a, b, out, out_dtype, require_cuda)  # raises what the shortcut only suspected
+    if len(_VALIDATED) >= _VALIDATED_MAX:
+        _VALIDATED.clear()
+    recipes = tuple(_view_recipe(t, t3) for t, t3 in ((a, call.a), (b, call.b), (out, call.out)))
+    spans = tuple(0 if t is None else span_bytes(t) for t in (a, b, out))
+    _VALIDATED[sig] = (call.problem, recipes, spans, call.out_dtype, call.batched)
+    return call
+
+
+def _check_gemm_args(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+    require_cuda: bool,
+) -> GemmCall:
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise DtypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if require_cuda:
+        check_on_one_hopper_gpu(("a", a), ("b", b))
+    if a.dtype not in AB_TORCH_DTYPES:
+        raise DtypeError(f"a has dtype {a.dtype}; supported are torch.bfloat16 and torch.float16")
+    if b.dtype != a.dtype:
+        raise DtypeError(f"b has dtype {b.dtype} but a has {a.dtype}; cast one so that they match")
+    if a.dim() != b.dim():
+        raise ShapeError(f"a is {a.dim()}-D {tuple(a.shape)} but b is {b.dim()}-D {tuple(b.shape)}; use the same rank")
+    batched = a.dim() == 3
+    a3, b3 = _as_3d(a, "a"), _as_3d(b, "b")
+    if a3.size(0) != b3.size(0):
+        raise ShapeError(f"batch sizes differ: a has L={a3.size(0)}, b has L={b3.size(0)}")
+    if a3.size(2) != b3.size(1):
+        raise ShapeError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a's K={a3.size(2)} != b's K={b3.size(1)}")
+    l, m, k = a3.shape
+    n = b3.size(2)
+
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise OutputError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise OutputError(f"out has dtype {out.dtype} but out_dtype={out_dtype}; drop one or make them agree")
+        out_dtype = out.dtype
+    out_dtype = out_dtype or a.dtype
+    if out_dtype not in D_TORCH_DTYPES:
+        raise DtypeError(f"out_dtype={out_dtype}; supported are {', '.join(map(str, D_TORCH_DTYPES))}")
+
+    a_major = _major(a3, "a", "k", "m")
+    b_major = _major(b3, "b", "n", "k")
+    out3 = None
+    if out is not None:
+        expected = (l, m, n) if batched else (m, n)
+        if tuple(out.shape) != expected:
+            raise OutputError(f"out has shape {tuple(out.shape)}; a @ b has shape {expected}")
+        if out.device != a.device:
+            raise OutputError(f"out is on {out.device} but the operands are on {a.device}")
+        for name, t in (("a", a), ("b", b)):
+            if overlaps(out, t):
+                raise OutputError(f"out shares memory with {name}; the kernel would read {name} while writing out")
+        out3 = _as_3d(out, "out")
+        if m * n and out3.stride(-1) != 1 and n > 1:
+            raise OutputError(f"out has strides {tuple(out.stride())}; it must be row-major (last stride 1)")
+
+    problem = GemmProblem(
+        m=m, n=n, k=k, l=l,
+        ab_dtype=TORCH_TO_IR[a.dtype], d_dtype=TORCH_TO_IR[out_dtype],
+        a_major=a_major, b_major=b_major,
+    )  # fmt: skip
+    if m and n and k:
+        a3 = _check_tma_strides(a3, "a", 2 if a_major == "k" else 1, "LMK")
+        b3 = _check_tma_strides(b3, "b", 2 if b_major == "n" else 1, "LKN")
+        if out3 is not None:
+            out3 = _check_tma_strides(out3, "out", 2, "LMN")
+        else:
+            d_step = TMA_ALIGN_BYTES // torch.empty((), dtype=out_dtype).element_size()
+            if n % d_step:
+                raise AlignmentError(
+                    f"N={n} is not a multiple of {d_step}: the {out_dtype} output's rows would not be "
+                    f"16-byte aligned for TMA; pad N to {-(-n // d_step) * d_step}"
+                )
+    return GemmCall(problem, a3, b3, out3, out_dtype, batched)

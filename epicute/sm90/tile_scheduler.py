@@ -1,0 +1,201 @@
+"""Persistent tile schedulers: the GEMM's static one with grouped rasterization, attention's queue.
+
+GEMM: the grid is ``(cluster_m, cluster_n, num_launched_clusters)``; cluster ``z``
+processes linear cluster ids ``z, z + grid_z, z + 2 grid_z, ...`` until the
+problem is exhausted. ``num_launched_clusters`` is set per launch
+(:meth:`~epicute.gemm.config.GemmConfig.launched_clusters` of the runtime
+``max_active_clusters``) and the stride is read back from ``gridDim.z``, so the
+compiled code holds no SM count. A linear id maps to (cluster_m, cluster_n, batch) through
+*bands* of ``group`` clusters across the raster's minor axis; a band is walked
+across its width first, then down the raster axis (``raster_along_m``: bands of
+N columns swept down M). Clusters that run at the same moment thus cover a
+compact block of the output and share A and B panels in L2.
+
+The producer warp and the consumer warpgroups each own a scheduler instance; as
+the schedule is static, they visit the same tiles in the same order without
+talking to each other.
+
+:func:`band_coord` is the band walk on its own; the attention kernel orders its
+causal work with it too (longest query blocks first, a band of heads at a time).
+:class:`TileQueue` is the attention kernel's walk over its linear tile order:
+strided, or claimed from a global counter (tiles of unequal length stay balanced,
+and the tiles in flight a contiguous window of the order); its producer
+announces each tile to the consumers through shared memory.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Int32, cute
+from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
+
+from epicute.sm90.pipeline import wait_full
+
+
+def band_coord(linear, major, minor, group):
+    """``(major_idx, minor_idx)`` of the ``linear``-th cell of a ``major x minor`` grid walked in
+    bands of ``group`` minor indices: across a band's width first, then down the major axis,
+    band after band (the last band may be narrower). Cells that run at the same moment share
+    their band's few minor indices, so whatever those index stays hot in L2."""
+    band_size = group * major
+    band = linear // band_size
+    first_minor = band * group
+    width = cutlass.min(group, minor - first_minor)
+    within = linear - band * band_size
+    major_idx = within // width
+    return major_idx, first_minor + within - major_idx * width
+
+
+class TileScheduler:
+    def __init__(
+        self,
+        clusters_m: Int32,
+        clusters_n: Int32,
+        num_batches: Int32,
+        cluster_shape_mn: tuple[int, int],
+        group: int,
+        raster_along_m: bool,
+    ):
+        self.clusters_m = clusters_m
+        self.clusters_n = clusters_n
+        self.num_batches = num_batches
+        self.cluster_shape_mn = cluster_shape_mn
+        self.group = group
+        self.raster_along_m = raster_along_m
+
+    # The DSL carries the scheduler through runtime loops as its three dynamic
+    # extents; the rest is compile-time configuration.
+    def __extract_mlir_values__(self):
+        return [v for x in (self.clusters_m, self.clusters_n, self.num_batches) for v in extract_mlir_values(x)]
+
+    def __new_from_mlir_values__(self, values):
+        m, n, l = (
+            new_from_mlir_values(x, [v]) for x, v in zip((self.clusters_m, self.clusters_n, self.num_batches), values)
+        )
+        return TileScheduler(m, n, l, self.cluster_shape_mn, self.group, self.raster_along_m)
+
+    @staticmethod
+    def num_clusters(tiles_m, tiles_n, l, cluster_shape_mn):
+        clusters_m = (tiles_m + cluster_shape_mn[0] - 1) // cluster_shape_mn[0]
+        clusters_n = (tiles_n + cluster_shape_mn[1] - 1) // cluster_shape_mn[1]
+        return clusters_m, clusters_n, clusters_m * clusters_n * l
+
+    @property
+    def total_clusters(self):
+        return self.clusters_m * self.clusters_n * self.num_batches
+
+    def first(self):
+        """This cluster's first linear work id."""
+        return Int32(cute.arch.block_idx()[2])
+
+    def stride(self):
+        return Int32(cute.arch.grid_dim()[2])
+
+    def is_valid(self, linear):
+        return linear < self.total_clusters
+
+    def tile_coord(self, linear):
+        """(tile_m, tile_n, batch) of this CTA for the linear cluster id."""
+        per_batch = self.clusters_m * self.clusters_n
+        batch = linear // per_batch
+        r = linear - batch * per_batch
+        if cutlass.const_expr(self.raster_along_m):
+            major, minor = self.clusters_m, self.clusters_n
+        else:
+            major, minor = self.clusters_n, self.clusters_m
+        major_idx, minor_idx = band_coord(r, major, minor, Int32(self.group))
+        if cutlass.const_expr(self.raster_along_m):
+            cm, cn = major_idx, minor_idx
+        else:
+            cm, cn = minor_idx, major_idx
+        cta_m, cta_n, _ = cute.arch.block_idx()
+        return (
+            cm * self.cluster_shape_mn[0] + Int32(cta_m),
+            cn * self.cluster_shape_mn[1] + Int32(cta_n),
+            batch,
+        )
+
+
+class TileQueue:
+    """Work tiles of a persistent CTA: a static stride, or claimed from a global counter.
+
+    A CTA starts on tile ``blockIdx.x``. Its next tile is either static (``tile +
+    gridDim.x``: every role of the CTA computes it alone) or, with ``counter`` (a
+    global int32 that is 0 at launch), claimed dynamically: ``gridDim.x +
+    atomicAdd(counter, 1)``, so CTAs that drew short tiles come back for more and a
+    longest-first order keeps its balance. The launch's last claim returns
+    ``num_tiles - 1`` (every tile past the first wave is claimed once, and every CTA
+    makes one last, failing claim); its claimer stores 0 back, so the next launch on
+    the stream finds the counter at 0 without a memset.
+
+    Dynamic tiles are claimed by the producer warp alone, which announces each one
+    to the consumers: it writes the tile's index and coordinates to ``slot`` (shared
+    memory, four int32) before arming the full barrier of the ring that carries the
+    tile's first load (attention: Q's). A barrier arrive releases the arriving
+    thread's prior writes and a consumer's wait acquires them, so the consumers read
+    the slot after waiting on that barrier; an index ``>= num_tiles`` ends their walk.
+    """
+
+    def __init__(self, slot: cute.Tensor, num_tiles, counter: cute.Tensor | None = None):
+        self.slot = slot
+        self.num_tiles = num_tiles
+        self.counter = counter
+        self.dynamic = counter is not None
+
+    # Read-only inside loops: the DSL may carry it as-is.
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    def first(self):
+        return Int32(cute.arch.block_idx()[0])
+
+    @cute.jit
+    def claim_next(self, tile):
+        """The producer warp's next tile after ``tile`` (call with the whole warp)."""
+        grid = Int32(cute.arch.grid_dim()[0])
+        if cutlass.const_expr(not self.dynamic):
+            return tile + grid
+        claimed = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            claimed = cute.arch.atomic_add(self.counter.iterator, Int32(1))
+            if claimed == self.num_tiles - 1:  # the launch's last claim: leave 0 for the next one
+                self.counter[0] = Int32(0)
+        return grid + cute.arch.shuffle_sync(claimed, 0)
+
+    @cute.jit
+    def acquire_and_announce(self, ring, state, tile, coords: tuple):
+        """``ring.producer_acquire(state)`` for the tile's first load; dynamic tiles also get
+        their index and coordinates written to the slot between the wait and the arrive."""
+        ring.sync_object_empty.wait(state.index, state.phase)
+        if cutlass.const_expr(self.dynamic):
+            # Every lane writes the same values: the arriving lane's own writes are released.
+            for i, value in enumerate((tile, *coords)):
+                self.slot[i] = value
+        ring.sync_object_full.arrive(state.index, ring.producer_mask)
+
+    @cute.jit
+    def announce_end(self, ring, state):
+        """Dynamic tiles: the consumers' stop, an out-of-range index on a stage no load fills."""
+        if cutlass.const_expr(self.dynamic):
+            ring.sync_object_empty.wait(state.index, state.phase)
+            self.slot[0] = self.num_tiles
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(ring.sync_object_full.get_barrier(state.index))
+
+    @cute.jit
+    def consumer_next(self, tile, ring, state):
+        """The consumers' tile after ``tile`` (``None``: their first): static, computed here;
+        dynamic, announced (waits for ``ring``'s stage ``state`` to be full)."""
+        if cutlass.const_expr(self.dynamic):
+            wait_full(ring, state)
+            return self.slot[0]
+        if cutlass.const_expr(tile is None):
+            return self.first()
+        return tile + Int32(cute.arch.grid_dim()[0])
+
+    def announced_coords(self, count: int) -> tuple:
+        """The coordinates announced with the current dynamic tile."""
+        return tuple(self.slot[1 + i] for i in range(count))

@@ -1,0 +1,159 @@
+"""epicute.attention on the CPU: the reference against torch SDPA in float64, the hooks, the errors.
+
+The reference (``backend="reference"``) is the oracle GPU results are checked
+against, so it is itself checked here against ``scaled_dot_product_attention``
+in float64, with bottom-right causal masks, GQA/MQA and seqlen_q != seqlen_k.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import epicute
+from epicute import ops
+from epicute.attention.api import _hooks, reference_attention
+from epicute.attention.validate import check_attention_args
+from tests.conftest import rel_err
+
+
+def qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16):
+    return (torch.randn(b, sq, hq, d, dtype=dtype), torch.randn(b, sk, hkv, d, dtype=dtype),
+            torch.randn(b, sk, hkv, d, dtype=dtype))  # fmt: skip
+
+
+def sdpa64(q, k, v, causal, scale=None):
+    """SDPA in float64 on (b, s, h, d) tensors, GQA by repetition, causal aligned bottom-right."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    sq, sk = q.shape[2], k.shape[2]
+    mask = torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=sk - sq) if causal else None
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return out.transpose(1, 2), torch.logsumexp(scores, dim=-1)
+
+
+def float64_reference(q, k, v, causal, score_mod=None, epilogue=None, **operands):
+    call = check_attention_args(q, k, v, causal=causal, softmax_scale=None, require_cuda=False)
+    score, epi = _hooks(call, score_mod, epilogue, operands)
+    return reference_attention(call, score, epi, compute_dtype=torch.float64, out_dtype=torch.float64)[0]
+
+
+CASES = [(2, 17, 17, 4, 4), (1, 129, 40, 4, 1), (2, 33, 100, 6, 2), (1, 1, 1, 2, 2), (1, 70, 70, 8, 2)]
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("d", (64, 128, 256))
+def test_reference_matches_sdpa_float64(case, causal, d):
+    q, k, v = qkv(*case, d)
+    call = check_attention_args(q, k, v, causal=causal, softmax_scale=None, require_cuda=False)
+    out, lse = reference_attention(call, compute_dtype=torch.float64, out_dtype=torch.float64)
+    ref, ref_lse = sdpa64(q, k, v, causal)
+    seen = ~torch.isneginf(ref_lse)  # rows that see at least one key (SDPA gives NaN for the others)
+    assert rel_err(out.transpose(1, 2)[seen], ref.transpose(1, 2)[seen]) < 1e-12
+    assert rel_err(lse.double()[seen], ref_lse[seen]) < 1e-6  # LSE is returned in fp32
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    assert (out.transpose(1, 2)[~seen] == 0).all()
+
+
+def test_public_reference_backend_rounds_to_input_dtype():
+    q, k, v = qkv(2, 77, 100, 4, 2, 128)
+    out, lse = epicute.attention(q, k, v, causal=True, softmax_scale=0.2, return_lse=True, backend="reference")
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 77)
+    ref, ref_lse = sdpa64(q, k, v, True, scale=0.2)
+    assert rel_err(out, ref) < 1e-2
+    assert rel_err(lse, ref_lse) < 1e-5
+    target = torch.empty_like(q)
+    assert epicute.attention(q, k, v, causal=True, softmax_scale=0.2, out=target, backend="reference") is target
+    assert torch.equal(target, out)
+
+
+def test_score_mods_in_the_reference():
+    q, k, v = qkv(2, 40, 50, 4, 2, 64)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+    def softcap_alibi(s, b, h, q_idx, kv_idx, slopes, cap):
+        return cap * ops.tanh(s / cap) + slopes * (kv_idx - q_idx) + 0.5 * b - 0.25 * h
+
+    out = float64_reference(q, k, v, False, score_mod=softcap_alibi, slopes=slopes, cap=3.0)
+    assert rel_err(epicute.attention(q, k, v, score_mod=softcap_alibi, slopes=slopes, cap=3.0, backend="reference"),
+                   out) < 1e-2  # fmt: skip
+    qh, kh, vh = (t.double().transpose(1, 2).repeat_interleave(4 // t.shape[2], dim=1) for t in (q, k, v))
+    s = qh @ kh.transpose(-1, -2) / 8.0
+    rel = torch.arange(50).view(1, -1) - torch.arange(40).view(-1, 1)
+    s = 3.0 * torch.tanh(s / 3.0) + slopes.double().view(1, 4, 1, 1) * rel
+    s = s + 0.5 * torch.arange(2).view(2, 1, 1, 1) - 0.25 * torch.arange(4).view(1, 4, 1, 1)
+    ref = (torch.softmax(s, dim=-1) @ vh).transpose(1, 2)
+    assert rel_err(out, ref) < 1e-6  # the modified scores are rounded to fp32, as the kernel holds them
+
+
+def test_epilogue_in_the_reference():
+    q, k, v = qkv(2, 30, 30, 4, 4, 64)
+    gate, bias = torch.randn_like(q.float()), torch.randn(64)
+    out = float64_reference(
+        q, k, v, True, epilogue=lambda o, gate, bias, alpha: alpha * o * ops.sigmoid(gate) + bias,
+        gate=gate, bias=bias, alpha=2.0,
+    )  # fmt: skip
+    ref, _ = sdpa64(q, k, v, True)
+    # The epilogue's output is rounded to O's dtype (bf16): compare with the rounded truth.
+    expected = (2.0 * ref * torch.sigmoid(gate.double()) + bias.double()).to(torch.bfloat16).double()
+    assert rel_err(out, expected) < 1e-3
+
+
+def test_explain_shows_whole_rows_and_smem(capsys):
+    q = torch.empty(4, 8192, 16, 128, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(4, 8192, 4, 128, dtype=torch.bfloat16, device="meta")
+    plan = epicute.explain_attention(q, kv, kv, causal=True)
+    text = capsys.readouterr().out
+    assert "every warp holds whole rows" in text and "GQA 4:1" in text and "ping-pong" in text
+    # Causal: one CTA per SM claiming the 64 m-blocks x 16 heads x 4 batches, longest-first.
+    assert plan.grid == (132, 1, 1) and plan.num_tiles == 64 * 16 * 4
+    assert "claims its next from an atomic counter" in text and "longest-first in bands of 8 heads" in text
+
+
+def bad(exc, match, *args, **kwargs):
+    with pytest.raises(exc, match=match):
+        epicute.attention(*args, backend="reference", **kwargs)
+
+
+def test_validation_errors():
+    q, k, v = qkv(2, 16, 16, 4, 2, 64)
+    bad(epicute.ShapeError, "4-D", q[0], k, v)
+    bad(epicute.DtypeError, "bfloat16 and torch.float16", q.float(), k.float(), v.float())
+    bad(epicute.DtypeError, "k has dtype", q, k.half(), v)
+    bad(epicute.ShapeError, "head_dim=96", *qkv(1, 8, 8, 2, 2, 96))
+    bad(epicute.ShapeError, "multiple of heads_kv", *qkv(1, 8, 8, 3, 2, 64))
+    bad(epicute.ShapeError, "same shape", q, k, v[:, :8])
+    bad(epicute.ShapeError, "batch", q, k[:1], v[:1])
+    bad(epicute.ShapeError, "seqlen 0", q, k[:, :0], v[:, :0])
+    bad(epicute.AlignmentError, "contiguous", q, k.transpose(2, 3).contiguous().transpose(2, 3), v)
+    misaligned = torch.empty(2 * 16 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 16, 4, 64)
+    bad(epicute.AlignmentError, "16-byte", misaligned, k, v)
+    bad(epicute.ConfigError, "softmax_scale", q, k, v, softmax_scale=-1.0)
+    with pytest.raises(epicute.ConfigError, match="backend"):
+        epicute.attention(q, k, v, backend="triton")
+    with pytest.raises(epicute.DeviceError, match="cuda"):
+        epicute.attention(q, k, v)
+    bad(epicute.OutputError, "must match q", q, k, v, out=torch.empty(2, 16, 4, 32, dtype=torch.bfloat16))
+    bad(epicute.OutputError, "shares memory", q, k, v, out=q)
+
+
+def test_hook_operand_errors():
+    q, k, v = qkv(2, 16, 16, 4, 2, 64)
+    alibi = lambda s, b, h, qi, ki, slopes: s + slopes * (ki - qi)
+    bad(epicute.EpilogueError, "needs operands", q, k, v, score_mod=alibi)
+    bad(epicute.EpilogueError, r"per-head vector \(4,\)", q, k, v, score_mod=alibi, slopes=torch.rand(3))
+    bad(epicute.EpilogueError, "not parameters", q, k, v, score_mod=alibi, slopes=torch.rand(4), typo=1.0)
+    bad(epicute.EpilogueError, "tile", q, k, v, epilogue=lambda o, g: o * g, g=torch.rand(2, 16, 4))
+    bad(epicute.EpilogueError, "positional indices", q, k, v, score_mod=lambda s, b: s)
+    assert math.isfinite(
+        float(epicute.attention(q, k, v, score_mod=alibi, slopes=torch.rand(4), backend="reference").float().sum())
+    )

@@ -1,0 +1,194 @@
+"""GPU correctness of the SM90 attention kernel against the float32 reference.
+
+Odd sequence lengths (1, 17, 129, 1000, 4097), seqlen_q != seqlen_k both ways,
+causal and not, MHA / GQA 4:1 / MQA, every head_dim, bf16 and fp16, score_mod
+and epilogue. O is NaN-poisoned through ``out=`` and LSE through the runtime's
+buffer seam, so an element the kernel never writes fails. The reference runs on
+the GPU in float32 with TF32 off (same math as ``backend="reference"``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import epicute
+from epicute import ops
+from epicute.attention import launch as rt_attention
+from epicute.attention.api import _hooks, reference_attention
+from epicute.attention.launch import tile_counter
+from epicute.attention.validate import check_attention_args
+from tests.conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_lse_and_exact_reference(monkeypatch):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(rt_attention, "new_lse", lambda shape, device: torch.full(shape, float("nan"), device=device))
+
+
+def qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16):
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
+    return q, k, v
+
+
+def check(q, k, v, causal=False, score_mod=None, epilogue=None, config=None, **operands):
+    out = torch.full_like(q, float("nan"))
+    got, lse = epicute.attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        score_mod=score_mod,
+        epilogue=epilogue,
+        out=out,
+        return_lse=True,
+        config=config,
+        **operands,
+    )
+    assert got.data_ptr() == out.data_ptr()
+    call = check_attention_args(q, k, v, causal=causal, softmax_scale=None)
+    score, epi = _hooks(call, score_mod, epilogue, operands)
+    ref, ref_lse = reference_attention(call, score, epi, out_dtype=torch.float32, device="cuda")
+    what = f"q{tuple(q.shape)} k{tuple(k.shape)} causal={causal}"
+    err = rel_err(out, ref)
+    assert err <= TOL, f"O rel err {err:.2e} for {what}"
+    # Rows that see no key have LSE -inf in both; compare the rest.
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), f"LSE -inf pattern differs for {what}"
+    lse_err = rel_err(lse[~empty], ref_lse[~empty]) if (~empty).any() else 0.0
+    assert lse_err <= 1e-4, f"LSE rel err {lse_err:.2e} for {what}"
+
+
+LENGTHS = [(1, 1), (17, 17), (129, 129), (1000, 1000), (4097, 4097), (17, 1000), (1000, 17), (129, 4097), (4097, 129)]
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_odd_lengths(d, causal):
+    for sq, sk in LENGTHS:
+        check(*qkv(1, sq, sk, 2, 2, d), causal=causal)
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("hkv", (2, 1), ids=("gqa4", "mqa"))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_gqa_and_mqa(d, hkv, causal):
+    for sq, sk in ((1000, 1000), (129, 1000), (257, 77)):
+        check(*qkv(2, sq, sk, 4 * hkv if hkv == 2 else 3, hkv, d), causal=causal)
+
+
+@pytest.mark.parametrize("d", (64, 128))
+def test_fp16(d):
+    for causal in (False, True):
+        check(*qkv(2, 1000, 999 + 1, 4, 2, d, torch.float16), causal=causal)
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+def test_score_mods(d):
+    q, k, v = qkv(2, 1000, 1000, 4, 2, d)
+
+    def softcap(s, b, h, q_idx, kv_idx):
+        return 5.0 * ops.tanh(s / 5.0)
+
+    def alibi(s, b, h, q_idx, kv_idx, slopes):
+        return s + slopes * (kv_idx - q_idx)
+
+    def rel_bias(s, b, h, q_idx, kv_idx, scale):
+        return s - scale * ops.log(1.0 + ops.abs(q_idx - kv_idx)) + 0.01 * h - 0.02 * b
+
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / 4) for i in range(4)], device="cuda")
+    for causal in (False, True):
+        check(q, k, v, causal=causal, score_mod=softcap)
+        check(q, k, v, causal=causal, score_mod=alibi, slopes=slopes)
+        check(q, k, v, causal=causal, score_mod=rel_bias, scale=0.5)
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+def test_epilogues(d):
+    q, k, v = qkv(2, 1000, 777, 4, 1, d)
+    gate = torch.randn_like(q)
+    residual = torch.randn(2, 1000, 4, d, device="cuda", dtype=torch.float32)
+    bias = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+
+    def gated(o, gate, residual, alpha):
+        return alpha * o * ops.sigmoid(gate) + residual
+
+    def biased(o, bias):
+        return ops.gelu(o + bias)
+
+    for causal in (False, True):
+        check(q, k, v, causal=causal, epilogue=gated, gate=gate, residual=residual, alpha=1.5)
+        check(q, k, v, causal=causal, epilogue=biased, bias=bias)
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("dynamic", (False, True), ids=("static", "dynamic"))
+def test_persistent_ctas_walk_many_tiles(d, causal, dynamic):
+    # More tiles than SMs, so every CTA runs several (ragged m-blocks, GQA, both seqlen orders):
+    # O staged in Q's buffer and the K/V ring positions must hand over cleanly from tile to tile,
+    # and (dynamic) every tile is claimed exactly once from the counter, which each launch leaves at 0.
+    persistent = {"persistent": True, "dynamic_tiles": dynamic}
+    for b, sq, sk, hq, hkv in ((2, 1000, 1000, 24, 6), (3, 4097, 129, 8, 8), (2, 17, 4097, 96, 8)):
+        check(*qkv(b, sq, sk, hq, hkv, d), causal=causal, config=persistent)
+    q, k, v = qkv(2, 1000, 777, 24, 6, d)
+    slopes = torch.rand(24, device="cuda")
+    check(q, k, v, causal=causal, config=persistent, score_mod=lambda s, b, h, qi, ki, slopes: s + slopes * (ki - qi),
+          epilogue=lambda o, gate: o * ops.sigmoid(gate), slopes=slopes, gate=torch.randn_like(q))  # fmt: skip
+    torch.cuda.synchronize()
+    assert tile_counter(q.device).item() == 0
+
+
+def test_tile_counters_are_per_stream():
+    # Two streams running dynamically scheduled launches at once must not share a counter.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        on_side = tile_counter(torch.device("cuda"))
+    assert on_side.data_ptr() != tile_counter(torch.device("cuda")).data_ptr()
+    config = {"persistent": True, "dynamic_tiles": True}
+    cases = [qkv(2, 1000, 1000, 24, 6, 128), qkv(4, 777, 2000, 16, 4, 128)]
+    outs = [torch.full_like(q, float("nan")) for q, _, _ in cases]
+    torch.cuda.synchronize()
+    for stream, (q, k, v), out in zip((torch.cuda.current_stream(), side), cases, outs):
+        with torch.cuda.stream(stream):
+            epicute.attention(q, k, v, causal=True, config=config, out=out)
+    torch.cuda.synchronize()
+    for (q, k, v), out in zip(cases, outs):
+        call = check_attention_args(q, k, v, causal=True, softmax_scale=None)
+        ref, _ = reference_attention(call, out_dtype=torch.float32, device="cuda")
+        assert rel_err(out, ref) <= TOL
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("lazy", (True, False), ids=("lazy", "eager"))
+def test_rescaling_with_growing_scores(d, lazy):
+    """Key norms ramp up 30x along the sequence, so row maxima keep rising: some blocks move a row's
+    max by less than the lazy-rescale threshold (P above 1 kept unnormalized), others by more."""
+    q, k, v = qkv(2, 1000, 4097, 4, 2, d)
+    k *= torch.linspace(1.0, 30.0, 4097, device="cuda", dtype=k.dtype)[None, :, None, None]
+    for causal in (False, True):
+        check(q, k, v, causal=causal, config={"lazy_rescale": lazy})
+
+
+def test_score_mod_and_epilogue_together():
+    q, k, v = qkv(1, 129, 4097, 8, 2, 128)
+    check(q, k, v, causal=True, score_mod=lambda s, b, h, qi, ki: ops.minimum(s, 2.0),
+          epilogue=lambda o, scale: o * scale, scale=math.pi)  # fmt: skip
+
+
+def test_softmax_scale_and_large_batch():
+    q, k, v = qkv(3, 300, 300, 6, 3, 64)
+    out, lse = epicute.attention(q, k, v, softmax_scale=0.3, return_lse=True)
+    call = check_attention_args(q, k, v, causal=False, softmax_scale=0.3)
+    ref, ref_lse = reference_attention(call, out_dtype=torch.float32, device="cuda")
+    assert rel_err(out, ref) <= TOL
+    assert rel_err(lse, ref_lse) <= 1e-4

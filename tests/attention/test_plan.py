@@ -1,0 +1,128 @@
+"""The attention planner: default configs, the whole-rows-per-warp check, smem accounting."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from epicute.attention.plan import (
+    AttentionConfig,
+    AttentionProblem,
+    attention_smem_total,
+    default_config,
+    lpt_heads_per_band,
+    plan_attention,
+    render_attention_plan,
+    row_ownership,
+)
+from epicute.errors import ConfigError
+from epicute.runtime.target import H100_SXM
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("causal", (False, True))
+def test_default_configs_are_valid_and_fit(d, causal):
+    cfg = default_config(d, causal)
+    cfg.validate(H100_SXM)
+    assert attention_smem_total(cfg) <= H100_SXM.smem_per_cta_bytes
+    own = row_ownership(cfg)
+    assert own.whole_rows
+    # Every warp holds 16 consecutive rows; together they cover the tile once.
+    rows = sorted(r for _, _, lo, hi in own.warps for r in range(lo, hi + 1))
+    assert rows == list(range(cfg.tile_m))
+    assert all(hi - lo == 15 for _, _, lo, hi in own.warps)
+
+
+def test_layout_splitting_rows_across_warps_is_refused():
+    cfg = AttentionConfig(tile_m=128, tile_n=128, mma_atoms_mn=(1, 2))
+    own = row_ownership(cfg)
+    assert not own.whole_rows and "spread over warps" in own.problem
+    with pytest.raises(ConfigError, match="reduces a score row inside one warp"):
+        cfg.validate(H100_SXM)
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="shared memory"):
+        default_config(256, False, tile_n=128, stages=2).validate(H100_SXM)
+    with pytest.raises(ConfigError, match="tile_n"):
+        AttentionConfig(tile_n=72).validate(H100_SXM)
+    with pytest.raises(ConfigError, match="pingpong"):
+        AttentionConfig(tile_m=64, mma_atoms_mn=(1, 1)).validate(H100_SXM)
+    with pytest.raises(ConfigError, match="head_dim"):
+        default_config(96, False)
+
+
+def test_plan_and_render():
+    problem = AttentionProblem(batch=2, seqlen_q=1000, seqlen_k=4097, heads_q=8, heads_kv=1, head_dim=256, causal=True)
+    plan = plan_attention(problem, H100_SXM)
+    # 128 tiles <= 132 SMs: one persistent CTA each, claiming further tiles from the counter.
+    assert plan.num_tiles == 8 * 8 * 2 and plan.grid == (8 * 8 * 2, 1, 1)
+    text = render_attention_plan(plan)
+    assert "GQA 8:1" in text and "rows 0-15, all 80 columns" in text and "total" in text
+    # 32 MiB of K+V at 4097 keys x 256 x 2 B x 2 tensors: 7 heads per band.
+    assert lpt_heads_per_band(256, 4097) == 7 and "bands of 7 heads" in text
+    assert "persistent over 128 tiles (each CTA claims its next from an atomic counter)" in text
+    assert "one CTA per tile" in render_attention_plan(plan_attention(problem, H100_SXM, persistent=False))
+    assert "m-block fastest" in render_attention_plan(plan_attention(problem, H100_SXM, lpt_order=False))
+    # Persistent: one CTA per SM (132 on H100) walks the 128 tiles, or fewer CTAs when there are fewer tiles.
+    persistent = plan_attention(replace(problem, batch=4), H100_SXM, dynamic_tiles=False)
+    assert persistent.grid == (132, 1, 1) and "persistent over 256 tiles (strided)" in render_attention_plan(persistent)
+    assert plan_attention(problem, H100_SXM, persistent=True).grid == (128, 1, 1)
+    assert problem.flops == 4 * 2 * 8 * 1000 * 4097 * 256 // 2
+
+
+def test_register_split_follows_the_warpgroup_count():
+    # d64 runs three consumer warpgroups (192 rows): 3 x 160 + 32 registers per thread slot fill an SM.
+    cfg = default_config(64, False)
+    assert (cfg.tile_m, cfg.num_mma_warpgroups, cfg.producer_regs, cfg.consumer_regs) == (192, 3, 32, 160)
+    # Pinning two warpgroups brings their own budget unless the budget is pinned too.
+    two = default_config(64, False, tile_m=128)
+    assert (two.mma_atoms_mn, two.producer_regs, two.consumer_regs) == ((2, 1), 24, 240)
+    assert default_config(64, False, tile_m=128, consumer_regs=200).consumer_regs == 200
+    for cfg in (default_config(d, causal) for d in (64, 128, 256) for causal in (False, True)):
+        cfg.validate_registers()
+    with pytest.raises(ConfigError, match="an SM has 65536"):
+        default_config(64, False, consumer_regs=176).validate(H100_SXM)
+
+
+def test_lpt_heads_per_band_is_at_least_one():
+    assert lpt_heads_per_band(128, 10**7) == 1
+    assert lpt_heads_per_band(64, 1) == 32 * 1024 * 1024 // 256
+
+
+def test_k_release_point_is_a_planner_choice():
+    # Late K release keeps the PV wait below the softmax (measured faster with causal masking);
+    # without it the rings are the bottleneck and stages go back to the producer as S lands.
+    for d in (64, 128, 256):
+        assert default_config(d, True).release_k_late
+        assert not default_config(d, False).release_k_late
+        # Persistent CTAs everywhere, claiming their tiles from a counter.
+        assert default_config(d, False).persistent and default_config(d, True).persistent
+        assert default_config(d, True).dynamic_tiles and default_config(d, False).dynamic_tiles
+    assert default_config(128, False, release_k_late=True).release_k_late  # still overridable
+    problem = AttentionProblem(batch=1, seqlen_q=512, seqlen_k=512, heads_q=2, heads_kv=2, head_dim=256)
+    assert "K stages released when S lands" in render_attention_plan(plan_attention(problem, H100_SXM))
+    causal = AttentionProblem(batch=1, seqlen_q=512, seqlen_k=512, heads_q=2, heads_kv=2, head_dim=128, causal=True)
+    assert "K stages released after the softmax" in render_attention_plan(plan_attention(causal, H100_SXM))
+    assert default_config(256, False).key() != default_config(256, False, release_k_late=True).key()
+
+
+def test_lazy_rescale_is_a_planner_choice():
+    # Skipping O's rescale pays for its vote and branch where O is large (d128, d256), not at d64.
+    for causal in (False, True):
+        assert default_config(128, causal).lazy_rescale and default_config(256, causal).lazy_rescale
+        assert not default_config(64, causal).lazy_rescale
+    assert default_config(64, False, lazy_rescale=True).lazy_rescale  # still overridable
+    assert default_config(128, False).key() != default_config(128, False, lazy_rescale=False).key()
+    lazy = AttentionProblem(batch=1, seqlen_q=512, seqlen_k=512, heads_q=2, heads_kv=2, head_dim=128)
+    eager = AttentionProblem(batch=1, seqlen_q=512, seqlen_k=512, heads_q=2, heads_kv=2, head_dim=64)
+    assert "rescale         lazy" in render_attention_plan(plan_attention(lazy, H100_SXM))
+    assert "rescale         every block" in render_attention_plan(plan_attention(eager, H100_SXM))
+
+
+def test_dynamic_tiles_need_persistent_ctas():
+    with pytest.raises(ConfigError, match="dynamic_tiles=True needs persistent=True"):
+        default_config(128, True, persistent=False, dynamic_tiles=True).validate(H100_SXM)
+    assert not default_config(128, True, persistent=False).dynamic_tiles  # one CTA per tile, as asked
+    assert default_config(128, True).key() != default_config(128, True, dynamic_tiles=False).key()

@@ -1,0 +1,316 @@
+"""The planner's choices: every plan fits and validates, and each decision follows its rule."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from epicute import ConfigError
+from epicute.gemm import GemmProblem, plan_gemm, render_plan
+from epicute.gemm.heuristics import MAX_AB_STAGES, MIN_EPI_STAGES, choose_config, choose_raster, raster_window
+from epicute.gemm.smem import smem_total
+from epicute.runtime.target import H100_SXM, current_target
+
+BUDGET = H100_SXM.smem_per_cta_bytes
+BIG = GemmProblem(8192, 8192, 8192)
+TINY = GemmProblem(1, 8, 8)
+PROBLEMS = {
+    "8192^3": BIG,
+    "4096^3": GemmProblem(4096, 4096, 4096),
+    "1x8x8": TINY,
+    "1000x4104x1000": GemmProblem(1000, 4104, 1000),
+    "256x4096x4096": GemmProblem(256, 4096, 4096),
+    "batched-L3": GemmProblem(1024, 1024, 1024, l=3),
+    "N64-fp32-out": GemmProblem(4096, 64, 4096, d_dtype="fp32"),
+    "colmajor-fp16": GemmProblem(2048, 2048, 2048, ab_dtype="fp16", a_major="m", b_major="k"),
+}
+
+
+@pytest.fixture(params=list(PROBLEMS), ids=list(PROBLEMS))
+def problem(request):
+    return PROBLEMS[request.param]
+
+
+def test_plan_fits_validates_and_explains(problem):
+    cfg = choose_config(problem, H100_SXM)
+    cfg.validate()
+    assert smem_total(cfg, problem.ab_dtype, problem.d_dtype) <= BUDGET
+    assert len(cfg.reasons) >= 5
+    assert all(isinstance(reason, str) and reason for reason in cfg.reasons)
+
+
+def test_ab_stages_are_maximal(problem):
+    cfg = choose_config(problem, H100_SXM)
+    if cfg.ab_stages < MAX_AB_STAGES:
+        deeper = replace(cfg, ab_stages=cfg.ab_stages + 1, num_epi_stages=MIN_EPI_STAGES)
+        assert smem_total(deeper, problem.ab_dtype, problem.d_dtype) > BUDGET
+
+
+def test_big_problems_get_persistent_2x1_clusters_of_wide_tiles():
+    cfg = choose_config(PROBLEMS["4096^3"], H100_SXM)
+    assert (cfg.schedule, cfg.tile_n, cfg.cluster_m, cfg.cluster_n) == ("cooperative", 256, 2, 1)
+    assert cfg.persistent and not cfg.epi_reuses_ab_smem
+    assert any(reason.startswith("persistent grid of 132 CTAs") for reason in cfg.reasons)
+
+
+def test_8192_cubed_takes_ping_pong_tiles_in_bands_down_m():
+    # 2752 tiles of 128x192 fill 20.85 of 21 waves, 2048 of 128x256 15.5 of 16; with two tiles
+    # per SM in flight, bands of 8 clusters down M cover 2048x3264 instead of 4352x1536.
+    cfg = choose_config(PROBLEMS["8192^3"], H100_SXM)
+    assert (cfg.schedule, cfg.tile_n, cfg.cluster_m, cfg.cluster_n) == ("pingpong", 192, 2, 1)
+    assert not cfg.raster_along_m
+    assert "2048x3264 instead of 4352x1536" in cfg.reasons[-1]
+
+
+@pytest.mark.parametrize(("m", "n", "along_m"), [(8192, 4096, True), (4096, 14336, False), (256, 4096, False)])
+def test_raster_sweeps_the_longer_output_dimension(m, n, along_m):
+    cfg = choose_config(GemmProblem(m=m, n=n, k=4096), H100_SXM)
+    assert cfg.raster_along_m is along_m
+
+
+def test_raster_window_and_square_tie():
+    problem = GemmProblem(m=8192, n=8192, k=8192)
+    # Cooperative 128x256 tiles in 2x1 clusters: 66 clusters in flight, 256x256 each.
+    assert raster_window(problem, (128, 256), (2, 1), 8, 66, along_m=True) == (9 * 256, 8 * 256)
+    assert raster_window(problem, (128, 256), (2, 1), 8, 66, along_m=False) == (8 * 256, 9 * 256)
+    along_m, why = choose_raster(problem, (128, 256), (2, 1), 8, 66)
+    assert along_m and "either walk" in why
+    # A band never covers more clusters than the problem has.
+    small = GemmProblem(m=512, n=512, k=64)
+    assert raster_window(small, (128, 128), (2, 1), 8, 132, along_m=True) == (512, 512)
+
+
+@pytest.mark.parametrize("name", ["1x8x8", "256x4096x4096", "batched-L3"])
+def test_single_wave_problems_reuse_the_a_ring(name):
+    cfg = choose_config(PROBLEMS[name], H100_SXM)
+    assert not cfg.persistent and cfg.epi_reuses_ab_smem
+    problem = PROBLEMS[name]
+    tiles_m = -(-problem.m // 128)
+    tiles = tiles_m * -(-problem.n // cfg.tile_n) * problem.l
+    # 2x1 clusters (B multicast) once there are two rows of tiles and half a wave of them.
+    expected = (2, 1) if tiles_m >= 2 and 2 * tiles >= 132 else (1, 1)
+    assert (cfg.cluster_m, cfg.cluster_n) == expected
+
+
+def test_tiny_problem_gets_narrow_tile_and_deepest_ring():
+    cfg = choose_config(TINY, H100_SXM)
+    assert cfg.tile_n == 64
+    assert cfg.epi_tile == (128, 32)
+    assert cfg.ab_stages == MAX_AB_STAGES
+    assert cfg.reasons[:2] == ("schedule cooperative: plain GEMM: two warpgroups on one 128-row tile",
+                               "tile 128x64x64: N=8 fits one 64-wide tile")  # fmt: skip
+
+
+@pytest.mark.parametrize(("n", "tile_n"), [(1, 64), (64, 64), (65, 128), (128, 128)])
+def test_narrow_n_picks_the_smallest_covering_tile(n, tile_n):
+    assert choose_config(GemmProblem(4096, n, 4096), H100_SXM).tile_n == tile_n
+
+
+def test_wave_quantization_prefers_128_wide_tiles():
+    # 128x256 tiles: 8 x 17 = 136 tiles, just over one wave of 132 SMs.
+    cfg = choose_config(PROBLEMS["1000x4104x1000"], H100_SXM)
+    assert cfg.tile_n == 128
+    assert "wave quantization" in cfg.reasons[1]
+
+
+def test_plain_gemm_takes_pingpong_where_its_tile_fills_the_waves_best():
+    # 1024x14336: 448 tiles of 128x256 are 3.4 waves, 896 of 128x128 need the less efficient
+    # tile; ping-pong's 600 tiles of 128x192 sit between (measured 716 vs 672 and 692 TFLOPS).
+    cfg = choose_config(GemmProblem(1024, 14336, 4096), H100_SXM)
+    assert (cfg.schedule, cfg.tile_n) == ("pingpong", 192)
+    assert "ping-pong 128x192 tiles estimated" in cfg.reasons[0]
+    for m, n, k in ((4096, 4096, 4096), (1024, 4096, 4096), (512, 14336, 4096), (16384, 4096, 4096)):
+        assert choose_config(GemmProblem(m, n, k), H100_SXM).schedule == "cooperative", (m, n, k)
+    # A pinned tile keeps the cooperative default (its epi_tile may not suit ping-pong).
+    pinned = choose_config(GemmProblem(1024, 14336, 4096), H100_SXM, tile_n=128, epi_tile=(128, 128))
+    assert pinned.schedule == "cooperative" and "pinned tile" in pinned.reasons[0]
+    pinned.validate()
+
+
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_under_filled_problem_takes_narrow_tiles(k):
+    # 256 x 4096: 64 tiles of 128x128 leave half the SMs idle; 128 tiles of 128x64 do not
+    # (measured 414 vs 330 TFLOPS at K=4096, bench/results/configs.json).
+    cfg = choose_config(GemmProblem(256, 4096, k), H100_SXM)
+    assert (cfg.tile_n, cfg.cluster_m, cfg.cluster_n) == (64, 2, 1)
+    assert "too few wider tiles to fill the SMs" in cfg.reasons[1]
+
+
+def test_fused_epilogue_schedule_follows_the_wave_count():
+    from epicute.gemm.smem import EpilogueBuffers
+
+    epi = EpilogueBuffers(tile_inputs=("bf16",), vectors=("row",), chain=("tile load_vectors",))
+    # Up to 4 tiles of 128x128 per SM: cooperative (measured faster); above: ping-pong.
+    for m, n in ((512, 4096), (1024, 4096), (1024, 8192)):
+        cfg = choose_config(GemmProblem(m, n, 4096), H100_SXM, epi)
+        assert cfg.schedule == "cooperative" and "too few for ping-pong's overlap to pay" in cfg.reasons[0]
+    assert choose_config(GemmProblem(1024, 14336, 4096), H100_SXM, epi).schedule == "pingpong"
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "schedule", "tile_n"),
+    [
+        # measured with gelu(0.5 acc + bias) + residual (bench/NOTES.md, session 9)
+        (4096, 4096, 4096, "cooperative", 256),  # 713 vs 661 TFLOPS ping-pong
+        (2048, 8192, 8192, "cooperative", 256),  # 786 vs 709
+        (16384, 4096, 4096, "cooperative", 256),  # 735 vs 704
+        (4096, 14336, 4096, "pingpong", 192),  # 751 vs 738 cooperative (session 7)
+        (8192, 8192, 8192, "pingpong", 192),
+        (1024, 14336, 4096, "pingpong", 192),  # 659 vs 640
+    ],
+)
+def test_fused_epilogue_schedule_by_estimate(m, n, k, schedule, tile_n):
+    from epicute.gemm.smem import EpilogueBuffers
+
+    ffn = EpilogueBuffers(tile_inputs=("bf16",), vectors=("row",), chain=("x",), instructions_per_element=24)
+    cfg = choose_config(GemmProblem(m, n, k), H100_SXM, ffn)
+    assert (cfg.schedule, cfg.tile_n) == (schedule, tile_n)
+    assert cfg.reasons[0].startswith(f"schedule {schedule}: fused epilogue: {schedule} 128x{tile_n} estimated")
+
+
+def test_batch_counts_towards_waves():
+    # One 1024^3 GEMM is 32 tiles of 128x256; 8 of them are 256 tiles, two waves.
+    cfg = choose_config(GemmProblem(1024, 1024, 1024, l=8), H100_SXM)
+    assert cfg.persistent and (cfg.cluster_m, cfg.cluster_n) == (2, 1)
+
+
+def test_override_tile_n():
+    cfg = choose_config(BIG, H100_SXM, tile_n=128)
+    assert cfg.tile_n == 128
+    assert cfg.reasons[1] == "tile 128x128x64: requested"
+    assert smem_total(cfg, "bf16", "bf16") <= BUDGET
+
+
+def test_override_persistent_false_reuses_the_a_ring():
+    cfg = choose_config(BIG, H100_SXM, persistent=False)
+    assert not cfg.persistent and cfg.epi_reuses_ab_smem
+    assert "one tile per CTA: requested" in cfg.reasons
+
+
+def test_override_stages():
+    cfg = choose_config(BIG, H100_SXM, ab_stages=3)
+    assert cfg.ab_stages == 3
+    assert "stages: requested" in cfg.reasons
+
+
+def test_register_overrides_pass_through():
+    cfg = choose_config(BIG, H100_SXM, producer_regs=48, consumer_regs=224)
+    assert (cfg.producer_regs, cfg.consumer_regs) == (48, 224)
+    assert cfg.tile_n == choose_config(BIG, H100_SXM).tile_n
+
+
+def test_unknown_override_is_rejected():
+    with pytest.raises(ConfigError, match=r"unknown config field\(s\) \['tile_x'\]"):
+        choose_config(BIG, H100_SXM, tile_x=128)
+
+
+def test_override_that_cannot_fit_names_shared_memory():
+    with pytest.raises(ConfigError, match=r"needs \d+ B of shared memory, over the 232448 B"):
+        choose_config(BIG, H100_SXM, tile_n=256, ab_stages=8)
+
+
+def test_invalid_override_is_rejected_by_validate():
+    with pytest.raises(ConfigError, match=r"tile_n=96"):
+        choose_config(BIG, H100_SXM, tile_n=96)
+
+
+def test_plan_gemm_uses_given_target():
+    small = replace(H100_SXM, num_sms=66)
+    plan = plan_gemm(BIG, small)
+    assert plan.target is small
+    assert plan.grid == (2, 1, 33)
+
+
+def test_current_target_without_gpu_is_h100(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    current_target.cache_clear()
+    try:
+        hw = current_target()
+    finally:
+        current_target.cache_clear()
+    assert replace(hw, origin="named") == H100_SXM and hw.origin.startswith("assumed")
+    assert (hw.num_sms, hw.smem_per_cta_bytes, hw.arch, hw.detected) == (132, 227 * 1024, "sm_90a", False)
+
+
+def test_reused_d_staging_must_fit_in_the_a_ring():
+    # fp32 D: 4 x 128x32x4 B = 64 KiB would alias a 2-stage A ring of 32 KiB.
+    with pytest.raises(ConfigError, match="do not fit in the A ring"):
+        choose_config(GemmProblem(1, 8, 8, d_dtype="fp32"), H100_SXM, ab_stages=2)
+
+
+def test_fused_epilogue_shrinks_the_ab_ring_and_shows_in_the_roofline():
+    from epicute.gemm.smem import EpilogueBuffers
+
+    problem = GemmProblem(8192, 8192, 8192)
+    epi = EpilogueBuffers(
+        tile_inputs=("bf16",), aux_outputs=("bf16",), vectors=("row",), chain=("tile load_vectors",),
+        instructions_per_element=24,
+    )  # fmt: skip
+    fused = plan_gemm(problem, H100_SXM, epilogue=epi)
+    # A fused epilogue gets the ping-pong schedule; against a plain GEMM of the same tiles:
+    assert (fused.config.schedule, fused.config.tile_n) == ("pingpong", 192)
+    plain = plan_gemm(problem, H100_SXM, schedule="pingpong", tile_n=192)
+    stages = lambda plan: (plan.config.ab_stages, plan.config.num_epi_stages)
+    assert stages(fused) < stages(plain)  # the A/B ring or the D staging gave way
+    assert fused.smem_bytes <= BUDGET
+    assert fused.roofline.epilogue_bytes == 8192 * 8192 * 4
+    # The epilogue's bytes arrive under the mainloop in both schedules; of its arithmetic
+    # (128x192 elements x 24 instructions at 128 per cycle) ping-pong's other mainloop loses
+    # half, in each of 21 waves, while cooperative pays all of it, in each of 16.
+    alu = fused.roofline.epilogue_alu_s
+    assert alu == pytest.approx(128 * 192 * 24 / (128 * H100_SXM.tensor_clock_hz))
+    assert not fused.roofline.epilogue_exposed
+    assert fused.roofline.predicted_s == pytest.approx(plain.roofline.predicted_s + 21 * alu / 2)
+    coop = plan_gemm(problem, H100_SXM, epilogue=epi, schedule="cooperative", tile_n=256)
+    coop_plain = plan_gemm(problem, H100_SXM, schedule="cooperative", tile_n=256)
+    assert coop.roofline.predicted_s == pytest.approx(coop_plain.roofline.predicted_s + 16 * alu * 256 / 192)
+    assert "exposed (the cooperative epilogue" in render_plan(coop)
+    text = render_plan(fused)
+    assert "under the other warpgroup's mainloop (ping-pong)" in text and "takes turns with warpgroup 2" in text
+    assert "epilogue chain" in text and "tile load_vectors" in text and "epilogue        +268.44 MB" in text
+
+
+def test_epilogue_code_over_budget_moves_to_cooperative_tiles():
+    from epicute.gemm.heuristics import EPILOGUE_CODE_BUDGET, epilogue_code
+    from epicute.gemm.smem import EpilogueBuffers
+
+    problem = GemmProblem(4096, 14336, 4096)
+
+    def plan(per_element):
+        epi = EpilogueBuffers(
+            tile_inputs=("bf16",), vectors=("row",), chain=("x",), instructions_per_element=per_element
+        )
+        return choose_config(problem, H100_SXM, epi), epi
+
+    # One or two gelus (24 / 40 per element): ping-pong 128x192, 192 elements per thread, within budget.
+    for per_element in (24, 40):
+        cfg, epi = plan(per_element)
+        assert (cfg.schedule, cfg.tile_n) == ("pingpong", 192)
+        assert epilogue_code(epi, "pingpong", 128, 192) <= EPILOGUE_CODE_BUDGET
+        assert any("within the 8192 budget" in r for r in cfg.reasons)
+    # Three gelus (56): 10752 unrolled on ping-pong 128x192 -> cooperative 128x256 (128 per thread).
+    cfg, _ = plan(56)
+    assert (cfg.schedule, cfg.tile_n) == ("cooperative", 256)
+    assert any("cooperative 128x256 (7168) instead of pingpong 128x192" in r for r in cfg.reasons)
+    # Four (72): 128x256 would still be 9216 -> 128x128.
+    cfg, _ = plan(72)
+    assert (cfg.schedule, cfg.tile_n) == ("cooperative", 128)
+    # What the caller pins is kept, with the estimate reported.
+    cfg = choose_config(problem, H100_SXM, plan(72)[1], schedule="pingpong", tile_n=192)
+    assert (cfg.schedule, cfg.tile_n) == ("pingpong", 192)
+    assert any("13824 instructions per thread" in r and "requested" in r for r in cfg.reasons)
+
+
+def test_plans_of_different_epilogues_with_equal_buffers_are_not_shared():
+    import epicute
+    from epicute import ops
+
+    a = torch.empty(256, 256, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(256, 512, dtype=torch.bfloat16, device="meta")
+    bias = epicute.RowVector(torch.empty(512, dtype=torch.bfloat16, device="meta"))
+    relu = epicute.explain(a, b, epilogue=lambda acc, bias: ops.relu(acc + bias), bias=bias)
+    gelu = epicute.explain(a, b, epilogue=lambda acc, bias: ops.gelu(acc + bias), bias=bias)
+    assert "relu" in " ".join(relu.epilogue.chain) and "gelu_erf" in " ".join(gelu.epilogue.chain)
+    assert gelu.epilogue.instructions_per_element > relu.epilogue.instructions_per_element
