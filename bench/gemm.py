@@ -2,7 +2,7 @@
 
 Usage: python bench/gemm.py [--all | --shapes 4096x4096x4096,...] [--out PATH] [--quack-tuned]
 Each shape: every contender's first call is checked against fp32 torch and not timed, then all
-are timed over rotating input sets (cold L2) as the median of three interleaved rounds.
+are timed over rotating input sets (cold L2) as the median of five interleaved rounds.
 Writes bench/results/gemm.json (and $OUT/gemm.json when OUT is set). Exits 1 when epicute
 failed or was wrong on any case, 2 without a CUDA device.
 """

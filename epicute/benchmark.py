@@ -27,8 +27,9 @@ DEFAULT_SHAPES: tuple[Shape, ...] = (
     (4096, 14336, 4096), (8192, 4096, 14336),
 )  # fmt: skip
 TOLERANCE = 1e-2
-#: Timing rounds per case, contenders interleaved within each (see time_interleaved). Five: single
-#: rounds of one attention config spread 628-718 TFLOPS in one process on the device.
+#: Timing rounds per case, contenders interleaved within each (see time_interleaved). Five, because
+#: single rounds of one configuration spread widely even within one process on the device
+#: (bench/NOTES.md, 'Five timing rounds').
 TIMING_ROUNDS = 5
 
 

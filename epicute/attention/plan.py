@@ -213,27 +213,24 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
         base = {"tile_m": 128, "tile_n": 80, "pingpong": False, "rescale_o_early": False}
         why = (
             "head_dim 256, causal: 128x80 tiles, no ping-pong; O is rescaled after PV, as masked diagonal "
-            "blocks leave the QK^T WGMMA too short to hide it (measured 745 vs 720 TFLOPS, "
-            "bench/results/attention_configs.json)"
+            "blocks leave the QK^T WGMMA too short to hide it (bench/NOTES.md, 'Attention configurations and "
+            "profiles')"
         )
     # Without causal masking every block is full and the rings are the bottleneck: K and V stages
-    # go back to the producer as early as possible (d128 s8192 661 vs 640 TFLOPS, d256 729 vs 678).
-    # Causal launches keep the softmax under the PV WGMMA (d128 causal 650 vs 583).
+    # go back to the producer as early as possible. Causal launches keep the softmax under the PV
+    # WGMMA instead (bench/NOTES.md, 'The K release, by mask' and 'The lost softmax/PV overlap').
     base.update(head_dim=head_dim, release_k_late=causal)
     # Lazy rescaling skips O's rescale (head_dim / 2 multiplies per thread) on most blocks: at d128 and
-    # d256 that beats its vote and branch (d128 s16384 666 vs 650 TFLOPS, d256 s2048 725 vs 715, d256
-    # causal s8192 700 vs 690); at d64 the rescale is 32 multiplies and it is a wash (530 vs 530,
-    # causal 434 vs 439).
+    # d256 that beats its vote and branch; at d64 the rescale is 32 multiplies and it is a wash
+    # (bench/NOTES.md, 'Lazy rescaling').
     base.setdefault("lazy_rescale", head_dim >= 128)
     # Persistent CTAs: the next tile's first K block and Q load run under the current tile's
-    # epilogue (d128 s2048 638 vs 626 TFLOPS). Causal tiles differ in length: striding by the grid
-    # loses the longest-first balance (d256 s8192 539 vs 685), so they claim tiles from a counter
-    # (on an H200: d128 s2048 503 vs 470 for one CTA per tile, d256 s2048 580 vs 553, s8192 level).
-    # Every persistent launch claims its tiles from a counter, full attention too: the tiles in
-    # flight then stay a contiguous window of the m-block-fastest order (K and V of a few heads in
-    # L2), where striding by the grid lets CTAs drift apart (H100, 7-11 interleaved rounds, static
-    # vs claimed: d128 s2048 642 vs 648, s16384 677 vs 682, s8192 666 vs 676 with single static
-    # rounds down to 528; d256 s2048 732 vs 739; d64 s4096 532 vs 533).
+    # epilogue (bench/NOTES.md, 'Persistent CTAs'). Causal tiles differ in length: striding by the
+    # grid loses the longest-first balance, so they claim tiles from a counter (bench/NOTES.md,
+    # 'Dynamic tile scheduling for causal attention'). Every persistent launch claims its tiles
+    # from a counter, full attention too: the tiles in flight then stay a contiguous window of the
+    # m-block-fastest order (K and V of a few heads in L2), where striding by the grid lets CTAs
+    # drift apart (bench/NOTES.md, 'Every persistent launch claims its tiles').
     base.update(persistent=True)
     base.update(overrides)
     base.setdefault("dynamic_tiles", base["persistent"])

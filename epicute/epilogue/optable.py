@@ -254,11 +254,11 @@ def gelu_erf(m, x):
     One reciprocal, one exp2 and twelve fp32 ALU instructions per element, against
     ~28 for ``0.5 x (1 + erf(x / sqrt(2)))`` with the generic erf, which evaluates
     both of its polynomial ranges and selects. The ALU count is what a fused
-    epilogue pays: under ping-pong each fp32 instruction per element slows the
-    other warpgroup's WGMMAs by ~0.25 % at K = 4096, where two MUFU instructions
-    cost ~0.6 % together (bench/NOTES.md, session 10). So ``x * Phi(x)`` is written
-    ``max(x, 0) - |x| Phi(-|x|)`` (no select), and ``x * s`` with
-    ``s = sqrt(log2(e) / 2)`` feeds both the reciprocal's argument and exp2's.
+    epilogue pays: under ping-pong each fp32 ALU instruction per element slows
+    the other warpgroup's WGMMAs, and MUFU instructions far less (bench/NOTES.md,
+    'The ffn epilogue taken apart' and 'gelu in 12 ALU instructions'). So
+    ``x * Phi(x)`` is written ``max(x, 0) - |x| Phi(-|x|)`` (no select), and
+    ``x * s`` with ``s = sqrt(log2(e) / 2)`` feeds both the reciprocal's argument and exp2's.
     Error <= 7e-7 absolute over all fp32 inputs (torch's fp32 gelu: 1.2e-6); the
     tail ``Phi(-|x|) = erfc(|x| / sqrt(2)) / 2`` is computed directly, not as
     ``1 - ...``, so negative inputs keep their relative accuracy. ``|x|`` is capped

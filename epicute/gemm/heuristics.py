@@ -16,8 +16,9 @@ The choices, in order (measurements behind them: ``bench/results/configs*.json``
 1. **tile_n**: cooperative from {256, 128, 64}, ping-pong from {192, 128, 64}:
    the one with the smallest estimated time (wave quantization x per-tile
    efficiency, see :mod:`epicute.gemm.roofline`). Narrow tiles win where wider
-   ones leave SMs idle: 256x4096x4096 runs 64 tiles of 128x128 but 128 of
-   128x64 (measured 414 vs 330 TFLOPS).
+   ones leave SMs idle: 256x4096x4096 runs 64 tiles of 128x128 on 132 SMs but
+   128 of 128x64 (bench/results/configs.json; bench/NOTES.md, 'Narrow tiles for
+   under-filled problems').
    **epilogue code**: the epilogue is unrolled over a thread's accumulators, so
    its code grows with elements per thread x instructions per element; past
    :data:`EPILOGUE_CODE_BUDGET` it evicts the mainloop from the instruction
@@ -25,8 +26,9 @@ The choices, in order (measurements behind them: ``bench/results/configs*.json``
    thread.
 2. **cluster**: 2x1 (B multicast to two M-neighbours, halving its L2->SM
    traffic) when there are at least two M tiles and at least half a wave of
-   tiles (measured: +12-40% on small-M shapes with a long K); otherwise 1x1,
-   because an idle cluster peer costs an SM.
+   tiles (it pays most on small-M shapes with a long K, whose B panels stream
+   from L2 with little reuse; bench/NOTES.md, 'Small M: split-K measured, and
+   removed'); otherwise 1x1, because an idle cluster peer costs an SM.
 3. **persistent or not**: persistent when there is more than one wave of tiles
    (the epilogue of tile i then overlaps the mainloop of tile i+1, so D needs
    its own staging buffers); a single wave gains nothing from persistence, so
@@ -61,9 +63,9 @@ MAX_EPI_STAGES = 4
 MIN_EPI_STAGES = 2
 EPI_TILE_N = 32
 #: Unrolled epilogue instructions per consumer thread that leave the mainloop's code in
-#: the SM's instruction cache. Measured (gelu chains at 4096x14336x4096, bench/NOTES.md):
-#: up to ~7.5k the cost follows the arithmetic; at 9-11k the kernels ran 2.2-2.9x the
-#: plain GEMM's time, with ncu's no-instruction stalls up 500-fold.
+#: the SM's instruction cache. Past that (the cliff lies at 8-9k) the epilogue's code evicts
+#: the mainloop's, whose warps then stall for instructions and the kernel slows several-fold
+#: (bench/NOTES.md, 'The epilogue's code size: an instruction-cache cliff').
 EPILOGUE_CODE_BUDGET = 8192
 #: A fused epilogue gets ping-pong above this many waves of 128x128 tiles (see choose_schedule).
 PINGPONG_MIN_WAVES = 4
@@ -87,8 +89,8 @@ def choose_schedule(
     if not epilogue.chain:
         # A plain GEMM's ping-pong is a tile choice: its widest tile (128x192, one warpgroup's
         # accumulators) fills the last wave better than 128x256 on some shapes and reuses more
-        # per byte than 128x128 (1024x14336x4096: 716 vs 672 and 692 TFLOPS,
-        # bench/results/configs_pingpong.json). A pinned tile keeps the cooperative default.
+        # per byte than 128x128 (bench/results/configs_pingpong.json; bench/NOTES.md, 'Ping-pong
+        # 128x192 for plain GEMMs'). A pinned tile keeps the cooperative default.
         if not tile_pinned and problem.n > 128:
             cooperative, coop_n = best_tile_estimate(problem, hw, epilogue, "cooperative")
             pingpong = estimate_seconds(problem, hw, 128, 192, schedule="pingpong")
@@ -101,18 +103,17 @@ def choose_schedule(
         return "cooperative", f"{why}: two warpgroups on one 128-row tile"
     tiles = _num_tiles(problem, 128, 128)
     if tiles <= PINGPONG_MIN_WAVES * hw.num_sms:
-        # Measured, gelu/bias/residual (bench/results/configs_epilogue_{one_wave,waves}.json):
-        # cooperative 569 vs ping-pong 525 TFLOPS at 512x4096x4096 (1 wave; ncu: 74% vs 55%
-        # tensor-pipe use), 658 vs 580 at 1024x4096x4096 (2), 732 vs 654 at 1024x8192x8192
-        # (3.9); ping-pong ahead from 1024x14336x4096 (6.8 waves: 654 vs 636).
+        # With few tiles per CTA a ping-pong CTA's second warpgroup has little or nothing to
+        # overlap, and a lone warpgroup's mainloop is slower than two on one tile: cooperative
+        # wins up to ~4 tiles of 128x128 per SM, ping-pong from ~7 (bench/results/
+        # configs_epilogue_{one_wave,waves}.json; bench/NOTES.md, 'Fused epilogue at few tiles per SM').
         return "cooperative", (
             f"{tiles} 128x128 tiles are at most {PINGPONG_MIN_WAVES} per SM: too few for ping-pong's overlap to pay"
         )
     # Enough tiles: compare the two schedules' best tiles. The cooperative epilogue's
     # arithmetic is exposed but runs on 128x256 tiles, which fill these waves better than
-    # ping-pong's 128x192 on most shapes (fused gelu, cooperative vs ping-pong TFLOPS:
-    # 4096^3 713 vs 661, 2048x8192x8192 786 vs 709, 16384x4096x4096 735 vs 704; ping-pong
-    # ahead at 4096x14336x4096 and 8192^3: bench/NOTES.md, session 9).
+    # ping-pong's 128x192 on most shapes (fused gelu; ping-pong stays ahead at 4096x14336x4096
+    # and 8192^3: bench/NOTES.md, 'Fused epilogues: the schedule by estimate').
     estimates = {
         schedule: best_tile_estimate(problem, hw, epilogue, schedule) for schedule in ("pingpong", "cooperative")
     }
@@ -207,7 +208,8 @@ def choose_raster(
     whose tiles in flight cover the squarer block of the output wins: every k-step those
     tiles read (rows + columns) x 64 elements from L2, and the squarer block re-uses more
     of them. Ping-pong's 128x192 tiles, two per SM, cover 4352x1536 one way and 2048x3264
-    the other at 8192^3; measured 778 vs 792 TFLOPS (bench/NOTES.md, session 9)."""
+    the other at 8192^3, and the squarer walk is the faster one (bench/NOTES.md, 'Raster by
+    the window in flight')."""
     if problem.m != problem.n:
         along_m = problem.m > problem.n
         return along_m, f"{'A' if along_m else 'B'}, the smaller operand, is the one re-read per band"

@@ -12,11 +12,10 @@ while the mainloop runs and its outputs stored asynchronously, so per tile its
 bytes show only where they outlast the mainloop. Its arithmetic is exposed in
 the cooperative schedule, which runs the epilogue with no WGMMA in flight; the
 ping-pong schedule runs it under the other warpgroup's mainloop, which then
-loses about half of the epilogue's issue time (ncu: tensor pipe 98.5 % -> 95 %
-active with a gelu epilogue). Measured (bench/NOTES.md, session 9): the
-cooperative gelu epilogue costs 1.074x / 1.040x / 1.077x the plain GEMM's time at
-4096^3, 2048x8192x8192, 16384x4096x4096, where this model says 1.077x / 1.039x /
-1.077x.
+loses about half of the epilogue's issue time (ncu: the tensor pipe is less
+active with a gelu epilogue beside the mainloop). Charged this way, the model matches the
+measured cost of the cooperative gelu epilogue (bench/NOTES.md, 'Fused epilogues:
+the schedule by estimate').
 """
 
 from __future__ import annotations
@@ -27,10 +26,10 @@ from epicute.gemm.config import DTYPE_BYTES, GemmProblem
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.runtime.target import Target
 
-#: Fraction of the tensor-core peak a mainloop sustains, by tile N (tile M is 128);
-#: calibrated against bench/results/configs.json and configs_pingpong.json (H100 SXM,
-#: bf16; TFLOPS over the useful share of the waves' tiles: 128x128 reaches 0.65-0.72,
-#: 128x256 0.81-0.82, ping-pong 128x192 0.78-0.84, mean 0.81).
+#: Fraction of the tensor-core peak a mainloop sustains, by tile N (tile M is 128): achieved
+#: TFLOPS over the useful share of the waves' tiles, calibrated on H100 SXM, bf16
+#: (bench/results/configs.json, configs_pingpong.json; bench/NOTES.md, 'Ping-pong 128x192 for
+#: plain GEMMs' and 'Ping-pong 128x192 for plain 8192³').
 MAINLOOP_EFFICIENCY = {256: 0.82, 192: 0.81, 128: 0.70, 64: 0.55}
 #: Thread-instructions an SM issues per cycle: four schedulers, one warp (32 threads) each.
 SM_ISSUE_PER_CYCLE = 128

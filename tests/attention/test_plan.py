@@ -92,7 +92,8 @@ def test_lpt_heads_per_band_is_at_least_one():
 
 
 def test_k_release_point_is_a_planner_choice():
-    # Late K release keeps the PV wait below the softmax (measured faster with causal masking);
+    # Late K release keeps the PV wait below the softmax (measured faster with causal masking:
+    # bench/NOTES.md, 'The K release, by mask');
     # without it the rings are the bottleneck and stages go back to the producer as S lands.
     for d in (64, 128, 256):
         assert default_config(d, True).release_k_late

@@ -117,7 +117,8 @@ def test_wave_quantization_prefers_128_wide_tiles():
 
 def test_plain_gemm_takes_pingpong_where_its_tile_fills_the_waves_best():
     # 1024x14336: 448 tiles of 128x256 are 3.4 waves, 896 of 128x128 need the less efficient
-    # tile; ping-pong's 600 tiles of 128x192 sit between (measured 716 vs 672 and 692 TFLOPS).
+    # tile; ping-pong's 600 tiles of 128x192 sit between (bench/results/configs_pingpong.json;
+    # bench/NOTES.md, 'Ping-pong 128x192 for plain GEMMs').
     cfg = choose_config(GemmProblem(1024, 14336, 4096), H100_SXM)
     assert (cfg.schedule, cfg.tile_n) == ("pingpong", 192)
     assert "ping-pong 128x192 tiles estimated" in cfg.reasons[0]
@@ -132,7 +133,7 @@ def test_plain_gemm_takes_pingpong_where_its_tile_fills_the_waves_best():
 @pytest.mark.parametrize("k", [4096, 14336])
 def test_under_filled_problem_takes_narrow_tiles(k):
     # 256 x 4096: 64 tiles of 128x128 leave half the SMs idle; 128 tiles of 128x64 do not
-    # (measured 414 vs 330 TFLOPS at K=4096, bench/results/configs.json).
+    # (bench/results/configs.json; bench/NOTES.md, 'Narrow tiles for under-filled problems').
     cfg = choose_config(GemmProblem(256, 4096, k), H100_SXM)
     assert (cfg.tile_n, cfg.cluster_m, cfg.cluster_n) == (64, 2, 1)
     assert "too few wider tiles to fill the SMs" in cfg.reasons[1]
@@ -142,7 +143,8 @@ def test_fused_epilogue_schedule_follows_the_wave_count():
     from epicute.gemm.smem import EpilogueBuffers
 
     epi = EpilogueBuffers(tile_inputs=("bf16",), vectors=("row",), chain=("tile load_vectors",))
-    # Up to 4 tiles of 128x128 per SM: cooperative (measured faster); above: ping-pong.
+    # Up to 4 tiles of 128x128 per SM: cooperative (measured faster: bench/NOTES.md, 'Fused epilogue
+    # at few tiles per SM'); above: ping-pong.
     for m, n in ((512, 4096), (1024, 4096), (1024, 8192)):
         cfg = choose_config(GemmProblem(m, n, 4096), H100_SXM, epi)
         assert cfg.schedule == "cooperative" and "too few for ping-pong's overlap to pay" in cfg.reasons[0]
@@ -152,13 +154,14 @@ def test_fused_epilogue_schedule_follows_the_wave_count():
 @pytest.mark.parametrize(
     ("m", "n", "k", "schedule", "tile_n"),
     [
-        # measured with gelu(0.5 acc + bias) + residual (bench/NOTES.md, session 9)
-        (4096, 4096, 4096, "cooperative", 256),  # 713 vs 661 TFLOPS ping-pong
-        (2048, 8192, 8192, "cooperative", 256),  # 786 vs 709
-        (16384, 4096, 4096, "cooperative", 256),  # 735 vs 704
-        (4096, 14336, 4096, "pingpong", 192),  # 751 vs 738 cooperative (session 7)
+        # the schedule measured faster with gelu(0.5 acc + bias) + residual (bench/NOTES.md,
+        # 'Fused epilogues: the schedule by estimate'; the ping-pong shapes also 'gelu through erfc')
+        (4096, 4096, 4096, "cooperative", 256),
+        (2048, 8192, 8192, "cooperative", 256),
+        (16384, 4096, 4096, "cooperative", 256),
+        (4096, 14336, 4096, "pingpong", 192),
         (8192, 8192, 8192, "pingpong", 192),
-        (1024, 14336, 4096, "pingpong", 192),  # 659 vs 640
+        (1024, 14336, 4096, "pingpong", 192),
     ],
 )
 def test_fused_epilogue_schedule_by_estimate(m, n, k, schedule, tile_n):
