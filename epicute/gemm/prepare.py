@@ -25,15 +25,12 @@ from epicute.epilogue.graph import Graph
 from epicute.errors import AlignmentError
 from epicute.gemm import GemmPlan, GemmProblem
 from epicute.gemm.smem import NO_EPILOGUE
+from epicute.runtime.checks import TMA_ALIGN_BYTES
 from epicute.runtime.target import Target, resolve_target
 
 if TYPE_CHECKING:
     from epicute.epilogue.tracer import Epilogue
     from epicute.gemm.compile import GemmVariant
-
-#: TMA moves 16-byte rows: a tile stored by TMA needs N * element size to be a multiple of it.
-TMA_ROW_BYTES = 16
-
 
 @dataclass(frozen=True)
 class GemmRequest:
@@ -57,7 +54,6 @@ class GemmRequest:
     outs_dtypes: tuple[tuple[str, str], ...] = ()
     overrides: tuple[tuple[str, object], ...] = ()
     target: Target | None = None
-
 
     def signature(self) -> tuple:
         """Every field but the epilogue object, whose identity changes from call to call (a caller that
@@ -152,7 +148,7 @@ def _check_aux_rows(lowered: LoweredEpilogue, n: int) -> None:
         return
     for name in lowered.aux_outputs:
         dtype = lowered.fusion.output_dtypes[name]
-        step = TMA_ROW_BYTES // IR_TO_TORCH[dtype].itemsize
+        step = TMA_ALIGN_BYTES // IR_TO_TORCH[dtype].itemsize
         if n % step:
             raise AlignmentError(
                 f"aux output {name!r} is {IR_TO_TORCH[dtype]}: TMA stores its rows only if N={n} is a multiple of "
