@@ -8,23 +8,25 @@ the tensor cores, epilogues take turns at the staging buffers, so one
 warpgroup's epilogue runs under the other's mainloop. Consumers working on
 one tile form a *team* (both warpgroups, or one).
 
-- producer (warp 0 of warpgroup 0, registers lowered to ``producer_regs``):
-  walks the tile schedule and streams A/B k-tiles into an ``ab_stages``-deep
-  shared-memory ring with TMA (multicast across the cluster when it has 2 CTAs);
-- consumers (registers raised to ``consumer_regs``): wait on the ring's full
-  barriers, issue WGMMA with fp32 accumulators, release stages once the WGMMA
-  that read them retired, then run the epilogue for that tile; a ping-pong
-  warpgroup steps its ring positions over the other's tiles;
-- epilogue (the team's threads): for each ``epi_tile`` subtile in row-major
-  order, copy its accumulators out, cast, ``stmatrix`` into one of
-  ``num_epi_stages`` staging buffers and publish it with a TMA store
-  (:class:`~epicute.sm90.pipeline.TmaStoreEpilogue`);
+- producer (:meth:`GemmSm90._load_ab`: warp 0 of warpgroup 0, registers
+  lowered to ``producer_regs``): walks the tile schedule and streams A/B
+  k-tiles into an ``ab_stages``-deep shared-memory ring with TMA (multicast
+  across the cluster when it has 2 CTAs);
+- consumers (:meth:`GemmSm90._consume`: registers raised to ``consumer_regs``):
+  wait on the ring's full barriers, issue WGMMA with fp32 accumulators, release
+  stages once the WGMMA that read them retired, then run the epilogue for that
+  tile; a ping-pong warpgroup steps its ring positions over the other's tiles;
+- epilogue (:meth:`GemmSm90._epilogue`: the team's threads): for each
+  ``epi_tile`` subtile in row-major order, copy its accumulators out, cast,
+  ``stmatrix`` into one of ``num_epi_stages`` staging buffers and publish it
+  with a TMA store (:class:`~epicute.sm90.pipeline.TmaStoreEpilogue`);
 - fused epilogue (optional, :mod:`epicute.sm90.epilogue_emit`): warp 1 of the
-  producer warpgroup TMA-loads the full-tile operands one subtile ahead into a
-  ``num_c_stages`` ring; consumers fetch this tile's row/column vector slices
-  before the mainloop and park them in shared memory after it; per element
-  they compute the graph in fp32; aux tile outputs are staged and stored with
-  D in one bulk group; reductions leave per-tile partials in fp32 workspaces.
+  producer warpgroup (:meth:`GemmSm90._load_epi_tiles`) TMA-loads the full-tile
+  operands one subtile ahead into a ``num_c_stages`` ring; consumers fetch this
+  tile's row/column vector slices before the mainloop and park them in shared
+  memory after it; per element they compute the graph in fp32; aux tile
+  outputs are staged and stored with D in one bulk group; reductions leave
+  per-tile partials in fp32 workspaces.
 
 Host tensors arrive in torch order -- A ``(L, M, K)``, B ``(L, K, N)``, D
 ``(L, M, N)`` with any of the supported majors -- and are rotated to CuTe's
@@ -35,6 +37,8 @@ k-tiles add zeros) and clips out-of-bounds stores.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -67,6 +71,50 @@ WGMMA_M = 64
 def _rotate(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
     """A view of ``tensor`` with its modes permuted (no data moves)."""
     return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=order))
+
+
+@dataclass
+class CtaShared:
+    """What :meth:`GemmSm90._setup` builds before the warp roles split, and they share."""
+
+    ab_pipeline: object  # the A/B ring (``ab_stages`` deep, cluster-wide empty barriers)
+    c_pipeline: object  # the epilogue-operand ring (CTA-local); None without tile operands
+    sA: cute.Tensor
+    sB: cute.Tensor
+    sD: cute.Tensor  # D's staging buffers (the A ring's bytes when ``epi_reuses_ab_smem``)
+    sC: list  # the fused epilogue's operand-tile, aux-output and vector buffers
+    sAux: list
+    sVec: list
+    gD: cute.Tensor  # D as (tile_m, tile_n, tiles_m, tiles_n, L)
+    k_tiles: Int32
+    tAsA: cute.Tensor  # the A/B TMA partitions (smem stages, gmem k-tiles)
+    tAgA: cute.Tensor
+    tBsB: cute.Tensor
+    tBgB: cute.Tensor
+    a_mcast_mask: object  # the cluster peers our A/B loads multicast to (0: none)
+    b_mcast_mask: object
+
+
+@dataclass
+class EpilogueCopies:
+    """A consumer thread's epilogue copies and registers, built once (:meth:`GemmSm90._epilogue_copies`)."""
+
+    tiled_copy_r2s: object  # accumulators -> D staging buffer
+    tRS_sD: cute.Tensor
+    tRS_rAcc: cute.Tensor  # the accumulators in that copy's value order
+    tRS_rD: cute.Tensor  # one subtile: fp32, then cast to D's dtype
+    tRS_rD_out: cute.Tensor
+    subtile_size: int
+    store: TmaStoreEpilogue
+    is_store_warp: object  # the team's first warp issues its TMA stores
+    epi_tile_layout: object  # subtile index -> (m, n) subtile coordinate, row-major
+    # Fused epilogue only (None / empty otherwise):
+    extent_mn: tuple | None  # the problem's (M, N)
+    lane: object
+    tRS_cT: cute.Tensor | None  # tile coordinates of this thread's values, and of thread 0's
+    tRS_cT0: cute.Tensor | None
+    c_s2r: list  # per operand tile: (tiled copy, smem view, registers, retiled registers)
+    aux_r2s: list  # per aux output: (tiled copy, smem view, fp32 registers, rounded registers)
 
 
 class GemmSm90:
@@ -276,11 +324,52 @@ class GemmSm90:
         epi_workspaces: tuple,
         epi_scalars: tuple,
     ):
+        """Shared setup, then each warp's role (see the module docstring).
+
+        The role methods are ``cute.jit``, so they inline as they are traced. A runtime loop
+        carries exactly those names defined before it that its body assigns or calls a method
+        on: a ring position advanced inside a helper must come back and be reassigned (see
+        :meth:`_epilogue`), and the order those names first appear in a loop body shows in
+        the PTX (its register numbering), so moving code between a loop and a helper can
+        change the kernel even when it computes the same thing.
+        """
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        cta = self._setup(
+            warp_idx, tma_a, mA, tma_b, mB, tma_d, mD, a_smem_staged, b_smem_staged, d_smem_staged,
+            epi_loads, epi_stores,
+        )  # fmt: skip
+        if warpgroup_idx == 0:
+            # Producer warpgroup: its registers go to the consumers.
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == self.load_warp:
+                self._load_ab(cta, tma_a, tma_b, clusters_m, clusters_n, num_batches)
+            if cutlass.const_expr(self.epi_buffers.loads_tiles):  # noqa: SIM102 - compile-time guard, dynamic if
+                if warp_idx == self.epi_load_warp:
+                    self._load_epi_tiles(cta, epi_loads, clusters_m, clusters_n, num_batches)
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            self._consume(
+                cta, tiled_mma, tma_d, mD, tidx, clusters_m, clusters_n, num_batches,
+                epi_vectors, epi_stores, epi_workspaces, epi_scalars,
+            )  # fmt: skip
 
+    @cute.jit
+    def _setup(
+        self, warp_idx, tma_a, mA, tma_b, mB, tma_d, mD, a_smem_staged, b_smem_staged, d_smem_staged,
+        epi_loads, epi_stores,
+    ):  # fmt: skip
+        """What every role shares (:class:`CtaShared`), built by all threads before they split.
+
+        Prefetches the TMA descriptors (load warp), carves shared memory, initializes the
+        A/B ring's barriers (and the epilogue-operand ring's, created first so that the A/B
+        ring's init fence covers it) and partitions A and B for the producer's TMA. Ends with
+        the cluster barrier (a CTA sync without a cluster): no CTA may multicast into a peer
+        before that peer's barriers are initialized.
+        """
+        cfg = self.cfg
         if warp_idx == self.load_warp:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
@@ -303,6 +392,7 @@ class GemmSm90:
             self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0))
         )
         fusion = self.fusion
+        c_pipeline = None
         if cutlass.const_expr(self.epi_buffers.loads_tiles):
             c_tx_bytes = sum(cfg.epi_tile[0] * cfg.epi_tile[1] * DSL_DTYPES[d].width // 8
                              for d in self.epi_buffers.tile_inputs)  # fmt: skip
@@ -372,247 +462,335 @@ class GemmSm90:
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
+        return CtaShared(
+            ab_pipeline, c_pipeline, sA, sB, sD, sC, sAux, sVec, gD, k_tiles,
+            tAsA, tAgA, tBsB, tBgB, a_mcast_mask, b_mcast_mask,
+        )  # fmt: skip
 
-        if warpgroup_idx == 0:
-            # ---------------- producer warpgroup
-            cute.arch.setmaxregister_decrease(cfg.producer_regs)
-            if warp_idx == self.load_warp:
-                scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.ab_stages)
-                work = scheduler.first()
-                while scheduler.is_valid(work):
-                    tm, tn, tl = scheduler.tile_coord(work)
-                    tAgA_tile = tAgA[(None, tm, None, tl)]
-                    tBgB_tile = tBgB[(None, tn, None, tl)]
-                    for k_tile in range(k_tiles):
-                        ab_pipeline.producer_acquire(state)
-                        barrier = ab_pipeline.producer_get_barrier(state)
-                        cute.copy(tma_a, tAgA_tile[(None, k_tile)], tAsA[(None, state.index)],
-                                  tma_bar_ptr=barrier, mcast_mask=a_mcast_mask)  # fmt: skip
-                        cute.copy(tma_b, tBgB_tile[(None, k_tile)], tBsB[(None, state.index)],
-                                  tma_bar_ptr=barrier, mcast_mask=b_mcast_mask)  # fmt: skip
-                        ab_pipeline.producer_commit(state)  # no-op for TMA: bytes arm the barrier
-                        state.advance()
-                    work += scheduler.stride()
-                # Stay alive until consumers (ours and peers') released every
-                # stage, so no remote arrive targets an exited CTA.
-                ab_pipeline.producer_tail(state)
-            if cutlass.const_expr(self.epi_buffers.loads_tiles):  # noqa: SIM102 - compile-time guard, dynamic if
-                if warp_idx == self.epi_load_warp:
-                    # One stage = one epilogue subtile of every operand tile, in the
-                    # consumers' subtile order; the ring runs ahead by num_c_stages.
-                    scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
-                    fill_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_c_stages)
-                    n_subtiles_n = cfg.tile_n // cfg.epi_tile[1]
-                    epi_tile_layout = cute.make_layout(
-                        (cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1)
-                    )
-                    work = scheduler.first()
-                    while scheduler.is_valid(work):
-                        tm, tn, tl = scheduler.tile_coord(work)
-                        partitions = [
-                            self._subtile_partition(atom, sC_i, self._output_tiles(mC), tm, tn, tl)
-                            for (atom, mC), sC_i in zip(epi_loads, sC)
-                        ]
-                        for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
-                            c_pipeline.producer_acquire(fill_state)
-                            barrier = c_pipeline.producer_get_barrier(fill_state)
-                            for (atom, _), (tCsC, tCgC) in zip(epi_loads, partitions):
-                                cute.copy(atom, tCgC[(None, epi_tile_layout.get_hier_coord(epi_idx))],
-                                          tCsC[(None, fill_state.index)], tma_bar_ptr=barrier)  # fmt: skip
-                            c_pipeline.producer_commit(fill_state)
-                            fill_state.advance()
-                        work += scheduler.stride()
-                    c_pipeline.producer_tail(fill_state)
-        else:
-            # ---------------- consumer warpgroups: MMA, then epilogue
-            cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            # A team: the consumer warpgroups on one tile (both cooperative, one ping-pong).
-            team = cute.arch.make_warp_uniform((tidx - THREADS_PER_WARPGROUP) // cfg.tile_threads)
-            mma_tidx = (tidx - THREADS_PER_WARPGROUP) % cfg.tile_threads
-            thr_mma = tiled_mma.get_slice(mma_tidx)
-            # Shared-memory operands: see warpgroup_slice.
-            wg_mma = warpgroup_slice(tiled_mma, cute.arch.make_warp_uniform(mma_tidx // THREADS_PER_WARPGROUP))
-            tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
-            acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_shape_mnk, (None, None, 0)))
-            acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-            k_blocks = cute.size(tCrA, mode=[2])
+    @cute.jit
+    def _load_ab(self, cta, tma_a, tma_b, clusters_m, clusters_n, num_batches):
+        """The A/B load warp (producer warp ``load_warp``): walks the tile schedule and TMA-loads
+        every tile's k-tiles into the A/B ring (multicast across the cluster when it has 2 CTAs).
 
-            # Register -> smem copies. Which accumulator values a thread holds comes
-            # from a 16-bit stmatrix atom whatever the output dtype; the store
-            # itself is stmatrix for 16-bit outputs and plain stores otherwise.
-            stmatrix_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4), cutlass.Float16
-            )
-            tiled_copy_C_atom = cute.make_tiled_copy_C_atom(stmatrix_atom, tiled_mma)
-            copy_atom_r2s = sm90_utils.get_smem_store_op(self.d_layout, self.d_dtype, self.acc_dtype)
-            tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_C_atom)
-            thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
-            tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, stage)
-            tRS_rAcc = tiled_copy_r2s.retile(acc)
-            subtile_shape = cute.shape(thr_copy_r2s.partition_S(sD))[:3]
-            tRS_rD = cute.make_rmem_tensor(subtile_shape, self.acc_dtype)
-            tRS_rD_out = cute.make_rmem_tensor(subtile_shape, self.d_dtype)
-            subtile_size = cute.size(tRS_rD)
+        Owns the ring's producer side: acquires a stage (waits on its empty barrier, released by
+        the consumers of every CTA the stage's loads reach), arms its full barrier with its bytes.
+        """
+        cfg = self.cfg
+        ab_pipeline = cta.ab_pipeline
+        tAsA, tAgA, tBsB, tBgB = cta.tAsA, cta.tAgA, cta.tBsB, cta.tBgB
+        a_mcast_mask, b_mcast_mask = cta.a_mcast_mask, cta.b_mcast_mask
+        k_tiles = cta.k_tiles
+        scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.ab_stages)
+        work = scheduler.first()
+        while scheduler.is_valid(work):
+            tm, tn, tl = scheduler.tile_coord(work)
+            tAgA_tile = tAgA[(None, tm, None, tl)]
+            tBgB_tile = tBgB[(None, tn, None, tl)]
+            for k_tile in range(k_tiles):
+                ab_pipeline.producer_acquire(state)
+                barrier = ab_pipeline.producer_get_barrier(state)
+                cute.copy(tma_a, tAgA_tile[(None, k_tile)], tAsA[(None, state.index)],
+                          tma_bar_ptr=barrier, mcast_mask=a_mcast_mask)  # fmt: skip
+                cute.copy(tma_b, tBgB_tile[(None, k_tile)], tBsB[(None, state.index)],
+                          tma_bar_ptr=barrier, mcast_mask=b_mcast_mask)  # fmt: skip
+                ab_pipeline.producer_commit(state)  # no-op for TMA: bytes arm the barrier
+                state.advance()
+            work += scheduler.stride()
+        # Stay alive until consumers (ours and peers') released every
+        # stage, so no remote arrive targets an exited CTA.
+        ab_pipeline.producer_tail(state)
 
-            store = TmaStoreEpilogue(cfg.num_epi_stages, cfg.tile_threads)
-            # The team's first warp issues its TMA stores.
-            is_store_warp = mma_tidx // 32 == 0
-            n_subtiles_n = cfg.tile_n // cfg.epi_tile[1]
-            # Subtiles are visited row-major: (tile_m/epi_m, tile_n/epi_n).
-            epi_tile_layout = cute.make_layout((cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
+    @cute.jit
+    def _load_epi_tiles(self, cta, epi_loads, clusters_m, clusters_n, num_batches):
+        """The epilogue-operand load warp (producer warp ``epi_load_warp``, fused epilogues with
+        tile operands only): TMA-loads each tile's operand tiles one ``epi_tile`` subtile per
+        stage of the CTA-local ``num_c_stages`` ring, in the consumers' subtile order, so the
+        mainloop's loads never wait behind them.
+
+        Owns that ring's producer side: acquires a stage (waits on the empty barrier the
+        consumers release after copying it to registers), arms its full barrier with the bytes.
+        """
+        cfg = self.cfg
+        c_pipeline, sC = cta.c_pipeline, cta.sC
+        # One stage = one epilogue subtile of every operand tile, in the
+        # consumers' subtile order; the ring runs ahead by num_c_stages.
+        scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
+        fill_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_c_stages)
+        n_subtiles_n = cfg.tile_n // cfg.epi_tile[1]
+        epi_tile_layout = cute.make_layout((cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
+        work = scheduler.first()
+        while scheduler.is_valid(work):
+            tm, tn, tl = scheduler.tile_coord(work)
+            partitions = [
+                self._subtile_partition(atom, sC_i, self._output_tiles(mC), tm, tn, tl)
+                for (atom, mC), sC_i in zip(epi_loads, sC)
+            ]
+            for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
+                c_pipeline.producer_acquire(fill_state)
+                barrier = c_pipeline.producer_get_barrier(fill_state)
+                for (atom, _), (tCsC, tCgC) in zip(epi_loads, partitions):
+                    cute.copy(atom, tCgC[(None, epi_tile_layout.get_hier_coord(epi_idx))],
+                              tCsC[(None, fill_state.index)], tma_bar_ptr=barrier)  # fmt: skip
+                c_pipeline.producer_commit(fill_state)
+                fill_state.advance()
+            work += scheduler.stride()
+        c_pipeline.producer_tail(fill_state)
+
+    @cute.jit
+    def _consume(
+        self, cta, tiled_mma, tma_d, mD, tidx, clusters_m, clusters_n, num_batches,
+        epi_vectors, epi_stores, epi_workspaces, epi_scalars,
+    ):  # fmt: skip
+        """A consumer warpgroup: per tile of its team, the MMA mainloop, then :meth:`_epilogue`.
+
+        Mainloop: waits on the A/B ring's full barriers, issues WGMMA into fp32 accumulators
+        keeping one batch in flight, and releases a stage (its empty barrier, in every CTA
+        that multicast into it) only once the WGMMA that read it retired. Ping-pong: the
+        ``MMA_TURN`` named barriers order the teams' mainloops, the ``EPILOGUE_TURN`` ones
+        their epilogues, and a team steps its ring positions over the other's tiles.
+
+        The mainloop stays inline: the tile loop must advance ``read_state`` and
+        ``release_state`` itself for the DSL to carry them (see :meth:`kernel`).
+        """
+        cfg = self.cfg
+        fusion = self.fusion
+        ab_pipeline, sA, sB, k_tiles = cta.ab_pipeline, cta.sA, cta.sB, cta.k_tiles
+        # A team: the consumer warpgroups on one tile (both cooperative, one ping-pong).
+        team = cute.arch.make_warp_uniform((tidx - THREADS_PER_WARPGROUP) // cfg.tile_threads)
+        mma_tidx = (tidx - THREADS_PER_WARPGROUP) % cfg.tile_threads
+        thr_mma = tiled_mma.get_slice(mma_tidx)
+        # Shared-memory operands: see warpgroup_slice.
+        wg_mma = warpgroup_slice(tiled_mma, cute.arch.make_warp_uniform(mma_tidx // THREADS_PER_WARPGROUP))
+        tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
+        acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_shape_mnk, (None, None, 0)))
+        acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        k_blocks = cute.size(tCrA, mode=[2])
+        copies = self._epilogue_copies(cta, tiled_mma, thr_mma, acc, mma_tidx, mD)
+        store, is_store_warp = copies.store, copies.is_store_warp
+        c_state = None
+        if cutlass.const_expr(self.epi_buffers.loads_tiles):
+            c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_c_stages)
+
+        scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.ab_stages)
+        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.ab_stages)
+        ping_pong = cfg.num_teams > 1
+        mma_turns = WarpgroupTurns(NamedBarriers.MMA_TURN_WG1, cfg.num_teams, enabled=ping_pong)
+        epilogue_turns = WarpgroupTurns(NamedBarriers.EPILOGUE_TURN_WG1, cfg.num_teams, enabled=ping_pong)
+        mma_turns.grant_first(team)
+        epilogue_turns.grant_first(team)
+        # Team t takes the CTA's tiles t, t + num_teams, ...; the rings carry every
+        # tile in schedule order, so a team steps its positions over the others' tiles.
+        if cutlass.const_expr(ping_pong):
+            self._skip_tiles(team, k_tiles, read_state, release_state, c_state)
+        tiles_done = Int32(0)
+        work = scheduler.first() + team * scheduler.stride()
+        while scheduler.is_valid(work):
+            tm, tn, tl = scheduler.tile_coord(work)
+            origin_mn = vector_prefetch = None
             if cutlass.const_expr(fusion is not None):
-                extent_mn = (cute.size(mD, mode=[0]), cute.size(mD, mode=[1]))
-                lane = mma_tidx % 32
-                ident = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
-                tRS_cT = tiled_copy_r2s.retile(thr_mma.partition_C(ident))
-                tRS_cT0 = tiled_copy_r2s.retile(tiled_mma.get_slice(0).partition_C(ident))
-                # smem -> registers for operand tiles (ldmatrix when 16-bit), in
-                # the same value order as the accumulators.
-                c_s2r = []
-                for dtype, sC_i in zip(self.epi_buffers.tile_inputs, sC):
-                    op = (
-                        cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4)
-                        if DSL_DTYPES[dtype].width == 16
-                        else cute.nvgpu.CopyUniversalOp()
-                    )
-                    tiled_s2r = cute.make_tiled_copy_S(cute.make_copy_atom(op, DSL_DTYPES[dtype]), tiled_copy_C_atom)
-                    thr_s2r = tiled_s2r.get_slice(mma_tidx)
-                    rC = cute.make_rmem_tensor(tRS_rD.layout, DSL_DTYPES[dtype])
-                    c_s2r.append((tiled_s2r, thr_s2r.partition_S(sC_i), rC, thr_s2r.retile(rC)))
-                # registers -> smem for aux outputs: fp32 values, rounded copy, staged view.
-                aux_r2s = []
-                for dtype, sAux_i in zip(self.epi_buffers.aux_outputs, sAux):
-                    aux_store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, DSL_DTYPES[dtype], self.acc_dtype)
-                    tiled_aux = cute.make_tiled_copy_S(aux_store_op, tiled_copy_C_atom)
-                    aux_r2s.append((
-                        tiled_aux,
-                        tiled_aux.get_slice(mma_tidx).partition_D(sAux_i),
-                        cute.make_rmem_tensor(subtile_shape, self.acc_dtype),
-                        cute.make_rmem_tensor(subtile_shape, DSL_DTYPES[dtype]),
-                    ))  # fmt: skip
-            c_state = None
-            if cutlass.const_expr(self.epi_buffers.loads_tiles):
-                c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_c_stages)
+                origin_mn = (tm * cfg.tile_m, tn * cfg.tile_n)
+                vector_prefetch = self._prefetch_vectors(epi_vectors, origin_mn, copies.extent_mn, tl, mma_tidx)
 
-            scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
-            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.ab_stages)
-            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.ab_stages)
-            ping_pong = cfg.num_teams > 1
-            mma_turns = WarpgroupTurns(NamedBarriers.MMA_TURN_WG1, cfg.num_teams, enabled=ping_pong)
-            epilogue_turns = WarpgroupTurns(NamedBarriers.EPILOGUE_TURN_WG1, cfg.num_teams, enabled=ping_pong)
-            mma_turns.grant_first(team)
-            epilogue_turns.grant_first(team)
-            # Team t takes the CTA's tiles t, t + num_teams, ...; the rings carry every
-            # tile in schedule order, so a team steps its positions over the others' tiles.
-            if cutlass.const_expr(ping_pong):
-                self._skip_tiles(team, k_tiles, read_state, release_state, c_state)
-            tiles_done = Int32(0)
-            work = scheduler.first() + team * scheduler.stride()
-            while scheduler.is_valid(work):
-                tm, tn, tl = scheduler.tile_coord(work)
-                if cutlass.const_expr(fusion is not None):
-                    origin_mn = (tm * cfg.tile_m, tn * cfg.tile_n)
-                    # This thread's element of the tile's vector slices, fetched now
-                    # so the load latency hides behind the mainloop (clamped into
-                    # the problem: lanes past the edge are never used).
-                    vector_prefetch = []
-                    for i, t in enumerate(epi_vectors):
-                        axis = 1 if i < len(fusion.row_inputs) else 0
-                        length = cfg.tile_n if axis == 1 else cfg.tile_m
-                        for j in cutlass.range_constexpr(self._slots_per_thread(length)):
-                            pos = cutlass.min(mma_tidx + j * cfg.tile_threads, length - 1)
-                            idx = cutlass.min(origin_mn[axis] + pos, extent_mn[axis] - 1)
-                            vector_prefetch.append(t[(tl, idx)].to(Float32))
-
-                # ---- mainloop: keep one WGMMA batch in flight, release a stage
-                # only after the WGMMA that read it has retired.
-                acc.fill(0.0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                mma_turns.wait(team)
-                cute.nvgpu.warpgroup.fence()
-                for k_tile in range(k_tiles):
-                    ab_pipeline.consumer_wait(read_state)
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        coord = (None, None, kb, read_state.index)
-                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                    cute.nvgpu.warpgroup.commit_group()
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    if k_tile > 0:
-                        ab_pipeline.consumer_release(release_state)
-                        release_state.advance()
-                    read_state.advance()
-                # Every WGMMA of this tile is issued: the other team may issue its own.
-                mma_turns.pass_on(team)
-                cute.nvgpu.warpgroup.wait_group(0)
-                if k_tiles > 0:  # K == 0: nothing was read, acc stays zero for the epilogue
+            # ---- mainloop: keep one WGMMA batch in flight, release a stage
+            # only after the WGMMA that read it has retired.
+            acc.fill(0.0)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            mma_turns.wait(team)
+            cute.nvgpu.warpgroup.fence()
+            for k_tile in range(k_tiles):
+                ab_pipeline.consumer_wait(read_state)
+                for kb in cutlass.range_constexpr(k_blocks):
+                    coord = (None, None, kb, read_state.index)
+                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(1)
+                if k_tile > 0:
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
+                read_state.advance()
+            # Every WGMMA of this tile is issued: the other team may issue its own.
+            mma_turns.pass_on(team)
+            cute.nvgpu.warpgroup.wait_group(0)
+            if k_tiles > 0:  # K == 0: nothing was read, acc stays zero for the epilogue
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
 
-                # ---- epilogue
-                epilogue_turns.wait(team)
-                if cutlass.const_expr(cfg.epi_reuses_ab_smem):
-                    # The other warpgroup may still be reading the A ring.
-                    store.sync()
-                bSG_sD, bSG_gD = self._subtile_partition(tma_d, sD, gD, tm, tn, tl)
-                if cutlass.const_expr(fusion is not None):
-                    if cutlass.const_expr(len(sVec) > 0):
-                        # Park the vector slices; every reader of the previous tile's
-                        # slices passed that tile's last store barrier already.
-                        values = iter(vector_prefetch)
-                        for vec_smem in sVec:
-                            for j in cutlass.range_constexpr(self._slots_per_thread(cute.size(vec_smem))):
-                                pos = mma_tidx + j * cfg.tile_threads
-                                emit.store_if(pos < cute.size(vec_smem), vec_smem, pos, next(values))
-                        store.sync()
-                    tile_epi = emit.TileEpilogue(fusion, tRS_cT, tRS_cT0, sVec, epi_scalars, origin_mn, extent_mn)
-                    aux_partitions = [
-                        self._subtile_partition(aux_tma, sAux_i, self._output_tiles(mAux), tm, tn, tl)
-                        for (aux_tma, mAux), sAux_i in zip(epi_stores, sAux)
-                    ]
-                for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
-                    for v in cutlass.range_constexpr(subtile_size):
-                        tRS_rD[v] = tRS_rAcc[epi_idx * subtile_size + v]
-                    buf = stage_of(tiles_done * cfg.num_epi_subtiles + epi_idx, cfg.num_epi_stages)
-                    more_stores = ()
-                    if cutlass.const_expr(fusion is not None):
-                        if cutlass.const_expr(self.epi_buffers.loads_tiles):
-                            c_pipeline.consumer_wait(c_state)
-                            for tiled_s2r, tSR_sC, _, tSR_rC in c_s2r:
-                                cute.copy(tiled_s2r, tSR_sC[(None, None, None, c_state.index)], tSR_rC)
-                            c_pipeline.consumer_release(c_state)
-                            c_state.advance()
-                        col_partials = tile_epi.subtile(
-                            tRS_rD, epi_idx * subtile_size, [c[2] for c in c_s2r], [a[2] for a in aux_r2s]
-                        )
-                        tile_epi.store_col_partials(col_partials, epi_workspaces, tl, lane)
-                        for (tiled_aux, tRS_sAux, rAux, rAux_out), dtype, (bSG_sA, bSG_gA), (aux_tma, _) in zip(
-                            aux_r2s, self.epi_buffers.aux_outputs, aux_partitions, epi_stores
-                        ):
-                            emit.round_for_store(rAux, dtype)
-                            rAux_out.store(rAux.load().to(DSL_DTYPES[dtype]))
-                            cute.copy(tiled_aux, tiled_aux.retile(rAux_out), tRS_sAux[(None, None, None, buf)])
-                            subtile_coord = epi_tile_layout.get_hier_coord(epi_idx)
-                            more_stores += ((aux_tma, bSG_sA[(None, buf)], bSG_gA[(None, subtile_coord)]),)
-                    emit.round_for_store(tRS_rD, self.d_dtype_name)
-                    tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
-                    cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-                    store.publish(
-                        is_store_warp,
-                        tma_d,
-                        bSG_sD[(None, buf)],
-                        bSG_gD[(None, epi_tile_layout.get_hier_coord(epi_idx))],
-                        more_stores,
-                    )
-                if cutlass.const_expr(fusion is not None):
-                    tile_epi.store_tile_partials(epi_workspaces, tn, tl, lane)
-                if cutlass.const_expr(ping_pong):
-                    # The other team overwrites the staging buffers next: our last
-                    # stores must have read them before we pass the turn.
-                    store.drain(is_store_warp)
-                    self._skip_tiles(cfg.num_teams - 1, k_tiles, read_state, release_state, c_state)
-                epilogue_turns.pass_on(team)
-                tiles_done += 1
-                work += cfg.num_teams * scheduler.stride()
-            store.drain(is_store_warp)
+            epilogue_turns.wait(team)
+            c_state = self._epilogue(
+                cta, copies, tma_d, tm, tn, tl, tiles_done, mma_tidx, origin_mn, vector_prefetch, c_state,
+                epi_stores, epi_workspaces, epi_scalars,
+            )  # fmt: skip
+            if cutlass.const_expr(ping_pong):
+                # The other team overwrites the staging buffers next: our last
+                # stores must have read them before we pass the turn.
+                store.drain(is_store_warp)
+                self._skip_tiles(cfg.num_teams - 1, k_tiles, read_state, release_state, c_state)
+            epilogue_turns.pass_on(team)
+            tiles_done += 1
+            work += cfg.num_teams * scheduler.stride()
+        store.drain(is_store_warp)
+
+    @cute.jit
+    def _epilogue_copies(self, cta, tiled_mma, thr_mma, acc, mma_tidx, mD):
+        """The epilogue's per-thread copies and staging views (:class:`EpilogueCopies`),
+        built once before a consumer's tile loop and reused by every :meth:`_epilogue`."""
+        cfg = self.cfg
+        fusion = self.fusion
+        sD, sC, sAux = cta.sD, cta.sC, cta.sAux
+        # Register -> smem copies. Which accumulator values a thread holds comes
+        # from a 16-bit stmatrix atom whatever the output dtype; the store
+        # itself is stmatrix for 16-bit outputs and plain stores otherwise.
+        stmatrix_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4), cutlass.Float16
+        )
+        tiled_copy_C_atom = cute.make_tiled_copy_C_atom(stmatrix_atom, tiled_mma)
+        copy_atom_r2s = sm90_utils.get_smem_store_op(self.d_layout, self.d_dtype, self.acc_dtype)
+        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_C_atom)
+        thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+        tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, stage)
+        tRS_rAcc = tiled_copy_r2s.retile(acc)
+        subtile_shape = cute.shape(thr_copy_r2s.partition_S(sD))[:3]
+        tRS_rD = cute.make_rmem_tensor(subtile_shape, self.acc_dtype)
+        tRS_rD_out = cute.make_rmem_tensor(subtile_shape, self.d_dtype)
+        subtile_size = cute.size(tRS_rD)
+
+        store = TmaStoreEpilogue(cfg.num_epi_stages, cfg.tile_threads)
+        # The team's first warp issues its TMA stores.
+        is_store_warp = mma_tidx // 32 == 0
+        n_subtiles_n = cfg.tile_n // cfg.epi_tile[1]
+        # Subtiles are visited row-major: (tile_m/epi_m, tile_n/epi_n).
+        epi_tile_layout = cute.make_layout((cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
+        extent_mn = lane = tRS_cT = tRS_cT0 = None
+        c_s2r, aux_r2s = [], []
+        if cutlass.const_expr(fusion is not None):
+            extent_mn = (cute.size(mD, mode=[0]), cute.size(mD, mode=[1]))
+            lane = mma_tidx % 32
+            ident = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
+            tRS_cT = tiled_copy_r2s.retile(thr_mma.partition_C(ident))
+            tRS_cT0 = tiled_copy_r2s.retile(tiled_mma.get_slice(0).partition_C(ident))
+            # smem -> registers for operand tiles (ldmatrix when 16-bit), in
+            # the same value order as the accumulators.
+            for dtype, sC_i in zip(self.epi_buffers.tile_inputs, sC):
+                op = (
+                    cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4)
+                    if DSL_DTYPES[dtype].width == 16
+                    else cute.nvgpu.CopyUniversalOp()
+                )
+                tiled_s2r = cute.make_tiled_copy_S(cute.make_copy_atom(op, DSL_DTYPES[dtype]), tiled_copy_C_atom)
+                thr_s2r = tiled_s2r.get_slice(mma_tidx)
+                rC = cute.make_rmem_tensor(tRS_rD.layout, DSL_DTYPES[dtype])
+                c_s2r.append((tiled_s2r, thr_s2r.partition_S(sC_i), rC, thr_s2r.retile(rC)))
+            # registers -> smem for aux outputs: fp32 values, rounded copy, staged view.
+            for dtype, sAux_i in zip(self.epi_buffers.aux_outputs, sAux):
+                aux_store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, DSL_DTYPES[dtype], self.acc_dtype)
+                tiled_aux = cute.make_tiled_copy_S(aux_store_op, tiled_copy_C_atom)
+                aux_r2s.append((
+                    tiled_aux,
+                    tiled_aux.get_slice(mma_tidx).partition_D(sAux_i),
+                    cute.make_rmem_tensor(subtile_shape, self.acc_dtype),
+                    cute.make_rmem_tensor(subtile_shape, DSL_DTYPES[dtype]),
+                ))  # fmt: skip
+        return EpilogueCopies(
+            tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, subtile_size, store, is_store_warp, epi_tile_layout,
+            extent_mn, lane, tRS_cT, tRS_cT0, c_s2r, aux_r2s,
+        )  # fmt: skip
+
+    @cute.jit
+    def _prefetch_vectors(self, epi_vectors, origin_mn, extent_mn, tl, mma_tidx):
+        """This thread's elements of the tile's row/column vector slices, loaded from global
+        memory before the mainloop so the latency hides behind it (clamped into the problem:
+        lanes past the edge are never used); :meth:`_epilogue` parks them in shared memory."""
+        cfg = self.cfg
+        vector_prefetch = []
+        for i, t in enumerate(epi_vectors):
+            axis = 1 if i < len(self.fusion.row_inputs) else 0
+            length = cfg.tile_n if axis == 1 else cfg.tile_m
+            for j in cutlass.range_constexpr(self._slots_per_thread(length)):
+                pos = cutlass.min(mma_tidx + j * cfg.tile_threads, length - 1)
+                idx = cutlass.min(origin_mn[axis] + pos, extent_mn[axis] - 1)
+                vector_prefetch.append(t[(tl, idx)].to(Float32))
+        return vector_prefetch
+
+    @cute.jit
+    def _epilogue(
+        self, cta, copies, tma_d, tm, tn, tl, tiles_done, mma_tidx, origin_mn, vector_prefetch, c_state,
+        epi_stores, epi_workspaces, epi_scalars,
+    ):  # fmt: skip
+        """The team's epilogue for output tile (tm, tn, tl), run in its ``EPILOGUE_TURN``:
+        per ``epi_tile`` subtile in row-major order, the accumulators (through the fused
+        epilogue, if any) are cast, staged in one of ``num_epi_stages`` buffers and
+        TMA-stored with the aux outputs of the subtile (:class:`TmaStoreEpilogue`: the
+        ``EPILOGUE`` named barrier and the store warp's bulk groups guard the buffers).
+
+        Consumer side of the epilogue-operand ring: waits on a stage's full barrier per
+        subtile, copies it to registers and releases it. Returns ``c_state`` advanced past
+        this tile's stages: the caller reassigns it so its tile loop carries it.
+        """
+        cfg = self.cfg
+        fusion = self.fusion
+        c_pipeline, sD, gD, sAux, sVec = cta.c_pipeline, cta.sD, cta.gD, cta.sAux, cta.sVec
+        tiled_copy_r2s, tRS_sD, tRS_rAcc = copies.tiled_copy_r2s, copies.tRS_sD, copies.tRS_rAcc
+        tRS_rD, tRS_rD_out, subtile_size = copies.tRS_rD, copies.tRS_rD_out, copies.subtile_size
+        store, is_store_warp, epi_tile_layout = copies.store, copies.is_store_warp, copies.epi_tile_layout
+        c_s2r, aux_r2s, lane = copies.c_s2r, copies.aux_r2s, copies.lane
+        if cutlass.const_expr(cfg.epi_reuses_ab_smem):
+            # The other warpgroup may still be reading the A ring.
+            store.sync()
+        bSG_sD, bSG_gD = self._subtile_partition(tma_d, sD, gD, tm, tn, tl)
+        if cutlass.const_expr(fusion is not None):
+            if cutlass.const_expr(len(sVec) > 0):
+                # Park the vector slices; every reader of the previous tile's
+                # slices passed that tile's last store barrier already.
+                values = iter(vector_prefetch)
+                for vec_smem in sVec:
+                    for j in cutlass.range_constexpr(self._slots_per_thread(cute.size(vec_smem))):
+                        pos = mma_tidx + j * cfg.tile_threads
+                        emit.store_if(pos < cute.size(vec_smem), vec_smem, pos, next(values))
+                store.sync()
+            tile_epi = emit.TileEpilogue(
+                fusion, copies.tRS_cT, copies.tRS_cT0, sVec, epi_scalars, origin_mn, copies.extent_mn
+            )
+            aux_partitions = [
+                self._subtile_partition(aux_tma, sAux_i, self._output_tiles(mAux), tm, tn, tl)
+                for (aux_tma, mAux), sAux_i in zip(epi_stores, sAux)
+            ]
+        for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
+            for v in cutlass.range_constexpr(subtile_size):
+                tRS_rD[v] = tRS_rAcc[epi_idx * subtile_size + v]
+            buf = stage_of(tiles_done * cfg.num_epi_subtiles + epi_idx, cfg.num_epi_stages)
+            more_stores = ()
+            if cutlass.const_expr(fusion is not None):
+                if cutlass.const_expr(self.epi_buffers.loads_tiles):
+                    c_pipeline.consumer_wait(c_state)
+                    for tiled_s2r, tSR_sC, _, tSR_rC in c_s2r:
+                        cute.copy(tiled_s2r, tSR_sC[(None, None, None, c_state.index)], tSR_rC)
+                    c_pipeline.consumer_release(c_state)
+                    c_state.advance()
+                col_partials = tile_epi.subtile(
+                    tRS_rD, epi_idx * subtile_size, [c[2] for c in c_s2r], [a[2] for a in aux_r2s]
+                )
+                tile_epi.store_col_partials(col_partials, epi_workspaces, tl, lane)
+                for (tiled_aux, tRS_sAux, rAux, rAux_out), dtype, (bSG_sA, bSG_gA), (aux_tma, _) in zip(
+                    aux_r2s, self.epi_buffers.aux_outputs, aux_partitions, epi_stores
+                ):
+                    emit.round_for_store(rAux, dtype)
+                    rAux_out.store(rAux.load().to(DSL_DTYPES[dtype]))
+                    cute.copy(tiled_aux, tiled_aux.retile(rAux_out), tRS_sAux[(None, None, None, buf)])
+                    subtile_coord = epi_tile_layout.get_hier_coord(epi_idx)
+                    more_stores += ((aux_tma, bSG_sA[(None, buf)], bSG_gA[(None, subtile_coord)]),)
+            emit.round_for_store(tRS_rD, self.d_dtype_name)
+            tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
+            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            store.publish(
+                is_store_warp,
+                tma_d,
+                bSG_sD[(None, buf)],
+                bSG_gD[(None, epi_tile_layout.get_hier_coord(epi_idx))],
+                more_stores,
+            )
+        if cutlass.const_expr(fusion is not None):
+            tile_epi.store_tile_partials(epi_workspaces, tn, tl, lane)
+        return c_state
