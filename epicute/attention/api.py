@@ -25,6 +25,7 @@ from typing import Any, TextIO
 import torch
 
 from epicute.attention.plan import AttentionPlan, AttentionProblem, plan_attention, render_attention_plan
+from epicute.attention.torch_op import attention_op_call
 from epicute.attention.validate import AttentionCall, check_attention_args
 from epicute.epilogue.dtypes import TORCH_TO_IR
 from epicute.epilogue.operands import OperandSpec, Pin
@@ -35,7 +36,6 @@ from epicute.epilogue.tracer import Epilogue, as_epilogue
 from epicute.errors import ConfigError, DeviceError, EpilogueError
 from epicute.runtime.checks import check_has_values
 from epicute.runtime.target import Target, resolve_target
-from epicute.runtime.torch_ops import attention_op_call
 
 #: Attention operand kind -> the epilogue IR kind it is traced as (see module docstring).
 _IR_KIND = {"scalar": "scalar", "head": "col", "row": "row", "tile": "tile"}

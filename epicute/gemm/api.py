@@ -21,11 +21,11 @@ from epicute.gemm import GemmPlan, render_plan
 from epicute.gemm.epilogue_args import aux_outputs, check_outs_names, kernel_inputs
 from epicute.gemm.launch import launch_gemm
 from epicute.gemm.prepare import GemmRequest, PreparedGemm, ir_items, prepare
+from epicute.gemm.torch_op import gemm_op_call
 from epicute.gemm.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry, tune_key
 from epicute.gemm.validate import GemmCall, check_gemm_args
 from epicute.runtime.checks import check_has_values
 from epicute.runtime.target import Target, current_target, resolve_target
-from epicute.runtime.torch_ops import gemm_op_call
 
 
 def _overrides(config: dict | None) -> tuple:

@@ -179,4 +179,4 @@ def test_constant_result_marks_are_dynamos_own():
     torch_ops._assume_constant_result(ours)
     torch._dynamo.assume_constant_result(dynamos)
     assert ours.__dict__ == dynamos.__dict__ != {}
-    assert all(f._dynamo_marked_constant for f in (torch_ops._register_traced, torch_ops._spec_text))
+    assert all(f._dynamo_marked_constant for f in (torch_ops.register_traced, torch_ops.spec_text))

@@ -1,0 +1,140 @@
+"""``torch.ops.epicute.gemm``: the GEMM family's custom op (see :mod:`epicute.runtime.torch_ops`).
+
+``torch.ops.epicute.gemm(a, b, operands, scalars, epilogue, spec) -> list[Tensor]`` runs
+:func:`epicute.gemm`; under ``torch.compile`` :func:`epicute.gemm` turns into one call of it.
+Its fake implementation gives every output's shape, dtype and strides without running
+anything (D's dtype by ``prepare``'s first half, as the call settles it); its real one is
+the eager path. Outputs are ``[D, *aux outputs]`` in the epilogue's output order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
+from epicute.epilogue.graph import REDUCTIONS
+from epicute.epilogue.operands import PINS
+from epicute.errors import ConfigError, EpilogueError
+from epicute.gemm.config import GemmProblem
+from epicute.gemm.prepare import GemmRequest, lower_epilogue
+from epicute.runtime.torch_ops import (
+    config_of,
+    operand_values,
+    plain_fn,
+    register_meta,
+    register_traced,
+    registered_epilogue,
+    registered_outputs,
+    spec_text,
+    split_operands,
+)
+
+
+def _gemm_kwargs(operands: list[torch.Tensor], scalars: list[float], epilogue: str, spec: dict) -> dict:
+    """The keyword arguments of the :func:`epicute.gemm` call the op stands for."""
+    return {
+        "epilogue": registered_epilogue(epilogue) if epilogue else None,
+        "out_dtype": IR_TO_TORCH[spec["out_dtype"]] if spec["out_dtype"] else None,
+        "out_dtypes": {k: IR_TO_TORCH[v] for k, v in spec["out_dtypes"].items()} or None,
+        "config": config_of(spec),
+        **operand_values(operands, scalars, spec),
+    }
+
+
+@torch.library.custom_op("epicute::gemm", mutates_args=())
+def gemm_op(
+    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], scalars: list[float], epilogue: str, spec: str
+) -> list[torch.Tensor]:
+    """``epicute.gemm(a, b, ...)`` as an op: ``[D, *aux outputs]`` (see the module docstring)."""
+    from epicute.gemm.api import gemm
+
+    result = gemm(a, b, **_gemm_kwargs(operands, scalars, epilogue, json.loads(spec)))
+    if isinstance(result, torch.Tensor):
+        return [result]
+    return [result[name] for name in registered_outputs(epilogue)]
+
+
+@gemm_op.register_fake
+def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
+    spec = json.loads(spec)
+    l_dims = (a.shape[0],) if a.dim() == 3 else ()
+    m, n = a.shape[-2], b.shape[-1]
+    d_dtype = IR_TO_TORCH[spec["out_dtype"] or spec["out_dtypes"].get("D") or ir_dtype(a.dtype, "a")]
+    if not epilogue:
+        return [a.new_empty((*l_dims, m, n), dtype=d_dtype)]
+    epi = registered_epilogue(epilogue)
+    values: dict[str, Any] = dict(zip(spec["scalars"], scalars))
+    for name, t in zip(spec["tensors"], operands):
+        # A 1-element tensor read as a scalar: its value is irrelevant to shapes (and unreadable here).
+        is_scalar = t.numel() == 1 and spec["pins"].get(name, "scalar") == "scalar"
+        values[name] = 0.0 if is_scalar else t
+    for name, kind in spec["pins"].items():
+        values[name] = PINS[kind](values[name])
+    l = a.shape[0] if a.dim() == 3 else 1
+    specs = epi.operands(values, m, n, l)
+    # D's dtype follows epicute.gemm's rule (prepare's first half); out_dtypes already holds outs' dtypes.
+    # Sizes are symbolic here and never planned, so the request's problem carries only the dtypes.
+    request = GemmRequest(
+        GemmProblem(0, 0, 0, 1, ir_dtype(a.dtype, "a"), ir_dtype(d_dtype, "out_dtype")), epi,
+        tuple((s.name, s.kind, s.dtype) for s in specs.values()),
+        d_explicit=bool(spec["out_dtype"] or "D" in spec["out_dtypes"]),
+        out_dtypes=tuple(sorted(spec["out_dtypes"].items())),
+    )  # fmt: skip
+    graph = lower_epilogue(request).graph
+    stored = dict(graph.output_dtypes)
+    shapes = {"col": (*l_dims, m), "row": (*l_dims, n), "scalar": ()}
+    outputs = []
+    for name, node_id in graph.outputs:
+        op = graph.node(node_id).op
+        if op in REDUCTIONS:
+            outputs.append(a.new_empty(shapes[REDUCTIONS[op][0]], dtype=torch.float32))
+        else:
+            outputs.append(a.new_empty((*l_dims, m, n), dtype=IR_TO_TORCH[stored[name]]))
+    return outputs
+
+
+register_meta(gemm_op, _gemm_fake)
+
+
+def gemm_op_call(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    epilogue: Callable | None,
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+    out_dtypes: dict | None,
+    outs: dict[str, torch.Tensor] | None,
+    backend: str,
+    config: dict | None,
+    operands: dict[str, Any],
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """:func:`epicute.gemm` while ``torch.compile`` traces it: one ``epicute::gemm`` op (dynamo-traceable)."""
+    if backend != "kernel":
+        raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
+    if epilogue is None and (operands or out_dtypes or outs):
+        given = sorted(operands) or list(out_dtypes or outs)
+        raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
+    # Preallocated outputs: the op returns fresh ones in their dtypes, copied in below.
+    if out is not None and out_dtype is None:
+        out_dtype = out.dtype
+    out_dtypes = {**{name: t.dtype for name, t in (outs or {}).items()}, **(out_dtypes or {})}
+    key, outputs = register_traced(plain_fn(epilogue)) if epilogue is not None else ("", ("D",))
+    tensor_names, tensors, scalar_names, scalars, pins = split_operands(operands)
+    spec = spec_text(
+        tuple(tensor_names), tuple(scalar_names), tuple(pins), tuple(sorted((config or {}).items())),
+        (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted(out_dtypes.items())))),
+    )  # fmt: skip
+    results = torch.ops.epicute.gemm(a, b, tensors, scalars, key, spec)
+    results = dict(zip(outputs, results))
+    for name, target in {**(outs or {}), **({"D": out} if out is not None else {})}.items():
+        target.copy_(results[name])
+        results[name] = target
+    return results["D"] if len(outputs) == 1 else results
+
+
+__all__ = ["gemm_op", "gemm_op_call"]
