@@ -19,6 +19,8 @@ from epicute.runtime.target import DEFAULT_ARCH  # pure Python: neither torch no
 os.environ.setdefault("CUTE_DSL_ARCH", DEFAULT_ARCH)
 
 from epicute import errors
+
+from epicute.attention import aot as _attention_aot  # noqa: F401  (registers [[attention]] jobs: JOB_KINDS)
 from epicute.attention.api import attention, explain_attention
 from epicute.epilogue import library as epilogues
 from epicute.epilogue import ops
@@ -26,6 +28,7 @@ from epicute.epilogue.operands import ColVector, RowVector, Scalar, Tile
 from epicute.epilogue.score_mod import score_mod
 from epicute.epilogue.tracer import epilogue
 from epicute.errors import *  # noqa: F403  (every error class: errors.__all__)
+from epicute.gemm import aot as _gemm_aot  # noqa: F401  (registers [[gemm]] jobs for epicute compile)
 from epicute.gemm.api import explain, gemm, tune
 
 __version__ = "0.1.0"

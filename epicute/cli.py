@@ -104,8 +104,8 @@ def explain_gemm(
     shared memory, roofline and the epilogue's stage chain."""
     from epicute.errors import ConfigError, EpicuteError
     from epicute.gemm import GemmProblem, render_plan
+    from epicute.gemm.aot import gemm_request
     from epicute.gemm.prepare import prepare
-    from epicute.runtime.aot import gemm_request
     from epicute.runtime.target import resolve_target
 
     pins = {

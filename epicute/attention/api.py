@@ -171,7 +171,7 @@ def reference_attention(
     return o.to(out_dtype or call.q.dtype), lse.reshape(B, H, Sq).to(torch.float32)
 
 
-def _hooks(call: AttentionCall, score_mod, epilogue, operands: dict) -> tuple[_Hook | None, _Hook | None]:
+def hooks_of(call: AttentionCall, score_mod, epilogue, operands: dict) -> tuple[_Hook | None, _Hook | None]:
     p = call.problem
     sm = None if score_mod is None else as_score_mod(score_mod)
     epi = None if epilogue is None else as_epilogue(epilogue)
@@ -188,7 +188,7 @@ def _hooks(call: AttentionCall, score_mod, epilogue, operands: dict) -> tuple[_H
     return score, out
 
 
-def _kernel_variant(
+def kernel_variant(
     call: AttentionCall, score: _Hook | None, epi: _Hook | None, config: dict | None, target: Target | None = None
 ):
     """The ``AttentionVariant`` (compile cache entry) the kernel backend launches for this call, planned
@@ -260,7 +260,7 @@ def attention(
     call = check_attention_args(
         q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, require_cuda=backend == "kernel"
     )
-    score, epi = _hooks(call, score_mod, epilogue, operands)
+    score, epi = hooks_of(call, score_mod, epilogue, operands)
     if backend == "reference":
         ref, lse = reference_attention(call, score, epi)
         lse = lse.to(q.device)
@@ -270,7 +270,7 @@ def attention(
 
         device = q.device
         out, lse = launch_attention(
-            call, _kernel_variant(call, score, epi, config),
+            call, kernel_variant(call, score, epi, config),
             score.kernel_operands(device) if score else ((), ()),
             epi.kernel_operands(device) if epi else ((), ()),
             _cached_plan(call.problem, tuple(sorted((config or {}).items()))).max_ctas,  # planned, a cache hit

@@ -52,15 +52,13 @@ import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from epicute.errors import ConfigError, EpicuteError, EpilogueError
 
 if TYPE_CHECKING:
-    from epicute.gemm import GemmProblem
-    from epicute.gemm.prepare import GemmRequest
     from epicute.runtime.target import Target
 
 #: Per kernel family (a ``KernelFamily`` of the same kind compiles them): a function
@@ -180,7 +178,7 @@ def import_object(path: str, search: Sequence[str | Path] | None = None) -> Any:
     return obj
 
 
-def _operand(name: str, text: str, kinds: tuple[str, ...] = ("scalar", "row", "col", "tile")) -> tuple[str, str]:
+def operand_kind(name: str, text: str, kinds: tuple[str, ...] = ("scalar", "row", "col", "tile")) -> tuple[str, str]:
     kind, _, dtype = str(text).partition(":")
     if kind not in kinds:
         raise EpilogueError(
@@ -191,91 +189,14 @@ def _operand(name: str, text: str, kinds: tuple[str, ...] = ("scalar", "row", "c
     return kind, dtype or "fp32"
 
 
-def gemm_variants(entry: dict, target: Target | None = None) -> list:
-    """The GEMM variants the calls described by one ``[[gemm]]`` entry would compile on ``target``
-    (None: the current one), deduplicated."""
-    from epicute.gemm import GemmProblem
-    from epicute.gemm.config import AB_DTYPES, D_DTYPES, GemmConfig
-    from epicute.gemm.prepare import prepare
-
-    allowed = {"shapes", "dtype", "out_dtype", "a_major", "b_major", "config", "epilogue", "operands", "out_dtypes"}
-    unknown = sorted(set(entry) - allowed)
-    if unknown:
-        raise ConfigError(f"unknown fields {unknown}; known are {sorted(allowed)}")
-    shapes = entry.get("shapes")
-    if not shapes or not isinstance(shapes, list):
-        raise ConfigError(f"shapes = {shapes!r}; give shapes = [[M, N, K], ...] (sizes pick the plan)")
-    for shape in shapes:
-        if not (isinstance(shape, list) and len(shape) in (3, 4) and all(_is_size(x) for x in shape)):
-            raise ConfigError(
-                f"shape {shape!r}: give [M, N, K] or [M, N, K, L] of integers >= 0, e.g. [4096, 4096, 4096]"
-            )
-    dtype = entry.get("dtype", "bf16")
-    if dtype not in AB_DTYPES:
-        raise ConfigError(f"dtype = {dtype!r}; A and B's dtype is one of {', '.join(AB_DTYPES)}")
-    out_dtype = entry.get("out_dtype", dtype)
-    if out_dtype not in D_DTYPES:
-        raise ConfigError(f"out_dtype = {out_dtype!r}; D's dtype is one of {', '.join(D_DTYPES)}")
-    _check_fields(entry, str, "a_major", "b_major", "epilogue")
-    _check_fields(entry, dict, "operands", "out_dtypes")
-    def problem_of(shape: list[int]) -> GemmProblem:
-        m, n, k, l = (*shape, 1) if len(shape) == 3 else shape
-        return GemmProblem(m, n, k, l, dtype, out_dtype, entry.get("a_major", "k"), entry.get("b_major", "n"))
-
-    request = gemm_request(
-        problem_of(shapes[0]), entry.get("epilogue"), entry.get("operands") or {}, "out_dtype" in entry,
-        entry.get("out_dtypes") or {}, _config_pins(entry, GemmConfig), target,
-    )  # fmt: skip
-    variants = {}
-    for shape in shapes:
-        variant = prepare(replace(request, problem=problem_of(shape))).variant()
-        m, n, k, l = (*shape, 1) if len(shape) == 3 else shape
-        variants.setdefault(variant.key(), (variant, f"{m}x{n}x{k}" + (f"x{l}" if l != 1 else "")))
-    return list(variants.values())
 
 
-def gemm_request(
-    problem: GemmProblem,
-    epilogue: str | None,
-    operands: dict,
-    d_explicit: bool,
-    out_dtypes: dict,
-    pins: dict,
-    target: Target | None = None,
-) -> GemmRequest:
-    """The :class:`~epicute.gemm.prepare.GemmRequest` of calls described in text (a spec entry, the CLI):
-    ``epilogue`` a ``module:function`` path, ``operands`` ``{name: "kind[:dtype]"}`` (unlisted ones
-    are scalars), ``out_dtypes`` IR dtype names, ``pins`` config fields, ``target`` the GPU to plan
-    for (None: the current one)."""
-    from epicute.epilogue.tracer import as_epilogue
-    from epicute.gemm.prepare import GemmRequest, ir_items
-
-    overrides = tuple(sorted(pins.items()))
-    if not epilogue:
-        if operands or out_dtypes:
-            raise ConfigError("operands/out_dtypes need an epilogue")
-        return GemmRequest(problem, overrides=overrides, target=target)
-    epi = as_epilogue(import_object(epilogue))
-    missing = [p for p in epi.params if p not in operands and p not in epi.defaults]
-    extra = sorted(set(operands) - set(epi.params))
-    if missing or extra:
-        raise EpilogueError(
-            f"epilogue {epi.name!r} takes operands {epi.params}: give each as name = 'kind[:dtype]' "
-            f"(missing {missing}, unexpected {extra})"
-        )
-    kinds = tuple((p, *_operand(p, operands.get(p, "scalar"))) for p in epi.params)
-    return GemmRequest(problem, epi, kinds, d_explicit, ir_items(out_dtypes, "out_dtypes"), (), overrides, target)
-
-
-JOB_KINDS["gemm"] = gemm_variants
-
-
-def _config_pins(entry: dict, config_cls: type) -> dict:
+def config_pins(entry: dict, config_cls: type) -> dict:
     """The entry's ``config`` table, each pin a field of ``config_cls`` of its type (the planner
     assumes both); TOML has no tuples, configs do (epi_tile, mma_atoms_mn)."""
     import dataclasses
 
-    _check_fields(entry, dict, "config")
+    check_fields(entry, dict, "config")
     pins = {k: tuple(v) if isinstance(v, list) else v for k, v in (entry.get("config") or {}).items()}
     defaults = {f.name: f.default for f in dataclasses.fields(config_cls) if f.name != "reasons"}
     for name, value in pins.items():
@@ -289,93 +210,20 @@ def _config_pins(entry: dict, config_cls: type) -> dict:
     return pins
 
 
-def _is_size(x: Any) -> bool:
+def is_size(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 _TYPE_WORDS = {str: "a string, e.g. 'bf16'", dict: "a table, e.g. { name = value }"}
 
 
-def _check_fields(entry: dict, kind: type, *names: str) -> None:
+def check_fields(entry: dict, kind: type, *names: str) -> None:
     """Each of ``names`` the entry has is a ``kind`` (str or dict): say which field is not, and what it takes."""
     for name in names:
         if name in entry and not isinstance(entry[name], kind):
             raise ConfigError(f"{name} = {entry[name]!r}; it takes {_TYPE_WORDS[kind]}")
 
 
-def attention_variants(entry: dict, target: Target | None = None) -> list:
-    """The attention variants the calls described by one ``[[attention]]`` entry would compile on
-    ``target`` (None: the current one), deduplicated.
-
-    Each is found by running :func:`epicute.attention`'s own checks and hook
-    tracing on tiny CPU tensors of the entry's dtype and operand kinds, so its
-    key is the one a real call of any size makes.
-    """
-    import itertools
-
-    import torch
-
-    from epicute.attention.api import _hooks, _kernel_variant
-    from epicute.attention.plan import AttentionConfig
-    from epicute.attention.validate import check_attention_args
-    from epicute.epilogue.dtypes import IR_TO_TORCH
-    from epicute.epilogue.score_mod import score_mod as as_score_mod
-    from epicute.epilogue.tracer import as_epilogue
-
-    allowed = {"dtype", "head_dim", "causal", "heads", "config", "score_mod", "epilogue", "operands"}
-    unknown = sorted(set(entry) - allowed)
-    if unknown:
-        raise ConfigError(f"unknown fields {unknown}; known are {sorted(allowed)}")
-    dtype = entry.get("dtype", "bf16")
-    if dtype not in ("bf16", "fp16"):
-        raise ConfigError(f"dtype {dtype!r} must be 'bf16' or 'fp16'")
-    heads = entry.get("heads", [1, 1])
-    if not (isinstance(heads, list) and len(heads) == 2 and all(_is_size(h) and h > 0 for h in heads)):
-        raise ConfigError(f"heads = {heads!r}; give [heads_q, heads_kv], e.g. [32, 8]")
-    _check_fields(entry, str, "score_mod", "epilogue")
-    _check_fields(entry, dict, "operands")
-    pins = _config_pins(entry, AttentionConfig)
-    hooks = {
-        "score_mod": as_score_mod(import_object(entry["score_mod"])) if entry.get("score_mod") else None,
-        "epilogue": as_epilogue(import_object(entry["epilogue"])) if entry.get("epilogue") else None,
-    }
-    declared = {p: hook for hook in hooks.values() if hook is not None for p in hook.params}
-    operands = entry.get("operands") or {}
-    missing = sorted(p for p, hook in declared.items() if p not in operands and p not in hook.defaults)
-    extra = sorted(set(operands) - set(declared))
-    if missing or extra:
-        raise EpilogueError(
-            f"the hooks take operands {sorted(declared)}: give each as name = 'kind[:dtype]' "
-            f"(missing {missing}, unexpected {extra})"
-        )
-    specs = {name: _operand(name, text, ("scalar", "head", "row", "tile")) for name, text in operands.items()}
-    for name, (_, dt) in specs.items():
-        if dt not in IR_TO_TORCH:
-            raise EpilogueError(f"operand {name!r}: dtype {dt!r} is not one of {sorted(IR_TO_TORCH)}")
-    head_dims, causals = (entry.get(f, default) for f, default in (("head_dim", 128), ("causal", False)))
-    head_dims, causals = (x if isinstance(x, list) else [x] for x in (head_dims, causals))
-    if not head_dims or not all(_is_size(d) for d in head_dims):
-        raise ConfigError(f"head_dim = {entry['head_dim']!r}; give 64, 128, 256 or a list of them")
-    if not causals or not all(isinstance(c, bool) for c in causals):
-        raise ConfigError(f"causal = {entry['causal']!r}; give true, false or a list of them")
-    heads_q, heads_kv = heads
-    variants = {}
-    for head_dim, causal in itertools.product(head_dims, causals):
-        q = torch.zeros(1, 1, heads_q, head_dim, dtype=IR_TO_TORCH[dtype])
-        kv = torch.zeros(1, 1, heads_kv, head_dim, dtype=IR_TO_TORCH[dtype])
-        shapes = {"head": (heads_q,), "row": (head_dim,), "tile": tuple(q.shape)}
-        values = {
-            name: 0.0 if kind == "scalar" else torch.zeros(shapes[kind], dtype=IR_TO_TORCH[dt])
-            for name, (kind, dt) in specs.items()
-        }
-        call = check_attention_args(q, kv, kv, causal=causal, softmax_scale=None, require_cuda=False)
-        score, epi = _hooks(call, hooks["score_mod"], hooks["epilogue"], values)
-        variant = _kernel_variant(call, score, epi, pins, target)
-        variants.setdefault(variant.key(), (variant, f"d{head_dim} {dtype}" + (" causal" if causal else "")))
-    return list(variants.values())
-
-
-JOB_KINDS["attention"] = attention_variants
 
 
 def compile_spec(
@@ -432,9 +280,11 @@ def compile_spec(
 __all__ = [
     "JOB_KINDS",
     "AotResult",
-    "attention_variants",
+    "check_fields",
     "compile_spec",
-    "gemm_variants",
+    "config_pins",
     "import_object",
+    "is_size",
+    "operand_kind",
     "read_spec",
 ]  # fmt: skip

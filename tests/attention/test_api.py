@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import epicute
 from epicute import ops
-from epicute.attention.api import _hooks, reference_attention
+from epicute.attention.api import hooks_of, reference_attention
 from epicute.attention.validate import check_attention_args
 from tests.conftest import rel_err
 
@@ -41,7 +41,7 @@ def sdpa64(q, k, v, causal, scale=None):
 
 def float64_reference(q, k, v, causal, score_mod=None, epilogue=None, **operands):
     call = check_attention_args(q, k, v, causal=causal, softmax_scale=None, require_cuda=False)
-    score, epi = _hooks(call, score_mod, epilogue, operands)
+    score, epi = hooks_of(call, score_mod, epilogue, operands)
     return reference_attention(call, score, epi, compute_dtype=torch.float64, out_dtype=torch.float64)[0]
 
 

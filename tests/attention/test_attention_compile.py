@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from epicute import ops
-from epicute.attention.api import _hooks
+from epicute.attention.api import hooks_of
 from epicute.attention.launch import AttentionVariant, compile_attention
 from epicute.attention.plan import default_config
 from epicute.attention.validate import check_attention_args
@@ -25,7 +25,7 @@ def fusions(score_mod=None, epilogue=None, **operands):
     q = torch.empty(2, 100, 8, 128, dtype=torch.bfloat16, device="meta")
     kv = torch.empty(2, 100, 2, 128, dtype=torch.bfloat16, device="meta")
     call = check_attention_args(q, kv, kv, causal=True, softmax_scale=None, require_cuda=False)
-    score, epi = _hooks(call, score_mod, epilogue, operands)
+    score, epi = hooks_of(call, score_mod, epilogue, operands)
     return (
         None if score is None else AttentionFusion(score.graph, score.signature),
         None if epi is None else AttentionFusion(epi.graph, epi.signature),

@@ -17,7 +17,7 @@ import torch
 import epicute
 from epicute import ops
 from epicute.attention import launch as rt_attention
-from epicute.attention.api import _hooks, reference_attention
+from epicute.attention.api import hooks_of, reference_attention
 from epicute.attention.launch import tile_counter
 from epicute.attention.validate import check_attention_args
 from tests.conftest import rel_err
@@ -56,7 +56,7 @@ def check(q, k, v, causal=False, score_mod=None, epilogue=None, config=None, **o
     )
     assert got.data_ptr() == out.data_ptr()
     call = check_attention_args(q, k, v, causal=causal, softmax_scale=None)
-    score, epi = _hooks(call, score_mod, epilogue, operands)
+    score, epi = hooks_of(call, score_mod, epilogue, operands)
     ref, ref_lse = reference_attention(call, score, epi, out_dtype=torch.float32, device="cuda")
     what = f"q{tuple(q.shape)} k{tuple(k.shape)} causal={causal}"
     err = rel_err(out, ref)

@@ -16,7 +16,8 @@ import torch
 import epicute
 from epicute.errors import ConfigError, EpilogueError
 from epicute.gemm import api
-from epicute.runtime.aot import compile_spec, gemm_variants, import_object, read_spec
+from epicute.gemm.aot import gemm_variants
+from epicute.runtime.aot import compile_spec, import_object, read_spec
 from tests.conftest import aot_compile_then_fresh_load
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from epicute.attention.aot import attention_variants
 from epicute.errors import ConfigError, EpilogueError, ShapeError
-from epicute.runtime.aot import attention_variants, compile_spec, read_spec
+from epicute.runtime.aot import compile_spec, read_spec
 from tests.conftest import aot_compile_then_fresh_load
 from tests.runtime.test_attention_cache import launched_key, qkv
 

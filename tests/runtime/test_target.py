@@ -14,12 +14,14 @@ import torch
 
 import epicute
 import epicute.attention.launch  # registers the attention family
+from epicute.attention.aot import attention_variants
 from epicute.attention.plan import AttentionProblem, plan_attention, render_attention_plan
 from epicute.errors import ConfigError
 from epicute.gemm import GemmConfig, GemmProblem, plan_gemm, render_plan
+from epicute.gemm.aot import gemm_request, gemm_variants
 from epicute.gemm.compile import GEMM_CACHE, GemmVariant, compile_gemm
 from epicute.gemm.prepare import GemmRequest, prepare
-from epicute.runtime.aot import attention_variants, compile_spec, gemm_request, gemm_variants
+from epicute.runtime.aot import compile_spec
 from epicute.runtime.compile import FAMILIES
 from epicute.runtime.target import H100_SXM, TARGETS, Target, current_target, resolve_target, target_from_device
 

@@ -1,0 +1,96 @@
+"""The GEMM family's ahead-of-time jobs: a ``[[gemm]]`` spec entry -> the variants its calls compile.
+
+Registered into :data:`epicute.runtime.aot.JOB_KINDS`; the format is in :mod:`epicute.runtime.aot`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from epicute.errors import ConfigError, EpilogueError
+from epicute.runtime.aot import JOB_KINDS, check_fields, config_pins, import_object, is_size, operand_kind
+
+if TYPE_CHECKING:
+    from epicute.gemm import GemmProblem
+    from epicute.gemm.prepare import GemmRequest
+    from epicute.runtime.target import Target
+
+
+def gemm_variants(entry: dict, target: Target | None = None) -> list:
+    """The GEMM variants the calls described by one ``[[gemm]]`` entry would compile on ``target``
+    (None: the current one), deduplicated."""
+    from epicute.gemm import GemmProblem
+    from epicute.gemm.config import AB_DTYPES, D_DTYPES, GemmConfig
+    from epicute.gemm.prepare import prepare
+
+    allowed = {"shapes", "dtype", "out_dtype", "a_major", "b_major", "config", "epilogue", "operands", "out_dtypes"}
+    unknown = sorted(set(entry) - allowed)
+    if unknown:
+        raise ConfigError(f"unknown fields {unknown}; known are {sorted(allowed)}")
+    shapes = entry.get("shapes")
+    if not shapes or not isinstance(shapes, list):
+        raise ConfigError(f"shapes = {shapes!r}; give shapes = [[M, N, K], ...] (sizes pick the plan)")
+    for shape in shapes:
+        if not (isinstance(shape, list) and len(shape) in (3, 4) and all(is_size(x) for x in shape)):
+            raise ConfigError(
+                f"shape {shape!r}: give [M, N, K] or [M, N, K, L] of integers >= 0, e.g. [4096, 4096, 4096]"
+            )
+    dtype = entry.get("dtype", "bf16")
+    if dtype not in AB_DTYPES:
+        raise ConfigError(f"dtype = {dtype!r}; A and B's dtype is one of {', '.join(AB_DTYPES)}")
+    out_dtype = entry.get("out_dtype", dtype)
+    if out_dtype not in D_DTYPES:
+        raise ConfigError(f"out_dtype = {out_dtype!r}; D's dtype is one of {', '.join(D_DTYPES)}")
+    check_fields(entry, str, "a_major", "b_major", "epilogue")
+    check_fields(entry, dict, "operands", "out_dtypes")
+    def problem_of(shape: list[int]) -> GemmProblem:
+        m, n, k, l = (*shape, 1) if len(shape) == 3 else shape
+        return GemmProblem(m, n, k, l, dtype, out_dtype, entry.get("a_major", "k"), entry.get("b_major", "n"))
+
+    request = gemm_request(
+        problem_of(shapes[0]), entry.get("epilogue"), entry.get("operands") or {}, "out_dtype" in entry,
+        entry.get("out_dtypes") or {}, config_pins(entry, GemmConfig), target,
+    )  # fmt: skip
+    variants = {}
+    for shape in shapes:
+        variant = prepare(replace(request, problem=problem_of(shape))).variant()
+        m, n, k, l = (*shape, 1) if len(shape) == 3 else shape
+        variants.setdefault(variant.key(), (variant, f"{m}x{n}x{k}" + (f"x{l}" if l != 1 else "")))
+    return list(variants.values())
+
+
+def gemm_request(
+    problem: GemmProblem,
+    epilogue: str | None,
+    operands: dict,
+    d_explicit: bool,
+    out_dtypes: dict,
+    pins: dict,
+    target: Target | None = None,
+) -> GemmRequest:
+    """The :class:`~epicute.gemm.prepare.GemmRequest` of calls described in text (a spec entry, the CLI):
+    ``epilogue`` a ``module:function`` path, ``operands`` ``{name: "kind[:dtype]"}`` (unlisted ones
+    are scalars), ``out_dtypes`` IR dtype names, ``pins`` config fields, ``target`` the GPU to plan
+    for (None: the current one)."""
+    from epicute.epilogue.tracer import as_epilogue
+    from epicute.gemm.prepare import GemmRequest, ir_items
+
+    overrides = tuple(sorted(pins.items()))
+    if not epilogue:
+        if operands or out_dtypes:
+            raise ConfigError("operands/out_dtypes need an epilogue")
+        return GemmRequest(problem, overrides=overrides, target=target)
+    epi = as_epilogue(import_object(epilogue))
+    missing = [p for p in epi.params if p not in operands and p not in epi.defaults]
+    extra = sorted(set(operands) - set(epi.params))
+    if missing or extra:
+        raise EpilogueError(
+            f"epilogue {epi.name!r} takes operands {epi.params}: give each as name = 'kind[:dtype]' "
+            f"(missing {missing}, unexpected {extra})"
+        )
+    kinds = tuple((p, *operand_kind(p, operands.get(p, "scalar"))) for p in epi.params)
+    return GemmRequest(problem, epi, kinds, d_explicit, ir_items(out_dtypes, "out_dtypes"), (), overrides, target)
+
+
+JOB_KINDS["gemm"] = gemm_variants
