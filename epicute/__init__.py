@@ -19,8 +19,7 @@ from epicute.runtime.target import DEFAULT_ARCH  # pure Python: neither torch no
 os.environ.setdefault("CUTE_DSL_ARCH", DEFAULT_ARCH)
 
 from epicute import errors
-
-from epicute.attention import aot as _attention_aot  # noqa: F401  (registers [[attention]] jobs: JOB_KINDS)
+from epicute.attention import aot as _attention_aot  # noqa: F401  (registers [[attention]] jobs for epicute compile)
 from epicute.attention.api import attention, explain_attention
 from epicute.epilogue import library as epilogues
 from epicute.epilogue import ops
