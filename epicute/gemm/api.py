@@ -242,7 +242,7 @@ _TUNED: dict[str, dict] = {}
 def _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands) -> tuple[str, PreparedGemm]:
     """The tune key of one call and its preparation (the problem with D's dtype settled, the epilogue's buffers)."""
     _, _, request = describe_call(a, b, epilogue, None, out_dtype, out_dtypes, None, None, operands, False)
-    prepared = prepare(request)
+    prepared = _prepare_memo(request, epilogue)  # gemm(..., tune=True) asks on every call: trace once
     epi_hash = None if prepared.epilogue is None else semantic_hash(prepared.epilogue.graph)
     return tune_key(prepared.plan.problem, epi_hash, current_target().device), prepared
 
