@@ -8,7 +8,11 @@ share the epilogue language (:mod:`epicute.ops`):
   per-head vectors ``(heads_q,)`` (ALiBi slopes);
 - ``epilogue(o, *operands)`` rewrites each element of the normalized output
   before it is stored; operands are scalars, ``(head_dim,)`` vectors or full
-  ``(batch, seqlen_q, heads_q, head_dim)`` tiles.
+  ``(batch, seqlen_q, heads_q, head_dim)`` tiles. It is the GEMM's epilogue
+  language with the GEMM's outputs: ``{"D": ...}`` plus aux tiles
+  ``(batch, seqlen_q, heads_q, head_dim)``, reductions (``row_*`` over head_dim:
+  ``(batch, heads_q, seqlen_q)``; ``col_*`` over the queries: ``(batch, heads_q,
+  head_dim)``; ``amax``: 0-d) and fp8 outputs through ``ops.quantize``/``ops.cast``.
 
 Operands are passed by name as keyword arguments and go to whichever hook
 declares them.
@@ -26,16 +30,25 @@ import torch
 
 from epicute.attention.plan import AttentionPlan, AttentionProblem, plan_attention, render_attention_plan
 from epicute.attention.torch_op import attention_op_call
-from epicute.attention.validate import AttentionCall, check_attention_args
-from epicute.epilogue.dtypes import TORCH_TO_IR
+from epicute.attention.validate import AttentionCall, check_attention_args, check_attention_out
+from epicute.epilogue.dtypes import IR_TO_TORCH, TORCH_TO_IR, ir_dtype
+from epicute.epilogue.fusion import EpilogueFusion, ScoreModFusion
 from epicute.epilogue.operands import OperandSpec, Pin
-from epicute.epilogue.reference import evaluate
+from epicute.epilogue.reference import evaluate, round_to
+from epicute.epilogue.schedule import ATTENTION_SM90
 from epicute.epilogue.score_mod import ScoreMod
 from epicute.epilogue.score_mod import score_mod as as_score_mod
 from epicute.epilogue.tracer import Epilogue, as_epilogue
 from epicute.errors import ConfigError, DeviceError, EpilogueError
+from epicute.gemm.config import DTYPE_BYTES
 from epicute.runtime.checks import check_has_values
 from epicute.runtime.target import Target, resolve_target
+
+
+def ir_dtypes(dtypes: dict | None) -> dict[str, str]:
+    """``out_dtypes`` (torch dtypes or IR names) as IR names."""
+    return {name: ir_dtype(dtype, f"out_dtypes[{name!r}]") for name, dtype in (dtypes or {}).items()}
+
 
 #: Attention operand kind -> the epilogue IR kind it is traced as (see module docstring).
 _IR_KIND = {"scalar": "scalar", "head": "col", "row": "row", "tile": "tile"}
@@ -82,7 +95,10 @@ def _operand_kind(hook: str, name: str, value: Any, p: AttentionProblem) -> tupl
 class _Hook:
     """One traced hook (score_mod or epilogue) resolved against a problem."""
 
-    def __init__(self, hook: str, fn: Epilogue, values: dict[str, Any], p: AttentionProblem, out_dtype: str):
+    def __init__(
+        self, hook: str, fn: Epilogue, values: dict[str, Any], p: AttentionProblem, out_dtype: str,
+        out_dtypes: dict | None = None,
+    ):  # fmt: skip
         self.fn = fn
         missing = [name for name in fn.params if name not in values and name not in fn.defaults]
         if missing:
@@ -92,18 +108,29 @@ class _Hook:
             for name in fn.params
         }
         dtypes = {n: "fp32" if k == "scalar" else TORCH_TO_IR[v.dtype] for n, (k, v) in self.operands.items()}
-        self.graph = fn.trace({n: _IR_KIND[k] for n, (k, _) in self.operands.items()}, dtypes, d_dtype=out_dtype)
+        kinds = {n: _IR_KIND[k] for n, (k, _) in self.operands.items()}
+        self.graph = fn.trace(kinds, dtypes, out_dtypes, d_dtype=out_dtype)
         self.signature = tuple((n, k, dtypes[n]) for n, (k, _) in self.operands.items())
+        if hook == "score_mod":
+            self.fusion = ScoreModFusion(self.graph, self.signature)
+        else:
+            self.fusion = EpilogueFusion(self.graph, self.signature, style=ATTENTION_SM90)
+            _check_staged_outputs(self.fusion, out_dtype)
 
     def kernel_operands(self, device: torch.device) -> tuple[tuple, tuple]:
-        tensors = []
-        for name, (kind, value) in self.operands.items():
-            if kind == "scalar":
-                continue
+        """The kernel's operand tensors and fp32 scalars, in the fusion's order (operands no output
+        depends on are not passed)."""
+        fusion = self.fusion
+        if isinstance(fusion, ScoreModFusion):
+            names, scalars = [n for n, _, _ in fusion.tensor_operands], [n for n, _, _ in fusion.scalar_operands]
+        else:
+            names = [n for role, n, _ in fusion.tensor_args if role in ("tile", "row")]
+            scalars = list(fusion.scalar_inputs)
+        for name in names:
+            value = self.operands[name][1]
             if value.device != device:
                 raise DeviceError(f"operand {name!r} is on {value.device}; move it to {device}")
-            tensors.append(value)
-        return tuple(tensors), tuple(v for k, v in self.operands.values() if k == "scalar")
+        return tuple(self.operands[n][1] for n in names), tuple(self.operands[n][1] for n in scalars)
 
     def reference_specs(self, p: AttentionProblem) -> dict[str, OperandSpec]:
         """Operands in the IR's canonical ``(L, M, N)`` views, ``L = batch * heads`` (CPU copies)."""
@@ -131,9 +158,11 @@ def reference_attention(
     compute_dtype: torch.dtype = torch.float32,
     out_dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """O ``(B, Sq, H, D)`` and LSE ``(B, H, Sq)`` computed in ``compute_dtype`` on ``device`` (the CPU by
-    default; GPU tests use the GPU with TF32 off for speed): what the kernel must return.
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Every output (``"D"``: O ``(B, Sq, H, D)``, and the epilogue's others) and LSE ``(B, H, Sq)``,
+    computed in ``compute_dtype`` on ``device`` (the CPU by default; GPU tests use the GPU with TF32
+    off for speed): what the kernel must return. Tile outputs are stored in ``out_dtype`` if given,
+    else in their own dtype (fp8 saturating); reductions are fp32.
 
     Fully masked rows (causal with seqlen_q > seqlen_k) give O = 0 and LSE = -inf, as flash-attn does.
     """
@@ -165,13 +194,41 @@ def reference_attention(
     total = e.sum(dim=-1, keepdim=True)
     lse = torch.where(total == 0, float("-inf"), row_max + torch.log(total)).squeeze(-1)
     o = torch.matmul(e, v) / torch.where(total == 0, torch.ones_like(total), total)
-    if epi is not None:
-        o = evaluate(epi.graph, o, epi.reference_specs(p), compute_dtype=compute_dtype)["D"].to(compute_dtype)
-    o = o.reshape(B, H, Sq, D).permute(0, 2, 1, 3)
-    return o.to(out_dtype or call.q.dtype), lse.reshape(B, H, Sq).to(torch.float32)
+    lse = lse.reshape(B, H, Sq).to(torch.float32)
+    if epi is None:
+        outputs, stored = {"D": o}, {"D": p.dtype}
+    else:
+        outputs = evaluate(epi.graph, o, epi.reference_specs(p), compute_dtype=compute_dtype)
+        stored = epi.fusion.tile_output_dtypes
+    results = {}
+    for name, value in outputs.items():
+        if name in stored:  # a tile: (B * H, Sq, D) -> (B, Sq, H, D), rounded as the kernel stores it
+            value = value.to(compute_dtype).reshape(B, H, Sq, D).permute(0, 2, 1, 3)
+            results[name] = value.to(out_dtype) if out_dtype is not None else round_to(value, stored[name])
+        else:  # a reduction: (L, M) -> (B, H, Sq), (L, N) -> (B, H, D), or 0-d
+            results[name] = value.reshape(B, H, -1) if value.dim() else value
+    return results, lse
 
 
-def hooks_of(call: AttentionCall, score_mod, epilogue, operands: dict) -> tuple[_Hook | None, _Hook | None]:
+def _check_staged_outputs(fusion: EpilogueFusion, q_dtype: str) -> None:
+    """The kernel stages each stored output in Q's shared memory (one ``tile_m x head_dim`` tile of
+    q's dtype): outputs wider than q's elements do not fit."""
+    limit = DTYPE_BYTES[q_dtype]
+    for name, dtype in fusion.tile_output_dtypes.items():
+        if DTYPE_BYTES[dtype] > limit:
+            fix = "out_dtypes={'D': ...}" if name == "D" else f"out_dtypes={{{name!r}: torch.bfloat16}}"
+            raise EpilogueError(
+                f"attention output {name!r} is {dtype}: the kernel stages every output in Q's {q_dtype} buffer, "
+                f"so outputs are at most {limit}-byte types; store it as bf16, fp16 or fp8 ({fix}, or an "
+                "ops.cast in the epilogue)"
+            )
+
+
+def hooks_of(
+    call: AttentionCall, score_mod, epilogue, operands: dict, out_dtypes: dict | None = None
+) -> tuple[_Hook | None, _Hook | None]:
+    """The traced score_mod and output epilogue of a call (``out_dtypes``: stored dtypes of the
+    epilogue's outputs by name, as :func:`epicute.gemm` takes them)."""
     p = call.problem
     sm = None if score_mod is None else as_score_mod(score_mod)
     epi = None if epilogue is None else as_epilogue(epilogue)
@@ -183,8 +240,10 @@ def hooks_of(call: AttentionCall, score_mod, epilogue, operands: dict) -> tuple[
         raise EpilogueError(
             f"operands {unknown} are not parameters of the score_mod or the epilogue (they take {sorted(declared)})"
         )
+    if out_dtypes and epi is None:
+        raise EpilogueError(f"out_dtypes {sorted(out_dtypes)} were given without an epilogue")
     score = None if sm is None else _Hook("score_mod", sm, operands, p, "fp32")
-    out = None if epi is None else _Hook("epilogue", epi, operands, p, p.dtype)
+    out = None if epi is None else _Hook("epilogue", epi, operands, p, p.dtype, out_dtypes)
     return score, out
 
 
@@ -193,15 +252,12 @@ def kernel_variant(
 ):
     """The ``AttentionVariant`` (compile cache entry) the kernel backend launches for this call, planned
     for ``target`` (None: the current one); its key holds the target's arch, not its SM count."""
-    from epicute.attention.kernel_sm90 import AttentionFusion  # imports the CuTe DSL: only when launching
     from epicute.attention.launch import AttentionVariant
 
     plan = _cached_plan(call.problem, tuple(sorted((config or {}).items())), target)
     return AttentionVariant(
         plan.config, call.problem.dtype, call.problem.causal,
-        None if score is None else AttentionFusion(score.graph, score.signature),
-        None if epi is None else AttentionFusion(epi.graph, epi.signature),
-        plan.target.arch,
+        None if score is None else score.fusion, None if epi is None else epi.fusion, plan.target.arch,
     )  # fmt: skip
 
 
@@ -216,10 +272,11 @@ def attention(
     score_mod: Callable | None = None,
     epilogue: Callable | None = None,
     out: torch.Tensor | None = None,
+    out_dtypes: dict[str, torch.dtype] | None = None,
     backend: str = "kernel",
     config: dict | None = None,
     **operands: Any,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | dict[str, torch.Tensor] | tuple:
     """``softmax(q k^T * softmax_scale) v`` on a Hopper GPU (FlashAttention-3 style).
 
     Args:
@@ -233,8 +290,15 @@ def attention(
         score_mod: ``f(score, b, h, q_idx, kv_idx, *operands)`` on the scaled scores (see :mod:`epicute.ops`);
             ``b`` and ``h`` are the batch and query-head indices, ``q_idx`` and ``kv_idx`` the raw 0-based
             positions in q's and k's sequences (not shifted by the causal alignment), as FlexAttention's.
-        epilogue: ``f(o, *operands)`` on the normalized output before it is stored.
-        out: optional preallocated output, same shape, dtype and device as ``q``.
+        epilogue: ``f(o, *operands)`` on the normalized output before it is stored, in the GEMM's
+            epilogue language: ``{"D": ...}`` is O, any other key an aux tile ``(batch, seqlen_q,
+            heads_q, head_dim)`` or a reduction (``row_*``: ``(batch, heads_q, seqlen_q)``, over
+            head_dim; ``col_*``: ``(batch, heads_q, head_dim)``, over the queries; ``amax``: 0-d; all
+            fp32, deterministic). Each tile output is stored in ``out_dtypes[name]``, else its own
+            final ``ops.cast``/``ops.quantize``'s dtype (fp8 saturates), else q's; the kernel stages
+            outputs in Q's shared memory, so none may be wider than q's elements (no fp32 tiles).
+        out: optional preallocated O: q's shape and device, O's stored dtype.
+        out_dtypes: stored dtypes of the epilogue's tile outputs by name (``"D"`` is O).
         backend: ``"kernel"`` (the GPU) or ``"reference"`` (float32 on the CPU, any device).
         config: :class:`epicute.attention.plan.AttentionConfig` fields to pin (e.g. ``{"tile_n": 64}``).
         **operands: the hooks' operands by name.
@@ -246,36 +310,46 @@ def attention(
         >>> o = epicute.attention(q, kv, kv, causal=True)
         >>> softcap = lambda s, b, h, qi, ki: 30 * epicute.ops.tanh(s / 30)
         >>> o, lse = epicute.attention(q, kv, kv, score_mod=softcap, return_lse=True)
+        >>> r = epicute.attention(q, kv, kv, epilogue=epicute.epilogues.tensor_quant, scale=4.0)
+        >>> r["D"].dtype, r["amax"]                                 # fp8 O and the amax of O before scaling
+
+    Returns:
+        O; a dict of every output (``"D"`` is O) when the epilogue returns more than O; with
+        ``return_lse``, a pair of that and the fp32 LSE ``(batch, heads_q, seqlen_q)``.
     """
     if torch.compiler.is_compiling():
         # torch.compile sees one custom op (epicute::attention), never this Python code.
         return attention_op_call(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,
-            epilogue=epilogue, out=out, backend=backend, config=config, operands=operands,
+            epilogue=epilogue, out=out, out_dtypes=out_dtypes, backend=backend, config=config, operands=operands,
         )  # fmt: skip
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
     if backend == "reference":
         check_has_values(("q", q), ("k", k), ("v", v))
-    call = check_attention_args(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, require_cuda=backend == "kernel"
-    )
-    score, epi = hooks_of(call, score_mod, epilogue, operands)
+    call = check_attention_args(q, k, v, causal=causal, softmax_scale=softmax_scale, require_cuda=backend == "kernel")
+    score, epi = hooks_of(call, score_mod, epilogue, operands, ir_dtypes(out_dtypes))
+    stored = {"D": call.problem.dtype} if epi is None else epi.fusion.tile_output_dtypes
+    if out is not None:
+        check_attention_out(call, out, IR_TO_TORCH[stored["D"]])
     if backend == "reference":
-        ref, lse = reference_attention(call, score, epi)
+        results, lse = reference_attention(call, score, epi)
+        results = {name: value.to(q.device) for name, value in results.items()}
         lse = lse.to(q.device)
-        out = ref.to(q.device) if out is None else out.copy_(ref)
+        if out is not None:
+            results["D"] = out.copy_(results["D"])
     else:
         from epicute.attention.launch import launch_attention
 
         device = q.device
-        out, lse = launch_attention(
+        results, lse = launch_attention(
             call, kernel_variant(call, score, epi, config),
             score.kernel_operands(device) if score else ((), ()),
             epi.kernel_operands(device) if epi else ((), ()),
             _cached_plan(call.problem, tuple(sorted((config or {}).items()))).max_ctas,  # planned, a cache hit
         )  # fmt: skip
-    return (out, lse) if return_lse else out
+    result = results["D"] if set(results) == {"D"} else results
+    return (result, lse) if return_lse else result
 
 
 def explain_attention(

@@ -49,22 +49,21 @@ fused graphs are compile-time.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, cute
+from cutlass import Float32, Int16, Int32, cute
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from epicute.attention.plan import WGMMA_M, AttentionConfig, lpt_keys_per_band
-from epicute.epilogue.graph import Graph
-from epicute.epilogue.hashing import semantic_hash
-from epicute.errors import EpilogueError
+from epicute.attention.plan import WGMMA_M, AttentionConfig, attention_smem_layout, lpt_keys_per_band
+from epicute.epilogue.fusion import EpilogueFusion, ScoreModFusion
+from epicute.epilogue.schedule import ATTENTION_SM90, plain_graph, schedule
 from epicute.gemm.config import THREADS_PER_WARPGROUP
-from epicute.sm90.epilogue_emit import DSL_DTYPES, _emit_op
-from epicute.sm90.fragments import pack_16bit, warpgroup_slice
+from epicute.sm90.epilogue_chain import EpilogueRun, StagedOutput, run_chain
+from epicute.sm90.epilogue_emit import DSL_DTYPES, emit_graph
+from epicute.sm90.fragments import pack_16bit, pack_pair, pack_pairs, warpgroup_slice
 from epicute.sm90.pipeline import (
     NamedBarriers,
     RingState,
@@ -82,80 +81,6 @@ LN_2 = math.log(2.0)
 #: raises it by more than this many powers of two, so unnormalized P stays <= 2**8 (exact enough
 #: in bf16/fp16, and far from overflow in the fp32 row sums).
 RESCALE_THRESHOLD = 8.0
-
-#: Operand kinds of the attention hooks, as the kernel indexes them.
-#: score_mod: "scalar", "head" ((heads_q,) vector); epilogue: "scalar", "row" ((head_dim,)), "tile" ((B, Sq, H, D)).
-OPERAND_KINDS = ("scalar", "head", "row", "tile")
-
-
-@dataclass(frozen=True)
-class AttentionFusion:
-    """A traced graph applied per element inside the attention kernel (score_mod or output epilogue).
-
-    Kept small on purpose: the graph's ops are emitted by the shared scalar
-    emitter (``epilogue_emit._emit_op``); only the leaves are attention-specific.
-    """
-
-    graph: Graph
-    #: (name, kind, dtype) per operand, in parameter order; kind in OPERAND_KINDS
-    operands: tuple[tuple[str, str, str], ...]
-
-    def __post_init__(self) -> None:
-        outputs = dict(self.graph.outputs)
-        if set(outputs) != {"D"}:
-            raise EpilogueError(
-                f"outputs {sorted(set(outputs) - {'D'})}: the attention kernel fuses only the main value so far; "
-                "use backend='reference' for aux outputs and reductions"
-            )
-        # What it emits: the leaves (index ones included: score_mod's positions) and the op table's
-        # elementwise ops whose entry says ``attention`` (all but quantize); no reductions (only D is fused).
-        from epicute.epilogue import optable
-        from epicute.epilogue.graph import LEAVES
-
-        for node in self.graph.nodes:
-            if node.op in LEAVES:
-                continue
-            op = optable.find(node.op)
-            if op is None or not op.attention:
-                raise EpilogueError(
-                    f"op {node.op!r} is not emitted by the attention kernel yet; use backend='reference'"
-                )
-            if op.rounds and node.attr("dtype") not in DSL_DTYPES:
-                raise EpilogueError(f"{node.op} to {node.attr('dtype')} is not emitted by the kernel yet")
-        for name, kind, dtype in self.operands:
-            if kind not in OPERAND_KINDS:
-                raise EpilogueError(f"operand {name!r}: kind {kind!r} is not one of {OPERAND_KINDS}")
-            if kind != "scalar" and dtype not in DSL_DTYPES:
-                raise EpilogueError(f"operand {name!r} has dtype {dtype}; the kernel loads bf16, fp16 or fp32")
-
-    @property
-    def tensor_operands(self) -> tuple[tuple[str, str, str], ...]:
-        return tuple(op for op in self.operands if op[1] != "scalar")
-
-    @property
-    def scalar_operands(self) -> tuple[tuple[str, str, str], ...]:
-        return tuple(op for op in self.operands if op[1] == "scalar")
-
-    def key(self) -> tuple:
-        return (semantic_hash(self.graph), self.operands)
-
-    def emit(self, acc, index: dict, operand: dict):
-        """The graph's output for one element: ``acc``, index leaves and operand values by name."""
-        values = {}
-        for node in self.graph.nodes:
-            if node.op == "acc":
-                v = acc
-            elif node.op == "const":
-                v = Float32(node.attr("value"))
-            elif node.op == "index":
-                v = index[node.attr("name")]
-            elif node.op == "input":
-                v = operand[node.attr("name")]
-            else:
-                v = _emit_op(node.op, [values[a] for a in node.args], node)
-            values[node.id] = v
-        return values[dict(self.graph.outputs)["D"]]
-
 
 def _select(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
     """A view of ``tensor`` with its modes permuted (no data moves)."""
@@ -198,15 +123,22 @@ class AttentionSm90:
         cfg: AttentionConfig,
         dtype: str,
         causal: bool,
-        score_mod: AttentionFusion | None = None,
-        epilogue: AttentionFusion | None = None,
+        score_mod: ScoreModFusion | None = None,
+        epilogue: EpilogueFusion | None = None,
     ):
         cfg.validate(dtype=dtype)
         self.cfg = cfg
         self.dtype = DSL_DTYPES[dtype]
+        self.dtype_name = dtype
         self.causal = causal
         self.score_mod = score_mod
         self.epilogue = epilogue
+        #: The output epilogue the kernel runs: the fusion's chain, or the plain one (cast and store O).
+        self.chain = (epilogue.stages if epilogue is not None
+                      else schedule(plain_graph(dtype), style=ATTENTION_SM90).stages)  # fmt: skip
+        #: Each stored output's dtype (D first): all are staged in Q's buffer, one after the other.
+        self.output_dtypes = epilogue.tile_output_dtypes if epilogue is not None else {"D": dtype}
+        self.smem = attention_smem_layout(cfg, dtype)
         self.num_wg = cfg.num_mma_warpgroups
         self.load_warp = 0
         # First warp of the first consumer warpgroup issues the O store.
@@ -254,20 +186,27 @@ class AttentionSm90:
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (cfg.tile_m, d))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (cfg.tile_n, d))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (cfg.tile_n, d))
-        # O is staged in Q's buffer with Q's layout.
-        tma_o, tma_mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (cfg.tile_m, d))
+        # Every stored output (O first) is staged in Q's buffer, with the layout of its own dtype, and
+        # TMA-stored from there; the rest of the fused epilogue's tensors are read element by element.
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        tma_o, tma_mO = cpasync.make_tiled_tma_atom(s2g, mO, self._staging_layout("D"), (cfg.tile_m, d))
+        epi_operands, epi_stores, epi_workspaces = (), (), ()
+        if cutlass.const_expr(self.epilogue is not None):
+            for (role, name, _), t in zip(self.epilogue.tensor_args, epi_tensors):
+                if cutlass.const_expr(role == "aux"):
+                    atom, tma_t = cpasync.make_tiled_tma_atom(
+                        s2g, _select(t, [1, 3, 2, 0]), self._staging_layout(name), (cfg.tile_m, d)
+                    )
+                    epi_stores += ((atom, tma_t),)
+                elif cutlass.const_expr(role == "workspace"):
+                    epi_workspaces += (t,)
+                else:
+                    epi_operands += (t,)
 
-        @cute.struct
-        class SharedStorage:
-            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
-            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
-            tile_slot: cute.struct.MemRange[Int32, 4]  # a dynamic tile announced with its Q (TileQueue)
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-
-        self.shared_storage = SharedStorage
+        # The storage struct and explain's table are one object (attention.plan.attention_smem_layout).
+        for field, layout in (("sQ", sQ_layout), ("sK", sK_layout), ("sV", sV_layout)):
+            assert cute.cosize(layout) == self.smem.buffer(field).count, (field, cute.cosize(layout))
+        self.shared_storage = self.smem.struct()
         m_blocks = cute.ceil_div(cute.size(mQ, mode=[0]), cfg.tile_m)
         # Query heads per key/value head (GQA/MQA), once on the host.
         group = cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2])
@@ -277,9 +216,7 @@ class AttentionSm90:
             scale_log2 = Float32(LOG2_E)
 
         num_tiles = m_blocks * cute.size(mQ, mode=[2]) * cute.size(mQ, mode=[3])
-        num_ctas = num_tiles
-        if cutlass.const_expr(cfg.persistent):
-            num_ctas = cutlass.min(num_tiles, max_ctas)
+        num_ctas = TileQueue.grid(num_tiles, max_ctas, cfg.persistent, cutlass.min)
         # plan.attention.lpt_heads_per_band on the runtime seqlen_k.
         keys_per_band = lpt_keys_per_band(d, self.dtype.width // 8)
         heads_per_band = cutlass.max(keys_per_band // cute.size(mK, mode=[0]), 1)
@@ -287,7 +224,7 @@ class AttentionSm90:
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO, mLSE,
             sQ_layout, sK_layout, sV_layout, group, heads_per_band, softmax_scale, scale_log2,
-            score_tensors, score_scalars, epi_tensors, epi_scalars, tile_counter,
+            score_tensors, score_scalars, epi_operands, epi_stores, epi_workspaces, epi_scalars, tile_counter,
         ).launch(
             grid=(num_ctas, 1, 1),
             block=[cfg.num_threads, 1, 1],
@@ -319,7 +256,9 @@ class AttentionSm90:
         scale_log2: Float32,
         score_tensors: tuple,
         score_scalars: tuple,
-        epi_tensors: tuple,
+        epi_operands: tuple,
+        epi_stores: tuple,
+        epi_workspaces: tuple,
         epi_scalars: tuple,
         tile_counter: cute.Tensor,
     ):
@@ -329,6 +268,8 @@ class AttentionSm90:
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         if warp_idx == self.load_warp:
             for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+            for atom, _ in epi_stores:
                 cpasync.prefetch_descriptor(atom)
 
         smem = SmemAllocator()
@@ -352,6 +293,7 @@ class AttentionSm90:
         tiles = TileQueue(
             storage.tile_slot.get_tensor(cute.make_layout(4)),
             num_tiles,
+            None,  # each role sets the order (_work_coord) from the extents it computes
             tile_counter if cutlass.const_expr(cfg.dynamic_tiles) else None,
         )
         # Barrier initialization is visible to every thread (and the async proxy) before first use.
@@ -366,11 +308,33 @@ class AttentionSm90:
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            # Each stored output's staging view: Q's bytes, in the output dtype's layout.
+            staging = {name: self._staging_view(storage, sQ, name) for name in self.output_dtypes}
+            stores = {"D": (tma_o, mO), **dict(zip(self.output_dtypes_aux, epi_stores))}
             self._consume(
-                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, tma_o, mO, mLSE, heads_per_band,
-                softmax_scale, scale_log2, score_tensors, score_scalars, epi_tensors, epi_scalars,
-                tidx - THREADS_PER_WARPGROUP, warp_idx == self.store_warp, tiles, seqlen_k=cute.size(mK, mode=[0]),
+                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, mO, mLSE, heads_per_band,
+                softmax_scale, scale_log2, score_tensors, score_scalars, (epi_operands, epi_workspaces, epi_scalars),
+                staging, stores, tidx - THREADS_PER_WARPGROUP, warp_idx == self.store_warp, tiles,
+                seqlen_k=cute.size(mK, mode=[0]),
             )  # fmt: skip
+
+    @property
+    def output_dtypes_aux(self) -> tuple[str, ...]:
+        """The aux outputs' names, in the order of the kernel's aux tensors."""
+        return tuple(name for name in self.output_dtypes if name != "D")
+
+    def _staging_layout(self, name: str):
+        """Output ``name``'s staging layout: a row-major ``tile_m x head_dim`` tile of its dtype."""
+        return _smem_layout(DSL_DTYPES[self.output_dtypes[name]], self.cfg.tile_m, self.cfg.head_dim)
+
+    def _staging_view(self, storage, sQ, name: str):
+        """Q's buffer viewed as output ``name``'s staging tile (Q's own view when the dtypes agree;
+        outputs no wider than Q's elements fit, which the host checks)."""
+        if cutlass.const_expr(self.output_dtypes[name] == self.dtype_name):
+            return sQ
+        layout = self._staging_layout(name)
+        dtype = DSL_DTYPES[self.output_dtypes[name]]
+        return cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), layout.inner, dtype=dtype), layout.outer)
 
     def _tiles(self, mQ):
         """(m-blocks, work tiles)."""
@@ -419,10 +383,11 @@ class AttentionSm90:
         head_batches = heads * cute.size(mQ, mode=[3])
         state = RingState.producer(cfg.stages)
         q_state = RingState.producer(1)
-        m_blocks, num_tiles = self._tiles(mQ)
+        m_blocks, _ = self._tiles(mQ)
+        tiles = tiles.ordered_by(lambda t: self._work_coord(t, m_blocks, heads, head_batches, heads_per_band))
         tile = tiles.first()
-        while tile < num_tiles:
-            m_block, head, batch = self._work_coord(tile, m_blocks, heads, head_batches, heads_per_band)
+        while tiles.is_valid(tile):
+            m_block, head, batch = tiles.coord(tile)
             n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
             gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, d), (m_block, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
@@ -436,7 +401,7 @@ class AttentionSm90:
             k_pipe.producer_acquire(state)
             cute.copy(tma_k, tKgK[None, n_blocks - 1], tKsK[None, state.index],
                       tma_bar_ptr=k_pipe.producer_get_barrier(state))  # fmt: skip
-            tiles.acquire_and_announce(q_pipe, q_state, tile, (m_block, head, batch))
+            tiles.announce(q_pipe, q_state, tile, (m_block, head, batch))
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
             q_state.advance()
             # K runs one block ahead of V: K[n - 1] is in flight before V[n].
@@ -455,7 +420,7 @@ class AttentionSm90:
             state.advance()
             # Claimed once this tile's loads are issued, as late as the ring allows: the consumers
             # are a few blocks from its end, so a dynamic claim sees how the other CTAs got on.
-            tile = tiles.claim_next(tile)
+            tile = tiles.next(tile)
         tiles.announce_end(q_pipe, q_state)
         # No producer_tail: without a cluster no remote CTA arrives on our barriers.
 
@@ -487,7 +452,7 @@ class AttentionSm90:
                 index = dict(index_bh)
                 index["q_idx"] = (m_block * cfg.tile_m + row).to(Float32)
                 index["kv_idx"] = (n * cfg.tile_n + col).to(Float32)
-                acc_S[v] = self.score_mod.emit(acc_S[v] * softmax_scale, index, score_operands)
+                acc_S[v] = self._score_mod(acc_S[v] * softmax_scale, index, score_operands)
         if cutlass.const_expr(mask_seqlen or mask_causal):
             S = _acc_rows_cols(acc_S)
             cS = _acc_rows_cols(tScS)
@@ -499,6 +464,18 @@ class AttentionSm90:
                     limit = cutlass.min(limit, q + 1 + seqlen_k - seqlen_q - n * cfg.tile_n)
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                     S[r, c] = cutlass.select_(cS[0, c][1] >= limit, -Float32.inf, S[r, c])
+
+    def _score_mod(self, score, index: dict, operands: dict):
+        """The traced score_mod on one scaled score: its leaves are the score, the index leaves and
+        the operands (by name); its ops are emitted like every epilogue's."""
+        graph = self.score_mod.graph
+
+        def leaf(node):
+            if node.op == "acc":
+                return score
+            return (index if node.op == "index" else operands)[node.attr("name")]
+
+        return emit_graph(graph, leaf)[dict(graph.outputs)["D"]]
 
     @cute.jit
     def _online_softmax(self, acc_S, row_max, row_sum, row_scale, scale_log2, is_first: cutlass.Constexpr[bool]):
@@ -558,8 +535,8 @@ class AttentionSm90:
 
     @cute.jit
     def _consume(
-        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, tma_o, mO, mLSE, heads_per_band,
-        softmax_scale, scale_log2, score_tensors, score_scalars, epi_tensors, epi_scalars, mma_tidx, is_store_warp,
+        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, mO, mLSE, heads_per_band,
+        softmax_scale, scale_log2, score_tensors, score_scalars, epi_args, staging, stores, mma_tidx, is_store_warp,
         tiles, seqlen_k,
     ):  # fmt: skip
         cfg = self.cfg
@@ -585,13 +562,11 @@ class AttentionSm90:
         seqlen_q = cute.size(mO, mode=[0])
         heads = cute.size(mO, mode=[2])
         head_batches = heads * cute.size(mO, mode=[3])
-        m_blocks, num_tiles = self._tiles(mO)
-        tile = tiles.consumer_next(None, q_pipe, q_read)
-        while tile < num_tiles:
-            if cutlass.const_expr(tiles.dynamic):
-                m_block, head, batch = tiles.announced_coords(3)  # waited for with the tile's Q
-            else:
-                m_block, head, batch = self._work_coord(tile, m_blocks, heads, head_batches, heads_per_band)
+        m_blocks, _ = self._tiles(mO)
+        tiles = tiles.ordered_by(lambda t: self._work_coord(t, m_blocks, heads, head_batches, heads_per_band))
+        tile = tiles.follow(None, q_pipe, q_read)
+        while tiles.is_valid(tile):
+            m_block, head, batch = tiles.followed_coord(tile, 3)  # dynamic: announced with the tile's Q
             n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
             acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
             acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, d)), Float32)
@@ -674,23 +649,28 @@ class AttentionSm90:
             read.advance()  # the next tile's first block, on the ring's next stage
 
             self._epilogue(
-                tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, sQ, tma_o, mO, mLSE,
-                m_block, head, batch, seqlen_q, epi_tensors, epi_scalars, mma_tidx, is_store_warp, store,
+                tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, mLSE, (m_block, head, batch),
+                seqlen_q, epi_args, staging, stores, mma_tidx, is_store_warp, store,
             )  # fmt: skip
             # The O store has read Q's buffer (publish waits for that): the next tile's Q may land.
             if is_store_warp:
                 q_pipe.consumer_release(q_read)
             q_read.advance()
-            tile = tiles.consumer_next(tile, q_pipe, q_read)
+            tile = tiles.follow(tile, q_pipe, q_read)
         store.drain(is_store_warp)
 
     @cute.jit
     def _epilogue(
-        self, tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, sO, tma_o, mO, mLSE,
-        m_block, head, batch, seqlen_q, epi_tensors, epi_scalars, mma_tidx, is_store_warp, store,
+        self, tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, mLSE, tile, seqlen_q,
+        epi_args, staging, stores, mma_tidx, is_store_warp, store,
     ):  # fmt: skip
+        """O normalized by the row sums and its LSE written, then the output epilogue's chain
+        (:mod:`epicute.sm90.epilogue_chain`) over the tile as one subtile: every stored output is
+        staged in Q's buffer -- whose rows each warpgroup stages were read only by its own QK^T
+        WGMMAs, all retired -- and TMA-stored from there, one after the other."""
         cfg = self.cfg
         d = cfg.head_dim
+        m_block, head, batch = tile
         # ---- finalize: 1 / row sum, and LSE = max * scale + ln(sum).
         lse = cute.make_rmem_tensor(cute.size(row_sum), Float32)
         for r in cutlass.range_constexpr(cute.size(row_sum)):
@@ -702,7 +682,8 @@ class AttentionSm90:
             )
         self._rescale(acc_O, row_scale)
 
-        cO = thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, d)))
+        ident = cute.make_identity_tensor((cfg.tile_m, d))
+        cO = thr_pv.partition_C(ident)
         cO_rc = _acc_rows_cols(cO)
         if cO_rc[0, 0][1] == 0:  # one lane of each quad writes its rows' LSE
             for r in cutlass.range_constexpr(cute.size(lse)):
@@ -710,36 +691,93 @@ class AttentionSm90:
                 if q < seqlen_q:
                     mLSE[q, head, batch] = lse[r]
 
+        outputs = {}
+        for name, dtype in self.output_dtypes.items():
+            # O's fp32 values are its accumulator; aux tiles are rounded as they are computed (no
+            # second fp32 tile of registers next to O's: at d256 that would not fit).
+            values = acc_O if name == "D" else None
+            atom, tensor = stores[name]
+            outputs[name] = AttentionOutput(
+                name, dtype, values, acc_O.shape, atom, tensor, staging[name], tiled_mma_pv, mma_tidx
+            )
+        run = AttentionEpilogueRun(self, outputs, store, is_store_warp, tile, seqlen_q, cO, epi_args, mma_tidx)
         if cutlass.const_expr(self.epilogue is not None):
-            self._apply_epilogue(acc_O, cO, m_block, head, batch, seqlen_q, epi_tensors, epi_scalars)
+            run.coords0 = tiled_mma_pv.get_slice(0).partition_C(ident)
+        run_chain("begin", run)
+        run_chain("subtile", run)
+        run_chain("end", run)
 
-        rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
-        pack_16bit(acc_O, rO)
-        tiled_copy_r2s = cute.make_tiled_copy_C(
-            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32), tiled_mma_pv
-        )
-        thr_r2s = tiled_copy_r2s.get_slice(mma_tidx)
-        # sO is Q's buffer: this warpgroup's rows of it were read only by its own QK^T WGMMAs, all retired.
-        cute.copy(tiled_copy_r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
-        gO = cute.local_tile(mO[None, None, head, batch], (cfg.tile_m, d), (m_block, 0))
-        tOsO, tOgO = cpasync.tma_partition(
-            tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-        )
-        store.publish(is_store_warp, tma_o, tOsO, tOgO)
 
-    @cute.jit
-    def _apply_epilogue(self, acc_O, cO, m_block, head, batch, seqlen_q, epi_tensors, epi_scalars):
-        """The user's epilogue on each normalized O element; tile operands are read at (b, q, h, d)."""
-        cfg = self.cfg
-        fusion = self.epilogue
-        for v in cutlass.range_constexpr(cute.size(acc_O)):
-            row, col = cO[v]
-            # Rows past seqlen_q read a valid row; the TMA store clips them.
-            q = cutlass.min(m_block * cfg.tile_m + row, seqlen_q - 1)
-            operand = {}
-            for i, (name, kind, _) in enumerate(fusion.tensor_operands):
-                t = epi_tensors[i]
-                operand[name] = (t[batch, q, head, col] if kind == "tile" else t[col]).to(Float32)
-            for i, (name, _, _) in enumerate(fusion.scalar_operands):
-                operand[name] = epi_scalars[i]
-            acc_O[v] = fusion.emit(acc_O[v], {}, operand)
+class AttentionOutput(StagedOutput):
+    """O or an aux tile of the attention epilogue: the tile's fp32 registers, cast (16-bit pairs
+    packed as the PV operand is), copied into its staging view of Q's buffer and TMA-stored whole;
+    the TMA store clips the rows past seqlen_q."""
+
+    def __init__(self, name, dtype, values, shape, atom, tensor, staging, tiled_mma_pv, mma_tidx):
+        super().__init__(name, dtype, values)
+        self.atom, self.tensor, self.staging = atom, tensor, staging
+        dsl = DSL_DTYPES[dtype]
+        self.converted = cute.make_rmem_tensor(shape, dsl)
+        store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dsl, Float32)
+        self.r2s = cute.make_tiled_copy_C(store_op, tiled_mma_pv)
+        self.thr_r2s = self.r2s.get_slice(mma_tidx)
+
+    def begin(self, run) -> None:
+        cfg = run.kernel.cfg
+        m_block, head, batch = run.tile
+        gO = cute.local_tile(self.tensor[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+        self.tma_smem, self.tma_gmem = cpasync.tma_partition(
+            self.atom, 0, cute.make_layout(1), cute.group_modes(self.staging, 0, 2), cute.group_modes(gO, 0, 2)
+        )
+
+    def cast(self, run) -> None:
+        pack_pairs(self.values, self.converted)  # outputs are 16-bit or fp8 (checked on the host)
+
+    def cast_element(self, run, v: int, value) -> None:
+        # Pairs of neighbours share a register word: the even element waits for the odd one.
+        if v % 2 == 0:
+            self.pending = value
+        else:
+            words = cute.recast_tensor(self.converted, Int16 if DSL_DTYPES[self.dtype].width == 8 else Int32)
+            words[v // 2] = pack_pair(self.pending, value, DSL_DTYPES[self.dtype])
+
+    def store_smem(self, run) -> None:
+        cute.copy(self.r2s, self.thr_r2s.retile(self.converted), self.thr_r2s.partition_D(self.staging))
+
+    def tma_copy(self, run) -> tuple:
+        return self.atom, self.tma_smem, self.tma_gmem
+
+
+class AttentionEpilogueRun(EpilogueRun):
+    """Attention's :class:`~epicute.sm90.epilogue_chain.EpilogueRun` over one O tile (one subtile):
+    the accumulator is O itself, operand tiles ``(batch, seqlen_q, heads, head_dim)`` and vectors
+    ``(head_dim,)`` are read from global memory where the compute needs them, and reductions see
+    the problem as ``(L, M, N) = (batch * heads, seqlen_q, head_dim)``, as the reference does."""
+
+    def __init__(self, kernel, outputs, store, is_store_warp, tile, seqlen_q, cO, epi_args, mma_tidx):
+        super().__init__()
+        cfg, fusion = kernel.cfg, kernel.epilogue
+        self.kernel, self.fusion, self.stages = kernel, fusion, kernel.chain
+        self.outputs, self.store, self.is_store_warp = outputs, store, is_store_warp
+        self.tile, self.seqlen_q = tile, seqlen_q
+        self.subtile_size = cute.size(outputs["D"].values)  # O's: the tile is one subtile
+        if cutlass.const_expr(fusion is not None):
+            operands, workspaces, scalars = epi_args
+            m_block, head, batch = tile
+            self.coords, self.scalars, self.workspaces, self.lane = cO, scalars, workspaces, mma_tidx % 32
+            self.origin, self.extent = (m_block * cfg.tile_m, 0), (seqlen_q, cfg.head_dim)
+            heads = cute.size(self.outputs["D"].tensor, mode=[2])
+            self.tile_index = (0, batch * heads + head)  # (tn, tl): one tile spans head_dim
+            tensors = dict(zip(fusion.tile_inputs + fusion.row_inputs, operands))
+            self.tiles = {name: tensors[name] for name in fusion.tile_inputs}
+            # A row vector of head_dim values: its tile-local index is the global one.
+            self.vectors = {name: tensors[name] for name in fusion.row_inputs}
+
+    def slice_acc(self) -> None:
+        """The subtile is the whole O tile, already in D's registers."""
+
+    def tile_value(self, name, v, m, n):
+        m_block, head, batch = self.tile
+        # Rows past seqlen_q read a valid row; the TMA store clips them.
+        q = cutlass.min(m_block * self.kernel.cfg.tile_m + m, self.seqlen_q - 1)
+        return self.tiles[name][batch, q, head, n].to(Float32)

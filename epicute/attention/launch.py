@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from epicute.attention.plan import AttentionConfig
+from epicute.epilogue.dtypes import IR_TO_TORCH
 from epicute.errors import CompileError
 from epicute.runtime import compile as compile_module
 from epicute.runtime.cache import CacheKey
@@ -33,11 +34,16 @@ class AttentionVariant:
     config: AttentionConfig
     dtype: str
     causal: bool
-    #: ``epicute.attention.kernel_sm90.AttentionFusion`` of the score_mod / output epilogue, if any
+    #: the score_mod (``ScoreModFusion``) and output epilogue (``EpilogueFusion``), if any
     score_mod: object = None
     epilogue: object = None
     #: the target's arch; nothing else of the target (the persistent CTA count is a launch argument)
     arch: str = DEFAULT_ARCH
+
+    @property
+    def out_dtype(self) -> str:
+        """O's stored dtype: q's, unless the epilogue's own final cast says otherwise."""
+        return self.dtype if self.epilogue is None else self.epilogue.output_dtypes["D"]
 
     def key(self) -> CacheKey:
         """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
@@ -65,26 +71,44 @@ def _fake_bshd(dtype, head_dim: int):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=OPERAND_ALIGN_BYTES)
 
 
-def _fake_operands(fusion) -> tuple[tuple, tuple]:
-    """Fake operand tensors (read element by element: any strides) and fp32 scalar placeholders."""
-    import cutlass
+def _fake_elementwise(dtype, rank: int):
+    """A fake tensor read element by element: any strides."""
     from cutlass import cute
+
+    return cute.runtime.make_fake_tensor(
+        dtype, tuple(cute.sym_int() for _ in range(rank)), stride=tuple(cute.sym_int64() for _ in range(rank)),
+        assumed_align=max(dtype.width // 8, 1),
+    )  # fmt: skip
+
+
+def _fake_score_operands(fusion) -> tuple[tuple, tuple]:
+    """A score_mod's fake per-head vectors and fp32 scalar placeholders."""
+    import cutlass
 
     from epicute.sm90.epilogue_emit import DSL_DTYPES
 
     if fusion is None:
         return (), ()
-    rank = {"head": 1, "row": 1, "tile": 4}
-    tensors = tuple(
-        cute.runtime.make_fake_tensor(
-            DSL_DTYPES[dtype],
-            tuple(cute.sym_int() for _ in range(rank[kind])),
-            stride=tuple(cute.sym_int64() for _ in range(rank[kind])),
-            assumed_align=DSL_DTYPES[dtype].width // 8,
-        )
-        for _, kind, dtype in fusion.tensor_operands
-    )
+    tensors = tuple(_fake_elementwise(DSL_DTYPES[dtype], 1) for _, _, dtype in fusion.tensor_operands)
     return tensors, tuple(cutlass.Float32(0.0) for _ in fusion.scalar_operands)
+
+
+def _fake_epilogue_tensors(fusion, head_dim: int) -> tuple[tuple, tuple]:
+    """The output epilogue's fake tensors in ``fusion.tensor_args`` order -- operand tiles
+    ``(B, Sq, H, D)`` and ``(D,)`` vectors read element by element, aux tiles stored by TMA like O,
+    fp32 reduction workspaces -- and fp32 scalar placeholders."""
+    import cutlass
+
+    from epicute.sm90.epilogue_emit import DSL_DTYPES
+
+    if fusion is None:
+        return (), ()
+    rank = {"tile": 4, "row": 1, "workspace": 3}
+    tensors = tuple(
+        _fake_bshd(DSL_DTYPES[dtype], head_dim) if role == "aux" else _fake_elementwise(DSL_DTYPES[dtype], rank[role])
+        for role, _, dtype in fusion.tensor_args
+    )
+    return tensors, tuple(cutlass.Float32(0.0) for _ in fusion.scalar_inputs)
 
 
 def compile_attention(variant: AttentionVariant):
@@ -101,7 +125,8 @@ def compile_attention(variant: AttentionVariant):
 
     dtype = DSL_DTYPES[variant.dtype]
     d = variant.config.head_dim
-    q, k, v, o = (_fake_bshd(dtype, d) for _ in range(4))
+    q, k, v = (_fake_bshd(dtype, d) for _ in range(3))
+    o = _fake_bshd(DSL_DTYPES[variant.out_dtype], d)
     lse = cute.runtime.make_fake_tensor(
         cutlass.Float32,
         (cute.sym_int(), cute.sym_int(), cute.sym_int()),
@@ -109,8 +134,8 @@ def compile_attention(variant: AttentionVariant):
         assumed_align=4,
     )
     counter = cute.runtime.make_fake_tensor(cutlass.Int32, (1,), stride=(1,), assumed_align=4)
-    score_tensors, score_scalars = _fake_operands(variant.score_mod)
-    epi_tensors, epi_scalars = _fake_operands(variant.epilogue)
+    score_tensors, score_scalars = _fake_score_operands(variant.score_mod)
+    epi_tensors, epi_scalars = _fake_epilogue_tensors(variant.epilogue, d)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = AttentionSm90(variant.config, variant.dtype, variant.causal, variant.score_mod, variant.epilogue)
     try:
@@ -157,19 +182,37 @@ def launch_attention(
     score_operands: tuple = ((), ()),
     epi_operands: tuple = ((), ()),
     max_ctas: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the kernel on a validated ``call``; returns O ``(B, Sq, Hq, D)`` (``call.out`` if given)
-    and LSE ``(B, Hq, Sq)`` fp32. ``max_ctas`` bounds a persistent grid (the plan's
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Run the kernel on a validated ``call``; returns every output by name -- ``"D"``: O ``(B, Sq, Hq, D)``
+    in its stored dtype (``call.out`` if given), aux tiles like it, reductions finalized -- and LSE
+    ``(B, Hq, Sq)`` fp32. ``max_ctas`` bounds a persistent grid (the plan's
     :attr:`~epicute.attention.plan.AttentionPlan.max_ctas`; default: one CTA per SM of the current GPU)."""
-    p = call.problem
-    out = call.out if call.out is not None else torch.empty_like(call.q, memory_format=torch.contiguous_format)
-    lse = new_lse((p.batch, p.heads_q, p.seqlen_q), call.q.device)
+    p, device = call.problem, call.q.device
+    fusion = variant.epilogue
+    outputs = {"D": variant.out_dtype} if fusion is None else fusion.tile_output_dtypes
+    stored = {name: IR_TO_TORCH[dtype] for name, dtype in outputs.items()}
+    out = call.out
+    if out is None:
+        out = torch.empty(call.q.shape, dtype=stored["D"], device=device)
+    aux = {name: torch.empty(call.q.shape, dtype=dtype, device=device) for name, dtype in stored.items() if name != "D"}
+    reductions = () if fusion is None else fusion.reductions
+    # Reductions see (L, M, N) = (batch * heads, seqlen_q, head_dim); one tile spans head_dim.
+    lmn = (p.batch * p.heads_q, p.seqlen_q, p.head_dim)
+    workspaces = {r.name: torch.empty(r.workspace_shape(*lmn, p.head_dim), dtype=torch.float32, device=device)
+                  for r in reductions}  # fmt: skip
+    lse = new_lse((p.batch, p.heads_q, p.seqlen_q), device)
     if out.numel():
         kernel = ATTENTION_CACHE.get(variant)
         if max_ctas is None:
             max_ctas = current_target().num_sms
+        tensors, scalars = epi_operands
+        epi_tensors = tensors + tuple(aux.values()) + tuple(workspaces.values())
         kernel(
-            call.q, call.k, call.v, out, lse, call.softmax_scale, *score_operands, *epi_operands, max_ctas,
+            call.q, call.k, call.v, out, lse, call.softmax_scale, *score_operands, epi_tensors, scalars, max_ctas,
             tile_counter(call.q.device, variant.config.dynamic_tiles),
         )  # fmt: skip
-    return out, lse
+    results = {"D": out, **aux}
+    for r in reductions:
+        value = r.finalize(workspaces[r.name])
+        results[r.name] = value if r.axis == "all" else value.reshape(p.batch, p.heads_q, -1)
+    return results, lse

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 from epicute.errors import ConfigError
 from epicute.gemm.config import DTYPE_BYTES, WarpRoles
-from epicute.gemm.smem import BUFFER_ALIGN, MBARRIER_BYTES, SmemItem, _round_up
 from epicute.runtime.target import Target, resolve_target
+from epicute.sm90.smem_layout import MBARRIER_BYTES, SmemBuffer, SmemItem, SmemLayout
+from epicute.sm90.tile_grid import launched
 
 HEAD_DIMS = (64, 128, 256)
 #: Rows of one WGMMA atom: each consumer warpgroup owns this many query rows.
@@ -264,32 +265,34 @@ def lpt_heads_per_band(head_dim: int, seqlen_k: int, esize: int = 2) -> int:
     return max(lpt_keys_per_band(head_dim, esize) // max(seqlen_k, 1), 1)
 
 
+def attention_smem_layout(cfg: AttentionConfig, dtype: str = "bf16") -> SmemLayout:
+    """The kernel's shared storage (fields ``q_barriers``, ``k_barriers``, ``v_barriers``,
+    ``tile_slot``, ``sQ``, ``sK``, ``sV``): the struct it allocates and the table explain prints."""
+    barrier = MBARRIER_BYTES
+    return SmemLayout((
+        SmemBuffer("q_barriers", "Q barriers", "int64", 2, "Q ring: 1 full + 1 empty mbarrier", align=barrier),
+        SmemBuffer("k_barriers", "K barriers", "int64", 2 * cfg.stages,
+                   f"K ring: {cfg.stages} full + {cfg.stages} empty mbarriers", align=barrier),
+        SmemBuffer("v_barriers", "V barriers", "int64", 2 * cfg.stages,
+                   f"V ring: {cfg.stages} full + {cfg.stages} empty mbarriers", align=barrier),
+        SmemBuffer("tile_slot", "tile slot", "int32", 4,
+                   "int32 x 4: a dynamic tile and its coordinates, announced with its Q load", align=4),
+        SmemBuffer("sQ", "Q (then outputs)", dtype, cfg.tile_m * cfg.head_dim,
+                   f"{cfg.tile_m}x{cfg.head_dim} {dtype}; the epilogue stages each output tile here for its TMA store"),
+        SmemBuffer("sK", "K ring", dtype, cfg.tile_n * cfg.head_dim * cfg.stages,
+                   f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}"),
+        SmemBuffer("sV", "V ring", dtype, cfg.tile_n * cfg.head_dim * cfg.stages,
+                   f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}"),
+    ))  # fmt: skip
+
+
 def attention_smem_table(cfg: AttentionConfig, dtype: str = "bf16") -> list[SmemItem]:
-    """Every region of the kernel's shared storage, in order (mirrors the kernel's struct)."""
-    esize = DTYPE_BYTES[dtype]
-    barriers = (2 + 4 * cfg.stages) * MBARRIER_BYTES
-    slot = 4 * 4
-    q = cfg.tile_m * cfg.head_dim * esize
-    kv = cfg.tile_n * cfg.head_dim * esize * cfg.stages
-    return [
-        SmemItem(
-            "Q/K/V barriers", barriers,
-            f"Q ring: 1 full + 1 empty mbarrier; K and V rings: {cfg.stages} full + {cfg.stages} empty each",
-        ),
-        SmemItem("tile slot", slot, "int32 x 4: a dynamic tile and its coordinates, announced with its Q load"),
-        SmemItem(
-            "alignment padding", _round_up(barriers + slot, BUFFER_ALIGN) - barriers - slot,
-            "buffers start 1024-aligned",
-        ),
-        SmemItem("Q (then O)", _round_up(q, BUFFER_ALIGN),
-                 f"{cfg.tile_m}x{cfg.head_dim} {dtype}; the O tile is staged here for its TMA store"),
-        SmemItem("K ring", _round_up(kv, BUFFER_ALIGN), f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}"),
-        SmemItem("V ring", _round_up(kv, BUFFER_ALIGN), f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}"),
-    ]  # fmt: skip
+    """Every region of the kernel's shared storage, in order (the kernel's struct, by construction)."""
+    return attention_smem_layout(cfg, dtype).table()
 
 
 def attention_smem_total(cfg: AttentionConfig, dtype: str = "bf16") -> int:
-    return sum(item.bytes for item in attention_smem_table(cfg, dtype))
+    return attention_smem_layout(cfg, dtype).total_bytes
 
 
 @dataclass(frozen=True, repr=False)
@@ -331,10 +334,8 @@ class AttentionPlan:
     def grid(self) -> tuple[int, int, int]:
         """One CTA per tile, or (persistent) one per SM walking tiles ``x, x + grid, ...`` or
         (``dynamic_tiles``) claiming them from a counter; the kernel computes the same on the device
-        from ``max_ctas``."""
-        if self.config.persistent:
-            return (min(self.num_tiles, self.max_ctas), 1, 1)
-        return (self.num_tiles, 1, 1)
+        from ``max_ctas`` with the same function (:func:`epicute.sm90.tile_grid.launched`)."""
+        return (launched(self.num_tiles, self.max_ctas, self.config.persistent), 1, 1)
 
     @property
     def flops(self) -> int:

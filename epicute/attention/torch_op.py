@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from epicute.errors import ConfigError, ShapeError
+from epicute.epilogue.dtypes import ir_dtype
+from epicute.errors import ConfigError, EpilogueError, ShapeError
 from epicute.runtime.torch_ops import (
     config_of,
     operand_values,
@@ -25,6 +26,7 @@ from epicute.runtime.torch_ops import (
     register_meta,
     register_score_mod_traced,
     register_traced,
+    registered_casts,
     registered_epilogue,
     spec_text,
     split_operands,
@@ -78,15 +80,29 @@ def attention_op_call(
     score_mod: Callable | None,
     epilogue: Callable | None,
     out: torch.Tensor | None,
+    out_dtypes: dict | None,
     backend: str,
     config: dict | None,
     operands: dict[str, Any],
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """:func:`epicute.attention` while ``torch.compile`` traces it: one ``epicute::attention`` op."""
+    """:func:`epicute.attention` while ``torch.compile`` traces it: one ``epicute::attention`` op.
+
+    The op's outputs are O in q's dtype and LSE: an epilogue with more outputs (aux tiles,
+    reductions) or one that stores O in another dtype runs eagerly only, and is refused here."""
     if backend != "kernel":
         raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
     score_key = register_score_mod_traced(plain_fn(score_mod))[0] if score_mod is not None else ""
-    epi_key = register_traced(plain_fn(epilogue))[0] if epilogue is not None else ""
+    epi_key = ""
+    if epilogue is not None:
+        epi_key, outputs = register_traced(plain_fn(epilogue))
+        casts = registered_casts(epi_key)
+        if outputs != ("D",) or out_dtypes or casts.get("D", ir_dtype(q.dtype, "q")) != ir_dtype(q.dtype, "q"):
+            raise EpilogueError(
+                "under torch.compile, epicute.attention's epilogue may only rewrite O, stored in q's dtype "
+                f"(this one returns {list(outputs)}{' with out_dtypes' if out_dtypes else ''}, "
+                f"O as {casts.get('D', ir_dtype(q.dtype, 'q'))}); call it outside the compiled region "
+                "(torch.compiler.disable) for aux outputs, reductions or fp8 O"
+            )
     tensor_names, tensors, scalar_names, scalars, pins = split_operands(operands)
     spec = spec_text(
         tuple(tensor_names), tuple(scalar_names), tuple(pins), tuple(sorted((config or {}).items())),

@@ -99,24 +99,33 @@ def check_attention_args(
     if q.numel():
         for name, t in (("q", q), ("k", k), ("v", v)):
             _check_strides(t, name)
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise OutputError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-            raise OutputError(
-                f"out is {out.dtype} {tuple(out.shape)} on {out.device}; it must match q: "
-                f"{q.dtype} {tuple(q.shape)} on {q.device}"
-            )
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if overlaps(out, t):
-                raise OutputError(f"out shares memory with {name}; the kernel would read {name} while writing out")
-        if out.numel():
-            try:
-                _check_strides(out, "out")
-            except AlignmentError as exc:
-                raise OutputError(str(exc)) from exc
     problem = AttentionProblem(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
         head_dim=head_dim, dtype=TORCH_TO_IR[q.dtype], causal=bool(causal),
     )  # fmt: skip
-    return AttentionCall(problem, q, k, v, float(softmax_scale), out)
+    call = AttentionCall(problem, q, k, v, float(softmax_scale))
+    if out is not None:
+        check_attention_out(call, out, q.dtype)
+    return call
+
+
+def check_attention_out(call: AttentionCall, out: torch.Tensor, dtype: torch.dtype) -> None:
+    """``out`` may receive O: q's shape and device, O's stored ``dtype`` (q's, unless an epilogue's
+    own final cast says otherwise), TMA-storable, sharing no memory with an input. Sets ``call.out``."""
+    q = call.q
+    if not isinstance(out, torch.Tensor):
+        raise OutputError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != dtype or out.device != q.device:
+        raise OutputError(
+            f"out is {out.dtype} {tuple(out.shape)} on {out.device}; it must be O's: "
+            f"{dtype} {tuple(q.shape)} on {q.device}"
+        )
+    for name, t in (("q", q), ("k", call.k), ("v", call.v)):
+        if overlaps(out, t):
+            raise OutputError(f"out shares memory with {name}; the kernel would read {name} while writing out")
+    if out.numel():
+        try:
+            _check_strides(out, "out")
+        except AlignmentError as exc:
+            raise OutputError(str(exc)) from exc
+    call.out = out

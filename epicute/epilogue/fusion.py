@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from epicute.epilogue import optable
 from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, Graph
 from epicute.epilogue.hashing import semantic_hash
-from epicute.epilogue.schedule import EpilogueSchedule, schedule
+from epicute.epilogue.schedule import GEMM_SM90, ChainStyle, EpilogueBuffers, EpilogueSchedule, needed_nodes, schedule
 from epicute.errors import EpilogueError
-from epicute.gemm.smem import EpilogueBuffers
 
 #: Value dtypes the kernel can load, store or round to.
 KERNEL_DTYPES = frozenset(("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2"))
@@ -70,18 +69,20 @@ class EpilogueFusion:
     graph: Graph
     #: (name, kind, dtype) of each operand, in parameter order
     operands: tuple[tuple[str, str, str], ...]
+    #: the kernel family's chain (how it gets operands and stages outputs)
+    style: ChainStyle = GEMM_SM90
     sched: EpilogueSchedule = field(init=False, compare=False, repr=False)
 
     def __hash__(self) -> int:
         # Computed once: every launch with an epilogue looks its kernel up by fusion (a deep graph hash otherwise).
         cached = self.__dict__.get("_hash")
         if cached is None:
-            cached = hash((self.graph, self.operands))
+            cached = hash((self.graph, self.operands, self.style))
             object.__setattr__(self, "_hash", cached)
         return cached
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sched", schedule(self.graph))
+        object.__setattr__(self, "sched", schedule(self.graph, style=self.style))
         # The tracer already guarantees a tile "D" and only tile or reduction outputs.
         for node in self.graph.nodes:
             if node.op == "index":
@@ -103,6 +104,11 @@ class EpilogueFusion:
         return next(k for n, k, _ in self.operands if n == name)
 
     @functools.cached_property
+    def needed(self) -> frozenset[int]:
+        """The graph nodes some output depends on."""
+        return frozenset(needed_nodes(self.graph))
+
+    @functools.cached_property
     def tile_inputs(self) -> tuple[str, ...]:
         return self.sched.tile_operands
 
@@ -121,6 +127,11 @@ class EpilogueFusion:
     @functools.cached_property
     def output_dtypes(self) -> dict[str, str]:
         return dict(self.graph.output_dtypes)
+
+    @functools.cached_property
+    def tile_output_dtypes(self) -> dict[str, str]:
+        """The stored dtype of each tile output (D first, then the aux tiles): what a kernel stages."""
+        return {name: self.output_dtypes[name] for name in self.sched.tile_outputs}
 
     @functools.cached_property
     def aux_outputs(self) -> tuple[str, ...]:
@@ -153,8 +164,56 @@ class EpilogueFusion:
         """Shared memory this epilogue needs (the planner's and the kernel's single source)."""
         return self.sched.buffers()
 
+    @property
+    def stages(self):
+        """The chain the kernel runs (:mod:`epicute.epilogue.schedule`)."""
+        return self.sched.stages
+
+    def key(self) -> tuple:
+        return (semantic_hash(self.graph), self.operands, self.style.name)
+
+
+#: Operand kinds of a score_mod as the attention kernel reads them: scalars and per-head vectors.
+SCORE_MOD_KINDS = ("scalar", "head")
+
+
+@dataclass(frozen=True)
+class ScoreModFusion:
+    """A traced score_mod as the attention kernel applies it: to each scaled score, before the masks
+    and the softmax. Its leaves are the score (``acc``), the index leaves (``b``, ``h``, ``q_idx``,
+    ``kv_idx``), scalars and per-head vectors (``(heads_q,)``); its ops are the op table's, emitted by
+    the emitter every epilogue uses (:func:`epicute.sm90.epilogue_emit.emit_graph`)."""
+
+    graph: Graph
+    #: (name, kind, dtype) per operand, in parameter order; kind in SCORE_MOD_KINDS
+    operands: tuple[tuple[str, str, str], ...]
+
+    def __post_init__(self) -> None:
+        if [name for name, _ in self.graph.outputs] != ["D"]:
+            raise EpilogueError("a score_mod returns one value per score (the modified score), not a dict of outputs")
+        for node in self.graph.nodes:
+            if node.op in REDUCTIONS:
+                raise EpilogueError(f"{node.op}: a score_mod has no reductions; it maps each score to a score")
+            if optable.rounds(node.op) and node.attr("dtype") not in KERNEL_DTYPES:
+                raise EpilogueError(
+                    f"%{node.id} {node.op} to {node.attr('dtype')}: the kernel rounds to {sorted(KERNEL_DTYPES)}"
+                )
+        for name, kind, dtype in self.operands:
+            if kind not in SCORE_MOD_KINDS:
+                raise EpilogueError(f"operand {name!r}: kind {kind!r} is not one of {SCORE_MOD_KINDS}")
+            if kind != "scalar" and dtype not in KERNEL_DTYPES:
+                raise EpilogueError(f"operand {name!r} has dtype {dtype}; the kernel loads {sorted(KERNEL_DTYPES)}")
+
+    @property
+    def tensor_operands(self) -> tuple[tuple[str, str, str], ...]:
+        return tuple(op for op in self.operands if op[1] != "scalar")
+
+    @property
+    def scalar_operands(self) -> tuple[tuple[str, str, str], ...]:
+        return tuple(op for op in self.operands if op[1] == "scalar")
+
     def key(self) -> tuple:
         return (semantic_hash(self.graph), self.operands)
 
 
-__all__ = ["KERNEL_DTYPES", "ROWS_PER_WARP", "EpilogueFusion", "Reduction"]
+__all__ = ["KERNEL_DTYPES", "ROWS_PER_WARP", "SCORE_MOD_KINDS", "EpilogueFusion", "Reduction", "ScoreModFusion"]

@@ -12,8 +12,8 @@ that handles ops reads it from this table instead of keeping a list of its own:
   (:attr:`OpDef.reference`, the oracle the kernel is checked against);
 - :data:`epicute.epilogue.schedule.OP_INSTRUCTIONS`: the instruction estimate
   that sizes the epilogue's code and its arithmetic time in the planner;
-- :mod:`epicute.sm90.epilogue_emit` (the GEMM kernel) and the attention
-  kernel: the DSL code (:attr:`OpDef.emit`), and which ops attention emits;
+- :mod:`epicute.sm90.epilogue_emit`: the DSL code (:attr:`OpDef.emit`), which
+  every kernel's epilogue chain and attention's score_mod emit;
 - ``tests/gemm/epilogue_fuzz.py``: what random programs may feed the op
   (:class:`Domain`).
 
@@ -136,8 +136,6 @@ class OpDef:
     params: tuple[str, ...] = ()
     #: Docstring of the generated ``ops`` function.
     doc: str = ""
-    #: The attention kernel emits it (score_mod and output epilogues).
-    attention: bool = True
 
     @property
     def function_name(self) -> str | None:
@@ -411,7 +409,7 @@ BUILTIN: tuple[OpDef, ...] = (
     OpDef("quantize", 2, _quantize_reference, lambda m, x, s, *, dtype: m.round_to(x * s, dtype), 4,
           Domain(("stable", "leaf"), lambda x, s, *, dtype: _rounded_bound(x * s, dtype), stable=True,
                  attrs=_quantize_attrs),
-          attrs=("dtype",), rounds=True, attention=False,
+          attrs=("dtype",), rounds=True,
           doc="``x * scale`` rounded to an fp8 ``dtype``, saturating."),
 )  # fmt: skip
 

@@ -1,13 +1,28 @@
-"""An epilogue graph lowered to the chain of stages the kernel runs, as data.
+"""An epilogue graph lowered to the chain of stages the kernel runs.
 
-Like CK Tile's epilogue chainer (slice -> cast/store to LDS -> load -> apply ->
-store -> move), the kernel's epilogue is a fixed chain per output subtile, and
-the graph only decides which links are present and what they carry. Per tile:
-the row/col vectors are loaded once. Per subtile: slice the accumulators, load
-each tile operand from shared memory, compute, cast and stage each stored
-output, fence and barrier, TMA-store, fold reductions into partials, advance.
-Per tile end: finalize the reductions. The kernel emitter walks
-:attr:`EpilogueSchedule.stages` in order; ``explain`` prints them.
+As in CK Tile's epilogue chainer (seed 003: a scheduler assembles an epilogue from
+nodes that share one context), an epilogue is a chain of stage nodes, and the
+graph only decides which nodes are present and what they carry. The kernels
+assemble their epilogues from this chain: :mod:`epicute.sm90.epilogue_chain` has
+one emitter per stage kind (:data:`STAGE_KINDS`), and a kernel runs the chain's
+hooks in chain order -- before its mainloop, at a tile's start, once per epilogue
+subtile, at the tile's end -- so the chain ``explain`` prints is the program the
+kernel runs. The ready schedules (:mod:`epicute.epilogue.library`) are
+compositions of these nodes like any user's epilogue.
+
+Kernel families differ in where operands come from and where outputs are staged;
+a :class:`ChainStyle` says how, and picks the nodes:
+
+- :data:`GEMM_SM90`: tile operands arrive by TMA through their own shared-memory
+  ring, one epilogue subtile per stage (``load_tiles``); row/column vectors are
+  fetched before the mainloop and parked in shared memory after it
+  (``load_vectors``); every stored output has its own staging ring and one bulk
+  group stores a subtile of all of them (one ``fence_barrier`` and one
+  ``tma_store``); a tile is several subtiles (``advance``).
+- :data:`ATTENTION_SM90`: operands are read from global memory where the compute
+  needs them (``read_tiles``, ``read_vectors``); the O tile is one subtile, and its
+  outputs are staged in turn through the one buffer the kernel has for them (Q's),
+  each with its own fence, barrier and TMA store.
 """
 
 from __future__ import annotations
@@ -17,13 +32,27 @@ from dataclasses import dataclass
 
 from epicute.epilogue import optable
 from epicute.epilogue.dtypes import FP8_MAX
-from epicute.epilogue.graph import LEAVES, REDUCTIONS, Graph
+from epicute.epilogue.graph import LEAVES, REDUCTIONS, Graph, Node
 from epicute.epilogue.operands import OperandSpec
 from epicute.errors import EpilogueError
-from epicute.gemm.smem import EpilogueBuffers
 
-#: Stages run once per output tile; all others run once per epilogue subtile.
-PER_TILE = ("load_vectors", "finalize_reductions")
+#: Every stage kind: its scope (``tile``: once per output tile; ``subtile``: once per
+#: epilogue subtile) and what it does. The kernels' emitters are keyed by these names.
+STAGE_KINDS = {
+    "load_vectors": ("tile", "row/column vector slices: global -> registers before the mainloop, -> smem after it"),
+    "slice_acc": ("subtile", "this subtile's fp32 accumulators"),
+    "load_tiles": ("subtile", "operand tiles: wait for the TMA load of this subtile, smem -> registers, release"),
+    "read_tiles": ("subtile", "operand tiles: global -> registers where the compute reads them"),
+    "read_vectors": ("subtile", "vectors: global -> registers, once per distinct row/column"),
+    "compute": ("subtile", "the graph's ops, per element in fp32 registers"),
+    "reduce": ("subtile", "fold a value into per-thread partials"),
+    "cast": ("subtile", "round an output to its stored dtype"),
+    "store_smem": ("subtile", "registers -> an output's smem staging buffer"),
+    "fence_barrier": ("subtile", "fence.proxy.async.shared::cta, then named barrier over the epilogue's threads"),
+    "tma_store": ("subtile", "one thread issues TMA stores smem -> global as one bulk group"),
+    "advance": ("subtile", "next subtile: accumulator slice and staging buffers"),
+    "finalize_reductions": ("tile", "partials across lanes, then per-tile partials to an fp32 workspace"),
+}
 
 _REDUCED_SHAPE = {"col": "(L, M)", "row": "(L, N)", "scalar": "scalar"}
 
@@ -39,16 +68,72 @@ IO_INSTRUCTIONS = {"tile_input": 2, "vector": 1, "tile_output": 2, "reduction": 
 
 
 @dataclass(frozen=True)
+class ChainStyle:
+    """How a kernel family provides operands and stages outputs (see the module docstring)."""
+
+    name: str
+    #: "smem": tile operands by a TMA ring, vectors parked in smem; "global": read where used
+    operands: str
+    #: "own": each output its own staging ring, one bulk group per subtile; "shared": one
+    #: buffer, outputs staged and stored in turn
+    staging: str
+    #: what a stored output's staging buffer is, for explain
+    staging_buffer: str
+    #: a tile is several epilogue subtiles
+    subtiles: bool
+    #: the accumulator the chain starts from, for explain
+    acc: str
+
+
+GEMM_SM90 = ChainStyle(
+    "gemm_sm90", operands="smem", staging="own", staging_buffer="its smem staging ring", subtiles=True,
+    acc="acc: this subtile's fp32 accumulators (registers)",
+)  # fmt: skip
+ATTENTION_SM90 = ChainStyle(
+    "attention_sm90", operands="global", staging="shared", staging_buffer="Q's smem buffer", subtiles=False,
+    acc="acc: the O tile, normalized by the row sums (fp32 registers)",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EpilogueBuffers:
+    """What a fused epilogue needs in shared memory, by dtype (from its schedule); the
+    family's shared-memory layout sizes them for a configuration."""
+
+    #: dtypes of the full-tile operands, loaded by TMA one epilogue subtile at a time
+    tile_inputs: tuple[str, ...] = ()
+    #: dtypes of the full-tile outputs besides D, each staged and TMA-stored like D
+    aux_outputs: tuple[str, ...] = ()
+    #: kinds ("row" / "col") of the vector operands, staged as fp32 once per tile
+    vectors: tuple[str, ...] = ()
+    #: the stage chain, as ``explain`` prints it (not part of the layout, but part of the
+    #: identity: plans are cached by these buffers, and each epilogue's plan shows its own chain)
+    chain: tuple[str, ...] = ()
+    #: estimated SASS instructions per output element: sizes the unrolled epilogue's code
+    #: (``heuristics.EPILOGUE_CODE_BUDGET``) and its arithmetic time (``roofline``)
+    instructions_per_element: int = 0
+
+    @property
+    def loads_tiles(self) -> bool:
+        return bool(self.tile_inputs)
+
+
+NO_EPILOGUE = EpilogueBuffers()
+
+
+@dataclass(frozen=True)
 class Stage:
-    """One link of the chain: what it does (``kind``), on what (``detail``), and the graph nodes it covers."""
+    """One node of the chain: its ``kind`` (a :data:`STAGE_KINDS` key), what it does on what
+    (``detail``), the graph nodes it covers and the operands or outputs it handles by name."""
 
     kind: str
     detail: str
     nodes: tuple[int, ...] = ()
+    names: tuple[str, ...] = ()
 
     @property
     def scope(self) -> str:
-        return "tile" if self.kind in PER_TILE else "subtile"
+        return STAGE_KINDS[self.kind][0]
 
     def __str__(self) -> str:
         return f"{self.scope:<8} {self.kind:<20} {self.detail}"
@@ -62,6 +147,7 @@ class EpilogueSchedule:
     """
 
     graph: Graph
+    style: ChainStyle
     stages: tuple[Stage, ...]
     tile_operands: tuple[str, ...]
     vector_operands: tuple[str, ...]
@@ -107,8 +193,20 @@ def needed_nodes(graph: Graph) -> set[int]:
     return needed
 
 
-def schedule(graph: Graph, operand_specs: Mapping[str, OperandSpec] | None = None) -> EpilogueSchedule:
-    """Lower ``graph`` to its stage chain; ``operand_specs``, if given, must be what it was traced for."""
+def _how_rounded(dtype: str) -> str:
+    return "saturating" if dtype in FP8_MAX else "no conversion" if dtype == "fp32" else "round to nearest even"
+
+
+def plain_graph(d_dtype: str) -> Graph:
+    """The epilogue of a kernel without a fused one: D is the accumulator, stored in ``d_dtype``."""
+    return Graph(nodes=(Node(0, "acc"),), inputs=(), outputs=(("D", 0),), output_dtypes=(("D", d_dtype),))
+
+
+def schedule(
+    graph: Graph, operand_specs: Mapping[str, OperandSpec] | None = None, style: ChainStyle = GEMM_SM90
+) -> EpilogueSchedule:
+    """Lower ``graph`` to the chain of ``style``; ``operand_specs``, if given, must be what it was
+    traced for. A kernel without a fused epilogue runs the chain of :func:`plain_graph`."""
     if operand_specs is not None:
         for name, node_id in graph.inputs:
             node, spec = graph.node(node_id), operand_specs.get(name)
@@ -117,53 +215,81 @@ def schedule(graph: Graph, operand_specs: Mapping[str, OperandSpec] | None = Non
                 raise EpilogueError(f"operand {name!r}: the graph was traced for {node.kind} {node.dtype}, got {got}")
     needed = needed_nodes(graph)
     used = [(name, graph.node(node_id)) for name, node_id in graph.inputs if node_id in needed]
-    vectors = [(name, node) for name, node in used if node.kind in ("row", "col")]
+    # Row vectors first, then column vectors: the order of the kernel's vector arguments and buffers.
+    vectors = [(name, node) for kind in ("row", "col") for name, node in used if node.kind == kind]
     tiles = [(name, node) for name, node in used if node.kind == "tile"]
     stored = dict(graph.output_dtypes)
     tile_outputs = [(name, graph.node(i)) for name, i in graph.outputs if graph.node(i).op not in REDUCTIONS]
     reductions = [(name, graph.node(i)) for name, i in graph.outputs if graph.node(i).op in REDUCTIONS]
     compute = [node for node in graph.nodes if node.id in needed and node.op not in LEAVES + tuple(REDUCTIONS)]
 
+    def ids(pairs) -> tuple[int, ...]:
+        return tuple(node.id for _, node in pairs)
+
+    def listed(pairs) -> str:
+        return ", ".join(f"{name} ({node.kind}, {node.dtype})" for name, node in pairs)
+
+    def names(pairs) -> tuple[str, ...]:
+        return tuple(name for name, _ in pairs)
+
     stages: list[Stage] = []
-    if vectors:
-        listed = ", ".join(f"{name} ({node.kind}, {node.dtype})" for name, node in vectors)
-        stages.append(Stage("load_vectors", f"{listed}: this tile's slice, global -> registers before the "
-                            "mainloop (latency hidden), -> smem after it",
-                            tuple(node.id for _, node in vectors)))  # fmt: skip
-    stages.append(Stage("slice_acc", "acc: this subtile's fp32 accumulators (registers)", (0,)))
-    for name, node in tiles:
-        stages.append(Stage("load_tiles", f"{name} ({node.dtype}): wait for its TMA load, smem -> registers, to fp32",
-                            (node.id,)))  # fmt: skip
-    if compute:
-        stages.append(Stage("compute", ", ".join(f"%{n.id} {n.op}" for n in compute), tuple(n.id for n in compute)))
-    for name, node in tile_outputs:
-        dtype = stored[name]
-        how = "saturating" if dtype in FP8_MAX else "no conversion" if dtype == "fp32" else "round to nearest even"
-        stages.append(Stage("cast", f"{name}: fp32 -> {dtype} ({how})", (node.id,)))
-    for name, node in tile_outputs:
-        stages.append(Stage("store_smem", f"{name}: registers -> its smem staging buffer", (node.id,)))
-    stages.append(Stage("fence_barrier", "fence.proxy.async.shared::cta, then named barrier over the MMA threads"))
-    for i, (name, node) in enumerate(tile_outputs):
-        last = "; commit the bulk group, acquire the next staging buffers" if i == len(tile_outputs) - 1 else ""
-        stages.append(Stage("tma_store", f"{name}: one thread issues the TMA store smem -> global{last}", (node.id,)))
+    if vectors and style.operands == "smem":
+        stages.append(Stage("load_vectors", f"{listed(vectors)}: this tile's slice, global -> registers before the "
+                            "mainloop (latency hidden), -> smem after it", ids(vectors), names(vectors)))  # fmt: skip
+    stages.append(Stage("slice_acc", style.acc, (0,)))
+    if tiles:
+        if style.operands == "smem":
+            stages.append(Stage("load_tiles", f"{listed(tiles)}: wait for this subtile's TMA load, smem -> registers, "
+                                "to fp32, release the ring stage", ids(tiles), names(tiles)))  # fmt: skip
+        else:
+            stages.append(Stage("read_tiles", f"{listed(tiles)}: global -> registers where the compute reads them, "
+                                "to fp32", ids(tiles), names(tiles)))  # fmt: skip
+    if vectors and style.operands == "global":
+        stages.append(Stage("read_vectors", f"{listed(vectors)}: global -> registers, once per distinct row or "
+                            "column of the subtile", ids(vectors), names(vectors)))  # fmt: skip
+    # D = acc alone needs no compute stage; any other output, a reduction or an op does (it routes values).
+    if compute or len(graph.outputs) > 1 or graph.output_node("D").op != "acc":
+        ops = ", ".join(f"%{n.id} {n.op}" for n in compute) or "no ops: acc to every output"
+        stages.append(Stage("compute", ops, tuple(n.id for n in compute)))
     for name, node in reductions:
         combine = REDUCTIONS[node.op][1]
         stages.append(Stage("reduce", f"{name} = {node.op}(%{node.args[0]}): fold this subtile into per-thread "
-                            f"{combine} partials, out-of-bounds elements excluded", (node.id,)))  # fmt: skip
-    stages.append(Stage("advance", "next subtile: accumulator slice, staging buffer, tile-operand pipeline"))
+                            f"{combine} partials, out-of-bounds elements excluded", (node.id,), (name,)))  # fmt: skip
+    for name, node in tile_outputs:
+        dtype = stored[name]
+        stages.append(Stage("cast", f"{name}: fp32 -> {dtype} ({_how_rounded(dtype)})", ids([(name, node)]), (name,)))
+    # Store groups: outputs staged together (own buffers) or one at a time (one shared buffer).
+    groups = [tile_outputs] if style.staging == "own" else [[out] for out in tile_outputs]
+    for group in groups:
+        for name, node in group:
+            stages.append(Stage("store_smem", f"{name}: registers -> {style.staging_buffer}", ids([(name, node)]),
+                                (name,)))  # fmt: skip
+        stages.append(Stage("fence_barrier", "fence.proxy.async.shared::cta, then named barrier over the "
+                            "epilogue's threads", (), names(group)))  # fmt: skip
+        wait = (
+            "; commit the bulk group, wait until the staging buffer about to be reused has been read"
+            if style.staging == "own" else "; wait until it has read the buffer, then barrier: the next "
+            "output may be staged there"
+        )  # fmt: skip
+        plural = "s" if len(group) > 1 else ""
+        stages.append(Stage("tma_store", f"{', '.join(names(group))}: one thread issues the TMA store{plural} "
+                            f"smem -> global{wait}", ids(group), names(group)))  # fmt: skip
+    if style.subtiles:
+        stages.append(Stage("advance", "next subtile: accumulator slice, staging buffers"
+                            + (", tile-operand ring" if tiles and style.operands == "smem" else "")))  # fmt: skip
     if reductions:
-        listed = ", ".join(f"{name} {_REDUCED_SHAPE[node.kind]}" for name, node in reductions)
+        listing = ", ".join(f"{name} {_REDUCED_SHAPE[node.kind]}" for name, node in reductions)
         stages.append(Stage("finalize_reductions", "butterfly-shuffle partials across lanes, store per-tile partials "
-                            f"to an fp32 workspace; after the kernel one ordered torch reduction gives {listed} "
-                            "(deterministic: no float atomics)",
-                            tuple(node.id for _, node in reductions)))  # fmt: skip
+                            f"to an fp32 workspace; after the kernel one ordered torch reduction gives {listing} "
+                            "(deterministic: no float atomics)", ids(reductions), names(reductions)))  # fmt: skip
 
     return EpilogueSchedule(
         graph=graph,
+        style=style,
         stages=tuple(stages),
-        tile_operands=tuple(name for name, _ in tiles),
-        vector_operands=tuple(name for name, _ in vectors),
+        tile_operands=names(tiles),
+        vector_operands=names(vectors),
         scalar_operands=tuple(name for name, node in used if node.kind == "scalar"),
-        tile_outputs=tuple(name for name, _ in tile_outputs),
-        reductions=tuple(name for name, _ in reductions),
+        tile_outputs=names(tile_outputs),
+        reductions=names(reductions),
     )

@@ -175,16 +175,6 @@ class GemmConfig(WarpRoles):
     def num_epi_subtiles(self) -> int:
         return (self.tile_m // self.epi_tile[0]) * (self.tile_n // self.epi_tile[1])
 
-    def launched_clusters(self, total_clusters, max_active_clusters, minimum=min):
-        """The grid's cluster count (its z extent): one cluster per ``cluster_m x cluster_n`` block of
-        tiles, or (persistent) at most ``max_active_clusters``, which stride over the rest by the grid.
-
-        One formula for both sides: the plan's grid (Python ints) and the kernel's launch
-        (``GemmSm90.__call__``: runtime ``Int32`` values, ``minimum=cutlass.min``), where the
-        persistent scheduler's stride is ``gridDim.z``, so host and device agree by construction.
-        """
-        return minimum(total_clusters, max_active_clusters) if self.persistent else total_clusters
-
     def key(self) -> tuple:
         """What changes the generated code (``reasons`` does not)."""
         return (

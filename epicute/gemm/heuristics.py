@@ -53,10 +53,11 @@ from epicute.gemm.smem import (
     ab_stage_bytes,
     epi_fits_in_a_ring,
     epi_stage_bytes,
-    epilogue_region_bytes,
+    epilogue_smem_bytes,
     smem_total,
 )
 from epicute.runtime.target import H100_SXM, Target
+from epicute.sm90.tile_grid import ceil_div
 
 MAX_AB_STAGES = 8
 MAX_EPI_STAGES = 4
@@ -75,12 +76,9 @@ _PLANNED_FIELDS = {
 }  # fmt: skip
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
 
 def _num_tiles(problem: GemmProblem, tile_m: int, tile_n: int) -> int:
-    return _ceil_div(problem.m, tile_m) * _ceil_div(problem.n, tile_n) * problem.l
+    return ceil_div(problem.m, tile_m) * ceil_div(problem.n, tile_n) * problem.l
 
 
 def choose_schedule(
@@ -190,12 +188,12 @@ def raster_window(
     """(rows, columns) of the output that ``clusters`` clusters in flight cover at one moment when
     the tile scheduler walks bands of ``band`` clusters (across N, swept down M if ``along_m``)."""
     rows, cols = tile_mn[0] * cluster[0], tile_mn[1] * cluster[1]
-    clusters_m, clusters_n = _ceil_div(problem.m, rows), _ceil_div(problem.n, cols)
+    clusters_m, clusters_n = ceil_div(problem.m, rows), ceil_div(problem.n, cols)
     if along_m:
         width = min(band, clusters_n)
-        return min(_ceil_div(clusters, width), clusters_m) * rows, width * cols
+        return min(ceil_div(clusters, width), clusters_m) * rows, width * cols
     height = min(band, clusters_m)
-    return height * rows, min(_ceil_div(clusters, height), clusters_n) * cols
+    return height * rows, min(ceil_div(clusters, height), clusters_n) * cols
 
 
 def choose_raster(
@@ -245,7 +243,7 @@ def fit_stages(cfg: GemmConfig, problem: GemmProblem, budget: int, epi: Epilogue
         raise ConfigError(
             f"tile {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} does not fit 2 A/B stages in "
             f"{budget} bytes of shared memory next to the epilogue's "
-            f"{epilogue_region_bytes(cfg, epi)} B; use a smaller tile (config={{'tile_n': 128}})"
+            f"{epilogue_smem_bytes(cfg, ab, d, epi)} B; use a smaller tile (config={{'tile_n': 128}})"
         )
     for epi_stages in range(MAX_EPI_STAGES, MIN_EPI_STAGES, -1):
         trial = replace(best, num_epi_stages=epi_stages)
@@ -303,7 +301,7 @@ def choose_config(
     if code_why:
         reasons.append(code_why)
     tiles = _num_tiles(problem, tile_m, tile_n)
-    tiles_m = _ceil_div(problem.m, tile_m)
+    tiles_m = ceil_div(problem.m, tile_m)
 
     if "cluster_m" in overrides or "cluster_n" in overrides:
         cluster = (overrides.get("cluster_m", 1), overrides.get("cluster_n", 1))
@@ -325,7 +323,7 @@ def choose_config(
     elif "persistent" in overrides:
         persistent = overrides["persistent"]
         reasons.append(f"{'persistent' if persistent else 'one tile per CTA'}: requested")
-    elif _ceil_div(tiles, cluster[0] * cluster[1]) > max_clusters:
+    elif ceil_div(tiles, cluster[0] * cluster[1]) > max_clusters:
         persistent = True
         reasons.append(
             f"persistent grid of {max_clusters * cluster[0] * cluster[1]} CTAs over {tiles} tiles: "
@@ -366,7 +364,7 @@ def choose_config(
         reasons.append("stages: requested")
     else:
         cfg = fit_stages(cfg, problem, hw.smem_per_cta_bytes, epilogue)
-        extra = epilogue_region_bytes(cfg, epilogue)
+        extra = epilogue_smem_bytes(cfg, problem.ab_dtype, problem.d_dtype, epilogue)
         reasons.append(
             f"{cfg.ab_stages} A/B stages of {ab_stage_bytes(cfg, problem.ab_dtype)} B and "
             f"{cfg.num_epi_stages} D buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B"

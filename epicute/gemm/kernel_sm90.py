@@ -42,25 +42,28 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, cute, pipeline
+from cutlass import Float32, Int32, cute
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from epicute.epilogue.fusion import EpilogueFusion
+from epicute.epilogue.schedule import plain_graph, schedule
 from epicute.gemm.config import THREADS_PER_WARPGROUP, GemmConfig
-from epicute.gemm.smem import NO_EPILOGUE, epilogue_region, epilogue_region_bytes
+from epicute.gemm.smem import NO_EPILOGUE, gemm_smem_layout
 from epicute.sm90 import epilogue_emit as emit
+from epicute.sm90.epilogue_chain import EpilogueRun, StagedOutput, run_chain
 from epicute.sm90.epilogue_emit import DSL_DTYPES
 from epicute.sm90.fragments import warpgroup_slice
 from epicute.sm90.pipeline import (
     NamedBarriers,
+    RingState,
     TmaStoreEpilogue,
     WarpgroupTurns,
     make_local_tma_load_pipeline,
     make_tma_load_pipeline,
-    stage_of,
 )
-from epicute.sm90.tile_scheduler import TileScheduler
+from epicute.sm90.tile_grid import cluster_counts
+from epicute.sm90.tile_scheduler import ClusterTileScheduler
 
 CUTLASS_DTYPES = DSL_DTYPES
 
@@ -99,11 +102,8 @@ class CtaShared:
 class EpilogueCopies:
     """A consumer thread's epilogue copies and registers, built once (:meth:`GemmSm90._epilogue_copies`)."""
 
-    tiled_copy_r2s: object  # accumulators -> D staging buffer
-    tRS_sD: cute.Tensor
-    tRS_rAcc: cute.Tensor  # the accumulators in that copy's value order
-    tRS_rD: cute.Tensor  # one subtile: fp32, then cast to D's dtype
-    tRS_rD_out: cute.Tensor
+    outputs: dict  # name -> GemmOutput: D first, then the aux tiles
+    tRS_rAcc: cute.Tensor  # the accumulators in the r2s copy's value order (subtiles are slices of it)
     subtile_size: int
     store: TmaStoreEpilogue
     is_store_warp: object  # the team's first warp issues its TMA stores
@@ -113,8 +113,7 @@ class EpilogueCopies:
     lane: object
     tRS_cT: cute.Tensor | None  # tile coordinates of this thread's values, and of thread 0's
     tRS_cT0: cute.Tensor | None
-    c_s2r: list  # per operand tile: (tiled copy, smem view, registers, retiled registers)
-    aux_r2s: list  # per aux output: (tiled copy, smem view, fp32 registers, rounded registers)
+    c_s2r: dict  # per operand tile: (tiled copy, smem view, registers, retiled registers)
 
 
 class GemmSm90:
@@ -134,6 +133,7 @@ class GemmSm90:
         self.cfg = cfg
         self.ab_dtype = CUTLASS_DTYPES[ab_dtype]
         self.d_dtype = CUTLASS_DTYPES[d_dtype]
+        self.ab_dtype_name = ab_dtype
         self.d_dtype_name = d_dtype
         self.acc_dtype = cutlass.Float32
         # (M, K) with K contiguous is row-major; (N, K) with K contiguous too.
@@ -151,6 +151,9 @@ class GemmSm90:
         # mainloop's loads never wait behind them.
         self.epi_load_warp = 1
         self.epi_buffers = fusion.buffers() if fusion is not None else NO_EPILOGUE
+        #: The epilogue the kernel runs: the fusion's chain, or the plain one (cast and store D).
+        self.chain = fusion.stages if fusion is not None else schedule(plain_graph(d_dtype)).stages
+        self.smem = gemm_smem_layout(cfg, ab_dtype, d_dtype, self.epi_buffers)
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -219,29 +222,16 @@ class GemmSm90:
         tiles_m = cute.ceil_div(cute.size(mD, mode=[0]), cfg.tile_m)
         tiles_n = cute.ceil_div(cute.size(mD, mode=[1]), cfg.tile_n)
         num_batches = cute.size(mD, mode=[2])
-        clusters_m, clusters_n, total_clusters = TileScheduler.num_clusters(
-            tiles_m, tiles_n, num_batches, self.cluster_shape_mn
-        )
-        # The plan's grid by the same formula; the tile scheduler strides by gridDim.z, so
+        clusters_m, clusters_n, total_clusters = cluster_counts(tiles_m, tiles_n, num_batches, self.cluster_shape_mn)
+        # The plan's grid by the same function; the tile scheduler strides by gridDim.z, so
         # whatever this launches, the persistent clusters cover every tile exactly once.
-        launched = cfg.launched_clusters(total_clusters, max_active_clusters, cutlass.min)
+        launched = ClusterTileScheduler.grid(total_clusters, max_active_clusters, cfg.persistent, cutlass.min)
 
-        d_staging_elems = 0 if cfg.epi_reuses_ab_smem else cute.cosize(d_smem_staged)
-        # Mirrors epicute.gemm.smem.smem_table field for field.
-        num_epi_barriers = 2 * cfg.num_c_stages if self.epi_buffers.loads_tiles else 0
-
-        @cute.struct
-        class SharedStorage:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * cfg.ab_stages]
-            epi_barriers: cute.struct.MemRange[cutlass.Int64, num_epi_barriers]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_staged)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_staged)], 1024]
-            sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, d_staging_elems], 1024]
-            epi_region: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Uint8, epilogue_region_bytes(cfg, self.epi_buffers)], 1024
-            ]
-
-        self.shared_storage = SharedStorage
+        # The storage struct and explain's table are one object (epicute.gemm.smem); the buffers'
+        # element counts are the staged layouts' (checked here, at trace time).
+        for field, staged in (("sA", a_smem_staged), ("sB", b_smem_staged), ("sD", d_smem_staged)):
+            assert cute.cosize(staged) == self.smem.buffer(field).count, (field, cute.cosize(staged))
+        self.shared_storage = self.smem.struct()
 
         self.kernel(
             tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_d, tma_mD,
@@ -271,10 +261,10 @@ class GemmSm90:
         """Staged, swizzled smem layout of one epilogue subtile of ``dtype`` (row-major, like D)."""
         return sm90_utils.make_smem_layout_epi(DSL_DTYPES[dtype], LayoutEnum.ROW_MAJOR, self.cfg.epi_tile, stages)
 
-    def _scheduler(self, clusters_m, clusters_n, num_batches) -> TileScheduler:
+    def _scheduler(self, clusters_m, clusters_n, num_batches) -> ClusterTileScheduler:
         # Each role builds its own (the DSL cannot carry Python objects across a
         # runtime branch); the schedule is static, so they agree tile for tile.
-        return TileScheduler(
+        return ClusterTileScheduler(
             clusters_m, clusters_n, num_batches, self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
         )
 
@@ -289,10 +279,6 @@ class GemmSm90:
             atom, 0, cute.make_layout(1), cute.group_modes(smem_staged, 0, 2),
             cute.zipped_divide(tiles[(None, None, tm, tn, tl)], self.cfg.epi_tile),
         )  # fmt: skip
-
-    def _slots_per_thread(self, length: int) -> int:
-        """How many positions of a ``length``-long tile vector each MMA thread handles."""
-        return -(-length // self.cfg.tile_threads)
 
     def _skip_tiles(self, tiles, k_tiles, read_state, release_state, c_state):
         """Step a consumer's ring positions over ``tiles`` tiles of other teams."""
@@ -391,7 +377,6 @@ class GemmSm90:
         tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0))) + cute.size_in_bytes(
             self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0))
         )
-        fusion = self.fusion
         c_pipeline = None
         if cutlass.const_expr(self.epi_buffers.loads_tiles):
             c_tx_bytes = sum(cfg.epi_tile[0] * cfg.epi_tile[1] * DSL_DTYPES[d].width // 8
@@ -420,22 +405,17 @@ class GemmSm90:
             sD = cute.make_tensor(d_ptr, d_smem_staged.outer)
         else:
             sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
-        # The fused epilogue's buffers, carved from its region at the planner's offsets.
-        regions = iter(epilogue_region(cfg, self.epi_buffers))
+        # The fused epilogue's buffers: fields of the same struct (epicute.gemm.smem).
         sC, sAux, sVec = [], [], []
-        if cutlass.const_expr(fusion is not None):
-            region_base = storage.epi_region.data_ptr()
-            for dtype in self.epi_buffers.tile_inputs:
-                layout = self._epi_smem_layout(dtype, cfg.num_c_stages)
-                ptr = cute.recast_ptr(region_base + next(regions).offset, layout.inner, dtype=DSL_DTYPES[dtype])
-                sC.append(cute.make_tensor(ptr, layout.outer))
-            for dtype in self.epi_buffers.aux_outputs:
-                layout = self._epi_smem_layout(dtype, cfg.num_epi_stages)
-                ptr = cute.recast_ptr(region_base + next(regions).offset, layout.inner, dtype=DSL_DTYPES[dtype])
-                sAux.append(cute.make_tensor(ptr, layout.outer))
-            for kind in self.epi_buffers.vectors:
-                ptr = cute.recast_ptr(region_base + next(regions).offset, dtype=Float32)
-                sVec.append(cute.make_tensor(ptr, cute.make_layout(cfg.tile_n if kind == "row" else cfg.tile_m)))
+        for i, dtype in enumerate(self.epi_buffers.tile_inputs):
+            layout = self._epi_smem_layout(dtype, cfg.num_c_stages)
+            sC.append(getattr(storage, f"epi_tile_{i}").get_tensor(layout.outer, swizzle=layout.inner))
+        for i, dtype in enumerate(self.epi_buffers.aux_outputs):
+            layout = self._epi_smem_layout(dtype, cfg.num_epi_stages)
+            sAux.append(getattr(storage, f"epi_aux_{i}").get_tensor(layout.outer, swizzle=layout.inner))
+        for i, kind in enumerate(self.epi_buffers.vectors):
+            length = cfg.tile_n if kind == "row" else cfg.tile_m
+            sVec.append(getattr(storage, f"epi_vec_{i}").get_tensor(cute.make_layout(length)))
 
         # Global tiles: (bM, bK, RestM, RestK, L) etc.
         gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
@@ -481,10 +461,10 @@ class GemmSm90:
         a_mcast_mask, b_mcast_mask = cta.a_mcast_mask, cta.b_mcast_mask
         k_tiles = cta.k_tiles
         scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.ab_stages)
+        state = RingState.producer(cfg.ab_stages, tracked=True)
         work = scheduler.first()
         while scheduler.is_valid(work):
-            tm, tn, tl = scheduler.tile_coord(work)
+            tm, tn, tl = scheduler.coord(work)
             tAgA_tile = tAgA[(None, tm, None, tl)]
             tBgB_tile = tBgB[(None, tn, None, tl)]
             for k_tile in range(k_tiles):
@@ -496,7 +476,7 @@ class GemmSm90:
                           tma_bar_ptr=barrier, mcast_mask=b_mcast_mask)  # fmt: skip
                 ab_pipeline.producer_commit(state)  # no-op for TMA: bytes arm the barrier
                 state.advance()
-            work += scheduler.stride()
+            work = scheduler.next(work)
         # Stay alive until consumers (ours and peers') released every
         # stage, so no remote arrive targets an exited CTA.
         ab_pipeline.producer_tail(state)
@@ -516,12 +496,12 @@ class GemmSm90:
         # One stage = one epilogue subtile of every operand tile, in the
         # consumers' subtile order; the ring runs ahead by num_c_stages.
         scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
-        fill_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_c_stages)
+        fill_state = RingState.producer(cfg.num_c_stages, tracked=True)
         n_subtiles_n = cfg.tile_n // cfg.epi_tile[1]
         epi_tile_layout = cute.make_layout((cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
         work = scheduler.first()
         while scheduler.is_valid(work):
-            tm, tn, tl = scheduler.tile_coord(work)
+            tm, tn, tl = scheduler.coord(work)
             partitions = [
                 self._subtile_partition(atom, sC_i, self._output_tiles(mC), tm, tn, tl)
                 for (atom, mC), sC_i in zip(epi_loads, sC)
@@ -534,7 +514,7 @@ class GemmSm90:
                               tCsC[(None, fill_state.index)], tma_bar_ptr=barrier)  # fmt: skip
                 c_pipeline.producer_commit(fill_state)
                 fill_state.advance()
-            work += scheduler.stride()
+            work = scheduler.next(work)
         c_pipeline.producer_tail(fill_state)
 
     @cute.jit
@@ -554,7 +534,6 @@ class GemmSm90:
         ``release_state`` itself for the DSL to carry them (see :meth:`kernel`).
         """
         cfg = self.cfg
-        fusion = self.fusion
         ab_pipeline, sA, sB, k_tiles = cta.ab_pipeline, cta.sA, cta.sB, cta.k_tiles
         # A team: the consumer warpgroups on one tile (both cooperative, one ping-pong).
         team = cute.arch.make_warp_uniform((tidx - THREADS_PER_WARPGROUP) // cfg.tile_threads)
@@ -567,15 +546,15 @@ class GemmSm90:
         acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_shape_mnk, (None, None, 0)))
         acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
         k_blocks = cute.size(tCrA, mode=[2])
-        copies = self._epilogue_copies(cta, tiled_mma, thr_mma, acc, mma_tidx, mD)
+        copies = self._epilogue_copies(cta, tiled_mma, thr_mma, acc, mma_tidx, mD, tma_d, epi_stores)
         store, is_store_warp = copies.store, copies.is_store_warp
         c_state = None
         if cutlass.const_expr(self.epi_buffers.loads_tiles):
-            c_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_c_stages)
+            c_state = RingState.consumer(cfg.num_c_stages, tracked=True)
 
         scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
-        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.ab_stages)
-        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.ab_stages)
+        read_state = RingState.consumer(cfg.ab_stages, tracked=True)
+        release_state = RingState.consumer(cfg.ab_stages, tracked=True)
         ping_pong = cfg.num_teams > 1
         mma_turns = WarpgroupTurns(NamedBarriers.MMA_TURN_WG1, cfg.num_teams, enabled=ping_pong)
         epilogue_turns = WarpgroupTurns(NamedBarriers.EPILOGUE_TURN_WG1, cfg.num_teams, enabled=ping_pong)
@@ -586,13 +565,14 @@ class GemmSm90:
         if cutlass.const_expr(ping_pong):
             self._skip_tiles(team, k_tiles, read_state, release_state, c_state)
         tiles_done = Int32(0)
-        work = scheduler.first() + team * scheduler.stride()
+        work = scheduler.next(scheduler.first(), team)
         while scheduler.is_valid(work):
-            tm, tn, tl = scheduler.tile_coord(work)
-            origin_mn = vector_prefetch = None
-            if cutlass.const_expr(fusion is not None):
-                origin_mn = (tm * cfg.tile_m, tn * cfg.tile_n)
-                vector_prefetch = self._prefetch_vectors(epi_vectors, origin_mn, copies.extent_mn, tl, mma_tidx)
+            tm, tn, tl = scheduler.coord(work)
+            run = GemmEpilogueRun(
+                self, cta, copies, (tm, tn, tl), tiles_done, mma_tidx, c_state, epi_vectors, epi_workspaces,
+                epi_scalars,
+            )  # fmt: skip
+            run_chain("prologue", run)
 
             # ---- mainloop: keep one WGMMA batch in flight, release a stage
             # only after the WGMMA that read it has retired.
@@ -619,10 +599,8 @@ class GemmSm90:
                 release_state.advance()
 
             epilogue_turns.wait(team)
-            c_state = self._epilogue(
-                cta, copies, tma_d, tm, tn, tl, tiles_done, mma_tidx, origin_mn, vector_prefetch, c_state,
-                epi_stores, epi_workspaces, epi_scalars,
-            )  # fmt: skip
+            self._epilogue(run)
+            c_state = run.c_state  # reassigned here, so the tile loop carries it
             if cutlass.const_expr(ping_pong):
                 # The other team overwrites the staging buffers next: our last
                 # stores must have read them before we pass the turn.
@@ -630,13 +608,14 @@ class GemmSm90:
                 self._skip_tiles(cfg.num_teams - 1, k_tiles, read_state, release_state, c_state)
             epilogue_turns.pass_on(team)
             tiles_done += 1
-            work += cfg.num_teams * scheduler.stride()
+            work = scheduler.next(work, cfg.num_teams)
         store.drain(is_store_warp)
 
     @cute.jit
-    def _epilogue_copies(self, cta, tiled_mma, thr_mma, acc, mma_tidx, mD):
-        """The epilogue's per-thread copies and staging views (:class:`EpilogueCopies`),
-        built once before a consumer's tile loop and reused by every :meth:`_epilogue`."""
+    def _epilogue_copies(self, cta, tiled_mma, thr_mma, acc, mma_tidx, mD, tma_d, epi_stores):
+        """What a consumer's epilogue needs on every tile (:class:`EpilogueCopies`): register -> smem
+        copies and staging views of each stored output, the operand tiles' smem -> register copies
+        and the coordinates of this thread's values, built once before its tile loop."""
         cfg = self.cfg
         fusion = self.fusion
         sD, sC, sAux = cta.sD, cta.sC, cta.sAux
@@ -655,7 +634,10 @@ class GemmSm90:
         subtile_shape = cute.shape(thr_copy_r2s.partition_S(sD))[:3]
         tRS_rD = cute.make_rmem_tensor(subtile_shape, self.acc_dtype)
         tRS_rD_out = cute.make_rmem_tensor(subtile_shape, self.d_dtype)
-        subtile_size = cute.size(tRS_rD)
+        outputs = {"D": GemmOutput(
+            "D", self.d_dtype_name, tRS_rD, tRS_rD_out, tiled_copy_r2s, tRS_rD_out, tRS_sD, sD, tma_d, cta.gD,
+            aliases_ab=cfg.epi_reuses_ab_smem,
+        )}  # fmt: skip
 
         store = TmaStoreEpilogue(cfg.num_epi_stages, cfg.tile_threads)
         # The team's first warp issues its TMA stores.
@@ -664,7 +646,7 @@ class GemmSm90:
         # Subtiles are visited row-major: (tile_m/epi_m, tile_n/epi_n).
         epi_tile_layout = cute.make_layout((cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
         extent_mn = lane = tRS_cT = tRS_cT0 = None
-        c_s2r, aux_r2s = [], []
+        c_s2r = {}
         if cutlass.const_expr(fusion is not None):
             extent_mn = (cute.size(mD, mode=[0]), cute.size(mD, mode=[1]))
             lane = mma_tidx % 32
@@ -673,7 +655,7 @@ class GemmSm90:
             tRS_cT0 = tiled_copy_r2s.retile(tiled_mma.get_slice(0).partition_C(ident))
             # smem -> registers for operand tiles (ldmatrix when 16-bit), in
             # the same value order as the accumulators.
-            for dtype, sC_i in zip(self.epi_buffers.tile_inputs, sC):
+            for name, dtype, sC_i in zip(fusion.tile_inputs, self.epi_buffers.tile_inputs, sC):
                 op = (
                     cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4)
                     if DSL_DTYPES[dtype].width == 16
@@ -682,115 +664,114 @@ class GemmSm90:
                 tiled_s2r = cute.make_tiled_copy_S(cute.make_copy_atom(op, DSL_DTYPES[dtype]), tiled_copy_C_atom)
                 thr_s2r = tiled_s2r.get_slice(mma_tidx)
                 rC = cute.make_rmem_tensor(tRS_rD.layout, DSL_DTYPES[dtype])
-                c_s2r.append((tiled_s2r, thr_s2r.partition_S(sC_i), rC, thr_s2r.retile(rC)))
+                c_s2r[name] = (tiled_s2r, thr_s2r.partition_S(sC_i), rC, thr_s2r.retile(rC))
             # registers -> smem for aux outputs: fp32 values, rounded copy, staged view.
-            for dtype, sAux_i in zip(self.epi_buffers.aux_outputs, sAux):
+            for name, dtype, sAux_i, (aux_tma, mAux) in zip(
+                fusion.aux_outputs, self.epi_buffers.aux_outputs, sAux, epi_stores
+            ):
                 aux_store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, DSL_DTYPES[dtype], self.acc_dtype)
                 tiled_aux = cute.make_tiled_copy_S(aux_store_op, tiled_copy_C_atom)
-                aux_r2s.append((
-                    tiled_aux,
-                    tiled_aux.get_slice(mma_tidx).partition_D(sAux_i),
-                    cute.make_rmem_tensor(subtile_shape, self.acc_dtype),
-                    cute.make_rmem_tensor(subtile_shape, DSL_DTYPES[dtype]),
-                ))  # fmt: skip
+                rAux_out = cute.make_rmem_tensor(subtile_shape, DSL_DTYPES[dtype])
+                outputs[name] = GemmOutput(
+                    name, dtype, cute.make_rmem_tensor(subtile_shape, self.acc_dtype), rAux_out, tiled_aux,
+                    tiled_aux.retile(rAux_out), tiled_aux.get_slice(mma_tidx).partition_D(sAux_i), sAux_i, aux_tma,
+                    self._output_tiles(mAux),
+                )  # fmt: skip
         return EpilogueCopies(
-            tiled_copy_r2s, tRS_sD, tRS_rAcc, tRS_rD, tRS_rD_out, subtile_size, store, is_store_warp, epi_tile_layout,
-            extent_mn, lane, tRS_cT, tRS_cT0, c_s2r, aux_r2s,
+            outputs, tRS_rAcc, cute.size(tRS_rD), store, is_store_warp, epi_tile_layout, extent_mn, lane, tRS_cT,
+            tRS_cT0, c_s2r,
         )  # fmt: skip
 
     @cute.jit
-    def _prefetch_vectors(self, epi_vectors, origin_mn, extent_mn, tl, mma_tidx):
-        """This thread's elements of the tile's row/column vector slices, loaded from global
-        memory before the mainloop so the latency hides behind it (clamped into the problem:
-        lanes past the edge are never used); :meth:`_epilogue` parks them in shared memory."""
-        cfg = self.cfg
-        vector_prefetch = []
-        for i, t in enumerate(epi_vectors):
-            axis = 1 if i < len(self.fusion.row_inputs) else 0
-            length = cfg.tile_n if axis == 1 else cfg.tile_m
-            for j in cutlass.range_constexpr(self._slots_per_thread(length)):
-                pos = cutlass.min(mma_tidx + j * cfg.tile_threads, length - 1)
-                idx = cutlass.min(origin_mn[axis] + pos, extent_mn[axis] - 1)
-                vector_prefetch.append(t[(tl, idx)].to(Float32))
-        return vector_prefetch
+    def _epilogue(self, run):
+        """The team's epilogue for one output tile, run in its ``EPILOGUE_TURN``: the chain's stages
+        (:mod:`epicute.sm90.epilogue_chain`), once at the tile's start, per ``epi_tile`` subtile in
+        row-major order, and at its end. The stores go through ``num_epi_stages`` staging buffers
+        (:class:`TmaStoreEpilogue`: the ``EPILOGUE`` named barrier and the store warp's bulk groups
+        guard them)."""
+        run_chain("begin", run)
+        for epi_idx in cutlass.range_constexpr(self.cfg.num_epi_subtiles):
+            run.subtile = epi_idx
+            run_chain("subtile", run)
+        run_chain("end", run)
 
-    @cute.jit
-    def _epilogue(
-        self, cta, copies, tma_d, tm, tn, tl, tiles_done, mma_tidx, origin_mn, vector_prefetch, c_state,
-        epi_stores, epi_workspaces, epi_scalars,
-    ):  # fmt: skip
-        """The team's epilogue for output tile (tm, tn, tl), run in its ``EPILOGUE_TURN``:
-        per ``epi_tile`` subtile in row-major order, the accumulators (through the fused
-        epilogue, if any) are cast, staged in one of ``num_epi_stages`` buffers and
-        TMA-stored with the aux outputs of the subtile (:class:`TmaStoreEpilogue`: the
-        ``EPILOGUE`` named barrier and the store warp's bulk groups guard the buffers).
 
-        Consumer side of the epilogue-operand ring: waits on a stage's full barrier per
-        subtile, copies it to registers and releases it. Returns ``c_state`` advanced past
-        this tile's stages: the caller reassigns it so its tile loop carries it.
-        """
-        cfg = self.cfg
-        fusion = self.fusion
-        c_pipeline, sD, gD, sAux, sVec = cta.c_pipeline, cta.sD, cta.gD, cta.sAux, cta.sVec
-        tiled_copy_r2s, tRS_sD, tRS_rAcc = copies.tiled_copy_r2s, copies.tRS_sD, copies.tRS_rAcc
-        tRS_rD, tRS_rD_out, subtile_size = copies.tRS_rD, copies.tRS_rD_out, copies.subtile_size
-        store, is_store_warp, epi_tile_layout = copies.store, copies.is_store_warp, copies.epi_tile_layout
-        c_s2r, aux_r2s, lane = copies.c_s2r, copies.aux_r2s, copies.lane
-        if cutlass.const_expr(cfg.epi_reuses_ab_smem):
-            # The other warpgroup may still be reading the A ring.
-            store.sync()
-        bSG_sD, bSG_gD = self._subtile_partition(tma_d, sD, gD, tm, tn, tl)
+class GemmOutput(StagedOutput):
+    """D or an aux tile of the GEMM: its subtile's fp32 registers, a rounded copy, a staging ring
+    (``num_epi_stages`` buffers) and a TMA store per subtile into the output's tile."""
+
+    def __init__(self, name, dtype, values, converted, r2s, src, smem, staged, atom, gmem_tiles, aliases_ab=False):
+        super().__init__(name, dtype, values)
+        self.converted = converted  # the stored dtype's registers
+        self.r2s, self.src, self.smem = r2s, src, smem  # registers -> staging: copy, its source, (.., stage) view
+        self.staged, self.atom, self.gmem_tiles = staged, atom, gmem_tiles  # the TMA store's smem, atom, tiles
+        self.aliases_ab = aliases_ab
+
+    def begin(self, run) -> None:
+        if cutlass.const_expr(self.aliases_ab):
+            # Staged in the A ring: the other warpgroup may still be reading it.
+            run.store.sync()
+        self.tma_smem, self.tma_gmem = run.kernel._subtile_partition(self.atom, self.staged, self.gmem_tiles,
+                                                                     *run.tile_coord)  # fmt: skip
+
+    def cast(self, run) -> None:
+        emit.round_for_store(self.values, self.dtype)
+        self.converted.store(self.values.load().to(DSL_DTYPES[self.dtype]))
+
+    def store_smem(self, run) -> None:
+        cute.copy(self.r2s, self.src, self.smem[(None, None, None, run.staging.index)])
+
+    def tma_copy(self, run) -> tuple:
+        subtile = run.copies.epi_tile_layout.get_hier_coord(run.subtile)
+        return self.atom, self.tma_smem[(None, run.staging.index)], self.tma_gmem[(None, subtile)]
+
+
+class GemmEpilogueRun(EpilogueRun):
+    """The GEMM's :class:`~epicute.sm90.epilogue_chain.EpilogueRun` over output tile ``tile_coord``:
+    subtiles are slices of the accumulators in the r2s copy's value order, operand tiles arrive
+    through the epilogue-operand ring (``c_state``: the caller reads it back after the tile), and
+    the staging ring advances once per subtile across the team's tiles (``tiles_done``)."""
+
+    def __init__(self, kernel, cta, copies, tile_coord, tiles_done, mma_tidx, c_state, epi_vectors, epi_workspaces,
+                 epi_scalars):  # fmt: skip
+        super().__init__()
+        cfg, fusion = kernel.cfg, kernel.fusion
+        self.kernel, self.cta, self.copies, self.fusion, self.stages = kernel, cta, copies, fusion, kernel.chain
+        self.tile_coord, self.tiles_done, self.c_state = tile_coord, tiles_done, c_state
+        self.outputs, self.store, self.is_store_warp = copies.outputs, copies.store, copies.is_store_warp
+        self.subtile_size = copies.subtile_size
+        self.staging = None
         if cutlass.const_expr(fusion is not None):
-            if cutlass.const_expr(len(sVec) > 0):
-                # Park the vector slices; every reader of the previous tile's
-                # slices passed that tile's last store barrier already.
-                values = iter(vector_prefetch)
-                for vec_smem in sVec:
-                    for j in cutlass.range_constexpr(self._slots_per_thread(cute.size(vec_smem))):
-                        pos = mma_tidx + j * cfg.tile_threads
-                        emit.store_if(pos < cute.size(vec_smem), vec_smem, pos, next(values))
-                store.sync()
-            tile_epi = emit.TileEpilogue(
-                fusion, copies.tRS_cT, copies.tRS_cT0, sVec, epi_scalars, origin_mn, copies.extent_mn
-            )
-            aux_partitions = [
-                self._subtile_partition(aux_tma, sAux_i, self._output_tiles(mAux), tm, tn, tl)
-                for (aux_tma, mAux), sAux_i in zip(epi_stores, sAux)
-            ]
-        for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
-            for v in cutlass.range_constexpr(subtile_size):
-                tRS_rD[v] = tRS_rAcc[epi_idx * subtile_size + v]
-            buf = stage_of(tiles_done * cfg.num_epi_subtiles + epi_idx, cfg.num_epi_stages)
-            more_stores = ()
-            if cutlass.const_expr(fusion is not None):
-                if cutlass.const_expr(self.epi_buffers.loads_tiles):
-                    c_pipeline.consumer_wait(c_state)
-                    for tiled_s2r, tSR_sC, _, tSR_rC in c_s2r:
-                        cute.copy(tiled_s2r, tSR_sC[(None, None, None, c_state.index)], tSR_rC)
-                    c_pipeline.consumer_release(c_state)
-                    c_state.advance()
-                col_partials = tile_epi.subtile(
-                    tRS_rD, epi_idx * subtile_size, [c[2] for c in c_s2r], [a[2] for a in aux_r2s]
-                )
-                tile_epi.store_col_partials(col_partials, epi_workspaces, tl, lane)
-                for (tiled_aux, tRS_sAux, rAux, rAux_out), dtype, (bSG_sA, bSG_gA), (aux_tma, _) in zip(
-                    aux_r2s, self.epi_buffers.aux_outputs, aux_partitions, epi_stores
-                ):
-                    emit.round_for_store(rAux, dtype)
-                    rAux_out.store(rAux.load().to(DSL_DTYPES[dtype]))
-                    cute.copy(tiled_aux, tiled_aux.retile(rAux_out), tRS_sAux[(None, None, None, buf)])
-                    subtile_coord = epi_tile_layout.get_hier_coord(epi_idx)
-                    more_stores += ((aux_tma, bSG_sA[(None, buf)], bSG_gA[(None, subtile_coord)]),)
-            emit.round_for_store(tRS_rD, self.d_dtype_name)
-            tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-            store.publish(
-                is_store_warp,
-                tma_d,
-                bSG_sD[(None, buf)],
-                bSG_gD[(None, epi_tile_layout.get_hier_coord(epi_idx))],
-                more_stores,
-            )
-        if cutlass.const_expr(fusion is not None):
-            tile_epi.store_tile_partials(epi_workspaces, tn, tl, lane)
-        return c_state
+            tm, tn, tl = tile_coord
+            self.origin = (tm * cfg.tile_m, tn * cfg.tile_n)
+            self.extent, self.lane = copies.extent_mn, copies.lane
+            self.coords, self.coords0 = copies.tRS_cT, copies.tRS_cT0
+            self.scalars, self.workspaces, self.tile_index = epi_scalars, epi_workspaces, (tn, tl)
+            vector_names = fusion.row_inputs + fusion.col_inputs
+            self.vectors = dict(zip(vector_names, cta.sVec))
+            self.vector_sources = dict(zip(vector_names, epi_vectors))
+            self.vector_lengths = {name: cfg.tile_n if name in fusion.row_inputs else cfg.tile_m
+                                   for name in vector_names}  # fmt: skip
+            self.batch, self.thread, self.threads = tl, mma_tidx, cfg.tile_threads
+
+    def slice_acc(self) -> None:
+        cfg = self.kernel.cfg
+        if cutlass.const_expr(self.subtile == 0):
+            self.staging = RingState(cfg.num_epi_stages, self.tiles_done * cfg.num_epi_subtiles)
+        values = self.outputs["D"].values
+        for v in range(self.subtile_size):
+            values[v] = self.copies.tRS_rAcc[self.base + v]
+
+    def load_tiles(self) -> None:
+        ring = self.cta.c_pipeline
+        ring.consumer_wait(self.c_state)
+        for tiled_s2r, tSR_sC, _, tSR_rC in self.copies.c_s2r.values():
+            cute.copy(tiled_s2r, tSR_sC[(None, None, None, self.c_state.index)], tSR_rC)
+        ring.consumer_release(self.c_state)
+        self.c_state.advance()
+
+    def tile_value(self, name, v, m, n):
+        return self.copies.c_s2r[name][2][v].to(Float32)
+
+    def advance(self) -> None:
+        self.staging.advance()

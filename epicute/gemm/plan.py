@@ -12,10 +12,7 @@ from epicute.gemm.heuristics import choose_config
 from epicute.gemm.roofline import Roofline, roofline
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers, SmemItem, smem_table
 from epicute.runtime.target import Target, resolve_target
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+from epicute.sm90.tile_grid import ceil_div, cluster_counts, launched
 
 
 @dataclass(frozen=True, repr=False)
@@ -55,7 +52,7 @@ class GemmPlan:
     @property
     def num_tiles(self) -> int:
         p, c = self.problem, self.config
-        return _ceil_div(p.m, c.tile_m) * _ceil_div(p.n, c.tile_n) * p.l
+        return ceil_div(p.m, c.tile_m) * ceil_div(p.n, c.tile_n) * p.l
 
     @property
     def max_active_clusters(self) -> int:
@@ -66,14 +63,12 @@ class GemmPlan:
     @property
     def grid(self) -> tuple[int, int, int]:
         """Launch grid (cluster_m, cluster_n, clusters), as the kernel computes it on the device
-        (the same :meth:`GemmConfig.launched_clusters`, given :attr:`max_active_clusters` at launch)."""
+        (the same :mod:`epicute.sm90.tile_grid` functions, given :attr:`max_active_clusters` at launch)."""
         p, c = self.problem, self.config
-        clusters = (
-            _ceil_div(_ceil_div(p.m, c.tile_m), c.cluster_m)
-            * _ceil_div(_ceil_div(p.n, c.tile_n), c.cluster_n)
-            * p.l
+        _, _, clusters = cluster_counts(
+            ceil_div(p.m, c.tile_m), ceil_div(p.n, c.tile_n), p.l, (c.cluster_m, c.cluster_n)
         )
-        return (c.cluster_m, c.cluster_n, c.launched_clusters(clusters, self.max_active_clusters))
+        return (c.cluster_m, c.cluster_n, launched(clusters, self.max_active_clusters, c.persistent))
 
     @property
     def roofline(self) -> Roofline:

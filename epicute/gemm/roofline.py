@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from epicute.gemm.config import DTYPE_BYTES, GemmProblem
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.runtime.target import Target
+from epicute.sm90.tile_grid import ceil_div
 
 #: Fraction of the tensor-core peak a mainloop sustains, by tile N (tile M is 128): achieved
 #: TFLOPS over the useful share of the waves' tiles, calibrated on H100 SXM, bf16
@@ -36,9 +37,6 @@ SM_ISSUE_PER_CYCLE = 128
 #: Share of a ping-pong epilogue's issue time that the other warpgroup's mainloop loses.
 PINGPONG_EPILOGUE_SHARE = 0.5
 
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -92,9 +90,9 @@ def roofline(
     peak_flops = hw.peak_tflops(problem.ab_dtype) * 1e12
     compute_s = flops / peak_flops
     memory_s = min_bytes / (hw.hbm_tb_per_s * 1e12)
-    tiles = _ceil_div(problem.m, tile_m) * _ceil_div(problem.n, tile_n) * problem.l
-    waves = _ceil_div(tiles, hw.num_sms) if tiles else 0
-    k_padded = _ceil_div(problem.k, tile_k) * tile_k
+    tiles = ceil_div(problem.m, tile_m) * ceil_div(problem.n, tile_n) * problem.l
+    waves = ceil_div(tiles, hw.num_sms) if tiles else 0
+    k_padded = ceil_div(problem.k, tile_k) * tile_k
     per_sm_flops = peak_flops / hw.num_sms * MAINLOOP_EFFICIENCY.get(tile_n, 0.5)
     epilogue_tile_s = tile_m * tile_n * extra_per_elem / (hw.hbm_tb_per_s * 1e12 / hw.num_sms)
     epilogue_alu_s = tile_m * tile_n * epilogue.instructions_per_element / (SM_ISSUE_PER_CYCLE * hw.tensor_clock_hz)

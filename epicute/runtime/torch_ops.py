@@ -40,6 +40,7 @@ from epicute.errors import EpilogueError
 
 _EPILOGUES: dict[str, Epilogue] = {}
 _OUTPUTS: dict[str, tuple[str, ...]] = {}
+_STORED: dict[str, dict[str, str]] = {}
 _LOCK = threading.Lock()
 
 
@@ -87,6 +88,7 @@ def _register(fn: Callable, hook: Callable[[Callable], Epilogue] = as_epilogue) 
         # An earlier registration under this key traced to the same graph: keep it.
         _EPILOGUES.setdefault(key, epi)
         _OUTPUTS[key] = tuple(name for name, _ in graph.outputs)
+        _STORED[key] = dict(graph.output_dtypes)
     return key, _OUTPUTS[key]
 
 
@@ -177,6 +179,12 @@ def registered_outputs(key: str) -> tuple[str, ...]:
     return _OUTPUTS[key]
 
 
+def registered_casts(key: str) -> dict[str, str]:
+    """The dtypes the epilogue registered under ``key`` gives its tile outputs by its own final
+    ``cast``/``quantize`` (outputs it leaves to the call are absent)."""
+    return {name: dtype for name, dtype in _STORED[key].items() if dtype != "fp32"}
+
+
 def register_meta(op, fake: Callable) -> None:
     """Run ``op``'s fake implementation on the meta device too, so shapes can be checked with no
     GPU; some torch versions already route Meta to the fake implementation (and refuse a second)."""
@@ -186,5 +194,6 @@ def register_meta(op, fake: Callable) -> None:
 
 __all__ = [
     "dtype_name", "operand_values", "plain_fn", "plain_value", "register_epilogue", "register_meta",
-    "register_score_mod", "registered_epilogue", "registered_outputs", "spec_text", "split_operands",
+    "register_score_mod", "registered_casts", "registered_epilogue", "registered_outputs", "spec_text",
+    "split_operands",
 ]  # fmt: skip

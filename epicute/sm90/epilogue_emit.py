@@ -1,11 +1,14 @@
-"""Emitting an epilogue graph into the GEMM kernel's TMA-store epilogue: the device half.
+"""The device half of the epilogue language: a graph's values as DSL code.
 
-:func:`compute` turns one element's accumulator into every node's fp32 value
-(the reference interpreter's semantics, as DSL scalar ops); :class:`TileEpilogue`
-holds one thread's state over an output tile (vector reads, reduction partials)
-and the reduction helpers fold, shuffle and store the partials. What the kernel
-needs to know about the epilogue (operands, outputs, reductions, buffers) is the
-host half, :class:`epicute.epilogue.fusion.EpilogueFusion`.
+:func:`emit_graph` walks a graph and emits each op from the op table over the DSL
+math namespace (the reference interpreter's semantics, as fp32 scalar ops); the
+attention score_mod and every epilogue's ``compute`` stage use it.
+:class:`TileEpilogue` holds one thread's state over an output tile (vector reads,
+reduction partials) for the chain's ``compute``, ``reduce`` and
+``finalize_reductions`` stages (:mod:`epicute.sm90.epilogue_chain`), and the
+reduction helpers fold, shuffle and store the partials. What a kernel needs to
+know about its epilogue (operands, outputs, reductions, chain) is the host half,
+:class:`epicute.epilogue.fusion.EpilogueFusion`.
 """
 
 from __future__ import annotations
@@ -31,32 +34,44 @@ DSL_DTYPES = {
 assert set(DSL_DTYPES) == KERNEL_DTYPES
 
 
+def emit_graph(graph, leaf, needed: set[int] | None = None) -> dict:
+    """Every needed elementwise node's fp32 value for one element, as DSL scalars.
+
+    ``leaf(node)`` gives the value of each leaf (``acc``, ``input``, ``index``; constants
+    are emitted here); reductions are skipped (their argument is a value like any other).
+    """
+    needed = needed_nodes(graph) if needed is None else needed
+    values = {}
+    for node in graph.nodes:
+        if node.id not in needed or node.op in REDUCTIONS:
+            continue
+        if node.op == "const":
+            v = Float32(node.attr("value"))
+        elif node.op in ("acc", "input", "index"):
+            v = leaf(node)
+        else:
+            v = emit_op(node.op, [values[a] for a in node.args], node)
+        values[node.id] = v
+    return values
+
+
 def compute(fusion: EpilogueFusion, acc, tiles: dict, vectors: dict, scalars: tuple) -> dict:
-    """Every needed node's fp32 value for one element, as DSL scalars.
+    """Every needed node's fp32 value for one element of a fused epilogue.
 
     ``tiles``/``vectors``: this element's operand values by name (fp32);
     ``scalars``: the kernel's scalar tuple, in ``fusion.scalar_inputs`` order.
     """
     scalar_slot = {name: i for i, name in enumerate(fusion.scalar_inputs)}
-    needed = needed_nodes(fusion.graph)
-    values = {}
-    for node in fusion.graph.nodes:
-        if node.id not in needed or node.op in REDUCTIONS:
-            continue
+
+    def leaf(node):
         if node.op == "acc":
-            v = acc
-        elif node.op == "const":
-            v = Float32(node.attr("value"))
-        elif node.op == "input":
-            name = node.attr("name")
-            if node.kind == "scalar":
-                v = scalars[scalar_slot[name]]
-            else:
-                v = (tiles if node.kind == "tile" else vectors)[name]
-        else:
-            v = _emit_op(node.op, [values[a] for a in node.args], node)
-        values[node.id] = v
-    return values
+            return acc
+        name = node.attr("name")
+        if node.kind == "scalar":
+            return scalars[scalar_slot[name]]
+        return (tiles if node.kind == "tile" else vectors)[name]
+
+    return emit_graph(fusion.graph, leaf, fusion.needed)
 
 
 # ------------------------------------------------------------------ reductions
@@ -126,7 +141,7 @@ DSL_MATH = DslMath()
 assert all(hasattr(DSL_MATH, name) for name in optable.MATH_PRIMITIVES)
 
 
-def _emit_op(op: str, args: list, node):
+def emit_op(op: str, args: list, node):
     """One elementwise op on fp32 scalars: its table entry's ``emit`` (the semantics of its ``reference``)."""
     spec = optable.find(op)
     if spec is None:
@@ -152,10 +167,11 @@ class TileEpilogue:
     shared memory once and each reduction partial is folded.
     """
 
-    def __init__(self, fusion: EpilogueFusion, coords, coords0, vectors: list, scalars: tuple, origin, extent):
+    def __init__(self, fusion: EpilogueFusion, coords, coords0, vectors: dict, scalars: tuple, origin, extent):
         self.fusion = fusion
         self.coords, self.coords0 = coords, coords0
-        self.vectors = dict(zip(fusion.row_inputs + fusion.col_inputs, vectors))
+        #: name -> a tensor of the vector indexed by tile-local position (n for rows, m for columns)
+        self.vectors = vectors
         self.scalars = scalars
         self.origin, self.extent = origin, extent  # global (m, n) of the tile's corner; problem (M, N)
         self._vector_cache: dict = {}
@@ -171,57 +187,57 @@ class TileEpilogue:
             self._vector_cache[key] = self.vectors[name][n if row else m]
         return self._vector_cache[key]
 
-    def subtile(self, rD, base: int, tiles: list, aux: list) -> dict:
-        """Compute one subtile in place: ``rD`` holds its accumulators in, D (fp32) out.
+    def compute(self, acc, base: int, tile_value, outputs: dict, visitors=()) -> None:
+        """The chain's ``compute`` stage over one subtile.
 
-        ``tiles``: register copies of the operand tiles' subtile; ``aux``: fp32
-        register tensors receiving the aux outputs. Returns this subtile's column
-        reduction partials, ``(name, static n) -> [partial, tile-local n, tile-local m]`` (a
-        subtile holds one 16-row band of each warp, so any of its rows names the band).
+        ``acc``: the subtile's accumulators (fp32 registers), ``base``: the offset of its first
+        value in the thread's coordinates; ``tile_value(name, v, m, n)``: operand tile ``name``'s
+        value ``v`` (tile-local (m, n)) as fp32; each output's value goes to ``outputs[name][v]``
+        (D's tensor may be ``acc`` itself). Each of ``visitors`` is called per element as
+        ``visit(at, values)`` with ``at = (v, m0, n0, m, n)`` (thread 0's and this thread's
+        coordinates) and every node's value: the later stages that work element by element
+        (``reduce``) fold there, so no value outlives its element.
         """
-        fusion, outputs = self.fusion, dict(self.fusion.graph.outputs)
-        col_partials: dict = {}
-        for v in range(cute.size(rD)):
+        fusion, out_ids = self.fusion, dict(self.fusion.graph.outputs)
+        for v in range(cute.size(acc)):
             m0, n0 = self.coords0[base + v]
             m, n = self.coords[base + v]
             vectors = {name: self._vector(name, m0, n0, m, n) for name in self.vectors}
-            tile_values = {name: t[v].to(Float32) for name, t in zip(fusion.tile_inputs, tiles)}
-            values = compute(fusion, rD[v], tile_values, vectors, self.scalars)
-            rD[v] = values[outputs["D"]]
-            for name, out in zip(fusion.aux_outputs, aux):
-                out[v] = values[outputs[name]]
-            if fusion.reductions:
-                valid = (self.origin[0] + m < self.extent[0]) & (self.origin[1] + n < self.extent[1])
-            for r in fusion.reductions:
-                x = values[r.arg]
-                if r.axis == "row":
-                    slot = self.row_partials.setdefault((r.name, m0), [identity(r.combine), m])
-                elif r.axis == "col":
-                    slot = col_partials.setdefault((r.name, n0), [identity(r.combine), n, m])
-                else:
-                    key = (r.name, m0 // ROWS_PER_WARP)
-                    slot = self.all_partials.setdefault(key, [identity(r.combine), m])
-                slot[0] = fold_element(r.combine, slot[0], x, valid)
-        return col_partials
+            tile_values = {name: tile_value(name, v, m, n) for name in fusion.tile_inputs}
+            values = compute(fusion, acc[v], tile_values, vectors, self.scalars)
+            for name, t in outputs.items():
+                t[v] = values[out_ids[name]]
+            for visit in visitors:
+                visit((v, m0, n0, m, n), values)
+
+    def fold(self, r, at, x, col_partials: dict) -> None:
+        """Fold element ``x`` (at ``(v, m0, n0, m, n)``) of reduction ``r`` into this thread's
+        partials: row and whole-tensor partials live for the tile, column partials
+        (``(name, static n) -> [partial, tile-local n, tile-local m]``) for the subtile (a subtile
+        holds one 16-row band of each warp, so any of its rows names the band)."""
+        _, m0, n0, m, n = at
+        valid = (self.origin[0] + m < self.extent[0]) & (self.origin[1] + n < self.extent[1])
+        if r.axis == "row":
+            slot = self.row_partials.setdefault((r.name, m0), [identity(r.combine), m])
+        elif r.axis == "col":
+            slot = col_partials.setdefault((r.name, n0), [identity(r.combine), n, m])
+        else:
+            slot = self.all_partials.setdefault((r.name, m0 // ROWS_PER_WARP), [identity(r.combine), m])
+        slot[0] = fold_element(r.combine, slot[0], x, valid)
 
     def _band(self, m_local):
         """The global 16-row band (one warp's rows of a WGMMA block) holding tile-local row ``m_local``."""
         return (self.origin[0] + m_local) // ROWS_PER_WARP
 
-    def store_col_partials(self, col_partials: dict, workspaces: tuple, tl, lane) -> None:
-        """One subtile's column reductions: lanes sharing a column (they differ in lane
-        bits 2-4) combine, then lanes 0-3 hold their warp's 16-row partial and store it."""
-        for r, ws in zip(self.fusion.reductions, workspaces):
-            if r.axis != "col":
-                continue
-            for (name, _), (partial, n_local, m_local) in col_partials.items():
-                if name != r.name:
-                    continue
-                value = butterfly(r.combine, partial, (4, 8, 16))
-                band = self._band(m_local)
-                n = self.origin[1] + n_local
-                pred = (lane < 4) & (n < self.extent[1]) & (band * ROWS_PER_WARP < self.extent[0])
-                store_if(pred, ws, (tl, band, n), value)
+    def store_col_partials(self, r, col_partials: dict, ws, tl, lane) -> None:
+        """One subtile's partials of column reduction ``r``: lanes sharing a column (they differ in
+        lane bits 2-4) combine, then lanes 0-3 hold their warp's 16-row partial and store it."""
+        for (_, _), (partial, n_local, m_local) in col_partials.items():
+            value = butterfly(r.combine, partial, (4, 8, 16))
+            band = self._band(m_local)
+            n = self.origin[1] + n_local
+            pred = (lane < 4) & (n < self.extent[1]) & (band * ROWS_PER_WARP < self.extent[0])
+            store_if(pred, ws, (tl, band, n), value)
 
     def store_tile_partials(self, workspaces: tuple, tn, tl, lane) -> None:
         """The tile's row reductions (the 4 lanes of a quad share a row) and whole-tile ones (the
@@ -241,6 +257,11 @@ class TileEpilogue:
                     value = butterfly(r.combine, partial, (1, 2, 4, 8, 16))
                     band = self._band(m_local)
                     store_if((lane == 0) & (band * ROWS_PER_WARP < self.extent[0]), ws, (tl, band, tn), value)
+
+
+def round_scalar(x, dtype: str):
+    """One fp32 value converted to an output ``dtype`` (fp8 saturates like the reference)."""
+    return (saturate(x, dtype) if dtype in FP8_MAX else x).to(DSL_DTYPES[dtype])
 
 
 def round_for_store(values, dtype: str) -> None:

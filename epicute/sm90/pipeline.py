@@ -7,16 +7,18 @@
   :func:`make_local_tma_load_pipeline`: the same for a CTA-private ring (the
   GEMM epilogue's operand tiles).
 - :class:`TmaStoreEpilogue`: the register -> smem -> TMA-store hand-off of seed
-  000: fence, named barrier over the epilogue threads, one elected thread issues
-  the bulk store and commits/acquires the store group, barrier again.
+  000: fence, named barrier over the epilogue threads (``fence_and_sync``), one
+  elected thread issues the bulk stores and commits/acquires the store group,
+  barrier again (``issue``): the epilogue chain's ``fence_barrier`` and
+  ``tma_store`` stages.
 - :class:`WarpgroupTurns`: ping-pong turn-taking between consumer warpgroups
   (seed 002), used by attention for its GEMMs and by the ping-pong GEMM for
   its mainloops and its epilogues.
 - :func:`release_after`: a ring release pinned after a value is computed, so
   ptxas cannot hoist it (and a WGMMA wait behind it) above that computation.
-- :class:`RingState` and :func:`wait_full`: a ring position carried as one
-  counter, and a consumer wait whose retry loop stays off the hot path (the
-  attention loop's per-block bookkeeping).
+- :class:`RingState`: the one ring-position type of every ring (compact: one
+  counter; tracked: count, index and phase), and :func:`wait_full`, a consumer
+  wait whose retry loop stays off the hot path.
 """
 
 from __future__ import annotations
@@ -95,22 +97,24 @@ class TmaStoreEpilogue:
     def __new_from_mlir_values__(self, values):
         return self
 
-    @cute.jit
-    def publish(self, is_store_warp, tma_atom, smem_src, gmem_dst, more_stores=()):
-        """Store one staged subtile (plus ``more_stores``: further ``(atom, smem, gmem)``
-        outputs of the same subtile, e.g. an epilogue's aux tiles) as one bulk group."""
-        # stmatrix writes through the generic proxy; TMA reads through the async
-        # proxy: each writing thread fences before the barrier makes it visible.
+    def fence_and_sync(self):
+        """The staged registers become visible to the TMA unit: stmatrix and st.shared write through
+        the generic proxy, TMA reads through the async proxy, so each writing thread fences, then
+        every epilogue thread meets (the chain's ``fence_barrier``)."""
         cute.arch.fence_proxy("async.shared", space="cta")
         self.barrier.arrive_and_wait()
+
+    @cute.jit
+    def issue(self, is_store_warp, copies):
+        """The chain's ``tma_store``: the store warp issues ``copies`` (``(atom, smem, gmem)`` each) as
+        one bulk group, commits it and waits until at most ``num_stages - 1`` groups are in flight,
+        so the buffer it stages next has been read; then every epilogue thread meets, as nobody may
+        overwrite a staging buffer before that wait."""
         if is_store_warp:
-            cute.copy(tma_atom, smem_src, gmem_dst)
-            for atom, src, dst in more_stores:
+            for atom, src, dst in copies:
                 cute.copy(atom, src, dst)
             self.store_pipeline.producer_commit()
             self.store_pipeline.producer_acquire()
-        # Nobody may overwrite a staging buffer until the store warp has seen
-        # that the store which read it (num_stages ago) completed.
         self.barrier.arrive_and_wait()
 
     def sync(self):
@@ -204,50 +208,76 @@ def release_after(ring: pipeline.PipelineTmaAsync, state, anchor):
 
 
 class RingState:
-    """A position in a ring of ``stages`` buffers, carried as one counter.
+    """A position in a ring of ``stages`` buffers: the ring state of every epicute kernel.
 
-    ``pipeline.PipelineState`` carries (count, index, phase) and advances with a
-    compare and two selects; here ``index = count % stages`` and ``phase =
-    (count // stages) % 2`` are derived where used (a mask and a shift for
-    power-of-two rings), so a loop carries a single Int32. It duck-types
-    ``PipelineState`` for the ring methods, which read only ``index`` and
-    ``phase``. Producers start one phase ahead (every buffer starts empty).
+    The ring methods (``PipelineTmaAsync``'s acquire, wait, release) read only ``index``
+    and ``phase``. Two carried forms, chosen per ring by what its loop pays for:
+
+    - *compact* (the default): one ``Int32`` count; ``index = count % stages`` and
+      ``phase = (count // stages) % 2`` are derived where used, a mask and a shift for
+      power-of-two rings, so a loop carries a single register (attention's K/V rings);
+    - *tracked* (``tracked=True``): count, index and phase advanced step by step as
+      ``cutlass.pipeline.PipelineState`` does, a compare and two selects per step, no
+      division whatever the depth (the GEMM's 3-7 stage mainloop rings).
+
+    Producers start one phase ahead (every buffer starts empty). ``RingState(stages, n)``
+    is the ``n``-th use of a ring that no loop carries (a staging buffer's slot).
     """
 
-    def __init__(self, stages: int, count):
+    def __init__(self, stages: int, count, tracked: pipeline.PipelineState | None = None):
         self.stages = stages
         self.count = count
+        self._tracked = tracked
 
     @staticmethod
-    def producer(stages: int) -> RingState:
+    def producer(stages: int, tracked: bool = False) -> RingState:
+        if tracked:
+            return RingState(stages, None, pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages))
         return RingState(stages, cutlass.Int32(stages))
 
     @staticmethod
-    def consumer(stages: int) -> RingState:
+    def consumer(stages: int, tracked: bool = False) -> RingState:
+        if tracked:
+            return RingState(stages, None, pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages))
         return RingState(stages, cutlass.Int32(0))
 
     @property
     def index(self):
+        if self._tracked is not None:
+            return self._tracked.index
         if self.stages & (self.stages - 1) == 0:  # count >= 0: a mask, no signed remainder
             return self.count & (self.stages - 1)
         return self.count % self.stages
 
     @property
     def phase(self):
+        if self._tracked is not None:
+            return self._tracked.phase
         if self.stages & (self.stages - 1) == 0:
             return (self.count >> (self.stages.bit_length() - 1)) & 1
         return (self.count // self.stages) % 2
 
     def clone(self) -> RingState:
+        if self._tracked is not None:
+            return RingState(self.stages, None, self._tracked.clone())
         return RingState(self.stages, self.count)
 
-    def advance(self) -> None:
-        self.count = self.count + 1
+    def advance(self, steps=1, **loc) -> None:
+        """Move ``steps`` uses on (an int or a runtime ``Int32``); ``loc``: the DSL's location keywords,
+        which the stock ring methods pass (``producer_tail`` advances the state it is given)."""
+        if self._tracked is not None:
+            self._tracked.advance(steps, **loc)
+        else:
+            self.count = self.count + steps
 
     def __extract_mlir_values__(self):
+        if self._tracked is not None:
+            return self._tracked.__extract_mlir_values__()
         return [self.count.ir_value()]
 
     def __new_from_mlir_values__(self, values):
+        if self._tracked is not None:
+            return RingState(self.stages, None, self._tracked.__new_from_mlir_values__(values))
         return RingState(self.stages, cutlass.Int32(values[0]))
 
 
@@ -258,7 +288,3 @@ def wait_full(ring, state):
     retry loop out of line."""
     ring.consumer_wait(state, ring.consumer_try_wait(state))
 
-
-def stage_of(count, num_stages: int):
-    """Ring slot of the ``count``-th use of a ``num_stages``-deep buffer."""
-    return count % cutlass.Int32(num_stages)

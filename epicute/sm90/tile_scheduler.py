@@ -1,26 +1,33 @@
-"""Persistent tile schedulers: the GEMM's static one with grouped rasterization, attention's queue.
+"""Persistent tile schedulers: one protocol, two schedulers.
 
-GEMM: the grid is ``(cluster_m, cluster_n, num_launched_clusters)``; cluster ``z``
-processes linear cluster ids ``z, z + grid_z, z + 2 grid_z, ...`` until the
-problem is exhausted. ``num_launched_clusters`` is set per launch
-(:meth:`~epicute.gemm.config.GemmConfig.launched_clusters` of the runtime
-``max_active_clusters``) and the stride is read back from ``gridDim.z``, so the
-compiled code holds no SM count. A linear id maps to (cluster_m, cluster_n, batch) through
-*bands* of ``group`` clusters across the raster's minor axis; a band is walked
-across its width first, then down the raster axis (``raster_along_m``: bands of
-N columns swept down M). Clusters that run at the same moment thus cover a
-compact block of the output and share A and B panels in L2.
+Every role of a persistent kernel walks its work the same way::
 
-The producer warp and the consumer warpgroups each own a scheduler instance; as
-the schedule is static, they visit the same tiles in the same order without
-talking to each other.
+    work = scheduler.first()
+    while scheduler.is_valid(work):
+        coords = scheduler.coord(work)
+        ...
+        work = scheduler.next(work)
 
-:func:`band_coord` is the band walk on its own; the attention kernel orders its
-causal work with it too (longest query blocks first, a band of heads at a time).
-:class:`TileQueue` is the attention kernel's walk over its linear tile order:
-strided, or claimed from a global counter (tiles of unequal length stay balanced,
-and the tiles in flight a contiguous window of the order); its producer
-announces each tile to the consumers through shared memory.
+and the launch is sized by :func:`epicute.sm90.tile_grid.launched`, called with the
+same arguments by the planner (the grid ``explain`` prints) and by the kernel's
+``__call__``; the schedulers read the launched count back from the grid, so the
+compiled code holds no SM count.
+
+- :class:`ClusterTileScheduler` (the GEMM): static. Cluster ``z`` of a
+  ``(cluster_m, cluster_n, launched)`` grid takes linear cluster ids ``z, z + grid_z,
+  ...``; an id maps to (tile_m, tile_n, batch) through *bands* of ``group`` clusters
+  across the raster's minor axis (:func:`band_coord`), so clusters that run at the
+  same moment cover a compact block of the output and share A and B panels in L2.
+  Each role builds its own instance and, the schedule being static, they visit the
+  same tiles in the same order without talking to each other.
+- :class:`TileQueue` (attention): a linear tile order walked with a static stride,
+  or claimed from a global counter (tiles of unequal length stay balanced, and the
+  tiles in flight a contiguous window of the order). Claims are the producer's; it
+  announces each tile to the consumers through shared memory, and consumers follow
+  the announcements (:meth:`TileQueue.follow`).
+
+:func:`band_coord` is the band walk on its own; attention's causal order (longest
+query blocks first, a band of heads at a time) uses it too.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from cutlass import Int32, cute
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
 from epicute.sm90.pipeline import wait_full
+from epicute.sm90.tile_grid import launched
 
 
 def band_coord(linear, major, minor, group):
@@ -46,7 +54,33 @@ def band_coord(linear, major, minor, group):
     return major_idx, first_minor + within - major_idx * width
 
 
-class TileScheduler:
+class PersistentTileScheduler:
+    """The protocol of epicute's tile schedulers (see the module docstring).
+
+    ``work`` is a linear ``Int32`` id; :meth:`next` steps a role past ``steps`` units of
+    its walk (a ping-pong GEMM team skips the other team's tiles); :attr:`grid` sizes the
+    launch, host and device alike.
+    """
+
+    #: Units (CTAs or clusters) a launch starts: :func:`epicute.sm90.tile_grid.launched`.
+    grid = staticmethod(launched)
+
+    def first(self):
+        raise NotImplementedError
+
+    def is_valid(self, work):
+        raise NotImplementedError
+
+    def next(self, work, steps=1):
+        raise NotImplementedError
+
+    def coord(self, work):
+        raise NotImplementedError
+
+
+class ClusterTileScheduler(PersistentTileScheduler):
+    """The GEMM's static schedule over clusters of output tiles (see the module docstring)."""
+
     def __init__(
         self,
         clusters_m: Int32,
@@ -72,13 +106,7 @@ class TileScheduler:
         m, n, l = (
             new_from_mlir_values(x, [v]) for x, v in zip((self.clusters_m, self.clusters_n, self.num_batches), values)
         )
-        return TileScheduler(m, n, l, self.cluster_shape_mn, self.group, self.raster_along_m)
-
-    @staticmethod
-    def num_clusters(tiles_m, tiles_n, l, cluster_shape_mn):
-        clusters_m = (tiles_m + cluster_shape_mn[0] - 1) // cluster_shape_mn[0]
-        clusters_n = (tiles_n + cluster_shape_mn[1] - 1) // cluster_shape_mn[1]
-        return clusters_m, clusters_n, clusters_m * clusters_n * l
+        return ClusterTileScheduler(m, n, l, self.cluster_shape_mn, self.group, self.raster_along_m)
 
     @property
     def total_clusters(self):
@@ -89,16 +117,22 @@ class TileScheduler:
         return Int32(cute.arch.block_idx()[2])
 
     def stride(self):
+        """Launched clusters (``gridDim.z``): the static walk's step."""
         return Int32(cute.arch.grid_dim()[2])
 
-    def is_valid(self, linear):
-        return linear < self.total_clusters
+    def is_valid(self, work):
+        return work < self.total_clusters
 
-    def tile_coord(self, linear):
+    def next(self, work, steps=1):
+        if cutlass.const_expr(isinstance(steps, int) and steps == 1):
+            return work + self.stride()
+        return work + steps * self.stride()
+
+    def coord(self, work):
         """(tile_m, tile_n, batch) of this CTA for the linear cluster id."""
         per_batch = self.clusters_m * self.clusters_n
-        batch = linear // per_batch
-        r = linear - batch * per_batch
+        batch = work // per_batch
+        r = work - batch * per_batch
         if cutlass.const_expr(self.raster_along_m):
             major, minor = self.clusters_m, self.clusters_n
         else:
@@ -116,29 +150,33 @@ class TileScheduler:
         )
 
 
-class TileQueue:
-    """Work tiles of a persistent CTA: a static stride, or claimed from a global counter.
+class TileQueue(PersistentTileScheduler):
+    """Work tiles of a persistent CTA, in a linear order: a static stride, or claimed from a
+    global counter.
 
-    A CTA starts on tile ``blockIdx.x``. Its next tile is either static (``tile +
-    gridDim.x``: every role of the CTA computes it alone) or, with ``counter`` (a
-    global int32 that is 0 at launch), claimed dynamically: ``gridDim.x +
+    ``order(tile)`` maps a linear tile to its coordinates (attention: m-block fastest, or
+    longest-first bands). A CTA starts on tile ``blockIdx.x``. Its next tile is either
+    static (``tile + gridDim.x``: every role of the CTA computes it alone) or, with
+    ``counter`` (a global int32 that is 0 at launch), claimed dynamically: ``gridDim.x +
     atomicAdd(counter, 1)``, so CTAs that drew short tiles come back for more and a
-    longest-first order keeps its balance. The launch's last claim returns
-    ``num_tiles - 1`` (every tile past the first wave is claimed once, and every CTA
-    makes one last, failing claim); its claimer stores 0 back, so the next launch on
-    the stream finds the counter at 0 without a memset.
+    longest-first order keeps its balance. The launch's last claim returns ``num_tiles -
+    1`` (every tile past the first wave is claimed once, and every CTA makes one last,
+    failing claim); its claimer stores 0 back, so the next launch on the stream finds
+    the counter at 0 without a memset.
 
-    Dynamic tiles are claimed by the producer warp alone, which announces each one
-    to the consumers: it writes the tile's index and coordinates to ``slot`` (shared
-    memory, four int32) before arming the full barrier of the ring that carries the
-    tile's first load (attention: Q's). A barrier arrive releases the arriving
-    thread's prior writes and a consumer's wait acquires them, so the consumers read
-    the slot after waiting on that barrier; an index ``>= num_tiles`` ends their walk.
+    Dynamic tiles are claimed by the producer warp alone (:meth:`next`), which
+    announces each one to the consumers (:meth:`announce`): it writes the tile's index
+    and coordinates to ``slot`` (shared memory, four int32) before arming the full
+    barrier of the ring that carries the tile's first load (attention: Q's). A barrier
+    arrive releases the arriving thread's prior writes and a consumer's wait acquires
+    them, so consumers read the slot after waiting on that barrier (:meth:`follow`,
+    :meth:`followed_coord`); an index ``>= num_tiles`` ends their walk.
     """
 
-    def __init__(self, slot: cute.Tensor, num_tiles, counter: cute.Tensor | None = None):
+    def __init__(self, slot: cute.Tensor, num_tiles, order, counter: cute.Tensor | None = None):
         self.slot = slot
         self.num_tiles = num_tiles
+        self.order = order
         self.counter = counter
         self.dynamic = counter is not None
 
@@ -149,11 +187,21 @@ class TileQueue:
     def __new_from_mlir_values__(self, values):
         return self
 
+    def ordered_by(self, order) -> TileQueue:
+        """This queue with its tile order set (each role builds it from the extents it has)."""
+        return TileQueue(self.slot, self.num_tiles, order, self.counter)
+
     def first(self):
         return Int32(cute.arch.block_idx()[0])
 
+    def is_valid(self, tile):
+        return tile < self.num_tiles
+
+    def coord(self, tile):
+        return self.order(tile)
+
     @cute.jit
-    def claim_next(self, tile):
+    def next(self, tile, steps=1):
         """The producer warp's next tile after ``tile`` (call with the whole warp)."""
         grid = Int32(cute.arch.grid_dim()[0])
         if cutlass.const_expr(not self.dynamic):
@@ -166,7 +214,7 @@ class TileQueue:
         return grid + cute.arch.shuffle_sync(claimed, 0)
 
     @cute.jit
-    def acquire_and_announce(self, ring, state, tile, coords: tuple):
+    def announce(self, ring, state, tile, coords: tuple):
         """``ring.producer_acquire(state)`` for the tile's first load; dynamic tiles also get
         their index and coordinates written to the slot between the wait and the arrive."""
         ring.sync_object_empty.wait(state.index, state.phase)
@@ -186,7 +234,7 @@ class TileQueue:
                 cute.arch.mbarrier_arrive(ring.sync_object_full.get_barrier(state.index))
 
     @cute.jit
-    def consumer_next(self, tile, ring, state):
+    def follow(self, tile, ring, state):
         """The consumers' tile after ``tile`` (``None``: their first): static, computed here;
         dynamic, announced (waits for ``ring``'s stage ``state`` to be full)."""
         if cutlass.const_expr(self.dynamic):
@@ -196,6 +244,8 @@ class TileQueue:
             return self.first()
         return tile + Int32(cute.arch.grid_dim()[0])
 
-    def announced_coords(self, count: int) -> tuple:
-        """The coordinates announced with the current dynamic tile."""
-        return tuple(self.slot[1 + i] for i in range(count))
+    def followed_coord(self, tile, count: int) -> tuple:
+        """The consumers' coordinates of ``tile``: announced with it (dynamic), else computed."""
+        if cutlass.const_expr(self.dynamic):
+            return tuple(self.slot[1 + i] for i in range(count))
+        return self.coord(tile)

@@ -42,7 +42,7 @@ def sdpa64(q, k, v, causal, scale=None):
 def float64_reference(q, k, v, causal, score_mod=None, epilogue=None, **operands):
     call = check_attention_args(q, k, v, causal=causal, softmax_scale=None, require_cuda=False)
     score, epi = hooks_of(call, score_mod, epilogue, operands)
-    return reference_attention(call, score, epi, compute_dtype=torch.float64, out_dtype=torch.float64)[0]
+    return reference_attention(call, score, epi, compute_dtype=torch.float64, out_dtype=torch.float64)[0]["D"]
 
 
 CASES = [(2, 17, 17, 4, 4), (1, 129, 40, 4, 1), (2, 33, 100, 6, 2), (1, 1, 1, 2, 2), (1, 70, 70, 8, 2)]
@@ -54,7 +54,8 @@ CASES = [(2, 17, 17, 4, 4), (1, 129, 40, 4, 1), (2, 33, 100, 6, 2), (1, 1, 1, 2,
 def test_reference_matches_sdpa_float64(case, causal, d):
     q, k, v = qkv(*case, d)
     call = check_attention_args(q, k, v, causal=causal, softmax_scale=None, require_cuda=False)
-    out, lse = reference_attention(call, compute_dtype=torch.float64, out_dtype=torch.float64)
+    outputs, lse = reference_attention(call, compute_dtype=torch.float64, out_dtype=torch.float64)
+    out = outputs["D"]
     ref, ref_lse = sdpa64(q, k, v, causal)
     seen = ~torch.isneginf(ref_lse)  # rows that see at least one key (SDPA gives NaN for the others)
     assert rel_err(out.transpose(1, 2)[seen], ref.transpose(1, 2)[seen]) < 1e-12
@@ -142,7 +143,7 @@ def test_validation_errors():
         epicute.attention(q, k, v, backend="triton")
     with pytest.raises(epicute.DeviceError, match="cuda"):
         epicute.attention(q, k, v)
-    bad(epicute.OutputError, "must match q", q, k, v, out=torch.empty(2, 16, 4, 32, dtype=torch.bfloat16))
+    bad(epicute.OutputError, "must be O.s", q, k, v, out=torch.empty(2, 16, 4, 32, dtype=torch.bfloat16))
     bad(epicute.OutputError, "shares memory", q, k, v, out=q)
 
 

@@ -72,7 +72,8 @@ def test_ready_epilogues_schedule_like_ck_tiles(gen):
         "slice_acc", "load_tiles", "compute", "cast", "store_smem", "fence_barrier", "tma_store", "advance",
     ]  # fmt: skip
     rcq = schedule(epicute.epilogues.row_col_quant.trace({"scale_m": "col", "scale_n": "row"}))
-    assert rcq.stages[0].kind == "load_vectors" and rcq.vector_operands == ("scale_m", "scale_n")
+    # Row vectors come first, then column vectors: the order of the kernel's vector buffers.
+    assert rcq.stages[0].kind == "load_vectors" and rcq.vector_operands == ("scale_n", "scale_m")
     tq = schedule(epicute.epilogues.tensor_quant.trace({"scale": "scalar"}))
     assert tq.reductions == ("amax",) and tq.scalar_operands == ("scale",)
     assert "fp32 -> fp8e4m3 (saturating)" in str(tq)

@@ -1,8 +1,8 @@
 """The op table: every consumer reads it, its two halves agree, and a new op is one entry.
 
 ``epicute.ops``, the graph's arities, the tracer's dtype rule, the CPU reference,
-the planner's instruction estimates, the kernel emitter, the attention allow-list
-and the fuzzer all read :mod:`epicute.epilogue.optable`. The last tests declare an
+the planner's instruction estimates, the kernel emitter (every kernel's) and the
+fuzzer all read :mod:`epicute.epilogue.optable`. The last tests declare an
 op here (``square_plus_one``), register it, and take it through the whole
 pipeline: trace, reference, schedule, hash, fuzzer, and an sm_90a compile.
 """
@@ -112,7 +112,6 @@ def test_entries_are_complete():
         assert not op.rounds or "dtype" in op.attrs, op.name
         assert set(sample_attrs(op)) == set(op.attrs), op.name
     assert {op.name for op in optable.BUILTIN if op.rounds} == {"cast", "quantize"}
-    assert {op.name for op in optable.BUILTIN if not op.attention} == {"quantize"}
 
 
 def domain_value(kind: str, gen: torch.Generator, shape=(3, 5, 7)) -> torch.Tensor:
@@ -214,9 +213,12 @@ def test_math_namespaces_provide_the_same_primitives():
 
 
 @pytest.mark.compile
-def test_a_new_op_compiles_into_the_gemm_and_attention_accepts_it():
-    from epicute.attention.kernel_sm90 import AttentionFusion
-    from epicute.epilogue.fusion import EpilogueFusion
+def test_a_new_op_compiles_into_the_gemm_and_attention():
+    from epicute.attention.launch import AttentionVariant, compile_attention
+    from epicute.attention.plan import default_config
+    from epicute.epilogue.fusion import EpilogueFusion, ScoreModFusion
+    from epicute.epilogue.schedule import ATTENTION_SM90
+    from epicute.epilogue.score_mod import score_mod
     from epicute.gemm import GemmProblem
     from epicute.gemm.compile import GemmVariant, compile_gemm
     from epicute.gemm.heuristics import choose_config
@@ -227,4 +229,9 @@ def test_a_new_op_compiles_into_the_gemm_and_attention_accepts_it():
         fusion = EpilogueFusion(graph, (("bias", "row", "bf16"),))
         cfg = choose_config(GemmProblem(4096, 4096, 4096), epilogue=fusion.buffers())
         assert callable(compile_gemm(GemmVariant(cfg, "bf16", "bf16", "k", "n", fusion=fusion)))
-        AttentionFusion(as_epilogue(lambda o: ops.square_plus_one(o)).trace({}), ())  # on attention's allow-list
+        # The same entry is attention's: in its output epilogue and its score_mod.
+        out = as_epilogue(lambda o: ops.square_plus_one(o)).trace({}, d_dtype=torch.bfloat16)
+        soft = score_mod(lambda s, b, h, q_idx, kv_idx: ops.square_plus_one(s)).trace({})
+        variant = AttentionVariant(default_config(128, False), "bf16", False, ScoreModFusion(soft, ()),
+                                   EpilogueFusion(out, (), style=ATTENTION_SM90))  # fmt: skip
+        assert callable(compile_attention(variant))

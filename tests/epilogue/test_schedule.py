@@ -31,14 +31,16 @@ def test_stage_chain_for_a_tile_operand_a_vector_an_aux_output_and_reductions():
         ("subtile", "slice_acc"),
         ("subtile", "load_tiles"),
         ("subtile", "compute"),
+        ("subtile", "reduce"), ("subtile", "reduce"),
         ("subtile", "cast"), ("subtile", "cast"),
         ("subtile", "store_smem"), ("subtile", "store_smem"),
         ("subtile", "fence_barrier"),
-        ("subtile", "tma_store"), ("subtile", "tma_store"),
-        ("subtile", "reduce"), ("subtile", "reduce"),
+        ("subtile", "tma_store"),  # one bulk group stores D and the aux tile
         ("subtile", "advance"),
         ("tile", "finalize_reductions"),
     ]  # fmt: skip
+    by_kind = {s.kind: s for s in sched.stages}
+    assert by_kind["tma_store"].names == ("D", "pre") and by_kind["load_tiles"].names == ("residual",)
     assert sched.tile_operands == ("residual",) and sched.vector_operands == ("bias",)
     assert sched.scalar_operands == ("alpha",) and sched.tile_outputs == ("D", "pre")
     assert sched.reductions == ("rmax", "colsum")
@@ -61,17 +63,49 @@ def test_stages_carry_their_nodes():
 def test_printing_one_line_per_stage():
     text = str(schedule(traced({"pre": torch.float32})))
     lines = text.splitlines()
-    assert len(lines) == 15
+    assert len(lines) == 14
     assert (
         lines[0] == " 0  tile     load_vectors         bias (row, bf16): this tile's slice, global -> registers "
         "before the mainloop (latency hidden), -> smem after it"
     )
-    assert lines[2].startswith(" 2  subtile  load_tiles           residual (bf16)")
-    assert "D: fp32 -> bf16 (round to nearest even)" in lines[4] and "pre: fp32 -> fp32 (no conversion)" in lines[5]
-    assert "commit the bulk group" in lines[10] and "commit" not in lines[9]
-    assert "rmax = row_amax(%6)" in lines[11] and "out-of-bounds elements excluded" in lines[11]
-    assert "gives rmax (L, M), colsum (L, N) (deterministic: no float atomics)" in lines[14]
+    assert lines[2].startswith(" 2  subtile  load_tiles           residual (tile, bf16)")
+    assert "rmax = row_amax(%6)" in lines[4] and "out-of-bounds elements excluded" in lines[4]
+    assert "D: fp32 -> bf16 (round to nearest even)" in lines[6] and "pre: fp32 -> fp32 (no conversion)" in lines[7]
+    assert "D, pre: one thread issues the TMA stores" in lines[11] and "commit the bulk group" in lines[11]
+    assert "gives rmax (L, M), colsum (L, N) (deterministic: no float atomics)" in lines[13]
     assert "unused" not in text
+
+
+def test_attention_chain_reads_operands_where_used_and_stages_outputs_in_turn():
+    from epicute.epilogue.schedule import ATTENTION_SM90
+
+    sched = schedule(traced({"pre": torch.bfloat16}), style=ATTENTION_SM90)
+    assert [s.kind for s in sched.stages] == [
+        "slice_acc", "read_tiles", "read_vectors", "compute", "reduce", "reduce", "cast", "cast",
+        "store_smem", "fence_barrier", "tma_store",  # D through Q's buffer...
+        "store_smem", "fence_barrier", "tma_store",  # ...then the aux tile, once the D store has read it
+        "finalize_reductions",
+    ]  # fmt: skip
+    assert "Q's smem buffer" in str(sched) and "advance" not in str(sched)
+
+
+def test_a_plain_kernel_runs_the_chain_of_its_identity_epilogue():
+    from epicute.epilogue.schedule import plain_graph
+
+    sched = schedule(plain_graph("fp8e4m3"))
+    kinds = [s.kind for s in sched.stages]
+    assert kinds == ["slice_acc", "cast", "store_smem", "fence_barrier", "tma_store", "advance"]
+    assert "D: fp32 -> fp8e4m3 (saturating)" in str(sched)
+    # D = acc with another output still computes (it routes acc to both).
+    routed = schedule(as_epilogue(lambda acc: {"D": acc, "copy": acc}).trace({}))
+    assert "no ops: acc to every output" in str(routed)
+
+
+def test_every_stage_kind_has_a_kernel_emitter():
+    from epicute.epilogue.schedule import STAGE_KINDS
+    from epicute.sm90.epilogue_chain import EMITTERS
+
+    assert set(EMITTERS) == set(STAGE_KINDS)
 
 
 def test_minimal_epilogue_has_only_the_fixed_links():

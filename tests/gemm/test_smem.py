@@ -86,19 +86,38 @@ def test_epi_fits_in_a_ring():
     assert not epi_fits_in_a_ring(cfg, "bf16", "fp32")  # 4 x 128x32 x 4 B = 65536
 
 
-def test_epilogue_region_is_in_the_table_and_the_total():
-    from epicute.gemm.smem import EpilogueBuffers, epilogue_region, epilogue_region_bytes
+def test_epilogue_buffers_are_in_the_table_and_the_total():
+    from epicute.gemm.smem import EpilogueBuffers, gemm_smem_layout
 
     cfg = GemmConfig(tile_n=256, ab_stages=3, num_epi_stages=2, num_c_stages=2)
     epi = EpilogueBuffers(tile_inputs=("bf16", "fp32"), aux_outputs=("fp8e4m3",), vectors=("row", "col"))
-    regions = epilogue_region(cfg, epi)
-    assert [r.name for r in regions] == [
+    layout = gemm_smem_layout(cfg, "bf16", "bf16", epi)
+    fields = ["epi_tile_0", "epi_tile_1", "epi_aux_0", "epi_vec_0", "epi_vec_1"]
+    assert [layout.buffer(f).name for f in fields] == [
         "operand tile 0", "operand tile 1", "aux output 0", "row vector 0", "col vector 1"
     ]  # fmt: skip
-    assert [r.bytes for r in regions] == [2 * 128 * 32 * 2, 2 * 128 * 32 * 4, 2 * 128 * 32 * 1, 256 * 4, 128 * 4]
-    assert all(r.offset % 1024 == 0 for r in regions)
+    assert [layout.buffer(f).bytes for f in fields] == [2 * 128 * 32 * 2, 2 * 128 * 32 * 4, 2 * 128 * 32, 1024, 512]
+    offsets = layout.offsets()
+    assert all(offsets[f] % BUFFER_ALIGN == 0 for f in fields)
     plain = smem_total(cfg, "bf16", "bf16")
     table = smem_table(cfg, "bf16", "bf16", epi)
     assert "epilogue-load barriers" in [item.name for item in table]
-    # The region and its barriers (2 x 2 mbarriers, inside the first alignment pad) are all that is added.
-    assert smem_total(cfg, "bf16", "bf16", epi) == plain + epilogue_region_bytes(cfg, epi)
+    # The buffers, each rounded up to 1024 B, are all that is added: their barriers (2 x 2 mbarriers)
+    # fit in the padding before the A ring.
+    added = sum(-(-layout.buffer(f).bytes // BUFFER_ALIGN) * BUFFER_ALIGN for f in fields)
+    assert smem_total(cfg, "bf16", "bf16", epi) == plain + added == sum(item.bytes for item in table)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(("cfg", "ab", "d"), CONFIGS, ids=CONFIG_IDS)
+def test_the_kernels_struct_is_the_table(cfg, ab, d):
+    """The kernel allocates layout.struct(): its size and every field offset are the table's."""
+    from epicute.gemm.smem import EpilogueBuffers, gemm_smem_layout
+
+    epi = EpilogueBuffers(tile_inputs=("fp16",), aux_outputs=("fp32",), vectors=("col",))
+    for buffers in (EpilogueBuffers(), epi):
+        layout = gemm_smem_layout(cfg, ab, d, buffers)
+        struct = layout.struct()
+        assert struct.size_in_bytes() == layout.total_bytes == sum(item.bytes for item in layout.table())
+        owned = {f: o for f, o in layout.offsets().items() if not layout.buffer(f).alias_of}
+        assert struct._offsets == owned

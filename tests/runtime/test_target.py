@@ -24,6 +24,7 @@ from epicute.gemm.prepare import GemmRequest, prepare
 from epicute.runtime.aot import compile_spec
 from epicute.runtime.compile import FAMILIES
 from epicute.runtime.target import H100_SXM, TARGETS, Target, current_target, resolve_target, target_from_device
+from epicute.sm90.tile_grid import launched
 
 BIG = GemmProblem(8192, 8192, 8192)
 #: Pins under which every target plans one config (the planner would otherwise choose by SM count).
@@ -166,7 +167,7 @@ def test_the_plans_grid_is_the_kernels_formula_on_the_launch_argument(target, pe
         tiles_m, tiles_n = -(-problem.m // c.tile_m), -(-problem.n // c.tile_n)
         total = -(-tiles_m // c.cluster_m) * -(-tiles_n // c.cluster_n) * problem.l
         assert plan.max_active_clusters == TARGETS[target].num_sms // c.cluster_size
-        assert plan.grid == (c.cluster_m, c.cluster_n, c.launched_clusters(total, plan.max_active_clusters))
+        assert plan.grid == (c.cluster_m, c.cluster_n, launched(total, plan.max_active_clusters, persistent))
         assert plan.grid[2] == (min(total, plan.max_active_clusters) if persistent else total)
 
 

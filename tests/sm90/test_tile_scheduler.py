@@ -19,3 +19,16 @@ def test_band_walk_visits_every_cell_once_band_by_band(major, minor, group):
         walk = [m for (m, n), b in zip(cells, bands) if b == band]
         width = min(group, minor - band * group)
         assert walk == [m for m in range(major) for _ in range(width)]
+
+
+def test_every_scheduler_sizes_its_launch_with_the_planners_function():
+    from epicute.sm90.tile_grid import launched
+    from epicute.sm90.tile_scheduler import ClusterTileScheduler, PersistentTileScheduler, TileQueue
+
+    # The planner's grid (GemmPlan.grid, AttentionPlan.grid) and each kernel's __call__ call this one function.
+    assert ClusterTileScheduler.grid is TileQueue.grid is PersistentTileScheduler.grid is launched
+    assert launched(1000, 132, persistent=True) == 132 and launched(1000, 132, persistent=False) == 1000
+    assert launched(7, 132, persistent=True) == 7
+    for method in ("first", "is_valid", "next", "coord"):
+        assert getattr(ClusterTileScheduler, method) is not getattr(PersistentTileScheduler, method)
+        assert getattr(TileQueue, method) is not getattr(PersistentTileScheduler, method)
