@@ -141,26 +141,35 @@ def explain_attention_cmd(
     head_dim: int = typer.Option(128, min=1, help="head dimension: 64, 128 or 256"),
     dtype: str = typer.Option("bf16", help="q, k, v dtype: " + ", ".join(AB_DTYPES)),
     causal: bool = typer.Option(False, "--causal/--no-causal", help="causal mask"),
+    score_mod: str | None = typer.Option(None, help="a score_mod: module:function"),
+    epilogue: str | None = typer.Option(
+        None, help=f"an output epilogue: module:function, or a ready one by name ({READY_EPILOGUES})"
+    ),
+    operand: list[str] = typer.Option(
+        [], help="a hook operand as name=kind[:dtype] (kind: scalar, head, row, tile); repeat per operand"
+    ),
     target: str | None = typer.Option(None, help=TARGET_HELP),
 ) -> None:
     """Plan a FlashAttention-3 style forward O = softmax(Q K^T) V and print tiles, warp roles,
-    pipelines, shared memory and roofline (no GPU needed)."""
-    from epicute.errors import EpicuteError
+    pipelines, shared memory, roofline and the output epilogue's chain (no GPU needed)."""
+    from epicute.errors import ConfigError, EpicuteError
 
     try:
         _check_choice("--dtype", dtype, AB_DTYPES)
-        import torch
-
-        from epicute.attention.api import explain_attention
+        from epicute.attention.aot import prepare_described
         from epicute.attention.plan import render_attention_plan
+        from epicute.runtime.target import resolve_target
 
-        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        q = torch.empty(batch, seqlen_q, heads_q, head_dim, dtype=torch_dtype, device="meta")
-        kv = torch.empty(batch, seqlen_k or seqlen_q, heads_kv or heads_q, head_dim, dtype=torch_dtype, device="meta")
-        plan = explain_attention(q, kv, kv, causal=causal, target=target, file=None)
+        if operand and not (epilogue or score_mod):
+            raise ConfigError("--operand needs --epilogue or --score-mod (the operands are the hooks')")
+        operands = dict(item.split("=", 1) if "=" in item else (item, "") for item in operand)
+        prepared = prepare_described(
+            dtype, head_dim, causal, (heads_q, heads_kv or heads_q), score_mod, epilogue, operands, None,
+            resolve_target(target), (batch, seqlen_q, seqlen_k or seqlen_q),
+        )  # fmt: skip
     except EpicuteError as exc:
         raise _fail(exc) from exc
-    console.print(render_attention_plan(plan))
+    console.print(render_attention_plan(prepared.plan, prepared.chain))
 
 
 @app.command("compile")

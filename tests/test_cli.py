@@ -326,6 +326,13 @@ def test_explain_attention_prints_the_plan(tmp_path):
     assert bad.returncode == 2 and "multiple of heads_kv" in bad.stdout
     fp32 = epicute_cli(*args, "--dtype", "fp32", cwd=tmp_path, cache=tmp_path / "cache")
     assert fp32.returncode == 2 and "--dtype 'fp32': give one of bf16, fp16" in fp32.stdout
+    assert "output epilogue chain" in result.stdout and "D: fp32 -> bf16" in result.stdout  # the plain chain
+    quant = epicute_cli(*args, "--epilogue", "tensor_quant", "--operand", "scale=scalar", cwd=tmp_path,
+                        cache=tmp_path / "cache")  # fmt: skip
+    assert quant.returncode == 0, quant.stdout + quant.stderr
+    assert "D: fp32 -> fp8e4m3 (saturating)" in quant.stdout and "finalize_reductions" in quant.stdout
+    lonely = epicute_cli(*args, "--operand", "scale=scalar", cwd=tmp_path, cache=tmp_path / "cache")
+    assert lonely.returncode == 2 and "--operand needs --epilogue or --score-mod" in lonely.stdout
 
 
 def test_cli_spells_dtypes_and_ready_epilogues_as_the_library_does():

@@ -20,141 +20,27 @@ declares them.
 
 from __future__ import annotations
 
-import functools
-import numbers
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
 import torch
 
-from epicute.attention.plan import AttentionPlan, AttentionProblem, plan_attention, render_attention_plan
+from epicute.attention.plan import AttentionPlan, render_attention_plan
+from epicute.attention.prepare import Hook, prepare
 from epicute.attention.torch_op import attention_op_call
 from epicute.attention.validate import AttentionCall, check_attention_args, check_attention_out
-from epicute.epilogue.dtypes import IR_TO_TORCH, TORCH_TO_IR, ir_dtype
-from epicute.epilogue.fusion import EpilogueFusion, ScoreModFusion
-from epicute.epilogue.operands import OperandSpec, Pin
+from epicute.epilogue.dtypes import IR_TO_TORCH
 from epicute.epilogue.reference import evaluate, round_to
-from epicute.epilogue.schedule import ATTENTION_SM90
-from epicute.epilogue.score_mod import ScoreMod
-from epicute.epilogue.score_mod import score_mod as as_score_mod
-from epicute.epilogue.tracer import Epilogue, as_epilogue
-from epicute.errors import ConfigError, DeviceError, EpilogueError
-from epicute.gemm.config import DTYPE_BYTES
+from epicute.errors import ConfigError
 from epicute.runtime.checks import check_has_values
 from epicute.runtime.target import Target, resolve_target
 
 
-def ir_dtypes(dtypes: dict | None) -> dict[str, str]:
-    """``out_dtypes`` (torch dtypes or IR names) as IR names."""
-    return {name: ir_dtype(dtype, f"out_dtypes[{name!r}]") for name, dtype in (dtypes or {}).items()}
-
-
-#: Attention operand kind -> the epilogue IR kind it is traced as (see module docstring).
-_IR_KIND = {"scalar": "scalar", "head": "col", "row": "row", "tile": "tile"}
-
-
-@functools.lru_cache(maxsize=1024)
-def _cached_plan(problem: AttentionProblem, overrides: tuple, target: Target | None = None) -> AttentionPlan:
-    return plan_attention(problem, target, **dict(overrides))
-
-
-def _operand_kind(hook: str, name: str, value: Any, p: AttentionProblem) -> tuple[str, Any]:
-    """(attention kind, value) of one operand of ``hook`` ("score_mod" or "epilogue")."""
-    if isinstance(value, Pin):
-        if value.kind != "scalar":
-            raise EpilogueError(
-                f"operand {name!r}: {type(value).__name__} pins are for GEMM epilogues; "
-                "attention infers kinds from shapes"
-            )
-        value = value.value
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return "scalar", float(value)
-    if not isinstance(value, torch.Tensor):
-        raise EpilogueError(f"operand {name!r}: expected a torch tensor or a Python number, got {type(value).__name__}")
-    if value.numel() == 1:
-        return "scalar", float(value.item())
-    if value.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise EpilogueError(f"operand {name!r} has dtype {value.dtype}; use bf16, fp16 or fp32 (e.g. {name}.float())")
-    shape = tuple(value.shape)
-    if hook == "score_mod" and shape == (p.heads_q,):
-        return "head", value
-    if hook == "epilogue" and shape == (p.head_dim,):
-        return "row", value
-    if hook == "epilogue" and shape == (p.batch, p.seqlen_q, p.heads_q, p.head_dim):
-        return "tile", value
-    accepted = (
-        f"a number or a per-head vector ({p.heads_q},)"
-        if hook == "score_mod"
-        else f"a number, a ({p.head_dim},) vector or a (batch, seqlen_q, heads, head_dim) = "
-        f"{(p.batch, p.seqlen_q, p.heads_q, p.head_dim)} tile"
-    )
-    raise EpilogueError(f"operand {name!r} of the {hook} has shape {shape}; it must be {accepted}")
-
-
-class _Hook:
-    """One traced hook (score_mod or epilogue) resolved against a problem."""
-
-    def __init__(
-        self, hook: str, fn: Epilogue, values: dict[str, Any], p: AttentionProblem, out_dtype: str,
-        out_dtypes: dict | None = None,
-    ):  # fmt: skip
-        self.fn = fn
-        missing = [name for name in fn.params if name not in values and name not in fn.defaults]
-        if missing:
-            raise EpilogueError(f"{hook} {fn.name!r} needs operands {missing}: pass them as keyword arguments")
-        self.operands = {
-            name: _operand_kind(hook, name, values[name] if name in values else fn.defaults[name], p)
-            for name in fn.params
-        }
-        dtypes = {n: "fp32" if k == "scalar" else TORCH_TO_IR[v.dtype] for n, (k, v) in self.operands.items()}
-        kinds = {n: _IR_KIND[k] for n, (k, _) in self.operands.items()}
-        self.graph = fn.trace(kinds, dtypes, out_dtypes, d_dtype=out_dtype)
-        self.signature = tuple((n, k, dtypes[n]) for n, (k, _) in self.operands.items())
-        if hook == "score_mod":
-            self.fusion = ScoreModFusion(self.graph, self.signature)
-        else:
-            self.fusion = EpilogueFusion(self.graph, self.signature, style=ATTENTION_SM90)
-            _check_staged_outputs(self.fusion, out_dtype)
-
-    def kernel_operands(self, device: torch.device) -> tuple[tuple, tuple]:
-        """The kernel's operand tensors and fp32 scalars, in the fusion's order (operands no output
-        depends on are not passed)."""
-        fusion = self.fusion
-        if isinstance(fusion, ScoreModFusion):
-            names, scalars = [n for n, _, _ in fusion.tensor_operands], [n for n, _, _ in fusion.scalar_operands]
-        else:
-            names = [n for role, n, _ in fusion.tensor_args if role in ("tile", "row")]
-            scalars = list(fusion.scalar_inputs)
-        for name in names:
-            value = self.operands[name][1]
-            if value.device != device:
-                raise DeviceError(f"operand {name!r} is on {value.device}; move it to {device}")
-        return tuple(self.operands[n][1] for n in names), tuple(self.operands[n][1] for n in scalars)
-
-    def reference_specs(self, p: AttentionProblem) -> dict[str, OperandSpec]:
-        """Operands in the IR's canonical ``(L, M, N)`` views, ``L = batch * heads`` (CPU copies)."""
-        L = p.batch * p.heads_q
-        specs = {}
-        for name, (kind, value) in self.operands.items():
-            if kind == "scalar":
-                specs[name] = OperandSpec(name, "scalar", "fp32", value)
-                continue
-            t = value.detach().cpu()
-            if kind == "head":
-                t = t.repeat(p.batch)[:, None].expand(L, p.seqlen_q)
-            elif kind == "row":
-                t = t[None, :].expand(L, p.head_dim)
-            else:
-                t = t.permute(0, 2, 1, 3).reshape(L, p.seqlen_q, p.head_dim)
-            specs[name] = OperandSpec(name, _IR_KIND[kind], TORCH_TO_IR[value.dtype], t)
-        return specs
-
-
 def reference_attention(
     call: AttentionCall,
-    score: _Hook | None = None,
-    epi: _Hook | None = None,
+    score: Hook | None = None,
+    epi: Hook | None = None,
     compute_dtype: torch.dtype = torch.float32,
     out_dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
@@ -210,57 +96,6 @@ def reference_attention(
     return results, lse
 
 
-def _check_staged_outputs(fusion: EpilogueFusion, q_dtype: str) -> None:
-    """The kernel stages each stored output in Q's shared memory (one ``tile_m x head_dim`` tile of
-    q's dtype): outputs wider than q's elements do not fit."""
-    limit = DTYPE_BYTES[q_dtype]
-    for name, dtype in fusion.tile_output_dtypes.items():
-        if DTYPE_BYTES[dtype] > limit:
-            fix = "out_dtypes={'D': ...}" if name == "D" else f"out_dtypes={{{name!r}: torch.bfloat16}}"
-            raise EpilogueError(
-                f"attention output {name!r} is {dtype}: the kernel stages every output in Q's {q_dtype} buffer, "
-                f"so outputs are at most {limit}-byte types; store it as bf16, fp16 or fp8 ({fix}, or an "
-                "ops.cast in the epilogue)"
-            )
-
-
-def hooks_of(
-    call: AttentionCall, score_mod, epilogue, operands: dict, out_dtypes: dict | None = None
-) -> tuple[_Hook | None, _Hook | None]:
-    """The traced score_mod and output epilogue of a call (``out_dtypes``: stored dtypes of the
-    epilogue's outputs by name, as :func:`epicute.gemm` takes them)."""
-    p = call.problem
-    sm = None if score_mod is None else as_score_mod(score_mod)
-    epi = None if epilogue is None else as_epilogue(epilogue)
-    if sm is not None and not isinstance(sm, ScoreMod):
-        raise EpilogueError("score_mod must be a function f(score, b, h, q_idx, kv_idx, *operands)")
-    declared = set(sm.params if sm else ()) | set(epi.params if epi else ())
-    unknown = sorted(set(operands) - declared)
-    if unknown:
-        raise EpilogueError(
-            f"operands {unknown} are not parameters of the score_mod or the epilogue (they take {sorted(declared)})"
-        )
-    if out_dtypes and epi is None:
-        raise EpilogueError(f"out_dtypes {sorted(out_dtypes)} were given without an epilogue")
-    score = None if sm is None else _Hook("score_mod", sm, operands, p, "fp32")
-    out = None if epi is None else _Hook("epilogue", epi, operands, p, p.dtype, out_dtypes)
-    return score, out
-
-
-def kernel_variant(
-    call: AttentionCall, score: _Hook | None, epi: _Hook | None, config: dict | None, target: Target | None = None
-):
-    """The ``AttentionVariant`` (compile cache entry) the kernel backend launches for this call, planned
-    for ``target`` (None: the current one); its key holds the target's arch, not its SM count."""
-    from epicute.attention.launch import AttentionVariant
-
-    plan = _cached_plan(call.problem, tuple(sorted((config or {}).items())), target)
-    return AttentionVariant(
-        plan.config, call.problem.dtype, call.problem.causal,
-        None if score is None else score.fusion, None if epi is None else epi.fusion, plan.target.arch,
-    )  # fmt: skip
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -311,7 +146,7 @@ def attention(
         >>> softcap = lambda s, b, h, qi, ki: 30 * epicute.ops.tanh(s / 30)
         >>> o, lse = epicute.attention(q, kv, kv, score_mod=softcap, return_lse=True)
         >>> r = epicute.attention(q, kv, kv, epilogue=epicute.epilogues.tensor_quant, scale=4.0)
-        >>> r["D"].dtype, r["amax"]                                 # fp8 O and the amax of O before scaling
+        >>> r["D"].dtype, r["amax"]                                 # fp8 O * 4 and max |O * 4|
 
     Returns:
         O; a dict of every output (``"D"`` is O) when the epilogue returns more than O; with
@@ -328,10 +163,10 @@ def attention(
     if backend == "reference":
         check_has_values(("q", q), ("k", k), ("v", v))
     call = check_attention_args(q, k, v, causal=causal, softmax_scale=softmax_scale, require_cuda=backend == "kernel")
-    score, epi = hooks_of(call, score_mod, epilogue, operands, ir_dtypes(out_dtypes))
-    stored = {"D": call.problem.dtype} if epi is None else epi.fusion.tile_output_dtypes
+    prepared = prepare(call, score_mod, epilogue, operands, out_dtypes, config)
+    score, epi = prepared.score, prepared.epilogue
     if out is not None:
-        check_attention_out(call, out, IR_TO_TORCH[stored["D"]])
+        check_attention_out(call, out, IR_TO_TORCH[prepared.output_dtypes["D"]])
     if backend == "reference":
         results, lse = reference_attention(call, score, epi)
         results = {name: value.to(q.device) for name, value in results.items()}
@@ -343,10 +178,10 @@ def attention(
 
         device = q.device
         results, lse = launch_attention(
-            call, kernel_variant(call, score, epi, config),
+            call, prepared.variant(),
             score.kernel_operands(device) if score else ((), ()),
             epi.kernel_operands(device) if epi else ((), ()),
-            _cached_plan(call.problem, tuple(sorted((config or {}).items()))).max_ctas,  # planned, a cache hit
+            prepared.plan.max_ctas,
         )  # fmt: skip
     result = results["D"] if set(results) == {"D"} else results
     return (result, lse) if return_lse else result
@@ -358,14 +193,20 @@ def explain_attention(
     v: torch.Tensor,
     *,
     causal: bool = False,
+    score_mod: Callable | None = None,
+    epilogue: Callable | None = None,
+    out_dtypes: dict[str, torch.dtype] | None = None,
     config: dict | None = None,
     target: Target | str | None = None,
     file: TextIO | str | None = "stdout",
+    **operands: Any,
 ) -> AttentionPlan:
     """Print (to ``file``; ``None`` to stay quiet) and return the attention plan; works on ``"meta"`` tensors.
 
-    ``target``: the GPU to plan for, a name of :data:`epicute.runtime.target.TARGETS` or a
-    :class:`~epicute.runtime.target.Target` (default: the visible GPU, else an H100 SXM).
+    Takes :func:`attention`'s arguments and goes the same way (:func:`epicute.attention.prepare.prepare`):
+    with a ``score_mod`` or ``epilogue`` (and their operands) the text ends with the epilogue chain
+    the kernel runs. ``target``: the GPU to plan for, a name of :data:`epicute.runtime.target.TARGETS`
+    or a :class:`~epicute.runtime.target.Target` (default: the visible GPU, else an H100 SXM).
 
     Example:
         >>> import torch, epicute
@@ -375,7 +216,7 @@ def explain_attention(
         (128, 128)
     """
     call = check_attention_args(q, k, v, causal=causal, softmax_scale=None, require_cuda=False)
-    plan = _cached_plan(call.problem, tuple(sorted((config or {}).items())), resolve_target(target))
+    prepared = prepare(call, score_mod, epilogue, operands, out_dtypes, config, resolve_target(target))
     if file is not None:
-        print(render_attention_plan(plan), file=sys.stdout if file == "stdout" else file)
-    return plan
+        print(render_attention_plan(prepared.plan, prepared.chain), file=sys.stdout if file == "stdout" else file)
+    return prepared.plan

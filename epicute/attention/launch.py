@@ -176,6 +176,12 @@ def new_lse(shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
+def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer the kernel fills: O, an aux tile or a reduction workspace (a seam for tests, which
+    poison it with NaN: every element must be written)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def launch_attention(
     call,
     variant: AttentionVariant,
@@ -193,13 +199,12 @@ def launch_attention(
     stored = {name: IR_TO_TORCH[dtype] for name, dtype in outputs.items()}
     out = call.out
     if out is None:
-        out = torch.empty(call.q.shape, dtype=stored["D"], device=device)
-    aux = {name: torch.empty(call.q.shape, dtype=dtype, device=device) for name, dtype in stored.items() if name != "D"}
+        out = new_output(call.q.shape, stored["D"], device)
+    aux = {name: new_output(call.q.shape, dtype, device) for name, dtype in stored.items() if name != "D"}
     reductions = () if fusion is None else fusion.reductions
     # Reductions see (L, M, N) = (batch * heads, seqlen_q, head_dim); one tile spans head_dim.
     lmn = (p.batch * p.heads_q, p.seqlen_q, p.head_dim)
-    workspaces = {r.name: torch.empty(r.workspace_shape(*lmn, p.head_dim), dtype=torch.float32, device=device)
-                  for r in reductions}  # fmt: skip
+    workspaces = {r.name: new_output(r.workspace_shape(*lmn, p.head_dim), torch.float32, device) for r in reductions}
     lse = new_lse((p.batch, p.heads_q, p.seqlen_q), device)
     if out.numel():
         kernel = ATTENTION_CACHE.get(variant)

@@ -360,8 +360,9 @@ def plan_attention(problem: AttentionProblem, target: Target | str | None = None
     return AttentionPlan(problem, cfg, hw)
 
 
-def render_attention_plan(plan: AttentionPlan) -> str:
-    """The text ``epicute.explain_attention`` prints."""
+def render_attention_plan(plan: AttentionPlan, chain: tuple = ()) -> str:
+    """The text ``epicute.explain_attention`` prints; ``chain``: the output epilogue's stages (the
+    prepared call's :attr:`~epicute.attention.prepare.PreparedAttention.chain`), printed last."""
     p, c, hw = plan.problem, plan.config, plan.target
     group = p.heads_q // p.heads_kv
     lines = [
@@ -441,4 +442,7 @@ def render_attention_plan(plan: AttentionPlan) -> str:
         f"  waves           {plan.num_tiles / hw.num_sms:.2f} ({plan.num_tiles} tiles on {hw.num_sms} SMs)",
     ]
     lines += ["", "why"] + [f"  - {r}" for r in c.reasons]
+    if chain:
+        lines += ["", "output epilogue chain (the O tile is one subtile; outputs staged in Q's buffer in turn)"]
+        lines += [f"  {stage}" for stage in chain]
     return "\n".join(lines)

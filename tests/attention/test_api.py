@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 import epicute
 from epicute import ops
-from epicute.attention.api import hooks_of, reference_attention
+from epicute.attention.api import reference_attention
+from epicute.attention.prepare import hooks_of
 from epicute.attention.validate import check_attention_args
 from tests.conftest import rel_err
 
@@ -158,3 +159,59 @@ def test_hook_operand_errors():
     assert math.isfinite(
         float(epicute.attention(q, k, v, score_mod=alibi, slopes=torch.rand(4), backend="reference").float().sum())
     )
+
+
+def test_attention_outputs_are_the_gemms_and_fit_qs_buffer():
+    """The epilogue's outputs (aux tiles, reductions, fp8 O) on the reference backend, shaped as the
+    kernel returns them; outputs wider than q's elements are refused on both backends (the kernel
+    stages each in Q's buffer), with the fix in the message."""
+    q, k, v = qkv(2, 17, 9, 4, 2, 64)
+    bias = torch.randn(64, dtype=torch.bfloat16)
+
+    def outputs(o, bias):
+        return {"D": ops.quantize(o + bias, 8.0), "pre": o, "rs": ops.row_sum(o), "cm": ops.col_max(o),
+                "am": ops.amax(o)}  # fmt: skip
+
+    got, lse = epicute.attention(q, k, v, causal=True, epilogue=outputs, bias=bias, backend="reference",
+                                 return_lse=True, out_dtypes={"pre": torch.float16})  # fmt: skip
+    assert got["D"].dtype == torch.float8_e4m3fn and got["pre"].dtype == torch.float16
+    assert got["D"].shape == got["pre"].shape == q.shape
+    assert got["rs"].shape == lse.shape == (2, 4, 17) and got["cm"].shape == (2, 4, 64) and got["am"].shape == ()
+    o = epicute.attention(q, k, v, causal=True, backend="reference").double()
+    assert rel_err(got["rs"], o.sum(dim=-1).transpose(1, 2)) < 1e-2
+    assert rel_err(got["cm"], o.amax(dim=1)) < 1e-2 and rel_err(got["am"], o.abs().amax()) < 1e-2
+    with pytest.raises(epicute.EpilogueError, match=r"'pre' is fp32.*Q's bf16 buffer.*out_dtypes"):
+        epicute.attention(q, k, v, epilogue=lambda o: {"D": o, "pre": o}, out_dtypes={"pre": torch.float32},
+                          backend="reference")  # fmt: skip
+    with pytest.raises(epicute.EpilogueError, match="without an epilogue"):
+        epicute.attention(q, k, v, out_dtypes={"pre": torch.float16}, backend="reference")
+    with pytest.raises(epicute.OutputError, match="float8_e4m3fn"):  # out must take O's stored dtype
+        epicute.attention(q, k, v, epilogue=outputs, bias=bias, out=torch.empty_like(q), backend="reference")
+
+
+def test_explain_prints_the_chain_the_kernel_runs(monkeypatch):
+    """explain_attention and the call go through one prepare(): the chain explain prints is the
+    launched fusion's, and the plan is the launched variant's."""
+    import io
+
+    from epicute.attention import api as attention_api
+    from epicute.attention import launch as rt_attention
+
+    q = torch.empty(2, 1000, 8, 128, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(2, 1000, 2, 128, dtype=torch.bfloat16, device="meta")
+    text = io.StringIO()
+    plan = epicute.explain_attention(q, kv, kv, causal=True, epilogue=epicute.epilogues.tensor_quant, scale=2.0,
+                                     file=text)  # fmt: skip
+    printed = text.getvalue()
+    for needle in ("output epilogue chain", "%2 quantize", "D: fp32 -> fp8e4m3 (saturating)", "Q's smem buffer",
+                   "amax = amax(%3)", "finalize_reductions"):  # fmt: skip
+        assert needle in printed, needle
+    seen = {}
+    monkeypatch.setattr(attention_api, "check_attention_args",
+                        lambda *a, **kw: check_attention_args(*a, **{**kw, "require_cuda": False}))  # fmt: skip
+    monkeypatch.setattr(rt_attention, "launch_attention",
+                        lambda call, variant, *rest: seen.update(v=variant) or ({"D": None}, None))  # fmt: skip
+    qc, kc = torch.randn(2, 1000, 8, 128, dtype=torch.bfloat16), torch.randn(2, 1000, 2, 128, dtype=torch.bfloat16)
+    epicute.attention(qc, kc, kc, causal=True, epilogue=epicute.epilogues.tensor_quant, scale=2.0)
+    assert seen["v"].config == plan.config
+    assert "\n".join(f"  {stage}" for stage in seen["v"].epilogue.stages) in printed

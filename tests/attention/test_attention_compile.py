@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from epicute import epilogues, ops
-from epicute.attention.api import hooks_of
 from epicute.attention.launch import AttentionVariant, compile_attention
 from epicute.attention.plan import default_config
+from epicute.attention.prepare import hooks_of
 from epicute.attention.validate import check_attention_args
 
 pytestmark = pytest.mark.compile

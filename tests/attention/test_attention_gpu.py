@@ -2,8 +2,9 @@
 
 Odd sequence lengths (1, 17, 129, 1000, 4097), seqlen_q != seqlen_k both ways,
 causal and not, MHA / GQA 4:1 / MQA, every head_dim, bf16 and fp16, score_mod
-and epilogue. O is NaN-poisoned through ``out=`` and LSE through the runtime's
-buffer seam, so an element the kernel never writes fails. The reference runs on
+and epilogue, whose outputs are the GEMM's: aux tiles, reductions, fp8 O with its
+amax. O is NaN-poisoned through ``out=``, LSE, aux tiles and reduction workspaces
+through the runtime's buffer seams, so an element the kernel never writes fails. The reference runs on
 the GPU in float32 with TF32 off (same math as ``backend="reference"``).
 """
 
@@ -17,8 +18,9 @@ import torch
 import epicute
 from epicute import ops
 from epicute.attention import launch as rt_attention
-from epicute.attention.api import hooks_of, reference_attention
+from epicute.attention.api import reference_attention
 from epicute.attention.launch import tile_counter
+from epicute.attention.prepare import hooks_of
 from epicute.attention.validate import check_attention_args
 from tests.conftest import rel_err
 
@@ -28,9 +30,13 @@ TOL = 1e-2
 
 
 @pytest.fixture(autouse=True)
-def _poisoned_lse_and_exact_reference(monkeypatch):
+def _poisoned_outputs_and_exact_reference(monkeypatch):
     torch.backends.cuda.matmul.allow_tf32 = False
     monkeypatch.setattr(rt_attention, "new_lse", lambda shape, device: torch.full(shape, float("nan"), device=device))
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(rt_attention, "new_output", poisoned)
 
 
 def qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16):
@@ -194,3 +200,57 @@ def test_softmax_scale_and_large_batch():
     ref = ref["D"]
     assert rel_err(out, ref) <= TOL
     assert rel_err(lse, ref_lse) <= 1e-4
+
+
+def test_epilogue_outputs_aux_tiles_and_reductions():
+    """O gets in the kernel what a GEMM's D gets: aux tiles (fp16 and fp8 here, staged in Q's
+    buffer after O), reductions over head_dim (row_*), over the queries (col_*) and over everything
+    (amax), deterministic run to run; every head_dim (d64: three warpgroups), GQA, causal with
+    seqlen_q > seqlen_k (fully masked rows: O = 0 reaches the reductions as zeros)."""
+
+    def outputs(o, bias, gate):
+        y = o + bias
+        return {"D": y, "pre": o * ops.sigmoid(gate), "q8": ops.quantize(o, 4.0),
+                "rs": ops.row_sum(y), "rmax": ops.row_max(o), "cs": ops.col_sum(o), "cam": ops.col_amax(y),
+                "am": ops.amax(o)}  # fmt: skip
+
+    for d in (64, 128, 256):
+        for causal, (sq, sk) in ((False, (1000, 777)), (True, (1000, 257))):
+            q, k, v = qkv(2, sq, sk, 4, 2, d)
+            bias = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+            gate = torch.randn_like(q)
+            kwargs = dict(causal=causal, epilogue=outputs, bias=bias, gate=gate, out_dtypes={"pre": torch.float16})
+            got = epicute.attention(q, k, v, **kwargs)
+            call = check_attention_args(q, k, v, causal=causal, softmax_scale=None)
+            score, epi = hooks_of(call, None, outputs, {"bias": bias, "gate": gate}, {"pre": "fp16"})
+            ref, _ = reference_attention(call, score, epi, device="cuda")
+            what = f"d{d} causal={causal}"
+            assert got["pre"].dtype == torch.float16 and got["q8"].dtype == torch.float8_e4m3fn, what
+            for name in ("D", "pre"):
+                assert rel_err(got[name].float(), ref[name].float()) <= TOL, f"{name} for {what}"
+            # fp8: O * 4 in e4m3 is off the fp32 reference by at most half a step, 2^-4 relative.
+            o_ref = reference_attention(call, device="cuda", out_dtype=torch.float32)[0]["D"]
+            assert rel_err(got["q8"].float(), (o_ref * 4.0).clamp(-448, 448)) <= 2.0**-4, f"q8 for {what}"
+            for name in ("rs", "rmax", "cs", "cam", "am"):
+                assert got[name].shape == ref[name].shape, f"{name} for {what}"
+                assert rel_err(got[name], ref[name]) <= TOL, f"{name} for {what}"
+            again = epicute.attention(q, k, v, **kwargs)
+            for name in ("rs", "rmax", "cs", "cam", "am"):
+                assert torch.equal(again[name], got[name]), f"{name} not bitwise reproducible for {what}"
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+def test_fp8_o_with_its_amax(d):
+    """``epilogues.tensor_quant``: O * scale quantized to e4m3 (saturating) and max |O * scale| (what
+    delayed scaling reads to pick the next scale), the recipe that feeds an fp8 GEMM; ``out=`` takes
+    the fp8 O."""
+    q, k, v = qkv(2, 1000, 1000, 4, 2, d)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float8_e4m3fn, device="cuda")
+    got = epicute.attention(q, k, v, causal=True, epilogue=epicute.epilogues.tensor_quant, scale=300.0, out=out)
+    assert got["D"].data_ptr() == out.data_ptr() and got["D"].dtype == torch.float8_e4m3fn
+    call = check_attention_args(q, k, v, causal=True, softmax_scale=None)
+    o_ref = reference_attention(call, device="cuda", out_dtype=torch.float32)[0]["D"]
+    # The scale saturates the largest values at 448: the reference saturates the same way.
+    assert rel_err(got["D"].float(), (o_ref * 300.0).clamp(-448, 448)) <= 2.0**-4
+    assert rel_err(got["amax"], (o_ref * 300.0).abs().amax()) <= TOL
+

@@ -102,6 +102,22 @@ _SCALAR_FORMS = ("float", "0-d", "1-element", "pinned")
 
 
 @dataclass(frozen=True)
+class Family:
+    """What a kernel family's epilogues may hold: operand kinds, stored dtypes, preallocated outputs."""
+
+    name: str
+    operand_kinds: tuple[str, ...]
+    d_dtypes: tuple[torch.dtype, ...]
+    d_weights: tuple[int, ...]
+    aux_dtypes: tuple[torch.dtype, ...]
+    outs: bool
+
+
+GEMM = Family("gemm", ("scalar", "row", "col"), (torch.bfloat16, torch.float16, torch.float32, FP8), (4, 2, 2, 2),
+              (torch.bfloat16, torch.float32), outs=True)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Operand:
     """One epilogue operand: ``kind`` and the ``dtype`` of its tensor (``None`` for scalars)."""
 
@@ -136,6 +152,7 @@ class Program:
     config: tuple[tuple[str, object], ...]
     ab_dtype: torch.dtype
     b_major: str
+    family: str = "gemm"
 
     @cached_property
     def fn(self):
@@ -211,8 +228,9 @@ def _literal(name: str, value) -> str:
 class _Builder:
     """Writes one program's body, one ``vN = ...`` line per op."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, family: Family = GEMM) -> None:
         self.rng = rng
+        self.family = family
         self.lines: list[str] = []
         self.pool: list[_Expr] = []
         self.operands: list[Operand] = []
@@ -245,7 +263,7 @@ class _Builder:
             op = rng.choice(self.operands)
         else:
             tiles = sum(o.kind == "tile" for o in self.operands)
-            kind = rng.choice(("scalar", "row", "col") + (("tile",) if tiles < 2 else ()))
+            kind = rng.choice(self.family.operand_kinds + (("tile",) if tiles < 2 else ()))
             dtype = None if kind == "scalar" else rng.choice(OPERAND_DTYPES)
             op = Operand(f"p{len(self.operands)}", kind, dtype)
             self.operands.append(op)
@@ -338,11 +356,12 @@ class _Builder:
         return x
 
 
-def random_program(seed: int) -> Program:
-    """The random program of ``seed`` (the same program for the same seed, on any machine)."""
+def random_program(seed: int, family: Family = GEMM) -> Program:
+    """The random program of ``seed`` (the same program for the same seed, on any machine) for
+    ``family``'s kernel."""
     rng = random.Random(seed)
-    b = _Builder(rng)
-    d_dtype = rng.choices((torch.bfloat16, torch.float16, torch.float32, FP8), weights=(4, 2, 2, 2))[0]
+    b = _Builder(rng, family)
+    d_dtype = rng.choices(family.d_dtypes, weights=family.d_weights)[0]
     quantize_d = d_dtype is FP8 and rng.random() < 0.5
     d = b.tile(MAX_DEPTH - quantize_d, need_acc=True)
     if quantize_d:
@@ -354,8 +373,8 @@ def random_program(seed: int) -> Program:
     for i in range(rng.choices((0, 1, 2), weights=(5, 3, 2))[0]):
         x = b.tile(rng.randint(1, 4))
         returned[f"aux{i}"] = x.code
-        dtype = rng.choice((torch.bfloat16, torch.float32))
-        outputs.append(Output(f"aux{i}", "aux", dtype, x.bound, outs=rng.random() < 0.5))
+        dtype = rng.choice(family.aux_dtypes)
+        outputs.append(Output(f"aux{i}", "aux", dtype, x.bound, outs=family.outs and rng.random() < 0.5))
     for i in range(rng.choices((0, 1, 2, 3), weights=(4, 3, 2, 1))[0]):
         op = rng.choice(REDUCTION_OPS)
         x = b.tile(rng.randint(0, 4))
@@ -367,6 +386,10 @@ def random_program(seed: int) -> Program:
     ret = ", ".join(f"{k!r}: {v}" for k, v in returned.items())
     source = f"def fuzz_{seed}({params}):\n{body}\n    return {{{ret}}}\n"
     depth = max(e.depth for e in b.pool) if b.pool else 0
+    if family is not GEMM:
+        return Program(seed=seed, source=source, operands=tuple(b.operands), outputs=tuple(outputs), depth=depth,
+                       config=(), ab_dtype=rng.choice((torch.bfloat16, torch.float16)), b_major="",
+                       family=family.name)  # fmt: skip
     config = {
         "tile_n": rng.choice((64, 128, 128, 256)),
         "persistent": rng.random() < 0.6,

@@ -1,0 +1,229 @@
+"""One path from an attention call to its kernel: :func:`prepare`.
+
+Every entry point -- :func:`epicute.attention` on both backends,
+:func:`epicute.explain_attention`, ``epicute compile``'s ``[[attention]]`` jobs and
+``epicute explain attention`` -- checks its tensors (:func:`check_attention_args`) and
+gets from :func:`prepare` everything the launch uses: the traced score_mod and
+output epilogue (:class:`Hook`: their operands resolved by shape, their fusions),
+the plan, the epilogue chain and the compiled variant. So what ``explain``
+prints is the plan and the chain of the kernel that runs, by construction.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from epicute.attention.plan import AttentionPlan, AttentionProblem, plan_attention
+from epicute.attention.validate import AttentionCall
+from epicute.epilogue.dtypes import TORCH_TO_IR, ir_dtype
+from epicute.epilogue.fusion import EpilogueFusion, ScoreModFusion
+from epicute.epilogue.operands import OperandSpec, Pin
+from epicute.epilogue.schedule import ATTENTION_SM90, Stage, plain_graph, schedule
+from epicute.epilogue.score_mod import ScoreMod
+from epicute.epilogue.score_mod import score_mod as as_score_mod
+from epicute.epilogue.tracer import Epilogue, as_epilogue
+from epicute.errors import DeviceError, EpilogueError
+from epicute.gemm.config import DTYPE_BYTES
+from epicute.runtime.target import Target
+
+
+def ir_dtypes(dtypes: dict | None) -> dict[str, str]:
+    """``out_dtypes`` (torch dtypes or IR names) as IR names."""
+    return {name: ir_dtype(dtype, f"out_dtypes[{name!r}]") for name, dtype in (dtypes or {}).items()}
+
+
+#: Attention operand kind -> the epilogue IR kind it is traced as (see module docstring).
+_IR_KIND = {"scalar": "scalar", "head": "col", "row": "row", "tile": "tile"}
+
+
+@functools.lru_cache(maxsize=1024)
+def cached_plan(problem: AttentionProblem, overrides: tuple, target: Target | None = None) -> AttentionPlan:
+    """:func:`plan_attention` for ``target`` (None: the current one), once per argument set."""
+    return plan_attention(problem, target, **dict(overrides))
+
+
+def _operand_kind(hook: str, name: str, value: Any, p: AttentionProblem) -> tuple[str, Any]:
+    """(attention kind, value) of one operand of ``hook`` ("score_mod" or "epilogue")."""
+    if isinstance(value, Pin):
+        if value.kind != "scalar":
+            raise EpilogueError(
+                f"operand {name!r}: {type(value).__name__} pins are for GEMM epilogues; "
+                "attention infers kinds from shapes"
+            )
+        value = value.value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return "scalar", float(value)
+    if not isinstance(value, torch.Tensor):
+        raise EpilogueError(f"operand {name!r}: expected a torch tensor or a Python number, got {type(value).__name__}")
+    if value.numel() == 1:
+        return "scalar", float(value.item())
+    if value.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise EpilogueError(f"operand {name!r} has dtype {value.dtype}; use bf16, fp16 or fp32 (e.g. {name}.float())")
+    shape = tuple(value.shape)
+    if hook == "score_mod" and shape == (p.heads_q,):
+        return "head", value
+    if hook == "epilogue" and shape == (p.head_dim,):
+        return "row", value
+    if hook == "epilogue" and shape == (p.batch, p.seqlen_q, p.heads_q, p.head_dim):
+        return "tile", value
+    accepted = (
+        f"a number or a per-head vector ({p.heads_q},)"
+        if hook == "score_mod"
+        else f"a number, a ({p.head_dim},) vector or a (batch, seqlen_q, heads, head_dim) = "
+        f"{(p.batch, p.seqlen_q, p.heads_q, p.head_dim)} tile"
+    )
+    raise EpilogueError(f"operand {name!r} of the {hook} has shape {shape}; it must be {accepted}")
+
+
+class Hook:
+    """One traced hook (score_mod or epilogue) resolved against a problem."""
+
+    def __init__(
+        self, hook: str, fn: Epilogue, values: dict[str, Any], p: AttentionProblem, out_dtype: str,
+        out_dtypes: dict | None = None,
+    ):  # fmt: skip
+        self.fn = fn
+        missing = [name for name in fn.params if name not in values and name not in fn.defaults]
+        if missing:
+            raise EpilogueError(f"{hook} {fn.name!r} needs operands {missing}: pass them as keyword arguments")
+        self.operands = {
+            name: _operand_kind(hook, name, values[name] if name in values else fn.defaults[name], p)
+            for name in fn.params
+        }
+        dtypes = {n: "fp32" if k == "scalar" else TORCH_TO_IR[v.dtype] for n, (k, v) in self.operands.items()}
+        kinds = {n: _IR_KIND[k] for n, (k, _) in self.operands.items()}
+        self.graph = fn.trace(kinds, dtypes, out_dtypes, d_dtype=out_dtype)
+        self.signature = tuple((n, k, dtypes[n]) for n, (k, _) in self.operands.items())
+        if hook == "score_mod":
+            self.fusion = ScoreModFusion(self.graph, self.signature)
+        else:
+            self.fusion = EpilogueFusion(self.graph, self.signature, style=ATTENTION_SM90)
+            _check_staged_outputs(self.fusion, out_dtype)
+
+    def kernel_operands(self, device: torch.device) -> tuple[tuple, tuple]:
+        """The kernel's operand tensors and fp32 scalars, in the fusion's order (operands no output
+        depends on are not passed)."""
+        fusion = self.fusion
+        if isinstance(fusion, ScoreModFusion):
+            names, scalars = [n for n, _, _ in fusion.tensor_operands], [n for n, _, _ in fusion.scalar_operands]
+        else:
+            names = [n for role, n, _ in fusion.tensor_args if role in ("tile", "row")]
+            scalars = list(fusion.scalar_inputs)
+        for name in names:
+            value = self.operands[name][1]
+            if value.device != device:
+                raise DeviceError(f"operand {name!r} is on {value.device}; move it to {device}")
+        return tuple(self.operands[n][1] for n in names), tuple(self.operands[n][1] for n in scalars)
+
+    def reference_specs(self, p: AttentionProblem) -> dict[str, OperandSpec]:
+        """Operands in the IR's canonical ``(L, M, N)`` views, ``L = batch * heads`` (CPU copies)."""
+        L = p.batch * p.heads_q
+        specs = {}
+        for name, (kind, value) in self.operands.items():
+            if kind == "scalar":
+                specs[name] = OperandSpec(name, "scalar", "fp32", value)
+                continue
+            t = value.detach().cpu()
+            if kind == "head":
+                t = t.repeat(p.batch)[:, None].expand(L, p.seqlen_q)
+            elif kind == "row":
+                t = t[None, :].expand(L, p.head_dim)
+            else:
+                t = t.permute(0, 2, 1, 3).reshape(L, p.seqlen_q, p.head_dim)
+            specs[name] = OperandSpec(name, _IR_KIND[kind], TORCH_TO_IR[value.dtype], t)
+        return specs
+
+
+def _check_staged_outputs(fusion: EpilogueFusion, q_dtype: str) -> None:
+    """The kernel stages each stored output in Q's shared memory (one ``tile_m x head_dim`` tile of
+    q's dtype): outputs wider than q's elements do not fit."""
+    limit = DTYPE_BYTES[q_dtype]
+    for name, dtype in fusion.tile_output_dtypes.items():
+        if DTYPE_BYTES[dtype] > limit:
+            fix = "out_dtypes={'D': ...}" if name == "D" else f"out_dtypes={{{name!r}: torch.bfloat16}}"
+            raise EpilogueError(
+                f"attention output {name!r} is {dtype}: the kernel stages every output in Q's {q_dtype} buffer, "
+                f"so outputs are at most {limit}-byte types; store it as bf16, fp16 or fp8 ({fix}, or an "
+                "ops.cast in the epilogue)"
+            )
+
+
+def hooks_of(
+    call: AttentionCall, score_mod, epilogue, operands: dict, out_dtypes: dict | None = None
+) -> tuple[Hook | None, Hook | None]:
+    """The traced score_mod and output epilogue of a call (``out_dtypes``: stored dtypes of the
+    epilogue's outputs by name, as :func:`epicute.gemm` takes them)."""
+    p = call.problem
+    sm = None if score_mod is None else as_score_mod(score_mod)
+    epi = None if epilogue is None else as_epilogue(epilogue)
+    if sm is not None and not isinstance(sm, ScoreMod):
+        raise EpilogueError("score_mod must be a function f(score, b, h, q_idx, kv_idx, *operands)")
+    declared = set(sm.params if sm else ()) | set(epi.params if epi else ())
+    unknown = sorted(set(operands) - declared)
+    if unknown:
+        raise EpilogueError(
+            f"operands {unknown} are not parameters of the score_mod or the epilogue (they take {sorted(declared)})"
+        )
+    if out_dtypes and epi is None:
+        raise EpilogueError(f"out_dtypes {sorted(out_dtypes)} were given without an epilogue")
+    score = None if sm is None else Hook("score_mod", sm, operands, p, "fp32")
+    out = None if epi is None else Hook("epilogue", epi, operands, p, p.dtype, out_dtypes)
+    return score, out
+
+
+@dataclass(frozen=True)
+class PreparedAttention:
+    """Everything the launch of one attention call uses."""
+
+    plan: AttentionPlan
+    score: Hook | None = None
+    epilogue: Hook | None = None
+
+    @property
+    def output_dtypes(self) -> dict[str, str]:
+        """Each stored tile output's IR dtype, O (``"D"``) first."""
+        if self.epilogue is None:
+            return {"D": self.plan.problem.dtype}
+        return self.epilogue.fusion.tile_output_dtypes
+
+    @property
+    def chain(self) -> tuple[Stage, ...]:
+        """The output epilogue the kernel runs: the epilogue's chain, or the plain one (store O)."""
+        if self.epilogue is not None:
+            return self.epilogue.fusion.stages
+        return schedule(plain_graph(self.plan.problem.dtype), style=ATTENTION_SM90).stages
+
+    def variant(self):
+        """The compiled kernel this call runs (its cache key names it: the target's arch, not its SM count)."""
+        from epicute.attention.launch import AttentionVariant
+
+        p = self.plan.problem
+        return AttentionVariant(
+            self.plan.config, p.dtype, p.causal, None if self.score is None else self.score.fusion,
+            None if self.epilogue is None else self.epilogue.fusion, self.plan.target.arch,
+        )  # fmt: skip
+
+
+def prepare(
+    call: AttentionCall,
+    score_mod=None,
+    epilogue=None,
+    operands: dict | None = None,
+    out_dtypes: dict | None = None,
+    config: dict | None = None,
+    target: Target | None = None,
+) -> PreparedAttention:
+    """The hooks traced against ``call``'s problem (``out_dtypes``: stored dtypes of the epilogue's
+    outputs, torch dtypes or IR names), and the problem planned for ``target`` (None: the current
+    GPU, else an H100 SXM) with ``config``'s pins."""
+    score, epi = hooks_of(call, score_mod, epilogue, operands or {}, ir_dtypes(out_dtypes))
+    plan = cached_plan(call.problem, tuple(sorted((config or {}).items())), target)
+    return PreparedAttention(plan, score, epi)
+
+
+__all__ = ["Hook", "PreparedAttention", "cached_plan", "hooks_of", "ir_dtypes", "prepare"]

@@ -1,0 +1,94 @@
+"""The random-epilogue fuzzer on attention's output epilogue (see tests/attention/epilogue_fuzz.py).
+
+CPU: generated programs fit attention's epilogue (operand kinds, stored dtypes), lower to its
+chain, run through the harness on the reference backend, and a few compile for sm_90a.
+GPU: ``EPICUTE_FUZZ_CASES`` cases (default 24) against the reference; ``EPICUTE_FUZZ_SEED``
+replays a run (fresh by default).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+
+import pytest
+import torch
+
+from epicute.attention.launch import AttentionVariant, compile_attention
+from epicute.attention.plan import default_config
+from epicute.attention.prepare import hooks_of
+from epicute.attention.validate import check_attention_args
+from tests.attention import epilogue_fuzz as fuzz
+
+BASE_SEED = random.SystemRandom().getrandbits(32)
+
+
+def fusion_of(program, shape: fuzz.Shape):
+    q, k, v, operands, _ = fuzz.make_inputs(program, shape, 0, "meta")
+    call = check_attention_args(q, k, v, causal=shape.causal, softmax_scale=None, require_cuda=False)
+    return hooks_of(call, None, program.fn, operands, {n: t for n, t in program.out_dtypes().items()})[1].fusion
+
+
+def test_programs_fit_attentions_epilogue_and_cover_it():
+    rng = random.Random(BASE_SEED)
+    programs = [fuzz.random_program(rng.getrandbits(32)) for _ in range(60)]
+    seen = collections.Counter()
+    for program in programs:
+        fusion = fusion_of(program, fuzz.random_shape(program.seed))
+        assert fusion.style.name == "attention_sm90", program.seed
+        assert all(kind in ("scalar", "row", "tile") for _, kind, _ in fusion.operands), program.source
+        for name, dtype in fusion.tile_output_dtypes.items():
+            assert dtype in ("bf16", "fp16", "fp8e4m3"), (program.seed, name, dtype)
+            seen[f"{'D' if name == 'D' else 'aux'} {dtype}"] += 1
+        seen.update(r.axis for r in fusion.reductions)
+        seen.update(kind for _, kind, _ in fusion.operands)
+    # Sixty programs cover every kind of output and operand (fixed weights: not a matter of luck).
+    for what in ("D bf16", "D fp8e4m3", "aux bf16", "row", "col", "all", "scalar", "tile"):
+        assert seen[what] > 0, f"{what} never generated (seed {BASE_SEED}): {seen}"
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_the_harness_passes_the_reference_against_itself(index):
+    program, case_seed = fuzz.cases(6, BASE_SEED)[index]
+    assert fuzz.run_case(program, case_seed, device="cpu", backend="reference") == [], fuzz.describe(
+        program, case_seed, []
+    )
+
+
+def test_the_harness_catches_a_wrong_output():
+    program = next(p for p, _ in fuzz.cases(40, BASE_SEED) if len(p.outputs) > 1)
+    shape = fuzz.random_shape(1)
+    out = program.outputs[0]
+    ref = torch.randn(fuzz.expected_shape(out.role, shape)).to(out.dtype)
+    assert fuzz.check_output(out, ref, ref, shape) is None
+    wrong = (ref.float() * 1.5 + 0.25).to(out.dtype)
+    assert fuzz.check_output(out, wrong, ref, shape) is not None
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("index", range(3))
+def test_generated_epilogues_compile_for_sm90a(index):
+    program, case_seed = fuzz.cases(3, BASE_SEED ^ 1, shapes_per_program=1)[index]
+    shape = fuzz.random_shape(case_seed)
+    variant = AttentionVariant(default_config(shape.head_dim, shape.causal), "bf16", shape.causal,
+                               epilogue=fusion_of(program, shape))  # fmt: skip
+    assert callable(compile_attention(variant)), fuzz.describe(program, case_seed, [])
+
+
+@pytest.mark.gpu
+def test_random_attention_epilogues_match_the_reference(capsys):
+    count = int(os.environ.get("EPICUTE_FUZZ_CASES", "24"))
+    base_seed = int(os.environ.get("EPICUTE_FUZZ_SEED") or random.SystemRandom().getrandbits(32))
+    failures = []
+    pairs = fuzz.cases(count, base_seed)
+    for program, case_seed in pairs:
+        try:
+            problems = fuzz.run_case(program, case_seed)
+        except Exception as e:  # noqa: BLE001 -- a crash fails this case; the others still run
+            problems = [f"raised {type(e).__name__}: {e}"]
+        if problems:
+            failures.append(fuzz.describe(program, case_seed, problems))
+    with capsys.disabled():
+        print(f"\nattention fuzz: {len(pairs)} cases, {len(failures)} failures (EPICUTE_FUZZ_SEED={base_seed})")
+    assert not failures, "\n\n".join(failures)
