@@ -20,6 +20,7 @@ import torch
 from epicute.epilogue.dtypes import ir_dtype
 from epicute.errors import ConfigError, EpilogueError, ShapeError
 from epicute.runtime.torch_ops import (
+    assume_constant_result,
     config_of,
     operand_values,
     plain_fn,
@@ -28,6 +29,7 @@ from epicute.runtime.torch_ops import (
     register_traced,
     registered_casts,
     registered_epilogue,
+    registered_outputs,
     spec_text,
     split_operands,
 )
@@ -69,6 +71,19 @@ def _attention_fake(q, k, v, operands, scalars, score_mod, epilogue, spec) -> tu
 register_meta(attention_op, _attention_fake)
 
 
+@assume_constant_result
+def _uncompilable(epi_key: str, q_dtype: torch.dtype, has_out_dtypes: bool) -> str:
+    """Why the op cannot stand for this epilogue ("" if it can): its outputs are O in q's dtype and LSE."""
+    outputs, o_dtype = registered_outputs(epi_key), registered_casts(epi_key).get("D", ir_dtype(q_dtype, "q"))
+    if outputs == ("D",) and not has_out_dtypes and o_dtype == ir_dtype(q_dtype, "q"):
+        return ""
+    return (
+        "under torch.compile, epicute.attention's epilogue may only rewrite O, stored in q's dtype "
+        f"(this one returns {list(outputs)}{' with out_dtypes' if has_out_dtypes else ''}, O as {o_dtype}); "
+        "call it outside the compiled region (torch.compiler.disable) for aux outputs, reductions or fp8 O"
+    )
+
+
 def attention_op_call(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -94,15 +109,10 @@ def attention_op_call(
     score_key = register_score_mod_traced(plain_fn(score_mod))[0] if score_mod is not None else ""
     epi_key = ""
     if epilogue is not None:
-        epi_key, outputs = register_traced(plain_fn(epilogue))
-        casts = registered_casts(epi_key)
-        if outputs != ("D",) or out_dtypes or casts.get("D", ir_dtype(q.dtype, "q")) != ir_dtype(q.dtype, "q"):
-            raise EpilogueError(
-                "under torch.compile, epicute.attention's epilogue may only rewrite O, stored in q's dtype "
-                f"(this one returns {list(outputs)}{' with out_dtypes' if out_dtypes else ''}, "
-                f"O as {casts.get('D', ir_dtype(q.dtype, 'q'))}); call it outside the compiled region "
-                "(torch.compiler.disable) for aux outputs, reductions or fp8 O"
-            )
+        epi_key = register_traced(plain_fn(epilogue))[0]
+        refusal = _uncompilable(epi_key, q.dtype, bool(out_dtypes))
+        if refusal:
+            raise EpilogueError(refusal)
     tensor_names, tensors, scalar_names, scalars, pins = split_operands(operands)
     spec = spec_text(
         tuple(tensor_names), tuple(scalar_names), tuple(pins), tuple(sorted((config or {}).items())),

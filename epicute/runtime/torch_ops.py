@@ -97,7 +97,7 @@ def _register_score_mod(fn: Callable) -> tuple[str, tuple[str, ...]]:
     return _register(fn, as_score_mod)
 
 
-def _assume_constant_result(fn: Callable) -> Callable:
+def assume_constant_result(fn: Callable) -> Callable:
     """What ``torch._dynamo.assume_constant_result`` does (it only marks ``fn``), without importing
     dynamo: that import costs seconds, and ``import epicute`` must stay cheap for the CLI."""
     fn._dynamo_marked_constant = True
@@ -108,8 +108,8 @@ def _assume_constant_result(fn: Callable) -> Callable:
 # Dynamo folds them only over constant arguments: hand them the plain function (a
 # constant to dynamo), not an Epilogue/ScoreMod object (some torch versions refuse
 # user objects there); the hook rebuilds the same object from it (plain_fn).
-register_traced = _assume_constant_result(_register)
-register_score_mod_traced = _assume_constant_result(_register_score_mod)
+register_traced = assume_constant_result(_register)
+register_score_mod_traced = assume_constant_result(_register_score_mod)
 
 
 def plain_fn(hook: Callable) -> Callable:
@@ -151,7 +151,7 @@ def dtype_name(dtype: torch.dtype | str | None) -> str | None:
     return None if dtype is None else ir_dtype(dtype, "dtype")
 
 
-@_assume_constant_result
+@assume_constant_result
 def spec_text(tensor_names: tuple, scalar_names: tuple, pins: tuple, config: tuple, fields: tuple) -> str:
     """An op's static arguments as JSON: operand names and pins, config pins, and the
     kernel's own ``fields`` (``(name, value)`` pairs; see :func:`_plain`)."""
@@ -193,7 +193,7 @@ def register_meta(op, fake: Callable) -> None:
 
 
 __all__ = [
-    "dtype_name", "operand_values", "plain_fn", "plain_value", "register_epilogue", "register_meta",
-    "register_score_mod", "registered_casts", "registered_epilogue", "registered_outputs", "spec_text",
-    "split_operands",
+    "assume_constant_result", "dtype_name", "operand_values", "plain_fn", "plain_value", "register_epilogue",
+    "register_meta", "register_score_mod", "registered_casts", "registered_epilogue", "registered_outputs",
+    "spec_text", "split_operands",
 ]  # fmt: skip

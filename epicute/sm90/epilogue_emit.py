@@ -184,7 +184,11 @@ class TileEpilogue:
         row = name in self.fusion.row_inputs
         key = (name, n0 if row else m0)
         if key not in self._vector_cache:
-            self._vector_cache[key] = self.vectors[name][n if row else m]
+            value = self.vectors[name][n if row else m]
+            # Parked vectors are fp32 already; vectors read from global memory (attention) are converted.
+            if self.vectors[name].element_type is not Float32:
+                value = value.to(Float32)
+            self._vector_cache[key] = value
         return self._vector_cache[key]
 
     def compute(self, acc, base: int, tile_value, outputs: dict, visitors=()) -> None:

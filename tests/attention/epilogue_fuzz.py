@@ -152,16 +152,8 @@ def describe(program: Program, case_seed: int, problems: list[str]) -> str:
 
 
 def cases(count: int, base_seed: int, shapes_per_program: int = 2) -> list[tuple[Program, int]]:
-    rng = random.Random(base_seed)
-    result: list[tuple[Program, int]] = []
-    while len(result) < count:
-        program = random_program(rng.getrandbits(32))
-        result += [(program, rng.getrandbits(32)) for _ in range(min(shapes_per_program, count - len(result)))]
-    return result
+    return gemm_fuzz.cases(count, base_seed, shapes_per_program, random_program)
 
 
 if __name__ == "__main__":
-    program_seed, case_seed = int(sys.argv[1]), int(sys.argv[2])
-    program = random_program(program_seed)
-    found = run_case(program, case_seed)
-    print(describe(program, case_seed, found) if found else f"ok: program {program_seed}, case {case_seed}")
+    gemm_fuzz.rerun(sys.argv, random_program, run_case, describe)

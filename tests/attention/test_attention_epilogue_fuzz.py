@@ -9,7 +9,6 @@ replays a run (fresh by default).
 from __future__ import annotations
 
 import collections
-import os
 import random
 
 import pytest
@@ -20,6 +19,7 @@ from epicute.attention.plan import default_config
 from epicute.attention.prepare import hooks_of
 from epicute.attention.validate import check_attention_args
 from tests.attention import epilogue_fuzz as fuzz
+from tests.gemm import epilogue_fuzz as gemm_fuzz
 
 BASE_SEED = random.SystemRandom().getrandbits(32)
 
@@ -78,17 +78,7 @@ def test_generated_epilogues_compile_for_sm90a(index):
 
 @pytest.mark.gpu
 def test_random_attention_epilogues_match_the_reference(capsys):
-    count = int(os.environ.get("EPICUTE_FUZZ_CASES", "24"))
-    base_seed = int(os.environ.get("EPICUTE_FUZZ_SEED") or random.SystemRandom().getrandbits(32))
-    failures = []
-    pairs = fuzz.cases(count, base_seed)
-    for program, case_seed in pairs:
-        try:
-            problems = fuzz.run_case(program, case_seed)
-        except Exception as e:  # noqa: BLE001 -- a crash fails this case; the others still run
-            problems = [f"raised {type(e).__name__}: {e}"]
-        if problems:
-            failures.append(fuzz.describe(program, case_seed, problems))
+    summary, failures = gemm_fuzz.fuzz_from_env("attention fuzz", 24, fuzz.cases, fuzz.run_case, fuzz.describe)
     with capsys.disabled():
-        print(f"\nattention fuzz: {len(pairs)} cases, {len(failures)} failures (EPICUTE_FUZZ_SEED={base_seed})")
+        print("\n" + summary)
     assert not failures, "\n\n".join(failures)

@@ -67,6 +67,7 @@ far more elements or moves them further.
 from __future__ import annotations
 
 import math
+import os
 import random
 import sys
 from dataclasses import dataclass, field, replace
@@ -600,18 +601,49 @@ def describe(program: Program, case_seed: int, problems: list[str]) -> str:
     )
 
 
-def cases(count: int, base_seed: int, shapes_per_program: int = 3) -> list[tuple[Program, int]]:
-    """``count`` (program, case seed) pairs: each program (one kernel compile) runs on several shapes."""
+def cases(count: int, base_seed: int, shapes_per_program: int = 3, make_program=None) -> list[tuple[Program, int]]:
+    """``count`` (program, case seed) pairs: each program (one kernel compile) runs on several shapes.
+    ``make_program(seed)`` draws a program (default: a GEMM's, :func:`random_program`)."""
+    make_program = make_program or random_program
     rng = random.Random(base_seed)
     result: list[tuple[Program, int]] = []
     while len(result) < count:
-        program = random_program(rng.getrandbits(32))
+        program = make_program(rng.getrandbits(32))
         result += [(program, rng.getrandbits(32)) for _ in range(min(shapes_per_program, count - len(result)))]
     return result
 
 
-if __name__ == "__main__":
-    program_seed, case_seed = int(sys.argv[1]), int(sys.argv[2])
-    program = random_program(program_seed)
+def fuzz_from_env(label: str, default_cases: int, cases, run_case, describe) -> tuple[str, list[str]]:
+    """A GPU fuzz run: ``EPICUTE_FUZZ_CASES`` cases (``default_cases``) of ``cases(count, seed)``,
+    seeded by ``EPICUTE_FUZZ_SEED`` (fresh by default); the summary line and the failure reports."""
+    count = int(os.environ.get("EPICUTE_FUZZ_CASES", str(default_cases)))
+    base_seed = int(os.environ.get("EPICUTE_FUZZ_SEED") or random.SystemRandom().getrandbits(32))
+    pairs = cases(count, base_seed)
+    failures = run_fuzz(pairs, run_case, describe)
+    return f"{label}: {len(pairs)} cases, {len(failures)} failures (EPICUTE_FUZZ_SEED={base_seed})", failures
+
+
+def run_fuzz(pairs: list[tuple[Program, int]], run_case, describe) -> list[str]:
+    """Every case of ``pairs`` through ``run_case``; the failure reports (``describe``). A case that
+    raises fails alone: the others still run."""
+    failures = []
+    for program, case_seed in pairs:
+        try:
+            problems = run_case(program, case_seed)
+        except Exception as e:  # noqa: BLE001 -- a crash fails this case; the others still run
+            problems = [f"raised {type(e).__name__}: {e}"]
+        if problems:
+            failures.append(describe(program, case_seed, problems))
+    return failures
+
+
+def rerun(argv: list[str], make_program, run_case, describe) -> None:
+    """``python -m <fuzz module> PROGRAM_SEED CASE_SEED``: one case again, reported."""
+    program_seed, case_seed = int(argv[1]), int(argv[2])
+    program = make_program(program_seed)
     found = run_case(program, case_seed)
     print(describe(program, case_seed, found) if found else f"ok: program {program_seed}, case {case_seed}")
+
+
+if __name__ == "__main__":
+    rerun(sys.argv, random_program, run_case, describe)

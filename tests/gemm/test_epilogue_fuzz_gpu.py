@@ -8,9 +8,6 @@ every failing case with its seeds, its program and a rerun command.
 
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 
 from tests.gemm import epilogue_fuzz as fuzz
@@ -19,17 +16,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_random_epilogues_match_the_reference(capsys):
-    count = int(os.environ.get("EPICUTE_FUZZ_CASES", "40"))
-    base_seed = int(os.environ.get("EPICUTE_FUZZ_SEED") or random.SystemRandom().getrandbits(32))
-    failures = []
-    pairs = fuzz.cases(count, base_seed)
-    for program, case_seed in pairs:
-        try:
-            problems = fuzz.run_case(program, case_seed)
-        except Exception as e:  # noqa: BLE001 -- a crash fails this case; the others still run
-            problems = [f"raised {type(e).__name__}: {e}"]
-        if problems:
-            failures.append(fuzz.describe(program, case_seed, problems))
+    summary, failures = fuzz.fuzz_from_env("fuzz", 40, fuzz.cases, fuzz.run_case, fuzz.describe)
     with capsys.disabled():
-        print(f"\nfuzz: {len(pairs)} cases, {len(failures)} failures (EPICUTE_FUZZ_SEED={base_seed})")
+        print("\n" + summary)
     assert not failures, "\n\n".join(failures)

@@ -21,7 +21,7 @@ import epicute
 from epicute import ops
 from epicute.attention import api as attention_api
 from epicute.epilogue.score_mod import ScoreMod
-from epicute.errors import ConfigError
+from epicute.errors import ConfigError, EpilogueError
 from epicute.runtime.torch_ops import register_epilogue, register_score_mod, registered_epilogue
 from tests.conftest import recording_backend, rel_err
 from tests.runtime.test_attention_cache import gated, softcap_30, softcap_alibi
@@ -225,6 +225,26 @@ def test_compiled_reference_backend_is_refused():
     with pytest.raises(Exception) as info:
         torch.compile(f, fullgraph=True, backend="eager")(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64))
     assert isinstance(info.value, ConfigError) or "backend='kernel'" in str(info.value)
+
+
+def f_aux_and_reduction(q, k, v):
+    return epicute.attention(q, k, v, epilogue=lambda o: {"D": o, "pre": o * 2.0, "rs": ops.row_sum(o)})
+
+
+def f_fp8_o(q, k, v):
+    return epicute.attention(q, k, v, epilogue=epicute.epilogues.tensor_quant, scale=2.0)
+
+
+@pytest.mark.parametrize("f", [f_aux_and_reduction, f_fp8_o])
+def test_compiled_epilogues_beyond_o_are_refused_with_the_way_out(f):
+    """The op's outputs are O in q's dtype and LSE: an epilogue with aux outputs or reductions, or one
+    that stores O in fp8, is refused while tracing (not given wrong output metadata)."""
+    torch._dynamo.reset()
+    q = meta(1, 8, 2, 64)
+    with pytest.raises(Exception) as info:
+        torch.compile(f, fullgraph=True, backend="eager")(q, q, q)
+    assert isinstance(info.value, EpilogueError) or "may only rewrite O" in str(info.value)
+    assert "torch.compiler.disable" in str(info.value)
 
 
 @pytest.mark.gpu
