@@ -96,13 +96,6 @@ class AttentionConfig(WarpRoles):
     def num_mma_warpgroups(self) -> int:
         return self.tile_m // WGMMA_M
 
-    def key(self) -> tuple:
-        return (
-            self.head_dim, self.tile_m, self.tile_n, self.stages, self.pingpong, self.rescale_o_early,
-            self.release_k_late, self.lazy_rescale, self.mma_atoms_mn, self.lpt_order, self.persistent,
-            self.dynamic_tiles, self.producer_regs, self.consumer_regs,
-        )  # fmt: skip
-
     def validate(self, target: Target | str | None = None, dtype: str = "bf16") -> None:
         """Raise :class:`ConfigError` for a configuration the kernel cannot run on ``target``
         (default: the visible GPU, else an H100 SXM)."""

@@ -9,7 +9,7 @@ config, never on a problem's sizes (those stay dynamic in the kernel).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from epicute.errors import ConfigError
 
@@ -87,6 +87,10 @@ class WarpRoles:
     def num_mma_threads(self) -> int:
         return self.num_mma_warpgroups * THREADS_PER_WARPGROUP
 
+    def key(self) -> tuple:
+        """What changes the generated code: every field the dataclass compares (all but ``reasons``)."""
+        return tuple(getattr(self, f.name) for f in fields(self) if f.compare)
+
     def validate_registers(self) -> None:
         """Raise :class:`ConfigError` unless the register budgets are valid and fit an SM."""
         for name in ("producer_regs", "consumer_regs"):
@@ -134,8 +138,8 @@ class GemmConfig(WarpRoles):
     #: Tiles are visited in groups of this many clusters along the raster's minor
     #: axis, so concurrently running CTAs share A/B panels in L2.
     swizzle: int = 8
-    producer_regs: int = 40
-    consumer_regs: int = 232
+    producer_regs: int = field(default=40, metadata={"planned": False})
+    consumer_regs: int = field(default=232, metadata={"planned": False})
     #: Why the planner chose this; printed by ``explain``.
     reasons: tuple[str, ...] = field(default=(), compare=False, hash=False)
 
@@ -175,14 +179,11 @@ class GemmConfig(WarpRoles):
     def num_epi_subtiles(self) -> int:
         return (self.tile_m // self.epi_tile[0]) * (self.tile_n // self.epi_tile[1])
 
-    def key(self) -> tuple:
-        """What changes the generated code (``reasons`` does not)."""
-        return (
-            self.tile_m, self.tile_n, self.tile_k, self.cluster_m, self.cluster_n,
-            self.schedule, self.persistent, self.ab_stages, self.epi_tile,
-            self.num_epi_stages, self.num_c_stages, self.epi_reuses_ab_smem, self.raster_along_m,
-            self.swizzle, self.producer_regs, self.consumer_regs,
-        )  # fmt: skip
+    @classmethod
+    def planned_fields(cls) -> frozenset[str]:
+        """The fields :func:`~epicute.gemm.heuristics.choose_config` decides (a pin of one is kept and
+        planned around); the others (the register split) pass through as given."""
+        return frozenset(f.name for f in fields(cls) if f.compare and f.metadata.get("planned", True))
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for a configuration the kernel cannot run."""

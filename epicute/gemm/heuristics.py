@@ -42,6 +42,7 @@ The choices, in order (measurements behind them: ``bench/results/configs*.json``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from epicute.errors import ConfigError
@@ -70,10 +71,6 @@ EPI_TILE_N = 32
 EPILOGUE_CODE_BUDGET = 8192
 #: A fused epilogue gets ping-pong above this many waves of 128x128 tiles (see choose_schedule).
 PINGPONG_MIN_WAVES = 4
-_PLANNED_FIELDS = {
-    "tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "persistent", "epi_tile", "schedule",
-    "epi_reuses_ab_smem", "raster_along_m", "swizzle", "ab_stages", "num_epi_stages", "num_c_stages",
-}  # fmt: skip
 
 
 
@@ -166,9 +163,12 @@ def best_tile_estimate(
     return estimate_seconds(problem, hw, 128, width, epilogue, schedule), width
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_tile_n(
     problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers = NO_EPILOGUE, schedule: str = "cooperative"
 ) -> tuple[int, str]:
+    """(tile N, reason) of ``schedule``'s best 128-row tile for ``problem``; decided once per argument
+    set (the schedule comparison and the final choice ask for the same tiles)."""
     if problem.n <= 64:
         return 64, f"N={problem.n} fits one 64-wide tile"
     if problem.n <= 128:
@@ -376,7 +376,7 @@ def choose_config(
         f" ({raster_why})"
     )
     # Fields the planner has no opinion on (register budgets, schedule) pass through.
-    passthrough = {k: v for k, v in overrides.items() if k not in _PLANNED_FIELDS}
+    passthrough = {k: v for k, v in overrides.items() if k not in GemmConfig.planned_fields()}
     cfg = replace(cfg, **passthrough, reasons=tuple(reasons))
     cfg.validate()
     if cfg.epi_reuses_ab_smem and not epi_fits_in_a_ring(cfg, problem.ab_dtype, problem.d_dtype):

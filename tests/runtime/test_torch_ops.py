@@ -176,7 +176,7 @@ def test_constant_result_marks_are_dynamos_own():
     def dynamos():
         return 0
 
-    torch_ops._assume_constant_result(ours)
+    torch_ops.assume_constant_result(ours)
     torch._dynamo.assume_constant_result(dynamos)
     assert ours.__dict__ == dynamos.__dict__ != {}
     assert all(f._dynamo_marked_constant for f in (torch_ops.register_traced, torch_ops.spec_text))
