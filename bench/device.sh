@@ -4,7 +4,7 @@
 # through the device tool: run(command="bash bench/device.sh", carry=[".device"]).
 # Every step runs even if an earlier one failed; the exit status is non-zero if any failed.
 # Files left in $OUT: gpu-tests.log (every shard's log), bench.log,
-# gemm.json and four sanitize-<tool>-<case>.log.
+# gemm.json and eight sanitize-<tool>-<case>.log.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 steps=("$@")
@@ -63,7 +63,7 @@ run_bench() {
 run_sanitize() {
     local status=0 tool size log
     for tool in memcheck racecheck; do
-        for size in small ragged; do
+        for size in small ragged epilogue attention; do
             log="$OUT/sanitize-$tool-$size.log"
             # No caching allocator: each tensor is its own cudaMalloc, so memcheck sees
             # out-of-bounds accesses that would otherwise land inside a pooled block.

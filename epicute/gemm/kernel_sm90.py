@@ -280,6 +280,12 @@ class GemmSm90:
             cute.zipped_divide(tiles[(None, None, tm, tn, tl)], self.cfg.epi_tile),
         )  # fmt: skip
 
+    def _subtile_order(self):
+        """Subtile index -> (m, n) subtile coordinate: row-major over (tile_m/epi_m, tile_n/epi_n), the
+        order in which the epilogue stores subtiles and the epilogue-load warp fills its ring."""
+        n_subtiles_n = self.cfg.tile_n // self.cfg.epi_tile[1]
+        return cute.make_layout((self.cfg.tile_m // self.cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
+
     def _skip_tiles(self, tiles, k_tiles, read_state, release_state, c_state):
         """Step a consumer's ring positions over ``tiles`` tiles of other teams."""
         read_state.advance(tiles * k_tiles)
@@ -497,8 +503,7 @@ class GemmSm90:
         # consumers' subtile order; the ring runs ahead by num_c_stages.
         scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
         fill_state = RingState.producer(cfg.num_c_stages, tracked=True)
-        n_subtiles_n = cfg.tile_n // cfg.epi_tile[1]
-        epi_tile_layout = cute.make_layout((cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
+        epi_tile_layout = self._subtile_order()
         work = scheduler.first()
         while scheduler.is_valid(work):
             tm, tn, tl = scheduler.coord(work)
@@ -642,9 +647,7 @@ class GemmSm90:
         store = TmaStoreEpilogue(cfg.num_epi_stages, cfg.tile_threads)
         # The team's first warp issues its TMA stores.
         is_store_warp = mma_tidx // 32 == 0
-        n_subtiles_n = cfg.tile_n // cfg.epi_tile[1]
-        # Subtiles are visited row-major: (tile_m/epi_m, tile_n/epi_n).
-        epi_tile_layout = cute.make_layout((cfg.tile_m // cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
+        epi_tile_layout = self._subtile_order()
         extent_mn = lane = tRS_cT = tRS_cT0 = None
         c_s2r = {}
         if cutlass.const_expr(fusion is not None):
