@@ -60,7 +60,6 @@ from cutlass.tensor_utils import LayoutEnum
 from epicute.attention.plan import WGMMA_M, AttentionConfig, attention_smem_layout, lpt_keys_per_band
 from epicute.epilogue.fusion import EpilogueFusion, ScoreModFusion
 from epicute.epilogue.schedule import ATTENTION_SM90, plain_graph, schedule
-from epicute.gemm.config import THREADS_PER_WARPGROUP
 from epicute.sm90.epilogue_chain import EpilogueRun, StagedOutput, run_chain
 from epicute.sm90.epilogue_emit import DSL_DTYPES, emit_graph
 from epicute.sm90.fragments import pack_16bit, pack_pair, pack_pairs, warpgroup_slice
@@ -74,6 +73,7 @@ from epicute.sm90.pipeline import (
     wait_full,
 )
 from epicute.sm90.tile_scheduler import TileQueue, band_coord
+from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from epicute.epilogue.dtypes import DTYPE_BYTES
 from epicute.errors import ConfigError
-from epicute.gemm.config import DTYPE_BYTES, WarpRoles
 from epicute.runtime.target import Target, resolve_target
 from epicute.sm90.smem_layout import MBARRIER_BYTES, SmemBuffer, SmemItem, SmemLayout
 from epicute.sm90.tile_grid import launched
+from epicute.sm90.warp_roles import WarpRoles
 
 HEAD_DIMS = (64, 128, 256)
 #: Rows of one WGMMA atom: each consumer warpgroup owns this many query rows.

@@ -20,7 +20,7 @@ import torch
 
 from epicute.attention.plan import AttentionPlan, AttentionProblem, plan_attention
 from epicute.attention.validate import AttentionCall
-from epicute.epilogue.dtypes import TORCH_TO_IR, ir_dtype
+from epicute.epilogue.dtypes import DTYPE_BYTES, TORCH_TO_IR, ir_dtype
 from epicute.epilogue.fusion import EpilogueFusion, ScoreModFusion
 from epicute.epilogue.operands import OperandSpec, Pin
 from epicute.epilogue.schedule import ATTENTION_SM90, Stage, plain_graph, schedule
@@ -28,7 +28,6 @@ from epicute.epilogue.score_mod import ScoreMod
 from epicute.epilogue.score_mod import score_mod as as_score_mod
 from epicute.epilogue.tracer import Epilogue, as_epilogue
 from epicute.errors import DeviceError, EpilogueError
-from epicute.gemm.config import DTYPE_BYTES
 from epicute.runtime.target import Target
 
 

@@ -19,6 +19,8 @@ TORCH_TO_IR: dict[torch.dtype, str] = {
     torch.float8_e5m2: "fp8e5m2",
 }
 IR_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_IR.items()}
+#: Element size in bytes of each IR dtype.
+DTYPE_BYTES: dict[str, int] = {name: dtype.itemsize for name, dtype in IR_TO_TORCH.items()}
 
 #: Largest finite value of each fp8 format: conversions to fp8 saturate to it
 #: (as the hardware's ``cvt.rn.satfinite`` does) instead of overflowing.

@@ -6,8 +6,9 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+from epicute.epilogue.dtypes import DTYPE_BYTES
 from epicute.errors import CompileError
-from epicute.gemm.config import DTYPE_BYTES, GemmConfig
+from epicute.gemm.config import GemmConfig
 from epicute.runtime import compile as compile_module
 from epicute.runtime.cache import CacheKey
 from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from epicute.epilogue.dtypes import DTYPE_BYTES
 from epicute.errors import ConfigError
+from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP, WarpRoles
 
-#: Element sizes of the dtypes the GEMM understands, by short name.
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8e4m3": 1, "fp8e5m2": 1}
 AB_DTYPES = ("bf16", "fp16")
 D_DTYPES = ("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2")
 
-THREADS_PER_WARPGROUP = 128
 SCHEDULES = ("cooperative", "pingpong")
 TILE_N = (64, 128, 192, 256)
 #: Accumulator registers a consumer thread may hold (of its 232): the rest is the epilogue's.
@@ -65,44 +64,6 @@ class GemmProblem:
         """Each input read once and the output written once."""
         ab = DTYPE_BYTES[self.ab_dtype] * (self.m * self.k + self.k * self.n)
         return self.l * (ab + DTYPE_BYTES[self.d_dtype] * self.m * self.n)
-
-
-class WarpRoles:
-    """Thread and register arithmetic shared by the warp-specialized kernels' configs:
-    one producer warpgroup plus ``num_mma_warpgroups`` consumers, each group's
-    register budget set with ``setmaxnreg``."""
-
-    producer_regs: int
-    consumer_regs: int
-
-    @property
-    def num_mma_warpgroups(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def num_threads(self) -> int:
-        return (1 + self.num_mma_warpgroups) * THREADS_PER_WARPGROUP
-
-    @property
-    def num_mma_threads(self) -> int:
-        return self.num_mma_warpgroups * THREADS_PER_WARPGROUP
-
-    def key(self) -> tuple:
-        """What changes the generated code: every field the dataclass compares (all but ``reasons``)."""
-        return tuple(getattr(self, f.name) for f in fields(self) if f.compare)
-
-    def validate_registers(self) -> None:
-        """Raise :class:`ConfigError` unless the register budgets are valid and fit an SM."""
-        for name in ("producer_regs", "consumer_regs"):
-            regs = getattr(self, name)
-            if not 24 <= regs <= 256 or regs % 8:
-                raise ConfigError(f"{name}={regs}: register budgets must be multiples of 8 in [24, 256] (setmaxnreg)")
-        used = THREADS_PER_WARPGROUP * (self.producer_regs + self.num_mma_warpgroups * self.consumer_regs)
-        if used > 65536:
-            raise ConfigError(
-                f"producer_regs={self.producer_regs} and consumer_regs={self.consumer_regs} need {used} registers; "
-                "an SM has 65536"
-            )
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import functools
 from dataclasses import replace
 
 from epicute.errors import ConfigError
-from epicute.gemm.config import THREADS_PER_WARPGROUP, GemmConfig, GemmProblem
+from epicute.gemm.config import GemmConfig, GemmProblem
 from epicute.gemm.roofline import estimate_seconds
 from epicute.gemm.smem import (
     NO_EPILOGUE,
@@ -59,6 +59,7 @@ from epicute.gemm.smem import (
 )
 from epicute.runtime.target import H100_SXM, Target
 from epicute.sm90.tile_grid import ceil_div
+from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
 MAX_AB_STAGES = 8
 MAX_EPI_STAGES = 4

@@ -48,7 +48,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from epicute.epilogue.fusion import EpilogueFusion
 from epicute.epilogue.schedule import plain_graph, schedule
-from epicute.gemm.config import THREADS_PER_WARPGROUP, GemmConfig
+from epicute.gemm.config import GemmConfig
 from epicute.gemm.smem import NO_EPILOGUE, gemm_smem_layout
 from epicute.sm90 import epilogue_emit as emit
 from epicute.sm90.epilogue_chain import EpilogueRun, StagedOutput, run_chain
@@ -64,6 +64,7 @@ from epicute.sm90.pipeline import (
 )
 from epicute.sm90.tile_grid import cluster_counts
 from epicute.sm90.tile_scheduler import ClusterTileScheduler
+from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
 CUTLASS_DTYPES = DSL_DTYPES
 

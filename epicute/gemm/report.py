@@ -5,8 +5,8 @@ Plain text on purpose: it reads the same in a terminal, a log file and a test.
 
 from __future__ import annotations
 
-from epicute.gemm.config import THREADS_PER_WARPGROUP
 from epicute.gemm.plan import GemmPlan
+from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
 
 def _kib(n: int) -> str:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epicute.gemm.config import DTYPE_BYTES, GemmProblem
+from epicute.epilogue.dtypes import DTYPE_BYTES
+from epicute.gemm.config import GemmProblem
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.runtime.target import Target
 from epicute.sm90.tile_grid import ceil_div

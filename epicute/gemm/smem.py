@@ -14,8 +14,9 @@ with it.
 
 from __future__ import annotations
 
+from epicute.epilogue.dtypes import DTYPE_BYTES
 from epicute.epilogue.schedule import NO_EPILOGUE, EpilogueBuffers
-from epicute.gemm.config import DTYPE_BYTES, GemmConfig
+from epicute.gemm.config import GemmConfig
 from epicute.sm90.smem_layout import BUFFER_ALIGN, MBARRIER_BYTES, SmemBuffer, SmemItem, SmemLayout
 
 

@@ -24,7 +24,7 @@ from cutlass import BFloat16, Float8E4M3FN, Float8E5M2, Float16, Float32, Int16,
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from epicute.gemm.config import THREADS_PER_WARPGROUP
+from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
 #: One instruction converts a pair of fp32 values: (PTX, the pair's word type, its inline-asm constraint).
 #: The fp8 conversions saturate (``satfinite``: +-inf and out-of-range values become the largest finite

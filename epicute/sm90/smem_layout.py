@@ -18,14 +18,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from epicute.epilogue.dtypes import DTYPE_BYTES
+
 BUFFER_ALIGN = 1024
 MBARRIER_BYTES = 8
 
 #: Element sizes of the field dtypes, by name: the value dtypes and the struct's bookkeeping ones.
-ELEMENT_BYTES = {
-    "bf16": 2, "fp16": 2, "fp32": 4, "fp8e4m3": 1, "fp8e5m2": 1,
-    "int64": 8, "int32": 4, "uint8": 1,
-}  # fmt: skip
+ELEMENT_BYTES = {**DTYPE_BYTES, "int64": 8, "int32": 4, "uint8": 1}
 
 
 def round_up(x: int, align: int) -> int:
