@@ -32,7 +32,9 @@ console = Console(highlight=False, soft_wrap=True, markup=False)
 # Spelled out here, not imported: the library modules that define them import torch, and
 # `epicute --help` should not wait for it. tests/test_cli.py checks that they agree.
 #: The dtype names of A/B and of D (epicute.gemm.config.AB_DTYPES, D_DTYPES).
-AB_DTYPES = ("bf16", "fp16")
+AB_DTYPES = ("bf16", "fp16", "fp8e4m3", "fp8e5m2")
+#: q, k and v's dtypes (epicute.attention.validate.ATTN_DTYPES).
+ATTENTION_DTYPES = ("bf16", "fp16")
 D_DTYPES = ("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2")
 #: epicute.epilogue.library.__all__
 READY_EPILOGUES = "row_col_quant, tensor_quant, plain"
@@ -84,9 +86,13 @@ def explain_gemm(
     k: int = typer.Option(..., help="the reduction dimension"),
     l: int = typer.Option(1, "--l", "--batch", help="batch count L"),
     dtype: str = typer.Option("bf16", help="A/B dtype: " + ", ".join(AB_DTYPES)),
-    out_dtype: str | None = typer.Option(None, help="D dtype: " + ", ".join(D_DTYPES) + " (default: dtype)"),
+    out_dtype: str | None = typer.Option(
+        None, help="D dtype: " + ", ".join(D_DTYPES) + " (default: dtype; bf16 for fp8 inputs)"
+    ),
     a_major: str = typer.Option("k", help="'k': A row-major; 'm': A column-major"),
-    b_major: str = typer.Option("n", help="'n': B row-major; 'k': B column-major"),
+    b_major: str | None = typer.Option(
+        None, help="'n': B row-major; 'k': B column-major (default: 'n'; 'k' for fp8, which needs it)"
+    ),
     tile_n: int | None = typer.Option(None, help="pin the CTA tile's N (64, 128, 192, 256)"),
     cluster_m: int | None = typer.Option(None, help="pin the cluster's M extent (1 or 2)"),
     persistent: bool | None = typer.Option(None, "--persistent/--no-persistent", help="pin persistence"),
@@ -96,7 +102,8 @@ def explain_gemm(
         f"or a ready one by name ({READY_EPILOGUES})",
     ),
     operand: list[str] = typer.Option(
-        [], help="an epilogue operand as name=kind[:dtype] (kind: scalar, row, col, tile); repeat per operand"
+        [], help="an epilogue operand as name=kind[:dtype] (kind: scalar, row, col, tile); repeat per operand; "
+        "fp8 inputs' scales are a_scale (default col: one per row) and b_scale (default row: one per column)"
     ),
     target: str | None = typer.Option(None, help=TARGET_HELP),
 ) -> None:
@@ -117,14 +124,17 @@ def explain_gemm(
         _check_choice("--dtype", dtype, AB_DTYPES)
         if out_dtype is not None:
             _check_choice("--out-dtype", out_dtype, D_DTYPES)
+        b_major = b_major or ("k" if dtype.startswith("fp8") else "n")
         for option, value, choices in (("--a-major", a_major, ("k", "m")), ("--b-major", b_major, ("n", "k"))):
             if value not in choices:
                 raise ConfigError(f"{option} {value!r}: give one of {', '.join(choices)}")
-        if operand and not epilogue:
+        if operand and not epilogue and not dtype.startswith("fp8"):
             raise ConfigError("--operand needs --epilogue (the operands are the epilogue's)")
         operands = dict(item.split("=", 1) if "=" in item else (item, "") for item in operand)
         resolved = resolve_target(target)
-        problem = GemmProblem(m, n, k, l, dtype, out_dtype or dtype, a_major, b_major)
+        fp8 = dtype.startswith("fp8")
+        default_d = "bf16" if fp8 else dtype  # as epicute.gemm defaults it
+        problem = GemmProblem(m, n, k, l, dtype, out_dtype or default_d, a_major, b_major)
         plan = prepare(gemm_request(problem, epilogue, operands, out_dtype is not None, {}, pins, resolved)).plan
     except EpicuteError as exc:
         raise _fail(exc) from exc
@@ -139,7 +149,7 @@ def explain_attention_cmd(
     heads_q: int = typer.Option(..., min=1, help="query heads"),
     heads_kv: int | None = typer.Option(None, min=1, help="key/value heads, dividing heads-q (default: heads-q)"),
     head_dim: int = typer.Option(128, min=1, help="head dimension: 64, 128 or 256"),
-    dtype: str = typer.Option("bf16", help="q, k, v dtype: " + ", ".join(AB_DTYPES)),
+    dtype: str = typer.Option("bf16", help="q, k, v dtype: " + ", ".join(ATTENTION_DTYPES)),
     causal: bool = typer.Option(False, "--causal/--no-causal", help="causal mask"),
     score_mod: str | None = typer.Option(None, help="a score_mod: module:function"),
     epilogue: str | None = typer.Option(
@@ -155,7 +165,7 @@ def explain_attention_cmd(
     from epicute.errors import ConfigError, EpicuteError
 
     try:
-        _check_choice("--dtype", dtype, AB_DTYPES)
+        _check_choice("--dtype", dtype, ATTENTION_DTYPES)
         from epicute.attention.aot import prepare_described
         from epicute.attention.plan import render_attention_plan
         from epicute.runtime.target import resolve_target

@@ -21,7 +21,7 @@ def gemm_variants(entry: dict, target: Target | None = None) -> list:
     """The GEMM variants the calls described by one ``[[gemm]]`` entry would compile on ``target``
     (None: the current one), deduplicated."""
     from epicute.gemm import GemmProblem
-    from epicute.gemm.config import AB_DTYPES, D_DTYPES, GemmConfig
+    from epicute.gemm.config import AB_DTYPES, D_DTYPES, FP8_AB_DTYPES, GemmConfig
     from epicute.gemm.prepare import prepare
 
     allowed = {"shapes", "dtype", "out_dtype", "a_major", "b_major", "config", "epilogue", "operands", "out_dtypes"}
@@ -39,14 +39,16 @@ def gemm_variants(entry: dict, target: Target | None = None) -> list:
     dtype = entry.get("dtype", "bf16")
     if dtype not in AB_DTYPES:
         raise ConfigError(f"dtype = {dtype!r}; A and B's dtype is one of {', '.join(AB_DTYPES)}")
-    out_dtype = entry.get("out_dtype", dtype)
+    fp8 = dtype in FP8_AB_DTYPES
+    out_dtype = entry.get("out_dtype", "bf16" if fp8 else dtype)  # as epicute.gemm defaults it
     if out_dtype not in D_DTYPES:
         raise ConfigError(f"out_dtype = {out_dtype!r}; D's dtype is one of {', '.join(D_DTYPES)}")
     check_fields(entry, str, "a_major", "b_major", "epilogue")
     check_fields(entry, dict, "operands", "out_dtypes")
     def problem_of(shape: list[int]) -> GemmProblem:
         m, n, k, l = (*shape, 1) if len(shape) == 3 else shape
-        return GemmProblem(m, n, k, l, dtype, out_dtype, entry.get("a_major", "k"), entry.get("b_major", "n"))
+        b_major = entry.get("b_major", "k" if fp8 else "n")  # fp8: w.t() of a row-major (N, K) weight
+        return GemmProblem(m, n, k, l, dtype, out_dtype, entry.get("a_major", "k"), b_major)
 
     request = gemm_request(
         problem_of(shapes[0]), entry.get("epilogue"), entry.get("operands") or {}, "out_dtype" in entry,
@@ -73,15 +75,21 @@ def gemm_request(
     ``epilogue`` a ``module:function`` path, ``operands`` ``{name: "kind[:dtype]"}`` (unlisted ones
     are scalars), ``out_dtypes`` IR dtype names, ``pins`` config fields, ``target`` the GPU to plan
     for (None: the current one)."""
+    from epicute.epilogue.scales import scaled_epilogue
     from epicute.epilogue.tracer import as_epilogue
     from epicute.gemm.prepare import GemmRequest, ir_items
 
     overrides = tuple(sorted(pins.items()))
-    if not epilogue:
+    if not epilogue and not problem.fp8:
         if operands or out_dtypes:
             raise ConfigError("operands/out_dtypes need an epilogue")
         return GemmRequest(problem, overrides=overrides, target=target)
-    epi = as_epilogue(import_object(epilogue))
+    epi = as_epilogue(import_object(epilogue)) if epilogue else None
+    if problem.fp8:
+        # fp8 inputs' scales are operands of the scaled epilogue; rowwise unless named otherwise
+        # (a_scale = "scalar" for a float, "row" for a GPU tensor: epicute.epilogue.scales).
+        epi = scaled_epilogue(epi)
+        operands = {"a_scale": "col", "b_scale": "row", **operands}
     missing = [p for p in epi.params if p not in operands and p not in epi.defaults]
     extra = sorted(set(operands) - set(epi.params))
     if missing or extra:

@@ -15,8 +15,9 @@ from epicute.epilogue.dtypes import IR_TO_TORCH, TORCH_TO_IR
 from epicute.epilogue.hashing import semantic_hash
 from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import reference_gemm, round_to
+from epicute.epilogue.scales import ScaledEpilogue, scale_operands, scaled_epilogue
 from epicute.epilogue.tracer import as_epilogue
-from epicute.errors import ConfigError, DeviceError, EpilogueError
+from epicute.errors import ConfigError, DeviceError, DtypeError, EpilogueError
 from epicute.gemm import GemmPlan, render_plan
 from epicute.gemm.epilogue_args import aux_outputs, check_outs_names, kernel_inputs
 from epicute.gemm.launch import launch_gemm
@@ -41,6 +42,8 @@ def gemm(
     out_dtype: torch.dtype | None = None,
     out_dtypes: dict[str, torch.dtype] | None = None,
     outs: dict[str, torch.Tensor] | None = None,
+    a_scale: float | torch.Tensor | None = None,
+    b_scale: float | torch.Tensor | None = None,
     backend: str = "kernel",
     config: dict | None = None,
     tune: bool = False,
@@ -49,9 +52,12 @@ def gemm(
     """``a @ b`` on a Hopper GPU, optionally with a fused epilogue.
 
     Args:
-        a: ``(M, K)`` or batched ``(L, M, K)``, bf16 or fp16, row- or column-major.
+        a: ``(M, K)`` or batched ``(L, M, K)``, bf16 or fp16, row- or column-major; or fp8
+            (``torch.float8_e4m3fn``/``float8_e5m2``) row-major, with ``a_scale`` and ``b_scale``.
         b: ``(K, N)`` or ``(L, K, N)``, same dtype as ``a``, row- or column-major
-            (``w.t()`` of a row-major ``(N, K)`` weight works without a copy).
+            (``w.t()`` of a row-major ``(N, K)`` weight works without a copy). fp8: column-major,
+            i.e. ``w.t()`` of a row-major ``(N, K)`` weight (WGMMA reads 8-bit operands K-major),
+            e4m3 or e5m2 whatever ``a`` is; K a multiple of 16.
         epilogue: a function ``f(acc, *operands) -> {"D": ...}`` (see
             :func:`epicute.epilogue`); its operands are passed by name as keyword
             arguments (scalars, row/column vectors or full tiles).
@@ -64,6 +70,11 @@ def gemm(
             without one is stored in the dtype of its own final ``cast``/``quantize``, else in D's.
             fp8 outputs saturate at the format's largest finite value.
         outs: preallocated aux tile outputs by name (D goes in ``out``).
+        a_scale, b_scale: fp8 inputs' dequantization scales, as ``torch._scaled_mm`` takes them:
+            tensorwise, a float or a 0-d/1-element fp32 tensor (read on the GPU: no host sync);
+            rowwise, ``a_scale`` one per row of A (``(M,)``/``(M, 1)``) and ``b_scale`` one per column
+            of B (``(N,)``/``(1, N)``), fp32. The epilogue sees ``acc * a_scale * b_scale``; fp8
+            inputs give bf16 D unless ``out_dtype`` says otherwise.
         backend: ``"kernel"`` (the GPU) or ``"reference"`` (float32 on the CPU,
             any device: the oracle every GPU test compares against).
         config: optional :class:`epicute.gemm.config.GemmConfig` fields to pin
@@ -93,17 +104,20 @@ def gemm(
         # torch.compile sees one custom op (epicute::gemm), never this Python code.
         return gemm_op_call(
             a, b, epilogue=epilogue, out=out, out_dtype=out_dtype, out_dtypes=out_dtypes, outs=outs,
-            backend=backend, config=config, operands=operands,
+            a_scale=a_scale, b_scale=b_scale, backend=backend, config=config, operands=operands,
         )  # fmt: skip
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
     if backend == "reference":
         check_has_values(("a", a), ("b", b))
+    scales = (a_scale, b_scale)
     if tune and backend == "kernel":
-        tuned = _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands)
+        tuned = _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands, scales)
         config = {**tuned, **(config or {})}  # the caller's pins win
     on_gpu = backend == "kernel"
-    call, specs, request = describe_call(a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, on_gpu)
+    call, specs, request, operands = describe_call(
+        a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, on_gpu, scales
+    )
     prepared = _prepare_memo(request, epilogue)
     if prepared.epilogue is None:
         if backend == "reference":
@@ -122,18 +136,25 @@ def gemm(
 
 
 def describe_call(
-    a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, require_cuda: bool
-) -> tuple[GemmCall, dict[str, OperandSpec], GemmRequest]:
-    """Validate a call's tensors and describe it: the call, its resolved operands and its :class:`GemmRequest`."""
+    a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, require_cuda: bool, scales=(None, None)
+) -> tuple[GemmCall, dict[str, OperandSpec], GemmRequest, dict[str, Any]]:
+    """Validate a call's tensors and describe it: the call, its resolved operands, its :class:`GemmRequest`
+    and the operands by name (an fp8 call's ``scales`` among them, in front of its epilogue's)."""
     if epilogue is None and (operands or out_dtypes or outs):
         given = sorted(operands) or list(out_dtypes or outs)
         raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
     if out_dtypes and "D" in out_dtypes:
         out_dtype = out_dtype or out_dtypes["D"]
     call = check_gemm_args(a, b, out, out_dtype, require_cuda=require_cuda)
-    if epilogue is None:
-        return call, {}, GemmRequest(call.problem, overrides=_overrides(config))
     p = call.problem
+    if p.fp8:
+        # The scales are epilogue operands: the epilogue sees acc * a_scale * b_scale.
+        operands = {**scale_operands(*scales, p.m, p.n, p.k, p.l, call.batched), **operands}
+        epilogue = scaled_epilogue(epilogue)
+    elif scales != (None, None):
+        raise DtypeError(f"a_scale/b_scale dequantize fp8 inputs; a is {a.dtype}: drop them or pass fp8 tensors")
+    if epilogue is None:
+        return call, {}, GemmRequest(p, overrides=_overrides(config)), operands
     epi = as_epilogue(epilogue)
     specs = epi.operands(operands, p.m, p.n, p.l)
     request = GemmRequest(
@@ -143,7 +164,7 @@ def describe_call(
         outs_dtypes=ir_items({name: t.dtype for name, t in (outs or {}).items()}, "outs"),
         overrides=_overrides(config),
     )  # fmt: skip
-    return call, specs, request
+    return call, specs, request, operands
 
 
 #: Prepared epilogue calls, by what tracing depends on (see _capture_key) and the rest of the request.
@@ -154,7 +175,8 @@ def _prepare_memo(request: GemmRequest, epilogue: Callable | None) -> PreparedGe
     """:func:`prepare`, remembered per epilogue capture: a repeat call neither traces nor plans."""
     if request.epilogue is None:
         return prepare(request)  # a plan-cache hit
-    capture = _capture_key(epilogue)
+    # An fp8 call's epilogue is the scaled one, one object per user epilogue (epicute.epilogue.scales).
+    capture = _capture_key(request.epilogue if isinstance(request.epilogue, ScaledEpilogue) else epilogue)
     key = None if capture is None else (capture, request.signature())
     prepared = _PREPARED.get(key) if key is not None else None
     if prepared is None:
@@ -196,6 +218,8 @@ def tune(
     epilogue: Callable | None = None,
     out_dtype: torch.dtype | None = None,
     out_dtypes: dict[str, torch.dtype] | None = None,
+    a_scale: float | torch.Tensor | None = None,
+    b_scale: float | torch.Tensor | None = None,
     iters: int = 20,
     warmup: int = 5,
     progress: bool = True,
@@ -215,12 +239,12 @@ def tune(
 
     if not torch.cuda.is_available():
         raise DeviceError("tune() times candidate kernels on a CUDA GPU; none is visible")
-    key, prepared = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)
+    key, prepared = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands, (a_scale, b_scale))
     options = candidates(prepared.plan.problem, prepared.plan.target, prepared.plan.epilogue)
 
     def measure(overrides: dict) -> float:
         run = functools.partial(gemm, a, b, epilogue=epilogue, out_dtype=out_dtype, out_dtypes=out_dtypes,
-                                config=overrides, **operands)  # fmt: skip
+                                a_scale=a_scale, b_scale=b_scale, config=overrides, **operands)  # fmt: skip
         return time_cuda(run, warmup=warmup, iters=iters)
 
     with Progress(transient=True, disable=not progress) as bar:
@@ -239,21 +263,22 @@ def tune(
 _TUNED: dict[str, dict] = {}
 
 
-def _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands) -> tuple[str, PreparedGemm]:
+def _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands, scales=(None, None)) -> tuple[str, PreparedGemm]:
     """The tune key of one call and its preparation (the problem with D's dtype settled, the epilogue's buffers)."""
-    _, _, request = describe_call(a, b, epilogue, None, out_dtype, out_dtypes, None, None, operands, False)
+    _, _, request, _ = describe_call(a, b, epilogue, None, out_dtype, out_dtypes, None, None, operands, False, scales)
     prepared = _prepare_memo(request, epilogue)  # gemm(..., tune=True) asks on every call: trace once
     epi_hash = None if prepared.epilogue is None else semantic_hash(prepared.epilogue.graph)
     return tune_key(prepared.plan.problem, epi_hash, current_target().device), prepared
 
 
-def _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands) -> dict:
-    key, _ = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)
+def _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands, scales=(None, None)) -> dict:
+    key, _ = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands, scales)
     if key not in _TUNED:
         stored = stored_entry(key)
         _TUNED[key] = stored["best"] if stored is not None else tune(
-            a, b, epilogue=epilogue, out_dtype=out_dtype, out_dtypes=out_dtypes, **operands
-        ).best
+            a, b, epilogue=epilogue, out_dtype=out_dtype, out_dtypes=out_dtypes, a_scale=scales[0],
+            b_scale=scales[1], **operands,
+        ).best  # fmt: skip
     return _TUNED[key]
 
 
@@ -284,6 +309,8 @@ def explain(
     out_dtype: torch.dtype | None = None,
     out_dtypes: dict[str, torch.dtype] | None = None,
     outs: dict[str, torch.Tensor] | None = None,
+    a_scale: float | torch.Tensor | None = None,
+    b_scale: float | torch.Tensor | None = None,
     config: dict | None = None,
     target: Target | str | None = None,
     file: TextIO | str | None = "stdout",
@@ -312,7 +339,8 @@ def explain(
         >>> [item.name for item in plan.smem][-2:]
         ['operand tile 0', 'row vector 0']
     """
-    _, _, request = describe_call(a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, False)
+    scales = (a_scale, b_scale)
+    _, _, request, _ = describe_call(a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, False, scales)
     resolved = resolve_target(target)
     plan = prepare(replace(request, target=resolved)).plan
     if file is not None:
@@ -320,7 +348,7 @@ def explain(
         # Tuned winners are stored per GPU: only the current one's apply to its own plan.
         tuned = None
         if resolved == current_target():
-            tuned = stored_entry(_tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands)[0])
+            tuned = stored_entry(_tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands, scales)[0])
         if tuned is not None:
             times, best, planner = tuned["times_ms"], label(tuned["best"]), label(tuned["planner"])
             text += (

@@ -26,20 +26,23 @@ class GemmVariant:
     a_major: str
     b_major: str
     arch: str = DEFAULT_ARCH
-    #: the fused epilogue (an ``epicute.sm90.epilogue_emit.EpilogueFusion``), if any
+    #: the fused epilogue (an ``epicute.epilogue.fusion.EpilogueFusion``), if any
     fusion: object = None
+    #: B's dtype where it is not ``ab_dtype`` (fp8 e4m3 x e5m2)
+    b_dtype: str = ""
 
     def key(self) -> CacheKey:
         """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
         parts = (
-            self.config.key(), self.ab_dtype, self.d_dtype, self.a_major, self.b_major,
+            self.config.key(), self.ab_dtype, self.b_dtype or self.ab_dtype, self.d_dtype, self.a_major, self.b_major,
             None if self.fusion is None else self.fusion.key(),
             ("align", OPERAND_ALIGN_BYTES),
         )  # fmt: skip
         c = self.config
         label = (
             f"{c.tile_m}x{c.tile_n}x{c.tile_k} cluster {c.cluster_m}x{c.cluster_n} "
-            f"{'persistent' if c.persistent else 'one tile/CTA'} {self.ab_dtype}->{self.d_dtype} "
+            f"{'persistent' if c.persistent else 'one tile/CTA'} {self.ab_dtype}"
+            + (f"x{self.b_dtype}" if self.b_dtype and self.b_dtype != self.ab_dtype else "") + f"->{self.d_dtype} "
             f"A:{self.a_major} B:{self.b_major}" + ("" if self.fusion is None else " +epilogue")
         )
         return CacheKey("gemm", parts, self.arch, label)
@@ -100,15 +103,17 @@ def compile_gemm_sm90(variant: GemmVariant):
     from epicute.gemm.kernel_sm90 import CUTLASS_DTYPES, GemmSm90
 
     ab = CUTLASS_DTYPES[variant.ab_dtype]
+    b_elem = CUTLASS_DTYPES[variant.b_dtype or variant.ab_dtype]
     d = CUTLASS_DTYPES[variant.d_dtype]
     l, m, n, k = (cute.sym_int() for _ in range(4))
     fake_a = _fake_operand(ab, (l, m, k), contiguous=2 if variant.a_major == "k" else 1)
-    fake_b = _fake_operand(ab, (l, k, n), contiguous=2 if variant.b_major == "n" else 1)
+    fake_b = _fake_operand(b_elem, (l, k, n), contiguous=2 if variant.b_major == "n" else 1)
     fake_d = _fake_operand(d, (l, m, n), contiguous=2)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
     kernel = GemmSm90(
-        variant.config, variant.ab_dtype, variant.d_dtype, variant.a_major, variant.b_major, variant.fusion
+        variant.config, variant.ab_dtype, variant.d_dtype, variant.a_major, variant.b_major, variant.fusion,
+        variant.b_dtype,
     )
     try:
         with warnings.catch_warnings():

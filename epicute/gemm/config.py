@@ -15,7 +15,10 @@ from epicute.epilogue.dtypes import DTYPE_BYTES
 from epicute.errors import ConfigError
 from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP, WarpRoles
 
-AB_DTYPES = ("bf16", "fp16")
+AB_DTYPES = ("bf16", "fp16", "fp8e4m3", "fp8e5m2")
+FP8_AB_DTYPES = ("fp8e4m3", "fp8e5m2")
+#: A k-tile is one 128-byte swizzle row of A and of B: 64 16-bit or 128 8-bit elements.
+K_TILE_BYTES = 128
 D_DTYPES = ("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2")
 
 SCHEDULES = ("cooperative", "pingpong")
@@ -31,6 +34,9 @@ class GemmProblem:
     ``a_major`` is ``"k"`` when A is row-major (K contiguous) and ``"m"`` when it
     is column-major; ``b_major`` is ``"n"`` when B is row-major and ``"k"`` when it
     is column-major (i.e. ``w.t()`` of a row-major ``w``). D is always row-major.
+    ``ab_dtype`` is A's dtype and B's, unless ``b_dtype`` names B's: fp8 inputs may
+    mix e4m3 and e5m2 (gradients), and must both be K-major (WGMMA reads 8-bit
+    operands K-major only).
     """
 
     m: int
@@ -41,10 +47,20 @@ class GemmProblem:
     d_dtype: str = "bf16"
     a_major: str = "k"
     b_major: str = "n"
+    b_dtype: str = ""
 
     def __post_init__(self) -> None:
         if self.ab_dtype not in AB_DTYPES:
             raise ConfigError(f"ab_dtype={self.ab_dtype!r}: supported are {AB_DTYPES}")
+        if self.b_dtype and (self.b_dtype != self.ab_dtype) and not (self.fp8 and self.b_dtype in FP8_AB_DTYPES):
+            raise ConfigError(
+                f"b_dtype={self.b_dtype!r} with ab_dtype={self.ab_dtype!r}: only fp8 inputs may mix (e4m3 and e5m2)"
+            )
+        if self.fp8 and (self.a_major, self.b_major) != ("k", "k"):
+            raise ConfigError(
+                f"fp8 inputs with a_major={self.a_major!r}, b_major={self.b_major!r}: WGMMA reads 8-bit operands "
+                "K-major only (a_major='k', b_major='k')"
+            )
         if self.d_dtype not in D_DTYPES:
             raise ConfigError(f"d_dtype={self.d_dtype!r}: supported are {D_DTYPES}")
         if self.a_major not in ("k", "m"):
@@ -54,6 +70,20 @@ class GemmProblem:
         for name in ("m", "n", "k", "l"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+
+    @property
+    def b_elem(self) -> str:
+        """B's dtype."""
+        return self.b_dtype or self.ab_dtype
+
+    @property
+    def fp8(self) -> bool:
+        return self.ab_dtype in FP8_AB_DTYPES
+
+    @property
+    def tile_k(self) -> int:
+        """The k-tile the inputs' dtype takes: one 128-byte swizzle row."""
+        return K_TILE_BYTES // DTYPE_BYTES[self.ab_dtype]
 
     @property
     def flops(self) -> int:
@@ -170,8 +200,8 @@ class GemmConfig(WarpRoles):
             )
         if self.tile_n not in TILE_N:
             raise ConfigError(f"tile_n={self.tile_n}: must be one of {TILE_N} (WGMMA N)")
-        if self.tile_k != 64:
-            raise ConfigError(f"tile_k={self.tile_k}: must be 64 (one 128-byte swizzle row)")
+        if self.tile_k not in (64, 128):
+            raise ConfigError(f"tile_k={self.tile_k}: must be 64 (16-bit inputs) or 128 (fp8): one 128-byte row")
         for name in ("cluster_m", "cluster_n"):
             if getattr(self, name) not in (1, 2):
                 raise ConfigError(f"{name}={getattr(self, name)}: must be 1 or 2")

@@ -298,7 +298,7 @@ def choose_config(
             if (fitted_schedule, fitted_n) != (schedule, tile_n):
                 schedule, tile_n = fitted_schedule, fitted_n
                 schedule_why = tile_why = "the epilogue's code (below)"
-    reasons = [f"schedule {schedule}: {schedule_why}", f"tile {tile_m}x{tile_n}x64: {tile_why}"]
+    reasons = [f"schedule {schedule}: {schedule_why}", f"tile {tile_m}x{tile_n}x{problem.tile_k}: {tile_why}"]
     if code_why:
         reasons.append(code_why)
     tiles = _num_tiles(problem, tile_m, tile_n)
@@ -346,7 +346,7 @@ def choose_config(
         schedule=schedule,
         tile_m=tile_m,
         tile_n=tile_n,
-        tile_k=overrides.get("tile_k", 64),
+        tile_k=overrides.get("tile_k", problem.tile_k),
         cluster_m=cluster[0],
         cluster_n=cluster[1],
         persistent=persistent,
@@ -380,6 +380,11 @@ def choose_config(
     passthrough = {k: v for k, v in overrides.items() if k not in GemmConfig.planned_fields()}
     cfg = replace(cfg, **passthrough, reasons=tuple(reasons))
     cfg.validate()
+    if cfg.tile_k != problem.tile_k:
+        raise ConfigError(
+            f"tile_k={cfg.tile_k} with {problem.ab_dtype} inputs: a k-tile is one 128-byte swizzle row, "
+            f"tile_k={problem.tile_k}"
+        )
     if cfg.epi_reuses_ab_smem and not epi_fits_in_a_ring(cfg, problem.ab_dtype, problem.d_dtype):
         raise ConfigError(
             f"{cfg.num_epi_stages} D staging buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B do not fit in "

@@ -128,11 +128,13 @@ class GemmSm90:
         a_major: str,
         b_major: str,
         fusion: EpilogueFusion | None = None,
+        b_dtype: str = "",
     ):
         cfg.validate()
         self.fusion = fusion
         self.cfg = cfg
-        self.ab_dtype = CUTLASS_DTYPES[ab_dtype]
+        self.ab_dtype = CUTLASS_DTYPES[ab_dtype]  # A's (and B's, unless b_dtype names B's: fp8 may mix)
+        self.b_dtype = CUTLASS_DTYPES[b_dtype or ab_dtype]
         self.d_dtype = CUTLASS_DTYPES[d_dtype]
         self.ab_dtype_name = ab_dtype
         self.d_dtype_name = d_dtype
@@ -154,7 +156,7 @@ class GemmSm90:
         self.epi_buffers = fusion.buffers() if fusion is not None else NO_EPILOGUE
         #: The epilogue the kernel runs: the fusion's chain, or the plain one (cast and store D).
         self.chain = fusion.stages if fusion is not None else schedule(plain_graph(d_dtype)).stages
-        self.smem = gemm_smem_layout(cfg, ab_dtype, d_dtype, self.epi_buffers)
+        self.smem = gemm_smem_layout(cfg, ab_dtype, d_dtype, self.epi_buffers, b_dtype)
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -179,7 +181,7 @@ class GemmSm90:
 
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
-            self.ab_dtype,
+            self.b_dtype,
             self.a_layout.sm90_mma_major_mode(),
             self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
@@ -187,7 +189,7 @@ class GemmSm90:
             tiler_mn=(WGMMA_M, cfg.tile_n),
         )
         a_smem_staged = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_shape_mnk, self.ab_dtype, cfg.ab_stages)
-        b_smem_staged = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_shape_mnk, self.ab_dtype, cfg.ab_stages)
+        b_smem_staged = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_shape_mnk, self.b_dtype, cfg.ab_stages)
         d_smem_staged = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, cfg.epi_tile, cfg.num_epi_stages)
 
         tma_a, tma_mA = self._make_tma_load(mA, a_smem_staged, (cfg.tile_m, cfg.tile_k), self.a_mcast_ctas)
@@ -382,7 +384,7 @@ class GemmSm90:
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0))) + cute.size_in_bytes(
-            self.ab_dtype, cute.slice_(b_smem_staged, (None, None, 0))
+            self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0))
         )
         c_pipeline = None
         if cutlass.const_expr(self.epi_buffers.loads_tiles):

@@ -40,7 +40,8 @@ def variant_of(plan: GemmPlan, fusion=None) -> GemmVariant:
     """What ``plan`` compiles: its config, dtypes and majors for its target's arch (not its SM count,
     which reaches the kernel at launch as ``plan.max_active_clusters``)."""
     p = plan.problem
-    return GemmVariant(plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion)
+    b_dtype = p.b_dtype if p.b_dtype != p.ab_dtype else ""
+    return GemmVariant(plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion, b_dtype)
 
 
 def _zero_k_operands(call: GemmCall) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@ Plain text on purpose: it reads the same in a terminal, a log file and a test.
 from __future__ import annotations
 
 from epicute.gemm.plan import GemmPlan
+from epicute.gemm.smem import ab_stage_bytes
 from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
 
@@ -19,7 +20,8 @@ def render_plan(plan: GemmPlan) -> str:
     b_desc = "row-major (N contiguous)" if p.b_major == "n" else "column-major (K contiguous)"
     lines = [
         f"epicute GEMM plan: D[{p.l}x{p.m}x{p.n}] = A[{p.l}x{p.m}x{p.k}] @ B[{p.l}x{p.k}x{p.n}]",
-        f"  A {p.ab_dtype} {a_desc}; B {p.ab_dtype} {b_desc}; D {p.d_dtype} row-major; accumulate fp32",
+        f"  A {p.ab_dtype} {a_desc}; B {p.b_elem} {b_desc}; D {p.d_dtype} row-major; accumulate fp32"
+        + (" (fp8 WGMMA: no promotion; scales applied to the accumulator in the epilogue)" if p.fp8 else ""),
         f"  target          {hw.describe()}",
         "",
         "tiles",
@@ -65,7 +67,7 @@ def render_plan(plan: GemmPlan) -> str:
         "pipelines",
         (
             f"  A/B load ring   PipelineTmaAsync, {c.ab_stages} stages, full+empty mbarriers, "
-            f"{(c.tile_m + c.tile_n) * c.tile_k * 2} B per stage"
+            f"{ab_stage_bytes(c, p.ab_dtype)} B per stage"
         ),
         f"  D store         PipelineTmaStore, {c.num_epi_stages} buffers, one elected thread "
         f"commits and waits until <= {c.num_epi_stages - 1} stores are in flight"

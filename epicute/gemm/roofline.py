@@ -80,10 +80,11 @@ def roofline(
     hw: Target,
     tile_m: int,
     tile_n: int,
-    tile_k: int = 64,
+    tile_k: int | None = None,
     epilogue: EpilogueBuffers = NO_EPILOGUE,
     schedule: str = "cooperative",
 ) -> Roofline:
+    tile_k = tile_k or problem.tile_k
     flops = problem.flops
     extra_per_elem = sum(DTYPE_BYTES[d] for d in epilogue.tile_inputs + epilogue.aux_outputs)
     epilogue_bytes = problem.l * problem.m * problem.n * extra_per_elem

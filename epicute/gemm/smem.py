@@ -21,10 +21,12 @@ from epicute.sm90.smem_layout import BUFFER_ALIGN, MBARRIER_BYTES, SmemBuffer, S
 
 
 def gemm_smem_layout(
-    cfg: GemmConfig, ab_dtype: str, d_dtype: str, epi: EpilogueBuffers = NO_EPILOGUE
+    cfg: GemmConfig, ab_dtype: str, d_dtype: str, epi: EpilogueBuffers = NO_EPILOGUE, b_dtype: str = ""
 ) -> SmemLayout:
     """The kernel's shared storage for ``cfg`` (fields ``ab_barriers``, ``epi_barriers``, ``sA``,
-    ``sB``, ``sD`` and the epilogue's ``epi_tile_<i>``, ``epi_aux_<i>``, ``epi_vec_<i>``)."""
+    ``sB``, ``sD`` and the epilogue's ``epi_tile_<i>``, ``epi_aux_<i>``, ``epi_vec_<i>``); ``b_dtype``:
+    B's dtype where it is not A's (fp8 e4m3 x e5m2: the same size)."""
+    b_dtype = b_dtype or ab_dtype
     epi_elems = cfg.epi_tile[0] * cfg.epi_tile[1]
     subtile = f"{cfg.epi_tile[0]}x{cfg.epi_tile[1]}"
     barrier = MBARRIER_BYTES
@@ -39,8 +41,8 @@ def gemm_smem_layout(
     buffers += [
         SmemBuffer("sA", "A ring", ab_dtype, cfg.tile_m * cfg.tile_k * cfg.ab_stages,
                    f"{cfg.ab_stages} x {cfg.tile_m}x{cfg.tile_k} {ab_dtype}"),
-        SmemBuffer("sB", "B ring", ab_dtype, cfg.tile_n * cfg.tile_k * cfg.ab_stages,
-                   f"{cfg.ab_stages} x {cfg.tile_n}x{cfg.tile_k} {ab_dtype}"),
+        SmemBuffer("sB", "B ring", b_dtype, cfg.tile_n * cfg.tile_k * cfg.ab_stages,
+                   f"{cfg.ab_stages} x {cfg.tile_n}x{cfg.tile_k} {b_dtype}"),
         SmemBuffer("sD", "D staging", d_dtype, d_count,
                    f"{d_shape}, aliases the A ring ({d_count * DTYPE_BYTES[d_dtype]} B)" if cfg.epi_reuses_ab_smem
                    else d_shape, alias_of="sA" if cfg.epi_reuses_ab_smem else ""),

@@ -18,9 +18,11 @@ import torch
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
 from epicute.epilogue.graph import REDUCTIONS
 from epicute.epilogue.operands import PINS
+from epicute.epilogue.scales import SCALE_NAMES, scale_operands, scaled_epilogue
 from epicute.errors import ConfigError, EpilogueError
 from epicute.gemm.config import GemmProblem
 from epicute.gemm.prepare import GemmRequest, lower_epilogue
+from epicute.gemm.validate import FP8_TORCH_DTYPES
 from epicute.runtime.torch_ops import (
     config_of,
     operand_values,
@@ -35,7 +37,8 @@ from epicute.runtime.torch_ops import (
 
 
 def _gemm_kwargs(operands: list[torch.Tensor], scalars: list[float], epilogue: str, spec: dict) -> dict:
-    """The keyword arguments of the :func:`epicute.gemm` call the op stands for."""
+    """The keyword arguments of the :func:`epicute.gemm` call the op stands for (an fp8 call's scales
+    travel among the operands, under their parameter names)."""
     return {
         "epilogue": registered_epilogue(epilogue) if epilogue else None,
         "out_dtype": IR_TO_TORCH[spec["out_dtype"]] if spec["out_dtype"] else None,
@@ -63,10 +66,12 @@ def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
     spec = json.loads(spec)
     l_dims = (a.shape[0],) if a.dim() == 3 else ()
     m, n = a.shape[-2], b.shape[-1]
-    d_dtype = IR_TO_TORCH[spec["out_dtype"] or spec["out_dtypes"].get("D") or ir_dtype(a.dtype, "a")]
-    if not epilogue:
+    fp8 = a.dtype in FP8_TORCH_DTYPES
+    default_d = "bf16" if fp8 else ir_dtype(a.dtype, "a")  # as check_gemm_args settles it
+    d_dtype = IR_TO_TORCH[spec["out_dtype"] or spec["out_dtypes"].get("D") or default_d]
+    if not epilogue and not fp8:
         return [a.new_empty((*l_dims, m, n), dtype=d_dtype)]
-    epi = registered_epilogue(epilogue)
+    epi = registered_epilogue(epilogue) if epilogue else None
     values: dict[str, Any] = dict(zip(spec["scalars"], scalars))
     for name, t in zip(spec["tensors"], operands):
         # A 1-element tensor read as a scalar: its value is irrelevant to shapes (and unreadable here).
@@ -75,11 +80,16 @@ def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
     for name, kind in spec["pins"].items():
         values[name] = PINS[kind](values[name])
     l = a.shape[0] if a.dim() == 3 else 1
+    if fp8:  # the scales are operands of the scaled epilogue, as epicute.gemm makes them
+        scales = [values.pop(name, None) for name in SCALE_NAMES]
+        values = {**scale_operands(*scales, m, n, a.shape[-1], l, a.dim() == 3), **values}
+        epi = scaled_epilogue(epi)
     specs = epi.operands(values, m, n, l)
     # D's dtype follows epicute.gemm's rule (prepare's first half); out_dtypes already holds outs' dtypes.
     # Sizes are symbolic here and never planned, so the request's problem carries only the dtypes.
     request = GemmRequest(
-        GemmProblem(0, 0, 0, 1, ir_dtype(a.dtype, "a"), ir_dtype(d_dtype, "out_dtype")), epi,
+        GemmProblem(0, 0, 0, 1, ir_dtype(a.dtype, "a"), ir_dtype(d_dtype, "out_dtype"), *(("k", "k") if fp8 else ())),
+        epi,
         tuple((s.name, s.kind, s.dtype) for s in specs.values()),
         d_explicit=bool(spec["out_dtype"] or "D" in spec["out_dtypes"]),
         out_dtypes=tuple(sorted(spec["out_dtypes"].items())),
@@ -109,6 +119,8 @@ def gemm_op_call(
     out_dtype: torch.dtype | None,
     out_dtypes: dict | None,
     outs: dict[str, torch.Tensor] | None,
+    a_scale: Any,
+    b_scale: Any,
     backend: str,
     config: dict | None,
     operands: dict[str, Any],
@@ -124,7 +136,9 @@ def gemm_op_call(
         out_dtype = out.dtype
     out_dtypes = {**{name: t.dtype for name, t in (outs or {}).items()}, **(out_dtypes or {})}
     key, outputs = register_traced(plain_fn(epilogue)) if epilogue is not None else ("", ("D",))
-    tensor_names, tensors, scalar_names, scalars, pins = split_operands(operands)
+    # fp8 scales travel as operands under their parameter names (the op's real call passes them back).
+    scales = {name: value for name, value in zip(SCALE_NAMES, (a_scale, b_scale)) if value is not None}
+    tensor_names, tensors, scalar_names, scalars, pins = split_operands({**operands, **scales})
     spec = spec_text(
         tuple(tensor_names), tuple(scalar_names), tuple(pins), tuple(sorted((config or {}).items())),
         (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted(out_dtypes.items())))),

@@ -30,7 +30,8 @@ from epicute.runtime.checks import (
     span_bytes,
 )
 
-AB_TORCH_DTYPES = (torch.bfloat16, torch.float16)
+AB_TORCH_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_TORCH_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: D's dtypes; fp8 conversions saturate at the format's largest finite value.
 D_TORCH_DTYPES = tuple(TORCH_TO_IR)
 
@@ -182,9 +183,16 @@ def _check_gemm_args(
     if require_cuda:
         check_on_one_hopper_gpu(("a", a), ("b", b))
     if a.dtype not in AB_TORCH_DTYPES:
-        raise DtypeError(f"a has dtype {a.dtype}; supported are torch.bfloat16 and torch.float16")
-    if b.dtype != a.dtype:
-        raise DtypeError(f"b has dtype {b.dtype} but a has {a.dtype}; cast one so that they match")
+        raise DtypeError(
+            f"a has dtype {a.dtype}; supported are torch.bfloat16, torch.float16, torch.float8_e4m3fn and "
+            "torch.float8_e5m2"
+        )
+    fp8 = a.dtype in FP8_TORCH_DTYPES
+    if b.dtype != a.dtype and not (fp8 and b.dtype in FP8_TORCH_DTYPES):
+        raise DtypeError(
+            f"b has dtype {b.dtype} but a has {a.dtype}; cast one so that they match "
+            "(only fp8 inputs may mix e4m3 and e5m2)"
+        )
     if a.dim() != b.dim():
         raise ShapeError(f"a is {a.dim()}-D {tuple(a.shape)} but b is {b.dim()}-D {tuple(b.shape)}; use the same rank")
     batched = a.dim() == 3
@@ -202,12 +210,24 @@ def _check_gemm_args(
         if out_dtype is not None and out.dtype != out_dtype:
             raise OutputError(f"out has dtype {out.dtype} but out_dtype={out_dtype}; drop one or make them agree")
         out_dtype = out.dtype
-    out_dtype = out_dtype or a.dtype
+    # fp8 inputs give bf16 by default: an fp8 D would drop what the scales carry.
+    out_dtype = out_dtype or (torch.bfloat16 if fp8 else a.dtype)
     if out_dtype not in D_TORCH_DTYPES:
         raise DtypeError(f"out_dtype={out_dtype}; supported are {', '.join(map(str, D_TORCH_DTYPES))}")
 
     a_major = _major(a3, "a", "k", "m")
     b_major = _major(b3, "b", "n", "k")
+    if fp8 and k % TMA_ALIGN_BYTES:
+        raise AlignmentError(
+            f"K={k} with fp8 inputs: TMA moves 16-byte rows of A and B, so K must be a multiple of 16; pad K to "
+            f"{-(-k // TMA_ALIGN_BYTES) * TMA_ALIGN_BYTES} with zeros"
+        )
+    if fp8 and k and (a_major, b_major) != ("k", "k"):
+        raise AlignmentError(
+            f"fp8 a is {'row' if a_major == 'k' else 'column'}-major and b {'column' if b_major == 'k' else 'row'}"
+            "-major: WGMMA reads 8-bit operands K-major only. Pass a row-major a (M, K) (a.contiguous()) and b as "
+            "w.t() of a row-major (N, K) weight (b.t().contiguous().t())"
+        )
     out3 = None
     if out is not None:
         expected = (l, m, n) if batched else (m, n)
@@ -225,7 +245,8 @@ def _check_gemm_args(
     problem = GemmProblem(
         m=m, n=n, k=k, l=l,
         ab_dtype=TORCH_TO_IR[a.dtype], d_dtype=TORCH_TO_IR[out_dtype],
-        a_major=a_major, b_major=b_major,
+        a_major="k" if fp8 else a_major, b_major="k" if fp8 else b_major,
+        b_dtype=TORCH_TO_IR[b.dtype] if b.dtype != a.dtype else "",
     )  # fmt: skip
     if m and n and k:
         a3 = _check_tma_strides(a3, "a", 2 if a_major == "k" else 1, "LMK")

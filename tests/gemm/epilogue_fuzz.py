@@ -87,6 +87,8 @@ LEAF_BOUND = 4.0
 #: A node whose bound passes this is scaled down by a power of two.
 RESCALE_ABOVE = 256.0
 FP8 = torch.float8_e4m3fn
+#: fp8 input dtypes: multiples of 1/8 in [-1, 1] (and their power-of-two multiples) are exact in both
+FP8_INPUTS = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Relative tolerance of rel_err per stored dtype, and for reductions.
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 REDUCTION_TOLERANCE = 1e-4
@@ -165,6 +167,11 @@ class Program:
     @property
     def d_dtype(self) -> torch.dtype:
         return self.outputs[0].dtype
+
+    @property
+    def fp8(self) -> bool:
+        """fp8 inputs: a K-major pair of e4m3/e5m2 operands with their scales (a_scale, b_scale)."""
+        return self.ab_dtype in FP8_INPUTS
 
     def out_dtypes(self, with_outs: bool = True) -> dict[str, torch.dtype]:
         """D's and the aux tiles' dtypes (leaving out the preallocated ones unless ``with_outs``)."""
@@ -402,9 +409,11 @@ def random_program(seed: int, family: Family = GEMM) -> Program:
         config["persistent"] = True  # its warpgroups take alternate tiles of a persistent CTA
     program = Program(
         seed=seed, source=source, operands=tuple(b.operands), outputs=tuple(outputs), depth=depth,
-        config=tuple(sorted(config.items())), ab_dtype=rng.choice((torch.bfloat16, torch.float16)),
+        config=tuple(sorted(config.items())), ab_dtype=rng.choice((torch.bfloat16, torch.float16) * 2 + FP8_INPUTS),
         b_major=rng.choice(("n", "k")),
     )  # fmt: skip
+    if program.fp8:
+        program = replace(program, b_major="k")  # WGMMA reads 8-bit operands K-major
     return _fit_tile_n(program)
 
 
@@ -421,7 +430,8 @@ def _fit_tile_n(program: Program) -> Program:
     kinds = {o.name: o.kind for o in program.operands}
     graph = as_epilogue(program.fn).trace(kinds, dtypes, program.out_dtypes(), d_dtype=program.d_dtype)
     fusion = EpilogueFusion(graph, tuple((o.name, o.kind, dtypes[o.name]) for o in program.operands))
-    problem = GemmProblem(1001, 1000, 64, ab_dtype=TORCH_TO_IR[program.ab_dtype], d_dtype=TORCH_TO_IR[program.d_dtype])
+    problem = GemmProblem(1001, 1000, 64, ab_dtype=TORCH_TO_IR[program.ab_dtype], d_dtype=TORCH_TO_IR[program.d_dtype],
+                          a_major="k", b_major=program.b_major or "n")  # fmt: skip
     config = dict(program.config)
     while True:
         try:
@@ -439,7 +449,9 @@ def random_shape(program: Program, case_seed: int) -> Shape:
     step = 16 if program.d_dtype is FP8 else 8
     m = rng.choice((1, 17, 129, 255, 1001, rng.randrange(1, 1100, 2)))
     n = rng.choice((step, 3 * step, 17 * step, 33 * step, 1000 // step * step, rng.randrange(step, 1100, step)))
-    k = rng.choice((8, 16, 24, 40, 64, 136, 256))
+    # fp8: K a multiple of 16 (16-byte TMA rows) and at most 64, so the exact sums need at most 12 bits
+    # of the fp8 WGMMA's reduced-precision accumulator.
+    k = rng.choice((16, 32, 48, 64) if program.fp8 else (8, 16, 24, 40, 64, 136, 256))
     l = 1 if m * n > 400_000 else rng.choice((1, 1, 2, 3))
     return Shape(m, n, k, l, batched=l > 1 or rng.random() < 0.3)
 
@@ -451,6 +463,8 @@ class Inputs:
     operands: dict[str, object]
     out: torch.Tensor | None
     outs: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: fp8 inputs' a_scale and b_scale (powers of two: the scaled accumulator stays exact, |acc| <= 4)
+    scales: dict[str, object] = field(default_factory=dict)
 
 
 def _grid(gen: torch.Generator, shape, dtype, scale: float = 1.0) -> torch.Tensor:
@@ -507,7 +521,21 @@ def make_inputs(program: Program, shape: Shape, case_seed: int, device: str) -> 
     outs = {
         o.name: torch.full(lead + (m, n), nan, device=device, dtype=o.dtype) for o in program.outputs if o.outs
     }  # fmt: skip
-    return Inputs(a, b, operands, out, outs)
+    scales = {}
+    if program.fp8:
+        def scale(extent: int):
+            form = rng.choice(("float", "tensor", "vector"))
+            if form == "vector":  # rowwise: one power of two per row of A / column of B
+                return torch.tensor([rng.choice((0.5, 1.0)) for _ in range(extent)], device=device)
+            value = rng.choice((0.5, 1.0))
+            return value if form == "float" else torch.tensor(value, device=device)
+
+        scales = {"a_scale": scale(m), "b_scale": scale(n)}
+        if isinstance(scales["a_scale"], torch.Tensor) and scales["a_scale"].dim() and shape.batched:
+            scales["a_scale"] = scales["a_scale"].expand(l, m).contiguous()
+        if isinstance(scales["b_scale"], torch.Tensor) and scales["b_scale"].dim() and shape.batched:
+            scales["b_scale"] = scales["b_scale"].expand(l, n).contiguous()
+    return Inputs(a, b, operands, out, outs, scales)
 
 
 def expected_shape(role: str, shape: Shape) -> tuple[int, ...]:
@@ -563,12 +591,12 @@ def run_case(program: Program, case_seed: int, device: str = "cuda", backend: st
     def run():
         return _as_dict(epicute.gemm(
             inp.a, inp.b, epilogue=program.fn, out=inp.out, outs=inp.outs, out_dtypes=program.out_dtypes(False),
-            backend=backend, config=config, **inp.operands,
+            backend=backend, config=config, **inp.scales, **inp.operands,
         ))  # fmt: skip
 
     got = run()
     ref = _as_dict(epicute.gemm(inp.a, inp.b, epilogue=program.fn, out_dtypes=program.out_dtypes(), backend="reference",
-                                **inp.operands))  # fmt: skip
+                                **inp.scales, **inp.operands))  # fmt: skip
     names = [o.name for o in program.outputs]
     if sorted(got) != sorted(names) or sorted(ref) != sorted(names):
         return [f"outputs: got {sorted(got)}, reference {sorted(ref)}, the program returns {sorted(names)}"]
@@ -595,7 +623,8 @@ def describe(program: Program, case_seed: int, problems: list[str]) -> str:
     return (
         f"program seed {program.seed}, case seed {case_seed} "
         f"(rerun: python -m tests.gemm.epilogue_fuzz {program.seed} {case_seed})\n"
-        f"shape {shape}, a/b {program.ab_dtype} b_major={program.b_major}, config {dict(program.config)}\n"
+        f"shape {shape}, a/b {program.ab_dtype} b_major={program.b_major}, config {dict(program.config)}"
+        + (" (fp8: a_scale, b_scale powers of two)" if program.fp8 else "") + "\n"
         f"operands {operands}; outputs {[(o.name, str(o.dtype), 'outs' if o.outs else '') for o in program.outputs]}\n"
         f"{program.source}" + "\n".join(f"  - {p}" for p in problems)
     )

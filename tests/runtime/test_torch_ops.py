@@ -127,6 +127,26 @@ def test_torch_compile_fullgraph_traces_through_gemm_on_meta(backend):
     assert s.shape == () and s.dtype == torch.float32
 
 
+def f_fp8(a, w, a_scale, b_scale, bias):
+    return epicute.gemm(a, w.t(), a_scale=a_scale, b_scale=b_scale, epilogue=lambda acc, bias: acc + bias, bias=bias)
+
+
+def f_fp8_plain(a, w, a_scale):
+    return epicute.gemm(a, w.t(), a_scale=a_scale, b_scale=0.5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_traces_fp8_gemms_with_their_scales(backend):
+    """The scales travel to the op as operands; its fake gives D in bf16 (fp8 inputs' default)."""
+    torch._dynamo.reset()
+    a, w = meta(17, 64, dtype=torch.float8_e4m3fn), meta(144, 64, dtype=torch.float8_e5m2)
+    y = torch.compile(f_fp8, fullgraph=True, backend=backend)(a, w, meta(17, dtype=torch.float32),
+                                                              meta(144, dtype=torch.float32), meta(144))  # fmt: skip
+    assert y.shape == (17, 144) and y.dtype == torch.bfloat16
+    y = torch.compile(f_fp8_plain, fullgraph=True, backend=backend)(a, w, meta((), dtype=torch.float32))
+    assert y.shape == (17, 144) and y.dtype == torch.bfloat16
+
+
 def test_torch_compile_under_fake_tensor_mode_records_one_op_per_call():
     backend, graphs = recording_backend()
 

@@ -1,0 +1,143 @@
+"""fp8 GEMM inputs on the CPU: validation, the scales as epilogue operands, the reference, plans
+and sm_90a compiles (GPU correctness: tests/gemm/test_fp8_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import epicute
+from epicute import ops
+from epicute.gemm import GemmProblem, plan_gemm
+from epicute.gemm.compile import compile_gemm
+from epicute.gemm.launch import variant_of
+from epicute.gemm.report import render_plan
+from tests.conftest import rel_err
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def fp8(*shape, dtype=E4M3, scale=1.0):
+    return (torch.randn(*shape) * scale).to(dtype)
+
+
+def dequantized(a, w, a_scale, b_scale) -> torch.Tensor:
+    """float64 ``(a * a_scale) @ (w * b_scale).t()`` for (.., M, K) a and (.., N, K) w; scales a float,
+    a 1-element tensor, or one per row of a / per row of w."""
+    lead, m, n = a.shape[:-2], a.shape[-2], w.shape[-2]
+
+    def as_factor(scale, shape):
+        if isinstance(scale, float) or scale.numel() == 1:
+            return float(scale)
+        return scale.double().reshape(*lead, *shape)
+
+    return (a.double() @ w.double().transpose(-1, -2)) * as_factor(a_scale, (m, 1)) * as_factor(b_scale, (1, n))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise float", "tensorwise tensor", "rowwise", "rowwise 2-D", "mixed"])
+def test_reference_applies_each_recipe(recipe):
+    m, n, k = 37, 48, 96
+    a, w = fp8(m, k), fp8(n, k, dtype=E5M2 if recipe == "mixed" else E4M3)
+    scales = {
+        "tensorwise float": (0.5, 3.0),
+        "tensorwise tensor": (torch.tensor(0.25), torch.tensor([4.0])),
+        "rowwise": (torch.rand(m) + 0.5, torch.rand(n) + 0.5),
+        "rowwise 2-D": (torch.rand(m, 1) + 0.5, torch.rand(1, n) + 0.5),
+        "mixed": (torch.tensor(2.0), torch.rand(n) + 0.5),
+    }[recipe]
+    got = epicute.gemm(a, w.t(), a_scale=scales[0], b_scale=scales[1], backend="reference")
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert rel_err(got, dequantized(a, w, *scales)) < 1e-2
+
+
+def test_scales_compose_with_any_epilogue_batched():
+    l, m, n, k = 3, 17, 32, 64
+    a, w = fp8(l, m, k), fp8(l, n, k)
+    sa, sb, bias = torch.rand(l, m) + 0.5, torch.rand(l, n) + 0.5, torch.randn(n)
+
+    def epi(acc, bias):
+        return {"D": ops.gelu(acc + bias), "pre": acc, "amax": ops.amax(acc)}
+
+    got = epicute.gemm(a, w.transpose(1, 2), epilogue=epi, bias=bias, a_scale=sa, b_scale=sb, backend="reference",
+                       out_dtypes={"pre": torch.float32})  # fmt: skip
+    acc = dequantized(a, w, sa, sb)
+    assert rel_err(got["pre"], acc) < 1e-5  # fp32: the scaled accumulator itself
+    assert rel_err(got["D"], torch.nn.functional.gelu(acc + bias.double())) < 1e-2
+    assert rel_err(got["amax"], acc.abs().amax()) < 1e-5
+
+
+def test_explain_shows_the_scales_in_the_chain_and_the_fp8_peak():
+    a = torch.empty(8192, 8192, dtype=E4M3, device="meta")
+    w = torch.empty(8192, 8192, dtype=E4M3, device="meta")
+    plan = epicute.explain(a, w.t(), a_scale=torch.empty(8192, device="meta"),
+                           b_scale=torch.empty(8192, device="meta"), file=None)  # fmt: skip
+    text = render_plan(plan)
+    assert plan.problem.ab_dtype == "fp8e4m3" and plan.problem.d_dtype == "bf16" and plan.config.tile_k == 128
+    assert "at 1979 TFLOP/s" in text and "a_scale (col, fp32)" in text and "b_scale (row, fp32)" in text
+    assert "A ring" in text and "x128 fp8e4m3" in text
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda a, w: epicute.gemm(a, w.t().contiguous(), a_scale=1.0, b_scale=1.0), epicute.AlignmentError,
+         "K-major only"),
+        (lambda a, w: epicute.gemm(a.t().contiguous().t(), w.t(), a_scale=1.0, b_scale=1.0), epicute.AlignmentError,
+         "row-major a"),
+        (lambda a, w: epicute.gemm(a, w.t().to(torch.bfloat16), a_scale=1.0, b_scale=1.0), epicute.DtypeError,
+         "only fp8 inputs may mix"),
+        (lambda a, w: epicute.gemm(a, w.t()), epicute.EpilogueError, "a_scale is missing"),
+        (lambda a, w: epicute.gemm(a, w.t(), a_scale=torch.ones(33, dtype=torch.float16), b_scale=1.0),
+         epicute.DtypeError, "scales are fp32"),
+        (lambda a, w: epicute.gemm(a, w.t(), a_scale=torch.ones(5), b_scale=1.0), epicute.ShapeError,
+         r"one value per row: \(33,\), \(33, 1\)"),
+        (lambda a, w: epicute.gemm(a, w.t(), a_scale=torch.ones(33, 2), b_scale=1.0), epicute.EpilogueError,
+         "blockwise scale"),
+        (lambda a, w: epicute.gemm(a, w.t(), a_scale=1.0, b_scale=torch.ones(2, 2)), epicute.EpilogueError,
+         "blockwise scale"),
+        (lambda a, w: epicute.gemm(a.float().bfloat16(), w.t().float().bfloat16(), a_scale=1.0),
+         epicute.DtypeError, "dequantize fp8 inputs"),
+        (lambda a, w: epicute.gemm(a, w.t(), a_scale=1.0, b_scale=1.0, epilogue=lambda acc, b_scale: acc * b_scale,
+                                   b_scale2=1.0), epicute.EpilogueError, "rename them"),
+    ],
+    ids=["b-not-k-major", "a-not-k-major", "fp8-with-bf16", "no-scales", "fp16-scale", "scale-shape",
+         "a-blockwise", "b-blockwise", "scales-without-fp8", "operand-named-b_scale"],
+)  # fmt: skip
+def test_bad_fp8_calls_get_typed_errors(call, error, match, monkeypatch):
+    a, w = fp8(33, 256), fp8(144, 256)
+    real = epicute.gemm
+    monkeypatch.setattr(epicute, "gemm", lambda *args, **kwargs: real(*args, backend="reference", **kwargs))
+    with pytest.raises(error, match=match):
+        call(a, w)
+
+
+def test_k_must_be_a_multiple_of_16_bytes():
+    a, w = fp8(33, 72), fp8(16, 72)
+    with pytest.raises(epicute.AlignmentError, match="K=72 with fp8 inputs.*pad K to 80"):
+        epicute.gemm(a, w.t(), a_scale=1.0, b_scale=1.0, backend="reference")
+
+
+def test_fp8_plans_take_128_element_k_tiles():
+    p = GemmProblem(4096, 4096, 4096, ab_dtype="fp8e4m3", a_major="k", b_major="k")
+    assert plan_gemm(p, "h100-sxm").config.tile_k == 128
+    with pytest.raises(epicute.ConfigError, match="tile_k=64 with fp8e4m3 inputs"):
+        plan_gemm(p, "h100-sxm", tile_k=64)
+    with pytest.raises(epicute.ConfigError, match="K-major only"):
+        GemmProblem(64, 64, 64, ab_dtype="fp8e4m3", a_major="k", b_major="n")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    ("ab", "b", "mnk", "pins"),
+    [
+        ("fp8e4m3", "", (8192, 8192, 8192), {}),
+        ("fp8e5m2", "", (128, 7168, 2048), {}),
+        ("fp8e4m3", "fp8e5m2", (4096, 14336, 4096), {"schedule": "pingpong", "tile_n": 128}),
+        ("fp8e4m3", "", (1000, 4104, 1024), {"persistent": False, "cluster_m": 2}),
+    ],
+)
+def test_fp8_variants_compile(ab, b, mnk, pins, ptxas_report):
+    problem = GemmProblem(*mnk, ab_dtype=ab, b_dtype=b, a_major="k", b_major="k")
+    assert callable(compile_gemm(variant_of(plan_gemm(problem, "h100-sxm", **pins))))
+    spills, _ = ptxas_report()
+    assert max(spills) == 0
