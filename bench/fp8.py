@@ -4,7 +4,8 @@ Usage: python bench/fp8.py [--shapes 8192x8192x8192,...] [--out PATH]
 Recipes (``case`` names them): tensorwise (fp32 scalar tensors on the GPU) and rowwise (A per row,
 B per column), e4m3 inputs, bf16 output, A row-major (M, K) and B as ``w.t()`` of a row-major
 (N, K) weight, as ``../shared/bench/PEERS.md`` calls ``torch._scaled_mm``. Each recipe's row holds
-epicute and the cuBLAS call of that recipe; blockwise rows hold cuBLAS alone (epicute applies
+epicute and the cuBLAS call of that recipe, with its default (fp32 promotion of the fp8 partial
+sums) and with ``use_fast_accum=True`` (no promotion, as epicute); blockwise rows hold cuBLAS alone (epicute applies
 tensorwise and rowwise scales; blockwise is not built). Every contender's first call is checked
 against a float32 reference of the dequantized math and not timed; then all are timed over
 rotating input sets (cold L2) as medians of interleaved rounds. Writes bench/results/fp8.json
@@ -53,14 +54,22 @@ def make_sets(m: int, n: int, k: int, recipe: str) -> list[tuple]:
 
 
 def contenders(recipe: str) -> dict:
+    """epicute, then cuBLAS as PEERS.md calls it (``use_fast_accum=False``: its fp8 partial sums are
+    promoted to fp32 along K) and with fast accumulation (``use_fast_accum=True``: the WGMMA's own
+    accumulator throughout, as epicute's tensorwise and rowwise kernels do)."""
     import epicute  # imported late: it needs the CuTe DSL
 
-    def cublas(a, b, sa, sb, d):
-        return d.copy_(torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+    def cublas(fast: bool):
+        def run(a, b, sa, sb, d):
+            return d.copy_(torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                            use_fast_accum=fast))  # fmt: skip
 
-    found = {f"cublas_{recipe}": cublas}
+        return run
+
+    found = {f"cublas_{recipe}": cublas(False)}
     if recipe != "blockwise":
-        found = {"epicute": lambda a, b, sa, sb, d: epicute.gemm(a, b, a_scale=sa, b_scale=sb, out=d), **found}
+        found = {"epicute": lambda a, b, sa, sb, d: epicute.gemm(a, b, a_scale=sa, b_scale=sb, out=d), **found,
+                 f"cublas_{recipe}_fast": cublas(True)}  # fmt: skip
     return found
 
 
