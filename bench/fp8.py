@@ -1,28 +1,31 @@
 """fp8 GEMM throughput: epicute.gemm with fp8 inputs vs cuBLAS (torch._scaled_mm), in TFLOPS.
 
-Usage: python bench/fp8.py [--shapes 8192x8192x8192,...] [--out PATH]
-Recipes (``case`` names them): tensorwise (fp32 scalar tensors on the GPU) and rowwise (A per row,
-B per column), e4m3 inputs, bf16 output, A row-major (M, K) and B as ``w.t()`` of a row-major
-(N, K) weight, as ``../shared/bench/PEERS.md`` calls ``torch._scaled_mm``. Each recipe's row holds
-epicute and the cuBLAS call of that recipe, with its default (fp32 promotion of the fp8 partial
-sums) and with ``use_fast_accum=True`` (no promotion, as epicute); blockwise rows hold cuBLAS alone (epicute applies
-tensorwise and rowwise scales; blockwise is not built). Every contender's first call is checked
-against a float32 reference of the dequantized math and not timed; then all are timed over
-rotating input sets (cold L2) as medians of interleaved rounds. Writes bench/results/fp8.json
-(and $OUT/fp8.json when OUT is set).
+Usage: python bench/fp8.py [--shapes 8192x8192x8192,...] [--recipes tensorwise,rowwise,blockwise] [--out PATH]
+Recipes (``case`` names them): tensorwise (fp32 scalar tensors on the GPU), rowwise (A per row,
+B per column) and blockwise (A per 1x128, B per 128x128 block of K), e4m3 inputs, bf16 output,
+A row-major (M, K) and B as ``w.t()`` of a row-major (N, K) weight, as ``../shared/bench/PEERS.md``
+calls ``torch._scaled_mm``. Peers: ``cublas`` (its default: the fp8 partial sums promoted to fp32
+along K) and ``cublas_fast`` (``use_fast_accum=True``: no promotion, as epicute); blockwise rows
+hold cuBLAS alone (epicute takes tensorwise and rowwise scales; blockwise is not built). Every
+contender's first call is checked against a float32 reference of the dequantized math and not
+timed; then all are timed as ``triton.testing.do_bench`` times them (L2 flushed before each call,
+calls back to back: fp8 GEMMs run at the H100's power cap, see
+:func:`epicute.benchmark.time_flushed`), medians of interleaved rounds. The small-M shape is
+host-bound for epicute this way (its fp8 call costs ~0.1 ms of Python). Writes
+bench/results/fp8.json (and $OUT/fp8.json when OUT is set).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import functools
 import shlex
 import sys
 from pathlib import Path
 
 import torch
 from common import Row, print_table, time_interleaved, write_result
-from gemm import FALLBACK_L2_BYTES, parse_shapes, rotating
+from gemm import parse_shapes
 
 ALL_SHAPES = [
     (8192, 8192, 8192), (4096, 14336, 4096), (2048, 7168, 7168), (4096, 4096, 4096), (128, 7168, 2048),
@@ -33,43 +36,38 @@ TOLERANCE = 2e-2
 E4M3 = torch.float8_e4m3fn
 
 
-def make_sets(m: int, n: int, k: int, recipe: str) -> list[tuple]:
-    """(a, b, a_scale, b_scale, d) sets, enough that cycling through them touches over twice the L2."""
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    l2 = getattr(props, "L2_cache_size", 0) or FALLBACK_L2_BYTES
-    count = max(2, math.ceil(2 * l2 / (m * k + k * n + 2 * m * n)))
-    sets = []
-    for _ in range(count):
-        a = (torch.randn(m, k, device="cuda") * 0.5).to(E4M3)
-        b = (torch.randn(n, k, device="cuda") * 0.5).to(E4M3).t()
-        if recipe == "tensorwise":
-            sa, sb = torch.rand((), device="cuda") + 0.5, torch.rand((), device="cuda") + 0.5
-        elif recipe == "rowwise":
-            sa, sb = torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
-        else:  # blockwise, as torch._scaled_mm takes it (PEERS.md)
-            sa = torch.rand(-(-k // 128), m, device="cuda").t()
-            sb = torch.rand(-(-n // 128), -(-k // 128), device="cuda").t()
-        sets.append((a, b, sa, sb, torch.empty(m, n, device="cuda", dtype=torch.bfloat16)))
-    return sets
+def make_inputs(m: int, n: int, k: int, recipe: str) -> tuple:
+    """(a, b, a_scale, b_scale) for one case, scales as ``torch._scaled_mm`` takes them."""
+    a = (torch.randn(m, k, device="cuda") * 0.5).to(E4M3)
+    b = (torch.randn(n, k, device="cuda") * 0.5).to(E4M3).t()
+    if recipe == "tensorwise":
+        sa, sb = torch.rand((), device="cuda") + 0.5, torch.rand((), device="cuda") + 0.5
+    elif recipe == "rowwise":
+        sa, sb = torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
+    else:  # blockwise (PEERS.md)
+        sa = torch.rand(-(-k // 128), m, device="cuda").t()
+        sb = torch.rand(-(-n // 128), -(-k // 128), device="cuda").t()
+    return a, b, sa, sb
 
 
 def contenders(recipe: str) -> dict:
-    """epicute, then cuBLAS as PEERS.md calls it (``use_fast_accum=False``: its fp8 partial sums are
-    promoted to fp32 along K) and with fast accumulation (``use_fast_accum=True``: the WGMMA's own
-    accumulator throughout, as epicute's tensorwise and rowwise kernels do)."""
+    """Functions of ``(a, b, a_scale, b_scale, out=None)`` returning D: epicute, then cuBLAS as
+    PEERS.md calls it (``use_fast_accum=False``: its fp8 partial sums are promoted to fp32 along K)
+    and with fast accumulation (``use_fast_accum=True``: the WGMMA's own accumulator throughout, as
+    epicute's tensorwise and rowwise kernels do). cuBLAS allocates D (``out`` is only for epicute's
+    NaN-poisoned check); timed, every contender allocates it."""
     import epicute  # imported late: it needs the CuTe DSL
 
     def cublas(fast: bool):
-        def run(a, b, sa, sb, d):
-            return d.copy_(torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
-                                            use_fast_accum=fast))  # fmt: skip
+        def run(a, b, sa, sb, out=None):
+            return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
         return run
 
-    found = {f"cublas_{recipe}": cublas(False)}
+    found = {"cublas": cublas(False)}
     if recipe != "blockwise":
-        found = {"epicute": lambda a, b, sa, sb, d: epicute.gemm(a, b, a_scale=sa, b_scale=sb, out=d), **found,
-                 f"cublas_{recipe}_fast": cublas(True)}  # fmt: skip
+        found = {"epicute": lambda a, b, sa, sb, out=None: epicute.gemm(a, b, a_scale=sa, b_scale=sb, out=out),
+                 **found, "cublas_fast": cublas(True)}  # fmt: skip
     return found
 
 
@@ -82,28 +80,30 @@ def reference(a, b, sa, sb, recipe: str) -> torch.Tensor:
 
 
 def run_case(shape, recipe: str) -> tuple[Row, bool]:
+    from epicute.benchmark import time_flushed  # imported late: it needs the CuTe DSL
+
     m, n, k = shape
-    sets = make_sets(m, n, k, recipe)
-    a, b, sa, sb, _ = sets[0]
+    inputs = make_inputs(m, n, k, recipe)
+    a, b, sa, sb = inputs
     ref = reference(a, b, sa, sb, recipe)
     row: Row = {"case": f"{recipe} e4m3 {m}x{n}x{k}"}
     ok, timed = True, {}
-    print(f"{row['case']}: {len(sets)} rotating input sets")
+    print(row["case"])
     for name, fn in contenders(recipe).items():
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         try:
-            fn(a, b, sa, sb, out)
+            result = fn(a, b, sa, sb, out=out)
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - a failing contender must not stop the others
-            print(f"  {name:18s} FAILED, not recorded: {type(exc).__name__}: {exc}")
+            print(f"  {name:12s} FAILED, not recorded: {type(exc).__name__}: {exc}")
             ok = ok and name != "epicute"
             continue
-        err = ((out.float() - ref).norm() / ref.norm()).item()
+        err = ((result.float() - ref).norm() / ref.norm()).item()
         flag = "" if err <= TOLERANCE else f"   <<<<<<<< WRONG: rel err > {TOLERANCE:g} >>>>>>>>"
-        print(f"  {name:18s} rel err {err:.2e}{flag}")
+        print(f"  {name:12s} rel err {err:.2e}{flag}")
         ok = ok and (name != "epicute" or err <= TOLERANCE)
-        timed[name] = rotating(fn, sets)
-    for name, ms in time_interleaved(timed).items():
+        timed[name] = functools.partial(fn, *inputs)
+    for name, ms in time_interleaved(timed, timer=time_flushed).items():
         row[name] = round(2 * m * n * k / (ms * 1e-3) / 1e12, 1)
     return row, ok
 

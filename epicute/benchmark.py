@@ -103,6 +103,46 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) ->
     return statistics.median(start.elapsed_time(stop) for start, stop in events)
 
 
+#: Bytes zeroed before each call timed by :func:`time_flushed` (``triton.testing.do_bench``'s figure).
+FLUSH_BYTES = 256 * 2**20
+
+
+def time_flushed(fn: Callable[[], object], *, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
+    """Median milliseconds of ``fn()`` timed the way ``triton.testing.do_bench`` times it.
+
+    Each timed call follows the zeroing of a 256 MiB buffer (L2 cold) and the
+    calls are queued back to back, so the GPU runs them at the clock and power
+    it sustains. That matters for power-capped kernels (an fp8 GEMM draws the
+    H100's 700 W and runs well under its top clock): :func:`time_cuda`'s sleep
+    before each call lets the GPU cool, and contenders gain unequally from it
+    (bench/NOTES.md, 'fp8: timing at the power cap'). A call whose host cost
+    exceeds the flush's GPU time (~0.1 ms) is timed with the GPU waiting on the
+    host, as a caller would see it; ``bench/runtime.py`` measures host cost apart.
+    """
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    stop.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(stop) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(max(1, int(rep_ms / estimate)))]  # fmt: skip
+    for start, stop in events:
+        flush.zero_()
+        start.record()
+        fn()
+        stop.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(stop) for start, stop in events)
+
+
 def balanced_orders(n: int, rounds: int) -> list[list[int]]:
     """``rounds`` orders of ``n`` contenders from a Williams design: over each ``n`` rounds (``2n``
     for odd ``n``) every contender is timed right after every other one equally often."""
@@ -120,19 +160,24 @@ def balanced_orders(n: int, rounds: int) -> list[list[int]]:
 
 
 def time_interleaved(
-    fns: dict[str, Callable[[], object]], *, rounds: int = TIMING_ROUNDS, **timing
+    fns: dict[str, Callable[[], object]],
+    *,
+    rounds: int = TIMING_ROUNDS,
+    timer: Callable[..., float] | None = None,
+    **timing,
 ) -> dict[str, float]:
     """Median milliseconds per contender over ``rounds`` rounds, each timing every contender once
-    (:func:`time_cuda`, ``timing`` passed on). Interleaving keeps any contender from being the one
-    timed while the GPU still ramps its clocks after untimed calls (compiles, checks), and spreads
-    drift over all alike. The order changes from round to round (:func:`balanced_orders`), so no
-    contender is always timed right after the same neighbour: after a slow, low-power one the GPU
-    has power headroom and boosts its clock for whatever comes next."""
+    (``timer``: :func:`time_cuda` by default, or :func:`time_flushed` for power-capped kernels; ``timing``
+    passed on). Interleaving keeps any contender from being the one timed while the GPU still ramps
+    its clocks after untimed calls (compiles, checks), and spreads drift over all alike. The order
+    changes from round to round (:func:`balanced_orders`), so no contender is always timed right
+    after the same neighbour: after a slow, low-power one the GPU has power headroom and boosts its
+    clock for whatever comes next."""
     names = list(fns)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for order in balanced_orders(len(names), rounds):
         for i in order:
-            samples[names[i]].append(time_cuda(fns[names[i]], **timing))
+            samples[names[i]].append((timer or time_cuda)(fns[names[i]], **timing))
     return {name: statistics.median(times) for name, times in samples.items()}
 
 

@@ -30,3 +30,11 @@ def test_time_interleaved_follows_the_orders(monkeypatch):
     medians = benchmark.time_interleaved({name: (lambda name=name: name) for name in "abcd"}, rounds=5)
     expected = ["abcd"[i] for order in benchmark.balanced_orders(4, 5) for i in order]
     assert timed == expected and medians == {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}
+
+
+def test_time_interleaved_takes_another_timer():
+    seen = []
+    medians = benchmark.time_interleaved(
+        {"a": lambda: "a", "b": lambda: "b"}, rounds=3, timer=lambda fn, **timing: seen.append(timing) or 2.0, rep_ms=7
+    )
+    assert medians == {"a": 2.0, "b": 2.0} and seen == [{"rep_ms": 7}] * 6
