@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import shlex
 import sys
 from pathlib import Path
 
 import torch
-from common import Row, print_table, time_interleaved, write_result
+from common import Row, finish_peer_run, time_interleaved
 from gemm import parse_shapes
 
 ALL_SHAPES = [
@@ -125,12 +124,7 @@ def main() -> int:
             rows.append(row)
             all_ok = all_ok and ok
             torch.cuda.empty_cache()
-    command = shlex.join(["python", "bench/fp8.py", *sys.argv[1:]])
-    print(f"wrote {write_result(args.out, 'fp8', command, 'TFLOPS', True, rows)}")
-    print_table(rows, "TFLOPS")
-    if not all_ok:
-        print("epicute FAILED or was WRONG on at least one case (see above)")
-    return 0 if all_ok else 1
+    return finish_peer_run(args.out, "fp8", rows, all_ok)
 
 
 if __name__ == "__main__":

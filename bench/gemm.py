@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import Row, print_table, time_interleaved, write_result
+from common import Row, finish_peer_run, time_interleaved
 
 Shape = tuple[int, int, int]
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]  # (a, b, out): writes out
@@ -152,13 +151,7 @@ def main() -> int:
         torch.cuda.empty_cache()  # the next shape's input sets may need the memory back
         all_ok = all_ok and ok
 
-    command = shlex.join(["python", "bench/gemm.py", *sys.argv[1:]])
-    path = write_result(args.out, "gemm", command, "TFLOPS", True, rows)
-    print(f"wrote {path}")
-    print_table(rows, "TFLOPS")
-    if not all_ok:
-        print("epicute FAILED or was WRONG on at least one case (see above)")
-    return 0 if all_ok else 1
+    return finish_peer_run(args.out, "gemm", rows, all_ok)
 
 
 if __name__ == "__main__":
