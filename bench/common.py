@@ -80,6 +80,22 @@ def peers(rows: Sequence[Row]) -> list[str]:
     return names
 
 
+def peer_groups(rows: Sequence[Row]) -> list[list[Row]]:
+    """``rows`` cut into runs that share a baseline (their first peer), one table each: an fp8 run's
+    tensorwise, rowwise and blockwise rows are compared with the cuBLAS call of their own recipe.
+    A row without peers stays in the run it is in."""
+    groups: list[list[Row]] = []
+    baseline: str | None = None
+    for row in rows:
+        first = next(iter(peers([row])), None)
+        if not groups or (first is not None and baseline is not None and first != baseline):
+            groups.append([])
+            baseline = None
+        groups[-1].append(row)
+        baseline = baseline or first
+    return groups
+
+
 def ratio(row: Row, peer: str) -> float | None:
     """epicute / peer for one row, or None when either figure is missing."""
     ours, theirs = row.get("epicute"), row.get(peer)
@@ -145,8 +161,13 @@ def _fmt(value: object) -> str:
 
 
 def print_table(rows: Sequence[Row], unit: str) -> None:
-    """Print rows as a fixed-width table with an epicute/<first peer> ratio column, with several
-    peers an epicute/best-peer column too, and their geomeans."""
+    """Print rows as fixed-width tables (one per :func:`peer_groups` run) with an epicute/<first peer>
+    ratio column, with several peers an epicute/best-peer column too, and their geomeans."""
+    for group in peer_groups(rows):
+        _print_group(group, unit)
+
+
+def _print_group(rows: Sequence[Row], unit: str) -> None:
     names = peers(rows)
     first = names[0] if names else None
     vs_best = len(names) > 1

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import best_ratio, geomean, peers, ratio
+from common import best_ratio, geomean, peer_groups, peers, ratio
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
@@ -29,28 +29,31 @@ def _cell(value: object) -> str:
 
 
 def render(result: dict[str, Any]) -> str:
-    """One result file as a heading, a provenance line and a table with an epicute/<first peer>
-    column, and for higher-is-better results with several peers an epicute/best-peer column."""
-    rows = result.get("rows", [])
-    names = peers(rows)
-    first = names[0] if names else None
-    higher = result.get("higher_is_better", True)
-    vs_best = higher and len(names) > 1
+    """One result file as a heading, a provenance line and a table per :func:`peer_groups` run, with
+    an epicute/<first peer> column, and for higher-is-better results with several peers an
+    epicute/best-peer column."""
     unit = result.get("unit", "")
+    higher = result.get("higher_is_better", True)
     versions = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
-    lines = [
+    head = [
         f"### {result.get('benchmark', '?')} ({unit}, {'higher' if higher else 'lower'} is better)",
         "",
         f"{result.get('device', '?')}, {result.get('date', '?')}: `{result.get('command', '?')}`"
         + (f" ({versions})" if versions else ""),
-        "",
     ]
+    tables = [_table(group, higher) for group in peer_groups(result.get("rows", []))]
+    return "\n\n".join(["\n".join(head), *tables])
+
+
+def _table(rows: list[dict[str, Any]], higher: bool) -> str:
+    names = peers(rows)
+    first = names[0] if names else None
+    vs_best = higher and len(names) > 1
     columns = ([(f"epicute/{first}", lambda row: ratio(row, first))] if first else []) + (
         [("epicute/best", lambda row: best_ratio(row, names))] if vs_best else []
     )
     header = ["case", "epicute", *names] + [label for label, _ in columns]
-    lines.append("| " + " | ".join(header) + " |")
-    lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     kept: list[list[float]] = [[] for _ in columns]
     for row in rows:
         cells = [str(row.get("case", "")), _cell(row.get("epicute")), *(_cell(row.get(n)) for n in names)]
