@@ -67,7 +67,8 @@ def attention_case() -> dict[str, float]:
 
     # Static persistent tiles: racecheck reports the dynamic tile slot's hand-off (a producer's plain
     # shared-memory writes, ordered for the consumers by mbarriers), which it does not model
-    # (bench/NOTES.md, session 12); the outputs' staging in Q's buffer is the same either way.
+    # (bench/NOTES.md, 'Sanitizer' under 'The house finished'); the outputs' staging in Q's buffer
+    # is the same either way.
     config = {"persistent": True, "dynamic_tiles": False}
     got = epicute.attention(q, k, v, causal=True, epilogue=epi, config=config)
     ref = epicute.attention(q, k, v, causal=True, epilogue=epi, backend="reference")

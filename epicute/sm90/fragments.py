@@ -54,11 +54,6 @@ def pack_pair(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None):
     return word_type(word)
 
 
-def packs_pairs(dtype) -> bool:
-    """Whether :func:`pack_pairs` converts to ``dtype``."""
-    return dtype in _PACK_INSTR
-
-
 @cute.jit
 def pack_pairs(src: cute.Tensor, dst: cute.Tensor):
     """``dst = src`` rounded to ``dst``'s type (16-bit, or fp8 saturating), two elements per
