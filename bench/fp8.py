@@ -6,8 +6,7 @@ B per column) and blockwise (A per 1x128, B per 128x128 block of K), e4m3 inputs
 A row-major (M, K) and B as ``w.t()`` of a row-major (N, K) weight, as ``../shared/bench/PEERS.md``
 calls ``torch._scaled_mm``. Peers, named by recipe: ``cublas_<recipe>`` (its default: the fp8
 partial sums promoted to fp32 along K) and ``cublas_<recipe>_fast`` (``use_fast_accum=True``: no
-promotion, as epicute); blockwise rows
-hold cuBLAS alone (epicute takes tensorwise and rowwise scales; blockwise is not built). Every
+promotion, as epicute's tensorwise and rowwise kernels); blockwise promotes in both. Every
 contender's first call is checked against a float32 reference of the dequantized math and not
 timed; then all are timed as ``triton.testing.do_bench`` times them (L2 flushed before each call,
 calls back to back: fp8 GEMMs run at the H100's power cap, see
@@ -64,10 +63,10 @@ def contenders(recipe: str) -> dict:
 
         return run
 
-    found = {f"cublas_{recipe}": cublas(False)}
-    if recipe != "blockwise":
-        found = {"epicute": lambda a, b, sa, sb, out=None: epicute.gemm(a, b, a_scale=sa, b_scale=sb, out=out),
-                 **found, f"cublas_{recipe}_fast": cublas(True)}  # fmt: skip
+    found = {"epicute": lambda a, b, sa, sb, out=None: epicute.gemm(a, b, a_scale=sa, b_scale=sb, out=out),
+             f"cublas_{recipe}": cublas(False)}  # fmt: skip
+    if recipe != "blockwise":  # cuBLAS's blockwise recipe always promotes
+        found[f"cublas_{recipe}_fast"] = cublas(True)
     return found
 
 

@@ -102,8 +102,10 @@ def explain_gemm(
         f"or a ready one by name ({READY_EPILOGUES})",
     ),
     operand: list[str] = typer.Option(
-        [], help="an epilogue operand as name=kind[:dtype] (kind: scalar, row, col, tile); repeat per operand; "
-        "fp8 inputs' scales are a_scale (default col: one per row) and b_scale (default row: one per column)"
+        [],
+        help="an epilogue operand as name=kind[:dtype] (kind: scalar, row, col, tile); repeat per operand; "
+        "fp8 inputs' scales are a_scale (default col: one per row) and b_scale (default row: one per column), "
+        "or a_scale=blockwise and b_scale=blockwise (per 128-wide block of K, applied in the mainloop)",
     ),
     target: str | None = typer.Option(None, help=TARGET_HELP),
 ) -> None:

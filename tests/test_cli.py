@@ -98,7 +98,7 @@ def test_doctor_reports_versions_gpu_and_cache(tmp_path, monkeypatch):
 def test_cache_commands_on_an_aot_compiled_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path / "cache"))
     spec = tmp_path / "k.toml"
-    spec.write_text('[[gemm]]\nshapes = [[17, 136, 72]]\nconfig = { tile_n = 128, persistent = false }\n')
+    spec.write_text("[[gemm]]\nshapes = [[17, 136, 72]]\nconfig = { tile_n = 128, persistent = false }\n")
     dry = runner.invoke(app, ["compile", str(spec), "--dry-run"])
     assert dry.exit_code == 0, dry.output
     assert "planned" in dry.output and "0 compiled now" in dry.output

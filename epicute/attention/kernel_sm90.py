@@ -82,6 +82,7 @@ LN_2 = math.log(2.0)
 #: in bf16/fp16, and far from overflow in the fp32 row sums).
 RESCALE_THRESHOLD = 8.0
 
+
 def _select(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
     """A view of ``tensor`` with its modes permuted (no data moves)."""
     return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=order))

@@ -183,9 +183,7 @@ def _resolve(name: str, value: Any, m: int, n: int, l: int, declared: str | None
                 f". A tensor's last dimension runs over N, as in torch's broadcasting: for one value per row m "
                 f"pass {name}[..., None] or epicute.ColVector({name})"
             )
-        raise EpilogueError(
-            f"operand {name!r} has shape {shape}; with M={m}, N={n}, L={l} it must be {accepted}{hint}"
-        )
+        raise EpilogueError(f"operand {name!r} has shape {shape}; with M={m}, N={n}, L={l} it must be {accepted}{hint}")
     if len(readings) > 1:
         kinds = list(readings.values())
         fits = " and ".join(_MEANING[k] for k in kinds)

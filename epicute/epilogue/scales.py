@@ -8,7 +8,7 @@ b_scale, ...)``, and the scales are operands like any other -- traced, hashed,
 scheduled, shown by ``explain`` and emitted by the same chain -- so every
 epilogue composes with every recipe.
 
-:func:`scale_operands` turns what the caller passed into those operands:
+:func:`fp8_scaling` turns what the caller passed into those operands:
 
 - tensorwise: a Python float (a kernel scalar), or a 0-d / 1-element fp32 tensor,
   read by the kernel from GPU memory (no host sync, CUDA-graph safe) as a row
@@ -17,21 +17,35 @@ epilogue composes with every recipe.
   -> a column vector; B's per column, ``(N,)`` or ``(1, N)`` (``(L, N)``,
   ``(L, 1, N)``) -> a row vector. fp32, as ``torch._scaled_mm`` takes them.
 
-Blockwise scales (A per 1x128, B per 128x128 block of K) do not factor out of
-the K sum; they are recognized and refused with a typed error.
+Blockwise scales (DeepSeek-V3's recipe: A per 1x128, B per 128x128 block of K)
+do not factor out of the K sum: the GEMM's mainloop applies them, one k-tile of
+128 at a time, as it promotes each tile's WGMMA partial into its fp32
+accumulator. :func:`fp8_scaling` recognizes them and returns them as
+:class:`BlockScales` for the kernel, leaving the epilogue as the user wrote it:
+
+- ``a_scale`` ``(M, ceil(K/128))`` (``(L, M, KB)`` batched), any strides:
+  ``torch._scaled_mm``'s M-major ``torch.rand(KB, M).t()`` and a row-major
+  ``(M, KB)`` both work;
+- ``b_scale`` per 128x128 block of the ``(N, K)`` weight: ``(ceil(N/128), KB)``
+  as the weight's scales are stored, or its transpose ``(KB, ceil(N/128))``, the
+  orientation of ``b = w.t()`` that ``torch._scaled_mm`` takes. When the two
+  shapes coincide (NB == KB), a tensor whose first dimension has unit stride is
+  read as the transpose (``w_scale.t()``, as torch takes it), any other as
+  ``(NB, KB)``.
 """
 
 from __future__ import annotations
 
 import functools
 import numbers
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from epicute.epilogue.operands import ColVector, RowVector, Scalar
 from epicute.epilogue.tracer import Epilogue, as_epilogue
-from epicute.errors import DtypeError, EpilogueError, ShapeError
+from epicute.errors import DeviceError, DtypeError, EpilogueError, ShapeError
 
 #: The operand names the scales take in a scaled epilogue (an epilogue's own operands must differ).
 SCALE_NAMES = ("a_scale", "b_scale")
@@ -77,13 +91,107 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def scale_operands(a_scale: Any, b_scale: Any, m: int, n: int, k: int, l: int, batched: bool) -> dict[str, Any]:
-    """The ``a_scale`` and ``b_scale`` operands of a scaled epilogue (see the module docstring), pinned
-    to their kinds, for an ``(L, M, N, K)`` problem (``batched``: the call's tensors are 3-D)."""
-    return {
+@dataclass(frozen=True)
+class BlockScales:
+    """Blockwise scales as the GEMM's mainloop reads them (views of the caller's tensors, never copies):
+    ``a`` ``(L, M, KB)`` one per row and 128-wide block of K, ``b`` ``(L, NB, KB)`` one per 128x128
+    block of the ``(N, K)`` weight, fp32."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Fp8Scaling:
+    """How an fp8 call's scales are applied: ``recipe`` ("tensorwise", "rowwise", "mixed" for a scalar
+    with a vector, or "blockwise"); ``operands``: the scaled epilogue's ``a_scale``/``b_scale`` operands
+    (tensorwise and rowwise); ``block``: the mainloop's scales (blockwise)."""
+
+    recipe: str
+    operands: dict
+    block: BlockScales | None = None
+
+    def apply(self, epilogue, operands: dict) -> tuple[Any, dict]:
+        """The epilogue and operands the call runs: the scaled epilogue with the scales in front, or,
+        blockwise, the caller's own (the mainloop applied the scales)."""
+        if self.block is not None:
+            return epilogue, operands
+        return scaled_epilogue(epilogue), {**self.operands, **operands}
+
+
+def fp8_scaling(
+    a_scale: Any, b_scale: Any, m: int, n: int, k: int, l: int, batched: bool, device: torch.device | None = None
+) -> Fp8Scaling:
+    """Recognize the recipe of ``a_scale``/``b_scale`` for an ``(L, M, N, K)`` fp8 problem (``batched``: the
+    call's tensors are 3-D; ``device``: where blockwise scales must live, the kernel reads them there)."""
+    lead = (l,) if batched else ()
+    blocks_n, blocks_k = -(-n // BLOCK_K), -(-k // BLOCK_K)
+    b_block = _block_b(b_scale, lead, n, blocks_n, blocks_k)
+    if b_block is not None:
+        a_block = _block_a(a_scale, lead, m, blocks_k)
+        for name, t in (("a_scale", a_block), ("b_scale", b_block)):
+            if device is not None and t.device != device:
+                raise DeviceError(f"{name} is on {t.device} but a is on {device}; blockwise scales are read by the "
+                                  f"kernel: pass {name}.to({str(device)!r})")  # fmt: skip
+        l3 = lambda t: t if batched else t.unsqueeze(0)  # noqa: E731
+        return Fp8Scaling("blockwise", {}, BlockScales(l3(a_block), l3(b_block)))
+    operands = {
         "a_scale": _scale("a_scale", a_scale, m, n, k, l, batched, per="row"),
         "b_scale": _scale("b_scale", b_scale, m, n, k, l, batched, per="column"),
     }
+    kinds = {type(v).__name__ if isinstance(v, Scalar) or v.value.numel() != 1 else "one" for v in operands.values()}
+    scalar = {"Scalar", "one"}
+    recipe = "tensorwise" if kinds <= scalar else "rowwise" if not kinds & scalar else "mixed"
+    return Fp8Scaling(recipe, operands)
+
+
+def dequantize_blockwise(a: torch.Tensor, b: torch.Tensor, scales: BlockScales) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` ``(L, M, K)`` and ``b`` ``(L, K, N)`` times their blockwise scales, in float32 on the CPU: the
+    reference's inputs."""
+    cpu = torch.device("cpu")
+    k = a.shape[-1]
+
+    def per_k(s: torch.Tensor) -> torch.Tensor:  # (..., KB) -> (..., K)
+        return s.to(cpu).repeat_interleave(BLOCK_K, dim=-1)[..., :k]
+
+    a_deq = a.to(cpu, torch.float32) * per_k(scales.a)
+    sb = per_k(scales.b).repeat_interleave(BLOCK_K, dim=-2)[..., : b.shape[-1], :]  # (L, N, K)
+    return a_deq, b.to(cpu, torch.float32) * sb.transpose(-2, -1)
+
+
+def _fp32_tensor(name: str, value: Any) -> bool:
+    if not isinstance(value, torch.Tensor):
+        return False
+    if value.dtype != torch.float32:
+        raise DtypeError(f"{name} has dtype {value.dtype}; scales are fp32 (pass {name}.float())")
+    return True
+
+
+def _block_b(value: Any, lead: tuple, n: int, blocks_n: int, blocks_k: int) -> torch.Tensor | None:
+    """B's blockwise scales as ``(..., NB, KB)``, or None when ``value`` is no blockwise B scale (a rowwise
+    form wins where the shapes coincide: N == 1 and K <= 128, the same math)."""
+    if not _fp32_tensor("b_scale", value) or value.dim() < len(lead) + 2:  # 0-d or 1-D: tensorwise or rowwise
+        return None
+    shape = tuple(value.shape)
+    if shape in (lead + (n,), lead + (1, n)):
+        return None
+    weight, transposed = lead + (blocks_n, blocks_k), lead + (blocks_k, blocks_n)
+    if shape == weight and (shape != transposed or not (value.stride(-2) == 1 and value.stride(-1) != 1)):
+        return value
+    if shape == transposed:
+        return value.transpose(-2, -1)
+    return None
+
+
+def _block_a(value: Any, lead: tuple, m: int, blocks_k: int) -> torch.Tensor:
+    expected = lead + (m, blocks_k)
+    if not _fp32_tensor("a_scale", value) or tuple(value.shape) != expected:
+        got = _describe(value) if not isinstance(value, torch.Tensor) else f"shape {tuple(value.shape)}"
+        raise ShapeError(
+            f"b_scale is blockwise (one per 128x128 block), so a_scale must be too: one per row and 128-wide block "
+            f"of K, shape {expected} fp32 (torch._scaled_mm's torch.rand(KB, M).t() works); got {got}"
+        )
+    return value
 
 
 def _scale(name: str, value: Any, m: int, n: int, k: int, l: int, batched: bool, per: str):
@@ -93,8 +201,7 @@ def _scale(name: str, value: Any, m: int, n: int, k: int, l: int, batched: bool,
         return Scalar(float(value))
     if not isinstance(value, torch.Tensor):
         raise DtypeError(f"{name} is {_describe(value)}; pass a float or an fp32 tensor")
-    if value.dtype != torch.float32:
-        raise DtypeError(f"{name} has dtype {value.dtype}; scales are fp32 (pass {name}.float())")
+    _fp32_tensor(name, value)
     extent = m if per == "row" else n
     lead = (l,) if batched else ()
     if value.numel() == 1 and value.dim() <= 1:
@@ -105,18 +212,30 @@ def _scale(name: str, value: Any, m: int, n: int, k: int, l: int, batched: bool,
         t = value.reshape(*lead, extent)
         return ColVector(t) if per == "row" else RowVector(t)
     blocks_k = -(-k // BLOCK_K)
-    blockwise = lead + ((m, blocks_k) if per == "row" else (-(-n // BLOCK_K), blocks_k))
-    if tuple(value.shape) == blockwise:
-        raise EpilogueError(
-            f"{name} has shape {tuple(value.shape)}: a blockwise scale (per {'1x128' if per == 'row' else '128x128'} "
-            "block of K), which does not factor out of the K sum; epicute's fp8 GEMM takes tensorwise and rowwise "
-            "scales (blockwise needs fp32 promotion in the mainloop, not built yet)"
+    if per == "row" and tuple(value.shape) == lead + (m, blocks_k):
+        raise ShapeError(
+            f"a_scale has shape {tuple(value.shape)}: blockwise (one per row and 128-wide block of K), so b_scale "
+            f"must be too: one per 128x128 block of the (N, K) weight, {lead + (-(-n // BLOCK_K), blocks_k)} or "
+            "its transpose"
         )
     forms = f"{lead + (extent,)}, {lead + ((extent, 1) if per == 'row' else (1, extent))}"
+    blockwise = (
+        f"; or blockwise, {lead + (m, blocks_k)}" if per == "row"
+        else f"; or blockwise, {lead + (-(-n // BLOCK_K), blocks_k)} or its transpose"
+    )  # fmt: skip
     raise ShapeError(
-        f"{name} has shape {tuple(value.shape)}; give a float or a 1-element tensor (tensorwise), or one value "
-        f"per {per}: {forms} (rowwise)"
+        f"{name} has shape {tuple(value.shape)}; give a float or a 1-element tensor (tensorwise), one value "
+        f"per {per}: {forms} (rowwise){blockwise} (per 128-wide block of K)"
     )
 
 
-__all__ = ["SCALE_NAMES", "ScaledEpilogue", "scale_operands", "scaled_epilogue"]
+__all__ = [
+    "BLOCK_K",
+    "SCALE_NAMES",
+    "BlockScales",
+    "Fp8Scaling",
+    "ScaledEpilogue",
+    "dequantize_blockwise",
+    "fp8_scaling",
+    "scaled_epilogue",
+]

@@ -45,6 +45,7 @@ def gemm_variants(entry: dict, target: Target | None = None) -> list:
         raise ConfigError(f"out_dtype = {out_dtype!r}; D's dtype is one of {', '.join(D_DTYPES)}")
     check_fields(entry, str, "a_major", "b_major", "epilogue")
     check_fields(entry, dict, "operands", "out_dtypes")
+
     def problem_of(shape: list[int]) -> GemmProblem:
         m, n, k, l = (*shape, 1) if len(shape) == 3 else shape
         b_major = entry.get("b_major", "k" if fp8 else "n")  # fp8: w.t() of a row-major (N, K) weight
@@ -56,7 +57,8 @@ def gemm_variants(entry: dict, target: Target | None = None) -> list:
     )  # fmt: skip
     variants = {}
     for shape in shapes:
-        variant = prepare(replace(request, problem=problem_of(shape))).variant()
+        problem = replace(problem_of(shape), block_scaled=request.problem.block_scaled)
+        variant = prepare(replace(request, problem=problem)).variant()
         m, n, k, l = (*shape, 1) if len(shape) == 3 else shape
         variants.setdefault(variant.key(), (variant, f"{m}x{n}x{k}" + (f"x{l}" if l != 1 else "")))
     return list(variants.values())
@@ -75,19 +77,30 @@ def gemm_request(
     ``epilogue`` a ``module:function`` path, ``operands`` ``{name: "kind[:dtype]"}`` (unlisted ones
     are scalars), ``out_dtypes`` IR dtype names, ``pins`` config fields, ``target`` the GPU to plan
     for (None: the current one)."""
-    from epicute.epilogue.scales import scaled_epilogue
+    from epicute.epilogue.scales import SCALE_NAMES, scaled_epilogue
     from epicute.epilogue.tracer import as_epilogue
     from epicute.gemm.prepare import GemmRequest, ir_items
 
     overrides = tuple(sorted(pins.items()))
-    if not epilogue and not problem.fp8:
+    blockwise = [name for name in SCALE_NAMES if operands.get(name) == "blockwise"]
+    if blockwise:
+        if not problem.fp8 or len(blockwise) != 2:
+            raise ConfigError(
+                "blockwise scales dequantize fp8 inputs, both of them: give a_scale = 'blockwise' and "
+                "b_scale = 'blockwise' with an fp8 dtype"
+            )
+        # The mainloop applies them: the epilogue is the caller's own.
+        problem = replace(problem, block_scaled=True)
+        operands = {name: kind for name, kind in operands.items() if name not in SCALE_NAMES}
+    if not epilogue and (not problem.fp8 or problem.block_scaled):
         if operands or out_dtypes:
             raise ConfigError("operands/out_dtypes need an epilogue")
         return GemmRequest(problem, overrides=overrides, target=target)
     epi = as_epilogue(import_object(epilogue)) if epilogue else None
-    if problem.fp8:
+    if problem.fp8 and not problem.block_scaled:
         # fp8 inputs' scales are operands of the scaled epilogue; rowwise unless named otherwise
-        # (a_scale = "scalar" for a float, "row" for a GPU tensor: epicute.epilogue.scales).
+        # (a_scale = "scalar" for a float, "row" for a GPU tensor; "blockwise" for both, the
+        # mainloop's: epicute.epilogue.scales).
         epi = scaled_epilogue(epi)
         operands = {"a_scale": "col", "b_scale": "row", **operands}
     missing = [p for p in epi.params if p not in operands and p not in epi.defaults]

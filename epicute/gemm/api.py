@@ -15,7 +15,7 @@ from epicute.epilogue.dtypes import IR_TO_TORCH, TORCH_TO_IR
 from epicute.epilogue.hashing import semantic_hash
 from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import reference_gemm, round_to
-from epicute.epilogue.scales import ScaledEpilogue, scale_operands, scaled_epilogue
+from epicute.epilogue.scales import ScaledEpilogue, dequantize_blockwise, fp8_scaling
 from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import ConfigError, DeviceError, DtypeError, EpilogueError
 from epicute.gemm import GemmPlan, render_plan
@@ -128,7 +128,8 @@ def gemm(
     if backend == "reference":
         check_outs_names(outs, prepared.epilogue.aux_outputs)
         stored = {name: IR_TO_TORCH[dtype] for name, dtype in prepared.output_dtypes.items()}
-        return _deliver(call, reference_gemm(call.a, call.b, request.epilogue, operands, stored), outs)
+        a_ref, b_ref = _reference_inputs(call)
+        return _deliver(call, reference_gemm(a_ref, b_ref, request.epilogue, operands, stored), outs)
     p, device = call.problem, call.a.device
     tensors, scalars = kernel_inputs(prepared.fusion, specs, device)
     aux = aux_outputs(prepared.fusion, outs, (p.l, p.m, p.n), call.batched, device)
@@ -148,9 +149,13 @@ def describe_call(
     call = check_gemm_args(a, b, out, out_dtype, require_cuda=require_cuda)
     p = call.problem
     if p.fp8:
-        # The scales are epilogue operands: the epilogue sees acc * a_scale * b_scale.
-        operands = {**scale_operands(*scales, p.m, p.n, p.k, p.l, call.batched), **operands}
-        epilogue = scaled_epilogue(epilogue)
+        # Tensorwise and rowwise scales are epilogue operands (the epilogue sees acc * a_scale * b_scale);
+        # blockwise ones are the mainloop's.
+        scaling = fp8_scaling(*scales, p.m, p.n, p.k, p.l, call.batched, call.a.device)
+        epilogue, operands = scaling.apply(epilogue, operands)
+        if scaling.block is not None:
+            p = replace(p, block_scaled=True)
+            call = replace(call, problem=p, block_scales=scaling.block)
     elif scales != (None, None):
         raise DtypeError(f"a_scale/b_scale dequantize fp8 inputs; a is {a.dtype}: drop them or pass fp8 tensors")
     if epilogue is None:
@@ -208,7 +213,11 @@ def _capture_key(fn: Callable) -> tuple | None:
 
 def _with_d_dtype(call, d_dtype, a, b, out, *, require_cuda: bool):
     """``call`` again with D stored in ``d_dtype`` (an epilogue's own cast/quantize may choose it)."""
-    return call if d_dtype == call.out_dtype else check_gemm_args(a, b, out, d_dtype, require_cuda=require_cuda)
+    if d_dtype == call.out_dtype:
+        return call
+    again = check_gemm_args(a, b, out, d_dtype, require_cuda=require_cuda)
+    problem = replace(again.problem, block_scaled=call.problem.block_scaled)
+    return replace(again, problem=problem, block_scales=call.block_scales)
 
 
 def tune(
@@ -282,9 +291,17 @@ def _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands, scales=(No
     return _TUNED[key]
 
 
+def _reference_inputs(call) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B as the reference multiplies them: as given, or dequantized by their blockwise scales (fp32, CPU)."""
+    if call.block_scales is None:
+        return call.a, call.b
+    return dequantize_blockwise(call.a, call.b, call.block_scales)
+
+
 def _reference_matmul(call) -> torch.Tensor:
     """The plain GEMM in float32 on the CPU, stored like the kernel stores D (fp8 saturates)."""
-    return round_to(torch.matmul(call.a.cpu().float(), call.b.cpu().float()), TORCH_TO_IR[call.out_dtype])
+    a, b = _reference_inputs(call)
+    return round_to(torch.matmul(a.cpu().float(), b.cpu().float()), TORCH_TO_IR[call.out_dtype])
 
 
 def _deliver(call, results: dict[str, torch.Tensor], outs: dict | None = None):

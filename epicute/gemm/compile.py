@@ -30,6 +30,8 @@ class GemmVariant:
     fusion: object = None
     #: B's dtype where it is not ``ab_dtype`` (fp8 e4m3 x e5m2)
     b_dtype: str = ""
+    #: fp8 with blockwise scales applied in the mainloop (``GemmProblem.block_scaled``)
+    block_scaled: bool = False
 
     def key(self) -> CacheKey:
         """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
@@ -37,13 +39,16 @@ class GemmVariant:
             self.config.key(), self.ab_dtype, self.b_dtype or self.ab_dtype, self.d_dtype, self.a_major, self.b_major,
             None if self.fusion is None else self.fusion.key(),
             ("align", OPERAND_ALIGN_BYTES),
-        )  # fmt: skip
+        ) + ((("block_scaled", True),) if self.block_scaled else ())  # fmt: skip
         c = self.config
         label = (
             f"{c.tile_m}x{c.tile_n}x{c.tile_k} cluster {c.cluster_m}x{c.cluster_n} "
             f"{'persistent' if c.persistent else 'one tile/CTA'} {self.ab_dtype}"
-            + (f"x{self.b_dtype}" if self.b_dtype and self.b_dtype != self.ab_dtype else "") + f"->{self.d_dtype} "
-            f"A:{self.a_major} B:{self.b_major}" + ("" if self.fusion is None else " +epilogue")
+            + (f"x{self.b_dtype}" if self.b_dtype and self.b_dtype != self.ab_dtype else "")
+            + f"->{self.d_dtype} "
+            f"A:{self.a_major} B:{self.b_major}"
+            + (" blockwise" if self.block_scaled else "")
+            + ("" if self.fusion is None else " +epilogue")
         )
         return CacheKey("gemm", parts, self.arch, label)
 
@@ -91,9 +96,10 @@ def _fake_epilogue_operands(fusion) -> tuple[tuple, tuple]:
 
 def compile_gemm_sm90(variant: GemmVariant):
     """Compile one GEMM variant for sm_90a; returns the callable
-    ``f(a, b, d, epi_tensors, epi_scalars, max_active_clusters)``.
+    ``f(a, b, d, epi_tensors, epi_scalars, block_scales, max_active_clusters)``.
 
-    ``a`` is ``(L, M, K)``, ``b`` ``(L, K, N)``, ``d`` ``(L, M, N)`` torch tensors;
+    ``a`` is ``(L, M, K)``, ``b`` ``(L, K, N)``, ``d`` ``(L, M, N)`` torch tensors; ``block_scales`` is
+    ``()``, or for a block-scaled variant fp32 ``(A (L, M, KB), B (L, NB, KB))`` of any strides;
     ``max_active_clusters`` (an int, :attr:`epicute.gemm.plan.GemmPlan.max_active_clusters`)
     bounds a persistent variant's grid, and is ignored by the others.
     """
@@ -111,19 +117,34 @@ def compile_gemm_sm90(variant: GemmVariant):
     fake_d = _fake_operand(d, (l, m, n), contiguous=2)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
+    block_scales = ()
+    if variant.block_scaled:  # read element by element: any strides
+        block_scales = tuple(
+            cute.runtime.make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
+                                          stride=tuple(cute.sym_int64() for _ in range(3)), assumed_align=4)
+            for _ in range(2)
+        )  # fmt: skip
     kernel = GemmSm90(
-        variant.config, variant.ab_dtype, variant.d_dtype, variant.a_major, variant.b_major, variant.fusion,
+        variant.config,
+        variant.ab_dtype,
+        variant.d_dtype,
+        variant.a_major,
+        variant.b_major,
+        variant.fusion,
         variant.b_dtype,
+        variant.block_scaled,
     )
     try:
         with warnings.catch_warnings():
             # Empty operand tuples (no fused epilogue) become compile-time constants,
             # which is what we want; the DSL warns about it on every compile.
-            warnings.filterwarnings("ignore", message=r"Argument epi_(tensors|scalars) .*cannot be converted")
+            warnings.filterwarnings(
+                "ignore", message=r"Argument (epi_tensors|epi_scalars|block_scales) .*cannot be converted"
+            )
             # A runtime Int32 (its value here is a placeholder): the cluster budget is given per launch.
             max_active_clusters = cutlass.Int32(1)
             return cute.compile(
-                kernel, fake_a, fake_b, fake_d, epi_tensors, epi_scalars, max_active_clusters, stream,
+                kernel, fake_a, fake_b, fake_d, epi_tensors, epi_scalars, block_scales, max_active_clusters, stream,
                 options=compile_module.DSL_COMPILE_OPTIONS,
             )  # fmt: skip
     except Exception as exc:  # the DSL raises many types; report one
@@ -136,7 +157,6 @@ GEMM_CACHE = KernelFamily("gemm", {SM90A: compile_gemm_sm90})
 def compile_gemm(variant: GemmVariant):
     """Compile one GEMM variant for ``variant.arch`` (no cache); see :func:`compile_gemm_sm90`."""
     return GEMM_CACHE.compile(variant)
-
 
 
 __all__ = ["DTYPE_BYTES", "GEMM_CACHE", "GemmVariant", "compile_gemm", "compile_gemm_sm90"]

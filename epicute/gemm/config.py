@@ -36,7 +36,8 @@ class GemmProblem:
     is column-major (i.e. ``w.t()`` of a row-major ``w``). D is always row-major.
     ``ab_dtype`` is A's dtype and B's, unless ``b_dtype`` names B's: fp8 inputs may
     mix e4m3 and e5m2 (gradients), and must both be K-major (WGMMA reads 8-bit
-    operands K-major only).
+    operands K-major only). ``block_scaled``: fp8 inputs dequantized per block of
+    K in the mainloop (A per 1x128, B per 128x128 block; :mod:`epicute.epilogue.scales`).
     """
 
     m: int
@@ -48,6 +49,7 @@ class GemmProblem:
     a_major: str = "k"
     b_major: str = "n"
     b_dtype: str = ""
+    block_scaled: bool = False
 
     def __post_init__(self) -> None:
         if self.ab_dtype not in AB_DTYPES:
@@ -61,6 +63,8 @@ class GemmProblem:
                 f"fp8 inputs with a_major={self.a_major!r}, b_major={self.b_major!r}: WGMMA reads 8-bit operands "
                 "K-major only (a_major='k', b_major='k')"
             )
+        if self.block_scaled and not self.fp8:
+            raise ConfigError(f"block_scaled with ab_dtype={self.ab_dtype!r}: blockwise scales dequantize fp8 inputs")
         if self.d_dtype not in D_DTYPES:
             raise ConfigError(f"d_dtype={self.d_dtype!r}: supported are {D_DTYPES}")
         if self.a_major not in ("k", "m"):

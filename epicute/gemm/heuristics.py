@@ -46,7 +46,7 @@ import functools
 from dataclasses import replace
 
 from epicute.errors import ConfigError
-from epicute.gemm.config import GemmConfig, GemmProblem
+from epicute.gemm.config import MAX_ACC_REGS, GemmConfig, GemmProblem
 from epicute.gemm.roofline import estimate_seconds
 from epicute.gemm.smem import (
     NO_EPILOGUE,
@@ -72,7 +72,6 @@ EPI_TILE_N = 32
 EPILOGUE_CODE_BUDGET = 8192
 #: A fused epilogue gets ping-pong above this many waves of 128x128 tiles (see choose_schedule).
 PINGPONG_MIN_WAVES = 4
-
 
 
 def _num_tiles(problem: GemmProblem, tile_m: int, tile_n: int) -> int:
@@ -156,9 +155,7 @@ def fit_epilogue_code(
     )
 
 
-def best_tile_estimate(
-    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str
-) -> tuple[float, int]:
+def best_tile_estimate(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str) -> tuple[float, int]:
     """(estimated seconds, tile N) of ``schedule``'s best 128-row tile."""
     width, _ = choose_tile_n(problem, hw, epilogue, schedule)
     return estimate_seconds(problem, hw, 128, width, epilogue, schedule), width
@@ -174,6 +171,15 @@ def choose_tile_n(
         return 64, f"N={problem.n} fits one 64-wide tile"
     if problem.n <= 128:
         return 128, f"N={problem.n} fits one 128-wide tile"
+    if problem.block_scaled:
+        narrow = estimate_seconds(problem, hw, 128, 64, epilogue, schedule)
+        wide = estimate_seconds(problem, hw, 128, 128, epilogue, schedule)
+        best = 64 if narrow < wide else 128
+        return best, (
+            f"blockwise scales: promotion holds two k-tiles' partials beside the sum (3 x {128 * best // 256} "
+            f"registers per thread), so tiles of at most 128x128; 128x{best} estimated "
+            f"{min(narrow, wide) * 1e6:.0f} us vs {max(narrow, wide) * 1e6:.0f} us for 128x{192 - best}"
+        )
     wide = 192 if schedule == "pingpong" else 256
     # Widest first, so that a tie keeps the tile with the most reuse per byte.
     times = {width: estimate_seconds(problem, hw, 128, width, epilogue, schedule) for width in (wide, 128, 64)}
@@ -273,6 +279,14 @@ def choose_config(
         )
     if "schedule" in overrides:
         schedule, schedule_why = overrides["schedule"], "requested"
+    elif problem.block_scaled:
+        schedule, schedule_why = (
+            "cooperative",
+            (
+                "blockwise scales: a ping-pong warpgroup's 128x128 accumulators, tripled for promotion, exceed its "
+                "registers, and its 64-row tiles halve the reuse of B"
+            ),
+        )
     elif overrides.get("tile_n") == 256:
         schedule, schedule_why = "cooperative", "a 128x256 tile needs both warpgroups' registers"
     elif overrides.get("persistent") is False or overrides.get("epi_reuses_ab_smem"):
@@ -380,6 +394,13 @@ def choose_config(
     passthrough = {k: v for k, v in overrides.items() if k not in GemmConfig.planned_fields()}
     cfg = replace(cfg, **passthrough, reasons=tuple(reasons))
     cfg.validate()
+    if problem.block_scaled and (cfg.tile_n > 128 or 3 * cfg.acc_regs > MAX_ACC_REGS):
+        raise ConfigError(
+            f"tile {cfg.tile_m}x{cfg.tile_n} ({cfg.schedule}) with blockwise scales: promotion holds three "
+            f"accumulators (the sum and two k-tiles' partials), 3 x {cfg.acc_regs} registers per thread (at most "
+            f"{MAX_ACC_REGS}), and a tile spans at most one 128-wide scale block of N; use tile_n 128 or 64, cooperative, or ping-pong "
+            "with tile_m 64"
+        )
     if cfg.tile_k != problem.tile_k:
         raise ConfigError(
             f"tile_k={cfg.tile_k} with {problem.ab_dtype} inputs: a k-tile is one 128-byte swizzle row, "

@@ -47,7 +47,9 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from epicute.epilogue.fusion import EpilogueFusion
+from epicute.epilogue.scales import BLOCK_K
 from epicute.epilogue.schedule import plain_graph, schedule
+from epicute.errors import ConfigError
 from epicute.gemm.config import GemmConfig
 from epicute.gemm.smem import NO_EPILOGUE, gemm_smem_layout
 from epicute.sm90 import epilogue_emit as emit
@@ -129,8 +131,15 @@ class GemmSm90:
         b_major: str,
         fusion: EpilogueFusion | None = None,
         b_dtype: str = "",
+        block_scaled: bool = False,
     ):
         cfg.validate()
+        if block_scaled and (cfg.tile_k != BLOCK_K or BLOCK_K % cfg.tile_n):
+            raise ConfigError(
+                f"blockwise scales with a {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} tile: a k-tile must be one "
+                f"{BLOCK_K}-wide scale block and a tile at most one block of N (tile_k={BLOCK_K}, tile_n 64 or 128)"
+            )
+        self.block_scaled = block_scaled
         self.fusion = fusion
         self.cfg = cfg
         self.ab_dtype = CUTLASS_DTYPES[ab_dtype]  # A's (and B's, unless b_dtype names B's: fp8 may mix)
@@ -167,10 +176,13 @@ class GemmSm90:
         mD_lmn: cute.Tensor,
         epi_tensors: tuple,
         epi_scalars: tuple,
+        block_scales: tuple,
         max_active_clusters: Int32,
         stream,
     ):
         """``epi_tensors``/``epi_scalars``: the fused epilogue's operands (see epilogue_emit).
+        ``block_scales``: ``()``, or blockwise fp8 scales ``(A (L, M, KB), B (L, NB, KB))`` fp32, read
+        by the consumers element by element in the mainloop (:meth:`_consume`).
         ``max_active_clusters``: a persistent grid's cluster budget on this GPU (the host's
         ``GemmPlan.max_active_clusters``: SMs // cluster size), a runtime value so that one
         compiled kernel serves every SM count; one-tile-per-CTA variants ignore it."""
@@ -240,7 +252,7 @@ class GemmSm90:
             tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_d, tma_mD,
             a_smem_staged, b_smem_staged, d_smem_staged,
             clusters_m, clusters_n, num_batches,
-            epi_loads, epi_stores, epi_vectors, epi_workspaces, epi_scalars,
+            epi_loads, epi_stores, epi_vectors, epi_workspaces, epi_scalars, block_scales,
         ).launch(
             grid=(cfg.cluster_m, cfg.cluster_n, launched),
             block=[cfg.num_threads, 1, 1],
@@ -318,6 +330,7 @@ class GemmSm90:
         epi_vectors: tuple,
         epi_workspaces: tuple,
         epi_scalars: tuple,
+        block_scales: tuple,
     ):
         """Shared setup, then each warp's role (see the module docstring).
 
@@ -348,7 +361,7 @@ class GemmSm90:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             self._consume(
                 cta, tiled_mma, tma_d, mD, tidx, clusters_m, clusters_n, num_batches,
-                epi_vectors, epi_stores, epi_workspaces, epi_scalars,
+                epi_vectors, epi_stores, epi_workspaces, epi_scalars, block_scales,
             )  # fmt: skip
 
     @cute.jit
@@ -528,7 +541,7 @@ class GemmSm90:
     @cute.jit
     def _consume(
         self, cta, tiled_mma, tma_d, mD, tidx, clusters_m, clusters_n, num_batches,
-        epi_vectors, epi_stores, epi_workspaces, epi_scalars,
+        epi_vectors, epi_stores, epi_workspaces, epi_scalars, block_scales,
     ):  # fmt: skip
         """A consumer warpgroup: per tile of its team, the MMA mainloop, then :meth:`_epilogue`.
 
@@ -554,6 +567,15 @@ class GemmSm90:
         acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_shape_mnk, (None, None, 0)))
         acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
         k_blocks = cute.size(tCrA, mode=[2])
+        partial0 = partial1 = scale_regs = acc_coords = row_slot = row_values = None
+        if cutlass.const_expr(self.block_scaled):
+            # Two k-tiles' WGMMA accumulators (one in flight, one being promoted into acc), and
+            # their scales: per slot, A's of the thread's rows, then B's.
+            partial0 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            partial1 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            acc_coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+            row_slot, row_values = accumulator_rows(tiled_mma, (cfg.tile_m, cfg.tile_n))
+            scale_regs = cute.make_rmem_tensor((2, len(row_values) + 1), Float32)
         copies = self._epilogue_copies(cta, tiled_mma, thr_mma, acc, mma_tidx, mD, tma_d, epi_stores)
         store, is_store_warp = copies.store, copies.is_store_warp
         c_state = None
@@ -582,29 +604,74 @@ class GemmSm90:
             )  # fmt: skip
             run_chain("prologue", run)
 
-            # ---- mainloop: keep one WGMMA batch in flight, release a stage
-            # only after the WGMMA that read it has retired.
             acc.fill(0.0)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             mma_turns.wait(team)
-            cute.nvgpu.warpgroup.fence()
-            for k_tile in range(k_tiles):
+            if cutlass.const_expr(self.block_scaled):
+                # ---- promoting mainloop: each k-tile (one 128-wide scale block of K) accumulates
+                # from zero into one of two partials; while k-tile j's WGMMAs run, j-1's partial is
+                # scaled by its A-row and B-block scales and added into acc in fp32. Unrolled by two
+                # so that each partial is a fixed set of registers; k-tile j's partial and scales
+                # are slot j % 2, and its scales are loaded two k-tiles before they are used, which
+                # hides their latency. k_tiles >= 1 (K = 0 launches one k-tile of zeros).
+                rows = scale_rows(acc_coords, row_values, tm * cfg.tile_m, cute.size(mD, mode=[0]))
+                n_block = tn * cfg.tile_n // BLOCK_K
+                last = k_tiles - 1
+                load_block_scales(scale_regs, 0, block_scales, rows, n_block, tl, 0)
                 ab_pipeline.consumer_wait(read_state)
-                for kb in cutlass.range_constexpr(k_blocks):
-                    coord = (None, None, kb, read_state.index)
-                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(1)
-                if k_tile > 0:
+                issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0, k_blocks)
+                read_state.advance()
+                load_block_scales(scale_regs, 1, block_scales, rows, n_block, tl, cutlass.min(1, last))
+                for pair in range(last // 2):
+                    for slot in cutlass.range_constexpr(2):  # k-tile j = 2 pair + 1 + slot
+                        ab_pipeline.consumer_wait(read_state)
+                        issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0 if slot else partial1, k_blocks)
+                        read_state.advance()
+                        cute.nvgpu.warpgroup.wait_group(1)  # k-tile j - 1 retired
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                        promote(acc, partial1 if slot else partial0, scale_regs, slot, row_slot)
+                        j = 2 * pair + 1 + slot
+                        load_block_scales(scale_regs, slot, block_scales, rows, n_block, tl, cutlass.min(j + 1, last))
+                if last % 2 == 1:  # the last k-tile is odd: partial 1, its scales already in slot 1
+                    ab_pipeline.consumer_wait(read_state)
+                    issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial1, k_blocks)
+                    read_state.advance()
+                    cute.nvgpu.warpgroup.wait_group(1)
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
-                read_state.advance()
-            # Every WGMMA of this tile is issued: the other team may issue its own.
-            mma_turns.pass_on(team)
-            cute.nvgpu.warpgroup.wait_group(0)
-            if k_tiles > 0:  # K == 0: nothing was read, acc stays zero for the epilogue
-                ab_pipeline.consumer_release(release_state)
-                release_state.advance()
+                    promote(acc, partial0, scale_regs, 0, row_slot)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                    promote(acc, partial1, scale_regs, 1, row_slot)
+                else:
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                    promote(acc, partial0, scale_regs, 0, row_slot)
+                mma_turns.pass_on(team)
+            else:
+                # ---- mainloop: keep one WGMMA batch in flight, release a stage
+                # only after the WGMMA that read it has retired.
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                for k_tile in range(k_tiles):
+                    ab_pipeline.consumer_wait(read_state)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        coord = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    if k_tile > 0:
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                    read_state.advance()
+                # Every WGMMA of this tile is issued: the other team may issue its own.
+                mma_turns.pass_on(team)
+                cute.nvgpu.warpgroup.wait_group(0)
+                if k_tiles > 0:  # K == 0: nothing was read, acc stays zero for the epilogue
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
 
             epilogue_turns.wait(team)
             self._epilogue(run)
@@ -700,6 +767,64 @@ class GemmSm90:
             run.subtile = epi_idx
             run_chain("subtile", run)
         run_chain("end", run)
+
+
+# ---- blockwise fp8 scales in the mainloop (:meth:`GemmSm90._consume`)
+#
+# fp8 WGMMA keeps its running sum with fewer mantissa bits than fp32, and blockwise scales vary along
+# K, so the mainloop *promotes*: each k-tile (one 128-wide scale block) accumulates into ``partial``
+# from zero, and ``acc += partial * a_scale[row] * b_scale`` once it retired. A thread holds a few
+# distinct rows (thread 0's coordinates are static: equal ones mean the same row offset), so per
+# k-tile it loads one A scale per row and one B scale (a tile spans one 128-wide block of N) from
+# global memory: a few KB per tile, which stay in L2. Functions, not an object: a runtime loop
+# carries every object its body calls a method on.
+
+
+def accumulator_rows(tiled_mma, tile_mn: tuple[int, int]) -> tuple[list[int], list[int]]:
+    """Static: for each accumulator value, the index of its row among the thread's rows; and for each
+    of those rows, one value in it."""
+    coords0 = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(tile_mn))
+    first_value_of_row: dict = {}
+    row_slot = []
+    for v in range(cute.size(coords0)):
+        m0 = coords0[v][0]
+        first_value_of_row.setdefault(m0, v)
+        row_slot.append(list(first_value_of_row).index(m0))
+    return row_slot, list(first_value_of_row.values())
+
+
+def scale_rows(acc_coords: cute.Tensor, row_values: list[int], row_origin, m_extent) -> list:
+    """This thread's global rows (clamped to the problem: rows past M compute values never stored)."""
+    return [cutlass.min(row_origin + acc_coords[v][0], m_extent - 1) for v in row_values]
+
+
+def load_block_scales(regs: cute.Tensor, slot: int, block_scales: tuple, rows: list, n_block, batch, k_tile) -> None:
+    """k-tile ``k_tile``'s scales into ``regs[slot, :]``: A's of each of the thread's rows, then B's of the
+    tile's block of N."""
+    sfa, sfb = block_scales
+    for i, r in enumerate(rows):
+        regs[slot, i] = sfa[(batch, r, k_tile)]
+    regs[slot, len(rows)] = sfb[(batch, n_block, k_tile)]
+
+
+def issue_k_tile(tiled_mma, tCrA: cute.Tensor, tCrB: cute.Tensor, stage, partial: cute.Tensor, k_blocks: int) -> None:
+    """One k-tile's WGMMAs from ring stage ``stage`` into ``partial``, from zero, as one commit group."""
+    cute.nvgpu.warpgroup.fence()
+    mma_atom = cute.make_mma_atom(tiled_mma.op)  # its own ACCUMULATE field, restarted per k-tile
+    mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+    for kb in range(k_blocks):  # trace-time Python: unrolled
+        coord = (None, None, kb, stage)
+        cute.gemm(mma_atom, partial, tCrA[coord], tCrB[coord], partial)
+        mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+    cute.nvgpu.warpgroup.commit_group()
+
+
+def promote(acc: cute.Tensor, partial: cute.Tensor, regs: cute.Tensor, slot: int, row_slot: list[int]) -> None:
+    """``acc += partial * a_scale[row] * b_scale`` for a retired k-tile whose scales are in ``regs[slot, :]``."""
+    rows = cute.size(regs, mode=[1]) - 1
+    row_scales = [regs[slot, i] * regs[slot, rows] for i in range(rows)]
+    for v in range(cute.size(acc)):
+        acc[v] = acc[v] + partial[v] * row_scales[row_slot[v]]
 
 
 class GemmOutput(StagedOutput):

@@ -41,7 +41,9 @@ def variant_of(plan: GemmPlan, fusion=None) -> GemmVariant:
     which reaches the kernel at launch as ``plan.max_active_clusters``)."""
     p = plan.problem
     b_dtype = p.b_dtype if p.b_dtype != p.ab_dtype else ""
-    return GemmVariant(plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion, b_dtype)
+    return GemmVariant(
+        plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion, b_dtype, p.block_scaled
+    )
 
 
 def _zero_k_operands(call: GemmCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +59,17 @@ def _zero_k_operands(call: GemmCall) -> tuple[torch.Tensor, torch.Tensor]:
     a0 = zeros(p.m, k) if p.a_major == "k" else zeros(k, p.m).transpose(1, 2)
     b0 = zeros(k, p.n) if p.b_major == "n" else zeros(p.n, k).transpose(1, 2)
     return a0, b0
+
+
+def _block_scales(call: GemmCall) -> tuple:
+    """The mainloop's blockwise scales, ``(A (L, M, KB), B (L, NB, KB))``, or ``()``. With K = 0 the zero
+    operands of :func:`_zero_k_operands` are one k-tile long, so each gets a block of ones."""
+    scales = call.block_scales
+    if scales is None:
+        return ()
+    if call.problem.k == 0:
+        return tuple(s.new_ones(*s.shape[:-1], 1) for s in (scales.a, scales.b))
+    return scales.a, scales.b
 
 
 def launch_gemm(
@@ -91,7 +104,7 @@ def launch_gemm(
             a, b = (call.a, call.b) if p.k else _zero_k_operands(call)
             kernel = kernel_for(plan, fusion)
             epi_tensors = epi_inputs + tuple(aux.values()) + tuple(workspaces.values())
-            kernel(a, b, out3, epi_tensors, epi_scalars, plan.max_active_clusters)
+            kernel(a, b, out3, epi_tensors, epi_scalars, _block_scales(call), plan.max_active_clusters)
     d = out3 if call.batched else out3[0]  # out3 is the caller's out (viewed 3-D) when given
     if fusion is None or set(fusion.output_dtypes) == {"D"}:
         return d

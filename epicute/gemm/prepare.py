@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from epicute.epilogue.tracer import Epilogue
     from epicute.gemm.compile import GemmVariant
 
+
 @dataclass(frozen=True)
 class GemmRequest:
     """What a GEMM call asks for, with no tensors in it.

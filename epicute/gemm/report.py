@@ -21,7 +21,14 @@ def render_plan(plan: GemmPlan) -> str:
     lines = [
         f"epicute GEMM plan: D[{p.l}x{p.m}x{p.n}] = A[{p.l}x{p.m}x{p.k}] @ B[{p.l}x{p.k}x{p.n}]",
         f"  A {p.ab_dtype} {a_desc}; B {p.b_elem} {b_desc}; D {p.d_dtype} row-major; accumulate fp32"
-        + (" (fp8 WGMMA: no promotion; scales applied to the accumulator in the epilogue)" if p.fp8 else ""),
+        + (
+            " (fp8 WGMMA, promoted: each 128-wide k-tile's partial is scaled by its blockwise scales and added "
+            "into a second fp32 accumulator in registers)"
+            if p.block_scaled
+            else " (fp8 WGMMA: no promotion; scales applied to the accumulator in the epilogue)"
+            if p.fp8
+            else ""
+        ),
         f"  target          {hw.describe()}",
         "",
         "tiles",

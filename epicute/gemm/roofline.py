@@ -39,7 +39,6 @@ SM_ISSUE_PER_CYCLE = 128
 PINGPONG_EPILOGUE_SHARE = 0.5
 
 
-
 @dataclass(frozen=True)
 class Roofline:
     flops: int

@@ -18,7 +18,7 @@ import torch
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
 from epicute.epilogue.graph import REDUCTIONS
 from epicute.epilogue.operands import PINS
-from epicute.epilogue.scales import SCALE_NAMES, scale_operands, scaled_epilogue
+from epicute.epilogue.scales import SCALE_NAMES, fp8_scaling
 from epicute.errors import ConfigError, EpilogueError
 from epicute.gemm.config import GemmProblem
 from epicute.gemm.prepare import GemmRequest, lower_epilogue
@@ -80,10 +80,11 @@ def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
     for name, kind in spec["pins"].items():
         values[name] = PINS[kind](values[name])
     l = a.shape[0] if a.dim() == 3 else 1
-    if fp8:  # the scales are operands of the scaled epilogue, as epicute.gemm makes them
+    if fp8:  # the scales: operands of the scaled epilogue, or the mainloop's (blockwise), as epicute.gemm takes them
         scales = [values.pop(name, None) for name in SCALE_NAMES]
-        values = {**scale_operands(*scales, m, n, a.shape[-1], l, a.dim() == 3), **values}
-        epi = scaled_epilogue(epi)
+        epi, values = fp8_scaling(*scales, m, n, a.shape[-1], l, a.dim() == 3).apply(epi, values)
+        if epi is None:
+            return [a.new_empty((*l_dims, m, n), dtype=d_dtype)]
     specs = epi.operands(values, m, n, l)
     # D's dtype follows epicute.gemm's rule (prepare's first half); out_dtypes already holds outs' dtypes.
     # Sizes are symbolic here and never planned, so the request's problem carries only the dtypes.

@@ -46,6 +46,8 @@ class GemmCall:
     out: torch.Tensor | None
     out_dtype: torch.dtype
     batched: bool
+    #: fp8 blockwise scales, read by the mainloop (``problem.block_scaled``); see epicute.epilogue.scales
+    block_scales: object = None
 
 
 def _as_3d(t: torch.Tensor, name: str) -> torch.Tensor:

@@ -189,8 +189,6 @@ def operand_kind(name: str, text: str, kinds: tuple[str, ...] = ("scalar", "row"
     return kind, dtype or "fp32"
 
 
-
-
 def config_pins(entry: dict, config_cls: type) -> dict:
     """The entry's ``config`` table, each pin a field of ``config_cls`` of its type (the planner
     assumes both); TOML has no tuples, configs do (epi_tile, mma_atoms_mn)."""
@@ -222,8 +220,6 @@ def check_fields(entry: dict, kind: type, *names: str) -> None:
     for name in names:
         if name in entry and not isinstance(entry[name], kind):
             raise ConfigError(f"{name} = {entry[name]!r}; it takes {_TYPE_WORDS[kind]}")
-
-
 
 
 def compile_spec(

@@ -162,8 +162,7 @@ def resolve_target(target: str | Target | None = None) -> Target:
     if isinstance(target, str) and target.strip().lower() in TARGETS:
         return TARGETS[target.strip().lower()]
     raise ConfigError(
-        f"unknown target {target!r}; known targets are {', '.join(TARGETS)} (or none: the visible GPU, "
-        "else h100-sxm)"
+        f"unknown target {target!r}; known targets are {', '.join(TARGETS)} (or none: the visible GPU, else h100-sxm)"
     )
 
 

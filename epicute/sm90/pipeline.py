@@ -287,4 +287,3 @@ def wait_full(ring, state):
     landed (the steady state) only that probe runs, and ptxas moves the blocking
     retry loop out of line."""
     ring.consumer_wait(state, ring.consumer_try_wait(state))
-

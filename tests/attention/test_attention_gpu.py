@@ -33,6 +33,7 @@ TOL = 1e-2
 def _poisoned_outputs_and_exact_reference(monkeypatch):
     torch.backends.cuda.matmul.allow_tf32 = False
     monkeypatch.setattr(rt_attention, "new_lse", lambda shape, device: torch.full(shape, float("nan"), device=device))
+
     def poisoned(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
@@ -253,4 +254,3 @@ def test_fp8_o_with_its_amax(d):
     # The scale saturates the largest values at 448: the reference saturates the same way.
     assert rel_err(got["D"].float(), (o_ref * 300.0).clamp(-448, 448)) <= 2.0**-4
     assert rel_err(got["amax"], (o_ref * 300.0).abs().amax()) <= TOL
-

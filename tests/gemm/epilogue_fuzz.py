@@ -523,6 +523,7 @@ def make_inputs(program: Program, shape: Shape, case_seed: int, device: str) -> 
     }  # fmt: skip
     scales = {}
     if program.fp8:
+
         def scale(extent: int):
             form = rng.choice(("float", "tensor", "vector"))
             if form == "vector":  # rowwise: one power of two per row of A / column of B
@@ -624,7 +625,8 @@ def describe(program: Program, case_seed: int, problems: list[str]) -> str:
         f"program seed {program.seed}, case seed {case_seed} "
         f"(rerun: python -m tests.gemm.epilogue_fuzz {program.seed} {case_seed})\n"
         f"shape {shape}, a/b {program.ab_dtype} b_major={program.b_major}, config {dict(program.config)}"
-        + (" (fp8: a_scale, b_scale powers of two)" if program.fp8 else "") + "\n"
+        + (" (fp8: a_scale, b_scale powers of two)" if program.fp8 else "")
+        + "\n"
         f"operands {operands}; outputs {[(o.name, str(o.dtype), 'outs' if o.outs else '') for o in program.outputs]}\n"
         f"{program.source}" + "\n".join(f"  - {p}" for p in problems)
     )

@@ -58,7 +58,6 @@ def test_unknown_backend_is_an_error():
         epicute.gemm(rand(8, 8), rand(8, 8), backend="triton")
 
 
-
 SCALE = 2.0
 
 

@@ -46,7 +46,12 @@ def test_operands_must_share_the_gemm_device():
 def test_tensors_follow_the_fusion_order():
     m, n = 24, 40
     values = {
-        "c": rand(m, 1), "s": 0.5, "t2": rand(m, n), "r": rand(n, dtype=torch.float16), "t1": rand(m, n), "u": 3.0
+        "c": rand(m, 1),
+        "s": 0.5,
+        "t2": rand(m, n),
+        "r": rand(n, dtype=torch.float16),
+        "t1": rand(m, n),
+        "u": 3.0,
     }
 
     def fn(acc, c, s, t2, r, t1, u):

@@ -91,17 +91,24 @@ def test_explain_shows_the_scales_in_the_chain_and_the_fp8_peak():
          epicute.DtypeError, "scales are fp32"),
         (lambda a, w: epicute.gemm(a, w.t(), a_scale=torch.ones(5), b_scale=1.0), epicute.ShapeError,
          r"one value per row: \(33,\), \(33, 1\)"),
-        (lambda a, w: epicute.gemm(a, w.t(), a_scale=torch.ones(33, 2), b_scale=1.0), epicute.EpilogueError,
-         "blockwise scale"),
-        (lambda a, w: epicute.gemm(a, w.t(), a_scale=1.0, b_scale=torch.ones(2, 2)), epicute.EpilogueError,
-         "blockwise scale"),
+        (lambda a, w: epicute.gemm(a, w.t(), a_scale=torch.ones(33, 2), b_scale=1.0), epicute.ShapeError,
+         "so b_scale must be too"),
+        (lambda a, w: epicute.gemm(a, w.t(), a_scale=1.0, b_scale=torch.ones(2, 2)), epicute.ShapeError,
+         "so a_scale must be too"),
+        (lambda a, w: epicute.gemm(a, w.t(), a_scale=torch.ones(33, 3), b_scale=torch.ones(2, 2)), epicute.ShapeError,
+         r"shape \(33, 2\) fp32"),
+        (lambda a, w: epicute.gemm(a, w.t(), a_scale=torch.ones(33, 2), b_scale=torch.ones(2, 2).half()),
+         epicute.DtypeError, "scales are fp32"),
+        (lambda a, w: epicute.gemm(a, w.t(), a_scale=torch.ones(33, 2), b_scale=torch.ones(3, 2)), epicute.ShapeError,
+         r"so b_scale must be too.*\(2, 2\) or its transpose"),
         (lambda a, w: epicute.gemm(a.float().bfloat16(), w.t().float().bfloat16(), a_scale=1.0),
          epicute.DtypeError, "dequantize fp8 inputs"),
         (lambda a, w: epicute.gemm(a, w.t(), a_scale=1.0, b_scale=1.0, epilogue=lambda acc, b_scale: acc * b_scale,
                                    b_scale2=1.0), epicute.EpilogueError, "rename them"),
     ],
     ids=["b-not-k-major", "a-not-k-major", "fp8-with-bf16", "no-scales", "fp16-scale", "scale-shape",
-         "a-blockwise", "b-blockwise", "scales-without-fp8", "operand-named-b_scale"],
+         "a-blockwise-b-not", "b-blockwise-a-not", "blockwise-a-shape", "blockwise-fp16", "blockwise-b-shape",
+         "scales-without-fp8", "operand-named-b_scale"],
 )  # fmt: skip
 def test_bad_fp8_calls_get_typed_errors(call, error, match, monkeypatch):
     a, w = fp8(33, 256), fp8(144, 256)
@@ -139,5 +146,110 @@ def test_fp8_plans_take_128_element_k_tiles():
 def test_fp8_variants_compile(ab, b, mnk, pins, ptxas_report):
     problem = GemmProblem(*mnk, ab_dtype=ab, b_dtype=b, a_major="k", b_major="k")
     assert callable(compile_gemm(variant_of(plan_gemm(problem, "h100-sxm", **pins))))
+    spills, _ = ptxas_report()
+    assert max(spills) == 0
+
+
+# ------------------------------------------------------------------ blockwise
+def block_dequantized(a, w, sa, sw) -> torch.Tensor:
+    """float64 ``(a * sa) @ (w * sw).t()`` for a (.., M, K) with sa (.., M, KB) per 1x128 block and w
+    (.., N, K) with sw (.., NB, KB) per 128x128 block, spelled out block by block."""
+    m, k, n = a.shape[-2], a.shape[-1], w.shape[-2]
+    out = torch.zeros(*a.shape[:-2], m, n, dtype=torch.float64)
+    for kb in range(-(-k // 128)):
+        ks = slice(kb * 128, (kb + 1) * 128)
+        partial = a[..., ks].double() @ w[..., ks].double().transpose(-1, -2)
+        per_col = sw[..., kb].double().repeat_interleave(128, dim=-1)[..., :n]
+        out += partial * sa[..., kb].double()[..., :, None] * per_col[..., None, :]
+    return out
+
+
+@pytest.mark.parametrize("b_form", ["weight (NB, KB)", "torch (KB, NB)"])
+@pytest.mark.parametrize("a_form", ["torch M-major", "row-major"])
+def test_reference_applies_blockwise_scales_in_either_layout(a_form, b_form):
+    m, n, k = 37, 300, 400  # ragged blocks of N and K
+    a, w = fp8(m, k), fp8(n, k, dtype=E5M2)
+    sa = torch.rand(4, m).t() if a_form == "torch M-major" else torch.rand(m, 4)
+    sw = torch.rand(3, 4) * 4
+    got = epicute.gemm(a, w.t(), a_scale=sa + 0.1, b_scale=sw if b_form.startswith("weight") else sw.t(),
+                       backend="reference", out_dtype=torch.float32)  # fmt: skip
+    assert rel_err(got, block_dequantized(a, w, sa + 0.1, sw)) < 1e-5
+
+
+def test_square_block_grids_are_read_by_their_strides():
+    """NB == KB: a tensor whose first dimension has unit stride is w_scale.t() (torch's form)."""
+    m, n, k = 16, 256, 256
+    a, w = fp8(m, k), fp8(n, k)
+    sa, sw = torch.rand(m, 2) + 0.5, torch.tensor([[1.0, 10.0], [100.0, 1000.0]])
+    want = block_dequantized(a, w, sa, sw)
+    for b_scale in (sw, sw.t()):
+        got = epicute.gemm(a, w.t(), a_scale=sa, b_scale=b_scale, backend="reference", out_dtype=torch.float32)
+        assert rel_err(got, want) < 1e-5
+
+
+def test_blockwise_scales_compose_with_epilogues_batched():
+    l, m, n, k = 2, 33, 136, 272
+    a, w = fp8(l, m, k), fp8(l, n, k)
+    sa, sw, bias = torch.rand(l, m, 3) + 0.5, torch.rand(l, 2, 3) + 0.5, torch.randn(n)
+    got = epicute.gemm(a, w.transpose(1, 2), a_scale=sa, b_scale=sw, backend="reference", bias=bias,
+                       epilogue=lambda acc, bias: {"D": ops.relu(acc + bias), "row_sum": ops.row_sum(acc)})  # fmt: skip
+    acc = block_dequantized(a, w, sa, sw)
+    assert rel_err(got["D"], torch.relu(acc + bias.double())) < 1e-2
+    assert rel_err(got["row_sum"], acc.sum(-1)) < 1e-5
+
+
+def test_blockwise_plans_promote_in_128x128_tiles():
+    p = GemmProblem(8192, 8192, 8192, ab_dtype="fp8e4m3", a_major="k", b_major="k", block_scaled=True)
+    plan = plan_gemm(p, "h100-sxm")
+    assert (plan.config.schedule, plan.config.tile_n, plan.config.tile_k) == ("cooperative", 128, 128)
+    text = render_plan(plan)
+    assert "promoted" in text and "blockwise scales: promotion holds two k-tiles" in text
+    assert plan_gemm(p, "h100-sxm", schedule="pingpong", tile_m=64, tile_n=128).config.tile_m == 64
+    for pins in ({"tile_n": 256}, {"schedule": "pingpong", "tile_n": 128}):
+        with pytest.raises(epicute.ConfigError, match="promotion holds three accumulators"):
+            plan_gemm(p, "h100-sxm", **pins)
+    with pytest.raises(epicute.ConfigError, match="blockwise scales dequantize fp8"):
+        GemmProblem(64, 64, 64, block_scaled=True)
+
+
+def test_explain_and_aot_take_blockwise_scales():
+    a = torch.empty(4096, 7168, dtype=E4M3, device="meta")
+    w = torch.empty(2048, 7168, dtype=E4M3, device="meta")
+    plan = epicute.explain(a, w.t(), a_scale=torch.empty(56, 4096, device="meta").t(),
+                           b_scale=torch.empty(16, 56, device="meta"), file=None)  # fmt: skip
+    assert plan.problem.block_scaled and plan.config.tile_n <= 128
+    from epicute.gemm.aot import gemm_request
+    from epicute.gemm.prepare import prepare
+
+    problem = GemmProblem(4096, 2048, 7168, ab_dtype="fp8e4m3", a_major="k", b_major="k")
+    request = gemm_request(problem, None, {"a_scale": "blockwise", "b_scale": "blockwise"}, False, {}, {})
+    assert prepare(request).variant().block_scaled
+    with pytest.raises(epicute.ConfigError, match="both of them"):
+        gemm_request(problem, None, {"a_scale": "blockwise"}, False, {}, {})
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    ("mnk", "epilogue", "pins"),
+    [
+        ((8192, 8192, 8192), False, {}),
+        ((1000, 4104, 1040), True, {"persistent": False, "cluster_m": 2}),
+        ((128, 7168, 2048), False, {"tile_n": 64}),
+    ],
+)
+def test_blockwise_variants_compile_without_spills(mnk, epilogue, pins, ptxas_report):
+    from epicute.gemm.api import describe_call
+    from epicute.gemm.prepare import prepare
+
+    m, n, k = mnk
+    a = torch.empty(m, k, dtype=E4M3, device="meta")
+    w = torch.empty(n, k, dtype=E4M3, device="meta")
+    scales = (torch.empty(m, -(-k // 128), device="meta"), torch.empty(-(-n // 128), -(-k // 128), device="meta"))
+    epi = (lambda acc, bias: ops.gelu(acc + bias)) if epilogue else None
+    operands = {"bias": torch.empty(n, dtype=torch.bfloat16, device="meta")} if epilogue else {}
+    _, _, request, _ = describe_call(a, w.t(), epi, None, None, None, None, pins, operands, False, scales)
+    variant = prepare(request).variant()
+    assert variant.block_scaled and (variant.fusion is not None) == epilogue
+    assert callable(compile_gemm(variant))
     spills, _ = ptxas_report()
     assert max(spills) == 0

@@ -26,11 +26,16 @@ EPILOGUES = {
     "silu": lambda acc, bias: ops.silu(acc + bias) + 1.0,
     "where": lambda acc, bias: ops.where(acc + bias > 0.0, acc + bias, bias * 0.5),
     "aux_and_reductions": lambda acc, bias: {
-        "D": ops.gelu(acc + bias), "pre": acc + bias, "cm": ops.col_max(acc + bias),
-        "ca": ops.col_amax(acc - bias), "am": ops.amax(acc + bias), "rmax": ops.row_max(acc - bias),
+        "D": ops.gelu(acc + bias),
+        "pre": acc + bias,
+        "cm": ops.col_max(acc + bias),
+        "ca": ops.col_amax(acc - bias),
+        "am": ops.amax(acc + bias),
+        "rmax": ops.row_max(acc - bias),
     },  # fmt: skip
     "fp8_quant": lambda acc, bias: {
-        "D": ops.quantize(acc + bias, 0.5, torch.float8_e4m3fn), "amax": ops.amax(acc + bias),
+        "D": ops.quantize(acc + bias, 0.5, torch.float8_e4m3fn),
+        "amax": ops.amax(acc + bias),
     },  # fmt: skip
 }
 

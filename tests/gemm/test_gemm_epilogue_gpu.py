@@ -30,10 +30,14 @@ def rand(*shape, dtype=torch.bfloat16):
 PROGRAMS = {
     "bias_gelu": (lambda acc, bias: ops.gelu(acc + bias), {"bias": "row"}),
     "bias_gelu_tanh": (lambda acc, bias: ops.gelu(acc + bias, approximate="tanh"), {"bias": "row"}),
-    "ffn_out": (lambda acc, bias, residual, alpha: ops.gelu(alpha * acc + bias) + residual,
-                {"bias": "row", "residual": "tile", "alpha": "scalar"}),
-    "alpha_beta_c": (lambda acc, alpha, beta, C: alpha * acc + beta * C,
-                     {"alpha": "scalar", "beta": "scalar", "C": "tile"}),
+    "ffn_out": (
+        lambda acc, bias, residual, alpha: ops.gelu(alpha * acc + bias) + residual,
+        {"bias": "row", "residual": "tile", "alpha": "scalar"},
+    ),
+    "alpha_beta_c": (
+        lambda acc, alpha, beta, C: alpha * acc + beta * C,
+        {"alpha": "scalar", "beta": "scalar", "C": "tile"},
+    ),
     "residual_add": (lambda acc, residual: acc + residual, {"residual": "tile"}),
     "row_col_scale": (lambda acc, scale_m, scale_n: acc * scale_m * scale_n, {"scale_m": "col", "scale_n": "row"}),
     "swish": (lambda acc, bias: ops.silu(acc + bias), {"bias": "row"}),

@@ -45,11 +45,7 @@ def run_and_check(a, b, out_dtype, config=None):
 MS = (1, 17, 129, 1000)
 NKS = (8, 136, 1000, 4104)
 # A column-major makes M its contiguous dimension, which TMA needs 16-byte aligned.
-CASES = [
-    (m, a_t, b_t)
-    for a_t, b_t in itertools.product((False, True), repeat=2)
-    for m in (NKS if a_t else MS)
-]
+CASES = [(m, a_t, b_t) for a_t, b_t in itertools.product((False, True), repeat=2) for m in (NKS if a_t else MS)]
 
 
 @pytest.mark.parametrize("m,a_t,b_t", CASES, ids=lambda v: str(v) if not isinstance(v, bool) else "TN"[not v])
@@ -121,7 +117,6 @@ def test_zero_sizes():
 def test_large_square_matches_cublas_accuracy():
     a, b = operand(4096, 4096, torch.bfloat16, False), operand(4096, 4096, torch.bfloat16, False)
     run_and_check(a, b, torch.bfloat16)
-
 
 
 @pytest.mark.parametrize("budget", [1, 3, 7])

@@ -61,8 +61,18 @@ def test_equal_variants_have_equal_keys():
         replace(BASE, arch="sm_100a"),
         replace(BASE, fusion=_fusion(lambda acc, bias: acc + bias, {"bias": "row"})),
     ],
-    ids=["tile", "stages", "cluster", "persistence", "ab-dtype", "d-dtype", "a-major", "b-major", "arch",
-         "epilogue"],  # fmt: skip
+    ids=[
+        "tile",
+        "stages",
+        "cluster",
+        "persistence",
+        "ab-dtype",
+        "d-dtype",
+        "a-major",
+        "b-major",
+        "arch",
+        "epilogue",
+    ],  # fmt: skip
 )
 def test_each_codegen_change_changes_the_key(changed):
     assert changed.key() != BASE.key()
@@ -85,15 +95,14 @@ def test_epilogue_constants_kinds_and_dtypes_are_in_the_key_but_not_scalar_value
 
 def test_problem_sizes_are_not_in_the_key():
     """Sizes that the planner serves with one config share one compiled kernel."""
-    keys = {
-        variant_of(cached_plan(GemmProblem(m, 8192, 8192), ())).key()
-        for m in (8193, 9000, 12288, 20000)
-    }
+    keys = {variant_of(cached_plan(GemmProblem(m, 8192, 8192), ())).key() for m in (8193, 9000, 12288, 20000)}
     assert len(keys) == 1
     # Odd sizes and batch counts too, with the config pinned.
     pinned = (("cluster_m", 1), ("persistent", False), ("tile_n", 128))
-    assert variant_of(cached_plan(GemmProblem(17, 136, 72, 3), pinned)).key() == \
-        variant_of(cached_plan(GemmProblem(1000, 4104, 136, 1), pinned)).key()
+    assert (
+        variant_of(cached_plan(GemmProblem(17, 136, 72, 3), pinned)).key()
+        == variant_of(cached_plan(GemmProblem(1000, 4104, 136, 1), pinned)).key()
+    )
 
 
 def test_a_tensor_can_never_leak_into_a_key():
@@ -309,8 +318,13 @@ def test_two_processes_racing_on_one_key_compile_once(tmp_path):
     env.pop("EPICUTE_CACHE", None)
     tag = os.urandom(8).hex()
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(log), tag], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, str(script), str(log), tag],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
         for _ in range(2)
     ]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -337,7 +351,7 @@ FRESH_LOAD = textwrap.dedent(
     print("compiles", KERNEL_CACHE.stats.compiles, "disk_loads", KERNEL_CACHE.stats.disk_loads)
     t = torch.zeros(1, 8, 8, dtype=torch.bfloat16)
     try:
-        fn(t, t, t, (), (), 132)  # CPU tensors: the loaded kernel's own argument check answers
+        fn(t, t, t, (), (), (), 132)  # CPU tensors: the loaded kernel's own argument check answers
     except ValueError as exc:
         print("signature:", exc)
     """

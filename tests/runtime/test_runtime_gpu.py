@@ -132,4 +132,3 @@ def test_opcheck_with_cuda_tensors():
     torch.library.opcheck(torch.ops.epicute.gemm.default, (a, b, [bias], [0.5], register_epilogue(bias_relu), spec))
     plain = '{"config": {}, "out_dtype": "fp32", "out_dtypes": {}, "pins": {}, "scalars": [], "tensors": []}'
     torch.library.opcheck(torch.ops.epicute.gemm.default, (a, b, [], [], "", plain))
-

@@ -110,8 +110,7 @@ def f_fused(a, w, bias):
 
 
 def f_aux(a, b):
-    out = epicute.gemm(a, b, epilogue=epicute.epilogues.tensor_quant, scale=2.0,
-                       out_dtypes={"D": torch.float8_e4m3fn})
+    out = epicute.gemm(a, b, epilogue=epicute.epilogues.tensor_quant, scale=2.0, out_dtypes={"D": torch.float8_e4m3fn})
     return out["D"].float().sum() + out["amax"]
 
 
