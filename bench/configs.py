@@ -67,12 +67,15 @@ def main() -> int:
         row: Row = {"case": f"bf16 {m}x{n}x{k}"}
         for name, config in configs.items():
             if args.epilogue:
+
                 def fn(a, b, d, config=config, bias=bias, residual=residual):
                     return epicute.gemm(a, b, epilogue=ffn_out, out=d, config=config,
                                         bias=bias, residual=residual, alpha=0.5)  # fmt: skip
             else:
+
                 def fn(a, b, d, config=config):
                     return epicute.gemm(a, b, out=d, config=config)
+
             try:
                 if not args.epilogue:
                     a0, b0, _ = sets[0]
@@ -89,9 +92,7 @@ def main() -> int:
             row["cublas"] = round(2 * m * n * k / cublas_ms / 1e9, 1)
         best = max((v, key) for key, v in row.items() if isinstance(v, float))
         print(
-            f"{row['case']}: "
-            + "  ".join(f"{key} {v}" for key, v in row.items() if key != "case")
-            + f"  -> {best[1]}"
+            f"{row['case']}: " + "  ".join(f"{key} {v}" for key, v in row.items() if key != "case") + f"  -> {best[1]}"
         )
         rows.append(row)
         del sets

@@ -116,16 +116,24 @@ def _variants(only: str | None):
             return cap * attention_tests.ops.tanh(s / cap)
 
         score, _ = attention_tests.fusions(softcap, cap=30.0)
-        out.append(("attention d128 softcap", lambda: compile_attention(
-            AttentionVariant(default_config(128, True), "bf16", True, score_mod=score))))
+        out.append(
+            (
+                "attention d128 softcap",
+                lambda: compile_attention(AttentionVariant(default_config(128, True), "bf16", True, score_mod=score)),
+            )
+        )
 
         def gated(o, gate, bias, alpha):
             return alpha * o * attention_tests.ops.sigmoid(gate) + bias
 
         _, epi = attention_tests.fusions(epilogue=gated, gate=torch.randn(2, 100, 8, 128), bias=torch.randn(128),
                                          alpha=2.0)  # fmt: skip
-        out.append(("attention d128 epilogue", lambda: compile_attention(
-            AttentionVariant(default_config(128, False), "bf16", False, epilogue=epi))))
+        out.append(
+            (
+                "attention d128 epilogue",
+                lambda: compile_attention(AttentionVariant(default_config(128, False), "bf16", False, epilogue=epi)),
+            )
+        )
     return out
 
 

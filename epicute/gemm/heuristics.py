@@ -398,8 +398,8 @@ def choose_config(
         raise ConfigError(
             f"tile {cfg.tile_m}x{cfg.tile_n} ({cfg.schedule}) with blockwise scales: promotion holds three "
             f"accumulators (the sum and two k-tiles' partials), 3 x {cfg.acc_regs} registers per thread (at most "
-            f"{MAX_ACC_REGS}), and a tile spans at most one 128-wide scale block of N; use tile_n 128 or 64, cooperative, or ping-pong "
-            "with tile_m 64"
+            f"{MAX_ACC_REGS}), and a tile spans at most one 128-wide scale block of N; use tile_n 128 or 64, "
+            "cooperative, or ping-pong with tile_m 64"
         )
     if cfg.tile_k != problem.tile_k:
         raise ConfigError(
