@@ -1,12 +1,16 @@
 """fp8 GEMM throughput: epicute.gemm with fp8 inputs vs cuBLAS (torch._scaled_mm), in TFLOPS.
 
-Usage: python bench/fp8.py [--shapes 8192x8192x8192,...] [--recipes tensorwise,rowwise,blockwise] [--out PATH]
+Usage: python bench/fp8.py [--shapes 8192x8192x8192,...] [--recipes tensorwise,rowwise,blockwise,blockwise_quantize]
+       [--out PATH]
 Recipes (``case`` names them): tensorwise (fp32 scalar tensors on the GPU), rowwise (A per row,
 B per column) and blockwise (A per 1x128, B per 128x128 block of K), e4m3 inputs, bf16 output,
 A row-major (M, K) and B as ``w.t()`` of a row-major (N, K) weight, as ``../shared/bench/PEERS.md``
 calls ``torch._scaled_mm``. Peers, named by recipe: ``cublas_<recipe>`` (its default: the fp8
 partial sums promoted to fp32 along K) and ``cublas_<recipe>_fast`` (``use_fast_accum=True``: no
-promotion, as epicute's tensorwise and rowwise kernels); blockwise promotes in both. Every
+promotion, as epicute's tensorwise and rowwise kernels); blockwise promotes in both.
+``blockwise_quantize`` rows time epicute's blockwise GEMM with the fused quantize-for-next-GEMM
+epilogue (SiLU, then ``ops.quantize_groups``: fp8 D and UE8M0 scales) against the same GEMM with a
+bf16 D (``epicute_plain``). Every
 contender's first call is checked against a float32 reference of the dequantized math and not
 timed; then all are timed as ``triton.testing.do_bench`` times them (L2 flushed before each call,
 calls back to back: fp8 GEMMs run at the H100's power cap, see
@@ -63,15 +67,46 @@ def contenders(recipe: str) -> dict:
 
         return run
 
-    found = {"epicute": lambda a, b, sa, sb, out=None: epicute.gemm(a, b, a_scale=sa, b_scale=sb, out=out),
-             f"cublas_{recipe}": cublas(False)}  # fmt: skip
+    def plain(a, b, sa, sb, out=None):
+        return epicute.gemm(a, b, a_scale=sa, b_scale=sb, out=out)
+
+    if recipe == "blockwise_quantize":  # the fused quantize-for-next-GEMM epilogue against the plain GEMM
+        return {
+            "epicute": lambda a, b, sa, sb, out=None: epicute.gemm(a, b, a_scale=sa, b_scale=sb,
+                                                                   epilogue=silu_then_quantize),
+            "epicute_plain": plain,
+        }  # fmt: skip
+    found = {"epicute": plain, f"cublas_{recipe}": cublas(False)}
     if recipe != "blockwise":  # cuBLAS's blockwise recipe always promotes
         found[f"cublas_{recipe}_fast"] = cublas(True)
     return found
 
 
+def silu_then_quantize(acc):
+    """The quantize-for-next-GEMM epilogue: SiLU, then fp8 e4m3 per row and group of 128 columns, UE8M0 scales."""
+    from epicute import ops
+
+    q, scales = ops.quantize_groups(ops.silu(acc), ue8m0=True)
+    return {"D": q, "scales": scales}
+
+
+def checked_value(result, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what a contender returned, what it should be) as float32: a quantized output dequantized, against the
+    reference's own quantization of SiLU of the product (an fp8 rounding may flip, never more)."""
+    if not isinstance(result, dict):
+        return result.float(), ref
+    from epicute.epilogue.group_quant import group_quantize
+
+    q, scales = group_quantize(torch.nn.functional.silu(ref)[None], "fp8e4m3", ue8m0=True)
+
+    def dequantized(values, s):
+        return values.float() * s.repeat_interleave(128, dim=-1)[..., : values.shape[-1]]
+
+    return dequantized(result["D"], result["scales"]), dequantized(q[0], scales[0])
+
+
 def reference(a, b, sa, sb, recipe: str) -> torch.Tensor:
-    if recipe == "blockwise":
+    if recipe.startswith("blockwise"):
         a_deq = a.float() * sa.repeat_interleave(128, dim=1)[:, : a.shape[1]]
         b_deq = b.float() * sb.repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)[: b.shape[0], : b.shape[1]]
         return a_deq @ b_deq
@@ -97,7 +132,8 @@ def run_case(shape, recipe: str) -> tuple[Row, bool]:
             print(f"  {name:12s} FAILED, not recorded: {type(exc).__name__}: {exc}")
             ok = ok and name != "epicute"
             continue
-        err = ((result.float() - ref).norm() / ref.norm()).item()
+        got, want = checked_value(result, ref)
+        err = ((got - want).norm() / want.norm()).item()
         flag = "" if err <= TOLERANCE else f"   <<<<<<<< WRONG: rel err > {TOLERANCE:g} >>>>>>>>"
         print(f"  {name:12s} rel err {err:.2e}{flag}")
         ok = ok and (name != "epicute" or err <= TOLERANCE)
@@ -110,7 +146,7 @@ def run_case(shape, recipe: str) -> tuple[Row, bool]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=parse_shapes, help="comma-separated MxNxK list (default: the issue's set)")
-    parser.add_argument("--recipes", default="tensorwise,rowwise,blockwise")
+    parser.add_argument("--recipes", default="tensorwise,rowwise,blockwise,blockwise_quantize")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON path")
     args = parser.parse_args()
     if not torch.cuda.is_available():

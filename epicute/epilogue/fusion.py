@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from epicute.epilogue import optable
 from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, Graph
+from epicute.epilogue.group_quant import GROUP_N
 from epicute.epilogue.hashing import semantic_hash
 from epicute.epilogue.schedule import GEMM_SM90, ChainStyle, EpilogueBuffers, EpilogueSchedule, needed_nodes, schedule
 from epicute.errors import EpilogueError
@@ -65,6 +66,21 @@ class Reduction:
 
 
 @dataclass(frozen=True)
+class GroupQuant:
+    """D quantized per row and group of ``GROUP_N`` columns (:mod:`epicute.epilogue.group_quant`): the scales'
+    output name, the fp8 dtype, UE8M0 rounding, and the node of the values quantized."""
+
+    scales: str
+    dtype: str
+    ue8m0: bool
+    arg: int
+
+    def scales_shape(self, l: int, m: int, n: int) -> tuple[int, int, int]:
+        """The kernel's scales tensor, ``(L, groups, M)``: M-major, returned as its ``(L, M, groups)`` transpose."""
+        return (l, -(-n // GROUP_N), m)
+
+
+@dataclass(frozen=True)
 class EpilogueFusion:
     graph: Graph
     #: (name, kind, dtype) of each operand, in parameter order
@@ -94,6 +110,25 @@ class EpilogueFusion:
         for name, kind, dtype in self.operands:
             if kind != "scalar" and dtype not in KERNEL_DTYPES:
                 raise EpilogueError(f"operand {name!r} has dtype {dtype}; the kernel loads {sorted(KERNEL_DTYPES)}")
+        self._check_group_quant()
+
+    def _check_group_quant(self) -> None:
+        outputs = {name: self.graph.node(i) for name, i in self.graph.outputs}
+        quantized = [name for name, node in outputs.items() if node.op == "group_quant"]
+        if not quantized:
+            return
+        if self.style != GEMM_SM90:
+            raise EpilogueError(
+                f"quantize_groups: the {self.style.name} kernel has no quantizing epilogue; the GEMM has"
+            )
+        if quantized != ["D"]:
+            raise EpilogueError(f"quantize_groups: its tile is output {quantized[0]!r}; return it as D")
+        aux = [name for name in self.sched.tile_outputs if name != "D"]
+        if aux:
+            raise EpilogueError(
+                f"quantize_groups stores D in a second pass over the tile; aux tile outputs {aux} are not supported "
+                "beside it (reductions are)"
+            )
 
     # ------------------------------------------------------------ host side
     # Cached: the fusion is immutable, and the launch path reads these on every call.
@@ -158,7 +193,17 @@ class EpilogueFusion:
             + tuple(("col", n, self._dtype(n)) for n in self.col_inputs)
             + tuple(("aux", n, outs[n]) for n in self.aux_outputs)
             + tuple(("workspace", r.name, "fp32") for r in self.reductions)
+            + ((("group_scales", self.group_quant.scales, "fp32"),) if self.group_quant else ())
         )
+
+    @functools.cached_property
+    def group_quant(self) -> GroupQuant | None:
+        """D quantized by ``ops.quantize_groups``, or None."""
+        d = self.graph.output_node("D")
+        if d.op != "group_quant":
+            return None
+        scales = next(name for name, i in self.graph.outputs if self.graph.node(i).op == "group_scales")
+        return GroupQuant(scales, d.attr("dtype"), d.attr("ue8m0"), d.args[0])
 
     def buffers(self) -> EpilogueBuffers:
         """Shared memory this epilogue needs (the planner's and the kernel's single source)."""

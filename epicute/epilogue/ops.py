@@ -77,6 +77,28 @@ def quantize(x: Arg, scale: Arg, dtype: torch.dtype = torch.float8_e4m3fn) -> Va
     return optable.call("quantize", x, scale, dtype=name)
 
 
+def quantize_groups(x: Value, dtype: torch.dtype = torch.float8_e4m3fn, *, ue8m0: bool = False) -> tuple[Value, Value]:
+    """Quantize a tile for the next fp8 GEMM: per row and group of 128 columns, ``scale = max(amax, 1e-4) /
+    fp8_max`` (rounded up to a power of two with ``ue8m0=True``, DeepSeek-V3's scale format), values stored as
+    ``x / scale`` in ``dtype``, saturating.
+
+    Returns ``(q, scales)``: return ``q`` as ``"D"`` and ``scales`` as any other output; the scales come out
+    ``(M, ceil(N/128))`` fp32, M-major, the blockwise ``a_scale`` of the next ``epicute.gemm`` (or
+    ``torch._scaled_mm``). The quantized value ends the epilogue: nothing else may use it.
+
+    Example:
+        >>> def swiglu_quantize(acc, up):                        # doctest: +SKIP
+        ...     q, scales = ops.quantize_groups(ops.silu(acc) * up, ue8m0=True)
+        ...     return {"D": q, "scales": scales}
+    """
+    name = ir_dtype(dtype, "quantize_groups")
+    if name not in FP8_MAX:
+        raise EpilogueError(f"quantize_groups: dtype {dtype} is not an fp8 dtype; use torch.float8_e4m3fn or "
+                            "torch.float8_e5m2")  # fmt: skip
+    q = record("group_quant", (x,), (("dtype", name), ("ue8m0", bool(ue8m0))))
+    return q, record("group_scales", (q,))
+
+
 # ----------------------------------------------------------------- reductions
 def row_sum(x: Value) -> Value:
     """Sum over N of a tile: one value per row m (an output of shape ``(M,)``/``(L, M)``)."""

@@ -21,6 +21,7 @@ import torch
 
 from epicute.epilogue import optable
 from epicute.epilogue.graph import REDUCTIONS, Node
+from epicute.epilogue.group_quant import GROUP_OPS
 from epicute.errors import EpilogueError
 
 _ACTIVE: ContextVar[Recorder | None] = ContextVar("epicute_epilogue_recorder", default=None)
@@ -93,20 +94,29 @@ def record(op: str, operands: Sequence[Any], attrs: tuple[tuple[str, Any], ...] 
             "not outside one (to run an epilogue on tensors, use epicute.epilogue.reference_gemm or evaluate)"
         )
     args = [rec.nodes[rec.lift(x, op)] for x in operands]
+    if op == "group_scales":  # the scales of a group_quant: one per row and group of columns
+        return rec.add(op, tuple(a.id for a in args), "group", "fp32")
     for a in args:
+        if a.op in GROUP_OPS:
+            raise EpilogueError(
+                f"{op}: an argument is the result of quantize_groups, which ends the epilogue (the kernel computes "
+                "it after every other value of the tile); return it as D instead"
+            )
         if a.op in REDUCTIONS:
             raise EpilogueError(
                 f"{op}: an argument is the result of {a.op}, a reduction over the whole problem (across "
                 "thread blocks) that is complete only when the kernel ends; return it as an output instead"
             )
     ids = tuple(a.id for a in args)
-    if op in REDUCTIONS:
+    if op in REDUCTIONS or op == "group_quant":
         (x,) = args
         if x.kind != "tile":
             raise EpilogueError(
                 f"{op}: reduces a tile value (one per (m, n), e.g. a function of acc), but its argument "
                 f"is a {x.kind} value"
             )
+        if op == "group_quant":
+            return rec.add(op, ids, "tile", dict(attrs)["dtype"], tuple(sorted(attrs)))
         return rec.add(op, ids, REDUCTIONS[op][0], "fp32")
     dtype = dict(attrs)["dtype"] if optable.get(op).rounds else "fp32"
     return rec.add(op, ids, join_kinds([a.kind for a in args]), dtype, tuple(sorted(attrs)))

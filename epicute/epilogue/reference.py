@@ -21,6 +21,7 @@ import torch
 from epicute.epilogue import optable
 from epicute.epilogue.dtypes import ir_dtype, round_to
 from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, Graph, Node
+from epicute.epilogue.group_quant import group_quantize
 from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.tracer import Epilogue, as_epilogue
 from epicute.errors import EpilogueError, ShapeError
@@ -92,8 +93,15 @@ def evaluate(
     lmn = (acc.shape[0], acc.shape[1], acc.shape[2])
     device = acc.device
     values: list[Tensor] = []
+    group_scales: dict[int, Tensor] = {}  # group_quant node -> its scales
     for node in graph.nodes:
-        if node.op == "acc":
+        if node.op == "group_quant":
+            q, group_scales[node.id] = group_quantize(values[node.args[0]].expand(*lmn), node.attr("dtype"),
+                                                      node.attr("ue8m0"))  # fmt: skip
+            values.append(q)
+        elif node.op == "group_scales":
+            values.append(group_scales[node.args[0]])
+        elif node.op == "acc":
             values.append(acc.to(compute_dtype))
         elif node.op == "input":
             name = node.attr("name")
@@ -114,7 +122,7 @@ def evaluate(
     results: dict[str, Tensor] = {}
     for name, node_id in graph.outputs:
         value = values[node_id]
-        if graph.node(node_id).op in REDUCTIONS:
+        if graph.node(node_id).op in (*REDUCTIONS, "group_scales"):
             results[name] = value.to(torch.float32)
         else:
             results[name] = round_to(value.expand(*lmn), stored[name])

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from epicute.epilogue import optable
 from epicute.epilogue.dtypes import FP8_MAX
 from epicute.epilogue.graph import LEAVES, REDUCTIONS, Graph, Node
+from epicute.epilogue.group_quant import GROUP_N, GROUP_OPS
 from epicute.epilogue.operands import OperandSpec
 from epicute.errors import EpilogueError
 
@@ -51,6 +52,9 @@ STAGE_KINDS = {
     "fence_barrier": ("subtile", "fence.proxy.async.shared::cta, then named barrier over the epilogue's threads"),
     "tma_store": ("subtile", "one thread issues TMA stores smem -> global as one bulk group"),
     "advance": ("subtile", "next subtile: accumulator slice and staging buffers"),
+    "group_amax": ("subtile", "quantize_groups, first pass: fold |x| into per-row, per-128-column partials; keep x"),
+    "group_scales": ("tile", "quantize_groups: the groups' amax across lanes, their scales stored, reciprocals kept"),
+    "group_quantize": ("subtile", "quantize_groups, second pass: the kept x times its group's reciprocal scale"),
     "finalize_reductions": ("tile", "partials across lanes, then per-tile partials to an fp32 workspace"),
 }
 
@@ -64,7 +68,7 @@ _REDUCED_SHAPE = {"col": "(L, M)", "row": "(L, N)", "scalar": "scalar"}
 OP_INSTRUCTIONS = optable.view(lambda op: op.instructions, "instructions per element")
 #: Per element and per operand or output: a tile operand's smem load and conversion, a
 #: vector's smem read, a stored output's conversion and staging, a reduction's fold.
-IO_INSTRUCTIONS = {"tile_input": 2, "vector": 1, "tile_output": 2, "reduction": 4}
+IO_INSTRUCTIONS = {"tile_input": 2, "vector": 1, "tile_output": 2, "reduction": 4, "group_quant": 5}
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,9 @@ class EpilogueBuffers:
     #: estimated SASS instructions per output element: sizes the unrolled epilogue's code
     #: (``heuristics.EPILOGUE_CODE_BUDGET``) and its arithmetic time (``roofline``)
     instructions_per_element: int = 0
+    #: D is quantized per row and group of this many columns (``ops.quantize_groups``; 0: not): a
+    #: tile must hold whole groups
+    group_n: int = 0
 
     @property
     def loads_tiles(self) -> bool:
@@ -166,7 +173,13 @@ class EpilogueSchedule:
             vectors=tuple(k for k in kinds if k == "row") + tuple(k for k in kinds if k == "col"),
             chain=tuple(str(stage) for stage in self.stages),
             instructions_per_element=self.instructions_per_element(),
+            group_n=GROUP_N if self.quantizes_groups else 0,
         )
+
+    @property
+    def quantizes_groups(self) -> bool:
+        """D is ``ops.quantize_groups``' tile: the epilogue runs two passes over the subtiles."""
+        return any(stage.kind == "group_scales" for stage in self.stages)
 
     def instructions_per_element(self) -> int:
         """Estimated SASS instructions per output element (:data:`OP_INSTRUCTIONS`)."""
@@ -178,6 +191,7 @@ class EpilogueSchedule:
             + io["vector"] * len(self.vector_operands)
             + io["tile_output"] * len(self.tile_outputs)
             + io["reduction"] * len(self.reductions)
+            + io["group_quant"] * self.quantizes_groups
         )
 
     def __str__(self) -> str:
@@ -219,9 +233,14 @@ def schedule(
     vectors = [(name, node) for kind in ("row", "col") for name, node in used if node.kind == kind]
     tiles = [(name, node) for name, node in used if node.kind == "tile"]
     stored = dict(graph.output_dtypes)
-    tile_outputs = [(name, graph.node(i)) for name, i in graph.outputs if graph.node(i).op not in REDUCTIONS]
+    tile_outputs = [
+        (name, graph.node(i)) for name, i in graph.outputs if graph.node(i).op not in (*REDUCTIONS, "group_scales")
+    ]
     reductions = [(name, graph.node(i)) for name, i in graph.outputs if graph.node(i).op in REDUCTIONS]
-    compute = [node for node in graph.nodes if node.id in needed and node.op not in LEAVES + tuple(REDUCTIONS)]
+    compute = [
+        node for node in graph.nodes if node.id in needed and node.op not in LEAVES + tuple(REDUCTIONS) + GROUP_OPS
+    ]
+    quantized = next(((name, node) for name, node in tile_outputs if node.op == "group_quant"), None)
 
     def ids(pairs) -> tuple[int, ...]:
         return tuple(node.id for _, node in pairs)
@@ -255,6 +274,23 @@ def schedule(
         combine = REDUCTIONS[node.op][1]
         stages.append(Stage("reduce", f"{name} = {node.op}(%{node.args[0]}): fold this subtile into per-thread "
                             f"{combine} partials, out-of-bounds elements excluded", (node.id,), (name,)))  # fmt: skip
+    if quantized is not None:
+        # Two passes over the tile: a group's scale needs all its columns, which span several subtiles.
+        name, node = quantized
+        scales = next((out for out, i in graph.outputs if graph.node(i).op == "group_scales"), None)
+        if scales is None:
+            raise EpilogueError("quantize_groups: return its scales too (q, scales = ...; {'D': q, 'scales': scales})")
+        group = f"per row and group of {GROUP_N} columns"
+        stages.append(Stage("group_amax", f"{name} = quantize_groups(%{node.args[0]}): fold |x| {group} into "
+                            "per-thread partials (out-of-bounds elements excluded), keep x in the accumulator "
+                            "registers",
+                            (node.id,), (name,)))  # fmt: skip
+        how = "max(amax, 1e-4) / fp8 max" + (", rounded up to a power of two (UE8M0)" if node.attr("ue8m0") else "")
+        stages.append(Stage("group_scales", f"{scales}: butterfly-shuffle the partials across the 4 lanes of a "
+                            f"row, scale = {how}, stored (M, N/{GROUP_N}) M-major; keep 1 / scale", (node.id,),
+                            (scales,)))  # fmt: skip
+        stages.append(Stage("group_quantize", f"{name}: second pass over the subtiles, kept x times 1 / scale",
+                            (node.id,), (name,)))  # fmt: skip
     for name, node in tile_outputs:
         dtype = stored[name]
         stages.append(Stage("cast", f"{name}: fp32 -> {dtype} ({_how_rounded(dtype)})", ids([(name, node)]), (name,)))

@@ -158,7 +158,7 @@ class Epilogue:
                     f"epilogue {self.name!r}: D is a {node.kind} value; it must be a tile (one per (m, n)): "
                     "a function of acc or of a tile operand"
                 )
-            if node.kind != "tile" and node.op not in REDUCTIONS:
+            if node.kind != "tile" and node.op not in REDUCTIONS and node.op != "group_scales":
                 raise EpilogueError(
                     f"epilogue {self.name!r}: output {name!r} is a {node.kind} value; an aux output is either "
                     "a tile (stored like D) or the result of a reduction (row_sum, col_amax, amax, ...)"
@@ -178,10 +178,16 @@ class Epilogue:
         requested_d = explicit.get("D", ir_dtype(d_dtype, "D's dtype"))
         stored: dict[str, str] = {}
         for name, node in outputs.items():
-            if node.op in REDUCTIONS:
+            if node.op in REDUCTIONS or node.op == "group_scales":
                 if explicit.get(name, "fp32") != "fp32":
                     raise EpilogueError(f"out_dtypes[{name!r}]: {name} is a reduction, which is always stored fp32")
                 stored[name] = "fp32"
+            elif node.op == "group_quant":
+                if explicit.get(name, node.dtype) != node.dtype:
+                    raise EpilogueError(
+                        f"out_dtypes[{name!r}]: {name} is quantize_groups' {node.dtype} tile; pick the dtype there"
+                    )
+                stored[name] = node.dtype
             elif name in explicit:
                 stored[name] = explicit[name]
             else:

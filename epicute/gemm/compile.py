@@ -86,7 +86,7 @@ def _fake_epilogue_operands(fusion) -> tuple[tuple, tuple]:
         if role in ("tile", "aux"):
             tensors.append(_fake_operand(dsl, tuple(cute.sym_int() for _ in range(3)), contiguous=2))
         else:
-            rank = 3 if role == "workspace" else 2
+            rank = 3 if role in ("workspace", "group_scales") else 2
             tensors.append(cute.runtime.make_fake_tensor(
                 dsl, tuple(cute.sym_int() for _ in range(rank)),
                 stride=tuple(cute.sym_int64() for _ in range(rank)), assumed_align=max(dsl.width // 8, 1),

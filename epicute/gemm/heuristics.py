@@ -312,6 +312,15 @@ def choose_config(
             if (fitted_schedule, fitted_n) != (schedule, tile_n):
                 schedule, tile_n = fitted_schedule, fitted_n
                 schedule_why = tile_why = "the epilogue's code (below)"
+    group_n = epilogue.group_n
+    if group_n and tile_n % group_n and "tile_n" not in overrides:
+        tile_n, tile_why = (
+            group_n,
+            (
+                f"quantize_groups: a tile holds whole groups of {group_n} columns (a group's scale is the tile's to "
+                f"compute), so 128x{group_n} instead of 128x{tile_n}"
+            ),
+        )
     reasons = [f"schedule {schedule}: {schedule_why}", f"tile {tile_m}x{tile_n}x{problem.tile_k}: {tile_why}"]
     if code_why:
         reasons.append(code_why)
@@ -400,6 +409,11 @@ def choose_config(
             f"accumulators (the sum and two k-tiles' partials), 3 x {cfg.acc_regs} registers per thread (at most "
             f"{MAX_ACC_REGS}), and a tile spans at most one 128-wide scale block of N; use tile_n 128 or 64, "
             "cooperative, or ping-pong with tile_m 64"
+        )
+    if group_n and cfg.tile_n % group_n:
+        raise ConfigError(
+            f"tile_n={cfg.tile_n} with quantize_groups: a tile must hold whole groups of {group_n} columns; "
+            f"use tile_n 128 or 256"
         )
     if cfg.tile_k != problem.tile_k:
         raise ConfigError(

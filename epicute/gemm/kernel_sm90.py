@@ -53,7 +53,7 @@ from epicute.errors import ConfigError
 from epicute.gemm.config import GemmConfig
 from epicute.gemm.smem import NO_EPILOGUE, gemm_smem_layout
 from epicute.sm90 import epilogue_emit as emit
-from epicute.sm90.epilogue_chain import EpilogueRun, StagedOutput, run_chain
+from epicute.sm90.epilogue_chain import EpilogueRun, StagedOutput, chain_passes, run_chain
 from epicute.sm90.epilogue_emit import DSL_DTYPES
 from epicute.sm90.fragments import warpgroup_slice
 from epicute.sm90.pipeline import (
@@ -229,7 +229,7 @@ class GemmSm90:
                     epi_stores += (cute.nvgpu.cpasync.make_tiled_tma_atom(
                         cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), _rotate(t, [1, 2, 0]),
                         cute.slice_(layout, (None, None, 0)), cfg.epi_tile),)  # fmt: skip
-                elif cutlass.const_expr(role == "workspace"):
+                elif cutlass.const_expr(role in ("workspace", "group_scales")):  # the scales last
                     epi_workspaces += (t,)
                 else:
                     epi_vectors += (t,)
@@ -763,9 +763,15 @@ class GemmSm90:
         (:class:`TmaStoreEpilogue`: the ``EPILOGUE`` named barrier and the store warp's bulk groups
         guard them)."""
         run_chain("begin", run)
+        first, second = chain_passes(self.chain)
         for epi_idx in cutlass.range_constexpr(self.cfg.num_epi_subtiles):
             run.subtile = epi_idx
-            run_chain("subtile", run)
+            run_chain("subtile", run, first)
+        if cutlass.const_expr(second):  # D quantized per group of columns: its scales, then a second pass
+            run_chain("pass_end", run, first)
+            for epi_idx in cutlass.range_constexpr(self.cfg.num_epi_subtiles):
+                run.subtile = epi_idx
+                run_chain("subtile", run, second)
         run_chain("end", run)
 
 
@@ -906,3 +912,14 @@ class GemmEpilogueRun(EpilogueRun):
 
     def advance(self) -> None:
         self.staging.advance()
+
+    def park(self) -> None:
+        # This subtile's accumulators are spent: their registers keep the values.
+        values = self.outputs["D"].values
+        for v in range(self.subtile_size):
+            self.copies.tRS_rAcc[self.base + v] = values[v]
+
+    def unpark(self) -> None:
+        values = self.outputs["D"].values
+        for v in range(self.subtile_size):
+            values[v] = self.copies.tRS_rAcc[self.base + v]

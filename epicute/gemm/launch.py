@@ -91,12 +91,16 @@ def launch_gemm(
         out3 = torch.empty((p.l, p.m, p.n), dtype=call.out_dtype, device=call.a.device)
     aux = aux or {}
     workspaces = {}
+    group_scales = None
     if fusion is not None:
         workspaces = {
             r.name: torch.empty(r.workspace_shape(p.l, p.m, p.n, plan.config.tile_n), dtype=torch.float32,
                                 device=call.a.device)
             for r in fusion.reductions
         }  # fmt: skip
+        if fusion.group_quant is not None:  # (L, groups, M): M-major scales, handed out as (L, M, groups)
+            group_scales = torch.empty(fusion.group_quant.scales_shape(p.l, p.m, p.n), dtype=torch.float32,
+                                       device=call.a.device)  # fmt: skip
     if p.m and p.n:
         if p.k == 0 and fusion is None:
             out3.zero_()
@@ -104,6 +108,7 @@ def launch_gemm(
             a, b = (call.a, call.b) if p.k else _zero_k_operands(call)
             kernel = kernel_for(plan, fusion)
             epi_tensors = epi_inputs + tuple(aux.values()) + tuple(workspaces.values())
+            epi_tensors += () if group_scales is None else (group_scales,)
             kernel(a, b, out3, epi_tensors, epi_scalars, _block_scales(call), plan.max_active_clusters)
     d = out3 if call.batched else out3[0]  # out3 is the caller's out (viewed 3-D) when given
     if fusion is None or set(fusion.output_dtypes) == {"D"}:
@@ -114,4 +119,7 @@ def launch_gemm(
     for r in fusion.reductions:
         value = r.finalize(workspaces[r.name])
         results[r.name] = value if call.batched or r.axis == "all" else value[0]
+    if group_scales is not None:
+        scales = group_scales.transpose(1, 2)
+        results[fusion.group_quant.scales] = scales if call.batched else scales[0]
     return results

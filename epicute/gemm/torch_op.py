@@ -17,6 +17,7 @@ import torch
 
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
 from epicute.epilogue.graph import REDUCTIONS
+from epicute.epilogue.group_quant import GROUP_N
 from epicute.epilogue.operands import PINS
 from epicute.epilogue.scales import SCALE_NAMES, fp8_scaling
 from epicute.errors import ConfigError, EpilogueError
@@ -103,6 +104,9 @@ def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
         op = graph.node(node_id).op
         if op in REDUCTIONS:
             outputs.append(a.new_empty(shapes[REDUCTIONS[op][0]], dtype=torch.float32))
+        elif op == "group_scales":  # M-major (L, M, groups), as the kernel returns them
+            groups = -(-n // GROUP_N)
+            outputs.append(a.new_empty((*l_dims, groups, m), dtype=torch.float32).transpose(-1, -2))
         else:
             outputs.append(a.new_empty((*l_dims, m, n), dtype=IR_TO_TORCH[stored[name]]))
     return outputs

@@ -22,6 +22,8 @@ from __future__ import annotations
 import cutlass
 from cutlass import Float32, cute
 
+from epicute.epilogue.dtypes import FP8_MAX
+from epicute.epilogue.group_quant import AMAX_FLOOR, GROUP_N
 from epicute.sm90 import epilogue_emit as emit
 
 
@@ -75,6 +77,9 @@ class EpilogueRun:
 
     def __init__(self):
         self.col_partials: dict = {}
+        #: quantize_groups: (static m, group) -> [|x| partial, tile-local m, tile-local n]; then 1 / scale
+        self.group_partials: dict = {}
+        self.group_reciprocals: dict = {}
         self._tile_epi = None
 
     @property
@@ -106,6 +111,14 @@ class EpilogueRun:
     def advance(self) -> None:
         """Step to the next subtile's staging buffers."""
 
+    def park(self) -> None:
+        """quantize_groups' first pass: keep this subtile's ``outputs["D"].values`` for the second."""
+        raise NotImplementedError
+
+    def unpark(self) -> None:
+        """quantize_groups' second pass: ``outputs["D"].values`` are this subtile's kept values again."""
+        raise NotImplementedError
+
 
 class StageEmitter:
     """A stage kind's code, at the chain's four points (each a no-op unless overridden), and per
@@ -122,6 +135,9 @@ class StageEmitter:
 
     def end(self, run: EpilogueRun, stage) -> None: ...
 
+    def pass_end(self, run: EpilogueRun, stage) -> None:
+        """Between the two passes over the subtiles of a chain that has two (``group_scales`` splits it)."""
+
 
 #: stage kind -> its emitter (every kind of :data:`epicute.epilogue.schedule.STAGE_KINDS`).
 EMITTERS: dict[str, StageEmitter] = {}
@@ -135,10 +151,18 @@ def _emitter(kind: str):
     return register
 
 
-def run_chain(point: str, run: EpilogueRun) -> None:
-    """Emit every stage's code for ``point`` ("prologue", "begin", "subtile", "end"), in chain order."""
-    for stage in run.stages:
+def run_chain(point: str, run: EpilogueRun, stages=None) -> None:
+    """Emit every stage's code for ``point`` ("prologue", "begin", "subtile", "pass_end", "end"), in chain
+    order; ``stages``: one pass's (see :func:`chain_passes`), else the whole chain."""
+    for stage in run.stages if stages is None else stages:
         getattr(EMITTERS[stage.kind], point)(run, stage)
+
+
+def chain_passes(stages: tuple) -> tuple[tuple, tuple]:
+    """The chain's passes over a tile's subtiles: all of it, or (when D is quantized per group of columns,
+    whose scale needs every column first) the stages up to ``group_scales`` and those after it."""
+    split = next((i + 1 for i, stage in enumerate(stages) if stage.kind == "group_scales"), len(stages))
+    return stages[:split], stages[split:]
 
 
 @_emitter("load_vectors")
@@ -269,6 +293,53 @@ class Advance(StageEmitter):
         run.advance()
 
 
+@_emitter("group_amax")
+class GroupAmax(StageEmitter):
+    """quantize_groups' first pass: fold each value's magnitude into its (row, group) partial (lanes outside
+    the problem contribute nothing), then keep the subtile's values for the second pass."""
+
+    def element(self, run, stage, at, values) -> None:
+        _, m0, n0, m, n = at
+        valid = (run.origin[0] + m < run.extent[0]) & (run.origin[1] + n < run.extent[1])
+        # Thread 0's static n and this thread's lie in one group: groups and 8-column atoms align.
+        slot = run.group_partials.setdefault((m0, n0 // GROUP_N), [emit.identity("amax"), m, n])
+        slot[0] = emit.fold_element("amax", slot[0], values[run.fusion.group_quant.arg], valid)
+
+    def subtile(self, run, stage) -> None:
+        run.park()
+
+
+@_emitter("group_scales")
+class GroupScales(StageEmitter):
+    """Each (row, group)'s amax across the 4 lanes that share the row, its scale (stored by lane 0 of the
+    quad into the M-major scales tensor, the last of ``run.workspaces``) and its reciprocal."""
+
+    def pass_end(self, run, stage) -> None:
+        gq = run.fusion.group_quant
+        scales = run.workspaces[-1]
+        for key, (partial, m_local, n_local) in run.group_partials.items():
+            amax = emit.butterfly("amax", partial, (1, 2))
+            scale = cutlass.max(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX[gq.dtype])
+            if cutlass.const_expr(gq.ue8m0):
+                scale = emit.ceil_pow2(scale)
+            row, group = run.origin[0] + m_local, (run.origin[1] + n_local) // GROUP_N
+            in_bounds = (row < run.extent[0]) & (group * GROUP_N < run.extent[1])
+            emit.store_if((run.lane % 4 == 0) & in_bounds, scales, (run.batch, group, row), scale)
+            run.group_reciprocals[key] = Float32(1.0) / scale
+
+
+@_emitter("group_quantize")
+class GroupQuantize(StageEmitter):
+    """quantize_groups' second pass: the kept values times their group's reciprocal scale (cast rounds them)."""
+
+    def subtile(self, run, stage) -> None:
+        run.unpark()
+        values = run.outputs["D"].values
+        for v in range(run.subtile_size):
+            m0, n0 = run.coords0[run.base + v]
+            values[v] = values[v] * run.group_reciprocals[(m0, n0 // GROUP_N)]
+
+
 @_emitter("finalize_reductions")
 class FinalizeReductions(StageEmitter):
     def end(self, run, stage) -> None:
@@ -276,4 +347,4 @@ class FinalizeReductions(StageEmitter):
         run.tile_epi.store_tile_partials(run.workspaces, tn, tl, run.lane)
 
 
-__all__ = ["EMITTERS", "EpilogueRun", "StageEmitter", "StagedOutput", "run_chain"]
+__all__ = ["EMITTERS", "EpilogueRun", "StageEmitter", "StagedOutput", "chain_passes", "run_chain"]

@@ -14,7 +14,8 @@ know about its epilogue (operands, outputs, reductions, chain) is the host half,
 from __future__ import annotations
 
 import cutlass
-from cutlass import Float32, cute
+from cutlass import Float32, Int32, cute
+from cutlass._mlir.dialects import llvm
 
 from epicute.epilogue import optable
 from epicute.epilogue.dtypes import FP8_MAX
@@ -43,7 +44,10 @@ def emit_graph(graph, leaf, needed: set[int] | None = None) -> dict:
     needed = needed_nodes(graph) if needed is None else needed
     values = {}
     for node in graph.nodes:
-        if node.id not in needed or node.op in REDUCTIONS:
+        if node.id not in needed or node.op in REDUCTIONS or node.op == "group_scales":
+            continue
+        if node.op == "group_quant":  # the values it quantizes: the tile's second pass scales them
+            values[node.id] = values[node.args[0]]
             continue
         if node.op == "const":
             v = Float32(node.attr("value"))
@@ -261,6 +265,13 @@ class TileEpilogue:
                     value = butterfly(r.combine, partial, (1, 2, 4, 8, 16))
                     band = self._band(m_local)
                     store_if((lane == 0) & (band * ROWS_PER_WARP < self.extent[0]), ws, (tl, band, tn), value)
+
+
+def ceil_pow2(x):
+    """Positive normal fp32 ``x`` rounded up to a power of two, by its bits (``group_quant.ceil_pow2``)."""
+    bits = Int32(llvm.bitcast(Int32.mlir_type, Float32(x).ir_value(), loc=None, ip=None))
+    bits = (bits + Int32(0x7FFFFF)) & Int32(-0x800000)
+    return Float32(llvm.bitcast(Float32.mlir_type, bits.ir_value(), loc=None, ip=None))
 
 
 def round_scalar(x, dtype: str):
