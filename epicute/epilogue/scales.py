@@ -103,11 +103,9 @@ class BlockScales:
 
 @dataclass(frozen=True)
 class Fp8Scaling:
-    """How an fp8 call's scales are applied: ``recipe`` ("tensorwise", "rowwise", "mixed" for a scalar
-    with a vector, or "blockwise"); ``operands``: the scaled epilogue's ``a_scale``/``b_scale`` operands
-    (tensorwise and rowwise); ``block``: the mainloop's scales (blockwise)."""
+    """How an fp8 call's scales are applied: ``operands``, the scaled epilogue's ``a_scale``/``b_scale``
+    (tensorwise and rowwise), or ``block``, the mainloop's scales (blockwise)."""
 
-    recipe: str
     operands: dict
     block: BlockScales | None = None
 
@@ -134,15 +132,11 @@ def fp8_scaling(
                 raise DeviceError(f"{name} is on {t.device} but a is on {device}; blockwise scales are read by the "
                                   f"kernel: pass {name}.to({str(device)!r})")  # fmt: skip
         l3 = lambda t: t if batched else t.unsqueeze(0)  # noqa: E731
-        return Fp8Scaling("blockwise", {}, BlockScales(l3(a_block), l3(b_block)))
-    operands = {
+        return Fp8Scaling({}, BlockScales(l3(a_block), l3(b_block)))
+    return Fp8Scaling({
         "a_scale": _scale("a_scale", a_scale, m, n, k, l, batched, per="row"),
         "b_scale": _scale("b_scale", b_scale, m, n, k, l, batched, per="column"),
-    }
-    kinds = {type(v).__name__ if isinstance(v, Scalar) or v.value.numel() != 1 else "one" for v in operands.values()}
-    scalar = {"Scalar", "one"}
-    recipe = "tensorwise" if kinds <= scalar else "rowwise" if not kinds & scalar else "mixed"
-    return Fp8Scaling(recipe, operands)
+    })  # fmt: skip
 
 
 def dequantize_blockwise(a: torch.Tensor, b: torch.Tensor, scales: BlockScales) -> tuple[torch.Tensor, torch.Tensor]:

@@ -300,7 +300,7 @@ class GroupAmax(StageEmitter):
 
     def element(self, run, stage, at, values) -> None:
         _, m0, n0, m, n = at
-        valid = (run.origin[0] + m < run.extent[0]) & (run.origin[1] + n < run.extent[1])
+        valid = run.tile_epi.in_problem(m, n)
         # Thread 0's static n and this thread's lie in one group: groups and 8-column atoms align.
         slot = run.group_partials.setdefault((m0, n0 // GROUP_N), [emit.identity("amax"), m, n])
         slot[0] = emit.fold_element("amax", slot[0], values[run.fusion.group_quant.arg], valid)

@@ -218,13 +218,17 @@ class TileEpilogue:
             for visit in visitors:
                 visit((v, m0, n0, m, n), values)
 
+    def in_problem(self, m, n):
+        """Whether tile-local ``(m, n)`` lies inside the problem (past its edge the tile computes, never stores)."""
+        return (self.origin[0] + m < self.extent[0]) & (self.origin[1] + n < self.extent[1])
+
     def fold(self, r, at, x, col_partials: dict) -> None:
         """Fold element ``x`` (at ``(v, m0, n0, m, n)``) of reduction ``r`` into this thread's
         partials: row and whole-tensor partials live for the tile, column partials
         (``(name, static n) -> [partial, tile-local n, tile-local m]``) for the subtile (a subtile
         holds one 16-row band of each warp, so any of its rows names the band)."""
         _, m0, n0, m, n = at
-        valid = (self.origin[0] + m < self.extent[0]) & (self.origin[1] + n < self.extent[1])
+        valid = self.in_problem(m, n)
         if r.axis == "row":
             slot = self.row_partials.setdefault((r.name, m0), [identity(r.combine), m])
         elif r.axis == "col":
