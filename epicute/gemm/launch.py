@@ -72,6 +72,121 @@ def _block_scales(call: GemmCall) -> tuple:
     return scales.a, scales.b
 
 
+class GemmLaunch:
+    """One kernel launch: the compiled kernel, every tensor and scalar it takes, and how the caller's
+    results come out of them (see :meth:`run`).
+
+    ``fresh`` holds the ids of the tensors allocated empty for it (outputs and workspaces): with the
+    caller's tensors and views of them, they are all a :class:`epicute.gemm.prepared.PreparedCall`
+    needs to repeat the launch for new tensors of the same signature.
+    """
+
+    __slots__ = (
+        "a",
+        "aux",
+        "b",
+        "batched",
+        "block_scales",
+        "fresh",
+        "fusion",
+        "group_scales",
+        "inputs",
+        "kernel",
+        "out3",
+        "plan",
+        "scalars",
+        "workspaces",
+    )  # fmt: skip
+
+    def __init__(self, kernel, plan, fusion, batched, a, b, out3, inputs, aux, workspaces, group_scales, scalars,
+                 block_scales, fresh=frozenset()):  # fmt: skip
+        self.kernel, self.plan, self.fusion, self.batched = kernel, plan, fusion, batched
+        self.a, self.b, self.out3, self.inputs = a, b, out3, inputs
+        self.aux, self.workspaces, self.group_scales = aux, workspaces, group_scales
+        self.scalars, self.block_scales, self.fresh = scalars, block_scales, fresh
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor of the launch, in the order :meth:`with_tensors` takes them."""
+        extra = () if self.group_scales is None else (self.group_scales,)
+        return (self.a, self.b, self.out3, *self.inputs, *self.aux.values(), *self.workspaces.values(), *extra,
+                *self.block_scales)  # fmt: skip
+
+    def with_tensors(self, tensors: list, scalars: tuple) -> GemmLaunch:
+        """The same launch over other tensors (same shapes, dtypes and order as :meth:`tensors`)."""
+        i = 3 + len(self.inputs)
+        j = i + len(self.aux)
+        k = j + len(self.workspaces)
+        aux = dict(zip(self.aux, tensors[i:j]))
+        workspaces = dict(zip(self.workspaces, tensors[j:k]))
+        group_scales = None if self.group_scales is None else tensors[k]
+        block_scales = tuple(tensors[k + (group_scales is not None) :])
+        return GemmLaunch(self.kernel, self.plan, self.fusion, self.batched, tensors[0], tensors[1], tensors[2],
+                          tuple(tensors[3:i]), aux, workspaces, group_scales, scalars, block_scales)  # fmt: skip
+
+    def run(self) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Launch, and return D in the caller's rank; with an epilogue that has more outputs, a dict of
+        all of them (aux tiles, reductions finalized here, group scales)."""
+        p, fusion, out3 = self.plan.problem, self.fusion, self.out3
+        if p.m and p.n:
+            if p.k == 0 and fusion is None:
+                out3.zero_()
+            else:
+                epi_tensors = self.inputs + tuple(self.aux.values()) + tuple(self.workspaces.values())
+                epi_tensors += () if self.group_scales is None else (self.group_scales,)
+                self.kernel(
+                    self.a, self.b, out3, epi_tensors, self.scalars, self.block_scales, self.plan.max_active_clusters
+                )
+        d = out3 if self.batched else out3[0]  # out3 is the caller's out (viewed 3-D) when given
+        if fusion is None or set(fusion.output_dtypes) == {"D"}:
+            return d
+        results = {"D": d}
+        for name, t in self.aux.items():
+            results[name] = t if self.batched else t[0]
+        for r in fusion.reductions:
+            value = r.finalize(self.workspaces[r.name])
+            results[r.name] = value if self.batched or r.axis == "all" else value[0]
+        if self.group_scales is not None:
+            scales = self.group_scales.transpose(1, 2)
+            results[fusion.group_quant.scales] = scales if self.batched else scales[0]
+        return results
+
+
+def bind_gemm(
+    call: GemmCall,
+    plan: GemmPlan,
+    fusion=None,
+    epi_inputs: tuple = (),
+    epi_scalars: tuple = (),
+    aux: dict[str, torch.Tensor] | None = None,
+    fresh_aux: frozenset = frozenset(),
+) -> GemmLaunch:
+    """``call``'s launch with ``plan`` (and the fused epilogue, if any): D, workspaces and scales
+    allocated, K = 0 stood in for (``fresh_aux``: ids of the aux outputs allocated for the call)."""
+    p, device = call.problem, call.a.device
+    fresh = set(fresh_aux)
+    out3 = call.out
+    if out3 is None:
+        out3 = torch.empty((p.l, p.m, p.n), dtype=call.out_dtype, device=device)
+        fresh.add(id(out3))
+    workspaces, group_scales = {}, None
+    if fusion is not None:
+        tile_n = plan.config.tile_n
+        workspaces = {
+            r.name: torch.empty(r.workspace_shape(p.l, p.m, p.n, tile_n), dtype=torch.float32, device=device)
+            for r in fusion.reductions
+        }
+        if fusion.group_quant is not None:  # (L, groups, M): M-major scales, handed out as (L, M, groups)
+            shape = fusion.group_quant.scales_shape(p.l, p.m, p.n)
+            group_scales = torch.empty(shape, dtype=torch.float32, device=device)
+            fresh.add(id(group_scales))
+        fresh.update(id(t) for t in workspaces.values())
+    runs = p.m and p.n and (p.k or fusion is not None)
+    a, b = (call.a, call.b) if p.k or not runs else _zero_k_operands(call)
+    kernel = kernel_for(plan, fusion) if runs else None
+    return GemmLaunch(kernel, plan, fusion, call.batched, a, b, out3, tuple(epi_inputs), dict(aux or {}), workspaces,
+                      group_scales, tuple(epi_scalars), _block_scales(call), frozenset(fresh))  # fmt: skip
+
+
 def launch_gemm(
     call: GemmCall,
     plan: GemmPlan,
@@ -80,46 +195,6 @@ def launch_gemm(
     epi_scalars: tuple = (),
     aux: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
-    """Run ``call`` with ``plan`` (and the fused epilogue, if any).
-
-    Returns D in the caller's rank; with an epilogue that has more outputs, a
-    dict of all of them (aux tiles from ``aux``, reductions finalized here).
-    """
-    p = call.problem
-    out3 = call.out
-    if out3 is None:
-        out3 = torch.empty((p.l, p.m, p.n), dtype=call.out_dtype, device=call.a.device)
-    aux = aux or {}
-    workspaces = {}
-    group_scales = None
-    if fusion is not None:
-        workspaces = {
-            r.name: torch.empty(r.workspace_shape(p.l, p.m, p.n, plan.config.tile_n), dtype=torch.float32,
-                                device=call.a.device)
-            for r in fusion.reductions
-        }  # fmt: skip
-        if fusion.group_quant is not None:  # (L, groups, M): M-major scales, handed out as (L, M, groups)
-            group_scales = torch.empty(fusion.group_quant.scales_shape(p.l, p.m, p.n), dtype=torch.float32,
-                                       device=call.a.device)  # fmt: skip
-    if p.m and p.n:
-        if p.k == 0 and fusion is None:
-            out3.zero_()
-        else:
-            a, b = (call.a, call.b) if p.k else _zero_k_operands(call)
-            kernel = kernel_for(plan, fusion)
-            epi_tensors = epi_inputs + tuple(aux.values()) + tuple(workspaces.values())
-            epi_tensors += () if group_scales is None else (group_scales,)
-            kernel(a, b, out3, epi_tensors, epi_scalars, _block_scales(call), plan.max_active_clusters)
-    d = out3 if call.batched else out3[0]  # out3 is the caller's out (viewed 3-D) when given
-    if fusion is None or set(fusion.output_dtypes) == {"D"}:
-        return d
-    results = {"D": d}
-    for name, t in aux.items():
-        results[name] = t if call.batched else t[0]
-    for r in fusion.reductions:
-        value = r.finalize(workspaces[r.name])
-        results[r.name] = value if call.batched or r.axis == "all" else value[0]
-    if group_scales is not None:
-        scales = group_scales.transpose(1, 2)
-        results[fusion.group_quant.scales] = scales if call.batched else scales[0]
-    return results
+    """Run ``call`` with ``plan`` (and the fused epilogue, if any): :func:`bind_gemm`, then
+    :meth:`GemmLaunch.run`."""
+    return bind_gemm(call, plan, fusion, epi_inputs, epi_scalars, aux).run()

@@ -1,8 +1,8 @@
 """One path from call to kernel: what ``explain`` reports is what ``gemm`` launches.
 
 ``epicute.gemm`` runs here on CPU tensors up to the launch: the GPU check is
-lifted and ``launch_gemm`` records the plan and fusion it is handed instead of
-running a kernel. Everything before it (validation, operand resolution, tracing,
+lifted and ``bind_gemm`` records the plan and fusion it is handed instead of
+binding and running a kernel. Everything before it (validation, operand resolution, tracing,
 D's dtype, planning) is the real code, so each case compares the plan explain
 returns with the plan the launch got, field by field, over epilogues that settle
 D's dtype in every way there is.
@@ -39,9 +39,9 @@ def launches(monkeypatch):
 
     def record(call, plan, fusion=None, *args, **kwargs):
         seen.append((plan, fusion, call.out_dtype))
-        return torch.empty(0)
 
-    monkeypatch.setattr(api_module, "launch_gemm", record)
+    monkeypatch.setattr(api_module, "bind_gemm", record)
+    monkeypatch.setattr(api_module, "_run_and_record", lambda launch, fast: torch.empty(0))
     return seen
 
 

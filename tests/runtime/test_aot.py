@@ -39,8 +39,9 @@ def _launched_variant(monkeypatch, a, b, **kwargs):
     real_check = api.check_gemm_args
     monkeypatch.setattr(api, "check_gemm_args", lambda *args, **kw: real_check(*args, **{**kw, "require_cuda": False}))
     monkeypatch.setattr(
-        api, "launch_gemm", lambda call, plan, fusion=None, *rest, **kw: seen.update(v=variant_of(plan, fusion))
+        api, "bind_gemm", lambda call, plan, fusion=None, *rest, **kw: seen.update(v=variant_of(plan, fusion))
     )
+    monkeypatch.setattr(api, "_run_and_record", lambda launch, fast: None)
     epicute.gemm(a, b, **kwargs)
     return seen["v"]
 

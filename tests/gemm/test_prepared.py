@@ -1,0 +1,178 @@
+"""The cached path of ``epicute.gemm`` launches what the whole path would.
+
+``epicute.gemm`` runs here on CPU tensors with the GPU check lifted and the compiled
+kernel replaced by a recorder. For each case, a first call records its launch; a second
+call with new tensors of the same signature (other values, other storage offsets, other
+scalars) must take the cached path, and hand the kernel what the whole path hands it
+for those tensors: the same tensors (views of the same storage at the same offsets, in
+the same shapes and strides), fresh outputs and workspaces of the same shapes and
+dtypes, and the same scalars.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import epicute
+from epicute import OutputError, ops
+from epicute.gemm import api as api_module
+from epicute.gemm import launch as launch_module
+from epicute.gemm import validate as validate_module
+
+M, N, K, L = 136, 144, 256, 3
+E4 = torch.float8_e4m3fn
+
+
+class Recorder:
+    """Stands in for a compiled kernel: remembers what each launch is handed."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, a, b, out3, epi_tensors, scalars, block_scales, max_active_clusters):
+        self.calls.append(((a, b, out3, *epi_tensors, *block_scales), scalars))
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    recorder = Recorder()
+    monkeypatch.setattr(validate_module, "check_on_one_hopper_gpu", lambda *named: None)
+    monkeypatch.setattr(launch_module, "kernel_for", lambda plan, fusion=None: recorder)
+    monkeypatch.setattr(api_module, "_PREPARED_CALLS", {})
+    return recorder
+
+
+def rand(*shape, dtype=torch.bfloat16, offset=0):
+    """Random values in a view ``offset`` elements (a multiple of 16 bytes) into a larger buffer."""
+    n = torch.Size(shape).numel()
+    return torch.randn(n + offset).to(dtype)[offset:].view(shape)
+
+
+def _cases():
+    def plain(offset):
+        return (rand(M, K, offset=offset), rand(N, K, offset=offset).t()), {}
+
+    def epilogue(offset):
+        kw = {
+            "epilogue": lambda acc, bias, scale, alpha, C: {
+                "D": ops.gelu(alpha * acc * scale + bias) + C,
+                "pre": acc + bias,
+                "rs": ops.row_sum(acc),
+                "am": ops.amax(acc),
+            },
+            "bias": rand(N, offset=offset),
+            "scale": rand(M, 1, dtype=torch.float32, offset=offset),
+            "alpha": 0.5 + offset,
+            "C": rand(M, N, offset=offset),
+            "out_dtypes": {"pre": torch.float32},
+        }
+        return (rand(M, K, offset=offset), rand(K, N, offset=offset)), kw
+
+    def batched_out(offset):
+        out = torch.full((L, M, N), float("nan"), dtype=torch.float16)
+        kw = {"epilogue": lambda acc, bias: acc + bias, "bias": rand(L, N, offset=offset), "out": out}
+        return (rand(L, M, K, dtype=torch.float16, offset=offset), rand(L, K, N, dtype=torch.float16)), kw
+
+    def fp8(a_scale, b_scale):
+        def case(offset):
+            a, w = rand(M, K, dtype=E4, offset=16 * offset), rand(N, K, dtype=E4)
+            return (a, w.t()), {"a_scale": a_scale(offset), "b_scale": b_scale(offset)}
+
+        return case
+
+    return {
+        "plain": plain,
+        "epilogue": epilogue,
+        "batched_out": batched_out,
+        "fp8_float_scales": fp8(lambda o: 0.5 + o, lambda o: 2.0 - o),
+        "fp8_tensorwise": fp8(lambda o: rand(1, dtype=torch.float32, offset=o), lambda o: torch.rand(())),
+        "fp8_rowwise": fp8(lambda o: rand(M, 1, dtype=torch.float32, offset=o), lambda o: torch.rand(1, N)),
+        "fp8_blockwise": fp8(
+            lambda o: rand(K // 128, M, dtype=torch.float32, offset=4 * o).t(), lambda o: torch.rand(2, K // 128)
+        ),
+    }
+
+
+def _described(kernel_args):
+    """What a kernel launch is handed: per tensor its shape, strides, dtype, storage and offset; the scalars."""
+    tensors, scalars = kernel_args
+    return [
+        (t.shape, t.stride(), t.dtype, t.untyped_storage().data_ptr(), t.storage_offset()) for t in tensors
+    ], scalars
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_a_repeat_call_launches_what_the_whole_path_would(kernel, monkeypatch, name):
+    make = _cases()[name]
+    (a1, b1), kw1 = make(0)
+    (a2, b2), kw2 = make(16)
+    epicute.gemm(a1, b1, **kw1)
+    assert len(api_module._PREPARED_CALLS) == 1, "the first call's launch was not recorded"
+
+    whole_path = []
+    real_describe = api_module.describe_call
+    monkeypatch.setattr(api_module, "describe_call", lambda *args: whole_path.append(1) or real_describe(*args))
+    epicute.gemm(a2, b2, **kw2)
+    assert not whole_path, "the repeat call took the whole path"
+    cached = kernel.calls[-1]
+
+    monkeypatch.setattr(api_module, "_PREPARED_CALLS", {})
+    epicute.gemm(a2, b2, **kw2)
+    assert whole_path
+    callers = {t.untyped_storage().data_ptr() for t in _tensors(a2, b2, *kw2.values())}
+    got, want = _described(cached), _described(kernel.calls[-1])
+    assert got[1] == want[1], "scalars differ"
+    assert len(got[0]) == len(want[0])
+    for g, w in zip(got[0], want[0]):
+        if w[3] in callers:  # the caller's tensor or a view of one: the very same view
+            assert g == w
+        else:  # allocated for the call: a new tensor of the same shape, strides and dtype
+            assert g[3] not in callers and g[:3] == w[:3]
+
+
+def _tensors(*values):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, dict):
+            yield from _tensors(*v.values())
+
+
+def test_a_new_signature_takes_the_whole_path(kernel):
+    a, b = rand(M, K), rand(K, N)
+    epicute.gemm(a, b)
+    epicute.gemm(rand(M + 8, K), b)  # another shape
+    epicute.gemm(a.to(torch.float16), b.to(torch.float16))  # another dtype
+    epicute.gemm(rand(K, M).t(), b)  # another layout
+    assert len(api_module._PREPARED_CALLS) == 4
+
+
+def test_a_lambda_written_in_the_call_is_traced_once(kernel, monkeypatch):
+    traced = []
+    real_prepare = api_module.prepare
+    monkeypatch.setattr(api_module, "prepare", lambda request: traced.append(1) or real_prepare(request))
+    monkeypatch.setattr(api_module, "_PREPARED", {})
+    for scale in (0.5, 1.5):  # a new lambda object each time, the same code
+        epicute.gemm(rand(M, K), rand(K, N), epilogue=lambda acc, s: ops.relu(acc * s), s=scale)
+    assert len(traced) == 1
+    assert len(kernel.calls) == 2 and kernel.calls[0][1] == (0.5,) and kernel.calls[1][1] == (1.5,)
+
+
+def test_out_overlapping_an_input_is_refused_on_the_cached_path(kernel):
+    buf = rand(2 * M, max(K, N))
+    a, out = buf[:M, :K], buf[M:, :N]
+    b = rand(K, N)
+    epicute.gemm(a, b, out=out)
+    with pytest.raises(OutputError, match="shares memory with a"):
+        epicute.gemm(buf[M:, :K], b, out=out)  # same signature, but out is a's memory now
+
+
+def test_one_scale_tensor_passed_twice_is_replayed_only_for_a_call_that_does_the_same(kernel):
+    a, w = rand(M, K, dtype=E4), rand(N, K, dtype=E4)
+    one, other = torch.rand(()), torch.rand(())
+    epicute.gemm(a, w.t(), a_scale=one, b_scale=one)
+    (recorded,) = api_module._PREPARED_CALLS.values()
+    assert recorded.aliases == ((3, 4),)
+    epicute.gemm(a, w.t(), a_scale=one, b_scale=other)  # the whole path: b's scale is its own tensor now
+    assert kernel.calls[-1][0][-1].untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
