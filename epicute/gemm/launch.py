@@ -1,12 +1,11 @@
 """Turning a validated call into a kernel launch.
 
-Per call: look up the plan (cached per problem), look up the compiled variant
-(cached per variant), launch. Problem sizes are dynamic in the compiled kernel,
-so a new shape costs a plan, never a compile, unless it picks a new variant.
-
-Both lookups are ``lru_cache`` hits keyed on small frozen dataclasses, so a
-cached call costs a few microseconds of Python before the TVM-FFI launch
-(``bench/runtime.py`` measures it).
+:func:`bind_gemm` looks up the compiled variant of a plan (cached per variant),
+allocates D and the workspaces, and returns a :class:`GemmLaunch`, whose ``run``
+launches and collects the results. Problem sizes are dynamic in the compiled
+kernel, so a new shape costs a plan, never a compile, unless it picks a new
+variant. A repeat call skips even the binding: it replays a recorded launch
+(:mod:`epicute.gemm.prepared`).
 """
 
 from __future__ import annotations
@@ -186,15 +185,3 @@ def bind_gemm(
     return GemmLaunch(kernel, plan, fusion, call.batched, a, b, out3, tuple(epi_inputs), dict(aux or {}), workspaces,
                       group_scales, tuple(epi_scalars), _block_scales(call), frozenset(fresh))  # fmt: skip
 
-
-def launch_gemm(
-    call: GemmCall,
-    plan: GemmPlan,
-    fusion=None,
-    epi_inputs: tuple = (),
-    epi_scalars: tuple = (),
-    aux: dict[str, torch.Tensor] | None = None,
-) -> torch.Tensor | dict[str, torch.Tensor]:
-    """Run ``call`` with ``plan`` (and the fused epilogue, if any): :func:`bind_gemm`, then
-    :meth:`GemmLaunch.run`."""
-    return bind_gemm(call, plan, fusion, epi_inputs, epi_scalars, aux).run()
