@@ -184,4 +184,3 @@ def bind_gemm(
     kernel = kernel_for(plan, fusion) if runs else None
     return GemmLaunch(kernel, plan, fusion, call.batched, a, b, out3, tuple(epi_inputs), dict(aux or {}), workspaces,
                       group_scales, tuple(epi_scalars), _block_scales(call), frozenset(fresh))  # fmt: skip
-

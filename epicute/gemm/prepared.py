@@ -30,6 +30,8 @@ from epicute.runtime.checks import TMA_ALIGN_BYTES
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 _SAME, _VIEW, _FRESH = 0, 1, 2
+#: Stands for a tensor in the recorded launch, which keeps the launch's structure, not its memory.
+_VACANT = object()
 
 
 def unwrap(value: Any) -> Any:
@@ -95,7 +97,8 @@ class PreparedCall:
                 steps.append((_SAME, i))
             else:
                 steps.append((_VIEW, i, tuple(t.shape), tuple(t.stride()), t.storage_offset() - s.storage_offset()))
-        return cls(launch, tuple(steps), scalar_sources, tuple(aliases))
+        template = launch.with_tensors([_VACANT] * len(steps), ())
+        return cls(template, tuple(steps), scalar_sources, tuple(aliases))
 
     def __call__(self, sources: tuple) -> torch.Tensor | dict[str, torch.Tensor]:
         """Launch for ``sources`` (the same signature as the recorded call's) and return its results."""

@@ -176,3 +176,12 @@ def test_one_scale_tensor_passed_twice_is_replayed_only_for_a_call_that_does_the
     assert recorded.aliases == ((3, 4),)
     epicute.gemm(a, w.t(), a_scale=one, b_scale=other)  # the whole path: b's scale is its own tensor now
     assert kernel.calls[-1][0][-1].untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
+
+
+def test_a_recorded_launch_keeps_no_tensor_alive(kernel):
+    a, b, bias = rand(M, K), rand(K, N), rand(N)
+    epicute.gemm(a, b, epilogue=lambda acc, bias: {"D": acc + bias, "rs": ops.row_sum(acc)}, bias=bias)
+    (recorded,) = api_module._PREPARED_CALLS.values()
+    held = [t for t in recorded.launch.tensors() if isinstance(t, torch.Tensor)]
+    assert not held, "the record would keep the first call's inputs, outputs and workspaces in memory"
+    assert recorded.launch.scalars == ()
