@@ -1,6 +1,6 @@
 """The cached path of a GEMM call: :class:`PreparedCall`.
 
-The first call of a given :func:`call_signature` (every tensor's shape, strides, dtype, device
+The first call of a given signature (``epicute.gemm.api._fast_key``: every tensor's shape, strides, dtype, device
 and 16-byte alignment class; the numbers' types; the epilogue's capture, output dtypes and config
 pins) goes the whole way: validation, tracing and planning (:func:`epicute.gemm.prepare.prepare`),
 then binding (:func:`epicute.gemm.launch.bind_gemm`). Its launch is then recorded: each tensor the
@@ -53,7 +53,7 @@ def source_signature(value: Any) -> object:
 
 
 class PreparedCall:
-    """A recorded launch, repeated for new arguments of the same :func:`call_signature`.
+    """A recorded launch, repeated for new arguments of the same signature (``epicute.gemm.api._fast_key``).
 
     ``steps`` rebuild the launch's tensors in :meth:`GemmLaunch.tensors` order from the call's
     sources; ``scalar_sources`` index the sources the kernel's fp32 scalars are read from;
