@@ -149,7 +149,8 @@ _PREPARED_CALLS: dict[tuple, PreparedCall] = {}
 
 
 def _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes, config) -> tuple | None:
-    """``(signature, sources)`` of a call (see epicute.gemm.prepared), or None when it has no signature."""
+    """``(signature, sources, operand names)`` of a call (see epicute.gemm.prepared), or None when it has no
+    signature. The sources are ``a, b, out, a_scale, b_scale``, the operands in ``names`` order, the ``outs``."""
     capture = None
     if epilogue is not None:
         capture = _capture_key(epilogue)
@@ -159,8 +160,9 @@ def _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes
     parts = [source_signature(v) for v in (a, b, out, *scales, *operands.values(), *(outs.values() if outs else ()))]
     if False in parts:
         return None
+    names = tuple(operands)
     key = (
-        capture, out_dtype, tuple(operands), tuple(outs) if outs else None,
+        capture, out_dtype, names, tuple(outs) if outs else None,
         tuple(out_dtypes.items()) if out_dtypes else None, tuple(config.items()) if config else None, *parts,
     )  # fmt: skip
     if config:
@@ -168,18 +170,17 @@ def _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes
             hash(key)
         except TypeError:  # an unhashable config value (the rest is hashable by construction)
             return None
-    return key, sources
+    return key, sources, names
 
 
 def _run_and_record(launch: GemmLaunch, fast: tuple | None):
     """Run ``launch``; remember how to repeat it for the call's signature, if it has one."""
     if fast is not None:
-        key, sources = fast
-        names = {"a_scale": 3, "b_scale": 4}
-        names.update((name, 5 + i) for i, name in enumerate(key[2]))
+        key, sources, names = fast
+        index = {"a_scale": 3, "b_scale": 4, **{name: 5 + i for i, name in enumerate(names)}}
         scalar_names = () if launch.fusion is None else launch.fusion.scalar_inputs
-        if all(name in names for name in scalar_names):
-            recorded = PreparedCall.record(launch, sources, tuple(names[name] for name in scalar_names))
+        if all(name in index for name in scalar_names):  # not so for a scalar from the epilogue's defaults
+            recorded = PreparedCall.record(launch, sources, tuple(index[name] for name in scalar_names))
             if recorded is not None:
                 if len(_PREPARED_CALLS) >= 1024:
                     _PREPARED_CALLS.clear()
