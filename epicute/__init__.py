@@ -5,6 +5,7 @@ hierarchy. Planning lives in :mod:`epicute.gemm`, CuTe-DSL kernels in
 :mod:`epicute.sm90`, validation/compile/launch in :mod:`epicute.runtime`.
 Fused epilogues: the :func:`epilogue` decorator, :mod:`ops`, ready ones in ``epilogues``
 and the operand pins, all from :mod:`epicute.epilogue`.
+Grouped GEMMs (mixture-of-experts): :func:`grouped_gemm` and :func:`explain_grouped`.
 Attention: :func:`attention` (FlashAttention-3 style forward) with traced
 ``score_mod`` and ``epilogue`` hooks, and :func:`explain_attention`.
 """
@@ -29,11 +30,12 @@ from epicute.epilogue.tracer import epilogue
 from epicute.errors import *  # noqa: F403  (every error class: errors.__all__)
 from epicute.gemm import aot as _gemm_aot  # noqa: F401  (registers [[gemm]] jobs for epicute compile)
 from epicute.gemm.api import explain, gemm, tune
+from epicute.grouped.api import explain_grouped, grouped_gemm
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ColVector", "RowVector", "Scalar", "Tile", "__version__", "attention", "epilogue", "epilogues", "explain",
-    "explain_attention", "gemm", "ops", "score_mod", "tune",
+    "explain_attention", "explain_grouped", "gemm", "grouped_gemm", "ops", "score_mod", "tune",
 ]  # fmt: skip
 __all__ += errors.__all__  # every error class: users catch them by name

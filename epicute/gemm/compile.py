@@ -3,15 +3,12 @@ against fake tensors for its arch (sm_90a: :func:`compile_gemm_sm90`), through t
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 from epicute.epilogue.dtypes import DTYPE_BYTES
-from epicute.errors import CompileError
 from epicute.gemm.config import GemmConfig
-from epicute.runtime import compile as compile_module
 from epicute.runtime.cache import CacheKey
-from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily
+from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily, dsl_compile
 from epicute.runtime.target import DEFAULT_ARCH, SM90A
 
 
@@ -134,21 +131,20 @@ def compile_gemm_sm90(variant: GemmVariant):
         variant.b_dtype,
         variant.block_scaled,
     )
-    try:
-        with warnings.catch_warnings():
-            # Empty operand tuples (no fused epilogue) become compile-time constants,
-            # which is what we want; the DSL warns about it on every compile.
-            warnings.filterwarnings(
-                "ignore", message=r"Argument (epi_tensors|epi_scalars|block_scales) .*cannot be converted"
-            )
-            # A runtime Int32 (its value here is a placeholder): the cluster budget is given per launch.
-            max_active_clusters = cutlass.Int32(1)
-            return cute.compile(
-                kernel, fake_a, fake_b, fake_d, epi_tensors, epi_scalars, block_scales, max_active_clusters, stream,
-                options=compile_module.DSL_COMPILE_OPTIONS,
-            )  # fmt: skip
-    except Exception as exc:  # the DSL raises many types; report one
-        raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
+    # A runtime Int32 (its value here is a placeholder): the cluster budget is given per launch.
+    return dsl_compile(
+        variant,
+        kernel,
+        fake_a,
+        fake_b,
+        fake_d,
+        epi_tensors,
+        epi_scalars,
+        block_scales,
+        cutlass.Int32(1),
+        stream,
+        constant_args=("epi_tensors", "epi_scalars", "block_scales"),
+    )
 
 
 GEMM_CACHE = KernelFamily("gemm", {SM90A: compile_gemm_sm90})

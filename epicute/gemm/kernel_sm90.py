@@ -99,6 +99,8 @@ class CtaShared:
     tBgB: cute.Tensor
     a_mcast_mask: object  # the cluster peers our A/B loads multicast to (0: none)
     b_mcast_mask: object
+    mA: cute.Tensor  # A's TMA coordinates (M, K, L), and this CTA's place in its cluster: a grouped
+    cluster_coord: tuple  # GEMM partitions A per tile (GroupedGemmSm90._a_k_tiles)
 
 
 @dataclass
@@ -186,11 +188,25 @@ class GemmSm90:
         ``max_active_clusters``: a persistent grid's cluster budget on this GPU (the host's
         ``GemmPlan.max_active_clusters``: SMs // cluster size), a runtime value so that one
         compiled kernel serves every SM count; one-tile-per-CTA variants ignore it."""
-        cfg = self.cfg
         mA = _rotate(mA_lmk, [1, 2, 0])  # (M, K, L)
         mB = _rotate(mB_lkn, [2, 1, 0])  # (N, K, L)
         mD = _rotate(mD_lmn, [1, 2, 0])  # (M, N, L)
+        tiles_m = cute.ceil_div(cute.size(mD, mode=[0]), self.cfg.tile_m)
+        tiles_n = cute.ceil_div(cute.size(mD, mode=[1]), self.cfg.tile_n)
+        num_batches = cute.size(mD, mode=[2])
+        clusters_m, clusters_n, total_clusters = cluster_counts(tiles_m, tiles_n, num_batches, self.cluster_shape_mn)
+        # The plan's grid by the same function; the tile scheduler strides by gridDim.z, so
+        # whatever this launches, the persistent clusters cover every tile exactly once.
+        launched = ClusterTileScheduler.grid(total_clusters, max_active_clusters, self.cfg.persistent, cutlass.min)
+        self._launch(mA, mB, mD, epi_tensors, epi_scalars, block_scales, (clusters_m, clusters_n, num_batches),
+                     launched, stream)  # fmt: skip
 
+    @cute.jit
+    def _launch(self, mA, mB, mD, epi_tensors, epi_scalars, block_scales, sched_args: tuple, launched, stream):
+        """Build the TMA atoms and shared-memory layouts of ``(M, K, L)`` A, ``(N, K, L)`` B and
+        ``(M, N, L)`` D, and launch ``launched`` clusters; ``sched_args`` are what :meth:`_scheduler`
+        builds each role's tile scheduler from. Outputs are stored through :meth:`_store_view`."""
+        cfg = self.cfg
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
             self.b_dtype,
@@ -208,7 +224,7 @@ class GemmSm90:
         tma_b, tma_mB = self._make_tma_load(mB, b_smem_staged, (cfg.tile_n, cfg.tile_k), self.b_mcast_ctas)
         tma_d, tma_mD = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
-            mD,
+            self._store_view(mD),
             cute.slice_(d_smem_staged, (None, None, 0)),
             cfg.epi_tile,
         )
@@ -227,20 +243,12 @@ class GemmSm90:
                 elif cutlass.const_expr(role == "aux"):
                     layout = self._epi_smem_layout(dtype, cfg.num_epi_stages)
                     epi_stores += (cute.nvgpu.cpasync.make_tiled_tma_atom(
-                        cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), _rotate(t, [1, 2, 0]),
+                        cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), self._store_view(_rotate(t, [1, 2, 0])),
                         cute.slice_(layout, (None, None, 0)), cfg.epi_tile),)  # fmt: skip
                 elif cutlass.const_expr(role in ("workspace", "group_scales")):  # the scales last
                     epi_workspaces += (t,)
                 else:
                     epi_vectors += (t,)
-
-        tiles_m = cute.ceil_div(cute.size(mD, mode=[0]), cfg.tile_m)
-        tiles_n = cute.ceil_div(cute.size(mD, mode=[1]), cfg.tile_n)
-        num_batches = cute.size(mD, mode=[2])
-        clusters_m, clusters_n, total_clusters = cluster_counts(tiles_m, tiles_n, num_batches, self.cluster_shape_mn)
-        # The plan's grid by the same function; the tile scheduler strides by gridDim.z, so
-        # whatever this launches, the persistent clusters cover every tile exactly once.
-        launched = ClusterTileScheduler.grid(total_clusters, max_active_clusters, cfg.persistent, cutlass.min)
 
         # The storage struct and explain's table are one object (epicute.gemm.smem); the buffers'
         # element counts are the staged layouts' (checked here, at trace time).
@@ -250,8 +258,7 @@ class GemmSm90:
 
         self.kernel(
             tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_d, tma_mD,
-            a_smem_staged, b_smem_staged, d_smem_staged,
-            clusters_m, clusters_n, num_batches,
+            a_smem_staged, b_smem_staged, d_smem_staged, sched_args,
             epi_loads, epi_stores, epi_vectors, epi_workspaces, epi_scalars, block_scales,
         ).launch(
             grid=(cfg.cluster_m, cfg.cluster_n, launched),
@@ -260,6 +267,10 @@ class GemmSm90:
             min_blocks_per_mp=1,
             stream=stream,
         )  # fmt: skip
+
+    def _store_view(self, tensor: cute.Tensor) -> cute.Tensor:
+        """The ``(M, N, L)`` view an output's TMA store atom describes (the dense GEMM: the tensor itself)."""
+        return tensor
 
     @staticmethod
     def _make_tma_load(tensor, smem_staged, smem_tile, mcast_ctas: int):
@@ -276,9 +287,11 @@ class GemmSm90:
         """Staged, swizzled smem layout of one epilogue subtile of ``dtype`` (row-major, like D)."""
         return sm90_utils.make_smem_layout_epi(DSL_DTYPES[dtype], LayoutEnum.ROW_MAJOR, self.cfg.epi_tile, stages)
 
-    def _scheduler(self, clusters_m, clusters_n, num_batches) -> ClusterTileScheduler:
-        # Each role builds its own (the DSL cannot carry Python objects across a
-        # runtime branch); the schedule is static, so they agree tile for tile.
+    def _scheduler(self, sched_args: tuple) -> ClusterTileScheduler:
+        """A role's tile scheduler. Each role builds its own (the DSL cannot carry Python objects across a
+        runtime branch); the schedule is static, so they agree tile for tile. Its ``coord(work)`` starts
+        with ``(tile_m, tile_n, batch)``."""
+        clusters_m, clusters_n, num_batches = sched_args
         return ClusterTileScheduler(
             clusters_m, clusters_n, num_batches, self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
         )
@@ -287,13 +300,29 @@ class GemmSm90:
         """``tensor`` (L, M, N) viewed as (tile_m, tile_n, tiles_m, tiles_n, L)."""
         return cute.local_tile(tensor, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
 
-    def _subtile_partition(self, atom, smem_staged: cute.Tensor, tiles: cute.Tensor, tm, tn, tl):
-        """TMA (smem, gmem) partitions of output tile (tm, tn, tl) in ``epi_tile`` subtiles:
-        a smem stage and a gmem subtile are both one TMA box."""
+    def _subtile_partition(self, atom, smem_staged: cute.Tensor, tiles: cute.Tensor, coord: tuple, store: bool):
+        """TMA (smem, gmem) partitions of the output tile at scheduler coordinate ``coord`` in ``epi_tile``
+        subtiles (a smem stage and a gmem subtile are both one TMA box); ``tiles`` is what
+        :meth:`_output_tiles` made, ``store`` says whether TMA stores through it or loads."""
+        tm, tn, tl = coord[0], coord[1], coord[2]
+        return self._partition_subtiles(atom, smem_staged, tiles[(None, None, tm, tn, tl)])
+
+    def _partition_subtiles(self, atom, smem_staged: cute.Tensor, tile: cute.Tensor):
         return cute.nvgpu.cpasync.tma_partition(
             atom, 0, cute.make_layout(1), cute.group_modes(smem_staged, 0, 2),
-            cute.zipped_divide(tiles[(None, None, tm, tn, tl)], self.cfg.epi_tile),
+            cute.zipped_divide(tile, self.cfg.epi_tile),
         )  # fmt: skip
+
+    def _a_k_tiles(self, cta, tma_a, coord: tuple) -> cute.Tensor:
+        """The producer's TMA view of A's k-tiles for the tile at ``coord``: ``(TMA, k_tile)``."""
+        return cta.tAgA[(None, coord[0], None, coord[2])]
+
+    def _epilogue_frame(self, coord: tuple, extent_mn: tuple) -> tuple:
+        """``(origin, extent, batch)`` of the tile at ``coord`` as the fused epilogue sees it: the global
+        ``(m, n)`` of its corner, the ``(M, N)`` past which nothing is stored or reduced, and the batch
+        index of its operands (the problem's ``extent_mn`` here)."""
+        tm, tn, tl = coord[0], coord[1], coord[2]
+        return (tm * self.cfg.tile_m, tn * self.cfg.tile_n), extent_mn, tl
 
     def _subtile_order(self):
         """Subtile index -> (m, n) subtile coordinate: row-major over (tile_m/epi_m, tile_n/epi_n), the
@@ -322,9 +351,7 @@ class GemmSm90:
         a_smem_staged: cute.ComposedLayout,
         b_smem_staged: cute.ComposedLayout,
         d_smem_staged: cute.ComposedLayout,
-        clusters_m: Int32,
-        clusters_n: Int32,
-        num_batches: Int32,
+        sched_args: tuple,
         epi_loads: tuple,
         epi_stores: tuple,
         epi_vectors: tuple,
@@ -353,15 +380,15 @@ class GemmSm90:
             # Producer warpgroup: its registers go to the consumers.
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == self.load_warp:
-                self._load_ab(cta, tma_a, tma_b, clusters_m, clusters_n, num_batches)
+                self._load_ab(cta, tma_a, tma_b, sched_args)
             if cutlass.const_expr(self.epi_buffers.loads_tiles):  # noqa: SIM102 - compile-time guard, dynamic if
                 if warp_idx == self.epi_load_warp:
-                    self._load_epi_tiles(cta, epi_loads, clusters_m, clusters_n, num_batches)
+                    self._load_epi_tiles(cta, epi_loads, sched_args)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             self._consume(
-                cta, tiled_mma, tma_d, mD, tidx, clusters_m, clusters_n, num_batches,
-                epi_vectors, epi_stores, epi_workspaces, epi_scalars, block_scales,
+                cta, tiled_mma, tma_d, mD, tidx, sched_args, epi_vectors, epi_stores, epi_workspaces, epi_scalars,
+                block_scales,
             )  # fmt: skip
 
     @cute.jit
@@ -466,11 +493,11 @@ class GemmSm90:
             cute.arch.sync_threads()
         return CtaShared(
             ab_pipeline, c_pipeline, sA, sB, sD, sC, sAux, sVec, gD, k_tiles,
-            tAsA, tAgA, tBsB, tBgB, a_mcast_mask, b_mcast_mask,
+            tAsA, tAgA, tBsB, tBgB, a_mcast_mask, b_mcast_mask, mA, cluster_coord,
         )  # fmt: skip
 
     @cute.jit
-    def _load_ab(self, cta, tma_a, tma_b, clusters_m, clusters_n, num_batches):
+    def _load_ab(self, cta, tma_a, tma_b, sched_args):
         """The A/B load warp (producer warp ``load_warp``): walks the tile schedule and TMA-loads
         every tile's k-tiles into the A/B ring (multicast across the cluster when it has 2 CTAs).
 
@@ -479,16 +506,16 @@ class GemmSm90:
         """
         cfg = self.cfg
         ab_pipeline = cta.ab_pipeline
-        tAsA, tAgA, tBsB, tBgB = cta.tAsA, cta.tAgA, cta.tBsB, cta.tBgB
+        tAsA, tBsB, tBgB = cta.tAsA, cta.tBsB, cta.tBgB
         a_mcast_mask, b_mcast_mask = cta.a_mcast_mask, cta.b_mcast_mask
         k_tiles = cta.k_tiles
-        scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
+        scheduler = self._scheduler(sched_args)
         state = RingState.producer(cfg.ab_stages, tracked=True)
         work = scheduler.first()
         while scheduler.is_valid(work):
-            tm, tn, tl = scheduler.coord(work)
-            tAgA_tile = tAgA[(None, tm, None, tl)]
-            tBgB_tile = tBgB[(None, tn, None, tl)]
+            tile_coord = scheduler.coord(work)
+            tAgA_tile = self._a_k_tiles(cta, tma_a, tile_coord)
+            tBgB_tile = tBgB[(None, tile_coord[1], None, tile_coord[2])]
             for k_tile in range(k_tiles):
                 ab_pipeline.producer_acquire(state)
                 barrier = ab_pipeline.producer_get_barrier(state)
@@ -504,7 +531,7 @@ class GemmSm90:
         ab_pipeline.producer_tail(state)
 
     @cute.jit
-    def _load_epi_tiles(self, cta, epi_loads, clusters_m, clusters_n, num_batches):
+    def _load_epi_tiles(self, cta, epi_loads, sched_args):
         """The epilogue-operand load warp (producer warp ``epi_load_warp``, fused epilogues with
         tile operands only): TMA-loads each tile's operand tiles one ``epi_tile`` subtile per
         stage of the CTA-local ``num_c_stages`` ring, in the consumers' subtile order, so the
@@ -517,14 +544,14 @@ class GemmSm90:
         c_pipeline, sC = cta.c_pipeline, cta.sC
         # One stage = one epilogue subtile of every operand tile, in the
         # consumers' subtile order; the ring runs ahead by num_c_stages.
-        scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
+        scheduler = self._scheduler(sched_args)
         fill_state = RingState.producer(cfg.num_c_stages, tracked=True)
         epi_tile_layout = self._subtile_order()
         work = scheduler.first()
         while scheduler.is_valid(work):
-            tm, tn, tl = scheduler.coord(work)
+            tile_coord = scheduler.coord(work)
             partitions = [
-                self._subtile_partition(atom, sC_i, self._output_tiles(mC), tm, tn, tl)
+                self._subtile_partition(atom, sC_i, self._output_tiles(mC), tile_coord, store=False)
                 for (atom, mC), sC_i in zip(epi_loads, sC)
             ]
             for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
@@ -540,8 +567,8 @@ class GemmSm90:
 
     @cute.jit
     def _consume(
-        self, cta, tiled_mma, tma_d, mD, tidx, clusters_m, clusters_n, num_batches,
-        epi_vectors, epi_stores, epi_workspaces, epi_scalars, block_scales,
+        self, cta, tiled_mma, tma_d, mD, tidx, sched_args, epi_vectors, epi_stores, epi_workspaces, epi_scalars,
+        block_scales,
     ):  # fmt: skip
         """A consumer warpgroup: per tile of its team, the MMA mainloop, then :meth:`_epilogue`.
 
@@ -582,7 +609,7 @@ class GemmSm90:
         if cutlass.const_expr(self.epi_buffers.loads_tiles):
             c_state = RingState.consumer(cfg.num_c_stages, tracked=True)
 
-        scheduler = self._scheduler(clusters_m, clusters_n, num_batches)
+        scheduler = self._scheduler(sched_args)
         read_state = RingState.consumer(cfg.ab_stages, tracked=True)
         release_state = RingState.consumer(cfg.ab_stages, tracked=True)
         ping_pong = cfg.num_teams > 1
@@ -597,9 +624,10 @@ class GemmSm90:
         tiles_done = Int32(0)
         work = scheduler.next(scheduler.first(), team)
         while scheduler.is_valid(work):
-            tm, tn, tl = scheduler.coord(work)
+            tile_coord = scheduler.coord(work)
+            tm, tn, tl = tile_coord[0], tile_coord[1], tile_coord[2]
             run = GemmEpilogueRun(
-                self, cta, copies, (tm, tn, tl), tiles_done, mma_tidx, c_state, epi_vectors, epi_workspaces,
+                self, cta, copies, tile_coord, tiles_done, mma_tidx, c_state, epi_vectors, epi_workspaces,
                 epi_scalars,
             )  # fmt: skip
             run_chain("prologue", run)
@@ -852,7 +880,7 @@ class GemmOutput(StagedOutput):
             # Staged in the A ring: the other warpgroup may still be reading it.
             run.store.sync()
         self.tma_smem, self.tma_gmem = run.kernel._subtile_partition(self.atom, self.staged, self.gmem_tiles,
-                                                                     *run.tile_coord)  # fmt: skip
+                                                                     run.tile_coord, store=True)  # fmt: skip
 
     def cast(self, run) -> None:
         emit.round_for_store(self.values, self.dtype)
@@ -882,17 +910,16 @@ class GemmEpilogueRun(EpilogueRun):
         self.subtile_size = copies.subtile_size
         self.staging = None
         if cutlass.const_expr(fusion is not None):
-            tm, tn, tl = tile_coord
-            self.origin = (tm * cfg.tile_m, tn * cfg.tile_n)
-            self.extent, self.lane = copies.extent_mn, copies.lane
+            self.origin, self.extent, batch = kernel._epilogue_frame(tile_coord, copies.extent_mn)
+            self.lane = copies.lane
             self.coords, self.coords0 = copies.tRS_cT, copies.tRS_cT0
-            self.scalars, self.workspaces, self.tile_index = epi_scalars, epi_workspaces, (tn, tl)
+            self.scalars, self.workspaces, self.tile_index = epi_scalars, epi_workspaces, (tile_coord[1], batch)
             vector_names = fusion.row_inputs + fusion.col_inputs
             self.vectors = dict(zip(vector_names, cta.sVec))
             self.vector_sources = dict(zip(vector_names, epi_vectors))
             self.vector_lengths = {name: cfg.tile_n if name in fusion.row_inputs else cfg.tile_m
                                    for name in vector_names}  # fmt: skip
-            self.batch, self.thread, self.threads = tl, mma_tidx, cfg.tile_threads
+            self.batch, self.thread, self.threads = batch, mma_tidx, cfg.tile_threads
 
     def slice_acc(self) -> None:
         cfg = self.kernel.cfg

@@ -175,16 +175,8 @@ def check_gemm_args(
     out3 = None
     if out is not None:
         expected = (l, m, n) if batched else (m, n)
-        if tuple(out.shape) != expected:
-            raise OutputError(f"out has shape {tuple(out.shape)}; a @ b has shape {expected}")
-        if out.device != a.device:
-            raise OutputError(f"out is on {out.device} but the operands are on {a.device}")
-        for name, t in (("a", a), ("b", b)):
-            if overlaps(out, t):
-                raise OutputError(f"out shares memory with {name}; the kernel would read {name} while writing out")
+        check_out_placement(out, expected, f"a @ b has shape {expected}", a, b)
         out3 = _as_3d(out, "out")
-        if m * n and out3.stride(-1) != 1 and n > 1:
-            raise OutputError(f"out has strides {tuple(out.stride())}; it must be row-major (last stride 1)")
 
     problem = GemmProblem(
         m=m, n=n, k=k, l=l,
@@ -195,13 +187,32 @@ def check_gemm_args(
     if m and n and k:
         a3 = _check_tma_strides(a3, "a", 2 if a_major == "k" else 1, "LMK")
         b3 = _check_tma_strides(b3, "b", 2 if b_major == "n" else 1, "LKN")
-        if out3 is not None:
-            out3 = _check_tma_strides(out3, "out", 2, "LMN")
-        else:
-            d_step = TMA_ALIGN_BYTES // torch.empty((), dtype=out_dtype).element_size()
-            if n % d_step:
-                raise AlignmentError(
-                    f"N={n} is not a multiple of {d_step}: the {out_dtype} output's rows would not be "
-                    f"16-byte aligned for TMA; pad N to {-(-n // d_step) * d_step}"
-                )
+        out3 = check_d_rows(out3, n, out_dtype)
     return GemmCall(problem, a3, b3, out3, out_dtype, batched)
+
+
+def check_out_placement(out: torch.Tensor, expected: tuple, writes: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out`` has the ``expected`` shape (``writes`` says what the kernel writes), lives with ``a``, shares no
+    memory with ``a`` or ``b`` and is row-major."""
+    if tuple(out.shape) != expected:
+        raise OutputError(f"out has shape {tuple(out.shape)}; {writes}")
+    if out.device != a.device:
+        raise OutputError(f"out is on {out.device} but the operands are on {a.device}")
+    for name, t in (("a", a), ("b", b)):
+        if overlaps(out, t):
+            raise OutputError(f"out shares memory with {name}; the kernel would read {name} while writing out")
+    if out.numel() and out.stride(-1) != 1 and out.size(-1) > 1:
+        raise OutputError(f"out has strides {tuple(out.stride())}; it must be row-major (last stride 1)")
+
+
+def check_d_rows(out3: torch.Tensor | None, n: int, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """D's rows must suit TMA stores: ``out``'s strides (returned normalized), or a new D's N."""
+    if out3 is not None:
+        return _check_tma_strides(out3, "out", 2, "LMN")
+    d_step = TMA_ALIGN_BYTES // torch.empty((), dtype=out_dtype).element_size()
+    if n % d_step:
+        raise AlignmentError(
+            f"N={n} is not a multiple of {d_step}: the {out_dtype} output's rows would not be "
+            f"16-byte aligned for TMA; pad N to {-(-n // d_step) * d_step}"
+        )
+    return None

@@ -61,7 +61,8 @@ STORE_FORMAT = "epicute-cache 1"
 #: the kernels read): a needless recompile costs seconds, a stale kernel a wrong result.
 CODEGEN_SOURCES = (
     "sm90", "epilogue", "gemm/kernel_sm90.py", "gemm/compile.py", "gemm/config.py", "gemm/smem.py",
-    "attention/kernel_sm90.py", "attention/launch.py", "attention/plan.py", "runtime/compile.py",
+    "attention/kernel_sm90.py", "attention/launch.py", "attention/plan.py", "grouped/kernel_sm90.py",
+    "grouped/compile.py", "runtime/compile.py",
 )  # fmt: skip
 #: How long a process waits for another one compiling the same key.
 LOCK_TIMEOUT_S = 900.0

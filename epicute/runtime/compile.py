@@ -40,6 +40,27 @@ OPERAND_ALIGN_BYTES = 16
 FAMILIES: dict[str, KernelFamily] = {}
 
 
+def dsl_compile(variant, kernel, *args, constant_args: tuple[str, ...] = ()):
+    """``cute.compile(kernel, *args)`` with epicute's options; a DSL failure becomes a :class:`CompileError`
+    naming ``variant``. ``constant_args`` name the arguments that may be empty tuples (no fused epilogue):
+    the DSL makes those compile-time constants, which is what we want, and warns on every compile."""
+    import warnings
+
+    from cutlass import cute
+
+    from epicute.errors import CompileError
+
+    try:
+        with warnings.catch_warnings():
+            if constant_args:
+                warnings.filterwarnings(
+                    "ignore", message=rf"Argument ({'|'.join(constant_args)}) .*cannot be converted"
+                )
+            return cute.compile(kernel, *args, options=DSL_COMPILE_OPTIONS)
+    except Exception as exc:  # the DSL raises many types; report one
+        raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
+
+
 class KernelFamily:
     """One kernel kind's compiled variants, through :data:`KERNEL_CACHE`, found by (kind, arch).
 
@@ -81,4 +102,4 @@ class KernelFamily:
         return KERNEL_CACHE.ensure_on_disk(variant.key(), functools.partial(self.compile, variant))
 
 
-__all__ = ["DSL_COMPILE_OPTIONS", "FAMILIES", "OPERAND_ALIGN_BYTES", "KernelFamily"]
+__all__ = ["DSL_COMPILE_OPTIONS", "FAMILIES", "OPERAND_ALIGN_BYTES", "KernelFamily", "dsl_compile"]

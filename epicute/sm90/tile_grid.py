@@ -23,10 +23,17 @@ def cluster_counts(tiles_m, tiles_n, batches, cluster_shape_mn: tuple[int, int])
     return clusters_m, clusters_n, clusters_m * clusters_n * batches
 
 
+def grouped_cluster_bound(total_rows, num_groups, block_m: int, clusters_n):
+    """An upper bound on the clusters of a grouped problem whose groups' rows add up to ``total_rows``:
+    ``sum_g ceil(rows_g / block_m) <= (total_rows + G (block_m - 1)) // block_m`` cluster rows, each
+    ``clusters_n`` clusters wide (tight when every group is 1 row past a multiple of ``block_m``)."""
+    return (total_rows + num_groups * (block_m - 1)) // block_m * clusters_n
+
+
 def launched(work_units, max_units, persistent: bool, minimum=min):
     """Units (CTAs or clusters) a launch starts: one per work unit, or (``persistent``) at most
     ``max_units`` -- what the GPU runs at once -- which then walk the rest."""
     return minimum(work_units, max_units) if persistent else work_units
 
 
-__all__ = ["ceil_div", "cluster_counts", "launched"]
+__all__ = ["ceil_div", "cluster_counts", "grouped_cluster_bound", "launched"]

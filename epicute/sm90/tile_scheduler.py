@@ -1,4 +1,4 @@
-"""Persistent tile schedulers: one protocol, two schedulers.
+"""Persistent tile schedulers: one protocol, three schedulers.
 
 Every role of a persistent kernel walks its work the same way::
 
@@ -20,6 +20,10 @@ compiled code holds no SM count.
   same moment cover a compact block of the output and share A and B panels in L2.
   Each role builds its own instance and, the schedule being static, they visit the
   same tiles in the same order without talking to each other.
+- :class:`GroupedTileScheduler` (grouped GEMM): static like the GEMM's, over groups of
+  rows of variable length read from an offsets tensor on the device: every role finds a
+  work id's group with a warp-wide prefix sum over 32 groups at a time, so the host never
+  reads the offsets (no sync; CUDA-graph safe).
 - :class:`TileQueue` (attention): a linear tile order walked with a static stride,
   or claimed from a global counter (tiles of unequal length stay balanced, and the
   tiles in flight a contiguous window of the order). Claims are the producer's; it
@@ -147,6 +151,114 @@ class ClusterTileScheduler(PersistentTileScheduler):
             cm * self.cluster_shape_mn[0] + Int32(cta_m),
             cn * self.cluster_shape_mn[1] + Int32(cta_n),
             batch,
+        )
+
+
+WARP = 32
+
+
+def warp_inclusive_sum(value):
+    """Lane ``l``'s sum of lanes ``0..l``'s ``value`` (the whole warp calls it)."""
+    lane = cute.arch.lane_idx()
+    for i in range(5):  # trace-time Python: unrolled
+        below = cute.arch.shuffle_sync_up(value, offset=1 << i, mask_and_clamp=0)
+        value = value + cutlass.select_(lane >= (1 << i), below, Int32(0))
+    return value
+
+
+class GroupedTileScheduler(PersistentTileScheduler):
+    """Clusters of output tiles over groups of rows (see the module docstring).
+
+    Group ``g`` owns rows ``[offsets[g - 1], offsets[g])`` (``offsets[-1]`` read as 0; each bound
+    clamped to ``[0, total_rows]`` and a start to its end, so malformed offsets can only make groups
+    empty or overlap, never reach past the output). Clusters are numbered group-major: group ``g``
+    has ``ceil(rows_g / block_m) * clusters_n`` of them (``block_m = tile_m * cluster_m``: a cluster
+    never straddles groups) and walks them in bands like :class:`ClusterTileScheduler`. ``coord``
+    is ``(tile_m within the group, tile_n, g, first row, end row)``.
+
+    Read-only inside loops: every value is computed before the role's tile loop, so the DSL needs
+    to carry nothing. Each role counts the clusters once (:attr:`total`) and decodes each of its
+    work ids with a scan from the first group: ``ceil(G / 32)`` warp steps of a few shuffles.
+    """
+
+    def __init__(self, offsets, num_groups, total_rows, clusters_n, cluster_shape_mn, group: int,
+                 raster_along_m: bool, tile_m: int):  # fmt: skip
+        self.offsets, self.num_groups, self.total_rows, self.clusters_n = offsets, num_groups, total_rows, clusters_n
+        self.cluster_shape_mn, self.group, self.raster_along_m = cluster_shape_mn, group, raster_along_m
+        self.block_m = tile_m * cluster_shape_mn[0]
+        self.total = self._count()
+
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    @cute.jit
+    def _window(self, first_group):
+        """Lane ``l``'s group ``first_group + l``: its first row, end row and cluster count (an empty
+        group past the last one)."""
+        g = first_group + cute.arch.lane_idx()
+        start = Int32(0)
+        end = Int32(0)
+        if g < self.num_groups:
+            end = cutlass.min(cutlass.max(self.offsets[g], Int32(0)), self.total_rows)
+            if g > 0:
+                start = cutlass.min(cutlass.max(self.offsets[g - 1], Int32(0)), end)
+        clusters = (end - start + self.block_m - 1) // self.block_m * self.clusters_n
+        return start, end, clusters
+
+    @cute.jit
+    def _count(self):
+        total = Int32(0)
+        for first in range(0, self.num_groups, WARP):
+            _, _, clusters = self._window(first)
+            total += cute.arch.shuffle_sync(warp_inclusive_sum(clusters), WARP - 1)
+        return total
+
+    def first(self):
+        return Int32(cute.arch.block_idx()[2])
+
+    def is_valid(self, work):
+        return work < self.total
+
+    def next(self, work, steps=1):
+        grid = Int32(cute.arch.grid_dim()[2])
+        if cutlass.const_expr(isinstance(steps, int) and steps == 1):
+            return work + grid
+        return work + steps * grid
+
+    @cute.jit
+    def coord(self, work):
+        """``(tile_m, tile_n, group, first row, end row)`` of this CTA for a valid cluster id."""
+        first = Int32(0)
+        before = Int32(0)  # clusters of the groups before the window
+        start, end, clusters = self._window(first)
+        inclusive = warp_inclusive_sum(clusters)
+        window = cute.arch.shuffle_sync(inclusive, WARP - 1)
+        while before + window <= work:
+            before += window
+            first += WARP
+            start, end, clusters = self._window(first)
+            inclusive = warp_inclusive_sum(clusters)
+            window = cute.arch.shuffle_sync(inclusive, WARP - 1)
+        # The groups wholly before `work` are the lanes whose inclusive count does not pass it.
+        lane = cute.arch.popc(cute.arch.vote_ballot_sync(before + inclusive <= work))
+        group_start = cute.arch.shuffle_sync(start, lane)
+        group_end = cute.arch.shuffle_sync(end, lane)
+        within = work - before - cute.arch.shuffle_sync(inclusive - clusters, lane)
+        clusters_m = (group_end - group_start + self.block_m - 1) // self.block_m
+        if cutlass.const_expr(self.raster_along_m):
+            cm, cn = band_coord(within, clusters_m, self.clusters_n, Int32(self.group))
+        else:
+            cn, cm = band_coord(within, self.clusters_n, clusters_m, Int32(self.group))
+        cta_m, cta_n, _ = cute.arch.block_idx()
+        return (
+            cm * self.cluster_shape_mn[0] + Int32(cta_m),
+            cn * self.cluster_shape_mn[1] + Int32(cta_n),
+            first + lane,
+            group_start,
+            group_end,
         )
 
 

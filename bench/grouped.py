@@ -1,0 +1,137 @@
+"""Grouped GEMM (mixture-of-experts) throughput: epicute.grouped_gemm vs torch._grouped_mm, quack's
+varlen-M GEMM and a loop of torch.mm, in TFLOPS (2 * total_M * N * K per call).
+
+Usage: python bench/grouped.py [--cases even8,skewed8,even64,skewed128,decode64] [--out PATH]
+Inputs as ``../shared/bench/PEERS.md`` calls the peers: bf16 tokens ``x`` (total_M, K) sorted by
+expert, weights ``w`` (G, N, K) row-major passed as ``w.transpose(-2, -1)``, ``offs`` int32 group ends
+(quack takes ``cu_seqlens_m``, the same with a leading 0). Group sizes are multiples of 8 (as in
+PEERS.md): even splits, Zipf-skewed ones (expert i gets a share ~ 1/(i+1), shuffled), and the decode
+case's top-8 routing of 512 tokens over 64 experts rounded to multiples of 8. Every contender's first
+call is checked against a float32 reference and not timed; then all are timed as
+``triton.testing.do_bench`` times them (L2 flushed before each call), medians of interleaved rounds.
+Writes bench/results/grouped.json (and $OUT/grouped.json when OUT is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+from common import Row, finish_peer_run, time_interleaved
+
+#: name -> (experts, total tokens routed, K, N, routing)
+CASES = {
+    "even8": (8, 16384, 4096, 14336, "even"),
+    "skewed8": (8, 16384, 4096, 14336, "zipf"),
+    "even64": (64, 16384, 7168, 2048, "even"),
+    "skewed128": (128, 32768, 2048, 1536, "zipf"),
+    "decode64": (64, 512 * 8, 7168, 2048, "top8"),
+}
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "grouped.json"
+TOLERANCE = 1e-2
+
+
+def group_sizes(experts: int, total: int, routing: str, gen: torch.Generator) -> list[int]:
+    """Rows per expert, multiples of 8 adding up to ``total`` (a multiple of 8)."""
+    units = total // 8
+    if routing == "even":
+        weights = torch.ones(experts)
+    elif routing == "zipf":
+        weights = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64)
+        weights = weights[torch.randperm(experts, generator=gen)]
+    else:  # top-8 routing of total/8 tokens: each picks 8 distinct experts at random
+        picks = torch.rand(total // 8, experts, generator=gen).topk(8, dim=1).indices.flatten()
+        weights = torch.bincount(picks, minlength=experts).double()
+    counts = torch.floor(weights / weights.sum() * units).long()
+    counts[torch.argmax(weights)] += units - int(counts.sum())
+    return (counts * 8).tolist()
+
+
+def contenders(sizes: list[int]) -> dict:
+    """Functions of ``(x, wt, offs)`` returning (total_M, N) bf16."""
+    import epicute
+
+    ends = torch.cumsum(torch.tensor(sizes), 0).tolist()
+    starts = [0, *ends[:-1]]
+
+    def loop(x, wt, offs):
+        out = torch.empty(x.shape[0], wt.shape[2], device=x.device, dtype=x.dtype)
+        for g, (s, e) in enumerate(zip(starts, ends)):
+            if e > s:
+                torch.mm(x[s:e], wt[g], out=out[s:e])
+        return out
+
+    found = {
+        "epicute": lambda x, wt, offs: epicute.grouped_gemm(x, wt, offs),
+        "torch_grouped_mm": lambda x, wt, offs: torch._grouped_mm(x, wt, offs=offs, out_dtype=torch.bfloat16),
+    }
+    try:
+        from quack.gemm_interface import gemm as qgemm
+
+        zero = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+        def quack(x, wt, offs):
+            return qgemm(x, wt, cu_seqlens_m=torch.cat([zero, offs]), tuned=False)
+
+        found["quack"] = quack
+    except ImportError:
+        print("quack not installed: no quack column")
+    found["torch_loop"] = loop
+    return found
+
+
+def run_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
+    from epicute.benchmark import time_flushed
+
+    experts, total, k, n, routing = CASES[name]
+    sizes = group_sizes(experts, total, routing, gen)
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32).cuda()
+    x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    wt = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16).transpose(-2, -1)
+    ends = offs.tolist()
+    ref = torch.cat([x[s:e].float() @ wt[g].float() for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends))])
+    row: Row = {"case": f"{name}: {experts} experts, {total} rows, K {k}, N {n}, {routing} (largest group "
+                        f"{max(sizes)}, {sizes.count(0)} empty)"}  # fmt: skip
+    print(row["case"])
+    ok, timed = True, {}
+    for label, fn in contenders(sizes).items():
+        try:
+            got = fn(x, wt, offs)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a failing peer must not stop the others
+            print(f"  {label:16s} FAILED, not recorded: {type(exc).__name__}: {exc}")
+            ok = ok and label != "epicute"
+            continue
+        err = ((got.float() - ref).norm() / ref.norm()).item()
+        flag = "" if err <= TOLERANCE else f"   <<<<<<<< WRONG: rel err > {TOLERANCE:g} >>>>>>>>"
+        print(f"  {label:16s} rel err {err:.2e}{flag}")
+        ok = ok and (label != "epicute" or err <= TOLERANCE)
+        timed[label] = functools.partial(fn, x, wt, offs)
+    for label, ms in time_interleaved(timed, timer=time_flushed).items():
+        row[label] = round(2 * total * n * k / (ms * 1e-3) / 1e12, 1)
+    return row, ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON path")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return 2
+    gen = torch.Generator().manual_seed(0)
+    rows, all_ok = [], True
+    for name in args.cases.split(","):
+        row, ok = run_case(name, gen)
+        rows.append(row)
+        all_ok = all_ok and ok
+        torch.cuda.empty_cache()
+    return finish_peer_run(args.out, "grouped", rows, all_ok)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The grouped GEMM's public functions: :func:`grouped_gemm` and :func:`explain_grouped`."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any, TextIO
+
+import torch
+
+from epicute.epilogue.dtypes import IR_TO_TORCH
+from epicute.epilogue.operands import OperandSpec
+from epicute.epilogue.reference import evaluate, round_to
+from epicute.epilogue.tracer import as_epilogue
+from epicute.errors import ConfigError, EpilogueError
+from epicute.gemm.epilogue_args import aux_outputs, kernel_inputs
+from epicute.gemm.prepare import ir_items
+from epicute.grouped.launch import run_grouped
+from epicute.grouped.plan import GroupedPlan, render_grouped_plan
+from epicute.grouped.prepare import GroupedRequest, PreparedGrouped, prepare
+from epicute.grouped.validate import GroupedCall, check_grouped_args, check_offsets_values
+from epicute.runtime.checks import check_has_values
+from epicute.runtime.target import Target, resolve_target
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    epilogue: Callable | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    out_dtypes: dict[str, torch.dtype] | None = None,
+    backend: str = "kernel",
+    config: dict | None = None,
+    check_offsets: bool = False,
+    **operands: Any,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """``a[rows of g] @ b[g]`` for every group ``g`` in one kernel (mixture-of-experts layers), optionally
+    with a fused epilogue.
+
+    Args:
+        a: ``(total_M, K)`` bf16 or fp16, rows sorted by group, row- or column-major.
+        b: ``(G, K, N)``, ``a``'s dtype, one ``(K, N)`` per group, row- or column-major
+            (``w.transpose(-2, -1)`` of a ``(G, N, K)`` weight works without a copy).
+        offsets: int32 ``(G,)``: each group's end row in ``a``, as ``torch._grouped_mm`` takes
+            ``offs`` (``torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)``; quack's
+            ``(G + 1,)`` ``cu_seqlens_m`` is ``offsets[1:]`` of this). Groups may be empty or of
+            any size. Read on the GPU: no sync, CUDA-graph safe.
+        epilogue: a function ``f(acc, *operands) -> {"D": ...}`` as for :func:`epicute.gemm`. Its
+            operands, by name: scalars; per-group row vectors ``(G, N)`` (an expert's bias or
+            scales) or one ``(N,)`` for all groups; per-row column vectors ``(total_M, 1)`` or
+            ``epicute.ColVector(w)`` of a ``(total_M,)`` ``w`` (router weights); tiles ``(total_M, N)``.
+            Its outputs are tiles (no reductions yet).
+        out: optional preallocated row-major ``(total_M, N)`` output.
+        out_dtype, out_dtypes: as for :func:`epicute.gemm`.
+        backend: ``"kernel"`` (the GPU) or ``"reference"`` (float32 on the CPU, per group).
+        config: :class:`~epicute.gemm.config.GemmConfig` fields to pin.
+        check_offsets: read the offsets back and check them (a device sync; offsets passed on the CPU are
+            always checked). Unchecked offsets that decrease or pass ``total_M`` never make the kernel
+            write outside ``out``, but rows no group covers are left as they were.
+
+    Returns:
+        D ``(total_M, N)``; a dict of every output when the epilogue returns more than ``"D"``.
+
+    Example:
+        >>> import torch, epicute                                              # doctest: +SKIP
+        >>> x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)  # tokens sorted by expert
+        >>> w = torch.randn(8, 2048, 1024, device="cuda", dtype=torch.bfloat16)
+        >>> offs = torch.cumsum(torch.full((8,), 512, device="cuda"), 0, dtype=torch.int32)
+        >>> y = epicute.grouped_gemm(x, w.transpose(-2, -1), offs)             # (4096, 2048)
+        >>> z = epicute.grouped_gemm(x, w.transpose(-2, -1), offs, epilogue=lambda acc, score: acc * score,
+        ...                          score=torch.rand(4096, 1, device="cuda"))
+    """
+    if backend not in ("kernel", "reference"):
+        raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
+    on_gpu = backend == "kernel"
+    if not on_gpu:
+        check_has_values(("a", a), ("b", b))
+    call, specs, request = describe_grouped_call(a, b, offsets, epilogue, out, out_dtype, out_dtypes, config,
+                                                 operands, on_gpu, check_offsets)  # fmt: skip
+    prepared = prepare(request)
+    if prepared.epilogue is not None and prepared.d_torch_dtype != call.out_dtype:
+        call = check_grouped_args(a, b, offsets, out, prepared.d_torch_dtype, require_cuda=on_gpu)
+    if backend == "reference":
+        results = reference_grouped(call, prepared, specs)
+    elif prepared.epilogue is None:
+        results = run_grouped(call, prepared.plan)
+    else:
+        p, device = call.problem, call.a.device
+        tensors, scalars = kernel_inputs(prepared.fusion, specs, device)
+        aux = aux_outputs(prepared.fusion, {}, (1, p.total_m, p.n), False, device)
+        results = run_grouped(call, prepared.plan, prepared.fusion, tensors, scalars, aux)
+    return results["D"] if set(results) == {"D"} else results
+
+
+def describe_grouped_call(
+    a, b, offsets, epilogue, out, out_dtype, out_dtypes, config, operands, require_cuda: bool,
+    check_offsets: bool = False,
+) -> tuple[GroupedCall, dict[str, OperandSpec], GroupedRequest]:  # fmt: skip
+    """Validate a call and describe it: the call, its operands resolved for the kernel (per-group rows
+    ``(G, N)``, per-row columns ``(G, total_M)`` with a zero group stride, tiles ``(1, total_M, N)``) and
+    its :class:`GroupedRequest`."""
+    if epilogue is None and (operands or out_dtypes):
+        raise EpilogueError(f"operands/outputs {sorted(operands) or list(out_dtypes)} were given without an epilogue")
+    if out_dtypes and "D" in out_dtypes:
+        out_dtype = out_dtype or out_dtypes["D"]
+    call = check_grouped_args(a, b, offsets, out, out_dtype, check_offsets=check_offsets, require_cuda=require_cuda)
+    p = call.problem
+    overrides = tuple(sorted((config or {}).items()))
+    if epilogue is None:
+        return call, {}, GroupedRequest(p, overrides=overrides)
+    epi = as_epilogue(epilogue)
+    specs = {name: _grouped_operand(spec, p.groups) for name, spec in epi.operands(operands, p.total_m, p.n,
+                                                                                    p.groups).items()}  # fmt: skip
+    request = GroupedRequest(
+        p, epi, tuple((s.name, s.kind, s.dtype) for s in specs.values()),
+        d_explicit=out is not None or out_dtype is not None, out_dtypes=ir_items(out_dtypes, "out_dtypes"),
+        overrides=overrides,
+    )  # fmt: skip
+    return call, specs, request
+
+
+def _grouped_operand(spec: OperandSpec, groups: int) -> OperandSpec:
+    """Per-row operands are one tensor over all rows (each row belongs to one group): a ``(G, ...)`` one is
+    refused; tiles go to the kernel as ``(1, total_M, N)``."""
+    if spec.kind in ("col", "tile") and groups > 1 and spec.value.stride(0) != 0:
+        shape = "(total_M, 1)" if spec.kind == "col" else "(total_M, N)"
+        raise EpilogueError(
+            f"operand {spec.name!r} has one {spec.kind} per group; in a grouped GEMM each row belongs to one group, "
+            f"so a per-row operand is {shape} over all rows (index it by group on the host for per-group values)"
+        )
+    if spec.kind == "tile":
+        return replace(spec, value=spec.value[:1])
+    return spec
+
+
+def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mapping[str, OperandSpec]) -> dict:
+    """The grouped GEMM in float32 on the CPU, group by group (reads the offsets; checks them)."""
+    p = call.problem
+    offsets = call.offsets.cpu()
+    check_offsets_values(offsets, p.total_m)
+    a, b = call.a[0].cpu().float(), call.b.cpu().float()
+    graph = None if prepared.epilogue is None else prepared.epilogue.graph
+    pieces: dict[str, list] = {}
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        acc = (a[start:end] @ b[g]).unsqueeze(0)
+        if graph is None:
+            results = {"D": round_to(acc, p.d_dtype if prepared.epilogue is None else prepared.epilogue.d_dtype)}
+        else:
+            results = evaluate(graph, acc, {name: _group_slice(s, g, start, end) for name, s in specs.items()})
+        for name, value in results.items():
+            pieces.setdefault(name, []).append(value[0])
+        start = end
+    if not pieces:  # no rows at all
+        stored = {"D": p.d_dtype} if prepared.epilogue is None else prepared.epilogue.fusion.output_dtypes
+        pieces = {name: [torch.empty(0, p.n, dtype=IR_TO_TORCH[d])] for name, d in stored.items()}
+    results = {name: torch.cat(values) for name, values in pieces.items()}
+    if call.out is not None:
+        call.out[0].copy_(results["D"])
+        results["D"] = call.out[0]
+    return results
+
+
+def _group_slice(spec: OperandSpec, g: int, start: int, end: int) -> OperandSpec:
+    """Group ``g``'s part of an operand, as a batch of one."""
+    if spec.kind == "scalar":
+        return spec
+    v = spec.value
+    part = v[g : g + 1] if spec.kind == "row" else v[:1, start:end] if spec.kind in ("col", "tile") else v
+    return replace(spec, value=part)
+
+
+def explain_grouped(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    epilogue: Callable | None = None,
+    out_dtype: torch.dtype | None = None,
+    out_dtypes: dict[str, torch.dtype] | None = None,
+    config: dict | None = None,
+    target: Target | str | None = None,
+    file: TextIO | str | None = "stdout",
+    **operands: Any,
+) -> GroupedPlan:
+    """Print (to ``file``; ``None``: quiet) and return the plan :func:`grouped_gemm` launches for these
+    arguments: the grouped schedule, the tile plan and the epilogue chain. Tensors may be on any device
+    (``"meta"`` included: the offsets' values are never read).
+
+    Example:
+        >>> import torch, epicute
+        >>> x = torch.empty(16384, 4096, dtype=torch.bfloat16, device="meta")
+        >>> w = torch.empty(8, 14336, 4096, dtype=torch.bfloat16, device="meta")
+        >>> offs = torch.empty(8, dtype=torch.int32, device="meta")
+        >>> plan = epicute.explain_grouped(x, w.transpose(-2, -1), offs, file=None)
+        >>> plan.config.tile_m, plan.grid[2] <= 132
+        (128, True)
+    """
+    _, _, request = describe_grouped_call(a, b, offsets, epilogue, None, out_dtype, out_dtypes, config, operands,
+                                          False)  # fmt: skip
+    plan = prepare(replace(request, target=resolve_target(target))).plan
+    if file is not None:
+        print(render_grouped_plan(plan), file=sys.stdout if file == "stdout" else file)
+    return plan
+
+
+__all__ = ["explain_grouped", "grouped_gemm", "reference_grouped"]

@@ -1,0 +1,87 @@
+"""The grouped GEMM's compiled variants (:class:`GroupedVariant`) and their sm_90a compile, through
+the family cache. Sizes, strides and the group count are symbolic: one kernel per variant serves
+every routing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epicute.gemm.compile import _fake_epilogue_operands, _fake_operand
+from epicute.gemm.config import GemmConfig
+from epicute.runtime.cache import CacheKey
+from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily, dsl_compile
+from epicute.runtime.target import DEFAULT_ARCH, SM90A
+
+
+@dataclass(frozen=True)
+class GroupedVariant:
+    """Everything that changes the generated grouped-GEMM code."""
+
+    config: GemmConfig
+    ab_dtype: str
+    d_dtype: str
+    a_major: str
+    b_major: str
+    arch: str = DEFAULT_ARCH
+    #: the fused epilogue (an ``epicute.epilogue.fusion.EpilogueFusion``), if any
+    fusion: object = None
+
+    def key(self) -> CacheKey:
+        parts = (
+            self.config.key(), self.ab_dtype, self.d_dtype, self.a_major, self.b_major,
+            None if self.fusion is None else self.fusion.key(), ("align", OPERAND_ALIGN_BYTES),
+        )  # fmt: skip
+        c = self.config
+        label = (
+            f"grouped {c.tile_m}x{c.tile_n}x{c.tile_k} cluster {c.cluster_m}x{c.cluster_n} {c.schedule} "
+            f"{'persistent' if c.persistent else 'one tile/CTA'} {self.ab_dtype}->{self.d_dtype} "
+            f"A:{self.a_major} B:{self.b_major}" + ("" if self.fusion is None else " +epilogue")
+        )
+        return CacheKey("grouped_gemm", parts, self.arch, label)
+
+
+def compile_grouped_sm90(variant: GroupedVariant):
+    """Compile one grouped variant for sm_90a; returns the callable
+    ``f(a, b, d, offsets, epi_tensors, epi_scalars, max_active_clusters)`` taking A ``(1, total_M, K)``,
+    B ``(G, K, N)``, D ``(1, total_M, N)`` and int32 ``offsets`` ``(G,)`` (torch tensors)."""
+    import cutlass
+    from cutlass import cute
+
+    from epicute.gemm.kernel_sm90 import CUTLASS_DTYPES
+    from epicute.grouped.kernel_sm90 import GroupedGemmSm90
+
+    ab, d = CUTLASS_DTYPES[variant.ab_dtype], CUTLASS_DTYPES[variant.d_dtype]
+    g, m, n, k = (cute.sym_int() for _ in range(4))
+    fake_a = _fake_operand(ab, (1, m, k), contiguous=2 if variant.a_major == "k" else 1)
+    fake_b = _fake_operand(ab, (g, k, n), contiguous=2 if variant.b_major == "n" else 1)
+    fake_d = _fake_operand(d, (1, m, n), contiguous=2)
+    fake_offsets = cute.runtime.make_fake_tensor(cutlass.Int32, (g,), stride=(1,), assumed_align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
+    kernel = GroupedGemmSm90(
+        variant.config, variant.ab_dtype, variant.d_dtype, variant.a_major, variant.b_major, variant.fusion
+    )
+    return dsl_compile(
+        variant,
+        kernel,
+        fake_a,
+        fake_b,
+        fake_d,
+        fake_offsets,
+        epi_tensors,
+        epi_scalars,
+        cutlass.Int32(1),
+        stream,
+        constant_args=("epi_tensors", "epi_scalars"),
+    )
+
+
+GROUPED_CACHE = KernelFamily("grouped_gemm", {SM90A: compile_grouped_sm90})
+
+
+def compile_grouped(variant: GroupedVariant):
+    """Compile one grouped variant for ``variant.arch`` (no cache)."""
+    return GROUPED_CACHE.compile(variant)
+
+
+__all__ = ["GROUPED_CACHE", "GroupedVariant", "compile_grouped", "compile_grouped_sm90"]

@@ -1,0 +1,53 @@
+"""Turning a validated grouped call into a launch: the compiled variant (cached per plan), D and the
+aux outputs allocated, the kernel called with the offsets as they are on the GPU."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from epicute.grouped.compile import GROUPED_CACHE, GroupedVariant
+from epicute.grouped.plan import GroupedPlan
+from epicute.grouped.validate import GroupedCall
+
+
+def variant_of(plan: GroupedPlan, fusion=None) -> GroupedVariant:
+    p = plan.problem
+    return GroupedVariant(plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion)
+
+
+@functools.lru_cache(maxsize=4096)
+def kernel_for(plan: GroupedPlan, fusion=None):
+    """The compiled kernel of ``plan`` (and fusion): memory, disk or a compile, once per process."""
+    return GROUPED_CACHE.get(variant_of(plan, fusion))
+
+
+def _zero_k(call: GroupedCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """K = 0: zero A and B one 16-byte K row long (a TMA descriptor cannot describe an empty K), so an
+    epilogue sees a zero accumulator."""
+    p, a = call.problem, call.a
+    k = 16 // a.element_size()
+    return a.new_zeros(1, p.total_m, k), a.new_zeros(p.groups, k, p.n)
+
+
+def run_grouped(call: GroupedCall, plan: GroupedPlan, fusion=None, epi_inputs: tuple = (), epi_scalars: tuple = (),
+                aux: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Launch ``call`` with ``plan``; every output by name, ``(total_M, N)``, D first."""
+    p = call.problem
+    out3 = call.out
+    if out3 is None:
+        out3 = torch.empty((1, p.total_m, p.n), dtype=call.out_dtype, device=call.a.device)
+    aux = dict(aux or {})
+    if p.total_m and p.n:
+        if p.k == 0 and fusion is None:
+            out3.zero_()
+        else:
+            a, b = (call.a, call.b) if p.k else _zero_k(call)
+            epi_tensors = tuple(epi_inputs) + tuple(aux.values())
+            kernel_for(plan, fusion)(a, b, out3, call.offsets, epi_tensors, tuple(epi_scalars),
+                                     plan.max_active_clusters)  # fmt: skip
+    return {"D": out3[0], **{name: t[0] for name, t in aux.items()}}
+
+
+__all__ = ["kernel_for", "run_grouped", "variant_of"]

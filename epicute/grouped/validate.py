@@ -1,0 +1,151 @@
+"""Checking grouped-GEMM arguments before anything is planned or launched (each error names the
+argument and the fix; nothing is copied behind the user's back).
+
+The offsets live on the GPU, so their values are checked only where that is cheap: when the
+caller passes them on the CPU (they are then copied to the GPU once per call), or with
+``check_offsets=True`` (one device-to-host read: a sync). Unchecked offsets that decrease or
+pass ``total_M`` cannot make the kernel write outside ``out``: it clamps every group's rows to
+``[0, total_M]`` and an empty group when they decrease (see
+:class:`~epicute.sm90.tile_scheduler.GroupedTileScheduler`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epicute.epilogue.dtypes import TORCH_TO_IR
+from epicute.errors import AlignmentError, DtypeError, OutputError, ShapeError
+from epicute.gemm.validate import (
+    D_TORCH_DTYPES,
+    FP8_TORCH_DTYPES,
+    _check_tma_strides,
+    _major,
+    check_d_rows,
+    check_out_placement,
+)
+from epicute.grouped.plan import GroupedProblem
+from epicute.runtime.checks import check_on_one_hopper_gpu
+
+#: The most rows a grouped GEMM takes: the ragged store's coordinates (total_M - rows_g + i, and the
+#: group's end one mode further) are int32.
+MAX_TOTAL_ROWS = 2**30
+
+
+@dataclass
+class GroupedCall:
+    """Validated operands: A ``(1, total_M, K)``, B ``(G, K, N)``, int32 offsets ``(G,)`` on A's device,
+    ``out`` ``(1, total_M, N)`` or None."""
+
+    problem: GroupedProblem
+    a: torch.Tensor
+    b: torch.Tensor
+    offsets: torch.Tensor
+    out: torch.Tensor | None
+    out_dtype: torch.dtype
+
+
+def check_offsets_values(offsets: torch.Tensor, total_m: int) -> None:
+    """Offsets must be group ends: non-decreasing, non-negative, the last one ``total_M`` (reads them: a sync
+    when they are on the GPU)."""
+    values = offsets.tolist()
+    if values and values[0] < 0:
+        raise ShapeError(f"offsets[0] = {values[0]} is negative; offsets are each group's end row")
+    for g in range(1, len(values)):
+        if values[g] < values[g - 1]:
+            raise ShapeError(
+                f"offsets decrease at group {g} ({values[g - 1]} -> {values[g]}); they are cumulative group ends, "
+                "e.g. torch.cumsum(group_sizes, 0, dtype=torch.int32), with a's rows sorted by group"
+            )
+    if values and values[-1] != total_m:
+        raise ShapeError(
+            f"offsets[-1] = {values[-1]} but a has total_M = {total_m} rows; the last group must end at total_M "
+            "(pass a[:offsets[-1]] to leave rows out)"
+        )
+
+
+def check_grouped_args(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    check_offsets: bool = False,
+    require_cuda: bool = True,
+) -> GroupedCall:
+    """Validate a grouped GEMM call and describe it as a :class:`GroupedProblem`."""
+    for name, t in (("a", a), ("b", b), ("offsets", offsets)):
+        if not isinstance(t, torch.Tensor):
+            raise DtypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if require_cuda:
+        check_on_one_hopper_gpu(("a", a), ("b", b))
+    if a.dtype in FP8_TORCH_DTYPES:
+        raise DtypeError(f"a has dtype {a.dtype}: the grouped GEMM takes torch.bfloat16 or torch.float16 (fp8 grouped "
+                         "GEMMs are not supported yet; use epicute.gemm per group)")  # fmt: skip
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        raise DtypeError(f"a has dtype {a.dtype}; the grouped GEMM takes torch.bfloat16 or torch.float16")
+    if b.dtype != a.dtype:
+        raise DtypeError(f"b has dtype {b.dtype} but a has {a.dtype}; cast one so that they match")
+    if a.dim() != 2:
+        raise ShapeError(f"a has shape {tuple(a.shape)}; a grouped GEMM takes a 2-D (total_M, K), rows sorted by group")
+    if b.dim() != 3:
+        raise ShapeError(f"b has shape {tuple(b.shape)}; a grouped GEMM takes a 3-D (G, K, N), one (K, N) per group "
+                         "(w.transpose(-2, -1) of a (G, N, K) weight works without a copy)")  # fmt: skip
+    total_m, k = a.shape
+    groups, kb, n = b.shape
+    if kb != k:
+        raise ShapeError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a's K={k} != b's K={kb}")
+    if groups == 0:
+        raise ShapeError("b has G = 0 groups; a grouped GEMM needs at least one")
+    if total_m >= MAX_TOTAL_ROWS:
+        raise ShapeError(f"a has {total_m} rows; the grouped GEMM takes fewer than {MAX_TOTAL_ROWS}")
+    if offsets.dtype != torch.int32:
+        raise DtypeError(f"offsets has dtype {offsets.dtype}; pass int32 group ends (offsets.to(torch.int32))")
+    if tuple(offsets.shape) != (groups,):
+        hint = (" (that is quack's cu_seqlens form, starting at 0: pass offsets[1:])"
+                if tuple(offsets.shape) == (groups + 1,) else "")  # fmt: skip
+        raise ShapeError(f"offsets has shape {tuple(offsets.shape)}; it must be ({groups},), each group's end row, "
+                         f"as torch._grouped_mm takes it{hint}")  # fmt: skip
+    if offsets.device.type == "cpu" or check_offsets:
+        check_offsets_values(offsets, total_m)
+    if offsets.device != a.device:
+        if offsets.device.type != "cpu":
+            raise DtypeError(f"offsets is on {offsets.device} but a is on {a.device}; move it there")
+        offsets = offsets.to(a.device, non_blocking=True)
+    elif offsets.stride(0) != 1 and groups > 1:
+        offsets = offsets.contiguous()
+
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise OutputError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise OutputError(f"out has dtype {out.dtype} but out_dtype={out_dtype}; drop one or make them agree")
+        out_dtype = out.dtype
+    out_dtype = out_dtype or a.dtype
+    if out_dtype not in D_TORCH_DTYPES:
+        raise DtypeError(f"out_dtype={out_dtype}; supported are {', '.join(map(str, D_TORCH_DTYPES))}")
+    a3, b3 = a.unsqueeze(0), b
+    a_major = _major(a3, "a", "k", "m")
+    b_major = _major(b3, "b", "n", "k")
+    if a_major == "m" and k > 1:
+        # Groups start at any row, and a TMA box may start only 16-byte aligned along the contiguous dimension.
+        raise AlignmentError(
+            f"a has strides {tuple(a.stride())}: column-major (M contiguous), but a grouped GEMM reads each group's "
+            "rows from wherever it starts, which TMA can do only along a strided dimension: pass a row-major a "
+            "(a.contiguous())"
+        )
+    out3 = None
+    if out is not None:
+        check_out_placement(out, (total_m, n), f"the grouped GEMM writes {(total_m, n)}", a, b)
+        out3 = out.unsqueeze(0)
+    problem = GroupedProblem(total_m, n, k, groups, TORCH_TO_IR[a.dtype], TORCH_TO_IR[out_dtype], a_major, b_major)
+    if total_m and n and k:
+        a3 = _check_tma_strides(a3, "a", 2 if a_major == "k" else 1, "LMK")
+        b3 = _check_tma_strides(b3, "b", 2 if b_major == "n" else 1, "GKN")
+        out3 = check_d_rows(out3, n, out_dtype)
+    return GroupedCall(problem, a3, b3, offsets, out3, out_dtype)
+
+
+__all__ = ["MAX_TOTAL_ROWS", "GroupedCall", "check_grouped_args", "check_offsets_values"]

@@ -1,0 +1,193 @@
+"""The grouped GEMM on the CPU: argument checks (typed errors naming the fix), the reference backend
+against per-group float32 products, the grouped plan and its grid bound, and sm_90a compiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import epicute
+from epicute import ops
+from epicute.errors import AlignmentError, DtypeError, EpilogueError, OutputError, ShapeError
+from epicute.grouped.api import describe_grouped_call
+from epicute.grouped.compile import compile_grouped
+from epicute.grouped.prepare import prepare
+from epicute.sm90.tile_grid import ceil_div, grouped_cluster_bound
+from tests.conftest import rel_err
+
+
+def offsets_of(sizes) -> torch.Tensor:
+    return torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 0).to(torch.int32)
+
+
+def operands(sizes, k=40, n=24, dtype=torch.bfloat16):
+    offsets = offsets_of(sizes)
+    a = torch.randn(int(offsets[-1]), k, dtype=dtype)
+    b = torch.randn(len(sizes), n, k, dtype=dtype).transpose(-2, -1)
+    return a, b, offsets
+
+
+def per_group(a, b, offsets) -> torch.Tensor:
+    ends = offsets.tolist()
+    return torch.cat([a[s:e].double() @ b[g].double() for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends))])
+
+
+def test_reference_is_the_per_group_product():
+    a, b, offsets = operands([0, 1, 37, 9, 0])
+    d = epicute.grouped_gemm(a, b, offsets, backend="reference")
+    assert d.shape == (47, 24) and d.dtype == torch.bfloat16
+    assert rel_err(d, per_group(a, b, offsets)) < 1e-2
+
+
+def test_reference_epilogue_sees_each_rows_group():
+    sizes = [3, 0, 5, 2]
+    a, b, offsets = operands(sizes)
+    bias = torch.randn(4, 24)
+    score = torch.rand(10, 1)
+    got = epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc, bias, score: {"D": acc * score + bias, "acc": acc},
+                               bias=bias, score=score, backend="reference", out_dtype=torch.float32)  # fmt: skip
+    group = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes))
+    acc = per_group(a, b, offsets)
+    assert rel_err(got["D"], acc * score.double() + bias.double()[group]) < 1e-6
+    assert rel_err(got["acc"], acc) < 1e-6
+
+
+def test_reference_writes_out():
+    a, b, offsets = operands([4, 6])
+    out = torch.full((10, 24), float("nan"), dtype=torch.bfloat16)
+    d = epicute.grouped_gemm(a, b, offsets, out=out, backend="reference")
+    assert d.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+
+
+BAD = {
+    "offsets_int64": (lambda a, b, o: (a, b, o.long()), DtypeError, "int32"),
+    "offsets_cu_seqlens": (
+        lambda a, b, o: (a, b, torch.cat([torch.zeros(1, dtype=torch.int32), o])),
+        ShapeError,
+        "offsets[1:]",
+    ),
+    "offsets_decrease": (lambda a, b, o: (a, b, torch.tensor([5, 3, 10], dtype=torch.int32)), ShapeError, "decrease"),
+    "offsets_short": (lambda a, b, o: (a, b, torch.tensor([2, 4, 9], dtype=torch.int32)), ShapeError, "total_M"),
+    "offsets_negative": (lambda a, b, o: (a, b, torch.tensor([-1, 4, 10], dtype=torch.int32)), ShapeError, "negative"),
+    "a_3d": (lambda a, b, o: (a[None], b, o), ShapeError, "2-D"),
+    "b_2d": (lambda a, b, o: (a, b[0], o), ShapeError, "(G, K, N)"),
+    "k_mismatch": (lambda a, b, o: (a[:, :8], b, o), ShapeError, "K="),
+    "dtype_mismatch": (lambda a, b, o: (a, b.half(), o), DtypeError, "match"),
+    "fp8": (lambda a, b, o: (a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), o), DtypeError, "fp8"),
+    "fp32": (lambda a, b, o: (a.float(), b.float(), o), DtypeError, "bfloat16"),
+    "a_column_major": (lambda a, b, o: (a.t().contiguous().t(), b, o), AlignmentError, "a.contiguous()"),
+    "n_unaligned": (lambda a, b, o: (a, b[:, :, :7], o), AlignmentError, "pad N"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_arguments_get_typed_errors(case):
+    make, error, words = BAD[case]
+    a, b, offsets = operands([2, 3, 5], k=32, n=24)
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        epicute.grouped_gemm(*make(a, b, offsets), backend="reference")
+
+
+def test_gpu_offsets_are_checked_only_when_asked():
+    """Offsets on a device are not read (no sync) unless check_offsets=True; meta tensors stand in here."""
+    a = torch.empty(10, 32, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(3, 32, 24, dtype=torch.bfloat16, device="meta")
+    offsets = torch.empty(3, dtype=torch.int32, device="meta")
+    describe_grouped_call(a, b, offsets, None, None, None, None, None, {}, require_cuda=False)
+    with pytest.raises((NotImplementedError, RuntimeError)):  # reading a meta tensor's values
+        describe_grouped_call(a, b, offsets, None, None, None, None, None, {}, require_cuda=False, check_offsets=True)
+
+
+def test_out_errors():
+    a, b, offsets = operands([2, 3, 5], k=32, n=24)
+    with pytest.raises(OutputError, match="writes"):
+        epicute.grouped_gemm(a, b, offsets, out=torch.empty(10, 16, dtype=torch.bfloat16), backend="reference")
+    with pytest.raises(OutputError, match="out_dtype"):
+        epicute.grouped_gemm(a, b, offsets, out=torch.empty(10, 24, dtype=torch.bfloat16), out_dtype=torch.float32,
+                             backend="reference")  # fmt: skip
+
+
+def test_epilogue_operand_errors():
+    a, b, offsets = operands([2, 3, 5], k=32, n=24)
+    per_group_rows = torch.randn(3, 10, 1)
+    with pytest.raises(EpilogueError, match="each row belongs to one group"):
+        epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc, s: acc * s, s=per_group_rows, backend="reference")
+    with pytest.raises(EpilogueError, match="do not support yet"):
+        epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc: {"D": acc, "row_sum": ops.row_sum(acc)},
+                             backend="reference")  # fmt: skip
+    with pytest.raises(EpilogueError, match="without an epilogue"):
+        epicute.grouped_gemm(a, b, offsets, bias=torch.randn(24), backend="reference")
+
+
+@pytest.mark.parametrize(("block", "clusters_n", "groups"), [(128, 3, 5), (256, 1, 7), (64, 2, 40)])
+def test_grid_bound_covers_every_routing_and_is_reached(block, clusters_n, groups):
+    total = 3 * block + 11
+    bound = grouped_cluster_bound(total, groups, block, clusters_n)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2000):  # random routings, empty groups included
+        cuts = sorted(torch.randint(0, total + 1, (groups - 1,), generator=gen).tolist())
+        ends = [*cuts, total]
+        sizes = [e - s for s, e in zip([0, *ends[:-1]], ends)]
+        assert sum(ceil_div(s, block) for s in sizes) * clusters_n <= bound
+    # Groups one row past a multiple of the block, as many as fit: the bound is reached.
+    fits = min(groups, total // (block + 1))
+    sizes = [block + 1] * (fits - 1) + [total - (fits - 1) * (block + 1)] + [0] * (groups - fits)
+    assert sum(sizes) == total
+    tight = grouped_cluster_bound(total, fits, block, clusters_n)
+    assert sum(ceil_div(s, block) for s in sizes) * clusters_n == tight <= bound
+
+
+def test_explain_grouped_prints_the_schedule_and_chain(capsys):
+    a = torch.empty(16384, 4096, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(8, 14336, 4096, dtype=torch.bfloat16, device="meta")
+    offsets = torch.empty(8, dtype=torch.int32, device="meta")
+    plan = epicute.explain_grouped(a, w.transpose(-2, -1), offsets, epilogue=lambda acc, bias: ops.silu(acc + bias),
+                                   bias=torch.empty(8, 14336, dtype=torch.bfloat16, device="meta"))  # fmt: skip
+    text = capsys.readouterr().out
+    assert "grouped schedule" in text and "ragged TMA descriptor" in text and "epilogue chain" in text
+    assert plan.grid[2] == min(plan.cluster_bound, plan.max_active_clusters)
+    c = plan.config
+    assert plan.cluster_bound == (16384 + 8 * (c.tile_m * c.cluster_m - 1)) // (c.tile_m * c.cluster_m) * ceil_div(
+        ceil_div(14336, c.tile_n), c.cluster_n
+    )
+
+
+@pytest.mark.parametrize(("groups", "rows", "along_m"), [(8, 16384, True), (64, 16384, False), (64, 4096, False)])
+def test_clusters_pair_along_m_only_for_large_groups(groups, rows, along_m):
+    a = torch.empty(rows, 7168, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(groups, 2048, 7168, dtype=torch.bfloat16, device="meta")
+    plan = epicute.explain_grouped(a, w.transpose(-2, -1), torch.empty(groups, dtype=torch.int32, device="meta"),
+                                   file=None)  # fmt: skip
+    assert (plan.config.cluster_m == 2) == along_m
+    pinned = epicute.explain_grouped(a, w.transpose(-2, -1), torch.empty(groups, dtype=torch.int32, device="meta"),
+                                     config={"cluster_m": 2}, file=None)  # fmt: skip
+    assert pinned.config.cluster_m == 2
+
+
+def _prepared(config, dtype=torch.bfloat16, epilogue=None, **ops_):
+    a = torch.empty(300, 64, dtype=dtype, device="meta")
+    b = torch.empty(5, 136, 64, dtype=dtype, device="meta").transpose(-2, -1)
+    offsets = torch.empty(5, dtype=torch.int32, device="meta")
+    return prepare(describe_grouped_call(a, b, offsets, epilogue, None, None, None, config, ops_, False)[2])
+
+
+COMPILES = {
+    "plain_cooperative_2x1": ({"tile_n": 256, "cluster_m": 2}, torch.bfloat16, None, {}),
+    "fp16_pingpong": ({"schedule": "pingpong", "tile_n": 128}, torch.float16, None, {}),
+    "one_tile_per_cta": ({"persistent": False, "tile_n": 64}, torch.bfloat16, None, {}),
+    "epilogue_every_kind": (
+        {"cluster_n": 2},
+        torch.bfloat16,
+        lambda acc, bias, score, res: {"D": ops.silu(acc + bias) * score + res, "pre": acc},
+        {"bias": torch.empty(5, 136, dtype=torch.bfloat16, device="meta"),
+         "score": torch.empty(300, 1, device="meta"),
+         "res": torch.empty(300, 136, dtype=torch.bfloat16, device="meta")},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case", list(COMPILES))
+def test_grouped_variants_compile_for_sm90a(case):
+    config, dtype, epi, ops_ = COMPILES[case]
+    compile_grouped(_prepared(config, dtype, epi, **ops_).variant())

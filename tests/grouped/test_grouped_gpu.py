@@ -1,0 +1,175 @@
+"""GPU correctness of the grouped GEMM against a float32 reference of the same math, group by group.
+
+Group sizes cover 0, 1, odd, tile multiples +- 1, one group, skewed routing and more groups than a
+warp scans at once (G > 32); outputs are NaN-poisoned so rows a group's store misses show, and rows
+past the last group (when ``out`` is given) must keep their poison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import epicute
+from epicute import ops
+from tests.conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+
+BF16_TOL = 1e-2  # bf16 output rounding of fp32 accumulations (~2^-9 relative per element)
+
+
+def offsets_of(sizes) -> torch.Tensor:
+    return torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 0).to(torch.int32).cuda()
+
+
+def reference(a, b, offsets) -> torch.Tensor:
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+    return torch.cat([a[s:e].double() @ b[g].double() for g, (s, e) in enumerate(zip(starts, ends))])
+
+
+def weights(groups, n, k, major, dtype=torch.bfloat16):
+    """B (G, K, N): row-major, or the transpose of a row-major (G, N, K) weight."""
+    if major == "k":
+        return torch.randn(groups, n, k, device="cuda", dtype=dtype).transpose(-2, -1)
+    return torch.randn(groups, k, n, device="cuda", dtype=dtype)
+
+
+SIZES = {
+    "mixed": [0, 1, 37, 128, 129, 255, 3],
+    "one_group": [301],
+    "empty_ends": [0, 64, 0, 0, 190, 0],
+    "many_groups": [int(x) for x in torch.randint(0, 70, (45,), generator=torch.Generator().manual_seed(1))],
+    "skewed": [2000, 300, 41, 7, 1, 1, 0, 2],
+}
+
+
+@pytest.mark.parametrize("name", list(SIZES))
+@pytest.mark.parametrize("b_major", ["k", "n"])
+def test_grouped_matches_reference(name, b_major):
+    sizes = SIZES[name]
+    k, n = 200, 264
+    offsets = offsets_of(sizes)
+    total = int(offsets[-1])
+    a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    b = weights(len(sizes), n, k, b_major)
+    out = torch.full((total, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    d = epicute.grouped_gemm(a, b, offsets, out=out)
+    assert d.data_ptr() == out.data_ptr()
+    assert rel_err(d, reference(a, b, offsets)) < BF16_TOL
+
+
+def test_grouped_fp16_and_fp32_out():
+    sizes = [5, 0, 130, 77]
+    offsets = offsets_of(sizes)
+    total, k, n = int(offsets[-1]), 96, 136
+    a = torch.randn(total, k, device="cuda", dtype=torch.float16)
+    b = weights(len(sizes), n, k, "n", torch.float16)
+    d = epicute.grouped_gemm(a, b, offsets, out_dtype=torch.float32)
+    assert d.dtype == torch.float32 and d.shape == (total, n)
+    assert rel_err(d, reference(a, b, offsets)) < 1e-5  # fp32 D: exact fp16 products, fp32 sums
+    d16 = epicute.grouped_gemm(a, b, offsets)
+    assert d16.dtype == torch.float16 and rel_err(d16, reference(a, b, offsets)) < 2e-3
+
+
+def test_rows_past_the_last_group_are_not_written():
+    offsets = offsets_of([10, 20])  # a has 50 rows; rows 30.. belong to no group
+    a = torch.randn(50, 64, device="cuda", dtype=torch.bfloat16)
+    b = weights(2, 64, 64, "k")
+    out = torch.full((50, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    epicute.grouped_gemm(a, b, offsets, out=out)
+    assert torch.isnan(out[30:]).all()
+    assert rel_err(out[:30], reference(a[:30], b, offsets)) < BF16_TOL
+
+
+def test_decreasing_offsets_on_the_gpu_stay_inside_out():
+    """Unchecked malformed offsets (on the GPU) never write outside ``out`` (the guard rows stay NaN)."""
+    guard = torch.full((3 * 64, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = guard[64:128]
+    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    b = weights(3, 64, 64, "k")
+    bad = torch.tensor([50, 10, 1000], dtype=torch.int32, device="cuda")
+    epicute.grouped_gemm(a, b, bad, out=out)
+    assert torch.isnan(guard[:64]).all() and torch.isnan(guard[128:]).all()
+
+
+@pytest.mark.parametrize("config", [{"persistent": False}, {"schedule": "pingpong", "tile_n": 128}, {"tile_n": 64}])
+def test_grouped_configs(config):
+    sizes = [130, 1, 0, 257, 64]
+    offsets = offsets_of(sizes)
+    total, k, n = int(offsets[-1]), 320, 200
+    a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    b = weights(len(sizes), n, k, "k")
+    d = epicute.grouped_gemm(a, b, offsets, config=config)
+    assert rel_err(d, reference(a, b, offsets)) < BF16_TOL
+
+
+def test_grouped_epilogue_operand_kinds_and_aux_output():
+    sizes = [33, 0, 140, 1, 90]
+    groups = len(sizes)
+    offsets = offsets_of(sizes)
+    total, k, n = int(offsets[-1]), 128, 192
+    a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    b = weights(groups, n, k, "k")
+    bias = torch.randn(groups, n, device="cuda", dtype=torch.bfloat16)  # per expert
+    shared = torch.randn(n, device="cuda", dtype=torch.bfloat16)  # all experts
+    score = torch.rand(total, device="cuda", dtype=torch.float32)  # router weight per token
+    residual = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+
+    def epi(acc, bias, shared, score, residual, alpha):
+        pre = alpha * acc + bias + shared
+        return {"D": ops.silu(pre) * score + residual, "pre": pre}
+
+    args = dict(bias=bias, shared=shared, score=epicute.ColVector(score), residual=residual, alpha=0.5)
+    got = epicute.grouped_gemm(a, b, offsets, epilogue=epi, out_dtypes={"pre": torch.float32}, **args)
+    acc = reference(a, b, offsets).float()
+    group_of_row = torch.repeat_interleave(torch.arange(groups, device="cuda"), torch.tensor(sizes, device="cuda"))
+    pre = 0.5 * acc + bias.float()[group_of_row] + shared.float()
+    want = torch.nn.functional.silu(pre) * score[:, None] + residual.float()
+    assert got["pre"].dtype == torch.float32
+    assert rel_err(got["pre"], pre) < 1e-5
+    assert rel_err(got["D"], want) < BF16_TOL
+    ref = epicute.grouped_gemm(a.cpu(), b.cpu(), offsets.cpu(), epilogue=epi, backend="reference",
+                               out_dtypes={"pre": torch.float32},
+                               **{**args, "score": epicute.ColVector(score.cpu()), "bias": bias.cpu(),
+                                  "shared": shared.cpu(), "residual": residual.cpu()})  # fmt: skip
+    assert rel_err(got["D"].cpu(), ref["D"]) < BF16_TOL
+
+
+def test_grouped_k_zero_and_no_rows():
+    offsets = offsets_of([3, 0, 5])
+    a = torch.randn(8, 0, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(3, 0, 64, device="cuda", dtype=torch.bfloat16)
+    assert (epicute.grouped_gemm(a, b, offsets) == 0).all()
+    empty = epicute.grouped_gemm(torch.randn(0, 64, device="cuda", dtype=torch.bfloat16), weights(2, 64, 64, "k"),
+                                 offsets_of([0, 0]))  # fmt: skip
+    assert empty.shape == (0, 64)
+
+
+def test_grouped_matches_torch_grouped_mm_layout():
+    """The same arguments as torch._grouped_mm (offs = group ends), fresh random routing."""
+    groups, k, n = 8, 256, 512
+    sizes = torch.multinomial(torch.ones(groups), 3000, replacement=True).bincount(minlength=groups).tolist()
+    offsets = offsets_of(sizes)
+    a = torch.randn(3000, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(groups, n, k, device="cuda", dtype=torch.bfloat16)
+    d = epicute.grouped_gemm(a, w.transpose(-2, -1), offsets)
+    assert rel_err(d, reference(a, w.transpose(-2, -1), offsets)) < BF16_TOL
+
+
+def test_grouped_cuda_graph_capture():
+    sizes = [100, 0, 31]
+    offsets = offsets_of(sizes)
+    a = torch.randn(131, 64, device="cuda", dtype=torch.bfloat16)
+    b = weights(3, 128, 64, "k")
+    out = torch.empty(131, 128, device="cuda", dtype=torch.bfloat16)
+    epicute.grouped_gemm(a, b, offsets, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        epicute.grouped_gemm(a, b, offsets, out=out)
+    offsets.copy_(offsets_of([31, 100, 0]))  # new routing, same graph
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, reference(a, b, offsets)) < BF16_TOL
