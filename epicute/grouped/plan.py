@@ -8,6 +8,7 @@ worst routing, the bound on cluster tiles any split of ``total_M`` rows into ``G
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from epicute.errors import ConfigError
@@ -113,7 +114,12 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
     from epicute.gemm.plan import GemmPlan
 
     p, c = plan.problem, plan.config
-    dense = render_plan(GemmPlan(p.mean_group(), c, plan.target, plan.epilogue)).splitlines()
+    # The mean group's tile plan, less its dense grid and tile count (the grouped schedule above sets those).
+    dense = [
+        re.sub(r"   \(\d+ output tiles\)$", "", line)
+        for line in render_plan(GemmPlan(p.mean_group(), c, plan.target, plan.epilogue)).splitlines()
+        if not line.startswith("  grid ")
+    ]
     lines = [
         (
             f"epicute grouped GEMM plan: {p.groups} groups, D[{p.total_m}x{p.n}] = A[{p.total_m}x{p.k}] @ "

@@ -145,6 +145,7 @@ def test_explain_grouped_prints_the_schedule_and_chain(capsys):
                                    bias=torch.empty(8, 14336, dtype=torch.bfloat16, device="meta"))  # fmt: skip
     text = capsys.readouterr().out
     assert "grouped schedule" in text and "ragged TMA descriptor" in text and "epilogue chain" in text
+    assert text.count("  grid ") == 1 and "output tiles" not in text  # the grouped grid only
     assert plan.grid[2] == min(plan.cluster_bound, plan.max_active_clusters)
     c = plan.config
     assert plan.cluster_bound == (16384 + 8 * (c.tile_m * c.cluster_m - 1)) // (c.tile_m * c.cluster_m) * ceil_div(
