@@ -294,7 +294,11 @@ RACER = textwrap.dedent(
     def build():
         with open(log, "a") as f:
             f.write(f"compile {time.time()}\\n")
-        time.sleep(3.0)  # long enough that the other process arrives while this one compiles
+        # Compile until the other process has asked for the same key too (no sleep: a loaded machine may
+        # take any time to start it), so its request meets this compile in flight.
+        deadline = time.time() + 240
+        while log.read_text().count("enter") < 2 and time.time() < deadline:
+            time.sleep(0.01)
         with open(log, "a") as f:
             f.write(f"compiled {time.time()}\\n")
         return Compiled()
