@@ -41,6 +41,34 @@ def time_interleaved(fns: dict[str, Callable[[], object]], **timing) -> dict[str
 _OPTIONAL_DISTS = ("quack-kernels", "flash-attn-4")
 
 
+def check_contenders(
+    runs: dict[str, tuple[Callable[[], object], Callable[[], object]]],
+    error: Callable[[object], float],
+    tolerance: float,
+) -> tuple[dict[str, Callable[[], object]], bool]:
+    """Check each contender once before timing it: ``runs`` maps a name to (its checked call, its timed call).
+    The checked call runs (untimed) and ``error(result)`` is printed; a contender that fails is left out (a
+    failing peer must not stop the others). Returns the timed calls of those that ran, and whether epicute
+    ran within ``tolerance``."""
+    import torch
+
+    ok, timed = True, {}
+    for name, (checked, timed_call) in runs.items():
+        try:
+            result = checked()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - reported, and the run goes on
+            print(f"  {name:16s} FAILED, not recorded: {type(exc).__name__}: {exc}")
+            ok = ok and name != "epicute"
+            continue
+        err = error(result)
+        flag = "" if err <= tolerance else f"   <<<<<<<< WRONG: rel err > {tolerance:g} >>>>>>>>"
+        print(f"  {name:16s} rel err {err:.2e}{flag}")
+        ok = ok and (name != "epicute" or err <= tolerance)
+        timed[name] = timed_call
+    return timed, ok
+
+
 def _dist_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import Row, finish_peer_run, time_interleaved
+from common import Row, check_contenders, finish_peer_run, time_interleaved
 from gemm import parse_shapes
 
 ALL_SHAPES = [
@@ -121,23 +121,18 @@ def run_case(shape, recipe: str) -> tuple[Row, bool]:
     a, b, sa, sb = inputs
     ref = reference(a, b, sa, sb, recipe)
     row: Row = {"case": f"{recipe} e4m3 {m}x{n}x{k}"}
-    ok, timed = True, {}
     print(row["case"])
-    for name, fn in contenders(recipe).items():
-        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        try:
-            result = fn(a, b, sa, sb, out=out)
-            torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001 - a failing contender must not stop the others
-            print(f"  {name:12s} FAILED, not recorded: {type(exc).__name__}: {exc}")
-            ok = ok and name != "epicute"
-            continue
+
+    def poisoned(fn):  # the checked call writes a fresh NaN-poisoned D (where a contender takes out=)
+        return lambda: fn(*inputs, out=torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16))
+
+    calls = {name: (poisoned(fn), functools.partial(fn, *inputs)) for name, fn in contenders(recipe).items()}
+
+    def error(result) -> float:
         got, want = checked_value(result, ref)
-        err = ((got - want).norm() / want.norm()).item()
-        flag = "" if err <= TOLERANCE else f"   <<<<<<<< WRONG: rel err > {TOLERANCE:g} >>>>>>>>"
-        print(f"  {name:12s} rel err {err:.2e}{flag}")
-        ok = ok and (name != "epicute" or err <= TOLERANCE)
-        timed[name] = functools.partial(fn, *inputs)
+        return ((got - want).norm() / want.norm()).item()
+
+    timed, ok = check_contenders(calls, error, TOLERANCE)
     for name, ms in time_interleaved(timed, timer=time_flushed).items():
         row[name] = round(2 * m * n * k / (ms * 1e-3) / 1e12, 1)
     return row, ok

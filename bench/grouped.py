@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import Row, finish_peer_run, time_interleaved
+from common import Row, check_contenders, finish_peer_run, time_interleaved
 
 #: name -> (experts, total tokens routed, K, N, routing)
 CASES = {
@@ -96,20 +96,8 @@ def run_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
     row: Row = {"case": f"{name}: {experts} experts, {total} rows, K {k}, N {n}, {routing} (largest group "
                         f"{max(sizes)}, {sizes.count(0)} empty)"}  # fmt: skip
     print(row["case"])
-    ok, timed = True, {}
-    for label, fn in contenders(sizes).items():
-        try:
-            got = fn(x, wt, offs)
-            torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001 - a failing peer must not stop the others
-            print(f"  {label:16s} FAILED, not recorded: {type(exc).__name__}: {exc}")
-            ok = ok and label != "epicute"
-            continue
-        err = ((got.float() - ref).norm() / ref.norm()).item()
-        flag = "" if err <= TOLERANCE else f"   <<<<<<<< WRONG: rel err > {TOLERANCE:g} >>>>>>>>"
-        print(f"  {label:16s} rel err {err:.2e}{flag}")
-        ok = ok and (label != "epicute" or err <= TOLERANCE)
-        timed[label] = functools.partial(fn, x, wt, offs)
+    calls = {label: (functools.partial(fn, x, wt, offs),) * 2 for label, fn in contenders(sizes).items()}
+    timed, ok = check_contenders(calls, lambda got: ((got.float() - ref).norm() / ref.norm()).item(), TOLERANCE)
     for label, ms in time_interleaved(timed, timer=time_flushed).items():
         row[label] = round(2 * total * n * k / (ms * 1e-3) / 1e12, 1)
     return row, ok

@@ -270,3 +270,46 @@ def trace_for_gemm(
         if name in stored and name not in dtypes and stored[name] != ir_dtype(dtype, f"outs[{name!r}]")
     }
     return epi.trace(kinds, operand_dtypes, {**dtypes, **pinned}, d_dtype=d_dtype) if pinned else graph
+
+
+def trace_key(fn: Callable) -> tuple | None:
+    """What tracing ``fn`` depends on: its code, closure values, defaults, annotations and
+    the module globals it names (not the function object: a lambda written inside the
+    call is a new object each time, with the same trace). A later call with an equal key
+    may reuse the trace; ``None`` (something unhashable) means always trace."""
+    fn = getattr(fn, "fn", fn)  # an Epilogue's function
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    cells = tuple(cell.cell_contents for cell in fn.__closure__ or ())
+    names = tuple((name, fn.__globals__[name]) for name in code.co_names if name in fn.__globals__)
+    annotations = tuple(getattr(fn, "__annotations__", {}).items())
+    key = (code, cells, fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items())), annotations, names)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class TraceMemo:
+    """A family's prepared calls (traced, lowered, planned), remembered by :func:`trace_key` of the epilogue and
+    the rest of the request (its tensor-free signature): a repeat call neither traces nor plans."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        self.limit = limit
+        self._entries: dict[tuple, Any] = {}
+
+    def get(self, epilogue: Callable, signature: tuple, prepare: Callable[[], Any]) -> Any:
+        """The remembered result for ``(epilogue, signature)``, else ``prepare()`` (remembered when the epilogue
+        has a trace key)."""
+        capture = trace_key(epilogue)
+        key = None if capture is None else (capture, signature)
+        found = self._entries.get(key) if key is not None else None
+        if found is None:
+            found = prepare()
+            if key is not None:
+                if len(self._entries) >= self.limit:
+                    self._entries.clear()
+                self._entries[key] = found
+        return found

@@ -16,7 +16,7 @@ from epicute.epilogue.hashing import semantic_hash
 from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import reference_gemm, round_to
 from epicute.epilogue.scales import ScaledEpilogue, dequantize_blockwise, fp8_scaling
-from epicute.epilogue.tracer import as_epilogue
+from epicute.epilogue.tracer import TraceMemo, as_epilogue, trace_key
 from epicute.errors import ConfigError, DeviceError, DtypeError, EpilogueError
 from epicute.gemm import GemmPlan, render_plan
 from epicute.gemm.epilogue_args import aux_outputs, check_outs_names, kernel_inputs
@@ -153,7 +153,7 @@ def _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes
     signature. The sources are ``a, b, out, a_scale, b_scale``, the operands in ``names`` order, the ``outs``."""
     capture = None
     if epilogue is not None:
-        capture = _capture_key(epilogue)
+        capture = trace_key(epilogue)
         if capture is None:
             return None
     sources = (a, b, out, *scales, *map(unwrap, operands.values()), *(outs.values() if outs else ()))
@@ -224,8 +224,8 @@ def describe_call(
     return call, specs, request, operands
 
 
-#: Prepared epilogue calls, by what tracing depends on (see _capture_key) and the rest of the request.
-_PREPARED: dict[tuple, PreparedGemm] = {}
+#: Prepared epilogue calls, by what tracing depends on (see trace_key) and the rest of the request.
+_PREPARED = TraceMemo()
 
 
 def _prepare_memo(request: GemmRequest, epilogue: Callable | None) -> PreparedGemm:
@@ -233,36 +233,8 @@ def _prepare_memo(request: GemmRequest, epilogue: Callable | None) -> PreparedGe
     if request.epilogue is None:
         return prepare(request)  # a plan-cache hit
     # An fp8 call's epilogue is the scaled one, one object per user epilogue (epicute.epilogue.scales).
-    capture = _capture_key(request.epilogue if isinstance(request.epilogue, ScaledEpilogue) else epilogue)
-    key = None if capture is None else (capture, request.signature())
-    prepared = _PREPARED.get(key) if key is not None else None
-    if prepared is None:
-        prepared = prepare(request)
-        if key is not None:
-            if len(_PREPARED) >= 1024:
-                _PREPARED.clear()
-            _PREPARED[key] = prepared
-    return prepared
-
-
-def _capture_key(fn: Callable) -> tuple | None:
-    """What tracing ``fn`` depends on: its code, closure values, defaults, annotations and
-    the module globals it names (not the function object: a lambda written inside the
-    call is a new object each time, with the same trace). A later call with an equal key
-    reuses the trace; ``None`` (something unhashable) means always trace."""
-    fn = getattr(fn, "fn", fn)  # an Epilogue's function
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return None
-    cells = tuple(cell.cell_contents for cell in fn.__closure__ or ())
-    names = tuple((name, fn.__globals__[name]) for name in code.co_names if name in fn.__globals__)
-    annotations = tuple(getattr(fn, "__annotations__", {}).items())
-    key = (code, cells, fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items())), annotations, names)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    traced = request.epilogue if isinstance(request.epilogue, ScaledEpilogue) else epilogue
+    return _PREPARED.get(traced, request.signature(), lambda: prepare(request))
 
 
 def _with_d_dtype(call, d_dtype, a, b, out, *, require_cuda: bool):

@@ -4,6 +4,7 @@ against fake tensors for its arch (sm_90a: :func:`compile_gemm_sm90`), through t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from epicute.epilogue.dtypes import DTYPE_BYTES
 from epicute.gemm.config import GemmConfig
@@ -29,6 +30,8 @@ class GemmVariant:
     b_dtype: str = ""
     #: fp8 with blockwise scales applied in the mainloop (``GemmProblem.block_scaled``)
     block_scaled: bool = False
+    #: the kernel family whose cache holds it (a subclass's kernel takes these fields too)
+    kind: ClassVar[str] = "gemm"
 
     def key(self) -> CacheKey:
         """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
@@ -39,7 +42,8 @@ class GemmVariant:
         ) + ((("block_scaled", True),) if self.block_scaled else ())  # fmt: skip
         c = self.config
         label = (
-            f"{c.tile_m}x{c.tile_n}x{c.tile_k} cluster {c.cluster_m}x{c.cluster_n} "
+            ("" if self.kind == "gemm" else f"{self.kind} ")
+            + f"{c.tile_m}x{c.tile_n}x{c.tile_k} cluster {c.cluster_m}x{c.cluster_n} "
             f"{'persistent' if c.persistent else 'one tile/CTA'} {self.ab_dtype}"
             + (f"x{self.b_dtype}" if self.b_dtype and self.b_dtype != self.ab_dtype else "")
             + f"->{self.d_dtype} "
@@ -47,7 +51,7 @@ class GemmVariant:
             + (" blockwise" if self.block_scaled else "")
             + ("" if self.fusion is None else " +epilogue")
         )
-        return CacheKey("gemm", parts, self.arch, label)
+        return CacheKey(self.kind, parts, self.arch, label)
 
 
 def _fake_operand(dtype, dims: tuple, contiguous: int):

@@ -148,16 +148,8 @@ def check_gemm_args(
     l, m, k = a3.shape
     n = b3.size(2)
 
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise OutputError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out_dtype is not None and out.dtype != out_dtype:
-            raise OutputError(f"out has dtype {out.dtype} but out_dtype={out_dtype}; drop one or make them agree")
-        out_dtype = out.dtype
     # fp8 inputs give bf16 by default: an fp8 D would drop what the scales carry.
-    out_dtype = out_dtype or (torch.bfloat16 if fp8 else a.dtype)
-    if out_dtype not in D_TORCH_DTYPES:
-        raise DtypeError(f"out_dtype={out_dtype}; supported are {', '.join(map(str, D_TORCH_DTYPES))}")
+    out_dtype = resolve_out_dtype(out, out_dtype, torch.bfloat16 if fp8 else a.dtype)
 
     a_major = _major(a3, "a", "k", "m")
     b_major = _major(b3, "b", "n", "k")
@@ -189,6 +181,20 @@ def check_gemm_args(
         b3 = _check_tma_strides(b3, "b", 2 if b_major == "n" else 1, "LKN")
         out3 = check_d_rows(out3, n, out_dtype)
     return GemmCall(problem, a3, b3, out3, out_dtype, batched)
+
+
+def resolve_out_dtype(out: torch.Tensor | None, out_dtype: torch.dtype | None, default: torch.dtype) -> torch.dtype:
+    """D's dtype: ``out``'s (which ``out_dtype`` must then agree with), else ``out_dtype``, else ``default``."""
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise OutputError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise OutputError(f"out has dtype {out.dtype} but out_dtype={out_dtype}; drop one or make them agree")
+        out_dtype = out.dtype
+    out_dtype = out_dtype or default
+    if out_dtype not in D_TORCH_DTYPES:
+        raise DtypeError(f"out_dtype={out_dtype}; supported are {', '.join(map(str, D_TORCH_DTYPES))}")
+    return out_dtype
 
 
 def check_out_placement(out: torch.Tensor, expected: tuple, writes: str, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import ConfigError, EpilogueError
 from epicute.gemm.epilogue_args import aux_outputs, kernel_inputs
 from epicute.gemm.prepare import ir_items
+from epicute.gemm.validate import check_d_rows
 from epicute.grouped.launch import run_grouped
 from epicute.grouped.plan import GroupedPlan, render_grouped_plan
 from epicute.grouped.prepare import GroupedRequest, PreparedGrouped, prepare
@@ -82,8 +83,10 @@ def grouped_gemm(
     call, specs, request = describe_grouped_call(a, b, offsets, epilogue, out, out_dtype, out_dtypes, config,
                                                  operands, on_gpu, check_offsets)  # fmt: skip
     prepared = prepare(request)
-    if prepared.epilogue is not None and prepared.d_torch_dtype != call.out_dtype:
-        call = check_grouped_args(a, b, offsets, out, prepared.d_torch_dtype, require_cuda=on_gpu)
+    if prepared.d_torch_dtype != call.out_dtype:  # the epilogue's own final cast chose D's dtype (no out given)
+        if call.problem.total_m and call.problem.n and call.problem.k:
+            check_d_rows(None, call.problem.n, prepared.d_torch_dtype)
+        call = replace(call, problem=prepared.plan.problem, out_dtype=prepared.d_torch_dtype)
     if backend == "reference":
         results = reference_grouped(call, prepared, specs)
     elif prepared.epilogue is None:
@@ -149,7 +152,7 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
     for g, end in enumerate(offsets.tolist()):
         acc = (a[start:end] @ b[g]).unsqueeze(0)
         if graph is None:
-            results = {"D": round_to(acc, p.d_dtype if prepared.epilogue is None else prepared.epilogue.d_dtype)}
+            results = {"D": round_to(acc, p.d_dtype)}
         else:
             results = evaluate(graph, acc, {name: _group_slice(s, g, start, end) for name, s in specs.items()})
         for name, value in results.items():

@@ -5,39 +5,19 @@ every routing."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from epicute.gemm.compile import _fake_epilogue_operands, _fake_operand
-from epicute.gemm.config import GemmConfig
-from epicute.runtime.cache import CacheKey
-from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily, dsl_compile
-from epicute.runtime.target import DEFAULT_ARCH, SM90A
+from epicute.gemm.compile import GemmVariant, _fake_epilogue_operands, _fake_operand
+from epicute.runtime.compile import KernelFamily, dsl_compile
+from epicute.runtime.target import SM90A
 
 
 @dataclass(frozen=True)
-class GroupedVariant:
-    """Everything that changes the generated grouped-GEMM code."""
+class GroupedVariant(GemmVariant):
+    """A grouped GEMM variant: the GEMM's fields (bf16/fp16 only, so ``b_dtype`` and ``block_scaled`` stay
+    unset), cached under its own kind."""
 
-    config: GemmConfig
-    ab_dtype: str
-    d_dtype: str
-    a_major: str
-    b_major: str
-    arch: str = DEFAULT_ARCH
-    #: the fused epilogue (an ``epicute.epilogue.fusion.EpilogueFusion``), if any
-    fusion: object = None
-
-    def key(self) -> CacheKey:
-        parts = (
-            self.config.key(), self.ab_dtype, self.d_dtype, self.a_major, self.b_major,
-            None if self.fusion is None else self.fusion.key(), ("align", OPERAND_ALIGN_BYTES),
-        )  # fmt: skip
-        c = self.config
-        label = (
-            f"grouped {c.tile_m}x{c.tile_n}x{c.tile_k} cluster {c.cluster_m}x{c.cluster_n} {c.schedule} "
-            f"{'persistent' if c.persistent else 'one tile/CTA'} {self.ab_dtype}->{self.d_dtype} "
-            f"A:{self.a_major} B:{self.b_major}" + ("" if self.fusion is None else " +epilogue")
-        )
-        return CacheKey("grouped_gemm", parts, self.arch, label)
+    kind: ClassVar[str] = "grouped_gemm"
 
 
 def compile_grouped_sm90(variant: GroupedVariant):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from epicute.errors import ConfigError
 from epicute.gemm.config import GemmConfig, GemmProblem
 from epicute.gemm.heuristics import choose_config
+from epicute.gemm.plan import GemmPlan
 from epicute.gemm.report import render_plan
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.runtime.target import Target, resolve_target
@@ -111,8 +112,6 @@ def plan_grouped(
 
 def render_grouped_plan(plan: GroupedPlan) -> str:
     """The text ``explain_grouped`` prints: the grouped schedule, then the tile plan of the mean group."""
-    from epicute.gemm.plan import GemmPlan
-
     p, c = plan.problem, plan.config
     # The mean group's tile plan, less its dense grid and tile count (the grouped schedule above sets those).
     dense = [

@@ -5,10 +5,11 @@ epilogue lowering it shares."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 from epicute.epilogue.dtypes import IR_TO_TORCH
+from epicute.epilogue.tracer import TraceMemo
 from epicute.errors import EpilogueError
 from epicute.gemm.prepare import GemmRequest, LoweredEpilogue, _check_aux_rows, lower_epilogue
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
@@ -33,6 +34,10 @@ class GroupedRequest:
     overrides: tuple[tuple[str, object], ...] = ()
     target: Target | None = None
 
+    def signature(self) -> tuple:
+        """Every field but the epilogue object (see :meth:`epicute.gemm.prepare.GemmRequest.signature`)."""
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name != "epilogue")
+
 
 @dataclass(frozen=True)
 class PreparedGrouped:
@@ -55,8 +60,19 @@ class PreparedGrouped:
         return variant_of(self.plan, self.fusion)
 
 
+#: Prepared epilogue calls (see TraceMemo): a repeat call neither traces nor plans.
+_PREPARED = TraceMemo()
+
+
 def prepare(request: GroupedRequest) -> PreparedGrouped:
-    """The epilogue lowered (through the dense GEMM's tracing), D's dtype settled, the problem planned."""
+    """The epilogue lowered (through the dense GEMM's tracing), D's dtype settled, the problem planned; once per
+    epilogue trace and request signature."""
+    if request.epilogue is None:
+        return _prepare(request)  # a plan-cache hit
+    return _PREPARED.get(request.epilogue, request.signature(), lambda: _prepare(request))
+
+
+def _prepare(request: GroupedRequest) -> PreparedGrouped:
     target = resolve_target(request.target)
     problem = request.problem
     if request.epilogue is None:

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from epicute.epilogue.dtypes import TORCH_TO_IR
-from epicute.errors import AlignmentError, DtypeError, OutputError, ShapeError
+from epicute.errors import AlignmentError, DtypeError, ShapeError
 from epicute.gemm.validate import (
-    D_TORCH_DTYPES,
     FP8_TORCH_DTYPES,
     _check_tma_strides,
     _major,
     check_d_rows,
     check_out_placement,
+    resolve_out_dtype,
 )
 from epicute.grouped.plan import GroupedProblem
 from epicute.runtime.checks import check_on_one_hopper_gpu
@@ -117,15 +117,7 @@ def check_grouped_args(
     elif offsets.stride(0) != 1 and groups > 1:
         offsets = offsets.contiguous()
 
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise OutputError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out_dtype is not None and out.dtype != out_dtype:
-            raise OutputError(f"out has dtype {out.dtype} but out_dtype={out_dtype}; drop one or make them agree")
-        out_dtype = out.dtype
-    out_dtype = out_dtype or a.dtype
-    if out_dtype not in D_TORCH_DTYPES:
-        raise DtypeError(f"out_dtype={out_dtype}; supported are {', '.join(map(str, D_TORCH_DTYPES))}")
+    out_dtype = resolve_out_dtype(out, out_dtype, a.dtype)
     a3, b3 = a.unsqueeze(0), b
     a_major = _major(a3, "a", "k", "m")
     b_major = _major(b3, "b", "n", "k")

@@ -82,7 +82,40 @@ class PersistentTileScheduler:
         raise NotImplementedError
 
 
-class ClusterTileScheduler(PersistentTileScheduler):
+class StaticClusterWalk(PersistentTileScheduler):
+    """The static persistent walk of the GEMM schedulers: cluster ``z`` of a ``(cluster_m, cluster_n,
+    launched)`` grid takes work ids ``z, z + launched, ...``."""
+
+    def first(self):
+        """This cluster's first linear work id."""
+        return Int32(cute.arch.block_idx()[2])
+
+    def stride(self):
+        """Launched clusters (``gridDim.z``): the static walk's step."""
+        return Int32(cute.arch.grid_dim()[2])
+
+    def next(self, work, steps=1):
+        if cutlass.const_expr(isinstance(steps, int) and steps == 1):
+            return work + self.stride()
+        return work + steps * self.stride()
+
+    def cta_tile(self, r, clusters_m, clusters_n):
+        """This CTA's (tile_m, tile_n) in the ``r``-th cluster of a ``clusters_m x clusters_n`` grid walked in
+        bands of ``self.group`` clusters (:func:`band_coord`) along the raster's minor axis."""
+        if cutlass.const_expr(self.raster_along_m):
+            major, minor = clusters_m, clusters_n
+        else:
+            major, minor = clusters_n, clusters_m
+        major_idx, minor_idx = band_coord(r, major, minor, Int32(self.group))
+        if cutlass.const_expr(self.raster_along_m):
+            cm, cn = major_idx, minor_idx
+        else:
+            cm, cn = minor_idx, major_idx
+        cta_m, cta_n, _ = cute.arch.block_idx()
+        return cm * self.cluster_shape_mn[0] + Int32(cta_m), cn * self.cluster_shape_mn[1] + Int32(cta_n)
+
+
+class ClusterTileScheduler(StaticClusterWalk):
     """The GEMM's static schedule over clusters of output tiles (see the module docstring)."""
 
     def __init__(
@@ -116,42 +149,16 @@ class ClusterTileScheduler(PersistentTileScheduler):
     def total_clusters(self):
         return self.clusters_m * self.clusters_n * self.num_batches
 
-    def first(self):
-        """This cluster's first linear work id."""
-        return Int32(cute.arch.block_idx()[2])
-
-    def stride(self):
-        """Launched clusters (``gridDim.z``): the static walk's step."""
-        return Int32(cute.arch.grid_dim()[2])
-
     def is_valid(self, work):
         return work < self.total_clusters
-
-    def next(self, work, steps=1):
-        if cutlass.const_expr(isinstance(steps, int) and steps == 1):
-            return work + self.stride()
-        return work + steps * self.stride()
 
     def coord(self, work):
         """(tile_m, tile_n, batch) of this CTA for the linear cluster id."""
         per_batch = self.clusters_m * self.clusters_n
         batch = work // per_batch
         r = work - batch * per_batch
-        if cutlass.const_expr(self.raster_along_m):
-            major, minor = self.clusters_m, self.clusters_n
-        else:
-            major, minor = self.clusters_n, self.clusters_m
-        major_idx, minor_idx = band_coord(r, major, minor, Int32(self.group))
-        if cutlass.const_expr(self.raster_along_m):
-            cm, cn = major_idx, minor_idx
-        else:
-            cm, cn = minor_idx, major_idx
-        cta_m, cta_n, _ = cute.arch.block_idx()
-        return (
-            cm * self.cluster_shape_mn[0] + Int32(cta_m),
-            cn * self.cluster_shape_mn[1] + Int32(cta_n),
-            batch,
-        )
+        tile_m, tile_n = self.cta_tile(r, self.clusters_m, self.clusters_n)
+        return tile_m, tile_n, batch
 
 
 WARP = 32
@@ -166,7 +173,7 @@ def warp_inclusive_sum(value):
     return value
 
 
-class GroupedTileScheduler(PersistentTileScheduler):
+class GroupedTileScheduler(StaticClusterWalk):
     """Clusters of output tiles over groups of rows (see the module docstring).
 
     Group ``g`` owns rows ``[offsets[g - 1], offsets[g])`` (``offsets[-1]`` read as 0; each bound
@@ -216,17 +223,8 @@ class GroupedTileScheduler(PersistentTileScheduler):
             total += cute.arch.shuffle_sync(warp_inclusive_sum(clusters), WARP - 1)
         return total
 
-    def first(self):
-        return Int32(cute.arch.block_idx()[2])
-
     def is_valid(self, work):
         return work < self.total
-
-    def next(self, work, steps=1):
-        grid = Int32(cute.arch.grid_dim()[2])
-        if cutlass.const_expr(isinstance(steps, int) and steps == 1):
-            return work + grid
-        return work + steps * grid
 
     @cute.jit
     def coord(self, work):
@@ -248,18 +246,8 @@ class GroupedTileScheduler(PersistentTileScheduler):
         group_end = cute.arch.shuffle_sync(end, lane)
         within = work - before - cute.arch.shuffle_sync(inclusive - clusters, lane)
         clusters_m = (group_end - group_start + self.block_m - 1) // self.block_m
-        if cutlass.const_expr(self.raster_along_m):
-            cm, cn = band_coord(within, clusters_m, self.clusters_n, Int32(self.group))
-        else:
-            cn, cm = band_coord(within, self.clusters_n, clusters_m, Int32(self.group))
-        cta_m, cta_n, _ = cute.arch.block_idx()
-        return (
-            cm * self.cluster_shape_mn[0] + Int32(cta_m),
-            cn * self.cluster_shape_mn[1] + Int32(cta_n),
-            first + lane,
-            group_start,
-            group_end,
-        )
+        tile_m, tile_n = self.cta_tile(within, clusters_m, self.clusters_n)
+        return tile_m, tile_n, first + lane, group_start, group_end
 
 
 class TileQueue(PersistentTileScheduler):

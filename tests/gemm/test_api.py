@@ -64,7 +64,7 @@ SCALE = 2.0
 def test_trace_memo_key_follows_what_the_trace_depends_on():
     """A fused call reuses its trace only while the function, its closure, defaults and named globals are unchanged."""
     global SCALE
-    from epicute.gemm.api import _capture_key
+    from epicute.epilogue.tracer import trace_key as _capture_key
 
     def scaled(acc, bias):
         return acc * SCALE + bias

@@ -16,6 +16,7 @@ import torch
 
 import epicute
 from epicute import OutputError, ops
+from epicute.epilogue.tracer import TraceMemo
 from epicute.gemm import api as api_module
 from epicute.gemm import launch as launch_module
 from epicute.gemm import validate as validate_module
@@ -152,7 +153,7 @@ def test_a_lambda_written_in_the_call_is_traced_once(kernel, monkeypatch):
     traced = []
     real_prepare = api_module.prepare
     monkeypatch.setattr(api_module, "prepare", lambda request: traced.append(1) or real_prepare(request))
-    monkeypatch.setattr(api_module, "_PREPARED", {})
+    monkeypatch.setattr(api_module, "_PREPARED", TraceMemo())
     for scale in (0.5, 1.5):  # a new lambda object each time, the same code
         epicute.gemm(rand(M, K), rand(K, N), epilogue=lambda acc, s: ops.relu(acc * s), s=scale)
     assert len(traced) == 1
