@@ -1,7 +1,7 @@
 """Grouped GEMM (mixture-of-experts) throughput: epicute.grouped_gemm vs torch._grouped_mm, quack's
 varlen-M GEMM and a loop of torch.mm, in TFLOPS (2 * total_M * N * K per call).
 
-Usage: python bench/grouped.py [--cases even8,skewed8,even64,skewed128,decode64] [--out PATH]
+Usage: python bench/grouped.py [--cases even8,skewed8,even64,skewed128,decode64,swiglu8] [--out PATH]
 Inputs as ``../shared/bench/PEERS.md`` calls the peers: bf16 tokens ``x`` (total_M, K) sorted by
 expert, weights ``w`` (G, N, K) row-major passed as ``w.transpose(-2, -1)``, ``offs`` int32 group ends
 (quack takes ``cu_seqlens_m``, the same with a leading 0). Group sizes are multiples of 8 (as in
@@ -9,6 +9,12 @@ PEERS.md): even splits, Zipf-skewed ones (expert i gets a share ~ 1/(i+1), shuff
 case's top-8 routing of 512 tokens over 64 experts rounded to multiples of 8. Every contender's first
 call is checked against a float32 reference and not timed; then all are timed as
 ``triton.testing.do_bench`` times them (L2 flushed before each call), medians of interleaved rounds.
+The gated case (``swiglu8``) is an MoE up-projection with its activation: B holds each expert's gate
+and up projections (N = 2 x 7168), D = silu(gate) * up * router weight (7168 columns). epicute runs it
+as one kernel (``gated=True``, weights interleaved once by ``epicute.interleave_gate_up``), and beside
+it the plain grouped GEMM of the same B (``epicute_plain``: the fused epilogue's cost is the ratio);
+torch runs ``torch._grouped_mm`` over the concatenated ``[gate; up]`` weight, then the activation in
+eager torch (``torch_grouped_mm``). TFLOPS count the GEMM's 2 * total_M * 2N * K for all three.
 Writes bench/results/grouped.json (and $OUT/grouped.json when OUT is set).
 """
 
@@ -29,7 +35,9 @@ CASES = {
     "even64": (64, 16384, 7168, 2048, "even"),
     "skewed128": (128, 32768, 2048, 1536, "zipf"),
     "decode64": (64, 512 * 8, 7168, 2048, "top8"),
+    "swiglu8": (8, 16384, 4096, 14336, "zipf"),  # gated: N = gate + up columns
 }
+GATED = {"swiglu8"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "grouped.json"
 TOLERANCE = 1e-2
 
@@ -103,6 +111,51 @@ def run_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
     return row, ok
 
 
+def run_gated_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
+    """The fused SwiGLU with router weights against the plain grouped GEMM and torch's unfused chain."""
+    import epicute
+    from epicute.benchmark import time_flushed
+
+    experts, total, k, n, routing = CASES[name]
+    half = n // 2
+    sizes = group_sizes(experts, total, routing, gen)
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32).cuda()
+    x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    w_gate, w_up = (torch.randn(experts, half, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(2))
+    w13 = torch.cat([w_gate, w_up], dim=1)  # torch's layout: [gate; up] per expert
+    w_interleaved = epicute.interleave_gate_up(w_gate, w_up)
+    score = torch.rand(total, 1, device="cuda")
+    ends = offs.tolist()
+    ref = []
+    for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends)):
+        h = x[s:e].float() @ w13[g].float().t()
+        ref.append(torch.nn.functional.silu(h[:, :half]) * h[:, half:] * score[s:e])
+    ref = torch.cat(ref)
+
+    def swiglu(gate, up, score):
+        return epicute.ops.silu(gate) * up * score
+
+    def torch_unfused(x, w13t, offs, score):
+        h = torch._grouped_mm(x, w13t, offs=offs, out_dtype=torch.bfloat16)
+        gate, up = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up * score
+
+    wt = w_interleaved.transpose(-2, -1)
+    fused = functools.partial(epicute.grouped_gemm, x, wt, offs, gated=True, epilogue=swiglu, score=score)
+    calls = {
+        "epicute": (fused, fused),
+        "torch_grouped_mm": (functools.partial(torch_unfused, x, w13.transpose(-2, -1), offs, score),) * 2,
+    }
+    row: Row = {"case": f"{name}: {experts} experts, {total} rows, K {k}, gate+up N {n} -> silu(gate) * up * "
+                        f"router weight, {routing} (largest group {max(sizes)})"}  # fmt: skip
+    print(row["case"])
+    timed, ok = check_contenders(calls, lambda got: ((got.float() - ref).norm() / ref.norm()).item(), TOLERANCE)
+    timed["epicute_plain"] = functools.partial(epicute.grouped_gemm, x, wt, offs)  # the same GEMM, no activation
+    for label, ms in time_interleaved(timed, timer=time_flushed).items():
+        row[label] = round(2 * total * n * k / (ms * 1e-3) / 1e12, 1)
+    return row, ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
@@ -114,7 +167,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     rows, all_ok = [], True
     for name in args.cases.split(","):
-        row, ok = run_case(name, gen)
+        row, ok = (run_gated_case if name in GATED else run_case)(name, gen)
         rows.append(row)
         all_ok = all_ok and ok
         torch.cuda.empty_cache()

@@ -24,6 +24,7 @@ from epicute.attention import aot as _attention_aot  # noqa: F401  (registers [[
 from epicute.attention.api import attention, explain_attention
 from epicute.epilogue import library as epilogues
 from epicute.epilogue import ops
+from epicute.epilogue.gated import interleave_gate_up
 from epicute.epilogue.operands import ColVector, RowVector, Scalar, Tile
 from epicute.epilogue.score_mod import score_mod
 from epicute.epilogue.tracer import epilogue
@@ -36,6 +37,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ColVector", "RowVector", "Scalar", "Tile", "__version__", "attention", "epilogue", "epilogues", "explain",
-    "explain_attention", "explain_grouped", "gemm", "grouped_gemm", "ops", "score_mod", "tune",
+    "explain_attention", "explain_grouped", "gemm", "grouped_gemm", "interleave_gate_up", "ops", "score_mod", "tune",
 ]  # fmt: skip
 __all__ += errors.__all__  # every error class: users catch them by name

@@ -111,6 +111,10 @@ class EpilogueFusion:
             if kind != "scalar" and dtype not in KERNEL_DTYPES:
                 raise EpilogueError(f"operand {name!r} has dtype {dtype}; the kernel loads {sorted(KERNEL_DTYPES)}")
         self._check_group_quant()
+        if self.gated and self.style != GEMM_SM90:
+            raise EpilogueError(
+                f"a gated epilogue pairs GEMM accumulator columns; the {self.style.name} kernel has none"
+            )
 
     def _check_group_quant(self) -> None:
         outputs = {name: self.graph.node(i) for name, i in self.graph.outputs}
@@ -204,6 +208,11 @@ class EpilogueFusion:
             return None
         scales = next(name for name, i in self.graph.outputs if self.graph.node(i).op == "group_scales")
         return GroupQuant(scales, d.attr("dtype"), d.attr("ue8m0"), d.args[0])
+
+    @property
+    def gated(self) -> bool:
+        """Gate and up accumulator columns pair into one output column (:mod:`epicute.epilogue.gated`)."""
+        return self.graph.gated
 
     def buffers(self) -> EpilogueBuffers:
         """Shared memory this epilogue needs (the planner's and the kernel's single source)."""

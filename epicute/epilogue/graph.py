@@ -43,8 +43,9 @@ REDUCTIONS = {
 #: result over an empty extent): the host initializes reduction outputs with this.
 REDUCTION_IDENTITY = {"sum": 0.0, "max": float("-inf"), "amax": 0.0}
 
-#: Leaves: the accumulator, a named operand, a compile-time constant, an index.
-LEAVES = ("acc", "input", "const", "index")
+#: Leaves: the accumulator, a named operand, a compile-time constant, an index, and a gated
+#: epilogue's second accumulator (``acc_up``: the up projection's column beside the gate's ``acc``).
+LEAVES = ("acc", "input", "const", "index", "acc_up")
 
 #: ``index`` leaves (score modifiers of attention): the position of a score in the
 #: ``(L, M, N) = (batch * heads, seqlen_q, seqlen_k)`` problem, by ``name`` attr,
@@ -91,6 +92,12 @@ class Graph:
 
     def output_node(self, name: str) -> Node:
         return self.nodes[dict(self.outputs)[name]]
+
+    @property
+    def gated(self) -> bool:
+        """A gated epilogue's graph (:class:`~epicute.epilogue.tracer.GatedEpilogue`): its accumulator pairs
+        gate and up columns, and D has half of B's columns."""
+        return any(node.op == "acc_up" for node in self.nodes)
 
     def __str__(self) -> str:
         lines = [str(n) for n in self.nodes]

@@ -20,6 +20,7 @@ import torch
 
 from epicute.epilogue import optable
 from epicute.epilogue.dtypes import ir_dtype, round_to
+from epicute.epilogue.gated import gated_epilogue, split_gate_up
 from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, Graph, Node
 from epicute.epilogue.group_quant import group_quantize
 from epicute.epilogue.operands import OperandSpec
@@ -78,11 +79,13 @@ def evaluate(
     out_dtypes: Mapping[str, torch.dtype] | None = None,
     compute_dtype: torch.dtype = torch.float32,
     index_values: Mapping[str, Tensor] | None = None,
+    up: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Every output of ``graph`` for the accumulator ``acc`` ``(L, M, N)``, on ``acc``'s device.
 
     ``index_values`` gives each ``index`` leaf (score modifiers) as a tensor that
-    broadcasts against ``(L, M, N)``.
+    broadcasts against ``(L, M, N)``; ``up`` a gated graph's ``acc_up`` leaf (``acc`` is then
+    the gate: :func:`epicute.epilogue.gated.split_gate_up`).
 
     Tile outputs come back ``(L, M, N)`` in their stored dtype (the graph's, or
     ``out_dtypes[name]`` if given), row_* reductions ``(L, M)`` fp32, col_*
@@ -103,6 +106,10 @@ def evaluate(
             values.append(group_scales[node.args[0]])
         elif node.op == "acc":
             values.append(acc.to(compute_dtype))
+        elif node.op == "acc_up":
+            if up is None or up.shape != acc.shape:
+                raise EpilogueError("evaluate: a gated graph needs up=, the up accumulator, shaped like acc")
+            values.append(up.to(compute_dtype))
         elif node.op == "input":
             name = node.attr("name")
             if name not in operands:
@@ -144,18 +151,21 @@ def reference_gemm(
     operands: Mapping[str, Any] | None = None,
     out_dtypes: Mapping[str, torch.dtype] | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    gated: bool = False,
 ) -> dict[str, Tensor]:
     """``epilogue(a @ b, **operands)`` on the CPU: what ``epicute.gemm`` with this epilogue must return.
 
     ``a`` is ``(M, K)``/``(L, M, K)`` and ``b`` ``(K, N)``/``(L, K, N)`` on any
     device; the product accumulates in ``compute_dtype``. D's dtype defaults to
     ``a``'s (as in :func:`epicute.gemm`). With 2-D inputs the outputs drop L.
+    ``gated``: ``epilogue(gate, up, **operands)`` over B's interleaved gate and up
+    columns (:mod:`epicute.epilogue.gated`); D has half of B's columns.
     """
-    epi = as_epilogue(epilogue)
+    epi = gated_epilogue(epilogue) if gated else as_epilogue(epilogue)
     a3, b3 = _batched(a, "a", "(M, K)"), _batched(b, "b", "(K, N)")
     if a.dim() != b.dim() or a3.shape[0] != b3.shape[0] or a3.shape[2] != b3.shape[1]:
         raise ShapeError(f"a {tuple(a.shape)} and b {tuple(b.shape)} do not multiply: need (L, M, K) @ (L, K, N)")
-    l, m, n = a3.shape[0], a3.shape[1], b3.shape[2]
+    l, m, n = a3.shape[0], a3.shape[1], b3.shape[2] // (2 if gated else 1)
     specs = epi.operands(operands or {}, m, n, l)
     d_dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     graph = epi.trace(
@@ -163,5 +173,8 @@ def reference_gemm(
     )
     cpu = torch.device("cpu")
     acc = torch.matmul(a3.to(cpu, compute_dtype), b3.to(cpu, compute_dtype))
-    results = evaluate(graph, acc, specs, compute_dtype=compute_dtype)
+    up = None
+    if gated:
+        acc, up = split_gate_up(acc)
+    results = evaluate(graph, acc, specs, compute_dtype=compute_dtype, up=up)
     return results if a.dim() == 3 else {k: v.squeeze(0) if v.dim() else v for k, v in results.items()}

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from epicute.epilogue import optable
 from epicute.epilogue.dtypes import FP8_MAX
+from epicute.epilogue.gated import GATE_BLOCK
 from epicute.epilogue.graph import LEAVES, REDUCTIONS, Graph, Node
 from epicute.epilogue.group_quant import GROUP_N, GROUP_OPS
 from epicute.epilogue.operands import OperandSpec
@@ -119,10 +120,16 @@ class EpilogueBuffers:
     #: D is quantized per row and group of this many columns (``ops.quantize_groups``; 0: not): a
     #: tile must hold whole groups
     group_n: int = 0
+    #: a gated epilogue (:mod:`epicute.epilogue.gated`): a tile's output has half its accumulator's columns
+    gated: bool = False
 
     @property
     def loads_tiles(self) -> bool:
         return bool(self.tile_inputs)
+
+    def out_tile_n(self, tile_n: int) -> int:
+        """Output columns of an accumulator tile ``tile_n`` wide (half of them when gated)."""
+        return tile_n // 2 if self.gated else tile_n
 
 
 NO_EPILOGUE = EpilogueBuffers()
@@ -174,6 +181,7 @@ class EpilogueSchedule:
             chain=tuple(str(stage) for stage in self.stages),
             instructions_per_element=self.instructions_per_element(),
             group_n=GROUP_N if self.quantizes_groups else 0,
+            gated=g.gated,
         )
 
     @property
@@ -255,7 +263,13 @@ def schedule(
     if vectors and style.operands == "smem":
         stages.append(Stage("load_vectors", f"{listed(vectors)}: this tile's slice, global -> registers before the "
                             "mainloop (latency hidden), -> smem after it", ids(vectors), names(vectors)))  # fmt: skip
-    stages.append(Stage("slice_acc", style.acc, (0,)))
+    if graph.gated:
+        up = next(node.id for node in graph.nodes if node.op == "acc_up")
+        stages.append(Stage("slice_acc", f"gate, up: this subtile's fp32 accumulators, each output column's gate and "
+                            f"up values (B's columns interleaved in blocks of {GATE_BLOCK}: the same thread's "
+                            "registers)", (0, up)))  # fmt: skip
+    else:
+        stages.append(Stage("slice_acc", style.acc, (0,)))
     if tiles:
         if style.operands == "smem":
             stages.append(Stage("load_tiles", f"{listed(tiles)}: wait for this subtile's TMA load, smem -> registers, "

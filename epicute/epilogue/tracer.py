@@ -68,10 +68,7 @@ class Epilogue:
                 )
         n_index = len(self.INDEX_PARAMS)
         if n_index and (len(params) <= n_index or any(p.kind not in positional for p in params[1 : 1 + n_index])):
-            raise EpilogueError(
-                f"{self.name!r}: takes the value first, then the positional indices "
-                f"{', '.join(self.INDEX_PARAMS)}, then its operands, e.g. f(score, {', '.join(self.INDEX_PARAMS)})"
-            )
+            raise EpilogueError(self._leaf_params_error())
         operands = params[1 + n_index :]
         self.params: tuple[str, ...] = tuple(p.name for p in operands)
         self.pins: dict[str, str] = {
@@ -81,6 +78,17 @@ class Epilogue:
         }
         self.defaults: dict[str, Any] = {p.name: p.default for p in operands if p.default is not p.empty}
         self._keyword_only = frozenset(p.name for p in operands if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+    def _leaf_params_error(self) -> str:
+        listed = ", ".join(self.INDEX_PARAMS)
+        return (
+            f"{self.name!r}: takes the value first, then the positional indices {listed}, then its operands, "
+            f"e.g. f(score, {listed})"
+        )
+
+    def _leaf_values(self, rec: Recorder) -> list[Value]:
+        """The leaves traced for :attr:`INDEX_PARAMS`, in order (``index`` leaves here)."""
+        return [rec.add("index", kind=INDEX_KINDS[i], attrs=(("name", i),)) for i in self.INDEX_PARAMS]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -116,7 +124,7 @@ class Epilogue:
             )
         rec = Recorder()
         acc = rec.add("acc")
-        indices = [rec.add("index", kind=INDEX_KINDS[i], attrs=(("name", i),)) for i in self.INDEX_PARAMS]
+        indices = self._leaf_values(rec)
         inputs: dict[str, Value] = {}
         for p in self.params:
             kind = operand_kinds[p]
@@ -132,7 +140,8 @@ class Epilogue:
                 **{p: inputs[p] for p in self._keyword_only},
             )
         outputs = self._outputs(result, rec)
-        return _finish(rec, inputs, outputs, self._output_dtypes(outputs, out_dtypes or {}, d_dtype))
+        leaves = [v for v in indices if v.node.op == "acc_up"]  # the kernel's interface, used or not
+        return _finish(rec, inputs, outputs, self._output_dtypes(outputs, out_dtypes or {}, d_dtype), leaves)
 
     def _outputs(self, result: Any, rec: Recorder) -> dict[str, Node]:
         """The returned outputs as nodes, D first, after checking what each may be."""
@@ -195,9 +204,11 @@ class Epilogue:
         return stored
 
 
-def _finish(rec: Recorder, inputs: dict[str, Value], outputs: dict[str, Node], dtypes: dict[str, str]) -> Graph:
-    """Drop nodes no output needs (inputs stay: they are the kernel's interface), renumber densely."""
-    live = {0, *(v.id for v in inputs.values()), *(node.id for node in outputs.values())}
+def _finish(
+    rec: Recorder, inputs: dict[str, Value], outputs: dict[str, Node], dtypes: dict[str, str], leaves=()
+) -> Graph:
+    """Drop nodes no output needs (inputs and ``leaves`` stay: they are the kernel's interface), renumber densely."""
+    live = {0, *(v.id for v in (*inputs.values(), *leaves)), *(node.id for node in outputs.values())}
     for node in reversed(rec.nodes):
         if node.id in live:
             live.update(node.args)
@@ -276,7 +287,9 @@ def trace_key(fn: Callable) -> tuple | None:
     """What tracing ``fn`` depends on: its code, closure values, defaults, annotations and
     the module globals it names (not the function object: a lambda written inside the
     call is a new object each time, with the same trace). A later call with an equal key
-    may reuse the trace; ``None`` (something unhashable) means always trace."""
+    may reuse the trace; ``None`` (something unhashable) means always trace. A subclass of :class:`Epilogue`
+    traces the same function otherwise (a gated one binds its second parameter to ``up``): its kind is part of it."""
+    kind = type(fn).__name__ if isinstance(fn, Epilogue) and type(fn) is not Epilogue else None
     fn = getattr(fn, "fn", fn)  # an Epilogue's function
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -284,7 +297,7 @@ def trace_key(fn: Callable) -> tuple | None:
     cells = tuple(cell.cell_contents for cell in fn.__closure__ or ())
     names = tuple((name, fn.__globals__[name]) for name in code.co_names if name in fn.__globals__)
     annotations = tuple(getattr(fn, "__annotations__", {}).items())
-    key = (code, cells, fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items())), annotations, names)
+    key = (kind, code, cells, fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items())), annotations, names)
     try:
         hash(key)
     except TypeError:

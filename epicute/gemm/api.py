@@ -12,10 +12,11 @@ import torch
 from rich.progress import Progress
 
 from epicute.epilogue.dtypes import IR_TO_TORCH, TORCH_TO_IR
+from epicute.epilogue.gated import check_gated_call, gated_epilogue
 from epicute.epilogue.hashing import semantic_hash
 from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import reference_gemm, round_to
-from epicute.epilogue.scales import ScaledEpilogue, dequantize_blockwise, fp8_scaling
+from epicute.epilogue.scales import dequantize_blockwise, fp8_scaling
 from epicute.epilogue.tracer import TraceMemo, as_epilogue, trace_key
 from epicute.errors import ConfigError, DeviceError, DtypeError, EpilogueError
 from epicute.gemm import GemmPlan, render_plan
@@ -48,6 +49,7 @@ def gemm(
     backend: str = "kernel",
     config: dict | None = None,
     tune: bool = False,
+    gated: bool = False,
     **operands: Any,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """``a @ b`` on a Hopper GPU, optionally with a fused epilogue.
@@ -83,6 +85,11 @@ def gemm(
             backend checks the pins as the kernel would, then has no use for them.
         tune: use the fastest config measured for this problem by :func:`tune`
             (stored on disk); the first call for a new problem runs the tuning.
+        gated: a SwiGLU/GeGLU projection in one kernel: ``b``'s ``2N`` columns hold the gate and up
+            projections interleaved in blocks of 8 (:func:`epicute.interleave_gate_up` builds the weight
+            once), and the epilogue is ``f(gate, up, *operands)``, called with each output column's
+            gate and up values; D and the operands have ``N`` columns. fp8 inputs take blockwise scales
+            here (a tensorwise scale can be an operand of the epilogue instead).
 
     Returns:
         D, accumulated in fp32 and rounded once to its dtype; a dict of all
@@ -102,6 +109,11 @@ def gemm(
         ...                  bias=torch.randn(14336, device="cuda", dtype=torch.bfloat16))
     """
     if torch.compiler.is_compiling():
+        if gated:
+            raise ConfigError(
+                "gated=True is not registered as a torch op yet: call it outside the compiled region "
+                "(torch.compiler.disable)"
+            )
         # torch.compile sees one custom op (epicute::gemm), never this Python code.
         return gemm_op_call(
             a, b, epilogue=epilogue, out=out, out_dtype=out_dtype, out_dtypes=out_dtypes, outs=outs,
@@ -112,20 +124,20 @@ def gemm(
     scales = (a_scale, b_scale)
     fast = None
     if backend == "kernel" and not tune:
-        fast = _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes, config)
+        fast = _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes, config, gated)
         repeat = _PREPARED_CALLS.get(fast[0]) if fast is not None else None
         if repeat is not None and repeat.fits(fast[1]) and (out is None or not (overlaps(out, a) or overlaps(out, b))):
             return repeat(fast[1])
     if backend == "reference":
         check_has_values(("a", a), ("b", b))
     if tune and backend == "kernel":
-        tuned = _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands, scales)
+        tuned = _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands, scales, gated)
         config = {**tuned, **(config or {})}  # the caller's pins win
     on_gpu = backend == "kernel"
     call, specs, request, operands = describe_call(
-        a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, on_gpu, scales
+        a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, on_gpu, scales, gated
     )
-    prepared = _prepare_memo(request, epilogue)
+    prepared = _prepare_memo(request)
     if prepared.epilogue is None:
         if backend == "reference":
             return _deliver(call, {"D": _reference_matmul(call)})
@@ -136,10 +148,11 @@ def gemm(
         check_outs_names(outs, prepared.epilogue.aux_outputs)
         stored = {name: IR_TO_TORCH[dtype] for name, dtype in prepared.output_dtypes.items()}
         a_ref, b_ref = _reference_inputs(call)
-        return _deliver(call, reference_gemm(a_ref, b_ref, request.epilogue, operands, stored), outs)
+        results = reference_gemm(a_ref, b_ref, request.epilogue, operands, stored, gated=call.gated)
+        return _deliver(call, results, outs)
     p, device = call.problem, call.a.device
     tensors, scalars = kernel_inputs(prepared.fusion, specs, device)
-    aux = aux_outputs(prepared.fusion, outs, (p.l, p.m, p.n), call.batched, device)
+    aux = aux_outputs(prepared.fusion, outs, (p.l, p.m, call.d_n), call.batched, device)
     fresh_aux = frozenset(id(t) for name, t in aux.items() if name not in outs)
     return _run_and_record(bind_gemm(call, prepared.plan, prepared.fusion, tensors, scalars, aux, fresh_aux), fast)
 
@@ -148,7 +161,7 @@ def gemm(
 _PREPARED_CALLS: dict[tuple, PreparedCall] = {}
 
 
-def _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes, config) -> tuple | None:
+def _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes, config, gated) -> tuple | None:
     """``(signature, sources, operand names)`` of a call (see epicute.gemm.prepared), or None when it has no
     signature. The sources are ``a, b, out, a_scale, b_scale``, the operands in ``names`` order, the ``outs``."""
     capture = None
@@ -162,7 +175,7 @@ def _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes
         return None
     names = tuple(operands)
     key = (
-        capture, out_dtype, names, tuple(outs) if outs else None,
+        capture, gated, out_dtype, names, tuple(outs) if outs else None,
         tuple(out_dtypes.items()) if out_dtypes else None, tuple(config.items()) if config else None, *parts,
     )  # fmt: skip
     if config:
@@ -189,21 +202,31 @@ def _run_and_record(launch: GemmLaunch, fast: tuple | None):
 
 
 def describe_call(
-    a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, require_cuda: bool, scales=(None, None)
-) -> tuple[GemmCall, dict[str, OperandSpec], GemmRequest, dict[str, Any]]:
+    a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, require_cuda: bool, scales=(None, None),
+    gated: bool = False,
+) -> tuple[GemmCall, dict[str, OperandSpec], GemmRequest, dict[str, Any]]:  # fmt: skip
     """Validate a call's tensors and describe it: the call, its resolved operands, its :class:`GemmRequest`
     and the operands by name (an fp8 call's ``scales`` among them, in front of its epilogue's)."""
     if epilogue is None and (operands or out_dtypes or outs):
         given = sorted(operands) or list(out_dtypes or outs)
         raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
+    check_gated_call(gated, epilogue)
     if out_dtypes and "D" in out_dtypes:
         out_dtype = out_dtype or out_dtypes["D"]
-    call = check_gemm_args(a, b, out, out_dtype, require_cuda=require_cuda)
+    call = check_gemm_args(a, b, out, out_dtype, require_cuda=require_cuda, gated=gated)
     p = call.problem
+    if gated:
+        epilogue = gated_epilogue(epilogue)
     if p.fp8:
         # Tensorwise and rowwise scales are epilogue operands (the epilogue sees acc * a_scale * b_scale);
         # blockwise ones are the mainloop's.
         scaling = fp8_scaling(*scales, p.m, p.n, p.k, p.l, call.batched, call.a.device)
+        if gated and scaling.block is None:
+            raise DtypeError(
+                "gated=True with fp8 inputs takes blockwise scales (applied in the mainloop to gate and up alike); "
+                "for a tensorwise scale pass it as an operand of the epilogue: "
+                "lambda gate, up, s: ops.silu(gate * s) * (up * s)"
+            )
         epilogue, operands = scaling.apply(epilogue, operands)
         if scaling.block is not None:
             p = replace(p, block_scaled=True)
@@ -213,7 +236,7 @@ def describe_call(
     if epilogue is None:
         return call, {}, GemmRequest(p, overrides=_overrides(config)), operands
     epi = as_epilogue(epilogue)
-    specs = epi.operands(operands, p.m, p.n, p.l)
+    specs = epi.operands(operands, p.m, call.d_n, p.l)
     request = GemmRequest(
         p, epi, tuple((s.name, s.kind, s.dtype) for s in specs.values()),
         d_explicit=out is not None or out_dtype is not None,
@@ -228,20 +251,19 @@ def describe_call(
 _PREPARED = TraceMemo()
 
 
-def _prepare_memo(request: GemmRequest, epilogue: Callable | None) -> PreparedGemm:
+def _prepare_memo(request: GemmRequest) -> PreparedGemm:
     """:func:`prepare`, remembered per epilogue capture: a repeat call neither traces nor plans."""
     if request.epilogue is None:
         return prepare(request)  # a plan-cache hit
-    # An fp8 call's epilogue is the scaled one, one object per user epilogue (epicute.epilogue.scales).
-    traced = request.epilogue if isinstance(request.epilogue, ScaledEpilogue) else epilogue
-    return _PREPARED.get(traced, request.signature(), lambda: prepare(request))
+    # The request's epilogue is what is traced: the user's, or its scaled or gated form.
+    return _PREPARED.get(request.epilogue, request.signature(), lambda: prepare(request))
 
 
 def _with_d_dtype(call, d_dtype, a, b, out, *, require_cuda: bool):
     """``call`` again with D stored in ``d_dtype`` (an epilogue's own cast/quantize may choose it)."""
     if d_dtype == call.out_dtype:
         return call
-    again = check_gemm_args(a, b, out, d_dtype, require_cuda=require_cuda)
+    again = check_gemm_args(a, b, out, d_dtype, require_cuda=require_cuda, gated=call.gated)
     problem = replace(again.problem, block_scaled=call.problem.block_scaled)
     return replace(again, problem=problem, block_scales=call.block_scales)
 
@@ -258,6 +280,7 @@ def tune(
     iters: int = 20,
     warmup: int = 5,
     progress: bool = True,
+    gated: bool = False,
     **operands: Any,
 ) -> TuneResult:
     """Time every config the planner accepts for ``a @ b`` (with ``epilogue``) on the GPU; store the fastest.
@@ -274,12 +297,13 @@ def tune(
 
     if not torch.cuda.is_available():
         raise DeviceError("tune() times candidate kernels on a CUDA GPU; none is visible")
-    key, prepared = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands, (a_scale, b_scale))
+    key, prepared = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands, (a_scale, b_scale), gated)
     options = candidates(prepared.plan.problem, prepared.plan.target, prepared.plan.epilogue)
 
     def measure(overrides: dict) -> float:
         run = functools.partial(gemm, a, b, epilogue=epilogue, out_dtype=out_dtype, out_dtypes=out_dtypes,
-                                a_scale=a_scale, b_scale=b_scale, config=overrides, **operands)  # fmt: skip
+                                a_scale=a_scale, b_scale=b_scale, config=overrides, gated=gated,
+                                **operands)  # fmt: skip
         return time_cuda(run, warmup=warmup, iters=iters)
 
     with Progress(transient=True, disable=not progress) as bar:
@@ -298,21 +322,24 @@ def tune(
 _TUNED: dict[str, dict] = {}
 
 
-def _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands, scales=(None, None)) -> tuple[str, PreparedGemm]:
+def _tune_identity(
+    a, b, epilogue, out_dtype, out_dtypes, operands, scales=(None, None), gated=False
+) -> tuple[str, PreparedGemm]:
     """The tune key of one call and its preparation (the problem with D's dtype settled, the epilogue's buffers)."""
-    _, _, request, _ = describe_call(a, b, epilogue, None, out_dtype, out_dtypes, None, None, operands, False, scales)
-    prepared = _prepare_memo(request, epilogue)  # gemm(..., tune=True) asks on every call: trace once
+    _, _, request, _ = describe_call(a, b, epilogue, None, out_dtype, out_dtypes, None, None, operands, False, scales,
+                                     gated)  # fmt: skip
+    prepared = _prepare_memo(request)  # gemm(..., tune=True) asks on every call: trace once
     epi_hash = None if prepared.epilogue is None else semantic_hash(prepared.epilogue.graph)
     return tune_key(prepared.plan.problem, epi_hash, current_target().device), prepared
 
 
-def _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands, scales=(None, None)) -> dict:
-    key, _ = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands, scales)
+def _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands, scales=(None, None), gated=False) -> dict:
+    key, _ = _tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands, scales, gated)
     if key not in _TUNED:
         stored = stored_entry(key)
         _TUNED[key] = stored["best"] if stored is not None else tune(
             a, b, epilogue=epilogue, out_dtype=out_dtype, out_dtypes=out_dtypes, a_scale=scales[0],
-            b_scale=scales[1], **operands,
+            b_scale=scales[1], gated=gated, **operands,
         ).best  # fmt: skip
     return _TUNED[key]
 
@@ -355,6 +382,7 @@ def explain(
     a_scale: float | torch.Tensor | None = None,
     b_scale: float | torch.Tensor | None = None,
     config: dict | None = None,
+    gated: bool = False,
     target: Target | str | None = None,
     file: TextIO | str | None = "stdout",
     **operands: Any,
@@ -383,7 +411,8 @@ def explain(
         ['operand tile 0', 'row vector 0']
     """
     scales = (a_scale, b_scale)
-    _, _, request, _ = describe_call(a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, False, scales)
+    _, _, request, _ = describe_call(a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, False, scales,
+                                     gated)  # fmt: skip
     resolved = resolve_target(target)
     plan = prepare(replace(request, target=resolved)).plan
     if file is not None:
@@ -391,7 +420,7 @@ def explain(
         # Tuned winners are stored per GPU: only the current one's apply to its own plan.
         tuned = None
         if resolved == current_target():
-            tuned = stored_entry(_tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands, scales)[0])
+            tuned = stored_entry(_tune_identity(a, b, epilogue, out_dtype, out_dtypes, operands, scales, gated)[0])
         if tuned is not None:
             times, best, planner = tuned["times_ms"], label(tuned["best"]), label(tuned["planner"])
             text += (

@@ -95,6 +95,13 @@ def _fake_epilogue_operands(fusion) -> tuple[tuple, tuple]:
     return tuple(tensors), tuple(cutlass.Float32(0.0) for _ in fusion.scalar_inputs)
 
 
+def d_columns(fusion, n):
+    """D's symbolic N: B's, or its own under a gated epilogue (half of B's, which the DSL cannot state)."""
+    from cutlass import cute
+
+    return cute.sym_int() if fusion is not None and fusion.gated else n
+
+
 def compile_gemm_sm90(variant: GemmVariant):
     """Compile one GEMM variant for sm_90a; returns the callable
     ``f(a, b, d, epi_tensors, epi_scalars, block_scales, max_active_clusters)``.
@@ -115,7 +122,7 @@ def compile_gemm_sm90(variant: GemmVariant):
     l, m, n, k = (cute.sym_int() for _ in range(4))
     fake_a = _fake_operand(ab, (l, m, k), contiguous=2 if variant.a_major == "k" else 1)
     fake_b = _fake_operand(b_elem, (l, k, n), contiguous=2 if variant.b_major == "n" else 1)
-    fake_d = _fake_operand(d, (l, m, n), contiguous=2)
+    fake_d = _fake_operand(d, (l, m, d_columns(variant.fusion, n)), contiguous=2)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
     block_scales = ()

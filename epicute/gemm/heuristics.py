@@ -313,12 +313,12 @@ def choose_config(
                 schedule, tile_n = fitted_schedule, fitted_n
                 schedule_why = tile_why = "the epilogue's code (below)"
     group_n = epilogue.group_n
-    if group_n and tile_n % group_n and "tile_n" not in overrides:
+    if group_n and epilogue.out_tile_n(tile_n) % group_n and "tile_n" not in overrides:
         tile_n, tile_why = (
-            group_n,
+            group_n * tile_n // epilogue.out_tile_n(tile_n),
             (
                 f"quantize_groups: a tile holds whole groups of {group_n} columns (a group's scale is the tile's to "
-                f"compute), so 128x{group_n} instead of 128x{tile_n}"
+                f"compute), so 128x{group_n * tile_n // epilogue.out_tile_n(tile_n)} instead of 128x{tile_n}"
             ),
         )
     reasons = [f"schedule {schedule}: {schedule_why}", f"tile {tile_m}x{tile_n}x{problem.tile_k}: {tile_why}"]
@@ -373,7 +373,9 @@ def choose_config(
         cluster_m=cluster[0],
         cluster_n=cluster[1],
         persistent=persistent,
-        epi_tile=overrides.get("epi_tile", (64 if schedule == "pingpong" else tile_m, min(EPI_TILE_N, tile_n))),
+        epi_tile=overrides.get(
+            "epi_tile", (64 if schedule == "pingpong" else tile_m, min(EPI_TILE_N, epilogue.out_tile_n(tile_n)))
+        ),
         epi_reuses_ab_smem=overrides.get("epi_reuses_ab_smem", not persistent),
         raster_along_m=raster_along_m,
         swizzle=overrides.get("swizzle", 8),
@@ -410,10 +412,16 @@ def choose_config(
             f"{MAX_ACC_REGS}), and a tile spans at most one 128-wide scale block of N; use tile_n 128 or 64, "
             "cooperative, or ping-pong with tile_m 64"
         )
-    if group_n and cfg.tile_n % group_n:
+    out_tile_n = epilogue.out_tile_n(cfg.tile_n)
+    if epilogue.gated and out_tile_n % cfg.epi_tile[1]:
         raise ConfigError(
-            f"tile_n={cfg.tile_n} with quantize_groups: a tile must hold whole groups of {group_n} columns; "
-            f"use tile_n 128 or 256"
+            f"epi_tile={cfg.epi_tile} with a gated epilogue: its N must divide the output tile's {out_tile_n} "
+            f"columns (tile_n={cfg.tile_n} / 2)"
+        )
+    if group_n and out_tile_n % group_n:
+        raise ConfigError(
+            f"tile_n={cfg.tile_n} with quantize_groups: a tile must hold whole groups of {group_n} columns of D; "
+            + ("use tile_n 256 (gated: half of it is output)" if epilogue.gated else "use tile_n 128 or 256")
         )
     if cfg.tile_k != problem.tile_k:
         raise ConfigError(

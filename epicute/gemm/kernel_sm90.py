@@ -47,6 +47,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from epicute.epilogue.fusion import EpilogueFusion
+from epicute.epilogue.gated import GATE_BLOCK
 from epicute.epilogue.scales import BLOCK_K
 from epicute.epilogue.schedule import plain_graph, schedule
 from epicute.errors import ConfigError
@@ -91,7 +92,7 @@ class CtaShared:
     sC: list  # the fused epilogue's operand-tile, aux-output and vector buffers
     sAux: list
     sVec: list
-    gD: cute.Tensor  # D as (tile_m, tile_n, tiles_m, tiles_n, L)
+    gD: cute.Tensor  # D as (tile_m, out_tile_n, tiles_m, tiles_n, L)
     k_tiles: Int32
     tAsA: cute.Tensor  # the A/B TMA partitions (smem stages, gmem k-tiles)
     tAgA: cute.Tensor
@@ -119,6 +120,13 @@ class EpilogueCopies:
     tRS_cT: cute.Tensor | None  # tile coordinates of this thread's values, and of thread 0's
     tRS_cT0: cute.Tensor | None
     c_s2r: dict  # per operand tile: (tiled copy, smem view, registers, retiled registers)
+    # Gated only: per output value (r2s order), the positions of its gate and up values in tRS_rAcc,
+    # which is then the accumulator fragment itself (static: see gate_up_positions).
+    gate_up: tuple | None = None
+
+    def acc_position(self, i: int) -> int:
+        """Where output value ``i`` (r2s order over the tile) keeps its accumulator: its gate's when gated."""
+        return i if self.gate_up is None else self.gate_up[0][i]
 
 
 class GemmSm90:
@@ -165,6 +173,16 @@ class GemmSm90:
         # mainloop's loads never wait behind them.
         self.epi_load_warp = 1
         self.epi_buffers = fusion.buffers() if fusion is not None else NO_EPILOGUE
+        # A gated epilogue pairs each output column's gate and up accumulators: the output tile (what the
+        # epilogue, its operands and the stores see) has half the accumulator tile's columns.
+        self.gated = self.epi_buffers.gated
+        self.out_tile_n = self.epi_buffers.out_tile_n(cfg.tile_n)
+        if self.out_tile_n % cfg.epi_tile[1]:
+            raise ConfigError(
+                f"epi_tile={cfg.epi_tile} with a gated epilogue: its N must divide the output tile's "
+                f"{self.out_tile_n} columns (tile_n={cfg.tile_n} / 2)"
+            )
+        self.num_epi_subtiles = (cfg.tile_m // cfg.epi_tile[0]) * (self.out_tile_n // cfg.epi_tile[1])
         #: The epilogue the kernel runs: the fusion's chain, or the plain one (cast and store D).
         self.chain = fusion.stages if fusion is not None else schedule(plain_graph(d_dtype)).stages
         self.smem = gemm_smem_layout(cfg, ab_dtype, d_dtype, self.epi_buffers, b_dtype)
@@ -192,7 +210,7 @@ class GemmSm90:
         mB = _rotate(mB_lkn, [2, 1, 0])  # (N, K, L)
         mD = _rotate(mD_lmn, [1, 2, 0])  # (M, N, L)
         tiles_m = cute.ceil_div(cute.size(mD, mode=[0]), self.cfg.tile_m)
-        tiles_n = cute.ceil_div(cute.size(mD, mode=[1]), self.cfg.tile_n)
+        tiles_n = cute.ceil_div(cute.size(mD, mode=[1]), self.out_tile_n)
         num_batches = cute.size(mD, mode=[2])
         clusters_m, clusters_n, total_clusters = cluster_counts(tiles_m, tiles_n, num_batches, self.cluster_shape_mn)
         # The plan's grid by the same function; the tile scheduler strides by gridDim.z, so
@@ -207,15 +225,7 @@ class GemmSm90:
         ``(M, N, L)`` D, and launch ``launched`` clusters; ``sched_args`` are what :meth:`_scheduler`
         builds each role's tile scheduler from. Outputs are stored through :meth:`_store_view`."""
         cfg = self.cfg
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype,
-            self.b_dtype,
-            self.a_layout.sm90_mma_major_mode(),
-            self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype,
-            (cfg.tile_warpgroups, 1, 1),
-            tiler_mn=(WGMMA_M, cfg.tile_n),
-        )
+        tiled_mma = self._make_tiled_mma(cfg.tile_n)
         a_smem_staged = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_shape_mnk, self.ab_dtype, cfg.ab_stages)
         b_smem_staged = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_shape_mnk, self.b_dtype, cfg.ab_stages)
         d_smem_staged = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, cfg.epi_tile, cfg.num_epi_stages)
@@ -268,6 +278,19 @@ class GemmSm90:
             stream=stream,
         )  # fmt: skip
 
+    def _make_tiled_mma(self, tile_n: int):
+        """The team's WGMMA over a ``tile_m x tile_n`` tile (a gated epilogue lays its outputs out as the
+        accumulators of one half as wide)."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.b_dtype,
+            self.a_layout.sm90_mma_major_mode(),
+            self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (self.cfg.tile_warpgroups, 1, 1),
+            tiler_mn=(WGMMA_M, tile_n),
+        )
+
     def _store_view(self, tensor: cute.Tensor) -> cute.Tensor:
         """The ``(M, N, L)`` view an output's TMA store atom describes (the dense GEMM: the tensor itself)."""
         return tensor
@@ -297,8 +320,8 @@ class GemmSm90:
         )
 
     def _output_tiles(self, tensor: cute.Tensor) -> cute.Tensor:
-        """``tensor`` (L, M, N) viewed as (tile_m, tile_n, tiles_m, tiles_n, L)."""
-        return cute.local_tile(tensor, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
+        """``tensor`` (M, N, L) viewed as (tile_m, out_tile_n, tiles_m, tiles_n, L)."""
+        return cute.local_tile(tensor, (self.cfg.tile_m, self.out_tile_n), (None, None, None))
 
     def _subtile_partition(self, atom, smem_staged: cute.Tensor, tiles: cute.Tensor, coord: tuple, store: bool):
         """TMA (smem, gmem) partitions of the output tile at scheduler coordinate ``coord`` in ``epi_tile``
@@ -322,12 +345,12 @@ class GemmSm90:
         ``(m, n)`` of its corner, the ``(M, N)`` past which nothing is stored or reduced, and the batch
         index of its operands (the problem's ``extent_mn`` here)."""
         tm, tn, tl = coord[0], coord[1], coord[2]
-        return (tm * self.cfg.tile_m, tn * self.cfg.tile_n), extent_mn, tl
+        return (tm * self.cfg.tile_m, tn * self.out_tile_n), extent_mn, tl
 
     def _subtile_order(self):
         """Subtile index -> (m, n) subtile coordinate: row-major over (tile_m/epi_m, tile_n/epi_n), the
         order in which the epilogue stores subtiles and the epilogue-load warp fills its ring."""
-        n_subtiles_n = self.cfg.tile_n // self.cfg.epi_tile[1]
+        n_subtiles_n = self.out_tile_n // self.cfg.epi_tile[1]
         return cute.make_layout((self.cfg.tile_m // self.cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
 
     def _skip_tiles(self, tiles, k_tiles, read_state, release_state, c_state):
@@ -335,7 +358,7 @@ class GemmSm90:
         read_state.advance(tiles * k_tiles)
         release_state.advance(tiles * k_tiles)
         if cutlass.const_expr(self.epi_buffers.loads_tiles):
-            c_state.advance(tiles * self.cfg.num_epi_subtiles)
+            c_state.advance(tiles * self.num_epi_subtiles)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -463,7 +486,7 @@ class GemmSm90:
             layout = self._epi_smem_layout(dtype, cfg.num_epi_stages)
             sAux.append(getattr(storage, f"epi_aux_{i}").get_tensor(layout.outer, swizzle=layout.inner))
         for i, kind in enumerate(self.epi_buffers.vectors):
-            length = cfg.tile_n if kind == "row" else cfg.tile_m
+            length = self.out_tile_n if kind == "row" else cfg.tile_m
             sVec.append(getattr(storage, f"epi_vec_{i}").get_tensor(cute.make_layout(length)))
 
         # Global tiles: (bM, bK, RestM, RestK, L) etc.
@@ -554,7 +577,7 @@ class GemmSm90:
                 self._subtile_partition(atom, sC_i, self._output_tiles(mC), tile_coord, store=False)
                 for (atom, mC), sC_i in zip(epi_loads, sC)
             ]
-            for epi_idx in cutlass.range_constexpr(cfg.num_epi_subtiles):
+            for epi_idx in cutlass.range_constexpr(self.num_epi_subtiles):
                 c_pipeline.producer_acquire(fill_state)
                 barrier = c_pipeline.producer_get_barrier(fill_state)
                 for (atom, _), (tCsC, tCgC) in zip(epi_loads, partitions):
@@ -731,12 +754,20 @@ class GemmSm90:
         stmatrix_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4), cutlass.Float16
         )
-        tiled_copy_C_atom = cute.make_tiled_copy_C_atom(stmatrix_atom, tiled_mma)
+        # The output tile's values as a thread holds them: the accumulators' layout, at half the width when
+        # gated (the layout of a WGMMA of N = out_tile_n; see epicute.epilogue.gated).
+        out_mma, out_thr_mma = tiled_mma, thr_mma
+        if cutlass.const_expr(self.gated):
+            out_mma = self._make_tiled_mma(self.out_tile_n)
+            out_thr_mma = out_mma.get_slice(mma_tidx)
+        tiled_copy_C_atom = cute.make_tiled_copy_C_atom(stmatrix_atom, out_mma)
         copy_atom_r2s = sm90_utils.get_smem_store_op(self.d_layout, self.d_dtype, self.acc_dtype)
         tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_C_atom)
         thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
         tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, stage)
-        tRS_rAcc = tiled_copy_r2s.retile(acc)
+        tRS_rAcc, gate_up = acc, None
+        if cutlass.const_expr(not self.gated):
+            tRS_rAcc = tiled_copy_r2s.retile(acc)
         subtile_shape = cute.shape(thr_copy_r2s.partition_S(sD))[:3]
         tRS_rD = cute.make_rmem_tensor(subtile_shape, self.acc_dtype)
         tRS_rD_out = cute.make_rmem_tensor(subtile_shape, self.d_dtype)
@@ -754,9 +785,11 @@ class GemmSm90:
         if cutlass.const_expr(fusion is not None):
             extent_mn = (cute.size(mD, mode=[0]), cute.size(mD, mode=[1]))
             lane = mma_tidx % 32
-            ident = cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))
-            tRS_cT = tiled_copy_r2s.retile(thr_mma.partition_C(ident))
-            tRS_cT0 = tiled_copy_r2s.retile(tiled_mma.get_slice(0).partition_C(ident))
+            ident = cute.make_identity_tensor((cfg.tile_m, self.out_tile_n))
+            tRS_cT = tiled_copy_r2s.retile(out_thr_mma.partition_C(ident))
+            tRS_cT0 = tiled_copy_r2s.retile(out_mma.get_slice(0).partition_C(ident))
+            if cutlass.const_expr(self.gated):
+                gate_up = gate_up_positions(tiled_mma, tRS_cT0, (cfg.tile_m, cfg.tile_n))
             # smem -> registers for operand tiles (ldmatrix when 16-bit), in
             # the same value order as the accumulators.
             for name, dtype, sC_i in zip(fusion.tile_inputs, self.epi_buffers.tile_inputs, sC):
@@ -783,7 +816,7 @@ class GemmSm90:
                 )  # fmt: skip
         return EpilogueCopies(
             outputs, tRS_rAcc, cute.size(tRS_rD), store, is_store_warp, epi_tile_layout, extent_mn, lane, tRS_cT,
-            tRS_cT0, c_s2r,
+            tRS_cT0, c_s2r, gate_up,
         )  # fmt: skip
 
     @cute.jit
@@ -795,12 +828,12 @@ class GemmSm90:
         guard them)."""
         run_chain("begin", run)
         first, second = chain_passes(self.chain)
-        for epi_idx in cutlass.range_constexpr(self.cfg.num_epi_subtiles):
+        for epi_idx in cutlass.range_constexpr(self.num_epi_subtiles):
             run.subtile = epi_idx
             run_chain("subtile", run, first)
         if cutlass.const_expr(second):  # D quantized per group of columns: its scales, then a second pass
             run_chain("pass_end", run, first)
-            for epi_idx in cutlass.range_constexpr(self.cfg.num_epi_subtiles):
+            for epi_idx in cutlass.range_constexpr(self.num_epi_subtiles):
                 run.subtile = epi_idx
                 run_chain("subtile", run, second)
         run_chain("end", run)
@@ -854,6 +887,24 @@ def issue_k_tile(tiled_mma, tCrA: cute.Tensor, tCrB: cute.Tensor, stage, partial
         cute.gemm(mma_atom, partial, tCrA[coord], tCrB[coord], partial)
         mma_atom.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     cute.nvgpu.warpgroup.commit_group()
+
+
+def gate_up_positions(tiled_mma, out_coords0: cute.Tensor, tile_mn: tuple[int, int]) -> tuple:
+    """Static: for each output value of thread 0 (tile-local coordinates ``out_coords0``), the flat positions
+    in the accumulator fragment of its gate and up values. B interleaves gate and up in blocks of
+    ``GATE_BLOCK`` columns, so output column n's gate is accumulator column ``2 * GATE_BLOCK * (n // GATE_BLOCK)
+    + n % GATE_BLOCK`` and its up ``GATE_BLOCK`` further. Every thread holds the same columns of each block
+    (WGMMA's thread offsets are the same for any N, and under ``GATE_BLOCK``), so thread 0's positions are
+    every thread's."""
+    acc0 = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(tile_mn))
+    position = {tuple(acc0[i]): i for i in range(cute.size(acc0))}
+    gate, up = [], []
+    for u in range(cute.size(out_coords0)):
+        m, n = out_coords0[u]
+        col = 2 * GATE_BLOCK * (n // GATE_BLOCK) + n % GATE_BLOCK
+        gate.append(position[(m, col)])
+        up.append(position[(m, col + GATE_BLOCK)])
+    return tuple(gate), tuple(up)
 
 
 def promote(acc: cute.Tensor, partial: cute.Tensor, regs: cute.Tensor, slot: int, row_slot: list[int]) -> None:
@@ -917,17 +968,17 @@ class GemmEpilogueRun(EpilogueRun):
             vector_names = fusion.row_inputs + fusion.col_inputs
             self.vectors = dict(zip(vector_names, cta.sVec))
             self.vector_sources = dict(zip(vector_names, epi_vectors))
-            self.vector_lengths = {name: cfg.tile_n if name in fusion.row_inputs else cfg.tile_m
+            self.vector_lengths = {name: kernel.out_tile_n if name in fusion.row_inputs else cfg.tile_m
                                    for name in vector_names}  # fmt: skip
             self.batch, self.thread, self.threads = batch, mma_tidx, cfg.tile_threads
 
     def slice_acc(self) -> None:
         cfg = self.kernel.cfg
         if cutlass.const_expr(self.subtile == 0):
-            self.staging = RingState(cfg.num_epi_stages, self.tiles_done * cfg.num_epi_subtiles)
+            self.staging = RingState(cfg.num_epi_stages, self.tiles_done * self.kernel.num_epi_subtiles)
         values = self.outputs["D"].values
         for v in range(self.subtile_size):
-            values[v] = self.copies.tRS_rAcc[self.base + v]
+            values[v] = self.copies.tRS_rAcc[self.copies.acc_position(self.base + v)]
 
     def load_tiles(self) -> None:
         ring = self.cta.c_pipeline
@@ -938,6 +989,8 @@ class GemmEpilogueRun(EpilogueRun):
         self.c_state.advance()
 
     def tile_value(self, name, v, m, n):
+        if cutlass.const_expr(name == emit.UP):
+            return self.copies.tRS_rAcc[self.copies.gate_up[1][self.base + v]]
         return self.copies.c_s2r[name][2][v].to(Float32)
 
     def advance(self) -> None:
@@ -947,9 +1000,9 @@ class GemmEpilogueRun(EpilogueRun):
         # This subtile's accumulators are spent: their registers keep the values.
         values = self.outputs["D"].values
         for v in range(self.subtile_size):
-            self.copies.tRS_rAcc[self.base + v] = values[v]
+            self.copies.tRS_rAcc[self.copies.acc_position(self.base + v)] = values[v]
 
     def unpark(self) -> None:
         values = self.outputs["D"].values
         for v in range(self.subtile_size):
-            values[v] = self.copies.tRS_rAcc[self.base + v]
+            values[v] = self.copies.tRS_rAcc[self.copies.acc_position(self.base + v)]

@@ -164,18 +164,19 @@ def bind_gemm(
     p, device = call.problem, call.a.device
     fresh = set(fresh_aux)
     out3 = call.out
+    d_n = plan.d_n
     if out3 is None:
-        out3 = torch.empty((p.l, p.m, p.n), dtype=call.out_dtype, device=device)
+        out3 = torch.empty((p.l, p.m, d_n), dtype=call.out_dtype, device=device)
         fresh.add(id(out3))
     workspaces, group_scales = {}, None
     if fusion is not None:
-        tile_n = plan.config.tile_n
+        tile_n = plan.out_tile_n
         workspaces = {
-            r.name: torch.empty(r.workspace_shape(p.l, p.m, p.n, tile_n), dtype=torch.float32, device=device)
+            r.name: torch.empty(r.workspace_shape(p.l, p.m, d_n, tile_n), dtype=torch.float32, device=device)
             for r in fusion.reductions
         }
         if fusion.group_quant is not None:  # (L, groups, M): M-major scales, handed out as (L, M, groups)
-            shape = fusion.group_quant.scales_shape(p.l, p.m, p.n)
+            shape = fusion.group_quant.scales_shape(p.l, p.m, d_n)
             group_scales = torch.empty(shape, dtype=torch.float32, device=device)
             fresh.add(id(group_scales))
         fresh.update(id(t) for t in workspaces.values())

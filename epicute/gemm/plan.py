@@ -42,6 +42,16 @@ class GemmPlan:
         )
 
     @property
+    def d_n(self) -> int:
+        """D's columns: N, or half of it under a gated epilogue (B interleaves gate and up)."""
+        return self.problem.n // 2 if self.epilogue.gated else self.problem.n
+
+    @property
+    def out_tile_n(self) -> int:
+        """D's columns per tile (half of ``tile_n`` under a gated epilogue)."""
+        return self.epilogue.out_tile_n(self.config.tile_n)
+
+    @property
     def smem(self) -> list[SmemItem]:
         return smem_table(self.config, self.problem.ab_dtype, self.problem.d_dtype, self.epilogue)
 

@@ -131,7 +131,7 @@ def prepare(request: GemmRequest) -> PreparedGemm:
         return _prepare_plain(request.problem, request.overrides, target)
     lowered = lower_epilogue(request)
     problem = replace(request.problem, d_dtype=lowered.d_dtype)
-    _check_aux_rows(lowered, problem.n)
+    _check_aux_rows(lowered, problem.n // 2 if lowered.fusion.gated else problem.n)
     return PreparedGemm(cached_plan(problem, request.overrides, lowered.fusion.buffers(), target), lowered)
 
 

@@ -5,6 +5,7 @@ Plain text on purpose: it reads the same in a terminal, a log file and a test.
 
 from __future__ import annotations
 
+from epicute.epilogue.gated import GATE_BLOCK
 from epicute.gemm.plan import GemmPlan
 from epicute.gemm.smem import ab_stage_bytes
 from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
@@ -18,8 +19,11 @@ def render_plan(plan: GemmPlan) -> str:
     p, c, hw = plan.problem, plan.config, plan.target
     a_desc = "row-major (K contiguous)" if p.a_major == "k" else "column-major (M contiguous)"
     b_desc = "row-major (N contiguous)" if p.b_major == "n" else "column-major (K contiguous)"
+    product = f"A[{p.l}x{p.m}x{p.k}] @ B[{p.l}x{p.k}x{p.n}]"
+    if plan.epilogue.gated:
+        product = f"gated({product}): B interleaves gate and up in blocks of {GATE_BLOCK}"
     lines = [
-        f"epicute GEMM plan: D[{p.l}x{p.m}x{p.n}] = A[{p.l}x{p.m}x{p.k}] @ B[{p.l}x{p.k}x{p.n}]",
+        f"epicute GEMM plan: D[{p.l}x{p.m}x{plan.d_n}] = {product}",
         f"  A {p.ab_dtype} {a_desc}; B {p.b_elem} {b_desc}; D {p.d_dtype} row-major; accumulate fp32"
         + (
             " (fp8 WGMMA, promoted: each 128-wide k-tile's partial is scaled by its blockwise scales and added "
@@ -46,7 +50,8 @@ def render_plan(plan: GemmPlan) -> str:
         + ("along N swept down M" if c.raster_along_m else "along M swept across N"),
         (
             f"  epilogue tile   {c.epi_tile[0]} x {c.epi_tile[1]}  "
-            f"({c.num_epi_subtiles} subtiles per tile, row-major order)"
+            f"({c.tile_m // c.epi_tile[0] * (plan.out_tile_n // c.epi_tile[1])} subtiles per tile, row-major order"
+            + (f"; {plan.out_tile_n} output columns, gated)" if plan.epilogue.gated else ")")
         ),
         "",
         "warp roles",

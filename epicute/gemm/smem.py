@@ -54,7 +54,7 @@ def gemm_smem_layout(
         buffers.append(SmemBuffer(f"epi_aux_{i}", f"aux output {i}", dtype, epi_elems * cfg.num_epi_stages,
                                   f"{cfg.num_epi_stages} x {subtile} {dtype}, TMA-stored"))  # fmt: skip
     for i, kind in enumerate(epi.vectors):
-        length = cfg.tile_n if kind == "row" else cfg.tile_m
+        length = epi.out_tile_n(cfg.tile_n) if kind == "row" else cfg.tile_m
         buffers.append(SmemBuffer(f"epi_vec_{i}", f"{kind} vector {i}", "fp32", length,
                                   f"{length} fp32, this tile's slice"))  # fmt: skip
     return SmemLayout(tuple(buffers))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from epicute.epilogue.dtypes import TORCH_TO_IR
+from epicute.epilogue.gated import GATE_BLOCK
 from epicute.errors import AlignmentError, DtypeError, OutputError, ShapeError
 from epicute.gemm.config import GemmProblem
 from epicute.runtime.checks import (
@@ -44,6 +45,13 @@ class GemmCall:
     batched: bool
     #: fp8 blockwise scales, read by the mainloop (``problem.block_scaled``); see epicute.epilogue.scales
     block_scales: object = None
+    #: B interleaves gate and up columns for a gated epilogue (epicute.epilogue.gated): D has N / 2
+    gated: bool = False
+
+    @property
+    def d_n(self) -> int:
+        """D's columns."""
+        return self.problem.n // 2 if self.gated else self.problem.n
 
 
 def _as_3d(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -119,8 +127,10 @@ def check_gemm_args(
     out_dtype: torch.dtype | None = None,
     *,
     require_cuda: bool = True,
+    gated: bool = False,
 ) -> GemmCall:
-    """Validate ``a @ b`` (optionally into ``out``) and describe it as a :class:`GemmProblem`."""
+    """Validate ``a @ b`` (optionally into ``out``) and describe it as a :class:`GemmProblem` (``gated``: B
+    interleaves gate and up columns, D has half of them)."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise DtypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -164,10 +174,13 @@ def check_gemm_args(
             "-major: WGMMA reads 8-bit operands K-major only. Pass a row-major a (M, K) (a.contiguous()) and b as "
             "w.t() of a row-major (N, K) weight (b.t().contiguous().t())"
         )
+    if gated:
+        check_gated_columns(n, "b")
+    d_n = n // 2 if gated else n
     out3 = None
     if out is not None:
-        expected = (l, m, n) if batched else (m, n)
-        check_out_placement(out, expected, f"a @ b has shape {expected}", a, b)
+        expected = (l, m, d_n) if batched else (m, d_n)
+        check_out_placement(out, expected, f"{'gated(a @ b)' if gated else 'a @ b'} has shape {expected}", a, b)
         out3 = _as_3d(out, "out")
 
     problem = GemmProblem(
@@ -179,8 +192,18 @@ def check_gemm_args(
     if m and n and k:
         a3 = _check_tma_strides(a3, "a", 2 if a_major == "k" else 1, "LMK")
         b3 = _check_tma_strides(b3, "b", 2 if b_major == "n" else 1, "LKN")
-        out3 = check_d_rows(out3, n, out_dtype)
-    return GemmCall(problem, a3, b3, out3, out_dtype, batched)
+        out3 = check_d_rows(out3, d_n, out_dtype)
+    return GemmCall(problem, a3, b3, out3, out_dtype, batched, gated=gated)
+
+
+def check_gated_columns(n: int, name: str) -> None:
+    """A gated GEMM's B holds gate and up interleaved in blocks of ``GATE_BLOCK`` columns: ``2 * GATE_BLOCK``
+    divides its N."""
+    if n % (2 * GATE_BLOCK):
+        raise ShapeError(
+            f"{name} has N={n} columns; gated=True takes gate and up interleaved in blocks of {GATE_BLOCK} "
+            f"(epicute.interleave_gate_up(w_gate, w_up)), so N = 2 x a multiple of {GATE_BLOCK}"
+        )
 
 
 def resolve_out_dtype(out: torch.Tensor | None, out_dtype: torch.dtype | None, default: torch.dtype) -> torch.dtype:

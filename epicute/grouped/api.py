@@ -10,6 +10,7 @@ from typing import Any, TextIO
 import torch
 
 from epicute.epilogue.dtypes import IR_TO_TORCH
+from epicute.epilogue.gated import check_gated_call, gated_epilogue, split_gate_up
 from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import evaluate, round_to
 from epicute.epilogue.tracer import as_epilogue
@@ -37,6 +38,7 @@ def grouped_gemm(
     backend: str = "kernel",
     config: dict | None = None,
     check_offsets: bool = False,
+    gated: bool = False,
     **operands: Any,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """``a[rows of g] @ b[g]`` for every group ``g`` in one kernel (mixture-of-experts layers), optionally
@@ -62,6 +64,10 @@ def grouped_gemm(
         check_offsets: read the offsets back and check them (a device sync; offsets passed on the CPU are
             always checked). Unchecked offsets that decrease or pass ``total_M`` never make the kernel
             write outside ``out``, but rows no group covers are left as they were.
+        gated: SwiGLU/GeGLU experts in one kernel: ``b``'s ``2N`` columns hold each expert's gate and up
+            projections interleaved in blocks of 8 (:func:`epicute.interleave_gate_up`), and the epilogue
+            is ``f(gate, up, *operands)``, e.g. ``lambda gate, up, score: ops.silu(gate) * up * score``;
+            D and the operands have ``N`` columns.
 
     Returns:
         D ``(total_M, N)``; a dict of every output when the epilogue returns more than ``"D"``.
@@ -74,6 +80,9 @@ def grouped_gemm(
         >>> y = epicute.grouped_gemm(x, w.transpose(-2, -1), offs)             # (4096, 2048)
         >>> z = epicute.grouped_gemm(x, w.transpose(-2, -1), offs, epilogue=lambda acc, score: acc * score,
         ...                          score=torch.rand(4096, 1, device="cuda"))
+        >>> w13 = epicute.interleave_gate_up(w[:, :1024], w[:, 1024:])          # (8, 2048, 1024)
+        >>> h = epicute.grouped_gemm(x, w13.transpose(-2, -1), offs, gated=True,  # (4096, 1024)
+        ...                          epilogue=lambda gate, up: epicute.ops.silu(gate) * up)
     """
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
@@ -81,11 +90,11 @@ def grouped_gemm(
     if not on_gpu:
         check_has_values(("a", a), ("b", b))
     call, specs, request = describe_grouped_call(a, b, offsets, epilogue, out, out_dtype, out_dtypes, config,
-                                                 operands, on_gpu, check_offsets)  # fmt: skip
+                                                 operands, on_gpu, check_offsets, gated)  # fmt: skip
     prepared = prepare(request)
     if prepared.d_torch_dtype != call.out_dtype:  # the epilogue's own final cast chose D's dtype (no out given)
         if call.problem.total_m and call.problem.n and call.problem.k:
-            check_d_rows(None, call.problem.n, prepared.d_torch_dtype)
+            check_d_rows(None, call.problem.d_n, prepared.d_torch_dtype)
         call = replace(call, problem=prepared.plan.problem, out_dtype=prepared.d_torch_dtype)
     if backend == "reference":
         results = reference_grouped(call, prepared, specs)
@@ -94,29 +103,31 @@ def grouped_gemm(
     else:
         p, device = call.problem, call.a.device
         tensors, scalars = kernel_inputs(prepared.fusion, specs, device)
-        aux = aux_outputs(prepared.fusion, {}, (1, p.total_m, p.n), False, device)
+        aux = aux_outputs(prepared.fusion, {}, (1, p.total_m, p.d_n), False, device)
         results = run_grouped(call, prepared.plan, prepared.fusion, tensors, scalars, aux)
     return results["D"] if set(results) == {"D"} else results
 
 
 def describe_grouped_call(
     a, b, offsets, epilogue, out, out_dtype, out_dtypes, config, operands, require_cuda: bool,
-    check_offsets: bool = False,
+    check_offsets: bool = False, gated: bool = False,
 ) -> tuple[GroupedCall, dict[str, OperandSpec], GroupedRequest]:  # fmt: skip
     """Validate a call and describe it: the call, its operands resolved for the kernel (per-group rows
     ``(G, N)``, per-row columns ``(G, total_M)`` with a zero group stride, tiles ``(1, total_M, N)``) and
     its :class:`GroupedRequest`."""
     if epilogue is None and (operands or out_dtypes):
         raise EpilogueError(f"operands/outputs {sorted(operands) or list(out_dtypes)} were given without an epilogue")
+    check_gated_call(gated, epilogue)
     if out_dtypes and "D" in out_dtypes:
         out_dtype = out_dtype or out_dtypes["D"]
-    call = check_grouped_args(a, b, offsets, out, out_dtype, check_offsets=check_offsets, require_cuda=require_cuda)
+    call = check_grouped_args(a, b, offsets, out, out_dtype, check_offsets=check_offsets, require_cuda=require_cuda,
+                              gated=gated)  # fmt: skip
     p = call.problem
     overrides = tuple(sorted((config or {}).items()))
     if epilogue is None:
         return call, {}, GroupedRequest(p, overrides=overrides)
-    epi = as_epilogue(epilogue)
-    specs = {name: _grouped_operand(spec, p.groups) for name, spec in epi.operands(operands, p.total_m, p.n,
+    epi = gated_epilogue(epilogue) if gated else as_epilogue(epilogue)
+    specs = {name: _grouped_operand(spec, p.groups) for name, spec in epi.operands(operands, p.total_m, p.d_n,
                                                                                     p.groups).items()}  # fmt: skip
     request = GroupedRequest(
         p, epi, tuple((s.name, s.kind, s.dtype) for s in specs.values()),
@@ -151,16 +162,20 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
     start = 0
     for g, end in enumerate(offsets.tolist()):
         acc = (a[start:end] @ b[g]).unsqueeze(0)
+        up = None
+        if p.gated:
+            acc, up = split_gate_up(acc)
         if graph is None:
             results = {"D": round_to(acc, p.d_dtype)}
         else:
-            results = evaluate(graph, acc, {name: _group_slice(s, g, start, end) for name, s in specs.items()})
+            operands = {name: _group_slice(s, g, start, end) for name, s in specs.items()}
+            results = evaluate(graph, acc, operands, up=up)
         for name, value in results.items():
             pieces.setdefault(name, []).append(value[0])
         start = end
     if not pieces:  # no rows at all
         stored = {"D": p.d_dtype} if prepared.epilogue is None else prepared.epilogue.fusion.output_dtypes
-        pieces = {name: [torch.empty(0, p.n, dtype=IR_TO_TORCH[d])] for name, d in stored.items()}
+        pieces = {name: [torch.empty(0, p.d_n, dtype=IR_TO_TORCH[d])] for name, d in stored.items()}
     results = {name: torch.cat(values) for name, values in pieces.items()}
     if call.out is not None:
         call.out[0].copy_(results["D"])
@@ -186,6 +201,7 @@ def explain_grouped(
     out_dtype: torch.dtype | None = None,
     out_dtypes: dict[str, torch.dtype] | None = None,
     config: dict | None = None,
+    gated: bool = False,
     target: Target | str | None = None,
     file: TextIO | str | None = "stdout",
     **operands: Any,
@@ -204,7 +220,7 @@ def explain_grouped(
         (128, True)
     """
     _, _, request = describe_grouped_call(a, b, offsets, epilogue, None, out_dtype, out_dtypes, config, operands,
-                                          False)  # fmt: skip
+                                          False, gated=gated)  # fmt: skip
     plan = prepare(replace(request, target=resolve_target(target))).plan
     if file is not None:
         print(render_grouped_plan(plan), file=sys.stdout if file == "stdout" else file)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from epicute.gemm.compile import GemmVariant, _fake_epilogue_operands, _fake_operand
+from epicute.gemm.compile import GemmVariant, _fake_epilogue_operands, _fake_operand, d_columns
 from epicute.runtime.compile import KernelFamily, dsl_compile
 from epicute.runtime.target import SM90A
 
@@ -34,7 +34,7 @@ def compile_grouped_sm90(variant: GroupedVariant):
     g, m, n, k = (cute.sym_int() for _ in range(4))
     fake_a = _fake_operand(ab, (1, m, k), contiguous=2 if variant.a_major == "k" else 1)
     fake_b = _fake_operand(ab, (g, k, n), contiguous=2 if variant.b_major == "n" else 1)
-    fake_d = _fake_operand(d, (1, m, n), contiguous=2)
+    fake_d = _fake_operand(d, (1, m, d_columns(variant.fusion, n)), contiguous=2)
     fake_offsets = cute.runtime.make_fake_tensor(cutlass.Int32, (g,), stride=(1,), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)

@@ -57,7 +57,7 @@ class GroupedGemmSm90(GemmSm90):
         mD = _rotate(mD_lmn, [1, 2, 0])  # (total_M, N, 1)
         total_rows = cute.size(mD, mode=[0])
         num_groups = cute.size(mB, mode=[2])
-        clusters_n = ceil_div(ceil_div(cute.size(mD, mode=[1]), cfg.tile_n), cfg.cluster_n)
+        clusters_n = ceil_div(ceil_div(cute.size(mD, mode=[1]), self.out_tile_n), cfg.cluster_n)
         bound = grouped_cluster_bound(total_rows, num_groups, cfg.tile_m * cfg.cluster_m, clusters_n)
         launched = GroupedTileScheduler.grid(bound, max_active_clusters, cfg.persistent, cutlass.min)
         self._launch(mA, mB, mD, epi_tensors, epi_scalars, (), (offsets, num_groups, total_rows, clusters_n),
@@ -90,7 +90,7 @@ class GroupedGemmSm90(GemmSm90):
             view = cute.domain_offset((rows - (end - start), 0), tiles[(None, None, end)])
         else:
             view = cute.domain_offset((start, 0), tiles[(None, None, 0)])
-        tile = cute.local_tile(view, (self.cfg.tile_m, self.cfg.tile_n), (tm, tn))
+        tile = cute.local_tile(view, (self.cfg.tile_m, self.out_tile_n), (tm, tn))
         return self._partition_subtiles(atom, smem_staged, tile)
 
     def _a_k_tiles(self, cta, tma_a, coord: tuple) -> cute.Tensor:
@@ -105,7 +105,7 @@ class GroupedGemmSm90(GemmSm90):
 
     def _epilogue_frame(self, coord: tuple, extent_mn: tuple) -> tuple:
         tm, tn, g, start, end = coord
-        return (start + tm * self.cfg.tile_m, tn * self.cfg.tile_n), (end, extent_mn[1]), g
+        return (start + tm * self.cfg.tile_m, tn * self.out_tile_n), (end, extent_mn[1]), g
 
 
 __all__ = ["GroupedGemmSm90"]

@@ -33,11 +33,11 @@ def _zero_k(call: GroupedCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_grouped(call: GroupedCall, plan: GroupedPlan, fusion=None, epi_inputs: tuple = (), epi_scalars: tuple = (),
                 aux: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Launch ``call`` with ``plan``; every output by name, ``(total_M, N)``, D first."""
+    """Launch ``call`` with ``plan``; every output by name, ``(total_M, N)`` (``N / 2`` gated), D first."""
     p = call.problem
     out3 = call.out
     if out3 is None:
-        out3 = torch.empty((1, p.total_m, p.n), dtype=call.out_dtype, device=call.a.device)
+        out3 = torch.empty((1, p.total_m, p.d_n), dtype=call.out_dtype, device=call.a.device)
     aux = dict(aux or {})
     if p.total_m and p.n:
         if p.k == 0 and fusion is None:

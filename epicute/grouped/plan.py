@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from epicute.epilogue.gated import GATE_BLOCK
 from epicute.errors import ConfigError
 from epicute.gemm.config import GemmConfig, GemmProblem
 from epicute.gemm.heuristics import choose_config
@@ -35,6 +36,8 @@ class GroupedProblem:
     d_dtype: str = "bf16"
     a_major: str = "k"
     b_major: str = "n"
+    #: a gated epilogue's problem: B's ``n`` columns interleave gate and up, D has ``n / 2``
+    gated: bool = False
 
     def __post_init__(self) -> None:
         if self.ab_dtype not in ("bf16", "fp16"):
@@ -42,6 +45,11 @@ class GroupedProblem:
         if self.groups < 1:
             raise ConfigError(f"groups={self.groups}: a grouped GEMM has at least one group")
         self.mean_group()  # checks dtypes and majors
+
+    @property
+    def d_n(self) -> int:
+        """D's columns."""
+        return self.n // 2 if self.gated else self.n
 
     def mean_group(self) -> GemmProblem:
         """The dense problem the config is planned for: ``G`` GEMMs of the mean group's rows."""
@@ -121,8 +129,21 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
     ]
     lines = [
         (
-            f"epicute grouped GEMM plan: {p.groups} groups, D[{p.total_m}x{p.n}] = A[{p.total_m}x{p.k}] @ "
-            f"B[group][{p.k}x{p.n}] (rows sorted by group; offsets read on the GPU, never by the host)"
+            f"epicute grouped GEMM plan: {p.groups} groups, D[{p.total_m}x{p.d_n}] = "
+            + ("gated(" if p.gated else "")
+            + f"A[{p.total_m}x{p.k}] @ B[group][{p.k}x{p.n}]"
+            + (")" if p.gated else "")
+            + " (rows sorted by group; offsets read on the GPU, never by the host)"
+        ),
+        *(
+            [
+                (
+                    f"  gated           B's columns interleave gate and up in blocks of {GATE_BLOCK}; each output "
+                    "column gets its gate and up accumulators (same thread's registers)"
+                )
+            ]
+            if p.gated
+            else []
         ),
         "grouped schedule",
         (

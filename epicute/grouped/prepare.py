@@ -88,7 +88,7 @@ def _prepare(request: GroupedRequest) -> PreparedGrouped:
             "grouped epilogues do not support yet: reduce the returned tile with torch, or use epicute.gemm per group"
         )
     problem = replace(problem, d_dtype=lowered.d_dtype)
-    _check_aux_rows(lowered, problem.n)
+    _check_aux_rows(lowered, problem.d_n)
     return PreparedGrouped(_plan(problem, request.overrides, fusion.buffers(), target), lowered)
 
 

@@ -22,6 +22,7 @@ from epicute.gemm.validate import (
     _check_tma_strides,
     _major,
     check_d_rows,
+    check_gated_columns,
     check_out_placement,
     resolve_out_dtype,
 )
@@ -74,8 +75,10 @@ def check_grouped_args(
     *,
     check_offsets: bool = False,
     require_cuda: bool = True,
+    gated: bool = False,
 ) -> GroupedCall:
-    """Validate a grouped GEMM call and describe it as a :class:`GroupedProblem`."""
+    """Validate a grouped GEMM call and describe it as a :class:`GroupedProblem` (``gated``: B interleaves gate and
+    up columns, D has half of them)."""
     for name, t in (("a", a), ("b", b), ("offsets", offsets)):
         if not isinstance(t, torch.Tensor):
             raise DtypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -128,15 +131,20 @@ def check_grouped_args(
             "rows from wherever it starts, which TMA can do only along a strided dimension: pass a row-major a "
             "(a.contiguous())"
         )
+    if gated:
+        check_gated_columns(n, "b")
+    d_n = n // 2 if gated else n
     out3 = None
     if out is not None:
-        check_out_placement(out, (total_m, n), f"the grouped GEMM writes {(total_m, n)}", a, b)
+        check_out_placement(out, (total_m, d_n), f"the grouped GEMM writes {(total_m, d_n)}", a, b)
         out3 = out.unsqueeze(0)
-    problem = GroupedProblem(total_m, n, k, groups, TORCH_TO_IR[a.dtype], TORCH_TO_IR[out_dtype], a_major, b_major)
+    problem = GroupedProblem(
+        total_m, n, k, groups, TORCH_TO_IR[a.dtype], TORCH_TO_IR[out_dtype], a_major, b_major, gated
+    )
     if total_m and n and k:
         a3 = _check_tma_strides(a3, "a", 2 if a_major == "k" else 1, "LMK")
         b3 = _check_tma_strides(b3, "b", 2 if b_major == "n" else 1, "GKN")
-        out3 = check_d_rows(out3, n, out_dtype)
+        out3 = check_d_rows(out3, d_n, out_dtype)
     return GroupedCall(problem, a3, b3, offsets, out3, out_dtype)
 
 

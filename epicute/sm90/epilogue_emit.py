@@ -35,6 +35,11 @@ DSL_DTYPES = {
 assert set(DSL_DTYPES) == KERNEL_DTYPES
 
 
+#: A gated epilogue's up value travels with the element's operand tiles under this name (no operand
+#: can take it: it is not an identifier), read by the kernel's ``tile_value``.
+UP = "acc:up"
+
+
 def emit_graph(graph, leaf, needed: set[int] | None = None) -> dict:
     """Every needed elementwise node's fp32 value for one element, as DSL scalars.
 
@@ -51,7 +56,7 @@ def emit_graph(graph, leaf, needed: set[int] | None = None) -> dict:
             continue
         if node.op == "const":
             v = Float32(node.attr("value"))
-        elif node.op in ("acc", "input", "index"):
+        elif node.op in ("acc", "input", "index", "acc_up"):
             v = leaf(node)
         else:
             v = emit_op(node.op, [values[a] for a in node.args], node)
@@ -62,7 +67,8 @@ def emit_graph(graph, leaf, needed: set[int] | None = None) -> dict:
 def compute(fusion: EpilogueFusion, acc, tiles: dict, vectors: dict, scalars: tuple) -> dict:
     """Every needed node's fp32 value for one element of a fused epilogue.
 
-    ``tiles``/``vectors``: this element's operand values by name (fp32);
+    ``tiles``/``vectors``: this element's operand values by name (fp32), and a gated epilogue's up
+    value under :data:`UP`;
     ``scalars``: the kernel's scalar tuple, in ``fusion.scalar_inputs`` order.
     """
     scalar_slot = {name: i for i, name in enumerate(fusion.scalar_inputs)}
@@ -70,6 +76,8 @@ def compute(fusion: EpilogueFusion, acc, tiles: dict, vectors: dict, scalars: tu
     def leaf(node):
         if node.op == "acc":
             return acc
+        if node.op == "acc_up":
+            return tiles[UP]
         name = node.attr("name")
         if node.kind == "scalar":
             return scalars[scalar_slot[name]]
@@ -200,8 +208,9 @@ class TileEpilogue:
 
         ``acc``: the subtile's accumulators (fp32 registers), ``base``: the offset of its first
         value in the thread's coordinates; ``tile_value(name, v, m, n)``: operand tile ``name``'s
-        value ``v`` (tile-local (m, n)) as fp32; each output's value goes to ``outputs[name][v]``
-        (D's tensor may be ``acc`` itself). Each of ``visitors`` is called per element as
+        value ``v`` (tile-local (m, n)) as fp32, and a gated epilogue's up value (``name`` :data:`UP`);
+        each output's value goes to ``outputs[name][v]`` (D's tensor may be ``acc`` itself). Each of
+        ``visitors`` is called per element as
         ``visit(at, values)`` with ``at = (v, m0, n0, m, n)`` (thread 0's and this thread's
         coordinates) and every node's value: the later stages that work element by element
         (``reduce``) fold there, so no value outlives its element.
@@ -212,6 +221,8 @@ class TileEpilogue:
             m, n = self.coords[base + v]
             vectors = {name: self._vector(name, m0, n0, m, n) for name in self.vectors}
             tile_values = {name: tile_value(name, v, m, n) for name in fusion.tile_inputs}
+            if fusion.gated:
+                tile_values[UP] = tile_value(UP, v, m, n)
             values = compute(fusion, acc[v], tile_values, vectors, self.scalars)
             for name, t in outputs.items():
                 t[v] = values[out_ids[name]]

@@ -173,3 +173,31 @@ def test_grouped_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(out, reference(a, b, offsets)) < BF16_TOL
+
+
+@pytest.mark.parametrize("name", ["mixed", "many_groups", "skewed"])
+@pytest.mark.parametrize("b_major", ["k", "n"])
+def test_gated_swiglu_with_router_weights(name, b_major):
+    """Each expert's gate and up projections interleaved in one weight; the epilogue gets both halves of
+    each output column and the token's router weight. Checked against float64 math on the separate
+    projections, with D NaN-poisoned."""
+    sizes = SIZES[name]
+    k, n = 136, 200
+    offsets = offsets_of(sizes)
+    total = int(offsets[-1])
+    a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    w_gate = torch.randn(len(sizes), n, k, device="cuda", dtype=torch.bfloat16)
+    w_up = torch.randn(len(sizes), n, k, device="cuda", dtype=torch.bfloat16)
+    w = epicute.interleave_gate_up(w_gate, w_up)
+    b = w.transpose(-2, -1) if b_major == "k" else w.transpose(-2, -1).contiguous()
+    score = torch.rand(total, 1, device="cuda")
+    bias = torch.randn(len(sizes), n, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((total, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    d = epicute.grouped_gemm(a, b, offsets, out=out, gated=True, score=score, bias=bias,
+                             epilogue=lambda gate, up, score, bias: ops.silu(gate + bias) * up * score)  # fmt: skip
+    assert d.data_ptr() == out.data_ptr()
+    gate = reference(a, w_gate.transpose(-2, -1), offsets)
+    up = reference(a, w_up.transpose(-2, -1), offsets)
+    group = torch.repeat_interleave(torch.arange(len(sizes), device="cuda"), torch.tensor(sizes, device="cuda"))
+    want = torch.nn.functional.silu(gate + bias.double()[group]) * up * score.double()
+    assert rel_err(d, want) < BF16_TOL

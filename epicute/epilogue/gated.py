@@ -1,0 +1,99 @@
+"""Gated epilogues: ``f(gate, up, *operands)`` over a GEMM whose B holds two projections.
+
+SwiGLU and GeGLU MLPs multiply the input by two weights, gate and up, and combine
+the products column by column (``silu(x @ w_gate.T) * (x @ w_up.T)``). A gated
+GEMM computes both in one pass: B has ``2 * N`` columns, gate and up interleaved
+in blocks of :data:`GATE_BLOCK` (= 8) columns -- gate columns 0-7, up columns
+0-7, gate 8-15, up 8-15, ... -- and the epilogue receives, for each output
+column, the gate value and the up value. D has ``N`` columns.
+
+Why blocks of 8: a WGMMA accumulator gives each thread 2 adjacent columns of
+every 8-column block, so with this layout a thread holds the gate and the up
+value of each of its output columns in its own registers: no shuffle, and the
+output tile has the accumulator's layout at half the width.
+:func:`interleave_gate_up` builds such a weight once from the two projections.
+
+Example:
+    >>> import torch, epicute
+    >>> w_gate, w_up = torch.randn(64, 32), torch.randn(64, 32)   # (N, K) each
+    >>> w = epicute.interleave_gate_up(w_gate, w_up)              # (2N, K)
+    >>> x = torch.randn(5, 32)
+    >>> y = epicute.gemm(x.bfloat16(), w.t().bfloat16(), gated=True, backend="reference",
+    ...                  epilogue=lambda gate, up: epicute.ops.silu(gate) * up)
+    >>> y.shape
+    torch.Size([5, 64])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from epicute.epilogue.proxy import Recorder, Value
+from epicute.epilogue.tracer import Epilogue
+from epicute.errors import EpilogueError, ShapeError
+
+#: Gate and up columns alternate in blocks of this many (see the module docstring).
+GATE_BLOCK = 8
+
+
+class GatedEpilogue(Epilogue):
+    """A gated epilogue ``f(gate, up, *operands)``: ``gate`` is the accumulator, ``up`` its partner column."""
+
+    INDEX_PARAMS = ("up",)
+
+    def _leaf_params_error(self) -> str:
+        return f"gated epilogue {self.name!r}: takes gate and up first, then its operands, e.g. f(gate, up, score)"
+
+    def _leaf_values(self, rec: Recorder) -> list[Value]:
+        return [rec.add("acc_up")]
+
+    def __repr__(self) -> str:
+        return f"<gated epilogue {self.name}(gate, up{''.join(', ' + p for p in self.params)})>"
+
+
+def gated_epilogue(fn: Callable) -> GatedEpilogue:
+    """``fn(gate, up, *operands)`` (a plain function or an :class:`Epilogue`) as a gated epilogue."""
+    if isinstance(fn, GatedEpilogue):
+        return fn
+    return GatedEpilogue(fn.fn if isinstance(fn, Epilogue) else fn)
+
+
+def check_gated_call(gated: bool, epilogue) -> None:
+    """``gated=True`` needs an epilogue: it is what combines the gate and up columns."""
+    if gated and epilogue is None:
+        raise EpilogueError(
+            "gated=True pairs gate and up columns for an epilogue to combine: pass one, e.g. "
+            "epilogue=lambda gate, up: epicute.ops.silu(gate) * up"
+        )
+
+
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    """One weight holding ``gate`` and ``up`` interleaved in blocks of :data:`GATE_BLOCK` along ``dim``.
+
+    For ``(N, K)`` weights (``nn.Linear``'s layout; per expert ``(G, N, K)``) the result is ``(2N, K)``, used
+    as ``w.t()`` (``w.transpose(-2, -1)``) like any weight. ``dim=-1`` interleaves ``(K, N)`` matrices instead.
+    N must be a multiple of 8. A copy: build it once, where the weights are loaded.
+    """
+    if gate.shape != up.shape:
+        raise ShapeError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
+    dim = dim % gate.dim()
+    n = gate.shape[dim]
+    if n % GATE_BLOCK:
+        raise ShapeError(f"gate and up have {n} columns along dim {dim}; interleaving needs a multiple of {GATE_BLOCK}")
+    blocks = (n // GATE_BLOCK, 1, GATE_BLOCK)
+    pair = torch.cat([gate.unflatten(dim, blocks), up.unflatten(dim, blocks)], dim=dim + 1)
+    return pair.flatten(dim, dim + 2)
+
+
+def split_gate_up(acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of a gated GEMM's accumulator ``(..., 2N)``: views ``(..., N)`` each."""
+    n2 = acc.shape[-1]
+    if n2 % (2 * GATE_BLOCK):
+        raise ShapeError(f"a gated accumulator has 2N columns, N a multiple of {GATE_BLOCK}; got {n2}")
+    blocks = acc.unflatten(-1, (n2 // (2 * GATE_BLOCK), 2, GATE_BLOCK))
+    return blocks[..., 0, :].flatten(-2), blocks[..., 1, :].flatten(-2)
+
+
+__all__ = ["GATE_BLOCK", "GatedEpilogue", "check_gated_call", "gated_epilogue", "interleave_gate_up", "split_gate_up"]

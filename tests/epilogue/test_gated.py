@@ -1,0 +1,164 @@
+"""Gated epilogues on the CPU: the gate/up weight layout, tracing ``f(gate, up, ...)``, the reference
+against the two projections computed apart, plans and explain, typed errors, and sm_90a compiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import epicute
+from epicute import ConfigError, DtypeError, EpilogueError, OutputError, ShapeError, ops
+from epicute.epilogue.gated import GatedEpilogue, gated_epilogue, split_gate_up
+from epicute.gemm.api import describe_call
+from epicute.gemm.compile import compile_gemm
+from epicute.gemm.prepare import prepare
+from epicute.grouped.api import describe_grouped_call
+from epicute.grouped.compile import compile_grouped
+from epicute.grouped.prepare import prepare as prepare_grouped
+from tests.conftest import rel_err
+
+
+def test_interleave_puts_gate_and_up_in_alternating_blocks_of_8():
+    gate, up = torch.randn(3, 24, 5), torch.randn(3, 24, 5)
+    w = epicute.interleave_gate_up(gate, up)
+    assert w.shape == (3, 48, 5)
+    for j in range(3):
+        assert torch.equal(w[:, 16 * j : 16 * j + 8], gate[:, 8 * j : 8 * j + 8])
+        assert torch.equal(w[:, 16 * j + 8 : 16 * j + 16], up[:, 8 * j : 8 * j + 8])
+    # (K, N) matrices along their last dimension, and split_gate_up undoes it
+    g_kn, u_kn = gate.transpose(-1, -2), up.transpose(-1, -2)
+    back = split_gate_up(epicute.interleave_gate_up(g_kn, u_kn, dim=-1))
+    assert torch.equal(back[0], g_kn) and torch.equal(back[1], u_kn)
+
+
+@pytest.mark.parametrize("gate,up,match", [
+    (torch.zeros(12, 4), torch.zeros(12, 4), "multiple of 8"),
+    (torch.zeros(16, 4), torch.zeros(8, 4), "same shape"),
+])  # fmt: skip
+def test_interleave_refuses_what_it_cannot_pair(gate, up, match):
+    with pytest.raises(ShapeError, match=match):
+        epicute.interleave_gate_up(gate, up)
+
+
+def test_a_gated_epilogue_traces_gate_and_up_as_two_accumulator_leaves():
+    epi = gated_epilogue(lambda gate, up, score: ops.silu(gate) * up * score)
+    assert isinstance(epi, GatedEpilogue) and epi.params == ("score",)
+    graph = epi.trace({"score": "col"})
+    assert graph.gated and [n.op for n in graph.nodes[:2]] == ["acc", "acc_up"]
+    # up stays in the graph (the kernel's interface) even when unused
+    assert gated_epilogue(lambda gate, up: gate).trace({}).gated
+    assert not epicute.epilogue(lambda acc: acc).trace({}).gated
+    with pytest.raises(EpilogueError, match="gate and up first"):
+        gated_epilogue(lambda gate: gate)
+
+
+def test_reference_matches_the_two_projections():
+    m, n, k = 37, 24, 40
+    x = torch.randn(2, m, k)
+    w_gate, w_up = torch.randn(2, n, k), torch.randn(2, n, k)
+    w = epicute.interleave_gate_up(w_gate, w_up)
+    bias, score = torch.randn(n), torch.rand(2, m, 1)
+    got = epicute.gemm(x.bfloat16(), w.transpose(-1, -2).bfloat16(), gated=True, backend="reference",
+                       out_dtype=torch.float32, bias=bias, score=score,
+                       epilogue=lambda gate, up, bias, score: ops.gelu(gate + bias) * up * score)  # fmt: skip
+    xb, gb, ub = (t.bfloat16().double() for t in (x, w_gate, w_up))
+    want = F.gelu(xb @ gb.transpose(-1, -2) + bias.double()) * (xb @ ub.transpose(-1, -2)) * score.double()
+    assert got.shape == (2, m, n) and rel_err(got, want) < 1e-6
+
+
+def test_grouped_reference_matches_the_two_projections():
+    sizes = [3, 0, 20, 7]
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(30, 16).bfloat16()
+    w_gate, w_up = torch.randn(4, 8, 16).bfloat16(), torch.randn(4, 8, 16).bfloat16()
+    w = epicute.interleave_gate_up(w_gate, w_up)
+    got = epicute.grouped_gemm(x, w.transpose(-1, -2), offsets, gated=True, backend="reference",
+                               out_dtype=torch.float32, epilogue=lambda gate, up: ops.silu(gate) * up)  # fmt: skip
+    group = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes))
+    xd = x.double()
+    gate = torch.einsum("mk,mnk->mn", xd, w_gate.double()[group])
+    up = torch.einsum("mk,mnk->mn", xd, w_up.double()[group])
+    assert got.shape == (30, 8) and rel_err(got, F.silu(gate) * up) < 1e-6
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def test_explain_shows_the_gated_plan():
+    import io
+
+    text = io.StringIO()
+    plan = epicute.explain(meta(4096, 1024), meta(2048, 1024).t(), gated=True, file=text,
+                           epilogue=lambda gate, up: ops.silu(gate) * up)  # fmt: skip
+    assert plan.d_n == 1024 and plan.out_tile_n == plan.config.tile_n // 2
+    assert plan.config.epi_tile[1] <= plan.out_tile_n and plan.out_tile_n % plan.config.epi_tile[1] == 0
+    out = text.getvalue()
+    assert "D[1x4096x1024] = gated(" in out and "slice_acc            gate, up" in out
+    grouped = io.StringIO()
+    epicute.explain_grouped(meta(4096, 1024), meta(8, 2048, 1024).transpose(-1, -2), meta(8, dtype=torch.int32),
+                            gated=True, epilogue=lambda gate, up: ops.silu(gate) * up, file=grouped)  # fmt: skip
+    assert "gated(A[4096x1024] @ B[group][1024x2048])" in grouped.getvalue()
+
+
+def test_gated_and_plain_calls_of_one_function_are_planned_apart():
+    def fn(first, second=2.0):  # plain: second is a scalar operand; gated: the up accumulator
+        return first * second
+
+    a, b = meta(64, 64), meta(64, 64)
+    plain = describe_call(a, b, fn, None, None, None, None, None, {}, False)[2]
+    gated = describe_call(a, b, fn, None, None, None, None, None, {}, False, gated=True)[2]
+    assert not prepare(plain).fusion.gated and prepare(gated).fusion.gated
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda: epicute.explain(meta(8, 64), meta(64, 40), gated=True, epilogue=lambda g, u: g * u, file=None),
+     ShapeError, "multiple of 8"),
+    (lambda: epicute.gemm(meta(8, 64), meta(64, 32), gated=True), EpilogueError, "pass one"),
+    (lambda: epicute.explain(meta(8, 64), meta(64, 32), gated=True, out=meta(8, 32), epilogue=lambda g, u: g * u,
+                             file=None), OutputError, r"\(8, 16\)"),
+    (lambda: epicute.explain(meta(8, 64, dtype=torch.float8_e4m3fn), meta(32, 64, dtype=torch.float8_e4m3fn).t(),
+                             a_scale=1.0, b_scale=1.0, gated=True, epilogue=lambda g, u: g * u, file=None),
+     DtypeError, "blockwise"),
+    (lambda: epicute.explain(meta(8, 64), meta(64, 64), gated=True, config={"tile_n": 64, "epi_tile": (128, 64)},
+                             epilogue=lambda g, u: g * u, file=None), ConfigError, "gated epilogue"),
+    (lambda: epicute.explain_grouped(meta(8, 64), meta(2, 64, 24), meta(2, dtype=torch.int32), gated=True,
+                                     epilogue=lambda g, u: g * u, file=None), ShapeError, "multiple of 8"),
+])  # fmt: skip
+def test_gated_misuse_gets_typed_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+GATED_DENSE = {
+    "swiglu_cooperative": (lambda gate, up: ops.silu(gate) * up, {}, {}),
+    "geglu_pingpong_bias": (lambda gate, up, bias: ops.gelu(gate + bias) * up, {"bias": meta(1024)},
+                            {"schedule": "pingpong", "tile_m": 64}),
+    "aux_reduction_one_tile": (lambda gate, up, res: {"D": ops.silu(gate) * up + res, "pre": gate,
+                                                      "rs": ops.row_sum(up)},
+                               {"res": meta(512, 1024)}, {"persistent": False}),
+    "quantize_groups": (lambda gate, up: dict(zip(("D", "scales"), ops.quantize_groups(ops.silu(gate) * up))), {},
+                        {}),
+}  # fmt: skip
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", list(GATED_DENSE))
+def test_gated_gemm_variants_compile_for_sm90a(name):
+    fn, operands, config = GATED_DENSE[name]
+    request = describe_call(meta(512, 256), meta(2048, 256).t(), fn, None, None, None, None, config, operands, False,
+                            gated=True)[2]  # fmt: skip
+    prepared = prepare(request)
+    assert prepared.fusion.gated and prepared.plan.d_n == 1024
+    assert callable(compile_gemm(prepared.variant()))
+
+
+@pytest.mark.compile
+def test_gated_grouped_gemm_compiles_for_sm90a():
+    request = describe_grouped_call(
+        meta(300, 64), meta(5, 272, 64).transpose(-2, -1), meta(5, dtype=torch.int32),
+        lambda gate, up, score: ops.silu(gate) * up * score, None, None, None, {"cluster_n": 2},
+        {"score": meta(300, 1, dtype=torch.float32)}, False, gated=True,
+    )[2]  # fmt: skip
+    assert callable(compile_grouped(prepare_grouped(request).variant()))
