@@ -26,7 +26,11 @@ one tile form a *team* (both warpgroups, or one).
   tile's row/column vector slices before the mainloop and park them in shared
   memory after it; per element they compute the graph in fp32; aux tile
   outputs are staged and stored with D in one bulk group; reductions leave
-  per-tile partials in fp32 workspaces.
+  per-tile partials in fp32 workspaces;
+- gated epilogue (optional, :mod:`epicute.epilogue.gated`): B interleaves gate and
+  up columns in blocks of 8, the output tile is ``out_tile_n = tile_n / 2`` wide and
+  laid out as a half-width WGMMA's accumulators, and each output value reads its gate
+  and up registers from a static table (:func:`gate_up_positions`).
 
 Host tensors arrive in torch order -- A ``(L, M, K)``, B ``(L, K, N)``, D
 ``(L, M, N)`` with any of the supported majors -- and are rotated to CuTe's
