@@ -91,9 +91,18 @@ def contenders(sizes: list[int]) -> dict:
     return found
 
 
-def run_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
+def measure(row: Row, calls: dict, ref: torch.Tensor, flops: int, unchecked: dict | None = None) -> tuple[Row, bool]:
+    """Check each contender of ``calls`` (label -> (checked call, timed call)) against ``ref``, then time them and
+    ``unchecked`` ones as do_bench does, interleaved; TFLOPS of ``flops`` per call into ``row``."""
     from epicute.benchmark import time_flushed
 
+    timed, ok = check_contenders(calls, lambda got: ((got.float() - ref).norm() / ref.norm()).item(), TOLERANCE)
+    for label, ms in time_interleaved({**timed, **(unchecked or {})}, timer=time_flushed).items():
+        row[label] = round(flops / (ms * 1e-3) / 1e12, 1)
+    return row, ok
+
+
+def run_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
     experts, total, k, n, routing = CASES[name]
     sizes = group_sizes(experts, total, routing, gen)
     offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32).cuda()
@@ -105,16 +114,12 @@ def run_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
                         f"{max(sizes)}, {sizes.count(0)} empty)"}  # fmt: skip
     print(row["case"])
     calls = {label: (functools.partial(fn, x, wt, offs),) * 2 for label, fn in contenders(sizes).items()}
-    timed, ok = check_contenders(calls, lambda got: ((got.float() - ref).norm() / ref.norm()).item(), TOLERANCE)
-    for label, ms in time_interleaved(timed, timer=time_flushed).items():
-        row[label] = round(2 * total * n * k / (ms * 1e-3) / 1e12, 1)
-    return row, ok
+    return measure(row, calls, ref, 2 * total * n * k)
 
 
 def run_gated_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
     """The fused SwiGLU with router weights against the plain grouped GEMM and torch's unfused chain."""
     import epicute
-    from epicute.benchmark import time_flushed
 
     experts, total, k, n, routing = CASES[name]
     half = n // 2
@@ -149,11 +154,8 @@ def run_gated_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
     row: Row = {"case": f"{name}: {experts} experts, {total} rows, K {k}, gate+up N {n} -> silu(gate) * up * "
                         f"router weight, {routing} (largest group {max(sizes)})"}  # fmt: skip
     print(row["case"])
-    timed, ok = check_contenders(calls, lambda got: ((got.float() - ref).norm() / ref.norm()).item(), TOLERANCE)
-    timed["epicute_plain"] = functools.partial(epicute.grouped_gemm, x, wt, offs)  # the same GEMM, no activation
-    for label, ms in time_interleaved(timed, timer=time_flushed).items():
-        row[label] = round(2 * total * n * k / (ms * 1e-3) / 1e12, 1)
-    return row, ok
+    plain = functools.partial(epicute.grouped_gemm, x, wt, offs)  # the same GEMM, no activation: not checked
+    return measure(row, calls, ref, 2 * total * n * k, unchecked={"epicute_plain": plain})
 
 
 def main() -> int:

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -38,10 +39,17 @@ from epicute.errors import EpilogueError, ShapeError
 GATE_BLOCK = 8
 
 
+def output_columns(n: int, gated: bool) -> int:
+    """Output columns of ``n`` accumulator columns (a whole B, or one tile): half of them when gated."""
+    return n // 2 if gated else n
+
+
 class GatedEpilogue(Epilogue):
     """A gated epilogue ``f(gate, up, *operands)``: ``gate`` is the accumulator, ``up`` its partner column."""
 
-    INDEX_PARAMS = ("up",)
+    LEAF_PARAMS = ("up",)
+    #: ``up`` is the kernel's interface: it stays in the graph even when the function ignores it.
+    KEEP_LEAVES = True
 
     def _leaf_params_error(self) -> str:
         return f"gated epilogue {self.name!r}: takes gate and up first, then its operands, e.g. f(gate, up, score)"
@@ -53,8 +61,10 @@ class GatedEpilogue(Epilogue):
         return f"<gated epilogue {self.name}(gate, up{''.join(', ' + p for p in self.params)})>"
 
 
+@functools.lru_cache(maxsize=256)
 def gated_epilogue(fn: Callable) -> GatedEpilogue:
-    """``fn(gate, up, *operands)`` (a plain function or an :class:`Epilogue`) as a gated epilogue."""
+    """``fn(gate, up, *operands)`` (a plain function or an :class:`Epilogue`) as a gated epilogue, one object per
+    function (as ``epicute.epilogue.scales.scaled_epilogue``): a repeat call does not re-read its signature."""
     if isinstance(fn, GatedEpilogue):
         return fn
     return GatedEpilogue(fn.fn if isinstance(fn, Epilogue) else fn)
@@ -87,6 +97,17 @@ def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, dim: int = -2) -> t
     return pair.flatten(dim, dim + 2)
 
 
+def check_gated_columns(n: int, name: str, gated: bool) -> int:
+    """D's columns for a B of ``n`` columns; when gated, ``2 * GATE_BLOCK`` must divide ``n`` (B holds gate and up
+    interleaved in blocks of ``GATE_BLOCK`` columns)."""
+    if gated and n % (2 * GATE_BLOCK):
+        raise ShapeError(
+            f"{name} has N={n} columns; gated=True takes gate and up interleaved in blocks of {GATE_BLOCK} "
+            f"(epicute.interleave_gate_up(w_gate, w_up)), so N = 2 x a multiple of {GATE_BLOCK}"
+        )
+    return output_columns(n, gated)
+
+
 def split_gate_up(acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up halves of a gated GEMM's accumulator ``(..., 2N)``: views ``(..., N)`` each."""
     n2 = acc.shape[-1]
@@ -96,4 +117,13 @@ def split_gate_up(acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks[..., 0, :].flatten(-2), blocks[..., 1, :].flatten(-2)
 
 
-__all__ = ["GATE_BLOCK", "GatedEpilogue", "check_gated_call", "gated_epilogue", "interleave_gate_up", "split_gate_up"]
+__all__ = [
+    "GATE_BLOCK",
+    "GatedEpilogue",
+    "check_gated_call",
+    "check_gated_columns",
+    "gated_epilogue",
+    "interleave_gate_up",
+    "output_columns",
+    "split_gate_up",
+]

@@ -20,7 +20,7 @@ import torch
 
 from epicute.epilogue import optable
 from epicute.epilogue.dtypes import ir_dtype, round_to
-from epicute.epilogue.gated import gated_epilogue, split_gate_up
+from epicute.epilogue.gated import gated_epilogue, output_columns, split_gate_up
 from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, Graph, Node
 from epicute.epilogue.group_quant import group_quantize
 from epicute.epilogue.operands import OperandSpec
@@ -165,7 +165,7 @@ def reference_gemm(
     a3, b3 = _batched(a, "a", "(M, K)"), _batched(b, "b", "(K, N)")
     if a.dim() != b.dim() or a3.shape[0] != b3.shape[0] or a3.shape[2] != b3.shape[1]:
         raise ShapeError(f"a {tuple(a.shape)} and b {tuple(b.shape)} do not multiply: need (L, M, K) @ (L, K, N)")
-    l, m, n = a3.shape[0], a3.shape[1], b3.shape[2] // (2 if gated else 1)
+    l, m, n = a3.shape[0], a3.shape[1], output_columns(b3.shape[2], gated)
     specs = epi.operands(operands or {}, m, n, l)
     d_dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     graph = epi.trace(

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from epicute.epilogue import optable
 from epicute.epilogue.dtypes import FP8_MAX
-from epicute.epilogue.gated import GATE_BLOCK
+from epicute.epilogue.gated import GATE_BLOCK, output_columns
 from epicute.epilogue.graph import LEAVES, REDUCTIONS, Graph, Node
 from epicute.epilogue.group_quant import GROUP_N, GROUP_OPS
 from epicute.epilogue.operands import OperandSpec
@@ -129,7 +129,7 @@ class EpilogueBuffers:
 
     def out_tile_n(self, tile_n: int) -> int:
         """Output columns of an accumulator tile ``tile_n`` wide (half of them when gated)."""
-        return tile_n // 2 if self.gated else tile_n
+        return output_columns(tile_n, self.gated)
 
 
 NO_EPILOGUE = EpilogueBuffers()

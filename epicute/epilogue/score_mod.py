@@ -24,7 +24,7 @@ from epicute.epilogue.tracer import Epilogue
 class ScoreMod(Epilogue):
     """A traceable score modifier (see module docstring)."""
 
-    INDEX_PARAMS = ("b", "h", "q_idx", "kv_idx")
+    LEAF_PARAMS = ("b", "h", "q_idx", "kv_idx")
 
     def __repr__(self) -> str:
         return f"<score_mod {self.name}(score, b, h, q_idx, kv_idx{''.join(', ' + p for p in self.params)})>"

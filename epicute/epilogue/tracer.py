@@ -44,9 +44,11 @@ class Epilogue:
     default value is used when the operand is not passed.
     """
 
-    #: Positional parameters after ``acc`` that are traced as ``index`` leaves
-    #: (see :data:`~epicute.epilogue.graph.INDEX_KINDS`), not operands.
-    INDEX_PARAMS: tuple[str, ...] = ()
+    #: Positional parameters after ``acc`` that are traced as leaves of their own (:meth:`_leaf_values`: a
+    #: score_mod's ``index`` leaves, see :data:`~epicute.epilogue.graph.INDEX_KINDS`), not operands.
+    LEAF_PARAMS: tuple[str, ...] = ()
+    #: Whether those leaves stay in the graph when no output needs them (the kernel's interface).
+    KEEP_LEAVES: bool = False
 
     def __init__(self, fn: Callable) -> None:
         if not callable(fn):
@@ -66,10 +68,10 @@ class Epilogue:
                 raise EpilogueError(
                     f"epilogue {self.name!r}: list its operands by name instead of *{p.name}/**{p.name}"
                 )
-        n_index = len(self.INDEX_PARAMS)
-        if n_index and (len(params) <= n_index or any(p.kind not in positional for p in params[1 : 1 + n_index])):
+        n_leaves = len(self.LEAF_PARAMS)
+        if n_leaves and (len(params) <= n_leaves or any(p.kind not in positional for p in params[1 : 1 + n_leaves])):
             raise EpilogueError(self._leaf_params_error())
-        operands = params[1 + n_index :]
+        operands = params[1 + n_leaves :]
         self.params: tuple[str, ...] = tuple(p.name for p in operands)
         self.pins: dict[str, str] = {
             p.name: p.annotation.kind
@@ -80,15 +82,15 @@ class Epilogue:
         self._keyword_only = frozenset(p.name for p in operands if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
     def _leaf_params_error(self) -> str:
-        listed = ", ".join(self.INDEX_PARAMS)
+        listed = ", ".join(self.LEAF_PARAMS)
         return (
             f"{self.name!r}: takes the value first, then the positional indices {listed}, then its operands, "
             f"e.g. f(score, {listed})"
         )
 
     def _leaf_values(self, rec: Recorder) -> list[Value]:
-        """The leaves traced for :attr:`INDEX_PARAMS`, in order (``index`` leaves here)."""
-        return [rec.add("index", kind=INDEX_KINDS[i], attrs=(("name", i),)) for i in self.INDEX_PARAMS]
+        """The leaves traced for :attr:`LEAF_PARAMS`, in order (``index`` leaves here)."""
+        return [rec.add("index", kind=INDEX_KINDS[i], attrs=(("name", i),)) for i in self.LEAF_PARAMS]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -124,7 +126,7 @@ class Epilogue:
             )
         rec = Recorder()
         acc = rec.add("acc")
-        indices = self._leaf_values(rec)
+        leaves = self._leaf_values(rec)
         inputs: dict[str, Value] = {}
         for p in self.params:
             kind = operand_kinds[p]
@@ -135,13 +137,13 @@ class Epilogue:
         with rec.active():
             result = self.fn(
                 acc,
-                *indices,
+                *leaves,
                 *(inputs[p] for p in self.params if p not in self._keyword_only),
                 **{p: inputs[p] for p in self._keyword_only},
             )
         outputs = self._outputs(result, rec)
-        leaves = [v for v in indices if v.node.op == "acc_up"]  # the kernel's interface, used or not
-        return _finish(rec, inputs, outputs, self._output_dtypes(outputs, out_dtypes or {}, d_dtype), leaves)
+        kept = leaves if self.KEEP_LEAVES else ()
+        return _finish(rec, inputs, outputs, self._output_dtypes(outputs, out_dtypes or {}, d_dtype), kept)
 
     def _outputs(self, result: Any, rec: Recorder) -> dict[str, Node]:
         """The returned outputs as nodes, D first, after checking what each may be."""

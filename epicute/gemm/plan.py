@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from epicute.epilogue.gated import output_columns
 from epicute.gemm.config import GemmConfig, GemmProblem
 from epicute.gemm.heuristics import choose_config
 from epicute.gemm.roofline import Roofline, roofline
@@ -44,7 +45,7 @@ class GemmPlan:
     @property
     def d_n(self) -> int:
         """D's columns: N, or half of it under a gated epilogue (B interleaves gate and up)."""
-        return self.problem.n // 2 if self.epilogue.gated else self.problem.n
+        return output_columns(self.problem.n, self.epilogue.gated)
 
     @property
     def out_tile_n(self) -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
 from epicute.epilogue.fusion import EpilogueFusion
+from epicute.epilogue.gated import output_columns
 from epicute.epilogue.graph import Graph
 from epicute.errors import AlignmentError
 from epicute.gemm import GemmPlan, GemmProblem
@@ -131,7 +132,7 @@ def prepare(request: GemmRequest) -> PreparedGemm:
         return _prepare_plain(request.problem, request.overrides, target)
     lowered = lower_epilogue(request)
     problem = replace(request.problem, d_dtype=lowered.d_dtype)
-    _check_aux_rows(lowered, problem.n // 2 if lowered.fusion.gated else problem.n)
+    _check_aux_rows(lowered, output_columns(problem.n, lowered.fusion.gated))
     return PreparedGemm(cached_plan(problem, request.overrides, lowered.fusion.buffers(), target), lowered)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from epicute.epilogue.dtypes import TORCH_TO_IR
-from epicute.epilogue.gated import GATE_BLOCK
+from epicute.epilogue.gated import check_gated_columns, output_columns
 from epicute.errors import AlignmentError, DtypeError, OutputError, ShapeError
 from epicute.gemm.config import GemmProblem
 from epicute.runtime.checks import (
@@ -51,7 +51,7 @@ class GemmCall:
     @property
     def d_n(self) -> int:
         """D's columns."""
-        return self.problem.n // 2 if self.gated else self.problem.n
+        return output_columns(self.problem.n, self.gated)
 
 
 def _as_3d(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -174,9 +174,7 @@ def check_gemm_args(
             "-major: WGMMA reads 8-bit operands K-major only. Pass a row-major a (M, K) (a.contiguous()) and b as "
             "w.t() of a row-major (N, K) weight (b.t().contiguous().t())"
         )
-    if gated:
-        check_gated_columns(n, "b")
-    d_n = n // 2 if gated else n
+    d_n = check_gated_columns(n, "b", gated)
     out3 = None
     if out is not None:
         expected = (l, m, d_n) if batched else (m, d_n)
@@ -194,16 +192,6 @@ def check_gemm_args(
         b3 = _check_tma_strides(b3, "b", 2 if b_major == "n" else 1, "LKN")
         out3 = check_d_rows(out3, d_n, out_dtype)
     return GemmCall(problem, a3, b3, out3, out_dtype, batched, gated=gated)
-
-
-def check_gated_columns(n: int, name: str) -> None:
-    """A gated GEMM's B holds gate and up interleaved in blocks of ``GATE_BLOCK`` columns: ``2 * GATE_BLOCK``
-    divides its N."""
-    if n % (2 * GATE_BLOCK):
-        raise ShapeError(
-            f"{name} has N={n} columns; gated=True takes gate and up interleaved in blocks of {GATE_BLOCK} "
-            f"(epicute.interleave_gate_up(w_gate, w_up)), so N = 2 x a multiple of {GATE_BLOCK}"
-        )
 
 
 def resolve_out_dtype(out: torch.Tensor | None, out_dtype: torch.dtype | None, default: torch.dtype) -> torch.dtype:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from epicute.epilogue.gated import GATE_BLOCK
+from epicute.epilogue.gated import GATE_BLOCK, output_columns
 from epicute.errors import ConfigError
 from epicute.gemm.config import GemmConfig, GemmProblem
 from epicute.gemm.heuristics import choose_config
@@ -49,7 +49,7 @@ class GroupedProblem:
     @property
     def d_n(self) -> int:
         """D's columns."""
-        return self.n // 2 if self.gated else self.n
+        return output_columns(self.n, self.gated)
 
     def mean_group(self) -> GemmProblem:
         """The dense problem the config is planned for: ``G`` GEMMs of the mean group's rows."""

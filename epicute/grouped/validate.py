@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from epicute.epilogue.dtypes import TORCH_TO_IR
+from epicute.epilogue.gated import check_gated_columns
 from epicute.errors import AlignmentError, DtypeError, ShapeError
 from epicute.gemm.validate import (
     FP8_TORCH_DTYPES,
     _check_tma_strides,
     _major,
     check_d_rows,
-    check_gated_columns,
     check_out_placement,
     resolve_out_dtype,
 )
@@ -131,9 +131,7 @@ def check_grouped_args(
             "rows from wherever it starts, which TMA can do only along a strided dimension: pass a row-major a "
             "(a.contiguous())"
         )
-    if gated:
-        check_gated_columns(n, "b")
-    d_n = n // 2 if gated else n
+    d_n = check_gated_columns(n, "b", gated)
     out3 = None
     if out is not None:
         check_out_placement(out, (total_m, d_n), f"the grouped GEMM writes {(total_m, d_n)}", a, b)
