@@ -1,7 +1,7 @@
 """Grouped GEMM (mixture-of-experts) throughput: epicute.grouped_gemm vs torch._grouped_mm, quack's
 varlen-M GEMM and a loop of torch.mm, in TFLOPS (2 * total_M * N * K per call).
 
-Usage: python bench/grouped.py [--cases even8,skewed8,even64,skewed128,decode64,swiglu8] [--out PATH]
+Usage: python bench/grouped.py [--cases even8,skewed8,even64,skewed128,decode64,swiglu8,wgrad8] [--out PATH]
 Inputs as ``../shared/bench/PEERS.md`` calls the peers: bf16 tokens ``x`` (total_M, K) sorted by
 expert, weights ``w`` (G, N, K) row-major passed as ``w.transpose(-2, -1)``, ``offs`` int32 group ends
 (quack takes ``cu_seqlens_m``, the same with a leading 0). Group sizes are multiples of 8 (as in
@@ -15,6 +15,9 @@ as one kernel (``gated=True``, weights interleaved once by ``epicute.interleave_
 it the plain grouped GEMM of the same B (``epicute_plain``: the fused epilogue's cost is the ratio);
 torch runs ``torch._grouped_mm`` over the concatenated ``[gate; up]`` weight, then the activation in
 eager torch (``torch_grouped_mm``). TFLOPS count the GEMM's 2 * total_M * 2N * K for all three.
+The variable-K case (``wgrad8``) is an MoE weight gradient, dW_g = x_g^T dy_g over each expert's tokens
+(x (tokens, 4096), dy (tokens, 14336), Zipf routing): ``epicute.grouped_gemm(x.t(), dy, offs)``,
+``torch._grouped_mm`` of the same 2-D operands, quack with ``cu_seqlens_k`` and a loop of ``torch.mm``.
 Writes bench/results/grouped.json (and $OUT/grouped.json when OUT is set).
 """
 
@@ -36,8 +39,10 @@ CASES = {
     "skewed128": (128, 32768, 2048, 1536, "zipf"),
     "decode64": (64, 512 * 8, 7168, 2048, "top8"),
     "swiglu8": (8, 16384, 4096, 14336, "zipf"),  # gated: N = gate + up columns
+    "wgrad8": (8, 16384, 4096, 14336, "zipf"),  # variable K: tokens are the reduction, D (G, 4096, 14336)
 }
 GATED = {"swiglu8"}
+VARIABLE_K = {"wgrad8"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "grouped.json"
 TOLERANCE = 1e-2
 
@@ -158,6 +163,55 @@ def run_gated_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
     return measure(row, calls, ref, 2 * total * n * k, unchecked={"epicute_plain": plain})
 
 
+def run_variable_k_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
+    """Weight gradients over each expert's tokens: the groups split the reduction."""
+    import epicute
+    from epicute.benchmark import time_flushed
+
+    experts, total, m, n, routing = CASES[name]
+    sizes = group_sizes(experts, total, routing, gen)
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32).cuda()
+    x = torch.randn(total, m, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+    ends = offs.tolist()
+    spans = list(zip([0, *ends[:-1]], ends))
+
+    def loop(x, dy):
+        out = torch.empty(experts, m, n, device="cuda", dtype=torch.bfloat16)
+        for g, (s, e) in enumerate(spans):
+            torch.mm(x[s:e].t(), dy[s:e], out=out[g])
+        return out
+
+    calls = {
+        "epicute": lambda: epicute.grouped_gemm(x.t(), dy, offs),
+        "torch_grouped_mm": lambda: torch._grouped_mm(x.t(), dy, offs=offs, out_dtype=torch.bfloat16),
+    }
+    try:
+        from quack.gemm_interface import gemm as qgemm
+
+        cu = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), offs])
+        calls["quack"] = lambda: qgemm(x.t(), dy, cu_seqlens_k=cu, tuned=False)
+    except ImportError:
+        print("quack not installed: no quack column")
+    calls["torch_loop"] = lambda: loop(x, dy)
+
+    def error(got) -> float:  # group by group against float32, so the check holds one (M, N) at a time
+        num = den = 0.0
+        for g, (s, e) in enumerate(spans):
+            ref = x[s:e].float().t() @ dy[s:e].float()
+            num += float((got[g].float() - ref).norm() ** 2)
+            den += float(ref.norm() ** 2)
+        return (num / den) ** 0.5
+
+    row: Row = {"case": f"{name}: weight gradient, {experts} experts, {total} tokens (the reduction, {routing}), "
+                        f"D {experts} x {m} x {n} (largest group {max(sizes)})"}  # fmt: skip
+    print(row["case"])
+    timed, ok = check_contenders({label: (fn, fn) for label, fn in calls.items()}, error, TOLERANCE)
+    for label, ms in time_interleaved(timed, timer=time_flushed).items():
+        row[label] = round(2 * total * n * m / (ms * 1e-3) / 1e12, 1)
+    return row, ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
@@ -169,7 +223,8 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     rows, all_ok = [], True
     for name in args.cases.split(","):
-        row, ok = (run_gated_case if name in GATED else run_case)(name, gen)
+        run = run_gated_case if name in GATED else run_variable_k_case if name in VARIABLE_K else run_case
+        row, ok = run(name, gen)
         rows.append(row)
         all_ok = all_ok and ok
         torch.cuda.empty_cache()

@@ -104,8 +104,9 @@ class CtaShared:
     tBgB: cute.Tensor
     a_mcast_mask: object  # the cluster peers our A/B loads multicast to (0: none)
     b_mcast_mask: object
-    mA: cute.Tensor  # A's TMA coordinates (M, K, L), and this CTA's place in its cluster: a grouped
-    cluster_coord: tuple  # GEMM partitions A per tile (GroupedGemmSm90._a_k_tiles)
+    mA: cute.Tensor  # A's and B's TMA coordinates ((M, K, L), (N, K, L)) and this CTA's place in its
+    mB: cute.Tensor  # cluster: grouped GEMMs partition them per tile (GroupedGemmSm90._a_k_tiles)
+    cluster_coord: tuple
 
 
 @dataclass
@@ -357,6 +358,18 @@ class GemmSm90:
         n_subtiles_n = self.out_tile_n // self.cfg.epi_tile[1]
         return cute.make_layout((self.cfg.tile_m // self.cfg.epi_tile[0], n_subtiles_n), stride=(n_subtiles_n, 1))
 
+    def _b_k_tiles(self, cta, tma_b, coord: tuple) -> cute.Tensor:
+        """The producer's TMA view of B's k-tiles for the tile at ``coord``: ``(TMA, k_tile)``."""
+        return cta.tBgB[(None, coord[1], None, coord[2])]
+
+    def _k_tiles(self, cta, coord: tuple):
+        """How many k-tiles the tile at ``coord`` reduces over (every tile's K, here)."""
+        return cta.k_tiles
+
+    def _fix_stage(self, cta, coord: tuple, k_tile, stage, mma_tidx) -> None:
+        """A consumer's last word on a filled A/B stage before its WGMMAs read it (nothing here: TMA
+        already zero-filled whatever lies outside A and B)."""
+
     def _skip_tiles(self, tiles, k_tiles, read_state, release_state, c_state):
         """Step a consumer's ring positions over ``tiles`` tiles of other teams."""
         read_state.advance(tiles * k_tiles)
@@ -520,7 +533,7 @@ class GemmSm90:
             cute.arch.sync_threads()
         return CtaShared(
             ab_pipeline, c_pipeline, sA, sB, sD, sC, sAux, sVec, gD, k_tiles,
-            tAsA, tAgA, tBsB, tBgB, a_mcast_mask, b_mcast_mask, mA, cluster_coord,
+            tAsA, tAgA, tBsB, tBgB, a_mcast_mask, b_mcast_mask, mA, mB, cluster_coord,
         )  # fmt: skip
 
     @cute.jit
@@ -533,17 +546,16 @@ class GemmSm90:
         """
         cfg = self.cfg
         ab_pipeline = cta.ab_pipeline
-        tAsA, tBsB, tBgB = cta.tAsA, cta.tBsB, cta.tBgB
+        tAsA, tBsB = cta.tAsA, cta.tBsB
         a_mcast_mask, b_mcast_mask = cta.a_mcast_mask, cta.b_mcast_mask
-        k_tiles = cta.k_tiles
         scheduler = self._scheduler(sched_args)
         state = RingState.producer(cfg.ab_stages, tracked=True)
         work = scheduler.first()
         while scheduler.is_valid(work):
             tile_coord = scheduler.coord(work)
             tAgA_tile = self._a_k_tiles(cta, tma_a, tile_coord)
-            tBgB_tile = tBgB[(None, tile_coord[1], None, tile_coord[2])]
-            for k_tile in range(k_tiles):
+            tBgB_tile = self._b_k_tiles(cta, tma_b, tile_coord)
+            for k_tile in range(self._k_tiles(cta, tile_coord)):
                 ab_pipeline.producer_acquire(state)
                 barrier = ab_pipeline.producer_get_barrier(state)
                 cute.copy(tma_a, tAgA_tile[(None, k_tile)], tAsA[(None, state.index)],
@@ -653,6 +665,7 @@ class GemmSm90:
         while scheduler.is_valid(work):
             tile_coord = scheduler.coord(work)
             tm, tn, tl = tile_coord[0], tile_coord[1], tile_coord[2]
+            tile_k_tiles = self._k_tiles(cta, tile_coord)
             run = GemmEpilogueRun(
                 self, cta, copies, tile_coord, tiles_done, mma_tidx, c_state, epi_vectors, epi_workspaces,
                 epi_scalars,
@@ -673,7 +686,7 @@ class GemmSm90:
                 # per thread keeps ptxas from moving the loaded scale into a uniform register, a move that
                 # waits for the load before the next k-tile's WGMMAs are issued (~10 % of the time).
                 n_block = (tn * cfg.tile_n + acc_coords[cute.size(acc_coords) - 1][1]) // BLOCK_K
-                last = k_tiles - 1
+                last = tile_k_tiles - 1
                 load_block_scales(scale_regs, 0, block_scales, rows, n_block, tl, 0)
                 ab_pipeline.consumer_wait(read_state)
                 issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0, k_blocks)
@@ -713,8 +726,9 @@ class GemmSm90:
                 # only after the WGMMA that read it has retired.
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
-                for k_tile in range(k_tiles):
+                for k_tile in range(tile_k_tiles):
                     ab_pipeline.consumer_wait(read_state)
+                    self._fix_stage(cta, tile_coord, k_tile, read_state.index, mma_tidx)
                     for kb in cutlass.range_constexpr(k_blocks):
                         coord = (None, None, kb, read_state.index)
                         cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
@@ -727,7 +741,7 @@ class GemmSm90:
                 # Every WGMMA of this tile is issued: the other team may issue its own.
                 mma_turns.pass_on(team)
                 cute.nvgpu.warpgroup.wait_group(0)
-                if k_tiles > 0:  # K == 0: nothing was read, acc stays zero for the epilogue
+                if tile_k_tiles > 0:  # K == 0: nothing was read, acc stays zero for the epilogue
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
 

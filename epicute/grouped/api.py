@@ -42,12 +42,17 @@ def grouped_gemm(
     **operands: Any,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """``a[rows of g] @ b[g]`` for every group ``g`` in one kernel (mixture-of-experts layers), optionally
-    with a fused epilogue.
+    with a fused epilogue; with a 2-D ``b``, the variable-K mode ``a[:, rows of g] @ b[rows of g]`` (weight
+    gradients).
 
     Args:
-        a: ``(total_M, K)`` bf16 or fp16, rows sorted by group, row- or column-major.
+        a: ``(total_M, K)`` bf16 or fp16, rows sorted by group, row- or column-major. Variable K:
+            ``(M, total_K)`` M-major, ``x.t()`` of the row-major ``(total_K, M)`` tokens ``x``.
         b: ``(G, K, N)``, ``a``'s dtype, one ``(K, N)`` per group, row- or column-major
-            (``w.transpose(-2, -1)`` of a ``(G, N, K)`` weight works without a copy).
+            (``w.transpose(-2, -1)`` of a ``(G, N, K)`` weight works without a copy). Variable K:
+            a row-major ``(total_K, N)`` (e.g. the output gradients ``dy``), its rows split by ``offsets``
+            like ``a``'s columns, and D is ``(G, M, N)``: ``D[g] = x[rows of g].T @ dy[rows of g]``,
+            zeros for an empty group (``torch._grouped_mm(x.t(), dy, offs)`` computes the same).
         offsets: int32 ``(G,)``: each group's end row in ``a``, as ``torch._grouped_mm`` takes
             ``offs`` (``torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)``; quack's
             ``(G + 1,)`` ``cu_seqlens_m`` is ``offsets[1:]`` of this). Groups may be empty or of
@@ -56,8 +61,9 @@ def grouped_gemm(
             operands, by name: scalars; per-group row vectors ``(G, N)`` (an expert's bias or
             scales) or one ``(N,)`` for all groups; per-row column vectors ``(total_M, 1)`` or
             ``epicute.ColVector(w)`` of a ``(total_M,)`` ``w`` (router weights); tiles ``(total_M, N)``.
-            Its outputs are tiles (no reductions yet).
-        out: optional preallocated row-major ``(total_M, N)`` output.
+            Its outputs are tiles (no reductions yet). Variable K: operands of the dense batched GEMM
+            with the groups as its batch (``(G, N)`` rows, ``(G, M, 1)`` columns, ``(G, M, N)`` tiles).
+        out: optional preallocated row-major ``(total_M, N)`` output (variable K: ``(G, M, N)``).
         out_dtype, out_dtypes: as for :func:`epicute.gemm`.
         backend: ``"kernel"`` (the GPU) or ``"reference"`` (float32 on the CPU, per group).
         config: :class:`~epicute.gemm.config.GemmConfig` fields to pin.
@@ -70,7 +76,8 @@ def grouped_gemm(
             D and the operands have ``N`` columns.
 
     Returns:
-        D ``(total_M, N)``; a dict of every output when the epilogue returns more than ``"D"``.
+        D ``(total_M, N)`` (variable K: ``(G, M, N)``); a dict of every output when the epilogue returns
+        more than ``"D"``.
 
     Example:
         >>> import torch, epicute                                              # doctest: +SKIP
@@ -83,6 +90,8 @@ def grouped_gemm(
         >>> w13 = epicute.interleave_gate_up(w[:, :1024], w[:, 1024:])          # (8, 2048, 1024)
         >>> h = epicute.grouped_gemm(x, w13.transpose(-2, -1), offs, gated=True,  # (4096, 1024)
         ...                          epilogue=lambda gate, up: epicute.ops.silu(gate) * up)
+        >>> dy = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)  # output gradients
+        >>> dw = epicute.grouped_gemm(x.t(), dy, offs)                           # (8, 1024, 2048)
     """
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
@@ -103,7 +112,7 @@ def grouped_gemm(
     else:
         p, device = call.problem, call.a.device
         tensors, scalars = kernel_inputs(prepared.fusion, specs, device)
-        aux = aux_outputs(prepared.fusion, {}, (1, p.total_m, p.d_n), False, device)
+        aux = aux_outputs(prepared.fusion, {}, p.out_shape, True, device)
         results = run_grouped(call, prepared.plan, prepared.fusion, tensors, scalars, aux)
     return results["D"] if set(results) == {"D"} else results
 
@@ -127,8 +136,9 @@ def describe_grouped_call(
     if epilogue is None:
         return call, {}, GroupedRequest(p, overrides=overrides)
     epi = gated_epilogue(epilogue) if gated else as_epilogue(epilogue)
-    specs = {name: _grouped_operand(spec, p.groups) for name, spec in epi.operands(operands, p.total_m, p.d_n,
-                                                                                    p.groups).items()}  # fmt: skip
+    specs = epi.operands(operands, p.total_m, p.d_n, p.groups)
+    if p.ragged == "m":  # per-row operands span all groups' rows
+        specs = {name: _grouped_operand(spec, p.groups) for name, spec in specs.items()}
     request = GroupedRequest(
         p, epi, tuple((s.name, s.kind, s.dtype) for s in specs.values()),
         d_explicit=out is not None or out_dtype is not None, out_dtypes=ir_items(out_dtypes, "out_dtypes"),
@@ -155,24 +165,33 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
     """The grouped GEMM in float32 on the CPU, group by group (reads the offsets; checks them)."""
     p = call.problem
     offsets = call.offsets.cpu()
-    check_offsets_values(offsets, p.total_m)
+    check_offsets_values(offsets, p.k if p.ragged == "k" else p.total_m, "K row" if p.ragged == "k" else "row")
     a, b = call.a[0].cpu().float(), call.b.cpu().float()
     graph = None if prepared.epilogue is None else prepared.epilogue.graph
     pieces: dict[str, list] = {}
     start = 0
     for g, end in enumerate(offsets.tolist()):
-        acc = (a[start:end] @ b[g]).unsqueeze(0)
+        if p.ragged == "k":
+            acc = (a[:, start:end] @ b[0, start:end]).unsqueeze(0)
+        else:
+            acc = (a[start:end] @ b[g]).unsqueeze(0)
         up = None
         if p.gated:
             acc, up = split_gate_up(acc)
         if graph is None:
             results = {"D": round_to(acc, p.d_dtype)}
         else:
-            operands = {name: _group_slice(s, g, start, end) for name, s in specs.items()}
+            operands = {name: _group_slice(s, g, start, end, p.ragged) for name, s in specs.items()}
             results = evaluate(graph, acc, operands, up=up)
         for name, value in results.items():
             pieces.setdefault(name, []).append(value[0])
         start = end
+    if p.ragged == "k":  # one (M, N) output per group
+        results = {name: torch.stack(values) for name, values in pieces.items()}
+        if call.out is not None:
+            call.out.copy_(results["D"])
+            results["D"] = call.out
+        return results
     if not pieces:  # no rows at all
         stored = {"D": p.d_dtype} if prepared.epilogue is None else prepared.epilogue.fusion.output_dtypes
         pieces = {name: [torch.empty(0, p.d_n, dtype=IR_TO_TORCH[d])] for name, d in stored.items()}
@@ -183,11 +202,13 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
     return results
 
 
-def _group_slice(spec: OperandSpec, g: int, start: int, end: int) -> OperandSpec:
-    """Group ``g``'s part of an operand, as a batch of one."""
+def _group_slice(spec: OperandSpec, g: int, start: int, end: int, ragged: str = "m") -> OperandSpec:
+    """Group ``g``'s part of an operand, as a batch of one (variable K: batch ``g`` of a dense batched operand)."""
     if spec.kind == "scalar":
         return spec
     v = spec.value
+    if ragged == "k":
+        return replace(spec, value=v[g : g + 1])
     part = v[g : g + 1] if spec.kind == "row" else v[:1, start:end] if spec.kind in ("col", "tile") else v
     return replace(spec, value=part)
 

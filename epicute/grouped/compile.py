@@ -4,7 +4,7 @@ every routing."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from epicute.gemm.compile import GemmVariant, _fake_epilogue_operands, _fake_operand, d_columns
@@ -17,28 +17,39 @@ class GroupedVariant(GemmVariant):
     """A grouped GEMM variant: the GEMM's fields (bf16/fp16 only, so ``b_dtype`` and ``block_scaled`` stay
     unset), cached under its own kind."""
 
+    #: the variable-K mode (:class:`~epicute.grouped.kernel_sm90.RaggedKGemmSm90`): groups split K, not M
+    ragged_k: bool = False
+
     kind: ClassVar[str] = "grouped_gemm"
+
+    def key(self):
+        key = super().key()
+        if not self.ragged_k:
+            return key
+        return replace(key, parts=(*key.parts, ("ragged_k", True)), label=f"{key.label} ragged-K")
 
 
 def compile_grouped_sm90(variant: GroupedVariant):
     """Compile one grouped variant for sm_90a; returns the callable
     ``f(a, b, d, offsets, epi_tensors, epi_scalars, max_active_clusters)`` taking A ``(1, total_M, K)``,
-    B ``(G, K, N)``, D ``(1, total_M, N)`` and int32 ``offsets`` ``(G,)`` (torch tensors)."""
+    B ``(G, K, N)``, D ``(1, total_M, N)`` and int32 ``offsets`` ``(G,)`` (torch tensors); variable-K:
+    A ``(1, M, total_K)``, B ``(1, total_K, N)``, D ``(G, M, N)``."""
     import cutlass
     from cutlass import cute
 
     from epicute.gemm.kernel_sm90 import CUTLASS_DTYPES
-    from epicute.grouped.kernel_sm90 import GroupedGemmSm90
+    from epicute.grouped.kernel_sm90 import GroupedGemmSm90, RaggedKGemmSm90
 
     ab, d = CUTLASS_DTYPES[variant.ab_dtype], CUTLASS_DTYPES[variant.d_dtype]
     g, m, n, k = (cute.sym_int() for _ in range(4))
     fake_a = _fake_operand(ab, (1, m, k), contiguous=2 if variant.a_major == "k" else 1)
-    fake_b = _fake_operand(ab, (g, k, n), contiguous=2 if variant.b_major == "n" else 1)
-    fake_d = _fake_operand(d, (1, m, d_columns(variant.fusion, n)), contiguous=2)
+    fake_b = _fake_operand(ab, (1 if variant.ragged_k else g, k, n), contiguous=2 if variant.b_major == "n" else 1)
+    d_lm = (g, m) if variant.ragged_k else (1, m)
+    fake_d = _fake_operand(d, (*d_lm, d_columns(variant.fusion, n)), contiguous=2)
     fake_offsets = cute.runtime.make_fake_tensor(cutlass.Int32, (g,), stride=(1,), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
-    kernel = GroupedGemmSm90(
+    kernel = (RaggedKGemmSm90 if variant.ragged_k else GroupedGemmSm90)(
         variant.config, variant.ab_dtype, variant.d_dtype, variant.a_major, variant.b_major, variant.fusion
     )
     return dsl_compile(

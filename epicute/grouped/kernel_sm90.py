@@ -20,6 +20,9 @@ B is ``(G, K, N)``, the group being its batch coordinate. The fused epilogue see
 (``origin`` = the group's first row + the tile's offset, ``extent`` = the group's end), so its
 masks already stop at the group's end; its batch index is the group (per-group row vectors
 ``(G, N)``; per-row vectors arrive as ``(G, total_M)`` views with a zero group stride).
+
+:class:`RaggedKGemmSm90` is the variable-K mode (weight gradients): the groups split the reduction, each
+group has its own ``(M, N)`` output, and the hooks change the k-loop instead (its docstring says how).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import cutlass
 from cutlass import cute
 
 from epicute.gemm.kernel_sm90 import GemmSm90, _rotate
-from epicute.sm90.tile_grid import ceil_div, grouped_cluster_bound
-from epicute.sm90.tile_scheduler import GroupedTileScheduler
+from epicute.sm90.pipeline import NamedBarriers
+from epicute.sm90.tile_grid import ceil_div, cluster_counts, grouped_cluster_bound
+from epicute.sm90.tile_scheduler import ClusterTileScheduler, GroupedTileScheduler, RaggedKTileScheduler
 
 
 class GroupedGemmSm90(GemmSm90):
@@ -108,4 +112,111 @@ class GroupedGemmSm90(GemmSm90):
         return (start + tm * self.cfg.tile_m, tn * self.out_tile_n), (end, extent_mn[1]), g
 
 
-__all__ = ["GroupedGemmSm90"]
+class RaggedKGemmSm90(GemmSm90):
+    """The grouped GEMM's variable-K mode: ``D[g] = A[:, rows of g] @ B[rows of g, :]`` (a weight gradient
+    ``dW_g = X_g^T dY_g`` over each group's tokens), one ``(M, N)`` output per group.
+
+    The dense GEMM with the groups as its batch, except the reduction. A ``(M, R)`` and B ``(R, N)`` keep
+    plain 2-D TMA descriptors over all ``R`` K rows; each tile's loads start at its group's first K row
+    (:meth:`_group_k_tiles`; K is the strided dimension of both, where a TMA box may start anywhere) and a
+    tile runs ``ceil(len_g / tile_k)`` k-tiles (:meth:`_k_tiles`; none for an empty group, whose D is the
+    epilogue of zeros). The last k-tile's box reaches past the group's end into the next group's rows, and
+    those would add into this group's sum: the consumers zero them in shared memory before its WGMMAs
+    (:meth:`_fix_stage`). A descriptor per group, or a ragged view whose base lies before A (the D store's
+    trick), would avoid the rewrite; the first costs an update and fences per group change, the second
+    faulted for loads on the H100 (bench/NOTES.md). Cooperative schedule only: a ping-pong warpgroup steps
+    its ring over the other's tiles by one k-tile count for all.
+    """
+
+    @cute.jit
+    def __call__(
+        self,
+        mA_lmk: cute.Tensor,
+        mB_lkn: cute.Tensor,
+        mD_lmn: cute.Tensor,
+        offsets: cute.Tensor,
+        epi_tensors: tuple,
+        epi_scalars: tuple,
+        max_active_clusters: cutlass.Int32,
+        stream,
+    ):
+        """A ``(1, M, R)``, B ``(1, R, N)``, D ``(G, M, N)``; ``offsets`` int32 ``(G,)``: each group's end K
+        row."""
+        cfg = self.cfg
+        mA = _rotate(mA_lmk, [1, 2, 0])  # (M, R, 1)
+        mB = _rotate(mB_lkn, [2, 1, 0])  # (N, R, 1)
+        mD = _rotate(mD_lmn, [1, 2, 0])  # (M, N, G)
+        tiles_m = cute.ceil_div(cute.size(mD, mode=[0]), cfg.tile_m)
+        tiles_n = cute.ceil_div(cute.size(mD, mode=[1]), self.out_tile_n)
+        num_groups = cute.size(mD, mode=[2])
+        clusters_m, clusters_n, total_clusters = cluster_counts(tiles_m, tiles_n, num_groups, self.cluster_shape_mn)
+        launched = ClusterTileScheduler.grid(total_clusters, max_active_clusters, cfg.persistent, cutlass.min)
+        sched_args = (offsets, cute.size(mA, mode=[1]), clusters_m, clusters_n, num_groups)
+        self._launch(mA, mB, mD, epi_tensors, epi_scalars, (), sched_args, launched, stream)
+
+    def _scheduler(self, sched_args: tuple) -> RaggedKTileScheduler:
+        offsets, total_k, clusters_m, clusters_n, num_groups = sched_args
+        return RaggedKTileScheduler(
+            offsets, total_k, clusters_m, clusters_n, num_groups, self.cluster_shape_mn, self.cfg.swizzle,
+            self.cfg.raster_along_m,
+        )  # fmt: skip
+
+    def _group_k_tiles(self, tensor, tma, smem, peer, peers: int, tile_rows: int, tile_index, coord) -> cute.Tensor:
+        """``(TMA, k_tile)`` of a ``(rows, R, 1)`` operand for the group at ``coord``, from its first K row."""
+        rows = cute.domain_offset((0, coord[3]), tensor[(None, None, 0)])
+        tiles = cute.local_tile(rows, (tile_rows, self.cfg.tile_k), (None, None))
+        _, partition = cute.nvgpu.cpasync.tma_partition(
+            tma, peer, cute.make_layout(peers), cute.group_modes(smem, 0, 2), cute.group_modes(tiles, 0, 2)
+        )
+        return partition[(None, tile_index, None)]
+
+    def _a_k_tiles(self, cta, tma_a, coord: tuple) -> cute.Tensor:
+        return self._group_k_tiles(cta.mA, tma_a, cta.sA, cta.cluster_coord[1], self.cfg.cluster_n, self.cfg.tile_m,
+                                   coord[0], coord)  # fmt: skip
+
+    def _b_k_tiles(self, cta, tma_b, coord: tuple) -> cute.Tensor:
+        return self._group_k_tiles(cta.mB, tma_b, cta.sB, cta.cluster_coord[0], self.cfg.cluster_m, self.cfg.tile_n,
+                                   coord[1], coord)  # fmt: skip
+
+    def _k_tiles(self, cta, coord: tuple):
+        return (coord[4] - coord[3] + self.cfg.tile_k - 1) // self.cfg.tile_k
+
+    @cute.jit
+    def _fix_stage(self, cta, coord: tuple, k_tile, stage, mma_tidx) -> None:
+        """Zero the K rows past the group's end in the group's last, partial k-tile, in A's and B's stage
+        alike (a zero in one would do, but the next group's values times a zero can still be NaN: inf * 0),
+        then fence them to the async proxy WGMMA reads through and meet every consumer of the tile."""
+        cfg = self.cfg
+        valid = coord[4] - coord[3] - k_tile * cfg.tile_k
+        if valid < cfg.tile_k:
+            self._zero_k_rows(cta.sA, stage, valid, cfg.tile_m, mma_tidx)
+            self._zero_k_rows(cta.sB, stage, valid, cfg.tile_n, mma_tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=int(NamedBarriers.STAGE_FIXUP), number_of_threads=cfg.tile_threads)
+
+    @cute.jit
+    def _zero_k_rows(self, smem, stage, first_k, rows: int, tidx):
+        """Zero K rows ``first_k..tile_k`` of an MN-major ring ``smem`` ``(rows, tile_k, stages)`` at ``stage``.
+
+        The 128-byte swizzle of an MN-major stage keeps each K row of a 128-byte run of rows in one 128-byte
+        line (it permutes the line's 16-byte chunks), and the unswizzled layout gives that line's start: so
+        the tile's threads write whole lines, one 16-byte chunk each, with no swizzle arithmetic.
+        """
+        cfg = self.cfg
+        width = smem.element_type.width
+        line = 1024 // width  # elements per 128-byte line
+        chunk = 128 // width  # elements per 16-byte store
+        assert rows % line == 0, f"variable K needs tile rows in 128-byte multiples, not {rows} x {width} bits"
+        raw = cute.recast_ptr(smem.iterator)
+        chunks_per_k = rows // chunk
+        zeros = cute.make_rmem_tensor((chunk,), smem.element_type)
+        zeros.fill(0)
+        for c in range(first_k * chunks_per_k + tidx, cfg.tile_k * chunks_per_k, cfg.tile_threads):
+            k = c // chunks_per_k
+            j = c % chunks_per_k
+            offset = cute.crd2idx(((j // 8) * line, k, stage), smem.layout) + (j % 8) * chunk
+            dst = cute.make_tensor(raw + cute.assume(offset, divby=chunk), cute.make_layout(chunk))
+            cute.autovec_copy(zeros, dst)
+
+
+__all__ = ["GroupedGemmSm90", "RaggedKGemmSm90"]

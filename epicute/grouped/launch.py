@@ -14,7 +14,8 @@ from epicute.grouped.validate import GroupedCall
 
 def variant_of(plan: GroupedPlan, fusion=None) -> GroupedVariant:
     p = plan.problem
-    return GroupedVariant(plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion)
+    return GroupedVariant(plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion,
+                          ragged_k=p.ragged == "k")  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
@@ -25,9 +26,11 @@ def kernel_for(plan: GroupedPlan, fusion=None):
 
 def _zero_k(call: GroupedCall) -> tuple[torch.Tensor, torch.Tensor]:
     """K = 0: zero A and B one 16-byte K row long (a TMA descriptor cannot describe an empty K), so an
-    epilogue sees a zero accumulator."""
+    epilogue sees a zero accumulator (variable K: in its majors; every group is empty, so nothing is read)."""
     p, a = call.problem, call.a
     k = 16 // a.element_size()
+    if p.ragged == "k":
+        return a.new_zeros(1, k, p.total_m).transpose(1, 2), a.new_zeros(1, k, p.n)
     return a.new_zeros(1, p.total_m, k), a.new_zeros(p.groups, k, p.n)
 
 
@@ -37,7 +40,7 @@ def run_grouped(call: GroupedCall, plan: GroupedPlan, fusion=None, epi_inputs: t
     p = call.problem
     out3 = call.out
     if out3 is None:
-        out3 = torch.empty((1, p.total_m, p.d_n), dtype=call.out_dtype, device=call.a.device)
+        out3 = torch.empty(p.out_shape, dtype=call.out_dtype, device=call.a.device)
     aux = dict(aux or {})
     if p.total_m and p.n:
         if p.k == 0 and fusion is None:
@@ -47,6 +50,8 @@ def run_grouped(call: GroupedCall, plan: GroupedPlan, fusion=None, epi_inputs: t
             epi_tensors = tuple(epi_inputs) + tuple(aux.values())
             kernel_for(plan, fusion)(a, b, out3, call.offsets, epi_tensors, tuple(epi_scalars),
                                      plan.max_active_clusters)  # fmt: skip
+    if p.ragged == "k":
+        return {"D": out3, **aux}
     return {"D": out3[0], **{name: t[0] for name, t in aux.items()}}
 
 

@@ -19,14 +19,17 @@ from epicute.gemm.plan import GemmPlan
 from epicute.gemm.report import render_plan
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.runtime.target import Target, resolve_target
-from epicute.sm90.tile_grid import ceil_div, grouped_cluster_bound, launched
+from epicute.sm90.tile_grid import ceil_div, cluster_counts, grouped_cluster_bound, launched
 
 
 @dataclass(frozen=True)
 class GroupedProblem:
     """``D[rows of g] = A[rows of g] @ B[g]`` for ``groups`` groups of ``total_m`` rows in all:
     A ``(total_M, K)``, B ``(G, K, N)``, D ``(total_M, N)``; majors as in
-    :class:`~epicute.gemm.config.GemmProblem`."""
+    :class:`~epicute.gemm.config.GemmProblem`.
+
+    ``ragged="k"`` is the variable-K mode: ``D[g] = A[:, rows of g] @ B[rows of g, :]`` with A ``(M, K)``
+    (``total_m`` is then M, every group's), B ``(K, N)``, D ``(G, M, N)``, the ``K`` rows split into groups."""
 
     total_m: int
     n: int
@@ -38,12 +41,16 @@ class GroupedProblem:
     b_major: str = "n"
     #: a gated epilogue's problem: B's ``n`` columns interleave gate and up, D has ``n / 2``
     gated: bool = False
+    #: which dimension the groups split: "m" (rows of A and D) or "k" (the reduction)
+    ragged: str = "m"
 
     def __post_init__(self) -> None:
         if self.ab_dtype not in ("bf16", "fp16"):
             raise ConfigError(f"grouped GEMM with ab_dtype={self.ab_dtype!r}: supported are 'bf16' and 'fp16'")
         if self.groups < 1:
             raise ConfigError(f"groups={self.groups}: a grouped GEMM has at least one group")
+        if self.ragged not in ("m", "k"):
+            raise ConfigError(f"ragged={self.ragged!r}: groups split 'm' (rows) or 'k' (the reduction)")
         self.mean_group()  # checks dtypes and majors
 
     @property
@@ -51,12 +58,18 @@ class GroupedProblem:
         """D's columns."""
         return output_columns(self.n, self.gated)
 
+    @property
+    def out_shape(self) -> tuple[int, int, int]:
+        """D's shape as the kernel writes it: ``(1, total_M, N)``, or ``(G, M, N)`` with variable K."""
+        return (self.groups, self.total_m, self.d_n) if self.ragged == "k" else (1, self.total_m, self.d_n)
+
     def mean_group(self) -> GemmProblem:
-        """The dense problem the config is planned for: ``G`` GEMMs of the mean group's rows."""
-        return GemmProblem(
-            max(1, ceil_div(self.total_m, self.groups)), self.n, self.k, self.groups, self.ab_dtype, self.d_dtype,
-            self.a_major, self.b_major,
-        )  # fmt: skip
+        """The dense problem the config is planned for: ``G`` GEMMs of the mean group's rows (or K)."""
+        if self.ragged == "k":
+            m, k = self.total_m, max(1, ceil_div(self.k, self.groups))
+        else:
+            m, k = max(1, ceil_div(self.total_m, self.groups)), self.k
+        return GemmProblem(m, self.n, k, self.groups, self.ab_dtype, self.d_dtype, self.a_major, self.b_major)
 
 
 @dataclass(frozen=True, repr=False)
@@ -80,8 +93,12 @@ class GroupedPlan:
     @property
     def cluster_bound(self) -> int:
         """The most cluster tiles any routing of ``total_M`` rows into ``G`` groups needs
-        (:func:`~epicute.sm90.tile_grid.grouped_cluster_bound`, as the kernel computes it)."""
+        (:func:`~epicute.sm90.tile_grid.grouped_cluster_bound`, as the kernel computes it); variable K: every
+        group's ``(M, N)`` tiles."""
         p, c = self.problem, self.config
+        if p.ragged == "k":
+            return cluster_counts(ceil_div(p.total_m, c.tile_m), ceil_div(p.n, c.tile_n), p.groups,
+                                  (c.cluster_m, c.cluster_n))[2]  # fmt: skip
         clusters_n = ceil_div(ceil_div(p.n, c.tile_n), c.cluster_n)
         return grouped_cluster_bound(p.total_m, p.groups, c.tile_m * c.cluster_m, clusters_n)
 
@@ -105,6 +122,18 @@ def plan_grouped(
     instead and multicast A. Keyword overrides pin config fields."""
     hw = resolve_target(target)
     mean = problem.mean_group()
+    if problem.ragged == "k":
+        if overrides.get("schedule", "cooperative") != "cooperative":
+            raise ConfigError(
+                "schedule='pingpong' with variable K: a ping-pong warpgroup steps its ring over the other's tiles "
+                "by their k-tiles, which differ per group; use the cooperative schedule"
+            )
+        config = choose_config(mean, hw, epilogue, **overrides)
+        if config.schedule != "cooperative":
+            config = choose_config(mean, hw, epilogue, **{**overrides, "schedule": "cooperative"})
+            reason = "cooperative: a ping-pong warpgroup steps its ring over the other's tiles, whose k-tiles differ"
+            config = replace(config, reasons=(*config.reasons, reason))
+        return GroupedPlan(problem, config, hw, epilogue)
     config = choose_config(mean, hw, epilogue, **overrides)
     pinned = "cluster_m" in overrides or "cluster_n" in overrides
     if not pinned and config.cluster_m > 1 and mean.m < PAIR_ALONG_M_MIN_TILES * config.tile_m:
@@ -127,39 +156,63 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
         for line in render_plan(GemmPlan(p.mean_group(), c, plan.target, plan.epilogue)).splitlines()
         if not line.startswith("  grid ")
     ]
-    lines = [
-        (
-            f"epicute grouped GEMM plan: {p.groups} groups, D[{p.total_m}x{p.d_n}] = "
-            + ("gated(" if p.gated else "")
-            + f"A[{p.total_m}x{p.k}] @ B[group][{p.k}x{p.n}]"
-            + (")" if p.gated else "")
-            + " (rows sorted by group; offsets read on the GPU, never by the host)"
-        ),
-        *(
-            [
-                (
-                    f"  gated           B's columns interleave gate and up in blocks of {GATE_BLOCK}; each output "
-                    "column gets its gate and up accumulators (same thread's registers)"
-                )
-            ]
-            if p.gated
-            else []
-        ),
-        "grouped schedule",
-        (
-            f"  tiles           never straddle groups: group g has ceil(rows_g / {c.tile_m * c.cluster_m}) x "
-            f"{ceil_div(ceil_div(p.n, c.tile_n), c.cluster_n)} cluster tiles, numbered group by group"
-        ),
-        (
-            f"  grid            {plan.grid}: at most {plan.cluster_bound} cluster tiles for any routing"
-            + (f", {plan.max_active_clusters} persistent clusters walk them" if c.persistent else "")
-        ),
-        "  group lookup    each warp: a prefix sum over 32 groups' tile counts per step (shuffles, no sync)",
-        "  A               one 2-D TMA descriptor; each tile's loads start at its group's first row",
-        "  D, aux outputs  one ragged TMA descriptor: stores clip at the group's end (no predicates)",
-        "  config          planned for the mean group, " + f"{p.mean_group().m} rows (below)",
-        "",
-    ]
+    gated = (
+        f"  gated           B's columns interleave gate and up in blocks of {GATE_BLOCK}; each output column gets its "
+        "gate and up accumulators (same thread's registers)"
+    )
+    gated = [gated] if p.gated else []
+    bound = f"{plan.cluster_bound} cluster tiles"
+    grid = f"  grid            {plan.grid}: " + (bound if p.ragged == "k" else f"at most {bound} for any routing")
+    grid += f", {plan.max_active_clusters} persistent clusters walk them" if c.persistent else ""
+    product = (
+        f"A[{p.total_m}x(rows of g)] @ B[(rows of g)x{p.n}]"
+        if p.ragged == "k"
+        else f"A[{p.total_m}x{p.k}] @ B[group][{p.k}x{p.n}]"
+    )
+    product = f"gated({product})" if p.gated else product
+    if p.ragged == "k":
+        lines = [
+            (
+                f"epicute grouped GEMM plan, variable K: {p.groups} groups, D[group][{p.total_m}x{p.d_n}] = {product} "
+                f"({p.k} K rows sorted by group; offsets read on the GPU, never by the host)"
+            ),
+            *gated,
+            "grouped schedule",
+            (
+                f"  tiles           each group's {ceil_div(p.total_m, c.tile_m)} x {ceil_div(p.n, c.tile_n)} tiles of "
+                "D, the groups as the batch (the GEMM's static schedule)"
+            ),
+            grid,
+            (
+                f"  k-loop          ceil(rows_g / {c.tile_k}) k-tiles per tile, from the group's first K row (none for "
+                "an empty group: D is the epilogue of zeros)"
+            ),
+            (
+                "  A, B            one 2-D TMA descriptor each; a tile's loads start at its group's first K row, and "
+                "the consumers zero the last k-tile's rows past the group's end in shared memory"
+            ),
+            f"  config          planned for the mean group, {p.mean_group().k} K rows (below)",
+            "",
+        ]
+    else:
+        lines = [
+            (
+                f"epicute grouped GEMM plan: {p.groups} groups, D[{p.total_m}x{p.d_n}] = {product} (rows sorted by "
+                "group; offsets read on the GPU, never by the host)"
+            ),
+            *gated,
+            "grouped schedule",
+            (
+                f"  tiles           never straddle groups: group g has ceil(rows_g / {c.tile_m * c.cluster_m}) x "
+                f"{ceil_div(ceil_div(p.n, c.tile_n), c.cluster_n)} cluster tiles, numbered group by group"
+            ),
+            grid,
+            "  group lookup    each warp: a prefix sum over 32 groups' tile counts per step (shuffles, no sync)",
+            "  A               one 2-D TMA descriptor; each tile's loads start at its group's first row",
+            "  D, aux outputs  one ragged TMA descriptor: stores clip at the group's end (no predicates)",
+            f"  config          planned for the mean group, {p.mean_group().m} rows (below)",
+            "",
+        ]
     return "\n".join(lines + dense[1:])
 
 

@@ -47,23 +47,86 @@ class GroupedCall:
     out_dtype: torch.dtype
 
 
-def check_offsets_values(offsets: torch.Tensor, total_m: int) -> None:
-    """Offsets must be group ends: non-decreasing, non-negative, the last one ``total_M`` (reads them: a sync
-    when they are on the GPU)."""
+def check_offsets_values(offsets: torch.Tensor, total: int, what: str = "row") -> None:
+    """Offsets must be group ends: non-decreasing, non-negative, the last one ``total`` (``total_M`` rows, or
+    ``total_K`` K rows: ``what``); reads them, a sync when they are on the GPU."""
     values = offsets.tolist()
     if values and values[0] < 0:
-        raise ShapeError(f"offsets[0] = {values[0]} is negative; offsets are each group's end row")
+        raise ShapeError(f"offsets[0] = {values[0]} is negative; offsets are each group's end {what}")
     for g in range(1, len(values)):
         if values[g] < values[g - 1]:
             raise ShapeError(
                 f"offsets decrease at group {g} ({values[g - 1]} -> {values[g]}); they are cumulative group ends, "
-                "e.g. torch.cumsum(group_sizes, 0, dtype=torch.int32), with a's rows sorted by group"
+                f"e.g. torch.cumsum(group_sizes, 0, dtype=torch.int32), with the {what}s sorted by group"
             )
-    if values and values[-1] != total_m:
+    if values and values[-1] != total:
+        name = "total_M" if what == "row" else "total_K"
         raise ShapeError(
-            f"offsets[-1] = {values[-1]} but a has total_M = {total_m} rows; the last group must end at total_M "
-            "(pass a[:offsets[-1]] to leave rows out)"
+            f"offsets[-1] = {values[-1]} but there are {name} = {total} {what}s; the last group must end at {name} "
+            f"(slice the {what}s you leave out away)"
         )
+
+
+def _checked_offsets(offsets, groups: int, total: int, device, check_offsets: bool, what: str) -> torch.Tensor:
+    """``offsets`` checked (dtype, shape; values where cheap) and on ``device``, contiguous."""
+    if offsets.dtype != torch.int32:
+        raise DtypeError(f"offsets has dtype {offsets.dtype}; pass int32 group ends (offsets.to(torch.int32))")
+    if tuple(offsets.shape) != (groups,):
+        hint = (" (that is quack's cu_seqlens form, starting at 0: pass offsets[1:])"
+                if tuple(offsets.shape) == (groups + 1,) else "")  # fmt: skip
+        raise ShapeError(f"offsets has shape {tuple(offsets.shape)}; it must be ({groups},), each group's end {what}, "
+                         f"as torch._grouped_mm takes it{hint}")  # fmt: skip
+    if offsets.device.type == "cpu" or check_offsets:
+        check_offsets_values(offsets, total, what)
+    if offsets.device != device:
+        if offsets.device.type != "cpu":
+            raise DtypeError(f"offsets is on {offsets.device} but a is on {device}; move it there")
+        return offsets.to(device, non_blocking=True)
+    if offsets.stride(0) != 1 and groups > 1:
+        return offsets.contiguous()
+    return offsets
+
+
+def _check_ragged_k(a, b, offsets, out, out_dtype, check_offsets: bool, gated: bool) -> GroupedCall:
+    """Variable K: ``D[g] = a[:, rows of g] @ b[rows of g, :]`` with a ``(M, total_K)``, b ``(total_K, N)``. Groups
+    start at any K row, and a TMA box may start there only along a strided dimension: a is M-major (``x.t()`` of a
+    row-major ``(total_K, M)`` x), b row-major."""
+    m, total_k = a.shape
+    kb, n = b.shape
+    if kb != total_k:
+        raise ShapeError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a's K={total_k} != b's K={kb}")
+    if total_k >= MAX_TOTAL_ROWS:
+        raise ShapeError(f"a has K = {total_k}; the variable-K grouped GEMM takes fewer than {MAX_TOTAL_ROWS}")
+    groups = offsets.shape[0] if offsets.dim() == 1 else 0
+    if groups == 0:
+        raise ShapeError(f"offsets has shape {tuple(offsets.shape)}; variable K takes (G,) group ends, G >= 1")
+    offsets = _checked_offsets(offsets, groups, total_k, a.device, check_offsets, "K row")
+    out_dtype = resolve_out_dtype(out, out_dtype, a.dtype)
+    a3, b3 = a.unsqueeze(0), b.unsqueeze(0)
+    if total_k > 1 and m > 1 and _major(a3, "a", "k", "m") != "m":
+        raise AlignmentError(
+            f"a has strides {tuple(a.stride())}: with variable K each group's K rows start anywhere, which TMA can "
+            "read only along a strided dimension: pass a as x.t() of a row-major (total_K, M) x"
+        )
+    if total_k > 1 and n > 1 and _major(b3, "b", "n", "k") != "n":
+        raise AlignmentError(
+            f"b has strides {tuple(b.stride())}: with variable K each group's K rows start anywhere, which TMA can "
+            "read only along a strided dimension: pass a row-major (total_K, N) b (b.contiguous())"
+        )
+    if gated:
+        check_gated_columns(n, "b")
+    d_n = n // 2 if gated else n
+    out3 = None
+    if out is not None:
+        check_out_placement(out, (groups, m, d_n), f"the variable-K grouped GEMM writes {(groups, m, d_n)}", a, b)
+        out3 = out
+    problem = GroupedProblem(m, n, total_k, groups, TORCH_TO_IR[a.dtype], TORCH_TO_IR[out_dtype], "m", "n", gated, "k")
+    if m and n and total_k:
+        a3 = _check_tma_strides(a3, "a", 1, "LMK")
+        b3 = _check_tma_strides(b3, "b", 2, "LKN")
+    if m and n:
+        out3 = check_d_rows(out3, d_n, out_dtype)
+    return GroupedCall(problem, a3, b3, offsets, out3, out_dtype)
 
 
 def check_grouped_args(
@@ -93,9 +156,12 @@ def check_grouped_args(
         raise DtypeError(f"b has dtype {b.dtype} but a has {a.dtype}; cast one so that they match")
     if a.dim() != 2:
         raise ShapeError(f"a has shape {tuple(a.shape)}; a grouped GEMM takes a 2-D (total_M, K), rows sorted by group")
+    if b.dim() == 2:
+        return _check_ragged_k(a, b, offsets, out, out_dtype, check_offsets, gated)
     if b.dim() != 3:
         raise ShapeError(f"b has shape {tuple(b.shape)}; a grouped GEMM takes a 3-D (G, K, N), one (K, N) per group "
-                         "(w.transpose(-2, -1) of a (G, N, K) weight works without a copy)")  # fmt: skip
+                         "(w.transpose(-2, -1) of a (G, N, K) weight works without a copy), or a 2-D (total_K, N) "
+                         "whose rows the groups split (variable K)")  # fmt: skip
     total_m, k = a.shape
     groups, kb, n = b.shape
     if kb != k:
@@ -104,21 +170,7 @@ def check_grouped_args(
         raise ShapeError("b has G = 0 groups; a grouped GEMM needs at least one")
     if total_m >= MAX_TOTAL_ROWS:
         raise ShapeError(f"a has {total_m} rows; the grouped GEMM takes fewer than {MAX_TOTAL_ROWS}")
-    if offsets.dtype != torch.int32:
-        raise DtypeError(f"offsets has dtype {offsets.dtype}; pass int32 group ends (offsets.to(torch.int32))")
-    if tuple(offsets.shape) != (groups,):
-        hint = (" (that is quack's cu_seqlens form, starting at 0: pass offsets[1:])"
-                if tuple(offsets.shape) == (groups + 1,) else "")  # fmt: skip
-        raise ShapeError(f"offsets has shape {tuple(offsets.shape)}; it must be ({groups},), each group's end row, "
-                         f"as torch._grouped_mm takes it{hint}")  # fmt: skip
-    if offsets.device.type == "cpu" or check_offsets:
-        check_offsets_values(offsets, total_m)
-    if offsets.device != a.device:
-        if offsets.device.type != "cpu":
-            raise DtypeError(f"offsets is on {offsets.device} but a is on {a.device}; move it there")
-        offsets = offsets.to(a.device, non_blocking=True)
-    elif offsets.stride(0) != 1 and groups > 1:
-        offsets = offsets.contiguous()
+    offsets = _checked_offsets(offsets, groups, total_m, a.device, check_offsets, "row")
 
     out_dtype = resolve_out_dtype(out, out_dtype, a.dtype)
     a3, b3 = a.unsqueeze(0), b

@@ -42,6 +42,9 @@ class NamedBarriers(enum.IntEnum):
     #: the staging buffers, so they take turns.
     EPILOGUE_TURN_WG1 = 5
     EPILOGUE_TURN_WG2 = 6
+    #: A tile's consumers meet after rewriting a filled A/B stage in shared memory (the
+    #: variable-K grouped GEMM zeroes the rows past a group's end) before WGMMA reads it.
+    STAGE_FIXUP = 7
 
 
 def make_tma_load_pipeline(

@@ -161,6 +161,33 @@ class ClusterTileScheduler(StaticClusterWalk):
         return tile_m, tile_n, batch
 
 
+class RaggedKTileScheduler(ClusterTileScheduler):
+    """The GEMM's static schedule with one batch per group of a reduction split into groups (the grouped
+    GEMM's variable-K mode): group ``g`` reduces over K rows ``[offsets[g - 1], offsets[g])`` (bounds
+    clamped to ``[0, total_k]`` as :class:`GroupedTileScheduler` clamps rows). ``coord`` is ``(tile_m,
+    tile_n, g, first K row, end K row)``. Read-only inside loops, like the grouped scheduler."""
+
+    def __init__(self, offsets, total_k, clusters_m, clusters_n, num_groups, cluster_shape_mn, group: int,
+                 raster_along_m: bool):  # fmt: skip
+        super().__init__(clusters_m, clusters_n, num_groups, cluster_shape_mn, group, raster_along_m)
+        self.offsets, self.total_k = offsets, total_k
+
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    @cute.jit
+    def coord(self, work):
+        tile_m, tile_n, g = ClusterTileScheduler.coord(self, work)
+        end = cutlass.min(cutlass.max(self.offsets[g], Int32(0)), self.total_k)
+        start = Int32(0)
+        if g > 0:
+            start = cutlass.min(cutlass.max(self.offsets[g - 1], Int32(0)), end)
+        return tile_m, tile_n, g, start, end
+
+
 WARP = 32
 
 

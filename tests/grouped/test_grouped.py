@@ -3,12 +3,14 @@ against per-group float32 products, the grouped plan and its grid bound, and sm_
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
 import epicute
 from epicute import ops
-from epicute.errors import AlignmentError, DtypeError, EpilogueError, OutputError, ShapeError
+from epicute.errors import AlignmentError, ConfigError, DtypeError, EpilogueError, OutputError, ShapeError
 from epicute.grouped.api import describe_grouped_call
 from epicute.grouped.compile import compile_grouped
 from epicute.grouped.prepare import prepare
@@ -70,7 +72,7 @@ BAD = {
     "offsets_short": (lambda a, b, o: (a, b, torch.tensor([2, 4, 9], dtype=torch.int32)), ShapeError, "total_M"),
     "offsets_negative": (lambda a, b, o: (a, b, torch.tensor([-1, 4, 10], dtype=torch.int32)), ShapeError, "negative"),
     "a_3d": (lambda a, b, o: (a[None], b, o), ShapeError, "2-D"),
-    "b_2d": (lambda a, b, o: (a, b[0], o), ShapeError, "(G, K, N)"),
+    "b_4d": (lambda a, b, o: (a, b[None], o), ShapeError, "(G, K, N)"),
     "k_mismatch": (lambda a, b, o: (a[:, :8], b, o), ShapeError, "K="),
     "dtype_mismatch": (lambda a, b, o: (a, b.half(), o), DtypeError, "match"),
     "fp8": (lambda a, b, o: (a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), o), DtypeError, "fp8"),
@@ -192,3 +194,52 @@ COMPILES = {
 def test_grouped_variants_compile_for_sm90a(case):
     config, dtype, epi, ops_ = COMPILES[case]
     compile_grouped(_prepared(config, dtype, epi, **ops_).variant())
+
+
+def test_variable_k_reference_and_explain():
+    sizes = [3, 0, 20, 7]
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x, dy = torch.randn(30, 16).bfloat16(), torch.randn(30, 24).bfloat16()
+    dw = epicute.grouped_gemm(x.t(), dy, offsets, out_dtype=torch.float32, backend="reference")
+    starts = [0, *offsets.tolist()[:-1]]
+    want = torch.stack([x[s:e].double().t() @ dy[s:e].double() for s, e in zip(starts, offsets.tolist())])
+    assert dw.shape == (4, 16, 24) and (dw.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    assert not dw[1].any()
+    meta = torch.empty(16384, 4096, dtype=torch.bfloat16, device="meta")
+    dy_meta = torch.empty(16384, 2048, dtype=torch.bfloat16, device="meta")
+    text = io.StringIO()
+    plan = epicute.explain_grouped(meta.t(), dy_meta, torch.empty(8, dtype=torch.int32, device="meta"), file=text)
+    assert plan.problem.ragged == "k" and plan.config.schedule == "cooperative"
+    assert "variable K" in text.getvalue() and "zero the last k-tile's rows past the group's end" in text.getvalue()
+
+
+VARIABLE_K_BAD = {
+    "a_row_major": (lambda x, dy, o: (x.t().contiguous(), dy, o), AlignmentError, "x.t()"),
+    "b_column_major": (lambda x, dy, o: (x.t(), dy.t().contiguous().t(), o), AlignmentError, "row-major (total_K, N)"),
+    "k_mismatch": (lambda x, dy, o: (x.t(), dy[:-1], o), ShapeError, "K="),
+    "offsets_short": (lambda x, dy, o: (x.t(), dy, torch.tensor([2, 4], dtype=torch.int32)), ShapeError, "total_K"),
+    "pingpong": (lambda x, dy, o: (x.t(), dy, o), ConfigError, "cooperative"),
+}
+
+
+@pytest.mark.parametrize("case", list(VARIABLE_K_BAD))
+def test_variable_k_bad_arguments_get_typed_errors(case):
+    make, error, words = VARIABLE_K_BAD[case]
+    x, dy = torch.randn(10, 16).bfloat16(), torch.randn(10, 24).bfloat16()
+    config = {"pingpong": {"schedule": "pingpong"}}.get(case)
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        epicute.grouped_gemm(*make(x, dy, torch.tensor([4, 10], dtype=torch.int32)), config=config, backend="reference")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cluster", [(1, 1), (2, 1), (1, 2)])
+def test_variable_k_compiles_for_sm90a(cluster):
+    meta = torch.empty(300, 64, dtype=torch.bfloat16, device="meta")
+    dy = torch.empty(300, 136, dtype=torch.bfloat16, device="meta")
+    config = {"tile_n": 128, "cluster_m": cluster[0], "cluster_n": cluster[1]}
+    request = describe_grouped_call(meta.t(), dy, torch.empty(5, dtype=torch.int32, device="meta"),
+                                    lambda acc, bias: acc + bias, None, torch.float32, None, config,
+                                    {"bias": torch.empty(5, 136, device="meta")}, False)[2]  # fmt: skip
+    variant = prepare(request).variant()
+    assert variant.ragged_k and "ragged_k" in repr(variant.key().parts)
+    compile_grouped(variant)

@@ -201,3 +201,101 @@ def test_gated_swiglu_with_router_weights(name, b_major):
     group = torch.repeat_interleave(torch.arange(len(sizes), device="cuda"), torch.tensor(sizes, device="cuda"))
     want = torch.nn.functional.silu(gate + bias.double()[group]) * up * score.double()
     assert rel_err(d, want) < BF16_TOL
+
+
+RAGGED_K_SIZES = {
+    "mixed": [0, 1, 37, 64, 65, 255, 3],
+    "one_group": [301],
+    "empty_ends": [0, 64, 0, 0, 190, 0],
+    "many_groups": SIZES["many_groups"],
+}
+
+
+def reference_ragged_k(x, dy, offsets) -> torch.Tensor:
+    """dW[g] = x[rows of g].T @ dy[rows of g] in float64."""
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+    return torch.stack([x[s:e].double().t() @ dy[s:e].double() for s, e in zip(starts, ends)])
+
+
+RAGGED_K_CONFIGS = {
+    "planned": None,
+    "cluster_2x1": {"cluster_m": 2, "cluster_n": 1},
+    "cluster_1x2": {"cluster_m": 1, "cluster_n": 2, "tile_n": 128},
+    "persistent_1x1": {"cluster_m": 1, "cluster_n": 1, "persistent": True},
+}
+
+
+@pytest.mark.parametrize("name", list(RAGGED_K_SIZES))
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", list(RAGGED_K_CONFIGS))
+def test_variable_k_weight_gradient(name, out_dtype, config):
+    """Weight gradients of an MoE layer: each group's K rows (tokens) reduce into its own (M, N); groups of
+    0 rows give zeros. D is NaN-poisoned."""
+    sizes = RAGGED_K_SIZES[name]
+    offsets = offsets_of(sizes)
+    total, m, n = int(offsets[-1]), 200, 264
+    x = torch.randn(total, m, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((len(sizes), m, n), float("nan"), device="cuda", dtype=out_dtype)
+    dw = epicute.grouped_gemm(x.t(), dy, offsets, out=out, config=RAGGED_K_CONFIGS[config])
+    assert dw.data_ptr() == out.data_ptr()
+    want = reference_ragged_k(x, dy, offsets)
+    tol = 1e-5 if out_dtype == torch.float32 else BF16_TOL
+    assert rel_err(dw, want) < tol
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert not dw[g].any()
+
+
+def test_variable_k_with_an_epilogue():
+    """dW_g * lr_scale + per-expert row, accumulated into an existing gradient tile (a tile operand)."""
+    sizes = [130, 0, 7, 400]
+    offsets = offsets_of(sizes)
+    total, m, n = int(offsets[-1]), 136, 520
+    x = torch.randn(total, m, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(len(sizes), m, n, device="cuda", dtype=torch.float32)
+    bias = torch.randn(len(sizes), n, device="cuda", dtype=torch.float32)
+    dw = epicute.grouped_gemm(
+        x.t(), dy, offsets, out_dtype=torch.float32, config={"tile_n": 128}, grad=grad, bias=bias, scale=0.5,
+        epilogue=lambda acc, grad, bias, scale: grad + scale * acc + bias,
+    )  # fmt: skip
+    want = grad.double() + 0.5 * reference_ragged_k(x, dy, offsets) + bias.double()[:, None, :]
+    assert dw.shape == (len(sizes), m, n) and rel_err(dw, want) < 1e-5
+
+
+@pytest.mark.parametrize("config", ["planned", "cluster_2x1"])
+def test_variable_k_never_reads_the_next_groups_rows(config):
+    """A group's last k-tile box reaches into the next group's rows; NaN there (both operands) must not reach
+    this group's sum. Groups 0 and 2 end mid-tile before a poisoned group 1."""
+    sizes = [37, 69, 100, 5]
+    offsets = offsets_of(sizes)
+    total, m, n = int(offsets[-1]), 72, 136
+    x = torch.randn(total, m, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+    poisoned = slice(sizes[0], sizes[0] + sizes[1])
+    x[poisoned], dy[poisoned] = float("nan"), float("inf")
+    x[sizes[0] + sizes[1] + sizes[2] :] = float("nan")  # group 3 poisons group 2's tail
+    dw = epicute.grouped_gemm(x.t(), dy, offsets, out_dtype=torch.float32, config=RAGGED_K_CONFIGS[config])
+    want = reference_ragged_k(x, dy, offsets)
+    for g in (0, 2):
+        assert torch.isfinite(dw[g]).all() and rel_err(dw[g], want[g]) < 1e-5
+
+
+def test_variable_k_at_mixture_of_experts_size():
+    """8 experts' weight gradients over 16384 Zipf-routed tokens (the bench's wgrad8 at a quarter of N), every
+    group ending mid-tile, the operands allocated after a large buffer so they sit at high addresses."""
+    ballast = torch.empty(1 << 30, dtype=torch.int8, device="cuda")
+    sizes = [5243, 3001, 2617, 1777, 1503, 1100, 777, 366]
+    offsets = offsets_of(sizes)
+    total, m, n = int(offsets[-1]), 4096, 3584
+    x = torch.randn(total, m, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+    dw = epicute.grouped_gemm(x.t(), dy, offsets)
+    torch.cuda.synchronize()
+    del ballast
+    ends = offsets.tolist()
+    for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends)):
+        want = x[s:e].float().t() @ dy[s:e].float()
+        assert rel_err(dw[g], want) < BF16_TOL
