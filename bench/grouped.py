@@ -1,7 +1,8 @@
 """Grouped GEMM (mixture-of-experts) throughput: epicute.grouped_gemm vs torch._grouped_mm, quack's
 varlen-M GEMM and a loop of torch.mm, in TFLOPS (2 * total_M * N * K per call).
 
-Usage: python bench/grouped.py [--cases even8,skewed8,even64,skewed128,decode64,swiglu8,wgrad8] [--out PATH]
+Usage: python bench/grouped.py [--cases even8,skewed8,even64,skewed128,decode64,swiglu8,wgrad8,fp8block8]
+       [--out PATH]
 Inputs as ``../shared/bench/PEERS.md`` calls the peers: bf16 tokens ``x`` (total_M, K) sorted by
 expert, weights ``w`` (G, N, K) row-major passed as ``w.transpose(-2, -1)``, ``offs`` int32 group ends
 (quack takes ``cu_seqlens_m``, the same with a leading 0). Group sizes are multiples of 8 (as in
@@ -15,6 +16,11 @@ as one kernel (``gated=True``, weights interleaved once by ``epicute.interleave_
 it the plain grouped GEMM of the same B (``epicute_plain``: the fused epilogue's cost is the ratio);
 torch runs ``torch._grouped_mm`` over the concatenated ``[gate; up]`` weight, then the activation in
 eager torch (``torch_grouped_mm``). TFLOPS count the GEMM's 2 * total_M * 2N * K for all three.
+The fp8 case (``fp8block8``) runs e4m3 tokens and weights with DeepSeek-V3's blockwise scales
+(tokens per 1x128, weights per 128x128 block), bf16 out: ``epicute.grouped_gemm(x, wt, offs,
+a_scale=, b_scale=)`` against a loop of cuBLAS blockwise ``torch._scaled_mm`` per expert
+(``cublas_blockwise_loop``; torch has no blockwise grouped GEMM), with epicute's bf16 grouped GEMM
+of the same shapes beside it (``epicute_bf16``, not checked).
 The variable-K case (``wgrad8``) is an MoE weight gradient, dW_g = x_g^T dy_g over each expert's tokens
 (x (tokens, 4096), dy (tokens, 14336), Zipf routing): ``epicute.grouped_gemm(x.t(), dy, offs)``,
 ``torch._grouped_mm`` of the same 2-D operands, quack with ``cu_seqlens_k`` and a loop of ``torch.mm``.
@@ -40,9 +46,11 @@ CASES = {
     "decode64": (64, 512 * 8, 7168, 2048, "top8"),
     "swiglu8": (8, 16384, 4096, 14336, "zipf"),  # gated: N = gate + up columns
     "wgrad8": (8, 16384, 4096, 14336, "zipf"),  # variable K: tokens are the reduction, D (G, 4096, 14336)
+    "fp8block8": (8, 16384, 4096, 14336, "zipf"),  # fp8 e4m3 inputs, blockwise scales per group
 }
 GATED = {"swiglu8"}
 VARIABLE_K = {"wgrad8"}
+FP8 = {"fp8block8"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "grouped.json"
 TOLERANCE = 1e-2
 
@@ -212,6 +220,47 @@ def run_variable_k_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
     return row, ok
 
 
+def run_fp8_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
+    """fp8 experts with blockwise scales against a loop of cuBLAS's blockwise ``torch._scaled_mm``."""
+    import epicute
+
+    experts, total, k, n, routing = CASES[name]
+    sizes = group_sizes(experts, total, routing, gen)
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32).cuda()
+    e4m3 = torch.float8_e4m3fn
+    x = (torch.randn(total, k, device="cuda") * 0.5).to(e4m3)
+    w = (torch.randn(experts, n, k, device="cuda") * 0.5).to(e4m3)
+    sa = torch.rand(k // 128, total, device="cuda").t() + 0.5  # torch's M-major A scales
+    sb = torch.rand(experts, n // 128, k // 128, device="cuda") + 0.5
+    ends = offs.tolist()
+    spans = list(zip([0, *ends[:-1]], ends))
+    # cuBLAS takes each group's A scales M-major and compact: copies made once, outside the timing.
+    sa_groups = [sa[s:e].t().contiguous().t() for s, e in spans]
+
+    def loop():
+        out = torch.empty(total, n, device="cuda", dtype=torch.bfloat16)
+        for g, (s, e) in enumerate(spans):
+            if e > s:
+                out[s:e] = torch._scaled_mm(x[s:e], w[g].t(), scale_a=sa_groups[g], scale_b=sb[g].t(),
+                                            out_dtype=torch.bfloat16)  # fmt: skip
+        return out
+
+    ref = []
+    for g, (s, e) in enumerate(spans):
+        a = x[s:e].float() * sa[s:e].repeat_interleave(128, 1)
+        b = w[g].float() * sb[g].repeat_interleave(128, 0).repeat_interleave(128, 1)
+        ref.append(a @ b.t())
+    ref = torch.cat(ref)
+    fused = functools.partial(epicute.grouped_gemm, x, w.transpose(-2, -1), offs, a_scale=sa, b_scale=sb)
+    calls = {"epicute": (fused, fused), "cublas_blockwise_loop": (loop, loop)}
+    row: Row = {"case": f"{name}: fp8 e4m3 blockwise, {experts} experts, {total} rows, K {k}, N {n}, {routing} "
+                        f"(largest group {max(sizes)})"}  # fmt: skip
+    print(row["case"])
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16).transpose(-2, -1)
+    bf16 = functools.partial(epicute.grouped_gemm, xb, wb, offs)
+    return measure(row, calls, ref, 2 * total * n * k, unchecked={"epicute_bf16": bf16})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
@@ -223,7 +272,10 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     rows, all_ok = [], True
     for name in args.cases.split(","):
-        run = run_gated_case if name in GATED else run_variable_k_case if name in VARIABLE_K else run_case
+        run = (
+            run_gated_case if name in GATED else run_variable_k_case if name in VARIABLE_K
+            else run_fp8_case if name in FP8 else run_case
+        )  # fmt: skip
         row, ok = run(name, gen)
         rows.append(row)
         all_ok = all_ok and ok

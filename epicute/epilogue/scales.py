@@ -127,16 +127,44 @@ def fp8_scaling(
     b_block = _block_b(b_scale, lead, n, blocks_n, blocks_k)
     if b_block is not None:
         a_block = _block_a(a_scale, lead, m, blocks_k)
-        for name, t in (("a_scale", a_block), ("b_scale", b_block)):
-            if device is not None and t.device != device:
-                raise DeviceError(f"{name} is on {t.device} but a is on {device}; blockwise scales are read by the "
-                                  f"kernel: pass {name}.to({str(device)!r})")  # fmt: skip
+        _check_block_devices(a_block, b_block, device)
         l3 = lambda t: t if batched else t.unsqueeze(0)  # noqa: E731
         return Fp8Scaling({}, BlockScales(l3(a_block), l3(b_block)))
     return Fp8Scaling({
         "a_scale": _scale("a_scale", a_scale, m, n, k, l, batched, per="row"),
         "b_scale": _scale("b_scale", b_scale, m, n, k, l, batched, per="column"),
     })  # fmt: skip
+
+
+def grouped_block_scales(
+    a_scale: Any, b_scale: Any, rows: int, n: int, k: int, groups: int, device: torch.device | None = None
+) -> BlockScales:
+    """A grouped fp8 GEMM's blockwise scales: ``a_scale`` ``(total_M, KB)`` over every group's rows (any
+    strides), ``b_scale`` one per 128x128 block of each group's ``(N, K)`` weight, ``(G, NB, KB)`` (or its
+    per-group transpose ``(G, KB, NB)``, as for :func:`fp8_scaling`). As the mainloop reads them: A's
+    ``(1, total_M, KB)``, B's ``(G, NB, KB)``."""
+    for name, value in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if value is None:
+            raise EpilogueError(f"{name} is missing: a grouped GEMM of fp8 inputs needs blockwise a_scale and b_scale")
+    blocks_n, blocks_k = -(-n // BLOCK_K), -(-k // BLOCK_K)
+    b_block = _block_b(b_scale, (groups,), n, blocks_n, blocks_k)
+    if b_block is None:
+        got = _describe(b_scale) if not isinstance(b_scale, torch.Tensor) else f"shape {tuple(b_scale.shape)}"
+        raise ShapeError(
+            f"b_scale has {got}; a grouped fp8 GEMM takes blockwise scales, one per 128x128 block of each group's "
+            f"(N, K) weight: ({groups}, {blocks_n}, {blocks_k}) fp32 (tensorwise or rowwise scales are epilogue "
+            "operands there: epilogue=lambda acc, sa, sb: acc * sa * sb with sa (total_M, 1) and sb (G, N))"
+        )
+    a_block = _block_a(a_scale, (), rows, blocks_k)
+    _check_block_devices(a_block, b_block, device)
+    return BlockScales(a_block.unsqueeze(0), b_block)
+
+
+def _check_block_devices(a_block: torch.Tensor, b_block: torch.Tensor, device: torch.device | None) -> None:
+    for name, t in (("a_scale", a_block), ("b_scale", b_block)):
+        if device is not None and t.device != device:
+            raise DeviceError(f"{name} is on {t.device} but a is on {device}; blockwise scales are read by the "
+                              f"kernel: pass {name}.to({str(device)!r})")  # fmt: skip
 
 
 def dequantize_blockwise(a: torch.Tensor, b: torch.Tensor, scales: BlockScales) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,5 +259,6 @@ __all__ = [
     "ScaledEpilogue",
     "dequantize_blockwise",
     "fp8_scaling",
+    "grouped_block_scales",
     "scaled_epilogue",
 ]

@@ -102,6 +102,19 @@ def d_columns(fusion, n):
     return cute.sym_int() if fusion is not None and fusion.gated else n
 
 
+def _fake_block_scales() -> tuple:
+    """Blockwise fp8 scales as the kernel takes them, fp32 ``(L, M, KB)`` and ``(L, NB, KB)``, read element by
+    element, so of any strides."""
+    import cutlass
+    from cutlass import cute
+
+    return tuple(
+        cute.runtime.make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
+                                      stride=tuple(cute.sym_int64() for _ in range(3)), assumed_align=4)
+        for _ in range(2)
+    )  # fmt: skip
+
+
 def compile_gemm_sm90(variant: GemmVariant):
     """Compile one GEMM variant for sm_90a; returns the callable
     ``f(a, b, d, epi_tensors, epi_scalars, block_scales, max_active_clusters)``.
@@ -125,13 +138,7 @@ def compile_gemm_sm90(variant: GemmVariant):
     fake_d = _fake_operand(d, (l, m, d_columns(variant.fusion, n)), contiguous=2)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
-    block_scales = ()
-    if variant.block_scaled:  # read element by element: any strides
-        block_scales = tuple(
-            cute.runtime.make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
-                                          stride=tuple(cute.sym_int64() for _ in range(3)), assumed_align=4)
-            for _ in range(2)
-        )  # fmt: skip
+    block_scales = _fake_block_scales() if variant.block_scaled else ()
     kernel = GemmSm90(
         variant.config,
         variant.ab_dtype,

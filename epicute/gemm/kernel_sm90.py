@@ -664,7 +664,7 @@ class GemmSm90:
         work = scheduler.next(scheduler.first(), team)
         while scheduler.is_valid(work):
             tile_coord = scheduler.coord(work)
-            tm, tn, tl = tile_coord[0], tile_coord[1], tile_coord[2]
+            tn = tile_coord[1]
             tile_k_tiles = self._k_tiles(cta, tile_coord)
             run = GemmEpilogueRun(
                 self, cta, copies, tile_coord, tiles_done, mma_tidx, c_state, epi_vectors, epi_workspaces,
@@ -681,17 +681,20 @@ class GemmSm90:
                 # so that each partial is a fixed set of registers; k-tile j's partial and scales
                 # are slot j % 2, and its scales are loaded two k-tiles before they are used, which
                 # hides their latency. k_tiles >= 1 (K = 0 launches one k-tile of zeros).
-                rows = scale_rows(acc_coords, row_values, tm * cfg.tile_m, cute.size(mD, mode=[0]))
+                # The rows and batch the tile's A and B scales are read at: the epilogue's frame (a grouped
+                # GEMM's tile starts at its group's row and reads its group's B scales).
+                origin, extent, scale_batch = self._epilogue_frame(tile_coord, (cute.size(mD, mode=[0]), 0))
+                rows = scale_rows(acc_coords, row_values, origin[0], extent[0])
                 # B's block of the thread's own columns (the tile's one block): an address that varies
                 # per thread keeps ptxas from moving the loaded scale into a uniform register, a move that
                 # waits for the load before the next k-tile's WGMMAs are issued (~10 % of the time).
                 n_block = (tn * cfg.tile_n + acc_coords[cute.size(acc_coords) - 1][1]) // BLOCK_K
                 last = tile_k_tiles - 1
-                load_block_scales(scale_regs, 0, block_scales, rows, n_block, tl, 0)
+                load_block_scales(scale_regs, 0, block_scales, rows, n_block, scale_batch, 0)
                 ab_pipeline.consumer_wait(read_state)
                 issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0, k_blocks)
                 read_state.advance()
-                load_block_scales(scale_regs, 1, block_scales, rows, n_block, tl, cutlass.min(1, last))
+                load_block_scales(scale_regs, 1, block_scales, rows, n_block, scale_batch, cutlass.min(1, last))
                 for pair in range(last // 2):
                     for slot in cutlass.range_constexpr(2):  # k-tile j = 2 pair + 1 + slot
                         ab_pipeline.consumer_wait(read_state)
@@ -702,7 +705,8 @@ class GemmSm90:
                         release_state.advance()
                         promote(acc, partial1 if slot else partial0, scale_regs, slot, row_slot)
                         j = 2 * pair + 1 + slot
-                        load_block_scales(scale_regs, slot, block_scales, rows, n_block, tl, cutlass.min(j + 1, last))
+                        load_block_scales(scale_regs, slot, block_scales, rows, n_block, scale_batch,
+                                          cutlass.min(j + 1, last))
                 if last % 2 == 1:  # the last k-tile is odd: partial 1, its scales already in slot 1
                     ab_pipeline.consumer_wait(read_state)
                     issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial1, k_blocks)

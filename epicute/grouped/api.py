@@ -13,6 +13,7 @@ from epicute.epilogue.dtypes import IR_TO_TORCH
 from epicute.epilogue.gated import check_gated_call, gated_epilogue, split_gate_up
 from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import evaluate, round_to
+from epicute.epilogue.scales import dequantize_blockwise
 from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import ConfigError, EpilogueError
 from epicute.gemm.epilogue_args import aux_outputs, kernel_inputs
@@ -39,6 +40,8 @@ def grouped_gemm(
     config: dict | None = None,
     check_offsets: bool = False,
     gated: bool = False,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
     **operands: Any,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """``a[rows of g] @ b[g]`` for every group ``g`` in one kernel (mixture-of-experts layers), optionally
@@ -46,13 +49,15 @@ def grouped_gemm(
     gradients).
 
     Args:
-        a: ``(total_M, K)`` bf16 or fp16, rows sorted by group, row- or column-major. Variable K:
+        a: ``(total_M, K)`` bf16 or fp16, rows sorted by group, row- or column-major; or fp8
+            (``torch.float8_e4m3fn``/``float8_e5m2``) row-major, with blockwise ``a_scale``/``b_scale``. Variable K:
             ``(M, total_K)`` M-major, ``x.t()`` of the row-major ``(total_K, M)`` tokens ``x``.
         b: ``(G, K, N)``, ``a``'s dtype, one ``(K, N)`` per group, row- or column-major
             (``w.transpose(-2, -1)`` of a ``(G, N, K)`` weight works without a copy). Variable K:
             a row-major ``(total_K, N)`` (e.g. the output gradients ``dy``), its rows split by ``offsets``
             like ``a``'s columns, and D is ``(G, M, N)``: ``D[g] = x[rows of g].T @ dy[rows of g]``,
-            zeros for an empty group (``torch._grouped_mm(x.t(), dy, offs)`` computes the same).
+            zeros for an empty group (``torch._grouped_mm(x.t(), dy, offs)`` computes the same). fp8: K-major,
+            ``w.transpose(-2, -1)`` of a row-major ``(G, N, K)`` weight.
         offsets: int32 ``(G,)``: each group's end row in ``a``, as ``torch._grouped_mm`` takes
             ``offs`` (``torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)``; quack's
             ``(G + 1,)`` ``cu_seqlens_m`` is ``offsets[1:]`` of this). Groups may be empty or of
@@ -74,6 +79,11 @@ def grouped_gemm(
             projections interleaved in blocks of 8 (:func:`epicute.interleave_gate_up`), and the epilogue
             is ``f(gate, up, *operands)``, e.g. ``lambda gate, up, score: ops.silu(gate) * up * score``;
             D and the operands have ``N`` columns.
+        a_scale, b_scale: fp8 inputs' blockwise scales (DeepSeek-V3's recipe, as DeepGEMM's grouped GEMMs
+            take them), fp32: ``a_scale`` ``(total_M, ceil(K/128))`` one per row and 128-wide block of K, any
+            strides; ``b_scale`` ``(G, ceil(N/128), ceil(K/128))`` one per 128x128 block of each group's
+            ``(N, K)`` weight (or ``(G, KB, NB)``). Applied in the mainloop with fp32 promotion, as for
+            :func:`epicute.gemm`. D is bf16 unless ``out``/``out_dtype`` say otherwise.
 
     Returns:
         D ``(total_M, N)`` (variable K: ``(G, M, N)``); a dict of every output when the epilogue returns
@@ -98,8 +108,10 @@ def grouped_gemm(
     on_gpu = backend == "kernel"
     if not on_gpu:
         check_has_values(("a", a), ("b", b))
-    call, specs, request = describe_grouped_call(a, b, offsets, epilogue, out, out_dtype, out_dtypes, config,
-                                                 operands, on_gpu, check_offsets, gated)  # fmt: skip
+    call, specs, request = describe_grouped_call(
+        a, b, offsets, epilogue, out, out_dtype, out_dtypes, config, operands, on_gpu, check_offsets, gated,
+        (a_scale, b_scale),
+    )  # fmt: skip
     prepared = prepare(request)
     if prepared.d_torch_dtype != call.out_dtype:  # the epilogue's own final cast chose D's dtype (no out given)
         if call.problem.total_m and call.problem.n and call.problem.k:
@@ -119,7 +131,7 @@ def grouped_gemm(
 
 def describe_grouped_call(
     a, b, offsets, epilogue, out, out_dtype, out_dtypes, config, operands, require_cuda: bool,
-    check_offsets: bool = False, gated: bool = False,
+    check_offsets: bool = False, gated: bool = False, scales: tuple = (None, None),
 ) -> tuple[GroupedCall, dict[str, OperandSpec], GroupedRequest]:  # fmt: skip
     """Validate a call and describe it: the call, its operands resolved for the kernel (per-group rows
     ``(G, N)``, per-row columns ``(G, total_M)`` with a zero group stride, tiles ``(1, total_M, N)``) and
@@ -130,7 +142,7 @@ def describe_grouped_call(
     if out_dtypes and "D" in out_dtypes:
         out_dtype = out_dtype or out_dtypes["D"]
     call = check_grouped_args(a, b, offsets, out, out_dtype, check_offsets=check_offsets, require_cuda=require_cuda,
-                              gated=gated)  # fmt: skip
+                              gated=gated, a_scale=scales[0], b_scale=scales[1])  # fmt: skip
     p = call.problem
     overrides = tuple(sorted((config or {}).items()))
     if epilogue is None:
@@ -166,7 +178,11 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
     p = call.problem
     offsets = call.offsets.cpu()
     check_offsets_values(offsets, p.k if p.ragged == "k" else p.total_m, "K row" if p.ragged == "k" else "row")
-    a, b = call.a[0].cpu().float(), call.b.cpu().float()
+    if call.block_scales is None:
+        a, b = call.a[0].cpu().float(), call.b.cpu().float()
+    else:  # fp8: dequantized, then float32 math
+        a, b = dequantize_blockwise(call.a, call.b, call.block_scales)
+        a = a[0]
     graph = None if prepared.epilogue is None else prepared.epilogue.graph
     pieces: dict[str, list] = {}
     start = 0
@@ -223,6 +239,8 @@ def explain_grouped(
     out_dtypes: dict[str, torch.dtype] | None = None,
     config: dict | None = None,
     gated: bool = False,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
     target: Target | str | None = None,
     file: TextIO | str | None = "stdout",
     **operands: Any,
@@ -241,7 +259,7 @@ def explain_grouped(
         (128, True)
     """
     _, _, request = describe_grouped_call(a, b, offsets, epilogue, None, out_dtype, out_dtypes, config, operands,
-                                          False, gated=gated)  # fmt: skip
+                                          False, gated=gated, scales=(a_scale, b_scale))  # fmt: skip
     plan = prepare(replace(request, target=resolve_target(target))).plan
     if file is not None:
         print(render_grouped_plan(plan), file=sys.stdout if file == "stdout" else file)

@@ -48,13 +48,15 @@ class GroupedGemmSm90(GemmSm90):
         offsets: cute.Tensor,
         epi_tensors: tuple,
         epi_scalars: tuple,
+        block_scales: tuple,
         max_active_clusters: cutlass.Int32,
         stream,
     ):
         """A ``(1, total_M, K)``, B ``(G, K, N)``, D ``(1, total_M, N)``; ``offsets`` int32 ``(G,)``, each
-        group's end row (``torch._grouped_mm``'s ``offs``). The launch covers the host's bound on the
-        clusters (:func:`~epicute.sm90.tile_grid.grouped_cluster_bound`), at most ``max_active_clusters``
-        when persistent; the clusters with no work find none and exit."""
+        group's end row (``torch._grouped_mm``'s ``offs``); ``block_scales`` ``()`` or fp8 blockwise scales
+        ``(A (G, total_M, KB) with a zero group stride, B (G, NB, KB))``. The launch covers the host's bound
+        on the clusters (:func:`~epicute.sm90.tile_grid.grouped_cluster_bound`), at most
+        ``max_active_clusters`` when persistent; the clusters with no work find none and exit."""
         cfg = self.cfg
         mA = _rotate(mA_lmk, [1, 2, 0])  # (total_M, K, 1)
         mB = _rotate(mB_lkn, [2, 1, 0])  # (N, K, G)
@@ -64,7 +66,7 @@ class GroupedGemmSm90(GemmSm90):
         clusters_n = ceil_div(ceil_div(cute.size(mD, mode=[1]), self.out_tile_n), cfg.cluster_n)
         bound = grouped_cluster_bound(total_rows, num_groups, cfg.tile_m * cfg.cluster_m, clusters_n)
         launched = GroupedTileScheduler.grid(bound, max_active_clusters, cfg.persistent, cutlass.min)
-        self._launch(mA, mB, mD, epi_tensors, epi_scalars, (), (offsets, num_groups, total_rows, clusters_n),
+        self._launch(mA, mB, mD, epi_tensors, epi_scalars, block_scales, (offsets, num_groups, total_rows, clusters_n),
                      launched, stream)  # fmt: skip
 
     def _store_view(self, tensor: cute.Tensor) -> cute.Tensor:
@@ -137,11 +139,12 @@ class RaggedKGemmSm90(GemmSm90):
         offsets: cute.Tensor,
         epi_tensors: tuple,
         epi_scalars: tuple,
+        block_scales: tuple,
         max_active_clusters: cutlass.Int32,
         stream,
     ):
         """A ``(1, M, R)``, B ``(1, R, N)``, D ``(G, M, N)``; ``offsets`` int32 ``(G,)``: each group's end K
-        row."""
+        row; ``block_scales`` ``()`` (16-bit inputs only)."""
         cfg = self.cfg
         mA = _rotate(mA_lmk, [1, 2, 0])  # (M, R, 1)
         mB = _rotate(mB_lkn, [2, 1, 0])  # (N, R, 1)

@@ -15,7 +15,7 @@ from epicute.grouped.validate import GroupedCall
 def variant_of(plan: GroupedPlan, fusion=None) -> GroupedVariant:
     p = plan.problem
     return GroupedVariant(plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion,
-                          ragged_k=p.ragged == "k")  # fmt: skip
+                          p.b_dtype, p.block_scaled, ragged_k=p.ragged == "k")  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
@@ -31,7 +31,21 @@ def _zero_k(call: GroupedCall) -> tuple[torch.Tensor, torch.Tensor]:
     k = 16 // a.element_size()
     if p.ragged == "k":
         return a.new_zeros(1, k, p.total_m).transpose(1, 2), a.new_zeros(1, k, p.n)
-    return a.new_zeros(1, p.total_m, k), a.new_zeros(p.groups, k, p.n)
+    b = call.b.new_zeros(p.groups, p.n, k).transpose(1, 2) if p.b_major == "k" else call.b.new_zeros(p.groups, k, p.n)
+    return a.new_zeros(1, p.total_m, k), b
+
+
+def _block_scales(call: GroupedCall) -> tuple:
+    """The mainloop's blockwise scales as the kernel reads them, A's ``(G, total_M, KB)`` (one tensor over every
+    group's rows: a zero group stride) and B's ``(G, NB, KB)``, or ``()``. K = 0: one block of ones each, for
+    the one zero k-tile of :func:`_zero_k`."""
+    scales = call.block_scales
+    if scales is None:
+        return ()
+    a, b = scales.a, scales.b
+    if call.problem.k == 0:
+        a, b = a.new_ones(1, a.shape[1], 1), b.new_ones(b.shape[0], b.shape[1], 1)
+    return a.expand(call.problem.groups, -1, -1), b
 
 
 def run_grouped(call: GroupedCall, plan: GroupedPlan, fusion=None, epi_inputs: tuple = (), epi_scalars: tuple = (),
@@ -48,7 +62,7 @@ def run_grouped(call: GroupedCall, plan: GroupedPlan, fusion=None, epi_inputs: t
         else:
             a, b = (call.a, call.b) if p.k else _zero_k(call)
             epi_tensors = tuple(epi_inputs) + tuple(aux.values())
-            kernel_for(plan, fusion)(a, b, out3, call.offsets, epi_tensors, tuple(epi_scalars),
+            kernel_for(plan, fusion)(a, b, out3, call.offsets, epi_tensors, tuple(epi_scalars), _block_scales(call),
                                      plan.max_active_clusters)  # fmt: skip
     if p.ragged == "k":
         return {"D": out3, **aux}

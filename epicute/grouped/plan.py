@@ -29,7 +29,10 @@ class GroupedProblem:
     :class:`~epicute.gemm.config.GemmProblem`.
 
     ``ragged="k"`` is the variable-K mode: ``D[g] = A[:, rows of g] @ B[rows of g, :]`` with A ``(M, K)``
-    (``total_m`` is then M, every group's), B ``(K, N)``, D ``(G, M, N)``, the ``K`` rows split into groups."""
+    (``total_m`` is then M, every group's), B ``(K, N)``, D ``(G, M, N)``, the ``K`` rows split into groups.
+
+    fp8 inputs (``ab_dtype``/``b_dtype`` as for the GEMM) come with blockwise scales (``block_scaled``):
+    A's per row and 128-wide block of K over all rows, B's per 128x128 block of each group's weight."""
 
     total_m: int
     n: int
@@ -43,10 +46,18 @@ class GroupedProblem:
     gated: bool = False
     #: which dimension the groups split: "m" (rows of A and D) or "k" (the reduction)
     ragged: str = "m"
+    b_dtype: str = ""
+    block_scaled: bool = False
 
     def __post_init__(self) -> None:
-        if self.ab_dtype not in ("bf16", "fp16"):
-            raise ConfigError(f"grouped GEMM with ab_dtype={self.ab_dtype!r}: supported are 'bf16' and 'fp16'")
+        if self.ab_dtype not in ("bf16", "fp16") and not self.block_scaled:
+            raise ConfigError(
+                f"grouped GEMM with ab_dtype={self.ab_dtype!r}: supported are 'bf16', 'fp16' and fp8 with blockwise "
+                "scales (block_scaled=True)"
+            )
+        if self.block_scaled and self.ragged == "k":
+            raise ConfigError("variable K with fp8 inputs: WGMMA reads 8-bit operands K-major, variable K reads them "
+                              "M- and N-major")  # fmt: skip
         if self.groups < 1:
             raise ConfigError(f"groups={self.groups}: a grouped GEMM has at least one group")
         if self.ragged not in ("m", "k"):
@@ -69,7 +80,8 @@ class GroupedProblem:
             m, k = self.total_m, max(1, ceil_div(self.k, self.groups))
         else:
             m, k = max(1, ceil_div(self.total_m, self.groups)), self.k
-        return GemmProblem(m, self.n, k, self.groups, self.ab_dtype, self.d_dtype, self.a_major, self.b_major)
+        return GemmProblem(m, self.n, k, self.groups, self.ab_dtype, self.d_dtype, self.a_major, self.b_major,
+                           self.b_dtype, self.block_scaled)  # fmt: skip
 
 
 @dataclass(frozen=True, repr=False)
@@ -156,11 +168,16 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
         for line in render_plan(GemmPlan(p.mean_group(), c, plan.target, plan.epilogue)).splitlines()
         if not line.startswith("  grid ")
     ]
-    gated = (
+    gated_line = (
         f"  gated           B's columns interleave gate and up in blocks of {GATE_BLOCK}; each output column gets its "
         "gate and up accumulators (same thread's registers)"
     )
-    gated = [gated] if p.gated else []
+    inputs = [gated_line] if p.gated else []  # what the header's product does not say
+    if p.block_scaled:  # the grouped part of blockwise scaling; the dense plan below says how it promotes
+        inputs.append(
+            "  fp8 scales      blockwise: A's per row (read at the tile's global rows) and 128 of K, B's per 128x128 "
+            "block of the tile's group's weight"
+        )
     bound = f"{plan.cluster_bound} cluster tiles"
     grid = f"  grid            {plan.grid}: " + (bound if p.ragged == "k" else f"at most {bound} for any routing")
     grid += f", {plan.max_active_clusters} persistent clusters walk them" if c.persistent else ""
@@ -176,7 +193,7 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
                 f"epicute grouped GEMM plan, variable K: {p.groups} groups, D[group][{p.total_m}x{p.d_n}] = {product} "
                 f"({p.k} K rows sorted by group; offsets read on the GPU, never by the host)"
             ),
-            *gated,
+            *inputs,
             "grouped schedule",
             (
                 f"  tiles           each group's {ceil_div(p.total_m, c.tile_m)} x {ceil_div(p.n, c.tile_n)} tiles of "
@@ -200,7 +217,7 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
                 f"epicute grouped GEMM plan: {p.groups} groups, D[{p.total_m}x{p.d_n}] = {product} (rows sorted by "
                 "group; offsets read on the GPU, never by the host)"
             ),
-            *gated,
+            *inputs,
             "grouped schedule",
             (
                 f"  tiles           never straddle groups: group g has ceil(rows_g / {c.tile_m * c.cluster_m}) x "

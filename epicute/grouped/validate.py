@@ -12,14 +12,17 @@ pass ``total_M`` cannot make the kernel write outside ``out``: it clamps every g
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from epicute.epilogue.dtypes import TORCH_TO_IR
 from epicute.epilogue.gated import check_gated_columns
+from epicute.epilogue.scales import BlockScales, grouped_block_scales
 from epicute.errors import AlignmentError, DtypeError, ShapeError
 from epicute.gemm.validate import (
     FP8_TORCH_DTYPES,
+    TMA_ALIGN_BYTES,
     _check_tma_strides,
     _major,
     check_d_rows,
@@ -37,7 +40,7 @@ MAX_TOTAL_ROWS = 2**30
 @dataclass
 class GroupedCall:
     """Validated operands: A ``(1, total_M, K)``, B ``(G, K, N)``, int32 offsets ``(G,)`` on A's device,
-    ``out`` ``(1, total_M, N)`` or None."""
+    ``out`` ``(1, total_M, N)`` or None; fp8 inputs' blockwise scales (A's ``(1, total_M, KB)``)."""
 
     problem: GroupedProblem
     a: torch.Tensor
@@ -45,6 +48,7 @@ class GroupedCall:
     offsets: torch.Tensor
     out: torch.Tensor | None
     out_dtype: torch.dtype
+    block_scales: BlockScales | None = None
 
 
 def check_offsets_values(offsets: torch.Tensor, total: int, what: str = "row") -> None:
@@ -139,24 +143,37 @@ def check_grouped_args(
     check_offsets: bool = False,
     require_cuda: bool = True,
     gated: bool = False,
+    a_scale: Any = None,
+    b_scale: Any = None,
 ) -> GroupedCall:
     """Validate a grouped GEMM call and describe it as a :class:`GroupedProblem` (``gated``: B interleaves gate and
-    up columns, D has half of them)."""
+    up columns, D has half of them; ``a_scale``/``b_scale``: fp8 inputs' blockwise scales)."""
     for name, t in (("a", a), ("b", b), ("offsets", offsets)):
         if not isinstance(t, torch.Tensor):
             raise DtypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if require_cuda:
         check_on_one_hopper_gpu(("a", a), ("b", b))
-    if a.dtype in FP8_TORCH_DTYPES:
-        raise DtypeError(f"a has dtype {a.dtype}: the grouped GEMM takes torch.bfloat16 or torch.float16 (fp8 grouped "
-                         "GEMMs are not supported yet; use epicute.gemm per group)")  # fmt: skip
-    if a.dtype not in (torch.bfloat16, torch.float16):
-        raise DtypeError(f"a has dtype {a.dtype}; the grouped GEMM takes torch.bfloat16 or torch.float16")
-    if b.dtype != a.dtype:
+    fp8 = a.dtype in FP8_TORCH_DTYPES
+    if fp8:
+        if b.dtype not in FP8_TORCH_DTYPES:
+            raise DtypeError(f"b has dtype {b.dtype} but a has {a.dtype}; fp8 inputs take an fp8 b (e4m3 or e5m2)")
+    elif a.dtype not in (torch.bfloat16, torch.float16):
+        raise DtypeError(
+            f"a has dtype {a.dtype}; the grouped GEMM takes torch.bfloat16, torch.float16, or fp8 "
+            "(torch.float8_e4m3fn/float8_e5m2) with blockwise a_scale and b_scale"
+        )
+    elif b.dtype != a.dtype:
         raise DtypeError(f"b has dtype {b.dtype} but a has {a.dtype}; cast one so that they match")
+    elif a_scale is not None or b_scale is not None:
+        raise DtypeError(f"a_scale/b_scale dequantize fp8 inputs; a is {a.dtype}: drop them or pass fp8 tensors")
     if a.dim() != 2:
         raise ShapeError(f"a has shape {tuple(a.shape)}; a grouped GEMM takes a 2-D (total_M, K), rows sorted by group")
     if b.dim() == 2:
+        if fp8:
+            raise DtypeError(
+                f"a has dtype {a.dtype} with a 2-D b (variable K): variable K reads A M-major and B N-major, and "
+                "WGMMA reads 8-bit operands K-major only; use bf16 or fp16 inputs"
+            )
         return _check_ragged_k(a, b, offsets, out, out_dtype, check_offsets, gated)
     if b.dim() != 3:
         raise ShapeError(f"b has shape {tuple(b.shape)}; a grouped GEMM takes a 3-D (G, K, N), one (K, N) per group "
@@ -172,10 +189,25 @@ def check_grouped_args(
         raise ShapeError(f"a has {total_m} rows; the grouped GEMM takes fewer than {MAX_TOTAL_ROWS}")
     offsets = _checked_offsets(offsets, groups, total_m, a.device, check_offsets, "row")
 
-    out_dtype = resolve_out_dtype(out, out_dtype, a.dtype)
+    # fp8 inputs give bf16 by default: an fp8 D would drop what the scales carry.
+    out_dtype = resolve_out_dtype(out, out_dtype, torch.bfloat16 if fp8 else a.dtype)
     a3, b3 = a.unsqueeze(0), b
     a_major = _major(a3, "a", "k", "m")
     b_major = _major(b3, "b", "n", "k")
+    block_scales = None
+    if fp8:
+        if k % TMA_ALIGN_BYTES:
+            raise AlignmentError(
+                f"K={k} with fp8 inputs: TMA moves 16-byte rows of A and B, so K must be a multiple of 16; pad K to "
+                f"{-(-k // TMA_ALIGN_BYTES) * TMA_ALIGN_BYTES} with zeros"
+            )
+        if k and n > 1 and b_major != "k":
+            raise AlignmentError(
+                f"fp8 b has strides {tuple(b.stride())}: row-major (N contiguous), but WGMMA reads 8-bit operands "
+                "K-major only; pass b as w.transpose(-2, -1) of a row-major (G, N, K) weight"
+            )
+        b_major = "k"
+        block_scales = grouped_block_scales(a_scale, b_scale, total_m, n, k, groups, a.device)
     if a_major == "m" and k > 1:
         # Groups start at any row, and a TMA box may start only 16-byte aligned along the contiguous dimension.
         raise AlignmentError(
@@ -189,13 +221,14 @@ def check_grouped_args(
         check_out_placement(out, (total_m, d_n), f"the grouped GEMM writes {(total_m, d_n)}", a, b)
         out3 = out.unsqueeze(0)
     problem = GroupedProblem(
-        total_m, n, k, groups, TORCH_TO_IR[a.dtype], TORCH_TO_IR[out_dtype], a_major, b_major, gated
-    )
+        total_m, n, k, groups, TORCH_TO_IR[a.dtype], TORCH_TO_IR[out_dtype], a_major, b_major, gated,
+        b_dtype=TORCH_TO_IR[b.dtype] if b.dtype != a.dtype else "", block_scaled=fp8,
+    )  # fmt: skip
     if total_m and n and k:
         a3 = _check_tma_strides(a3, "a", 2 if a_major == "k" else 1, "LMK")
         b3 = _check_tma_strides(b3, "b", 2 if b_major == "n" else 1, "GKN")
         out3 = check_d_rows(out3, d_n, out_dtype)
-    return GroupedCall(problem, a3, b3, offsets, out3, out_dtype)
+    return GroupedCall(problem, a3, b3, offsets, out3, out_dtype, block_scales)
 
 
 __all__ = ["MAX_TOTAL_ROWS", "GroupedCall", "check_grouped_args", "check_offsets_values"]

@@ -75,7 +75,6 @@ BAD = {
     "b_4d": (lambda a, b, o: (a, b[None], o), ShapeError, "(G, K, N)"),
     "k_mismatch": (lambda a, b, o: (a[:, :8], b, o), ShapeError, "K="),
     "dtype_mismatch": (lambda a, b, o: (a, b.half(), o), DtypeError, "match"),
-    "fp8": (lambda a, b, o: (a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), o), DtypeError, "fp8"),
     "fp32": (lambda a, b, o: (a.float(), b.float(), o), DtypeError, "bfloat16"),
     "a_column_major": (lambda a, b, o: (a.t().contiguous().t(), b, o), AlignmentError, "a.contiguous()"),
     "n_unaligned": (lambda a, b, o: (a, b[:, :, :7], o), AlignmentError, "pad N"),
@@ -242,4 +241,109 @@ def test_variable_k_compiles_for_sm90a(cluster):
                                     {"bias": torch.empty(5, 136, device="meta")}, False)[2]  # fmt: skip
     variant = prepare(request).variant()
     assert variant.ragged_k and "ragged_k" in repr(variant.key().parts)
+    compile_grouped(variant)
+
+
+# ---- fp8 inputs with blockwise scales
+
+
+def fp8_operands(sizes, k=256, n=200, b_dtype=torch.float8_e4m3fn):
+    """Random fp8 tokens and per-group (N, K) weights as b = w.transpose(-2, -1), their blockwise scales, offsets."""
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    total, groups, kb, nb = int(offsets[-1]) if sizes else 0, len(sizes), -(-k // 128), -(-n // 128)
+    x = torch.randn(total, k).to(torch.float8_e4m3fn)
+    w = torch.randn(groups, n, k).to(b_dtype)
+    return x, w.transpose(-2, -1), offsets, torch.rand(kb, total).t() + 0.5, torch.rand(groups, nb, kb) + 0.5
+
+
+def reference_fp8(x, b, offsets, sa, sb) -> torch.Tensor:
+    """Group by group in float64: (x * its 1x128 scales) @ (w * its 128x128 scales).T."""
+    k, n = x.shape[1], b.shape[2]
+    ends = offsets.tolist()
+    pieces = []
+    for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends)):
+        a = x[s:e].double() * sa[s:e].double().repeat_interleave(128, 1)[:, :k]
+        w = b[g].t().double() * sb[g].double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        pieces.append(a @ w.t())
+    return torch.cat(pieces)
+
+
+@pytest.mark.parametrize("b_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_blockwise_reference(b_dtype):
+    """The reference dequantizes per group (A's scales by global row, B's by group), then float32 math."""
+    x, b, offsets, sa, sb = fp8_operands([0, 100, 77, 1, 122], k=272, n=200, b_dtype=b_dtype)
+    d = epicute.grouped_gemm(x, b, offsets, a_scale=sa, b_scale=sb, out_dtype=torch.float32, backend="reference")
+    want = reference_fp8(x, b, offsets, sa, sb)
+    assert d.dtype == torch.float32 and (d.double() - want).norm() / want.norm() < 1e-6
+    default = epicute.grouped_gemm(x, b, offsets, a_scale=sa, b_scale=sb, backend="reference")
+    assert default.dtype == torch.bfloat16  # fp8 inputs give bf16 by default
+    transposed = epicute.grouped_gemm(x, b, offsets, a_scale=sa, b_scale=sb.transpose(-2, -1).contiguous()
+                                      .transpose(-2, -1), out_dtype=torch.float32, backend="reference")  # fmt: skip
+    assert (transposed.double() - want).norm() / want.norm() < 1e-6
+    text = io.StringIO()
+    plan = epicute.explain_grouped(x, b, offsets, a_scale=sa, b_scale=sb, file=text)
+    assert plan.problem.block_scaled and plan.config.tile_k == 128 and "fp8 scales      blockwise" in text.getvalue()
+
+
+FP8_BAD = {
+    "no_scales": (lambda x, b, o, sa, sb: ((x, b, o), {}), EpilogueError, "a_scale is missing"),
+    "rowwise_b_scale": (
+        lambda x, b, o, sa, sb: ((x, b, o), {"a_scale": sa, "b_scale": torch.rand(3, 200)}),
+        ShapeError,
+        "blockwise scales",
+    ),  # fmt: skip
+    "a_scale_shape": (
+        lambda x, b, o, sa, sb: ((x, b, o), {"a_scale": sa[:-1], "b_scale": sb}),
+        ShapeError,
+        "one per row and 128-wide block",
+    ),  # fmt: skip
+    "scale_dtype": (lambda x, b, o, sa, sb: ((x, b, o), {"a_scale": sa.double(), "b_scale": sb}), DtypeError, "fp32"),
+    "b_row_major": (
+        lambda x, b, o, sa, sb: ((x, b.contiguous(), o), {"a_scale": sa, "b_scale": sb}),
+        AlignmentError,
+        "K-major",
+    ),  # fmt: skip
+    "k_not_16": (
+        lambda x, b, o, sa, sb: ((x[:, :250], b[:, :250], o), {"a_scale": sa, "b_scale": sb}),
+        AlignmentError,
+        "multiple of 16",
+    ),  # fmt: skip
+    "mixed_bf16": (
+        lambda x, b, o, sa, sb: ((x, b.bfloat16(), o), {"a_scale": sa, "b_scale": sb}),
+        DtypeError,
+        "fp8 b",
+    ),  # fmt: skip
+    "scales_on_bf16": (
+        lambda x, b, o, sa, sb: ((x.bfloat16(), b.bfloat16(), o), {"a_scale": sa, "b_scale": sb}),
+        DtypeError,
+        "dequantize fp8 inputs",
+    ),  # fmt: skip
+    "variable_k": (lambda x, b, o, sa, sb: ((x.t(), x, o), {"a_scale": sa, "b_scale": sb}), DtypeError, "variable K"),
+}
+
+
+@pytest.mark.parametrize("case", list(FP8_BAD))
+def test_fp8_bad_arguments_get_typed_errors(case):
+    make, error, words = FP8_BAD[case]
+    args, kwargs = make(*fp8_operands([40, 60, 200], k=256, n=200))
+    with pytest.raises(error, match=words):
+        epicute.grouped_gemm(*args, **kwargs, backend="reference")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case", ["e4m3_planned", "e4m3_e5m2_epilogue", "cluster_1x2"])
+def test_fp8_blockwise_variants_compile_for_sm90a(case):
+    meta = lambda *s, dtype=torch.float8_e4m3fn: torch.empty(*s, dtype=dtype, device="meta")
+    b_dtype = torch.float8_e5m2 if case == "e4m3_e5m2_epilogue" else torch.float8_e4m3fn
+    epilogue, operands_ = None, {}
+    if case == "e4m3_e5m2_epilogue":
+        epilogue, operands_ = lambda acc, score: ops.silu(acc) * score, {"score": meta(3000, 1, dtype=torch.float32)}
+    config = {"cluster_n": 2, "cluster_m": 1} if case == "cluster_1x2" else None
+    request = describe_grouped_call(
+        meta(3000, 512), meta(8, 640, 512, dtype=b_dtype).transpose(-2, -1), meta(8, dtype=torch.int32), epilogue,
+        None, None, None, config, operands_, False, scales=(meta(3000, 4, dtype=torch.float32),
+                                                            meta(8, 5, 4, dtype=torch.float32)),
+    )[2]  # fmt: skip
+    variant = prepare(request).variant()
+    assert variant.block_scaled and variant.config.tile_k == 128
     compile_grouped(variant)

@@ -13,10 +13,14 @@ import torch
 import epicute
 from epicute import ops
 from tests.conftest import rel_err
+from tests.grouped.test_grouped import reference_fp8
 
 pytestmark = pytest.mark.gpu
 
 BF16_TOL = 1e-2  # bf16 output rounding of fp32 accumulations (~2^-9 relative per element)
+# fp8 WGMMA sums each 128-wide k-tile in a reduced-precision accumulator before the fp32 promotion: an fp32 D
+# of the dense blockwise GEMM measured 1.3e-4 at K = 16384 (bench/NOTES.md, "fp8 blockwise: promotion").
+FP8_FP32_TOL = 1e-3
 
 
 def offsets_of(sizes) -> torch.Tensor:
@@ -299,3 +303,53 @@ def test_variable_k_at_mixture_of_experts_size():
     for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends)):
         want = x[s:e].float().t() @ dy[s:e].float()
         assert rel_err(dw[g], want) < BF16_TOL
+
+
+# ---- fp8 inputs with blockwise scales (DeepSeek-V3's recipe, per group)
+
+FP8_CONFIGS = {
+    "planned": None,
+    "cluster_2x1": {"cluster_m": 2, "cluster_n": 1},
+    "cluster_1x2": {"cluster_m": 1, "cluster_n": 2},
+    "persistent_128": {"persistent": True, "tile_n": 128},
+}
+
+
+def fp8_inputs(sizes, k, n, b_dtype=torch.float8_e4m3fn):
+    """fp8 tokens and per-group weights (b = w.transpose(-2, -1)), blockwise scales in torch's layouts (A's
+    M-major), offsets."""
+    offsets = offsets_of(sizes)
+    total, groups, kb, nb = int(offsets[-1]), len(sizes), -(-k // 128), -(-n // 128)
+    x = (torch.randn(total, k, device="cuda") * 2).to(torch.float8_e4m3fn)
+    w = (torch.randn(groups, n, k, device="cuda") * 2).to(b_dtype)
+    sa = torch.rand(kb, total, device="cuda").t() + 0.5
+    sb = torch.rand(groups, nb, kb, device="cuda") + 0.5
+    return x, w.transpose(-2, -1), offsets, sa, sb
+
+
+@pytest.mark.parametrize("name", ["mixed", "one_group", "many_groups", "skewed"])
+@pytest.mark.parametrize("config", list(FP8_CONFIGS))
+def test_fp8_blockwise_matches_reference(name, config):
+    """K 400 (a partial last scale block), N 200 (a partial B block), NaN-poisoned D: every group's rows read
+    their own A scales and their group's B scales."""
+    sizes = SIZES[name]
+    x, b, offsets, sa, sb = fp8_inputs(sizes, k=400, n=200)
+    out = torch.full((x.shape[0], 200), float("nan"), device="cuda", dtype=torch.bfloat16)
+    d = epicute.grouped_gemm(x, b, offsets, a_scale=sa, b_scale=sb, out=out, config=FP8_CONFIGS[config])
+    assert d.data_ptr() == out.data_ptr()
+    assert rel_err(d, reference_fp8(x, b, offsets, sa, sb)) < BF16_TOL
+
+
+def test_fp8_blockwise_e5m2_weights_with_an_epilogue():
+    """e4m3 tokens x e5m2 weights, fp32 D, per-expert bias and per-token router weights after the promotion."""
+    sizes = [130, 0, 7, 400, 1]
+    x, b, offsets, sa, sb = fp8_inputs(sizes, k=768, n=392, b_dtype=torch.float8_e5m2)
+    bias = torch.randn(len(sizes), 392, device="cuda")
+    score = torch.rand(x.shape[0], 1, device="cuda")
+    d = epicute.grouped_gemm(
+        x, b, offsets, a_scale=sa, b_scale=sb, out_dtype=torch.float32, bias=bias, score=score,
+        epilogue=lambda acc, bias, score: (acc + bias) * score,
+    )  # fmt: skip
+    group = torch.repeat_interleave(torch.arange(len(sizes), device="cuda"), torch.tensor(sizes, device="cuda"))
+    want = (reference_fp8(x, b, offsets, sa, sb) + bias.double()[group]) * score.double()
+    assert d.dtype == torch.float32 and rel_err(d, want) < FP8_FP32_TOL
