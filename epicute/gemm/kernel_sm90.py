@@ -705,8 +705,9 @@ class GemmSm90:
                         release_state.advance()
                         promote(acc, partial1 if slot else partial0, scale_regs, slot, row_slot)
                         j = 2 * pair + 1 + slot
-                        load_block_scales(scale_regs, slot, block_scales, rows, n_block, scale_batch,
-                                          cutlass.min(j + 1, last))
+                        load_block_scales(
+                            scale_regs, slot, block_scales, rows, n_block, scale_batch, cutlass.min(j + 1, last)
+                        )
                 if last % 2 == 1:  # the last k-tile is odd: partial 1, its scales already in slot 1
                     ab_pipeline.consumer_wait(read_state)
                     issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial1, k_blocks)
