@@ -30,6 +30,7 @@ from __future__ import annotations
 import cutlass
 from cutlass import cute
 
+from epicute.errors import ConfigError
 from epicute.gemm.kernel_sm90 import GemmSm90, _rotate
 from epicute.sm90.pipeline import NamedBarriers
 from epicute.sm90.tile_grid import ceil_div, cluster_counts, grouped_cluster_bound
@@ -130,6 +131,11 @@ class RaggedKGemmSm90(GemmSm90):
     its ring over the other's tiles by one k-tile count for all.
     """
 
+    def __init__(self, cfg, *args, **kwargs):
+        if cfg.schedule != "cooperative":
+            raise ConfigError(f"variable K with schedule={cfg.schedule!r}: cooperative only (see the class docstring)")
+        super().__init__(cfg, *args, **kwargs)
+
     @cute.jit
     def __call__(
         self,
@@ -211,13 +217,14 @@ class RaggedKGemmSm90(GemmSm90):
         chunk = 128 // width  # elements per 16-byte store
         assert rows % line == 0, f"variable K needs tile rows in 128-byte multiples, not {rows} x {width} bits"
         raw = cute.recast_ptr(smem.iterator)
-        chunks_per_k = rows // chunk
+        chunks_per_line, chunks_per_k = line // chunk, rows // chunk
         zeros = cute.make_rmem_tensor((chunk,), smem.element_type)
         zeros.fill(0)
         for c in range(first_k * chunks_per_k + tidx, cfg.tile_k * chunks_per_k, cfg.tile_threads):
             k = c // chunks_per_k
-            j = c % chunks_per_k
-            offset = cute.crd2idx(((j // 8) * line, k, stage), smem.layout) + (j % 8) * chunk
+            j = c % chunks_per_k  # the chunk's line (run of rows) and place in it
+            line_start = cute.crd2idx(((j // chunks_per_line) * line, k, stage), smem.layout)
+            offset = line_start + (j % chunks_per_line) * chunk
             dst = cute.make_tensor(raw + cute.assume(offset, divby=chunk), cute.make_layout(chunk))
             cute.autovec_copy(zeros, dst)
 
