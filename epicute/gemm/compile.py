@@ -115,6 +115,39 @@ def _fake_block_scales() -> tuple:
     )  # fmt: skip
 
 
+def fake_gemm_inputs(variant: GemmVariant, a_lm: tuple, b_l, d_lm: tuple, n, k) -> tuple:
+    """What every GEMM-family kernel is compiled against, from ``variant``: fake A ``(*a_lm, K)``, B
+    ``(b_l, K, N)`` and D ``(*d_lm, D's columns)`` in the variant's dtypes and majors (``n``, ``k``: the
+    shared sym ints), then the launch tail ``(epi_tensors, epi_scalars, block_scales, max_active_clusters,
+    stream)``: the fused epilogue's operands, blockwise scales or ``()``, a runtime Int32 (its value here is
+    a placeholder: the cluster budget is given per launch) and the stream."""
+    import cutlass
+    from cutlass import cute
+
+    from epicute.gemm.kernel_sm90 import CUTLASS_DTYPES
+
+    b_dtype = CUTLASS_DTYPES[variant.b_dtype or variant.ab_dtype]
+    fake_a = _fake_operand(CUTLASS_DTYPES[variant.ab_dtype], (*a_lm, k), contiguous=2 if variant.a_major == "k" else 1)
+    fake_b = _fake_operand(b_dtype, (b_l, k, n), contiguous=2 if variant.b_major == "n" else 1)
+    fake_d = _fake_operand(CUTLASS_DTYPES[variant.d_dtype], (*d_lm, d_columns(variant.fusion, n)), contiguous=2)
+    epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
+    block_scales = _fake_block_scales() if variant.block_scaled else ()
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return (fake_a, fake_b, fake_d), (epi_tensors, epi_scalars, block_scales, cutlass.Int32(1), stream)
+
+
+#: The launch arguments that may be empty tuples (see :func:`~epicute.runtime.compile.dsl_compile`).
+GEMM_CONSTANT_ARGS = ("epi_tensors", "epi_scalars", "block_scales")
+
+
+def kernel_args(variant: GemmVariant) -> tuple:
+    """The arguments every GEMM-family kernel class is built from (:class:`~epicute.gemm.kernel_sm90.GemmSm90`)."""
+    return (
+        variant.config, variant.ab_dtype, variant.d_dtype, variant.a_major, variant.b_major, variant.fusion,
+        variant.b_dtype, variant.block_scaled,
+    )  # fmt: skip
+
+
 def compile_gemm_sm90(variant: GemmVariant):
     """Compile one GEMM variant for sm_90a; returns the callable
     ``f(a, b, d, epi_tensors, epi_scalars, block_scales, max_active_clusters)``.
@@ -124,45 +157,13 @@ def compile_gemm_sm90(variant: GemmVariant):
     ``max_active_clusters`` (an int, :attr:`epicute.gemm.plan.GemmPlan.max_active_clusters`)
     bounds a persistent variant's grid, and is ignored by the others.
     """
-    import cutlass
     from cutlass import cute
 
-    from epicute.gemm.kernel_sm90 import CUTLASS_DTYPES, GemmSm90
+    from epicute.gemm.kernel_sm90 import GemmSm90
 
-    ab = CUTLASS_DTYPES[variant.ab_dtype]
-    b_elem = CUTLASS_DTYPES[variant.b_dtype or variant.ab_dtype]
-    d = CUTLASS_DTYPES[variant.d_dtype]
     l, m, n, k = (cute.sym_int() for _ in range(4))
-    fake_a = _fake_operand(ab, (l, m, k), contiguous=2 if variant.a_major == "k" else 1)
-    fake_b = _fake_operand(b_elem, (l, k, n), contiguous=2 if variant.b_major == "n" else 1)
-    fake_d = _fake_operand(d, (l, m, d_columns(variant.fusion, n)), contiguous=2)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
-    block_scales = _fake_block_scales() if variant.block_scaled else ()
-    kernel = GemmSm90(
-        variant.config,
-        variant.ab_dtype,
-        variant.d_dtype,
-        variant.a_major,
-        variant.b_major,
-        variant.fusion,
-        variant.b_dtype,
-        variant.block_scaled,
-    )
-    # A runtime Int32 (its value here is a placeholder): the cluster budget is given per launch.
-    return dsl_compile(
-        variant,
-        kernel,
-        fake_a,
-        fake_b,
-        fake_d,
-        epi_tensors,
-        epi_scalars,
-        block_scales,
-        cutlass.Int32(1),
-        stream,
-        constant_args=("epi_tensors", "epi_scalars", "block_scales"),
-    )
+    operands, tail = fake_gemm_inputs(variant, (l, m), l, (l, m), n, k)
+    return dsl_compile(variant, GemmSm90(*kernel_args(variant)), *operands, *tail, constant_args=GEMM_CONSTANT_ARGS)
 
 
 GEMM_CACHE = KernelFamily("gemm", {SM90A: compile_gemm_sm90})

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from epicute.gemm.compile import GemmVariant, _fake_block_scales, _fake_epilogue_operands, _fake_operand, d_columns
+from epicute.gemm.compile import GEMM_CONSTANT_ARGS, GemmVariant, fake_gemm_inputs, kernel_args
 from epicute.runtime.compile import KernelFamily, dsl_compile
 from epicute.runtime.target import SM90A
 
@@ -38,38 +38,16 @@ def compile_grouped_sm90(variant: GroupedVariant):
     import cutlass
     from cutlass import cute
 
-    from epicute.gemm.kernel_sm90 import CUTLASS_DTYPES
     from epicute.grouped.kernel_sm90 import GroupedGemmSm90, RaggedKGemmSm90
 
-    ab, d = CUTLASS_DTYPES[variant.ab_dtype], CUTLASS_DTYPES[variant.d_dtype]
-    b_elem = CUTLASS_DTYPES[variant.b_dtype or variant.ab_dtype]
     g, m, n, k = (cute.sym_int() for _ in range(4))
-    fake_a = _fake_operand(ab, (1, m, k), contiguous=2 if variant.a_major == "k" else 1)
-    fake_b = _fake_operand(b_elem, (1 if variant.ragged_k else g, k, n), contiguous=2 if variant.b_major == "n" else 1)
-    d_lm = (g, m) if variant.ragged_k else (1, m)
-    fake_d = _fake_operand(d, (*d_lm, d_columns(variant.fusion, n)), contiguous=2)
+    if variant.ragged_k:
+        operands, tail = fake_gemm_inputs(variant, (1, m), 1, (g, m), n, k)
+    else:
+        operands, tail = fake_gemm_inputs(variant, (1, m), g, (1, m), n, k)
     fake_offsets = cute.runtime.make_fake_tensor(cutlass.Int32, (g,), stride=(1,), assumed_align=4)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
-    block_scales = _fake_block_scales() if variant.block_scaled else ()
-    kernel = (RaggedKGemmSm90 if variant.ragged_k else GroupedGemmSm90)(
-        variant.config, variant.ab_dtype, variant.d_dtype, variant.a_major, variant.b_major, variant.fusion,
-        variant.b_dtype, variant.block_scaled,
-    )  # fmt: skip
-    return dsl_compile(
-        variant,
-        kernel,
-        fake_a,
-        fake_b,
-        fake_d,
-        fake_offsets,
-        epi_tensors,
-        epi_scalars,
-        block_scales,
-        cutlass.Int32(1),
-        stream,
-        constant_args=("epi_tensors", "epi_scalars", "block_scales"),
-    )
+    kernel = (RaggedKGemmSm90 if variant.ragged_k else GroupedGemmSm90)(*kernel_args(variant))
+    return dsl_compile(variant, kernel, *operands, fake_offsets, *tail, constant_args=GEMM_CONSTANT_ARGS)
 
 
 GROUPED_CACHE = KernelFamily("grouped_gemm", {SM90A: compile_grouped_sm90})

@@ -19,7 +19,7 @@ import torch
 from epicute.epilogue.dtypes import TORCH_TO_IR
 from epicute.epilogue.gated import check_gated_columns
 from epicute.epilogue.scales import BlockScales, grouped_block_scales
-from epicute.errors import AlignmentError, DtypeError, ShapeError
+from epicute.errors import AlignmentError, DtypeError, EpilogueError, ShapeError
 from epicute.gemm.validate import (
     FP8_TORCH_DTYPES,
     TMA_ALIGN_BYTES,
@@ -117,9 +117,10 @@ def _check_ragged_k(a, b, offsets, out, out_dtype, check_offsets: bool, gated: b
             f"b has strides {tuple(b.stride())}: with variable K each group's K rows start anywhere, which TMA can "
             "read only along a strided dimension: pass a row-major (total_K, N) b (b.contiguous())"
         )
-    if gated:
-        check_gated_columns(n, "b")
-    d_n = n // 2 if gated else n
+    if gated:  # a weight gradient's columns are one projection's: nothing pairs gate and up there
+        raise EpilogueError("gated=True with a 2-D b (variable K): gated epilogues pair the columns of grouped "
+                            "projections (b (G, K, 2N)); compute weight gradients without gated")  # fmt: skip
+    d_n = n
     out3 = None
     if out is not None:
         check_out_placement(out, (groups, m, d_n), f"the variable-K grouped GEMM writes {(groups, m, d_n)}", a, b)

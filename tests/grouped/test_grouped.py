@@ -218,6 +218,7 @@ VARIABLE_K_BAD = {
     "k_mismatch": (lambda x, dy, o: (x.t(), dy[:-1], o), ShapeError, "K="),
     "offsets_short": (lambda x, dy, o: (x.t(), dy, torch.tensor([2, 4], dtype=torch.int32)), ShapeError, "total_K"),
     "pingpong": (lambda x, dy, o: (x.t(), dy, o), ConfigError, "cooperative"),
+    "gated": (lambda x, dy, o: (x.t(), dy, o), EpilogueError, "variable K"),
 }
 
 
@@ -226,8 +227,10 @@ def test_variable_k_bad_arguments_get_typed_errors(case):
     make, error, words = VARIABLE_K_BAD[case]
     x, dy = torch.randn(10, 16).bfloat16(), torch.randn(10, 24).bfloat16()
     config = {"pingpong": {"schedule": "pingpong"}}.get(case)
+    gated = {"epilogue": lambda gate, up: gate * up, "gated": True} if case == "gated" else {}
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
-        epicute.grouped_gemm(*make(x, dy, torch.tensor([4, 10], dtype=torch.int32)), config=config, backend="reference")
+        epicute.grouped_gemm(*make(x, dy, torch.tensor([4, 10], dtype=torch.int32)), config=config, backend="reference",
+                             **gated)  # fmt: skip
 
 
 @pytest.mark.compile
