@@ -1,7 +1,7 @@
 """Grouped GEMM (mixture-of-experts) throughput: epicute.grouped_gemm vs torch._grouped_mm, quack's
 varlen-M GEMM and a loop of torch.mm, in TFLOPS (2 * total_M * N * K per call).
 
-Usage: python bench/grouped.py [--cases even8,skewed8,even64,skewed128,decode64,swiglu8,wgrad8,fp8block8]
+Usage: python bench/grouped.py [--cases even8,skewed8,even64,skewed128,decode64,swiglu8,wgrad8,fp8block8,gather8]
        [--out PATH]
 Inputs as ``../shared/bench/PEERS.md`` calls the peers: bf16 tokens ``x`` (total_M, K) sorted by
 expert, weights ``w`` (G, N, K) row-major passed as ``w.transpose(-2, -1)``, ``offs`` int32 group ends
@@ -21,6 +21,11 @@ The fp8 case (``fp8block8``) runs e4m3 tokens and weights with DeepSeek-V3's blo
 a_scale=, b_scale=)`` against a loop of cuBLAS blockwise ``torch._scaled_mm`` per expert
 (``cublas_blockwise_loop``; torch has no blockwise grouped GEMM), with epicute's bf16 grouped GEMM
 of the same shapes beside it (``epicute_bf16``, not checked).
+The gathered case (``gather8``) reads its rows through an index, as an MoE layer whose tokens stay where they
+are: 8192 tokens, each routed to two experts (16384 grouped rows, Zipf-sized groups):
+``epicute.grouped_gemm(x, wt, offs, a_index=index)``, quack with ``A_idx``, and ``torch._grouped_mm`` of
+``x[index]`` (the permuted copy timed with it); ``epicute_pregathered`` is epicute's grouped GEMM of the
+copy made beforehand (not checked), so the gather's own cost is its ratio to ``epicute``.
 The variable-K case (``wgrad8``) is an MoE weight gradient, dW_g = x_g^T dy_g over each expert's tokens
 (x (tokens, 4096), dy (tokens, 14336), Zipf routing): ``epicute.grouped_gemm(x.t(), dy, offs)``,
 ``torch._grouped_mm`` of the same 2-D operands, quack with ``cu_seqlens_k`` and a loop of ``torch.mm``.
@@ -47,10 +52,12 @@ CASES = {
     "swiglu8": (8, 16384, 4096, 14336, "zipf"),  # gated: N = gate + up columns
     "wgrad8": (8, 16384, 4096, 14336, "zipf"),  # variable K: tokens are the reduction, D (G, 4096, 14336)
     "fp8block8": (8, 16384, 4096, 14336, "zipf"),  # fp8 e4m3 inputs, blockwise scales per group
+    "gather8": (8, 16384, 4096, 14336, "zipf"),  # rows gathered from 8192 tokens, each routed to 2 experts
 }
 GATED = {"swiglu8"}
 VARIABLE_K = {"wgrad8"}
 FP8 = {"fp8block8"}
+GATHER = {"gather8"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "grouped.json"
 TOLERANCE = 1e-2
 
@@ -261,6 +268,40 @@ def run_fp8_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
     return measure(row, calls, ref, 2 * total * n * k, unchecked={"epicute_bf16": bf16})
 
 
+def run_gather_case(name: str, gen: torch.Generator) -> tuple[Row, bool]:
+    """Gathered rows (``a_index``) against quack's ``A_idx`` and torch's copy-then-grouped-GEMM."""
+    import epicute
+
+    experts, total, k, n, routing = CASES[name]
+    tokens = total // 2
+    sizes = group_sizes(experts, total, routing, gen)
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32).cuda()
+    index = (torch.randperm(total, generator=gen) % tokens).to(torch.int32).cuda()  # every token twice
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    wt = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16).transpose(-2, -1)
+    rows = x[index.long()]
+    ends = offs.tolist()
+    ref = torch.cat([rows[s:e].float() @ wt[g].float() for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends))])
+    row: Row = {"case": f"{name}: {experts} experts, {tokens} tokens x 2 gathered into {total} rows, K {k}, N {n}, "
+                        f"{routing} (largest group {max(sizes)})"}  # fmt: skip
+    print(row["case"])
+    index64 = index.long()
+    calls = {
+        "epicute": functools.partial(epicute.grouped_gemm, x, wt, offs, a_index=index),
+        "torch_grouped_mm": lambda: torch._grouped_mm(x[index64], wt, offs=offs, out_dtype=torch.bfloat16),
+    }
+    try:
+        from quack.gemm_interface import gemm as qgemm
+
+        cu = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), offs])
+        calls["quack"] = lambda: qgemm(x, wt, cu_seqlens_m=cu, A_idx=index, tuned=False)
+    except ImportError:
+        print("quack not installed: no quack column")
+    pregathered = functools.partial(epicute.grouped_gemm, rows, wt, offs)
+    return measure(row, {label: (fn, fn) for label, fn in calls.items()}, ref, 2 * total * n * k,
+                   unchecked={"epicute_pregathered": pregathered})  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
@@ -274,7 +315,7 @@ def main() -> int:
     for name in args.cases.split(","):
         run = (
             run_gated_case if name in GATED else run_variable_k_case if name in VARIABLE_K
-            else run_fp8_case if name in FP8 else run_case
+            else run_fp8_case if name in FP8 else run_gather_case if name in GATHER else run_case
         )  # fmt: skip
         row, ok = run(name, gen)
         rows.append(row)

@@ -77,6 +77,9 @@ CUTLASS_DTYPES = DSL_DTYPES
 
 #: WGMMA M of one warpgroup's atom.
 WGMMA_M = 64
+#: Producer warps from this one on gather A's rows where a kernel gathers them (warp 0 loads B, warp 1 the
+#: epilogue's operand tiles).
+GATHER_FIRST_WARP = 2
 
 
 def _rotate(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
@@ -136,6 +139,9 @@ class EpilogueCopies:
 
 class GemmSm90:
     """Compile-time description of one GEMM kernel variant (see module docstring)."""
+
+    #: Producer threads that gather A's rows with cp.async (:meth:`_gather_a`); 0: A arrives by TMA.
+    gather_threads = 0
 
     def __init__(
         self,
@@ -421,6 +427,9 @@ class GemmSm90:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == self.load_warp:
                 self._load_ab(cta, tma_a, tma_b, sched_args)
+            if cutlass.const_expr(self.gather_threads > 0):  # noqa: SIM102 - compile-time guard, dynamic if
+                if warp_idx >= GATHER_FIRST_WARP:
+                    self._gather_a(cta, sched_args)
             if cutlass.const_expr(self.epi_buffers.loads_tiles):  # noqa: SIM102 - compile-time guard, dynamic if
                 if warp_idx == self.epi_load_warp:
                     self._load_epi_tiles(cta, epi_loads, sched_args)
@@ -463,9 +472,9 @@ class GemmSm90:
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        tx_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0))) + cute.size_in_bytes(
-            self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0))
-        )
+        tx_bytes = cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+        if cutlass.const_expr(not self.gather_threads):  # gathered A rows arrive by cp.async, not as TMA bytes
+            tx_bytes += cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
         c_pipeline = None
         if cutlass.const_expr(self.epi_buffers.loads_tiles):
             c_tx_bytes = sum(cfg.epi_tile[0] * cfg.epi_tile[1] * DSL_DTYPES[d].width // 8
@@ -481,6 +490,7 @@ class GemmSm90:
             num_consumer_warps=cfg.tile_threads // 32,  # a stage feeds one tile's team
             cluster_shape_mn=self.cluster_shape_mn,
             mcast_ctas=self.a_mcast_ctas + self.b_mcast_ctas - 1,
+            async_copy_threads=self.gather_threads,
         )
         # Peers must see our initialized barriers before any multicast lands.
         if cutlass.const_expr(cfg.cluster_size > 1):
@@ -558,8 +568,9 @@ class GemmSm90:
             for k_tile in range(self._k_tiles(cta, tile_coord)):
                 ab_pipeline.producer_acquire(state)
                 barrier = ab_pipeline.producer_get_barrier(state)
-                cute.copy(tma_a, tAgA_tile[(None, k_tile)], tAsA[(None, state.index)],
-                          tma_bar_ptr=barrier, mcast_mask=a_mcast_mask)  # fmt: skip
+                if cutlass.const_expr(not self.gather_threads):
+                    cute.copy(tma_a, tAgA_tile[(None, k_tile)], tAsA[(None, state.index)],
+                              tma_bar_ptr=barrier, mcast_mask=a_mcast_mask)  # fmt: skip
                 cute.copy(tma_b, tBgB_tile[(None, k_tile)], tBsB[(None, state.index)],
                           tma_bar_ptr=barrier, mcast_mask=b_mcast_mask)  # fmt: skip
                 ab_pipeline.producer_commit(state)  # no-op for TMA: bytes arm the barrier
@@ -568,6 +579,11 @@ class GemmSm90:
         # Stay alive until consumers (ours and peers') released every
         # stage, so no remote arrive targets an exited CTA.
         ab_pipeline.producer_tail(state)
+
+    def _gather_a(self, cta, sched_args) -> None:
+        """Producer warps ``GATHER_FIRST_WARP``.. where ``gather_threads`` is set: fill every stage's A with
+        cp.async (a kernel whose A rows are not one TMA box overrides it)."""
+        raise NotImplementedError(f"{type(self).__name__} loads A by TMA")
 
     @cute.jit
     def _load_epi_tiles(self, cta, epi_loads, sched_args):

@@ -15,7 +15,7 @@ from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import evaluate, round_to
 from epicute.epilogue.scales import dequantize_blockwise
 from epicute.epilogue.tracer import as_epilogue
-from epicute.errors import ConfigError, EpilogueError
+from epicute.errors import ConfigError, EpilogueError, ShapeError
 from epicute.gemm.epilogue_args import aux_outputs, kernel_inputs
 from epicute.gemm.prepare import ir_items
 from epicute.gemm.validate import check_d_rows
@@ -42,6 +42,7 @@ def grouped_gemm(
     gated: bool = False,
     a_scale: torch.Tensor | None = None,
     b_scale: torch.Tensor | None = None,
+    a_index: torch.Tensor | None = None,
     **operands: Any,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """``a[rows of g] @ b[g]`` for every group ``g`` in one kernel (mixture-of-experts layers), optionally
@@ -84,6 +85,11 @@ def grouped_gemm(
             strides; ``b_scale`` ``(G, ceil(N/128), ceil(K/128))`` one per 128x128 block of each group's
             ``(N, K)`` weight (or ``(G, KB, NB)``). Applied in the mainloop with fp32 promotion, as for
             :func:`epicute.gemm`. D is bf16 unless ``out``/``out_dtype`` say otherwise.
+        a_index: gathered rows: int32 (or int64) ``(total_M,)``, grouped row ``r`` reads ``a[a_index[r]]``, so ``a``
+            is the ``(T, K)`` tokens as they are (row-major, K a multiple of 8) and routed tokens need no
+            permuted copy (top-k routing: ``a_index = sorted_slot // k``). D has ``total_M`` rows, in group order.
+            Indices are checked where cheap (on the CPU, or with ``check_offsets``); the kernel clamps any other to
+            ``a``'s rows, so a bad one reads a wrong row, never outside ``a``. 16-bit inputs, groups splitting M.
 
     Returns:
         D ``(total_M, N)`` (variable K: ``(G, M, N)``); a dict of every output when the epilogue returns
@@ -102,6 +108,8 @@ def grouped_gemm(
         ...                          epilogue=lambda gate, up: epicute.ops.silu(gate) * up)
         >>> dy = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)  # output gradients
         >>> dw = epicute.grouped_gemm(x.t(), dy, offs)                           # (8, 1024, 2048)
+        >>> routed = torch.randint(0, 4096, (8192,), device="cuda")              # two experts per token
+        >>> y2 = epicute.grouped_gemm(x, w.transpose(-2, -1), 2 * offs, a_index=routed)  # (8192, 2048)
     """
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
@@ -110,7 +118,7 @@ def grouped_gemm(
         check_has_values(("a", a), ("b", b))
     call, specs, request = describe_grouped_call(
         a, b, offsets, epilogue, out, out_dtype, out_dtypes, config, operands, on_gpu, check_offsets, gated,
-        (a_scale, b_scale),
+        (a_scale, b_scale), a_index,
     )  # fmt: skip
     prepared = prepare(request)
     if prepared.d_torch_dtype != call.out_dtype:  # the epilogue's own final cast chose D's dtype (no out given)
@@ -131,7 +139,7 @@ def grouped_gemm(
 
 def describe_grouped_call(
     a, b, offsets, epilogue, out, out_dtype, out_dtypes, config, operands, require_cuda: bool,
-    check_offsets: bool = False, gated: bool = False, scales: tuple = (None, None),
+    check_offsets: bool = False, gated: bool = False, scales: tuple = (None, None), a_index=None,
 ) -> tuple[GroupedCall, dict[str, OperandSpec], GroupedRequest]:  # fmt: skip
     """Validate a call and describe it: the call, its operands resolved for the kernel (per-group rows
     ``(G, N)``, per-row columns ``(G, total_M)`` with a zero group stride, tiles ``(1, total_M, N)``) and
@@ -142,7 +150,7 @@ def describe_grouped_call(
     if out_dtypes and "D" in out_dtypes:
         out_dtype = out_dtype or out_dtypes["D"]
     call = check_grouped_args(a, b, offsets, out, out_dtype, check_offsets=check_offsets, require_cuda=require_cuda,
-                              gated=gated, a_scale=scales[0], b_scale=scales[1])  # fmt: skip
+                              gated=gated, a_scale=scales[0], b_scale=scales[1], a_index=a_index)  # fmt: skip
     p = call.problem
     overrides = tuple(sorted((config or {}).items()))
     if epilogue is None:
@@ -180,6 +188,11 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
     check_offsets_values(offsets, p.k if p.ragged == "k" else p.total_m, "K row" if p.ragged == "k" else "row")
     if call.block_scales is None:
         a, b = call.a[0].cpu().float(), call.b.cpu().float()
+        if call.a_index is not None:
+            index = call.a_index.cpu().long()
+            if index.numel() and (index.min() < 0 or index.max() >= a.shape[0]):
+                raise ShapeError(f"a_index holds values outside a's {a.shape[0]} rows")
+            a = a[index]
     else:  # fp8: dequantized, then float32 math
         a, b = dequantize_blockwise(call.a, call.b, call.block_scales)
         a = a[0]
@@ -241,6 +254,7 @@ def explain_grouped(
     gated: bool = False,
     a_scale: torch.Tensor | None = None,
     b_scale: torch.Tensor | None = None,
+    a_index: torch.Tensor | None = None,
     target: Target | str | None = None,
     file: TextIO | str | None = "stdout",
     **operands: Any,
@@ -259,7 +273,7 @@ def explain_grouped(
         (128, True)
     """
     _, _, request = describe_grouped_call(a, b, offsets, epilogue, None, out_dtype, out_dtypes, config, operands,
-                                          False, gated=gated, scales=(a_scale, b_scale))  # fmt: skip
+                                          False, gated=gated, scales=(a_scale, b_scale), a_index=a_index)  # fmt: skip
     plan = prepare(replace(request, target=resolve_target(target))).plan
     if file is not None:
         print(render_grouped_plan(plan), file=sys.stdout if file == "stdout" else file)

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import cutlass
 from cutlass import cute
+from cutlass.tensor_utils import LayoutEnum
 
 from epicute.errors import ConfigError
-from epicute.gemm.kernel_sm90 import GemmSm90, _rotate
-from epicute.sm90.pipeline import NamedBarriers
+from epicute.gemm.kernel_sm90 import GATHER_FIRST_WARP, GemmSm90, _rotate
+from epicute.sm90.cp_async import CHUNK_BYTES, LINE_BYTES, arrive_when_copied, copy_chunk_zero_fill, swizzled_chunk
+from epicute.sm90.pipeline import NamedBarriers, RingState
 from epicute.sm90.tile_grid import ceil_div, cluster_counts, grouped_cluster_bound
 from epicute.sm90.tile_scheduler import ClusterTileScheduler, GroupedTileScheduler, RaggedKTileScheduler
 
@@ -58,6 +60,14 @@ class GroupedGemmSm90(GemmSm90):
         ``(A (G, total_M, KB) with a zero group stride, B (G, NB, KB))``. The launch covers the host's bound
         on the clusters (:func:`~epicute.sm90.tile_grid.grouped_cluster_bound`), at most
         ``max_active_clusters`` when persistent; the clusters with no work find none and exit."""
+        self._launch_grouped(mA_lmk, mB_lkn, mD_lmn, offsets, (), epi_tensors, epi_scalars, block_scales,
+                             max_active_clusters, stream)  # fmt: skip
+
+    @cute.jit
+    def _launch_grouped(self, mA_lmk, mB_lkn, mD_lmn, offsets, loader_args: tuple, epi_tensors, epi_scalars,
+                        block_scales, max_active_clusters, stream):  # fmt: skip
+        """:meth:`__call__`'s launch; ``loader_args`` follow the schedule's in ``sched_args`` (what the roles
+        build their schedulers from, and what a gathering producer reads)."""
         cfg = self.cfg
         mA = _rotate(mA_lmk, [1, 2, 0])  # (total_M, K, 1)
         mB = _rotate(mB_lkn, [2, 1, 0])  # (N, K, G)
@@ -67,8 +77,8 @@ class GroupedGemmSm90(GemmSm90):
         clusters_n = ceil_div(ceil_div(cute.size(mD, mode=[1]), self.out_tile_n), cfg.cluster_n)
         bound = grouped_cluster_bound(total_rows, num_groups, cfg.tile_m * cfg.cluster_m, clusters_n)
         launched = GroupedTileScheduler.grid(bound, max_active_clusters, cfg.persistent, cutlass.min)
-        self._launch(mA, mB, mD, epi_tensors, epi_scalars, block_scales, (offsets, num_groups, total_rows, clusters_n),
-                     launched, stream)  # fmt: skip
+        sched_args = (offsets, num_groups, total_rows, clusters_n, *loader_args)
+        self._launch(mA, mB, mD, epi_tensors, epi_scalars, block_scales, sched_args, launched, stream)
 
     def _store_view(self, tensor: cute.Tensor) -> cute.Tensor:
         """``tensor`` ``(R, N, 1)`` as the ragged ``(R, N, R + 1)`` view its TMA stores clip through."""
@@ -80,7 +90,7 @@ class GroupedGemmSm90(GemmSm90):
         )
 
     def _scheduler(self, sched_args: tuple) -> GroupedTileScheduler:
-        offsets, num_groups, total_rows, clusters_n = sched_args
+        offsets, num_groups, total_rows, clusters_n = sched_args[:4]
         return GroupedTileScheduler(
             offsets, num_groups, total_rows, clusters_n, self.cluster_shape_mn, self.cfg.swizzle,
             self.cfg.raster_along_m, self.cfg.tile_m,
@@ -113,6 +123,105 @@ class GroupedGemmSm90(GemmSm90):
     def _epilogue_frame(self, coord: tuple, extent_mn: tuple) -> tuple:
         tm, tn, g, start, end = coord
         return (start + tm * self.cfg.tile_m, tn * self.out_tile_n), (end, extent_mn[1]), g
+
+
+class GatheredGemmSm90(GroupedGemmSm90):
+    """The grouped GEMM with gathered rows: row ``r`` of the grouped order is ``x[a_index[r]]``, so a
+    mixture-of-experts layer reads its routed tokens where they are, with no permuted copy of ``x``.
+
+    Rows picked through an index are not a TMA box: producer warps ``GATHER_FIRST_WARP``.. (64 threads)
+    copy each tile's A k-tiles with 16-byte ``cp.async`` chunks into the same swizzled stages TMA would
+    fill, and arrive on the stage's full barrier when their copies land; warp 0 still TMA-loads B and
+    arms the barrier with B's bytes alone. A thread owns one 16-byte chunk column of every eighth row of
+    the tile, so the swizzle's XOR (row % 8) is one constant per thread and its rows' indices are read
+    once per tile into registers. Rows past the group's end repeat its last row (their accumulators are
+    never stored), chunks past K are zero-filled by the copy itself, and indices are clamped to ``x``'s
+    rows, so a bad index reads a wrong row, never outside ``x``. A is not multicast (no cluster along N),
+    and each stage is fenced to the async proxy before WGMMA reads what cp.async wrote (:meth:`_fix_stage`).
+    """
+
+    gather_threads = 2 * 32
+
+    def __init__(self, cfg, *args, **kwargs):
+        super().__init__(cfg, *args, **kwargs)
+        if cfg.cluster_n != 1:
+            raise ConfigError(f"gathered rows with cluster_n={cfg.cluster_n}: cp.async cannot multicast A; use "
+                              "cluster_n=1")  # fmt: skip
+        if self.block_scaled or self.a_layout != LayoutEnum.ROW_MAJOR:
+            raise ConfigError("gathered rows take 16-bit, K-major (row-major) A")
+        if cfg.tile_k * self.ab_dtype.width // 8 != LINE_BYTES:
+            raise ConfigError(f"tile_k={cfg.tile_k}: a gathered k-tile is one {LINE_BYTES}-byte row")
+
+    @cute.jit
+    def __call__(
+        self,
+        mA_lmk: cute.Tensor,
+        mB_lkn: cute.Tensor,
+        mD_lmn: cute.Tensor,
+        offsets: cute.Tensor,
+        a_index: cute.Tensor,
+        epi_tensors: tuple,
+        epi_scalars: tuple,
+        block_scales: tuple,
+        max_active_clusters: cutlass.Int32,
+        stream,
+    ):
+        """A ``(1, T, K)``: ``x``, the rows gathered from (the kernel's setup describes it for TMA, which never
+        reads it); ``a_index`` int32 ``(total_M,)``; the rest as for :class:`GroupedGemmSm90`."""
+        source = _rotate(mA_lmk, [1, 2, 0])  # (T, K, 1)
+        self._launch_grouped(mA_lmk, mB_lkn, mD_lmn, offsets, (source, a_index), epi_tensors, epi_scalars,
+                             block_scales, max_active_clusters, stream)  # fmt: skip
+
+    @cute.jit
+    def _gather_a(self, cta, sched_args) -> None:
+        cfg = self.cfg
+        x, a_index = sched_args[4], sched_args[5]
+        elem_bytes = self.ab_dtype.width // 8
+        chunks_per_row = LINE_BYTES // CHUNK_BYTES
+        rows_per_pass = self.gather_threads // chunks_per_row
+        assert rows_per_pass % 8 == 0 and cfg.tile_m % rows_per_pass == 0
+        # The stage layout the offsets below assume: K-major 128-byte rows, stages back to back.
+        assert cute.crd2idx((1, 0, 0), cta.sA.layout) * elem_bytes == LINE_BYTES
+        stage_bytes = cute.crd2idx((0, 0, 1), cta.sA.layout) * elem_bytes
+        assert stage_bytes == cfg.tile_m * LINE_BYTES
+        tidx, _, _ = cute.arch.thread_idx()
+        thread = tidx - GATHER_FIRST_WARP * 32
+        chunk = thread % chunks_per_row
+        row0 = thread // chunks_per_row  # rows row0, row0 + rows_per_pass, ...: the same row % 8
+        smem = cute.recast_ptr(cta.sA.iterator, dtype=cutlass.Uint8)
+        k_extent = cute.size(x, mode=[1])
+        last_source_row = cute.size(x, mode=[0]) - 1
+        row_stride = x.stride[0]
+        passes = cfg.tile_m // rows_per_pass
+        source_rows = cute.make_rmem_tensor((passes,), cutlass.Int32)
+        ab_pipeline = cta.ab_pipeline
+        scheduler = self._scheduler(sched_args)
+        state = RingState.producer(cfg.ab_stages, tracked=True)
+        work = scheduler.first()
+        while scheduler.is_valid(work):
+            tm, _, _, start, end = scheduler.coord(work)
+            for i in cutlass.range_constexpr(passes):
+                row = cutlass.min(start + tm * cfg.tile_m + row0 + i * rows_per_pass, end - 1)
+                source_rows[i] = cutlass.max(cutlass.min(a_index[row], last_source_row), 0)
+            for k_tile in range(cta.k_tiles):
+                ab_pipeline.sync_object_empty.wait(state.index, state.phase)
+                k = k_tile * cfg.tile_k + chunk * (CHUNK_BYTES // elem_bytes)
+                in_k = k < k_extent  # K is a whole number of chunks (checked on the host)
+                src_bytes = CHUNK_BYTES if in_k else 0
+                k = k if in_k else 0
+                stage = smem + state.index * stage_bytes
+                for i in cutlass.range_constexpr(passes):
+                    dst = stage + swizzled_chunk(row0 + i * rows_per_pass, chunk)
+                    src = x.iterator + (cutlass.Int64(source_rows[i]) * row_stride + k)
+                    copy_chunk_zero_fill(dst, src, src_bytes)
+                arrive_when_copied(ab_pipeline.producer_get_barrier(state))
+                state.advance()
+            work = scheduler.next(work)
+
+    @cute.jit
+    def _fix_stage(self, cta, coord: tuple, k_tile, stage, mma_tidx) -> None:
+        """cp.async wrote A through the generic proxy; WGMMA reads through the async proxy."""
+        cute.arch.fence_proxy("async.shared", space="cta")
 
 
 class RaggedKGemmSm90(GemmSm90):
@@ -229,4 +338,4 @@ class RaggedKGemmSm90(GemmSm90):
             cute.autovec_copy(zeros, dst)
 
 
-__all__ = ["GroupedGemmSm90", "RaggedKGemmSm90"]
+__all__ = ["GatheredGemmSm90", "GroupedGemmSm90", "RaggedKGemmSm90"]

@@ -15,7 +15,7 @@ from epicute.grouped.validate import GroupedCall
 def variant_of(plan: GroupedPlan, fusion=None) -> GroupedVariant:
     p = plan.problem
     return GroupedVariant(plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion,
-                          p.b_dtype, p.block_scaled, ragged_k=p.ragged == "k")  # fmt: skip
+                          p.b_dtype, p.block_scaled, ragged_k=p.ragged == "k", gathered=p.gathered)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
@@ -62,7 +62,8 @@ def run_grouped(call: GroupedCall, plan: GroupedPlan, fusion=None, epi_inputs: t
         else:
             a, b = (call.a, call.b) if p.k else _zero_k(call)
             epi_tensors = tuple(epi_inputs) + tuple(aux.values())
-            kernel_for(plan, fusion)(a, b, out3, call.offsets, epi_tensors, tuple(epi_scalars), _block_scales(call),
+            index_args = (call.offsets,) if call.a_index is None else (call.offsets, call.a_index)
+            kernel_for(plan, fusion)(a, b, out3, *index_args, epi_tensors, tuple(epi_scalars), _block_scales(call),
                                      plan.max_active_clusters)  # fmt: skip
     if p.ragged == "k":
         return {"D": out3, **aux}

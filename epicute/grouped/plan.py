@@ -32,7 +32,10 @@ class GroupedProblem:
     (``total_m`` is then M, every group's), B ``(K, N)``, D ``(G, M, N)``, the ``K`` rows split into groups.
 
     fp8 inputs (``ab_dtype``/``b_dtype`` as for the GEMM) come with blockwise scales (``block_scaled``):
-    A's per row and 128-wide block of K over all rows, B's per 128x128 block of each group's weight."""
+    A's per row and 128-wide block of K over all rows, B's per 128x128 block of each group's weight.
+
+    ``gathered``: A's rows are read through an index, row ``r`` being ``x[a_index[r]]`` (16-bit, row-major
+    ``x``; groups split M)."""
 
     total_m: int
     n: int
@@ -48,8 +51,11 @@ class GroupedProblem:
     ragged: str = "m"
     b_dtype: str = ""
     block_scaled: bool = False
+    gathered: bool = False
 
     def __post_init__(self) -> None:
+        if self.gathered and (self.ragged != "m" or self.block_scaled or self.a_major != "k"):
+            raise ConfigError("gathered rows (a_index) take 16-bit, row-major A with the groups splitting M")
         if self.ab_dtype not in ("bf16", "fp16") and not self.block_scaled:
             raise ConfigError(
                 f"grouped GEMM with ab_dtype={self.ab_dtype!r}: supported are 'bf16', 'fp16' and fp8 with blockwise "
@@ -146,15 +152,24 @@ def plan_grouped(
             reason = "cooperative: a ping-pong warpgroup steps its ring over the other's tiles, whose k-tiles differ"
             config = replace(config, reasons=(*config.reasons, reason))
         return GroupedPlan(problem, config, hw, epilogue)
-    config = choose_config(mean, hw, epilogue, **overrides)
     pinned = "cluster_m" in overrides or "cluster_n" in overrides
+    if problem.gathered and overrides.get("cluster_n", 1) != 1:
+        raise ConfigError(
+            f"cluster_n={overrides['cluster_n']} with gathered rows: the producer copies A's rows with cp.async, "
+            "which cannot multicast them to a cluster peer; use cluster_n=1"
+        )
+    config = choose_config(mean, hw, epilogue, **overrides)
     if not pinned and config.cluster_m > 1 and mean.m < PAIR_ALONG_M_MIN_TILES * config.tile_m:
-        cluster_n = 2 if ceil_div(problem.n, config.tile_n) > 1 else 1
+        cluster_n = 1 if problem.gathered or ceil_div(problem.n, config.tile_n) == 1 else 2
         config = choose_config(mean, hw, epilogue, **{**overrides, "cluster_m": 1, "cluster_n": cluster_n})
         reason = (
             f"cluster 1x{cluster_n}: groups of {mean.m} rows on average are fewer than {PAIR_ALONG_M_MIN_TILES} "
-            f"tiles; two CTAs along M would pad each group to {2 * config.tile_m} rows, so they pair along N"
+            f"tiles; two CTAs along M would pad each group to {2 * config.tile_m} rows"
+            + (", so they pair along N" if cluster_n == 2 else "")
         )
+        config = replace(config, reasons=(*config.reasons, reason))
+    if problem.gathered:
+        reason = "no cluster along N: gathered A rows are copied per CTA (cp.async cannot multicast)"
         config = replace(config, reasons=(*config.reasons, reason))
     return GroupedPlan(problem, config, hw, epilogue)
 
@@ -225,7 +240,12 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
             ),
             grid,
             "  group lookup    each warp: a prefix sum over 32 groups' tile counts per step (shuffles, no sync)",
-            "  A               one 2-D TMA descriptor; each tile's loads start at its group's first row",
+            (
+                "  A               rows gathered through a_index: 2 producer warps copy each k-tile's rows with "
+                "16-byte cp.async into the swizzled stages (B by TMA)"
+                if p.gathered
+                else "  A               one 2-D TMA descriptor; each tile's loads start at its group's first row"
+            ),
             "  D, aux outputs  one ragged TMA descriptor: stores clip at the group's end (no predicates)",
             f"  config          planned for the mean group, {p.mean_group().m} rows (below)",
             "",

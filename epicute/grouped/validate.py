@@ -49,6 +49,8 @@ class GroupedCall:
     out: torch.Tensor | None
     out_dtype: torch.dtype
     block_scales: BlockScales | None = None
+    #: gathered rows: int32 ``(total_M,)`` on A's device, A being the ``(1, T, K)`` rows gathered from
+    a_index: torch.Tensor | None = None
 
 
 def check_offsets_values(offsets: torch.Tensor, total: int, what: str = "row") -> None:
@@ -146,9 +148,11 @@ def check_grouped_args(
     gated: bool = False,
     a_scale: Any = None,
     b_scale: Any = None,
+    a_index: Any = None,
 ) -> GroupedCall:
     """Validate a grouped GEMM call and describe it as a :class:`GroupedProblem` (``gated``: B interleaves gate and
-    up columns, D has half of them; ``a_scale``/``b_scale``: fp8 inputs' blockwise scales)."""
+    up columns, D has half of them; ``a_scale``/``b_scale``: fp8 inputs' blockwise scales; ``a_index``: the rows
+    of ``a`` each grouped row reads)."""
     for name, t in (("a", a), ("b", b), ("offsets", offsets)):
         if not isinstance(t, torch.Tensor):
             raise DtypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -182,6 +186,9 @@ def check_grouped_args(
                          "whose rows the groups split (variable K)")  # fmt: skip
     total_m, k = a.shape
     groups, kb, n = b.shape
+    if a_index is not None:
+        a_index = _checked_a_index(a_index, a, fp8, check_offsets)
+        total_m = a_index.numel()
     if kb != k:
         raise ShapeError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a's K={k} != b's K={kb}")
     if groups == 0:
@@ -209,6 +216,12 @@ def check_grouped_args(
             )
         b_major = "k"
         block_scales = grouped_block_scales(a_scale, b_scale, total_m, n, k, groups, a.device)
+    chunk = TMA_ALIGN_BYTES // a.element_size()
+    if a_index is not None and (a_major != "k" or k % chunk):
+        raise AlignmentError(
+            f"a has shape {tuple(a.shape)} and strides {tuple(a.stride())}: gathered rows are copied in 16-byte "
+            f"chunks, so a must be row-major (a.contiguous()) with K a multiple of {chunk}"
+        )
     if a_major == "m" and k > 1:
         # Groups start at any row, and a TMA box may start only 16-byte aligned along the contiguous dimension.
         raise AlignmentError(
@@ -223,13 +236,41 @@ def check_grouped_args(
         out3 = out.unsqueeze(0)
     problem = GroupedProblem(
         total_m, n, k, groups, TORCH_TO_IR[a.dtype], TORCH_TO_IR[out_dtype], a_major, b_major, gated,
-        b_dtype=TORCH_TO_IR[b.dtype] if b.dtype != a.dtype else "", block_scaled=fp8,
+        b_dtype=TORCH_TO_IR[b.dtype] if b.dtype != a.dtype else "", block_scaled=fp8, gathered=a_index is not None,
     )  # fmt: skip
     if total_m and n and k:
         a3 = _check_tma_strides(a3, "a", 2 if a_major == "k" else 1, "LMK")
         b3 = _check_tma_strides(b3, "b", 2 if b_major == "n" else 1, "GKN")
         out3 = check_d_rows(out3, d_n, out_dtype)
-    return GroupedCall(problem, a3, b3, offsets, out3, out_dtype, block_scales)
+    return GroupedCall(problem, a3, b3, offsets, out3, out_dtype, block_scales, a_index)
+
+
+def _checked_a_index(a_index: Any, a: torch.Tensor, fp8: bool, check_offsets: bool) -> torch.Tensor:
+    """``a_index`` checked (type, dtype, shape; values where cheap: on the CPU, or with ``check_offsets``) and
+    as the kernel reads it: int32, contiguous, on ``a``'s device. An int64 index (what ``argsort`` returns)
+    is narrowed, one small copy."""
+    if not isinstance(a_index, torch.Tensor):
+        raise DtypeError(f"a_index must be a torch.Tensor of row indices into a, got {type(a_index).__name__}")
+    if fp8:
+        raise DtypeError("a_index with fp8 inputs: gathered rows take bf16 or fp16 a (gather the fp8 rows and their "
+                         "a_scale rows with torch first)")  # fmt: skip
+    if a_index.dtype not in (torch.int32, torch.int64):
+        raise DtypeError(f"a_index has dtype {a_index.dtype}; pass int32 (or int64) row indices into a")
+    if a_index.dim() != 1:
+        raise ShapeError(f"a_index has shape {tuple(a_index.shape)}; it must be 1-D (total_M,): the row of a that "
+                         "each grouped row reads, sorted by group")  # fmt: skip
+    if a_index.numel() >= MAX_TOTAL_ROWS:
+        raise ShapeError(f"a_index has {a_index.numel()} rows; the grouped GEMM takes fewer than {MAX_TOTAL_ROWS}")
+    if a_index.numel() and not a.shape[0]:
+        raise ShapeError(f"a_index has {a_index.numel()} rows but a has none to gather them from")
+    if (check_offsets or a_index.device.type == "cpu") and a_index.numel():
+        low, high = int(a_index.min()), int(a_index.max())
+        if low < 0 or high >= a.shape[0]:
+            raise ShapeError(f"a_index holds {low if low < 0 else high}, outside a's {a.shape[0]} rows; indices "
+                             f"must be in [0, {a.shape[0]})")  # fmt: skip
+    if a_index.device != a.device and a_index.device.type != "cpu":
+        raise DtypeError(f"a_index is on {a_index.device} but a is on {a.device}; move it there")
+    return a_index.to(a.device, torch.int32, non_blocking=True).contiguous()
 
 
 __all__ = ["MAX_TOTAL_ROWS", "GroupedCall", "check_grouped_args", "check_offsets_values"]

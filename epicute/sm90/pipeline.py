@@ -55,16 +55,19 @@ def make_tma_load_pipeline(
     cluster_shape_mn: tuple[int, int],
     mcast_ctas: int,
     defer_sync: bool = False,
+    async_copy_threads: int = 0,
 ) -> pipeline.PipelineTmaAsync:
     """A producer/consumer ring fed by TMA.
 
-    The producer is one thread (it arms the full barrier with ``tx_bytes``). Every
-    consumer warp releases a stage by arriving on the empty barrier of each CTA
+    The producer is one thread (it arms the full barrier with ``tx_bytes``), plus
+    ``async_copy_threads`` threads that fill part of each stage with cp.async and
+    arrive on its full barrier when their copies land (:mod:`epicute.sm90.cp_async`).
+    Every consumer warp releases a stage by arriving on the empty barrier of each CTA
     whose TMA multicast wrote into that stage, so the arrive count is
     ``consumer warps x CTAs multicasting into us``. With ``defer_sync`` the caller
     fences and syncs once after creating all its rings.
     """
-    producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+    producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + async_copy_threads)
     consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_warps * mcast_ctas)
     return pipeline.PipelineTmaAsync.create(
         barrier_storage=barrier_storage,

@@ -350,3 +350,77 @@ def test_fp8_blockwise_variants_compile_for_sm90a(case):
     variant = prepare(request).variant()
     assert variant.block_scaled and variant.config.tile_k == 128
     compile_grouped(variant)
+
+
+# ---- gathered rows (a_index)
+
+
+def test_gathered_reference_reads_the_indexed_rows():
+    x = torch.randn(30, 40, dtype=torch.bfloat16)
+    sizes = [5, 0, 9, 2]
+    index = torch.randint(0, 30, (16,))
+    b = torch.randn(4, 24, 40, dtype=torch.bfloat16).transpose(-2, -1)
+    d = epicute.grouped_gemm(x, b, offsets_of(sizes), a_index=index, backend="reference")
+    assert d.shape == (16, 24)
+    assert rel_err(d, per_group(x[index], b, offsets_of(sizes))) < 1e-2
+
+
+GATHER_BAD = {
+    "index_float": (lambda x, i: (x, {"a_index": i.float()}), DtypeError, "int32"),
+    "index_2d": (lambda x, i: (x, {"a_index": i[:, None]}), ShapeError, "1-D"),
+    "index_list": (lambda x, i: (x, {"a_index": i.tolist()}), DtypeError, "torch.Tensor"),
+    "index_out_of_range": (lambda x, i: (x, {"a_index": i + 30}), ShapeError, r"outside a's 30 rows"),
+    "index_negative": (lambda x, i: (x, {"a_index": i - 31}), ShapeError, "outside"),
+    "x_empty": (lambda x, i: (x[:0], {"a_index": i}), ShapeError, "none to gather"),
+    "x_column_major": (lambda x, i: (x.t().contiguous().t(), {"a_index": i}), AlignmentError, r"a.contiguous\(\)"),
+    "k_not_chunks": (
+        lambda x, i: (torch.randn(30, 44, dtype=torch.bfloat16)[:, :36], {"a_index": i}),
+        AlignmentError,
+        "multiple of 8",
+    ),  # fmt: skip
+    "cluster_n_2": (lambda x, i: (x, {"a_index": i, "config": {"cluster_n": 2}}), ConfigError, "cluster_n=1"),
+    "too_few_rows": (lambda x, i: (x, {"a_index": i[:10]}), ShapeError, "total_M"),
+}
+
+
+@pytest.mark.parametrize("case", list(GATHER_BAD))
+def test_gather_bad_arguments_get_typed_errors(case):
+    make, error, words = GATHER_BAD[case]
+    x = torch.randn(30, 40, dtype=torch.bfloat16)
+    index = torch.randint(0, 30, (16,), dtype=torch.int32)
+    a, kwargs = make(x, index)
+    k = a.shape[1]
+    b = torch.randn(2, 24, k, dtype=torch.bfloat16).transpose(-2, -1)
+    with pytest.raises(error, match=words):
+        epicute.grouped_gemm(a, b, offsets_of([6, 10]), **kwargs, backend="reference")
+
+
+def test_gather_with_fp8_is_a_typed_error():
+    x8 = torch.randn(30, 256).to(torch.float8_e4m3fn)
+    b = torch.randn(2, 128, 256).to(torch.float8_e4m3fn).transpose(-2, -1)
+    with pytest.raises(DtypeError, match="gather"):
+        epicute.grouped_gemm(x8, b, offsets_of([6, 10]), a_index=torch.zeros(16, dtype=torch.int32),
+                             a_scale=torch.ones(16, 2), b_scale=torch.ones(2, 1, 2), backend="reference")  # fmt: skip
+
+
+def test_explain_gathered_says_how_a_arrives(capsys):
+    x = torch.empty(4096, 7168, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(64, 2048, 7168, dtype=torch.bfloat16, device="meta")
+    plan = epicute.explain_grouped(x, w.transpose(-2, -1), torch.empty(64, dtype=torch.int32, device="meta"),
+                                   a_index=torch.empty(32768, dtype=torch.int32, device="meta"))  # fmt: skip
+    text = capsys.readouterr().out
+    assert "gathered through a_index" in text and "cp.async" in text
+    assert plan.problem.total_m == 32768 and plan.config.cluster_n == 1  # groups of 512 rows: no pairing along N
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("config", [{"cluster_m": 2}, {"schedule": "pingpong", "tile_n": 128}])
+def test_gathered_variants_compile_for_sm90a(config):
+    meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
+    request = describe_grouped_call(meta(1000, 200), meta(5, 136, 200).transpose(-2, -1), meta(5, dtype=torch.int32),
+                                    lambda acc, score: acc * score, None, None, None, config,
+                                    {"score": meta(3000, 1, dtype=torch.float32)}, False,
+                                    a_index=meta(3000, dtype=torch.int32))[2]  # fmt: skip
+    variant = prepare(request).variant()
+    assert variant.gathered and variant.config.cluster_n == 1
+    compile_grouped(variant)

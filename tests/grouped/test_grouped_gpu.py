@@ -353,3 +353,84 @@ def test_fp8_blockwise_e5m2_weights_with_an_epilogue():
     group = torch.repeat_interleave(torch.arange(len(sizes), device="cuda"), torch.tensor(sizes, device="cuda"))
     want = (reference_fp8(x, b, offsets, sa, sb) + bias.double()[group]) * score.double()
     assert d.dtype == torch.float32 and rel_err(d, want) < FP8_FP32_TOL
+
+
+# ---- gathered rows (a_index)
+
+GATHER_CONFIGS = {
+    "planned": {},
+    "cluster_2x1": {"cluster_m": 2, "cluster_n": 1},
+    "pingpong": {"schedule": "pingpong", "tile_n": 128},
+    "tile_n64_one_tile_per_cta": {"tile_n": 64, "persistent": False},
+}
+
+
+def routed_tokens(tokens: int, sizes: list[int]) -> torch.Tensor:
+    """Each grouped row's token: any token, repeats and all (top-k routing reads a token once per expert)."""
+    return torch.randint(0, tokens, (sum(sizes),), device="cuda", dtype=torch.int32)
+
+
+@pytest.mark.parametrize("name", ["mixed", "empty_ends", "many_groups", "skewed"])
+@pytest.mark.parametrize("config", list(GATHER_CONFIGS))
+def test_gathered_rows_match_the_gathered_reference(name, config):
+    """Row r reads x[a_index[r]]; K = 200 is not a multiple of the 64-wide k-tile (the last chunks are zero-filled),
+    and D is NaN-poisoned."""
+    sizes = SIZES[name]
+    k, n = 200, 264
+    offsets = offsets_of(sizes)
+    x = torch.randn(1000, k, device="cuda", dtype=torch.bfloat16)
+    index = routed_tokens(1000, sizes)
+    b = weights(len(sizes), n, k, "k")
+    out = torch.full((index.numel(), n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    d = epicute.grouped_gemm(x, b, offsets, a_index=index, out=out, config=GATHER_CONFIGS[config])
+    assert d.data_ptr() == out.data_ptr()
+    assert rel_err(d, reference(x[index.long()], b, offsets)) < BF16_TOL
+
+
+def test_gathered_rows_with_int64_index_fp16_and_a_gated_epilogue():
+    """Top-2 routing as a mixture-of-experts layer has it: argsort of the experts, int64, each token twice;
+    SwiGLU with the router weight per grouped row. x's last rows hold inf, which no index reaches."""
+    tokens, experts, k, n = 777, 6, 136, 200
+    x = torch.randn(tokens + 5, k, device="cuda", dtype=torch.float16)
+    x[tokens:] = float("inf")
+    chosen = torch.randint(0, experts, (tokens, 2), device="cuda")
+    order = torch.argsort(chosen.flatten(), stable=True)
+    index = order // 2  # int64
+    sizes = torch.bincount(chosen.flatten(), minlength=experts).tolist()
+    offsets = offsets_of(sizes)
+    w_gate = torch.randn(experts, n, k, device="cuda", dtype=torch.float16)
+    w_up = torch.randn(experts, n, k, device="cuda", dtype=torch.float16)
+    w = epicute.interleave_gate_up(w_gate, w_up).transpose(-2, -1)
+    score = torch.rand(index.numel(), 1, device="cuda")
+    d = epicute.grouped_gemm(x, w, offsets, a_index=index, gated=True, score=score,
+                             epilogue=lambda gate, up, score: ops.silu(gate) * up * score)  # fmt: skip
+    rows = x[index]
+    gate = reference(rows, w_gate.transpose(-2, -1), offsets)
+    up = reference(rows, w_up.transpose(-2, -1), offsets)
+    assert rel_err(d, torch.nn.functional.silu(gate) * up * score.double()) < BF16_TOL
+
+
+def test_gathered_rows_at_mixture_of_experts_size():
+    """8 experts, 4096 tokens routed top-2 (8192 grouped rows) at K 4096, N 2048: every tile full-size, the
+    index spread over all of x."""
+    tokens, experts, k, n = 4096, 8, 4096, 2048
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    chosen = torch.randint(0, experts, (tokens, 2), device="cuda")
+    index = torch.argsort(chosen.flatten(), stable=True) // 2
+    offsets = offsets_of(torch.bincount(chosen.flatten(), minlength=experts).tolist())
+    b = weights(experts, n, k, "k")
+    d = epicute.grouped_gemm(x, b, offsets, a_index=index)
+    assert rel_err(d, torch._grouped_mm(x[index], b, offs=offsets).double()) < BF16_TOL
+
+
+def test_gathered_out_of_range_index_stays_inside_x():
+    """An unchecked index outside x reads a clamped row, never outside x (no fault); checked, it is an error."""
+    x = torch.randn(50, 64, device="cuda", dtype=torch.bfloat16)
+    b = weights(2, 128, 64, "k")
+    offsets = offsets_of([3, 4])
+    index = torch.tensor([0, 1, 2, 49, 10**6, -5, 3], device="cuda", dtype=torch.int32)
+    d = epicute.grouped_gemm(x, b, offsets, a_index=index)
+    clamped = index.clamp(0, 49).long()
+    assert rel_err(d, reference(x[clamped], b, offsets)) < BF16_TOL
+    with pytest.raises(epicute.EpicuteError, match="a_index"):
+        epicute.grouped_gemm(x, b, offsets, a_index=index, check_offsets=True)
