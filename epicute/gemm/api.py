@@ -109,15 +109,10 @@ def gemm(
         ...                  bias=torch.randn(14336, device="cuda", dtype=torch.bfloat16))
     """
     if torch.compiler.is_compiling():
-        if gated:
-            raise ConfigError(
-                "gated=True is not registered as a torch op yet: call it outside the compiled region "
-                "(torch.compiler.disable)"
-            )
         # torch.compile sees one custom op (epicute::gemm), never this Python code.
         return gemm_op_call(
             a, b, epilogue=epilogue, out=out, out_dtype=out_dtype, out_dtypes=out_dtypes, outs=outs,
-            a_scale=a_scale, b_scale=b_scale, backend=backend, config=config, operands=operands,
+            a_scale=a_scale, b_scale=b_scale, backend=backend, config=config, operands=operands, gated=gated,
         )  # fmt: skip
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")

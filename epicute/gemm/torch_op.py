@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
+from epicute.epilogue.gated import check_gated_call, output_columns
 from epicute.epilogue.graph import REDUCTIONS
 from epicute.epilogue.group_quant import GROUP_N
 from epicute.epilogue.operands import PINS
@@ -28,6 +29,7 @@ from epicute.runtime.torch_ops import (
     config_of,
     operand_values,
     plain_fn,
+    register_gated_traced,
     register_meta,
     register_traced,
     registered_epilogue,
@@ -45,6 +47,7 @@ def _gemm_kwargs(operands: list[torch.Tensor], scalars: list[float], epilogue: s
         "out_dtype": IR_TO_TORCH[spec["out_dtype"]] if spec["out_dtype"] else None,
         "out_dtypes": {k: IR_TO_TORCH[v] for k, v in spec["out_dtypes"].items()} or None,
         "config": config_of(spec),
+        "gated": spec.get("gated", False),
         **operand_values(operands, scalars, spec),
     }
 
@@ -66,7 +69,7 @@ def gemm_op(
 def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
     spec = json.loads(spec)
     l_dims = (a.shape[0],) if a.dim() == 3 else ()
-    m, n = a.shape[-2], b.shape[-1]
+    m, n = a.shape[-2], output_columns(b.shape[-1], spec.get("gated", False))
     fp8 = a.dtype in FP8_TORCH_DTYPES
     default_d = "bf16" if fp8 else ir_dtype(a.dtype, "a")  # as check_gemm_args settles it
     d_dtype = IR_TO_TORCH[spec["out_dtype"] or spec["out_dtypes"].get("D") or default_d]
@@ -129,6 +132,7 @@ def gemm_op_call(
     backend: str,
     config: dict | None,
     operands: dict[str, Any],
+    gated: bool = False,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """:func:`epicute.gemm` while ``torch.compile`` traces it: one ``epicute::gemm`` op (dynamo-traceable)."""
     if backend != "kernel":
@@ -140,13 +144,15 @@ def gemm_op_call(
     if out is not None and out_dtype is None:
         out_dtype = out.dtype
     out_dtypes = {**{name: t.dtype for name, t in (outs or {}).items()}, **(out_dtypes or {})}
-    key, outputs = register_traced(plain_fn(epilogue)) if epilogue is not None else ("", ("D",))
+    check_gated_call(gated, epilogue)
+    register = register_gated_traced if gated else register_traced
+    key, outputs = register(plain_fn(epilogue)) if epilogue is not None else ("", ("D",))
     # fp8 scales travel as operands under their parameter names (the op's real call passes them back).
     scales = {name: value for name, value in zip(SCALE_NAMES, (a_scale, b_scale)) if value is not None}
     tensor_names, tensors, scalar_names, scalars, pins = split_operands({**operands, **scales})
     spec = spec_text(
         tuple(tensor_names), tuple(scalar_names), tuple(pins), tuple(sorted((config or {}).items())),
-        (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted(out_dtypes.items())))),
+        (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted(out_dtypes.items()))), ("gated", gated)),
     )  # fmt: skip
     results = torch.ops.epicute.gemm(a, b, tensors, scalars, key, spec)
     results = dict(zip(outputs, results))

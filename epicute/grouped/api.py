@@ -22,6 +22,7 @@ from epicute.gemm.validate import check_d_rows
 from epicute.grouped.launch import run_grouped
 from epicute.grouped.plan import GroupedPlan, render_grouped_plan
 from epicute.grouped.prepare import GroupedRequest, PreparedGrouped, prepare
+from epicute.grouped.torch_op import grouped_gemm_op_call
 from epicute.grouped.validate import GroupedCall, check_grouped_args, check_offsets_values
 from epicute.runtime.checks import check_has_values
 from epicute.runtime.target import Target, resolve_target
@@ -111,6 +112,13 @@ def grouped_gemm(
         >>> routed = torch.randint(0, 4096, (8192,), device="cuda")              # two experts per token
         >>> y2 = epicute.grouped_gemm(x, w.transpose(-2, -1), 2 * offs, a_index=routed)  # (8192, 2048)
     """
+    if torch.compiler.is_compiling():
+        # torch.compile sees one custom op (epicute::grouped_gemm), never this Python code.
+        return grouped_gemm_op_call(
+            a, b, offsets, epilogue=epilogue, out=out, out_dtype=out_dtype, out_dtypes=out_dtypes, backend=backend,
+            config=config, check_offsets=check_offsets, gated=gated,
+            loader_args={"a_index": a_index, "a_scale": a_scale, "b_scale": b_scale}, operands=operands,
+        )  # fmt: skip
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
     on_gpu = backend == "kernel"

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from epicute.epilogue.dtypes import ir_dtype
+from epicute.epilogue.gated import gated_epilogue
 from epicute.epilogue.hashing import semantic_hash
 from epicute.epilogue.operands import PINS, Pin
 from epicute.epilogue.score_mod import score_mod as as_score_mod
@@ -97,6 +98,12 @@ def _register_score_mod(fn: Callable) -> tuple[str, tuple[str, ...]]:
     return _register(fn, as_score_mod)
 
 
+def _register_gated(fn: Callable) -> tuple[str, tuple[str, ...]]:
+    """A gated epilogue ``f(gate, up, *operands)`` (``gated=True``): its graph reads both halves of a column, so it
+    keys apart from the same function taken as an ordinary epilogue."""
+    return _register(fn, gated_epilogue)
+
+
 def assume_constant_result(fn: Callable) -> Callable:
     """What ``torch._dynamo.assume_constant_result`` does (it only marks ``fn``), without importing
     dynamo: that import costs seconds, and ``import epicute`` must stay cheap for the CLI."""
@@ -110,6 +117,7 @@ def assume_constant_result(fn: Callable) -> Callable:
 # user objects there); the hook rebuilds the same object from it (plain_fn).
 register_traced = assume_constant_result(_register)
 register_score_mod_traced = assume_constant_result(_register_score_mod)
+register_gated_traced = assume_constant_result(_register_gated)
 
 
 def plain_fn(hook: Callable) -> Callable:

@@ -434,3 +434,40 @@ def test_gathered_out_of_range_index_stays_inside_x():
     assert rel_err(d, reference(x[clamped], b, offsets)) < BF16_TOL
     with pytest.raises(epicute.EpicuteError, match="a_index"):
         epicute.grouped_gemm(x, b, offsets, a_index=index, check_offsets=True)
+
+
+def test_torch_compile_runs_gated_gathered_grouped_gemms_like_eager():
+    """An MoE up-projection (gathered tokens, interleaved gate/up experts, SwiGLU with router weights) and its
+    weight gradient under torch.compile(fullgraph=True): one epicute op each, results as eager."""
+    torch._dynamo.reset()
+    tokens, experts, k, n = 333, 4, 136, 200
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    chosen = torch.randint(0, experts, (tokens, 2), device="cuda")
+    index = torch.argsort(chosen.flatten(), stable=True) // 2
+    offsets = offsets_of(torch.bincount(chosen.flatten(), minlength=experts).tolist())
+    w_gate, w_up = (torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w13 = epicute.interleave_gate_up(w_gate, w_up)
+    score = torch.rand(index.numel(), 1, device="cuda")
+
+    def layer(x, w13, offsets, index, score):
+        h = epicute.grouped_gemm(x, w13.transpose(-2, -1), offsets, a_index=index, gated=True, score=score,
+                                 epilogue=lambda gate, up, score: ops.silu(gate) * up * score)  # fmt: skip
+        return h, epicute.grouped_gemm(x[index].t(), h, offsets)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    (h, dw), (h_eager, dw_eager) = compiled(x, w13, offsets, index, score), layer(x, w13, offsets, index, score)
+    assert h.shape == (index.numel(), n) and dw.shape == (experts, k, n)
+    assert rel_err(h, h_eager.double()) < 1e-6 and rel_err(dw, dw_eager.double()) < 1e-6
+
+
+def test_torch_compile_runs_a_dense_gated_gemm_like_eager():
+    torch._dynamo.reset()
+    x = torch.randn(129, 136, device="cuda", dtype=torch.bfloat16)
+    w13 = epicute.interleave_gate_up(torch.randn(200, 136, device="cuda", dtype=torch.bfloat16),
+                                     torch.randn(200, 136, device="cuda", dtype=torch.bfloat16))  # fmt: skip
+
+    def mlp(x, w13):
+        return epicute.gemm(x, w13.t(), gated=True, epilogue=lambda gate, up: ops.silu(gate) * up)
+
+    got, want = torch.compile(mlp, fullgraph=True)(x, w13), mlp(x, w13)
+    assert got.shape == (129, 200) and rel_err(got, want.double()) < 1e-6

@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -36,17 +35,14 @@ def randn(*shape, dtype=torch.bfloat16):
 
 FRESH = textwrap.dedent(
     """
-    import time, torch, epicute
+    import torch, epicute
     from epicute.runtime.cache import KERNEL_CACHE
     a = torch.randn(257, 136, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(136, 264, device="cuda", dtype=torch.bfloat16)
-    start = time.perf_counter()
     d = epicute.gemm(a, b, config={"tile_n": 64, "persistent": False})
-    torch.cuda.synchronize()
-    first = time.perf_counter() - start
     err = ((d.float() - a.float() @ b.float()).norm() / (a.float() @ b.float()).norm()).item()
-    (how, seconds), = KERNEL_CACHE.events.values()
-    print(how, seconds, first, err, KERNEL_CACHE.stats.compiles)
+    (how, _), = KERNEL_CACHE.events.values()
+    print(how, err, KERNEL_CACHE.stats.compiles)
     """
 )
 
@@ -57,18 +53,13 @@ def test_cold_compile_warm_call_and_fresh_process_disk_load(tmp_path, monkeypatc
     KERNEL_CACHE.clear_memory()
     a, b = randn(257, 136), randn(136, 264)
     pins = {"tile_n": 64, "persistent": False}
-    start = time.perf_counter()
+    compiles = KERNEL_CACHE.stats.compiles
     epicute.gemm(a, b, config=pins)
-    torch.cuda.synchronize()
-    cold = time.perf_counter() - start
-    ((how, compile_s),) = KERNEL_CACHE.events.values()
+    ((how, _),) = KERNEL_CACHE.events.values()
     assert how == "compiled"
-
-    start = time.perf_counter()
-    for _ in range(100):
+    for _ in range(3):  # warm calls: the compiled kernel, no compile
         d = epicute.gemm(a, b, config=pins)
-    warm = (time.perf_counter() - start) / 100
-    torch.cuda.synchronize()
+    assert KERNEL_CACHE.stats.compiles == compiles + 1
     assert rel_err(d, a.float() @ b.float()) < 1e-2
 
     script = tmp_path / "fresh.py"
@@ -78,9 +69,7 @@ def test_cold_compile_warm_call_and_fresh_process_disk_load(tmp_path, monkeypatc
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert out.returncode == 0, out.stderr
-    how, load_s, first_s, err, compiles = out.stdout.split()
-    print(f"cold {cold:.2f} s (compile {compile_s:.2f} s), warm {warm * 1e6:.1f} us, "
-          f"fresh-process load {float(load_s) * 1e3:.1f} ms, first call {float(first_s) * 1e3:.0f} ms")  # fmt: skip
+    how, err, compiles = out.stdout.split()
     # How long each step takes is bench/runtime.py's to measure (no timings in tests); here: what happened.
     assert how == "disk" and compiles == "0" and float(err) < 1e-2
 

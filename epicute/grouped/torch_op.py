@@ -1,0 +1,162 @@
+"""``torch.ops.epicute.grouped_gemm``: the grouped GEMM family's custom op (see :mod:`epicute.runtime.torch_ops`).
+
+``torch.ops.epicute.grouped_gemm(a, b, offsets, operands, scalars, epilogue, spec) -> list[Tensor]`` runs
+:func:`epicute.grouped_gemm`; under ``torch.compile`` :func:`epicute.grouped_gemm` turns into one call of it,
+gated epilogues, gathered rows, fp8 scales and variable K included. ``a_index``, ``a_scale`` and ``b_scale``
+travel among the operands under their parameter names. The fake implementation gives every output's
+shape and dtype without reading the offsets; outputs are ``[D, *aux outputs]`` in the epilogue's order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
+from epicute.epilogue.gated import output_columns
+from epicute.epilogue.graph import REDUCTIONS
+from epicute.epilogue.operands import PINS
+from epicute.errors import ConfigError, EpilogueError
+from epicute.gemm.config import GemmProblem
+from epicute.gemm.prepare import GemmRequest, lower_epilogue
+from epicute.gemm.validate import FP8_TORCH_DTYPES
+from epicute.runtime.torch_ops import (
+    config_of,
+    operand_values,
+    plain_fn,
+    register_gated_traced,
+    register_meta,
+    register_traced,
+    registered_epilogue,
+    registered_outputs,
+    spec_text,
+    split_operands,
+)
+
+#: Keyword arguments of :func:`epicute.grouped_gemm` that travel among the op's operands.
+LOADER_ARGS = ("a_index", "a_scale", "b_scale")
+
+
+@torch.library.custom_op("epicute::grouped_gemm", mutates_args=())
+def grouped_gemm_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    epilogue: str,
+    spec: str,
+) -> list[torch.Tensor]:
+    """``epicute.grouped_gemm(a, b, offsets, ...)`` as an op: ``[D, *aux outputs]`` (see the module docstring)."""
+    from epicute.grouped.api import grouped_gemm
+
+    parsed = json.loads(spec)
+    result = grouped_gemm(
+        a, b, offsets,
+        epilogue=registered_epilogue(epilogue) if epilogue else None,
+        out_dtype=IR_TO_TORCH[parsed["out_dtype"]] if parsed["out_dtype"] else None,
+        out_dtypes={k: IR_TO_TORCH[v] for k, v in parsed["out_dtypes"].items()} or None,
+        config=config_of(parsed),
+        gated=parsed["gated"],
+        **operand_values(operands, scalars, parsed),
+    )  # fmt: skip
+    if isinstance(result, torch.Tensor):
+        return [result]
+    return [result[name] for name in registered_outputs(epilogue)]
+
+
+@grouped_gemm_op.register_fake
+def _grouped_gemm_fake(a, b, offsets, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
+    spec = json.loads(spec)
+    values: dict[str, Any] = dict(zip(spec["scalars"], scalars))
+    for name, t in zip(spec["tensors"], operands):
+        # A 1-element tensor read as a scalar: its value is irrelevant to shapes (and unreadable here).
+        is_scalar = t.numel() == 1 and spec["pins"].get(name, "scalar") == "scalar" and name not in LOADER_ARGS
+        values[name] = 0.0 if is_scalar else t
+    for name, kind in spec["pins"].items():
+        values[name] = PINS[kind](values[name])
+    a_index = values.pop("a_index", None)
+    for name in LOADER_ARGS:
+        values.pop(name, None)
+    groups, n = offsets.shape[0], b.shape[-1]
+    d_n = output_columns(n, spec["gated"])
+    if b.dim() == 2:  # variable K: one (M, N) per group
+        rows, batch, shape = a.shape[0], groups, (groups, a.shape[0], d_n)
+    else:
+        rows = a.shape[0] if a_index is None else a_index.shape[0]
+        batch, shape = groups, (rows, d_n)
+    fp8 = a.dtype in FP8_TORCH_DTYPES
+    default_d = "bf16" if fp8 else ir_dtype(a.dtype, "a")  # as check_grouped_args settles it
+    d_dtype = spec["out_dtype"] or spec["out_dtypes"].get("D") or default_d
+    if not epilogue:
+        return [a.new_empty(shape, dtype=IR_TO_TORCH[d_dtype])]
+    epi = registered_epilogue(epilogue)
+    specs = epi.operands(values, rows, d_n, batch)
+    # D's dtype by the grouped prepare's lowering (sizes are symbolic here, so nothing is planned).
+    request = GemmRequest(
+        GemmProblem(0, 0, 0, 1, ir_dtype(a.dtype, "a"), d_dtype, *(("k", "k") if fp8 else ())),
+        epi,
+        tuple((s.name, s.kind, s.dtype) for s in specs.values()),
+        d_explicit=bool(spec["out_dtype"] or "D" in spec["out_dtypes"]),
+        out_dtypes=tuple(sorted(spec["out_dtypes"].items())),
+    )  # fmt: skip
+    graph = lower_epilogue(request).graph
+    for name, node_id in graph.outputs:
+        if graph.node(node_id).op in REDUCTIONS or graph.node(node_id).op == "group_scales":
+            raise EpilogueError(f"the grouped GEMM's epilogues compute and store tiles; {name!r} reduces, which "
+                                "grouped epilogues do not support yet")  # fmt: skip
+    stored = dict(graph.output_dtypes)
+    return [a.new_empty(shape, dtype=IR_TO_TORCH[stored[name]]) for name, _ in graph.outputs]
+
+
+register_meta(grouped_gemm_op, _grouped_gemm_fake)
+
+
+def grouped_gemm_op_call(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    epilogue: Callable | None,
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+    out_dtypes: dict | None,
+    backend: str,
+    config: dict | None,
+    check_offsets: bool,
+    gated: bool,
+    loader_args: dict[str, Any],
+    operands: dict[str, Any],
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """:func:`epicute.grouped_gemm` while ``torch.compile`` traces it: one ``epicute::grouped_gemm`` op."""
+    if backend != "kernel":
+        raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
+    if check_offsets:
+        raise ConfigError("check_offsets=True reads the offsets on the host, a sync torch.compile cannot trace; "
+                          "check them outside the compiled region")  # fmt: skip
+    if epilogue is None and (operands or out_dtypes or gated):
+        given = sorted(operands) or list(out_dtypes or ["gated"])
+        raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
+    if out is not None and out_dtype is None:  # the op returns a fresh D in out's dtype, copied in below
+        out_dtype = out.dtype
+    if epilogue is None:
+        key, outputs = "", ("D",)
+    else:
+        key, outputs = (register_gated_traced if gated else register_traced)(plain_fn(epilogue))
+    loaders = {name: value for name, value in loader_args.items() if value is not None}
+    tensor_names, tensors, scalar_names, scalars, pins = split_operands({**operands, **loaders})
+    spec = spec_text(
+        tuple(tensor_names), tuple(scalar_names), tuple(pins), tuple(sorted((config or {}).items())),
+        (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted((out_dtypes or {}).items()))), ("gated", gated)),
+    )  # fmt: skip
+    results = dict(zip(outputs, torch.ops.epicute.grouped_gemm(a, b, offsets, tensors, scalars, key, spec)))
+    if out is not None:
+        out.copy_(results["D"])
+        results["D"] = out
+    return results["D"] if len(outputs) == 1 else results
+
+
+__all__ = ["grouped_gemm_op", "grouped_gemm_op_call"]
