@@ -31,6 +31,7 @@ from epicute.epilogue.tracer import epilogue
 from epicute.errors import *  # noqa: F403  (every error class: errors.__all__)
 from epicute.gemm import aot as _gemm_aot  # noqa: F401  (registers [[gemm]] jobs for epicute compile)
 from epicute.gemm.api import explain, gemm, tune
+from epicute.grouped import aot as _grouped_aot  # noqa: F401  (registers [[grouped_gemm]] jobs for epicute compile)
 from epicute.grouped.api import explain_grouped, grouped_gemm
 
 __version__ = "0.1.0"

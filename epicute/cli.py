@@ -143,6 +143,44 @@ def explain_gemm(
     console.print(render_plan(plan))
 
 
+@explain_app.command("grouped")
+def explain_grouped_cmd(
+    total_m: int = typer.Option(..., min=0, help="rows of A and D over all groups (variable K: M)"),
+    n: int = typer.Option(..., min=0, help="columns of B and D (gated: gate and up columns)"),
+    k: int = typer.Option(..., min=0, help="the reduction dimension (variable K: total rows the groups split)"),
+    groups: int = typer.Option(..., min=1, help="groups (experts)"),
+    dtype: str = typer.Option("bf16", help="A/B dtype: bf16, fp16, fp8e4m3, fp8e5m2 (fp8: blockwise scales)"),
+    out_dtype: str | None = typer.Option(None, help="D dtype (default: dtype; bf16 for fp8 inputs)"),
+    mode: str = typer.Option("rows", help="rows | gathered (a_index) | variable_k (x.t(), dy)"),
+    gated: bool = typer.Option(False, "--gated/--no-gated", help="B interleaves gate and up; epilogue f(gate, up)"),
+    b_major: str | None = typer.Option(None, help="'k': w.transpose(-2, -1) of a (G, N, K) weight (default); 'n'"),
+    tile_n: int | None = typer.Option(None, help="pin the CTA tile's N (64, 128, 192, 256)"),
+    cluster_m: int | None = typer.Option(None, help="pin the cluster's M extent (1 or 2)"),
+    epilogue: str | None = typer.Option(None, help="a fused epilogue: module:function"),
+    operand: list[str] = typer.Option(
+        [], help="an epilogue operand as name=kind[:dtype] (kind: scalar, row (G, N), col (total_M, 1), tile)"
+    ),
+    target: str | None = typer.Option(None, help=TARGET_HELP),
+) -> None:
+    """Plan a grouped GEMM (mixture-of-experts) and print the grouped schedule, the mean group's tile plan
+    and the epilogue chain (no GPU needed; offsets are never read)."""
+    from epicute.errors import EpicuteError
+    from epicute.grouped.aot import grouped_request
+    from epicute.grouped.plan import render_grouped_plan
+    from epicute.grouped.prepare import prepare
+    from epicute.runtime.target import resolve_target
+
+    pins = {key: value for key, value in (("tile_n", tile_n), ("cluster_m", cluster_m)) if value is not None}
+    try:
+        operands = dict(item.split("=", 1) if "=" in item else (item, "") for item in operand)
+        request = grouped_request([total_m, n, k, groups], dtype, out_dtype, b_major, mode, gated, epilogue,
+                                  operands, {}, pins, resolve_target(target))  # fmt: skip
+        plan = prepare(request).plan
+    except EpicuteError as exc:
+        raise _fail(exc) from exc
+    console.print(render_grouped_plan(plan))
+
+
 @explain_app.command("attention")
 def explain_attention_cmd(
     batch: int = typer.Option(1, min=1, help="batch size"),

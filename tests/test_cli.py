@@ -423,3 +423,35 @@ def test_explain_with_a_target_shows_its_grid_and_roofline():
     pcie = runner.invoke(app, [*attention, "--target", "h100-pcie"])
     assert pcie.exit_code == 0, pcie.output
     assert "h100-pcie (NVIDIA H100 PCIe): sm_90a, 114 SMs" in pcie.output and "at 756 TFLOP/s" in pcie.output
+
+
+def test_explain_grouped_prints_the_grouped_schedule():
+    args = [
+        "explain",
+        "grouped",
+        "--total-m",
+        "32768",
+        "--n",
+        "28672",
+        "--k",
+        "4096",
+        "--groups",
+        "8",
+        "--mode",
+        "gathered",
+        "--gated",
+        "--epilogue",
+        "tests.grouped.test_grouped_aot:swiglu",
+        "--operand",
+        "score=col:fp32",
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "grouped schedule" in result.output and "gathered through a_index" in result.output
+    assert "gated" in result.output and "epilogue chain" in result.output
+    wgrad = runner.invoke(app, ["explain", "grouped", "--total-m", "4096", "--n", "14336", "--k", "16384", "--groups",
+                                "8", "--mode", "variable_k"])  # fmt: skip
+    assert wgrad.exit_code == 0 and "variable K" in wgrad.output
+    bad = runner.invoke(app, ["explain", "grouped", "--total-m", "8", "--n", "8", "--k", "8", "--groups", "2", "--mode",
+                              "ragged"])  # fmt: skip
+    assert bad.exit_code == 2 and "rows, gathered, variable_k" in bad.output

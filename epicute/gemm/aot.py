@@ -24,7 +24,8 @@ def gemm_variants(entry: dict, target: Target | None = None) -> list:
     from epicute.gemm.config import AB_DTYPES, D_DTYPES, FP8_AB_DTYPES, GemmConfig
     from epicute.gemm.prepare import prepare
 
-    allowed = {"shapes", "dtype", "out_dtype", "a_major", "b_major", "config", "epilogue", "operands", "out_dtypes"}
+    allowed = {"shapes", "dtype", "out_dtype", "a_major", "b_major", "config", "epilogue", "operands", "out_dtypes",
+               "gated"}  # fmt: skip
     unknown = sorted(set(entry) - allowed)
     if unknown:
         raise ConfigError(f"unknown fields {unknown}; known are {sorted(allowed)}")
@@ -45,6 +46,9 @@ def gemm_variants(entry: dict, target: Target | None = None) -> list:
         raise ConfigError(f"out_dtype = {out_dtype!r}; D's dtype is one of {', '.join(D_DTYPES)}")
     check_fields(entry, str, "a_major", "b_major", "epilogue")
     check_fields(entry, dict, "operands", "out_dtypes")
+    gated = entry.get("gated", False)
+    if not isinstance(gated, bool) or (gated and not entry.get("epilogue")):
+        raise ConfigError(f"gated = {gated!r}: true (with an epilogue f(gate, up, ...)) or false")
 
     def problem_of(shape: list[int]) -> GemmProblem:
         m, n, k, l = (*shape, 1) if len(shape) == 3 else shape
@@ -53,7 +57,7 @@ def gemm_variants(entry: dict, target: Target | None = None) -> list:
 
     request = gemm_request(
         problem_of(shapes[0]), entry.get("epilogue"), entry.get("operands") or {}, "out_dtype" in entry,
-        entry.get("out_dtypes") or {}, config_pins(entry, GemmConfig), target,
+        entry.get("out_dtypes") or {}, config_pins(entry, GemmConfig), target, gated,
     )  # fmt: skip
     variants = {}
     for shape in shapes:
@@ -72,11 +76,13 @@ def gemm_request(
     out_dtypes: dict,
     pins: dict,
     target: Target | None = None,
+    gated: bool = False,
 ) -> GemmRequest:
     """The :class:`~epicute.gemm.prepare.GemmRequest` of calls described in text (a spec entry, the CLI):
     ``epilogue`` a ``module:function`` path, ``operands`` ``{name: "kind[:dtype]"}`` (unlisted ones
     are scalars), ``out_dtypes`` IR dtype names, ``pins`` config fields, ``target`` the GPU to plan
-    for (None: the current one)."""
+    for (None: the current one), ``gated`` a gated epilogue ``f(gate, up, ...)``."""
+    from epicute.epilogue.gated import gated_epilogue
     from epicute.epilogue.scales import SCALE_NAMES, scaled_epilogue
     from epicute.epilogue.tracer import as_epilogue
     from epicute.gemm.prepare import GemmRequest, ir_items
@@ -96,7 +102,7 @@ def gemm_request(
         if operands or out_dtypes:
             raise ConfigError("operands/out_dtypes need an epilogue")
         return GemmRequest(problem, overrides=overrides, target=target)
-    epi = as_epilogue(import_object(epilogue)) if epilogue else None
+    epi = (gated_epilogue if gated else as_epilogue)(import_object(epilogue)) if epilogue else None
     if problem.fp8 and not problem.block_scaled:
         # fp8 inputs' scales are operands of the scaled epilogue; rowwise unless named otherwise
         # (a_scale = "scalar" for a float, "row" for a GPU tensor; "blockwise" for both, the

@@ -358,6 +358,11 @@ class GemmSm90:
         tm, tn, tl = coord[0], coord[1], coord[2]
         return (tm * self.cfg.tile_m, tn * self.out_tile_n), extent_mn, tl
 
+    def _partials_origin(self, coord: tuple):
+        """The row of the tile's own column and whole-tile reduction slots, or None: its partials go to the 16-row
+        bands of its global rows (tiles of one output never share a band)."""
+        return None
+
     def _subtile_order(self):
         """Subtile index -> (m, n) subtile coordinate: row-major over (tile_m/epi_m, tile_n/epi_n), the
         order in which the epilogue stores subtiles and the epilogue-load warp fills its ring."""
@@ -1001,6 +1006,7 @@ class GemmEpilogueRun(EpilogueRun):
         self.staging = None
         if cutlass.const_expr(fusion is not None):
             self.origin, self.extent, batch = kernel._epilogue_frame(tile_coord, copies.extent_mn)
+            self.band_origin = kernel._partials_origin(tile_coord)
             self.lane = copies.lane
             self.coords, self.coords0 = copies.tRS_cT, copies.tRS_cT0
             self.scalars, self.workspaces, self.tile_index = epi_scalars, epi_workspaces, (tile_coord[1], batch)

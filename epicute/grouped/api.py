@@ -68,8 +68,11 @@ def grouped_gemm(
             operands, by name: scalars; per-group row vectors ``(G, N)`` (an expert's bias or
             scales) or one ``(N,)`` for all groups; per-row column vectors ``(total_M, 1)`` or
             ``epicute.ColVector(w)`` of a ``(total_M,)`` ``w`` (router weights); tiles ``(total_M, N)``.
-            Its outputs are tiles (no reductions yet). Variable K: operands of the dense batched GEMM
-            with the groups as its batch (``(G, N)`` rows, ``(G, M, 1)`` columns, ``(G, M, N)`` tiles).
+            Its outputs are tiles and reductions: per row over N (``ops.row_sum``/``row_max``: ``(total_M,)``) and,
+            per group, over its rows (``ops.col_sum``/``col_max``: ``(G, N)``) or its whole tile (``ops.amax``:
+            ``(G,)``), combined in a fixed order (bitwise reproducible). Variable K: operands and reductions of
+            the dense batched GEMM with the groups as its batch (``(G, N)`` rows, ``(G, M, 1)`` columns, ``(G, M, N)``
+            tiles; ``(G, M)`` and ``(G, N)`` reductions, one amax).
         out: optional preallocated row-major ``(total_M, N)`` output (variable K: ``(G, M, N)``).
         out_dtype, out_dtypes: as for :func:`epicute.gemm`.
         backend: ``"kernel"`` (the GPU) or ``"reference"`` (float32 on the CPU, per group).
@@ -205,6 +208,9 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
         a, b = dequantize_blockwise(call.a, call.b, call.block_scales)
         a = a[0]
     graph = None if prepared.epilogue is None else prepared.epilogue.graph
+    # Reductions along rows or over whole tiles are per group (column sums (G, N), amax (G,)) when groups split M.
+    per_group = set() if graph is None or p.ragged == "k" else {
+        r.name for r in prepared.epilogue.fusion.reductions if r.axis != "row"}  # fmt: skip
     pieces: dict[str, list] = {}
     start = 0
     for g, end in enumerate(offsets.tolist()):
@@ -221,10 +227,13 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
             operands = {name: _group_slice(s, g, start, end, p.ragged) for name, s in specs.items()}
             results = evaluate(graph, acc, operands, up=up)
         for name, value in results.items():
-            pieces.setdefault(name, []).append(value[0])
+            pieces.setdefault(name, []).append(value if value.dim() == 0 else value[0])
         start = end
-    if p.ragged == "k":  # one (M, N) output per group
+    if p.ragged == "k":  # one (M, N) output per group; a whole-output reduction over all of them
         results = {name: torch.stack(values) for name, values in pieces.items()}
+        for r in () if graph is None else prepared.epilogue.fusion.reductions:
+            if r.axis == "all":
+                results[r.name] = results[r.name].amax()
         if call.out is not None:
             call.out.copy_(results["D"])
             results["D"] = call.out
@@ -232,7 +241,7 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
     if not pieces:  # no rows at all
         stored = {"D": p.d_dtype} if prepared.epilogue is None else prepared.epilogue.fusion.output_dtypes
         pieces = {name: [torch.empty(0, p.d_n, dtype=IR_TO_TORCH[d])] for name, d in stored.items()}
-    results = {name: torch.cat(values) for name, values in pieces.items()}
+    results = {name: torch.stack(values) if name in per_group else torch.cat(values) for name, values in pieces.items()}
     if call.out is not None:
         call.out[0].copy_(results["D"])
         results["D"] = call.out[0]

@@ -101,7 +101,7 @@ class GroupedGemmSm90(GemmSm90):
         return tensor
 
     def _subtile_partition(self, atom, smem_staged: cute.Tensor, tiles: cute.Tensor, coord: tuple, store: bool):
-        tm, tn, _, start, end = coord
+        tm, tn, _, start, end = coord[:5]
         if cutlass.const_expr(store):
             rows = cute.size(tiles, mode=[0])
             view = cute.domain_offset((rows - (end - start), 0), tiles[(None, None, end)])
@@ -121,8 +121,13 @@ class GroupedGemmSm90(GemmSm90):
         return tAgA[(None, coord[0], None, 0)]
 
     def _epilogue_frame(self, coord: tuple, extent_mn: tuple) -> tuple:
-        tm, tn, g, start, end = coord
+        tm, tn, g, start, end = coord[:5]
         return (start + tm * self.cfg.tile_m, tn * self.out_tile_n), (end, extent_mn[1]), g
+
+    def _partials_origin(self, coord: tuple):
+        """Tiles of different groups may share a 16-row band of rows, so each tile row of the schedule gets its own
+        slots (``coord[5] + tm``: every tile row numbered once), which the host reduces per group."""
+        return (coord[5] + coord[0]) * self.cfg.tile_m
 
 
 class GatheredGemmSm90(GroupedGemmSm90):
@@ -199,7 +204,7 @@ class GatheredGemmSm90(GroupedGemmSm90):
         state = RingState.producer(cfg.ab_stages, tracked=True)
         work = scheduler.first()
         while scheduler.is_valid(work):
-            tm, _, _, start, end = scheduler.coord(work)
+            tm, _, _, start, end, _ = scheduler.coord(work)
             for i in cutlass.range_constexpr(passes):
                 row = cutlass.min(start + tm * cfg.tile_m + row0 + i * rows_per_pass, end - 1)
                 source_rows[i] = cutlass.max(cutlass.min(a_index[row], last_source_row), 0)

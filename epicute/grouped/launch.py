@@ -4,12 +4,16 @@ aux outputs allocated, the kernel called with the offsets as they are on the GPU
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
+from epicute.epilogue.fusion import ROWS_PER_WARP
+from epicute.epilogue.graph import REDUCTION_IDENTITY
 from epicute.grouped.compile import GROUPED_CACHE, GroupedVariant
 from epicute.grouped.plan import GroupedPlan
 from epicute.grouped.validate import GroupedCall
+from epicute.sm90.tile_grid import ceil_div
 
 
 def variant_of(plan: GroupedPlan, fusion=None) -> GroupedVariant:
@@ -48,26 +52,85 @@ def _block_scales(call: GroupedCall) -> tuple:
     return a.expand(call.problem.groups, -1, -1), b
 
 
+def tile_row_slots(plan: GroupedPlan) -> tuple[int, int]:
+    """(tile rows the schedule may number, reduction slots per tile row): a grouped epilogue's column and
+    whole-tile partials go to each tile row's own 16-row slots (``GroupedGemmSm90._partials_origin``); the rows
+    are the grid bound's (:func:`~epicute.sm90.tile_grid.grouped_cluster_bound`) in tiles."""
+    p, c = plan.problem, plan.config
+    block_m = c.tile_m * c.cluster_m
+    return (p.total_m + p.groups * (block_m - 1)) // block_m * c.cluster_m, c.tile_m // ROWS_PER_WARP
+
+
+def _workspaces(plan: GroupedPlan, fusion, device) -> dict[str, torch.Tensor]:
+    """Each reduction's fp32 partials. Variable K: the dense batched GEMM's. Groups of rows: row reductions
+    ``(1, tiles_n, total_M)``, column and whole-tile ones the slots of every tile row, ``(1, slots, N)`` and
+    ``(1, slots, tiles_n)``; the kernel gets them as ``(G, ...)`` views with a zero group stride (it indexes them
+    by group; each slot has one writer)."""
+    p = plan.problem
+    tile_n = plan.config.tile_n // (2 if p.gated else 1)
+    if p.ragged == "k":
+        return {r.name: torch.empty(r.workspace_shape(p.groups, p.total_m, p.d_n, tile_n), dtype=torch.float32,
+                                    device=device) for r in fusion.reductions}  # fmt: skip
+    rows, per_row = tile_row_slots(plan)
+    tiles_n = ceil_div(p.d_n, tile_n)
+    shapes = {"row": (tiles_n, p.total_m), "col": (rows * per_row, p.d_n), "all": (rows * per_row, tiles_n)}
+    return {r.name: torch.empty((1, *shapes[r.axis]), dtype=torch.float32, device=device)
+            for r in fusion.reductions}  # fmt: skip
+
+
+def _finalize(r, workspace: torch.Tensor, plan: GroupedPlan, offsets: torch.Tensor) -> torch.Tensor:
+    """Reduction ``r``'s result from its partials, in a fixed order (deterministic): rows ``(total_M,)``, columns
+    ``(G, N)`` and whole tiles ``(G,)`` per group. Each group's slots are the next ``tile rows * slots`` of the
+    workspace, counted from the offsets on the GPU (no sync), and reduced by ``torch.segment_reduce``."""
+    p = plan.problem
+    if p.ragged == "k":
+        return r.finalize(workspace)
+    if r.axis == "row":  # one writer per row: the sum over the tiles along N
+        return r.finalize(workspace[:1])[0]
+    c = plan.config
+    rows, per_row = tile_row_slots(plan)
+    ends = offsets.clamp(0, p.total_m)
+    starts = torch.minimum(torch.cat([ends.new_zeros(1), ends[:-1]]), ends)
+    block_m = c.tile_m * c.cluster_m
+    slots = ((ends - starts + block_m - 1) // block_m * c.cluster_m * per_row).long()
+    lengths = torch.cat([slots, (rows * per_row - slots.sum()).reshape(1)])  # the unused slots: one more segment
+    reduce, initial = ("sum", 0.0) if r.combine == "sum" else ("max", 0.0 if r.combine == "amax" else -math.inf)
+    per_group = torch.segment_reduce(workspace[0], reduce, lengths=lengths, axis=0, unsafe=True, initial=initial)
+    per_group = per_group[: p.groups]
+    if r.axis == "all":  # then over the tiles along N (none: the identity)
+        return per_group.amax(dim=1) if per_group.shape[1] else per_group.new_zeros(p.groups)
+    return per_group
+
+
 def run_grouped(call: GroupedCall, plan: GroupedPlan, fusion=None, epi_inputs: tuple = (), epi_scalars: tuple = (),
                 aux: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Launch ``call`` with ``plan``; every output by name, ``(total_M, N)`` (``N / 2`` gated), D first."""
+    """Launch ``call`` with ``plan``; every output by name, ``(total_M, N)`` (``N / 2`` gated), D first, then the
+    aux tiles and the reductions (see :func:`_finalize`)."""
     p = call.problem
     out3 = call.out
     if out3 is None:
         out3 = torch.empty(p.out_shape, dtype=call.out_dtype, device=call.a.device)
     aux = dict(aux or {})
+    workspaces = {} if fusion is None else _workspaces(plan, fusion, call.a.device)
     if p.total_m and p.n:
         if p.k == 0 and fusion is None:
             out3.zero_()
         else:
             a, b = (call.a, call.b) if p.k else _zero_k(call)
-            epi_tensors = tuple(epi_inputs) + tuple(aux.values())
+            per_group = p.ragged == "m"
+            views = tuple(w.expand(p.groups, -1, -1) if per_group else w for w in workspaces.values())
+            epi_tensors = tuple(epi_inputs) + tuple(aux.values()) + views
             index_args = (call.offsets,) if call.a_index is None else (call.offsets, call.a_index)
             kernel_for(plan, fusion)(a, b, out3, *index_args, epi_tensors, tuple(epi_scalars), _block_scales(call),
                                      plan.max_active_clusters)  # fmt: skip
+    elif workspaces:  # no rows or no columns: nothing launched, every reduction is its identity
+        for r in fusion.reductions:
+            workspaces[r.name].fill_(REDUCTION_IDENTITY[r.combine])
+    reductions = {r.name: _finalize(r, workspaces[r.name], plan, call.offsets) for r in (fusion.reductions if fusion
+                                                                                           else ())}  # fmt: skip
     if p.ragged == "k":
-        return {"D": out3, **aux}
-    return {"D": out3[0], **{name: t[0] for name, t in aux.items()}}
+        return {"D": out3, **aux, **reductions}
+    return {"D": out3[0], **{name: t[0] for name, t in aux.items()}, **reductions}
 
 
 __all__ = ["kernel_for", "run_grouped", "variant_of"]

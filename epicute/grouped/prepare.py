@@ -81,11 +81,10 @@ def _prepare(request: GroupedRequest) -> PreparedGrouped:
         problem.mean_group(), request.epilogue, request.operands, request.d_explicit, request.out_dtypes,
     ))  # fmt: skip
     fusion = lowered.fusion
-    if fusion.reductions or fusion.group_quant is not None:
-        what = [r.name for r in fusion.reductions] or ["quantize_groups"]
+    if fusion.group_quant is not None:
         raise EpilogueError(
-            f"the grouped GEMM's epilogues compute and store tiles; {what} reduce across rows or columns, which "
-            "grouped epilogues do not support yet: reduce the returned tile with torch, or use epicute.gemm per group"
+            "quantize_groups in a grouped GEMM's epilogue is not supported yet: quantize the returned tile with "
+            "epicute.gemm's epilogue or torch"
         )
     problem = replace(problem, d_dtype=lowered.d_dtype)
     _check_aux_rows(lowered, problem.d_n)

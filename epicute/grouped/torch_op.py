@@ -104,12 +104,22 @@ def _grouped_gemm_fake(a, b, offsets, operands, scalars, epilogue, spec) -> list
         out_dtypes=tuple(sorted(spec["out_dtypes"].items())),
     )  # fmt: skip
     graph = lower_epilogue(request).graph
-    for name, node_id in graph.outputs:
-        if graph.node(node_id).op in REDUCTIONS or graph.node(node_id).op == "group_scales":
-            raise EpilogueError(f"the grouped GEMM's epilogues compute and store tiles; {name!r} reduces, which "
-                                "grouped epilogues do not support yet")  # fmt: skip
     stored = dict(graph.output_dtypes)
-    return [a.new_empty(shape, dtype=IR_TO_TORCH[stored[name]]) for name, _ in graph.outputs]
+    variable_k = b.dim() == 2
+    # Reductions as run_grouped returns them (by the kind of vector each gives): one value per row, per column of
+    # each group, or per group (variable K: the dense batched GEMM's, one amax).
+    reduced = {"col": (groups, rows) if variable_k else (rows,), "row": (groups, d_n),
+               "scalar": () if variable_k else (groups,)}  # fmt: skip
+    outputs = []
+    for name, node_id in graph.outputs:
+        op = graph.node(node_id).op
+        if op == "group_scales":
+            raise EpilogueError("quantize_groups in a grouped GEMM's epilogue is not supported yet")
+        if op in REDUCTIONS:
+            outputs.append(a.new_empty(reduced[REDUCTIONS[op][0]], dtype=torch.float32))
+        else:
+            outputs.append(a.new_empty(shape, dtype=IR_TO_TORCH[stored[name]]))
+    return outputs
 
 
 register_meta(grouped_gemm_op, _grouped_gemm_fake)

@@ -17,6 +17,7 @@ made, and the variants those calls would compile are built::
     epilogue = "mypkg.epilogues:bias_gelu"           # optional, module:function
     operands = { bias = "row:bf16", alpha = "scalar" }  # kind[:dtype] per operand
     out_dtypes = { D = "bf16" }     # optional, as gemm(out_dtypes=...)
+    gated = false                   # optional: gated=True calls (epilogue f(gate, up, ...))
 
 Sizes pick the plan (tiles, cluster, stages), not the code's sizes: list a
 shape per regime the application runs (decode-sized M, prefill-sized M...).
@@ -25,6 +26,9 @@ Plans are made for the visible GPU, else an H100 SXM, or for the part named by
 :mod:`epicute.runtime.target`). Entries serve every part of the target's arch:
 keys hold no SM count (the persistent grid is sized at launch), so the target
 only matters where the planner would choose another config for another SM count.
+
+``[[grouped_gemm]]`` entries (shapes ``[total_M, N, K, G]``, a ``mode`` of rows, gathered rows or
+variable K) are described in :mod:`epicute.grouped.aot`.
 
 Attention needs no sizes at all (its plan depends on head_dim, causal and dtype
 only; batch, sequence lengths and head counts are runtime values)::

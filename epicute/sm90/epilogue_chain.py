@@ -74,6 +74,8 @@ class EpilogueRun:
 
     fusion = None
     subtile = 0
+    #: the row of the tile's own reduction slots, or None: partials go to global 16-row bands
+    band_origin = None
 
     def __init__(self):
         self.col_partials: dict = {}
@@ -91,7 +93,14 @@ class EpilogueRun:
     def tile_epi(self) -> emit.TileEpilogue:
         if self._tile_epi is None:
             self._tile_epi = emit.TileEpilogue(
-                self.fusion, self.coords, self.coords0, self.vectors, self.scalars, self.origin, self.extent
+                self.fusion,
+                self.coords,
+                self.coords0,
+                self.vectors,
+                self.scalars,
+                self.origin,
+                self.extent,
+                self.band_origin,
             )
         return self._tile_epi
 

@@ -179,13 +179,17 @@ class TileEpilogue:
     shared memory once and each reduction partial is folded.
     """
 
-    def __init__(self, fusion: EpilogueFusion, coords, coords0, vectors: dict, scalars: tuple, origin, extent):
+    def __init__(self, fusion: EpilogueFusion, coords, coords0, vectors: dict, scalars: tuple, origin, extent,
+                 band_origin=None):  # fmt: skip
         self.fusion = fusion
         self.coords, self.coords0 = coords, coords0
         #: name -> a tensor of the vector indexed by tile-local position (n for rows, m for columns)
         self.vectors = vectors
         self.scalars = scalars
         self.origin, self.extent = origin, extent  # global (m, n) of the tile's corner; problem (M, N)
+        #: Where the tile's column and whole-tile partials go: None, the 16-row bands of its global rows; else
+        #: the row of the tile's own slots (a grouped GEMM's: groups share no band, see GroupedGemmSm90).
+        self.band_origin = band_origin
         self._vector_cache: dict = {}
         #: row reductions: (name, static m) -> [partial, tile-local m]
         self.row_partials: dict = {}
@@ -249,8 +253,16 @@ class TileEpilogue:
         slot[0] = fold_element(r.combine, slot[0], x, valid)
 
     def _band(self, m_local):
-        """The global 16-row band (one warp's rows of a WGMMA block) holding tile-local row ``m_local``."""
-        return (self.origin[0] + m_local) // ROWS_PER_WARP
+        """The 16-row band (one warp's rows of a WGMMA block) holding tile-local row ``m_local``: global, or in
+        the tile's own slots."""
+        first = self.origin[0] if self.band_origin is None else self.band_origin
+        return (first + m_local) // ROWS_PER_WARP
+
+    def _band_in_workspace(self, band):
+        """Whether ``band`` has a slot (a tile's own slots always do, rows past the problem holding the identity)."""
+        if self.band_origin is None:
+            return band * ROWS_PER_WARP < self.extent[0]
+        return band >= 0
 
     def store_col_partials(self, r, col_partials: dict, ws, tl, lane) -> None:
         """One subtile's partials of column reduction ``r``: lanes sharing a column (they differ in
@@ -259,12 +271,14 @@ class TileEpilogue:
             value = butterfly(r.combine, partial, (4, 8, 16))
             band = self._band(m_local)
             n = self.origin[1] + n_local
-            pred = (lane < 4) & (n < self.extent[1]) & (band * ROWS_PER_WARP < self.extent[0])
+            pred = (lane < 4) & (n < self.extent[1]) & self._band_in_workspace(band)
             store_if(pred, ws, (tl, band, n), value)
 
     def store_tile_partials(self, workspaces: tuple, tn, tl, lane) -> None:
         """The tile's row reductions (the 4 lanes of a quad share a row) and whole-tile ones (the
-        warp, once per 16-row band it covers)."""
+        warp, once per 16-row band it covers). A tile wholly past N (a cluster's second CTA beside
+        the last column of tiles) has no slot: its workspace index ``tn`` is one past the end."""
+        tile_in_n = self.origin[1] < self.extent[1]
         for r, ws in zip(self.fusion.reductions, workspaces):
             if r.axis == "row":
                 for (name, _), (partial, m_local) in self.row_partials.items():
@@ -272,14 +286,14 @@ class TileEpilogue:
                         continue
                     value = butterfly(r.combine, partial, (1, 2))
                     m = self.origin[0] + m_local
-                    store_if((lane % 4 == 0) & (m < self.extent[0]), ws, (tl, tn, m), value)
+                    store_if((lane % 4 == 0) & (m < self.extent[0]) & tile_in_n, ws, (tl, tn, m), value)
             elif r.axis == "all":
                 for (name, _), (partial, m_local) in self.all_partials.items():
                     if name != r.name:
                         continue
                     value = butterfly(r.combine, partial, (1, 2, 4, 8, 16))
                     band = self._band(m_local)
-                    store_if((lane == 0) & (band * ROWS_PER_WARP < self.extent[0]), ws, (tl, band, tn), value)
+                    store_if((lane == 0) & self._band_in_workspace(band) & tile_in_n, ws, (tl, band, tn), value)
 
 
 def ceil_pow2(x):

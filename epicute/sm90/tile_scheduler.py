@@ -208,7 +208,8 @@ class GroupedTileScheduler(StaticClusterWalk):
     empty or overlap, never reach past the output). Clusters are numbered group-major: group ``g``
     has ``ceil(rows_g / block_m) * clusters_n`` of them (``block_m = tile_m * cluster_m``: a cluster
     never straddles groups) and walks them in bands like :class:`ClusterTileScheduler`. ``coord``
-    is ``(tile_m within the group, tile_n, g, first row, end row)``.
+    is ``(tile_m within the group, tile_n, g, first row, end row, tile rows of the groups before g)``:
+    the last numbers every tile row of the schedule once (a grouped epilogue's reduction slots).
 
     Read-only inside loops: every value is computed before the role's tile loop, so the DSL needs
     to carry nothing. Each role counts the clusters once (:attr:`total`) and decodes each of its
@@ -255,7 +256,8 @@ class GroupedTileScheduler(StaticClusterWalk):
 
     @cute.jit
     def coord(self, work):
-        """``(tile_m, tile_n, group, first row, end row)`` of this CTA for a valid cluster id."""
+        """``(tile_m, tile_n, group, first row, end row, tile rows before the group)`` of this CTA for a valid
+        cluster id."""
         first = Int32(0)
         before = Int32(0)  # clusters of the groups before the window
         start, end, clusters = self._window(first)
@@ -271,10 +273,12 @@ class GroupedTileScheduler(StaticClusterWalk):
         lane = cute.arch.popc(cute.arch.vote_ballot_sync(before + inclusive <= work))
         group_start = cute.arch.shuffle_sync(start, lane)
         group_end = cute.arch.shuffle_sync(end, lane)
-        within = work - before - cute.arch.shuffle_sync(inclusive - clusters, lane)
+        clusters_before = before + cute.arch.shuffle_sync(inclusive - clusters, lane)
+        within = work - clusters_before
         clusters_m = (group_end - group_start + self.block_m - 1) // self.block_m
         tile_m, tile_n = self.cta_tile(within, clusters_m, self.clusters_n)
-        return tile_m, tile_n, first + lane, group_start, group_end
+        rows_before = clusters_before // self.clusters_n * self.cluster_shape_mn[0]
+        return tile_m, tile_n, first + lane, group_start, group_end, rows_before
 
 
 class TileQueue(PersistentTileScheduler):

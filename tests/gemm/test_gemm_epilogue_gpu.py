@@ -220,3 +220,24 @@ def test_plain_schedule(c_kind):
         ref = epicute.gemm(a, b, epilogue=epicute.epilogues.plain, backend="reference", alpha=0.5, beta=-1.5, C=c)
         assert got.data_ptr() == out.data_ptr()
         assert_close(got, ref, lead + (m, n), torch.bfloat16, 1e-2, f"D at {(m, n, k, l)}")
+
+
+def test_a_clusters_spare_tile_past_n_writes_no_reduction_partials():
+    """Cluster 1x2 over an odd number of 64-wide tiles (N = 264: 5 tiles, 3 clusters): the last cluster's second CTA
+    lies wholly past N. Its row and whole-tile partials once went one tile past their workspaces' end, where a
+    row_max's -inf identity landed in the next allocation (the col_sum's workspace here: its result was -inf)."""
+    a, b = rand(553, 200), rand(264, 200).t()
+    bias = rand(264)
+
+    def every_reduction(acc, bias):
+        y = acc + bias
+        return {"D": y, "rs": ops.row_sum(y), "rm": ops.row_max(y), "cs": ops.col_sum(y), "cm": ops.col_max(y),
+                "am": ops.amax(y)}  # fmt: skip
+
+    config = {"tile_n": 64, "cluster_m": 1, "cluster_n": 2}
+    got = epicute.gemm(a, b, epilogue=every_reduction, bias=bias, out_dtype=torch.float32, config=config)
+    y = a.double() @ b.double() + bias.double()
+    assert rel_err(got["D"], y) < 1e-5
+    assert rel_err(got["rs"], y.sum(1)) < 1e-5 and rel_err(got["cs"], y.sum(0)) < 1e-5
+    assert rel_err(got["rm"], y.amax(1)) < 1e-6 and rel_err(got["cm"], y.amax(0)) < 1e-6
+    assert rel_err(got["am"], y.abs().amax()) < 1e-6

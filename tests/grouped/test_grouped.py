@@ -4,6 +4,7 @@ against per-group float32 products, the grouped plan and its grid bound, and sm_
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -113,8 +114,8 @@ def test_epilogue_operand_errors():
     per_group_rows = torch.randn(3, 10, 1)
     with pytest.raises(EpilogueError, match="each row belongs to one group"):
         epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc, s: acc * s, s=per_group_rows, backend="reference")
-    with pytest.raises(EpilogueError, match="do not support yet"):
-        epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc: {"D": acc, "row_sum": ops.row_sum(acc)},
+    with pytest.raises(EpilogueError, match="quantize_groups in a grouped GEMM"):
+        epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc: dict(zip(("D", "s"), ops.quantize_groups(acc))),
                              backend="reference")  # fmt: skip
     with pytest.raises(EpilogueError, match="without an epilogue"):
         epicute.grouped_gemm(a, b, offsets, bias=torch.randn(24), backend="reference")
@@ -423,4 +424,41 @@ def test_gathered_variants_compile_for_sm90a(config):
                                     a_index=meta(3000, dtype=torch.int32))[2]  # fmt: skip
     variant = prepare(request).variant()
     assert variant.gathered and variant.config.cluster_n == 1
+    compile_grouped(variant)
+
+
+# ---- reductions in grouped epilogues
+
+
+def row_col_all(acc, bias):
+    y = acc + bias
+    return {"D": y, "rows": ops.row_sum(y), "cols": ops.col_sum(y), "colmax": ops.col_max(y), "peak": ops.amax(y)}
+
+
+def test_grouped_reference_reductions_are_per_row_and_per_group():
+    sizes = [3, 0, 40, 9]
+    a, b, offsets = operands(sizes)
+    bias = torch.randn(4, 24, dtype=torch.bfloat16)
+    got = epicute.grouped_gemm(a, b, offsets, epilogue=row_col_all, bias=bias, backend="reference",
+                               out_dtype=torch.float32)  # fmt: skip
+    group = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes))
+    y = per_group(a, b, offsets) + bias.double()[group]
+    assert rel_err(got["rows"], y.sum(1)) < 1e-6
+    ends = offsets.tolist()
+    for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends)):
+        if e == s:  # an empty group: each reduction's identity
+            assert (got["cols"][g] == 0).all() and (got["colmax"][g] == -math.inf).all() and got["peak"][g] == 0
+            continue
+        assert rel_err(got["cols"][g], y[s:e].sum(0)) < 1e-6
+        assert rel_err(got["colmax"][g], y[s:e].amax(0)) < 1e-6
+        assert rel_err(got["peak"][g], y[s:e].abs().amax()) < 1e-6
+    assert got["cols"].shape == (4, 24) and got["peak"].shape == (4,)
+
+
+def test_grouped_reductions_compile_for_sm90a():
+    meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
+    request = describe_grouped_call(meta(3000, 200), meta(5, 136, 200).transpose(-2, -1), meta(5, dtype=torch.int32),
+                                    row_col_all, None, None, None, None, {"bias": meta(5, 136)}, False)[2]  # fmt: skip
+    variant = prepare(request).variant()
+    assert len(variant.fusion.reductions) == 4
     compile_grouped(variant)

@@ -471,3 +471,81 @@ def test_torch_compile_runs_a_dense_gated_gemm_like_eager():
 
     got, want = torch.compile(mlp, fullgraph=True)(x, w13), mlp(x, w13)
     assert got.shape == (129, 200) and rel_err(got, want.double()) < 1e-6
+
+
+# ---- reductions in grouped epilogues
+
+
+def reductions(acc, bias):
+    y = acc + bias
+    return {"D": y, "rows": ops.row_sum(y), "rowmax": ops.row_max(y), "cols": ops.col_sum(y), "colmax": ops.col_max(y),
+            "peak": ops.amax(y)}  # fmt: skip
+
+
+def check_reductions(got, y, offsets):
+    """Row reductions per row, column and whole-tile ones per group (an empty group: the identity)."""
+    assert rel_err(got["rows"], y.sum(1)) < 1e-5 and rel_err(got["rowmax"], y.amax(1)) < 1e-6
+    ends = offsets.tolist()
+    for g, (s, e) in enumerate(zip([0, *ends[:-1]], ends)):
+        if e == s:
+            assert (got["cols"][g] == 0).all() and (got["colmax"][g] == -float("inf")).all() and got["peak"][g] == 0
+            continue
+        assert rel_err(got["cols"][g], y[s:e].sum(0)) < 1e-5
+        assert rel_err(got["colmax"][g], y[s:e].amax(0)) < 1e-6
+        assert rel_err(got["peak"][g], y[s:e].abs().amax()) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["mixed", "empty_ends", "many_groups", "skewed"])
+@pytest.mark.parametrize("config", [{}, {"cluster_m": 2, "cluster_n": 1}, {"schedule": "pingpong", "tile_n": 128},
+                                    {"cluster_m": 1, "cluster_n": 2, "tile_n": 64}])  # fmt: skip
+def test_grouped_reductions_per_row_and_per_group(name, config):
+    """Groups that share 16-row bands (sizes 1, 3, 37...), empty groups, clusters that pad groups: each tile row has
+    its own partial slots, reduced per group on the GPU. D is fp32 and NaN-poisoned."""
+    sizes = SIZES[name]
+    k, n = 200, 264
+    offsets = offsets_of(sizes)
+    total = int(offsets[-1])
+    a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    b = weights(len(sizes), n, k, "k")
+    bias = torch.randn(len(sizes), n, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((total, n), float("nan"), device="cuda")
+    got = epicute.grouped_gemm(a, b, offsets, epilogue=reductions, bias=bias, out=out, config=config)
+    group = torch.repeat_interleave(torch.arange(len(sizes), device="cuda"), torch.tensor(sizes, device="cuda"))
+    y = reference(a, b, offsets) + bias.double()[group]
+    assert rel_err(got["D"], y) < 1e-5
+    check_reductions(got, y, offsets)
+    again = epicute.grouped_gemm(a, b, offsets, epilogue=reductions, bias=bias, out_dtype=torch.float32, config=config)
+    for key in ("rows", "cols", "colmax", "peak"):  # a fixed combine order: bitwise the same
+        assert torch.equal(got[key], again[key]), key
+
+
+def test_grouped_reductions_with_gathered_rows_and_gated_experts():
+    tokens, experts, k, n = 500, 5, 136, 200
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    chosen = torch.randint(0, experts, (tokens, 2), device="cuda")
+    index = torch.argsort(chosen.flatten(), stable=True) // 2
+    sizes = torch.bincount(chosen.flatten(), minlength=experts).tolist()
+    offsets = offsets_of(sizes)
+    w_gate, w_up = (torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w13 = epicute.interleave_gate_up(w_gate, w_up).transpose(-2, -1)
+    bias = torch.randn(experts, n, device="cuda", dtype=torch.bfloat16)
+    got = epicute.grouped_gemm(x, w13, offsets, a_index=index, gated=True, bias=bias, out_dtype=torch.float32,
+                               epilogue=lambda gate, up, bias: reductions(ops.silu(gate) * up, bias))  # fmt: skip
+    rows = x[index]
+    group = torch.repeat_interleave(torch.arange(experts, device="cuda"), torch.tensor(sizes, device="cuda"))
+    h = torch.nn.functional.silu(reference(rows, w_gate.transpose(-2, -1), offsets))
+    y = h * reference(rows, w_up.transpose(-2, -1), offsets) + bias.double()[group]
+    assert rel_err(got["D"], y) < 1e-5
+    check_reductions(got, y, offsets)
+
+
+def test_variable_k_reductions_are_the_batched_gemms():
+    sizes = [70, 0, 129, 33]
+    offsets = offsets_of(sizes)
+    x = torch.randn(sum(sizes), 96, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(sum(sizes), 136, device="cuda", dtype=torch.bfloat16)
+    epilogue = lambda acc: {"D": acc, "cols": ops.col_sum(acc), "peak": ops.amax(acc)}
+    got = epicute.grouped_gemm(x.t(), dy, offsets, out_dtype=torch.float32, epilogue=epilogue)
+    want = reference_ragged_k(x, dy, offsets)
+    assert got["cols"].shape == (4, 136) and got["peak"].shape == ()
+    assert rel_err(got["cols"], want.sum(1)) < 1e-5 and rel_err(got["peak"], want.abs().amax()) < 1e-6

@@ -102,3 +102,16 @@ def test_opcheck_on_meta_tensors():
     torch.library.opcheck(torch.ops.epicute.grouped_gemm.default, args, test_utils=("test_schema",))
     (d,) = torch.ops.epicute.grouped_gemm(*args)
     assert d.shape == (70, 136) and d.device.type == "meta"
+
+
+def test_compiled_grouped_reductions_have_their_shapes_on_meta():
+    torch._dynamo.reset()
+
+    def f(x, w, offs):
+        out = epicute.grouped_gemm(x, w.transpose(-2, -1), offs, epilogue=lambda acc: {
+            "D": acc, "rows": ops.row_sum(acc), "cols": ops.col_sum(acc), "peak": ops.amax(acc)})  # fmt: skip
+        return out["rows"], out["cols"], out["peak"]
+
+    rows, cols, peak = torch.compile(f, fullgraph=True, backend="eager")(meta(300, 64), meta(8, 136, 64),
+                                                                         meta(8, dtype=torch.int32))  # fmt: skip
+    assert rows.shape == (300,) and cols.shape == (8, 136) and peak.shape == (8,)
