@@ -381,6 +381,10 @@ class GemmSm90:
         """A consumer's last word on a filled A/B stage before its WGMMAs read it (nothing here: TMA
         already zero-filled whatever lies outside A and B)."""
 
+    def _a_scale_rows(self, rows: list, sched_args: tuple) -> list:
+        """The rows of the blockwise A scales the thread's accumulator rows read (the rows themselves here)."""
+        return rows
+
     def _skip_tiles(self, tiles, k_tiles, read_state, release_state, c_state):
         """Step a consumer's ring positions over ``tiles`` tiles of other teams."""
         read_state.advance(tiles * k_tiles)
@@ -705,7 +709,7 @@ class GemmSm90:
                 # The rows and batch the tile's A and B scales are read at: the epilogue's frame (a grouped
                 # GEMM's tile starts at its group's row and reads its group's B scales).
                 origin, extent, scale_batch = self._epilogue_frame(tile_coord, (cute.size(mD, mode=[0]), 0))
-                rows = scale_rows(acc_coords, row_values, origin[0], extent[0])
+                rows = self._a_scale_rows(scale_rows(acc_coords, row_values, origin[0], extent[0]), sched_args)
                 # B's block of the thread's own columns (the tile's one block): an address that varies
                 # per thread keeps ptxas from moving the loaded scale into a uniform register, a move that
                 # waits for the load before the next k-tile's WGMMAs are issued (~10 % of the time).
@@ -713,12 +717,14 @@ class GemmSm90:
                 last = tile_k_tiles - 1
                 load_block_scales(scale_regs, 0, block_scales, rows, n_block, scale_batch, 0)
                 ab_pipeline.consumer_wait(read_state)
+                self._fix_stage(cta, tile_coord, 0, read_state.index, mma_tidx)
                 issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0, k_blocks)
                 read_state.advance()
                 load_block_scales(scale_regs, 1, block_scales, rows, n_block, scale_batch, cutlass.min(1, last))
                 for pair in range(last // 2):
                     for slot in cutlass.range_constexpr(2):  # k-tile j = 2 pair + 1 + slot
                         ab_pipeline.consumer_wait(read_state)
+                        self._fix_stage(cta, tile_coord, 2 * pair + 1 + slot, read_state.index, mma_tidx)
                         issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0 if slot else partial1, k_blocks)
                         read_state.advance()
                         cute.nvgpu.warpgroup.wait_group(1)  # k-tile j - 1 retired
@@ -731,6 +737,7 @@ class GemmSm90:
                         )
                 if last % 2 == 1:  # the last k-tile is odd: partial 1, its scales already in slot 1
                     ab_pipeline.consumer_wait(read_state)
+                    self._fix_stage(cta, tile_coord, last, read_state.index, mma_tidx)
                     issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial1, k_blocks)
                     read_state.advance()
                     cute.nvgpu.warpgroup.wait_group(1)

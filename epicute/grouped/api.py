@@ -93,7 +93,8 @@ def grouped_gemm(
             is the ``(T, K)`` tokens as they are (row-major, K a multiple of 8) and routed tokens need no
             permuted copy (top-k routing: ``a_index = sorted_slot // k``). D has ``total_M`` rows, in group order.
             Indices are checked where cheap (on the CPU, or with ``check_offsets``); the kernel clamps any other to
-            ``a``'s rows, so a bad one reads a wrong row, never outside ``a``. 16-bit inputs, groups splitting M.
+            ``a``'s rows, so a bad one reads a wrong row, never outside ``a``. Groups splitting M; fp8 ``a`` takes
+            its ``a_scale`` per token, ``(T, ceil(K/128))``, read through the same index.
 
     Returns:
         D ``(total_M, N)`` (variable K: ``(G, M, N)``); a dict of every output when the epilogue returns
@@ -199,14 +200,14 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
     check_offsets_values(offsets, p.k if p.ragged == "k" else p.total_m, "K row" if p.ragged == "k" else "row")
     if call.block_scales is None:
         a, b = call.a[0].cpu().float(), call.b.cpu().float()
-        if call.a_index is not None:
-            index = call.a_index.cpu().long()
-            if index.numel() and (index.min() < 0 or index.max() >= a.shape[0]):
-                raise ShapeError(f"a_index holds values outside a's {a.shape[0]} rows")
-            a = a[index]
-    else:  # fp8: dequantized, then float32 math
+    else:  # fp8: dequantized (gathered rows: per token, before the gather), then float32 math
         a, b = dequantize_blockwise(call.a, call.b, call.block_scales)
         a = a[0]
+    if call.a_index is not None:
+        index = call.a_index.cpu().long()
+        if index.numel() and (index.min() < 0 or index.max() >= a.shape[0]):
+            raise ShapeError(f"a_index holds values outside a's {a.shape[0]} rows")
+        a = a[index]
     graph = None if prepared.epilogue is None else prepared.epilogue.graph
     # Reductions along rows or over whole tiles are per group (column sums (G, N), amax (G,)) when groups split M.
     per_group = set() if graph is None or p.ragged == "k" else {

@@ -143,6 +143,7 @@ class GatheredGemmSm90(GroupedGemmSm90):
     never stored), chunks past K are zero-filled by the copy itself, and indices are clamped to ``x``'s
     rows, so a bad index reads a wrong row, never outside ``x``. A is not multicast (no cluster along N),
     and each stage is fenced to the async proxy before WGMMA reads what cp.async wrote (:meth:`_fix_stage`).
+    fp8 inputs' blockwise A scales are per token of ``x``, read through the same index (:meth:`_a_scale_rows`).
     """
 
     gather_threads = 2 * 32
@@ -152,8 +153,8 @@ class GatheredGemmSm90(GroupedGemmSm90):
         if cfg.cluster_n != 1:
             raise ConfigError(f"gathered rows with cluster_n={cfg.cluster_n}: cp.async cannot multicast A; use "
                               "cluster_n=1")  # fmt: skip
-        if self.block_scaled or self.a_layout != LayoutEnum.ROW_MAJOR:
-            raise ConfigError("gathered rows take 16-bit, K-major (row-major) A")
+        if self.a_layout != LayoutEnum.ROW_MAJOR:
+            raise ConfigError("gathered rows take a K-major (row-major) A")
         if cfg.tile_k * self.ab_dtype.width // 8 != LINE_BYTES:
             raise ConfigError(f"tile_k={cfg.tile_k}: a gathered k-tile is one {LINE_BYTES}-byte row")
 
@@ -227,6 +228,12 @@ class GatheredGemmSm90(GroupedGemmSm90):
     def _fix_stage(self, cta, coord: tuple, k_tile, stage, mma_tidx) -> None:
         """cp.async wrote A through the generic proxy; WGMMA reads through the async proxy."""
         cute.arch.fence_proxy("async.shared", space="cta")
+
+    def _a_scale_rows(self, rows: list, sched_args: tuple) -> list:
+        """fp8: A's blockwise scales are per token of ``x``: a row's are those of the token it gathers."""
+        x, a_index = sched_args[4], sched_args[5]
+        last = cute.size(x, mode=[0]) - 1
+        return [cutlass.max(cutlass.min(a_index[r], last), 0) for r in rows]
 
 
 class RaggedKGemmSm90(GemmSm90):

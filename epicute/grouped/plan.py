@@ -34,8 +34,8 @@ class GroupedProblem:
     fp8 inputs (``ab_dtype``/``b_dtype`` as for the GEMM) come with blockwise scales (``block_scaled``):
     A's per row and 128-wide block of K over all rows, B's per 128x128 block of each group's weight.
 
-    ``gathered``: A's rows are read through an index, row ``r`` being ``x[a_index[r]]`` (16-bit, row-major
-    ``x``; groups split M)."""
+    ``gathered``: A's rows are read through an index, row ``r`` being ``x[a_index[r]]`` (row-major ``x``; groups
+    split M; fp8 A scales per token of ``x``)."""
 
     total_m: int
     n: int
@@ -54,8 +54,8 @@ class GroupedProblem:
     gathered: bool = False
 
     def __post_init__(self) -> None:
-        if self.gathered and (self.ragged != "m" or self.block_scaled or self.a_major != "k"):
-            raise ConfigError("gathered rows (a_index) take 16-bit, row-major A with the groups splitting M")
+        if self.gathered and (self.ragged != "m" or self.a_major != "k"):
+            raise ConfigError("gathered rows (a_index) take a row-major A with the groups splitting M")
         if self.ab_dtype not in ("bf16", "fp16") and not self.block_scaled:
             raise ConfigError(
                 f"grouped GEMM with ab_dtype={self.ab_dtype!r}: supported are 'bf16', 'fp16' and fp8 with blockwise "

@@ -187,7 +187,7 @@ def check_grouped_args(
     total_m, k = a.shape
     groups, kb, n = b.shape
     if a_index is not None:
-        a_index = _checked_a_index(a_index, a, fp8, check_offsets)
+        a_index = _checked_a_index(a_index, a, check_offsets)
         total_m = a_index.numel()
     if kb != k:
         raise ShapeError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: a's K={k} != b's K={kb}")
@@ -215,7 +215,9 @@ def check_grouped_args(
                 "K-major only; pass b as w.transpose(-2, -1) of a row-major (G, N, K) weight"
             )
         b_major = "k"
-        block_scales = grouped_block_scales(a_scale, b_scale, total_m, n, k, groups, a.device)
+        # Gathered rows: A's scales are per token of a, read through the same index.
+        block_scales = grouped_block_scales(a_scale, b_scale, a.shape[0] if a_index is not None else total_m, n, k,
+                                            groups, a.device)  # fmt: skip
     chunk = TMA_ALIGN_BYTES // a.element_size()
     if a_index is not None and (a_major != "k" or k % chunk):
         raise AlignmentError(
@@ -245,15 +247,12 @@ def check_grouped_args(
     return GroupedCall(problem, a3, b3, offsets, out3, out_dtype, block_scales, a_index)
 
 
-def _checked_a_index(a_index: Any, a: torch.Tensor, fp8: bool, check_offsets: bool) -> torch.Tensor:
+def _checked_a_index(a_index: Any, a: torch.Tensor, check_offsets: bool) -> torch.Tensor:
     """``a_index`` checked (type, dtype, shape; values where cheap: on the CPU, or with ``check_offsets``) and
     as the kernel reads it: int32, contiguous, on ``a``'s device. An int64 index (what ``argsort`` returns)
     is narrowed, one small copy."""
     if not isinstance(a_index, torch.Tensor):
         raise DtypeError(f"a_index must be a torch.Tensor of row indices into a, got {type(a_index).__name__}")
-    if fp8:
-        raise DtypeError("a_index with fp8 inputs: gathered rows take bf16 or fp16 a (gather the fp8 rows and their "
-                         "a_scale rows with torch first)")  # fmt: skip
     if a_index.dtype not in (torch.int32, torch.int64):
         raise DtypeError(f"a_index has dtype {a_index.dtype}; pass int32 (or int64) row indices into a")
     if a_index.dim() != 1:

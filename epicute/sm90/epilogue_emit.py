@@ -119,7 +119,24 @@ def round_to(x, dtype: str):
     """``x`` rounded to ``dtype`` and back to fp32; fp8 saturates to its largest finite value."""
     if dtype in FP8_MAX:
         x = saturate(x, dtype)
+    if _is_constant(x):
+        return Float32(_rounded_constant(x.value, dtype))
     return x.to(DSL_DTYPES[dtype]).to(Float32)
+
+
+def _is_constant(x) -> bool:
+    """Whether ``x`` is a trace-time number (a constant of the epilogue), not a value of the kernel."""
+    return isinstance(getattr(x, "value", None), (int, float))
+
+
+def _rounded_constant(value: float, dtype: str) -> float:
+    """A trace-time number rounded to ``dtype`` as the reference rounds it. The DSL's conversion of a constant
+    keeps its Python value unrounded (``Float32(-3.19).to(Float8E5M2)`` is still -3.19), so it is done here."""
+    import torch
+
+    from epicute.epilogue.dtypes import round_to as round_tensor
+
+    return float(round_tensor(torch.tensor(float(value), dtype=torch.float32), dtype).float())
 
 
 def saturate(x, dtype: str):
@@ -305,7 +322,10 @@ def ceil_pow2(x):
 
 def round_scalar(x, dtype: str):
     """One fp32 value converted to an output ``dtype`` (fp8 saturates like the reference)."""
-    return (saturate(x, dtype) if dtype in FP8_MAX else x).to(DSL_DTYPES[dtype])
+    x = saturate(x, dtype) if dtype in FP8_MAX else x
+    if _is_constant(x):
+        return DSL_DTYPES[dtype](_rounded_constant(x.value, dtype))
+    return x.to(DSL_DTYPES[dtype])
 
 
 def round_for_store(values, dtype: str) -> None:

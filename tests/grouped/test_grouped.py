@@ -396,12 +396,17 @@ def test_gather_bad_arguments_get_typed_errors(case):
         epicute.grouped_gemm(a, b, offsets_of([6, 10]), **kwargs, backend="reference")
 
 
-def test_gather_with_fp8_is_a_typed_error():
-    x8 = torch.randn(30, 256).to(torch.float8_e4m3fn)
-    b = torch.randn(2, 128, 256).to(torch.float8_e4m3fn).transpose(-2, -1)
-    with pytest.raises(DtypeError, match="gather"):
-        epicute.grouped_gemm(x8, b, offsets_of([6, 10]), a_index=torch.zeros(16, dtype=torch.int32),
-                             a_scale=torch.ones(16, 2), b_scale=torch.ones(2, 1, 2), backend="reference")  # fmt: skip
+def test_gathered_fp8_reads_each_tokens_scales():
+    """fp8 gathered rows: a_scale is per token of x (T, KB), and a grouped row takes its token's scales."""
+    x, b, offsets, sa, sb = fp8_operands([40, 0, 77, 5], k=272, n=200)  # 122 tokens
+    index = torch.randint(0, x.shape[0], (300,))
+    offsets = offsets_of([90, 0, 177, 33])
+    d = epicute.grouped_gemm(x, b, offsets, a_index=index, a_scale=sa, b_scale=sb, out_dtype=torch.float32,
+                             backend="reference")  # fmt: skip
+    want = reference_fp8(x[index], b, offsets, sa[index], sb)
+    assert d.shape == (300, 200) and (d.double() - want).norm() / want.norm() < 1e-6
+    with pytest.raises(ShapeError, match="a_scale"):  # scales per grouped row, not per token
+        epicute.grouped_gemm(x, b, offsets, a_index=index, a_scale=torch.rand(300, 3), b_scale=sb, backend="reference")
 
 
 def test_explain_gathered_says_how_a_arrives(capsys):
@@ -412,6 +417,18 @@ def test_explain_gathered_says_how_a_arrives(capsys):
     text = capsys.readouterr().out
     assert "gathered through a_index" in text and "cp.async" in text
     assert plan.problem.total_m == 32768 and plan.config.cluster_n == 1  # groups of 512 rows: no pairing along N
+
+
+@pytest.mark.compile
+def test_gathered_fp8_variant_compiles_for_sm90a():
+    meta = lambda *s, dtype=torch.float8_e4m3fn: torch.empty(*s, dtype=dtype, device="meta")
+    request = describe_grouped_call(meta(1000, 512), meta(8, 640, 512).transpose(-2, -1), meta(8, dtype=torch.int32),
+                                    None, None, None, None, None, {}, False,
+                                    scales=(meta(1000, 4, dtype=torch.float32), meta(8, 5, 4, dtype=torch.float32)),
+                                    a_index=meta(3000, dtype=torch.int32))[2]  # fmt: skip
+    variant = prepare(request).variant()
+    assert variant.gathered and variant.block_scaled
+    compile_grouped(variant)
 
 
 @pytest.mark.compile

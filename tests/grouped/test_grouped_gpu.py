@@ -549,3 +549,23 @@ def test_variable_k_reductions_are_the_batched_gemms():
     want = reference_ragged_k(x, dy, offsets)
     assert got["cols"].shape == (4, 136) and got["peak"].shape == ()
     assert rel_err(got["cols"], want.sum(1)) < 1e-5 and rel_err(got["peak"], want.abs().amax()) < 1e-6
+
+
+@pytest.mark.parametrize("config", [{}, {"cluster_m": 2, "cluster_n": 1}])
+def test_gathered_fp8_rows_read_their_tokens_scales(config):
+    """fp8 experts over gathered tokens: each grouped row reads x[index] and that token's 1x128 scales; fp32 D
+    against float64 math on the dequantized values (K = 400: a partial last scale block)."""
+    tokens, experts, k, n = 500, 5, 400, 264
+    x = (torch.randn(tokens, k, device="cuda") * 2).to(torch.float8_e4m3fn)
+    w = (torch.randn(experts, n, k, device="cuda") * 2).to(torch.float8_e4m3fn)
+    sa = torch.rand(tokens, -(-k // 128), device="cuda") + 0.5
+    sb = torch.rand(experts, -(-n // 128), -(-k // 128), device="cuda") + 0.5
+    chosen = torch.randint(0, experts, (tokens, 2), device="cuda")
+    index = torch.argsort(chosen.flatten(), stable=True) // 2
+    offsets = offsets_of(torch.bincount(chosen.flatten(), minlength=experts).tolist())
+    out = torch.full((index.numel(), n), float("nan"), device="cuda")
+    d = epicute.grouped_gemm(x, w.transpose(-2, -1), offsets, a_index=index, a_scale=sa, b_scale=sb, out=out,
+                             config=config)  # fmt: skip
+    rows = index.cpu()
+    want = reference_fp8(x.cpu()[rows], w.transpose(-2, -1).cpu(), offsets.cpu(), sa.cpu()[rows], sb.cpu())
+    assert rel_err(d.cpu(), want) < FP8_FP32_TOL
