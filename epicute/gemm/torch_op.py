@@ -76,30 +76,14 @@ def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
     if not epilogue and not fp8:
         return [a.new_empty((*l_dims, m, n), dtype=d_dtype)]
     epi = registered_epilogue(epilogue) if epilogue else None
-    values: dict[str, Any] = dict(zip(spec["scalars"], scalars))
-    for name, t in zip(spec["tensors"], operands):
-        # A 1-element tensor read as a scalar: its value is irrelevant to shapes (and unreadable here).
-        is_scalar = t.numel() == 1 and spec["pins"].get(name, "scalar") == "scalar"
-        values[name] = 0.0 if is_scalar else t
-    for name, kind in spec["pins"].items():
-        values[name] = PINS[kind](values[name])
+    values = fake_operand_values(operands, scalars, spec)
     l = a.shape[0] if a.dim() == 3 else 1
     if fp8:  # the scales: operands of the scaled epilogue, or the mainloop's (blockwise), as epicute.gemm takes them
         scales = [values.pop(name, None) for name in SCALE_NAMES]
         epi, values = fp8_scaling(*scales, m, n, a.shape[-1], l, a.dim() == 3).apply(epi, values)
         if epi is None:
             return [a.new_empty((*l_dims, m, n), dtype=d_dtype)]
-    specs = epi.operands(values, m, n, l)
-    # D's dtype follows epicute.gemm's rule (prepare's first half); out_dtypes already holds outs' dtypes.
-    # Sizes are symbolic here and never planned, so the request's problem carries only the dtypes.
-    request = GemmRequest(
-        GemmProblem(0, 0, 0, 1, ir_dtype(a.dtype, "a"), ir_dtype(d_dtype, "out_dtype"), *(("k", "k") if fp8 else ())),
-        epi,
-        tuple((s.name, s.kind, s.dtype) for s in specs.values()),
-        d_explicit=bool(spec["out_dtype"] or "D" in spec["out_dtypes"]),
-        out_dtypes=tuple(sorted(spec["out_dtypes"].items())),
-    )  # fmt: skip
-    graph = lower_epilogue(request).graph
+    graph = fake_lowered_graph(a, ir_dtype(d_dtype, "out_dtype"), epi, epi.operands(values, m, n, l), spec)
     stored = dict(graph.output_dtypes)
     shapes = {"col": (*l_dims, m), "row": (*l_dims, n), "scalar": ()}
     outputs = []
@@ -116,6 +100,34 @@ def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
 
 
 register_meta(gemm_op, _gemm_fake)
+
+
+def fake_operand_values(operands: list, scalars: list, spec: dict, not_scalars: tuple = ()) -> dict[str, Any]:
+    """A fake implementation's keyword operands by name, pins applied. A 1-element tensor that no pin (and no
+    name in ``not_scalars``) makes a tensor is read as a scalar: its value is irrelevant to shapes (and
+    unreadable here)."""
+    values: dict[str, Any] = dict(zip(spec["scalars"], scalars))
+    for name, t in zip(spec["tensors"], operands):
+        is_scalar = t.numel() == 1 and spec["pins"].get(name, "scalar") == "scalar" and name not in not_scalars
+        values[name] = 0.0 if is_scalar else t
+    for name, kind in spec["pins"].items():
+        values[name] = PINS[kind](values[name])
+    return values
+
+
+def fake_lowered_graph(a: torch.Tensor, d_dtype: str, epi, specs: dict, spec: dict):
+    """The epilogue's graph as the call lowers it (prepare's first half: D's dtype by the call's rule, every
+    output's stored dtype), for a fake implementation's output metadata. Sizes are symbolic here and never
+    planned, so the request's problem carries only the dtypes."""
+    fp8 = a.dtype in FP8_TORCH_DTYPES
+    request = GemmRequest(
+        GemmProblem(0, 0, 0, 1, ir_dtype(a.dtype, "a"), d_dtype, *(("k", "k") if fp8 else ())),
+        epi,
+        tuple((s.name, s.kind, s.dtype) for s in specs.values()),
+        d_explicit=bool(spec["out_dtype"] or "D" in spec["out_dtypes"]),
+        out_dtypes=tuple(sorted(spec["out_dtypes"].items())),
+    )  # fmt: skip
+    return lower_epilogue(request).graph
 
 
 def gemm_op_call(

@@ -208,7 +208,7 @@ class GatheredGemmSm90(GroupedGemmSm90):
             tm, _, _, start, end, _ = scheduler.coord(work)
             for i in cutlass.range_constexpr(passes):
                 row = cutlass.min(start + tm * cfg.tile_m + row0 + i * rows_per_pass, end - 1)
-                source_rows[i] = cutlass.max(cutlass.min(a_index[row], last_source_row), 0)
+                source_rows[i] = source_row(a_index, row, last_source_row)
             for k_tile in range(cta.k_tiles):
                 ab_pipeline.sync_object_empty.wait(state.index, state.phase)
                 k = k_tile * cfg.tile_k + chunk * (CHUNK_BYTES // elem_bytes)
@@ -232,8 +232,13 @@ class GatheredGemmSm90(GroupedGemmSm90):
     def _a_scale_rows(self, rows: list, sched_args: tuple) -> list:
         """fp8: A's blockwise scales are per token of ``x``: a row's are those of the token it gathers."""
         x, a_index = sched_args[4], sched_args[5]
-        last = cute.size(x, mode=[0]) - 1
-        return [cutlass.max(cutlass.min(a_index[r], last), 0) for r in rows]
+        return [source_row(a_index, r, cute.size(x, mode=[0]) - 1) for r in rows]
+
+
+def source_row(a_index: cute.Tensor, row, last_row):
+    """The row of ``x`` grouped row ``row`` reads: ``a_index[row]`` clamped to ``x``'s rows (a bad index reads a
+    wrong row, never outside ``x``)."""
+    return cutlass.max(cutlass.min(a_index[row], last_row), 0)
 
 
 class RaggedKGemmSm90(GemmSm90):

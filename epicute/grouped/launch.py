@@ -9,11 +9,12 @@ import math
 import torch
 
 from epicute.epilogue.fusion import ROWS_PER_WARP
+from epicute.epilogue.gated import output_columns
 from epicute.epilogue.graph import REDUCTION_IDENTITY
 from epicute.grouped.compile import GROUPED_CACHE, GroupedVariant
 from epicute.grouped.plan import GroupedPlan
 from epicute.grouped.validate import GroupedCall
-from epicute.sm90.tile_grid import ceil_div
+from epicute.sm90.tile_grid import ceil_div, grouped_cluster_bound
 
 
 def variant_of(plan: GroupedPlan, fusion=None) -> GroupedVariant:
@@ -57,8 +58,20 @@ def tile_row_slots(plan: GroupedPlan) -> tuple[int, int]:
     whole-tile partials go to each tile row's own 16-row slots (``GroupedGemmSm90._partials_origin``); the rows
     are the grid bound's (:func:`~epicute.sm90.tile_grid.grouped_cluster_bound`) in tiles."""
     p, c = plan.problem, plan.config
+    cluster_rows = grouped_cluster_bound(p.total_m, p.groups, c.tile_m * c.cluster_m, 1)
+    return cluster_rows * c.cluster_m, c.tile_m // ROWS_PER_WARP
+
+
+def _group_slots(plan: GroupedPlan, offsets: torch.Tensor) -> torch.Tensor:
+    """``(G + 1,)`` int64: each group's reduction slots in schedule order (its tile rows, as the kernel's scheduler
+    counts them from the clamped offsets), then the unused ones; computed on the GPU, so nothing syncs."""
+    p, c = plan.problem, plan.config
+    rows, per_row = tile_row_slots(plan)
+    ends = offsets.clamp(0, p.total_m)
+    starts = torch.minimum(torch.cat([ends.new_zeros(1), ends[:-1]]), ends)
     block_m = c.tile_m * c.cluster_m
-    return (p.total_m + p.groups * (block_m - 1)) // block_m * c.cluster_m, c.tile_m // ROWS_PER_WARP
+    slots = ((ends - starts + block_m - 1) // block_m * c.cluster_m * per_row).long()
+    return torch.cat([slots, (rows * per_row - slots.sum()).reshape(1)])
 
 
 def _workspaces(plan: GroupedPlan, fusion, device) -> dict[str, torch.Tensor]:
@@ -67,7 +80,7 @@ def _workspaces(plan: GroupedPlan, fusion, device) -> dict[str, torch.Tensor]:
     ``(1, slots, tiles_n)``; the kernel gets them as ``(G, ...)`` views with a zero group stride (it indexes them
     by group; each slot has one writer)."""
     p = plan.problem
-    tile_n = plan.config.tile_n // (2 if p.gated else 1)
+    tile_n = output_columns(plan.config.tile_n, p.gated)
     if p.ragged == "k":
         return {r.name: torch.empty(r.workspace_shape(p.groups, p.total_m, p.d_n, tile_n), dtype=torch.float32,
                                     device=device) for r in fusion.reductions}  # fmt: skip
@@ -78,24 +91,17 @@ def _workspaces(plan: GroupedPlan, fusion, device) -> dict[str, torch.Tensor]:
             for r in fusion.reductions}  # fmt: skip
 
 
-def _finalize(r, workspace: torch.Tensor, plan: GroupedPlan, offsets: torch.Tensor) -> torch.Tensor:
+def _finalize(r, workspace: torch.Tensor, plan: GroupedPlan, slots: torch.Tensor | None) -> torch.Tensor:
     """Reduction ``r``'s result from its partials, in a fixed order (deterministic): rows ``(total_M,)``, columns
-    ``(G, N)`` and whole tiles ``(G,)`` per group. Each group's slots are the next ``tile rows * slots`` of the
-    workspace, counted from the offsets on the GPU (no sync), and reduced by ``torch.segment_reduce``."""
+    ``(G, N)`` and whole tiles ``(G,)`` per group, each group's run of ``slots`` (:func:`_group_slots`) reduced
+    by ``torch.segment_reduce``; variable K: the batched GEMM's."""
     p = plan.problem
     if p.ragged == "k":
         return r.finalize(workspace)
     if r.axis == "row":  # one writer per row: the sum over the tiles along N
         return r.finalize(workspace[:1])[0]
-    c = plan.config
-    rows, per_row = tile_row_slots(plan)
-    ends = offsets.clamp(0, p.total_m)
-    starts = torch.minimum(torch.cat([ends.new_zeros(1), ends[:-1]]), ends)
-    block_m = c.tile_m * c.cluster_m
-    slots = ((ends - starts + block_m - 1) // block_m * c.cluster_m * per_row).long()
-    lengths = torch.cat([slots, (rows * per_row - slots.sum()).reshape(1)])  # the unused slots: one more segment
     reduce, initial = ("sum", 0.0) if r.combine == "sum" else ("max", 0.0 if r.combine == "amax" else -math.inf)
-    per_group = torch.segment_reduce(workspace[0], reduce, lengths=lengths, axis=0, unsafe=True, initial=initial)
+    per_group = torch.segment_reduce(workspace[0], reduce, lengths=slots, axis=0, unsafe=True, initial=initial)
     per_group = per_group[: p.groups]
     if r.axis == "all":  # then over the tiles along N (none: the identity)
         return per_group.amax(dim=1) if per_group.shape[1] else per_group.new_zeros(p.groups)
@@ -117,8 +123,8 @@ def run_grouped(call: GroupedCall, plan: GroupedPlan, fusion=None, epi_inputs: t
             out3.zero_()
         else:
             a, b = (call.a, call.b) if p.k else _zero_k(call)
-            per_group = p.ragged == "m"
-            views = tuple(w.expand(p.groups, -1, -1) if per_group else w for w in workspaces.values())
+            rows_mode = p.ragged == "m"  # the kernel indexes workspaces by group: one storage for all of them
+            views = tuple(w.expand(p.groups, -1, -1) if rows_mode else w for w in workspaces.values())
             epi_tensors = tuple(epi_inputs) + tuple(aux.values()) + views
             index_args = (call.offsets,) if call.a_index is None else (call.offsets, call.a_index)
             kernel_for(plan, fusion)(a, b, out3, *index_args, epi_tensors, tuple(epi_scalars), _block_scales(call),
@@ -126,8 +132,11 @@ def run_grouped(call: GroupedCall, plan: GroupedPlan, fusion=None, epi_inputs: t
     elif workspaces:  # no rows or no columns: nothing launched, every reduction is its identity
         for r in fusion.reductions:
             workspaces[r.name].fill_(REDUCTION_IDENTITY[r.combine])
-    reductions = {r.name: _finalize(r, workspaces[r.name], plan, call.offsets) for r in (fusion.reductions if fusion
-                                                                                           else ())}  # fmt: skip
+    reductions = {}
+    if workspaces:
+        by_group = p.ragged == "m" and any(r.axis != "row" for r in fusion.reductions)
+        slots = _group_slots(plan, call.offsets) if by_group else None
+        reductions = {r.name: _finalize(r, workspaces[r.name], plan, slots) for r in fusion.reductions}
     if p.ragged == "k":
         return {"D": out3, **aux, **reductions}
     return {"D": out3[0], **{name: t[0] for name, t in aux.items()}, **reductions}

@@ -18,10 +18,8 @@ import torch
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
 from epicute.epilogue.gated import output_columns
 from epicute.epilogue.graph import REDUCTIONS
-from epicute.epilogue.operands import PINS
 from epicute.errors import ConfigError, EpilogueError
-from epicute.gemm.config import GemmProblem
-from epicute.gemm.prepare import GemmRequest, lower_epilogue
+from epicute.gemm.torch_op import fake_lowered_graph, fake_operand_values
 from epicute.gemm.validate import FP8_TORCH_DTYPES
 from epicute.runtime.torch_ops import (
     config_of,
@@ -71,13 +69,7 @@ def grouped_gemm_op(
 @grouped_gemm_op.register_fake
 def _grouped_gemm_fake(a, b, offsets, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
     spec = json.loads(spec)
-    values: dict[str, Any] = dict(zip(spec["scalars"], scalars))
-    for name, t in zip(spec["tensors"], operands):
-        # A 1-element tensor read as a scalar: its value is irrelevant to shapes (and unreadable here).
-        is_scalar = t.numel() == 1 and spec["pins"].get(name, "scalar") == "scalar" and name not in LOADER_ARGS
-        values[name] = 0.0 if is_scalar else t
-    for name, kind in spec["pins"].items():
-        values[name] = PINS[kind](values[name])
+    values = fake_operand_values(operands, scalars, spec, not_scalars=LOADER_ARGS)
     a_index = values.pop("a_index", None)
     for name in LOADER_ARGS:
         values.pop(name, None)
@@ -94,16 +86,7 @@ def _grouped_gemm_fake(a, b, offsets, operands, scalars, epilogue, spec) -> list
     if not epilogue:
         return [a.new_empty(shape, dtype=IR_TO_TORCH[d_dtype])]
     epi = registered_epilogue(epilogue)
-    specs = epi.operands(values, rows, d_n, batch)
-    # D's dtype by the grouped prepare's lowering (sizes are symbolic here, so nothing is planned).
-    request = GemmRequest(
-        GemmProblem(0, 0, 0, 1, ir_dtype(a.dtype, "a"), d_dtype, *(("k", "k") if fp8 else ())),
-        epi,
-        tuple((s.name, s.kind, s.dtype) for s in specs.values()),
-        d_explicit=bool(spec["out_dtype"] or "D" in spec["out_dtypes"]),
-        out_dtypes=tuple(sorted(spec["out_dtypes"].items())),
-    )  # fmt: skip
-    graph = lower_epilogue(request).graph
+    graph = fake_lowered_graph(a, d_dtype, epi, epi.operands(values, rows, d_n, batch), spec)
     stored = dict(graph.output_dtypes)
     variable_k = b.dim() == 2
     # Reductions as run_grouped returns them (by the kind of vector each gives): one value per row, per column of

@@ -14,11 +14,13 @@ know about its epilogue (operands, outputs, reductions, chain) is the host half,
 from __future__ import annotations
 
 import cutlass
+import torch
 from cutlass import Float32, Int32, cute
 from cutlass._mlir.dialects import llvm
 
 from epicute.epilogue import optable
 from epicute.epilogue.dtypes import FP8_MAX
+from epicute.epilogue.dtypes import round_to as round_tensor
 from epicute.epilogue.fusion import KERNEL_DTYPES, ROWS_PER_WARP, EpilogueFusion
 from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS
 from epicute.epilogue.schedule import needed_nodes
@@ -132,10 +134,6 @@ def _is_constant(x) -> bool:
 def _rounded_constant(value: float, dtype: str) -> float:
     """A trace-time number rounded to ``dtype`` as the reference rounds it. The DSL's conversion of a constant
     keeps its Python value unrounded (``Float32(-3.19).to(Float8E5M2)`` is still -3.19), so it is done here."""
-    import torch
-
-    from epicute.epilogue.dtypes import round_to as round_tensor
-
     return float(round_tensor(torch.tensor(float(value), dtype=torch.float32), dtype).float())
 
 

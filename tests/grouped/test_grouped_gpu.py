@@ -373,12 +373,14 @@ def routed_tokens(tokens: int, sizes: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["mixed", "empty_ends", "many_groups", "skewed"])
 @pytest.mark.parametrize("config", list(GATHER_CONFIGS))
 def test_gathered_rows_match_the_gathered_reference(name, config):
-    """Row r reads x[a_index[r]]; K = 200 is not a multiple of the 64-wide k-tile (the last chunks are zero-filled),
-    and D is NaN-poisoned."""
+    """Row r reads x[a_index[r]]; K = 200 is not a multiple of the 64-wide k-tile, and x's rows are padded with NaN
+    past K (the last k-tile's chunks past K must be zero-filled, never read), and D is NaN-poisoned."""
     sizes = SIZES[name]
     k, n = 200, 264
     offsets = offsets_of(sizes)
-    x = torch.randn(1000, k, device="cuda", dtype=torch.bfloat16)
+    padded = torch.full((1000, k + 56), float("nan"), device="cuda", dtype=torch.bfloat16)
+    padded[:, :k] = torch.randn(1000, k, device="cuda", dtype=torch.bfloat16)
+    x = padded[:, :k]
     index = routed_tokens(1000, sizes)
     b = weights(len(sizes), n, k, "k")
     out = torch.full((index.numel(), n), float("nan"), device="cuda", dtype=torch.bfloat16)
