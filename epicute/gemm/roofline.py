@@ -85,9 +85,12 @@ def roofline(
 ) -> Roofline:
     tile_k = tile_k or problem.tile_k
     flops = problem.flops
+    # A gated epilogue's outputs and operand tiles have half of B's columns (gate and up pair into one).
+    out_n, out_tile_n = epilogue.out_tile_n(problem.n), epilogue.out_tile_n(tile_n)
     extra_per_elem = sum(DTYPE_BYTES[d] for d in epilogue.tile_inputs + epilogue.aux_outputs)
-    epilogue_bytes = problem.l * problem.m * problem.n * extra_per_elem
-    min_bytes = problem.min_bytes + epilogue_bytes
+    epilogue_bytes = problem.l * problem.m * out_n * extra_per_elem
+    unstored_d = problem.l * problem.m * (problem.n - out_n) * DTYPE_BYTES[problem.d_dtype]
+    min_bytes = problem.min_bytes - unstored_d + epilogue_bytes
     peak_flops = hw.peak_tflops(problem.ab_dtype) * 1e12
     compute_s = flops / peak_flops
     memory_s = min_bytes / (hw.hbm_tb_per_s * 1e12)
@@ -95,8 +98,8 @@ def roofline(
     waves = ceil_div(tiles, hw.num_sms) if tiles else 0
     k_padded = ceil_div(problem.k, tile_k) * tile_k
     per_sm_flops = peak_flops / hw.num_sms * MAINLOOP_EFFICIENCY.get(tile_n, 0.5)
-    epilogue_tile_s = tile_m * tile_n * extra_per_elem / (hw.hbm_tb_per_s * 1e12 / hw.num_sms)
-    epilogue_alu_s = tile_m * tile_n * epilogue.instructions_per_element / (SM_ISSUE_PER_CYCLE * hw.tensor_clock_hz)
+    epilogue_tile_s = tile_m * out_tile_n * extra_per_elem / (hw.hbm_tb_per_s * 1e12 / hw.num_sms)
+    epilogue_alu_s = tile_m * out_tile_n * epilogue.instructions_per_element / (SM_ISSUE_PER_CYCLE * hw.tensor_clock_hz)
     mainloop_s = 2 * tile_m * tile_n * k_padded / per_sm_flops
     if schedule == "pingpong":
         # Two tiles in flight per SM, each mainloop with the tensor cores to itself: an

@@ -162,3 +162,13 @@ def test_gated_grouped_gemm_compiles_for_sm90a():
         {"score": meta(300, 1, dtype=torch.float32)}, False, gated=True,
     )[2]  # fmt: skip
     assert callable(compile_grouped(prepare_grouped(request).variant()))
+
+
+def test_gated_roofline_counts_the_stored_half():
+    """D and the epilogue's operand tiles of a gated GEMM have N columns, not B's 2N: the roofline's bytes say so."""
+    meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
+    m, n, k = 4096, 2 * 7168, 4096
+    plan = epicute.explain(meta(m, k), meta(n, k).t(), gated=True, file=None, res=meta(m, n // 2),
+                           epilogue=lambda gate, up, res: epicute.ops.silu(gate) * up + res)  # fmt: skip
+    stored = 2 * (m * k + k * n) + 2 * m * (n // 2) * 2  # A, B; D and the residual tile, bf16
+    assert plan.roofline.min_bytes == stored
