@@ -11,7 +11,9 @@ one tile form a *team* (both warpgroups, or one).
 - producer (:meth:`GemmSm90._load_ab`: warp 0 of warpgroup 0, registers
   lowered to ``producer_regs``): walks the tile schedule and streams A/B
   k-tiles into an ``ab_stages``-deep shared-memory ring with TMA (multicast
-  across the cluster when it has 2 CTAs);
+  across the cluster when it has 2 CTAs); a kernel whose A rows are gathered
+  through an index (``gather_threads``) has warps 2-3 copy A with cp.async
+  instead (:meth:`GemmSm90._gather_a`) and warp 0 load B alone;
 - consumers (:meth:`GemmSm90._consume`: registers raised to ``consumer_regs``):
   wait on the ring's full barriers, issue WGMMA with fp32 accumulators, release
   stages once the WGMMA that read them retired, then run the epilogue for that

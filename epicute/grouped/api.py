@@ -15,7 +15,7 @@ from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import evaluate, round_to
 from epicute.epilogue.scales import dequantize_blockwise
 from epicute.epilogue.tracer import as_epilogue
-from epicute.errors import ConfigError, EpilogueError, ShapeError
+from epicute.errors import ConfigError, EpilogueError
 from epicute.gemm.epilogue_args import aux_outputs, kernel_inputs
 from epicute.gemm.prepare import ir_items
 from epicute.gemm.validate import check_d_rows
@@ -23,7 +23,7 @@ from epicute.grouped.launch import run_grouped
 from epicute.grouped.plan import GroupedPlan, render_grouped_plan
 from epicute.grouped.prepare import GroupedRequest, PreparedGrouped, prepare
 from epicute.grouped.torch_op import grouped_gemm_op_call
-from epicute.grouped.validate import GroupedCall, check_grouped_args, check_offsets_values
+from epicute.grouped.validate import GroupedCall, check_a_index_values, check_grouped_args, check_offsets_values
 from epicute.runtime.checks import check_has_values
 from epicute.runtime.target import Target, resolve_target
 
@@ -205,8 +205,7 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
         a = a[0]
     if call.a_index is not None:
         index = call.a_index.cpu().long()
-        if index.numel() and (index.min() < 0 or index.max() >= a.shape[0]):
-            raise ShapeError(f"a_index holds values outside a's {a.shape[0]} rows")
+        check_a_index_values(index, a.shape[0])
         a = a[index]
     graph = None if prepared.epilogue is None else prepared.epilogue.graph
     # Reductions along rows or over whole tiles are per group (column sums (G, N), amax (G,)) when groups split M.

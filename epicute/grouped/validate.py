@@ -19,7 +19,7 @@ import torch
 from epicute.epilogue.dtypes import TORCH_TO_IR
 from epicute.epilogue.gated import check_gated_columns
 from epicute.epilogue.scales import BlockScales, grouped_block_scales
-from epicute.errors import AlignmentError, DtypeError, EpilogueError, ShapeError
+from epicute.errors import AlignmentError, DeviceError, DtypeError, EpilogueError, ShapeError
 from epicute.gemm.validate import (
     FP8_TORCH_DTYPES,
     TMA_ALIGN_BYTES,
@@ -86,7 +86,7 @@ def _checked_offsets(offsets, groups: int, total: int, device, check_offsets: bo
         check_offsets_values(offsets, total, what)
     if offsets.device != device:
         if offsets.device.type != "cpu":
-            raise DtypeError(f"offsets is on {offsets.device} but a is on {device}; move it there")
+            raise DeviceError(f"offsets is on {offsets.device} but a is on {device}; move it there")
         return offsets.to(device, non_blocking=True)
     if offsets.stride(0) != 1 and groups > 1:
         return offsets.contiguous()
@@ -247,6 +247,15 @@ def check_grouped_args(
     return GroupedCall(problem, a3, b3, offsets, out3, out_dtype, block_scales, a_index)
 
 
+def check_a_index_values(a_index: torch.Tensor, rows: int) -> None:
+    """Every index names one of ``a``'s ``rows`` (reads the index: a sync when it is on the GPU)."""
+    if a_index.numel():
+        low, high = int(a_index.min()), int(a_index.max())
+        if low < 0 or high >= rows:
+            raise ShapeError(f"a_index holds {low if low < 0 else high}, outside a's {rows} rows; indices must be in "
+                             f"[0, {rows})")  # fmt: skip
+
+
 def _checked_a_index(a_index: Any, a: torch.Tensor, check_offsets: bool) -> torch.Tensor:
     """``a_index`` checked (type, dtype, shape; values where cheap: on the CPU, or with ``check_offsets``) and
     as the kernel reads it: int32, contiguous, on ``a``'s device. An int64 index (what ``argsort`` returns)
@@ -262,14 +271,11 @@ def _checked_a_index(a_index: Any, a: torch.Tensor, check_offsets: bool) -> torc
         raise ShapeError(f"a_index has {a_index.numel()} rows; the grouped GEMM takes fewer than {MAX_TOTAL_ROWS}")
     if a_index.numel() and not a.shape[0]:
         raise ShapeError(f"a_index has {a_index.numel()} rows but a has none to gather them from")
-    if (check_offsets or a_index.device.type == "cpu") and a_index.numel():
-        low, high = int(a_index.min()), int(a_index.max())
-        if low < 0 or high >= a.shape[0]:
-            raise ShapeError(f"a_index holds {low if low < 0 else high}, outside a's {a.shape[0]} rows; indices "
-                             f"must be in [0, {a.shape[0]})")  # fmt: skip
+    if check_offsets or a_index.device.type == "cpu":
+        check_a_index_values(a_index, a.shape[0])
     if a_index.device != a.device and a_index.device.type != "cpu":
-        raise DtypeError(f"a_index is on {a_index.device} but a is on {a.device}; move it there")
+        raise DeviceError(f"a_index is on {a_index.device} but a is on {a.device}; move it there")
     return a_index.to(a.device, torch.int32, non_blocking=True).contiguous()
 
 
-__all__ = ["MAX_TOTAL_ROWS", "GroupedCall", "check_grouped_args", "check_offsets_values"]
+__all__ = ["MAX_TOTAL_ROWS", "GroupedCall", "check_a_index_values", "check_grouped_args", "check_offsets_values"]

@@ -11,7 +11,15 @@ import torch
 
 import epicute
 from epicute import ops
-from epicute.errors import AlignmentError, ConfigError, DtypeError, EpilogueError, OutputError, ShapeError
+from epicute.errors import (
+    AlignmentError,
+    ConfigError,
+    DeviceError,
+    DtypeError,
+    EpilogueError,
+    OutputError,
+    ShapeError,
+)
 from epicute.grouped.api import describe_grouped_call
 from epicute.grouped.compile import compile_grouped
 from epicute.grouped.prepare import prepare
@@ -79,6 +87,7 @@ BAD = {
     "fp32": (lambda a, b, o: (a.float(), b.float(), o), DtypeError, "bfloat16"),
     "a_column_major": (lambda a, b, o: (a.t().contiguous().t(), b, o), AlignmentError, "a.contiguous()"),
     "n_unaligned": (lambda a, b, o: (a, b[:, :, :7], o), AlignmentError, "pad N"),
+    "offsets_elsewhere": (lambda a, b, o: (a, b, o.to("meta")), DeviceError, "move it there"),
 }
 
 
@@ -380,6 +389,7 @@ GATHER_BAD = {
         "multiple of 8",
     ),  # fmt: skip
     "cluster_n_2": (lambda x, i: (x, {"a_index": i, "config": {"cluster_n": 2}}), ConfigError, "cluster_n=1"),
+    "index_elsewhere": (lambda x, i: (x, {"a_index": i.to("meta")}), DeviceError, "move it there"),
     "too_few_rows": (lambda x, i: (x, {"a_index": i[:10]}), ShapeError, "total_M"),
 }
 
