@@ -449,6 +449,7 @@ def test_explain_grouped_prints_the_grouped_schedule():
     assert result.exit_code == 0, result.output
     assert "grouped schedule" in result.output and "gathered through a_index" in result.output
     assert "gated" in result.output and "epilogue chain" in result.output
+    assert "TMA multicast: B to 2 CTAs" in result.output and "A to 1" not in result.output  # A gathered per CTA
     wgrad = runner.invoke(app, ["explain", "grouped", "--total-m", "4096", "--n", "14336", "--k", "16384", "--groups",
                                 "8", "--mode", "variable_k"])  # fmt: skip
     assert wgrad.exit_code == 0 and "variable K" in wgrad.output

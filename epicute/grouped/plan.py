@@ -183,6 +183,8 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
         for line in render_plan(GemmPlan(p.mean_group(), c, plan.target, plan.epilogue)).splitlines()
         if not line.startswith("  grid ")
     ]
+    if p.gathered:  # A is copied per CTA (cp.async), never multicast
+        dense = [line.replace("TMA multicast: A to 1, B to", "TMA multicast: B to") for line in dense]
     gated_line = (
         f"  gated           B's columns interleave gate and up in blocks of {GATE_BLOCK}; each output column gets its "
         "gate and up accumulators (same thread's registers)"

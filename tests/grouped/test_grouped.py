@@ -425,7 +425,7 @@ def test_explain_gathered_says_how_a_arrives(capsys):
     plan = epicute.explain_grouped(x, w.transpose(-2, -1), torch.empty(64, dtype=torch.int32, device="meta"),
                                    a_index=torch.empty(32768, dtype=torch.int32, device="meta"))  # fmt: skip
     text = capsys.readouterr().out
-    assert "gathered through a_index" in text and "cp.async" in text
+    assert "gathered through a_index" in text and "cp.async" in text and "multicast: A" not in text
     assert plan.problem.total_m == 32768 and plan.config.cluster_n == 1  # groups of 512 rows: no pairing along N
 
 
