@@ -136,6 +136,12 @@ class OpDef:
     params: tuple[str, ...] = ()
     #: Docstring of the generated ``ops`` function.
     doc: str = ""
+    #: Its forward-mode derivative (:mod:`epicute.epilogue.derivative`): ``tangent(args, tangents, out, **attrs)``
+    #: gives the result's tangent from the arguments' (None where an argument's is zero), over traced values
+    #: (``call`` and Python operators) or Python numbers; None: the op has no derivative rule. Most ops
+    #: state their partial derivatives (:func:`_partials`). Roundings pass gradients straight through, as
+    #: torch's autograd does through ``.to(dtype)``; comparisons have none.
+    tangent: Callable[..., Any] | None = None
 
     @property
     def function_name(self) -> str | None:
@@ -328,6 +334,69 @@ def _quantize_attrs(rng: random.Random) -> dict[str, Any]:
     return {"dtype": "fp8e5m2" if rng.random() < 0.3 else "fp8e4m3"}
 
 
+# ------------------------------------------------------------- derivatives
+def _partials(partials: Callable[..., tuple]) -> Callable[..., Any]:
+    """A tangent rule from the op's partial derivatives ``partials(*args, out, **attrs)``, each a traced value, a
+    number or None (zero): the sum of partial x tangent over the arguments whose tangent is not zero."""
+
+    def tangent(args: tuple, tangents: tuple, out: Any, **attrs: Any) -> Any:
+        total = None
+        for partial, t in zip(partials(*args, out, **attrs), tangents):
+            if t is None or partial is None or (isinstance(partial, float) and partial == 0.0):
+                continue
+            if isinstance(partial, float) and partial == 1.0:
+                term = t
+            elif isinstance(t, float) and t == 1.0:
+                term = partial
+            else:
+                term = partial * t
+            total = term if total is None else total + term
+        return total
+
+    return tangent
+
+
+def _sign(x):
+    return call("gt", x, 0.0) - call("lt", x, 0.0)
+
+
+def _where_tangent(args: tuple, tangents: tuple, out: Any) -> Any:
+    """``where(c, a, b)``'s tangent picks ``a``'s or ``b``'s, so a non-finite one in the branch not taken stays out
+    (as torch's autograd masks it)."""
+    _, ta, tb = tangents
+    if ta is None and tb is None:
+        return None
+    return call("where", args[0], 0.0 if ta is None else ta, 0.0 if tb is None else tb)
+
+
+def _tie_split(a, b, wins: str):
+    """d max(a, b) / d a (``wins="gt"``) or d min / d a (``"lt"``): 1 where a wins, 1/2 on a tie (torch's rule)."""
+    return call(wins, a, b) + 0.5 * call("eq", a, b)
+
+
+def _gelu_erf_partial(x, out):
+    # x * Phi(x) has derivative Phi(x) + x phi(x); Phi(x) = out / x, and 1/2 at x = 0.
+    phi = call("exp", -0.5 * x * x) * 0.3989422804014327
+    return (call("where", call("eq", x, 0.0), 0.5, out / call("where", call("eq", x, 0.0), 1.0, x)) + x * phi,)
+
+
+def _gelu_tanh_partial(x, out):
+    t = call("tanh", _GELU_TANH_C * (x + 0.044715 * x * x * x))
+    return (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_TANH_C * (1.0 + 3 * 0.044715 * x * x),)
+
+
+def _clamp_partial(x, out, *, lo, hi):
+    inside = None
+    for bound, keep in ((lo, "ge"), (hi, "le")):
+        if bound is not None:
+            mask = call(keep, x, bound)
+            inside = mask if inside is None else inside * mask
+    return (1.0 if inside is None else inside,)
+
+
+_NO_DERIVATIVE = _partials(lambda *args, **attrs: (None,) * (len(args) - 1))
+
+
 # ---------------------------------------------------------------------- table
 def _unary(name: str, reference: Callable, emit: Callable, instructions: int, domain: Domain, doc: str,
            **more: Any) -> OpDef:  # fmt: skip
@@ -338,7 +407,7 @@ def _comparison(name: str, fn: Callable, emit: Callable, operator: str | None, d
     return OpDef(
         name, 2, reference=lambda a, b: fn(a, b).to(a.dtype), emit=emit, instructions=2,
         domain=Domain(("stable", "stable"), lambda a, b: 1.0, stable=True, mask=True, weight=1 / 6),
-        operator=operator, doc=doc,
+        operator=operator, doc=doc, tangent=_NO_DERIVATIVE,
     )  # fmt: skip
 
 
@@ -351,47 +420,61 @@ _UNIT = Domain(("any",), lambda x: 1.0)  # |f(x)| <= 1
 BUILTIN: tuple[OpDef, ...] = (
     # Arithmetic: Python's operators record these.
     OpDef("add", 2, torch.add, lambda m, a, b: a + b, 1, Domain(("any", "any"), lambda a, b: a + b),
-          function=None, operator="{0} + {1}"),
+          function=None, operator="{0} + {1}", tangent=_partials(lambda a, b, out: (1.0, 1.0))),
     OpDef("sub", 2, torch.sub, lambda m, a, b: a - b, 1, Domain(("any", "any"), lambda a, b: a + b),
-          function=None, operator="{0} - {1}"),
+          function=None, operator="{0} - {1}", tangent=_partials(lambda a, b, out: (1.0, -1.0))),
     OpDef("mul", 2, torch.mul, lambda m, a, b: a * b, 1, Domain(("any", "any"), lambda a, b: a * b, stable=True),
-          function=None, operator="{0} * {1}"),
+          function=None, operator="{0} * {1}", tangent=_partials(lambda a, b, out: (b, a))),
     OpDef("div", 2, torch.div, lambda m, a, b: a / b, 10, Domain(("any", "nonzero"), lambda a, b: a),
-          function=None, operator="{0} / {1}"),
-    _unary("neg", torch.neg, lambda m, x: -x, 1, _SAME_STABLE, "``-x``.", operator="-{0}"),
-    _unary("abs", torch.abs, lambda m, x: m.absf(x), 1, _SAME_STABLE, "``|x|``.", operator="abs({0})"),
+          function=None, operator="{0} / {1}", tangent=_partials(lambda a, b, out: (1.0 / b, -out / b))),
+    _unary("neg", torch.neg, lambda m, x: -x, 1, _SAME_STABLE, "``-x``.", operator="-{0}",
+           tangent=_partials(lambda x, out: (-1.0,))),
+    _unary("abs", torch.abs, lambda m, x: m.absf(x), 1, _SAME_STABLE, "``|x|``.", operator="abs({0})",
+           tangent=_partials(lambda x, out: (_sign(x),))),
     OpDef("minimum", 2, torch.minimum, lambda m, a, b: m.min(a, b), 1, Domain(("any", "any"), max, stable=True),
-          doc="Elementwise minimum; NaN if either is NaN (like ``torch.minimum``)."),
+          doc="Elementwise minimum; NaN if either is NaN (like ``torch.minimum``).",
+          tangent=_partials(lambda a, b, out: (_tie_split(a, b, "lt"), _tie_split(b, a, "lt")))),
     OpDef("maximum", 2, torch.maximum, lambda m, a, b: m.max(a, b), 1, Domain(("any", "any"), max, stable=True),
-          doc="Elementwise maximum; NaN if either is NaN (like ``torch.maximum``)."),
+          doc="Elementwise maximum; NaN if either is NaN (like ``torch.maximum``).",
+          tangent=_partials(lambda a, b, out: (_tie_split(a, b, "gt"), _tie_split(b, a, "gt")))),
     OpDef("fma", 3, lambda a, b, c: a * b + c, lambda m, a, b, c: a * b + c, 1,
-          Domain(("any", "any", "any"), lambda a, b, c: a * b + c), doc="``a * b + c``."),
+          Domain(("any", "any", "any"), lambda a, b, c: a * b + c), doc="``a * b + c``.",
+          tangent=_partials(lambda a, b, c, out: (b, a, 1.0))),
     # Transcendental functions (IEEE-accurate, not fastmath).
-    _unary("exp", torch.exp, lambda m, x: m.exp(x), 8, Domain(("small",), math.exp), "``e ** x``."),
-    _unary("exp2", torch.exp2, lambda m, x: m.exp2(x), 4, Domain(("small",), lambda x: 2.0**x), "``2 ** x``."),
-    _unary("log", torch.log, lambda m, x: m.log(x), 12, Domain(("positive",), math.log), "Natural logarithm."),
-    _unary("sqrt", torch.sqrt, lambda m, x: m.sqrt(x), 8, Domain(("positive",), math.sqrt), "Square root."),
+    _unary("exp", torch.exp, lambda m, x: m.exp(x), 8, Domain(("small",), math.exp), "``e ** x``.",
+           tangent=_partials(lambda x, out: (out,))),
+    _unary("exp2", torch.exp2, lambda m, x: m.exp2(x), 4, Domain(("small",), lambda x: 2.0**x), "``2 ** x``.",
+           tangent=_partials(lambda x, out: (out * math.log(2.0),))),
+    _unary("log", torch.log, lambda m, x: m.log(x), 12, Domain(("positive",), math.log), "Natural logarithm.",
+           tangent=_partials(lambda x, out: (1.0 / x,))),
+    _unary("sqrt", torch.sqrt, lambda m, x: m.sqrt(x), 8, Domain(("positive",), math.sqrt), "Square root.",
+           tangent=_partials(lambda x, out: (0.5 / out,))),
     _unary("rsqrt", torch.rsqrt, lambda m, x: m.rsqrt(x), 2, Domain(("positive",), lambda x: 1.0),
-           "``1 / sqrt(x)``."),
-    _unary("tanh", torch.tanh, lambda m, x: m.tanh(x), 15, _UNIT, "Hyperbolic tangent."),
+           "``1 / sqrt(x)``.", tangent=_partials(lambda x, out: (-0.5 * out / x,))),
+    _unary("tanh", torch.tanh, lambda m, x: m.tanh(x), 15, _UNIT, "Hyperbolic tangent.",
+           tangent=_partials(lambda x, out: (1.0 - out * out,))),
     # Activations.
     # sigmoid and silu take rcp.approx (<= 1 ulp) of 1 + exp(-x) >= 1: IEEE division would add ~8
     # instructions and a slow-path branch per element, a third of a quantize epilogue's work.
     _unary("sigmoid", torch.sigmoid, lambda m, x: m.rcp_approx(m.const(1.0) + m.exp(-x)), 11, _UNIT,
-           "``1 / (1 + exp(-x))``."),
-    _unary("relu", torch.relu, lambda m, x: m.max(x, m.const(0.0)), 1, _SAME_STABLE, "``max(x, 0)``."),
+           "``1 / (1 + exp(-x))``.", tangent=_partials(lambda x, out: (out * (1.0 - out),))),
+    _unary("relu", torch.relu, lambda m, x: m.max(x, m.const(0.0)), 1, _SAME_STABLE, "``max(x, 0)``.",
+           tangent=_partials(lambda x, out: (call("gt", x, 0.0),))),
     _unary("gelu_erf", _gelu_erf_reference, gelu_erf, 14, Domain(("any",), lambda x: x, weight=0.5),
-           "GELU, ``x * Phi(x)`` with erf.", function="gelu", variant=(("approximate", "none"),)),
+           "GELU, ``x * Phi(x)`` with erf.", function="gelu", variant=(("approximate", "none"),),
+           tangent=_partials(_gelu_erf_partial)),
     _unary("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), _gelu_tanh, 21,
            Domain(("any",), lambda x: x, weight=0.5), "GELU, the tanh approximation.",
-           function="gelu", variant=(("approximate", "tanh"),)),
+           function="gelu", variant=(("approximate", "tanh"),), tangent=_partials(_gelu_tanh_partial)),
     _unary("silu", F.silu, lambda m, x: x * m.rcp_approx(m.const(1.0) + m.exp(-x)), 12, _SAME,
-           "``x * sigmoid(x)``."),
+           "``x * sigmoid(x)``.",
+           tangent=_partials(lambda x, out: ((lambda s: s * (1.0 + x * (1.0 - s)))(call("sigmoid", x)),))),
     _unary("softplus", F.softplus, _softplus, 25, Domain(("any",), lambda x: x + math.log(2.0)),
-           "``log(1 + exp(x))`` (``x`` itself above 20, like ``torch.nn.functional.softplus``)."),
+           "``log(1 + exp(x))`` (``x`` itself above 20, like ``torch.nn.functional.softplus``).",
+           tangent=_partials(lambda x, out: (call("where", call("gt", x, 20.0), 1.0, call("sigmoid", x)),))),
     _unary("clamp", lambda x, *, lo, hi: torch.clamp(x, lo, hi), _clamp, 2,
            Domain(("any",), _clamp_bound, stable=True, attrs=_clamp_attrs),
-           "``min(max(x, lo), hi)`` with constant bounds.", attrs=("hi", "lo")),
+           "``min(max(x, lo), hi)`` with constant bounds.", attrs=("hi", "lo"), tangent=_partials(_clamp_partial)),
     # Comparisons give 0/1 masks; == and != are not traced (Python needs them to give bools).
     _comparison("lt", torch.lt, lambda m, a, b: _mask(a < b, m), "{0} < {1}", "``a < b`` as a 0/1 mask."),
     _comparison("le", torch.le, lambda m, a, b: _mask(a <= b, m), "{0} <= {1}", "``a <= b`` as a 0/1 mask."),
@@ -403,17 +486,20 @@ BUILTIN: tuple[OpDef, ...] = (
                 "``a != b`` as a 0/1 mask (``!=`` itself is not traced)."),
     OpDef("where", 3, lambda c, a, b: torch.where(c != 0, a, b), lambda m, c, a, b: m.select(c != m.const(0.0), a, b),
           2, Domain(("condition", "any", "any"), lambda c, a, b: max(a, b), stable=True), params=("cond", "a", "b"),
-          doc="``a`` where ``cond`` is nonzero, else ``b`` (``cond`` is usually a comparison)."),
+          doc="``a`` where ``cond`` is nonzero, else ``b`` (``cond`` is usually a comparison).",
+          tangent=_where_tangent),
     # Roundings: the node's dtype is the ``dtype`` attr; the value goes on in fp32.
     _unary("cast", lambda x, *, dtype: round_to(x, dtype).to(x.dtype), lambda m, x, *, dtype: m.round_to(x, dtype),
            2, Domain(("stable",), _rounded_bound, stable=True,
                      attrs=lambda rng: {"dtype": rng.choice(("bf16", "fp16", "fp8e4m3"))}),
-           "Round ``x`` to ``dtype``.", attrs=("dtype",), rounds=True),
+           "Round ``x`` to ``dtype``.", attrs=("dtype",), rounds=True,
+           tangent=_partials(lambda x, out, *, dtype: (1.0,))),
     OpDef("quantize", 2, _quantize_reference, lambda m, x, s, *, dtype: m.round_to(x * s, dtype), 4,
           Domain(("stable", "leaf"), lambda x, s, *, dtype: _rounded_bound(x * s, dtype), stable=True,
                  attrs=_quantize_attrs),
           attrs=("dtype",), rounds=True,
-          doc="``x * scale`` rounded to an fp8 ``dtype``, saturating."),
+          doc="``x * scale`` rounded to an fp8 ``dtype``, saturating.",
+          tangent=_partials(lambda x, s, out, *, dtype: (s, x))),
 )  # fmt: skip
 
 _BUILTIN_NAMES = frozenset(op.name for op in BUILTIN)
