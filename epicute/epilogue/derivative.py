@@ -72,6 +72,9 @@ def derivative(graph: Graph, wrt: str = "acc", output: str = "D") -> Graph:
             if any(isinstance(t, _Undifferentiable) for t in arg_tangents):
                 tangents.append(next(t for t in arg_tangents if isinstance(t, _Undifferentiable)))
                 continue
+            if op.tangent is None:
+                raise EpilogueError(f"derivative: op {node.op!r} has no derivative rule; give its OpDef a tangent "
+                                    "(CONTRIBUTING.md, 'Adding an epilogue op')")  # fmt: skip
             tangents.append(op.tangent(args, arg_tangents, values[-1], **dict(node.attrs)))
         result = tangents[names[output]]
         if isinstance(result, _Undifferentiable):

@@ -187,3 +187,12 @@ def test_derivative_errors_name_the_problem():
         derivative(graph, output="E")
     with pytest.raises(EpilogueError, match="reduction"):
         derivative(graph, output="s")
+
+
+def test_an_op_without_a_rule_is_a_typed_error():
+    square = optable.OpDef("square_no_rule", 1, lambda x: x * x, lambda m, x: x * x, 1,
+                           optable.Domain(("any",), lambda x: x * x))  # fmt: skip
+    with optable.registered(square):
+        graph = as_epilogue(lambda acc: optable.call("square_no_rule", acc)).trace({}, {})
+        with pytest.raises(EpilogueError, match="no derivative rule"):
+            derivative(graph)
