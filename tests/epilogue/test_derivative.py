@@ -196,3 +196,51 @@ def test_an_op_without_a_rule_is_a_typed_error():
         graph = as_epilogue(lambda acc: optable.call("square_no_rule", acc)).trace({}, {})
         with pytest.raises(EpilogueError, match="no derivative rule"):
             derivative(graph)
+
+
+def _derivative_fusion():
+    """The derivative of a softcap plus a tanh-GELU, as a GEMM epilogue of its own (its cap a scalar operand)."""
+    from epicute.epilogue.fusion import EpilogueFusion
+
+    epi = as_epilogue(lambda acc, cap: cap * ops.tanh(acc / cap) + ops.gelu(acc, approximate="tanh"))
+    graph = epi.trace({"cap": "scalar"}, {})
+    return graph, derivative(graph), EpilogueFusion(derivative(graph), (("cap", "scalar", "fp32"),))
+
+
+def _derivative_variant(fusion):
+    from epicute.gemm import GemmProblem, plan_gemm
+    from epicute.gemm.compile import GemmVariant
+
+    plan = plan_gemm(GemmProblem(1000, 512, 256, d_dtype="fp32"), "h100-sxm", tile_n=128)
+    return GemmVariant(plan.config, "bf16", "fp32", "k", "n", fusion=fusion), plan
+
+
+@pytest.mark.compile
+def test_a_derivative_graph_compiles_as_an_epilogue_for_sm90a():
+    """What a backward kernel does with a derivative: emit it like any epilogue (dead forward nodes pruned)."""
+    from epicute.gemm.compile import compile_gemm
+
+    _, graph, fusion = _derivative_fusion()
+    computed = {node for stage in fusion.stages if stage.kind == "compute" for node in stage.nodes}
+    assert computed and len(computed) < len(graph.nodes)  # the forward nodes the derivative does not need: pruned
+    assert callable(compile_gemm(_derivative_variant(fusion)[0]))
+
+
+@pytest.mark.gpu
+def test_an_emitted_derivative_matches_autograd_on_the_gpu():
+    """The derivative graph run as a GEMM's epilogue on the H100: d/dacc of the epilogue at acc = a @ b, against
+    torch's autograd of the reference at the same accumulator (odd sizes, NaN-poisoned output)."""
+    from epicute.gemm.compile import compile_gemm
+
+    graph, _, fusion = _derivative_fusion()
+    variant, plan = _derivative_variant(fusion)
+    kernel = compile_gemm(variant)
+    m, n, k = 1000, 520, 264  # N a multiple of 8: B and D rows 16-byte aligned for TMA
+    a = torch.randn(1, m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(1, k, n, device="cuda", dtype=torch.bfloat16) / 4
+    d = torch.full((1, m, n), float("nan"), device="cuda")
+    kernel(a, b, d, (), (7.5,), (), plan.max_active_clusters)
+    acc = (a.double() @ b.double()).cpu()
+    specs = as_epilogue(lambda acc, cap: acc).operands({"cap": 7.5}, m, n, 1)
+    want = autograd_derivative(graph, acc, specs)
+    assert rel_err(d.cpu(), want) < 1e-5
