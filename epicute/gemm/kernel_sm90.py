@@ -219,6 +219,14 @@ class GemmSm90:
         ``max_active_clusters``: a persistent grid's cluster budget on this GPU (the host's
         ``GemmPlan.max_active_clusters``: SMs // cluster size), a runtime value so that one
         compiled kernel serves every SM count; one-tile-per-CTA variants ignore it."""
+        self._launch_batched(mA_lmk, mB_lkn, mD_lmn, epi_tensors, epi_scalars, block_scales, max_active_clusters,
+                             stream)  # fmt: skip
+
+    @cute.jit
+    def _launch_batched(self, mA_lmk, mB_lkn, mD_lmn, epi_tensors, epi_scalars, block_scales, max_active_clusters,
+                        stream, sched_prefix: tuple = ()):  # fmt: skip
+        """:meth:`__call__`'s launch over D's ``(M, N)`` tiles of every batch; ``sched_args`` are ``sched_prefix``
+        (what a subclass's scheduler reads besides: variable K's offsets) then the cluster counts."""
         mA = _rotate(mA_lmk, [1, 2, 0])  # (M, K, L)
         mB = _rotate(mB_lkn, [2, 1, 0])  # (N, K, L)
         mD = _rotate(mD_lmn, [1, 2, 0])  # (M, N, L)
@@ -229,8 +237,8 @@ class GemmSm90:
         # The plan's grid by the same function; the tile scheduler strides by gridDim.z, so
         # whatever this launches, the persistent clusters cover every tile exactly once.
         launched = ClusterTileScheduler.grid(total_clusters, max_active_clusters, self.cfg.persistent, cutlass.min)
-        self._launch(mA, mB, mD, epi_tensors, epi_scalars, block_scales, (clusters_m, clusters_n, num_batches),
-                     launched, stream)  # fmt: skip
+        sched_args = (*sched_prefix, clusters_m, clusters_n, num_batches)
+        self._launch(mA, mB, mD, epi_tensors, epi_scalars, block_scales, sched_args, launched, stream)
 
     @cute.jit
     def _launch(self, mA, mB, mD, epi_tensors, epi_scalars, block_scales, sched_args: tuple, launched, stream):

@@ -35,8 +35,8 @@ from epicute.errors import ConfigError
 from epicute.gemm.kernel_sm90 import GATHER_FIRST_WARP, GemmSm90, _rotate
 from epicute.sm90.cp_async import CHUNK_BYTES, LINE_BYTES, arrive_when_copied, copy_chunk_zero_fill, swizzled_chunk
 from epicute.sm90.pipeline import NamedBarriers, RingState
-from epicute.sm90.tile_grid import ceil_div, cluster_counts, grouped_cluster_bound
-from epicute.sm90.tile_scheduler import ClusterTileScheduler, GroupedTileScheduler, RaggedKTileScheduler
+from epicute.sm90.tile_grid import ceil_div, grouped_cluster_bound
+from epicute.sm90.tile_scheduler import GroupedTileScheduler, RaggedKTileScheduler
 
 
 class GroupedGemmSm90(GemmSm90):
@@ -276,18 +276,11 @@ class RaggedKGemmSm90(GemmSm90):
         stream,
     ):
         """A ``(1, M, R)``, B ``(1, R, N)``, D ``(G, M, N)``; ``offsets`` int32 ``(G,)``: each group's end K
-        row; ``block_scales`` ``()`` (16-bit inputs only)."""
-        cfg = self.cfg
-        mA = _rotate(mA_lmk, [1, 2, 0])  # (M, R, 1)
-        mB = _rotate(mB_lkn, [2, 1, 0])  # (N, R, 1)
-        mD = _rotate(mD_lmn, [1, 2, 0])  # (M, N, G)
-        tiles_m = cute.ceil_div(cute.size(mD, mode=[0]), cfg.tile_m)
-        tiles_n = cute.ceil_div(cute.size(mD, mode=[1]), self.out_tile_n)
-        num_groups = cute.size(mD, mode=[2])
-        clusters_m, clusters_n, total_clusters = cluster_counts(tiles_m, tiles_n, num_groups, self.cluster_shape_mn)
-        launched = ClusterTileScheduler.grid(total_clusters, max_active_clusters, cfg.persistent, cutlass.min)
-        sched_args = (offsets, cute.size(mA, mode=[1]), clusters_m, clusters_n, num_groups)
-        self._launch(mA, mB, mD, epi_tensors, epi_scalars, (), sched_args, launched, stream)
+        row; ``block_scales`` ``()`` (16-bit inputs only). The groups are D's batch: the dense launch, with the
+        offsets and ``R`` for the scheduler."""
+        total_k = cute.size(mA_lmk, mode=[2])
+        self._launch_batched(mA_lmk, mB_lkn, mD_lmn, epi_tensors, epi_scalars, (), max_active_clusters, stream,
+                             (offsets, total_k))  # fmt: skip
 
     def _scheduler(self, sched_args: tuple) -> RaggedKTileScheduler:
         offsets, total_k, clusters_m, clusters_n, num_groups = sched_args
