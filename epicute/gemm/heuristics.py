@@ -237,26 +237,26 @@ def fit_stages(cfg: GemmConfig, problem: GemmProblem, budget: int, epi: Epilogue
     are paid first; they scale with ``num_epi_stages`` too, so deeper D staging
     is only bought when every output's ring still fits.
     """
-    ab, d = problem.ab_dtype, problem.d_dtype
+    ab, d, scaled = problem.ab_dtype, problem.d_dtype, problem.block_scaled
     best = None
     for ab_stages in range(MAX_AB_STAGES, 1, -1):
         trial = replace(cfg, ab_stages=ab_stages, num_epi_stages=MIN_EPI_STAGES)
         if trial.epi_reuses_ab_smem and not epi_fits_in_a_ring(trial, ab, d):
             continue
-        if smem_total(trial, ab, d, epi) <= budget:
+        if smem_total(trial, ab, d, epi, scaled) <= budget:
             best = trial
             break
     if best is None:
         raise ConfigError(
             f"tile {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} does not fit 2 A/B stages in "
             f"{budget} bytes of shared memory next to the epilogue's "
-            f"{epilogue_smem_bytes(cfg, ab, d, epi)} B; use a smaller tile (config={{'tile_n': 128}})"
+            f"{epilogue_smem_bytes(cfg, ab, d, epi, scaled)} B; use a smaller tile (config={{'tile_n': 128}})"
         )
     for epi_stages in range(MAX_EPI_STAGES, MIN_EPI_STAGES, -1):
         trial = replace(best, num_epi_stages=epi_stages)
         if trial.epi_reuses_ab_smem and not epi_fits_in_a_ring(trial, ab, d):
             continue
-        if smem_total(trial, ab, d, epi) <= budget:
+        if smem_total(trial, ab, d, epi, scaled) <= budget:
             return trial
     return best
 
@@ -390,7 +390,7 @@ def choose_config(
         reasons.append("stages: requested")
     else:
         cfg = fit_stages(cfg, problem, hw.smem_per_cta_bytes, epilogue)
-        extra = epilogue_smem_bytes(cfg, problem.ab_dtype, problem.d_dtype, epilogue)
+        extra = epilogue_smem_bytes(cfg, problem.ab_dtype, problem.d_dtype, epilogue, problem.block_scaled)
         reasons.append(
             f"{cfg.ab_stages} A/B stages of {ab_stage_bytes(cfg, problem.ab_dtype)} B and "
             f"{cfg.num_epi_stages} D buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B"
@@ -433,7 +433,7 @@ def choose_config(
             f"{cfg.num_epi_stages} D staging buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B do not fit in "
             f"the A ring they would reuse ({cfg.ab_stages} stages); raise ab_stages or lower num_epi_stages"
         )
-    total = smem_total(cfg, problem.ab_dtype, problem.d_dtype, epilogue)
+    total = smem_total(cfg, problem.ab_dtype, problem.d_dtype, epilogue, problem.block_scaled)
     if total > hw.smem_per_cta_bytes:
         raise ConfigError(
             f"configuration needs {total} B of shared memory, over the {hw.smem_per_cta_bytes} B "

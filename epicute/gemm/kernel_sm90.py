@@ -13,7 +13,8 @@ one tile form a *team* (both warpgroups, or one).
   k-tiles into an ``ab_stages``-deep shared-memory ring with TMA (multicast
   across the cluster when it has 2 CTAs); a kernel whose A rows are gathered
   through an index (``gather_threads``) has warps 2-3 copy A with cp.async
-  instead (:meth:`GemmSm90._gather_a`) and warp 0 load B alone;
+  instead (:meth:`GemmSm90._gather_a`) and warp 0 load B alone; with blockwise
+  fp8 scales, warp 0's lanes also copy each k-tile's scales into its stage;
 - consumers (:meth:`GemmSm90._consume`: registers raised to ``consumer_regs``):
   wait on the ring's full barriers, issue WGMMA with fp32 accumulators, release
   stages once the WGMMA that read them retired, then run the epilogue for that
@@ -60,6 +61,7 @@ from epicute.errors import ConfigError
 from epicute.gemm.config import GemmConfig
 from epicute.gemm.smem import NO_EPILOGUE, gemm_smem_layout
 from epicute.sm90 import epilogue_emit as emit
+from epicute.sm90.cp_async import arrive_when_copied, copy_word
 from epicute.sm90.epilogue_chain import EpilogueRun, StagedOutput, chain_passes, run_chain
 from epicute.sm90.epilogue_emit import DSL_DTYPES
 from epicute.sm90.fragments import warpgroup_slice
@@ -112,6 +114,8 @@ class CtaShared:
     mA: cute.Tensor  # A's and B's TMA coordinates ((M, K, L), (N, K, L)) and this CTA's place in its
     mB: cute.Tensor  # cluster: grouped GEMMs partition them per tile (GroupedGemmSm90._a_k_tiles)
     cluster_coord: tuple
+    sScaleA: cute.Tensor | None  # blockwise fp8: each stage's A scales (tile_m, ab_stages) and B scale (ab_stages)
+    sScaleB: cute.Tensor | None
 
 
 @dataclass
@@ -198,7 +202,9 @@ class GemmSm90:
         self.num_epi_subtiles = (cfg.tile_m // cfg.epi_tile[0]) * (self.out_tile_n // cfg.epi_tile[1])
         #: The epilogue the kernel runs: the fusion's chain, or the plain one (cast and store D).
         self.chain = fusion.stages if fusion is not None else schedule(plain_graph(d_dtype)).stages
-        self.smem = gemm_smem_layout(cfg, ab_dtype, d_dtype, self.epi_buffers, b_dtype)
+        self.smem = gemm_smem_layout(cfg, ab_dtype, d_dtype, self.epi_buffers, b_dtype, block_scaled)
+        # Blockwise scales ride in the A/B ring: the load warp's lanes copy each k-tile's into the stage.
+        self.scale_copy_threads = 32 if block_scaled else 0
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -445,7 +451,7 @@ class GemmSm90:
             # Producer warpgroup: its registers go to the consumers.
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == self.load_warp:
-                self._load_ab(cta, tma_a, tma_b, sched_args)
+                self._load_ab(cta, tma_a, tma_b, sched_args, block_scales)
             if cutlass.const_expr(self.gather_threads > 0):  # noqa: SIM102 - compile-time guard, dynamic if
                 if warp_idx >= GATHER_FIRST_WARP:
                     self._gather_a(cta, sched_args)
@@ -509,7 +515,7 @@ class GemmSm90:
             num_consumer_warps=cfg.tile_threads // 32,  # a stage feeds one tile's team
             cluster_shape_mn=self.cluster_shape_mn,
             mcast_ctas=self.a_mcast_ctas + self.b_mcast_ctas - 1,
-            async_copy_threads=self.gather_threads,
+            async_copy_threads=self.gather_threads + self.scale_copy_threads,
         )
         # Peers must see our initialized barriers before any multicast lands.
         if cutlass.const_expr(cfg.cluster_size > 1):
@@ -517,6 +523,10 @@ class GemmSm90:
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sScaleA = sScaleB = None
+        if cutlass.const_expr(self.block_scaled):
+            sScaleA = storage.sScaleA.get_tensor(cute.make_layout((cfg.tile_m, cfg.ab_stages)))
+            sScaleB = storage.sScaleB.get_tensor(cute.make_layout(cfg.ab_stages))
         if cutlass.const_expr(cfg.epi_reuses_ab_smem):
             # Non-persistent: the A ring is idle once the only mainloop is done.
             d_ptr = cute.recast_ptr(storage.sA.data_ptr(), d_smem_staged.inner, dtype=self.d_dtype)
@@ -562,16 +572,17 @@ class GemmSm90:
             cute.arch.sync_threads()
         return CtaShared(
             ab_pipeline, c_pipeline, sA, sB, sD, sC, sAux, sVec, gD, k_tiles,
-            tAsA, tAgA, tBsB, tBgB, a_mcast_mask, b_mcast_mask, mA, mB, cluster_coord,
+            tAsA, tAgA, tBsB, tBgB, a_mcast_mask, b_mcast_mask, mA, mB, cluster_coord, sScaleA, sScaleB,
         )  # fmt: skip
 
     @cute.jit
-    def _load_ab(self, cta, tma_a, tma_b, sched_args):
+    def _load_ab(self, cta, tma_a, tma_b, sched_args, block_scales):
         """The A/B load warp (producer warp ``load_warp``): walks the tile schedule and TMA-loads
         every tile's k-tiles into the A/B ring (multicast across the cluster when it has 2 CTAs).
 
         Owns the ring's producer side: acquires a stage (waits on its empty barrier, released by
         the consumers of every CTA the stage's loads reach), arms its full barrier with its bytes.
+        Blockwise fp8: its lanes also copy the k-tile's scales into the stage (:meth:`_copy_block_scales`).
         """
         cfg = self.cfg
         ab_pipeline = cta.ab_pipeline
@@ -584,6 +595,9 @@ class GemmSm90:
             tile_coord = scheduler.coord(work)
             tAgA_tile = self._a_k_tiles(cta, tma_a, tile_coord)
             tBgB_tile = self._b_k_tiles(cta, tma_b, tile_coord)
+            scale_sources = None
+            if cutlass.const_expr(self.block_scaled):
+                scale_sources = self._block_scale_sources(tile_coord, block_scales, sched_args)
             for k_tile in range(self._k_tiles(cta, tile_coord)):
                 ab_pipeline.producer_acquire(state)
                 barrier = ab_pipeline.producer_get_barrier(state)
@@ -592,12 +606,42 @@ class GemmSm90:
                               tma_bar_ptr=barrier, mcast_mask=a_mcast_mask)  # fmt: skip
                 cute.copy(tma_b, tBgB_tile[(None, k_tile)], tBsB[(None, state.index)],
                           tma_bar_ptr=barrier, mcast_mask=b_mcast_mask)  # fmt: skip
+                if cutlass.const_expr(self.block_scaled):
+                    self._copy_block_scales(cta, block_scales, scale_sources, state.index, k_tile, barrier)
                 ab_pipeline.producer_commit(state)  # no-op for TMA: bytes arm the barrier
                 state.advance()
             work = scheduler.next(work)
         # Stay alive until consumers (ours and peers') released every
         # stage, so no remote arrive targets an exited CTA.
         ab_pipeline.producer_tail(state)
+
+    def _block_scale_sources(self, coord: tuple, block_scales: tuple, sched_args: tuple) -> tuple:
+        """Where the load warp's lane reads the tile's blockwise scales: the A rows it copies (lane, lane + 32,
+        ..., clamped to the problem's rows: rows past M compute values never stored), the batch and B's block
+        of N (a tile spans one; clamped too, for a cluster's spare tile past N). A grouped GEMM's tile starts at
+        its group's row and reads its group's B."""
+        sfa, sfb = block_scales
+        lane = cute.arch.lane_idx()
+        origin, extent, batch = self._epilogue_frame(coord, (cute.size(sfa, mode=[1]), 0))
+        rows = [cutlass.min(origin[0] + lane + 32 * i, extent[0] - 1) for i in range(self.cfg.tile_m // 32)]
+        n_block = cutlass.min(coord[1] * self.cfg.tile_n // BLOCK_K, cute.size(sfb, mode=[1]) - 1)
+        return self._a_scale_rows(rows, sched_args), batch, n_block
+
+    @cute.jit
+    def _copy_block_scales(self, cta, block_scales: tuple, sources: tuple, stage, k_tile, barrier) -> None:
+        """Copy k-tile ``k_tile``'s scales into ring stage ``stage`` (each lane its A rows, lane 0 the B block's)
+        with cp.async, and arrive on the stage's full barrier once they land. Consumers read them from shared
+        memory after the barrier they wait on anyway: a scale loaded from global memory by a consumer stalls
+        its warpgroup's next WGMMAs for an L2 round trip unless loaded several k-tiles ahead."""
+        sfa, sfb = block_scales
+        rows, batch, n_block = sources
+        lane = cute.arch.lane_idx()
+        for i, row in enumerate(rows):
+            dst = cta.sScaleA.iterator + (stage * self.cfg.tile_m + lane + 32 * i)
+            copy_word(dst, sfa.iterator + cute.crd2idx((batch, row, k_tile), sfa.layout))
+        if lane == 0:
+            copy_word(cta.sScaleB.iterator + stage, sfb.iterator + cute.crd2idx((batch, n_block, k_tile), sfb.layout))
+        arrive_when_copied(barrier)
 
     def _gather_a(self, cta, sched_args) -> None:
         """Producer warps ``GATHER_FIRST_WARP``.. where ``gather_threads`` is set: fill every stage's A with
@@ -668,7 +712,7 @@ class GemmSm90:
         acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_shape_mnk, (None, None, 0)))
         acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
         k_blocks = cute.size(tCrA, mode=[2])
-        partial0 = partial1 = scale_regs = acc_coords = row_slot = row_values = None
+        partial0 = partial1 = scale_regs = scale_rows = row_slot = None
         if cutlass.const_expr(self.block_scaled):
             # Two k-tiles' WGMMA accumulators (one in flight, one being promoted into acc), and
             # their scales: per slot, A's of the thread's rows, then B's.
@@ -676,6 +720,7 @@ class GemmSm90:
             partial1 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
             acc_coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
             row_slot, row_values = accumulator_rows(tiled_mma, (cfg.tile_m, cfg.tile_n))
+            scale_rows = [acc_coords[v][0] for v in row_values]  # tile rows
             scale_regs = cute.make_rmem_tensor((2, len(row_values) + 1), Float32)
         copies = self._epilogue_copies(cta, tiled_mma, thr_mma, acc, mma_tidx, mD, tma_d, epi_stores)
         store, is_store_warp = copies.store, copies.is_store_warp
@@ -699,7 +744,6 @@ class GemmSm90:
         work = scheduler.next(scheduler.first(), team)
         while scheduler.is_valid(work):
             tile_coord = scheduler.coord(work)
-            tn = tile_coord[1]
             tile_k_tiles = self._k_tiles(cta, tile_coord)
             run = GemmEpilogueRun(
                 self, cta, copies, tile_coord, tiles_done, mma_tidx, c_state, epi_vectors, epi_workspaces,
@@ -713,27 +757,20 @@ class GemmSm90:
                 # ---- promoting mainloop: each k-tile (one 128-wide scale block of K) accumulates
                 # from zero into one of two partials; while k-tile j's WGMMAs run, j-1's partial is
                 # scaled by its A-row and B-block scales and added into acc in fp32. Unrolled by two
-                # so that each partial is a fixed set of registers; k-tile j's partial and scales
-                # are slot j % 2, and its scales are loaded two k-tiles before they are used, which
-                # hides their latency. k_tiles >= 1 (K = 0 launches one k-tile of zeros).
-                # The rows and batch the tile's A and B scales are read at: the epilogue's frame (a grouped
-                # GEMM's tile starts at its group's row and reads its group's B scales).
-                origin, extent, scale_batch = self._epilogue_frame(tile_coord, (cute.size(mD, mode=[0]), 0))
-                rows = self._a_scale_rows(scale_rows(acc_coords, row_values, origin[0], extent[0]), sched_args)
-                # B's block of the thread's own columns (the tile's one block): an address that varies
-                # per thread keeps ptxas from moving the loaded scale into a uniform register, a move that
-                # waits for the load before the next k-tile's WGMMAs are issued (~10 % of the time).
-                n_block = (tn * cfg.tile_n + acc_coords[cute.size(acc_coords) - 1][1]) // BLOCK_K
+                # so that each partial is a fixed set of registers: k-tile j's partial and scales are
+                # slot j % 2. Its scales arrived in its stage (:meth:`_copy_block_scales`) and are read
+                # as soon as the stage is full, an iteration before their use. k_tiles >= 1 (K = 0
+                # launches one k-tile of zeros).
                 last = tile_k_tiles - 1
-                load_block_scales(scale_regs, 0, block_scales, rows, n_block, scale_batch, 0)
                 ab_pipeline.consumer_wait(read_state)
+                read_block_scales(scale_regs, 0, cta, scale_rows, read_state.index)
                 self._fix_stage(cta, tile_coord, 0, read_state.index, mma_tidx)
                 issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0, k_blocks)
                 read_state.advance()
-                load_block_scales(scale_regs, 1, block_scales, rows, n_block, scale_batch, cutlass.min(1, last))
                 for pair in range(last // 2):
-                    for slot in cutlass.range_constexpr(2):  # k-tile j = 2 pair + 1 + slot
+                    for slot in cutlass.range_constexpr(2):  # k-tile j = 2 pair + 1 + slot: slot 1 - slot
                         ab_pipeline.consumer_wait(read_state)
+                        read_block_scales(scale_regs, 1 - slot, cta, scale_rows, read_state.index)
                         self._fix_stage(cta, tile_coord, 2 * pair + 1 + slot, read_state.index, mma_tidx)
                         issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0 if slot else partial1, k_blocks)
                         read_state.advance()
@@ -741,12 +778,9 @@ class GemmSm90:
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
                         promote(acc, partial1 if slot else partial0, scale_regs, slot, row_slot)
-                        j = 2 * pair + 1 + slot
-                        load_block_scales(
-                            scale_regs, slot, block_scales, rows, n_block, scale_batch, cutlass.min(j + 1, last)
-                        )
-                if last % 2 == 1:  # the last k-tile is odd: partial 1, its scales already in slot 1
+                if last % 2 == 1:  # the last k-tile is odd: partial 1, scales slot 1
                     ab_pipeline.consumer_wait(read_state)
+                    read_block_scales(scale_regs, 1, cta, scale_rows, read_state.index)
                     self._fix_stage(cta, tile_coord, last, read_state.index, mma_tidx)
                     issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial1, k_blocks)
                     read_state.advance()
@@ -904,11 +938,12 @@ class GemmSm90:
 #
 # fp8 WGMMA keeps its running sum with fewer mantissa bits than fp32, and blockwise scales vary along
 # K, so the mainloop *promotes*: each k-tile (one 128-wide scale block) accumulates into ``partial``
-# from zero, and ``acc += partial * a_scale[row] * b_scale`` once it retired. A thread holds a few
-# distinct rows (thread 0's coordinates are static: equal ones mean the same row offset), so per
-# k-tile it loads one A scale per row and one B scale (a tile spans one 128-wide block of N) from
-# global memory: a few KB per tile, which stay in L2. Functions, not an object: a runtime loop
-# carries every object its body calls a method on.
+# from zero, and ``acc += partial * a_scale[row] * b_scale`` once it retired. The load warp copies
+# each k-tile's scales (the tile's rows' A scales, its block of N's B scale) into the stage with the
+# operands (:meth:`GemmSm90._copy_block_scales`); a thread holds a few distinct rows (thread 0's
+# coordinates are static: equal ones mean the same row offset) and reads one A scale per row and
+# the B scale from shared memory. Functions, not an object: a runtime loop carries every object its
+# body calls a method on.
 
 
 def accumulator_rows(tiled_mma, tile_mn: tuple[int, int]) -> tuple[list[int], list[int]]:
@@ -924,18 +959,11 @@ def accumulator_rows(tiled_mma, tile_mn: tuple[int, int]) -> tuple[list[int], li
     return row_slot, list(first_value_of_row.values())
 
 
-def scale_rows(acc_coords: cute.Tensor, row_values: list[int], row_origin, m_extent) -> list:
-    """This thread's global rows (clamped to the problem: rows past M compute values never stored)."""
-    return [cutlass.min(row_origin + acc_coords[v][0], m_extent - 1) for v in row_values]
-
-
-def load_block_scales(regs: cute.Tensor, slot: int, block_scales: tuple, rows: list, n_block, batch, k_tile) -> None:
-    """k-tile ``k_tile``'s scales into ``regs[slot, :]``: A's of each of the thread's rows, then B's of the
-    tile's block of N."""
-    sfa, sfb = block_scales
+def read_block_scales(regs: cute.Tensor, slot: int, cta, rows: list, stage) -> None:
+    """A full stage's scales into ``regs[slot, :]``: A's of each of the thread's tile ``rows``, then B's."""
     for i, r in enumerate(rows):
-        regs[slot, i] = sfa[(batch, r, k_tile)]
-    regs[slot, len(rows)] = sfb[(batch, n_block, k_tile)]
+        regs[slot, i] = cta.sScaleA[(r, stage)]
+    regs[slot, len(rows)] = cta.sScaleB[stage]
 
 
 def issue_k_tile(tiled_mma, tCrA: cute.Tensor, tCrB: cute.Tensor, stage, partial: cute.Tensor, k_blocks: int) -> None:

@@ -54,7 +54,9 @@ class GemmPlan:
 
     @property
     def smem(self) -> list[SmemItem]:
-        return smem_table(self.config, self.problem.ab_dtype, self.problem.d_dtype, self.epilogue)
+        return smem_table(
+            self.config, self.problem.ab_dtype, self.problem.d_dtype, self.epilogue, self.problem.block_scaled
+        )
 
     @property
     def smem_bytes(self) -> int:

@@ -21,11 +21,17 @@ from epicute.sm90.smem_layout import BUFFER_ALIGN, MBARRIER_BYTES, SmemBuffer, S
 
 
 def gemm_smem_layout(
-    cfg: GemmConfig, ab_dtype: str, d_dtype: str, epi: EpilogueBuffers = NO_EPILOGUE, b_dtype: str = ""
+    cfg: GemmConfig,
+    ab_dtype: str,
+    d_dtype: str,
+    epi: EpilogueBuffers = NO_EPILOGUE,
+    b_dtype: str = "",
+    block_scaled: bool = False,
 ) -> SmemLayout:
     """The kernel's shared storage for ``cfg`` (fields ``ab_barriers``, ``epi_barriers``, ``sA``,
-    ``sB``, ``sD`` and the epilogue's ``epi_tile_<i>``, ``epi_aux_<i>``, ``epi_vec_<i>``); ``b_dtype``:
-    B's dtype where it is not A's (fp8 e4m3 x e5m2: the same size)."""
+    ``sB``, ``sD``, the blockwise scales' ``sScaleA``, ``sScaleB`` and the epilogue's ``epi_tile_<i>``,
+    ``epi_aux_<i>``, ``epi_vec_<i>``); ``b_dtype``: B's dtype where it is not A's (fp8 e4m3 x e5m2: the
+    same size)."""
     b_dtype = b_dtype or ab_dtype
     epi_elems = cfg.epi_tile[0] * cfg.epi_tile[1]
     subtile = f"{cfg.epi_tile[0]}x{cfg.epi_tile[1]}"
@@ -47,6 +53,13 @@ def gemm_smem_layout(
                    f"{d_shape}, aliases the A ring ({d_count * DTYPE_BYTES[d_dtype]} B)" if cfg.epi_reuses_ab_smem
                    else d_shape, alias_of="sA" if cfg.epi_reuses_ab_smem else ""),
     ]  # fmt: skip
+    if block_scaled:  # each A/B stage's k-tile of scales rides in the same ring (GemmSm90._copy_block_scales)
+        s = cfg.ab_stages
+        buffers += [
+            SmemBuffer("sScaleA", "A block scales", "fp32", cfg.tile_m * s,
+                       f"{s} x {cfg.tile_m} fp32, a scale per row per stage", align=16),
+            SmemBuffer("sScaleB", "B block scales", "fp32", s, f"{s} fp32, the tile's block per stage", align=16),
+        ]  # fmt: skip
     for i, dtype in enumerate(epi.tile_inputs):
         buffers.append(SmemBuffer(f"epi_tile_{i}", f"operand tile {i}", dtype, epi_elems * cfg.num_c_stages,
                                   f"{cfg.num_c_stages} x {subtile} {dtype}, TMA-loaded"))  # fmt: skip
@@ -60,18 +73,25 @@ def gemm_smem_layout(
     return SmemLayout(tuple(buffers))
 
 
-def smem_table(cfg: GemmConfig, ab_dtype: str, d_dtype: str, epi: EpilogueBuffers = NO_EPILOGUE) -> list[SmemItem]:
+def smem_table(
+    cfg: GemmConfig, ab_dtype: str, d_dtype: str, epi: EpilogueBuffers = NO_EPILOGUE, block_scaled: bool = False
+) -> list[SmemItem]:
     """Every region of the kernel's shared storage, padding included, in order."""
-    return gemm_smem_layout(cfg, ab_dtype, d_dtype, epi).table()
+    return gemm_smem_layout(cfg, ab_dtype, d_dtype, epi, block_scaled=block_scaled).table()
 
 
-def smem_total(cfg: GemmConfig, ab_dtype: str, d_dtype: str, epi: EpilogueBuffers = NO_EPILOGUE) -> int:
-    return gemm_smem_layout(cfg, ab_dtype, d_dtype, epi).total_bytes
+def smem_total(
+    cfg: GemmConfig, ab_dtype: str, d_dtype: str, epi: EpilogueBuffers = NO_EPILOGUE, block_scaled: bool = False
+) -> int:
+    return gemm_smem_layout(cfg, ab_dtype, d_dtype, epi, block_scaled=block_scaled).total_bytes
 
 
-def epilogue_smem_bytes(cfg: GemmConfig, ab_dtype: str, d_dtype: str, epi: EpilogueBuffers) -> int:
+def epilogue_smem_bytes(
+    cfg: GemmConfig, ab_dtype: str, d_dtype: str, epi: EpilogueBuffers, block_scaled: bool = False
+) -> int:
     """What the fused epilogue adds to the kernel's shared memory (its buffers and barriers)."""
-    return smem_total(cfg, ab_dtype, d_dtype, epi) - smem_total(cfg, ab_dtype, d_dtype)
+    return smem_total(cfg, ab_dtype, d_dtype, epi, block_scaled) - smem_total(cfg, ab_dtype, d_dtype, NO_EPILOGUE,
+                                                                              block_scaled)  # fmt: skip
 
 
 def ab_stage_bytes(cfg: GemmConfig, ab_dtype: str) -> int:

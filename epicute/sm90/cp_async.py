@@ -40,6 +40,20 @@ def copy_chunk_zero_fill(dst, src, src_bytes, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def copy_word(dst, src, *, loc=None, ip=None) -> None:
+    """``cp.async.ca`` of one 4-byte word from global ``src`` to shared ``dst`` (CuTe pointers): scales and
+    other small per-stage values, whose addresses need not be 16-byte aligned."""
+    nvvm.cp_async_shared_global(
+        dst.to_llvm_ptr(loc=loc, ip=ip),
+        src.to_llvm_ptr(loc=loc, ip=ip),
+        4,
+        nvvm.LoadCacheModifierKind.CA,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
 def arrive_when_copied(barrier, *, loc=None, ip=None) -> None:
     """Arrive on the mbarrier at ``barrier`` once every cp.async this thread issued so far has landed, without
     raising its expected count (``.noinc``: the barrier was initialized to count this thread)."""
@@ -53,4 +67,4 @@ def swizzled_chunk(row, chunk):
     return row * LINE_BYTES + ((chunk ^ (row % 8)) * CHUNK_BYTES)
 
 
-__all__ = ["CHUNK_BYTES", "LINE_BYTES", "arrive_when_copied", "copy_chunk_zero_fill", "swizzled_chunk"]
+__all__ = ["CHUNK_BYTES", "LINE_BYTES", "arrive_when_copied", "copy_chunk_zero_fill", "copy_word", "swizzled_chunk"]

@@ -140,6 +140,19 @@ def test_blockwise_matches_the_dequantized_reference_in_every_scale_layout(dtype
         check_blockwise(a, w, sa_torch.contiguous(), sw, what="row-major a_scale, weight-layout b_scale")
 
 
+@pytest.mark.parametrize("cluster", [(1, 2), (2, 1), (1, 1)], ids=["1x2", "2x1", "1x1"])
+def test_blockwise_under_every_cluster_shape(cluster):
+    """The load warp copies each stage's scales: a cluster's spare tile past N (3 tiles of N under a 1x2
+    cluster) reads B's last block, and every CTA of a multicast pair copies its own rows' A scales."""
+    m, n, k = 333, 296, 528
+    a, w = quantized(m, k), quantized(n, k)
+    sa, sw = spread_scales(-(-k // 128), m).t(), spread_scales(-(-n // 128), -(-k // 128))
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    config = {"cluster_m": cluster[0], "cluster_n": cluster[1]}
+    epicute.gemm(a, w.t(), a_scale=sa, b_scale=sw, out=out, config=config)
+    assert rel_err(out, block_reference(a, w, sa, sw)) <= TOL
+
+
 def test_blockwise_batched_k_zero_and_epilogues():
     l, m, n, k = 3, 129, 264, 400
     a, w = quantized(l, m, k), quantized(l, n, k)
