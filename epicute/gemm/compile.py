@@ -150,10 +150,12 @@ def kernel_args(variant: GemmVariant) -> tuple:
 
 def compile_gemm_sm90(variant: GemmVariant):
     """Compile one GEMM variant for sm_90a; returns the callable
-    ``f(a, b, d, epi_tensors, epi_scalars, block_scales, max_active_clusters)``.
+    ``f(a, b, d, epi_tensors, epi_scalars, block_scales, split_workspace, max_active_clusters)``.
 
     ``a`` is ``(L, M, K)``, ``b`` ``(L, K, N)``, ``d`` ``(L, M, N)`` torch tensors; ``block_scales`` is
     ``()``, or for a block-scaled variant fp32 ``(A (L, M, KB), B (L, NB, KB))`` of any strides;
+    ``split_workspace`` is ``()``, or for a split-K variant ``(partials, counters)`` (``split_workspace`` in
+    :mod:`epicute.gemm.launch`);
     ``max_active_clusters`` (an int, :attr:`epicute.gemm.plan.GemmPlan.max_active_clusters`)
     bounds a persistent variant's grid, and is ignored by the others.
     """
@@ -163,7 +165,21 @@ def compile_gemm_sm90(variant: GemmVariant):
 
     l, m, n, k = (cute.sym_int() for _ in range(4))
     operands, tail = fake_gemm_inputs(variant, (l, m), l, (l, m), n, k)
-    return dsl_compile(variant, GemmSm90(*kernel_args(variant)), *operands, *tail, constant_args=GEMM_CONSTANT_ARGS)
+    split_workspace = _fake_split_workspace() if variant.config.split_k > 1 else ()
+    tail = (*tail[:3], split_workspace, *tail[3:])
+    return dsl_compile(variant, GemmSm90(*kernel_args(variant)), *operands, *tail,
+                       constant_args=(*GEMM_CONSTANT_ARGS, "split_workspace"))  # fmt: skip
+
+
+def _fake_split_workspace() -> tuple:
+    """Split-K's fp32 partial tiles and int32 per-tile arrival counters, flat (see ``GemmSm90._reduce_splits``)."""
+    import cutlass
+    from cutlass import cute
+
+    return tuple(
+        cute.runtime.make_fake_tensor(dtype, (cute.sym_int(),), stride=(1,), assumed_align=16)
+        for dtype in (cutlass.Float32, cutlass.Int32)
+    )
 
 
 GEMM_CACHE = KernelFamily("gemm", {SM90A: compile_gemm_sm90})

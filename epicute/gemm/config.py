@@ -25,6 +25,8 @@ SCHEDULES = ("cooperative", "pingpong")
 TILE_N = (64, 128, 192, 256)
 #: Accumulator registers a consumer thread may hold (of its 232): the rest is the epilogue's.
 MAX_ACC_REGS = 192
+#: Most CTAs one output tile's K is split across.
+MAX_SPLIT_K = 8
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,10 @@ class GemmConfig(WarpRoles):
     #: Tiles are visited in groups of this many clusters along the raster's minor
     #: axis, so concurrently running CTAs share A/B panels in L2.
     swizzle: int = 8
+    #: K split across this many CTAs per output tile (serial split-K for problems with fewer tiles than
+    #: SMs: each split stores its fp32 partial tile, and the last to finish sums them in split order and
+    #: runs the epilogue; see ``GemmSm90._reduce_splits``).
+    split_k: int = 1
     producer_regs: int = field(default=40, metadata={"planned": False})
     consumer_regs: int = field(default=232, metadata={"planned": False})
     #: Why the planner chose this; printed by ``explain``.
@@ -234,5 +240,13 @@ class GemmConfig(WarpRoles):
                 "next mainloop refills the A/B ring while this tile's epilogue runs"
             )
         self.validate_registers()
+        if self.split_k < 1 or self.split_k > MAX_SPLIT_K:
+            raise ConfigError(f"split_k={self.split_k}: must be 1 to {MAX_SPLIT_K}")
+        if self.split_k > 1 and self.schedule != "cooperative":
+            raise ConfigError(
+                f"split_k={self.split_k} with schedule={self.schedule!r}: a split tile's epilogue is run by the team "
+                "that finishes last, which the cooperative schedule's single team per CTA makes simple; use "
+                "schedule='cooperative'"
+            )
         if self.swizzle < 1:
             raise ConfigError(f"swizzle={self.swizzle}: must be >= 1")

@@ -46,7 +46,7 @@ import functools
 from dataclasses import replace
 
 from epicute.errors import ConfigError
-from epicute.gemm.config import MAX_ACC_REGS, GemmConfig, GemmProblem
+from epicute.gemm.config import MAX_ACC_REGS, MAX_SPLIT_K, GemmConfig, GemmProblem
 from epicute.gemm.roofline import estimate_seconds
 from epicute.gemm.smem import (
     NO_EPILOGUE,
@@ -230,6 +230,35 @@ def choose_raster(
     )
 
 
+#: A split reduces over at least this many k-tiles: shorter ones spend more on their partial than they save.
+MIN_SPLIT_K_TILES = 16
+#: The most rows per batch the planner splits K for.
+SPLIT_K_MAX_M = 64
+
+
+def choose_split_k(
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str, tiles: int, overrides: dict
+) -> tuple[int, str | None]:
+    """``(split_k, why)``: K split across CTAs when a decode-shaped problem (M <= ``SPLIT_K_MAX_M`` per batch)
+    has too few tiles to keep the SMs streaming B; ``why`` is None when there is nothing to say. Each split
+    stores its tile's rows of fp32 partials: at M = 128 that traffic cost more than the extra CTAs gained
+    (bench/NOTES.md)."""
+    if "split_k" in overrides:
+        return overrides["split_k"], "requested"
+    k_tiles = ceil_div(problem.k, problem.tile_k)
+    if (problem.block_scaled or epilogue.loads_tiles or schedule != "cooperative" or problem.m > SPLIT_K_MAX_M
+            or tiles == 0 or 2 * tiles > hw.num_sms):  # fmt: skip
+        return 1, None
+    split = min(MAX_SPLIT_K, hw.num_sms // tiles, k_tiles // MIN_SPLIT_K_TILES)
+    if split < 2:
+        return 1, None
+    return split, (
+        f"{tiles} tiles fill {tiles / hw.num_sms:.0%} of the SMs: each tile's {k_tiles} k-tiles run as {split} "
+        f"splits on {tiles * split} CTAs; the last split of a tile to finish adds the fp32 partials in split order "
+        "(deterministic) and runs the epilogue"
+    )
+
+
 def fit_stages(cfg: GemmConfig, problem: GemmProblem, budget: int, epi: EpilogueBuffers = NO_EPILOGUE) -> GemmConfig:
     """Largest A/B ring, then deepest D staging, that fit in ``budget`` bytes.
 
@@ -340,6 +369,10 @@ def choose_config(
             "a cluster peer would idle an SM"
         )
 
+    split_k, split_why = choose_split_k(problem, hw, epilogue, schedule, tiles, overrides)
+    if split_why:
+        reasons.append(f"split_k {split_k}: {split_why}")
+    tiles *= split_k  # work units below: every split of every tile
     max_clusters = hw.num_sms // (cluster[0] * cluster[1])
     if schedule == "pingpong" and "persistent" not in overrides:
         persistent = True
@@ -379,6 +412,7 @@ def choose_config(
         epi_reuses_ab_smem=overrides.get("epi_reuses_ab_smem", not persistent),
         raster_along_m=raster_along_m,
         swizzle=overrides.get("swizzle", 8),
+        split_k=split_k,
     )
     cfg = replace(cfg, num_c_stages=overrides.get("num_c_stages", cfg.num_c_stages))
     if "ab_stages" in overrides or "num_epi_stages" in overrides:

@@ -74,7 +74,7 @@ from epicute.sm90.pipeline import (
     make_tma_load_pipeline,
 )
 from epicute.sm90.tile_grid import cluster_counts
-from epicute.sm90.tile_scheduler import ClusterTileScheduler
+from epicute.sm90.tile_scheduler import ClusterTileScheduler, SplitKTileScheduler
 from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
 CUTLASS_DTYPES = DSL_DTYPES
@@ -116,6 +116,7 @@ class CtaShared:
     cluster_coord: tuple
     sScaleA: cute.Tensor | None  # blockwise fp8: each stage's A scales (tile_m, ab_stages) and B scale (ab_stages)
     sScaleB: cute.Tensor | None
+    sSplitArrival: cute.Tensor | None  # split-K: how many splits of the tile had finished before ours
 
 
 @dataclass
@@ -166,6 +167,16 @@ class GemmSm90:
                 f"blockwise scales with a {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} tile: a k-tile must be one "
                 f"{BLOCK_K}-wide scale block and a tile at most one block of N (tile_k={BLOCK_K}, tile_n 64 or 128)"
             )
+        if cfg.split_k > 1 and type(self)._scheduler is not GemmSm90._scheduler:
+            raise ConfigError(f"split_k={cfg.split_k}: {type(self).__name__} schedules its own tiles and does not "
+                              "split K; use split_k=1")  # fmt: skip
+        if cfg.split_k > 1 and block_scaled:
+            raise ConfigError(f"split_k={cfg.split_k} with blockwise scales: the promoting mainloop runs at least "
+                              "one k-tile per tile, and a split may have none; use split_k=1")  # fmt: skip
+        if cfg.split_k > 1 and fusion is not None and fusion.buffers().loads_tiles:
+            raise ConfigError(f"split_k={cfg.split_k} with an epilogue that reads full-tile operands: they stream "
+                              "in ahead of the tile, before it is known which split runs the epilogue; use "
+                              "split_k=1")  # fmt: skip
         self.block_scaled = block_scaled
         self.fusion = fusion
         self.cfg = cfg
@@ -216,6 +227,7 @@ class GemmSm90:
         epi_tensors: tuple,
         epi_scalars: tuple,
         block_scales: tuple,
+        split_workspace: tuple,
         max_active_clusters: Int32,
         stream,
     ):
@@ -224,9 +236,11 @@ class GemmSm90:
         by the consumers element by element in the mainloop (:meth:`_consume`).
         ``max_active_clusters``: a persistent grid's cluster budget on this GPU (the host's
         ``GemmPlan.max_active_clusters``: SMs // cluster size), a runtime value so that one
-        compiled kernel serves every SM count; one-tile-per-CTA variants ignore it."""
+        compiled kernel serves every SM count; one-tile-per-CTA variants ignore it.
+        ``split_workspace``: ``()``, or with ``split_k`` > 1 the fp32 partial tiles and int32 arrival counters
+        of :meth:`_reduce_splits` (flat; the counters zero, and left zero)."""
         self._launch_batched(mA_lmk, mB_lkn, mD_lmn, epi_tensors, epi_scalars, block_scales, max_active_clusters,
-                             stream)  # fmt: skip
+                             stream, split_workspace)  # fmt: skip
 
     @cute.jit
     def _launch_batched(self, mA_lmk, mB_lkn, mD_lmn, epi_tensors, epi_scalars, block_scales, max_active_clusters,
@@ -241,8 +255,9 @@ class GemmSm90:
         num_batches = cute.size(mD, mode=[2])
         clusters_m, clusters_n, total_clusters = cluster_counts(tiles_m, tiles_n, num_batches, self.cluster_shape_mn)
         # The plan's grid by the same function; the tile scheduler strides by gridDim.z, so
-        # whatever this launches, the persistent clusters cover every tile exactly once.
-        launched = ClusterTileScheduler.grid(total_clusters, max_active_clusters, self.cfg.persistent, cutlass.min)
+        # whatever this launches, the persistent clusters cover every tile (every split) exactly once.
+        work = total_clusters * self.cfg.split_k
+        launched = ClusterTileScheduler.grid(work, max_active_clusters, self.cfg.persistent, cutlass.min)
         sched_args = (*sched_prefix, clusters_m, clusters_n, num_batches)
         self._launch(mA, mB, mD, epi_tensors, epi_scalars, block_scales, sched_args, launched, stream)
 
@@ -341,6 +356,10 @@ class GemmSm90:
         """A role's tile scheduler. Each role builds its own (the DSL cannot carry Python objects across a
         runtime branch); the schedule is static, so they agree tile for tile. Its ``coord(work)`` starts
         with ``(tile_m, tile_n, batch)``."""
+        if cutlass.const_expr(self.cfg.split_k > 1):  # sched_args: the split workspace, then the counts
+            clusters_m, clusters_n, num_batches = sched_args[2:]
+            return SplitKTileScheduler(clusters_m, clusters_n, num_batches, self.cluster_shape_mn, self.cfg.swizzle,
+                                       self.cfg.raster_along_m, self.cfg.split_k)  # fmt: skip
         clusters_m, clusters_n, num_batches = sched_args
         return ClusterTileScheduler(
             clusters_m, clusters_n, num_batches, self.cluster_shape_mn, self.cfg.swizzle, self.cfg.raster_along_m
@@ -390,8 +409,18 @@ class GemmSm90:
         return cta.tBgB[(None, coord[1], None, coord[2])]
 
     def _k_tiles(self, cta, coord: tuple):
-        """How many k-tiles the tile at ``coord`` reduces over (every tile's K, here)."""
+        """How many k-tiles the tile at ``coord`` reduces over (every tile's K, here; its split's share of them
+        with ``split_k``: ``ceil(k_tiles / split_k)`` each, the last ones fewer or none)."""
+        if cutlass.const_expr(self.cfg.split_k > 1):
+            share = cute.ceil_div(cta.k_tiles, self.cfg.split_k)
+            return cutlass.max(cutlass.min(share, cta.k_tiles - coord[3] * share), 0)
         return cta.k_tiles
+
+    def _k_first(self, cta, coord: tuple):
+        """The first k-tile the tile at ``coord`` reduces over (its split's, with ``split_k``)."""
+        if cutlass.const_expr(self.cfg.split_k > 1):
+            return coord[3] * cute.ceil_div(cta.k_tiles, self.cfg.split_k)
+        return 0
 
     def _fix_stage(self, cta, coord: tuple, k_tile, stage, mma_tidx) -> None:
         """A consumer's last word on a filled A/B stage before its WGMMAs read it (nothing here: TMA
@@ -527,6 +556,9 @@ class GemmSm90:
         if cutlass.const_expr(self.block_scaled):
             sScaleA = storage.sScaleA.get_tensor(cute.make_layout((cfg.tile_m, cfg.ab_stages)))
             sScaleB = storage.sScaleB.get_tensor(cute.make_layout(cfg.ab_stages))
+        sSplitArrival = None
+        if cutlass.const_expr(cfg.split_k > 1):
+            sSplitArrival = storage.split_arrival.get_tensor(cute.make_layout(1))
         if cutlass.const_expr(cfg.epi_reuses_ab_smem):
             # Non-persistent: the A ring is idle once the only mainloop is done.
             d_ptr = cute.recast_ptr(storage.sA.data_ptr(), d_smem_staged.inner, dtype=self.d_dtype)
@@ -573,6 +605,7 @@ class GemmSm90:
         return CtaShared(
             ab_pipeline, c_pipeline, sA, sB, sD, sC, sAux, sVec, gD, k_tiles,
             tAsA, tAgA, tBsB, tBgB, a_mcast_mask, b_mcast_mask, mA, mB, cluster_coord, sScaleA, sScaleB,
+            sSplitArrival,
         )  # fmt: skip
 
     @cute.jit
@@ -598,13 +631,14 @@ class GemmSm90:
             scale_sources = None
             if cutlass.const_expr(self.block_scaled):
                 scale_sources = self._block_scale_sources(tile_coord, block_scales, sched_args)
+            k_first = self._k_first(cta, tile_coord)
             for k_tile in range(self._k_tiles(cta, tile_coord)):
                 ab_pipeline.producer_acquire(state)
                 barrier = ab_pipeline.producer_get_barrier(state)
                 if cutlass.const_expr(not self.gather_threads):
-                    cute.copy(tma_a, tAgA_tile[(None, k_tile)], tAsA[(None, state.index)],
+                    cute.copy(tma_a, tAgA_tile[(None, k_first + k_tile)], tAsA[(None, state.index)],
                               tma_bar_ptr=barrier, mcast_mask=a_mcast_mask)  # fmt: skip
-                cute.copy(tma_b, tBgB_tile[(None, k_tile)], tBsB[(None, state.index)],
+                cute.copy(tma_b, tBgB_tile[(None, k_first + k_tile)], tBsB[(None, state.index)],
                           tma_bar_ptr=barrier, mcast_mask=b_mcast_mask)  # fmt: skip
                 if cutlass.const_expr(self.block_scaled):
                     self._copy_block_scales(cta, block_scales, scale_sources, state.index, k_tile, barrier)
@@ -822,9 +856,15 @@ class GemmSm90:
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
 
-            epilogue_turns.wait(team)
-            self._epilogue(run)
-            c_state = run.c_state  # reassigned here, so the tile loop carries it
+            if cutlass.const_expr(cfg.split_k > 1):
+                # Only the split that finishes last holds the tile's sum: it alone runs the epilogue.
+                if self._reduce_splits(cta, acc, tile_coord, scheduler.tile_slot(work), thr_mma, mma_tidx, copies,
+                                       sched_args, cute.size(mD, mode=[0])):  # fmt: skip
+                    self._epilogue(run)
+            else:
+                epilogue_turns.wait(team)
+                self._epilogue(run)
+                c_state = run.c_state  # reassigned here, so the tile loop carries it
             if cutlass.const_expr(ping_pong):
                 # The other team overwrites the staging buffers next: our last
                 # stores must have read them before we pass the turn.
@@ -834,6 +874,47 @@ class GemmSm90:
             tiles_done += 1
             work = scheduler.next(work, cfg.num_teams)
         store.drain(is_store_warp)
+
+    @cute.jit
+    def _reduce_splits(self, cta, acc, coord, slot, thr_mma, mma_tidx, copies, sched_args, m_extent):
+        """Split-K's serial reduction, after a split's mainloop: True for the team that now holds the tile's
+        sum in ``acc`` and runs its epilogue.
+
+        Every split stores its fp32 partial (each thread its accumulators, in register order, rows past M
+        skipped) into the tile's slot of the workspace, fences, and counts itself on the tile's counter. The
+        split that arrives last reads all of them back and adds them in split order, so the sum does not
+        depend on which split finished last (deterministic), and resets the counter for the next launch. No
+        split waits for another: a persistent grid whose CTAs are not all resident cannot deadlock."""
+        cfg = self.cfg
+        partials, counters = sched_args[0], sched_args[1]
+        splits, size = cfg.split_k, cute.size(acc)
+        coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+        rows_left = m_extent - coord[0] * cfg.tile_m
+
+        # This thread's values of split s start at first + s * split_stride.
+        split_stride = cfg.tile_threads * size
+        first = slot * splits * split_stride + mma_tidx * size
+        mine = first + coord[3] * split_stride
+        for v in cutlass.range_constexpr(size):
+            if coords[v][0] < rows_left:
+                partials[mine + v] = acc[v]
+        cute.arch.fence_acq_rel_gpu()  # our partial is visible GPU-wide before the counter counts us
+        copies.store.sync()
+        if mma_tidx == 0:
+            cta.sSplitArrival[0] = cute.arch.atomic_add(counters.iterator + slot, Int32(1), sem="relaxed", scope="gpu")
+        copies.store.sync()
+        last = cta.sSplitArrival[0] == splits - 1
+        if last:
+            cute.arch.fence_acq_rel_gpu()  # the other splits' partials, published before they were counted
+            for v in cutlass.range_constexpr(size):
+                total = Float32(0.0)
+                if coords[v][0] < rows_left:
+                    for split in cutlass.range_constexpr(splits):
+                        total = total + partials[first + split * split_stride + v]
+                acc[v] = total
+            if mma_tidx == 0:
+                counters[slot] = Int32(0)
+        return last
 
     @cute.jit
     def _epilogue_copies(self, cta, tiled_mma, thr_mma, acc, mma_tidx, mD, tma_d, epi_stores):

@@ -133,8 +133,9 @@ class GemmLaunch:
                 epi_tensors = self.inputs + tuple(self.aux.values()) + tuple(self.workspaces.values())
                 epi_tensors += () if self.group_scales is None else (self.group_scales,)
                 self.kernel(
-                    self.a, self.b, out3, epi_tensors, self.scalars, self.block_scales, self.plan.max_active_clusters
-                )
+                    self.a, self.b, out3, epi_tensors, self.scalars, self.block_scales,
+                    split_workspace(self.plan, out3.device), self.plan.max_active_clusters,
+                )  # fmt: skip
         d = out3 if self.batched else out3[0]  # out3 is the caller's out (viewed 3-D) when given
         if fusion is None or set(fusion.output_dtypes) == {"D"}:
             return d
@@ -148,6 +149,26 @@ class GemmLaunch:
             scales = self.group_scales.transpose(1, 2)
             results[fusion.group_quant.scales] = scales if self.batched else scales[0]
         return results
+
+
+#: Split-K workspaces by (device, stream): launches on one stream run one after another, so they share one;
+#: the counters start zero and each launch leaves them zero.
+_SPLIT_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_workspace(plan, device: torch.device) -> tuple:
+    """``()``, or for a split-K plan its ``(partials, counters)`` on ``device``'s current stream (grown on need)."""
+    if plan.config.split_k == 1:
+        return ()
+    partial_count, counter_count = plan.split_workspace_shape
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    partials, counters = _SPLIT_WORKSPACES.get(key, (None, None))
+    if partials is None or partials.numel() < partial_count:
+        partials = torch.empty(partial_count, dtype=torch.float32, device=device)
+    if counters is None or counters.numel() < counter_count:
+        counters = torch.zeros(counter_count, dtype=torch.int32, device=device)
+    _SPLIT_WORKSPACES[key] = partials, counters
+    return partials, counters
 
 
 def bind_gemm(

@@ -77,11 +77,22 @@ class GemmPlan:
     def grid(self) -> tuple[int, int, int]:
         """Launch grid (cluster_m, cluster_n, clusters), as the kernel computes it on the device
         (the same :mod:`epicute.sm90.tile_grid` functions, given :attr:`max_active_clusters` at launch)."""
+        c = self.config
+        return (c.cluster_m, c.cluster_n, launched(self.clusters * c.split_k, self.max_active_clusters, c.persistent))
+
+    @property
+    def clusters(self) -> int:
+        """Clusters of output tiles (the kernel's :func:`~epicute.sm90.tile_grid.cluster_counts`)."""
         p, c = self.problem, self.config
-        _, _, clusters = cluster_counts(
-            ceil_div(p.m, c.tile_m), ceil_div(p.n, c.tile_n), p.l, (c.cluster_m, c.cluster_n)
-        )
-        return (c.cluster_m, c.cluster_n, launched(clusters, self.max_active_clusters, c.persistent))
+        return cluster_counts(ceil_div(p.m, c.tile_m), ceil_div(p.n, c.tile_n), p.l, (c.cluster_m, c.cluster_n))[2]
+
+    @property
+    def split_workspace_shape(self) -> tuple[int, int]:
+        """Split-K's flat fp32 partials and int32 counters (``GemmSm90._reduce_splits``): per output tile slot
+        (every CTA of every cluster) ``split_k`` partial tiles and one counter."""
+        c = self.config
+        slots = self.clusters * c.cluster_size
+        return slots * c.split_k * c.tile_m * c.tile_n, slots
 
     @property
     def roofline(self) -> Roofline:

@@ -60,6 +60,9 @@ def gemm_smem_layout(
                        f"{s} x {cfg.tile_m} fp32, a scale per row per stage", align=16),
             SmemBuffer("sScaleB", "B block scales", "fp32", s, f"{s} fp32, the tile's block per stage", align=16),
         ]  # fmt: skip
+    if cfg.split_k > 1:
+        buffers.append(SmemBuffer("split_arrival", "split-K arrival", "int32", 1,
+                                  "the tile's splits finished before this one", align=16))  # fmt: skip
     for i, dtype in enumerate(epi.tile_inputs):
         buffers.append(SmemBuffer(f"epi_tile_{i}", f"operand tile {i}", dtype, epi_elems * cfg.num_c_stages,
                                   f"{cfg.num_c_stages} x {subtile} {dtype}, TMA-loaded"))  # fmt: skip

@@ -161,6 +161,34 @@ class ClusterTileScheduler(StaticClusterWalk):
         return tile_m, tile_n, batch
 
 
+class SplitKTileScheduler(ClusterTileScheduler):
+    """The GEMM's static schedule with each output tile's K split ``splits`` ways: work id ``w`` is split
+    ``w % splits`` of cluster ``w // splits``, so a tile's splits are consecutive ids and run side by side.
+    ``coord`` is ``(tile_m, tile_n, batch, split)``; :meth:`tile_slot` numbers the CTA's output tile
+    (its cluster's, then its rank in the cluster) for the split reduction's workspace."""
+
+    def __init__(self, clusters_m, clusters_n, num_batches, cluster_shape_mn, group: int, raster_along_m: bool,
+                 splits: int):  # fmt: skip
+        super().__init__(clusters_m, clusters_n, num_batches, cluster_shape_mn, group, raster_along_m)
+        self.splits = splits
+
+    def __new_from_mlir_values__(self, values):
+        base = ClusterTileScheduler.__new_from_mlir_values__(self, values)
+        return SplitKTileScheduler(base.clusters_m, base.clusters_n, base.num_batches, self.cluster_shape_mn,
+                                   self.group, self.raster_along_m, self.splits)  # fmt: skip
+
+    def is_valid(self, work):
+        return work < self.total_clusters * self.splits
+
+    def coord(self, work):
+        cluster = work // self.splits
+        return (*ClusterTileScheduler.coord(self, cluster), work - cluster * self.splits)
+
+    def tile_slot(self, work):
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        return (work // self.splits) * (self.cluster_shape_mn[0] * self.cluster_shape_mn[1]) + rank
+
+
 class RaggedKTileScheduler(ClusterTileScheduler):
     """The GEMM's static schedule with one batch per group of a reduction split into groups (the grouped
     GEMM's variable-K mode): group ``g`` reduces over K rows ``[offsets[g - 1], offsets[g])`` (bounds

@@ -239,7 +239,7 @@ def test_an_emitted_derivative_matches_autograd_on_the_gpu():
     a = torch.randn(1, m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(1, k, n, device="cuda", dtype=torch.bfloat16) / 4
     d = torch.full((1, m, n), float("nan"), device="cuda")
-    kernel(a, b, d, (), (7.5,), (), plan.max_active_clusters)
+    kernel(a, b, d, (), (7.5,), (), (), plan.max_active_clusters)
     acc = (a.double() @ b.double()).cpu()
     specs = as_epilogue(lambda acc, cap: acc).operands({"cap": 7.5}, m, n, 1)
     want = autograd_derivative(graph, acc, specs)

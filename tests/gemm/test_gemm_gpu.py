@@ -135,6 +135,6 @@ def test_persistent_clusters_cover_every_tile_once_for_any_runtime_budget(budget
     assert plan.config.persistent and plan.num_tiles > budget * plan.config.cluster_size
     kernel = kernel_for(plan)
     out = torch.full((1, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    kernel(a.unsqueeze(0), b.unsqueeze(0), out, (), (), (), budget)
+    kernel(a.unsqueeze(0), b.unsqueeze(0), out, (), (), (), (), budget)
     torch.cuda.synchronize()
     assert rel_err(out[0], torch.matmul(a.float(), b.float())) <= TOL[torch.bfloat16]

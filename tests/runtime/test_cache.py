@@ -356,7 +356,7 @@ FRESH_LOAD = textwrap.dedent(
     print("compiles", KERNEL_CACHE.stats.compiles, "disk_loads", KERNEL_CACHE.stats.disk_loads)
     t = torch.zeros(1, 8, 8, dtype=torch.bfloat16)
     try:
-        fn(t, t, t, (), (), (), 132)  # CPU tensors: the loaded kernel's own argument check answers
+        fn(t, t, t, (), (), (), (), 132)  # CPU tensors: the loaded kernel's own argument check answers
     except ValueError as exc:
         print("signature:", exc)
     """

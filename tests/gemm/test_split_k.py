@@ -1,0 +1,66 @@
+"""Split-K planning on the CPU: when the planner splits, what explain says, and typed errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import epicute
+from epicute.gemm import GemmProblem, plan_gemm
+
+
+def meta(*shape):
+    return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_decode_shapes_with_few_tiles_split_k_and_explain_says_why(m):
+    plan = epicute.explain(meta(m, 14336), meta(4096, 14336).t(), file=None)
+    assert plan.config.split_k > 1
+    assert plan.grid[2] == min(plan.clusters * plan.config.split_k, plan.max_active_clusters)
+    text = "\n".join(plan.config.reasons)
+    assert f"split_k {plan.config.split_k}" in text and "deterministic" in text
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(128, 4096, 14336), (256, 4096, 14336), (4096, 4096, 4096), (16, 14336, 4096), (16, 4096, 512), (0, 32, 64)],
+)
+def test_no_split_with_enough_tiles_or_short_k_or_two_rows_of_tiles(shape):
+    m, n, k = shape
+    assert plan_gemm(GemmProblem(m, n, k, b_major="k")).config.split_k == 1
+
+
+def test_pinned_split_k_is_planned_around_and_validated():
+    assert plan_gemm(GemmProblem(16, 4096, 4096), split_k=3).config.split_k == 3
+    with pytest.raises(epicute.EpicuteError, match="split_k=9"):
+        plan_gemm(GemmProblem(16, 4096, 4096), split_k=9)
+    with pytest.raises(epicute.EpicuteError, match="cooperative"):
+        plan_gemm(GemmProblem(16, 4096, 4096), split_k=2, schedule="pingpong")
+
+
+def test_split_k_is_refused_where_it_cannot_run():
+    from epicute.gemm.compile import compile_gemm
+    from epicute.gemm.launch import variant_of
+
+    fp8 = GemmProblem(16, 4096, 4096, ab_dtype="fp8e4m3", a_major="k", b_major="k", block_scaled=True)
+    assert plan_gemm(fp8).config.split_k == 1
+    with pytest.raises(epicute.EpicuteError, match="blockwise"):
+        compile_gemm(variant_of(plan_gemm(fp8, split_k=2)))
+    x, w, res = meta(16, 4096), meta(4096, 4096), meta(16, 4096)
+    plan = epicute.explain(x, w.t(), epilogue=lambda acc, res: acc + res, res=res, file=None)
+    assert plan.config.split_k == 1  # a tile operand streams in before the splits meet
+    from epicute.epilogue.tracer import as_epilogue
+    from epicute.gemm.prepare import GemmRequest, prepare
+
+    request = GemmRequest(GemmProblem(16, 4096, 4096, b_major="k"), as_epilogue(lambda acc, res: acc + res),
+                          (("res", "tile", "bf16"),), overrides=(("split_k", 2),))  # fmt: skip
+    with pytest.raises(epicute.EpicuteError, match="full-tile operands"):
+        compile_gemm(prepare(request).variant())
+
+
+def test_a_split_variant_compiles_for_sm90a():
+    from epicute.gemm.compile import compile_gemm
+    from epicute.gemm.launch import variant_of
+
+    compile_gemm(variant_of(plan_gemm(GemmProblem(16, 4096, 14336, b_major="k"))))
