@@ -232,30 +232,47 @@ def choose_raster(
 
 #: A split reduces over at least this many k-tiles: shorter ones spend more on their partial than they save.
 MIN_SPLIT_K_TILES = 16
-#: The most rows per batch the planner splits K for.
+#: The most rows per batch the planner splits K for, and the most it widens the split tiles for.
 SPLIT_K_MAX_M = 64
+SPLIT_K_WIDE_M = 16
 
 
 def choose_split_k(
-    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str, tiles: int, overrides: dict
-) -> tuple[int, str | None]:
-    """``(split_k, why)``: K split across CTAs when a decode-shaped problem (M <= ``SPLIT_K_MAX_M`` per batch)
-    has too few tiles to keep the SMs streaming B; ``why`` is None when there is nothing to say. Each split
-    stores its tile's rows of fp32 partials: at M = 128 that traffic cost more than the extra CTAs gained
-    (bench/NOTES.md)."""
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str, tile_n: int, overrides: dict
+) -> tuple[int, int, str | None]:
+    """``(split_k, tile_n, why)``: K split across CTAs when a decode-shaped problem (M <= ``SPLIT_K_MAX_M`` per
+    batch) has too few tiles to keep the SMs streaming B, and the tile width that goes with it; ``why`` is
+    None when there is nothing to say. Each split stores its tile's rows of fp32 partials: at M = 128 that
+    traffic cost more than the extra CTAs gained. At M <= ``SPLIT_K_WIDE_M``, 128-wide tiles split in two
+    beat 64-wide ones, split or not (bench/NOTES.md)."""
     if "split_k" in overrides:
-        return overrides["split_k"], "requested"
+        return overrides["split_k"], tile_n, "requested"
+    tiles, wide_tiles = _num_tiles(problem, 128, tile_n), _num_tiles(problem, 128, 128)
     k_tiles = ceil_div(problem.k, problem.tile_k)
     if (problem.block_scaled or epilogue.loads_tiles or schedule != "cooperative" or problem.m > SPLIT_K_MAX_M
-            or tiles == 0 or 2 * tiles > hw.num_sms):  # fmt: skip
-        return 1, None
+            or tiles == 0 or k_tiles < 2 * MIN_SPLIT_K_TILES):  # fmt: skip
+        return 1, tile_n, None
+    if problem.m <= SPLIT_K_WIDE_M and "tile_n" not in overrides and 2 * wide_tiles <= hw.num_sms:
+        return (
+            2,
+            128,
+            (
+                f"M = {problem.m}: {wide_tiles} tiles of 128x128 fill {wide_tiles / hw.num_sms:.0%} of the SMs; each "
+                f"tile's {k_tiles} k-tiles run as 2 splits; the last split of a tile to finish adds the fp32 "
+                "partials in split order (deterministic) and runs the epilogue"
+            ),
+        )
+    if 2 * tiles > hw.num_sms:
+        return 1, tile_n, None
     split = min(MAX_SPLIT_K, hw.num_sms // tiles, k_tiles // MIN_SPLIT_K_TILES)
-    if split < 2:
-        return 1, None
-    return split, (
-        f"{tiles} tiles fill {tiles / hw.num_sms:.0%} of the SMs: each tile's {k_tiles} k-tiles run as {split} "
-        f"splits on {tiles * split} CTAs; the last split of a tile to finish adds the fp32 partials in split order "
-        "(deterministic) and runs the epilogue"
+    return (
+        split,
+        tile_n,
+        (
+            f"{tiles} tiles fill {tiles / hw.num_sms:.0%} of the SMs: each tile's {k_tiles} k-tiles run as {split} "
+            f"splits on {tiles * split} CTAs; the last split of a tile to finish adds the fp32 partials in split order "
+            "(deterministic) and runs the epilogue"
+        ),
     )
 
 
@@ -369,10 +386,13 @@ def choose_config(
             "a cluster peer would idle an SM"
         )
 
-    split_k, split_why = choose_split_k(problem, hw, epilogue, schedule, tiles, overrides)
+    split_k, split_tile_n, split_why = choose_split_k(problem, hw, epilogue, schedule, tile_n, overrides)
+    if split_tile_n != tile_n:
+        tile_n = split_tile_n
+        reasons[1] = f"tile {tile_m}x{tile_n}x{problem.tile_k}: split K (below)"
     if split_why:
         reasons.append(f"split_k {split_k}: {split_why}")
-    tiles *= split_k  # work units below: every split of every tile
+    tiles = _num_tiles(problem, tile_m, tile_n) * split_k  # work units below: every split of every tile
     max_clusters = hw.num_sms // (cluster[0] * cluster[1])
     if schedule == "pingpong" and "persistent" not in overrides:
         persistent = True
