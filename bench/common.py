@@ -227,12 +227,12 @@ def _print_group(rows: Sequence[Row], unit: str) -> None:
             print(f"geomean epicute/{label}: {g:.3f}" if g is not None else f"geomean epicute/{label}: -")
 
 
-def finish_peer_run(out: str | Path, benchmark: str, rows: Sequence[Row], all_ok: bool) -> int:
-    """The end of a TFLOPS run against peers: write the result (its command is this process's
-    argv), print the table, and the exit status (1 when epicute failed or was wrong anywhere)."""
+def finish_peer_run(out: str | Path, benchmark: str, rows: Sequence[Row], all_ok: bool, unit: str = "TFLOPS") -> int:
+    """The end of a run against peers (higher is better, in ``unit``): write the result (its command is this
+    process's argv), print the table, and the exit status (1 when epicute failed or was wrong anywhere)."""
     command = shlex.join(["python", f"bench/{benchmark}.py", *sys.argv[1:]])
-    print(f"wrote {write_result(out, benchmark, command, 'TFLOPS', True, rows)}")
-    print_table(rows, "TFLOPS")
+    print(f"wrote {write_result(out, benchmark, command, unit, True, rows)}")
+    print_table(rows, unit)
     if not all_ok:
         print("epicute FAILED or was WRONG on at least one case (see above)")
     return 0 if all_ok else 1

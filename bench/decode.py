@@ -14,12 +14,11 @@ OUT is set).
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
 import torch
-from common import Row, check_contenders, print_table, time_interleaved, write_result
+from common import Row, check_contenders, finish_peer_run, time_interleaved
 from gemm import parse_shapes
 
 ALL_SHAPES = [(m, n, k) for n, k in ((14336, 4096), (4096, 14336), (8192, 8192)) for m in (1, 16, 64, 128)]
@@ -67,12 +66,7 @@ def main() -> int:
         row, ok = run_case(shape)
         rows.append(row)
         all_ok = all_ok and ok
-    command = shlex.join(["python", "bench/decode.py", *sys.argv[1:]])
-    print(f"wrote {write_result(args.out, 'decode', command, 'GB/s', True, rows)}")
-    print_table(rows, "GB/s")
-    if not all_ok:
-        print("epicute FAILED or was WRONG on at least one case (see above)")
-    return 0 if all_ok else 1
+    return finish_peer_run(args.out, "decode", rows, all_ok, unit="GB/s")
 
 
 if __name__ == "__main__":

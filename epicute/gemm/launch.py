@@ -157,17 +157,22 @@ _SPLIT_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def split_workspace(plan, device: torch.device) -> tuple:
-    """``()``, or for a split-K plan its ``(partials, counters)`` on ``device``'s current stream (grown on need)."""
+    """``()``, or for a split-K plan its ``(partials, counters)`` on ``device``'s current stream (grown on need).
+    While a CUDA graph is being captured, a workspace the cache lacks is the graph's own (its allocation
+    belongs to the graph's memory pool, which must not outlive it in the cache)."""
     if plan.config.split_k == 1:
         return ()
     partial_count, counter_count = plan.split_workspace_shape
     key = (device, torch.cuda.current_stream(device).cuda_stream)
     partials, counters = _SPLIT_WORKSPACES.get(key, (None, None))
-    if partials is None or partials.numel() < partial_count:
-        partials = torch.empty(partial_count, dtype=torch.float32, device=device)
-    if counters is None or counters.numel() < counter_count:
-        counters = torch.zeros(counter_count, dtype=torch.int32, device=device)
-    _SPLIT_WORKSPACES[key] = partials, counters
+    if partials is not None and partials.numel() >= partial_count and counters.numel() >= counter_count:
+        return partials, counters
+    partials = torch.empty(max(partial_count, 0 if partials is None else partials.numel()), dtype=torch.float32,
+                           device=device)  # fmt: skip
+    counters = torch.zeros(max(counter_count, 0 if counters is None else counters.numel()), dtype=torch.int32,
+                           device=device)  # fmt: skip
+    if not torch.cuda.is_current_stream_capturing():
+        _SPLIT_WORKSPACES[key] = partials, counters
     return partials, counters
 
 

@@ -72,3 +72,20 @@ def test_the_split_sum_is_deterministic():
     for _ in range(20):
         assert torch.equal(epicute.gemm(x, w.t(), out_dtype=torch.float32, config={"split_k": 8}), first)
     assert rel_err(first, x.float() @ w.float().t()) <= 1e-3
+
+
+def test_split_k_inside_a_cuda_graph():
+    """Captured on a fresh stream (its workspace is the graph's own) and replayed over new inputs: the counters
+    each launch leaves at zero serve the next replay."""
+    x, w = decode_operands(3, 1024, 8192)
+    out = torch.full((3, 1024), float("nan"), device="cuda", dtype=torch.bfloat16)
+    epicute.gemm(x, w.t(), out=out, config={"split_k": 4})  # compiled outside the capture
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        epicute.gemm(x, w.t(), out=out, config={"split_k": 4})
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, x.float() @ w.float().t()) <= TOL
