@@ -33,7 +33,10 @@ one tile form a *team* (both warpgroups, or one).
 - gated epilogue (optional, :mod:`epicute.epilogue.gated`): B interleaves gate and
   up columns in blocks of 8, the output tile is ``out_tile_n = tile_n / 2`` wide and
   laid out as a half-width WGMMA's accumulators, and each output value reads its gate
-  and up registers from a static table (:func:`gate_up_positions`).
+  and up registers from a static table (:func:`gate_up_positions`);
+- split-K (optional, ``split_k``): a tile's K runs on consecutive work ids; each split
+  stores its fp32 partial and the last to finish sums them in split order and runs
+  the epilogue (:meth:`GemmSm90._reduce_splits`).
 
 Host tensors arrive in torch order -- A ``(L, M, K)``, B ``(L, K, N)``, D
 ``(L, M, N)`` with any of the supported majors -- and are rotated to CuTe's
@@ -232,8 +235,8 @@ class GemmSm90:
         stream,
     ):
         """``epi_tensors``/``epi_scalars``: the fused epilogue's operands (see epilogue_emit).
-        ``block_scales``: ``()``, or blockwise fp8 scales ``(A (L, M, KB), B (L, NB, KB))`` fp32, read
-        by the consumers element by element in the mainloop (:meth:`_consume`).
+        ``block_scales``: ``()``, or blockwise fp8 scales ``(A (L, M, KB), B (L, NB, KB))`` fp32, copied
+        element by element into the A/B ring by the load warp (:meth:`_copy_block_scales`), of any strides.
         ``max_active_clusters``: a persistent grid's cluster budget on this GPU (the host's
         ``GemmPlan.max_active_clusters``: SMs // cluster size), a runtime value so that one
         compiled kernel serves every SM count; one-tile-per-CTA variants ignore it.
@@ -246,7 +249,7 @@ class GemmSm90:
     def _launch_batched(self, mA_lmk, mB_lkn, mD_lmn, epi_tensors, epi_scalars, block_scales, max_active_clusters,
                         stream, sched_prefix: tuple = ()):  # fmt: skip
         """:meth:`__call__`'s launch over D's ``(M, N)`` tiles of every batch; ``sched_args`` are ``sched_prefix``
-        (what a subclass's scheduler reads besides: variable K's offsets) then the cluster counts."""
+        (what the scheduler reads besides: split-K's workspace, variable K's offsets) then the cluster counts."""
         mA = _rotate(mA_lmk, [1, 2, 0])  # (M, K, L)
         mB = _rotate(mB_lkn, [2, 1, 0])  # (N, K, L)
         mD = _rotate(mD_lmn, [1, 2, 0])  # (M, N, L)

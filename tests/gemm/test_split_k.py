@@ -64,3 +64,14 @@ def test_a_split_variant_compiles_for_sm90a():
     from epicute.gemm.launch import variant_of
 
     compile_gemm(variant_of(plan_gemm(GemmProblem(16, 4096, 14336, b_major="k"))))
+
+
+def test_grouped_kernels_refuse_split_k():
+    """A grouped kernel schedules its own tiles: a pinned split_k is a typed error, not a silently wrong walk."""
+    from dataclasses import replace
+
+    from epicute.grouped.kernel_sm90 import GroupedGemmSm90
+
+    cfg = replace(plan_gemm(GemmProblem(16, 4096, 14336, b_major="k")).config, split_k=2)
+    with pytest.raises(epicute.EpicuteError, match="does not split K"):
+        GroupedGemmSm90(cfg, "bf16", "bf16", "k", "k")
