@@ -1,14 +1,19 @@
-"""Decode-shaped GEMMs (serving: M = batch x new tokens): epicute.gemm vs cuBLAS (torch.matmul), in GB/s.
+"""Decode-shaped GEMMs and decode attention (serving): epicute vs cuBLAS and flash-attn-4, in GB/s.
 
-Usage: python bench/decode.py [--shapes 1x14336x4096,...] [--out PATH]
+Usage: python bench/decode.py [--shapes 1x14336x4096,...] [--attention 64x8192,...] [--out PATH]
 bf16 activations x (M, K) and a row-major (N, K) weight used as ``w.t()``, bf16 D, as
 ``../shared/bench/PEERS.md`` calls cuBLAS. GB/s counts the bytes a GEMM must move once: weight,
 activations and output. Each contender's first call is checked against a float32 reference (D
 NaN-poisoned where it takes ``out``) and not timed; then all are timed as ``triton.testing.do_bench``
 times them (L2 flushed before each call, calls back to back; :func:`epicute.benchmark.time_flushed`),
 medians of interleaved rounds. epicute plans these itself (``explain`` shows split-K where the
-output tiles are too few for the SMs). Writes bench/results/decode.json (and $OUT/decode.json when
-OUT is set).
+output tiles are too few for the SMs).
+
+Decode attention rows (``attn_b{batch}_k{keys}``): one query per sequence, GQA 32 query heads over 8
+K/V heads, head_dim 128, causal, over a paged bf16 cache of 128-key pages in random order with
+``seqused_k`` (flash-attn-4's ``flash_attn_varlen_func`` on the same tensors, as PEERS.md calls it);
+GB/s counts the K and V bytes read. The first call of each is checked against the float32 reference
+of two of the sequences. Writes bench/results/decode.json (and $OUT/decode.json when OUT is set).
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from common import Row, check_contenders, finish_peer_run, time_interleaved
 from gemm import parse_shapes
 
 ALL_SHAPES = [(m, n, k) for n, k in ((14336, 4096), (4096, 14336), (8192, 8192)) for m in (1, 16, 64, 128)]
+#: (batch, keys per sequence) of the decode attention rows.
+ATTENTION_CASES = [(64, 8192), (8, 32768), (1, 131072)]
+HEADS_Q, HEADS_KV, HEAD_DIM, PAGE = 32, 8, 128, 128
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "decode.json"
 TOLERANCE = 1e-2
 
@@ -52,9 +60,65 @@ def run_case(shape) -> tuple[Row, bool]:
     return row, ok
 
 
+def run_attention_case(batch: int, keys: int) -> tuple[Row, bool]:
+    import epicute
+    from epicute.attention.api import reference_attention
+    from epicute.attention.validate import check_attention_args
+    from epicute.benchmark import time_flushed
+
+    pages = keys // PAGE
+    shape = (batch * pages, PAGE, HEADS_KV, HEAD_DIM)
+    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
+    used = torch.full((batch,), keys, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    row: Row = {"case": f"attn_b{batch}_k{keys}"}
+    plan = epicute.explain_attention(q, k, v, causal=True, page_table=table, seqused_k=used, file=None)
+    print(row["case"], f"(pack_gqa {plan.config.pack_gqa}, num_splits {plan.config.num_splits})")
+    picks = sorted({0, batch - 1})  # checked sequences: the float32 reference of all would not fit
+    sub = check_attention_args(q[picks], k, v, causal=True, softmax_scale=None, page_table=table[picks],
+                               seqused_k=used[picks])  # fmt: skip
+    ref = reference_attention(sub, out_dtype=torch.float32, device="cuda")[0]["D"]
+
+    def error(o) -> float:
+        o = (o[0] if isinstance(o, tuple) else o)[picks].float()
+        return ((o - ref).norm() / ref.norm()).item()
+
+    def ours():
+        return epicute.attention(q, k, v, causal=True, page_table=table, seqused_k=used)
+
+    calls = {"epicute": (ours, ours)}
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+
+        def fa():
+            return flash_attn_varlen_func(q, k, v, seqused_k=used, page_table=table, causal=True)
+
+        calls["fa_cute"] = (fa, fa)
+    except ImportError as exc:
+        print(f"  fa_cute          not installed ({exc})")
+    timed, ok = check_contenders(calls, error, TOLERANCE)
+    moved = 2 * 2 * batch * keys * HEADS_KV * HEAD_DIM
+    for name, ms in time_interleaved(timed, timer=time_flushed).items():
+        row[name] = round(moved / (ms * 1e-3) / 1e9, 1)
+    return row, ok
+
+
+def parse_attention(text: str) -> list[tuple[int, int]]:
+    return [] if text == "none" else [tuple(int(x) for x in item.split("x")) for item in text.split(",")]
+
+
+def parse_gemm_shapes(text: str) -> list:
+    return [] if text == "none" else parse_shapes(text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", type=parse_shapes, help="comma-separated MxNxK list (default: the issue's set)")
+    parser.add_argument("--shapes", type=parse_gemm_shapes,
+                        help="comma-separated MxNxK list, or 'none' (default: the issue's set)")  # fmt: skip
+    parser.add_argument("--attention", type=parse_attention, help="comma-separated BATCHxKEYS list, or 'none'"
+                        " (default: the issue's set)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON path")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -62,8 +126,12 @@ def main() -> int:
         return 2
     torch.manual_seed(0)
     rows, all_ok = [], True
-    for shape in args.shapes or ALL_SHAPES:
+    for shape in ALL_SHAPES if args.shapes is None else args.shapes:
         row, ok = run_case(shape)
+        rows.append(row)
+        all_ok = all_ok and ok
+    for case in ATTENTION_CASES if args.attention is None else args.attention:
+        row, ok = run_attention_case(*case)
         rows.append(row)
         all_ok = all_ok and ok
     return finish_peer_run(args.out, "decode", rows, all_ok, unit="GB/s")

@@ -76,7 +76,7 @@ def attention_variants(entry: dict, target: Target | None = None) -> list:
 
     from epicute.attention.plan import AttentionConfig
 
-    allowed = {"dtype", "head_dim", "causal", "heads", "config", "score_mod", "epilogue", "operands"}
+    allowed = {"dtype", "head_dim", "causal", "heads", "config", "score_mod", "epilogue", "operands", "decode"}
     unknown = sorted(set(entry) - allowed)
     if unknown:
         raise ConfigError(f"unknown fields {unknown}; known are {sorted(allowed)}")
@@ -95,13 +95,25 @@ def attention_variants(entry: dict, target: Target | None = None) -> list:
         raise ConfigError(f"head_dim = {entry['head_dim']!r}; give 64, 128, 256 or a list of them")
     if not causals or not all(isinstance(c, bool) for c in causals):
         raise ConfigError(f"causal = {entry['causal']!r}; give true, false or a list of them")
+    check_fields(entry, bool, "decode")
+    # (batch, seqlen_q, seqlen_k) of the described calls, named in the job's text: a prefill shape,
+    # and with decode one token per sequence over a long cache, on one sequence (split) and many.
+    shapes = [((1, PREFILL_ROWS, PREFILL_ROWS), "")]
+    if entry.get("decode", False):
+        shapes += [((1, 1, DECODE_KEYS), " decode split-kv"), ((DECODE_BATCH, 1, DECODE_KEYS), " decode")]
     variants = {}
-    for head_dim, causal in itertools.product(head_dims, causals):
+    for head_dim, causal, (sizes, kind) in itertools.product(head_dims, causals, shapes):
         prepared = prepare_described(dtype, head_dim, causal, tuple(heads), entry.get("score_mod"),
-                                     entry.get("epilogue"), entry.get("operands"), pins, target)  # fmt: skip
+                                     entry.get("epilogue"), entry.get("operands"), pins, target, sizes)  # fmt: skip
         variant = prepared.variant()
-        variants.setdefault(variant.key(), (variant, f"d{head_dim} {dtype}" + (" causal" if causal else "")))
+        what = f"d{head_dim} {dtype}" + (" causal" if causal else "") + kind
+        variants.setdefault(variant.key(), (variant, what))
     return list(variants.values())
+
+
+#: Sizes of the calls an ``[[attention]]`` entry describes: any prefill shape plans alike; decode
+#: shapes split their keys (one sequence) or not (a batch that fills the GPU).
+PREFILL_ROWS, DECODE_KEYS, DECODE_BATCH = 1024, 65536, 1024
 
 
 JOB_KINDS["attention"] = attention_variants

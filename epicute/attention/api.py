@@ -50,14 +50,25 @@ def reference_attention(
     off for speed): what the kernel must return. Tile outputs are stored in ``out_dtype`` if given,
     else in their own dtype (fp8 saturating); reductions are fp32.
 
-    Fully masked rows (causal with seqlen_q > seqlen_k) give O = 0 and LSE = -inf, as flash-attn does.
+    Fully masked rows (causal with seqlen_q > seqlen_k, or seqused_k 0) give O = 0 and LSE = -inf,
+    as flash-attn does. A paged cache is gathered through the page table first; with seqused_k,
+    sequence b's keys past seqused_k[b] are masked and its causal diagonal ends at its last used key.
     """
     p = call.problem
     B, Sq, Sk, H, D = p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.head_dim
     group = H // p.heads_kv
     q = call.q.to(device, compute_dtype).permute(0, 2, 1, 3).reshape(B * H, Sq, D)
+    k, v = call.k, call.v
+    if call.page_table is not None:  # (pages, page_size, Hkv, D) -> (B, pages per sequence x page_size, Hkv, D)
+        pages = call.page_table.to(k.device).long()
+        k, v = (t[pages].reshape(B, Sk, p.heads_kv, D) for t in (k, v))
     k, v = (t.to(device, compute_dtype).repeat_interleave(group, dim=2).permute(0, 2, 1, 3).reshape(B * H, Sk, D)
-            for t in (call.k, call.v))  # fmt: skip
+            for t in (k, v))  # fmt: skip
+    # Keys each sequence uses, per (batch, head) row block.
+    used = torch.full((B,), Sk, device=device)
+    if call.seqused_k is not None:
+        used = call.seqused_k.to(device).long().clamp(0, Sk)
+    used = used.repeat_interleave(H).view(-1, 1, 1)
     s = torch.matmul(q, k.transpose(-1, -2)) * call.softmax_scale
     if score is not None:
         l_idx = torch.arange(B * H, device=device)
@@ -68,9 +79,11 @@ def reference_attention(
         }  # fmt: skip
         s = evaluate(score.graph, s, score.reference_specs(p), compute_dtype=compute_dtype, index_values=index)["D"]
         s = s.to(compute_dtype)
+    kv_idx = torch.arange(Sk, device=device).view(1, 1, -1)
+    allowed = kv_idx < used
     if p.causal:
-        allowed = torch.arange(Sk, device=device).view(1, -1) <= torch.arange(Sq, device=device).view(-1, 1) + (Sk - Sq)
-        s = s.masked_fill(~allowed, float("-inf"))
+        allowed = allowed & (kv_idx <= torch.arange(Sq, device=device).view(1, -1, 1) + used - Sq)
+    s = s.masked_fill(~allowed, float("-inf"))
     if Sk:
         row_max = s.amax(dim=-1, keepdim=True)
     else:
@@ -110,6 +123,8 @@ def attention(
     out_dtypes: dict[str, torch.dtype] | None = None,
     backend: str = "kernel",
     config: dict | None = None,
+    page_table: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
     **operands: Any,
 ) -> torch.Tensor | dict[str, torch.Tensor] | tuple:
     """``softmax(q k^T * softmax_scale) v`` on a Hopper GPU (FlashAttention-3 style).
@@ -135,8 +150,23 @@ def attention(
         out: optional preallocated O: q's shape and device, O's stored dtype.
         out_dtypes: stored dtypes of the epilogue's tile outputs by name (``"D"`` is O).
         backend: ``"kernel"`` (the GPU) or ``"reference"`` (float32 on the CPU, any device).
-        config: :class:`epicute.attention.plan.AttentionConfig` fields to pin (e.g. ``{"tile_n": 64}``).
+        config: :class:`epicute.attention.plan.AttentionConfig` fields to pin (e.g. ``{"tile_n": 64}``,
+            ``{"num_splits": 4}``).
+        page_table: int32 ``(batch, pages per sequence)``: k and v are then a paged KV cache
+            ``(num_pages, page_size, heads_kv, head_dim)`` (page_size a multiple of 16, at most 256)
+            and sequence ``b``'s keys are its pages in table order, as flash-attn's ``page_table``.
+            Entries must be valid page indices (not checked: that would wait for the GPU).
+        seqused_k: int32 ``(batch,)``: sequence ``b`` attends over its first ``seqused_k[b]`` keys
+            (a decode step's cache lengths; causal alignment ends at the last of them). Cache slots
+            past them are read but masked: they must hold finite values (a NaN there would reach O
+            through the zero weight it gets).
         **operands: the hooks' operands by name.
+
+    Decode-shaped calls (the query heads sharing a K/V head times the queries per sequence fit 64
+    rows, e.g. one token per sequence with GQA) are planned as decode tiles: the GQA group's heads
+    packed into one tile, and when the tiles leave SMs idle, each sequence's keys split over
+    several CTAs whose results a second kernel combines (split-KV, deterministic).
+    :func:`explain_attention` prints the plan and why. Those plans take no output ``epilogue``.
 
     Example:
         >>> import torch, epicute                                               # doctest: +SKIP
@@ -147,6 +177,13 @@ def attention(
         >>> o, lse = epicute.attention(q, kv, kv, score_mod=softcap, return_lse=True)
         >>> r = epicute.attention(q, kv, kv, epilogue=epicute.epilogues.tensor_quant, scale=4.0)
         >>> r["D"].dtype, r["amax"]                                 # fp8 O * 4 and max |O * 4|
+        >>> # decode over a paged cache: one new token per sequence, 128-key pages
+        >>> cache_k = torch.randn(1024, 128, 4, 128, device="cuda", dtype=torch.bfloat16)
+        >>> cache_v = torch.randn_like(cache_k)
+        >>> table = torch.randperm(1024, device="cuda", dtype=torch.int32).view(8, 128)
+        >>> lengths = torch.full((8,), 16000, device="cuda", dtype=torch.int32)
+        >>> q1 = torch.randn(8, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
+        >>> o = epicute.attention(q1, cache_k, cache_v, page_table=table, seqused_k=lengths, causal=True)
 
     Returns:
         O; a dict of every output (``"D"`` is O) when the epilogue returns more than O; with
@@ -157,12 +194,16 @@ def attention(
         return attention_op_call(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,
             epilogue=epilogue, out=out, out_dtypes=out_dtypes, backend=backend, config=config, operands=operands,
+            page_table=page_table, seqused_k=seqused_k,
         )  # fmt: skip
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
     if backend == "reference":
         check_has_values(("q", q), ("k", k), ("v", v))
-    call = check_attention_args(q, k, v, causal=causal, softmax_scale=softmax_scale, require_cuda=backend == "kernel")
+    call = check_attention_args(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, require_cuda=backend == "kernel",
+        page_table=page_table, seqused_k=seqused_k,
+    )  # fmt: skip
     prepared = prepare(call, score_mod, epilogue, operands, out_dtypes, config)
     score, epi = prepared.score, prepared.epilogue
     if out is not None:
@@ -199,6 +240,8 @@ def explain_attention(
     config: dict | None = None,
     target: Target | str | None = None,
     file: TextIO | str | None = "stdout",
+    page_table: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
     **operands: Any,
 ) -> AttentionPlan:
     """Print (to ``file``; ``None`` to stay quiet) and return the attention plan; works on ``"meta"`` tensors.
@@ -214,8 +257,15 @@ def explain_attention(
         >>> plan = epicute.explain_attention(q, q, q, file=None)
         >>> plan.config.tile_m, plan.config.tile_n
         (128, 128)
+        >>> q1 = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16, device="meta")   # one decode token
+        >>> cache = torch.empty(1, 131072, 8, 128, dtype=torch.bfloat16, device="meta")
+        >>> plan = epicute.explain_attention(q1, cache, cache, file=None)
+        >>> plan.config.pack_gqa, plan.config.num_splits, plan.grid
+        (4, 16, (128, 1, 1))
     """
-    call = check_attention_args(q, k, v, causal=causal, softmax_scale=None, require_cuda=False)
+    call = check_attention_args(
+        q, k, v, causal=causal, softmax_scale=None, require_cuda=False, page_table=page_table, seqused_k=seqused_k
+    )
     prepared = prepare(call, score_mod, epilogue, operands, out_dtypes, config, resolve_target(target))
     if file is not None:
         print(render_attention_plan(prepared.plan, prepared.chain), file=sys.stdout if file == "stdout" else file)

@@ -57,6 +57,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from epicute.attention.key_blocks import KeyRange
 from epicute.attention.plan import WGMMA_M, AttentionConfig, attention_smem_layout, lpt_keys_per_band
 from epicute.epilogue.fusion import EpilogueFusion, ScoreModFusion
 from epicute.epilogue.schedule import ATTENTION_SM90, plain_graph, schedule
@@ -86,6 +87,29 @@ RESCALE_THRESHOLD = 8.0
 def _select(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
     """A view of ``tensor`` with its modes permuted (no data moves)."""
     return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=order))
+
+
+def _pack_heads(t: cute.Tensor, group: int, head_mode: int) -> cute.Tensor:
+    """Fold the ``group`` query heads of each key/value head into the rows (mode 0): ``(seqlen, ...,
+    heads, ...)`` -> ``((group, seqlen), ..., heads // group, ...)``, row ``r`` = query ``r // group``
+    of head ``r % group`` (no data moves)."""
+    shape, stride = list(t.shape), list(t.stride)
+    head_stride = stride[head_mode]
+    shape[0], stride[0] = (group, shape[0]), (head_stride, stride[0])
+    shape[head_mode], stride[head_mode] = shape[head_mode] // group, head_stride * group
+    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
+
+
+def _packed_tma_atom(op, t_sdhb: cute.Tensor, smem_layout, tile: tuple[int, int], group: int):
+    """A TMA atom and tensor for ``(seqlen, dim, heads, batch)`` with the group's heads packed into
+    the rows (see :func:`_pack_heads`). The box is ``(group, tile_m // group)`` heads x queries by
+    ``dim``: heads and queries are grouped into one mode for the atom, so the TMA stays 4-D and
+    clips the ragged seqlen edge, then the heads mode is split back into (group, key/value head)."""
+    heads_first = cute.group_modes(_select(t_sdhb, [2, 0, 1, 3]), 0, 2)  # ((heads, seqlen), dim, batch)
+    atom, tma = cpasync.make_tiled_tma_atom(op, heads_first, smem_layout, ((group, tile[0] // group), tile[1]))
+    shape = ((group, tma.shape[0][1]), tma.shape[1], tma.shape[0][0] // group, tma.shape[2])
+    stride = (tma.stride[0], tma.stride[1], tma.stride[0][0] * group, tma.stride[2])
+    return atom, cute.make_tensor(tma.iterator, cute.make_layout(shape, stride=stride))
 
 
 def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
@@ -126,6 +150,8 @@ class AttentionSm90:
         causal: bool,
         score_mod: ScoreModFusion | None = None,
         epilogue: EpilogueFusion | None = None,
+        page_size: int = 0,
+        seqused_k: bool = False,
     ):
         cfg.validate(dtype=dtype)
         self.cfg = cfg
@@ -146,6 +172,11 @@ class AttentionSm90:
         self.store_warp = THREADS_PER_WARPGROUP // 32
         #: Longest-processing-time-first order (causal only: otherwise every query block is as long).
         self.lpt = causal and cfg.lpt_order
+        #: Query heads per tile row block (packed GQA; 1: a tile holds one head's queries).
+        self.pack = cfg.pack_gqa
+        #: Keys per page of a paged K/V cache (0: contiguous K/V).
+        self.page_size = page_size
+        self.seqused_k = seqused_k
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -163,13 +194,30 @@ class AttentionSm90:
         epi_scalars: tuple,
         max_ctas: Int32,
         tile_counter: cute.Tensor,
+        paged: tuple,
+        seqused: tuple,
+        partials: tuple,
         stream,
     ):
+        """``paged``: ``()``, or ``(page_table,)`` (int32 ``(batch, pages per sequence)``) when K and V
+        are a paged cache ``(num_pages, page_size, heads_kv, head_dim)``; ``seqused``: ``()`` or
+        ``(seqused_k,)`` (int32 ``(batch,)``, keys each sequence uses); ``partials``: ``()``, or with
+        split-KV the fp32 partial O ``(splits, batch, seqlen_q, heads_q, head_dim)`` and LSE
+        ``(splits, batch, heads_q, seqlen_q)`` the combine kernel reads (O and LSE are then unwritten)."""
         cfg = self.cfg
         d = cfg.head_dim
-        # (batch, seqlen, heads, dim) -> (seqlen, dim, heads, batch): TMA boxes are (rows, dim).
+        # (batch, seqlen, heads, dim) -> (seqlen, dim, heads, batch): TMA boxes are (rows, dim). A
+        # paged cache (pages, page_size, heads, dim) becomes (page_size, dim, heads, pages) alike.
         mQ, mK, mV, mO = (_select(t, [1, 3, 2, 0]) for t in (mQ_bshd, mK_bshd, mV_bshd, mO_bshd))
         mLSE = _select(mLSE_bhs, [2, 1, 0])  # (seqlen_q, heads, batch)
+        if cutlass.const_expr(self.pack > 1):
+            mLSE = _pack_heads(mLSE, self.pack, 1)
+        if cutlass.const_expr(cfg.split_kv):
+            # (seqlen_q, dim, heads, batch, split) and (seqlen_q, heads, batch, split), packed like O.
+            o_part, lse_part = _select(partials[0], [2, 4, 3, 1, 0]), _select(partials[1], [3, 2, 1, 0])
+            if cutlass.const_expr(self.pack > 1):
+                o_part, lse_part = _pack_heads(o_part, self.pack, 2), _pack_heads(lse_part, self.pack, 1)
+            partials = (o_part, lse_part)
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
@@ -184,20 +232,18 @@ class AttentionSm90:
         sV_layout = _smem_layout(self.dtype, cfg.tile_n, d, cfg.stages)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (cfg.tile_m, d))
+        tma_q, tma_mQ = self._rows_tma_atom(g2s, mQ, sQ_layout)
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (cfg.tile_n, d))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (cfg.tile_n, d))
         # Every stored output (O first) is staged in Q's buffer, with the layout of its own dtype, and
         # TMA-stored from there; the rest of the fused epilogue's tensors are read element by element.
         s2g = cpasync.CopyBulkTensorTileS2GOp()
-        tma_o, tma_mO = cpasync.make_tiled_tma_atom(s2g, mO, self._staging_layout("D"), (cfg.tile_m, d))
+        tma_o, tma_mO = self._rows_tma_atom(s2g, mO, self._staging_layout("D"))
         epi_operands, epi_stores, epi_workspaces = (), (), ()
         if cutlass.const_expr(self.epilogue is not None):
             for (role, name, _), t in zip(self.epilogue.tensor_args, epi_tensors):
                 if cutlass.const_expr(role == "aux"):
-                    atom, tma_t = cpasync.make_tiled_tma_atom(
-                        s2g, _select(t, [1, 3, 2, 0]), self._staging_layout(name), (cfg.tile_m, d)
-                    )
+                    atom, tma_t = self._rows_tma_atom(s2g, _select(t, [1, 3, 2, 0]), self._staging_layout(name))
                     epi_stores += ((atom, tma_t),)
                 elif cutlass.const_expr(role == "workspace"):
                     epi_workspaces += (t,)
@@ -208,24 +254,24 @@ class AttentionSm90:
         for field, layout in (("sQ", sQ_layout), ("sK", sK_layout), ("sV", sV_layout)):
             assert cute.cosize(layout) == self.smem.buffer(field).count, (field, cute.cosize(layout))
         self.shared_storage = self.smem.struct()
-        m_blocks = cute.ceil_div(cute.size(mQ, mode=[0]), cfg.tile_m)
-        # Query heads per key/value head (GQA/MQA), once on the host.
-        group = cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2])
+        # Query heads per key/value head a tile's head index is divided by (GQA/MQA; 1 when packed).
+        group = cute.size(tma_mQ, mode=[2]) // cute.size(mK, mode=[2])
         scale_log2 = softmax_scale * LOG2_E
         if cutlass.const_expr(self.score_mod is not None):
             # score_mod sees scaled scores, so the scale is applied before it and exp2 only changes base.
             scale_log2 = Float32(LOG2_E)
 
-        num_tiles = m_blocks * cute.size(mQ, mode=[2]) * cute.size(mQ, mode=[3])
+        _, num_tiles = self._tiles(tma_mQ, self._num_splits(partials))
         num_ctas = TileQueue.grid(num_tiles, max_ctas, cfg.persistent, cutlass.min)
         # plan.attention.lpt_heads_per_band on the runtime seqlen_k.
         keys_per_band = lpt_keys_per_band(d, self.dtype.width // 8)
-        heads_per_band = cutlass.max(keys_per_band // cute.size(mK, mode=[0]), 1)
+        heads_per_band = cutlass.max(keys_per_band // self._capacity(mK, paged), 1)
 
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO, mLSE,
             sQ_layout, sK_layout, sV_layout, group, heads_per_band, softmax_scale, scale_log2,
             score_tensors, score_scalars, epi_operands, epi_stores, epi_workspaces, epi_scalars, tile_counter,
+            paged, seqused, partials,
         ).launch(
             grid=(num_ctas, 1, 1),
             block=[cfg.num_threads, 1, 1],
@@ -262,6 +308,9 @@ class AttentionSm90:
         epi_workspaces: tuple,
         epi_scalars: tuple,
         tile_counter: cute.Tensor,
+        paged: tuple,
+        seqused: tuple,
+        partials: tuple,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -290,9 +339,11 @@ class AttentionSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        _, num_tiles = self._tiles(mQ)
+        num_splits = self._num_splits(partials)
+        keys = KeyRange(self, self._capacity(mK, paged), num_splits, paged, seqused)
+        _, num_tiles = self._tiles(mQ, num_splits)
         tiles = TileQueue(
-            storage.tile_slot.get_tensor(cute.make_layout(4)),
+            storage.tile_slot.get_tensor(cute.make_layout(5)),
             num_tiles,
             None,  # each role sets the order (_work_coord) from the extents it computes
             tile_counter if cutlass.const_expr(cfg.dynamic_tiles) else None,
@@ -306,6 +357,7 @@ class AttentionSm90:
             if warp_idx == self.load_warp:
                 self._load(
                     tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band, tiles,
+                    keys,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
@@ -316,7 +368,7 @@ class AttentionSm90:
                 tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, mO, mLSE, heads_per_band,
                 softmax_scale, scale_log2, score_tensors, score_scalars, (epi_operands, epi_workspaces, epi_scalars),
                 staging, stores, tidx - THREADS_PER_WARPGROUP, warp_idx == self.store_warp, tiles,
-                seqlen_k=cute.size(mK, mode=[0]),
+                keys, partials,
             )  # fmt: skip
 
     @property
@@ -337,87 +389,118 @@ class AttentionSm90:
         dtype = DSL_DTYPES[self.output_dtypes[name]]
         return cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), layout.inner, dtype=dtype), layout.outer)
 
-    def _tiles(self, mQ):
-        """(m-blocks, work tiles)."""
+    def _rows_tma_atom(self, op, t_sdhb, smem_layout):
+        """The TMA atom and tensor of a ``(seqlen, dim, heads, batch)`` Q, O or aux tile, boxes of
+        ``tile_m`` rows by head_dim; with packed GQA, rows are (head in group, query) pairs and the
+        tensor is ``((group, seqlen), dim, heads_kv, batch)``."""
+        tile = (self.cfg.tile_m, self.cfg.head_dim)
+        if cutlass.const_expr(self.pack > 1):
+            return _packed_tma_atom(op, t_sdhb, smem_layout, tile, self.pack)
+        return cpasync.make_tiled_tma_atom(op, t_sdhb, smem_layout, tile)
+
+    def _num_splits(self, partials):
+        """Splits of each tile's keys: the partials' count (split-KV), else 1 (a constant)."""
+        return cute.size(partials[0], mode=[4]) if cutlass.const_expr(self.cfg.split_kv) else 1
+
+    def _capacity(self, mK, paged):
+        """Keys a sequence holds at most: K's length, or a paged sequence's pages x page_size."""
+        if cutlass.const_expr(self.page_size):
+            return cute.size(paged[0], mode=[1]) * self.page_size
+        return cute.size(mK, mode=[0])
+
+    def _tiles(self, mQ, num_splits):
+        """(m-blocks, work tiles) over ``mQ``'s rows (packed, with packed GQA) and heads."""
         m_blocks = cute.ceil_div(cute.size(mQ, mode=[0]), self.cfg.tile_m)
-        return m_blocks, m_blocks * cute.size(mQ, mode=[2]) * cute.size(mQ, mode=[3])
+        return m_blocks, m_blocks * cute.size(mQ, mode=[2]) * cute.size(mQ, mode=[3]) * num_splits
 
     @cute.jit
-    def _work_coord(self, tile, m_blocks, heads, head_batches, heads_per_band):
-        """(m_block, head, batch) of work tile ``tile``.
+    def _work_coord(self, tile, m_blocks, heads, head_batches, heads_per_band, num_splits):
+        """(m_block, head, batch, split) of work tile ``tile``.
 
-        Without LPT, tiles run m-block fastest, then head, then batch. With LPT they walk an
-        (m-block, batch x head) raster in bands of ``heads_per_band`` heads with m-blocks
-        descending: every band's longest blocks start first and the short ones fill the tail,
-        while the tiles in flight share the K and V of a few heads in L2.
+        A tile's key splits are consecutive (split-KV; one split otherwise). Without LPT, tiles
+        run m-block fastest, then head, then batch. With LPT they walk an (m-block, batch x head)
+        raster in bands of ``heads_per_band`` heads with m-blocks descending: every band's longest
+        blocks start first and the short ones fill the tail, while the tiles in flight share the K
+        and V of a few heads in L2.
         """
+        split, tile = tile % num_splits, tile // num_splits
         if cutlass.const_expr(self.lpt):
             longest_first, bh = band_coord(tile, m_blocks, head_batches, heads_per_band)
             m_block = m_blocks - 1 - longest_first
         else:
             m_block, bh = tile % m_blocks, tile // m_blocks
-        return m_block, bh % heads, bh // heads
+        return m_block, bh % heads, bh // heads, split
+
+    def _query(self, row):
+        """The query index of packed row ``row`` of a (batch, head): the row itself, or with packed
+        GQA the row's query (rows run head-in-group fastest)."""
+        return row // self.pack if cutlass.const_expr(self.pack > 1) else row
 
     def _n_blocks(self, m_block, seqlen_q, seqlen_k):
         """Key blocks this query tile reads: all of them, or (causal) up to the last row's diagonal.
 
-        At least one: a tile whose rows all see no key still runs one block, fully
-        masked, and so writes O = 0 and LSE = -inf.
+        At least one: a tile whose rows all see no key (causal above the diagonal, or
+        seqused_k = 0) still runs one block, fully masked, and so writes O = 0 and LSE = -inf.
         """
         cfg = self.cfg
         n = (seqlen_k + cfg.tile_n - 1) // cfg.tile_n
         if cutlass.const_expr(self.causal):
-            # Exclusive key bound of the tile's last row, bottom-right aligned.
-            end = (m_block + 1) * cfg.tile_m + seqlen_k - seqlen_q
+            # Exclusive key bound of the tile's last row (its query + 1), bottom-right aligned.
+            end = self._query((m_block + 1) * cfg.tile_m - 1) + 1 + seqlen_k - seqlen_q
             n = cutlass.min(n, (cutlass.max(end, 1) + cfg.tile_n - 1) // cfg.tile_n)
+        if cutlass.const_expr(self.seqused_k):
+            n = cutlass.max(n, 1)  # seqlen_k >= 1 otherwise (checked on the host)
         return n
 
     @cute.jit
     def _load(
-        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band, tiles,
+        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band, tiles, keys,
     ):  # fmt: skip
         cfg = self.cfg
         d = cfg.head_dim
         one = cute.make_layout(1)
-        seqlen_q, seqlen_k = cute.size(mQ, mode=[0]), cute.size(mK, mode=[0])
+        rows = cute.size(mQ, mode=[0])
+        seqlen_q = self._query(rows)
         heads = cute.size(mQ, mode=[2])
         head_batches = heads * cute.size(mQ, mode=[3])
         state = RingState.producer(cfg.stages)
         q_state = RingState.producer(1)
-        m_blocks, _ = self._tiles(mQ)
-        tiles = tiles.ordered_by(lambda t: self._work_coord(t, m_blocks, heads, head_batches, heads_per_band))
+        m_blocks, _ = self._tiles(mQ, keys.num_splits)
+        tiles = tiles.ordered_by(
+            lambda t: self._work_coord(t, m_blocks, heads, head_batches, heads_per_band, keys.num_splits)
+        )
         tile = tiles.first()
         while tiles.is_valid(tile):
-            m_block, head, batch = tiles.coord(tile)
-            n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
+            m_block, head, batch, split = tiles.coord(tile)
+            n_end, n_count, _ = keys.blocks(m_block, split, seqlen_q, keys.seqlen(batch))
+            kv_head = head // group
             gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, d), (m_block, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-            gK = cute.local_tile(mK[None, None, head // group, batch], (cfg.tile_n, d), (None, 0))
-            tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-            gV = cute.local_tile(mV[None, None, head // group, batch], (cfg.tile_n, d), (None, 0))
-            tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+            tKsK, tKgK = keys.partition(tma_k, sK, mK, kv_head, batch)
+            tVsV, tVgV = keys.partition(tma_v, sV, mV, kv_head, batch)
 
             # The first K block before Q: it only needs a free K stage, while Q waits for the
             # previous tile's O to leave Q's buffer.
             k_pipe.producer_acquire(state)
-            cute.copy(tma_k, tKgK[None, n_blocks - 1], tKsK[None, state.index],
+            cute.copy(tma_k, keys.block(tma_k, sK, mK, tKgK, kv_head, batch, n_end - 1), tKsK[None, state.index],
                       tma_bar_ptr=k_pipe.producer_get_barrier(state))  # fmt: skip
-            tiles.announce(q_pipe, q_state, tile, (m_block, head, batch))
+            tiles.announce(q_pipe, q_state, tile, (m_block, head, batch, split))
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
             q_state.advance()
             # K runs one block ahead of V: K[n - 1] is in flight before V[n].
-            for i in cutlass.range(n_blocks - 1, unroll=1):
-                n = n_blocks - 2 - i
+            for i in cutlass.range(n_count - 1, unroll=1):
+                n = n_end - 2 - i
                 v_state = state.clone()
                 state.advance()
                 k_pipe.producer_acquire(state)
-                cute.copy(tma_k, tKgK[None, n], tKsK[None, state.index],
+                cute.copy(tma_k, keys.block(tma_k, sK, mK, tKgK, kv_head, batch, n), tKsK[None, state.index],
                           tma_bar_ptr=k_pipe.producer_get_barrier(state))  # fmt: skip
                 v_pipe.producer_acquire(v_state)
-                cute.copy(tma_v, tVgV[None, n + 1], tVsV[None, v_state.index],
+                cute.copy(tma_v, keys.block(tma_v, sV, mV, tVgV, kv_head, batch, n + 1), tVsV[None, v_state.index],
                           tma_bar_ptr=v_pipe.producer_get_barrier(v_state))  # fmt: skip
             v_pipe.producer_acquire(state)
-            cute.copy(tma_v, tVgV[None, 0], tVsV[None, state.index], tma_bar_ptr=v_pipe.producer_get_barrier(state))
+            cute.copy(tma_v, keys.block(tma_v, sV, mV, tVgV, kv_head, batch, n_end - n_count), tVsV[None, state.index],
+                      tma_bar_ptr=v_pipe.producer_get_barrier(state))  # fmt: skip
             state.advance()
             # Claimed once this tile's loads are issued, as late as the ring allows: the consumers
             # are a few blocks from its end, so a dynamic claim sees how the other CTAs got on.
@@ -442,26 +525,38 @@ class AttentionSm90:
 
     @cute.jit
     def _scores(
-        self, acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+        self, acc_S, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh, score_args,
         mask_seqlen: cutlass.Constexpr[bool], mask_causal: cutlass.Constexpr[bool],
     ):  # fmt: skip
-        """score_mod, then the ragged-seqlen_k and causal masks (-inf), on one S block in registers."""
+        """score_mod, then the key-limit (ragged seqlen_k, split end) and causal masks (-inf), on
+        one S block in registers. ``score_args``: the score_mod's per-head vectors, its operands
+        loaded for the tile's head, and that head (packed GQA: a key/value head, and the operands
+        are loaded per row, whose query head varies)."""
         cfg = self.cfg
+        S = _acc_rows_cols(acc_S)
+        cS = _acc_rows_cols(tScS)
         if cutlass.const_expr(self.score_mod is not None):
-            for v in cutlass.range_constexpr(cute.size(acc_S)):
-                row, col = tScS[v]
+            score_tensors, score_operands, tile_head = score_args
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                row = m_block * cfg.tile_m + cS[r, 0][0]
                 index = dict(index_bh)
-                index["q_idx"] = (m_block * cfg.tile_m + row).to(Float32)
-                index["kv_idx"] = (n * cfg.tile_n + col).to(Float32)
-                acc_S[v] = self._score_mod(acc_S[v] * softmax_scale, index, score_operands)
+                index["q_idx"] = self._query(row).to(Float32)
+                operands = score_operands
+                if cutlass.const_expr(self.pack > 1):
+                    head = tile_head * self.pack + row % self.pack
+                    index["h"] = head.to(Float32)
+                    operands = dict(score_operands)
+                    for i, (name, _, _) in enumerate(self.score_mod.tensor_operands):
+                        operands[name] = score_tensors[i][head].to(Float32)
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    index["kv_idx"] = (n * cfg.tile_n + cS[0, c][1]).to(Float32)
+                    S[r, c] = self._score_mod(S[r, c] * softmax_scale, index, operands)
         if cutlass.const_expr(mask_seqlen or mask_causal):
-            S = _acc_rows_cols(acc_S)
-            cS = _acc_rows_cols(tScS)
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 # Columns >= limit (block-local) are masked for this row.
-                limit = seqlen_k - n * cfg.tile_n
+                limit = key_limit - n * cfg.tile_n
                 if cutlass.const_expr(mask_causal):
-                    q = m_block * cfg.tile_m + cS[r, 0][0]
+                    q = self._query(m_block * cfg.tile_m + cS[r, 0][0])
                     limit = cutlass.min(limit, q + 1 + seqlen_k - seqlen_q - n * cfg.tile_n)
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                     S[r, c] = cutlass.select_(cS[0, c][1] >= limit, -Float32.inf, S[r, c])
@@ -538,7 +633,7 @@ class AttentionSm90:
     def _consume(
         self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, mO, mLSE, heads_per_band,
         softmax_scale, scale_log2, score_tensors, score_scalars, epi_args, staging, stores, mma_tidx, is_store_warp,
-        tiles, seqlen_k,
+        tiles, keys, partials,
     ):  # fmt: skip
         cfg = self.cfg
         d = cfg.head_dim
@@ -560,15 +655,19 @@ class AttentionSm90:
         store = TmaStoreEpilogue(1, cfg.num_mma_threads)
         read = RingState.consumer(cfg.stages)
         q_read = RingState.consumer(1)
-        seqlen_q = cute.size(mO, mode=[0])
+        q_rows = cute.size(mO, mode=[0])  # a (batch, head)'s query rows, packed with packed GQA
+        seqlen_q = self._query(q_rows)
         heads = cute.size(mO, mode=[2])
         head_batches = heads * cute.size(mO, mode=[3])
-        m_blocks, _ = self._tiles(mO)
-        tiles = tiles.ordered_by(lambda t: self._work_coord(t, m_blocks, heads, head_batches, heads_per_band))
+        m_blocks, _ = self._tiles(mO, keys.num_splits)
+        tiles = tiles.ordered_by(
+            lambda t: self._work_coord(t, m_blocks, heads, head_batches, heads_per_band, keys.num_splits)
+        )
         tile = tiles.follow(None, q_pipe, q_read)
         while tiles.is_valid(tile):
-            m_block, head, batch = tiles.followed_coord(tile, 3)  # dynamic: announced with the tile's Q
-            n_blocks = self._n_blocks(m_block, seqlen_q, seqlen_k)
+            m_block, head, batch, split = tiles.followed_coord(tile, 4)  # dynamic: announced with the tile's Q
+            seqlen_k = keys.seqlen(batch)
+            n_end, n_count, key_limit = keys.blocks(m_block, split, seqlen_q, seqlen_k)
             acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
             acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, d)), Float32)
             rows = cute.size(_acc_rows_cols(acc_S), mode=[0])
@@ -580,13 +679,15 @@ class AttentionSm90:
             index_bh = {"b": batch.to(Float32), "h": head.to(Float32)}
             score_operands = {}
             if cutlass.const_expr(self.score_mod is not None):
-                for i, (name, _, _) in enumerate(self.score_mod.tensor_operands):
-                    score_operands[name] = score_tensors[i][head].to(Float32)
+                if cutlass.const_expr(self.pack == 1):  # packed GQA: loaded per row (_scores)
+                    for i, (name, _, _) in enumerate(self.score_mod.tensor_operands):
+                        score_operands[name] = score_tensors[i][head].to(Float32)
                 for i, (name, _, _) in enumerate(self.score_mod.scalar_operands):
                     score_operands[name] = score_scalars[i]
+            score_args = (score_tensors, score_operands, head)
 
             # ---- first (right-most) block, peeled: its softmax is compile-time is_first.
-            n = n_blocks - 1
+            n = n_end - 1
             if cutlass.const_expr(not tiles.dynamic):
                 wait_full(q_pipe, q_read)
             wait_full(k_pipe, read)
@@ -595,7 +696,7 @@ class AttentionSm90:
             mma_turns.pass_on(wg)
             warpgroup.wait_group(0)
             k_pipe.consumer_release(read)
-            self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
+            self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh, score_args,
                          True, self.causal)  # fmt: skip
             self._online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, True)
             pack_16bit(_acc_as_operand_a(acc_S), tOrP)
@@ -603,10 +704,11 @@ class AttentionSm90:
             # ---- blocks crossing the causal diagonal, then blocks fully below it.
             n_masked = 0
             if cutlass.const_expr(self.causal):
-                first_masked = cutlass.max(m_block * cfg.tile_m + seqlen_k - seqlen_q, 0) // cfg.tile_n
-                n_masked = cutlass.max(n_blocks - 1 - first_masked, 0)
-            for i in cutlass.range(n_blocks - 1, unroll=1):
-                n = n_blocks - 2 - i
+                first_query = self._query(m_block * cfg.tile_m)
+                first_masked = cutlass.max(first_query + seqlen_k - seqlen_q, 0) // cfg.tile_n
+                n_masked = cutlass.max(n_end - 1 - first_masked, 0)
+            for i in cutlass.range(n_count - 1, unroll=1):
+                n = n_end - 2 - i
                 read_v = read.clone()
                 read.advance()
                 wait_full(k_pipe, read)
@@ -626,11 +728,11 @@ class AttentionSm90:
                 if cutlass.const_expr(not cfg.release_k_late):
                     k_pipe.consumer_release(read)
                 if i < n_masked:
-                    self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
-                                 False, True)  # fmt: skip
+                    self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh,
+                                 score_args, False, True)  # fmt: skip
                 else:
-                    self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, softmax_scale, index_bh, score_operands,
-                                 False, False)  # fmt: skip
+                    self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh,
+                                 score_args, False, False)  # fmt: skip
                 self._online_softmax(acc_S_n, row_max, row_sum, row_scale, scale_log2, False)
                 if cutlass.const_expr(cfg.release_k_late):
                     # K's stage is free since S landed; released after the softmax (whose last row sum
@@ -645,13 +747,13 @@ class AttentionSm90:
             if cutlass.const_expr(cfg.rescale_o_early):
                 self._rescale_lazy(acc_O, row_scale)
             wait_full(v_pipe, read)
-            self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read.index], n_blocks > 1, 0)
+            self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read.index], n_count > 1, 0)
             v_pipe.consumer_release(read)
             read.advance()  # the next tile's first block, on the ring's next stage
 
             self._epilogue(
                 tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, mLSE, (m_block, head, batch),
-                seqlen_q, epi_args, staging, stores, mma_tidx, is_store_warp, store,
+                q_rows, epi_args, staging, stores, mma_tidx, is_store_warp, store, (split, partials),
             )  # fmt: skip
             # The O store has read Q's buffer (publish waits for that): the next tile's Q may land.
             if is_store_warp:
@@ -663,12 +765,16 @@ class AttentionSm90:
     @cute.jit
     def _epilogue(
         self, tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, mLSE, tile, seqlen_q,
-        epi_args, staging, stores, mma_tidx, is_store_warp, store,
+        epi_args, staging, stores, mma_tidx, is_store_warp, store, split_args,
     ):  # fmt: skip
         """O normalized by the row sums and its LSE written, then the output epilogue's chain
         (:mod:`epicute.sm90.epilogue_chain`) over the tile as one subtile: every stored output is
         staged in Q's buffer -- whose rows each warpgroup stages were read only by its own QK^T
-        WGMMAs, all retired -- and TMA-stored from there, one after the other."""
+        WGMMAs, all retired -- and TMA-stored from there, one after the other.
+
+        With split-KV the normalized fp32 O and the LSE of the split's keys go to the partials
+        instead (``split_args``: the split and the partial tensors), for the combine kernel.
+        ``seqlen_q``: the rows of the tile's (batch, head) (packed rows with packed GQA)."""
         cfg = self.cfg
         d = cfg.head_dim
         m_block, head, batch = tile
@@ -686,27 +792,46 @@ class AttentionSm90:
         ident = cute.make_identity_tensor((cfg.tile_m, d))
         cO = thr_pv.partition_C(ident)
         cO_rc = _acc_rows_cols(cO)
-        if cO_rc[0, 0][1] == 0:  # one lane of each quad writes its rows' LSE
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                q = m_block * cfg.tile_m + cO_rc[r, 0][0]
-                if q < seqlen_q:
-                    mLSE[q, head, batch] = lse[r]
+        if cutlass.const_expr(cfg.split_kv):
+            self._store_partials(acc_O, lse, cO_rc, tile, seqlen_q, split_args)
+            # Every consumer is past its last read of Q's buffer before the store warp frees it.
+            store.sync()
+        else:
+            if cO_rc[0, 0][1] == 0:  # one lane of each quad writes its rows' LSE
+                for r in cutlass.range_constexpr(cute.size(lse)):
+                    q = m_block * cfg.tile_m + cO_rc[r, 0][0]
+                    if q < seqlen_q:
+                        mLSE[q, head, batch] = lse[r]
+            outputs = {}
+            for name, dtype in self.output_dtypes.items():
+                # O's fp32 values are its accumulator; aux tiles are rounded as they are computed (no
+                # second fp32 tile of registers next to O's: at d256 that would not fit).
+                values = acc_O if name == "D" else None
+                atom, tensor = stores[name]
+                outputs[name] = AttentionOutput(
+                    name, dtype, values, acc_O.shape, atom, tensor, staging[name], tiled_mma_pv, mma_tidx
+                )
+            run = AttentionEpilogueRun(self, outputs, store, is_store_warp, tile, seqlen_q, cO, epi_args, mma_tidx)
+            if cutlass.const_expr(self.epilogue is not None):
+                run.coords0 = tiled_mma_pv.get_slice(0).partition_C(ident)
+            run_chain("begin", run)
+            run_chain("subtile", run)
+            run_chain("end", run)
 
-        outputs = {}
-        for name, dtype in self.output_dtypes.items():
-            # O's fp32 values are its accumulator; aux tiles are rounded as they are computed (no
-            # second fp32 tile of registers next to O's: at d256 that would not fit).
-            values = acc_O if name == "D" else None
-            atom, tensor = stores[name]
-            outputs[name] = AttentionOutput(
-                name, dtype, values, acc_O.shape, atom, tensor, staging[name], tiled_mma_pv, mma_tidx
-            )
-        run = AttentionEpilogueRun(self, outputs, store, is_store_warp, tile, seqlen_q, cO, epi_args, mma_tidx)
-        if cutlass.const_expr(self.epilogue is not None):
-            run.coords0 = tiled_mma_pv.get_slice(0).partition_C(ident)
-        run_chain("begin", run)
-        run_chain("subtile", run)
-        run_chain("end", run)
+    @cute.jit
+    def _store_partials(self, acc_O, lse, cO_rc, tile, rows, split_args):
+        """Split-KV: this split's normalized fp32 O rows and their LSE, for the combine kernel; rows
+        past the (batch, head)'s ``rows`` are not stored."""
+        m_block, head, batch = tile
+        split, (o_part, lse_part) = split_args
+        O = _acc_rows_cols(acc_O)
+        for r in cutlass.range_constexpr(cute.size(lse)):
+            q = m_block * self.cfg.tile_m + cO_rc[r, 0][0]
+            if q < rows:
+                if cO_rc[r, 0][1] == 0:  # one lane of each quad writes its rows' LSE
+                    lse_part[q, head, batch, split] = lse[r]
+                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                    o_part[q, cO_rc[r, c][1], head, batch, split] = O[r, c]
 
 
 class AttentionOutput(StagedOutput):

@@ -39,6 +39,9 @@ class AttentionVariant:
     epilogue: object = None
     #: the target's arch; nothing else of the target (the persistent CTA count is a launch argument)
     arch: str = DEFAULT_ARCH
+    #: keys per page of a paged K/V cache (0: contiguous K/V), and whether seqused_k is passed
+    page_size: int = 0
+    seqused_k: bool = False
 
     @property
     def out_dtype(self) -> str:
@@ -51,11 +54,13 @@ class AttentionVariant:
             self.config.key(), self.dtype, self.causal,
             None if self.score_mod is None else self.score_mod.key(),
             None if self.epilogue is None else self.epilogue.key(),
-            ("align", OPERAND_ALIGN_BYTES),
+            ("align", OPERAND_ALIGN_BYTES), ("page_size", self.page_size), ("seqused_k", self.seqused_k),
         )  # fmt: skip
         c = self.config
         label = (
             f"attention d{c.head_dim} {c.tile_m}x{c.tile_n} {self.dtype}" + (" causal" if self.causal else "")
+            + (f" gqa-pack{c.pack_gqa}" if c.pack_gqa > 1 else "") + (" split-kv" if c.split_kv else "")
+            + (f" paged{self.page_size}" if self.page_size else "") + (" seqused" if self.seqused_k else "")
             + ("" if self.score_mod is None else " +score_mod") + ("" if self.epilogue is None else " +epilogue")
         )  # fmt: skip
         return CacheKey("attention", parts, self.arch, label)
@@ -111,12 +116,32 @@ def _fake_epilogue_tensors(fusion, head_dim: int) -> tuple[tuple, tuple]:
     return tensors, tuple(cutlass.Float32(0.0) for _ in fusion.scalar_inputs)
 
 
+def _fake_partials(head_dim: int) -> tuple:
+    """Split-KV's fake fp32 partials: O ``(splits, batch, seqlen_q, heads, head_dim)`` (head_dim
+    static and contiguous, rows a multiple of head_dim apart: :func:`new_partials` makes them so)
+    and LSE ``(splits, batch, heads, seqlen_q)``."""
+    import cutlass
+    from cutlass import cute
+
+    o = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (*(cute.sym_int() for _ in range(4)), head_dim),
+        stride=(*(cute.sym_int64(divisibility=head_dim) for _ in range(4)), 1), assumed_align=OPERAND_ALIGN_BYTES,
+    )  # fmt: skip
+    lse = cute.runtime.make_fake_tensor(
+        cutlass.Float32, tuple(cute.sym_int() for _ in range(4)), stride=(*(cute.sym_int64() for _ in range(3)), 1),
+        assumed_align=4,
+    )  # fmt: skip
+    return o, lse
+
+
 def compile_attention(variant: AttentionVariant):
     """Compile one variant for sm_90a; returns ``f(q, k, v, o, lse, softmax_scale, score_tensors, score_scalars,
-    epi_tensors, epi_scalars, max_ctas, tile_counter)`` taking torch tensors (layout ``(batch, seqlen,
-    heads, head_dim)``, LSE ``(batch, heads, seqlen_q)`` fp32 contiguous); a persistent variant launches
-    at most ``max_ctas`` CTAs (one per SM); a dynamically scheduled one claims tiles from
-    ``tile_counter`` (int32, one element, zero at launch), which the others never read."""
+    epi_tensors, epi_scalars, max_ctas, tile_counter, paged, seqused, partials)`` taking torch tensors
+    (layout ``(batch, seqlen, heads, head_dim)``, LSE ``(batch, heads, seqlen_q)`` fp32 contiguous); a
+    persistent variant launches at most ``max_ctas`` CTAs (one per SM); a dynamically scheduled one claims
+    tiles from ``tile_counter`` (int32, one element, zero at launch), which the others never read.
+    ``paged``, ``seqused``, ``partials``: ``()`` unless the variant takes them (see
+    :meth:`epicute.attention.kernel_sm90.AttentionSm90.__call__`)."""
     import cutlass
     from cutlass import cute
 
@@ -136,21 +161,71 @@ def compile_attention(variant: AttentionVariant):
     counter = cute.runtime.make_fake_tensor(cutlass.Int32, (1,), stride=(1,), assumed_align=4)
     score_tensors, score_scalars = _fake_score_operands(variant.score_mod)
     epi_tensors, epi_scalars = _fake_epilogue_tensors(variant.epilogue, d)
+    paged = (_fake_elementwise(cutlass.Int32, 2),) if variant.page_size else ()
+    seqused = (_fake_elementwise(cutlass.Int32, 1),) if variant.seqused_k else ()
+    partials = _fake_partials(d) if variant.config.split_kv else ()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = AttentionSm90(variant.config, variant.dtype, variant.causal, variant.score_mod, variant.epilogue)
+    kernel = AttentionSm90(
+        variant.config, variant.dtype, variant.causal, variant.score_mod, variant.epilogue, variant.page_size,
+        variant.seqused_k,
+    )  # fmt: skip
     try:
         with warnings.catch_warnings():
             # Empty operand tuples become compile-time constants, which is what we want.
-            warnings.filterwarnings("ignore", message=r"Argument (score|epi)_(tensors|scalars) .*cannot be converted")
+            warnings.filterwarnings(
+                "ignore",
+                message=r"Argument ((score|epi)_(tensors|scalars)|paged|seqused|partials) .*cannot be converted",
+            )
             return cute.compile(
-                kernel, q, k, v, o, lse, cutlass.Float32(1.0), score_tensors, score_scalars,
-                epi_tensors, epi_scalars, cutlass.Int32(1), counter, stream, options=compile_module.DSL_COMPILE_OPTIONS,
+                kernel, q, k, v, o, lse, cutlass.Float32(1.0), score_tensors, score_scalars, epi_tensors, epi_scalars,
+                cutlass.Int32(1), counter, paged, seqused, partials, stream, options=compile_module.DSL_COMPILE_OPTIONS,
             )  # fmt: skip
     except Exception as exc:  # the DSL raises many types; report one
         raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
 
 
 ATTENTION_CACHE = KernelFamily("attention", {SM90A: compile_attention})
+
+
+@dataclass(frozen=True)
+class CombineVariant:
+    """Split-KV's combine kernel (:mod:`epicute.attention.combine_sm90`) for one O dtype and head_dim."""
+
+    out_dtype: str
+    head_dim: int
+    arch: str = DEFAULT_ARCH
+
+    def key(self) -> CacheKey:
+        return CacheKey(
+            "attention_combine", (self.out_dtype, self.head_dim), self.arch,
+            f"split-KV combine d{self.head_dim} {self.out_dtype}",
+        )  # fmt: skip
+
+
+def compile_combine(variant: CombineVariant):
+    """Compile the combine kernel; returns ``f(o_part, lse_part, o, lse)`` taking torch tensors."""
+    import cutlass
+    from cutlass import cute
+
+    from epicute.attention.combine_sm90 import SplitCombineSm90
+    from epicute.sm90.epilogue_emit import DSL_DTYPES
+
+    d = variant.head_dim
+    o_part, lse_part = _fake_partials(d)
+    o = _fake_bshd(DSL_DTYPES[variant.out_dtype], d)
+    lse = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
+        stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4,
+    )  # fmt: skip
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    kernel = SplitCombineSm90(DSL_DTYPES[variant.out_dtype], d)
+    try:
+        return cute.compile(kernel, o_part, lse_part, o, lse, stream, options=compile_module.DSL_COMPILE_OPTIONS)
+    except Exception as exc:  # the DSL raises many types; report one
+        raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
+
+
+COMBINE_CACHE = KernelFamily("attention_combine", {SM90A: compile_combine})
 
 
 _TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
@@ -182,6 +257,13 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def new_partials(splits: int, p, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV's fp32 partial O ``(splits, batch, seqlen_q, heads_q, head_dim)`` and LSE ``(splits,
+    batch, heads_q, seqlen_q)`` of one call (every row a split owns is written)."""
+    o = torch.empty((splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim), dtype=torch.float32, device=device)
+    return o, torch.empty((splits, p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=device)
+
+
 def launch_attention(
     call,
     variant: AttentionVariant,
@@ -192,7 +274,8 @@ def launch_attention(
     """Run the kernel on a validated ``call``; returns every output by name -- ``"D"``: O ``(B, Sq, Hq, D)``
     in its stored dtype (``call.out`` if given), aux tiles like it, reductions finalized -- and LSE
     ``(B, Hq, Sq)`` fp32. ``max_ctas`` bounds a persistent grid (the plan's
-    :attr:`~epicute.attention.plan.AttentionPlan.max_ctas`; default: one CTA per SM of the current GPU)."""
+    :attr:`~epicute.attention.plan.AttentionPlan.max_ctas`; default: one CTA per SM of the current GPU).
+    A split-KV variant writes partials that :data:`COMBINE_CACHE`'s kernel then reduces into O and LSE."""
     p, device = call.problem, call.q.device
     fusion = variant.epilogue
     outputs = {"D": variant.out_dtype} if fusion is None else fusion.tile_output_dtypes
@@ -212,10 +295,16 @@ def launch_attention(
             max_ctas = current_target().num_sms
         tensors, scalars = epi_operands
         epi_tensors = tensors + tuple(aux.values()) + tuple(workspaces.values())
+        cfg = variant.config
+        partials = new_partials(cfg.num_splits, p, device) if cfg.split_kv else ()
         kernel(
             call.q, call.k, call.v, out, lse, call.softmax_scale, *score_operands, epi_tensors, scalars, max_ctas,
-            tile_counter(call.q.device, variant.config.dynamic_tiles),
+            tile_counter(call.q.device, cfg.dynamic_tiles),
+            () if call.page_table is None else (call.page_table,), () if call.seqused_k is None else (call.seqused_k,),
+            partials,
         )  # fmt: skip
+        if partials:
+            COMBINE_CACHE.get(CombineVariant(variant.out_dtype, p.head_dim, variant.arch))(*partials, out, lse)
     results = {"D": out, **aux}
     for r in reductions:
         value = r.finalize(workspaces[r.name])

@@ -15,7 +15,7 @@ layouts that split a row across warps; ``explain_attention`` prints the result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from epicute.epilogue.dtypes import DTYPE_BYTES
 from epicute.errors import ConfigError
@@ -35,6 +35,11 @@ LPT_L2_BUDGET_BYTES = 32 * 1024 * 1024
 #: setmaxnreg budgets (producer, each consumer) by consumer warpgroup count: the
 #: producer only issues TMA; the consumers take the rest of the 64K register file.
 REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+#: Most splits of one tile's keys (split-KV); each writes a partial O the combine reads back.
+MAX_SPLITS = 64
+#: A split gets at least this many key blocks: fewer would spend its CTA on the prologue and the
+#: partial's round trip rather than on streaming K and V.
+MIN_BLOCKS_PER_SPLIT = 4
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,17 @@ class AttentionProblem:
     head_dim: int
     dtype: str = "bf16"
     causal: bool = False
+    #: 0: K and V are ``(batch, seqlen_k, heads_kv, head_dim)``; else they are a paged cache
+    #: ``(num_pages, page_size, heads_kv, head_dim)`` read through a page table, and ``seqlen_k``
+    #: is a sequence's capacity (pages per sequence x page_size).
+    page_size: int = 0
+    #: Each sequence uses its own first ``seqused_k[b]`` keys (a device tensor; flash-attn's convention).
+    seqused_k: bool = False
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (GQA/MQA)."""
+        return self.heads_q // max(self.heads_kv, 1)
 
     @property
     def flops(self) -> int:
@@ -89,6 +105,15 @@ class AttentionConfig(WarpRoles):
     #: Persistent CTAs claim their next tile from a global atomic counter (in the tile order above)
     #: instead of striding by the grid: tiles of unequal length (causal) keep the longest-first balance.
     dynamic_tiles: bool = False
+    #: Query heads that share a key/value head, packed into one tile's rows (row ``r`` is query
+    #: ``r // pack_gqa`` of head ``r % pack_gqa`` of the group): a decode tile reads each K/V block
+    #: once for all of them. 1: a tile holds one head's queries. Compile-time (it shapes the TMA boxes).
+    pack_gqa: int = 1
+    #: Split each tile's keys over ``num_splits`` CTAs, which write fp32 partial O and LSE; a second
+    #: kernel combines them weighted by their LSEs in split order (deterministic).
+    split_kv: bool = False
+    #: How many splits (a launch argument: changing it does not recompile).
+    num_splits: int = field(default=1, compare=False, hash=False)
     producer_regs: int = 24
     consumer_regs: int = 240
     reasons: tuple[str, ...] = field(default=(), compare=False, hash=False)
@@ -119,6 +144,14 @@ class AttentionConfig(WarpRoles):
             raise ConfigError(
                 f"mma_atoms_mn={self.mma_atoms_mn}: must tile tile_m={self.tile_m} as ({self.num_mma_warpgroups}, 1)"
             )
+        if self.pack_gqa < 1 or self.tile_m % self.pack_gqa:
+            raise ConfigError(
+                f"pack_gqa={self.pack_gqa}: the query heads packed per key/value head must divide tile_m={self.tile_m}"
+            )
+        if not 1 <= self.num_splits <= MAX_SPLITS:
+            raise ConfigError(f"num_splits={self.num_splits}: must be in [1, {MAX_SPLITS}]")
+        if self.num_splits > 1 and not self.split_kv:
+            raise ConfigError(f"num_splits={self.num_splits} needs split_kv=True")
         if self.dynamic_tiles and not self.persistent:
             raise ConfigError("dynamic_tiles=True needs persistent=True (one CTA per tile has nothing to claim)")
         if self.pingpong and self.num_mma_warpgroups < 2:
@@ -184,11 +217,15 @@ def row_ownership(cfg: AttentionConfig) -> RowOwnership:
     return RowOwnership(True, warps)
 
 
-def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
-    """The FA3 tile choices for H100, with every field overridable."""
+def default_config(head_dim: int, causal: bool, decode: dict | None = None, **overrides) -> AttentionConfig:
+    """The FA3 tile choices for H100, with every field overridable; ``decode``: the decode plan's
+    choices (:func:`decode_choices`), which replace the head_dim rules."""
     if head_dim not in HEAD_DIMS:
         raise ConfigError(f"head_dim={head_dim}: supported are {HEAD_DIMS}")
-    if head_dim == 64:
+    if decode is not None:
+        base = dict(decode)
+        why = base.pop("why")
+    elif head_dim == 64:
         base = {"tile_m": 192, "tile_n": 128}
         why = (
             "head_dim 64: 192x128 tiles, 3 warpgroups taking turns at the tensor cores: d64's short WGMMAs "
@@ -214,7 +251,8 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
     # Without causal masking every block is full and the rings are the bottleneck: K and V stages
     # go back to the producer as early as possible. Causal launches keep the softmax under the PV
     # WGMMA instead (bench/NOTES.md, 'The K release, by mask' and 'The lost softmax/PV overlap').
-    base.update(head_dim=head_dim, release_k_late=causal)
+    base.update(head_dim=head_dim)
+    base.setdefault("release_k_late", causal)
     # Lazy rescaling skips O's rescale (head_dim / 2 multiplies per thread) on most blocks: at d128 and
     # d256 that beats its vote and branch; at d64 the rescale is 32 multiplies and it is a wash
     # (bench/NOTES.md, 'Lazy rescaling').
@@ -229,6 +267,7 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
     base.update(persistent=True)
     base.update(overrides)
     base.setdefault("dynamic_tiles", base["persistent"])
+    base.setdefault("split_kv", base.get("num_splits", 1) > 1)
     warpgroups = base["tile_m"] // WGMMA_M
     base.setdefault("mma_atoms_mn", (warpgroups, 1))
     if warpgroups in REGISTER_SPLIT:  # other tile_m values are refused by validate()
@@ -246,6 +285,58 @@ def default_config(head_dim: int, causal: bool, **overrides) -> AttentionConfig:
     if causal and base.get("lpt_order", True):
         order += "; longest query blocks first, a band of L2-sized heads at a time"
     return AttentionConfig(**base, reasons=(why, order))
+
+
+#: Query rows (packed heads x queries) up to which a problem is decode-shaped: one consumer
+#: warpgroup's WGMMA M. Beyond it the prefill tiles apply.
+DECODE_ROWS = WGMMA_M
+#: Keys per K/V block of decode tiles by head_dim: 128 (64 at d256, so three stages fit beside Q).
+DECODE_TILE_N = {64: 128, 128: 128, 256: 64}
+#: K/V ring depth of decode tiles by head_dim. At d128 two 64 KB stages measured ~1 % above three
+#: (bench/NOTES.md, 'Decode attention'); d64 and d256 take what fits beside Q (not measured apart).
+DECODE_STAGES = {64: 6, 128: 2, 256: 3}
+
+
+def page_tile_n(tile_n: int, page_size: int) -> int:
+    """The largest block of at most ``tile_n`` keys (a power of two, at least 16) that tiles a
+    ``page_size``-key page (a multiple of 16): each K/V block is one TMA box inside one page."""
+    return max(t for t in (16, 32, 64, 128, 256) if t <= max(tile_n, 16) and page_size % t == 0)
+
+
+def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = True) -> dict | None:
+    """The decode plan for ``problem`` (a config's fields plus ``why``), or None for prefill shapes.
+
+    Decode-shaped: the query heads of a GQA group times the queries per sequence fit one 64-row
+    warpgroup tile. Such a tile packs the group's heads (one K/V read serves them all), and when
+    its tiles leave SMs idle, each tile's keys are split over several CTAs (split-KV) whose
+    partial results a second kernel combines. Both need the kernel to write O itself (no output
+    epilogue); ``plain_output=False`` keeps the prefill plan."""
+    p = problem
+    rows = p.group * p.seqlen_q
+    if not plain_output or rows > DECODE_ROWS or p.seqlen_q > DECODE_ROWS:
+        return None
+    tile_n = DECODE_TILE_N[p.head_dim]
+    if p.page_size:
+        tile_n = page_tile_n(tile_n, p.page_size)
+    pack = p.group if p.group > 1 else 1
+    tiles = p.batch * p.heads_kv if pack > 1 else p.batch * p.heads_q
+    blocks = -(-p.seqlen_k // tile_n)
+    splits = min(hw.num_sms // max(tiles, 1), blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS)
+    splits = max(splits, 1)
+    why = (
+        f"decode-shaped ({p.seqlen_q} quer{'y' if p.seqlen_q == 1 else 'ies'} x {p.group} head"
+        f"{'s' if p.group > 1 else ''} per K/V head <= {DECODE_ROWS} rows): 64x{tile_n} tiles, one consumer "
+        f"warpgroup, {DECODE_STAGES[p.head_dim]} K/V stages"
+        + (f"; the {pack} query heads of a GQA group packed into one tile's rows, so each K/V block is "
+           "read once for all of them" if pack > 1 else "")
+        + (f"; {tiles} tiles leave SMs idle: each tile's {blocks} key blocks split over {splits} CTAs "
+           f"(>= {MIN_BLOCKS_PER_SPLIT} blocks each), combined by LSE in split order" if splits > 1 else "")
+        + (f"; {tile_n}-key blocks tile the {p.page_size}-key pages" if p.page_size else "")
+    )  # fmt: skip
+    return {
+        "tile_m": WGMMA_M, "tile_n": tile_n, "stages": DECODE_STAGES[p.head_dim], "pingpong": False,
+        "rescale_o_early": False, "release_k_late": False, "pack_gqa": pack, "num_splits": splits, "why": why,
+    }  # fmt: skip
 
 
 def lpt_keys_per_band(head_dim: int, esize: int = 2) -> int:
@@ -269,8 +360,9 @@ def attention_smem_layout(cfg: AttentionConfig, dtype: str = "bf16") -> SmemLayo
                    f"K ring: {cfg.stages} full + {cfg.stages} empty mbarriers", align=barrier),
         SmemBuffer("v_barriers", "V barriers", "int64", 2 * cfg.stages,
                    f"V ring: {cfg.stages} full + {cfg.stages} empty mbarriers", align=barrier),
-        SmemBuffer("tile_slot", "tile slot", "int32", 4,
-                   "int32 x 4: a dynamic tile and its coordinates, announced with its Q load", align=4),
+        SmemBuffer("tile_slot", "tile slot", "int32", 5,
+                   "int32 x 5: a dynamic tile and its coordinates (m-block, head, batch, split), announced with its "
+                   "Q load", align=4),
         SmemBuffer("sQ", "Q (then outputs)", dtype, cfg.tile_m * cfg.head_dim,
                    f"{cfg.tile_m}x{cfg.head_dim} {dtype}; the epilogue stages each output tile here for its TMA store"),
         SmemBuffer("sK", "K ring", dtype, cfg.tile_n * cfg.head_dim * cfg.stages,
@@ -305,8 +397,13 @@ class AttentionPlan:
         )
 
     @property
+    def rows(self) -> int:
+        """Query rows of one tile's (batch, head): seqlen_q, or with packed GQA heads x seqlen_q."""
+        return self.problem.seqlen_q * self.config.pack_gqa
+
+    @property
     def m_blocks(self) -> int:
-        return -(-self.problem.seqlen_q // self.config.tile_m)
+        return -(-self.rows // self.config.tile_m)
 
     @property
     def lpt(self) -> bool:
@@ -315,8 +412,10 @@ class AttentionPlan:
 
     @property
     def num_tiles(self) -> int:
-        """Work tiles: ``tile_m`` query rows of one (batch, head)."""
-        return self.m_blocks * self.problem.heads_q * self.problem.batch
+        """Work tiles: ``tile_m`` query rows of one (batch, head) -- a key/value head's with packed
+        GQA -- and, with split-KV, one split of its keys."""
+        heads = self.problem.heads_q // self.config.pack_gqa
+        return self.m_blocks * heads * self.problem.batch * self.config.num_splits
 
     @property
     def max_ctas(self) -> int:
@@ -345,12 +444,34 @@ class AttentionPlan:
         return q_o + k_v + 4 * p.batch * p.heads_q * p.seqlen_q
 
 
-def plan_attention(problem: AttentionProblem, target: Target | str | None = None, **overrides) -> AttentionPlan:
+def plan_attention(
+    problem: AttentionProblem, target: Target | str | None = None, plain_output: bool = True, **overrides
+) -> AttentionPlan:
     """Choose and validate the kernel configuration for ``problem`` on ``target`` (a :class:`Target`
-    or its name; default: the visible GPU, else an H100 SXM)."""
+    or its name; default: the visible GPU, else an H100 SXM); ``plain_output``: no output epilogue
+    (decode plans need the kernel to store O itself: :func:`decode_choices`)."""
     hw = resolve_target(target)
-    cfg = default_config(problem.head_dim, problem.causal, **overrides)
+    decode = decode_choices(problem, hw, plain_output)
+    cfg = default_config(problem.head_dim, problem.causal, decode, **overrides)
+    if problem.page_size and problem.page_size % cfg.tile_n and "tile_n" not in overrides:
+        tile_n = page_tile_n(cfg.tile_n, problem.page_size)
+        why = f"{tile_n}-key blocks tile the {problem.page_size}-key pages"
+        cfg = replace(cfg, tile_n=tile_n, reasons=(*cfg.reasons, why))
     cfg.validate(hw, problem.dtype)
+    if cfg.pack_gqa not in (1, problem.group):
+        raise ConfigError(
+            f"pack_gqa={cfg.pack_gqa}: a tile packs all {problem.group} query heads of a key/value head, or none (1)"
+        )
+    if not plain_output and (cfg.pack_gqa > 1 or cfg.split_kv):
+        raise ConfigError(
+            "pack_gqa and split_kv need the kernel to store O itself: they take no output epilogue "
+            "(drop the epilogue, or the pack_gqa/num_splits pins)"
+        )
+    if problem.page_size % cfg.tile_n:
+        raise ConfigError(
+            f"tile_n={cfg.tile_n} does not divide page_size={problem.page_size}: each K/V block must lie in one "
+            f"page (try tile_n={page_tile_n(cfg.tile_n, problem.page_size)})"
+        )
     return AttentionPlan(problem, cfg, hw)
 
 
@@ -374,12 +495,32 @@ def render_attention_plan(plan: AttentionPlan, chain: tuple = ()) -> str:
             if c.persistent
             else "one CTA per tile: "
         )
+        + ("splits fastest, then " if c.split_kv else "")
         + (
             f"m-blocks x heads x batch walked longest-first in bands of "
             f"{lpt_heads_per_band(p.head_dim, p.seqlen_k, DTYPE_BYTES[p.dtype])} heads (K+V fit L2)"
             if plan.lpt
-            else "m-block fastest, then head, then batch"
+            else ("m-block" if c.split_kv else "m-block fastest") + ", then head, then batch"
         ),
+    ]
+    if c.pack_gqa > 1:
+        lines.append(
+            f"  GQA packing     the {c.pack_gqa} query heads of a K/V head share a tile: row r is query "
+            f"r // {c.pack_gqa} of head r % {c.pack_gqa} ({plan.rows} rows per K/V head)"
+        )
+    if c.split_kv:
+        lines.append(
+            f"  split-KV        each tile's keys split over {c.num_splits} CTAs writing fp32 partial O and LSE; "
+            "a combine kernel weights them by LSE and adds them in split order"
+        )
+    if p.page_size:
+        lines.append(
+            f"  paged KV        {p.page_size}-key pages through page_table: each {c.tile_n}-key block is one "
+            "TMA box of one page"
+        )
+    if p.seqused_k:
+        lines.append("  seqused_k       each sequence reads its own first seqused_k[b] keys (masked past them)")
+    lines += [
         "",
         "warp roles",
         "  warpgroup 0     producer: warp 0 issues TMA loads of each tile's first K block, Q, then K and V   "
@@ -436,7 +577,17 @@ def render_attention_plan(plan: AttentionPlan, chain: tuple = ()) -> str:
         f"  waves           {plan.num_tiles / hw.num_sms:.2f} ({plan.num_tiles} tiles on {hw.num_sms} SMs)",
     ]
     lines += ["", "why"] + [f"  - {r}" for r in c.reasons]
-    if chain:
+    if c.split_kv:
+        lines += [
+            "",
+            "output (split-KV)",
+            "  partials        each split stores its rows' normalized O (fp32) and LSE over its keys",
+            (
+                "  combine         a second kernel, one warp per query row: LSE = log sum_i exp(LSE_i); "
+                f"O = sum_i exp(LSE_i - LSE) O_i in split order; O cast to {p.dtype} and stored with LSE"
+            ),
+        ]
+    elif chain:
         lines += ["", "output epilogue chain (the O tile is one subtile; outputs staged in Q's buffer in turn)"]
         lines += [f"  {stage}" for stage in chain]
     return "\n".join(lines)

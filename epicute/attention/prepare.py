@@ -41,9 +41,11 @@ _IR_KIND = {"scalar": "scalar", "head": "col", "row": "row", "tile": "tile"}
 
 
 @functools.lru_cache(maxsize=1024)
-def cached_plan(problem: AttentionProblem, overrides: tuple, target: Target | None = None) -> AttentionPlan:
+def cached_plan(
+    problem: AttentionProblem, overrides: tuple, target: Target | None = None, plain_output: bool = True
+) -> AttentionPlan:
     """:func:`plan_attention` for ``target`` (None: the current one), once per argument set."""
-    return plan_attention(problem, target, **dict(overrides))
+    return plan_attention(problem, target, plain_output, **dict(overrides))
 
 
 def _operand_kind(hook: str, name: str, value: Any, p: AttentionProblem) -> tuple[str, Any]:
@@ -204,7 +206,7 @@ class PreparedAttention:
         p = self.plan.problem
         return AttentionVariant(
             self.plan.config, p.dtype, p.causal, None if self.score is None else self.score.fusion,
-            None if self.epilogue is None else self.epilogue.fusion, self.plan.target.arch,
+            None if self.epilogue is None else self.epilogue.fusion, self.plan.target.arch, p.page_size, p.seqused_k,
         )  # fmt: skip
 
 
@@ -221,7 +223,7 @@ def prepare(
     outputs, torch dtypes or IR names), and the problem planned for ``target`` (None: the current
     GPU, else an H100 SXM) with ``config``'s pins."""
     score, epi = hooks_of(call, score_mod, epilogue, operands or {}, ir_dtypes(out_dtypes))
-    plan = cached_plan(call.problem, tuple(sorted((config or {}).items())), target)
+    plan = cached_plan(call.problem, tuple(sorted((config or {}).items())), target, epi is None)
     return PreparedAttention(plan, score, epi)
 
 

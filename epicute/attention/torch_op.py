@@ -45,6 +45,8 @@ def attention_op(
     score_mod: str,
     epilogue: str,
     spec: str,
+    page_table: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``epicute.attention(q, k, v, ..., return_lse=True)`` as an op: ``(O, LSE)`` (see the module docstring)."""
     from epicute.attention.api import attention
@@ -54,12 +56,14 @@ def attention_op(
         q, k, v, causal=spec["causal"], softmax_scale=spec["softmax_scale"], return_lse=True,
         score_mod=registered_epilogue(score_mod) if score_mod else None,
         epilogue=registered_epilogue(epilogue) if epilogue else None,
-        config=config_of(spec), **operand_values(operands, scalars, spec),
+        config=config_of(spec), page_table=page_table, seqused_k=seqused_k, **operand_values(operands, scalars, spec),
     )  # fmt: skip
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, operands, scalars, score_mod, epilogue, spec) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_fake(
+    q, k, v, operands, scalars, score_mod, epilogue, spec, page_table=None, seqused_k=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     # Output metadata never depends on the hooks: O is stored in q's dtype (the kernel's
     # O tile is q's type), contiguous like eager's torch.empty_like(q, contiguous_format).
     if q.dim() != 4:
@@ -99,6 +103,8 @@ def attention_op_call(
     backend: str,
     config: dict | None,
     operands: dict[str, Any],
+    page_table: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`epicute.attention` while ``torch.compile`` traces it: one ``epicute::attention`` op.
 
@@ -118,7 +124,7 @@ def attention_op_call(
         tuple(tensor_names), tuple(scalar_names), tuple(pins), tuple(sorted((config or {}).items())),
         (("causal", bool(causal)), ("softmax_scale", None if softmax_scale is None else float(softmax_scale))),
     )  # fmt: skip
-    o, lse = torch.ops.epicute.attention(q, k, v, tensors, scalars, score_key, epi_key, spec)
+    o, lse = torch.ops.epicute.attention(q, k, v, tensors, scalars, score_key, epi_key, spec, page_table, seqused_k)
     if out is not None:  # the op returns a fresh O, copied in (eager writes out directly)
         o = out.copy_(o)
     return (o, lse) if return_lse else o

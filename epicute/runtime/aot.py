@@ -30,8 +30,10 @@ only matters where the planner would choose another config for another SM count.
 ``[[grouped_gemm]]`` entries (shapes ``[total_M, N, K, G]``, a ``mode`` of rows, gathered rows or
 variable K) are described in :mod:`epicute.grouped.aot`.
 
-Attention needs no sizes at all (its plan depends on head_dim, causal and dtype
-only; batch, sequence lengths and head counts are runtime values)::
+Attention needs no sizes (a prefill plan depends on head_dim, causal and dtype only;
+batch, sequence lengths and head counts are runtime values); ``decode = true`` also
+compiles the decode plans of the entry's GQA ratio (packed heads, with and without
+split-KV), which calls of one query per sequence take::
 
     [[attention]]
     dtype = "bf16"                  # q, k, v: bf16 | fp16
@@ -40,6 +42,7 @@ only; batch, sequence lengths and head counts are runtime values)::
     heads = [32, 8]                 # [heads_q, heads_kv]; optional (default [1, 1]): the GQA
                                     # ratio is a runtime value, one variant serves every ratio
     config = { tile_n = 64 }        # optional pins, as attention(config=...)
+    decode = true                   # optional: the decode variants too (no output epilogue)
     score_mod = "mypkg.mods:alibi"  # optional, module:function
     epilogue = "mypkg.mods:gate"    # optional, module:function
     operands = { slopes = "head:fp32", cap = "scalar", gate = "tile:bf16" }  # kind[:dtype]
@@ -216,7 +219,7 @@ def is_size(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-_TYPE_WORDS = {str: "a string, e.g. 'bf16'", dict: "a table, e.g. { name = value }"}
+_TYPE_WORDS = {str: "a string, e.g. 'bf16'", dict: "a table, e.g. { name = value }", bool: "true or false"}
 
 
 def check_fields(entry: dict, kind: type, *names: str) -> None:

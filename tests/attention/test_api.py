@@ -215,3 +215,45 @@ def test_explain_prints_the_chain_the_kernel_runs(monkeypatch):
     epicute.attention(qc, kc, kc, causal=True, epilogue=epicute.epilogues.tensor_quant, scale=2.0)
     assert seen["v"].config == plan.config
     assert "\n".join(f"  {stage}" for stage in seen["v"].epilogue.stages) in printed
+
+
+def test_paged_and_seqused_validation_errors():
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
+    cache = torch.randn(6, 16, 2, 64, dtype=torch.bfloat16)
+    table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    bad(epicute.DtypeError, "torch.int32", q, cache, cache, page_table=table.long())
+    bad(epicute.ShapeError, r"must be \(2, 3\)", q, cache, cache, page_table=table[:1])
+    bad(epicute.ShapeError, "batch, pages per sequence", q, cache, cache, page_table=table.view(-1))
+    bad(epicute.ShapeError, "0 pages per sequence", q, cache, cache, page_table=table[:, :0])
+    odd = torch.randn(6, 8, 2, 64, dtype=torch.bfloat16)
+    bad(epicute.ShapeError, "multiples of 16", q, odd, odd, page_table=table)
+    bad(epicute.DtypeError, "seqused_k has dtype", q, cache, cache, page_table=table, seqused_k=torch.ones(2))
+    bad(epicute.ShapeError, r"seqused_k has shape \(3,\)", q, cache, cache, page_table=table,
+        seqused_k=torch.ones(3, dtype=torch.int32))  # fmt: skip
+    bad(epicute.ConfigError, "no output epilogue", q, cache, cache, page_table=table, epilogue=lambda o: o * 2,
+        config={"num_splits": 2})  # fmt: skip
+
+
+def test_reference_of_a_paged_cache_is_the_gathered_dense_one():
+    """The reference gathers pages in table order and masks keys past seqused_k: the same as the
+    dense call over each sequence's used keys (float64, so the paths agree to rounding)."""
+    torch.manual_seed(0)
+    q = torch.randn(3, 2, 8, 64, dtype=torch.float64)
+    cache_k, cache_v = torch.randn(17, 16, 2, 64, dtype=torch.float64), torch.randn(17, 16, 2, 64, dtype=torch.float64)
+    table = torch.randperm(17, dtype=torch.int32)[:15].view(3, 5)
+    used = torch.tensor([0, 37, 80], dtype=torch.int32)
+    call = check_attention_args(
+        q.bfloat16(), cache_k.bfloat16(), cache_v.bfloat16(), causal=True, softmax_scale=None, require_cuda=False,
+        page_table=table, seqused_k=used,
+    )  # fmt: skip
+    call.q, call.k, call.v = q, cache_k, cache_v
+    got, lse = reference_attention(call, compute_dtype=torch.float64, out_dtype=torch.float64)
+    assert torch.equal(got["D"][0], torch.zeros_like(got["D"][0])) and torch.isneginf(lse[0]).all()
+    for b in (1, 2):
+        k, v = (t[table[b].long()].reshape(-1, 2, 64)[: used[b]][None] for t in (cache_k, cache_v))
+        sub = check_attention_args(
+            q[b : b + 1].bfloat16(), k.bfloat16(), v.bfloat16(), causal=True, softmax_scale=None, require_cuda=False
+        )
+        sub.q, sub.k, sub.v = q[b : b + 1], k, v
+        want, want_lse = reference_attention(sub, compute_dtype=torch.float64, out_dtype=torch.float64)
+        assert rel_err(got["D"][b : b + 1], want["D"]) < 1e-12 and rel_err(lse[b : b + 1], want_lse) < 1e-12

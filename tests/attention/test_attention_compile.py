@@ -92,3 +92,26 @@ def test_output_epilogues_compile(name, d, ptxas_report):
     assert callable(compile_attention(AttentionVariant(default_config(d, True), "bf16", True, epilogue=epi)))
     spills, _ = ptxas_report()
     assert (spills == [0]) != ((name, d) in KNOWN_SPILLS), f"ptxas spilled {spills} bytes"
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+def test_decode_variants_compile(d, ptxas_report):
+    """Decode plans: GQA heads packed into the rows, split-KV partials, a paged cache with
+    seqused_k, a score_mod on packed rows; and split-KV's combine kernel."""
+    from epicute.attention.launch import CombineVariant, compile_combine
+    from epicute.attention.plan import AttentionProblem, plan_attention
+    from epicute.runtime.target import H100_SXM
+
+    problem = AttentionProblem(1, 1, 65536, 32, 8, d, causal=True, page_size=128, seqused_k=True)
+    cfg = plan_attention(problem, H100_SXM).config
+    assert cfg.pack_gqa == 4 and cfg.split_kv
+    assert callable(compile_attention(AttentionVariant(cfg, "bf16", True, page_size=128, seqused_k=True)))
+    spills, injected_fences = ptxas_report()
+    assert spills == [0] and injected_fences == []
+
+    def alibi(s, b, h, q_idx, kv_idx, slopes):
+        return s + slopes * (kv_idx - q_idx)
+
+    score, _ = fusions(alibi, head_dim=d, slopes=torch.rand(8))
+    assert callable(compile_attention(AttentionVariant(cfg, "fp16", False, score_mod=score)))
+    assert callable(compile_combine(CombineVariant("bf16", d)))

@@ -127,3 +127,51 @@ def test_dynamic_tiles_need_persistent_ctas():
         default_config(128, True, persistent=False, dynamic_tiles=True).validate(H100_SXM)
     assert not default_config(128, True, persistent=False).dynamic_tiles  # one CTA per tile, as asked
     assert default_config(128, True).key() != default_config(128, True, dynamic_tiles=False).key()
+
+
+def _decode(batch=1, seqlen_q=1, seqlen_k=131072, heads_q=32, heads_kv=8, head_dim=128, **kw):
+    return AttentionProblem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, **kw)
+
+
+def test_decode_plans_pack_gqa_and_split_while_sms_idle():
+    plan = plan_attention(_decode(), H100_SXM)
+    c = plan.config
+    # 8 KV heads x 1 sequence leave 124 SMs idle: 16 splits of 64 blocks fill 128 of them.
+    assert (c.tile_m, c.tile_n, c.pack_gqa, c.split_kv, c.num_splits) == (64, 128, 4, True, 16)
+    assert plan.num_tiles == 128 and plan.rows == 4
+    # 64 sequences x 8 KV heads already fill the GPU: no split.
+    c = plan_attention(_decode(batch=64, seqlen_k=8192), H100_SXM).config
+    assert c.pack_gqa == 4 and not c.split_kv and c.num_splits == 1
+    # Too few key blocks to split: at least MIN_BLOCKS_PER_SPLIT each.
+    assert not plan_attention(_decode(seqlen_k=500), H100_SXM).config.split_kv
+    # Prefill shapes keep the FA3 tiles.
+    c = plan_attention(_decode(seqlen_q=4096, seqlen_k=4096), H100_SXM).config
+    assert (c.tile_m, c.pack_gqa, c.split_kv) == (128, 1, False)
+    # An output epilogue keeps the prefill plan; pinning a decode field with one is refused.
+    assert plan_attention(_decode(), H100_SXM, plain_output=False).config.pack_gqa == 1
+    with pytest.raises(ConfigError, match="no output epilogue"):
+        plan_attention(_decode(), H100_SXM, plain_output=False, num_splits=4)
+
+
+def test_decode_config_errors():
+    with pytest.raises(ConfigError, match="pack_gqa=3"):
+        plan_attention(_decode(), H100_SXM, pack_gqa=3)
+    with pytest.raises(ConfigError, match="all 4 query heads"):
+        plan_attention(_decode(), H100_SXM, pack_gqa=2)
+    with pytest.raises(ConfigError, match="num_splits=65"):
+        plan_attention(_decode(), H100_SXM, num_splits=65)
+    with pytest.raises(ConfigError, match="needs split_kv"):
+        AttentionConfig(tile_m=64, pingpong=False, mma_atoms_mn=(1, 1), num_splits=2).validate(H100_SXM)
+    with pytest.raises(ConfigError, match="does not divide page_size=64"):
+        plan_attention(_decode(page_size=64, seqlen_k=4096), H100_SXM, tile_n=128)
+
+
+@pytest.mark.parametrize("page_size", (16, 48, 64, 128, 192, 256))
+def test_paged_blocks_tile_the_pages(page_size):
+    for problem in (_decode(page_size=page_size, seqlen_k=page_size * 100),
+                    _decode(seqlen_q=2000, page_size=page_size, seqlen_k=page_size * 100, head_dim=256)):  # fmt: skip
+        cfg = plan_attention(problem, H100_SXM).config
+        assert page_size % cfg.tile_n == 0 and cfg.tile_n >= 16
+    text = render_attention_plan(plan_attention(_decode(page_size=128, seqused_k=True), H100_SXM))
+    for line in ("GQA packing", "split-KV", "paged KV", "seqused_k", "combine"):
+        assert line in text

@@ -118,3 +118,21 @@ LOADER = textwrap.dedent(
 @pytest.mark.compile
 def test_aot_compile_then_a_fresh_process_loads(tmp_path):
     aot_compile_then_fresh_load(tmp_path, SPEC, LOADER)
+
+
+def test_decode_entries_compile_the_variants_decode_calls_launch(monkeypatch, tmp_path):
+    spec = tmp_path / "k.toml"
+    spec.write_text("[[attention]]\nhead_dim = 128\ncausal = true\nheads = [32, 8]\ndecode = true\n")
+    (entry,) = read_spec(spec)["attention"]
+    variants = dict((what, variant) for variant, what in attention_variants(entry))
+    assert sorted(variants) == ["d128 bf16 causal", "d128 bf16 causal decode", "d128 bf16 causal decode split-kv"]
+    split = variants["d128 bf16 causal decode split-kv"]
+    assert split.config.pack_gqa == 4 and split.config.split_kv
+    # A decode call of another batch and cache length launches one of them.
+    q, k, v = qkv(3, 1, 5000, 32, 8, 128)
+    assert launched_key(monkeypatch, q, k, v, causal=True) == split.key()
+    q, k, v = qkv(200, 1, 300, 32, 8, 128)
+    assert launched_key(monkeypatch, q, k, v, causal=True) == variants["d128 bf16 causal decode"].key()
+    spec.write_text('[[attention]]\ndecode = "yes"\n')
+    with pytest.raises(ConfigError, match="true or false"):
+        attention_variants(read_spec(spec)["attention"][0])

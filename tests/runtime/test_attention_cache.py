@@ -148,15 +148,16 @@ def test_key_is_plain_text_with_versions_and_the_same_in_a_fresh_process(monkeyp
 
 
 def test_the_attention_family_compiles_once_across_sizes(monkeypatch):
-    """Through the shared cache: one compile for two problem sizes, a second for another variant."""
+    """Through the shared cache: one compile for two prefill sizes (over 64 query rows: fewer are
+    planned as decode tiles), a second for another variant."""
     monkeypatch.setattr(rt_compile, "KERNEL_CACHE", KernelCache())
     monkeypatch.setenv("EPICUTE_CACHE", "0")
     built = []
     monkeypatch.setitem(rt_attention.ATTENTION_CACHE.compilers, "sm_90a", lambda v: built.append(v) or object())
     assert rt_compile.FAMILIES["attention"] is rt_attention.ATTENTION_CACHE
-    small = launched_variant(monkeypatch, *qkv(1, 17, 17, 2, 2, 64))
+    small = launched_variant(monkeypatch, *qkv(1, 65, 17, 2, 2, 64))
     large = launched_variant(monkeypatch, *qkv(4, 1000, 129, 16, 4, 64))
-    causal = launched_variant(monkeypatch, *qkv(1, 17, 17, 2, 2, 64), causal=True)
+    causal = launched_variant(monkeypatch, *qkv(1, 65, 17, 2, 2, 64), causal=True)
     first = rt_attention.ATTENTION_CACHE.get(small)
     assert rt_attention.ATTENTION_CACHE.get(large) is first
     assert rt_attention.ATTENTION_CACHE.get(causal) is not first

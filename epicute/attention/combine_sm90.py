@@ -1,0 +1,90 @@
+"""Split-KV's second kernel: the partial results of each split combined into O and LSE.
+
+Split ``i`` of a query row wrote its normalized O_i over its keys and their log-sum-exp
+LSE_i. Over all keys::
+
+    LSE = log(sum_i exp(LSE_i)),    O = sum_i exp(LSE_i - LSE) * O_i
+
+One warp per query row: every lane reads the row's LSE_i (the same addresses, one
+broadcast each) and owns ``head_dim / 32`` consecutive columns of O, which it reads
+from each split as one vector. Splits are added in index order, so the result does
+not depend on which split finished first (deterministic). A row no split saw a key of
+(all LSE_i = -inf) gets O = 0 and LSE = -inf, as the one-kernel path writes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+from cutlass import Float32, cute
+
+#: Query rows per CTA: one warp each.
+ROWS_PER_CTA = 4
+LOG2_E = math.log2(math.e)
+
+
+class SplitCombineSm90:
+    """The combine kernel for one (O dtype, head_dim)."""
+
+    def __init__(self, out_dtype, head_dim: int):
+        self.out_dtype = out_dtype
+        self.head_dim = head_dim
+        self.cols_per_lane = head_dim // 32
+
+    @cute.jit
+    def __call__(
+        self,
+        o_part: cute.Tensor,
+        lse_part: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        stream,
+    ):
+        """``o_part`` fp32 ``(splits, batch, seqlen_q, heads, head_dim)``, ``lse_part`` fp32
+        ``(splits, batch, heads, seqlen_q)``; writes O ``(batch, seqlen_q, heads, head_dim)`` and LSE
+        ``(batch, heads, seqlen_q)``."""
+        rows = cute.size(mO, mode=[0]) * cute.size(mO, mode=[1]) * cute.size(mO, mode=[2])
+        self.kernel(o_part, lse_part, mO, mLSE).launch(
+            grid=(cute.ceil_div(rows, ROWS_PER_CTA), 1, 1), block=[32 * ROWS_PER_CTA, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, o_part: cute.Tensor, lse_part: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        batch_n, seqlen_q, heads = cute.size(mO, mode=[0]), cute.size(mO, mode=[1]), cute.size(mO, mode=[2])
+        row = bidx * ROWS_PER_CTA + tidx // 32
+        if row < batch_n * seqlen_q * heads:
+            head = row % heads
+            q = (row // heads) % seqlen_q
+            batch = row // (heads * seqlen_q)
+            splits = cute.size(o_part, mode=[0])
+            top = -Float32.inf
+            for i in cutlass.range(splits, unroll=1):
+                top = cutlass.max(top, lse_part[i, batch, head, q])
+            # exp2 of (LSE_i - top) in base 2; top = -inf (no split saw a key) is shifted to 0 so
+            # every term is exp2(-inf) = 0 rather than NaN.
+            shift = cutlass.select_(top == -Float32.inf, Float32(0.0), top)
+            total = Float32(0.0)
+            for i in cutlass.range(splits, unroll=1):
+                total += cute.math.exp2((lse_part[i, batch, head, q] - shift) * LOG2_E, fastmath=True)
+            empty = total == Float32(0.0)
+            inv_total = cutlass.select_(empty, Float32(0.0), cute.arch.rcp_approx(total))
+            cols = (self.cols_per_lane,)
+            acc = cute.make_rmem_tensor(cols, Float32)
+            acc.fill(0.0)
+            for i in cutlass.range(splits, unroll=1):
+                weight = cute.math.exp2((lse_part[i, batch, head, q] - shift) * LOG2_E, fastmath=True) * inv_total
+                part = cute.local_tile(o_part[i, batch, q, head, None], cols, (lane,))
+                acc.store(acc.load() + part.load() * weight)
+            out = cute.local_tile(mO[batch, q, head, None], cols, (lane,))
+            out.store(acc.load().to(self.out_dtype))
+            if lane == 0:
+                mLSE[batch, head, q] = cutlass.select_(
+                    empty, -Float32.inf, shift + cute.math.log2(total, fastmath=True) / Float32(LOG2_E)
+                )
+
+
+__all__ = ["ROWS_PER_CTA", "SplitCombineSm90"]
