@@ -42,8 +42,16 @@ Warp roles (as in the GEMM: producer warpgroup 0, consumers after it):
   hands it back to the producer for the next tile's Q. LSE (natural log, fp32)
   written by one lane per row.
 
-Sizes, strides, head counts are dynamic; head_dim, tiles, dtype, causal and the
-fused graphs are compile-time.
+Decode (``plan.decode_choices``): with ``pack_gqa`` a tile's rows are the query
+heads of one K/V head times its queries (Q, O and LSE viewed as ``((group,
+seqlen_q), ...)``, one TMA box per tile), so each K/V block is read once for the
+group; with ``split_kv`` each tile's key blocks are cut into ``num_splits`` ranges
+run by different CTAs, which store fp32 partial O and LSE for
+:mod:`epicute.attention.combine_sm90`; a paged cache is read block by block through
+the page table, and ``seqused_k`` bounds each sequence (:class:`KeyRange`).
+
+Sizes, strides, head counts and the split count are dynamic; head_dim, tiles,
+dtype, causal, the packed group, the page size and the fused graphs are compile-time.
 """
 
 from __future__ import annotations

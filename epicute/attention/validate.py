@@ -4,6 +4,8 @@ Q, K, V are ``(batch, seqlen, heads, head_dim)`` like flash-attn. TMA loads them
 one ``(tile, head_dim)`` box at a time, so head_dim must be contiguous and every
 other stride 16-byte aligned; WGMMA takes bf16/fp16; the kernel is compiled
 for head_dim 64/128/256 and for ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA).
+A paged cache ``(num_pages, page_size, heads_kv, head_dim)`` comes with an int32
+``page_table`` ``(batch, pages per sequence)``; ``seqused_k`` is int32 ``(batch,)``.
 Each error names the argument and the fix; nothing is copied behind the user's back.
 """
 
