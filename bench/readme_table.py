@@ -20,7 +20,7 @@ from common import best_ratio, geomean, peer_groups, peers, ratio
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
-README_BENCHMARKS = ("gemm", "epilogue", "attention", "fp8", "grouped", "decode", "runtime")
+README_BENCHMARKS = ("gemm", "epilogue", "attention", "attention_bwd", "fp8", "grouped", "decode", "runtime")
 CHART_WIDTH = 40
 
 

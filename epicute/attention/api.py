@@ -162,6 +162,12 @@ def attention(
             through the zero weight it gets).
         **operands: the hooks' operands by name.
 
+    Training: when q, k or v require grad, the call runs as the custom op ``epicute::attention``
+    whose registered autograd runs the backward kernel (:mod:`epicute.attention.backward`), in
+    eager and under ``torch.compile``; a score_mod's gradient is derived from its traced graph.
+    The backward covers head_dim 64 and 128 with no output epilogue, paged cache or seqused_k;
+    other calls that need gradients get a :class:`~epicute.errors.ConfigError` before any launch.
+
     Decode-shaped calls (the query heads sharing a K/V head times the queries per sequence fit 64
     rows, e.g. one token per sequence with GQA) are planned as decode tiles: the GQA group's heads
     packed into one tile, and when the tiles leave SMs idle, each sequence's keys split over
@@ -206,6 +212,14 @@ def attention(
     )  # fmt: skip
     prepared = prepare(call, score_mod, epilogue, operands, out_dtypes, config)
     score, epi = prepared.score, prepared.epilogue
+    if backend == "kernel" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        # Training: the custom op, whose autograd runs the backward kernel (checked here, before any launch).
+        _check_differentiable(prepared, out, operands)
+        return attention_op_call(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,
+            epilogue=epilogue, out=None, out_dtypes=out_dtypes, backend=backend, config=config, operands=operands,
+            page_table=page_table, seqused_k=seqused_k,
+        )  # fmt: skip
     if out is not None:
         check_attention_out(call, out, IR_TO_TORCH[prepared.output_dtypes["D"]])
     if backend == "reference":
@@ -226,6 +240,19 @@ def attention(
         )  # fmt: skip
     result = results["D"] if set(results) == {"D"} else results
     return (result, lse) if return_lse else result
+
+
+def _check_differentiable(prepared, out: torch.Tensor | None, operands: dict[str, Any]) -> None:
+    """Refuse, with the fix, a call whose inputs need gradients the backward cannot give."""
+    prepared.backward_variant()
+    if out is not None:
+        raise ConfigError("out=: autograd needs attention to allocate O; drop out= or call under torch.no_grad()")
+    for name, value in operands.items():
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            raise ConfigError(
+                f"operand {name!r} requires grad: the backward differentiates the score_mod by the score only; "
+                f"pass {name}.detach()"
+            )
 
 
 def explain_attention(

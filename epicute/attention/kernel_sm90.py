@@ -70,8 +70,18 @@ from epicute.attention.plan import WGMMA_M, AttentionConfig, attention_smem_layo
 from epicute.epilogue.fusion import EpilogueFusion, ScoreModFusion
 from epicute.epilogue.schedule import ATTENTION_SM90, plain_graph, schedule
 from epicute.sm90.epilogue_chain import EpilogueRun, StagedOutput, run_chain
-from epicute.sm90.epilogue_emit import DSL_DTYPES, emit_graph
-from epicute.sm90.fragments import pack_16bit, pack_pair, pack_pairs, warpgroup_slice
+from epicute.sm90.epilogue_emit import DSL_DTYPES, emit_score_mod
+from epicute.sm90.fragments import (
+    acc_as_operand_a,
+    acc_rows_cols,
+    pack_16bit,
+    pack_pair,
+    pack_pairs,
+    row_major_smem_layout,
+    select_modes,
+    warpgroup_gemm,
+    warpgroup_slice,
+)
 from epicute.sm90.pipeline import (
     NamedBarriers,
     RingState,
@@ -92,11 +102,6 @@ LN_2 = math.log(2.0)
 RESCALE_THRESHOLD = 8.0
 
 
-def _select(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
-    """A view of ``tensor`` with its modes permuted (no data moves)."""
-    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=order))
-
-
 def _pack_heads(t: cute.Tensor, group: int, head_mode: int) -> cute.Tensor:
     """Fold the ``group`` query heads of each key/value head into the rows (mode 0): ``(seqlen, ...,
     heads, ...)`` -> ``((group, seqlen), ..., heads // group, ...)``, row ``r`` = query ``r // group``
@@ -113,39 +118,11 @@ def _packed_tma_atom(op, t_sdhb: cute.Tensor, smem_layout, tile: tuple[int, int]
     the rows (see :func:`_pack_heads`). The box is ``(group, tile_m // group)`` heads x queries by
     ``dim``: heads and queries are grouped into one mode for the atom, so the TMA stays 4-D and
     clips the ragged seqlen edge, then the heads mode is split back into (group, key/value head)."""
-    heads_first = cute.group_modes(_select(t_sdhb, [2, 0, 1, 3]), 0, 2)  # ((heads, seqlen), dim, batch)
+    heads_first = cute.group_modes(select_modes(t_sdhb, [2, 0, 1, 3]), 0, 2)  # ((heads, seqlen), dim, batch)
     atom, tma = cpasync.make_tiled_tma_atom(op, heads_first, smem_layout, ((group, tile[0] // group), tile[1]))
     shape = ((group, tma.shape[0][1]), tma.shape[1], tma.shape[0][0] // group, tma.shape[2])
     stride = (tma.stride[0], tma.stride[1], tma.stride[0][0] * group, tma.stride[2])
     return atom, cute.make_tensor(tma.iterator, cute.make_layout(shape, stride=stride))
-
-
-def _smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
-    """Row-major (``cols`` contiguous) swizzled smem layout, optionally staged."""
-    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
-
-
-def _acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
-    """View a WGMMA accumulator ``((2, 2, V), M, N)`` as ``((2, M), (2, V, N))`` = (rows, cols) of this thread."""
-    shape = cute.make_layout(t.layout.shape)  # compact col-major over the accumulator's modes
-    rows_cols = cute.make_layout(
-        ((shape.shape[0][1], shape.shape[1]), (shape.shape[0][0], shape.shape[0][2], shape.shape[2])),
-        stride=((shape.stride[0][1], shape.stride[1]), (shape.stride[0][0], shape.stride[0][2], shape.stride[2])),
-    )
-    return cute.make_tensor(t.iterator, cute.composition(t.layout, rows_cols))
-
-
-def _acc_as_operand_a(t: cute.Tensor) -> cute.Tensor:
-    """View an accumulator ``((2, 2, N/8), M, 1)`` as the A fragment ``((2, 2, 2), M, N/16)`` of the next WGMMA."""
-    l = cute.logical_divide(t.layout, ((None, None, 2), None, None))
-    view = cute.make_layout(
-        ((l.shape[0][0], l.shape[0][1], l.shape[0][2][0]), l.shape[1], (l.shape[0][2][1], l.shape[2])),
-        stride=((l.stride[0][0], l.stride[0][1], l.stride[0][2][0]), l.stride[1], (l.stride[0][2][1], l.stride[2])),
-    )
-    return cute.make_tensor(t.iterator, view)
 
 
 class AttentionSm90:
@@ -216,13 +193,13 @@ class AttentionSm90:
         d = cfg.head_dim
         # (batch, seqlen, heads, dim) -> (seqlen, dim, heads, batch): TMA boxes are (rows, dim). A
         # paged cache (pages, page_size, heads, dim) becomes (page_size, dim, heads, pages) alike.
-        mQ, mK, mV, mO = (_select(t, [1, 3, 2, 0]) for t in (mQ_bshd, mK_bshd, mV_bshd, mO_bshd))
-        mLSE = _select(mLSE_bhs, [2, 1, 0])  # (seqlen_q, heads, batch)
+        mQ, mK, mV, mO = (select_modes(t, [1, 3, 2, 0]) for t in (mQ_bshd, mK_bshd, mV_bshd, mO_bshd))
+        mLSE = select_modes(mLSE_bhs, [2, 1, 0])  # (seqlen_q, heads, batch)
         if cutlass.const_expr(self.pack > 1):
             mLSE = _pack_heads(mLSE, self.pack, 1)
         if cutlass.const_expr(cfg.split_kv):
             # (seqlen_q, dim, heads, batch, split) and (seqlen_q, heads, batch, split), packed like O.
-            o_part, lse_part = _select(partials[0], [2, 4, 3, 1, 0]), _select(partials[1], [3, 2, 1, 0])
+            o_part, lse_part = select_modes(partials[0], [2, 4, 3, 1, 0]), select_modes(partials[1], [3, 2, 1, 0])
             if cutlass.const_expr(self.pack > 1):
                 o_part, lse_part = _pack_heads(o_part, self.pack, 2), _pack_heads(lse_part, self.pack, 1)
             partials = (o_part, lse_part)
@@ -235,9 +212,9 @@ class AttentionSm90:
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             (self.num_wg, 1, 1), tiler_mn=(WGMMA_M, d), a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
-        sQ_layout = _smem_layout(self.dtype, cfg.tile_m, d)
-        sK_layout = _smem_layout(self.dtype, cfg.tile_n, d, cfg.stages)
-        sV_layout = _smem_layout(self.dtype, cfg.tile_n, d, cfg.stages)
+        sQ_layout = row_major_smem_layout(self.dtype, cfg.tile_m, d)
+        sK_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d, cfg.stages)
+        sV_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d, cfg.stages)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = self._rows_tma_atom(g2s, mQ, sQ_layout)
@@ -251,7 +228,7 @@ class AttentionSm90:
         if cutlass.const_expr(self.epilogue is not None):
             for (role, name, _), t in zip(self.epilogue.tensor_args, epi_tensors):
                 if cutlass.const_expr(role == "aux"):
-                    atom, tma_t = self._rows_tma_atom(s2g, _select(t, [1, 3, 2, 0]), self._staging_layout(name))
+                    atom, tma_t = self._rows_tma_atom(s2g, select_modes(t, [1, 3, 2, 0]), self._staging_layout(name))
                     epi_stores += ((atom, tma_t),)
                 elif cutlass.const_expr(role == "workspace"):
                     epi_workspaces += (t,)
@@ -386,7 +363,7 @@ class AttentionSm90:
 
     def _staging_layout(self, name: str):
         """Output ``name``'s staging layout: a row-major ``tile_m x head_dim`` tile of its dtype."""
-        return _smem_layout(DSL_DTYPES[self.output_dtypes[name]], self.cfg.tile_m, self.cfg.head_dim)
+        return row_major_smem_layout(DSL_DTYPES[self.output_dtypes[name]], self.cfg.tile_m, self.cfg.head_dim)
 
     def _staging_view(self, storage, sQ, name: str):
         """Q's buffer viewed as output ``name``'s staging tile (Q's own view when the dtypes agree;
@@ -518,20 +495,6 @@ class AttentionSm90:
 
     # ------------------------------------------------------------ consumers
     @cute.jit
-    def _wgmma(self, tiled_mma, acc, tA, tB, accumulate, wg_wait: cutlass.Constexpr[int]):
-        """Issue one warpgroup GEMM (all k-blocks), commit it, optionally wait for all but ``wg_wait``."""
-        warpgroup.fence()
-        # A fresh atom per GEMM: its accumulate field is state we change below.
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        if cutlass.const_expr(wg_wait >= 0):
-            warpgroup.wait_group(wg_wait)
-
-    @cute.jit
     def _scores(
         self, acc_S, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh, score_args,
         mask_seqlen: cutlass.Constexpr[bool], mask_causal: cutlass.Constexpr[bool],
@@ -541,8 +504,8 @@ class AttentionSm90:
         loaded for the tile's head, and that head (packed GQA: a key/value head, and the operands
         are loaded per row, whose query head varies)."""
         cfg = self.cfg
-        S = _acc_rows_cols(acc_S)
-        cS = _acc_rows_cols(tScS)
+        S = acc_rows_cols(acc_S)
+        cS = acc_rows_cols(tScS)
         if cutlass.const_expr(self.score_mod is not None):
             score_tensors, score_operands, tile_head = score_args
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
@@ -573,13 +536,7 @@ class AttentionSm90:
         """The traced score_mod on one scaled score: its leaves are the score, the index leaves and
         the operands (by name); its ops are emitted like every epilogue's."""
         graph = self.score_mod.graph
-
-        def leaf(node):
-            if node.op == "acc":
-                return score
-            return (index if node.op == "index" else operands)[node.attr("name")]
-
-        return emit_graph(graph, leaf)[dict(graph.outputs)["D"]]
+        return emit_score_mod(graph, score, index, operands)[dict(graph.outputs)["D"]]
 
     @cute.jit
     def _online_softmax(self, acc_S, row_max, row_sum, row_scale, scale_log2, is_first: cutlass.Constexpr[bool]):
@@ -590,7 +547,7 @@ class AttentionSm90:
         consistent with the max actually used (which LSE reads), and row_scale is exactly 1 on every
         other block, so :meth:`_rescale_lazy` can skip O's rescale.
         """
-        S = _acc_rows_cols(acc_S)
+        S = acc_rows_cols(acc_S)
         for r in cutlass.range_constexpr(cute.size(row_max)):
             s_row = S[r, None].load()
             init = -Float32.inf if cutlass.const_expr(is_first) else row_max[r]
@@ -621,7 +578,7 @@ class AttentionSm90:
 
     @cute.jit
     def _rescale(self, acc_O, row_scale):
-        O = _acc_rows_cols(acc_O)
+        O = acc_rows_cols(acc_O)
         for r in cutlass.range_constexpr(cute.size(row_scale)):
             O[r, None].store(O[r, None].load() * row_scale[r])
 
@@ -678,7 +635,7 @@ class AttentionSm90:
             n_end, n_count, key_limit = keys.blocks(m_block, split, seqlen_q, seqlen_k)
             acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
             acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, d)), Float32)
-            rows = cute.size(_acc_rows_cols(acc_S), mode=[0])
+            rows = cute.size(acc_rows_cols(acc_S), mode=[0])
             row_max = cute.make_rmem_tensor(rows, Float32)
             row_sum = cute.make_rmem_tensor(rows, Float32)
             row_scale = cute.make_rmem_tensor(rows, Float32)
@@ -700,14 +657,14 @@ class AttentionSm90:
                 wait_full(q_pipe, q_read)
             wait_full(k_pipe, read)
             mma_turns.wait(wg)
-            self._wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
+            warpgroup_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
             mma_turns.pass_on(wg)
             warpgroup.wait_group(0)
             k_pipe.consumer_release(read)
             self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh, score_args,
                          True, self.causal)  # fmt: skip
             self._online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, True)
-            pack_16bit(_acc_as_operand_a(acc_S), tOrP)
+            pack_16bit(acc_as_operand_a(acc_S), tOrP)
 
             # ---- blocks crossing the causal diagonal, then blocks fully below it.
             n_masked = 0
@@ -724,13 +681,13 @@ class AttentionSm90:
                 # A fresh accumulator per block: with accumulate off, its old values are dead and
                 # need not stay in registers (as WGMMA inputs) until the QK^T is issued.
                 acc_S_n = cute.make_rmem_tensor(acc_S.layout, Float32)
-                self._wgmma(tiled_mma_qk, acc_S_n, tSrQ, tSrK[None, None, None, read.index], False, -1)
+                warpgroup_gemm(tiled_mma_qk, acc_S_n, tSrQ, tSrK[None, None, None, read.index], False, -1)
                 if cutlass.const_expr(cfg.rescale_o_early):
                     # The previous softmax's scale, applied while QK^T runs (the last PV has retired).
                     self._rescale_lazy(acc_O, row_scale)
                 wait_full(v_pipe, read_v)
                 # O's accumulate flag is off for the first PV: no zero-fill of O needed.
-                self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read_v.index], i > 0, -1)
+                warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read_v.index], i > 0, -1)
                 mma_turns.pass_on(wg)
                 warpgroup.wait_group(1)  # S is ready; PV still runs under the softmax
                 if cutlass.const_expr(not cfg.release_k_late):
@@ -748,14 +705,14 @@ class AttentionSm90:
                     release_after(k_pipe, read, row_sum[cute.size(row_sum) - 1])
                 warpgroup.wait_group(0)
                 v_pipe.consumer_release(read_v)
-                pack_16bit(_acc_as_operand_a(acc_S_n), tOrP)
+                pack_16bit(acc_as_operand_a(acc_S_n), tOrP)
                 if cutlass.const_expr(not cfg.rescale_o_early):
                     self._rescale_lazy(acc_O, row_scale)
             # ---- the last PV.
             if cutlass.const_expr(cfg.rescale_o_early):
                 self._rescale_lazy(acc_O, row_scale)
             wait_full(v_pipe, read)
-            self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read.index], n_count > 1, 0)
+            warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read.index], n_count > 1, 0)
             v_pipe.consumer_release(read)
             read.advance()  # the next tile's first block, on the ring's next stage
 
@@ -799,7 +756,7 @@ class AttentionSm90:
 
         ident = cute.make_identity_tensor((cfg.tile_m, d))
         cO = thr_pv.partition_C(ident)
-        cO_rc = _acc_rows_cols(cO)
+        cO_rc = acc_rows_cols(cO)
         if cutlass.const_expr(cfg.split_kv):
             self._store_partials(acc_O, lse, cO_rc, tile, seqlen_q, split_args)
             # Every consumer is past its last read of Q's buffer before the store warp frees it.
@@ -832,7 +789,7 @@ class AttentionSm90:
         past the (batch, head)'s ``rows`` are not stored."""
         m_block, head, batch = tile
         split, (o_part, lse_part) = split_args
-        O = _acc_rows_cols(acc_O)
+        O = acc_rows_cols(acc_O)
         for r in cutlass.range_constexpr(cute.size(lse)):
             q = m_block * self.cfg.tile_m + cO_rc[r, 0][0]
             if q < rows:

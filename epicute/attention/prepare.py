@@ -27,7 +27,7 @@ from epicute.epilogue.schedule import ATTENTION_SM90, Stage, plain_graph, schedu
 from epicute.epilogue.score_mod import ScoreMod
 from epicute.epilogue.score_mod import score_mod as as_score_mod
 from epicute.epilogue.tracer import Epilogue, as_epilogue
-from epicute.errors import DeviceError, EpilogueError
+from epicute.errors import ConfigError, DeviceError, EpilogueError
 from epicute.runtime.target import Target
 
 
@@ -207,6 +207,28 @@ class PreparedAttention:
         return AttentionVariant(
             self.plan.config, p.dtype, p.causal, None if self.score is None else self.score.fusion,
             None if self.epilogue is None else self.epilogue.fusion, self.plan.target.arch, p.page_size, p.seqused_k,
+        )  # fmt: skip
+
+    def backward_variant(self):
+        """The backward kernel of this call (:mod:`epicute.attention.backward`); raises
+        :class:`~epicute.errors.ConfigError` naming what the backward does not cover."""
+        from epicute.attention.backward import BackwardVariant
+        from epicute.attention.backward_plan import BACKWARD_HEAD_DIMS, backward_config
+
+        p = self.plan.problem
+        refusals = [
+            (p.head_dim not in BACKWARD_HEAD_DIMS,
+             f"head_dim={p.head_dim}: the backward supports head_dim {BACKWARD_HEAD_DIMS}"),
+            (self.epilogue is not None, "epilogue=: an output epilogue has no backward; apply it after attention"),
+            (p.page_size > 0, "page_table=: a paged KV cache is for inference"),
+            (p.seqused_k, "seqused_k=: pass the keys each sequence uses as k and v of that length"),
+        ]  # fmt: skip
+        for refused, why in refusals:
+            if refused:
+                raise ConfigError(f"attention backward: {why}; or call under torch.no_grad() (inference)")
+        return BackwardVariant(
+            backward_config(p.head_dim), p.dtype, p.causal, None if self.score is None else self.score.fusion,
+            self.plan.target.arch,
         )  # fmt: skip
 
 

@@ -45,24 +45,26 @@ def attention_op(
     score_mod: str,
     epilogue: str,
     spec: str,
-    page_table: torch.Tensor | None = None,
-    seqused_k: torch.Tensor | None = None,
+    page_table: torch.Tensor | None,
+    seqused_k: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``epicute.attention(q, k, v, ..., return_lse=True)`` as an op: ``(O, LSE)`` (see the module docstring)."""
     from epicute.attention.api import attention
 
     spec = json.loads(spec)
-    return attention(
-        q, k, v, causal=spec["causal"], softmax_scale=spec["softmax_scale"], return_lse=True,
-        score_mod=registered_epilogue(score_mod) if score_mod else None,
-        epilogue=registered_epilogue(epilogue) if epilogue else None,
-        config=config_of(spec), page_table=page_table, seqused_k=seqused_k, **operand_values(operands, scalars, spec),
-    )  # fmt: skip
+    with torch.no_grad():  # autograd sees this op, whose backward is registered below, not its insides
+        return attention(
+            q, k, v, causal=spec["causal"], softmax_scale=spec["softmax_scale"], return_lse=True,
+            score_mod=registered_epilogue(score_mod) if score_mod else None,
+            epilogue=registered_epilogue(epilogue) if epilogue else None,
+            config=config_of(spec), page_table=page_table, seqused_k=seqused_k,
+            **operand_values(operands, scalars, spec),
+        )  # fmt: skip
 
 
 @attention_op.register_fake
 def _attention_fake(
-    q, k, v, operands, scalars, score_mod, epilogue, spec, page_table=None, seqused_k=None
+    q, k, v, operands, scalars, score_mod, epilogue, spec, page_table, seqused_k
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # Output metadata never depends on the hooks: O is stored in q's dtype (the kernel's
     # O tile is q's type), contiguous like eager's torch.empty_like(q, contiguous_format).
@@ -73,6 +75,84 @@ def _attention_fake(
 
 
 register_meta(attention_op, _attention_fake)
+
+
+@torch.library.custom_op("epicute::attention_backward", mutates_args=())
+def attention_backward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    operands: list[torch.Tensor],
+    scalars: list[float],
+    score_mod: str,
+    spec: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dQ, dK, dV)`` of ``epicute::attention``'s ``(O, LSE)`` for their gradients ``do`` and ``dlse``."""
+    from epicute.attention.backward import attention_backward
+    from epicute.attention.prepare import prepare
+    from epicute.attention.validate import check_attention_args
+
+    spec = json.loads(spec)
+    call = check_attention_args(q, k, v, causal=spec["causal"], softmax_scale=spec["softmax_scale"])
+    prepared = prepare(
+        call, registered_epilogue(score_mod) if score_mod else None, None, operand_values(operands, scalars, spec),
+        None, config_of(spec),
+    )  # fmt: skip
+    score = prepared.score
+    return attention_backward(
+        q, k, v, o, lse, _tma_ready(do), call.softmax_scale, prepared.backward_variant(),
+        score.kernel_operands(q.device) if score else ((), ()), dlse,
+    )  # fmt: skip
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(q, k, v, o, lse, do, dlse, operands, scalars, score_mod, spec):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+register_meta(attention_backward_op, _attention_backward_fake)
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where TMA could not read it (autograd hands over expanded or
+    strided gradients: ``o.sum().backward()`` gives stride 0)."""
+    if t.stride(-1) == 1 and all(s % 8 == 0 and s > 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous()
+
+
+def _grad_slot(value: list):
+    """No gradient for a list input, in the structure autograd expects back: a list of tensors
+    (an empty list included) is a list of slots, any other list one leaf."""
+    return [None] * len(value) if all(isinstance(x, torch.Tensor) for x in value) else None
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, operands, scalars, score_mod, _epilogue, spec, _page_table, _seqused_k = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, *operands)
+    ctx.hooks = (scalars, score_mod, spec)
+    ctx.list_slots = tuple(_grad_slot(x) for x in (operands, scalars))
+
+
+def _backward(ctx, grad_o, grad_lse):
+    q, k, v, o, lse, *operands = ctx.saved_tensors
+    scalars, score_mod, spec = ctx.hooks
+    if grad_o is None:
+        grad_o = torch.zeros_like(o)
+    dq, dk, dv = torch.ops.epicute.attention_backward(q, k, v, o, lse, grad_o, grad_lse, operands, scalars,
+                                                      score_mod, spec)  # fmt: skip
+    # No gradient for the hooks' operands, the page table or seqused_k (the backward refuses calls
+    # whose operands need one: see attention()); the tensor list gets a list, as autograd checks.
+    operand_grads, scalar_grads = ctx.list_slots
+    return dq, dk, dv, operand_grads, scalar_grads, None, None, None, None, None
+
+
+torch.library.register_autograd("epicute::attention", _backward, setup_context=_setup_context)
 
 
 @assume_constant_result
@@ -130,4 +210,4 @@ def attention_op_call(
     return (o, lse) if return_lse else o
 
 
-__all__ = ["attention_op", "attention_op_call"]
+__all__ = ["attention_backward_op", "attention_op", "attention_op_call"]

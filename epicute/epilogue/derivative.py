@@ -43,6 +43,29 @@ def derivative(graph: Graph, wrt: str = "acc", output: str = "D") -> Graph:
         >>> print(derivative(graph).output_node("D").op)  # 30 * (1 - tanh^2) / 30: a product of the chain
         mul
     """
+    rec, _, tangent = _differentiate(graph, wrt, output)
+    return Graph(nodes=tuple(rec.nodes), inputs=graph.inputs, outputs=(("D", tangent.id),),
+                 output_dtypes=(("D", "fp32"),))  # fmt: skip
+
+
+def value_and_derivative(graph: Graph, wrt: str = "acc", output: str = "D") -> Graph:
+    """One graph of both ``output`` (as ``"D"``) and ``d output / d wrt`` (as ``"dD"``, fp32), sharing
+    their nodes: what attention's backward emits for a score_mod (P needs the value, dS the slope).
+
+    Example:
+        >>> import epicute
+        >>> from epicute.epilogue.derivative import value_and_derivative
+        >>> softcap = epicute.score_mod(lambda score, b, h, q_idx, kv_idx: 30.0 * epicute.ops.tanh(score / 30.0))
+        >>> [name for name, _ in value_and_derivative(softcap.trace({}, {}, None)).outputs]
+        ['D', 'dD']
+    """
+    rec, value, tangent = _differentiate(graph, wrt, output)
+    return Graph(nodes=tuple(rec.nodes), inputs=graph.inputs, outputs=(("D", value.id), ("dD", tangent.id)),
+                 output_dtypes=(("D", "fp32"), ("dD", "fp32")))  # fmt: skip
+
+
+def _differentiate(graph: Graph, wrt: str, output: str) -> tuple[Recorder, Value, Value]:
+    """The recorder holding ``graph``'s nodes and the tangent's, ``output``'s node and its tangent's."""
     names = dict(graph.outputs)
     if output not in names:
         raise EpilogueError(f"derivative: the graph has no output {output!r}; it has {sorted(names)}")
@@ -82,8 +105,7 @@ def derivative(graph: Graph, wrt: str = "acc", output: str = "D") -> Graph:
                                 "elementwise derivative")  # fmt: skip
         if result is None or isinstance(result, float):  # output does not depend on wrt, or does linearly
             result = rec.add("const", kind="scalar", attrs=(("value", 0.0 if result is None else result),))
-    return Graph(nodes=tuple(rec.nodes), inputs=graph.inputs, outputs=(("D", result.id),),
-                 output_dtypes=(("D", "fp32"),))  # fmt: skip
+    return rec, values[names[output]], result
 
 
 class _Undifferentiable:

@@ -66,6 +66,18 @@ def emit_graph(graph, leaf, needed: set[int] | None = None) -> dict:
     return values
 
 
+def emit_score_mod(graph, score, index: dict, operands: dict) -> dict:
+    """A traced score_mod's values for one score (see :func:`emit_graph`): its leaves are the scaled
+    score (``acc``), the index leaves and the operands, by name."""
+
+    def leaf(node):
+        if node.op == "acc":
+            return score
+        return (index if node.op == "index" else operands)[node.attr("name")]
+
+    return emit_graph(graph, leaf)
+
+
 def compute(fusion: EpilogueFusion, acc, tiles: dict, vectors: dict, scalars: tuple) -> dict:
     """Every needed node's fp32 value for one element of a fused epilogue.
 

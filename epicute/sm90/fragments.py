@@ -20,9 +20,12 @@ to inject another fence there (its warning C7519).
 from __future__ import annotations
 
 import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float8E4M3FN, Float8E5M2, Float16, Float32, Int16, Int32, cute
 from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
 
 from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
@@ -74,3 +77,65 @@ def warpgroup_slice(tiled_mma, warpgroup):
     partition shared-memory A/B operands with it; accumulators still come from a
     per-thread slice."""
     return tiled_mma.get_slice(warpgroup * THREADS_PER_WARPGROUP)
+
+
+def select_modes(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
+    """A view of ``tensor`` with its modes permuted (no data moves)."""
+    return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=order))
+
+
+def row_major_smem_layout(dtype, rows: int, cols: int, stages: int | None = None, major: int | None = None):
+    """Row-major (``cols`` contiguous) swizzled smem layout, optionally staged.
+
+    The swizzle atom is the widest that ``major`` columns (default ``cols``) fill: a buffer one
+    WGMMA reads K-major and another reads MN-major in slices of ``major`` columns per warpgroup
+    needs an atom no wider than the slice, or the slice's descriptor would cut a swizzle row."""
+    major = cols if major is None else major
+    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def transposed_view(tensor: cute.Tensor) -> cute.Tensor:
+    """``tensor`` (rows, cols[, stages]) seen as (cols, rows[, stages]): an operand stored one way
+    and read by a WGMMA the other way (e.g. V^T, dO^T), no data moved."""
+    shape = (tensor.shape[1], tensor.shape[0], *tensor.shape[2:])
+    order = (1, 0, *range(2, cute.rank(tensor)))
+    return cute.composition(tensor, cute.make_ordered_layout(shape, order=order))
+
+
+def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """View a WGMMA accumulator ``((2, 2, V), M, N)`` as ``((2, M), (2, V, N))`` = (rows, cols) of this thread."""
+    shape = cute.make_layout(t.layout.shape)  # compact col-major over the accumulator's modes
+    rows_cols = cute.make_layout(
+        ((shape.shape[0][1], shape.shape[1]), (shape.shape[0][0], shape.shape[0][2], shape.shape[2])),
+        stride=((shape.stride[0][1], shape.stride[1]), (shape.stride[0][0], shape.stride[0][2], shape.stride[2])),
+    )
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, rows_cols))
+
+
+def acc_as_operand_a(t: cute.Tensor) -> cute.Tensor:
+    """View an accumulator ``((2, 2, N/8), M, 1)`` as the A fragment ``((2, 2, 2), M, N/16)`` of the next WGMMA."""
+    l = cute.logical_divide(t.layout, ((None, None, 2), None, None))
+    view = cute.make_layout(
+        ((l.shape[0][0], l.shape[0][1], l.shape[0][2][0]), l.shape[1], (l.shape[0][2][1], l.shape[2])),
+        stride=((l.stride[0][0], l.stride[0][1], l.stride[0][2][0]), l.stride[1], (l.stride[0][2][1], l.stride[2])),
+    )
+    return cute.make_tensor(t.iterator, view)
+
+
+@cute.jit
+def warpgroup_gemm(tiled_mma, acc, tA, tB, accumulate, wg_wait: cutlass.Constexpr[int]):
+    """Issue one warpgroup GEMM (all k-blocks), commit it, optionally wait for all but ``wg_wait``
+    of this warpgroup's GEMMs in flight (-1: no wait)."""
+    warpgroup.fence()
+    # A fresh atom per GEMM: its accumulate field is state we change below.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+    for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wg_wait >= 0):
+        warpgroup.wait_group(wg_wait)

@@ -45,6 +45,13 @@ class NamedBarriers(enum.IntEnum):
     #: A tile's consumers meet after rewriting a filled A/B stage in shared memory (the
     #: variable-K grouped GEMM zeroes the rows past a group's end) before WGMMA reads it.
     STAGE_FIXUP = 7
+    #: Attention backward: both consumer warpgroups have staged their half of a dS tile, which
+    #: each then reads whole (dQ = dS K).
+    SCORES_STAGED = 8
+    #: Attention backward: a consumer warpgroup's private dQ staging buffer is free (first id
+    #: of 1 + warpgroup), then filled, around its TMA reduce-add.
+    DQ_STAGING_WG1 = 9
+    DQ_STAGING_WG2 = 10
 
 
 def make_tma_load_pipeline(

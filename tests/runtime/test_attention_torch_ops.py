@@ -47,11 +47,11 @@ SHAPE_IDS = ["mha", "gqa-sq<sk", "mqa-sq>sk"]
 def op_args(b, sq, sk, hq, hkv, d, hooks=False, dtype=torch.bfloat16):
     q, k, v = meta(b, sq, hq, d, dtype=dtype), meta(b, sk, hkv, d, dtype=dtype), meta(b, sk, hkv, d, dtype=dtype)
     if not hooks:
-        return (q, k, v, [], [], "", "", spec(causal=True))
+        return (q, k, v, [], [], "", "", spec(causal=True), None, None)
     operands = [torch.randn(d), meta(b, sq, hq, d), meta(hq, dtype=torch.float32)]
     return (
         q, k, v, operands, [30.0], register_score_mod(softcap_alibi), register_epilogue(gated),
-        spec(["bias", "gate", "slopes"], ["cap"], softmax_scale=0.1),
+        spec(["bias", "gate", "slopes"], ["cap"], softmax_scale=0.1), None, None,
     )  # fmt: skip
 
 
@@ -66,7 +66,7 @@ def test_fake_outputs_have_eager_shapes_dtypes_and_strides(shape, hooks):
 
 def test_fake_output_is_contiguous_for_a_strided_q():
     q = meta(2, 8, 17, 64).transpose(1, 2)  # (2, 17, 8, 64) with heads outermost, as eager accepts it
-    o, lse = torch.ops.epicute.attention(q, meta(2, 9, 8, 64), meta(2, 9, 8, 64), [], [], "", "", spec())
+    o, lse = torch.ops.epicute.attention(q, meta(2, 9, 8, 64), meta(2, 9, 8, 64), [], [], "", "", spec(), None, None)
     assert o.shape == (2, 17, 8, 64) and o.stride() == (17 * 8 * 64, 8 * 64, 64, 1)
     assert lse.shape == (2, 8, 17)
 
@@ -75,6 +75,29 @@ def test_fake_output_is_contiguous_for_a_strided_q():
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=SHAPE_IDS[:2])
 def test_opcheck_on_meta_tensors(shape, hooks):
     torch.library.opcheck(torch.ops.epicute.attention.default, op_args(*shape, hooks=hooks))
+
+
+@pytest.mark.parametrize("scalars", [[], [30.0]], ids=["no-scalars", "scalars"])
+def test_autograd_runs_the_backward_op_with_the_inputs_structure(scalars):
+    # On meta tensors the fakes run: this checks the registered autograd end to end (its saved
+    # tensors and the structure of its result, which autograd compares with the op's inputs).
+    q = meta(2, 17, 4, 64).requires_grad_()
+    k, v = meta(2, 33, 2, 64).requires_grad_(), meta(2, 33, 2, 64).requires_grad_()
+    slopes = torch.ones(4)
+    o, lse = torch.ops.epicute.attention(
+        q, k, v, [slopes], scalars, "", "", spec(["slopes"], ["cap"] if scalars else []), None, None
+    )
+    dq, dk, dv = torch.autograd.grad((o, lse), (q, k, v), (torch.empty_like(o), torch.empty_like(lse)))
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert dq.device.type == "meta" and dk.dtype == k.dtype
+
+
+def test_opcheck_backward_on_meta_tensors():
+    q, k, v = meta(2, 17, 4, 64), meta(2, 33, 2, 64), meta(2, 33, 2, 64)
+    lse = meta(2, 4, 17, dtype=torch.float32)
+    torch.library.opcheck(
+        torch.ops.epicute.attention_backward.default, (q, k, v, q, lse, q, None, [], [], "", spec(causal=True))
+    )
 
 
 def test_score_mod_keys_are_semantic_and_hold_score_mods():

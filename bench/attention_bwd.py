@@ -1,0 +1,134 @@
+"""Attention backward (training): epicute vs flash-attn-4, cuDNN and SDPA flash, in TFLOPS.
+
+Usage: python bench/attention_bwd.py [--cases NAME,...] [--out PATH]
+bf16, layout (batch, seqlen, heads, head_dim), called as ``../shared/bench/PEERS.md`` calls the
+peers: each contender's forward runs once with q, k, v requiring grad, then
+``torch.autograd.grad(o, (q, k, v), do, retain_graph=True)`` is timed (the backward pass only).
+TFLOPS count 2.5x the forward's 4·b·h·sq·sk·d matmul FLOPs, halved when causal. Each contender's
+gradients are first checked against a float32 autograd reference of the first (batch, key/value
+head) and its query heads (the whole problem's float32 scores would not fit), then all are timed as
+``triton.testing.do_bench`` times them (L2 flushed before each call; :func:`epicute.benchmark.time_flushed`),
+medians of interleaved rounds. Writes bench/results/attention_bwd.json (and $OUT/attention_bwd.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from common import Row, check_contenders, finish_peer_run, time_interleaved
+
+#: name -> (batch, seqlen, heads_q, heads_kv, head_dim, causal)
+CASES = {
+    "b4_h16_s8192_d128": (4, 8192, 16, 16, 128, False),
+    "b4_h16_s8192_d128_causal": (4, 8192, 16, 16, 128, True),
+    "b8_h8_s4096_d64_causal": (8, 4096, 8, 8, 64, True),
+    "b2_h16_s8192_d256_causal": (2, 8192, 16, 16, 256, True),
+    "b16_h16_s2048_d128": (16, 2048, 16, 16, 128, False),
+    "b1_h16_s16384_d128": (1, 16384, 16, 16, 128, False),
+    "b2_hq32_hkv8_s8192_d128_causal": (2, 8192, 32, 8, 128, True),
+}
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "attention_bwd.json"
+TOLERANCE = 1e-2
+
+
+def reference_grads(q, k, v, do, causal: bool):
+    """float32 autograd of the first (batch, key/value head) and its query heads: (dq, dk, dv) slices."""
+    group = q.shape[2] // k.shape[2]
+    q1, k1, v1 = (t[:1, :, :n].detach().float().requires_grad_() for t, n in ((q, group), (k, 1), (v, 1)))
+    s = torch.einsum("bqhd,bkhd->bhqk", q1, k1.expand(-1, -1, group, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        hidden = torch.arange(sk, device=q.device)[None] > torch.arange(sq, device=q.device)[:, None] + sk - sq
+        s = s.masked_fill(hidden, float("-inf"))
+    o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v1.expand(-1, -1, group, -1))
+    return torch.autograd.grad(o, (q1, k1, v1), do[:1, :, :group].float())
+
+
+def run_case(name: str) -> tuple[Row, bool]:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import epicute
+    from epicute.benchmark import time_flushed
+    from epicute.errors import EpicuteError
+
+    batch, seqlen, hq, hkv, d, causal = CASES[name]
+    q = torch.randn(batch, seqlen, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(batch, seqlen, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(batch, seqlen, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(batch, seqlen, hq, d, device="cuda", dtype=torch.bfloat16)
+    ref = reference_grads(q, k, v, do, causal)
+    group = hq // hkv
+    row: Row = {"case": name}
+    print(name)
+
+    def error(grads) -> float:
+        dq, dk, dv = grads
+        got = (dq[:1, :, :group], dk[:1, :, :1], dv[:1, :, :1])
+        return max(((g.float() - r).norm() / r.norm()).item() for g, r in zip(got, ref))
+
+    def backward_of(forward, inputs, grad_out, to_bshd=lambda t: t):
+        o = forward()
+        o = o[0] if isinstance(o, tuple) else o
+
+        def run():
+            return tuple(to_bshd(g) for g in torch.autograd.grad(o, inputs, grad_out, retain_graph=True))
+
+        return run
+
+    calls = {}
+    try:
+        ours = backward_of(lambda: epicute.attention(q, k, v, causal=causal), (q, k, v), do)
+        calls["epicute"] = (ours, ours)
+    except EpicuteError as exc:  # a case the backward does not cover is recorded without epicute
+        print(f"  epicute          not supported: {exc}")
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+
+        fa = backward_of(lambda: flash_attn_func(q, k, v, causal=causal), (q, k, v), do)
+        calls["fa_cute"] = (fa, fa)
+    except Exception as exc:  # noqa: BLE001 - a missing or failing peer must not stop the others
+        print(f"  fa_cute          not run ({type(exc).__name__}: {exc})")
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    do_t = do.transpose(1, 2).contiguous()
+    for peer, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        try:
+            with sdpa_kernel([backend]):
+                run = backward_of(
+                    lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=hq != hkv),
+                    (qt, kt, vt), do_t, lambda g: g.transpose(1, 2),
+                )  # fmt: skip
+                run()
+            calls[peer] = (run, run)
+        except Exception as exc:  # noqa: BLE001
+            print(f"  {peer:16s} not run ({type(exc).__name__}: {exc})")
+    timed, ok = check_contenders(calls, error, TOLERANCE)
+    flops = 2.5 * 4 * batch * hq * seqlen * seqlen * d / (2 if causal else 1)
+    for contender, ms in time_interleaved(timed, timer=time_flushed).items():
+        row[contender] = round(flops / (ms * 1e-3) / 1e12, 1)
+    return row, ok or "epicute" not in calls
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES), help="comma-separated names")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON path")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return 2
+    torch.manual_seed(0)
+    rows, all_ok = [], True
+    for name in args.cases:
+        row, ok = run_case(name)
+        rows.append(row)
+        all_ok = all_ok and ok
+        torch.cuda.empty_cache()
+    return finish_peer_run(args.out, "attention_bwd", rows, all_ok)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The attention backward: compiling and launching its kernel, and the host steps around it.
+
+:func:`attention_backward` takes the forward's inputs, O, LSE and dO and returns dQ, dK, dV:
+
+1. preprocess (torch, on the GPU): ``D = rowsum(dO * O)`` in fp32 and LSE in log2 units, both
+   padded to whole query blocks, with LSE = +inf on the padding and on rows the forward saw no
+   key of (their P is then exactly 0, as their O was);
+2. the kernel (:mod:`epicute.attention.backward_sm90`): dK and dV stored in the input dtype,
+   dQ added into a zeroed fp32 accumulator;
+3. ``dQ = accumulator * softmax_scale`` cast to the input dtype.
+
+A :class:`BackwardVariant` is what changes the generated code (config, dtype, causal); it
+compiles against fake tensors with symbolic sizes, like the forward, so CI compiles every
+variant without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from epicute.attention.backward_plan import BackwardConfig
+from epicute.runtime.cache import CacheKey
+from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily, dsl_compile
+from epicute.runtime.target import DEFAULT_ARCH, SM90A
+
+LOG2_E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class BackwardVariant:
+    config: BackwardConfig
+    dtype: str
+    causal: bool
+    #: the forward's score_mod (``ScoreModFusion``), if any: the kernel emits it and its derivative
+    score_mod: object = None
+    arch: str = DEFAULT_ARCH
+
+    def key(self) -> CacheKey:
+        """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
+        c = self.config
+        label = (f"attention backward d{c.head_dim} {c.tile_m}x{c.tile_n} {self.dtype}"
+                 + (" causal" if self.causal else "") + ("" if self.score_mod is None else " +score_mod"))  # fmt: skip
+        score_key = None if self.score_mod is None else self.score_mod.key()
+        parts = (c.key(), self.dtype, self.causal, score_key, ("align", OPERAND_ALIGN_BYTES))
+        return CacheKey("attention_backward", parts, self.arch, label)
+
+
+def compile_backward(variant: BackwardVariant):
+    """Compile one variant for sm_90a; returns ``f(q, k, v, do, lse_log2, d, dq_accum, dk, dv, softmax_scale,
+    score_tensors, score_scalars)``
+    taking torch tensors (see :meth:`~epicute.attention.backward_sm90.AttentionBackwardSm90.__call__`)."""
+    import cutlass
+    from cutlass import cute
+
+    from epicute.attention.backward_sm90 import AttentionBackwardSm90
+    from epicute.attention.launch import _fake_bshd, _fake_score_operands
+    from epicute.sm90.epilogue_emit import DSL_DTYPES
+
+    dtype = DSL_DTYPES[variant.dtype]
+    d = variant.config.head_dim
+    q, k, v, do, dk, dv = (_fake_bshd(dtype, d) for _ in range(6))
+    dq_accum = _fake_bshd(cutlass.Float32, d)
+    lse, dsum = (
+        cute.runtime.make_fake_tensor(
+            cutlass.Float32,
+            (cute.sym_int(), cute.sym_int(), cute.sym_int()),
+            stride=(cute.sym_int64(), cute.sym_int64(), 1),
+            assumed_align=4,
+        )  # fmt: skip
+        for _ in range(2)
+    )
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    score_tensors, score_scalars = _fake_score_operands(variant.score_mod)
+    kernel = AttentionBackwardSm90(variant.config, variant.dtype, variant.causal, variant.score_mod)
+    return dsl_compile(
+        variant,
+        kernel,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        dsum,
+        dq_accum,
+        dk,
+        dv,
+        cutlass.Float32(1.0),
+        score_tensors,
+        score_scalars,
+        stream,
+        constant_args=("score_tensors", "score_scalars"),
+    )
+
+
+BACKWARD_CACHE = KernelFamily("attention_backward", {SM90A: compile_backward})
+
+
+def preprocess(o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, tile_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(LSE * log2 e, D = rowsum(dO * O))``, fp32 ``(batch, heads, seqlen_q padded to tile_m)``;
+    LSE is +inf on the padding and where the forward's row saw no key (LSE = -inf), so P = 0 there."""
+    batch, seqlen_q, heads, _ = o.shape
+    padded = -(-seqlen_q // tile_m) * tile_m
+    lse_log2 = torch.full((batch, heads, padded), math.inf, dtype=torch.float32, device=o.device)
+    lse_log2[..., :seqlen_q] = torch.where(torch.isneginf(lse), math.inf, lse * LOG2_E)
+    dsum = torch.zeros((batch, heads, padded), dtype=torch.float32, device=o.device)
+    dsum[..., :seqlen_q] = torch.einsum("bshd,bshd->bhs", do.float(), o.float())
+    return lse_log2, dsum
+
+
+def new_grad(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """dK or dV before the kernel writes it (a seam for tests, which poison it with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    softmax_scale: float,
+    variant: BackwardVariant,
+    score_operands: tuple = ((), ()),
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of ``O = attention(q, k, v)`` for the gradient ``do`` of O (tensors as the forward
+    takes them, contiguous in head_dim; ``lse`` the forward's fp32 ``(batch, heads_q, seqlen_q)``).
+    ``score_operands``: the score_mod's kernel operands, as the forward took them. ``dlse``: LSE's
+    gradient, if LSE was used: since d LSE / d s = P, it enters as ``dS = P (dP - (D - dLSE))``."""
+    dk, dv = new_grad(k.shape, k.dtype, k.device), new_grad(v.shape, v.dtype, v.device)
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if q.numel() and k.numel():
+        lse_log2, dsum = preprocess(o, do, lse, variant.config.tile_m)
+        if dlse is not None:
+            dsum[..., : q.shape[1]] -= dlse
+        BACKWARD_CACHE.get(variant)(
+            q, k, v, do, lse_log2, dsum, dq_accum, dk, dv, softmax_scale, *score_operands
+        )  # fmt: skip
+    elif k.numel():  # no queries: nothing flows back to the keys
+        dk.zero_()
+        dv.zero_()
+    return (dq_accum * softmax_scale).to(q.dtype), dk, dv
+
+
+__all__ = ["BACKWARD_CACHE", "BackwardVariant", "attention_backward", "compile_backward", "preprocess"]

@@ -1,0 +1,95 @@
+"""Planning the attention backward kernel: its config and shared memory, in plain Python.
+
+The backward kernel (:mod:`epicute.attention.backward_sm90`) gives each CTA one block of
+``tile_n`` keys of one (batch, key/value head) and walks every query block that sees them
+(``tile_m`` queries at a time), for each query head of the GQA group in turn, so dK and dV
+are summed over the group in registers and written once. Each consumer warpgroup owns 64 of
+the block's keys: S^T and dP^T are computed keys-by-queries, so P^T and dS^T are born in the
+registers the dV and dK WGMMAs read as their A operand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from epicute.errors import ConfigError
+from epicute.sm90.smem_layout import MBARRIER_BYTES, SmemBuffer, SmemLayout
+from epicute.sm90.warp_roles import WarpRoles
+
+#: Head dims the backward kernel compiles for.
+BACKWARD_HEAD_DIMS = (64, 128)
+#: Keys per consumer warpgroup (one WGMMA M atom of S^T).
+KEYS_PER_WARPGROUP = 64
+
+
+@dataclass(frozen=True)
+class BackwardConfig(WarpRoles):
+    """Compile-time choices of the SM90 attention backward kernel (see the module docstring)."""
+
+    head_dim: int = 128
+    #: Queries per step of a CTA's loop (the N of S^T = K Q^T, the K of dV = P^T dO).
+    tile_m: int = 64
+    #: Keys per CTA, 64 per consumer warpgroup.
+    tile_n: int = 128
+    #: Depth of the ring that carries each step's Q and dO tiles.
+    stages: int = 2
+    producer_regs: int = 24
+    consumer_regs: int = 240
+    reasons: tuple[str, ...] = field(default=(), compare=False, hash=False)
+
+    @property
+    def num_mma_warpgroups(self) -> int:
+        return self.tile_n // KEYS_PER_WARPGROUP
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` for a configuration the kernel cannot run."""
+        if self.head_dim not in BACKWARD_HEAD_DIMS:
+            raise ConfigError(
+                f"head_dim={self.head_dim}: the attention backward supports head_dim {BACKWARD_HEAD_DIMS}"
+            )
+        if self.tile_m != 64:
+            raise ConfigError(f"tile_m={self.tile_m}: the backward kernel takes 64 queries per step")
+        if self.tile_n != 2 * KEYS_PER_WARPGROUP:
+            raise ConfigError(f"tile_n={self.tile_n}: the backward kernel takes 128 keys per CTA (2 warpgroups)")
+        if not 1 <= self.stages <= 2:
+            raise ConfigError(f"stages={self.stages}: the Q/dO ring takes 1 or 2 stages")
+        self.validate_registers()
+
+
+def backward_config(head_dim: int) -> BackwardConfig:
+    """The backward config for ``head_dim`` (validated)."""
+    cfg = BackwardConfig(
+        head_dim=head_dim,
+        reasons=(
+            (
+                "a CTA per (128 keys, key/value head, batch): dK and dV stay in registers over every "
+                "query block and every query head of the GQA group, then are stored once"
+            ),
+            "S^T and dP^T keys-by-queries: P^T and dS^T feed the dV and dK WGMMAs from registers",
+            "dQ per step through shared memory and a TMA reduce-add into an fp32 accumulator",
+        ),
+    )
+    cfg.validate()
+    return cfg
+
+
+def backward_smem_layout(cfg: BackwardConfig, dtype: str = "bf16") -> SmemLayout:
+    """The backward kernel's shared storage: the struct it allocates."""
+    d, stages = cfg.head_dim, cfg.stages
+    return SmemLayout((
+        SmemBuffer("kv_barriers", "K/V barriers", "int64", 2, "K and V: 1 full + 1 empty mbarrier",
+                   align=MBARRIER_BYTES),
+        SmemBuffer("qdo_barriers", "Q/dO barriers", "int64", 2 * stages,
+                   f"Q/dO ring: {stages} full + {stages} empty mbarriers", align=MBARRIER_BYTES),
+        SmemBuffer("sK", "K (then dK)", dtype, cfg.tile_n * d, f"{cfg.tile_n}x{d} {dtype}; dK is staged here"),
+        SmemBuffer("sV", "V (then dV)", dtype, cfg.tile_n * d, f"{cfg.tile_n}x{d} {dtype}; dV is staged here"),
+        SmemBuffer("sQ", "Q ring", dtype, cfg.tile_m * d * stages, f"{stages} x {cfg.tile_m}x{d} {dtype}"),
+        SmemBuffer("sdO", "dO ring", dtype, cfg.tile_m * d * stages, f"{stages} x {cfg.tile_m}x{d} {dtype}"),
+        SmemBuffer("sdS", "dS^T", dtype, cfg.tile_n * cfg.tile_m * stages,
+                   f"{stages} x {cfg.tile_n}x{cfg.tile_m} {dtype}: both warpgroups' dS^T, read whole by dQ = dS K"),
+        SmemBuffer("sdQ", "dQ staging", "fp32", cfg.tile_m * d,
+                   f"{cfg.tile_m}x{d} fp32: each warpgroup's dQ columns, TMA reduce-added into the fp32 dQ"),
+    ))  # fmt: skip
+
+
+__all__ = ["BACKWARD_HEAD_DIMS", "BackwardConfig", "backward_config", "backward_smem_layout"]

@@ -1,0 +1,489 @@
+"""FlashAttention-3 style attention backward for SM90.
+
+Given Q, K, V, O's gradient dO, the forward's LSE and ``D = rowsum(dO * O)`` (the host's
+preprocess), with ``P = exp(S - LSE)`` recomputed from ``S = Q K^T * scale``::
+
+    dV = P^T dO        dP = dO V^T        dS = P * (dP - D)
+    dK = dS^T Q * scale                    dQ = dS K * scale
+
+A CTA owns ``tile_n`` keys of one (batch, key/value head) and walks every query block that
+sees them (causal: from the diagonal down), for each query head of the GQA group, so dK and
+dV accumulate in registers and are stored once (the group's sum, no atomics). Warp roles:
+
+- producer (warp 0): K and V once, then each step's Q and dO tiles through a ``stages``-deep
+  ring (one full barrier covers both).
+- consumers (2 warpgroups, 64 keys each). Per step: S^T = K Q^T and dP^T = V dO^T (WGMMA from
+  shared memory, keys as M so each warpgroup's rows are its own keys); P^T = exp2(S^T *
+  scale * log2 e - LSE * log2 e) with the ragged-key and causal masks; dS^T = P^T (dP^T - D).
+  dV += P^T dO and dK += dS^T Q take P^T and dS^T as register A operands. dS^T is also staged
+  in shared memory (stmatrix) and, once both warpgroups have staged their keys (named barrier
+  ``SCORES_STAGED``), each warpgroup computes half of dQ's columns, dQ = dS K (over all 128
+  keys), stages it (fp32) in its own buffer and adds it into the fp32 dQ accumulator in global
+  memory with one TMA reduce-add (other CTAs add theirs: the sum's order is not fixed).
+- epilogue: dK scaled, dV and dK cast and staged in K's and V's buffers (free: every WGMMA
+  that read them has retired), TMA-stored (the store clips the ragged seqlen_k edge).
+
+The preprocess pads LSE and D to whole query blocks (LSE = +inf there and on rows the forward
+saw no key: P = 0), so the consumers read them without bounds checks; Q and dO rows past
+seqlen_q load as zeros. Sizes, strides and head counts are dynamic; head_dim, tiles, dtype
+and causal are compile-time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, cute, pipeline
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from epicute.attention.backward_plan import KEYS_PER_WARPGROUP, BackwardConfig, backward_smem_layout
+from epicute.epilogue.derivative import value_and_derivative
+from epicute.epilogue.fusion import ScoreModFusion
+from epicute.sm90.epilogue_emit import DSL_DTYPES, emit_score_mod
+from epicute.sm90.fragments import (
+    acc_as_operand_a,
+    acc_rows_cols,
+    pack_16bit,
+    row_major_smem_layout,
+    select_modes,
+    transposed_view,
+    warpgroup_gemm,
+    warpgroup_slice,
+)
+from epicute.sm90.pipeline import NamedBarriers, RingState, make_tma_load_pipeline, wait_full
+from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
+
+LOG2_E = math.log2(math.e)
+
+
+class AttentionBackwardSm90:
+    """Compile-time description of one attention backward variant (see module docstring)."""
+
+    def __init__(self, cfg: BackwardConfig, dtype: str, causal: bool, score_mod: ScoreModFusion | None = None):
+        cfg.validate()
+        self.cfg = cfg
+        self.dtype = DSL_DTYPES[dtype]
+        self.causal = causal
+        self.score_mod = score_mod
+        #: The score_mod's value and its derivative by the score, one graph (shared nodes).
+        self.score_graph = None if score_mod is None else value_and_derivative(score_mod.graph)
+        self.smem = backward_smem_layout(cfg, dtype)
+        self.num_wg = cfg.num_mma_warpgroups
+        self.load_warp = 0
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        mQ_bshd: cute.Tensor,
+        mK_bshd: cute.Tensor,
+        mV_bshd: cute.Tensor,
+        mdO_bshd: cute.Tensor,
+        mLSE_bhs: cute.Tensor,
+        mD_bhs: cute.Tensor,
+        mdQ_bshd: cute.Tensor,
+        mdK_bshd: cute.Tensor,
+        mdV_bshd: cute.Tensor,
+        softmax_scale: Float32,
+        score_tensors: tuple,
+        score_scalars: tuple,
+        stream,
+    ):
+        """Tensors ``(batch, seqlen, heads, head_dim)``; ``mLSE_bhs`` (LSE in log2 units) and
+        ``mD_bhs`` fp32 ``(batch, heads_q, padded seqlen_q)``; ``mdQ_bshd`` the fp32 dQ
+        accumulator (zeroed; gets ``dS K``, unscaled); dK and dV in the input dtype; the score_mod's
+        per-head vectors and scalars as the forward takes them."""
+        cfg = self.cfg
+        d = cfg.head_dim
+        # (seqlen, dim, heads, batch): TMA boxes are (rows, dim).
+        mQ, mK, mV, mdO, mdQ, mdK, mdV = (
+            select_modes(t, [1, 3, 2, 0]) for t in (mQ_bshd, mK_bshd, mV_bshd, mdO_bshd, mdQ_bshd, mdK_bshd, mdV_bshd)
+        )
+        mLSE, mD = select_modes(mLSE_bhs, [2, 1, 0]), select_modes(mD_bhs, [2, 1, 0])  # (seqlen_q, heads, batch)
+
+        # S^T = K Q^T and dP^T = V dO^T: keys as M, one 64-key atom per warpgroup.
+        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            (self.num_wg, 1, 1), tiler_mn=(KEYS_PER_WARPGROUP, cfg.tile_m),
+        )  # fmt: skip
+        # dV += P^T dO and dK += dS^T Q: A from registers, B (dO^T, Q^T) read head_dim-major.
+        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            (self.num_wg, 1, 1), tiler_mn=(KEYS_PER_WARPGROUP, d), a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+        # dQ = dS K: every query row, each warpgroup half of head_dim; dS read from its staged
+        # transpose (queries contiguous), K^T head_dim-major.
+        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
+            (1, self.num_wg, 1), tiler_mn=(cfg.tile_m, d // self.num_wg),
+        )  # fmt: skip
+
+        sQ_layout = row_major_smem_layout(self.dtype, cfg.tile_m, d, cfg.stages)
+        sK_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d, major=d // self.num_wg)
+        sV_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d)
+        sdS_layout = row_major_smem_layout(self.dtype, cfg.tile_n, cfg.tile_m, cfg.stages)
+        sdQ_layout = row_major_smem_layout(Float32, cfg.tile_m, d, major=d // self.num_wg)
+        sdQ_wg_layout = row_major_smem_layout(Float32, cfg.tile_m, d // self.num_wg)
+
+        g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        q_box, kv_box = (cfg.tile_m, d), (cfg.tile_n, d)
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), q_box)
+        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(g2s, mdO, cute.slice_(sQ_layout, (None, None, 0)), q_box)
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, kv_box)
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, kv_box)
+        tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, kv_box)
+        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, kv_box)
+        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_wg_layout, (cfg.tile_m, d // self.num_wg)
+        )
+
+        for name, layout in (("sQ", sQ_layout), ("sdO", sQ_layout), ("sK", sK_layout), ("sV", sV_layout),
+                             ("sdS", sdS_layout), ("sdQ", sdQ_layout)):  # fmt: skip
+            assert cute.cosize(layout) == self.smem.buffer(name).count, (name, cute.cosize(layout))
+        self.shared_storage = self.smem.struct()
+        group = cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2])
+        n_blocks = cute.ceil_div(cute.size(mK, mode=[0]), cfg.tile_n)
+
+        self.kernel(
+            tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
+            tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, mLSE, mD, sQ_layout, sK_layout, sV_layout, sdS_layout,
+            sdQ_layout, sdQ_wg_layout, group, softmax_scale, score_tensors, score_scalars,
+        ).launch(
+            grid=(n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3])),
+            block=[cfg.num_threads, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )  # fmt: skip
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_do: cute.CopyAtom,
+        mdO: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_dq: cute.CopyAtom,
+        mdQ: cute.Tensor,
+        tma_dk: cute.CopyAtom,
+        mdK: cute.Tensor,
+        tma_dv: cute.CopyAtom,
+        mdV: cute.Tensor,
+        mLSE: cute.Tensor,
+        mD: cute.Tensor,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        sdQ_layout: cute.ComposedLayout,
+        sdQ_wg_layout: cute.ComposedLayout,
+        group: cutlass.Int32,
+        softmax_scale: Float32,
+        score_tensors: tuple,
+        score_scalars: tuple,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, kv_head, batch = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
+        if warp_idx == self.load_warp:
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_dq, tma_dk, tma_dv):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        consumer_warps = cfg.num_mma_threads // 32
+        kv_bytes = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
+        qdo_bytes = 2 * cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
+        kv_pipe = make_tma_load_pipeline(storage.kv_barriers.data_ptr(), 1, kv_bytes, consumer_warps, (1, 1), 1, True)
+        qdo_pipe = make_tma_load_pipeline(
+            storage.qdo_barriers.data_ptr(), cfg.stages, qdo_bytes, consumer_warps, (1, 1), 1, True
+        )
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        # A consumer warpgroup's dQ columns: a contiguous half of sdQ (see sdQ_layout's atom).
+        sdQ_wg_offset = (warpgroup_idx - 1) * cute.cosize(sdQ_wg_layout.outer)
+        sdQ_wg = cute.make_tensor(
+            cute.recast_ptr(storage.sdQ.data_ptr() + sdQ_wg_offset, sdQ_wg_layout.inner, dtype=Float32),
+            sdQ_wg_layout.outer,
+        )
+        # Barrier initialization is visible to every thread (and the async proxy) before first use.
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        seqlen_q, seqlen_k = cute.size(mQ, mode=[0]), cute.size(mK, mode=[0])
+        m_first, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
+        if warpgroup_idx == 0:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == self.load_warp:
+                self._load(
+                    tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, kv_pipe, qdo_pipe,
+                    (n_block, kv_head, batch), group, m_first, m_count,
+                )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            self._consume(
+                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sdQ_wg, kv_pipe,
+                qdo_pipe, tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, mLSE, mD, (n_block, kv_head, batch), group, m_first,
+                m_count, seqlen_q, seqlen_k, softmax_scale, (score_tensors, score_scalars),
+                tidx - THREADS_PER_WARPGROUP,
+            )  # fmt: skip
+
+    def _query_blocks(self, n_block, seqlen_q, seqlen_k):
+        """(first query block, count) that see key block ``n_block``: all, or (causal, diagonal
+        bottom-right aligned) those from the block holding the first query that sees its first key."""
+        cfg = self.cfg
+        m_end = (seqlen_q + cfg.tile_m - 1) // cfg.tile_m
+        m_first = 0
+        if cutlass.const_expr(self.causal):
+            # Query q sees key j when j <= q + seqlen_k - seqlen_q.
+            m_first = cutlass.min(cutlass.max(n_block * cfg.tile_n - seqlen_k + seqlen_q, 0) // cfg.tile_m, m_end)
+        return m_first, m_end - m_first
+
+    @cute.jit
+    def _load(
+        self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, kv_pipe, qdo_pipe, tile, group, m_first,
+        m_count,
+    ):  # fmt: skip
+        cfg = self.cfg
+        d = cfg.head_dim
+        one = cute.make_layout(1)
+        n_block, kv_head, batch = tile
+        kv_state = RingState.producer(1)
+        kv_pipe.producer_acquire(kv_state)
+        for tma, m_kv, s_kv in ((tma_k, mK, sK), (tma_v, mV, sV)):
+            g_kv = cute.local_tile(m_kv[None, None, kv_head, batch], (cfg.tile_n, d), (n_block, 0))
+            kv_smem, kv_gmem = cpasync.tma_partition(
+                tma, 0, one, cute.group_modes(s_kv, 0, 2), cute.group_modes(g_kv, 0, 2)
+            )
+            cute.copy(tma, kv_gmem, kv_smem, tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
+
+        state = RingState.producer(cfg.stages)
+        for step in cutlass.range(group * m_count, unroll=1):
+            head = kv_head * group + step // m_count
+            m_block = m_first + step % m_count
+            qdo_pipe.producer_acquire(state)
+            for tma, m_rows, s_rows in ((tma_q, mQ, sQ), (tma_do, mdO, sdO)):
+                g_rows = cute.local_tile(m_rows[None, None, head, batch], (cfg.tile_m, d), (None, 0))
+                rows_smem, rows_gmem = cpasync.tma_partition(
+                    tma, 0, one, cute.group_modes(s_rows, 0, 2), cute.group_modes(g_rows, 0, 2)
+                )
+                cute.copy(tma, rows_gmem[None, m_block], rows_smem[None, state.index],
+                          tma_bar_ptr=qdo_pipe.producer_get_barrier(state))  # fmt: skip
+            state.advance()
+
+    # ------------------------------------------------------------ consumers
+    @cute.jit
+    def _probabilities(self, acc_S, slope, cS, step_args, masked: cutlass.Constexpr[bool]):
+        """S^T becomes P^T = exp2(s' * log2 e - LSE_log2) in place, s' the scaled score or the score_mod
+        of it (whose derivative by the score goes to ``slope``: dS is then scaled by it); with
+        ``masked``, keys past seqlen_k and (causal) keys past each query's diagonal get P = 0.
+        ``step_args``: (key block, query block, head, batch, LSE, seqlen_q, seqlen_k, softmax scale,
+        the score_mod's operands loaded for the head)."""
+        cfg = self.cfg
+        n_block, m_block, head, batch, lse, seqlen_q, seqlen_k, softmax_scale, operands = step_args
+        S = acc_rows_cols(acc_S)
+        G = acc_rows_cols(slope) if cutlass.const_expr(self.score_mod is not None) else None
+        scale_log2 = softmax_scale * LOG2_E
+        if cutlass.const_expr(self.score_mod is not None):
+            scale_log2 = Float32(LOG2_E)  # the score_mod sees (and returns) scaled scores
+        index = {"b": batch.to(Float32), "h": head.to(Float32)}
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            key = n_block * cfg.tile_n + cS[r, 0][0]
+            index["kv_idx"] = key.to(Float32)
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                query = m_block * cfg.tile_m + cS[0, c][1]
+                score = S[r, c]
+                if cutlass.const_expr(self.score_mod is not None):
+                    index["q_idx"] = query.to(Float32)
+                    score, G[r, c] = self._score_mod(score * softmax_scale, index, operands)
+                p = cute.math.exp2(score * scale_log2 - lse[c], fastmath=True)
+                if cutlass.const_expr(masked):
+                    hidden = key >= seqlen_k
+                    if cutlass.const_expr(self.causal):
+                        hidden = hidden | (key > query + seqlen_k - seqlen_q)
+                    p = cutlass.select_(hidden, Float32(0.0), p)
+                    if cutlass.const_expr(self.score_mod is not None):
+                        # A hidden key's slope may be anything (its score is not a real one): 0 * inf is NaN.
+                        G[r, c] = cutlass.select_(hidden, Float32(0.0), G[r, c])
+                S[r, c] = p
+
+    def _score_mod(self, score, index: dict, operands: dict):
+        """The traced score_mod and its derivative by the score, on one scaled score."""
+        graph = self.score_graph
+        values = emit_score_mod(graph, score, index, operands)
+        outputs = dict(graph.outputs)
+        return values[outputs["D"]], values[outputs["dD"]]
+
+    @cute.jit
+    def _consume(
+        self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sdQ_wg, kv_pipe, qdo_pipe,
+        tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, mLSE, mD, tile, group, m_first, m_count, seqlen_q, seqlen_k,
+        softmax_scale, score_args, mma_tidx,
+    ):  # fmt: skip
+        cfg = self.cfg
+        d = cfg.head_dim
+        n_block, kv_head, batch = tile
+        wg = cute.arch.make_warp_uniform(mma_tidx // THREADS_PER_WARPGROUP)
+        is_wg_leader_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0
+        one = cute.make_layout(1)
+        # Shared-memory operands (partitioned per warpgroup: see warpgroup_slice).
+        wg_sdp, wg_dkv, wg_dq = (warpgroup_slice(m, wg) for m in (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
+        tSrK = tiled_mma_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = tiled_mma_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPrV = tiled_mma_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = tiled_mma_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdVrdOt = tiled_mma_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sdO)))
+        tdKrQt = tiled_mma_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sQ)))
+        tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(transposed_view(sdS)))
+        tdQrKt = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
+        thr_sdp, thr_dkv, thr_dq = (m.get_slice(mma_tidx) for m in (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
+        # P^T and dS^T in bf16/fp16, as the A operands of dV and dK.
+        tdVrP = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((cfg.tile_n, cfg.tile_m)))
+        tdKrdS = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((cfg.tile_n, cfg.tile_m)))
+        s_shape = thr_sdp.partition_shape_C((cfg.tile_n, cfg.tile_m))
+        # dS^T's registers seen as an accumulator, for stmatrix into sdS (same element order).
+        dS_acc_view = cute.make_tensor(tdKrdS.iterator, cute.make_layout(s_shape))
+        r2s_ds = cute.make_tiled_copy_C(
+            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32), tiled_mma_sdp
+        )
+        thr_r2s_ds = r2s_ds.get_slice(mma_tidx)
+        tdSsdS = thr_r2s_ds.partition_D(sdS)
+        tdQsdQ = thr_dq.partition_C(sdQ)
+        cS = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((cfg.tile_n, cfg.tile_m))))
+        staging = pipeline.NamedBarrier(
+            barrier_id=int(NamedBarriers.DQ_STAGING_WG1) + wg, num_threads=THREADS_PER_WARPGROUP
+        )
+        scores_staged = pipeline.NamedBarrier(
+            barrier_id=int(NamedBarriers.SCORES_STAGED), num_threads=cfg.num_mma_threads
+        )
+        score_tensors, score_scalars = score_args
+        scalar_operands = {}
+        if cutlass.const_expr(self.score_mod is not None):
+            for i, (name, _, _) in enumerate(self.score_mod.scalar_operands):
+                scalar_operands[name] = score_scalars[i]
+
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((cfg.tile_n, d)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((cfg.tile_n, d)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        cols = cute.size(cS, mode=[1])
+        lse = cute.make_rmem_tensor(cols, Float32)
+        dsum = cute.make_rmem_tensor(cols, Float32)
+        # A block is masked where it holds keys past seqlen_k or (causal) crosses the diagonal.
+        ragged_keys = (n_block + 1) * cfg.tile_n > seqlen_k
+        wait_full(kv_pipe, RingState.consumer(1))
+        read = RingState.consumer(cfg.stages)
+        for step in cutlass.range(group * m_count, unroll=1):
+            head = kv_head * group + step // m_count
+            m_block = m_first + step % m_count
+            # This thread's queries' LSE (padded: no bounds check), loaded under the waits.
+            for c in cutlass.range_constexpr(cols):
+                lse[c] = mLSE[m_block * cfg.tile_m + cS[0, c][1], head, batch]
+            wait_full(qdo_pipe, read)
+            acc_S = cute.make_rmem_tensor(s_shape, Float32)
+            acc_dP = cute.make_rmem_tensor(s_shape, Float32)
+            slope = cute.make_rmem_tensor(s_shape, Float32) if cutlass.const_expr(self.score_mod is not None) else None
+            operands = dict(scalar_operands)
+            if cutlass.const_expr(self.score_mod is not None):
+                for i, (name, _, _) in enumerate(self.score_mod.tensor_operands):
+                    operands[name] = score_tensors[i][head].to(Float32)
+            warpgroup_gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, read.index], False, -1)
+            warpgroup_gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, read.index], False, 1)
+            masked = ragged_keys
+            if cutlass.const_expr(self.causal):
+                # The block's last key against its first query's diagonal.
+                masked = masked | ((n_block + 1) * cfg.tile_n - 1 > m_block * cfg.tile_m + seqlen_k - seqlen_q)
+            step_args = (n_block, m_block, head, batch, lse, seqlen_q, seqlen_k, softmax_scale, operands)
+            if masked:
+                self._probabilities(acc_S, slope, cS, step_args, True)
+            else:
+                self._probabilities(acc_S, slope, cS, step_args, False)
+            pack_16bit(acc_as_operand_a(acc_S), tdVrP)
+            # D once LSE is dead (fewer live registers), loaded under the dP^T wait.
+            for c in cutlass.range_constexpr(cols):
+                dsum[c] = mD[m_block * cfg.tile_m + cS[0, c][1], head, batch]
+            warpgroup.wait_group(0)  # dP^T landed
+            P, dP = acc_rows_cols(acc_S), acc_rows_cols(acc_dP)
+            for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
+                for c in cutlass.range_constexpr(cols):
+                    dP[r, c] = P[r, c] * (dP[r, c] - dsum[c])
+                    if cutlass.const_expr(self.score_mod is not None):
+                        dP[r, c] = dP[r, c] * acc_rows_cols(slope)[r, c]
+            pack_16bit(acc_as_operand_a(acc_dP), tdKrdS)
+            warpgroup_gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, read.index], True, -1)
+            warpgroup_gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, read.index], True, -1)
+            # dS^T staged for dQ, which reads both warpgroups' keys.
+            cute.copy(r2s_ds, thr_r2s_ds.retile(dS_acc_view), tdSsdS[None, None, None, read.index])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            scores_staged.arrive_and_wait()
+            acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((cfg.tile_m, d)), Float32)
+            warpgroup_gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, read.index], tdQrKt, False, 0)
+            qdo_pipe.consumer_release(read)  # dV, dK and dQ have read Q, dO and dS
+            # dQ: the previous step's reduce-add has read the staging slice; fill it; add it.
+            if is_wg_leader_warp:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            staging.arrive_and_wait()
+            cute.autovec_copy(acc_dQ, tdQsdQ)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            staging.arrive_and_wait()
+            if is_wg_leader_warp:
+                g_dq = cute.local_tile(mdQ[None, None, head, batch], (cfg.tile_m, d // self.num_wg), (m_block, wg))
+                dq_smem, dq_gmem = cpasync.tma_partition(
+                    tma_dq, 0, one, cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(g_dq, 0, 2)
+                )
+                cute.copy(tma_dq, dq_smem, dq_gmem)
+                cute.arch.cp_async_bulk_commit_group()
+            read.advance()
+
+        self._store_dkv(tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, tile, softmax_scale, mma_tidx)
+        if is_wg_leader_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _store_dkv(
+        self, tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, tile, softmax_scale, mma_tidx
+    ):
+        """dK (scaled) and dV cast, staged in K's and V's buffers and TMA-stored; the store clips
+        rows past seqlen_k."""
+        cfg = self.cfg
+        n_block, kv_head, batch = tile
+        one = cute.make_layout(1)
+        store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
+        r2s = cute.make_tiled_copy_C(store_op, tiled_mma_dkv)
+        thr_r2s = r2s.get_slice(mma_tidx)
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        for acc, s_buf in ((acc_dK, sK), (acc_dV, sV)):
+            converted = cute.make_rmem_tensor(acc.shape, self.dtype)
+            pack_16bit(acc, converted)
+            cute.copy(r2s, thr_r2s.retile(converted), thr_r2s.partition_D(s_buf))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.NamedBarrier(barrier_id=int(NamedBarriers.EPILOGUE), num_threads=cfg.num_mma_threads).arrive_and_wait()
+        if mma_tidx // 32 == 0:
+            for tma, m_out, s_buf in ((tma_dk, mdK, sK), (tma_dv, mdV, sV)):
+                g_out = cute.local_tile(m_out[None, None, kv_head, batch], (cfg.tile_n, cfg.head_dim), (n_block, 0))
+                s_part, g_part = cpasync.tma_partition(
+                    tma, 0, one, cute.group_modes(s_buf, 0, 2), cute.group_modes(g_out, 0, 2)
+                )
+                cute.copy(tma, s_part, g_part)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+__all__ = ["AttentionBackwardSm90"]

@@ -1,0 +1,79 @@
+"""The attention backward on the CPU: its variants compile for sm_90a (no spills where planned),
+its plan and smem fit, and calls it does not cover are refused with the fix, before any launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epicute import ops
+from epicute.attention.backward import BackwardVariant, compile_backward, preprocess
+from epicute.attention.backward_plan import BackwardConfig, backward_config, backward_smem_layout
+from epicute.attention.prepare import hooks_of, prepare
+from epicute.attention.validate import check_attention_args
+from epicute.errors import ConfigError
+
+SMEM_LIMIT = 227 * 1024
+
+
+def meta_call(d=128, hq=4, hkv=4, causal=False, **kwargs):
+    q = torch.empty(2, 1000, hq, d, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, 777, hkv, d, dtype=torch.bfloat16, device="meta")
+    return check_attention_args(q, k, k, causal=causal, softmax_scale=None, require_cuda=False, **kwargs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_variants_compile_without_spills(d, causal, ptxas_report):
+    compile_backward(BackwardVariant(backward_config(d), "bf16", causal))
+    spills, injected_fences = ptxas_report()
+    assert spills == [0] and injected_fences == []
+
+
+def test_score_mod_backward_and_fp16_compile():
+    def softcap(s, b, h, q_idx, kv_idx, slopes, cap):
+        return cap * ops.tanh((s + slopes * (kv_idx - q_idx)) / cap)
+
+    call = meta_call()
+    score, _ = hooks_of(call, softcap, None, {"slopes": torch.ones(4), "cap": 30.0})
+    compile_backward(BackwardVariant(backward_config(128), "bf16", True, score.fusion))
+    compile_backward(BackwardVariant(backward_config(64), "fp16", False))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_smem_fits(d):
+    assert backward_smem_layout(backward_config(d)).total_bytes <= SMEM_LIMIT
+
+
+def test_backward_config_refuses_what_the_kernel_cannot_run():
+    with pytest.raises(ConfigError, match="head_dim=256"):
+        backward_config(256)
+    with pytest.raises(ConfigError, match="tile_m"):
+        BackwardConfig(tile_m=128).validate()
+    with pytest.raises(ConfigError, match="stages"):
+        BackwardConfig(stages=3).validate()
+
+
+def test_prepare_plans_the_backward_or_says_why_not():
+    variant = prepare(meta_call(hq=8, hkv=2, causal=True)).backward_variant()
+    assert variant.causal and variant.config.head_dim == 128
+    assert variant.key() != prepare(meta_call(hq=8, hkv=2)).backward_variant().key()
+    with pytest.raises(ConfigError, match="head_dim=256"):
+        prepare(meta_call(d=256)).backward_variant()
+    with pytest.raises(ConfigError, match="epilogue"):
+        prepare(meta_call(), epilogue=lambda o: {"D": o * 2.0}).backward_variant()
+
+
+def test_preprocess_pads_lse_and_hides_rows_without_keys():
+    o, do = torch.randn(2, 70, 3, 64), torch.randn(2, 70, 3, 64)
+    lse = torch.randn(2, 3, 70)
+    lse[0, 1, 5] = float("-inf")
+    lse_log2, dsum = preprocess(o, do, lse, 64)
+    assert lse_log2.shape == dsum.shape == (2, 3, 128)
+    assert torch.isposinf(lse_log2[..., 70:]).all() and (dsum[..., 70:] == 0).all()
+    assert torch.isposinf(lse_log2[0, 1, 5])
+    finite = torch.isfinite(lse)
+    rel = (lse_log2[..., :70][finite] - lse[finite] * 1.4426950408889634).abs().max() / lse.abs().max()
+    assert rel < 1e-6
+    want = (do.double() * o.double()).sum(-1).transpose(1, 2)
+    assert ((dsum[..., :70].double() - want).norm() / want.norm()).item() < 1e-6

@@ -1,0 +1,162 @@
+"""GPU correctness of the attention backward against float32 autograd of the reference math.
+
+Gradients of ``epicute.attention`` (through its custom op's registered autograd) are compared
+with torch's autograd through :func:`reference_attention` on float32 copies of the same inputs
+(the same math: masks, score_mod, causal alignment), relative error <= 1e-2 per gradient. Odd
+lengths (1, 17, 1000, 4097), seqlen_q != seqlen_k both ways, MHA / GQA / MQA, causal, head_dim
+64 and 128, bf16 and fp16, score_mods (softcap, ALiBi, a masked softcap), LSE's own gradient,
+``torch.compile(fullgraph=True)``. dK and dV are NaN-poisoned through the backward's buffer seam,
+so an element the kernel never writes fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import epicute
+from epicute import ops
+from epicute.attention import backward as rt_backward
+from epicute.attention.api import reference_attention
+from epicute.attention.prepare import hooks_of
+from epicute.attention.validate import check_attention_args
+from epicute.errors import ConfigError
+from tests.conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_grads_and_exact_reference(monkeypatch):
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(rt_backward, "new_grad", poisoned)
+
+
+def leaves(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16):
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+def reference_grads(q, k, v, do, causal=False, score_mod=None, dlse=None, **operands):
+    """float32 autograd of the reference forward at q, k, v (and LSE's gradient ``dlse`` if given)."""
+    call = check_attention_args(q, k, v, causal=causal, softmax_scale=None)
+    score, _ = hooks_of(call, score_mod, None, operands)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    call32 = dataclasses.replace(call, q=q32, k=k32, v=v32)
+    results, lse = reference_attention(call32, score, None, out_dtype=torch.float32, device="cuda")
+    outputs, grads = [results["D"]], [do.float()]
+    if dlse is not None:
+        finite = torch.isfinite(lse)
+        outputs.append(lse[finite])
+        grads.append(dlse[finite])
+    return torch.autograd.grad(outputs, (q32, k32, v32), grads)
+
+
+def check(q, k, v, causal=False, score_mod=None, compiled=False, with_lse=False, **operands):
+    def forward(q, k, v):
+        return epicute.attention(q, k, v, causal=causal, score_mod=score_mod, return_lse=with_lse, **operands)
+
+    fn = torch.compile(forward, fullgraph=True) if compiled else forward
+    result = fn(q, k, v)
+    do = torch.randn_like(q)
+    outputs, grads, dlse = [result], [do], None
+    if with_lse:
+        o, lse = result
+        dlse = torch.randn_like(lse)
+        outputs, grads = [o, lse], [do, dlse]
+    got = torch.autograd.grad(outputs, (q, k, v), grads)
+    ref = reference_grads(q, k, v, do, causal, score_mod, dlse, **operands)
+    what = f"q{tuple(q.shape)} k{tuple(k.shape)} causal={causal}"
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+        assert g.dtype == q.dtype and g.shape == r.shape
+        err = rel_err(g, r)
+        assert err <= TOL, f"{name} rel err {err:.2e} for {what}"
+
+
+LENGTHS = [(1, 17), (17, 17), (1000, 1000), (4097, 4097), (17, 1000), (1000, 17), (129, 4097)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", LENGTHS)
+def test_gradients_match_reference(sq, sk, causal):
+    check(*leaves(2, sq, sk, 4, 4, 128), causal=causal)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (6, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gqa_and_mqa_sum_dk_dv_over_the_group(d, hq, hkv):
+    check(*leaves(2, 1000, 777, hq, hkv, d), causal=True)
+    check(*leaves(1, 129, 1000, hq, hkv, d), causal=False)
+
+
+def test_fp16_and_head_dim_64():
+    check(*leaves(2, 513, 1000, 4, 2, 64, torch.float16), causal=True)
+    check(*leaves(1, 1000, 1000, 2, 2, 128, torch.float16))
+
+
+def test_score_mod_gradients_are_derived():
+    def softcap(s, b, h, q_idx, kv_idx):
+        return 30.0 * ops.tanh(s / 30.0)
+
+    def alibi(s, b, h, q_idx, kv_idx, slopes):
+        return s + slopes * (kv_idx - q_idx)
+
+    def local_softcap(s, b, h, q_idx, kv_idx, cap):
+        # A sliding window as a score_mod: -inf outside it (no gradient there), softcap inside.
+        return ops.where(q_idx - kv_idx > 200.0, float("-inf"), cap * ops.tanh(s / cap))
+
+    q, k, v = leaves(2, 1000, 1000, 4, 2, 128)
+    check(q, k, v, causal=True, score_mod=softcap)
+    slopes = torch.rand(4, device="cuda") * 0.1
+    check(q, k, v, causal=False, score_mod=alibi, slopes=slopes)
+    check(*leaves(1, 777, 1000, 4, 4, 64), causal=True, score_mod=local_softcap, cap=20.0)
+
+
+def test_lse_gradient_flows():
+    check(*leaves(2, 1000, 1000, 4, 4, 128), causal=True, with_lse=True)
+
+
+def test_torch_compile_fullgraph_trains():
+    check(*leaves(2, 1000, 1000, 4, 2, 128), causal=True, compiled=True)
+
+
+def test_one_key_gives_scores_no_gradient():
+    # A softmax over one key is 1 whatever the score: dQ = dK = 0 exactly (a relative error is
+    # meaningless there), while dV = the sum of dO over the queries.
+    q, k, v = leaves(2, 1000, 1, 4, 2, 128)
+    do = torch.randn_like(q)
+    dq, dk, dv = torch.autograd.grad(epicute.attention(q, k, v), (q, k, v), do)
+    ref_dv = reference_grads(q, k, v, do)[2]
+    assert rel_err(dv, ref_dv) <= TOL
+    scale = ref_dv.abs().max().item()
+    assert dq.abs().max().item() <= 1e-3 * scale and dk.abs().max().item() <= 1e-3 * scale
+
+
+def test_rows_that_see_no_key_pass_no_gradient():
+    # Causal with seqlen_q > seqlen_k: the first rows see no key (O = 0, LSE = -inf).
+    q, k, v = leaves(1, 300, 17, 2, 2, 128)
+    check(q, k, v, causal=True)
+
+
+def test_unsupported_backward_is_refused_before_launch():
+    q, k, v = leaves(1, 64, 64, 2, 2, 128)
+    with pytest.raises(ConfigError, match="epilogue"):
+        epicute.attention(q, k, v, epilogue=lambda o: {"D": o * 2.0})
+    slopes = torch.rand(2, device="cuda", requires_grad=True)
+    with pytest.raises(ConfigError, match="slopes"):
+        epicute.attention(q, k, v, score_mod=lambda s, b, h, qi, ki, slopes: s + slopes, slopes=slopes)
+    q256, k256, v256 = leaves(1, 64, 64, 2, 2, 256)
+    with pytest.raises(ConfigError, match="head_dim=256"):
+        epicute.attention(q256, k256, v256)
+    with torch.no_grad():  # inference needs no backward
+        assert epicute.attention(q256, k256, v256).shape == q256.shape
