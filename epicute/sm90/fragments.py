@@ -15,6 +15,14 @@ likewise (``cvt.rn.satfinite.e4m3x2.f32``: saturating in the same instruction). 
 (attention's 80-key blocks, for one); the 16-bit halves are then packed by moves
 placed right before the consuming WGMMA, after its ``wgmma.fence``, and ptxas has
 to inject another fence there (its warning C7519).
+
+Views and layouts the attention kernels share: :func:`acc_rows_cols` (an
+accumulator as this thread's rows and columns), :func:`acc_as_operand_a` (an
+accumulator as the next WGMMA's register A operand), :func:`transposed_view` (a
+shared-memory tile read the other way round: V^T, dO^T, K^T, dS),
+:func:`row_major_smem_layout` (swizzle atoms no wider than a warpgroup's slice),
+:func:`select_modes`; and :func:`warpgroup_gemm`, one WGMMA issue with its fence,
+commit and optional wait.
 """
 
 from __future__ import annotations
