@@ -118,11 +118,14 @@ register_meta(attention_backward_op, _attention_backward_fake)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a contiguous copy where TMA could not read it (autograd hands over expanded or
-    strided gradients: ``o.sum().backward()`` gives stride 0)."""
-    if t.stride(-1) == 1 and all(s % 8 == 0 and s > 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0:
-        return t
-    return t.contiguous()
+    """``t``, or a contiguous copy where TMA could not read it (the forward's operand rules): autograd
+    hands over expanded or strided gradients (``o.sum().backward()`` gives stride 0, which those rules
+    let through on dimensions a broadcast made, so it is refused here too)."""
+    from epicute.attention.validate import tma_layout_problem
+
+    if 0 in t.stride() or tma_layout_problem(t, "dO"):
+        return t.contiguous()
+    return t
 
 
 def _grad_slot(value: list):

@@ -37,24 +37,32 @@ class AttentionCall:
     seqused_k: torch.Tensor | None = None
 
 
-def _check_strides(t: torch.Tensor, name: str) -> None:
+def tma_layout_problem(t: torch.Tensor, name: str) -> str | None:
+    """Why TMA cannot read ``t`` as a ``(batch, seqlen, heads, head_dim)`` operand, with the fix, or None."""
     if t.stride(-1) != 1 and t.size(-1) > 1:
-        raise AlignmentError(
+        return (
             f"{name} has strides {tuple(t.stride())}: head_dim (the last dimension) must be contiguous for TMA; "
             f"pass {name}.contiguous()"
         )
     if t.data_ptr() % TMA_ALIGN_BYTES:
-        raise AlignmentError(
+        return (
             f"{name}.data_ptr() is {t.data_ptr() % TMA_ALIGN_BYTES} bytes past a 16-byte boundary; "
             f"TMA needs 16-byte-aligned bases: pass {name}.clone()"
         )
     step = TMA_ALIGN_BYTES // t.element_size()
     for d, dim in enumerate(("batch", "seqlen", "heads")):
         if t.size(d) > 1 and t.stride(d) % step:
-            raise AlignmentError(
+            return (
                 f"{name} stride {t.stride(d)} along {dim} is not a multiple of {step} elements (16 bytes), "
                 f"which TMA needs; pass {name}.contiguous()"
             )
+    return None
+
+
+def _check_strides(t: torch.Tensor, name: str) -> None:
+    problem = tma_layout_problem(t, name)
+    if problem:
+        raise AlignmentError(problem)
 
 
 def check_attention_args(

@@ -293,3 +293,14 @@ def test_torch_compile_matches_eager_on_cuda(shape):
         return_lse=True, backend="reference",
     )  # fmt: skip
     assert rel_err(o, expected.to(o.device)) < 1e-2
+
+
+def test_backward_copies_gradients_tma_cannot_read():
+    from epicute.attention.torch_op import _tma_ready
+
+    do = torch.randn(2, 17, 4, 64)
+    assert _tma_ready(do) is do
+    for strided in (torch.ones(()).expand(2, 17, 4, 64), do.transpose(-1, -2).contiguous().transpose(-1, -2),
+                    torch.randn(2, 17, 4, 65)[..., :64]):  # fmt: skip
+        ready = _tma_ready(strided)
+        assert ready.is_contiguous() and torch.equal(ready, strided)
