@@ -9,6 +9,10 @@ gradients are first checked against a float32 autograd reference of the first (b
 head) and its query heads (the whole problem's float32 scores would not fit), then all are timed as
 ``triton.testing.do_bench`` times them (L2 flushed before each call; :func:`epicute.benchmark.time_flushed`),
 medians of interleaved rounds. Writes bench/results/attention_bwd.json (and $OUT/attention_bwd.json).
+
+The ``varlen`` case packs sequences of mixed lengths (flash-attn's varlen layout, ``cu_seqlens``) and
+gives two rows: its forward (q, k, v not requiring grad; peer: flash-attn-4's
+``flash_attn_varlen_func``) and its backward (the same call's gradients), FLOPs summed per sequence.
 """
 
 from __future__ import annotations
@@ -29,6 +33,16 @@ CASES = {
     "b16_h16_s2048_d128": (16, 2048, 16, 16, 128, False),
     "b1_h16_s16384_d128": (1, 16384, 16, 16, 128, False),
     "b2_hq32_hkv8_s8192_d128_causal": (2, 8192, 32, 8, 128, True),
+}
+#: name -> (sequence lengths, heads_q, heads_kv, head_dim, causal): 16 sequences of 257-8000 tokens (65 K).
+VARLEN_CASES = {
+    "varlen_16seq_h16_d128_causal": (
+        (8000, 257, 4096, 1031, 6000, 512, 7777, 3000, 999, 5120, 2048, 4500, 300, 7000, 6400, 7800),
+        16,
+        16,
+        128,
+        True,
+    ),
 }
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "attention_bwd.json"
 TOLERANCE = 1e-2
@@ -112,9 +126,83 @@ def run_case(name: str) -> tuple[Row, bool]:
     return row, ok or "epicute" not in calls
 
 
+def run_varlen_case(name: str) -> tuple[list[Row], bool]:
+    """The varlen case's forward and backward rows (see the module docstring)."""
+    import epicute
+    from epicute.benchmark import time_flushed
+
+    lengths, hq, hkv, d, causal = VARLEN_CASES[name]
+    total = sum(lengths)
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    packed = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": max(lengths), "max_seqlen_k": max(lengths)}
+    q = torch.randn(total, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(total, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(total, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(total, hq, d, device="cuda", dtype=torch.bfloat16)
+    first = lengths[0]  # checked on the first sequence, whose gradients depend on it alone
+    ref = reference_grads(q[None, :first], k[None, :first], v[None, :first], do[None, :first], causal)
+    ref_o = _reference_out(q[None, :first], k[None, :first], v[None, :first], causal)
+    group = hq // hkv
+    flops_fwd = sum(4 * hq * n * n * d for n in lengths) / (2 if causal else 1)
+    print(name)
+
+    def fwd_error(o) -> float:
+        got = o[:first, :group].float()
+        return ((got - ref_o).norm() / ref_o.norm()).item()
+
+    def bwd_error(grads) -> float:
+        dq, dk, dv = grads
+        got = (dq[:first, :group], dk[:first, :1], dv[:first, :1])
+        return max(((g.float() - r[0]).norm() / r[0].norm()).item() for g, r in zip(got, ref))
+
+    forward = {"epicute": lambda: epicute.attention(q.detach(), k.detach(), v.detach(), causal=causal, **packed)}
+    backward = {}
+    o = epicute.attention(q, k, v, causal=causal, **packed)
+    backward["epicute"] = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+
+        fa_args = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": max(lengths),
+                   "max_seqlen_k": max(lengths), "causal": causal}  # fmt: skip
+
+        def fa_forward():
+            out = flash_attn_varlen_func(q.detach(), k.detach(), v.detach(), **fa_args)
+            return out[0] if isinstance(out, tuple) else out
+
+        fa_o = flash_attn_varlen_func(q, k, v, **fa_args)
+        fa_o = fa_o[0] if isinstance(fa_o, tuple) else fa_o
+        forward["fa_cute"] = fa_forward
+        backward["fa_cute"] = lambda: torch.autograd.grad(fa_o, (q, k, v), do, retain_graph=True)
+    except Exception as exc:  # noqa: BLE001 - a missing or failing peer must not stop the others
+        print(f"  fa_cute          not run ({type(exc).__name__}: {exc})")
+    rows, all_ok = [], True
+    for suffix, calls, error, flops in (("fwd", forward, fwd_error, flops_fwd), ("bwd", backward, bwd_error,
+                                                                                   2.5 * flops_fwd)):  # fmt: skip
+        timed, ok = check_contenders({n: (f, f) for n, f in calls.items()}, error, TOLERANCE)
+        row: Row = {"case": f"{name}_{suffix}"}
+        for contender, ms in time_interleaved(timed, timer=time_flushed).items():
+            row[contender] = round(flops / (ms * 1e-3) / 1e12, 1)
+        rows.append(row)
+        all_ok = all_ok and ok
+    return rows, all_ok
+
+
+def _reference_out(q, k, v, causal: bool) -> torch.Tensor:
+    """float32 O of the first key/value head's query heads of a (1, seqlen, heads, dim) problem."""
+    group = q.shape[2] // k.shape[2]
+    q1, k1, v1 = (t[:, :, :n].float() for t, n in ((q, group), (k, 1), (v, 1)))
+    s = torch.einsum("bqhd,bkhd->bhqk", q1, k1.expand(-1, -1, group, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        hidden = torch.arange(sk, device=q.device)[None] > torch.arange(sq, device=q.device)[:, None] + sk - sq
+        s = s.masked_fill(hidden, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v1.expand(-1, -1, group, -1))[0]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES), help="comma-separated names")
+    parser.add_argument("--cases", type=lambda s: s.split(","), default=[*CASES, *VARLEN_CASES],
+                        help="comma-separated names")  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON path")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -123,8 +211,12 @@ def main() -> int:
     torch.manual_seed(0)
     rows, all_ok = [], True
     for name in args.cases:
-        row, ok = run_case(name)
-        rows.append(row)
+        if name in VARLEN_CASES:
+            case_rows, ok = run_varlen_case(name)
+        else:
+            row, ok = run_case(name)
+            case_rows = [row]
+        rows += case_rows
         all_ok = all_ok and ok
         torch.cuda.empty_cache()
     return finish_peer_run(args.out, "attention_bwd", rows, all_ok)

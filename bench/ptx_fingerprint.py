@@ -78,6 +78,8 @@ def _variants(only: str | None):
     import torch
 
     sys.path.insert(0, str(ROOT))
+    from epicute.attention.backward import BackwardVariant, compile_backward
+    from epicute.attention.backward_plan import backward_config
     from epicute.attention.launch import AttentionVariant, compile_attention
     from epicute.attention.plan import default_config
     from epicute.gemm import GemmProblem, plan_gemm
@@ -134,6 +136,9 @@ def _variants(only: str | None):
                 lambda: compile_attention(AttentionVariant(default_config(128, False), "bf16", False, epilogue=epi)),
             )
         )
+        for d, causal in ((64, False), (128, True)):
+            out.append((f"attention backward d{d} causal={causal}", lambda d=d, c=causal:
+                        compile_backward(BackwardVariant(backward_config(d), "bf16", c))))  # fmt: skip
     return out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TextIO
 
 import torch
@@ -53,7 +54,31 @@ def reference_attention(
     Fully masked rows (causal with seqlen_q > seqlen_k, or seqused_k 0) give O = 0 and LSE = -inf,
     as flash-attn does. A paged cache is gathered through the page table first; with seqused_k,
     sequence b's keys past seqused_k[b] are masked and its causal diagonal ends at its last used key.
+    Packed sequences (varlen) are computed one by one: O ``(total_q, H, D)`` and LSE ``(H, total_q)``.
     """
+    if call.problem.varlen:
+        return _reference_packed(call, score, epi, compute_dtype, out_dtype, device)
+    return _reference_dense(call, score, epi, compute_dtype, out_dtype, device)
+
+
+def _reference_packed(call, score, epi, compute_dtype, out_dtype, device, first_batch: int = 0):
+    """:func:`reference_attention` of packed sequences: each one a batch of one (its ``b`` index kept)."""
+    p = call.problem
+    cu_q, cu_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(p.batch):
+        q, k, v = call.q[cu_q[b] : cu_q[b + 1]], call.k[cu_k[b] : cu_k[b + 1]], call.v[cu_k[b] : cu_k[b + 1]]
+        problem = replace(p, batch=1, seqlen_q=q.size(0), seqlen_k=k.size(0), varlen=False)
+        one = AttentionCall(problem, q[None], k[None], v[None], call.softmax_scale)
+        results, lse = _reference_dense(one, score, epi, compute_dtype, out_dtype, device, first_batch=b)
+        outs.append(results["D"][0])
+        lses.append(lse[0])
+    return {"D": torch.cat(outs)}, torch.cat(lses, dim=1)
+
+
+def _reference_dense(call, score, epi, compute_dtype, out_dtype, device, first_batch: int = 0):
+    """:func:`reference_attention` of a ``(batch, seqlen, heads, head_dim)`` call; ``first_batch``: the
+    ``b`` index of its first sequence (a packed sequence's own)."""
     p = call.problem
     B, Sq, Sk, H, D = p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.head_dim
     group = H // p.heads_kv
@@ -73,7 +98,7 @@ def reference_attention(
     if score is not None:
         l_idx = torch.arange(B * H, device=device)
         index = {
-            "b": (l_idx // H).view(-1, 1, 1), "h": (l_idx % H).view(-1, 1, 1),
+            "b": (l_idx // H + first_batch).view(-1, 1, 1), "h": (l_idx % H).view(-1, 1, 1),
             "q_idx": torch.arange(Sq, device=device).view(1, -1, 1),
             "kv_idx": torch.arange(Sk, device=device).view(1, 1, -1),
         }  # fmt: skip
@@ -125,6 +150,10 @@ def attention(
     config: dict | None = None,
     page_table: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     **operands: Any,
 ) -> torch.Tensor | dict[str, torch.Tensor] | tuple:
     """``softmax(q k^T * softmax_scale) v`` on a Hopper GPU (FlashAttention-3 style).
@@ -160,6 +189,16 @@ def attention(
             (a decode step's cache lengths; causal alignment ends at the last of them). Cache slots
             past them are read but masked: they must hold finite values (a NaN there would reach O
             through the zero weight it gets).
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``: a variable-length batch packed as flash-attn's
+            varlen functions take it. q is ``(total_q, heads_q, head_dim)`` and k, v ``(total_k, heads_kv,
+            head_dim)``; sequence ``b`` is rows ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1]`` of q (and
+            likewise of k and v), causal per sequence (bottom-right aligned), ``b`` in score_mod its index.
+            O comes back packed like q and LSE as ``(heads_q, total_q)``. No output epilogue, paged cache
+            or seqused_k with it.
+        max_seqlen_q, max_seqlen_k: the longest sequence's length in each: the kernel's grid is cut from
+            it. Left out, it is read from ``cu_seqlens`` (a sync with the GPU) and the offsets are checked
+            on the way; given, they are not (a sequence longer than ``max_seqlen_q`` leaves the rows past
+            it unwritten, and offsets outside the tensors are clamped, never followed).
         **operands: the hooks' operands by name.
 
     Training: when q, k or v require grad, the call runs as the custom op ``epicute::attention``
@@ -191,16 +230,26 @@ def attention(
         >>> q1 = torch.randn(8, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
         >>> o = epicute.attention(q1, cache_k, cache_v, page_table=table, seqused_k=lengths, causal=True)
 
+        >>> # a packed batch of 3 sequences (flash-attn's varlen layout)
+        >>> lengths = torch.tensor([0, 1000, 17, 4000], device="cuda").cumsum(0).int()
+        >>> qp = torch.randn(5017, 16, 128, device="cuda", dtype=torch.bfloat16)
+        >>> kvp = torch.randn(5017, 4, 128, device="cuda", dtype=torch.bfloat16)
+        >>> o = epicute.attention(qp, kvp, kvp, causal=True, cu_seqlens_q=lengths, cu_seqlens_k=lengths,
+        ...                       max_seqlen_q=4000, max_seqlen_k=4000)       # (5017, 16, 128)
+
     Returns:
         O; a dict of every output (``"D"`` is O) when the epilogue returns more than O; with
-        ``return_lse``, a pair of that and the fp32 LSE ``(batch, heads_q, seqlen_q)``.
+        ``return_lse``, a pair of that and the fp32 LSE ``(batch, heads_q, seqlen_q)`` (packed:
+        ``(heads_q, total_q)``).
     """
+    varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+              "max_seqlen_k": max_seqlen_k}  # fmt: skip
     if torch.compiler.is_compiling():
         # torch.compile sees one custom op (epicute::attention), never this Python code.
         return attention_op_call(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,
             epilogue=epilogue, out=out, out_dtypes=out_dtypes, backend=backend, config=config, operands=operands,
-            page_table=page_table, seqused_k=seqused_k,
+            page_table=page_table, seqused_k=seqused_k, **varlen,
         )  # fmt: skip
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
@@ -208,17 +257,19 @@ def attention(
         check_has_values(("q", q), ("k", k), ("v", v))
     call = check_attention_args(
         q, k, v, causal=causal, softmax_scale=softmax_scale, require_cuda=backend == "kernel",
-        page_table=page_table, seqused_k=seqused_k,
+        page_table=page_table, seqused_k=seqused_k, **varlen,
     )  # fmt: skip
     prepared = prepare(call, score_mod, epilogue, operands, out_dtypes, config)
     score, epi = prepared.score, prepared.epilogue
     if backend == "kernel" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         # Training: the custom op, whose autograd runs the backward kernel (checked here, before any launch).
         _check_differentiable(prepared, out, operands)
+        if call.problem.varlen:  # the lengths travel as numbers: read them once, here
+            varlen.update(max_seqlen_q=call.problem.seqlen_q, max_seqlen_k=call.problem.seqlen_k)
         return attention_op_call(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,
             epilogue=epilogue, out=None, out_dtypes=out_dtypes, backend=backend, config=config, operands=operands,
-            page_table=page_table, seqused_k=seqused_k,
+            page_table=page_table, seqused_k=seqused_k, **varlen,
         )  # fmt: skip
     if out is not None:
         check_attention_out(call, out, IR_TO_TORCH[prepared.output_dtypes["D"]])
@@ -269,6 +320,10 @@ def explain_attention(
     file: TextIO | str | None = "stdout",
     page_table: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     **operands: Any,
 ) -> AttentionPlan:
     """Print (to ``file``; ``None`` to stay quiet) and return the attention plan; works on ``"meta"`` tensors.
@@ -291,8 +346,9 @@ def explain_attention(
         (4, 16, (128, 1, 1))
     """
     call = check_attention_args(
-        q, k, v, causal=causal, softmax_scale=None, require_cuda=False, page_table=page_table, seqused_k=seqused_k
-    )
+        q, k, v, causal=causal, softmax_scale=None, require_cuda=False, page_table=page_table, seqused_k=seqused_k,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+    )  # fmt: skip
     prepared = prepare(call, score_mod, epilogue, operands, out_dtypes, config, resolve_target(target))
     if file is not None:
         print(render_attention_plan(prepared.plan, prepared.chain), file=sys.stdout if file == "stdout" else file)

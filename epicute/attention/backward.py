@@ -37,26 +37,31 @@ class BackwardVariant:
     #: the forward's score_mod (``ScoreModFusion``), if any: the kernel emits it and its derivative
     score_mod: object = None
     arch: str = DEFAULT_ARCH
+    #: packed variable-length sequences (cu_seqlens_q/k)
+    varlen: bool = False
 
     def key(self) -> CacheKey:
         """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
         c = self.config
         label = (f"attention backward d{c.head_dim} {c.tile_m}x{c.tile_n} {self.dtype}"
-                 + (" causal" if self.causal else "") + ("" if self.score_mod is None else " +score_mod"))  # fmt: skip
+                 + (" causal" if self.causal else "") + ("" if self.score_mod is None else " +score_mod")
+                 + (" varlen" if self.varlen else ""))  # fmt: skip
         score_key = None if self.score_mod is None else self.score_mod.key()
         parts = (c.key(), self.dtype, self.causal, score_key, ("align", OPERAND_ALIGN_BYTES))
+        if self.varlen:
+            parts += (("varlen", True),)
         return CacheKey("attention_backward", parts, self.arch, label)
 
 
 def compile_backward(variant: BackwardVariant):
     """Compile one variant for sm_90a; returns ``f(q, k, v, do, lse_log2, d, dq_accum, dk, dv, softmax_scale,
-    score_tensors, score_scalars)``
+    score_tensors, score_scalars, varlen)``
     taking torch tensors (see :meth:`~epicute.attention.backward_sm90.AttentionBackwardSm90.__call__`)."""
     import cutlass
     from cutlass import cute
 
     from epicute.attention.backward_sm90 import AttentionBackwardSm90
-    from epicute.attention.launch import _fake_bshd, _fake_score_operands
+    from epicute.attention.launch import _fake_bshd, _fake_elementwise, _fake_score_operands
     from epicute.sm90.epilogue_emit import DSL_DTYPES
 
     dtype = DSL_DTYPES[variant.dtype]
@@ -74,7 +79,10 @@ def compile_backward(variant: BackwardVariant):
     )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     score_tensors, score_scalars = _fake_score_operands(variant.score_mod)
-    kernel = AttentionBackwardSm90(variant.config, variant.dtype, variant.causal, variant.score_mod)
+    varlen = ()
+    if variant.varlen:  # cu_seqlens_q, cu_seqlens_k, max_seqlen_k
+        varlen = (_fake_elementwise(cutlass.Int32, 1), _fake_elementwise(cutlass.Int32, 1), cutlass.Int32(1))
+    kernel = AttentionBackwardSm90(variant.config, variant.dtype, variant.causal, variant.score_mod, variant.varlen)
     return dsl_compile(
         variant,
         kernel,
@@ -90,8 +98,9 @@ def compile_backward(variant: BackwardVariant):
         cutlass.Float32(1.0),
         score_tensors,
         score_scalars,
+        varlen,
         stream,
-        constant_args=("score_tensors", "score_scalars"),
+        constant_args=("score_tensors", "score_scalars", "varlen"),
     )
 
 
@@ -100,7 +109,13 @@ BACKWARD_CACHE = KernelFamily("attention_backward", {SM90A: compile_backward})
 
 def preprocess(o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, tile_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(LSE * log2 e, D = rowsum(dO * O))``, fp32 ``(batch, heads, seqlen_q padded to tile_m)``;
-    LSE is +inf on the padding and where the forward's row saw no key (LSE = -inf), so P = 0 there."""
+    LSE is +inf on the padding and where the forward's row saw no key (LSE = -inf), so P = 0 there.
+    Packed (``o`` ``(total_q, heads, dim)``, ``lse`` ``(heads, total_q)``): ``(1, heads, total_q + tile_m)``,
+    one block of padding past the last row, which a sequence's last query block may reach."""
+    if o.dim() == 3:
+        lse_log2, dsum = preprocess(o[None], do[None], lse[None], 1)
+        pad = (0, tile_m)
+        return torch.nn.functional.pad(lse_log2, pad, value=math.inf), torch.nn.functional.pad(dsum, pad)
     batch, seqlen_q, heads, _ = o.shape
     padded = -(-seqlen_q // tile_m) * tile_m
     lse_log2 = torch.full((batch, heads, padded), math.inf, dtype=torch.float32, device=o.device)
@@ -116,34 +131,38 @@ def new_grad(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
 
 
 def attention_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    call,
     o: torch.Tensor,
     lse: torch.Tensor,
     do: torch.Tensor,
-    softmax_scale: float,
     variant: BackwardVariant,
     score_operands: tuple = ((), ()),
     dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of ``O = attention(q, k, v)`` for the gradient ``do`` of O (tensors as the forward
-    takes them, contiguous in head_dim; ``lse`` the forward's fp32 ``(batch, heads_q, seqlen_q)``).
-    ``score_operands``: the score_mod's kernel operands, as the forward took them. ``dlse``: LSE's
-    gradient, if LSE was used: since d LSE / d s = P, it enters as ``dS = P (dP - (D - dLSE))``."""
+    """dQ, dK, dV of ``O = attention(q, k, v)`` (``call``: the forward's validated
+    :class:`~epicute.attention.validate.AttentionCall`) for the gradient ``do`` of O (contiguous in
+    head_dim); ``lse`` the forward's fp32 LSE. ``score_operands``: the score_mod's kernel operands, as
+    the forward took them. ``dlse``: LSE's gradient, if LSE was used: since d LSE / d s = P, it enters
+    as ``dS = P (dP - (D - dLSE))``."""
+    q, k, v, p = call.q, call.k, call.v, call.problem
     dk, dv = new_grad(k.shape, k.dtype, k.device), new_grad(v.shape, v.dtype, v.device)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if q.numel() and k.numel():
         lse_log2, dsum = preprocess(o, do, lse, variant.config.tile_m)
         if dlse is not None:
-            dsum[..., : q.shape[1]] -= dlse
+            dsum[..., : lse.shape[-1]] -= dlse
+        tensors, varlen = (q, k, v, do, dq_accum, dk, dv), ()
+        if p.varlen:  # packed: one batch entry of every row
+            tensors = tuple(t.unsqueeze(0) for t in tensors)
+            varlen = (call.cu_seqlens_q, call.cu_seqlens_k, p.seqlen_k)
+        q4, k4, v4, do4, dq4, dk4, dv4 = tensors
         BACKWARD_CACHE.get(variant)(
-            q, k, v, do, lse_log2, dsum, dq_accum, dk, dv, softmax_scale, *score_operands
+            q4, k4, v4, do4, lse_log2, dsum, dq4, dk4, dv4, call.softmax_scale, *score_operands, varlen
         )  # fmt: skip
     elif k.numel():  # no queries: nothing flows back to the keys
         dk.zero_()
         dv.zero_()
-    return (dq_accum * softmax_scale).to(q.dtype), dk, dv
+    return (dq_accum * call.softmax_scale).to(q.dtype), dk, dv
 
 
 __all__ = ["BACKWARD_CACHE", "BackwardVariant", "attention_backward", "compile_backward", "preprocess"]

@@ -27,6 +27,13 @@ The preprocess pads LSE and D to whole query blocks (LSE = +inf there and on row
 saw no key: P = 0), so the consumers read them without bounds checks; Q and dO rows past
 seqlen_q load as zeros. Sizes, strides and head counts are dynamic; head_dim, tiles, dtype
 and causal are compile-time.
+
+Packed variable-length sequences (``varlen``): the grid's third mode is the sequence, whose
+rows start at ``cu_seqlens_q/k[b]`` of one ``(total, heads, dim)`` tensor each; a CTA past its
+sequence's keys exits. Rows past a sequence's end load the next sequence's, so the consumers
+mask queries past seqlen_q as they mask keys (P = 0, so their dQ rows add zeros), LSE and D are
+padded once at the end of the packed rows, and dK and dV are stored through ragged views that
+clip at the sequence's end (:func:`~epicute.attention.key_blocks.ragged_tensor`).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from epicute.attention.backward_plan import KEYS_PER_WARPGROUP, BackwardConfig, backward_smem_layout
+from epicute.attention.key_blocks import packed_range, ragged_rows, ragged_tensor
 from epicute.epilogue.derivative import value_and_derivative
 from epicute.epilogue.fusion import ScoreModFusion
 from epicute.sm90.epilogue_emit import DSL_DTYPES, emit_score_mod
@@ -63,8 +71,12 @@ LOG2_E = math.log2(math.e)
 class AttentionBackwardSm90:
     """Compile-time description of one attention backward variant (see module docstring)."""
 
-    def __init__(self, cfg: BackwardConfig, dtype: str, causal: bool, score_mod: ScoreModFusion | None = None):
+    def __init__(
+        self, cfg: BackwardConfig, dtype: str, causal: bool, score_mod: ScoreModFusion | None = None,
+        varlen: bool = False,
+    ):  # fmt: skip
         cfg.validate()
+        self.varlen = varlen
         self.cfg = cfg
         self.dtype = DSL_DTYPES[dtype]
         self.causal = causal
@@ -91,12 +103,15 @@ class AttentionBackwardSm90:
         softmax_scale: Float32,
         score_tensors: tuple,
         score_scalars: tuple,
+        varlen: tuple,
         stream,
     ):
         """Tensors ``(batch, seqlen, heads, head_dim)``; ``mLSE_bhs`` (LSE in log2 units) and
         ``mD_bhs`` fp32 ``(batch, heads_q, padded seqlen_q)``; ``mdQ_bshd`` the fp32 dQ
         accumulator (zeroed; gets ``dS K``, unscaled); dK and dV in the input dtype; the score_mod's
-        per-head vectors and scalars as the forward takes them."""
+        per-head vectors and scalars as the forward takes them. ``varlen``: ``()``, or
+        ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_k)`` with every tensor packed (batch extent 1, LSE
+        and D padded by a query block past the last row)."""
         cfg = self.cfg
         d = cfg.head_dim
         # (seqlen, dim, heads, batch): TMA boxes are (rows, dim).
@@ -135,6 +150,8 @@ class AttentionBackwardSm90:
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(g2s, mdO, cute.slice_(sQ_layout, (None, None, 0)), q_box)
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, kv_box)
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, kv_box)
+        if cutlass.const_expr(self.varlen):
+            mdK, mdV = ragged_tensor(mdK), ragged_tensor(mdV)
         tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, kv_box)
         tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, kv_box)
         tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
@@ -147,13 +164,17 @@ class AttentionBackwardSm90:
         self.shared_storage = self.smem.struct()
         group = cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2])
         n_blocks = cute.ceil_div(cute.size(mK, mode=[0]), cfg.tile_n)
+        batches = cute.size(mK, mode=[3])
+        if cutlass.const_expr(self.varlen):
+            n_blocks = cute.ceil_div(varlen[2], cfg.tile_n)
+            batches = cute.size(varlen[0], mode=[0]) - 1
 
         self.kernel(
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
             tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, mLSE, mD, sQ_layout, sK_layout, sV_layout, sdS_layout,
-            sdQ_layout, sdQ_wg_layout, group, softmax_scale, score_tensors, score_scalars,
+            sdQ_layout, sdQ_wg_layout, group, softmax_scale, score_tensors, score_scalars, varlen,
         ).launch(
-            grid=(n_blocks, cute.size(mK, mode=[2]), cute.size(mK, mode=[3])),
+            grid=(n_blocks, cute.size(mK, mode=[2]), batches),
             block=[cfg.num_threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
@@ -192,6 +213,7 @@ class AttentionBackwardSm90:
         softmax_scale: Float32,
         score_tensors: tuple,
         score_scalars: tuple,
+        varlen: tuple,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -228,22 +250,31 @@ class AttentionBackwardSm90:
         cute.arch.sync_threads()
 
         seqlen_q, seqlen_k = cute.size(mQ, mode=[0]), cute.size(mK, mode=[0])
+        # Where the CTA's sequence lives: (first query row, first key row, batch index of the tensors).
+        seq = (0, 0, batch)
+        has_keys = True
+        if cutlass.const_expr(self.varlen):
+            first_q, seqlen_q = packed_range(varlen[0], batch, seqlen_q)
+            first_k, seqlen_k = packed_range(varlen[1], batch, seqlen_k)
+            seq = (first_q, first_k, 0)
+            has_keys = n_block * cfg.tile_n < seqlen_k  # the grid covers the longest sequence's keys
         m_first, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
-        if warpgroup_idx == 0:
-            cute.arch.setmaxregister_decrease(cfg.producer_regs)
-            if warp_idx == self.load_warp:
-                self._load(
-                    tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, kv_pipe, qdo_pipe,
-                    (n_block, kv_head, batch), group, m_first, m_count,
+        if has_keys:
+            if warpgroup_idx == 0:
+                cute.arch.setmaxregister_decrease(cfg.producer_regs)
+                if warp_idx == self.load_warp:
+                    self._load(
+                        tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, kv_pipe, qdo_pipe,
+                        (n_block, kv_head, batch), seq, group, m_first, m_count,
+                    )  # fmt: skip
+            else:
+                cute.arch.setmaxregister_increase(cfg.consumer_regs)
+                self._consume(
+                    tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sdQ_wg, kv_pipe,
+                    qdo_pipe, tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, mLSE, mD, (n_block, kv_head, batch), seq, group,
+                    m_first, m_count, seqlen_q, seqlen_k, softmax_scale, (score_tensors, score_scalars),
+                    tidx - THREADS_PER_WARPGROUP,
                 )  # fmt: skip
-        else:
-            cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            self._consume(
-                tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sdQ_wg, kv_pipe,
-                qdo_pipe, tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, mLSE, mD, (n_block, kv_head, batch), group, m_first,
-                m_count, seqlen_q, seqlen_k, softmax_scale, (score_tensors, score_scalars),
-                tidx - THREADS_PER_WARPGROUP,
-            )  # fmt: skip
 
     def _query_blocks(self, n_block, seqlen_q, seqlen_k):
         """(first query block, count) that see key block ``n_block``: all, or (causal, diagonal
@@ -258,17 +289,17 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def _load(
-        self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, kv_pipe, qdo_pipe, tile, group, m_first,
-        m_count,
+        self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, kv_pipe, qdo_pipe, tile, seq, group,
+        m_first, m_count,
     ):  # fmt: skip
         cfg = self.cfg
         d = cfg.head_dim
         one = cute.make_layout(1)
-        n_block, kv_head, batch = tile
+        n_block, kv_head, _ = tile
         kv_state = RingState.producer(1)
         kv_pipe.producer_acquire(kv_state)
         for tma, m_kv, s_kv in ((tma_k, mK, sK), (tma_v, mV, sV)):
-            g_kv = cute.local_tile(m_kv[None, None, kv_head, batch], (cfg.tile_n, d), (n_block, 0))
+            g_kv = cute.local_tile(self._rows(m_kv, kv_head, seq, 1), (cfg.tile_n, d), (n_block, 0))
             kv_smem, kv_gmem = cpasync.tma_partition(
                 tma, 0, one, cute.group_modes(s_kv, 0, 2), cute.group_modes(g_kv, 0, 2)
             )
@@ -280,7 +311,7 @@ class AttentionBackwardSm90:
             m_block = m_first + step % m_count
             qdo_pipe.producer_acquire(state)
             for tma, m_rows, s_rows in ((tma_q, mQ, sQ), (tma_do, mdO, sdO)):
-                g_rows = cute.local_tile(m_rows[None, None, head, batch], (cfg.tile_m, d), (None, 0))
+                g_rows = cute.local_tile(self._rows(m_rows, head, seq, 0), (cfg.tile_m, d), (None, 0))
                 rows_smem, rows_gmem = cpasync.tma_partition(
                     tma, 0, one, cute.group_modes(s_rows, 0, 2), cute.group_modes(g_rows, 0, 2)
                 )
@@ -288,12 +319,20 @@ class AttentionBackwardSm90:
                           tma_bar_ptr=qdo_pipe.producer_get_barrier(state))  # fmt: skip
             state.advance()
 
+    def _rows(self, t: cute.Tensor, head, seq: tuple, side: int) -> cute.Tensor:
+        """One head's ``(rows, dim)`` of a ``(rows, dim, heads, batch)`` tensor for the CTA's sequence
+        (``seq``: its first query row, first key row and tensor batch); ``side`` 0 for query rows, 1 for keys."""
+        if cutlass.const_expr(self.varlen):
+            return cute.domain_offset((seq[side], 0), t[None, None, head, 0])
+        return t[None, None, head, seq[2]]
+
     # ------------------------------------------------------------ consumers
     @cute.jit
     def _probabilities(self, acc_S, slope, cS, step_args, masked: cutlass.Constexpr[bool]):
         """S^T becomes P^T = exp2(s' * log2 e - LSE_log2) in place, s' the scaled score or the score_mod
         of it (whose derivative by the score goes to ``slope``: dS is then scaled by it); with
-        ``masked``, keys past seqlen_k and (causal) keys past each query's diagonal get P = 0.
+        ``masked``, keys past seqlen_k, (causal) keys past each query's diagonal and (packed sequences, whose
+        next rows are another sequence's) queries past seqlen_q get P = 0.
         ``step_args``: (key block, query block, head, batch, LSE, seqlen_q, seqlen_k, softmax scale,
         the score_mod's operands loaded for the head)."""
         cfg = self.cfg
@@ -316,6 +355,8 @@ class AttentionBackwardSm90:
                 p = cute.math.exp2(score * scale_log2 - lse[c], fastmath=True)
                 if cutlass.const_expr(masked):
                     hidden = key >= seqlen_k
+                    if cutlass.const_expr(self.varlen):
+                        hidden = hidden | (query >= seqlen_q)
                     if cutlass.const_expr(self.causal):
                         hidden = hidden | (key > query + seqlen_k - seqlen_q)
                     p = cutlass.select_(hidden, Float32(0.0), p)
@@ -334,7 +375,7 @@ class AttentionBackwardSm90:
     @cute.jit
     def _consume(
         self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sdQ_wg, kv_pipe, qdo_pipe,
-        tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, mLSE, mD, tile, group, m_first, m_count, seqlen_q, seqlen_k,
+        tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, mLSE, mD, tile, seq, group, m_first, m_count, seqlen_q, seqlen_k,
         softmax_scale, score_args, mma_tidx,
     ):  # fmt: skip
         cfg = self.cfg
@@ -395,7 +436,7 @@ class AttentionBackwardSm90:
             m_block = m_first + step % m_count
             # This thread's queries' LSE (padded: no bounds check), loaded under the waits.
             for c in cutlass.range_constexpr(cols):
-                lse[c] = mLSE[m_block * cfg.tile_m + cS[0, c][1], head, batch]
+                lse[c] = mLSE[seq[0] + m_block * cfg.tile_m + cS[0, c][1], head, seq[2]]
             wait_full(qdo_pipe, read)
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             acc_dP = cute.make_rmem_tensor(s_shape, Float32)
@@ -407,6 +448,8 @@ class AttentionBackwardSm90:
             warpgroup_gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, read.index], False, -1)
             warpgroup_gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, read.index], False, 1)
             masked = ragged_keys
+            if cutlass.const_expr(self.varlen):  # the block's queries run past the sequence's
+                masked = masked | ((m_block + 1) * cfg.tile_m > seqlen_q)
             if cutlass.const_expr(self.causal):
                 # The block's last key against its first query's diagonal.
                 masked = masked | ((n_block + 1) * cfg.tile_n - 1 > m_block * cfg.tile_m + seqlen_k - seqlen_q)
@@ -418,7 +461,7 @@ class AttentionBackwardSm90:
             pack_16bit(acc_as_operand_a(acc_S), tdVrP)
             # D once LSE is dead (fewer live registers), loaded under the dP^T wait.
             for c in cutlass.range_constexpr(cols):
-                dsum[c] = mD[m_block * cfg.tile_m + cS[0, c][1], head, batch]
+                dsum[c] = mD[seq[0] + m_block * cfg.tile_m + cS[0, c][1], head, seq[2]]
             warpgroup.wait_group(0)  # dP^T landed
             P, dP = acc_rows_cols(acc_S), acc_rows_cols(acc_dP)
             for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
@@ -444,7 +487,7 @@ class AttentionBackwardSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             staging.arrive_and_wait()
             if is_wg_leader_warp:
-                g_dq = cute.local_tile(mdQ[None, None, head, batch], (cfg.tile_m, d // self.num_wg), (m_block, wg))
+                g_dq = cute.local_tile(self._rows(mdQ, head, seq, 0), (cfg.tile_m, d // self.num_wg), (m_block, wg))
                 dq_smem, dq_gmem = cpasync.tma_partition(
                     tma_dq, 0, one, cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(g_dq, 0, 2)
                 )
@@ -452,16 +495,19 @@ class AttentionBackwardSm90:
                 cute.arch.cp_async_bulk_commit_group()
             read.advance()
 
-        self._store_dkv(tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, tile, softmax_scale, mma_tidx)
+        self._store_dkv(
+            tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, tile, (seq, seqlen_k), softmax_scale,
+            mma_tidx,
+        )  # fmt: skip
         if is_wg_leader_warp:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _store_dkv(
-        self, tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, tile, softmax_scale, mma_tidx
+        self, tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, tile, keys, softmax_scale, mma_tidx
     ):
         """dK (scaled) and dV cast, staged in K's and V's buffers and TMA-stored; the store clips
-        rows past seqlen_k."""
+        rows past seqlen_k (``keys``: the sequence and its seqlen_k; packed, through the ragged view)."""
         cfg = self.cfg
         n_block, kv_head, batch = tile
         one = cute.make_layout(1)
@@ -477,7 +523,11 @@ class AttentionBackwardSm90:
         pipeline.NamedBarrier(barrier_id=int(NamedBarriers.EPILOGUE), num_threads=cfg.num_mma_threads).arrive_and_wait()
         if mma_tidx // 32 == 0:
             for tma, m_out, s_buf in ((tma_dk, mdK, sK), (tma_dv, mdV, sV)):
-                g_out = cute.local_tile(m_out[None, None, kv_head, batch], (cfg.tile_n, cfg.head_dim), (n_block, 0))
+                rows = m_out[None, None, kv_head, batch]
+                if cutlass.const_expr(self.varlen):
+                    (seq, seqlen_k) = keys
+                    rows = ragged_rows(m_out, kv_head, seq[1], seqlen_k)
+                g_out = cute.local_tile(rows, (cfg.tile_n, cfg.head_dim), (n_block, 0))
                 s_part, g_part = cpasync.tma_partition(
                     tma, 0, one, cute.group_modes(s_buf, 0, 2), cute.group_modes(g_out, 0, 2)
                 )

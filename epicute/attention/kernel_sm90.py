@@ -65,7 +65,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from epicute.attention.key_blocks import KeyRange
+from epicute.attention.key_blocks import KeyRange, QueryRange
 from epicute.attention.plan import WGMMA_M, AttentionConfig, attention_smem_layout, lpt_keys_per_band
 from epicute.epilogue.fusion import EpilogueFusion, ScoreModFusion
 from epicute.epilogue.schedule import ATTENTION_SM90, plain_graph, schedule
@@ -137,6 +137,7 @@ class AttentionSm90:
         epilogue: EpilogueFusion | None = None,
         page_size: int = 0,
         seqused_k: bool = False,
+        varlen: bool = False,
     ):
         cfg.validate(dtype=dtype)
         self.cfg = cfg
@@ -162,6 +163,8 @@ class AttentionSm90:
         #: Keys per page of a paged K/V cache (0: contiguous K/V).
         self.page_size = page_size
         self.seqused_k = seqused_k
+        #: Packed variable-length sequences (cu_seqlens_q/k; :class:`QueryRange`).
+        self.varlen = varlen
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -182,13 +185,16 @@ class AttentionSm90:
         paged: tuple,
         seqused: tuple,
         partials: tuple,
+        varlen: tuple,
         stream,
     ):
         """``paged``: ``()``, or ``(page_table,)`` (int32 ``(batch, pages per sequence)``) when K and V
         are a paged cache ``(num_pages, page_size, heads_kv, head_dim)``; ``seqused``: ``()`` or
         ``(seqused_k,)`` (int32 ``(batch,)``, keys each sequence uses); ``partials``: ``()``, or with
         split-KV the fp32 partial O ``(splits, batch, seqlen_q, heads_q, head_dim)`` and LSE
-        ``(splits, batch, heads_q, seqlen_q)`` the combine kernel reads (O and LSE are then unwritten)."""
+        ``(splits, batch, heads_q, seqlen_q)`` the combine kernel reads (O and LSE are then unwritten);
+        ``varlen``: ``()``, or ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q)`` (int32 ``(batch + 1,)`` twice,
+        and an Int32) with Q, K, V, O and LSE packed: ``(1, total, heads, dim)`` and ``(1, heads, total_q)``."""
         cfg = self.cfg
         d = cfg.head_dim
         # (batch, seqlen, heads, dim) -> (seqlen, dim, heads, batch): TMA boxes are (rows, dim). A
@@ -223,12 +229,14 @@ class AttentionSm90:
         # Every stored output (O first) is staged in Q's buffer, with the layout of its own dtype, and
         # TMA-stored from there; the rest of the fused epilogue's tensors are read element by element.
         s2g = cpasync.CopyBulkTensorTileS2GOp()
-        tma_o, tma_mO = self._rows_tma_atom(s2g, mO, self._staging_layout("D"))
+        queries = QueryRange(mQ, varlen)
+        tma_o, tma_mO = self._rows_tma_atom(s2g, queries.store_tensor(mO), self._staging_layout("D"))
         epi_operands, epi_stores, epi_workspaces = (), (), ()
         if cutlass.const_expr(self.epilogue is not None):
             for (role, name, _), t in zip(self.epilogue.tensor_args, epi_tensors):
                 if cutlass.const_expr(role == "aux"):
-                    atom, tma_t = self._rows_tma_atom(s2g, select_modes(t, [1, 3, 2, 0]), self._staging_layout(name))
+                    view = queries.store_tensor(select_modes(t, [1, 3, 2, 0]))
+                    atom, tma_t = self._rows_tma_atom(s2g, view, self._staging_layout(name))
                     epi_stores += ((atom, tma_t),)
                 elif cutlass.const_expr(role == "workspace"):
                     epi_workspaces += (t,)
@@ -246,7 +254,7 @@ class AttentionSm90:
             # score_mod sees scaled scores, so the scale is applied before it and exp2 only changes base.
             scale_log2 = Float32(LOG2_E)
 
-        _, num_tiles = self._tiles(tma_mQ, self._num_splits(partials))
+        _, num_tiles = self._tiles(QueryRange(tma_mQ, varlen), cute.size(tma_mQ, mode=[2]), self._num_splits(partials))
         num_ctas = TileQueue.grid(num_tiles, max_ctas, cfg.persistent, cutlass.min)
         # plan.attention.lpt_heads_per_band on the runtime seqlen_k.
         keys_per_band = lpt_keys_per_band(d, self.dtype.width // 8)
@@ -256,7 +264,7 @@ class AttentionSm90:
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO, mLSE,
             sQ_layout, sK_layout, sV_layout, group, heads_per_band, softmax_scale, scale_log2,
             score_tensors, score_scalars, epi_operands, epi_stores, epi_workspaces, epi_scalars, tile_counter,
-            paged, seqused, partials,
+            paged, seqused, partials, varlen,
         ).launch(
             grid=(num_ctas, 1, 1),
             block=[cfg.num_threads, 1, 1],
@@ -296,6 +304,7 @@ class AttentionSm90:
         paged: tuple,
         seqused: tuple,
         partials: tuple,
+        varlen: tuple,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -325,8 +334,9 @@ class AttentionSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         num_splits = self._num_splits(partials)
-        keys = KeyRange(self, self._capacity(mK, paged), num_splits, paged, seqused)
-        _, num_tiles = self._tiles(mQ, num_splits)
+        keys = KeyRange(self, self._capacity(mK, paged), num_splits, paged, seqused, varlen)
+        queries = QueryRange(mQ, varlen)
+        _, num_tiles = self._tiles(queries, cute.size(mQ, mode=[2]), num_splits)
         tiles = TileQueue(
             storage.tile_slot.get_tensor(cute.make_layout(5)),
             num_tiles,
@@ -342,7 +352,7 @@ class AttentionSm90:
             if warp_idx == self.load_warp:
                 self._load(
                     tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band, tiles,
-                    keys,
+                    queries, keys,
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
@@ -353,7 +363,7 @@ class AttentionSm90:
                 tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, mO, mLSE, heads_per_band,
                 softmax_scale, scale_log2, score_tensors, score_scalars, (epi_operands, epi_workspaces, epi_scalars),
                 staging, stores, tidx - THREADS_PER_WARPGROUP, warp_idx == self.store_warp, tiles,
-                keys, partials,
+                queries, keys, partials,
             )  # fmt: skip
 
     @property
@@ -393,10 +403,11 @@ class AttentionSm90:
             return cute.size(paged[0], mode=[1]) * self.page_size
         return cute.size(mK, mode=[0])
 
-    def _tiles(self, mQ, num_splits):
-        """(m-blocks, work tiles) over ``mQ``'s rows (packed, with packed GQA) and heads."""
-        m_blocks = cute.ceil_div(cute.size(mQ, mode=[0]), self.cfg.tile_m)
-        return m_blocks, m_blocks * cute.size(mQ, mode=[2]) * cute.size(mQ, mode=[3]) * num_splits
+    def _tiles(self, queries: QueryRange, heads, num_splits):
+        """(m-blocks, work tiles) over the queries' rows (packed, with packed GQA; the longest
+        sequence's, varlen), ``heads`` (a key/value head's, packed) and sequences."""
+        m_blocks = cute.ceil_div(queries.rows, self.cfg.tile_m)
+        return m_blocks, m_blocks * heads * queries.batches * num_splits
 
     @cute.jit
     def _work_coord(self, tile, m_blocks, heads, head_batches, heads_per_band, num_splits):
@@ -416,6 +427,13 @@ class AttentionSm90:
             m_block, bh = tile % m_blocks, tile // m_blocks
         return m_block, bh % heads, bh // heads, split
 
+    def _has_rows(self, m_block, bounds):
+        """Whether m-block ``m_block`` holds rows of its sequence (``bounds``: :meth:`QueryRange.bounds`):
+        always, unless the sequences are packed (varlen), each with its own length."""
+        if cutlass.const_expr(self.varlen):
+            return m_block * self.cfg.tile_m < bounds[1]
+        return True
+
     def _query(self, row):
         """The query index of packed row ``row`` of a (batch, head): the row itself, or with packed
         GQA the row's query (rows run head-in-group fastest)."""
@@ -433,60 +451,68 @@ class AttentionSm90:
             # Exclusive key bound of the tile's last row (its query + 1), bottom-right aligned.
             end = self._query((m_block + 1) * cfg.tile_m - 1) + 1 + seqlen_k - seqlen_q
             n = cutlass.min(n, (cutlass.max(end, 1) + cfg.tile_n - 1) // cfg.tile_n)
-        if cutlass.const_expr(self.seqused_k):
+        if cutlass.const_expr(self.seqused_k or self.varlen):
             n = cutlass.max(n, 1)  # seqlen_k >= 1 otherwise (checked on the host)
         return n
 
     @cute.jit
     def _load(
-        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band, tiles, keys,
+        self, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, q_pipe, k_pipe, v_pipe, group, heads_per_band, tiles,
+        queries, keys,
     ):  # fmt: skip
         cfg = self.cfg
         d = cfg.head_dim
         one = cute.make_layout(1)
-        rows = cute.size(mQ, mode=[0])
-        seqlen_q = self._query(rows)
         heads = cute.size(mQ, mode=[2])
-        head_batches = heads * cute.size(mQ, mode=[3])
+        head_batches = heads * queries.batches
         state = RingState.producer(cfg.stages)
         q_state = RingState.producer(1)
-        m_blocks, _ = self._tiles(mQ, keys.num_splits)
+        m_blocks, _ = self._tiles(queries, heads, keys.num_splits)
         tiles = tiles.ordered_by(
             lambda t: self._work_coord(t, m_blocks, heads, head_batches, heads_per_band, keys.num_splits)
         )
         tile = tiles.first()
         while tiles.is_valid(tile):
             m_block, head, batch, split = tiles.coord(tile)
-            n_end, n_count, _ = keys.blocks(m_block, split, seqlen_q, keys.seqlen(batch))
-            kv_head = head // group
-            gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, d), (m_block, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-            tKsK, tKgK = keys.partition(tma_k, sK, mK, kv_head, batch)
-            tVsV, tVgV = keys.partition(tma_v, sV, mV, kv_head, batch)
+            bounds = queries.bounds(batch)
+            # Packed sequences are as long as they are: the m-blocks past a short one's rows are
+            # skipped here, so the consumers never see them (dynamic tiles are announced; static
+            # ones are skipped by the same test).
+            if self._has_rows(m_block, bounds):
+                seqlen_q = self._query(bounds[1])
+                n_end, n_count, _ = keys.blocks(m_block, split, seqlen_q, keys.seqlen(batch))
+                kv_head = head // group
+                m_seq = queries.load_view(mQ[None, None, head, bounds[2]], bounds)
+                gQ = cute.local_tile(m_seq, (cfg.tile_m, d), (m_block, 0))
+                tQsQ, tQgQ = cpasync.tma_partition(
+                    tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+                )
+                tKsK, tKgK = keys.partition(tma_k, sK, mK, kv_head, batch)
+                tVsV, tVgV = keys.partition(tma_v, sV, mV, kv_head, batch)
 
-            # The first K block before Q: it only needs a free K stage, while Q waits for the
-            # previous tile's O to leave Q's buffer.
-            k_pipe.producer_acquire(state)
-            cute.copy(tma_k, keys.block(tma_k, sK, mK, tKgK, kv_head, batch, n_end - 1), tKsK[None, state.index],
-                      tma_bar_ptr=k_pipe.producer_get_barrier(state))  # fmt: skip
-            tiles.announce(q_pipe, q_state, tile, (m_block, head, batch, split))
-            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
-            q_state.advance()
-            # K runs one block ahead of V: K[n - 1] is in flight before V[n].
-            for i in cutlass.range(n_count - 1, unroll=1):
-                n = n_end - 2 - i
-                v_state = state.clone()
-                state.advance()
+                # The first K block before Q: it only needs a free K stage, while Q waits for the
+                # previous tile's O to leave Q's buffer.
                 k_pipe.producer_acquire(state)
-                cute.copy(tma_k, keys.block(tma_k, sK, mK, tKgK, kv_head, batch, n), tKsK[None, state.index],
+                cute.copy(tma_k, keys.block(tma_k, sK, mK, tKgK, kv_head, batch, n_end - 1), tKsK[None, state.index],
                           tma_bar_ptr=k_pipe.producer_get_barrier(state))  # fmt: skip
-                v_pipe.producer_acquire(v_state)
-                cute.copy(tma_v, keys.block(tma_v, sV, mV, tVgV, kv_head, batch, n + 1), tVsV[None, v_state.index],
-                          tma_bar_ptr=v_pipe.producer_get_barrier(v_state))  # fmt: skip
-            v_pipe.producer_acquire(state)
-            cute.copy(tma_v, keys.block(tma_v, sV, mV, tVgV, kv_head, batch, n_end - n_count), tVsV[None, state.index],
-                      tma_bar_ptr=v_pipe.producer_get_barrier(state))  # fmt: skip
-            state.advance()
+                tiles.announce(q_pipe, q_state, tile, (m_block, head, batch, split))
+                cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+                q_state.advance()
+                # K runs one block ahead of V: K[n - 1] is in flight before V[n].
+                for i in cutlass.range(n_count - 1, unroll=1):
+                    n = n_end - 2 - i
+                    v_state = state.clone()
+                    state.advance()
+                    k_pipe.producer_acquire(state)
+                    cute.copy(tma_k, keys.block(tma_k, sK, mK, tKgK, kv_head, batch, n), tKsK[None, state.index],
+                              tma_bar_ptr=k_pipe.producer_get_barrier(state))  # fmt: skip
+                    v_pipe.producer_acquire(v_state)
+                    cute.copy(tma_v, keys.block(tma_v, sV, mV, tVgV, kv_head, batch, n + 1), tVsV[None, v_state.index],
+                              tma_bar_ptr=v_pipe.producer_get_barrier(v_state))  # fmt: skip
+                v_pipe.producer_acquire(state)
+                cute.copy(tma_v, keys.block(tma_v, sV, mV, tVgV, kv_head, batch, n_end - n_count),
+                          tVsV[None, state.index], tma_bar_ptr=v_pipe.producer_get_barrier(state))  # fmt: skip
+                state.advance()
             # Claimed once this tile's loads are issued, as late as the ring allows: the consumers
             # are a few blocks from its end, so a dynamic claim sees how the other CTAs got on.
             tile = tiles.next(tile)
@@ -598,7 +624,7 @@ class AttentionSm90:
     def _consume(
         self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, mO, mLSE, heads_per_band,
         softmax_scale, scale_log2, score_tensors, score_scalars, epi_args, staging, stores, mma_tidx, is_store_warp,
-        tiles, keys, partials,
+        tiles, queries, keys, partials,
     ):  # fmt: skip
         cfg = self.cfg
         d = cfg.head_dim
@@ -620,116 +646,118 @@ class AttentionSm90:
         store = TmaStoreEpilogue(1, cfg.num_mma_threads)
         read = RingState.consumer(cfg.stages)
         q_read = RingState.consumer(1)
-        q_rows = cute.size(mO, mode=[0])  # a (batch, head)'s query rows, packed with packed GQA
-        seqlen_q = self._query(q_rows)
         heads = cute.size(mO, mode=[2])
-        head_batches = heads * cute.size(mO, mode=[3])
-        m_blocks, _ = self._tiles(mO, keys.num_splits)
+        head_batches = heads * queries.batches
+        m_blocks, _ = self._tiles(queries, heads, keys.num_splits)
         tiles = tiles.ordered_by(
             lambda t: self._work_coord(t, m_blocks, heads, head_batches, heads_per_band, keys.num_splits)
         )
         tile = tiles.follow(None, q_pipe, q_read)
         while tiles.is_valid(tile):
             m_block, head, batch, split = tiles.followed_coord(tile, 4)  # dynamic: announced with the tile's Q
-            seqlen_k = keys.seqlen(batch)
-            n_end, n_count, key_limit = keys.blocks(m_block, split, seqlen_q, seqlen_k)
-            acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
-            acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, d)), Float32)
-            rows = cute.size(acc_rows_cols(acc_S), mode=[0])
-            row_max = cute.make_rmem_tensor(rows, Float32)
-            row_sum = cute.make_rmem_tensor(rows, Float32)
-            row_scale = cute.make_rmem_tensor(rows, Float32)
+            bounds = queries.bounds(batch)
+            if self._has_rows(m_block, bounds):  # packed sequences: see _load
+                q_rows = bounds[1]  # the (batch, head)'s query rows, packed with packed GQA
+                seqlen_q = self._query(q_rows)
+                seqlen_k = keys.seqlen(batch)
+                n_end, n_count, key_limit = keys.blocks(m_block, split, seqlen_q, seqlen_k)
+                acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)), Float32)
+                acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, d)), Float32)
+                rows = cute.size(acc_rows_cols(acc_S), mode=[0])
+                row_max = cute.make_rmem_tensor(rows, Float32)
+                row_sum = cute.make_rmem_tensor(rows, Float32)
+                row_scale = cute.make_rmem_tensor(rows, Float32)
 
-            # score_mod leaves that are constant over the tile, loaded once.
-            index_bh = {"b": batch.to(Float32), "h": head.to(Float32)}
-            score_operands = {}
-            if cutlass.const_expr(self.score_mod is not None):
-                if cutlass.const_expr(self.pack == 1):  # packed GQA: loaded per row (_scores)
-                    for i, (name, _, _) in enumerate(self.score_mod.tensor_operands):
-                        score_operands[name] = score_tensors[i][head].to(Float32)
-                for i, (name, _, _) in enumerate(self.score_mod.scalar_operands):
-                    score_operands[name] = score_scalars[i]
-            score_args = (score_tensors, score_operands, head)
+                # score_mod leaves that are constant over the tile, loaded once.
+                index_bh = {"b": batch.to(Float32), "h": head.to(Float32)}
+                score_operands = {}
+                if cutlass.const_expr(self.score_mod is not None):
+                    if cutlass.const_expr(self.pack == 1):  # packed GQA: loaded per row (_scores)
+                        for i, (name, _, _) in enumerate(self.score_mod.tensor_operands):
+                            score_operands[name] = score_tensors[i][head].to(Float32)
+                    for i, (name, _, _) in enumerate(self.score_mod.scalar_operands):
+                        score_operands[name] = score_scalars[i]
+                score_args = (score_tensors, score_operands, head)
 
-            # ---- first (right-most) block, peeled: its softmax is compile-time is_first.
-            n = n_end - 1
-            if cutlass.const_expr(not tiles.dynamic):
-                wait_full(q_pipe, q_read)
-            wait_full(k_pipe, read)
-            mma_turns.wait(wg)
-            warpgroup_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
-            mma_turns.pass_on(wg)
-            warpgroup.wait_group(0)
-            k_pipe.consumer_release(read)
-            self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh, score_args,
-                         True, self.causal)  # fmt: skip
-            self._online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, True)
-            pack_16bit(acc_as_operand_a(acc_S), tOrP)
-
-            # ---- blocks crossing the causal diagonal, then blocks fully below it.
-            n_masked = 0
-            if cutlass.const_expr(self.causal):
-                first_query = self._query(m_block * cfg.tile_m)
-                first_masked = cutlass.max(first_query + seqlen_k - seqlen_q, 0) // cfg.tile_n
-                n_masked = cutlass.max(n_end - 1 - first_masked, 0)
-            for i in cutlass.range(n_count - 1, unroll=1):
-                n = n_end - 2 - i
-                read_v = read.clone()
-                read.advance()
+                # ---- first (right-most) block, peeled: its softmax is compile-time is_first.
+                n = n_end - 1
+                if cutlass.const_expr(not tiles.dynamic):
+                    wait_full(q_pipe, q_read)
                 wait_full(k_pipe, read)
                 mma_turns.wait(wg)
-                # A fresh accumulator per block: with accumulate off, its old values are dead and
-                # need not stay in registers (as WGMMA inputs) until the QK^T is issued.
-                acc_S_n = cute.make_rmem_tensor(acc_S.layout, Float32)
-                warpgroup_gemm(tiled_mma_qk, acc_S_n, tSrQ, tSrK[None, None, None, read.index], False, -1)
-                if cutlass.const_expr(cfg.rescale_o_early):
-                    # The previous softmax's scale, applied while QK^T runs (the last PV has retired).
-                    self._rescale_lazy(acc_O, row_scale)
-                wait_full(v_pipe, read_v)
-                # O's accumulate flag is off for the first PV: no zero-fill of O needed.
-                warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read_v.index], i > 0, -1)
+                warpgroup_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, read.index], False, -1)
                 mma_turns.pass_on(wg)
-                warpgroup.wait_group(1)  # S is ready; PV still runs under the softmax
-                if cutlass.const_expr(not cfg.release_k_late):
-                    k_pipe.consumer_release(read)
-                if i < n_masked:
-                    self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh,
-                                 score_args, False, True)  # fmt: skip
-                else:
-                    self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh,
-                                 score_args, False, False)  # fmt: skip
-                self._online_softmax(acc_S_n, row_max, row_sum, row_scale, scale_log2, False)
-                if cutlass.const_expr(cfg.release_k_late):
-                    # K's stage is free since S landed; released after the softmax (whose last row sum
-                    # it waits for) so the PV wait below stays after the softmax too: see release_after.
-                    release_after(k_pipe, read, row_sum[cute.size(row_sum) - 1])
                 warpgroup.wait_group(0)
-                v_pipe.consumer_release(read_v)
-                pack_16bit(acc_as_operand_a(acc_S_n), tOrP)
-                if cutlass.const_expr(not cfg.rescale_o_early):
-                    self._rescale_lazy(acc_O, row_scale)
-            # ---- the last PV.
-            if cutlass.const_expr(cfg.rescale_o_early):
-                self._rescale_lazy(acc_O, row_scale)
-            wait_full(v_pipe, read)
-            warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read.index], n_count > 1, 0)
-            v_pipe.consumer_release(read)
-            read.advance()  # the next tile's first block, on the ring's next stage
+                k_pipe.consumer_release(read)
+                self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh,
+                             score_args, True, self.causal)  # fmt: skip
+                self._online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, True)
+                pack_16bit(acc_as_operand_a(acc_S), tOrP)
 
-            self._epilogue(
-                tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, mLSE, (m_block, head, batch),
-                q_rows, epi_args, staging, stores, mma_tidx, is_store_warp, store, (split, partials),
-            )  # fmt: skip
-            # The O store has read Q's buffer (publish waits for that): the next tile's Q may land.
-            if is_store_warp:
-                q_pipe.consumer_release(q_read)
-            q_read.advance()
+                # ---- blocks crossing the causal diagonal, then blocks fully below it.
+                n_masked = 0
+                if cutlass.const_expr(self.causal):
+                    first_query = self._query(m_block * cfg.tile_m)
+                    first_masked = cutlass.max(first_query + seqlen_k - seqlen_q, 0) // cfg.tile_n
+                    n_masked = cutlass.max(n_end - 1 - first_masked, 0)
+                for i in cutlass.range(n_count - 1, unroll=1):
+                    n = n_end - 2 - i
+                    read_v = read.clone()
+                    read.advance()
+                    wait_full(k_pipe, read)
+                    mma_turns.wait(wg)
+                    # A fresh accumulator per block: with accumulate off, its old values are dead and
+                    # need not stay in registers (as WGMMA inputs) until the QK^T is issued.
+                    acc_S_n = cute.make_rmem_tensor(acc_S.layout, Float32)
+                    warpgroup_gemm(tiled_mma_qk, acc_S_n, tSrQ, tSrK[None, None, None, read.index], False, -1)
+                    if cutlass.const_expr(cfg.rescale_o_early):
+                        # The previous softmax's scale, applied while QK^T runs (the last PV has retired).
+                        self._rescale_lazy(acc_O, row_scale)
+                    wait_full(v_pipe, read_v)
+                    # O's accumulate flag is off for the first PV: no zero-fill of O needed.
+                    warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read_v.index], i > 0, -1)
+                    mma_turns.pass_on(wg)
+                    warpgroup.wait_group(1)  # S is ready; PV still runs under the softmax
+                    if cutlass.const_expr(not cfg.release_k_late):
+                        k_pipe.consumer_release(read)
+                    if i < n_masked:
+                        self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh,
+                                     score_args, False, True)  # fmt: skip
+                    else:
+                        self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh,
+                                     score_args, False, False)  # fmt: skip
+                    self._online_softmax(acc_S_n, row_max, row_sum, row_scale, scale_log2, False)
+                    if cutlass.const_expr(cfg.release_k_late):
+                        # K's stage is free since S landed; released after the softmax (whose last row sum
+                        # it waits for) so the PV wait below stays after the softmax too: see release_after.
+                        release_after(k_pipe, read, row_sum[cute.size(row_sum) - 1])
+                    warpgroup.wait_group(0)
+                    v_pipe.consumer_release(read_v)
+                    pack_16bit(acc_as_operand_a(acc_S_n), tOrP)
+                    if cutlass.const_expr(not cfg.rescale_o_early):
+                        self._rescale_lazy(acc_O, row_scale)
+                # ---- the last PV.
+                if cutlass.const_expr(cfg.rescale_o_early):
+                    self._rescale_lazy(acc_O, row_scale)
+                wait_full(v_pipe, read)
+                warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read.index], n_count > 1, 0)
+                v_pipe.consumer_release(read)
+                read.advance()  # the next tile's first block, on the ring's next stage
+
+                self._epilogue(
+                    tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, mLSE, (m_block, head, batch),
+                    queries, bounds, epi_args, staging, stores, mma_tidx, is_store_warp, store, (split, partials),
+                )  # fmt: skip
+                # The O store has read Q's buffer (publish waits for that): the next tile's Q may land.
+                if is_store_warp:
+                    q_pipe.consumer_release(q_read)
+                q_read.advance()
             tile = tiles.follow(tile, q_pipe, q_read)
         store.drain(is_store_warp)
 
     @cute.jit
     def _epilogue(
-        self, tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, mLSE, tile, seqlen_q,
+        self, tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, mLSE, tile, queries, bounds,
         epi_args, staging, stores, mma_tidx, is_store_warp, store, split_args,
     ):  # fmt: skip
         """O normalized by the row sums and its LSE written, then the output epilogue's chain
@@ -739,10 +767,11 @@ class AttentionSm90:
 
         With split-KV the normalized fp32 O and the LSE of the split's keys go to the partials
         instead (``split_args``: the split and the partial tensors), for the combine kernel.
-        ``seqlen_q``: the rows of the tile's (batch, head) (packed rows with packed GQA)."""
+        ``bounds``: the sequence's rows in ``queries`` (:meth:`QueryRange.bounds`; packed rows with packed GQA)."""
         cfg = self.cfg
         d = cfg.head_dim
-        m_block, head, batch = tile
+        m_block, head, _ = tile
+        first_row, seqlen_q, tensor_batch = bounds
         # ---- finalize: 1 / row sum, and LSE = max * scale + ln(sum).
         lse = cute.make_rmem_tensor(cute.size(row_sum), Float32)
         for r in cutlass.range_constexpr(cute.size(row_sum)):
@@ -766,7 +795,7 @@ class AttentionSm90:
                 for r in cutlass.range_constexpr(cute.size(lse)):
                     q = m_block * cfg.tile_m + cO_rc[r, 0][0]
                     if q < seqlen_q:
-                        mLSE[q, head, batch] = lse[r]
+                        mLSE[first_row + q, head, tensor_batch] = lse[r]
             outputs = {}
             for name, dtype in self.output_dtypes.items():
                 # O's fp32 values are its accumulator; aux tiles are rounded as they are computed (no
@@ -776,7 +805,9 @@ class AttentionSm90:
                 outputs[name] = AttentionOutput(
                     name, dtype, values, acc_O.shape, atom, tensor, staging[name], tiled_mma_pv, mma_tidx
                 )
-            run = AttentionEpilogueRun(self, outputs, store, is_store_warp, tile, seqlen_q, cO, epi_args, mma_tidx)
+            run = AttentionEpilogueRun(
+                self, outputs, store, is_store_warp, tile, queries, bounds, cO, epi_args, mma_tidx
+            )
             if cutlass.const_expr(self.epilogue is not None):
                 run.coords0 = tiled_mma_pv.get_slice(0).partition_C(ident)
             run_chain("begin", run)
@@ -816,7 +847,8 @@ class AttentionOutput(StagedOutput):
     def begin(self, run) -> None:
         cfg = run.kernel.cfg
         m_block, head, batch = run.tile
-        gO = cute.local_tile(self.tensor[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+        rows = run.queries.store_view(self.tensor, head, batch, run.bounds)
+        gO = cute.local_tile(rows, (cfg.tile_m, cfg.head_dim), (m_block, 0))
         self.tma_smem, self.tma_gmem = cpasync.tma_partition(
             self.atom, 0, cute.make_layout(1), cute.group_modes(self.staging, 0, 2), cute.group_modes(gO, 0, 2)
         )
@@ -845,18 +877,18 @@ class AttentionEpilogueRun(EpilogueRun):
     ``(head_dim,)`` are read from global memory where the compute needs them, and reductions see
     the problem as ``(L, M, N) = (batch * heads, seqlen_q, head_dim)``, as the reference does."""
 
-    def __init__(self, kernel, outputs, store, is_store_warp, tile, seqlen_q, cO, epi_args, mma_tidx):
+    def __init__(self, kernel, outputs, store, is_store_warp, tile, queries, bounds, cO, epi_args, mma_tidx):
         super().__init__()
         cfg, fusion = kernel.cfg, kernel.epilogue
         self.kernel, self.fusion, self.stages = kernel, fusion, kernel.chain
         self.outputs, self.store, self.is_store_warp = outputs, store, is_store_warp
-        self.tile, self.seqlen_q = tile, seqlen_q
+        self.tile, self.queries, self.bounds, self.seqlen_q = tile, queries, bounds, bounds[1]
         self.subtile_size = cute.size(outputs["D"].values)  # O's: the tile is one subtile
         if cutlass.const_expr(fusion is not None):
             operands, workspaces, scalars = epi_args
             m_block, head, batch = tile
             self.coords, self.scalars, self.workspaces, self.lane = cO, scalars, workspaces, mma_tidx % 32
-            self.origin, self.extent = (m_block * cfg.tile_m, 0), (seqlen_q, cfg.head_dim)
+            self.origin, self.extent = (m_block * cfg.tile_m, 0), (self.seqlen_q, cfg.head_dim)
             heads = cute.size(self.outputs["D"].tensor, mode=[2])
             self.tile_index = (0, batch * heads + head)  # (tn, tl): one tile spans head_dim
             tensors = dict(zip(fusion.tile_inputs + fusion.row_inputs, operands))

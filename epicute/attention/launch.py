@@ -42,6 +42,8 @@ class AttentionVariant:
     #: keys per page of a paged K/V cache (0: contiguous K/V), and whether seqused_k is passed
     page_size: int = 0
     seqused_k: bool = False
+    #: packed variable-length sequences (cu_seqlens_q/k)
+    varlen: bool = False
 
     @property
     def out_dtype(self) -> str:
@@ -55,12 +57,13 @@ class AttentionVariant:
             None if self.score_mod is None else self.score_mod.key(),
             None if self.epilogue is None else self.epilogue.key(),
             ("align", OPERAND_ALIGN_BYTES), ("page_size", self.page_size), ("seqused_k", self.seqused_k),
-        )  # fmt: skip
+        ) + ((("varlen", True),) if self.varlen else ())  # fmt: skip
         c = self.config
         label = (
             f"attention d{c.head_dim} {c.tile_m}x{c.tile_n} {self.dtype}" + (" causal" if self.causal else "")
             + (f" gqa-pack{c.pack_gqa}" if c.pack_gqa > 1 else "") + (" split-kv" if c.split_kv else "")
             + (f" paged{self.page_size}" if self.page_size else "") + (" seqused" if self.seqused_k else "")
+            + (" varlen" if self.varlen else "")
             + ("" if self.score_mod is None else " +score_mod") + ("" if self.epilogue is None else " +epilogue")
         )  # fmt: skip
         return CacheKey("attention", parts, self.arch, label)
@@ -136,11 +139,11 @@ def _fake_partials(head_dim: int) -> tuple:
 
 def compile_attention(variant: AttentionVariant):
     """Compile one variant for sm_90a; returns ``f(q, k, v, o, lse, softmax_scale, score_tensors, score_scalars,
-    epi_tensors, epi_scalars, max_ctas, tile_counter, paged, seqused, partials)`` taking torch tensors
+    epi_tensors, epi_scalars, max_ctas, tile_counter, paged, seqused, partials, varlen)`` taking torch tensors
     (layout ``(batch, seqlen, heads, head_dim)``, LSE ``(batch, heads, seqlen_q)`` fp32 contiguous); a
     persistent variant launches at most ``max_ctas`` CTAs (one per SM); a dynamically scheduled one claims
     tiles from ``tile_counter`` (int32, one element, zero at launch), which the others never read.
-    ``paged``, ``seqused``, ``partials``: ``()`` unless the variant takes them (see
+    ``paged``, ``seqused``, ``partials``, ``varlen``: ``()`` unless the variant takes them (see
     :meth:`epicute.attention.kernel_sm90.AttentionSm90.__call__`)."""
     import cutlass
     from cutlass import cute
@@ -164,21 +167,25 @@ def compile_attention(variant: AttentionVariant):
     paged = (_fake_elementwise(cutlass.Int32, 2),) if variant.page_size else ()
     seqused = (_fake_elementwise(cutlass.Int32, 1),) if variant.seqused_k else ()
     partials = _fake_partials(d) if variant.config.split_kv else ()
+    varlen = ()
+    if variant.varlen:  # cu_seqlens_q, cu_seqlens_k, max_seqlen_q
+        varlen = (_fake_elementwise(cutlass.Int32, 1), _fake_elementwise(cutlass.Int32, 1), cutlass.Int32(1))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = AttentionSm90(
         variant.config, variant.dtype, variant.causal, variant.score_mod, variant.epilogue, variant.page_size,
-        variant.seqused_k,
+        variant.seqused_k, variant.varlen,
     )  # fmt: skip
     try:
         with warnings.catch_warnings():
             # Empty operand tuples become compile-time constants, which is what we want.
             warnings.filterwarnings(
                 "ignore",
-                message=r"Argument ((score|epi)_(tensors|scalars)|paged|seqused|partials) .*cannot be converted",
+                message=r"Argument ((score|epi)_(tensors|scalars)|paged|seqused|partials|varlen) .*cannot be converted",
             )
             return cute.compile(
                 kernel, q, k, v, o, lse, cutlass.Float32(1.0), score_tensors, score_scalars, epi_tensors, epi_scalars,
-                cutlass.Int32(1), counter, paged, seqused, partials, stream, options=compile_module.DSL_COMPILE_OPTIONS,
+                cutlass.Int32(1), counter, paged, seqused, partials, varlen, stream,
+                options=compile_module.DSL_COMPILE_OPTIONS,
             )  # fmt: skip
     except Exception as exc:  # the DSL raises many types; report one
         raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
@@ -273,7 +280,8 @@ def launch_attention(
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Run the kernel on a validated ``call``; returns every output by name -- ``"D"``: O ``(B, Sq, Hq, D)``
     in its stored dtype (``call.out`` if given), aux tiles like it, reductions finalized -- and LSE
-    ``(B, Hq, Sq)`` fp32. ``max_ctas`` bounds a persistent grid (the plan's
+    ``(B, Hq, Sq)`` fp32; packed sequences (varlen) give O like q, ``(total_q, Hq, D)``, and LSE
+    ``(Hq, total_q)``. ``max_ctas`` bounds a persistent grid (the plan's
     :attr:`~epicute.attention.plan.AttentionPlan.max_ctas`; default: one CTA per SM of the current GPU).
     A split-KV variant writes partials that :data:`COMBINE_CACHE`'s kernel then reduces into O and LSE."""
     p, device = call.problem, call.q.device
@@ -288,7 +296,7 @@ def launch_attention(
     # Reductions see (L, M, N) = (batch * heads, seqlen_q, head_dim); one tile spans head_dim.
     lmn = (p.batch * p.heads_q, p.seqlen_q, p.head_dim)
     workspaces = {r.name: new_output(r.workspace_shape(*lmn, p.head_dim), torch.float32, device) for r in reductions}
-    lse = new_lse((p.batch, p.heads_q, p.seqlen_q), device)
+    lse = new_lse((p.heads_q, call.q.size(0)) if p.varlen else (p.batch, p.heads_q, p.seqlen_q), device)
     if out.numel():
         kernel = ATTENTION_CACHE.get(variant)
         if max_ctas is None:
@@ -297,11 +305,15 @@ def launch_attention(
         epi_tensors = tensors + tuple(aux.values()) + tuple(workspaces.values())
         cfg = variant.config
         partials = new_partials(cfg.num_splits, p, device) if cfg.split_kv else ()
+        q, k, v, o, lse_bhs, varlen = call.q, call.k, call.v, out, lse, ()
+        if p.varlen:  # packed: one batch entry of every row
+            q, k, v, o, lse_bhs = (t.unsqueeze(0) for t in (q, k, v, o, lse))
+            varlen = (call.cu_seqlens_q, call.cu_seqlens_k, p.seqlen_q)
         kernel(
-            call.q, call.k, call.v, out, lse, call.softmax_scale, *score_operands, epi_tensors, scalars, max_ctas,
+            q, k, v, o, lse_bhs, call.softmax_scale, *score_operands, epi_tensors, scalars, max_ctas,
             tile_counter(call.q.device, cfg.dynamic_tiles),
             () if call.page_table is None else (call.page_table,), () if call.seqused_k is None else (call.seqused_k,),
-            partials,
+            partials, varlen,
         )  # fmt: skip
         if partials:
             COMBINE_CACHE.get(CombineVariant(variant.out_dtype, p.head_dim, variant.arch))(*partials, out, lse)

@@ -60,6 +60,9 @@ class AttentionProblem:
     page_size: int = 0
     #: Each sequence uses its own first ``seqused_k[b]`` keys (a device tensor; flash-attn's convention).
     seqused_k: bool = False
+    #: Packed variable-length sequences (``cu_seqlens_q/k``): ``batch`` sequences of at most ``seqlen_q``
+    #: queries and ``seqlen_k`` keys, so the flops and bytes below are upper bounds.
+    varlen: bool = False
 
     @property
     def group(self) -> int:
@@ -313,7 +316,7 @@ def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = T
     epilogue); ``plain_output=False`` keeps the prefill plan."""
     p = problem
     rows = p.group * p.seqlen_q
-    if not plain_output or rows > DECODE_ROWS or p.seqlen_q > DECODE_ROWS:
+    if not plain_output or p.varlen or rows > DECODE_ROWS or p.seqlen_q > DECODE_ROWS:
         return None
     tile_n = DECODE_TILE_N[p.head_dim]
     if p.page_size:
@@ -520,6 +523,12 @@ def render_attention_plan(plan: AttentionPlan, chain: tuple = ()) -> str:
         )
     if p.seqused_k:
         lines.append("  seqused_k       each sequence reads its own first seqused_k[b] keys (masked past them)")
+    if p.varlen:
+        lines.append(
+            f"  varlen          {p.batch} packed sequences (cu_seqlens), the longest {p.seqlen_q} queries / "
+            f"{p.seqlen_k} keys: tiles cut from the longest, blocks past a shorter one's rows skipped, O stored "
+            "through a ragged TMA view that clips at each sequence's end (sizes above are upper bounds)"
+        )
     lines += [
         "",
         "warp roles",

@@ -172,6 +172,9 @@ def hooks_of(
         )
     if out_dtypes and epi is None:
         raise EpilogueError(f"out_dtypes {sorted(out_dtypes)} were given without an epilogue")
+    if epi is not None and p.varlen:
+        raise ConfigError("epilogue= with cu_seqlens: packed sequences take no output epilogue yet; apply it to "
+                          "the packed O after attention")  # fmt: skip
     score = None if sm is None else Hook("score_mod", sm, operands, p, "fp32")
     out = None if epi is None else Hook("epilogue", epi, operands, p, p.dtype, out_dtypes)
     return score, out
@@ -207,6 +210,7 @@ class PreparedAttention:
         return AttentionVariant(
             self.plan.config, p.dtype, p.causal, None if self.score is None else self.score.fusion,
             None if self.epilogue is None else self.epilogue.fusion, self.plan.target.arch, p.page_size, p.seqused_k,
+            p.varlen,
         )  # fmt: skip
 
     def backward_variant(self):
@@ -228,7 +232,7 @@ class PreparedAttention:
                 raise ConfigError(f"attention backward: {why}; or call under torch.no_grad() (inference)")
         return BackwardVariant(
             backward_config(p.head_dim), p.dtype, p.causal, None if self.score is None else self.score.fusion,
-            self.plan.target.arch,
+            self.plan.target.arch, p.varlen,
         )  # fmt: skip
 
 

@@ -47,6 +47,8 @@ def attention_op(
     spec: str,
     page_table: torch.Tensor | None,
     seqused_k: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``epicute.attention(q, k, v, ..., return_lse=True)`` as an op: ``(O, LSE)`` (see the module docstring)."""
     from epicute.attention.api import attention
@@ -58,16 +60,26 @@ def attention_op(
             score_mod=registered_epilogue(score_mod) if score_mod else None,
             epilogue=registered_epilogue(epilogue) if epilogue else None,
             config=config_of(spec), page_table=page_table, seqused_k=seqused_k,
-            **operand_values(operands, scalars, spec),
+            **_packed(cu_seqlens_q, cu_seqlens_k, spec), **operand_values(operands, scalars, spec),
         )  # fmt: skip
+
+
+def _packed(cu_seqlens_q, cu_seqlens_k, spec: dict) -> dict:
+    """The varlen arguments of a call whose spec carries the longest lengths (none for a dense call)."""
+    if cu_seqlens_q is None:
+        return {}
+    return {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": spec["max_seqlen_q"],
+            "max_seqlen_k": spec["max_seqlen_k"]}  # fmt: skip
 
 
 @attention_op.register_fake
 def _attention_fake(
-    q, k, v, operands, scalars, score_mod, epilogue, spec, page_table, seqused_k
+    q, k, v, operands, scalars, score_mod, epilogue, spec, page_table, seqused_k, cu_seqlens_q, cu_seqlens_k
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # Output metadata never depends on the hooks: O is stored in q's dtype (the kernel's
     # O tile is q's type), contiguous like eager's torch.empty_like(q, contiguous_format).
+    if cu_seqlens_q is not None and q.dim() == 3:  # packed: LSE (heads_q, total_q)
+        return q.new_empty(q.shape), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32)
     if q.dim() != 4:
         raise ShapeError(f"q has shape {tuple(q.shape)}; attention takes 4-D (batch, seqlen, heads, head_dim) tensors")
     batch, seqlen_q, heads_q, _ = q.shape
@@ -90,6 +102,8 @@ def attention_backward_op(
     scalars: list[float],
     score_mod: str,
     spec: str,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dQ, dK, dV)`` of ``epicute::attention``'s ``(O, LSE)`` for their gradients ``do`` and ``dlse``."""
     from epicute.attention.backward import attention_backward
@@ -97,20 +111,20 @@ def attention_backward_op(
     from epicute.attention.validate import check_attention_args
 
     spec = json.loads(spec)
-    call = check_attention_args(q, k, v, causal=spec["causal"], softmax_scale=spec["softmax_scale"])
+    call = check_attention_args(
+        q, k, v, causal=spec["causal"], softmax_scale=spec["softmax_scale"], **_packed(cu_seqlens_q, cu_seqlens_k, spec)
+    )
     prepared = prepare(
         call, registered_epilogue(score_mod) if score_mod else None, None, operand_values(operands, scalars, spec),
         None, config_of(spec),
     )  # fmt: skip
     score = prepared.score
-    return attention_backward(
-        q, k, v, o, lse, _tma_ready(do), call.softmax_scale, prepared.backward_variant(),
-        score.kernel_operands(q.device) if score else ((), ()), dlse,
-    )  # fmt: skip
+    score_operands = score.kernel_operands(q.device) if score else ((), ())
+    return attention_backward(call, o, lse, _tma_ready(do), prepared.backward_variant(), score_operands, dlse)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(q, k, v, o, lse, do, dlse, operands, scalars, score_mod, spec):
+def _attention_backward_fake(q, k, v, o, lse, do, dlse, operands, scalars, score_mod, spec, cu_q, cu_k):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -135,24 +149,26 @@ def _grad_slot(value: list):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, operands, scalars, score_mod, _epilogue, spec, _page_table, _seqused_k = inputs
+    q, k, v, operands, scalars, score_mod, _epilogue, spec, _page_table, _seqused_k, cu_q, cu_k = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, *operands)
+    ctx.packed = cu_q is not None
+    ctx.save_for_backward(q, k, v, o, lse, *((cu_q, cu_k) if ctx.packed else ()), *operands)
     ctx.hooks = (scalars, score_mod, spec)
     ctx.list_slots = tuple(_grad_slot(x) for x in (operands, scalars))
 
 
 def _backward(ctx, grad_o, grad_lse):
-    q, k, v, o, lse, *operands = ctx.saved_tensors
+    q, k, v, o, lse, *rest = ctx.saved_tensors
+    cu_q, cu_k, operands = (*rest[:2], rest[2:]) if ctx.packed else (None, None, rest)
     scalars, score_mod, spec = ctx.hooks
     if grad_o is None:
         grad_o = torch.zeros_like(o)
     dq, dk, dv = torch.ops.epicute.attention_backward(q, k, v, o, lse, grad_o, grad_lse, operands, scalars,
-                                                      score_mod, spec)  # fmt: skip
-    # No gradient for the hooks' operands, the page table or seqused_k (the backward refuses calls
-    # whose operands need one: see attention()); the tensor list gets a list, as autograd checks.
+                                                      score_mod, spec, cu_q, cu_k)  # fmt: skip
+    # No gradient for the hooks' operands, the page table, seqused_k or the offsets (the backward refuses
+    # calls whose operands need one: see attention()); the tensor list gets a list, as autograd checks.
     operand_grads, scalar_grads = ctx.list_slots
-    return dq, dk, dv, operand_grads, scalar_grads, None, None, None, None, None
+    return dq, dk, dv, operand_grads, scalar_grads, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("epicute::attention", _backward, setup_context=_setup_context)
@@ -188,6 +204,10 @@ def attention_op_call(
     operands: dict[str, Any],
     page_table: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`epicute.attention` while ``torch.compile`` traces it: one ``epicute::attention`` op.
 
@@ -203,11 +223,17 @@ def attention_op_call(
         if refusal:
             raise EpilogueError(refusal)
     tensor_names, tensors, scalar_names, scalars, pins = split_operands(operands)
-    spec = spec_text(
-        tuple(tensor_names), tuple(scalar_names), tuple(pins), tuple(sorted((config or {}).items())),
-        (("causal", bool(causal)), ("softmax_scale", None if softmax_scale is None else float(softmax_scale))),
-    )  # fmt: skip
-    o, lse = torch.ops.epicute.attention(q, k, v, tensors, scalars, score_key, epi_key, spec, page_table, seqused_k)
+    extra = (("causal", bool(causal)), ("softmax_scale", None if softmax_scale is None else float(softmax_scale)))
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if max_seqlen_q is None or max_seqlen_k is None:
+            raise ConfigError("under torch.compile, cu_seqlens need max_seqlen_q and max_seqlen_k (ints): the "
+                              "graph cannot read them from the offsets")  # fmt: skip
+        extra += (("max_seqlen_q", int(max_seqlen_q)), ("max_seqlen_k", int(max_seqlen_k)))
+    config_pins = tuple(sorted((config or {}).items()))
+    spec = spec_text(tuple(tensor_names), tuple(scalar_names), tuple(pins), config_pins, extra)
+    o, lse = torch.ops.epicute.attention(
+        q, k, v, tensors, scalars, score_key, epi_key, spec, page_table, seqused_k, cu_seqlens_q, cu_seqlens_k
+    )
     if out is not None:  # the op returns a fresh O, copied in (eager writes out directly)
         o = out.copy_(o)
     return (o, lse) if return_lse else o

@@ -6,12 +6,16 @@ other stride 16-byte aligned; WGMMA takes bf16/fp16; the kernel is compiled
 for head_dim 64/128/256 and for ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA).
 A paged cache ``(num_pages, page_size, heads_kv, head_dim)`` comes with an int32
 ``page_table`` ``(batch, pages per sequence)``; ``seqused_k`` is int32 ``(batch,)``.
+Variable-length batches are packed as flash-attn's varlen functions take them: Q, K, V
+``(total, heads, head_dim)`` with int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``(batch + 1,)``
+(sequence ``b`` is rows ``cu[b]`` to ``cu[b + 1]``) and the longest lengths ``max_seqlen_q/k``.
 Each error names the argument and the fix; nothing is copied behind the user's back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,6 +39,9 @@ class AttentionCall:
     page_table: torch.Tensor | None = None
     #: int32 ``(batch,)``: keys each sequence uses
     seqused_k: torch.Tensor | None = None
+    #: int32 ``(batch + 1,)`` each, packed variable-length sequences (``problem.varlen``)
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
 
 
 def tma_layout_problem(t: torch.Tensor, name: str) -> str | None:
@@ -76,13 +83,27 @@ def check_attention_args(
     require_cuda: bool = True,
     page_table: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> AttentionCall:
     """Validate ``attention(q, k, v)`` and describe it as an :class:`AttentionProblem`.
 
     With ``page_table``, K and V are a paged cache ``(num_pages, page_size, heads_kv, head_dim)``
     and sequence ``b``'s keys are pages ``page_table[b, :]`` in order (flash-attn's convention);
     ``seqused_k`` (int32 ``(batch,)``) limits each sequence to its first keys. Their values are not
-    read here (that would wait for the GPU): entries out of range read zeros, not other memory."""
+    read here (that would wait for the GPU): entries out of range read zeros, not other memory.
+
+    Packed (``cu_seqlens_q``/``cu_seqlens_k``): see :func:`_check_packed`; the problem's batch is the
+    number of sequences and its seqlens are the longest ones."""
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return _check_packed(
+            q, k, v, causal, softmax_scale, out, require_cuda, page_table, seqused_k,
+            (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k),
+        )  # fmt: skip
+    if max_seqlen_q is not None or max_seqlen_k is not None:
+        raise ConfigError("max_seqlen_q/max_seqlen_k go with cu_seqlens_q and cu_seqlens_k (packed sequences)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise DtypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -140,6 +161,67 @@ def check_attention_args(
     return call
 
 
+def _check_packed(q, k, v, causal, softmax_scale, out, require_cuda, page_table, seqused_k, cu, max_seqlens):
+    """Packed sequences: Q ``(total_q, heads_q, d)``, K and V ``(total_k, heads_kv, d)``, int32 ``cu_seqlens_q``
+    and ``cu_seqlens_k`` ``(batch + 1,)``. Q, K and V are checked as the ``(1, total, heads, d)`` tensors the
+    kernel reads. ``max_seqlen_q/k`` bound the sequences' lengths; when not given they are read from
+    ``cu_seqlens`` (one sync), and then the offsets' values are checked too. Given, nothing is read: an
+    offset outside ``[0, total]`` is clamped in the kernel (a wrong sequence, never a stray access), and a
+    sequence longer than ``max_seqlen_q`` leaves its rows past it unwritten, as in flash-attn."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise DtypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ShapeError(
+                f"{name} has shape {tuple(t.shape)}; with cu_seqlens, attention takes packed (total, heads, "
+                f"head_dim) tensors (flash-attn's varlen layout)"
+            )
+    if page_table is not None or seqused_k is not None:
+        raise ConfigError("cu_seqlens with page_table/seqused_k: packed sequences read contiguous K and V; pass "
+                          "one or the other")  # fmt: skip
+    names = ("cu_seqlens_q", "cu_seqlens_k")
+    if cu[0] is None or cu[1] is None:
+        raise ConfigError(f"pass both cu_seqlens_q and cu_seqlens_k (got only {names[cu[0] is None]})")
+    if not isinstance(cu[0], torch.Tensor) or cu[0].dim() != 1 or cu[0].numel() < 1:
+        raise ShapeError("cu_seqlens_q must be an int32 (batch + 1,) tensor of cumulative sequence starts")
+    batch = cu[0].numel() - 1
+    for name, t in zip(names, cu):
+        _check_index_vector(t, name, (batch + 1,), q)
+    call = check_attention_args(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal=causal, softmax_scale=softmax_scale,
+        require_cuda=require_cuda,
+    )  # fmt: skip
+    lengths = []
+    for name, t, total, given in zip(names, cu, (q.size(0), k.size(0)), max_seqlens):
+        if given is None:
+            lengths.append(_packed_max_length(t, name, total))
+        elif isinstance(given, bool) or not isinstance(given, int) or given < 0:
+            raise ConfigError(f"max_seqlen_{name[-1]}={given!r}: pass the longest sequence's length, an int >= 0")
+        else:
+            lengths.append(given)
+    problem = replace(call.problem, batch=batch, seqlen_q=lengths[0], seqlen_k=lengths[1], varlen=True)
+    call = AttentionCall(problem, q, k, v, call.softmax_scale, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
+    if out is not None:
+        check_attention_out(call, out, q.dtype)
+    return call
+
+
+def _packed_max_length(cu: torch.Tensor, name: str, total: int) -> int:
+    """The longest sequence of ``cu`` (cumulative starts, checked: from 0, non-decreasing, ending at ``total``);
+    reads the offsets (a sync when they are on the GPU)."""
+    if cu.device.type == "meta":
+        raise ConfigError(f"{name} is a meta tensor: pass max_seqlen_{name[-1]} (its values cannot be read)")
+    values = cu.tolist()
+    if values[0] != 0 or values[-1] != total:
+        raise ShapeError(f"{name} runs from {values[0]} to {values[-1]}; it must run from 0 to the packed tensor's "
+                         f"{total} rows (torch.cumsum of the lengths, with a 0 in front)")  # fmt: skip
+    lengths = [b - a for a, b in itertools.pairwise(values)]
+    if any(n < 0 for n in lengths):
+        raise ShapeError(f"{name} decreases at sequence {next(i for i, n in enumerate(lengths) if n < 0)}; "
+                         "it holds cumulative sequence starts")  # fmt: skip
+    return max(lengths, default=0)
+
+
 #: Page sizes the paged kernel takes: a multiple of 16 keys (WGMMA's N step), at most 256.
 MAX_PAGE_SIZE = 256
 
@@ -188,7 +270,7 @@ def check_attention_out(call: AttentionCall, out: torch.Tensor, dtype: torch.dty
             raise OutputError(f"out shares memory with {name}; the kernel would read {name} while writing out")
     if out.numel():
         try:
-            _check_strides(out, "out")
+            _check_strides(out.unsqueeze(0) if call.problem.varlen else out, "out")
         except AlignmentError as exc:
             raise OutputError(str(exc)) from exc
     call.out = out

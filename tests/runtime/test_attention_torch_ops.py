@@ -47,11 +47,11 @@ SHAPE_IDS = ["mha", "gqa-sq<sk", "mqa-sq>sk"]
 def op_args(b, sq, sk, hq, hkv, d, hooks=False, dtype=torch.bfloat16):
     q, k, v = meta(b, sq, hq, d, dtype=dtype), meta(b, sk, hkv, d, dtype=dtype), meta(b, sk, hkv, d, dtype=dtype)
     if not hooks:
-        return (q, k, v, [], [], "", "", spec(causal=True), None, None)
+        return (q, k, v, [], [], "", "", spec(causal=True), None, None, None, None)
     operands = [torch.randn(d), meta(b, sq, hq, d), meta(hq, dtype=torch.float32)]
     return (
         q, k, v, operands, [30.0], register_score_mod(softcap_alibi), register_epilogue(gated),
-        spec(["bias", "gate", "slopes"], ["cap"], softmax_scale=0.1), None, None,
+        spec(["bias", "gate", "slopes"], ["cap"], softmax_scale=0.1), None, None, None, None,
     )  # fmt: skip
 
 
@@ -66,7 +66,8 @@ def test_fake_outputs_have_eager_shapes_dtypes_and_strides(shape, hooks):
 
 def test_fake_output_is_contiguous_for_a_strided_q():
     q = meta(2, 8, 17, 64).transpose(1, 2)  # (2, 17, 8, 64) with heads outermost, as eager accepts it
-    o, lse = torch.ops.epicute.attention(q, meta(2, 9, 8, 64), meta(2, 9, 8, 64), [], [], "", "", spec(), None, None)
+    kv = meta(2, 9, 8, 64)
+    o, lse = torch.ops.epicute.attention(q, kv, kv, [], [], "", "", spec(), None, None, None, None)
     assert o.shape == (2, 17, 8, 64) and o.stride() == (17 * 8 * 64, 8 * 64, 64, 1)
     assert lse.shape == (2, 8, 17)
 
@@ -85,7 +86,7 @@ def test_autograd_runs_the_backward_op_with_the_inputs_structure(scalars):
     k, v = meta(2, 33, 2, 64).requires_grad_(), meta(2, 33, 2, 64).requires_grad_()
     slopes = torch.ones(4)
     o, lse = torch.ops.epicute.attention(
-        q, k, v, [slopes], scalars, "", "", spec(["slopes"], ["cap"] if scalars else []), None, None
+        q, k, v, [slopes], scalars, "", "", spec(["slopes"], ["cap"] if scalars else []), None, None, None, None
     )
     dq, dk, dv = torch.autograd.grad((o, lse), (q, k, v), (torch.empty_like(o), torch.empty_like(lse)))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
@@ -96,7 +97,8 @@ def test_opcheck_backward_on_meta_tensors():
     q, k, v = meta(2, 17, 4, 64), meta(2, 33, 2, 64), meta(2, 33, 2, 64)
     lse = meta(2, 4, 17, dtype=torch.float32)
     torch.library.opcheck(
-        torch.ops.epicute.attention_backward.default, (q, k, v, q, lse, q, None, [], [], "", spec(causal=True))
+        torch.ops.epicute.attention_backward.default,
+        (q, k, v, q, lse, q, None, [], [], "", spec(causal=True), None, None),
     )
 
 
@@ -304,3 +306,19 @@ def test_backward_copies_gradients_tma_cannot_read():
                     torch.randn(2, 17, 4, 65)[..., :64]):  # fmt: skip
         ready = _tma_ready(strided)
         assert ready.is_contiguous() and torch.equal(ready, strided)
+
+
+def test_packed_sequences_fake_and_autograd():
+    # Packed (varlen) q (total_q, heads, d): O like q, LSE (heads, total_q); the offsets ride along as
+    # tensors (no gradient) and the longest lengths in the spec.
+    q = meta(300, 4, 64).requires_grad_()
+    k, v = meta(500, 2, 64).requires_grad_(), meta(500, 2, 64).requires_grad_()
+    cu_q, cu_k = (torch.empty(3, dtype=torch.int32, device="meta") for _ in range(2))
+    packed = json.loads(spec(causal=True))
+    packed.update(max_seqlen_q=200, max_seqlen_k=400)
+    o, lse = torch.ops.epicute.attention(
+        q, k, v, [], [], "", "", json.dumps(packed, sort_keys=True), None, None, cu_q, cu_k
+    )
+    assert o.shape == q.shape and lse.shape == (4, 300) and lse.dtype == torch.float32
+    dq, dk, dv = torch.autograd.grad((o, lse), (q, k, v), (torch.empty_like(o), torch.empty_like(lse)))
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
