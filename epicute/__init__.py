@@ -1,7 +1,7 @@
 """epicute: a Python compiler for fused NVIDIA Hopper (SM90) kernels.
 
-Public surface: :func:`gemm`, :func:`explain`, and the :class:`EpicuteError`
-hierarchy. Planning lives in :mod:`epicute.gemm`, CuTe-DSL kernels in
+Public surface: :func:`gemm`, :func:`explain`, :func:`prepare_gemm` (a GEMM call prepared once, for
+serving loops), and the :class:`EpicuteError` hierarchy. Planning lives in :mod:`epicute.gemm`, CuTe-DSL kernels in
 :mod:`epicute.sm90`, validation/compile/launch in :mod:`epicute.runtime`.
 Fused epilogues: the :func:`epilogue` decorator, :mod:`ops`, ready ones in ``epilogues``
 and the operand pins, all from :mod:`epicute.epilogue`.
@@ -30,14 +30,16 @@ from epicute.epilogue.score_mod import score_mod
 from epicute.epilogue.tracer import epilogue
 from epicute.errors import *  # noqa: F403  (every error class: errors.__all__)
 from epicute.gemm import aot as _gemm_aot  # noqa: F401  (registers [[gemm]] jobs for epicute compile)
-from epicute.gemm.api import explain, gemm, tune
+from epicute.gemm.api import explain, gemm, prepare_gemm, tune
+from epicute.gemm.prepared import PreparedGemmCall
 from epicute.grouped import aot as _grouped_aot  # noqa: F401  (registers [[grouped_gemm]] jobs for epicute compile)
 from epicute.grouped.api import explain_grouped, grouped_gemm
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ColVector", "RowVector", "Scalar", "Tile", "__version__", "attention", "epilogue", "epilogues", "explain",
-    "explain_attention", "explain_grouped", "gemm", "grouped_gemm", "interleave_gate_up", "ops", "score_mod", "tune",
+    "ColVector", "PreparedGemmCall", "RowVector", "Scalar", "Tile", "__version__", "attention", "epilogue",
+    "epilogues", "explain", "explain_attention", "explain_grouped", "gemm", "grouped_gemm", "interleave_gate_up", "ops",
+    "prepare_gemm", "score_mod", "tune",
 ]  # fmt: skip
 __all__ += errors.__all__  # every error class: users catch them by name

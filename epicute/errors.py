@@ -44,6 +44,11 @@ class CompileError(EpicuteError, RuntimeError):
     """The CuTe DSL failed to compile a kernel that the planner accepted."""
 
 
+class SignatureError(EpicuteError, ValueError):
+    """A prepared call (:func:`epicute.prepare_gemm`) got an argument other than the kind, shape, strides,
+    dtype or device it was prepared for."""
+
+
 __all__ = [
     "AlignmentError",
     "CompileError",
@@ -54,4 +59,5 @@ __all__ = [
     "EpilogueError",
     "OutputError",
     "ShapeError",
+    "SignatureError",
 ]

@@ -1,4 +1,4 @@
-"""epicute's public functions: :func:`gemm`, :func:`explain` and :func:`tune`."""
+"""epicute's public functions: :func:`gemm`, :func:`prepare_gemm`, :func:`explain` and :func:`tune`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import functools
 import sys
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import torch
 from rich.progress import Progress
@@ -18,16 +18,23 @@ from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import reference_gemm, round_to
 from epicute.epilogue.scales import dequantize_blockwise, fp8_scaling
 from epicute.epilogue.tracer import TraceMemo, as_epilogue, trace_key
-from epicute.errors import ConfigError, DeviceError, DtypeError, EpilogueError
+from epicute.errors import ConfigError, DeviceError, DtypeError, EpilogueError, SignatureError
 from epicute.gemm import GemmPlan, render_plan
 from epicute.gemm.epilogue_args import aux_outputs, check_outs_names, kernel_inputs
 from epicute.gemm.launch import GemmLaunch, bind_gemm
 from epicute.gemm.prepare import GemmRequest, PreparedGemm, ir_items, prepare
-from epicute.gemm.prepared import PreparedCall, source_signature, unwrap
+from epicute.gemm.prepared import (
+    FIXED_SOURCES,
+    PLAIN_TENSORS,
+    PreparedGemmCall,
+    call_signature,
+    source_signature,
+    unwrap,
+)
 from epicute.gemm.torch_op import gemm_op_call
 from epicute.gemm.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry, tune_key
 from epicute.gemm.validate import GemmCall, check_gemm_args
-from epicute.runtime.checks import check_has_values, overlaps
+from epicute.runtime.checks import TMA_ALIGN_BYTES, check_has_values, overlaps
 from epicute.runtime.target import Target, current_target, resolve_target
 
 
@@ -91,6 +98,9 @@ def gemm(
             gate and up values; D and the operands have ``N`` columns. fp8 inputs take blockwise scales
             here (a tensorwise scale can be an operand of the epilogue instead).
 
+    A repeat call of a signature seen before takes the cached path (:mod:`epicute.gemm.prepared`); a loop
+    that calls one signature many times can hold the object itself (:func:`prepare_gemm`).
+
     Returns:
         D, accumulated in fp32 and rounded once to its dtype; a dict of all
         outputs when the epilogue returns more than ``"D"``: aux tiles like D,
@@ -114,15 +124,31 @@ def gemm(
             a, b, epilogue=epilogue, out=out, out_dtype=out_dtype, out_dtypes=out_dtypes, outs=outs,
             a_scale=a_scale, b_scale=b_scale, backend=backend, config=config, operands=operands, gated=gated,
         )  # fmt: skip
-    if backend not in ("kernel", "reference"):
-        raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
-    scales = (a_scale, b_scale)
     fast = None
     if backend == "kernel" and not tune:
-        fast = _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes, config, gated)
-        repeat = _PREPARED_CALLS.get(fast[0]) if fast is not None else None
-        if repeat is not None and repeat.fits(fast[1]) and (out is None or not (overlaps(out, a) or overlaps(out, b))):
-            return repeat(fast[1])
+        if (
+            epilogue is None and out is None and not operands and a_scale is None and b_scale is None and outs is None
+            and out_dtypes is None and config is None and not gated and type(a) in PLAIN_TENSORS
+            and type(b) in PLAIN_TENSORS
+        ):  # fmt: skip
+            # A plain call (the same test as _fast_call's), keyed by no more than its prepared call checks: the
+            # cached path's whole cost is this key, one torch.empty and the launch (bench/NOTES.md, issue 23).
+            key = (a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype, b.get_device(),
+                   out_dtype)  # fmt: skip
+            repeat = _PREPARED_CALLS.get(key)
+            if repeat is not None and not (a.data_ptr() | b.data_ptr()) % TMA_ALIGN_BYTES:
+                return repeat.plain(a, b)
+            fast = _FastCall(key, (a, b, None, None, None), None, (), ())
+        else:
+            fast = _fast_key(a, b, out, (a_scale, b_scale), epilogue, operands, outs, out_dtype, out_dtypes, config,
+                             gated)  # fmt: skip
+            repeat = _PREPARED_CALLS.get(fast.key) if fast is not None else None
+            apart = out is None or not (overlaps(out, a) or overlaps(out, b))
+            if repeat is not None and repeat.fits(fast.sources) and apart:
+                return repeat.replay(fast.sources)
+    elif backend not in ("kernel", "reference"):
+        raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
+    scales = (a_scale, b_scale)
     if backend == "reference":
         check_has_values(("a", a), ("b", b))
     if tune and backend == "kernel":
@@ -133,44 +159,133 @@ def gemm(
         a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, on_gpu, scales, gated
     )
     prepared = _prepare_memo(request)
+    if backend == "kernel":
+        return _run_and_record(_bind(call, specs, prepared, outs, a, b, out), fast)
     if prepared.epilogue is None:
-        if backend == "reference":
-            return _deliver(call, {"D": _reference_matmul(call)})
-        return _run_and_record(bind_gemm(call, prepared.plan), fast)
-    call = _with_d_dtype(call, prepared.d_torch_dtype, a, b, out, require_cuda=on_gpu)
+        return _deliver(call, {"D": _reference_matmul(call)})
+    call = _with_d_dtype(call, prepared.d_torch_dtype, a, b, out, require_cuda=False)
     outs = dict(outs or {})
-    if backend == "reference":
-        check_outs_names(outs, prepared.epilogue.aux_outputs)
-        stored = {name: IR_TO_TORCH[dtype] for name, dtype in prepared.output_dtypes.items()}
-        a_ref, b_ref = _reference_inputs(call)
-        results = reference_gemm(a_ref, b_ref, request.epilogue, operands, stored, gated=call.gated)
-        return _deliver(call, results, outs)
-    p, device = call.problem, call.a.device
-    tensors, scalars = kernel_inputs(prepared.fusion, specs, device)
-    aux = aux_outputs(prepared.fusion, outs, (p.l, p.m, call.d_n), call.batched, device)
-    fresh_aux = frozenset(id(t) for name, t in aux.items() if name not in outs)
-    return _run_and_record(bind_gemm(call, prepared.plan, prepared.fusion, tensors, scalars, aux, fresh_aux), fast)
+    check_outs_names(outs, prepared.epilogue.aux_outputs)
+    stored = {name: IR_TO_TORCH[dtype] for name, dtype in prepared.output_dtypes.items()}
+    a_ref, b_ref = _reference_inputs(call)
+    results = reference_gemm(a_ref, b_ref, request.epilogue, operands, stored, gated=call.gated)
+    return _deliver(call, results, outs)
 
 
-#: Recorded launches by call signature: the cached path of :func:`gemm` (see epicute.gemm.prepared).
-_PREPARED_CALLS: dict[tuple, PreparedCall] = {}
+def prepare_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    epilogue: Callable | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    out_dtypes: dict[str, torch.dtype] | None = None,
+    outs: dict[str, torch.Tensor] | None = None,
+    a_scale: float | torch.Tensor | None = None,
+    b_scale: float | torch.Tensor | None = None,
+    config: dict | None = None,
+    gated: bool = False,
+    **operands: Any,
+) -> PreparedGemmCall:
+    """:func:`gemm` prepared once for arguments like these, to call many times with new ones at little host cost.
+
+    Takes :func:`gemm`'s arguments (example tensors on the GPU: their values are not read) and goes
+    the same way, validation, tracing and planning included (:func:`epicute.gemm.prepare.prepare`),
+    up to the launch, which it records without running. The returned
+    :class:`~epicute.gemm.prepared.PreparedGemmCall` is then called like ``gemm`` without the options
+    fixed here (``epilogue``, ``out_dtype``, ``out_dtypes``, ``config``, ``gated``): with tensors of the
+    same shapes, strides, dtypes and device (``out``, ``outs`` and the scales where they were given
+    here), and numbers where numbers were, whose values may change. It checks only that, raising
+    :class:`~epicute.errors.SignatureError` naming the argument on a mismatch, before any launch;
+    then it launches the recorded kernel: no tracing, planning or validation. A plain GEMM's call
+    hands the kernel the caller's tensors as they are, with one ``torch.empty`` for D. ``gemm``
+    itself repeats calls through the same objects, one per signature, and finds this one too.
+
+    A prepared call captures in a CUDA graph like any launch (D of a captured call comes from the
+    graph's memory pool; a scalar operand's value is captured with the launch). It is no torch custom
+    op: inside ``torch.compile``, call :func:`gemm`, which is one.
+
+    Example:
+        >>> import torch, epicute                                  # doctest: +SKIP
+        >>> w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        >>> x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+        >>> proj = epicute.prepare_gemm(x, w.t())                 # plans and loads the kernel once
+        >>> y = proj(torch.randn_like(x), w.t())                   # (16, 4096): checks and launches
+        >>> bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+        >>> act = epicute.prepare_gemm(x, w.t(), epilogue=lambda acc, bias: epicute.ops.silu(acc + bias), bias=bias)
+        >>> z = act(x, w.t(), bias=bias)
+        >>> proj(x[:8], w.t())                                     # another shape: prepare another
+        Traceback (most recent call last):
+        epicute.errors.SignatureError: a has shape (8, 4096); this call was prepared for (16, 4096): ...
+    """
+    call, specs, request, _ = describe_call(
+        a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, True, (a_scale, b_scale), gated
+    )
+    values = (a, b, out, a_scale, b_scale, *operands.values(), *(outs or {}).values())
+    names, outs_names = tuple(operands), tuple(outs or ())
+    parts = call_signature(values)
+    if parts is None:
+        labels = (*FIXED_SOURCES, *names, *(f"outs[{n!r}]" for n in outs_names))
+        i = next(i for i, v in enumerate(values) if source_signature(v) is False)
+        raise SignatureError(f"{labels[i]} is a {type(values[i]).__name__}; a prepared call takes tensors, Python "
+                             "numbers and operand pins (epicute.RowVector(t), ...)")  # fmt: skip
+    launch = _bind(call, specs, _prepare_memo(request), outs, a, b, out)
+    prepared = _record(launch, values, parts, names, outs_names)
+    if prepared is None:  # a launch that copies a tensor (see epicute.gemm.prepared): the whole path, every call
+        whole = functools.partial(gemm, epilogue=epilogue, out_dtype=out_dtype, out_dtypes=out_dtypes, config=config,
+                                  gated=gated)  # fmt: skip
+        return PreparedGemmCall(parts, names, outs_names, whole=whole)
+    fast = _fast_call(a, b, out, (a_scale, b_scale), epilogue, operands, outs, out_dtype, out_dtypes, config, gated)
+    if fast is not None:
+        _remember(fast.key, prepared)
+    return prepared
 
 
-def _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes, config, gated) -> tuple | None:
-    """``(signature, sources, operand names)`` of a call (see epicute.gemm.prepared), or None when it has no
-    signature. The sources are ``a, b, out, a_scale, b_scale``, the operands in ``names`` order, the ``outs``."""
+class _FastCall(NamedTuple):
+    """A call as the cached path sees it: its key in :data:`_PREPARED_CALLS`, its sources (pins unwrapped; see
+    :data:`~epicute.gemm.prepared.FIXED_SOURCES`) and their values as given, their signatures (None: not yet
+    computed), the epilogue's operand names and the ``outs`` names."""
+
+    key: tuple
+    sources: tuple
+    parts: tuple | None
+    names: tuple
+    outs_names: tuple
+    values: tuple = ()
+
+
+#: Prepared calls by call signature: the cached path of :func:`gemm` (see epicute.gemm.prepared). A plain call's
+#: key is :func:`gemm`'s short one, any other's :func:`_fast_key`'s (a different length: the two never meet).
+_PREPARED_CALLS: dict[tuple, PreparedGemmCall] = {}
+
+
+def _fast_call(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes, config, gated) -> _FastCall | None:
+    """What :func:`gemm`'s cached path keys a call by (its plain test and key, else :func:`_fast_key`)."""
+    plain = (
+        epilogue is None and out is None and not operands and scales == (None, None) and outs is None
+        and out_dtypes is None and config is None and not gated and type(a) in PLAIN_TENSORS
+        and type(b) in PLAIN_TENSORS
+    )  # fmt: skip
+    if plain:
+        key = (a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype, b.get_device(), out_dtype)
+        return _FastCall(key, (a, b, None, None, None), None, (), ())
+    return _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes, config, gated)
+
+
+def _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes, config, gated) -> _FastCall | None:
+    """A call's :class:`_FastCall`, or None when it has no signature (something unhashable)."""
     capture = None
     if epilogue is not None:
         capture = trace_key(epilogue)
         if capture is None:
             return None
-    sources = (a, b, out, *scales, *map(unwrap, operands.values()), *(outs.values() if outs else ()))
-    parts = [source_signature(v) for v in (a, b, out, *scales, *operands.values(), *(outs.values() if outs else ()))]
-    if False in parts:
+    values = (a, b, out, *scales, *operands.values(), *(outs.values() if outs else ()))
+    parts = call_signature(values)
+    if parts is None:
         return None
-    names = tuple(operands)
+    names, outs_names = tuple(operands), tuple(outs) if outs else ()
     key = (
-        capture, gated, out_dtype, names, tuple(outs) if outs else None,
+        capture, gated, out_dtype, names, outs_names or None,
         tuple(out_dtypes.items()) if out_dtypes else None, tuple(config.items()) if config else None, *parts,
     )  # fmt: skip
     if config:
@@ -178,22 +293,46 @@ def _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes
             hash(key)
         except TypeError:  # an unhashable config value (the rest is hashable by construction)
             return None
-    return key, sources, names
+    sources = (a, b, out, *scales, *map(unwrap, operands.values()), *(outs.values() if outs else ()))
+    return _FastCall(key, sources, parts, names, outs_names, values)
 
 
-def _run_and_record(launch: GemmLaunch, fast: tuple | None):
+def _record(launch: GemmLaunch, values: tuple, parts: tuple | None, names: tuple, outs_names: tuple):
+    """``launch``'s :class:`PreparedGemmCall` for arguments like ``values`` (signatures ``parts``), or None."""
+    parts = parts if parts is not None else call_signature(values)
+    index = {"a_scale": 3, "b_scale": 4, **{name: 5 + i for i, name in enumerate(names)}}
+    scalar_names = () if launch.fusion is None else launch.fusion.scalar_inputs
+    if parts is None or not all(name in index for name in scalar_names):  # a scalar from the epilogue's defaults
+        return None
+    scalar_sources = tuple(index[name] for name in scalar_names)
+    return PreparedGemmCall.record(launch, values, parts, scalar_sources, names, outs_names)
+
+
+def _remember(key: tuple, prepared: PreparedGemmCall) -> None:
+    if len(_PREPARED_CALLS) >= 1024:
+        _PREPARED_CALLS.clear()
+    _PREPARED_CALLS[key] = prepared
+
+
+def _run_and_record(launch: GemmLaunch, fast: _FastCall | None):
     """Run ``launch``; remember how to repeat it for the call's signature, if it has one."""
     if fast is not None:
-        key, sources, names = fast
-        index = {"a_scale": 3, "b_scale": 4, **{name: 5 + i for i, name in enumerate(names)}}
-        scalar_names = () if launch.fusion is None else launch.fusion.scalar_inputs
-        if all(name in index for name in scalar_names):  # not so for a scalar from the epilogue's defaults
-            recorded = PreparedCall.record(launch, sources, tuple(index[name] for name in scalar_names))
-            if recorded is not None:
-                if len(_PREPARED_CALLS) >= 1024:
-                    _PREPARED_CALLS.clear()
-                _PREPARED_CALLS[key] = recorded
+        recorded = _record(launch, fast.values or fast.sources, fast.parts, fast.names, fast.outs_names)
+        if recorded is not None:
+            _remember(fast.key, recorded)
     return launch.run()
+
+
+def _bind(call: GemmCall, specs, prepared: PreparedGemm, outs, a, b, out) -> GemmLaunch:
+    """The launch of a validated kernel call (``describe_call``'s ``call`` and ``specs``) as ``prepared`` says."""
+    if prepared.epilogue is None:
+        return bind_gemm(call, prepared.plan)
+    call = _with_d_dtype(call, prepared.d_torch_dtype, a, b, out, require_cuda=True)
+    p, device = call.problem, call.a.device
+    tensors, scalars = kernel_inputs(prepared.fusion, specs, device)
+    aux = aux_outputs(prepared.fusion, dict(outs or {}), (p.l, p.m, call.d_n), call.batched, device)
+    fresh_aux = frozenset(id(t) for name, t in aux.items() if name not in (outs or {}))
+    return bind_gemm(call, prepared.plan, prepared.fusion, tensors, scalars, aux, fresh_aux)
 
 
 def describe_call(

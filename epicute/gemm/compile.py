@@ -30,6 +30,9 @@ class GemmVariant:
     b_dtype: str = ""
     #: fp8 with blockwise scales applied in the mainloop (``GemmProblem.block_scaled``)
     block_scaled: bool = False
+    #: A, B and D arrive ``(L, ., .)``; False: one batch, 2-D ``(., .)``, so that an unbatched call hands the
+    #: kernel its own tensors (a 3-D view per call costs more host time than the launch; NOTES, issue 23)
+    batched: bool = True
     #: the kernel family whose cache holds it (a subclass's kernel takes these fields too)
     kind: ClassVar[str] = "gemm"
 
@@ -40,6 +43,7 @@ class GemmVariant:
             None if self.fusion is None else self.fusion.key(),
             ("align", OPERAND_ALIGN_BYTES),
         ) + ((("block_scaled", True),) if self.block_scaled else ())  # fmt: skip
+        parts += () if self.batched else (("batched", False),)
         c = self.config
         label = (
             ("" if self.kind == "gemm" else f"{self.kind} ")
@@ -49,13 +53,14 @@ class GemmVariant:
             + f"->{self.d_dtype} "
             f"A:{self.a_major} B:{self.b_major}"
             + (" blockwise" if self.block_scaled else "")
+            + ("" if self.batched else " 2-D")
             + ("" if self.fusion is None else " +epilogue")
         )
         return CacheKey(self.kind, parts, self.arch, label)
 
 
 def _fake_operand(dtype, dims: tuple, contiguous: int):
-    """A fake (L, X, Y) tensor whose mode ``contiguous`` has stride 1.
+    """A fake (L, X, Y) or (X, Y) tensor whose mode ``contiguous`` (counted from the end: -1 or -2) has stride 1.
 
     The other strides are symbolic but declared divisible by 16 bytes (TMA's
     rule, checked on the host before every launch).
@@ -63,7 +68,7 @@ def _fake_operand(dtype, dims: tuple, contiguous: int):
     from cutlass import cute
 
     div = 16 * 8 // dtype.width
-    stride = tuple(1 if i == contiguous else cute.sym_int64(divisibility=div) for i in range(3))
+    stride = tuple(1 if i == len(dims) + contiguous else cute.sym_int64(divisibility=div) for i in range(len(dims)))
     return cute.runtime.make_fake_tensor(dtype, dims, stride=stride, assumed_align=OPERAND_ALIGN_BYTES)
 
 
@@ -85,7 +90,7 @@ def _fake_epilogue_operands(fusion) -> tuple[tuple, tuple]:
     for role, _, dtype in fusion.tensor_args:
         dsl = DSL_DTYPES[dtype]
         if role in ("tile", "aux"):
-            tensors.append(_fake_operand(dsl, tuple(cute.sym_int() for _ in range(3)), contiguous=2))
+            tensors.append(_fake_operand(dsl, tuple(cute.sym_int() for _ in range(3)), contiguous=-1))
         else:
             rank = 3 if role in ("workspace", "group_scales") else 2
             tensors.append(cute.runtime.make_fake_tensor(
@@ -117,19 +122,20 @@ def _fake_block_scales() -> tuple:
 
 def fake_gemm_inputs(variant: GemmVariant, a_lm: tuple, b_l, d_lm: tuple, n, k) -> tuple:
     """What every GEMM-family kernel is compiled against, from ``variant``: fake A ``(*a_lm, K)``, B
-    ``(b_l, K, N)`` and D ``(*d_lm, D's columns)`` in the variant's dtypes and majors (``n``, ``k``: the
-    shared sym ints), then the launch tail ``(epi_tensors, epi_scalars, block_scales, max_active_clusters,
-    stream)``: the fused epilogue's operands, blockwise scales or ``()``, a runtime Int32 (its value here is
-    a placeholder: the cluster budget is given per launch) and the stream."""
+    ``(b_l, K, N)`` (``(K, N)`` where ``b_l`` is None) and D ``(*d_lm, D's columns)`` in the variant's dtypes
+    and majors (``n``, ``k``: the shared sym ints), then the launch tail ``(epi_tensors, epi_scalars,
+    block_scales, max_active_clusters, stream)``: the fused epilogue's operands, blockwise scales or ``()``, a
+    runtime Int32 (its value here is a placeholder: the cluster budget is given per launch) and the stream."""
     import cutlass
     from cutlass import cute
 
     from epicute.gemm.kernel_sm90 import CUTLASS_DTYPES
 
     b_dtype = CUTLASS_DTYPES[variant.b_dtype or variant.ab_dtype]
-    fake_a = _fake_operand(CUTLASS_DTYPES[variant.ab_dtype], (*a_lm, k), contiguous=2 if variant.a_major == "k" else 1)
-    fake_b = _fake_operand(b_dtype, (b_l, k, n), contiguous=2 if variant.b_major == "n" else 1)
-    fake_d = _fake_operand(CUTLASS_DTYPES[variant.d_dtype], (*d_lm, d_columns(variant.fusion, n)), contiguous=2)
+    a_dims, b_dims = (*a_lm, k), (k, n) if b_l is None else (b_l, k, n)
+    fake_a = _fake_operand(CUTLASS_DTYPES[variant.ab_dtype], a_dims, contiguous=-1 if variant.a_major == "k" else -2)
+    fake_b = _fake_operand(b_dtype, b_dims, contiguous=-1 if variant.b_major == "n" else -2)
+    fake_d = _fake_operand(CUTLASS_DTYPES[variant.d_dtype], (*d_lm, d_columns(variant.fusion, n)), contiguous=-1)
     epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
     block_scales = _fake_block_scales() if variant.block_scaled else ()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -152,7 +158,8 @@ def compile_gemm_sm90(variant: GemmVariant):
     """Compile one GEMM variant for sm_90a; returns the callable
     ``f(a, b, d, epi_tensors, epi_scalars, block_scales, split_workspace, max_active_clusters)``.
 
-    ``a`` is ``(L, M, K)``, ``b`` ``(L, K, N)``, ``d`` ``(L, M, N)`` torch tensors; ``block_scales`` is
+    ``a`` is ``(L, M, K)``, ``b`` ``(L, K, N)``, ``d`` ``(L, M, N)`` torch tensors (2-D ``(M, K)``, ``(K, N)``,
+    ``(M, N)`` where ``variant.batched`` is False); ``block_scales`` is
     ``()``, or for a block-scaled variant fp32 ``(A (L, M, KB), B (L, NB, KB))`` of any strides;
     ``split_workspace`` is ``()``, or for a split-K variant ``(partials, counters)`` (``split_workspace`` in
     :mod:`epicute.gemm.launch`);
@@ -164,7 +171,8 @@ def compile_gemm_sm90(variant: GemmVariant):
     from epicute.gemm.kernel_sm90 import GemmSm90
 
     l, m, n, k = (cute.sym_int() for _ in range(4))
-    operands, tail = fake_gemm_inputs(variant, (l, m), l, (l, m), n, k)
+    lm, b_l = ((l, m), l) if variant.batched else ((m,), None)
+    operands, tail = fake_gemm_inputs(variant, lm, b_l, lm, n, k)
     split_workspace = _fake_split_workspace() if variant.config.split_k > 1 else ()
     tail = (*tail[:3], split_workspace, *tail[3:])
     return dsl_compile(variant, GemmSm90(*kernel_args(variant)), *operands, *tail,

@@ -39,7 +39,8 @@ one tile form a *team* (both warpgroups, or one).
   the epilogue (:meth:`GemmSm90._reduce_splits`).
 
 Host tensors arrive in torch order -- A ``(L, M, K)``, B ``(L, K, N)``, D
-``(L, M, N)`` with any of the supported majors -- and are rotated to CuTe's
+``(L, M, N)`` with any of the supported majors, or 2-D without L in a kernel
+compiled for one batch -- and are rotated to CuTe's
 ``(M, K, L)`` / ``(N, K, L)`` / ``(M, N, L)`` at trace time, which is free.
 Problem sizes and strides are dynamic: one compiled kernel serves every shape.
 Ragged edges need no code: TMA zero-fills out-of-bounds loads (so partial
@@ -92,6 +93,17 @@ GATHER_FIRST_WARP = 2
 def _rotate(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
     """A view of ``tensor`` with its modes permuted (no data moves)."""
     return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=order))
+
+
+def _batch_last(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
+    """A host tensor in torch order, ``(L, X, Y)`` or an unbatched kernel's ``(X, Y)``, as CuTe's batch-last
+    view ``order`` picks (``[1, 2, 0]``: ``(X, Y, L)``). A 2-D tensor becomes a batch of one: a trailing
+    static mode of one element, which no index ever steps along (so the caller's own 2-D tensors reach the
+    kernel as they are, with no 3-D view made per call)."""
+    if cutlass.const_expr(cute.rank(tensor) == 2):
+        flat = cute.select(tensor.layout, mode=[i - 1 for i in order[:2]])
+        return cute.make_tensor(tensor.iterator, cute.append(flat, cute.make_layout(1)))
+    return _rotate(tensor, order)
 
 
 @dataclass
@@ -250,9 +262,9 @@ class GemmSm90:
                         stream, sched_prefix: tuple = ()):  # fmt: skip
         """:meth:`__call__`'s launch over D's ``(M, N)`` tiles of every batch; ``sched_args`` are ``sched_prefix``
         (what the scheduler reads besides: split-K's workspace, variable K's offsets) then the cluster counts."""
-        mA = _rotate(mA_lmk, [1, 2, 0])  # (M, K, L)
-        mB = _rotate(mB_lkn, [2, 1, 0])  # (N, K, L)
-        mD = _rotate(mD_lmn, [1, 2, 0])  # (M, N, L)
+        mA = _batch_last(mA_lmk, [1, 2, 0])  # (M, K, L)
+        mB = _batch_last(mB_lkn, [2, 1, 0])  # (N, K, L)
+        mD = _batch_last(mD_lmn, [1, 2, 0])  # (M, N, L)
         tiles_m = cute.ceil_div(cute.size(mD, mode=[0]), self.cfg.tile_m)
         tiles_n = cute.ceil_div(cute.size(mD, mode=[1]), self.out_tile_n)
         num_batches = cute.size(mD, mode=[2])

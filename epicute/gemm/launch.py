@@ -4,8 +4,9 @@
 allocates D and the workspaces, and returns a :class:`GemmLaunch`, whose ``run``
 launches and collects the results. Problem sizes are dynamic in the compiled
 kernel, so a new shape costs a plan, never a compile, unless it picks a new
-variant. A repeat call skips even the binding: it replays a recorded launch
-(:mod:`epicute.gemm.prepared`).
+variant. A problem of one batch (L = 1) runs a kernel compiled for 2-D A, B and D
+(``GemmVariant.batched``), so an unbatched call hands it its own tensors. A repeat
+call skips even the binding: it replays a recorded launch (:mod:`epicute.gemm.prepared`).
 """
 
 from __future__ import annotations
@@ -37,12 +38,20 @@ def kernel_for(plan: GemmPlan, fusion=None):
 
 def variant_of(plan: GemmPlan, fusion=None) -> GemmVariant:
     """What ``plan`` compiles: its config, dtypes and majors for its target's arch (not its SM count,
-    which reaches the kernel at launch as ``plan.max_active_clusters``)."""
+    which reaches the kernel at launch as ``plan.max_active_clusters``), 2-D where it has one batch."""
     p = plan.problem
     b_dtype = p.b_dtype if p.b_dtype != p.ab_dtype else ""
-    return GemmVariant(
-        plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion, b_dtype, p.block_scaled
-    )
+    return GemmVariant(plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion, b_dtype,
+                       p.block_scaled, batched=p.l != 1)  # fmt: skip
+
+
+def launcher(kernel):
+    """The TVM-FFI function under a compiled kernel's Python wrapper (which only maps keyword arguments;
+    the launch takes positional ones), or ``kernel`` itself (a loaded one is already bare, a test's stub
+    has none). The caller keeps ``kernel`` alive: the bare function does not own its module."""
+    unwrap = getattr(kernel, "__tvm_ffi_object__", None)
+    bare = unwrap() if unwrap is not None else None
+    return kernel if bare is None else bare
 
 
 def _zero_k_operands(call: GemmCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,9 +84,11 @@ class GemmLaunch:
     """One kernel launch: the compiled kernel, every tensor and scalar it takes, and how the caller's
     results come out of them (see :meth:`run`).
 
-    ``fresh`` holds the ids of the tensors allocated empty for it (outputs and workspaces): with the
-    caller's tensors and views of them, they are all a :class:`epicute.gemm.prepared.PreparedCall`
-    needs to repeat the launch for new tensors of the same signature.
+    ``a``, ``b`` and ``d`` are in the kernel's rank: 2-D for a problem of one batch (an unbatched call's
+    own tensors), else ``(L, ., .)``; the epilogue's tensors are always batch-first. ``fresh`` holds the
+    ids of the tensors allocated empty for it (outputs and workspaces): with the caller's tensors and
+    views of them, they are all a :class:`epicute.gemm.prepared.PreparedGemmCall` needs to repeat the
+    launch for new tensors of the same signature.
     """
 
     __slots__ = (
@@ -86,29 +97,32 @@ class GemmLaunch:
         "b",
         "batched",
         "block_scales",
+        "d",
         "fresh",
         "fusion",
         "group_scales",
         "inputs",
         "kernel",
-        "out3",
         "plan",
         "scalars",
         "workspaces",
     )  # fmt: skip
 
-    def __init__(self, kernel, plan, fusion, batched, a, b, out3, inputs, aux, workspaces, group_scales, scalars,
+    def __init__(self, kernel, plan, fusion, batched, a, b, d, inputs, aux, workspaces, group_scales, scalars,
                  block_scales, fresh=frozenset()):  # fmt: skip
         self.kernel, self.plan, self.fusion, self.batched = kernel, plan, fusion, batched
-        self.a, self.b, self.out3, self.inputs = a, b, out3, inputs
+        self.a, self.b, self.d, self.inputs = a, b, d, inputs
         self.aux, self.workspaces, self.group_scales = aux, workspaces, group_scales
         self.scalars, self.block_scales, self.fresh = scalars, block_scales, fresh
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor of the launch, in the order :meth:`with_tensors` takes them."""
+        return (self.a, self.b, self.d, *self.epi_tensors(), *self.block_scales)
+
+    def epi_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The fused epilogue's tensors as the kernel takes them: operands, aux outputs, workspaces, group scales."""
         extra = () if self.group_scales is None else (self.group_scales,)
-        return (self.a, self.b, self.out3, *self.inputs, *self.aux.values(), *self.workspaces.values(), *extra,
-                *self.block_scales)  # fmt: skip
+        return (*self.inputs, *self.aux.values(), *self.workspaces.values(), *extra)
 
     def with_tensors(self, tensors: list, scalars: tuple) -> GemmLaunch:
         """The same launch over other tensors (same shapes, dtypes and order as :meth:`tensors`)."""
@@ -122,21 +136,33 @@ class GemmLaunch:
         return GemmLaunch(self.kernel, self.plan, self.fusion, self.batched, tensors[0], tensors[1], tensors[2],
                           tuple(tensors[3:i]), aux, workspaces, group_scales, scalars, block_scales)  # fmt: skip
 
+    def launch(self) -> None:
+        """Launch the kernel (or, for K = 0 without an epilogue, zero D; nothing for an empty D)."""
+        p, d = self.plan.problem, self.d
+        if p.m and p.n:
+            if p.k == 0 and self.fusion is None:
+                d.zero_()
+            else:
+                self.kernel(
+                    self.a, self.b, d, self.epi_tensors(), self.scalars, self.block_scales,
+                    split_workspace(self.plan, d.device), self.plan.max_active_clusters,
+                )  # fmt: skip
+
     def run(self) -> torch.Tensor | dict[str, torch.Tensor]:
         """Launch, and return D in the caller's rank; with an epilogue that has more outputs, a dict of
         all of them (aux tiles, reductions finalized here, group scales)."""
-        p, fusion, out3 = self.plan.problem, self.fusion, self.out3
-        if p.m and p.n:
-            if p.k == 0 and fusion is None:
-                out3.zero_()
-            else:
-                epi_tensors = self.inputs + tuple(self.aux.values()) + tuple(self.workspaces.values())
-                epi_tensors += () if self.group_scales is None else (self.group_scales,)
-                self.kernel(
-                    self.a, self.b, out3, epi_tensors, self.scalars, self.block_scales,
-                    split_workspace(self.plan, out3.device), self.plan.max_active_clusters,
-                )  # fmt: skip
-        d = out3 if self.batched else out3[0]  # out3 is the caller's out (viewed 3-D) when given
+        self.launch()
+        return self.results()
+
+    def caller_d(self, d: torch.Tensor) -> torch.Tensor:
+        """``d``, the kernel's D, in the caller's rank."""
+        if d.dim() != 3:
+            return d.unsqueeze(0) if self.batched else d  # a batch of one, through the 2-D kernel
+        return d if self.batched else d[0]
+
+    def results(self) -> torch.Tensor | dict[str, torch.Tensor]:
+        """:meth:`run`'s results, once launched."""
+        fusion, d = self.fusion, self.caller_d(self.d)
         if fusion is None or set(fusion.output_dtypes) == {"D"}:
             return d
         results = {"D": d}
@@ -163,7 +189,8 @@ def split_workspace(plan, device: torch.device) -> tuple:
     if plan.config.split_k == 1:
         return ()
     partial_count, counter_count = plan.split_workspace_shape
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    # The raw stream: torch.cuda.current_stream() builds a Stream object, a microsecond per call.
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index))
     partials, counters = _SPLIT_WORKSPACES.get(key, (None, None))
     if partials is not None and partials.numel() >= partial_count and counters.numel() >= counter_count:
         return partials, counters
@@ -186,14 +213,18 @@ def bind_gemm(
     fresh_aux: frozenset = frozenset(),
 ) -> GemmLaunch:
     """``call``'s launch with ``plan`` (and the fused epilogue, if any): D, workspaces and scales
-    allocated, K = 0 stood in for (``fresh_aux``: ids of the aux outputs allocated for the call)."""
+    allocated, K = 0 stood in for (``fresh_aux``: ids of the aux outputs allocated for the call).
+    A problem of one batch hands the kernel 2-D A, B and D (see :func:`variant_of`)."""
     p, device = call.problem, call.a.device
     fresh = set(fresh_aux)
-    out3 = call.out
     d_n = plan.d_n
-    if out3 is None:
-        out3 = torch.empty((p.l, p.m, d_n), dtype=call.out_dtype, device=device)
-        fresh.add(id(out3))
+    flat = p.l == 1
+    d = call.out
+    if d is None:
+        d = torch.empty((p.m, d_n) if flat else (p.l, p.m, d_n), dtype=call.out_dtype, device=device)
+        fresh.add(id(d))
+    elif flat:
+        d = d[0]
     workspaces, group_scales = {}, None
     if fusion is not None:
         tile_n = plan.out_tile_n
@@ -208,6 +239,8 @@ def bind_gemm(
         fresh.update(id(t) for t in workspaces.values())
     runs = p.m and p.n and (p.k or fusion is not None)
     a, b = (call.a, call.b) if p.k or not runs else _zero_k_operands(call)
+    if flat:
+        a, b = a[0], b[0]
     kernel = kernel_for(plan, fusion) if runs else None
-    return GemmLaunch(kernel, plan, fusion, call.batched, a, b, out3, tuple(epi_inputs), dict(aux or {}), workspaces,
+    return GemmLaunch(kernel, plan, fusion, call.batched, a, b, d, tuple(epi_inputs), dict(aux or {}), workspaces,
                       group_scales, tuple(epi_scalars), _block_scales(call), frozenset(fresh))  # fmt: skip

@@ -1,7 +1,7 @@
 """One path from a GEMM call to its kernel: :func:`prepare`.
 
-Every entry point (``epicute.gemm`` with either backend, ``explain``, ``tune``,
-``epicute compile``, ``epicute explain gemm`` and the torch fake implementation)
+Every entry point (``epicute.gemm`` with either backend, ``prepare_gemm``, ``explain``,
+``tune``, ``epicute compile``, ``epicute explain gemm`` and the torch fake implementation)
 describes its call as a :class:`GemmRequest` (no tensors: shapes, dtypes,
 majors, the epilogue and its operands' kinds and dtypes, output dtypes, config
 pins) and gets everything the launch uses from :func:`prepare`: the traced

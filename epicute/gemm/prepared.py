@@ -1,37 +1,53 @@
-"""The cached path of a GEMM call: :class:`PreparedCall`.
+"""Prepared GEMM calls: :class:`PreparedGemmCall`, made by :func:`epicute.prepare_gemm` and by ``epicute.gemm``.
 
-The first call of a given signature (``epicute.gemm.api._fast_key``: every tensor's shape, strides, dtype, device
-and 16-byte alignment class; the numbers' types; the epilogue's capture, output dtypes and config
-pins) goes the whole way: validation, tracing and planning (:func:`epicute.gemm.prepare.prepare`),
-then binding (:func:`epicute.gemm.launch.bind_gemm`). Its launch is then recorded: each tensor the
-kernel takes is one of the caller's, a view of one (replayed with ``as_strided``), or an output
-or workspace allocated for the call (allocated again). A later call of the same signature replays
-the record and launches. Everything validation, tracing and planning decided depends on nothing
-but the signature, except whether ``out`` overlaps ``a`` or ``b``, which the caller checks per call.
+A call's signature -- every tensor's shape, strides, dtype, device and 16-byte alignment class, the
+numbers' types, and (fixed when it is prepared) the epilogue, output dtypes and config pins --
+decides everything validation, tracing and planning do. So a prepared call goes the whole way once
+(:func:`epicute.gemm.prepare.prepare`, then :func:`epicute.gemm.launch.bind_gemm`) and records the
+launch: each tensor the kernel takes is one of the caller's, a view of one (replayed with
+``as_strided``), or an output or workspace allocated for the call (allocated again). Calling it
+checks that the arguments have the recorded signature, replays the record and launches: no tracing,
+planning or validation. ``epicute.gemm`` keeps one per signature it has met
+(``epicute.gemm.api._PREPARED_CALLS``) and repeats its calls through it.
 
-Not recorded, so always taking the whole path: launches that copied a tensor (a 2-D tile operand
-broadcast over a batch, K = 0's zero operands) and calls where distinct tensors share storage
-(which of them a view came from would be ambiguous). One tensor passed twice (``a_scale=s,
-b_scale=s``) is recorded, and replayed only for calls that pass one tensor twice there too.
+A plain GEMM whose A and B reach the kernel as the caller gave them (2-D ones through the kernel
+compiled for one batch, or 3-D ones) is launched *directly* (:class:`_DirectGemmCall`): it compares
+A's and B's shapes, strides, dtypes and devices with the prepared ones, checks their alignment,
+allocates D with one ``torch.empty`` and calls the kernel's TVM-FFI function: one torch object per
+call, where a replay makes several and each costs microseconds of host time (bench/NOTES.md, "A
+prepared GEMM call").
+
+Not recorded: launches that copied a tensor (a 2-D tile operand broadcast over a batch, K = 0's zero
+operands) and calls where distinct tensors share storage (which of them a view came from would be
+ambiguous). ``epicute.gemm`` runs those the whole way every time; a prepared one checks its
+arguments and does the same. One tensor passed twice (``a_scale=s, b_scale=s``) is recorded, and
+replayed only for calls that pass one tensor twice there too.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from epicute.epilogue.operands import Pin
-from epicute.gemm.launch import GemmLaunch
-from epicute.runtime.checks import TMA_ALIGN_BYTES
+from epicute.errors import AlignmentError, OutputError, SignatureError
+from epicute.gemm.launch import GemmLaunch, launcher, split_workspace
+from epicute.runtime.checks import TMA_ALIGN_BYTES, overlaps
 
 #: Tensor types whose data pointers and views are their own (tensor subclasses such as fake or
 #: functional tensors are not, and are never on a hot path).
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+#: The arguments a call's sources start with; the epilogue's operands follow (in the prepared order),
+#: then the ``outs`` tensors.
+FIXED_SOURCES = ("a", "b", "out", "a_scale", "b_scale")
 
 _SAME, _VIEW, _FRESH = 0, 1, 2
 #: Stands for a tensor in the recorded launch, which keeps the launch's structure, not its memory.
 _VACANT = object()
+_FIX = "prepare a call for it (epicute.prepare_gemm), or call epicute.gemm, which prepares one per signature"
 
 
 def unwrap(value: Any) -> Any:
@@ -42,9 +58,9 @@ def unwrap(value: Any) -> Any:
 def source_signature(value: Any) -> object:
     """What validation and planning see of one argument; ``False``: nothing the cached path can key."""
     kind = type(value)
-    if kind in _PLAIN_TENSORS:
+    if kind in PLAIN_TENSORS:
         return (value.shape, value.stride(), value.dtype, value.device, value.data_ptr() % TMA_ALIGN_BYTES)
-    if value is None or kind is float or kind is int:
+    if value is None or kind is float or kind is int or kind is bool:
         return kind
     if isinstance(value, Pin):
         inner = source_signature(value.value)
@@ -52,27 +68,50 @@ def source_signature(value: Any) -> object:
     return False
 
 
-class PreparedCall:
-    """A recorded launch, repeated for new arguments of the same signature (``epicute.gemm.api._fast_key``).
+def call_signature(values: tuple) -> tuple | None:
+    """Every source's :func:`source_signature`, or None when one has none."""
+    parts = tuple(source_signature(v) for v in values)
+    return None if False in parts else parts
 
-    ``steps`` rebuild the launch's tensors in :meth:`GemmLaunch.tensors` order from the call's
-    sources; ``scalar_sources`` index the sources the kernel's fp32 scalars are read from;
-    ``aliases`` are pairs of sources that were one tensor (and must be, for the record to hold).
+
+class PreparedGemmCall:
+    """``epicute.gemm`` for arguments of one signature, prepared once: see :func:`epicute.prepare_gemm`.
+
+    Call it as ``epicute.gemm`` is called, less the options fixed when it was prepared:
+    ``prepared(a, b, out=..., a_scale=..., b_scale=..., outs=..., **operands)``, with tensors of the
+    prepared shapes, strides, dtypes and device, and numbers where numbers were (their values may
+    change). An argument that differs raises :class:`~epicute.errors.SignatureError` (or, for a
+    misaligned pointer or an ``out`` overlapping an input, the error ``epicute.gemm`` raises) naming
+    it, before anything is launched. Results are ``epicute.gemm``'s: new tensors each call, or
+    ``out``/``outs``.
     """
 
-    __slots__ = ("aliases", "launch", "scalar_sources", "steps")
+    __slots__ = ("_aliases", "_fn", "_inputs", "_launch", "_names", "_outs_names", "_parts", "_scalar_sources",
+                 "_steps", "_whole")  # fmt: skip
 
-    def __init__(self, launch: GemmLaunch, steps: tuple, scalar_sources: tuple[int, ...], aliases: tuple = ()):
-        self.launch, self.steps, self.scalar_sources, self.aliases = launch, steps, scalar_sources, aliases
-
-    def fits(self, sources: tuple) -> bool:
-        """Whether ``sources`` pass one tensor wherever the recorded call did."""
-        return all(sources[i] is sources[j] for i, j in self.aliases)
+    def __init__(self, parts: tuple, names: tuple, outs_names: tuple, launch: GemmLaunch | None = None,
+                 steps: tuple | None = None, scalar_sources: tuple = (), aliases: tuple = (),
+                 whole: Callable | None = None):  # fmt: skip
+        # The recorded sources' signatures; the epilogue's operand names and the ``outs`` names, in source order.
+        self._parts, self._names, self._outs_names = parts, names, outs_names
+        # The launch with its tensors vacant; how to rebuild them (None: not recorded, run ``whole``).
+        self._launch, self._steps = launch, steps
+        # The sources the kernel's fp32 scalars are read from; pairs of sources that were one tensor.
+        self._scalar_sources, self._aliases = scalar_sources, aliases
+        self._whole = whole
+        # Where D is the only result, a replay calls the kernel's TVM-FFI function itself (the template launch
+        # keeps the kernel, its owner, alive), with the epilogue's first ``_inputs`` tensors its operands.
+        self._fn = self._inputs = None
+        alone = launch is not None and not (launch.aux or launch.workspaces or launch.group_scales is not None)
+        if alone and launch.kernel is not None:
+            self._fn, self._inputs = launcher(launch.kernel), 3 + len(launch.inputs)
 
     @classmethod
-    def record(cls, launch: GemmLaunch, sources: tuple, scalar_sources: tuple[int, ...]) -> PreparedCall | None:
-        """How to rebuild ``launch`` from ``sources`` (the caller's arguments, pins unwrapped); None when
-        it cannot be (a tensor copied for the call, or sources sharing storage)."""
+    def record(cls, launch: GemmLaunch, values: tuple, parts: tuple, scalar_sources: tuple, names: tuple,
+               outs_names: tuple) -> PreparedGemmCall | None:  # fmt: skip
+        """How to repeat ``launch`` for new arguments of the signature ``parts`` of ``values`` (the sources: see
+        :data:`FIXED_SOURCES`); None when it cannot be (a tensor copied for the call, or sources sharing storage)."""
+        sources = tuple(map(unwrap, values))
         by_storage: dict[int, int] = {}
         aliases = []
         for i, s in enumerate(sources):
@@ -86,24 +125,61 @@ class PreparedCall:
                 by_storage[ptr] = i
         steps = []
         for t in launch.tensors():
-            if id(t) in launch.fresh:
-                steps.append((_FRESH, tuple(t.shape), t.dtype, t.device))
+            if id(t) in launch.fresh:  # the device by index: torch.empty parses it faster than a device object
+                steps.append((_FRESH, tuple(t.shape), t.dtype, t.device.index if t.is_cuda else t.device))
                 continue
             i = by_storage.get(t.untyped_storage().data_ptr())
             if i is None:
                 return None
             s = sources[i]
-            if t is s:
+            if t is s or _same_view(t, s):
                 steps.append((_SAME, i))
             else:
                 steps.append((_VIEW, i, tuple(t.shape), tuple(t.stride()), t.storage_offset() - s.storage_offset()))
         template = launch.with_tensors([_VACANT] * len(steps), ())
-        return cls(template, tuple(steps), scalar_sources, tuple(aliases))
+        steps, aliases = tuple(steps), tuple(aliases)
+        direct = (
+            launch.fusion is None and launch.kernel is not None and not scalar_sources and len(steps) == 3
+            and steps[:2] == ((_SAME, 0), (_SAME, 1)) and (steps[2][0] == _FRESH or steps[2] == (_SAME, 2))
+        )  # fmt: skip
+        return (_DirectGemmCall if direct else cls)(parts, names, outs_names, template, steps, scalar_sources, aliases)
 
-    def __call__(self, sources: tuple) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Launch for ``sources`` (the same signature as the recorded call's) and return its results."""
+    def __call__(self, a, b, *, out=None, outs=None, a_scale=None, b_scale=None, **operands):
+        if operands.keys() != set(self._names):  # dict keys against a set: in any order
+            raise SignatureError(
+                f"operands {sorted(operands)}: this call was prepared for {sorted(self._names)}; pass those, or {_FIX}"
+            )
+        if (outs or {}).keys() != set(self._outs_names):
+            raise SignatureError(f"outs names {sorted(outs or {})}: prepared for {sorted(self._outs_names)}")
+        values = (a, b, out, a_scale, b_scale, *(operands[n] for n in self._names),
+                  *(outs[n] for n in self._outs_names))  # fmt: skip
+        parts = tuple(source_signature(v) for v in values)
+        if parts != self._parts:
+            names = (*FIXED_SOURCES, *self._names, *(f"outs[{n!r}]" for n in self._outs_names))
+            for name, value, got, want in zip(names, values, parts, self._parts):
+                if got != want:
+                    raise _mismatch(name, value, got, want)
+        sources = tuple(map(unwrap, values))
+        for i, j in self._aliases:
+            if sources[i] is not sources[j]:
+                raise SignatureError(
+                    f"{_source_name(self, i)} and {_source_name(self, j)} were one tensor when this call was "
+                    f"prepared; pass one tensor for both, or {_FIX}"
+                )
+        if out is not None:
+            check_out_apart(out, a, b)
+        if self._steps is None:
+            return self._whole(a, b, out=out, outs=outs, a_scale=a_scale, b_scale=b_scale, **operands)
+        return self.replay(sources)
+
+    def fits(self, sources: tuple) -> bool:
+        """Whether ``sources`` pass one tensor wherever the recorded call did."""
+        return all(sources[i] is sources[j] for i, j in self._aliases)
+
+    def replay(self, sources: tuple) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Launch for ``sources`` (pins unwrapped; of the recorded signature, unchecked) and return the results."""
         tensors = []
-        for step in self.steps:
+        for step in self._steps:
             kind = step[0]
             if kind == _SAME:
                 tensors.append(sources[step[1]])
@@ -111,9 +187,154 @@ class PreparedCall:
                 s = sources[step[1]]
                 tensors.append(s.as_strided(step[2], step[3], s.storage_offset() + step[4]))
             else:
-                tensors.append(torch.empty(step[1], dtype=step[2], device=step[3]))
-        scalars = tuple(_number(sources[i]) for i in self.scalar_sources)
-        return self.launch.with_tensors(tensors, scalars).run()
+                tensors.append(torch.empty(*step[1], dtype=step[2], device=step[3]))
+        scalars = tuple(_number(sources[i]) for i in self._scalar_sources)
+        if self._fn is None:
+            return self._launch.with_tensors(tensors, scalars).run()
+        # GemmLaunch.run, less the object: the operands, then the blockwise scales (the only tensors after them).
+        a, b, d, plan, i = tensors[0], tensors[1], tensors[2], self._launch.plan, self._inputs
+        split = split_workspace(plan, d.device) if plan.config.split_k > 1 else ()
+        self._fn(a, b, d, tuple(tensors[3:i]), scalars, tuple(tensors[i:]), split, plan.max_active_clusters)
+        return self._launch.caller_d(d)
+
+    def plain(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """:meth:`replay` of a plain call (no ``out``, scales or operands)."""
+        return self.replay((a, b, None, None, None))
+
+
+class _DirectGemmCall(PreparedGemmCall):
+    """A plain GEMM handing the kernel the caller's A, B (and ``out``) as given: checked and launched with
+    as few Python and torch operations as it takes (see the module docstring; each one below was timed on
+    the device's host, bench/NOTES.md)."""
+
+    __slots__ = ("_a_dtype", "_a_shape", "_a_stride", "_b_dtype", "_b_shape", "_b_stride", "_d_device", "_d_dtype",
+                 "_d_shape", "_index", "_split_plan", "_tail")  # fmt: skip
+
+    def __init__(self, parts, names, outs_names, launch, steps, scalar_sources, aliases):  # fmt: skip
+        super().__init__(parts, names, outs_names, launch, steps, scalar_sources, aliases)
+        self._a_shape, self._a_stride, self._a_dtype, device, _ = parts[0]
+        self._b_shape, self._b_stride, self._b_dtype, _, _ = parts[1]
+        cuda = device.type == "cuda"
+        self._index = device.index if cuda else -1  # as Tensor.get_device() says it
+        # D's sizes, dtype and device where it is allocated per call (sizes None: the caller's ``out``), the
+        # device by index and the sizes passed one by one: torch.empty parses both faster than a device object
+        # or a tuple (1.5 us less per call on the device's host).
+        self._d_shape = self._d_dtype = self._d_device = None
+        if steps[2][0] == _FRESH:
+            _, self._d_shape, self._d_dtype, self._d_device = steps[2]
+        plan = launch.plan
+        self._split_plan = plan if plan.config.split_k > 1 else None
+        # The launch's constant arguments, the empty tuples converted to TVM-FFI arrays once (a tuple is
+        # converted on every call otherwise); None where the split-K workspace is looked up per call.
+        empty = _ffi_empty()
+        self._tail = None if self._split_plan is not None else (empty, empty, empty, empty, plan.max_active_clusters)
+
+    def __call__(self, a, b, *, out=None, **others):
+        try:
+            if (
+                a.shape == self._a_shape and b.shape == self._b_shape and a.stride() == self._a_stride
+                and b.stride() == self._b_stride and a.dtype == self._a_dtype and b.dtype == self._b_dtype
+                and a.get_device() == self._index and b.get_device() == self._index
+                and not (a.data_ptr() | b.data_ptr()) % TMA_ALIGN_BYTES and not others
+            ):  # fmt: skip
+                if out is None and self._d_shape is not None:
+                    return self.plain(a, b)
+                if out is not None and self._d_shape is None and source_signature(out) == self._parts[2]:
+                    check_out_apart(out, a, b)
+                    return self._launch_into(a, b, out)
+        except AttributeError:  # not a tensor: the whole check names it
+            pass
+        return PreparedGemmCall.__call__(self, a, b, out=out, **others)  # raises, naming what differs
+
+    def plain(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        d = torch.empty(*self._d_shape, dtype=self._d_dtype, device=self._d_device)
+        tail = self._tail
+        if tail is None:
+            return self._launch_into(a, b, d)
+        self._fn(a, b, d, *tail)
+        return d
+
+    def _launch_into(self, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        if self._tail is not None:
+            self._fn(a, b, d, *self._tail)
+        else:  # split-K: the workspace of the current stream
+            empty = _ffi_empty()
+            self._fn(a, b, d, empty, empty, empty, split_workspace(self._split_plan, d.device),
+                     self._split_plan.max_active_clusters)  # fmt: skip
+        return d
+
+    def replay(self, sources: tuple) -> torch.Tensor:
+        out = sources[2]
+        return self.plain(sources[0], sources[1]) if out is None else self._launch_into(sources[0], sources[1], out)
+
+
+def check_out_apart(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out`` may share no memory with ``a`` or ``b`` (the kernel would read them while writing it)."""
+    for name, t in (("a", a), ("b", b)):
+        if overlaps(out, t):
+            raise OutputError(f"out shares memory with {name}; the kernel would read {name} while writing out")
+
+
+def _same_view(t: torch.Tensor, s: torch.Tensor) -> bool:
+    """Whether ``t`` views ``s``'s storage exactly as ``s`` does (``a.unsqueeze(0)[0]``): it may be ``s``."""
+    return t.shape == s.shape and t.stride() == s.stride() and t.storage_offset() == s.storage_offset()
+
+
+@functools.cache
+def _ffi_empty():
+    """An empty TVM-FFI array (what a ``()`` argument becomes), or ``()`` where TVM-FFI is absent."""
+    try:
+        import tvm_ffi
+    except ImportError:  # pragma: no cover - the DSL depends on it
+        return ()
+    return tvm_ffi.convert(())
+
+
+def _source_name(prepared: PreparedGemmCall, i: int) -> str:
+    names = (*FIXED_SOURCES, *prepared._names, *(f"outs[{n!r}]" for n in prepared._outs_names))
+    return names[i]
+
+
+def _describe(part: object) -> str:
+    """A source's signature in words."""
+    if isinstance(part, tuple) and len(part) == 5:
+        return f"a {part[2]} tensor of shape {tuple(part[0])}"
+    if isinstance(part, tuple):
+        return f"{part[0].__name__}({_describe(part[1])})"
+    return {type(None): "not given", float: "a float", int: "an int", bool: "a bool"}.get(part, "something else")
+
+
+def _mismatch(name: str, value: Any, got: object, want: object) -> Exception:
+    """The error for source ``name`` (``value``, signature ``got``) where a call was prepared for ``want``."""
+    if got is False:
+        return SignatureError(
+            f"{name} is a {type(value).__name__}; a prepared call takes tensors, Python numbers and operand pins"
+        )
+    if isinstance(got, tuple) and isinstance(want, tuple) and len(got) == len(want) == 2 and got[0] is want[0]:
+        return _mismatch(name, unwrap(value), got[1], want[1])  # one pin around another tensor
+    if not (isinstance(got, tuple) and isinstance(want, tuple) and len(got) == len(want) == 5):
+        return SignatureError(f"{name} is {_describe(got)}; this call was prepared with {_describe(want)}: {_FIX}")
+    (shape, stride, dtype, device, align), (want_shape, want_stride, want_dtype, want_device, want_align) = got, want
+    if shape != want_shape:
+        return SignatureError(f"{name} has shape {tuple(shape)}; this call was prepared for {tuple(want_shape)}: "
+                              f"{_FIX}")  # fmt: skip
+    if dtype != want_dtype:
+        return SignatureError(f"{name} has dtype {dtype}; this call was prepared for {want_dtype}: {_FIX}")
+    if device != want_device:
+        return SignatureError(f"{name} is on {device}; this call was prepared on {want_device}: {_FIX}")
+    if stride != want_stride:
+        return SignatureError(
+            f"{name} has strides {stride}; this call was prepared for {want_stride}: pass it in that layout, or {_FIX}"
+        )
+    if align and not want_align:
+        return AlignmentError(
+            f"{name}.data_ptr() is {align} bytes past a 16-byte boundary (a view with an element offset?); "
+            f"TMA needs 16-byte-aligned bases: pass {name}.clone()"
+        )
+    return SignatureError(
+        f"{name}.data_ptr() is {align} bytes past a 16-byte boundary, {want_align} when this call was prepared "
+        f"(the kernel's views of it depend on it): {_FIX}"
+    )
 
 
 def _number(value: Any) -> float:
@@ -121,4 +342,4 @@ def _number(value: Any) -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
-__all__ = ["PreparedCall", "source_signature", "unwrap"]
+__all__ = ["FIXED_SOURCES", "PLAIN_TENSORS", "PreparedGemmCall", "call_signature", "source_signature", "unwrap"]

@@ -35,13 +35,18 @@ class Recorder:
         self.calls.append(((a, b, out3, *epi_tensors, *block_scales), scalars))
 
 
-@pytest.fixture
-def kernel(monkeypatch):
+def stub_kernel(monkeypatch) -> Recorder:
+    """Lift the GPU check, record launches instead of running them, and start with no prepared calls."""
     recorder = Recorder()
     monkeypatch.setattr(validate_module, "check_on_one_hopper_gpu", lambda *named: None)
     monkeypatch.setattr(launch_module, "kernel_for", lambda plan, fusion=None: recorder)
     monkeypatch.setattr(api_module, "_PREPARED_CALLS", {})
     return recorder
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    return stub_kernel(monkeypatch)
 
 
 def rand(*shape, dtype=torch.bfloat16, offset=0):
@@ -174,7 +179,7 @@ def test_one_scale_tensor_passed_twice_is_replayed_only_for_a_call_that_does_the
     one, other = torch.rand(()), torch.rand(())
     epicute.gemm(a, w.t(), a_scale=one, b_scale=one)
     (recorded,) = api_module._PREPARED_CALLS.values()
-    assert recorded.aliases == ((3, 4),)
+    assert recorded._aliases == ((3, 4),)
     epicute.gemm(a, w.t(), a_scale=one, b_scale=other)  # the whole path: b's scale is its own tensor now
     assert kernel.calls[-1][0][-1].untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
 
@@ -183,6 +188,6 @@ def test_a_recorded_launch_keeps_no_tensor_alive(kernel):
     a, b, bias = rand(M, K), rand(K, N), rand(N)
     epicute.gemm(a, b, epilogue=lambda acc, bias: {"D": acc + bias, "rs": ops.row_sum(acc)}, bias=bias)
     (recorded,) = api_module._PREPARED_CALLS.values()
-    held = [t for t in recorded.launch.tensors() if isinstance(t, torch.Tensor)]
+    held = [t for t in recorded._launch.tensors() if isinstance(t, torch.Tensor)]
     assert not held, "the record would keep the first call's inputs, outputs and workspaces in memory"
-    assert recorded.launch.scalars == ()
+    assert recorded._launch.scalars == ()

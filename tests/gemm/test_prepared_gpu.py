@@ -99,3 +99,83 @@ def test_the_cached_path_captures_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         _check(captured, epicute.gemm(a, b, epilogue=epilogue, backend="reference", **fixed, **kw))
+
+
+def _prepared_cases():
+    """name -> make(): ``(a, b), call arguments, options`` of one signature, new random values each time."""
+
+    def plain():
+        return (rand(M, K), rand(N, K).t()), {}, {}
+
+    def plain_into_out():  # D NaN-poisoned: a tile the kernel skipped would show
+        return (rand(M, K), rand(N, K).t()), {"out": torch.full((M, N), float("nan"), device="cuda")}, {}
+
+    def batched():
+        return (rand(3, M, K, dtype=torch.float16), rand(3, K, N, dtype=torch.float16)), {}, {}
+
+    def decode():  # few rows: the planner splits K, whose workspace the direct launch looks up per stream
+        return (rand(7, 2056), rand(1032, 2056).t()), {}, {}
+
+    def epilogue_into_out():
+        kw = {"bias": rand(N), "residual": rand(M, N), "alpha": float(torch.rand(()) + 0.5),
+              "out": torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)}  # fmt: skip
+        return (
+            (rand(M, K), rand(K, N)),
+            kw,
+            {"epilogue": lambda acc, bias, residual, alpha: ops.silu(alpha * acc + bias) + residual},
+        )
+
+    return {"plain": plain, "plain_into_out": plain_into_out, "batched": batched, "decode": decode,
+            "epilogue_into_out": epilogue_into_out}  # fmt: skip
+
+
+def _reference(a, b, options: dict, kw: dict):
+    """``backend="reference"`` of a call, D in ``out``'s dtype where it has one."""
+    kw = {k: v for k, v in kw.items() if k != "out"} | ({"out_dtype": kw["out"].dtype} if "out" in kw else {})
+    return epicute.gemm(a, b, backend="reference", **options, **kw)
+
+
+@pytest.mark.parametrize("name", list(_prepared_cases()))
+def test_a_prepared_call_matches_gemm_and_the_reference(name):
+    make = _prepared_cases()[name]
+    (a, b), kw, options = make()
+    prepared = epicute.prepare_gemm(a, b, **options, **kw)
+    for _ in range(3):  # new values (and scalars) of the prepared signature
+        (a, b), kw, _ = make()
+        got = prepared(a, b, **kw)
+        if "out" in kw:
+            assert got is kw["out"]
+            kw["out"] = torch.full_like(kw["out"], float("nan"))  # for gemm's own launch below
+        _check(got, _reference(a, b, options, kw))
+        assert torch.equal(got, epicute.gemm(a, b, **options, **kw)), "the prepared call and epicute.gemm differ"
+
+
+@pytest.mark.parametrize("name", ["plain", "decode", "epilogue_into_out"])
+def test_a_prepared_call_captures_in_a_cuda_graph(name):
+    make = _prepared_cases()[name]
+    (a, b), kw, options = make()
+    prepared = epicute.prepare_gemm(a, b, **options, **kw)
+    prepared(a, b, **kw)  # warm: nothing is loaded or allocated once for all during capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = prepared(a, b, **kw)
+    for _ in range(2):
+        (a2, b2), kw2, _ = make()
+        a.copy_(a2)
+        b.copy_(b2)
+        for operand in ("bias", "residual"):  # alpha stays what was captured: a scalar is a launch argument
+            if operand in kw:
+                kw[operand].copy_(kw2[operand])
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(captured, _reference(a, b, options, kw))
+
+
+def test_a_prepared_call_refuses_a_tensor_on_another_device_before_launching():
+    a, b = rand(M, K), rand(N, K).t()
+    prepared = epicute.prepare_gemm(a, b)
+    with pytest.raises(epicute.SignatureError, match="a is on cpu; this call was prepared on cuda:0"):
+        prepared(a.cpu(), b)
+    with pytest.raises(epicute.SignatureError, match=r"b has shape \(328, 136\)"):
+        prepared(a, b[:, :136])

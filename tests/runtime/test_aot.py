@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 SPEC = """
 [[gemm]]
-shapes = [[17, 136, 72, 3], [1000, 4104, 136]]
+shapes = [[17, 136, 72, 3], [1000, 4104, 136, 2]]
 dtype = "bf16"
 b_major = "k"
 config = { tile_n = 128, persistent = false, cluster_m = 1 }
@@ -65,6 +66,11 @@ operands = { scale_m = "col:fp32", scale_n = "row:bf16" }
     w = torch.randn(3, 136, 72, dtype=torch.bfloat16)
     config = {"tile_n": 128, "persistent": False, "cluster_m": 1}
     assert _launched_variant(monkeypatch, a, w.transpose(1, 2), config=config).key() == aot_plain.key()
+    # A problem of one batch compiles the kernel's 2-D form, which an unbatched call launches.
+    ((flat, _),) = gemm_variants({**plain, "shapes": [[1000, 4104, 136]]})
+    assert flat.key() == replace(aot_plain, batched=False).key() != aot_plain.key()
+    a, w = torch.randn(1000, 136, dtype=torch.bfloat16), torch.randn(4104, 136, dtype=torch.bfloat16)
+    assert _launched_variant(monkeypatch, a, w.t(), config=config).key() == flat.key()
 
     ((aot_fused, _),) = gemm_variants(fused)
     a = torch.randn(256, 128, dtype=torch.bfloat16)

@@ -130,7 +130,7 @@ def test_spec_variants_planned_for_two_targets_share_their_keys():
     # Unpinned, a target may plan other configs (the planner reads its SM count), never other keys for one config.
     for name in TARGETS:
         for variant, _ in gemm_variants({"shapes": [[8192, 8192, 8192]]}, TARGETS[name]):
-            assert variant.key() == GemmVariant(variant.config, "bf16", "bf16", "k", "n").key()
+            assert variant.key() == GemmVariant(variant.config, "bf16", "bf16", "k", "n", batched=False).key()
 
 
 def test_attention_keys_of_two_targets_are_equal_and_grids_differ():
