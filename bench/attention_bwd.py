@@ -52,13 +52,20 @@ def reference_grads(q, k, v, do, causal: bool):
     """float32 autograd of the first (batch, key/value head) and its query heads: (dq, dk, dv) slices."""
     group = q.shape[2] // k.shape[2]
     q1, k1, v1 = (t[:1, :, :n].detach().float().requires_grad_() for t, n in ((q, group), (k, 1), (v, 1)))
-    s = torch.einsum("bqhd,bkhd->bhqk", q1, k1.expand(-1, -1, group, -1)) * q.shape[-1] ** -0.5
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        hidden = torch.arange(sk, device=q.device)[None] > torch.arange(sq, device=q.device)[:, None] + sk - sq
-        s = s.masked_fill(hidden, float("-inf"))
-    o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v1.expand(-1, -1, group, -1))
+    o = _first_group_attention(q1, k1, v1, causal)
     return torch.autograd.grad(o, (q1, k1, v1), do[:1, :, :group].float())
+
+
+def _first_group_attention(q1, k1, v1, causal: bool) -> torch.Tensor:
+    """float32 O ``(1, seqlen_q, group, d)`` of one key/value head's query heads (q1 ``(1, sq, group, d)``,
+    k1 and v1 ``(1, sk, 1, d)``), causal bottom-right aligned."""
+    group = q1.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q1, k1.expand(-1, -1, group, -1)) * q1.shape[-1] ** -0.5
+    if causal:
+        sq, sk = q1.shape[1], k1.shape[1]
+        hidden = torch.arange(sk, device=q1.device)[None] > torch.arange(sq, device=q1.device)[:, None] + sk - sq
+        s = s.masked_fill(hidden, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v1.expand(-1, -1, group, -1))
 
 
 def run_case(name: str) -> tuple[Row, bool]:
@@ -141,7 +148,9 @@ def run_varlen_case(name: str) -> tuple[list[Row], bool]:
     do = torch.randn(total, hq, d, device="cuda", dtype=torch.bfloat16)
     first = lengths[0]  # checked on the first sequence, whose gradients depend on it alone
     ref = reference_grads(q[None, :first], k[None, :first], v[None, :first], do[None, :first], causal)
-    ref_o = _reference_out(q[None, :first], k[None, :first], v[None, :first], causal)
+    ref_o = _first_group_attention(
+        *(t[None, :first, :n].detach().float() for t, n in ((q, hq // hkv), (k, 1), (v, 1))), causal
+    )[0]
     group = hq // hkv
     flops_fwd = sum(4 * hq * n * n * d for n in lengths) / (2 if causal else 1)
     print(name)
@@ -185,18 +194,6 @@ def run_varlen_case(name: str) -> tuple[list[Row], bool]:
         rows.append(row)
         all_ok = all_ok and ok
     return rows, all_ok
-
-
-def _reference_out(q, k, v, causal: bool) -> torch.Tensor:
-    """float32 O of the first key/value head's query heads of a (1, seqlen, heads, dim) problem."""
-    group = q.shape[2] // k.shape[2]
-    q1, k1, v1 = (t[:, :, :n].float() for t, n in ((q, group), (k, 1), (v, 1)))
-    s = torch.einsum("bqhd,bkhd->bhqk", q1, k1.expand(-1, -1, group, -1)) * q.shape[-1] ** -0.5
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        hidden = torch.arange(sk, device=q.device)[None] > torch.arange(sq, device=q.device)[:, None] + sk - sq
-        s = s.masked_fill(hidden, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v1.expand(-1, -1, group, -1))[0]
 
 
 def main() -> int:
