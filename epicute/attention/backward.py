@@ -3,8 +3,9 @@
 :func:`attention_backward` takes the forward's inputs, O, LSE and dO and returns dQ, dK, dV:
 
 1. preprocess (torch, on the GPU): ``D = rowsum(dO * O)`` in fp32 and LSE in log2 units, both
-   padded to whole query blocks, with LSE = +inf on the padding and on rows the forward saw no
-   key of (their P is then exactly 0, as their O was);
+   padded to whole query blocks (packed sequences: each one's rows from a block boundary, see
+   :func:`stat_rows_start`), with LSE = +inf on the padding and on rows the forward saw no key of
+   (their P is then exactly 0, as their O was);
 2. the kernel (:mod:`epicute.attention.backward_sm90`): dK and dV stored in the input dtype,
    dQ added into a zeroed fp32 accumulator;
 3. ``dQ = accumulator * softmax_scale`` cast to the input dtype.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epicute.attention.backward_plan import BackwardConfig
+from epicute.attention.backward_plan import BackwardConfig, stat_rows_start
 from epicute.runtime.cache import CacheKey
 from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily, dsl_compile
 from epicute.runtime.target import DEFAULT_ARCH, SM90A
@@ -107,21 +108,41 @@ def compile_backward(variant: BackwardVariant):
 BACKWARD_CACHE = KernelFamily("attention_backward", {SM90A: compile_backward})
 
 
-def preprocess(o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, tile_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(LSE * log2 e, D = rowsum(dO * O))``, fp32 ``(batch, heads, seqlen_q padded to tile_m)``;
+def preprocess(
+    o: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    tile_m: int,
+    dlse: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(LSE * log2 e, D = rowsum(dO * O) - dLSE)``, fp32 ``(batch, heads, seqlen_q padded to tile_m)``;
     LSE is +inf on the padding and where the forward's row saw no key (LSE = -inf), so P = 0 there.
-    Packed (``o`` ``(total_q, heads, dim)``, ``lse`` ``(heads, total_q)``): ``(1, heads, total_q + tile_m)``,
-    one block of padding past the last row, which a sequence's last query block may reach."""
+    ``dlse``: LSE's gradient (shaped like ``lse``), or None.
+    Packed (``o`` ``(total_q, heads, dim)``, ``lse`` ``(heads, total_q)``, ``cu_seqlens_q``): ``(1, heads, rows)``
+    with sequence ``b``'s rows from :func:`stat_rows_start` on (no host sync)."""
     if o.dim() == 3:
-        lse_log2, dsum = preprocess(o[None], do[None], lse[None], 1)
-        pad = (0, tile_m)
-        return torch.nn.functional.pad(lse_log2, pad, value=math.inf), torch.nn.functional.pad(dsum, pad)
+        lse_log2, dsum = preprocess(o[None], do[None], lse[None], 1, None if dlse is None else dlse[None])
+        total, batch = o.shape[0], cu_seqlens_q.numel() - 1
+        rows = stat_rows_start(total, batch, tile_m)
+        cu = cu_seqlens_q.long()
+        row = torch.arange(total, device=o.device)
+        seq = torch.searchsorted(cu[1:], row, right=True).clamp_(max=max(batch - 1, 0))
+        # Clamped: malformed offsets give wrong rows, never an index past the buffers.
+        dest = (stat_rows_start(cu[seq], seq, tile_m) + row - cu[seq]).clamp_(0, rows - 1)
+        padded = (torch.full((1, o.shape[1], rows), math.inf, dtype=torch.float32, device=o.device),
+                  torch.zeros((1, o.shape[1], rows), dtype=torch.float32, device=o.device))  # fmt: skip
+        for out, values in zip(padded, (lse_log2, dsum)):
+            out.index_copy_(2, dest, values)
+        return padded
     batch, seqlen_q, heads, _ = o.shape
     padded = -(-seqlen_q // tile_m) * tile_m
     lse_log2 = torch.full((batch, heads, padded), math.inf, dtype=torch.float32, device=o.device)
     lse_log2[..., :seqlen_q] = torch.where(torch.isneginf(lse), math.inf, lse * LOG2_E)
     dsum = torch.zeros((batch, heads, padded), dtype=torch.float32, device=o.device)
     dsum[..., :seqlen_q] = torch.einsum("bshd,bshd->bhs", do.float(), o.float())
+    if dlse is not None:
+        dsum[..., :seqlen_q] -= dlse
     return lse_log2, dsum
 
 
@@ -148,9 +169,7 @@ def attention_backward(
     dk, dv = new_grad(k.shape, k.dtype, k.device), new_grad(v.shape, v.dtype, v.device)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if q.numel() and k.numel():
-        lse_log2, dsum = preprocess(o, do, lse, variant.config.tile_m)
-        if dlse is not None:
-            dsum[..., : lse.shape[-1]] -= dlse
+        lse_log2, dsum = preprocess(o, do, lse, variant.config.tile_m, dlse, call.cu_seqlens_q if p.varlen else None)
         tensors, varlen = (q, k, v, do, dq_accum, dk, dv), ()
         if p.varlen:  # packed: one batch entry of every row
             tensors = tuple(t.unsqueeze(0) for t in tensors)

@@ -47,8 +47,11 @@ class BackwardConfig(WarpRoles):
             raise ConfigError(
                 f"head_dim={self.head_dim}: the attention backward supports head_dim {BACKWARD_HEAD_DIMS}"
             )
-        if self.tile_m != 64:
-            raise ConfigError(f"tile_m={self.tile_m}: the backward kernel takes 64 queries per step")
+        if self.tile_m not in (64, 128) or (self.tile_m == 128 and self.head_dim != 64):
+            raise ConfigError(
+                f"tile_m={self.tile_m}: the backward kernel takes 64 queries per step, or 128 at head_dim 64 "
+                "(the registers of a 64-key by 128-query S^T and dP^T leave no room for wider dK and dV)"
+            )
         if self.tile_n != 2 * KEYS_PER_WARPGROUP:
             raise ConfigError(f"tile_n={self.tile_n}: the backward kernel takes 128 keys per CTA (2 warpgroups)")
         if not 1 <= self.stages <= 2:
@@ -60,17 +63,30 @@ def backward_config(head_dim: int) -> BackwardConfig:
     """The backward config for ``head_dim`` (validated)."""
     cfg = BackwardConfig(
         head_dim=head_dim,
+        tile_m=128 if head_dim == 64 else 64,
         reasons=(
             (
                 "a CTA per (128 keys, key/value head, batch): dK and dV stay in registers over every "
                 "query block and every query head of the GQA group, then are stored once"
             ),
             "S^T and dP^T keys-by-queries: P^T and dS^T feed the dV and dK WGMMAs from registers",
-            "dQ per step through shared memory and a TMA reduce-add into an fp32 accumulator",
+            (
+                "dQ per step through shared memory into an fp32 accumulator: each consumer warpgroup stages "
+                "its half and producer warp 1 issues the TMA reduce-add, so the consumers go on with dK"
+            ),
+            "each step's LSE and D ride in the Q/dO ring (TMA), read from shared memory",
         ),
     )
     cfg.validate()
     return cfg
+
+
+def stat_rows_start(first_row, batch, tile_m: int):
+    """Where packed sequence ``batch``, whose rows start at ``first_row``, starts in the preprocess's LSE
+    and D rows: a multiple of ``tile_m`` (the kernel's TMA loads of them start 16-byte aligned), at least
+    one block past the previous sequence's last block. Host (torch tensors) and kernel (DSL integers)
+    compute it alike."""
+    return (first_row + batch * tile_m) // tile_m * tile_m
 
 
 def backward_smem_layout(cfg: BackwardConfig, dtype: str = "bf16") -> SmemLayout:
@@ -85,11 +101,15 @@ def backward_smem_layout(cfg: BackwardConfig, dtype: str = "bf16") -> SmemLayout
         SmemBuffer("sV", "V (then dV)", dtype, cfg.tile_n * d, f"{cfg.tile_n}x{d} {dtype}; dV is staged here"),
         SmemBuffer("sQ", "Q ring", dtype, cfg.tile_m * d * stages, f"{stages} x {cfg.tile_m}x{d} {dtype}"),
         SmemBuffer("sdO", "dO ring", dtype, cfg.tile_m * d * stages, f"{stages} x {cfg.tile_m}x{d} {dtype}"),
+        SmemBuffer("sLSE", "LSE ring", "fp32", cfg.tile_m * stages, f"{stages} x {cfg.tile_m} fp32 (log2 units)",
+                   align=128),
+        SmemBuffer("sD", "D ring", "fp32", cfg.tile_m * stages, f"{stages} x {cfg.tile_m} fp32: rowsum(dO * O)",
+                   align=128),
         SmemBuffer("sdS", "dS^T", dtype, cfg.tile_n * cfg.tile_m * stages,
                    f"{stages} x {cfg.tile_n}x{cfg.tile_m} {dtype}: both warpgroups' dS^T, read whole by dQ = dS K"),
         SmemBuffer("sdQ", "dQ staging", "fp32", cfg.tile_m * d,
-                   f"{cfg.tile_m}x{d} fp32: each warpgroup's dQ columns, TMA reduce-added into the fp32 dQ"),
+                   f"{cfg.tile_m}x{d} fp32: each warpgroup's dQ columns, reduce-added into the fp32 dQ by warp 1"),
     ))  # fmt: skip
 
 
-__all__ = ["BACKWARD_HEAD_DIMS", "BackwardConfig", "backward_config", "backward_smem_layout"]
+__all__ = ["BACKWARD_HEAD_DIMS", "BackwardConfig", "backward_config", "backward_smem_layout", "stat_rows_start"]

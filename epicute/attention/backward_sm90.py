@@ -10,16 +10,19 @@ A CTA owns ``tile_n`` keys of one (batch, key/value head) and walks every query 
 sees them (causal: from the diagonal down), for each query head of the GQA group, so dK and
 dV accumulate in registers and are stored once (the group's sum, no atomics). Warp roles:
 
-- producer (warp 0): K and V once, then each step's Q and dO tiles through a ``stages``-deep
-  ring (one full barrier covers both).
+- producer warp 0: K and V once, then each step's Q and dO tiles and its queries' LSE and D
+  through a ``stages``-deep ring (one full barrier covers all four).
+- producer warp 1 (dQ writer): adds each consumer warpgroup's staged dQ into the fp32 dQ
+  accumulator in global memory with a TMA reduce-add (other CTAs add theirs: the sum's
+  order is not fixed), and hands the staging buffer back once the reduce-add has read it.
 - consumers (2 warpgroups, 64 keys each). Per step: S^T = K Q^T and dP^T = V dO^T (WGMMA from
   shared memory, keys as M so each warpgroup's rows are its own keys); P^T = exp2(S^T *
   scale * log2 e - LSE * log2 e) with the ragged-key and causal masks; dS^T = P^T (dP^T - D).
-  dV += P^T dO and dK += dS^T Q take P^T and dS^T as register A operands. dS^T is also staged
-  in shared memory (stmatrix) and, once both warpgroups have staged their keys (named barrier
-  ``SCORES_STAGED``), each warpgroup computes half of dQ's columns, dQ = dS K (over all 128
-  keys), stages it (fp32) in its own buffer and adds it into the fp32 dQ accumulator in global
-  memory with one TMA reduce-add (other CTAs add theirs: the sum's order is not fixed).
+  dS^T is staged in shared memory (stmatrix) while dV += P^T dO runs (P^T a register A
+  operand); once both warpgroups have staged their keys (named barrier ``SCORES_STAGED``),
+  each warpgroup issues half of dQ's columns, dQ = dS K (over all 128 keys), then dK += dS^T
+  Q (dS^T from registers), and copies dQ into its staging buffer for the dQ writer while dK
+  runs.
 - epilogue: dK scaled, dV and dK cast and staged in K's and V's buffers (free: every WGMMA
   that read them has retired), TMA-stored (the store clips the ragged seqlen_k edge).
 
@@ -31,8 +34,8 @@ and causal are compile-time.
 Packed variable-length sequences (``varlen``): the grid's third mode is the sequence, whose
 rows start at ``cu_seqlens_q/k[b]`` of one ``(total, heads, dim)`` tensor each; a CTA past its
 sequence's keys exits. Rows past a sequence's end load the next sequence's, so the consumers
-mask queries past seqlen_q as they mask keys (P = 0, so their dQ rows add zeros), LSE and D are
-padded once at the end of the packed rows, and dK and dV are stored through ragged views that
+mask queries past seqlen_q as they mask keys (P = 0, so their dQ rows add zeros), each sequence's
+LSE and D rows start at a block boundary (``stat_rows_start``), and dK and dV are stored through ragged views that
 clip at the sequence's end (:func:`~epicute.attention.key_blocks.ragged_tensor`).
 """
 
@@ -47,7 +50,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from epicute.attention.backward_plan import KEYS_PER_WARPGROUP, BackwardConfig, backward_smem_layout
+from epicute.attention.backward_plan import KEYS_PER_WARPGROUP, BackwardConfig, backward_smem_layout, stat_rows_start
 from epicute.attention.key_blocks import packed_range, ragged_rows, ragged_tensor
 from epicute.epilogue.derivative import value_and_derivative
 from epicute.epilogue.fusion import ScoreModFusion
@@ -86,6 +89,14 @@ class AttentionBackwardSm90:
         self.smem = backward_smem_layout(cfg, dtype)
         self.num_wg = cfg.num_mma_warpgroups
         self.load_warp = 0
+        self.dq_warp = 1
+        #: dQ's split over the consumer warpgroups: by rows at 128-query steps (a WGMMA's M is 64).
+        self.dq_split_rows = cfg.tile_m > KEYS_PER_WARPGROUP
+        self.dq_tile = (
+            (cfg.tile_m // self.num_wg, cfg.head_dim)
+            if self.dq_split_rows
+            else (cfg.tile_m, cfg.head_dim // self.num_wg)
+        )
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -130,32 +141,38 @@ class AttentionBackwardSm90:
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             (self.num_wg, 1, 1), tiler_mn=(KEYS_PER_WARPGROUP, d), a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
-        # dQ = dS K: every query row, each warpgroup half of head_dim; dS read from its staged
-        # transpose (queries contiguous), K^T head_dim-major.
+        # dQ = dS K, dS read from its staged transpose (queries contiguous), K^T head_dim-major:
+        # each warpgroup takes half of head_dim over every query row, or (128-query steps) half of
+        # the rows over all of head_dim; it stages its part (``dq_tile``) as one contiguous block.
+        dq_atoms = (self.num_wg, 1, 1) if self.dq_split_rows else (1, self.num_wg, 1)
         tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
-            (1, self.num_wg, 1), tiler_mn=(cfg.tile_m, d // self.num_wg),
+            self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32, dq_atoms,
+            tiler_mn=(KEYS_PER_WARPGROUP, d) if self.dq_split_rows else (cfg.tile_m, d // self.num_wg),
         )  # fmt: skip
 
         sQ_layout = row_major_smem_layout(self.dtype, cfg.tile_m, d, cfg.stages)
-        sK_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d, major=d // self.num_wg)
+        sK_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d, major=d if self.dq_split_rows else self.dq_tile[1])
         sV_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d)
         sdS_layout = row_major_smem_layout(self.dtype, cfg.tile_n, cfg.tile_m, cfg.stages)
-        sdQ_layout = row_major_smem_layout(Float32, cfg.tile_m, d, major=d // self.num_wg)
-        sdQ_wg_layout = row_major_smem_layout(Float32, cfg.tile_m, d // self.num_wg)
+        sdQ_layout = row_major_smem_layout(Float32, cfg.tile_m, d, major=self.dq_tile[1], row_bands=self.dq_split_rows)
+        sdQ_wg_layout = row_major_smem_layout(Float32, *self.dq_tile, row_bands=self.dq_split_rows)
+        sStat_layout = cute.make_layout((cfg.tile_m, cfg.stages))  # LSE and D, one vector per stage
 
         g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         q_box, kv_box = (cfg.tile_m, d), (cfg.tile_n, d)
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, (None, None, 0)), q_box)
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(g2s, mdO, cute.slice_(sQ_layout, (None, None, 0)), q_box)
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, kv_box)
+        stat_box = cute.make_layout(cfg.tile_m)
+        tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, stat_box, (cfg.tile_m,))
+        tma_dsum, tma_mD = cpasync.make_tiled_tma_atom(g2s, mD, stat_box, (cfg.tile_m,))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, kv_box)
         if cutlass.const_expr(self.varlen):
             mdK, mdV = ragged_tensor(mdK), ragged_tensor(mdV)
         tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, kv_box)
         tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, kv_box)
         tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_wg_layout, (cfg.tile_m, d // self.num_wg)
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_wg_layout, self.dq_tile
         )
 
         for name, layout in (("sQ", sQ_layout), ("sdO", sQ_layout), ("sK", sK_layout), ("sV", sV_layout),
@@ -171,8 +188,9 @@ class AttentionBackwardSm90:
 
         self.kernel(
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
-            tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, mLSE, mD, sQ_layout, sK_layout, sV_layout, sdS_layout,
-            sdQ_layout, sdQ_wg_layout, group, softmax_scale, score_tensors, score_scalars, varlen,
+            tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, tma_lse, tma_mLSE, tma_dsum, tma_mD, sQ_layout,
+            sK_layout, sV_layout, sdS_layout, sdQ_layout, sdQ_wg_layout, sStat_layout, group, softmax_scale,
+            score_tensors, score_scalars, varlen,
         ).launch(
             grid=(n_blocks, cute.size(mK, mode=[2]), batches),
             block=[cfg.num_threads, 1, 1],
@@ -201,7 +219,9 @@ class AttentionBackwardSm90:
         mdK: cute.Tensor,
         tma_dv: cute.CopyAtom,
         mdV: cute.Tensor,
+        tma_lse: cute.CopyAtom,
         mLSE: cute.Tensor,
+        tma_dsum: cute.CopyAtom,
         mD: cute.Tensor,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -209,6 +229,7 @@ class AttentionBackwardSm90:
         sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.ComposedLayout,
         sdQ_wg_layout: cute.ComposedLayout,
+        sStat_layout: cute.Layout,
         group: cutlass.Int32,
         softmax_scale: Float32,
         score_tensors: tuple,
@@ -221,7 +242,7 @@ class AttentionBackwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         if warp_idx == self.load_warp:
-            for atom in (tma_q, tma_do, tma_k, tma_v, tma_dq, tma_dk, tma_dv):
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum, tma_dq, tma_dk, tma_dv):
                 cpasync.prefetch_descriptor(atom)
 
         smem = SmemAllocator()
@@ -229,6 +250,7 @@ class AttentionBackwardSm90:
         consumer_warps = cfg.num_mma_threads // 32
         kv_bytes = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
         qdo_bytes = 2 * cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
+        qdo_bytes += 2 * cfg.tile_m * Float32.width // 8  # LSE and D
         kv_pipe = make_tma_load_pipeline(storage.kv_barriers.data_ptr(), 1, kv_bytes, consumer_warps, (1, 1), 1, True)
         qdo_pipe = make_tma_load_pipeline(
             storage.qdo_barriers.data_ptr(), cfg.stages, qdo_bytes, consumer_warps, (1, 1), 1, True
@@ -238,25 +260,31 @@ class AttentionBackwardSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sLSE = storage.sLSE.get_tensor(sStat_layout)
+        sD = storage.sD.get_tensor(sStat_layout)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
-        # A consumer warpgroup's dQ columns: a contiguous half of sdQ (see sdQ_layout's atom).
-        sdQ_wg_offset = (warpgroup_idx - 1) * cute.cosize(sdQ_wg_layout.outer)
-        sdQ_wg = cute.make_tensor(
-            cute.recast_ptr(storage.sdQ.data_ptr() + sdQ_wg_offset, sdQ_wg_layout.inner, dtype=Float32),
-            sdQ_wg_layout.outer,
-        )
+        # Consumer warpgroup w's dQ columns: a contiguous part of sdQ (see sdQ_layout's atom).
+        sdQ_wg = [
+            cute.make_tensor(
+                cute.recast_ptr(storage.sdQ.data_ptr() + w * cute.cosize(sdQ_wg_layout.outer), sdQ_wg_layout.inner,
+                                dtype=Float32),
+                sdQ_wg_layout.outer,
+            )
+            for w in range(self.num_wg)
+        ]  # fmt: skip
         # Barrier initialization is visible to every thread (and the async proxy) before first use.
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
         seqlen_q, seqlen_k = cute.size(mQ, mode=[0]), cute.size(mK, mode=[0])
-        # Where the CTA's sequence lives: (first query row, first key row, batch index of the tensors).
-        seq = (0, 0, batch)
+        # Where the CTA's sequence lives: (first query row, first key row, batch index of the tensors,
+        # first row of LSE and D).
+        seq = (0, 0, batch, 0)
         has_keys = True
         if cutlass.const_expr(self.varlen):
             first_q, seqlen_q = packed_range(varlen[0], batch, seqlen_q)
             first_k, seqlen_k = packed_range(varlen[1], batch, seqlen_k)
-            seq = (first_q, first_k, 0)
+            seq = (first_q, first_k, 0, stat_rows_start(first_q, batch, cfg.tile_m))
             has_keys = n_block * cfg.tile_n < seqlen_k  # the grid covers the longest sequence's keys
         m_first, m_count = self._query_blocks(n_block, seqlen_q, seqlen_k)
         if has_keys:
@@ -264,16 +292,18 @@ class AttentionBackwardSm90:
                 cute.arch.setmaxregister_decrease(cfg.producer_regs)
                 if warp_idx == self.load_warp:
                     self._load(
-                        tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, kv_pipe, qdo_pipe,
-                        (n_block, kv_head, batch), seq, group, m_first, m_count,
+                        (tma_q, mQ, sQ), (tma_do, mdO, sdO), (tma_k, mK, sK), (tma_v, mV, sV), (tma_lse, mLSE, sLSE),
+                        (tma_dsum, mD, sD), kv_pipe, qdo_pipe, (n_block, kv_head, batch), seq, group, m_first,
+                        m_count,
                     )  # fmt: skip
+                if warp_idx == self.dq_warp:
+                    self._write_dq(tma_dq, mdQ, sdQ_wg, kv_head, seq, group, m_first, m_count)
             else:
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
                 self._consume(
-                    tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sdQ_wg, kv_pipe,
-                    qdo_pipe, tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, mLSE, mD, (n_block, kv_head, batch), seq, group,
-                    m_first, m_count, seqlen_q, seqlen_k, softmax_scale, (score_tensors, score_scalars),
-                    tidx - THREADS_PER_WARPGROUP,
+                    tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sD, kv_pipe,
+                    qdo_pipe, tma_dk, mdK, tma_dv, mdV, (n_block, kv_head, batch), seq, group, m_first, m_count,
+                    seqlen_q, seqlen_k, softmax_scale, (score_tensors, score_scalars), tidx - THREADS_PER_WARPGROUP,
                 )  # fmt: skip
 
     def _query_blocks(self, n_block, seqlen_q, seqlen_k):
@@ -288,17 +318,16 @@ class AttentionBackwardSm90:
         return m_first, m_end - m_first
 
     @cute.jit
-    def _load(
-        self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, sQ, sdO, sK, sV, kv_pipe, qdo_pipe, tile, seq, group,
-        m_first, m_count,
-    ):  # fmt: skip
+    def _load(self, q, do, k, v, lse, dsum, kv_pipe, qdo_pipe, tile, seq, group, m_first, m_count):
+        """Producer warp 0. ``q`` ... ``dsum``: (TMA atom, its global coordinate tensor, smem) of each
+        operand; K and V once, then per step the query block's Q, dO, LSE and D into one ring stage."""
         cfg = self.cfg
         d = cfg.head_dim
         one = cute.make_layout(1)
         n_block, kv_head, _ = tile
         kv_state = RingState.producer(1)
         kv_pipe.producer_acquire(kv_state)
-        for tma, m_kv, s_kv in ((tma_k, mK, sK), (tma_v, mV, sV)):
+        for tma, m_kv, s_kv in (k, v):
             g_kv = cute.local_tile(self._rows(m_kv, kv_head, seq, 1), (cfg.tile_n, d), (n_block, 0))
             kv_smem, kv_gmem = cpasync.tma_partition(
                 tma, 0, one, cute.group_modes(s_kv, 0, 2), cute.group_modes(g_kv, 0, 2)
@@ -310,14 +339,45 @@ class AttentionBackwardSm90:
             head = kv_head * group + step // m_count
             m_block = m_first + step % m_count
             qdo_pipe.producer_acquire(state)
-            for tma, m_rows, s_rows in ((tma_q, mQ, sQ), (tma_do, mdO, sdO)):
+            full = qdo_pipe.producer_get_barrier(state)
+            for tma, m_rows, s_rows in (q, do):
                 g_rows = cute.local_tile(self._rows(m_rows, head, seq, 0), (cfg.tile_m, d), (None, 0))
                 rows_smem, rows_gmem = cpasync.tma_partition(
                     tma, 0, one, cute.group_modes(s_rows, 0, 2), cute.group_modes(g_rows, 0, 2)
                 )
-                cute.copy(tma, rows_gmem[None, m_block], rows_smem[None, state.index],
-                          tma_bar_ptr=qdo_pipe.producer_get_barrier(state))  # fmt: skip
+                cute.copy(tma, rows_gmem[None, m_block], rows_smem[None, state.index], tma_bar_ptr=full)
+            for tma, m_stat, s_stat in (lse, dsum):
+                g_stat = cute.local_tile(self._stat_rows(m_stat, head, seq), (cfg.tile_m,), (None,))
+                stat_smem, stat_gmem = cpasync.tma_partition(
+                    tma, 0, one, cute.group_modes(s_stat, 0, 1), cute.group_modes(g_stat, 0, 1)
+                )
+                cute.copy(tma, stat_gmem[None, m_block], stat_smem[None, state.index], tma_bar_ptr=full)
             state.advance()
+
+    @cute.jit
+    def _write_dq(self, tma_dq, mdQ, sdQ_wg, kv_head, seq, group, m_first, m_count):
+        """Producer warp 1: per step, once consumer warpgroup ``w`` has staged its dQ columns
+        (``DQ_FULL``), reduce-add them into the fp32 accumulator; once the previous step's
+        reduce-add has read a buffer, hand it back (``DQ_EMPTY``)."""
+        one = cute.make_layout(1)
+        pair = THREADS_PER_WARPGROUP + 32  # a consumer warpgroup and this warp
+        for step in cutlass.range(group * m_count, unroll=1):
+            head = kv_head * group + step // m_count
+            m_block = m_first + step % m_count
+            for w in cutlass.range_constexpr(self.num_wg):
+                # Buffer w was the (num_wg - w)-th last reduce-add committed.
+                cute.arch.cp_async_bulk_wait_group(self.num_wg - 1 - w, read=True)
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarriers.DQ_EMPTY_WG1) + w, number_of_threads=pair)
+            for w in cutlass.range_constexpr(self.num_wg):
+                cute.arch.barrier(barrier_id=int(NamedBarriers.DQ_FULL_WG1) + w, number_of_threads=pair)
+                part = (m_block * self.num_wg + w, 0) if self.dq_split_rows else (m_block, w)
+                g_dq = cute.local_tile(self._rows(mdQ, head, seq, 0), self.dq_tile, part)
+                dq_smem, dq_gmem = cpasync.tma_partition(
+                    tma_dq, 0, one, cute.group_modes(sdQ_wg[w], 0, 2), cute.group_modes(g_dq, 0, 2)
+                )
+                cute.copy(tma_dq, dq_smem, dq_gmem)
+                cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     def _rows(self, t: cute.Tensor, head, seq: tuple, side: int) -> cute.Tensor:
         """One head's ``(rows, dim)`` of a ``(rows, dim, heads, batch)`` tensor for the CTA's sequence
@@ -326,6 +386,13 @@ class AttentionBackwardSm90:
             return cute.domain_offset((seq[side], 0), t[None, None, head, 0])
         return t[None, None, head, seq[2]]
 
+    def _stat_rows(self, t: cute.Tensor, head, seq: tuple) -> cute.Tensor:
+        """One head's query rows of a ``(rows, heads, batch)`` LSE or D tensor for the CTA's sequence
+        (packed: from the sequence's block-aligned start, ``seq[3]``)."""
+        if cutlass.const_expr(self.varlen):
+            return cute.domain_offset((seq[3],), t[None, head, 0])
+        return t[None, head, seq[2]]
+
     # ------------------------------------------------------------ consumers
     @cute.jit
     def _probabilities(self, acc_S, slope, cS, step_args, masked: cutlass.Constexpr[bool]):
@@ -333,8 +400,8 @@ class AttentionBackwardSm90:
         of it (whose derivative by the score goes to ``slope``: dS is then scaled by it); with
         ``masked``, keys past seqlen_k, (causal) keys past each query's diagonal and (packed sequences, whose
         next rows are another sequence's) queries past seqlen_q get P = 0.
-        ``step_args``: (key block, query block, head, batch, LSE, seqlen_q, seqlen_k, softmax scale,
-        the score_mod's operands loaded for the head)."""
+        ``step_args``: (key block, query block, head, batch, the step's LSE by query row (shared memory),
+        seqlen_q, seqlen_k, softmax scale, the score_mod's operands loaded for the head)."""
         cfg = self.cfg
         n_block, m_block, head, batch, lse, seqlen_q, seqlen_k, softmax_scale, operands = step_args
         S = acc_rows_cols(acc_S)
@@ -343,16 +410,18 @@ class AttentionBackwardSm90:
         if cutlass.const_expr(self.score_mod is not None):
             scale_log2 = Float32(LOG2_E)  # the score_mod sees (and returns) scaled scores
         index = {"b": batch.to(Float32), "h": head.to(Float32)}
-        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            key = n_block * cfg.tile_n + cS[r, 0][0]
-            index["kv_idx"] = key.to(Float32)
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                query = m_block * cfg.tile_m + cS[0, c][1]
+        # Column by column: one query's LSE is read from shared memory once for its rows.
+        for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+            query = m_block * cfg.tile_m + cS[0, c][1]
+            index["q_idx"] = query.to(Float32)
+            lse_c = lse[cS[0, c][1]]
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                key = n_block * cfg.tile_n + cS[r, 0][0]
                 score = S[r, c]
                 if cutlass.const_expr(self.score_mod is not None):
-                    index["q_idx"] = query.to(Float32)
+                    index["kv_idx"] = key.to(Float32)
                     score, G[r, c] = self._score_mod(score * softmax_scale, index, operands)
-                p = cute.math.exp2(score * scale_log2 - lse[c], fastmath=True)
+                p = cute.math.exp2(score * scale_log2 - lse_c, fastmath=True)
                 if cutlass.const_expr(masked):
                     hidden = key >= seqlen_k
                     if cutlass.const_expr(self.varlen):
@@ -374,16 +443,14 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def _consume(
-        self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sdQ_wg, kv_pipe, qdo_pipe,
-        tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, mLSE, mD, tile, seq, group, m_first, m_count, seqlen_q, seqlen_k,
-        softmax_scale, score_args, mma_tidx,
+        self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sD, kv_pipe, qdo_pipe,
+        tma_dk, mdK, tma_dv, mdV, tile, seq, group, m_first, m_count, seqlen_q, seqlen_k, softmax_scale, score_args,
+        mma_tidx,
     ):  # fmt: skip
         cfg = self.cfg
         d = cfg.head_dim
         n_block, kv_head, batch = tile
         wg = cute.arch.make_warp_uniform(mma_tidx // THREADS_PER_WARPGROUP)
-        is_wg_leader_warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0
-        one = cute.make_layout(1)
         # Shared-memory operands (partitioned per warpgroup: see warpgroup_slice).
         wg_sdp, wg_dkv, wg_dq = (warpgroup_slice(m, wg) for m in (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
         tSrK = tiled_mma_sdp.make_fragment_A(wg_sdp.partition_A(sK))
@@ -408,8 +475,12 @@ class AttentionBackwardSm90:
         tdSsdS = thr_r2s_ds.partition_D(sdS)
         tdQsdQ = thr_dq.partition_C(sdQ)
         cS = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((cfg.tile_n, cfg.tile_m))))
-        staging = pipeline.NamedBarrier(
-            barrier_id=int(NamedBarriers.DQ_STAGING_WG1) + wg, num_threads=THREADS_PER_WARPGROUP
+        # This warpgroup and the dQ writer warp, around the warpgroup's dQ staging buffer.
+        dq_empty = pipeline.NamedBarrier(
+            barrier_id=int(NamedBarriers.DQ_EMPTY_WG1) + wg, num_threads=THREADS_PER_WARPGROUP + 32
+        )
+        dq_full = pipeline.NamedBarrier(
+            barrier_id=int(NamedBarriers.DQ_FULL_WG1) + wg, num_threads=THREADS_PER_WARPGROUP + 32
         )
         scores_staged = pipeline.NamedBarrier(
             barrier_id=int(NamedBarriers.SCORES_STAGED), num_threads=cfg.num_mma_threads
@@ -424,9 +495,6 @@ class AttentionBackwardSm90:
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((cfg.tile_n, d)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
-        cols = cute.size(cS, mode=[1])
-        lse = cute.make_rmem_tensor(cols, Float32)
-        dsum = cute.make_rmem_tensor(cols, Float32)
         # A block is masked where it holds keys past seqlen_k or (causal) crosses the diagonal.
         ragged_keys = (n_block + 1) * cfg.tile_n > seqlen_k
         wait_full(kv_pipe, RingState.consumer(1))
@@ -434,9 +502,6 @@ class AttentionBackwardSm90:
         for step in cutlass.range(group * m_count, unroll=1):
             head = kv_head * group + step // m_count
             m_block = m_first + step % m_count
-            # This thread's queries' LSE (padded: no bounds check), loaded under the waits.
-            for c in cutlass.range_constexpr(cols):
-                lse[c] = mLSE[seq[0] + m_block * cfg.tile_m + cS[0, c][1], head, seq[2]]
             wait_full(qdo_pipe, read)
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             acc_dP = cute.make_rmem_tensor(s_shape, Float32)
@@ -453,54 +518,44 @@ class AttentionBackwardSm90:
             if cutlass.const_expr(self.causal):
                 # The block's last key against its first query's diagonal.
                 masked = masked | ((n_block + 1) * cfg.tile_n - 1 > m_block * cfg.tile_m + seqlen_k - seqlen_q)
+            # The step's LSE and D (padded past seqlen_q: no bounds checks), in the ring stage.
+            lse, dsum = sLSE[None, read.index], sD[None, read.index]
             step_args = (n_block, m_block, head, batch, lse, seqlen_q, seqlen_k, softmax_scale, operands)
             if masked:
                 self._probabilities(acc_S, slope, cS, step_args, True)
             else:
                 self._probabilities(acc_S, slope, cS, step_args, False)
             pack_16bit(acc_as_operand_a(acc_S), tdVrP)
-            # D once LSE is dead (fewer live registers), loaded under the dP^T wait.
-            for c in cutlass.range_constexpr(cols):
-                dsum[c] = mD[seq[0] + m_block * cfg.tile_m + cS[0, c][1], head, seq[2]]
             warpgroup.wait_group(0)  # dP^T landed
             P, dP = acc_rows_cols(acc_S), acc_rows_cols(acc_dP)
-            for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
-                for c in cutlass.range_constexpr(cols):
-                    dP[r, c] = P[r, c] * (dP[r, c] - dsum[c])
+            for c in cutlass.range_constexpr(cute.size(P, mode=[1])):
+                dsum_c = dsum[cS[0, c][1]]
+                for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
+                    dP[r, c] = P[r, c] * (dP[r, c] - dsum_c)
                     if cutlass.const_expr(self.score_mod is not None):
                         dP[r, c] = dP[r, c] * acc_rows_cols(slope)[r, c]
             pack_16bit(acc_as_operand_a(acc_dP), tdKrdS)
-            warpgroup_gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, read.index], True, -1)
-            warpgroup_gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, read.index], True, -1)
-            # dS^T staged for dQ, which reads both warpgroups' keys.
+            # dS^T staged for dQ (which reads both warpgroups' keys) while dV's WGMMA runs.
             cute.copy(r2s_ds, thr_r2s_ds.retile(dS_acc_view), tdSsdS[None, None, None, read.index])
+            warpgroup_gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, read.index], True, -1)
             cute.arch.fence_proxy("async.shared", space="cta")
             scores_staged.arrive_and_wait()
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((cfg.tile_m, d)), Float32)
-            warpgroup_gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, read.index], tdQrKt, False, 0)
-            qdo_pipe.consumer_release(read)  # dV, dK and dQ have read Q, dO and dS
-            # dQ: the previous step's reduce-add has read the staging slice; fill it; add it.
-            if is_wg_leader_warp:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            staging.arrive_and_wait()
+            warpgroup_gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, read.index], tdQrKt, False, 1)
+            warpgroup_gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, read.index], True, 1)
+            # dQ landed (dK still runs): stage it for the dQ writer once its last reduce-add has read the buffer.
+            dq_empty.arrive_and_wait()
             cute.autovec_copy(acc_dQ, tdQsdQ)
             cute.arch.fence_proxy("async.shared", space="cta")
-            staging.arrive_and_wait()
-            if is_wg_leader_warp:
-                g_dq = cute.local_tile(self._rows(mdQ, head, seq, 0), (cfg.tile_m, d // self.num_wg), (m_block, wg))
-                dq_smem, dq_gmem = cpasync.tma_partition(
-                    tma_dq, 0, one, cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(g_dq, 0, 2)
-                )
-                cute.copy(tma_dq, dq_smem, dq_gmem)
-                cute.arch.cp_async_bulk_commit_group()
+            dq_full.arrive()
+            warpgroup.wait_group(0)
+            qdo_pipe.consumer_release(read)  # dV, dK and dQ have read Q, dO and dS
             read.advance()
 
         self._store_dkv(
             tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, tile, (seq, seqlen_k), softmax_scale,
             mma_tidx,
         )  # fmt: skip
-        if is_wg_leader_warp:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _store_dkv(
@@ -515,12 +570,15 @@ class AttentionBackwardSm90:
         r2s = cute.make_tiled_copy_C(store_op, tiled_mma_dkv)
         thr_r2s = r2s.get_slice(mma_tidx)
         acc_dK.store(acc_dK.load() * softmax_scale)
+        epilogue = pipeline.NamedBarrier(barrier_id=int(NamedBarriers.EPILOGUE), num_threads=cfg.num_mma_threads)
+        # The other warpgroup's last dQ = dS K may still read all of K.
+        epilogue.arrive_and_wait()
         for acc, s_buf in ((acc_dK, sK), (acc_dV, sV)):
             converted = cute.make_rmem_tensor(acc.shape, self.dtype)
             pack_16bit(acc, converted)
             cute.copy(r2s, thr_r2s.retile(converted), thr_r2s.partition_D(s_buf))
         cute.arch.fence_proxy("async.shared", space="cta")
-        pipeline.NamedBarrier(barrier_id=int(NamedBarriers.EPILOGUE), num_threads=cfg.num_mma_threads).arrive_and_wait()
+        epilogue.arrive_and_wait()
         if mma_tidx // 32 == 0:
             for tma, m_out, s_buf in ((tma_dk, mdK, sK), (tma_dv, mdV, sV)):
                 rows = m_out[None, None, kv_head, batch]

@@ -92,17 +92,22 @@ def select_modes(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
     return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=order))
 
 
-def row_major_smem_layout(dtype, rows: int, cols: int, stages: int | None = None, major: int | None = None):
+def row_major_smem_layout(
+    dtype, rows: int, cols: int, stages: int | None = None, major: int | None = None, row_bands: bool = False
+):
     """Row-major (``cols`` contiguous) swizzled smem layout, optionally staged.
 
     The swizzle atom is the widest that ``major`` columns (default ``cols``) fill: a buffer one
     WGMMA reads K-major and another reads MN-major in slices of ``major`` columns per warpgroup
-    needs an atom no wider than the slice, or the slice's descriptor would cut a swizzle row."""
+    needs an atom no wider than the slice, or the slice's descriptor would cut a swizzle row.
+    Atoms are stacked down the rows first (a slice of ``major`` columns is contiguous), or with
+    ``row_bands`` across the columns first (a band of rows is contiguous)."""
     major = cols if major is None else major
     atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major), dtype)
+    order = (1, 0) if row_bands else (0, 1)
     if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+        return cute.tile_to_shape(atom, (rows, cols), order=order)
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(*order, 2))
 
 
 def transposed_view(tensor: cute.Tensor) -> cute.Tensor:

@@ -48,10 +48,14 @@ class NamedBarriers(enum.IntEnum):
     #: Attention backward: both consumer warpgroups have staged their half of a dS tile, which
     #: each then reads whole (dQ = dS K).
     SCORES_STAGED = 8
-    #: Attention backward: a consumer warpgroup's private dQ staging buffer is free (first id
-    #: of 1 + warpgroup), then filled, around its TMA reduce-add.
-    DQ_STAGING_WG1 = 9
-    DQ_STAGING_WG2 = 10
+    #: Attention backward: a consumer warpgroup's private dQ staging buffer has been read by
+    #: the previous step's TMA reduce-add (the dQ writer warp arrives, the warpgroup waits).
+    DQ_EMPTY_WG1 = 9
+    DQ_EMPTY_WG2 = 10
+    #: Attention backward: a consumer warpgroup has filled its dQ staging buffer (it arrives,
+    #: the dQ writer warp waits, then issues the reduce-add).
+    DQ_FULL_WG1 = 11
+    DQ_FULL_WG2 = 12
 
 
 def make_tma_load_pipeline(

@@ -12,7 +12,7 @@ import torch
 
 import epicute
 from epicute.attention.backward import BackwardVariant, compile_backward, preprocess
-from epicute.attention.backward_plan import backward_config
+from epicute.attention.backward_plan import backward_config, stat_rows_start
 from epicute.attention.launch import AttentionVariant, compile_attention
 from epicute.attention.plan import default_config
 from epicute.errors import ConfigError, DtypeError, EpilogueError, ShapeError
@@ -106,15 +106,26 @@ def test_bad_arguments_are_typed_errors():
         epicute.attention(q, k, v, backend="reference", unknown=1.0, **varlen)
 
 
-def test_backward_preprocess_pads_past_the_last_row():
-    o, do = torch.randn(10, 3, 64), torch.randn(10, 3, 64)
-    lse = torch.randn(3, 10)
+def test_backward_preprocess_starts_each_sequence_on_a_block():
+    lengths = [10, 0, 130, 1]
+    cu = torch.tensor([0, 10, 10, 140, 141], dtype=torch.int32)
+    o, do = torch.randn(141, 3, 64), torch.randn(141, 3, 64)
+    lse, dlse = torch.randn(3, 141), torch.randn(3, 141)
     lse[1, 4] = float("-inf")  # a row that saw no key
-    lse_log2, dsum = preprocess(o, do, lse, 128)
-    assert lse_log2.shape == dsum.shape == (1, 3, 10 + 128)
-    assert torch.all(torch.isposinf(lse_log2[..., 10:])) and torch.all(dsum[..., 10:] == 0)
-    assert torch.isposinf(lse_log2[0, 1, 4])
-    assert rel_err(dsum[0, :, :10], torch.einsum("shd,shd->hs", do, o)) <= 1e-6
+    lse_log2, dsum = preprocess(o, do, lse, 128, dlse, cu)
+    # Sequence b from the block boundary stat_rows_start gives; the last one's block fits.
+    starts = [stat_rows_start(int(cu[b]), b, 128) for b in range(4)]
+    assert starts == [0, 128, 256, 512] and lse_log2.shape == dsum.shape == (1, 3, 640)
+    want_d = torch.einsum("shd,shd->hs", do, o) - dlse
+    filled = torch.zeros(640, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        rows, src = slice(starts[b], starts[b] + n), slice(int(cu[b]), int(cu[b]) + n)
+        filled[rows] = True
+        finite = torch.isfinite(lse[:, src])
+        assert torch.equal(torch.isposinf(lse_log2[0, :, rows]), ~finite)
+        assert rel_err(lse_log2[0, :, rows][finite], lse[:, src][finite] * 1.4426950408889634) <= 1e-6
+        assert rel_err(dsum[0, :, rows], want_d[:, src]) <= 1e-6
+    assert torch.isposinf(lse_log2[..., ~filled]).all() and (dsum[..., ~filled] == 0).all()
 
 
 @pytest.mark.compile
