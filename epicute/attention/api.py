@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 import torch
 
+from epicute.attention.backward_plan import render_backward_plan
 from epicute.attention.plan import AttentionPlan, render_attention_plan
 from epicute.attention.prepare import Hook, prepare
 from epicute.attention.torch_op import attention_op_call
@@ -351,5 +352,13 @@ def explain_attention(
     )  # fmt: skip
     prepared = prepare(call, score_mod, epilogue, operands, out_dtypes, config, resolve_target(target))
     if file is not None:
-        print(render_attention_plan(prepared.plan, prepared.chain), file=sys.stdout if file == "stdout" else file)
+        try:  # the kernel autograd would run, from the same prepared call
+            variant = prepared.backward_variant()
+            backward = render_backward_plan(
+                variant.config, variant.dtype, prepared.plan.problem, prepared.plan.target.smem_per_cta_bytes
+            )
+        except ConfigError as exc:
+            backward = ["backward (training)", f"  not available: {exc}"]
+        text = "\n".join([render_attention_plan(prepared.plan, prepared.chain), "", *backward])
+        print(text, file=sys.stdout if file == "stdout" else file)
     return prepared.plan

@@ -61,22 +61,27 @@ class BackwardConfig(WarpRoles):
 
 def backward_config(head_dim: int) -> BackwardConfig:
     """The backward config for ``head_dim`` (validated)."""
-    cfg = BackwardConfig(
-        head_dim=head_dim,
-        tile_m=128 if head_dim == 64 else 64,
-        reasons=(
-            (
-                "a CTA per (128 keys, key/value head, batch): dK and dV stay in registers over every "
-                "query block and every query head of the GQA group, then are stored once"
-            ),
-            "S^T and dP^T keys-by-queries: P^T and dS^T feed the dV and dK WGMMAs from registers",
-            (
-                "dQ per step through shared memory into an fp32 accumulator: each consumer warpgroup stages "
-                "its half and producer warp 1 issues the TMA reduce-add, so the consumers go on with dK"
-            ),
-            "each step's LSE and D ride in the Q/dO ring (TMA), read from shared memory",
+    reasons = (
+        (
+            "a CTA per (128 keys, key/value head, batch): dK and dV stay in registers over every "
+            "query block and every query head of the GQA group, then are stored once"
         ),
+        "S^T and dP^T keys-by-queries: P^T and dS^T feed the dV and dK WGMMAs from registers",
+        (
+            "dQ per step through shared memory into an fp32 accumulator: each consumer warpgroup stages "
+            "its half and producer warp 1 issues the TMA reduce-add, so the consumers go on with dK"
+        ),
+        "each step's LSE and D ride in the Q/dO ring (TMA), read from shared memory",
     )
+    wide_steps = head_dim == 64
+    if wide_steps:
+        reasons += (
+            (
+                "head_dim 64: 128 queries per step, so each step's fixed costs (barriers, dQ's reduce-add) "
+                "cover twice the math; dQ split by rows over the warpgroups (a WGMMA's M is 64)"
+            ),
+        )
+    cfg = BackwardConfig(head_dim=head_dim, tile_m=128 if wide_steps else 64, reasons=reasons)
     cfg.validate()
     return cfg
 
@@ -108,8 +113,47 @@ def backward_smem_layout(cfg: BackwardConfig, dtype: str = "bf16") -> SmemLayout
         SmemBuffer("sdS", "dS^T", dtype, cfg.tile_n * cfg.tile_m * stages,
                    f"{stages} x {cfg.tile_n}x{cfg.tile_m} {dtype}: both warpgroups' dS^T, read whole by dQ = dS K"),
         SmemBuffer("sdQ", "dQ staging", "fp32", cfg.tile_m * d,
-                   f"{cfg.tile_m}x{d} fp32: each warpgroup's dQ columns, reduce-added into the fp32 dQ by warp 1"),
+                   f"{cfg.tile_m}x{d} fp32: each warpgroup's part of dQ, reduce-added into the fp32 dQ by warp 1"),
     ))  # fmt: skip
 
 
-__all__ = ["BACKWARD_HEAD_DIMS", "BackwardConfig", "backward_config", "backward_smem_layout", "stat_rows_start"]
+def render_backward_plan(cfg: BackwardConfig, dtype: str, problem, smem_limit: int) -> list[str]:
+    """explain's lines for the backward kernel of ``problem`` (an
+    :class:`~epicute.attention.plan.AttentionProblem`): grid, steps, warp roles, shared memory, why."""
+    p = problem
+    key_blocks = -(-p.seqlen_k // cfg.tile_n)
+    dq_split = "rows" if cfg.tile_m > KEYS_PER_WARPGROUP else "head_dim columns"
+    lines = [
+        "backward (training: dQ, dK, dV, after a torch preprocess of D = rowsum(dO * O) and LSE)",
+        (
+            f"  grid            ({key_blocks}, {p.heads_kv}, {p.batch}): a CTA per {cfg.tile_n} keys of a (key/value "
+            f"head, {'sequence' if p.varlen else 'batch'}), walking {p.group} query head(s) x every query block "
+            "that sees its keys" + (" (from the diagonal)" if p.causal else "")
+        ),
+        f"  steps           {cfg.tile_m} queries per step; Q, dO, LSE and D in a {cfg.stages}-stage TMA ring",
+        f"  warpgroup 0     producer: warp 0 TMA loads, warp 1 reduce-adds dQ   setmaxnreg {cfg.producer_regs}",
+    ]
+    for wg in range(cfg.num_mma_warpgroups):
+        lo = wg * KEYS_PER_WARPGROUP
+        lines.append(
+            f"  warpgroup {wg + 1}     consumer: keys {lo}-{lo + KEYS_PER_WARPGROUP - 1}: S^T, dP^T, dV, dK; half of "
+            f"dQ's {dq_split}   setmaxnreg {cfg.consumer_regs}"
+        )
+    layout = backward_smem_layout(cfg, dtype)
+    table = layout.table()
+    width = max(len(item.name) for item in table)
+    lines += ["  shared memory"]
+    lines += [f"    {item.name:<{width}}  {item.bytes:>7} B  {item.what}" for item in table]
+    lines.append(f"    {'total':<{width}}  {layout.total_bytes:>7} B  of {smem_limit} B")
+    lines += ["  why"] + [f"    - {r}" for r in cfg.reasons]
+    return lines
+
+
+__all__ = [
+    "BACKWARD_HEAD_DIMS",
+    "BackwardConfig",
+    "backward_config",
+    "backward_smem_layout",
+    "render_backward_plan",
+    "stat_rows_start",
+]

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 import epicute
 from epicute import ops
 from epicute.attention.api import reference_attention
-from epicute.attention.prepare import hooks_of
+from epicute.attention.backward_plan import backward_smem_layout
+from epicute.attention.prepare import hooks_of, prepare
 from epicute.attention.validate import check_attention_args
 from tests.conftest import rel_err
 
@@ -119,6 +120,24 @@ def test_explain_shows_whole_rows_and_smem(capsys):
     # Causal: one CTA per SM claiming the 64 m-blocks x 16 heads x 4 batches, longest-first.
     assert plan.grid == (132, 1, 1) and plan.num_tiles == 64 * 16 * 4
     assert "claims its next from an atomic counter" in text and "longest-first in bands of 8 heads" in text
+
+
+def test_explain_shows_the_backward_kernel_autograd_runs(capsys):
+    q = torch.empty(2, 1000, 16, 64, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(2, 1000, 4, 64, dtype=torch.bfloat16, device="meta")
+    epicute.explain_attention(q, kv, kv, causal=True)
+    backward = capsys.readouterr().out.split("backward (training")[1]
+    # 8 key blocks x 4 key/value heads x 2 batches; d64 takes 128-query steps and splits dQ by rows.
+    assert "grid            (8, 4, 2)" in backward and "4 query head(s)" in backward
+    assert "128 queries per step" in backward and "half of dQ's rows" in backward
+    variant = prepare(
+        check_attention_args(q, kv, kv, causal=True, softmax_scale=None, require_cuda=False)
+    ).backward_variant()
+    total = backward_smem_layout(variant.config, "bf16").total_bytes
+    assert f"total               {total} B" in backward and "warp 1 reduce-adds dQ" in backward
+    q256 = torch.empty(1, 64, 2, 256, dtype=torch.bfloat16, device="meta")
+    epicute.explain_attention(q256, q256, q256)
+    assert "not available: attention backward: head_dim=256" in capsys.readouterr().out
 
 
 def bad(exc, match, *args, **kwargs):
