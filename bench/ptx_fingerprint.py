@@ -99,6 +99,8 @@ def _variants(only: str | None):
         for mnk in [(8192, 8192, 8192), (4096, 4096, 4096), (256, 4096, 14336), (1024, 14336, 4096), (1, 8, 8)]:
             plan = plan_gemm(GemmProblem(*mnk), "h100-sxm")
             out.append((f"gemm planned {mnk}", lambda plan=plan: compile_gemm(variant_of(plan))))
+        swapped = plan_gemm(GemmProblem(16, 4096, 14336, b_major="k"), "h100-sxm")  # a decode GEMM: swap-AB
+        out.append(("gemm planned decode (16, 4096, 14336)", lambda: compile_gemm(variant_of(swapped))))
     if only in (None, "epilogue"):
         dtypes = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4m3"}
         for name, (fn, kinds, out_dtypes, overrides) in sorted(epilogue_tests.EPILOGUES.items()):

@@ -218,6 +218,21 @@ class EpilogueFusion:
         """Shared memory this epilogue needs (the planner's and the kernel's single source)."""
         return self.sched.buffers()
 
+    @functools.cached_property
+    def transposed(self) -> EpilogueFusion:
+        """This epilogue as a swap-AB GEMM runs it, over D^T: row vectors (one value per column of D) are column
+        vectors of the kernel's output tile and the other way round (operands keep their names and canonical
+        ``(L, N)``/``(L, M)`` tensors). Its ``buffers()`` are ``self.buffers().transposed()``."""
+        if not self.sched.transposable:
+            raise EpilogueError(
+                "swap_ab runs epilogues of elementwise ops over the accumulator, scalars and row/column vectors "
+                "with D their only output; this one has tile operands, aux tiles, reductions, group quantization "
+                "or gating: use swap_ab=False"
+            )
+        swap = {"row": "col", "col": "row"}
+        operands = tuple((name, swap.get(kind, kind), dtype) for name, kind, dtype in self.operands)
+        return EpilogueFusion(self.graph.transposed(), operands, self.style)
+
     @property
     def stages(self):
         """The chain the kernel runs (:mod:`epicute.epilogue.schedule`)."""

@@ -21,10 +21,11 @@ into ``"col"`` (row_*: one value per row), ``"row"`` (col_*: one per column) or
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from epicute.epilogue import optable
+from epicute.errors import EpilogueError
 
 KINDS = ("scalar", "row", "col", "tile")
 
@@ -98,6 +99,16 @@ class Graph:
         """A gated epilogue's graph (:class:`~epicute.epilogue.tracer.GatedEpilogue`): its accumulator pairs
         gate and up columns, and D has half of B's columns."""
         return any(node.op == "acc_up" for node in self.nodes)
+
+    def transposed(self) -> Graph:
+        """The same epilogue over the transposed output (what a swap-AB kernel computes, D^T): row and column
+        values trade kinds. Reductions and index leaves name an axis and are not transposed."""
+        axis_bound = [node.op for node in self.nodes if node.op in REDUCTIONS or node.op == "index"]
+        if axis_bound:
+            raise EpilogueError(f"{axis_bound[0]} works along one axis of the output: the graph has no transpose")
+        swap = {"row": "col", "col": "row"}
+        nodes = tuple(replace(node, kind=swap.get(node.kind, node.kind)) for node in self.nodes)
+        return replace(self, nodes=nodes)
 
     def __str__(self) -> str:
         lines = [str(n) for n in self.nodes]

@@ -28,7 +28,7 @@ a :class:`ChainStyle` says how, and picks the nodes:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from epicute.epilogue import optable
 from epicute.epilogue.dtypes import FP8_MAX
@@ -122,10 +122,25 @@ class EpilogueBuffers:
     group_n: int = 0
     #: a gated epilogue (:mod:`epicute.epilogue.gated`): a tile's output has half its accumulator's columns
     gated: bool = False
+    #: the chain of the same epilogue over D^T (row and column vectors trading places), as a swap-AB GEMM
+    #: runs it; empty where the epilogue has no transpose (see :meth:`transposed`)
+    transposed_chain: tuple[str, ...] = ()
 
     @property
     def loads_tiles(self) -> bool:
         return bool(self.tile_inputs)
+
+    def transposed(self) -> EpilogueBuffers | None:
+        """What the epilogue needs when a swap-AB GEMM computes D^T: row vectors become column vectors and the
+        other way round. None where the epilogue has no such form: tile operands and aux tiles (stored
+        row-major by TMA), reductions and group quantization (along one axis), gating (pairs B's columns). A
+        plain GEMM's (no chain) is itself."""
+        if not self.chain:
+            return self
+        if not self.transposed_chain:
+            return None
+        vectors = tuple("row" for k in self.vectors if k == "col") + tuple("col" for k in self.vectors if k == "row")
+        return replace(self, vectors=vectors, chain=self.transposed_chain, transposed_chain=self.chain)
 
     def out_tile_n(self, tile_n: int) -> int:
         """Output columns of an accumulator tile ``tile_n`` wide (half of them when gated)."""
@@ -182,7 +197,19 @@ class EpilogueSchedule:
             instructions_per_element=self.instructions_per_element(),
             group_n=GROUP_N if self.quantizes_groups else 0,
             gated=g.gated,
+            transposed_chain=tuple(str(stage) for stage in schedule(g.transposed(), style=self.style).stages)
+            if self.transposable
+            else (),
         )
+
+    @property
+    def transposable(self) -> bool:
+        """Whether the GEMM can run this epilogue over D^T (swap-AB): elementwise ops over the accumulator,
+        scalars and row/column vectors, with D its only output."""
+        return (
+            self.style == GEMM_SM90 and not self.tile_operands and self.tile_outputs == ("D",) and not self.reductions
+            and not self.quantizes_groups and not self.graph.gated
+        )  # fmt: skip
 
     @property
     def quantizes_groups(self) -> bool:

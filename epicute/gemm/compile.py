@@ -53,6 +53,7 @@ class GemmVariant:
             + f"->{self.d_dtype} "
             f"A:{self.a_major} B:{self.b_major}"
             + (" blockwise" if self.block_scaled else "")
+            + (" swap-AB" if c.swap_ab else "")
             + ("" if self.batched else " 2-D")
             + ("" if self.fusion is None else " +epilogue")
         )

@@ -9,7 +9,7 @@ config, never on a problem's sizes (those stay dynamic in the kernel).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from epicute.epilogue.dtypes import DTYPE_BYTES
 from epicute.errors import ConfigError
@@ -23,6 +23,9 @@ D_DTYPES = ("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2")
 
 SCHEDULES = ("cooperative", "pingpong")
 TILE_N = (64, 128, 192, 256)
+#: Tile N of a swap-AB kernel, whose N is the problem's small M: WGMMA N in steps of 16 (one stmatrix atom of
+#: the transposed D store), up to 128.
+SWAP_AB_TILE_N = (16, 32, 48, 64, 80, 96, 112, 128)
 #: Accumulator registers a consumer thread may hold (of its 232): the rest is the epilogue's.
 MAX_ACC_REGS = 192
 #: Most CTAs one output tile's K is split across.
@@ -95,6 +98,14 @@ class GemmProblem:
     def flops(self) -> int:
         return 2 * self.m * self.n * self.k * self.l
 
+    def swapped(self) -> GemmProblem:
+        """``D^T = B^T A^T`` as a problem: what a swap-AB kernel computes. Its A is B^T (K-major where B is
+        column-major), its B is A^T (K-major where A is row-major); its D is D^T, column-major."""
+        return replace(
+            self, m=self.n, n=self.m, ab_dtype=self.b_elem, b_dtype=self.ab_dtype if self.b_dtype else "",
+            a_major="k" if self.b_major == "k" else "m", b_major="k" if self.a_major == "k" else "n",
+        )  # fmt: skip
+
     @property
     def min_bytes(self) -> int:
         """Each input read once and the output written once."""
@@ -139,6 +150,10 @@ class GemmConfig(WarpRoles):
     #: SMs: each split stores its fp32 partial tile, and the last to finish sums them in split order and
     #: runs the epilogue; see ``GemmSm90._reduce_splits``).
     split_k: int = 1
+    #: The kernel computes D^T = B^T A^T (swap-AB, for decode GEMMs of few rows): B^T's rows (the problem's N) fill
+    #: the tile's M and A's rows (the small M) its N, and D's tile is stored transposed (column-major). Row and
+    #: column vectors of the epilogue trade places with it (``EpilogueFusion.transposed``).
+    swap_ab: bool = False
     producer_regs: int = field(default=40, metadata={"planned": False})
     consumer_regs: int = field(default=232, metadata={"planned": False})
     #: Why the planner chose this; printed by ``explain``.
@@ -188,6 +203,13 @@ class GemmConfig(WarpRoles):
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for a configuration the kernel cannot run."""
+        if self.swap_ab and (self.schedule != "cooperative" or self.tile_m != 128 or self.tile_n not in SWAP_AB_TILE_N
+                or self.cluster_size != 1):  # fmt: skip
+            raise ConfigError(
+                f"swap_ab with a {self.schedule} {self.tile_m}x{self.tile_n} tile in a {self.cluster_m}x"
+                f"{self.cluster_n} cluster: a swapped tile is cooperative, 128 rows of B^T by one of "
+                f"{SWAP_AB_TILE_N} rows of A, with no cluster peer"
+            )
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r}: must be one of {SCHEDULES}")
         if self.schedule == "cooperative" and self.tile_m != 128:
@@ -208,7 +230,7 @@ class GemmConfig(WarpRoles):
                 f"accumulator registers per thread (at most {MAX_ACC_REGS} leave room for the epilogue); "
                 "use a smaller tile or the cooperative schedule"
             )
-        if self.tile_n not in TILE_N:
+        if not self.swap_ab and self.tile_n not in TILE_N:
             raise ConfigError(f"tile_n={self.tile_n}: must be one of {TILE_N} (WGMMA N)")
         if self.tile_k not in (64, 128):
             raise ConfigError(f"tile_k={self.tile_k}: must be 64 (16-bit inputs) or 128 (fp8): one 128-byte row")

@@ -5,6 +5,10 @@ appends a one-line reason to the config, which ``explain`` prints.
 
 The choices, in order (measurements behind them: ``bench/results/configs*.json``):
 
+- **swap-AB** first (:func:`choose_swap_ab`): a decode GEMM (M <= 64 rows of A against a wider N, B the
+  transpose of a row-major weight) whose epilogue has a transpose runs as D^T = B^T A^T, the weight's rows on
+  the MMA's 128-row side and M in a tile N of 16-64; its own plan (:func:`_swap_ab_config`) splits K while the
+  tiles leave SMs idle (bench/NOTES.md, 'Swap-AB decode GEMMs'). The choices below are the unswapped kernel's.
 0. **schedule**: cooperative for a plain GEMM, unless ping-pong's 128x192 tile is
    estimated faster (it fills the last wave better on some shapes: 8192^3,
    1024x14336x4096). With a fused epilogue: cooperative when the problem has at
@@ -46,7 +50,7 @@ import functools
 from dataclasses import replace
 
 from epicute.errors import ConfigError
-from epicute.gemm.config import MAX_ACC_REGS, MAX_SPLIT_K, GemmConfig, GemmProblem
+from epicute.gemm.config import MAX_ACC_REGS, MAX_SPLIT_K, SWAP_AB_TILE_N, GemmConfig, GemmProblem
 from epicute.gemm.roofline import estimate_seconds
 from epicute.gemm.smem import (
     NO_EPILOGUE,
@@ -276,6 +280,116 @@ def choose_split_k(
     )
 
 
+#: The most rows (M per batch) a swap-AB plan is chosen for: its tile's N holds them all.
+SWAP_AB_MAX_M = 64
+#: Pins that fix the unswapped kernel's tile shape: the planner swaps only where they are not given.
+_TILE_PINS = frozenset(("schedule", "tile_m", "tile_n", "cluster_m", "cluster_n", "epi_tile"))
+
+
+def swap_ab_refusal(problem: GemmProblem, epilogue: EpilogueBuffers) -> str | None:
+    """Why a swap-AB kernel cannot run ``problem`` with ``epilogue``, or None when it can."""
+    if problem.ab_dtype not in ("bf16", "fp16") or problem.d_dtype not in ("bf16", "fp16", "fp32"):
+        return f"{problem.ab_dtype} inputs with {problem.d_dtype} D (swap-AB takes 16-bit inputs and a 16/32-bit D)"
+    if problem.l != 1:
+        return f"L = {problem.l} batches (swap-AB plans one)"
+    if epilogue.transposed() is None:
+        return "an epilogue with tile operands, aux tiles, reductions, group quantization or gating"
+    return None
+
+
+def choose_persistent(tiles: int, cluster_ctas: int, hw: Target, overrides: dict) -> tuple[bool, str]:
+    """``(persistent, why)`` for ``tiles`` work units (every split of every tile) run by clusters of
+    ``cluster_ctas``: persistent when they outnumber the clusters the SMs hold at once."""
+    if "persistent" in overrides:
+        persistent = overrides["persistent"]
+        return persistent, f"{'persistent' if persistent else 'one tile per CTA'}: requested"
+    max_clusters = hw.num_sms // cluster_ctas
+    if ceil_div(tiles, cluster_ctas) > max_clusters:
+        return True, (
+            f"persistent grid of {max_clusters * cluster_ctas} CTAs over {tiles} tiles: "
+            "tile i's epilogue overlaps tile i+1's mainloop, so D gets its own smem"
+        )
+    return False, f"one tile per CTA ({tiles} tiles <= {hw.num_sms} SMs): D staging reuses the idle A ring"
+
+
+def choose_swap_ab(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, overrides: dict) -> tuple[bool, str]:
+    """``(swap, why)``: whether the kernel computes D^T = B^T A^T. Chosen for decode shapes -- at most
+    :data:`SWAP_AB_MAX_M` rows of A against a wider N, B the transpose of a row-major weight, A row-major --
+    where the epilogue has a transpose (:meth:`EpilogueBuffers.transposed`) and no pin fixes the unswapped tile:
+    a 128-row tile of A would compute 128 - M rows of zeros and carry them through shared memory, while B^T's
+    N fills the MMA's 128 rows and the few rows of A a narrow N tile."""
+    if "swap_ab" in overrides:
+        refusal = swap_ab_refusal(problem, epilogue) if overrides["swap_ab"] else None
+        if refusal:
+            raise ConfigError(f"swap_ab=True with {refusal}; use swap_ab=False")
+        return overrides["swap_ab"], "requested"
+    if (_TILE_PINS & set(overrides) or not 0 < problem.m <= SWAP_AB_MAX_M or problem.n <= problem.m
+            or (problem.a_major, problem.b_major) != ("k", "k") or problem.block_scaled
+            or swap_ab_refusal(problem, epilogue)):  # fmt: skip
+        return False, ""
+    return True, (
+        f"M = {problem.m} rows against N = {problem.n}: the kernel computes D^T = B^T A^T, so B^T's rows fill the "
+        f"MMA's 128-row side and A's {problem.m} rows a narrow N (a 128-row tile of A would compute "
+        f"{128 - problem.m} rows of zeros); D^T's tiles are stored column-major into D, row and column vectors "
+        "trade places"
+    )
+
+
+def _swap_ab_config(
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, swap_why: str, overrides: dict
+) -> GemmConfig:
+    """The swap-AB plan: the kernel's problem is D^T = B^T A^T (``problem.swapped()``), 128 rows of B^T by M
+    rounded up to 16, cooperative, no cluster (a peer would share only the few rows of A); K split across
+    CTAs while tiles leave SMs idle."""
+    kernel, kernel_epi = problem.swapped(), epilogue.transposed()
+    tile_n = overrides.get("tile_n", min(n for n in SWAP_AB_TILE_N if n >= min(kernel.n, SWAP_AB_TILE_N[-1])))
+    reasons = [
+        f"swap_ab: {swap_why}",
+        "schedule cooperative: the two consumer warpgroups take 64 rows of B^T each",
+        (
+            f"tile 128x{tile_n}x{kernel.tile_k} of D^T: 128 of N's {problem.n} rows by M = {problem.m} rounded up to "
+            "a multiple of 16 (WGMMA N; one stmatrix atom of the transposed store)"
+        ),
+        "cluster 1x1: a cluster peer would share only the few rows of A",
+    ]
+    tiles = _num_tiles(kernel, 128, tile_n)
+    k_tiles = ceil_div(problem.k, problem.tile_k)
+    if "split_k" in overrides:
+        split_k = overrides["split_k"]
+        reasons.append(f"split_k {split_k}: requested")
+    else:
+        split_k = max(1, min(MAX_SPLIT_K, hw.num_sms // max(tiles, 1), k_tiles // MIN_SPLIT_K_TILES))
+        if split_k > 1:
+            reasons.append(
+                f"split_k {split_k}: {tiles} tiles fill {tiles / hw.num_sms:.0%} of the SMs: each tile's {k_tiles} "
+                f"k-tiles run as {split_k} splits on {tiles * split_k} CTAs; the last split of a tile to finish adds "
+                "the fp32 partials in split order (deterministic) and runs the epilogue"
+            )
+    work = tiles * split_k
+    persistent, why = choose_persistent(work, 1, hw, overrides)
+    reasons.append(why)
+    if "raster_along_m" in overrides:
+        raster_along_m, raster_why = overrides["raster_along_m"], "requested"
+    else:
+        raster_along_m, raster_why = True, "B^T, the weight, is read once per band of D^T's rows"
+    cfg = GemmConfig(  # pins of the schedule, tile M or cluster are kept for validate() to refuse
+        schedule=overrides.get("schedule", "cooperative"),
+        tile_m=overrides.get("tile_m", 128),
+        tile_n=tile_n,
+        tile_k=overrides.get("tile_k", kernel.tile_k),
+        cluster_m=overrides.get("cluster_m", 1),
+        cluster_n=overrides.get("cluster_n", 1),
+        persistent=persistent,
+        epi_tile=overrides.get("epi_tile", (128, epi_tile_n(tile_n))),
+        epi_reuses_ab_smem=overrides.get("epi_reuses_ab_smem", not persistent),
+        raster_along_m=raster_along_m,
+        swizzle=overrides.get("swizzle", 8),
+        split_k=split_k,
+        swap_ab=True,
+    )
+    return _fit_and_check(cfg, kernel, hw, kernel_epi, overrides, reasons, raster_why)
+
+
 def fit_stages(cfg: GemmConfig, problem: GemmProblem, budget: int, epi: EpilogueBuffers = NO_EPILOGUE) -> GemmConfig:
     """Largest A/B ring, then deepest D staging, that fit in ``budget`` bytes.
 
@@ -323,6 +437,9 @@ def choose_config(
         raise ConfigError(
             f"unknown config field(s) {sorted(unknown)}; known: {sorted(GemmConfig.__dataclass_fields__)}"
         )
+    swap, swap_why = choose_swap_ab(problem, hw, epilogue, overrides)
+    if swap:
+        return _swap_ab_config(problem, hw, epilogue, swap_why, overrides)
     if "schedule" in overrides:
         schedule, schedule_why = overrides["schedule"], "requested"
     elif problem.block_scaled:
@@ -397,18 +514,9 @@ def choose_config(
     if schedule == "pingpong" and "persistent" not in overrides:
         persistent = True
         reasons.append("persistent: the ping-pong warpgroups take alternate tiles of each CTA")
-    elif "persistent" in overrides:
-        persistent = overrides["persistent"]
-        reasons.append(f"{'persistent' if persistent else 'one tile per CTA'}: requested")
-    elif ceil_div(tiles, cluster[0] * cluster[1]) > max_clusters:
-        persistent = True
-        reasons.append(
-            f"persistent grid of {max_clusters * cluster[0] * cluster[1]} CTAs over {tiles} tiles: "
-            "tile i's epilogue overlaps tile i+1's mainloop, so D gets its own smem"
-        )
     else:
-        persistent = False
-        reasons.append(f"one tile per CTA ({tiles} tiles <= {hw.num_sms} SMs): D staging reuses the idle A ring")
+        persistent, why = choose_persistent(tiles, cluster[0] * cluster[1], hw, overrides)
+        reasons.append(why)
 
     if "raster_along_m" in overrides:
         raster_along_m, raster_why = overrides["raster_along_m"], "requested"
@@ -427,13 +535,29 @@ def choose_config(
         cluster_n=cluster[1],
         persistent=persistent,
         epi_tile=overrides.get(
-            "epi_tile", (64 if schedule == "pingpong" else tile_m, min(EPI_TILE_N, epilogue.out_tile_n(tile_n)))
+            "epi_tile", (64 if schedule == "pingpong" else tile_m, epi_tile_n(epilogue.out_tile_n(tile_n)))
         ),
         epi_reuses_ab_smem=overrides.get("epi_reuses_ab_smem", not persistent),
         raster_along_m=raster_along_m,
         swizzle=overrides.get("swizzle", 8),
         split_k=split_k,
     )
+    return _fit_and_check(cfg, problem, hw, epilogue, overrides, reasons, raster_why)
+
+
+def epi_tile_n(out_tile_n: int) -> int:
+    """An epilogue subtile's columns: :data:`EPI_TILE_N` (or the whole tile, if narrower), else 16 (one stmatrix
+    atom) where that does not divide the output tile (a swap-AB tile of 48 columns)."""
+    width = min(EPI_TILE_N, out_tile_n)
+    return width if out_tile_n % width == 0 else 16
+
+
+def _fit_and_check(
+    cfg: GemmConfig, problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, overrides: dict, reasons: list,
+    raster_why: str,
+) -> GemmConfig:  # fmt: skip
+    """``cfg`` with its stages fitted (unless pinned), the pins the planner has no opinion on, its reasons, and
+    checked; ``problem`` and ``epilogue`` as the kernel's tiles see them (swapped under ``swap_ab``)."""
     cfg = replace(cfg, num_c_stages=overrides.get("num_c_stages", cfg.num_c_stages))
     if "ab_stages" in overrides or "num_epi_stages" in overrides:
         cfg = replace(
@@ -452,8 +576,8 @@ def choose_config(
             + f" fill the {hw.smem_per_cta_bytes} B budget"
         )
     reasons.append(
-        f"raster: bands of {cfg.swizzle} clusters along {'N, swept down M' if raster_along_m else 'M, swept across N'}"
-        f" ({raster_why})"
+        f"raster: bands of {cfg.swizzle} clusters along "
+        f"{'N, swept down M' if cfg.raster_along_m else 'M, swept across N'} ({raster_why})"
     )
     # Fields the planner has no opinion on (register budgets, schedule) pass through.
     passthrough = {k: v for k, v in overrides.items() if k not in GemmConfig.planned_fields()}
@@ -472,6 +596,7 @@ def choose_config(
             f"epi_tile={cfg.epi_tile} with a gated epilogue: its N must divide the output tile's {out_tile_n} "
             f"columns (tile_n={cfg.tile_n} / 2)"
         )
+    group_n = epilogue.group_n
     if group_n and out_tile_n % group_n:
         raise ConfigError(
             f"tile_n={cfg.tile_n} with quantize_groups: a tile must hold whole groups of {group_n} columns of D; "

@@ -36,7 +36,10 @@ one tile form a *team* (both warpgroups, or one).
   and up registers from a static table (:func:`gate_up_positions`);
 - split-K (optional, ``split_k``): a tile's K runs on consecutive work ids; each split
   stores its fp32 partial and the last to finish sums them in split order and runs
-  the epilogue (:meth:`GemmSm90._reduce_splits`).
+  the epilogue (:meth:`GemmSm90._reduce_splits`);
+- swap-AB (optional, ``swap_ab``, decode GEMMs): the kernel computes D^T = B^T A^T -- the caller's B is its A,
+  the caller's A its B, and D is viewed ``(N, M, L)`` and stored column-major (transposing ``stmatrix``, the TMA
+  box along N); the fused epilogue it is given is the transposed one (``EpilogueFusion.transposed``).
 
 Host tensors arrive in torch order -- A ``(L, M, K)``, B ``(L, K, N)``, D
 ``(L, M, N)`` with any of the supported majors, or 2-D without L in a kernel
@@ -188,6 +191,13 @@ class GemmSm90:
         if cfg.split_k > 1 and block_scaled:
             raise ConfigError(f"split_k={cfg.split_k} with blockwise scales: the promoting mainloop runs at least "
                               "one k-tile per tile, and a split may have none; use split_k=1")  # fmt: skip
+        if cfg.swap_ab and (type(self)._scheduler is not GemmSm90._scheduler or block_scaled):
+            with_scales = " and blockwise scales" if block_scaled else ""
+            raise ConfigError(f"swap_ab with {type(self).__name__}{with_scales}: only the dense GEMM without "
+                              "blockwise scales swaps A and B; use swap_ab=False")  # fmt: skip
+        if cfg.swap_ab and fusion is not None and fusion.buffers().transposed() is None:
+            raise ConfigError("swap_ab with an epilogue that has tile operands, aux tiles, reductions, group "
+                              "quantization or gating: its D^T form stores only D; use swap_ab=False")  # fmt: skip
         if cfg.split_k > 1 and fusion is not None and fusion.buffers().loads_tiles:
             raise ConfigError(f"split_k={cfg.split_k} with an epilogue that reads full-tile operands: they stream "
                               "in ahead of the tile, before it is known which split runs the epilogue; use "
@@ -195,6 +205,10 @@ class GemmSm90:
         self.block_scaled = block_scaled
         self.fusion = fusion
         self.cfg = cfg
+        # Swap-AB: the kernel's A is the caller's B^T, its B the caller's A^T, its D the caller's D^T (column-major).
+        if cfg.swap_ab:
+            ab_dtype, b_dtype = b_dtype or ab_dtype, ab_dtype if b_dtype else ""
+            a_major, b_major = ("k" if b_major == "k" else "m"), ("k" if a_major == "k" else "n")
         self.ab_dtype = CUTLASS_DTYPES[ab_dtype]  # A's (and B's, unless b_dtype names B's: fp8 may mix)
         self.b_dtype = CUTLASS_DTYPES[b_dtype or ab_dtype]
         self.d_dtype = CUTLASS_DTYPES[d_dtype]
@@ -204,7 +218,7 @@ class GemmSm90:
         # (M, K) with K contiguous is row-major; (N, K) with K contiguous too.
         self.a_layout = LayoutEnum.ROW_MAJOR if a_major == "k" else LayoutEnum.COL_MAJOR
         self.b_layout = LayoutEnum.ROW_MAJOR if b_major == "k" else LayoutEnum.COL_MAJOR
-        self.d_layout = LayoutEnum.ROW_MAJOR
+        self.d_layout = LayoutEnum.COL_MAJOR if cfg.swap_ab else LayoutEnum.ROW_MAJOR
         self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
         self.cluster_shape_mn = (cfg.cluster_m, cfg.cluster_n)
         # An A tile is shared by the CTAs of one cluster row (same M, other N);
@@ -265,6 +279,8 @@ class GemmSm90:
         mA = _batch_last(mA_lmk, [1, 2, 0])  # (M, K, L)
         mB = _batch_last(mB_lkn, [2, 1, 0])  # (N, K, L)
         mD = _batch_last(mD_lmn, [1, 2, 0])  # (M, N, L)
+        if cutlass.const_expr(self.cfg.swap_ab):  # D^T = B^T A^T: (N, K, L) x (M, K, L) -> (N, M, L), N contiguous
+            mA, mB, mD = mB, mA, _rotate(mD, [1, 0, 2])
         tiles_m = cute.ceil_div(cute.size(mD, mode=[0]), self.cfg.tile_m)
         tiles_n = cute.ceil_div(cute.size(mD, mode=[1]), self.out_tile_n)
         num_batches = cute.size(mD, mode=[2])
@@ -906,13 +922,17 @@ class GemmSm90:
         coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         rows_left = m_extent - coord[0] * cfg.tile_m
 
-        # This thread's values of split s start at first + s * split_stride.
+        # This thread's value v of split s is at first + s * split_stride + v * value_stride. A swapped tile's
+        # rows are all weight rows, so every thread stores its whole accumulator: value-major, so that a warp's
+        # store (and the last split's load) is one 128-byte line, not 32 (thread-major here, where few rows hold
+        # values).
         split_stride = cfg.tile_threads * size
-        first = slot * splits * split_stride + mma_tidx * size
+        value_stride = cfg.tile_threads if cfg.swap_ab else 1
+        first = slot * splits * split_stride + mma_tidx * (1 if cfg.swap_ab else size)
         mine = first + coord[3] * split_stride
         for v in cutlass.range_constexpr(size):
             if coords[v][0] < rows_left:
-                partials[mine + v] = acc[v]
+                partials[mine + v * value_stride] = acc[v]
         cute.arch.fence_acq_rel_gpu()  # our partial is visible GPU-wide before the counter counts us
         copies.store.sync()
         if mma_tidx == 0:
@@ -925,7 +945,7 @@ class GemmSm90:
                 total = Float32(0.0)
                 if coords[v][0] < rows_left:
                     for split in cutlass.range_constexpr(splits):
-                        total = total + partials[first + split * split_stride + v]
+                        total = total + partials[first + split * split_stride + v * value_stride]
                 acc[v] = total
             if mma_tidx == 0:
                 counters[slot] = Int32(0)

@@ -43,6 +43,16 @@ class GemmPlan:
         )
 
     @property
+    def kernel_problem(self) -> GemmProblem:
+        """The problem the kernel's tiles cover: D^T = B^T A^T under ``swap_ab``, else :attr:`problem`."""
+        return self.problem.swapped() if self.config.swap_ab else self.problem
+
+    @property
+    def kernel_epilogue(self) -> EpilogueBuffers:
+        """The fused epilogue as the kernel runs it (over D^T under ``swap_ab``: row and column vectors swapped)."""
+        return self.epilogue.transposed() if self.config.swap_ab else self.epilogue
+
+    @property
     def d_n(self) -> int:
         """D's columns: N, or half of it under a gated epilogue (B interleaves gate and up)."""
         return output_columns(self.problem.n, self.epilogue.gated)
@@ -54,9 +64,8 @@ class GemmPlan:
 
     @property
     def smem(self) -> list[SmemItem]:
-        return smem_table(
-            self.config, self.problem.ab_dtype, self.problem.d_dtype, self.epilogue, self.problem.block_scaled
-        )
+        p = self.kernel_problem
+        return smem_table(self.config, p.ab_dtype, p.d_dtype, self.kernel_epilogue, p.block_scaled)
 
     @property
     def smem_bytes(self) -> int:
@@ -64,7 +73,7 @@ class GemmPlan:
 
     @property
     def num_tiles(self) -> int:
-        p, c = self.problem, self.config
+        p, c = self.kernel_problem, self.config
         return ceil_div(p.m, c.tile_m) * ceil_div(p.n, c.tile_n) * p.l
 
     @property
@@ -83,7 +92,7 @@ class GemmPlan:
     @property
     def clusters(self) -> int:
         """Clusters of output tiles (the kernel's :func:`~epicute.sm90.tile_grid.cluster_counts`)."""
-        p, c = self.problem, self.config
+        p, c = self.kernel_problem, self.config
         return cluster_counts(ceil_div(p.m, c.tile_m), ceil_div(p.n, c.tile_n), p.l, (c.cluster_m, c.cluster_n))[2]
 
     @property
@@ -97,7 +106,8 @@ class GemmPlan:
     @property
     def roofline(self) -> Roofline:
         c = self.config
-        return roofline(self.problem, self.target, c.tile_m, c.tile_n, c.tile_k, self.epilogue, c.schedule)
+        return roofline(self.kernel_problem, self.target, c.tile_m, c.tile_n, c.tile_k, self.kernel_epilogue,
+                        c.schedule)  # fmt: skip
 
 
 def plan_gemm(

@@ -87,6 +87,7 @@ class PreparedGemm:
     """Everything the launch of one request uses; ``plan.problem.d_dtype`` is D's stored dtype."""
 
     plan: GemmPlan
+    #: the traced graph (the caller's view) and the fusion the kernel runs (over D^T under ``swap_ab``)
     epilogue: LoweredEpilogue | None = None
 
     @property
@@ -133,7 +134,10 @@ def prepare(request: GemmRequest) -> PreparedGemm:
     lowered = lower_epilogue(request)
     problem = replace(request.problem, d_dtype=lowered.d_dtype)
     _check_aux_rows(lowered, output_columns(problem.n, lowered.fusion.gated))
-    return PreparedGemm(cached_plan(problem, request.overrides, lowered.fusion.buffers(), target), lowered)
+    plan = cached_plan(problem, request.overrides, lowered.fusion.buffers(), target)
+    if plan.config.swap_ab:  # the kernel computes D^T: its epilogue runs over the transposed tile
+        lowered = replace(lowered, fusion=lowered.fusion.transposed)
+    return PreparedGemm(plan, lowered)
 
 
 @functools.lru_cache(maxsize=4096)

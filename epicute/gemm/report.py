@@ -34,9 +34,17 @@ def render_plan(plan: GemmPlan) -> str:
             else ""
         ),
         f"  target          {hw.describe()}",
+    ]
+    if c.swap_ab:
+        lines.append(
+            "  swap-AB         the kernel computes D^T = B^T A^T: the tiles, grid and epilogue chain below are "
+            "D^T's (N x M), stored column-major into D"
+        )
+    lines += [
         "",
         "tiles",
-        f"  CTA tile        {c.tile_m} x {c.tile_n} x {c.tile_k}   ({plan.num_tiles} output tiles)",
+        f"  CTA tile        {c.tile_m} x {c.tile_n} x {c.tile_k}   ({plan.num_tiles} output tiles"
+        + (" of D^T)" if c.swap_ab else ")"),
         f"  cluster         {c.cluster_m} x {c.cluster_n}"
         + (f"   (TMA multicast: A to {c.cluster_n}, B to {c.cluster_m} CTAs)" if c.cluster_size > 1 else ""),
         f"  schedule        {c.schedule}, {'persistent' if c.persistent else 'one tile per CTA'}",
@@ -57,7 +65,7 @@ def render_plan(plan: GemmPlan) -> str:
         "warp roles",
         f"  warpgroup 0     producer: warp 0 issues TMA loads of A and B   setmaxnreg {c.producer_regs}",
     ]
-    e = plan.epilogue
+    e = plan.kernel_epilogue
     if e.loads_tiles:
         lines.append(
             f"                  warp 1 issues TMA loads of the epilogue's {len(e.tile_inputs)} tile operand(s)"
@@ -141,6 +149,7 @@ def render_plan(plan: GemmPlan) -> str:
     ]
     lines += [f"  - {reason}" for reason in c.reasons]
     if e.chain:
-        lines += ["", "epilogue chain (tile: once per tile; subtile: once per epilogue subtile)"]
+        over = " over D^T: row and column vectors swapped" if c.swap_ab else ""
+        lines += ["", f"epilogue chain{over} (tile: once per tile; subtile: once per epilogue subtile)"]
         lines += [f"  {stage}" for stage in e.chain]
     return "\n".join(lines)

@@ -72,10 +72,13 @@ def candidates(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers = NO_
 
 
 def _overrides_of(cfg) -> dict:
-    return {
+    """The pins that give ``cfg`` again (the planner's swap-AB plan is pinned as one; the tile pins of the other
+    candidates keep the unswapped kernel)."""
+    pins = {
         "schedule": cfg.schedule, "tile_n": cfg.tile_n, "cluster_m": cfg.cluster_m, "cluster_n": cfg.cluster_n,
         "persistent": cfg.persistent,
     }  # fmt: skip
+    return {**pins, "swap_ab": True} if cfg.swap_ab else pins
 
 
 def pick_fastest(

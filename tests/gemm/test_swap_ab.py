@@ -1,0 +1,174 @@
+"""Swap-AB planning on the CPU: when the planner computes D^T = B^T A^T, what explain says, the epilogue's
+transpose, typed errors, and sm_90a compiles of swapped variants."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import epicute
+from epicute import ops
+from epicute.epilogue.tracer import as_epilogue
+from epicute.gemm import GemmProblem, plan_gemm
+from epicute.gemm.compile import compile_gemm
+from epicute.gemm.launch import variant_of
+from epicute.gemm.prepare import GemmRequest, prepare
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def decode(m, n, k, **kwargs):
+    """``explain`` of x (M, K) @ w.t() for a row-major (N, K) weight, the serving layout."""
+    return epicute.explain(meta(m, k), meta(n, k).t(), file=None, **kwargs)
+
+
+@pytest.mark.parametrize("n,k", [(14336, 4096), (4096, 14336), (8192, 8192)])
+@pytest.mark.parametrize("m", [1, 16, 33, 64])
+def test_decode_shapes_swap_with_m_in_a_narrow_n_tile(m, n, k):
+    plan = decode(m, n, k)
+    c = plan.config
+    assert c.swap_ab and c.tile_m == 128 and c.tile_n == -(-m // 16) * 16
+    assert plan.kernel_problem == GemmProblem(n, m, k, a_major="k", b_major="k")
+    assert plan.num_tiles == -(-n // 128)
+    # K splits while the tiles of 128 weight rows leave SMs idle; the grid is every split of every tile.
+    assert plan.num_tiles * c.split_k <= plan.target.num_sms and (c.split_k > 1) == (n < 14336)
+    assert plan.grid[2] == plan.num_tiles * c.split_k
+    assert c.reasons[0].startswith(f"swap_ab: M = {m} rows") and "D^T = B^T A^T" in c.reasons[0]
+
+
+def test_explain_prints_the_swap_and_the_transposed_chain():
+    x, w, bias = meta(16, 4096), meta(8192, 4096), meta(8192)
+    out = io.StringIO()
+    plan = epicute.explain(x, w.t(), epilogue=lambda acc, bias: ops.relu(acc + bias), bias=bias, file=out)
+    text = out.getvalue()
+    assert plan.config.swap_ab
+    assert "swap-AB         the kernel computes D^T = B^T A^T" in text and "output tiles of D^T" in text
+    assert "epilogue chain over D^T: row and column vectors swapped" in text
+    assert "bias (col, bf16)" in text  # one value per column of D: per row of D^T
+    # The bias slice is the 128 rows of a D^T tile, in the table the kernel allocates from.
+    vectors = [item for item in plan.smem if item.name == "col vector 0"]
+    assert len(vectors) == 1 and vectors[0].what.startswith("128 fp32")
+    assert plan.smem_bytes <= plan.target.smem_per_cta_bytes
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(m=128, n=4096, k=4096),  # enough rows for 128-row tiles of A
+        dict(m=16, n=4096, k=4096, b_major="n"),  # B row-major: not a weight's transpose
+        dict(m=16, n=4096, k=4096, a_major="m"),
+        dict(m=16, n=4096, k=4096, l=3),
+        dict(m=16, n=8, k=4096),  # N no wider than M
+        dict(m=0, n=4096, k=4096),
+        dict(m=16, n=4096, k=4096, ab_dtype="fp8e4m3"),
+        dict(m=16, n=4096, k=4096, d_dtype="fp8e4m3"),
+    ],
+    ids=str,
+)
+def test_no_swap_outside_decode_shapes(case):
+    case = {"b_major": "k", **case}
+    assert not plan_gemm(GemmProblem(**case)).config.swap_ab
+
+
+@pytest.mark.parametrize(
+    "epilogue,operands",
+    [
+        (lambda acc, res: acc + res, {"res": meta(16, 4096)}),
+        (lambda acc: {"D": acc, "pre": acc * 2.0}, {}),
+        (lambda acc: {"D": acc, "rows": ops.row_sum(acc)}, {}),
+        (lambda acc: {"D": acc, "amax": ops.amax(acc)}, {}),
+    ],
+    ids=["tile_operand", "aux_tile", "row_sum", "amax"],
+)
+def test_no_swap_for_epilogues_without_a_transpose(epilogue, operands):
+    assert not decode(16, 4096, 4096, epilogue=epilogue, **operands).config.swap_ab
+    with pytest.raises(epicute.EpicuteError, match="swap_ab=True with an epilogue"):
+        decode(16, 4096, 4096, epilogue=epilogue, config={"swap_ab": True}, **operands)
+
+
+def test_pins_of_the_unswapped_tile_keep_it_and_swap_ab_pins_either_way():
+    assert not decode(16, 4096, 4096, config={"tile_n": 128}).config.swap_ab
+    assert not decode(16, 4096, 4096, config={"schedule": "pingpong"}).config.swap_ab
+    assert not decode(16, 4096, 4096, config={"swap_ab": False}).config.swap_ab
+    pinned = decode(128, 4096, 4096, config={"swap_ab": True})
+    assert pinned.config.swap_ab and pinned.config.tile_n == 128 and pinned.config.reasons[0] == "swap_ab: requested"
+    split = decode(16, 4096, 4096, config={"split_k": 3, "ab_stages": 5})
+    assert split.config.swap_ab and split.config.split_k == 3 and split.config.ab_stages == 5
+    with pytest.raises(epicute.EpicuteError, match="swap_ab=True with L = 2"):
+        plan_gemm(GemmProblem(16, 4096, 4096, 2, b_major="k"), swap_ab=True)
+    with pytest.raises(epicute.EpicuteError, match="swap_ab with a pingpong"):
+        plan_gemm(GemmProblem(16, 4096, 4096, b_major="k"), swap_ab=True, schedule="pingpong")
+
+
+def test_the_epilogue_runs_transposed_with_the_buffers_the_plan_budgets():
+    bias, scale = meta(4096), meta(16, 1, dtype=torch.float32)
+    request = GemmRequest(
+        GemmProblem(16, 4096, 4096, b_major="k"), as_epilogue(lambda acc, bias, scale: ops.relu(acc + bias) * scale),
+        (("bias", "row", "bf16"), ("scale", "col", "fp32")),
+    )  # fmt: skip
+    prepared = prepare(request)
+    assert prepared.plan.config.swap_ab
+    fusion = prepared.fusion  # the kernel's: over D^T
+    assert fusion.row_inputs == ("scale",) and fusion.col_inputs == ("bias",)
+    assert fusion.buffers() == prepared.plan.kernel_epilogue == prepared.plan.epilogue.transposed()
+    assert fusion.transposed.buffers() == prepared.plan.epilogue  # and back
+    assert prepared.epilogue.graph.input_node("bias").kind == "row"  # the caller's graph is kept as traced
+    assert epicute.explain(meta(16, 4096), meta(4096, 4096).t(), epilogue=request.epilogue, bias=bias,
+                           scale=scale, file=None).config.swap_ab  # fmt: skip
+
+
+def test_tuning_starts_from_the_planners_swap():
+    from epicute.gemm.tune import candidates
+
+    options = candidates(GemmProblem(16, 4096, 14336, b_major="k"), plan_gemm(GemmProblem(1, 8, 8)).target)
+    assert options[0]["swap_ab"] is True
+    assert all(not option.get("swap_ab") for option in options[1:])
+    assert plan_gemm(GemmProblem(16, 4096, 14336, b_major="k"), **options[0]).config.swap_ab
+
+
+def test_grouped_kernels_refuse_swap_ab():
+    from dataclasses import replace
+
+    from epicute.grouped.kernel_sm90 import GroupedGemmSm90
+
+    cfg = replace(plan_gemm(GemmProblem(16, 4096, 14336, b_major="k")).config, split_k=1)
+    with pytest.raises(epicute.EpicuteError, match="swap_ab with GroupedGemmSm90"):
+        GroupedGemmSm90(cfg, "bf16", "bf16", "k", "k")
+
+
+SWAPPED = {
+    # M = 1: 16 columns, 4 splits, one tile per CTA (D staged in the A ring)
+    "m1-split": (GemmProblem(1, 4096, 14336, b_major="k"), {}),
+    # 48 columns in subtiles of 16, fp32 D, persistent (more tiles than SMs)
+    "m48-fp32-persistent": (GemmProblem(48, 20000, 1000, d_dtype="fp32", b_major="k"), {}),
+    # a pinned swap of other majors (the kernel's A M-major, its B N-major) at M = 128
+    "m128-mn-majors": (GemmProblem(128, 4096, 512, a_major="m", b_major="n"), {"swap_ab": True}),
+}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", list(SWAPPED))
+def test_swapped_variants_compile_without_spills(name, ptxas_report):
+    problem, pins = SWAPPED[name]
+    plan = plan_gemm(problem, **pins)
+    assert plan.config.swap_ab
+    assert callable(compile_gemm(variant_of(plan)))
+    spills, _ = ptxas_report()
+    assert max(spills) == 0, f"{plan.config}: ptxas spilled {spills} bytes"
+
+
+@pytest.mark.compile
+def test_a_swapped_bias_relu_epilogue_compiles(ptxas_report):
+    request = GemmRequest(
+        GemmProblem(3, 1000, 4104, b_major="k"), as_epilogue(lambda acc, bias, s: ops.relu(acc + bias) * s),
+        (("bias", "row", "bf16"), ("s", "col", "fp32")),
+    )  # fmt: skip
+    prepared = prepare(request)
+    assert prepared.plan.config.swap_ab and prepared.plan.config.split_k > 1
+    assert callable(compile_gemm(prepared.variant()))
+    spills, _ = ptxas_report()
+    assert max(spills) == 0

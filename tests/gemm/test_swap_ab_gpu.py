@@ -1,0 +1,103 @@
+"""Swap-AB on the GPU: decode GEMMs computed as D^T = B^T A^T and stored transposed into row-major D.
+
+Odd M (1, 3, 17, 64), N and K that are no multiples of the tiles, split and unsplit, one tile per CTA and
+persistent, bias + relu and a per-row scale (the epilogue's vectors trade places), fp32 D, a prepared call and
+the split sum's determinism; D NaN-poisoned, against a float32 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import epicute
+from epicute import ops
+from tests.conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def _exact_reference():
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def decode_operands(m, n, k):
+    """x (M, K) and a row-major (N, K) weight used as ``w.t()``, the serving layout."""
+    return (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16))  # fmt: skip
+
+
+def poisoned(m, n, dtype=torch.bfloat16):
+    return torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("n,k", [(1000, 4104), (4104, 1000), (264, 72)])
+def test_planned_swap_matches_the_reference(m, n, k):
+    x, w = decode_operands(m, n, k)
+    assert epicute.explain(x, w.t(), file=None).config.swap_ab
+    out = poisoned(m, n)
+    epicute.gemm(x, w.t(), out=out)
+    assert rel_err(out, x.float() @ w.float().t()) <= TOL, (m, n, k)
+
+
+@pytest.mark.parametrize("m", [1, 17, 64])
+def test_bias_relu_and_a_row_scale_trade_places(m):
+    n, k = 1000, 2056
+    x, w = decode_operands(m, n, k)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    scale = torch.rand(m, 1, device="cuda", dtype=torch.float32) + 0.5
+
+    def epi(acc, bias, scale):
+        return ops.relu(acc + bias) * scale
+
+    assert epicute.explain(x, w.t(), epilogue=epi, bias=bias, scale=scale, file=None).config.swap_ab
+    out = poisoned(m, n)
+    epicute.gemm(x, w.t(), epilogue=epi, bias=bias, scale=scale, out=out)
+    ref = torch.relu(x.float() @ w.float().t() + bias.float()) * scale
+    assert rel_err(out, ref) <= TOL
+    plain = epicute.gemm(x, w.t(), epilogue=lambda acc, bias: ops.relu(acc + bias), bias=bias)
+    assert rel_err(plain, torch.relu(x.float() @ w.float().t() + bias.float())) <= TOL
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3, 8])
+def test_every_split_and_fp32_d(split_k):
+    x, w = decode_operands(5, 520, 8200)
+    out = poisoned(5, 520, torch.float32)
+    epicute.gemm(x, w.t(), out=out, config={"swap_ab": True, "split_k": split_k})
+    assert rel_err(out, x.float() @ w.float().t()) <= 1e-3
+
+
+def test_persistent_swap_over_more_tiles_than_sms():
+    x, w = decode_operands(33, 20000, 1032)  # 157 tiles of 128 weight rows, 48 columns each
+    plan = epicute.explain(x, w.t(), file=None)
+    assert plan.config.swap_ab and plan.config.persistent and plan.config.tile_n == 48
+    out = poisoned(33, 20000)
+    epicute.gemm(x, w.t(), out=out)
+    assert rel_err(out, x.float() @ w.float().t()) <= TOL
+    out.fill_(float("nan"))
+    epicute.gemm(x, w.t(), out=out, config={"split_k": 2})  # persistent and split
+    assert rel_err(out, x.float() @ w.float().t()) <= TOL
+
+
+def test_pinned_swap_of_other_majors():
+    """The kernel swaps any 16-bit majors (its A M-major, its B N-major here); the planner only picks k/k."""
+    a = torch.randn(2056, 24, device="cuda", dtype=torch.bfloat16).t()  # (24, 2056), column-major
+    b = torch.randn(2056, 1000, device="cuda", dtype=torch.bfloat16)  # row-major (K, N)
+    out = poisoned(24, 1000)
+    epicute.gemm(a, b, out=out, config={"swap_ab": True})
+    assert rel_err(out, a.float() @ b.float()) <= TOL
+
+
+def test_a_prepared_swapped_call_and_a_deterministic_split_sum():
+    x, w = decode_operands(7, 2048, 16384)
+    call = epicute.prepare_gemm(x, w.t(), out_dtype=torch.float32)
+    first = call(x, w.t())
+    assert rel_err(first, x.float() @ w.float().t()) <= 1e-3
+    for _ in range(10):
+        assert torch.equal(call(x, w.t()), first)
+    x2 = torch.randn_like(x)
+    assert rel_err(call(x2, w.t()), x2.float() @ w.float().t()) <= 1e-3
