@@ -20,11 +20,12 @@ dV accumulate in registers and are stored once (the group's sum, no atomics). Wa
   scale * log2 e - LSE * log2 e) with the ragged-key and causal masks; dS^T = P^T (dP^T - D).
   dS^T is staged in shared memory (stmatrix) while dV += P^T dO runs (P^T a register A
   operand); once both warpgroups have staged their keys (named barrier ``SCORES_STAGED``),
-  each warpgroup issues half of dQ's columns, dQ = dS K (over all 128 keys), then dK += dS^T
-  Q (dS^T from registers), and copies dQ into its staging buffer for the dQ writer while dK
-  runs.
-- epilogue: dK scaled, dV and dK cast and staged in K's and V's buffers (free: every WGMMA
-  that read them has retired), TMA-stored (the store clips the ragged seqlen_k edge).
+  each warpgroup issues its half of dQ = dS K over all 128 keys (half of head_dim, or at
+  128-query steps half of the rows), then dK += dS^T Q (dS^T from registers), and copies dQ
+  into its staging buffer for the dQ writer while dK runs.
+- epilogue: dK scaled, dV and dK cast and staged in K's and V's buffers once both warpgroups
+  are past their last dQ (which reads all of K), TMA-stored (the store clips the ragged
+  seqlen_k edge).
 
 The preprocess pads LSE and D to whole query blocks (LSE = +inf there and on rows the forward
 saw no key: P = 0), so the consumers read them without bounds checks; Q and dO rows past
@@ -34,9 +35,10 @@ and causal are compile-time.
 Packed variable-length sequences (``varlen``): the grid's third mode is the sequence, whose
 rows start at ``cu_seqlens_q/k[b]`` of one ``(total, heads, dim)`` tensor each; a CTA past its
 sequence's keys exits. Rows past a sequence's end load the next sequence's, so the consumers
-mask queries past seqlen_q as they mask keys (P = 0, so their dQ rows add zeros), each sequence's
-LSE and D rows start at a block boundary (``stat_rows_start``), and dK and dV are stored through ragged views that
-clip at the sequence's end (:func:`~epicute.attention.key_blocks.ragged_tensor`).
+mask queries past seqlen_q as they mask keys (P = 0, so their dQ rows add zeros), each
+sequence's LSE and D rows start at a block boundary (``stat_rows_start``), and dK and dV are
+stored through ragged views that clip at the sequence's end
+(:func:`~epicute.attention.key_blocks.ragged_tensor`).
 """
 
 from __future__ import annotations
@@ -413,7 +415,8 @@ class AttentionBackwardSm90:
         # Column by column: one query's LSE is read from shared memory once for its rows.
         for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
             query = m_block * cfg.tile_m + cS[0, c][1]
-            index["q_idx"] = query.to(Float32)
+            if cutlass.const_expr(self.score_mod is not None):
+                index["q_idx"] = query.to(Float32)
             lse_c = lse[cS[0, c][1]]
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 key = n_block * cfg.tile_n + cS[r, 0][0]
