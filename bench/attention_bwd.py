@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import Row, check_contenders, finish_peer_run, time_interleaved
+from common import Row, check_contenders, finish_peer_run, start_peer_run, time_interleaved
 
 #: name -> (batch, seqlen, heads_q, heads_kv, head_dim, causal)
 CASES = {
@@ -200,12 +200,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=lambda s: s.split(","), default=[*CASES, *VARLEN_CASES],
                         help="comma-separated names")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON path")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device")
+    args = start_peer_run(parser, DEFAULT_OUT)
+    if args is None:
         return 2
-    torch.manual_seed(0)
     rows, all_ok = [], True
     for name in args.cases:
         if name in VARLEN_CASES:

@@ -6,6 +6,7 @@ formats stored results) runs on machines without torch or a GPU.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
 import json
@@ -225,6 +226,20 @@ def _print_group(rows: Sequence[Row], unit: str) -> None:
         if wanted:
             g = geomean(kept)
             print(f"geomean epicute/{label}: {g:.3f}" if g is not None else f"geomean epicute/{label}: -")
+
+
+def start_peer_run(parser: argparse.ArgumentParser, default_out: Path) -> argparse.Namespace | None:
+    """The start of a run against peers: ``--out`` added to ``parser``, the arguments parsed and torch's
+    generator seeded; None (after saying why) without a CUDA device, where ``main`` returns 2."""
+    import torch
+
+    parser.add_argument("--out", type=Path, default=default_out, help="result JSON path")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return None
+    torch.manual_seed(0)
+    return args
 
 
 def finish_peer_run(out: str | Path, benchmark: str, rows: Sequence[Row], all_ok: bool, unit: str = "TFLOPS") -> int:

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import Row, check_contenders, finish_peer_run, time_interleaved
+from common import Row, check_contenders, finish_peer_run, start_peer_run, time_interleaved
 from gemm import parse_shapes
 
 ALL_SHAPES = [(m, n, k) for n, k in ((14336, 4096), (4096, 14336), (8192, 8192)) for m in (1, 16, 64, 128)]
@@ -119,12 +119,9 @@ def main() -> int:
                         help="comma-separated MxNxK list, or 'none' (default: the issue's set)")  # fmt: skip
     parser.add_argument("--attention", type=parse_attention, help="comma-separated BATCHxKEYS list, or 'none'"
                         " (default: the issue's set)")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON path")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device")
+    args = start_peer_run(parser, DEFAULT_OUT)
+    if args is None:
         return 2
-    torch.manual_seed(0)
     rows, all_ok = [], True
     for shape in ALL_SHAPES if args.shapes is None else args.shapes:
         row, ok = run_case(shape)

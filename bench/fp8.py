@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import Row, check_contenders, finish_peer_run, time_interleaved
+from common import Row, check_contenders, finish_peer_run, start_peer_run, time_interleaved
 from gemm import parse_shapes
 
 ALL_SHAPES = [
@@ -142,12 +142,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=parse_shapes, help="comma-separated MxNxK list (default: the issue's set)")
     parser.add_argument("--recipes", default="tensorwise,rowwise,blockwise,blockwise_quantize")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON path")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device")
+    args = start_peer_run(parser, DEFAULT_OUT)
+    if args is None:
         return 2
-    torch.manual_seed(0)
     rows, all_ok = [], True
     for recipe in args.recipes.split(","):
         for shape in args.shapes or ALL_SHAPES:

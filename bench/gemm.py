@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import Row, finish_peer_run, time_interleaved
+from common import Row, finish_peer_run, start_peer_run, time_interleaved
 
 Shape = tuple[int, int, int]
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]  # (a, b, out): writes out
@@ -133,14 +133,10 @@ def main() -> int:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--all", action="store_true", help="the standard shape set (default)")
     group.add_argument("--shapes", type=parse_shapes, help="comma-separated MxNxK list")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON path")
     parser.add_argument("--quack-tuned", action="store_true", help="let quack autotune (slow)")
-    args = parser.parse_args()
-
-    if not torch.cuda.is_available():
-        print("no CUDA device")
+    args = start_peer_run(parser, DEFAULT_OUT)
+    if args is None:
         return 2
-    torch.manual_seed(0)
     fns = contenders(args.quack_tuned)
     rows: list[Row] = []
     all_ok = True
