@@ -43,6 +43,29 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
 
 
+def nan_tensor(shape, dtype=torch.float32, device=None) -> torch.Tensor:
+    """An output buffer poisoned with NaN: a kernel that skips a value leaves it visible (the
+    signature of the runtime's ``new_output``/``new_grad`` seams, so tests patch them with it)."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def assert_attention_close(out, lse, ref, ref_lse, what: str, tol: float) -> None:
+    """O within ``tol`` (relative) of the float32 reference, and LSE: -inf on exactly the rows that see no key,
+    within 1e-4 elsewhere."""
+    err = rel_err(out, ref)
+    assert err <= tol, f"O rel err {err:.2e} for {what}"
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), f"LSE -inf pattern differs for {what}"
+    lse_err = rel_err(lse[~empty], ref_lse[~empty]) if (~empty).any() else 0.0
+    assert lse_err <= 1e-4, f"LSE rel err {lse_err:.2e} for {what}"
+
+
+def decode_operands(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) and a row-major (N, K) weight used as ``w.t()``, the serving layout (bf16, on the GPU)."""
+    return (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16))  # fmt: skip
+
+
 def aot_compile_then_fresh_load(tmp_path, spec_text: str, loader_text: str) -> None:
     """``epicute compile`` a spec into a private cache (twice: the second finds it cached),
     then assert a fresh process running ``loader_text`` loads its one kernel from disk."""

@@ -17,7 +17,7 @@ from epicute.attention.api import reference_attention
 from epicute.attention.prepare import hooks_of
 from epicute.attention.validate import check_attention_args
 from tests.attention.test_attention_gpu import _poisoned_outputs_and_exact_reference  # noqa: F401  (fixture)
-from tests.conftest import rel_err
+from tests.conftest import assert_attention_close
 
 pytestmark = pytest.mark.gpu
 
@@ -62,13 +62,7 @@ def check(q, k, v, causal=False, score_mod=None, config=None, page_table=None, s
     score, _ = hooks_of(call, score_mod, None, ops)
     ref, ref_lse = reference_attention(call, score, None, out_dtype=torch.float32, device="cuda")
     what = f"q{tuple(q.shape)} k{tuple(k.shape)} causal={causal} config={config}"
-    err = rel_err(out, ref["D"])
-    assert err <= TOL, f"O rel err {err:.2e} for {what}"
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), f"LSE -inf pattern differs for {what}"
-    if (~empty).any():
-        lse_err = rel_err(lse[~empty], ref_lse[~empty])
-        assert lse_err <= 1e-4, f"LSE rel err {lse_err:.2e} for {what}"
+    assert_attention_close(out, lse, ref["D"], ref_lse, what, TOL)
     return out, lse
 
 

@@ -22,7 +22,7 @@ from epicute.attention import launch as rt_attention
 from epicute.attention.api import reference_attention
 from epicute.attention.prepare import hooks_of
 from epicute.attention.validate import check_attention_args
-from tests.conftest import rel_err
+from tests.conftest import assert_attention_close, nan_tensor, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -32,13 +32,9 @@ TOL = 1e-2
 @pytest.fixture(autouse=True)
 def _poisoned_outputs_and_exact_reference(monkeypatch):
     torch.backends.cuda.matmul.allow_tf32 = False
-
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(rt_attention, "new_lse", lambda shape, device: torch.full(shape, float("nan"), device=device))
-    monkeypatch.setattr(rt_attention, "new_output", poisoned)
-    monkeypatch.setattr(rt_backward, "new_grad", poisoned)
+    monkeypatch.setattr(rt_attention, "new_lse", lambda shape, device: nan_tensor(shape, device=device))
+    monkeypatch.setattr(rt_attention, "new_output", nan_tensor)
+    monkeypatch.setattr(rt_backward, "new_grad", nan_tensor)
 
 
 def packed(lengths_q, lengths_k, hq, hkv, d, dtype=torch.bfloat16, requires_grad=False):
@@ -70,13 +66,7 @@ def check_forward(q, k, v, varlen, causal=False, score_mod=None, config=None, **
     ref, ref_lse, _ = reference(q, k, v, varlen, causal, score_mod, **operands)
     what = f"q{tuple(q.shape)} k{tuple(k.shape)} causal={causal} cu_q={varlen['cu_seqlens_q'].tolist()}"
     assert o.shape == q.shape and lse.shape == (q.size(1), q.size(0))
-    err = rel_err(o, ref)
-    assert err <= TOL, f"O rel err {err:.2e} for {what}"
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), f"LSE -inf pattern differs for {what}"
-    if (~empty).any():
-        lse_err = rel_err(lse[~empty], ref_lse[~empty])
-        assert lse_err <= 1e-4, f"LSE rel err {lse_err:.2e} for {what}"
+    assert_attention_close(o, lse, ref, ref_lse, what, TOL)
 
 
 #: (query lengths, key lengths) per sequence: empty, single, odd, tile edges, long, unequal both ways.

@@ -12,7 +12,7 @@ import torch
 
 import epicute
 from epicute import ops
-from tests.conftest import rel_err
+from tests.conftest import decode_operands, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -22,12 +22,6 @@ TOL = 1e-2
 @pytest.fixture(autouse=True)
 def _exact_reference():
     torch.backends.cuda.matmul.allow_tf32 = False
-
-
-def decode_operands(m, n, k):
-    """x (M, K) and a row-major (N, K) weight used as ``w.t()``, the serving layout."""
-    return (torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
-            torch.randn(n, k, device="cuda", dtype=torch.bfloat16))  # fmt: skip
 
 
 def poisoned(m, n, dtype=torch.bfloat16):
