@@ -10,6 +10,9 @@ head) and its query heads (the whole problem's float32 scores would not fit), th
 ``triton.testing.do_bench`` times them (L2 flushed before each call; :func:`epicute.benchmark.time_flushed`),
 medians of interleaved rounds. Writes bench/results/attention_bwd.json (and $OUT/attention_bwd.json).
 
+``<case>_deterministic`` rows time the deterministic backwards (``deterministic=True``: dQ's parts
+added in a fixed order), epicute's against flash-attn-4's, on a case's inputs.
+
 The ``varlen`` case packs sequences of mixed lengths (flash-attn's varlen layout, ``cu_seqlens``) and
 gives two rows: its forward (q, k, v not requiring grad; peer: flash-attn-4's
 ``flash_attn_varlen_func``) and its backward (the same call's gradients), FLOPs summed per sequence.
@@ -44,6 +47,8 @@ VARLEN_CASES = {
         True,
     ),
 }
+#: Cases also timed in deterministic mode (epicute and flash-attn-4 only; cuDNN and SDPA have none).
+DETERMINISTIC_CASES = ("b4_h16_s8192_d128", "b4_h16_s8192_d128_causal", "b2_hq32_hkv8_s8192_d128_causal")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "attention_bwd.json"
 TOLERANCE = 1e-2
 
@@ -68,7 +73,8 @@ def _first_group_attention(q1, k1, v1, causal: bool) -> torch.Tensor:
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v1.expand(-1, -1, group, -1))
 
 
-def run_case(name: str) -> tuple[Row, bool]:
+def run_case(name: str, deterministic: bool = False) -> tuple[Row, bool]:
+    """One case's row; ``deterministic``: the ``<name>_deterministic`` row (epicute and flash-attn-4)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -83,8 +89,8 @@ def run_case(name: str) -> tuple[Row, bool]:
     do = torch.randn(batch, seqlen, hq, d, device="cuda", dtype=torch.bfloat16)
     ref = reference_grads(q, k, v, do, causal)
     group = hq // hkv
-    row: Row = {"case": name}
-    print(name)
+    row: Row = {"case": f"{name}_deterministic" if deterministic else name}
+    print(row["case"])
 
     def error(grads) -> float:
         dq, dk, dv = grads
@@ -102,20 +108,23 @@ def run_case(name: str) -> tuple[Row, bool]:
 
     calls = {}
     try:
-        ours = backward_of(lambda: epicute.attention(q, k, v, causal=causal), (q, k, v), do)
+        ours = backward_of(
+            lambda: epicute.attention(q, k, v, causal=causal, deterministic=deterministic), (q, k, v), do
+        )
         calls["epicute"] = (ours, ours)
     except EpicuteError as exc:  # a case the backward does not cover is recorded without epicute
         print(f"  epicute          not supported: {exc}")
     try:
         from flash_attn.cute.interface import flash_attn_func
 
-        fa = backward_of(lambda: flash_attn_func(q, k, v, causal=causal), (q, k, v), do)
+        fa = backward_of(lambda: flash_attn_func(q, k, v, causal=causal, deterministic=deterministic), (q, k, v), do)
         calls["fa_cute"] = (fa, fa)
     except Exception as exc:  # noqa: BLE001 - a missing or failing peer must not stop the others
         print(f"  fa_cute          not run ({type(exc).__name__}: {exc})")
     qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     do_t = do.transpose(1, 2).contiguous()
-    for peer, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+    sdpa = (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION))
+    for peer, backend in () if deterministic else sdpa:
         try:
             with sdpa_kernel([backend]):
                 run = backward_of(
@@ -198,7 +207,8 @@ def run_varlen_case(name: str) -> tuple[list[Row], bool]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", type=lambda s: s.split(","), default=[*CASES, *VARLEN_CASES],
+    deterministic = [f"{name}_deterministic" for name in DETERMINISTIC_CASES]
+    parser.add_argument("--cases", type=lambda s: s.split(","), default=[*CASES, *VARLEN_CASES, *deterministic],
                         help="comma-separated names")  # fmt: skip
     args = start_peer_run(parser, DEFAULT_OUT)
     if args is None:
@@ -208,7 +218,7 @@ def main() -> int:
         if name in VARLEN_CASES:
             case_rows, ok = run_varlen_case(name)
         else:
-            row, ok = run_case(name)
+            row, ok = run_case(name.removesuffix("_deterministic"), name.endswith("_deterministic"))
             case_rows = [row]
         rows += case_rows
         all_ok = all_ok and ok

@@ -155,6 +155,7 @@ def attention(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    deterministic: bool = False,
     **operands: Any,
 ) -> torch.Tensor | dict[str, torch.Tensor] | tuple:
     """``softmax(q k^T * softmax_scale) v`` on a Hopper GPU (FlashAttention-3 style).
@@ -200,6 +201,9 @@ def attention(
             it. Left out, it is read from ``cu_seqlens`` (a sync with the GPU) and the offsets are checked
             on the way; given, they are not (a sequence longer than ``max_seqlen_q`` leaves the rows past
             it unwritten, and offsets outside the tensors are clamped, never followed).
+        deterministic: the backward adds each key block's part of dQ in a fixed order, so gradients are
+            bitwise reproducible (as flash-attn's ``deterministic``; it costs some speed: README's
+            backward table has the deterministic rows). The forward is deterministic either way.
         **operands: the hooks' operands by name.
 
     Training: when q, k or v require grad, the call runs as the custom op ``epicute::attention``
@@ -222,7 +226,8 @@ def attention(
         >>> softcap = lambda s, b, h, qi, ki: 30 * epicute.ops.tanh(s / 30)
         >>> o, lse = epicute.attention(q, kv, kv, score_mod=softcap, return_lse=True)
         >>> r = epicute.attention(q, kv, kv, epilogue=epicute.epilogues.tensor_quant, scale=4.0)
-        >>> r["D"].dtype, r["amax"]                                 # fp8 O * 4 and max |O * 4|
+        >>> r["D"].dtype, r["amax"].shape                  # fp8 O * 4 and max |O * 4|, a 0-d tensor
+        (torch.float8_e4m3fn, torch.Size([]))
         >>> # decode over a paged cache: one new token per sequence, 128-key pages
         >>> cache_k = torch.randn(1024, 128, 4, 128, device="cuda", dtype=torch.bfloat16)
         >>> cache_v = torch.randn_like(cache_k)
@@ -250,7 +255,7 @@ def attention(
         return attention_op_call(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,
             epilogue=epilogue, out=out, out_dtypes=out_dtypes, backend=backend, config=config, operands=operands,
-            page_table=page_table, seqused_k=seqused_k, **varlen,
+            page_table=page_table, seqused_k=seqused_k, deterministic=deterministic, **varlen,
         )  # fmt: skip
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
@@ -270,7 +275,7 @@ def attention(
         return attention_op_call(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,
             epilogue=epilogue, out=None, out_dtypes=out_dtypes, backend=backend, config=config, operands=operands,
-            page_table=page_table, seqused_k=seqused_k, **varlen,
+            page_table=page_table, seqused_k=seqused_k, deterministic=deterministic, **varlen,
         )  # fmt: skip
     if out is not None:
         check_attention_out(call, out, IR_TO_TORCH[prepared.output_dtypes["D"]])
@@ -325,6 +330,7 @@ def explain_attention(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    deterministic: bool = False,
     **operands: Any,
 ) -> AttentionPlan:
     """Print (to ``file``; ``None`` to stay quiet) and return the attention plan; works on ``"meta"`` tensors.
@@ -353,10 +359,8 @@ def explain_attention(
     prepared = prepare(call, score_mod, epilogue, operands, out_dtypes, config, resolve_target(target))
     if file is not None:
         try:  # the kernel autograd would run, from the same prepared call
-            variant = prepared.backward_variant()
-            backward = render_backward_plan(
-                variant.config, variant.dtype, prepared.plan.problem, prepared.plan.target.smem_per_cta_bytes
-            )
+            variant = prepared.backward_variant(deterministic)
+            backward = render_backward_plan(variant, prepared.plan.problem, prepared.plan.target.smem_per_cta_bytes)
         except ConfigError as exc:
             backward = ["backward (training)", f"  not available: {exc}"]
         text = "\n".join([render_attention_plan(prepared.plan, prepared.chain), "", *backward])

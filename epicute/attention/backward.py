@@ -7,7 +7,8 @@
    :func:`stat_rows_start`), with LSE = +inf on the padding and on rows the forward saw no key of
    (their P is then exactly 0, as their O was);
 2. the kernel (:mod:`epicute.attention.backward_sm90`): dK and dV stored in the input dtype,
-   dQ added into a zeroed fp32 accumulator;
+   dQ added into a zeroed fp32 accumulator (``deterministic``: in a fixed order, through zeroed
+   turn counters, one per query block and head);
 3. ``dQ = accumulator * softmax_scale`` cast to the input dtype.
 
 A :class:`BackwardVariant` is what changes the generated code (config, dtype, causal); it
@@ -40,23 +41,27 @@ class BackwardVariant:
     arch: str = DEFAULT_ARCH
     #: packed variable-length sequences (cu_seqlens_q/k)
     varlen: bool = False
+    #: dQ's parts added in a fixed order: bitwise reproducible gradients
+    deterministic: bool = False
 
     def key(self) -> CacheKey:
         """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
         c = self.config
         label = (f"attention backward d{c.head_dim} {c.tile_m}x{c.tile_n} {self.dtype}"
                  + (" causal" if self.causal else "") + ("" if self.score_mod is None else " +score_mod")
-                 + (" varlen" if self.varlen else ""))  # fmt: skip
+                 + (" varlen" if self.varlen else "") + (" deterministic" if self.deterministic else ""))  # fmt: skip
         score_key = None if self.score_mod is None else self.score_mod.key()
         parts = (c.key(), self.dtype, self.causal, score_key, ("align", OPERAND_ALIGN_BYTES))
         if self.varlen:
             parts += (("varlen", True),)
+        if self.deterministic:
+            parts += (("deterministic", True),)
         return CacheKey("attention_backward", parts, self.arch, label)
 
 
 def compile_backward(variant: BackwardVariant):
     """Compile one variant for sm_90a; returns ``f(q, k, v, do, lse_log2, d, dq_accum, dk, dv, softmax_scale,
-    score_tensors, score_scalars, varlen)``
+    score_tensors, score_scalars, varlen, dq_turns)``
     taking torch tensors (see :meth:`~epicute.attention.backward_sm90.AttentionBackwardSm90.__call__`)."""
     import cutlass
     from cutlass import cute
@@ -69,21 +74,23 @@ def compile_backward(variant: BackwardVariant):
     d = variant.config.head_dim
     q, k, v, do, dk, dv = (_fake_bshd(dtype, d) for _ in range(6))
     dq_accum = _fake_bshd(cutlass.Float32, d)
-    lse, dsum = (
+    lse, dsum, turns = (
         cute.runtime.make_fake_tensor(
-            cutlass.Float32,
+            dtype,
             (cute.sym_int(), cute.sym_int(), cute.sym_int()),
             stride=(cute.sym_int64(), cute.sym_int64(), 1),
             assumed_align=4,
         )  # fmt: skip
-        for _ in range(2)
+        for dtype in (cutlass.Float32, cutlass.Float32, cutlass.Int32)
     )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     score_tensors, score_scalars = _fake_score_operands(variant.score_mod)
     varlen = ()
     if variant.varlen:  # cu_seqlens_q, cu_seqlens_k, max_seqlen_k
         varlen = (_fake_elementwise(cutlass.Int32, 1), _fake_elementwise(cutlass.Int32, 1), cutlass.Int32(1))
-    kernel = AttentionBackwardSm90(variant.config, variant.dtype, variant.causal, variant.score_mod, variant.varlen)
+    kernel = AttentionBackwardSm90(
+        variant.config, variant.dtype, variant.causal, variant.score_mod, variant.varlen, variant.deterministic
+    )
     return dsl_compile(
         variant,
         kernel,
@@ -100,8 +107,9 @@ def compile_backward(variant: BackwardVariant):
         score_tensors,
         score_scalars,
         varlen,
+        (turns,) if variant.deterministic else (),
         stream,
-        constant_args=("score_tensors", "score_scalars", "varlen"),
+        constant_args=("score_tensors", "score_scalars", "varlen", "dq_turns"),
     )
 
 
@@ -175,8 +183,12 @@ def attention_backward(
             tensors = tuple(t.unsqueeze(0) for t in tensors)
             varlen = (call.cu_seqlens_q, call.cu_seqlens_k, p.seqlen_k)
         q4, k4, v4, do4, dq4, dk4, dv4 = tensors
+        dq_turns = ()
+        if variant.deterministic:  # a counter per query block and head (LSE's rows are whole blocks)
+            rows = lse_log2.shape
+            dq_turns = (torch.zeros(*rows[:2], rows[2] // variant.config.tile_m, dtype=torch.int32, device=q.device),)
         BACKWARD_CACHE.get(variant)(
-            q4, k4, v4, do4, lse_log2, dsum, dq4, dk4, dv4, call.softmax_scale, *score_operands, varlen
+            q4, k4, v4, do4, lse_log2, dsum, dq4, dk4, dv4, call.softmax_scale, *score_operands, varlen, dq_turns
         )  # fmt: skip
     elif k.numel():  # no queries: nothing flows back to the keys
         dk.zero_()

@@ -117,10 +117,11 @@ def backward_smem_layout(cfg: BackwardConfig, dtype: str = "bf16") -> SmemLayout
     ))  # fmt: skip
 
 
-def render_backward_plan(cfg: BackwardConfig, dtype: str, problem, smem_limit: int) -> list[str]:
-    """explain's lines for the backward kernel of ``problem`` (an
-    :class:`~epicute.attention.plan.AttentionProblem`): grid, steps, warp roles, shared memory, why."""
-    p = problem
+def render_backward_plan(variant, problem, smem_limit: int) -> list[str]:
+    """explain's lines for ``variant`` (a :class:`~epicute.attention.backward.BackwardVariant`), the backward
+    kernel of ``problem`` (an :class:`~epicute.attention.plan.AttentionProblem`): grid, steps, warp roles,
+    dQ's order, shared memory, why."""
+    cfg, dtype, p = variant.config, variant.dtype, problem
     key_blocks = -(-p.seqlen_k // cfg.tile_n)
     dq_split = "rows" if cfg.tile_m > KEYS_PER_WARPGROUP else "head_dim columns"
     lines = [
@@ -139,6 +140,14 @@ def render_backward_plan(cfg: BackwardConfig, dtype: str, problem, smem_limit: i
             f"  warpgroup {wg + 1}     consumer: keys {lo}-{lo + KEYS_PER_WARPGROUP - 1}: S^T, dP^T, dV, dK; half of "
             f"dQ's {dq_split}   setmaxnreg {cfg.consumer_regs}"
         )
+    if variant.deterministic:
+        lines.append(
+            "  dQ order        deterministic: the key blocks take turns adding into each query block, first to last, "
+            "through an int32 counter per (query block, head); each CTA walks the query blocks from the last "
+            "down, every head of the group at each, so its turns come one add after its predecessor's"
+        )
+    else:
+        lines.append("  dQ order        as the reduce-adds land (deterministic=True fixes it)")
     layout = backward_smem_layout(cfg, dtype)
     table = layout.table()
     width = max(len(item.name) for item in table)

@@ -15,6 +15,13 @@ dV accumulate in registers and are stored once (the group's sum, no atomics). Wa
 - producer warp 1 (dQ writer): adds each consumer warpgroup's staged dQ into the fp32 dQ
   accumulator in global memory with a TMA reduce-add (other CTAs add theirs: the sum's
   order is not fixed), and hands the staging buffer back once the reduce-add has read it.
+  ``deterministic``: the key blocks add into each query block in ascending order, taking turns
+  through a counter per (query block, head) (:mod:`epicute.sm90.turns`). Every CTA then walks
+  its query blocks from the last one down, each for every query head of the group: all CTAs of
+  a group start at the same query block, where key block n waits for n adds, then each follows
+  its predecessor one add behind. (Walking up, a causal CTA would idle at its diagonal until the
+  first key block's CTA got there.) A CTA waits only for CTAs launched before it, so a grid
+  larger than the GPU cannot deadlock.
 - consumers (2 warpgroups, 64 keys each). Per step: S^T = K Q^T and dP^T = V dO^T (WGMMA from
   shared memory, keys as M so each warpgroup's rows are its own keys); P^T = exp2(S^T *
   scale * log2 e - LSE * log2 e) with the ragged-key and causal masks; dS^T = P^T (dP^T - D).
@@ -68,6 +75,7 @@ from epicute.sm90.fragments import (
     warpgroup_slice,
 )
 from epicute.sm90.pipeline import NamedBarriers, RingState, make_tma_load_pipeline, wait_full
+from epicute.sm90.turns import pass_turn, wait_turn
 from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
 LOG2_E = math.log2(math.e)
@@ -78,10 +86,11 @@ class AttentionBackwardSm90:
 
     def __init__(
         self, cfg: BackwardConfig, dtype: str, causal: bool, score_mod: ScoreModFusion | None = None,
-        varlen: bool = False,
+        varlen: bool = False, deterministic: bool = False,
     ):  # fmt: skip
         cfg.validate()
         self.varlen = varlen
+        self.deterministic = deterministic
         self.cfg = cfg
         self.dtype = DSL_DTYPES[dtype]
         self.causal = causal
@@ -117,6 +126,7 @@ class AttentionBackwardSm90:
         score_tensors: tuple,
         score_scalars: tuple,
         varlen: tuple,
+        dq_turns: tuple,
         stream,
     ):
         """Tensors ``(batch, seqlen, heads, head_dim)``; ``mLSE_bhs`` (LSE in log2 units) and
@@ -124,7 +134,8 @@ class AttentionBackwardSm90:
         accumulator (zeroed; gets ``dS K``, unscaled); dK and dV in the input dtype; the score_mod's
         per-head vectors and scalars as the forward takes them. ``varlen``: ``()``, or
         ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_k)`` with every tensor packed (batch extent 1, LSE
-        and D padded by a query block past the last row)."""
+        and D padded by a query block past the last row). ``dq_turns``: ``()``, or (deterministic) the
+        zeroed int32 turn counters ``(batch, heads_q, LSE's rows / tile_m)``, one per query block."""
         cfg = self.cfg
         d = cfg.head_dim
         # (seqlen, dim, heads, batch): TMA boxes are (rows, dim).
@@ -132,6 +143,8 @@ class AttentionBackwardSm90:
             select_modes(t, [1, 3, 2, 0]) for t in (mQ_bshd, mK_bshd, mV_bshd, mdO_bshd, mdQ_bshd, mdK_bshd, mdV_bshd)
         )
         mLSE, mD = select_modes(mLSE_bhs, [2, 1, 0]), select_modes(mD_bhs, [2, 1, 0])  # (seqlen_q, heads, batch)
+        if cutlass.const_expr(self.deterministic):
+            dq_turns = (select_modes(dq_turns[0], [2, 1, 0]),)  # (query blocks, heads, batch)
 
         # S^T = K Q^T and dP^T = V dO^T: keys as M, one 64-key atom per warpgroup.
         tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
@@ -192,7 +205,7 @@ class AttentionBackwardSm90:
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
             tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, tma_lse, tma_mLSE, tma_dsum, tma_mD, sQ_layout,
             sK_layout, sV_layout, sdS_layout, sdQ_layout, sdQ_wg_layout, sStat_layout, group, softmax_scale,
-            score_tensors, score_scalars, varlen,
+            score_tensors, score_scalars, varlen, dq_turns,
         ).launch(
             grid=(n_blocks, cute.size(mK, mode=[2]), batches),
             block=[cfg.num_threads, 1, 1],
@@ -237,6 +250,7 @@ class AttentionBackwardSm90:
         score_tensors: tuple,
         score_scalars: tuple,
         varlen: tuple,
+        dq_turns: tuple,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -299,7 +313,7 @@ class AttentionBackwardSm90:
                         m_count,
                     )  # fmt: skip
                 if warp_idx == self.dq_warp:
-                    self._write_dq(tma_dq, mdQ, sdQ_wg, kv_head, seq, group, m_first, m_count)
+                    self._write_dq(tma_dq, mdQ, sdQ_wg, (n_block, kv_head), seq, group, m_first, m_count, dq_turns)
             else:
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
                 self._consume(
@@ -318,6 +332,14 @@ class AttentionBackwardSm90:
             # Query q sees key j when j <= q + seqlen_k - seqlen_q.
             m_first = cutlass.min(cutlass.max(n_block * cfg.tile_n - seqlen_k + seqlen_q, 0) // cfg.tile_m, m_end)
         return m_first, m_end - m_first
+
+    def _step_block(self, step, kv_head, group, m_first, m_count):
+        """(query head, query block) of a CTA's step: every query block of the group's first head, then
+        of the next; deterministic, the query blocks from the last down, each for every head (module
+        docstring)."""
+        if cutlass.const_expr(self.deterministic):
+            return kv_head * group + step % group, m_first + m_count - 1 - step // group
+        return kv_head * group + step // m_count, m_first + step % m_count
 
     @cute.jit
     def _load(self, q, do, k, v, lse, dsum, kv_pipe, qdo_pipe, tile, seq, group, m_first, m_count):
@@ -338,8 +360,7 @@ class AttentionBackwardSm90:
 
         state = RingState.producer(cfg.stages)
         for step in cutlass.range(group * m_count, unroll=1):
-            head = kv_head * group + step // m_count
-            m_block = m_first + step % m_count
+            head, m_block = self._step_block(step, kv_head, group, m_first, m_count)
             qdo_pipe.producer_acquire(state)
             full = qdo_pipe.producer_get_barrier(state)
             for tma, m_rows, s_rows in (q, do):
@@ -357,19 +378,26 @@ class AttentionBackwardSm90:
             state.advance()
 
     @cute.jit
-    def _write_dq(self, tma_dq, mdQ, sdQ_wg, kv_head, seq, group, m_first, m_count):
+    def _write_dq(self, tma_dq, mdQ, sdQ_wg, tile, seq, group, m_first, m_count, dq_turns):
         """Producer warp 1: per step, once consumer warpgroup ``w`` has staged its dQ columns
         (``DQ_FULL``), reduce-add them into the fp32 accumulator; once the previous step's
-        reduce-add has read a buffer, hand it back (``DQ_EMPTY``)."""
+        reduce-add has read a buffer, hand it back (``DQ_EMPTY``). Deterministic: the step's adds
+        wait for the key block's turn at the query block (the key blocks before it have added theirs)
+        and pass it on once they are complete."""
         one = cute.make_layout(1)
         pair = THREADS_PER_WARPGROUP + 32  # a consumer warpgroup and this warp
+        n_block, kv_head = tile
+        lane = cute.arch.lane_idx()
         for step in cutlass.range(group * m_count, unroll=1):
-            head = kv_head * group + step // m_count
-            m_block = m_first + step % m_count
+            head, m_block = self._step_block(step, kv_head, group, m_first, m_count)
             for w in cutlass.range_constexpr(self.num_wg):
-                # Buffer w was the (num_wg - w)-th last reduce-add committed.
+                # Buffer w was the (num_wg - w)-th last reduce-add committed (deterministic: all complete).
                 cute.arch.cp_async_bulk_wait_group(self.num_wg - 1 - w, read=True)
                 cute.arch.barrier_arrive(barrier_id=int(NamedBarriers.DQ_EMPTY_WG1) + w, number_of_threads=pair)
+            counter = None
+            if cutlass.const_expr(self.deterministic):
+                counter = cute.domain_offset((m_block,), self._stat_rows(dq_turns[0], head, seq, blocks=True)).iterator
+                wait_turn(counter, n_block, lane)
             for w in cutlass.range_constexpr(self.num_wg):
                 cute.arch.barrier(barrier_id=int(NamedBarriers.DQ_FULL_WG1) + w, number_of_threads=pair)
                 part = (m_block * self.num_wg + w, 0) if self.dq_split_rows else (m_block, w)
@@ -379,6 +407,9 @@ class AttentionBackwardSm90:
                 )
                 cute.copy(tma_dq, dq_smem, dq_gmem)
                 cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are complete, not just read
+                pass_turn(counter, lane)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     def _rows(self, t: cute.Tensor, head, seq: tuple, side: int) -> cute.Tensor:
@@ -388,11 +419,12 @@ class AttentionBackwardSm90:
             return cute.domain_offset((seq[side], 0), t[None, None, head, 0])
         return t[None, None, head, seq[2]]
 
-    def _stat_rows(self, t: cute.Tensor, head, seq: tuple) -> cute.Tensor:
+    def _stat_rows(self, t: cute.Tensor, head, seq: tuple, blocks: bool = False) -> cute.Tensor:
         """One head's query rows of a ``(rows, heads, batch)`` LSE or D tensor for the CTA's sequence
-        (packed: from the sequence's block-aligned start, ``seq[3]``)."""
+        (packed: from the sequence's block-aligned start, ``seq[3]``); ``blocks``: of a tensor with one
+        entry per query block (the dQ turn counters)."""
         if cutlass.const_expr(self.varlen):
-            return cute.domain_offset((seq[3],), t[None, head, 0])
+            return cute.domain_offset((seq[3] // self.cfg.tile_m if blocks else seq[3],), t[None, head, 0])
         return t[None, head, seq[2]]
 
     # ------------------------------------------------------------ consumers
@@ -503,8 +535,7 @@ class AttentionBackwardSm90:
         wait_full(kv_pipe, RingState.consumer(1))
         read = RingState.consumer(cfg.stages)
         for step in cutlass.range(group * m_count, unroll=1):
-            head = kv_head * group + step // m_count
-            m_block = m_first + step % m_count
+            head, m_block = self._step_block(step, kv_head, group, m_first, m_count)
             wait_full(qdo_pipe, read)
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             acc_dP = cute.make_rmem_tensor(s_shape, Float32)

@@ -213,9 +213,10 @@ class PreparedAttention:
             p.varlen,
         )  # fmt: skip
 
-    def backward_variant(self):
-        """The backward kernel of this call (:mod:`epicute.attention.backward`); raises
-        :class:`~epicute.errors.ConfigError` naming what the backward does not cover."""
+    def backward_variant(self, deterministic: bool = False):
+        """The backward kernel of this call (:mod:`epicute.attention.backward`), adding dQ's parts in a fixed
+        order if ``deterministic``; raises :class:`~epicute.errors.ConfigError` naming what the backward
+        does not cover."""
         from epicute.attention.backward import BackwardVariant
         from epicute.attention.backward_plan import BACKWARD_HEAD_DIMS, backward_config
 
@@ -232,7 +233,7 @@ class PreparedAttention:
                 raise ConfigError(f"attention backward: {why}; or call under torch.no_grad() (inference)")
         return BackwardVariant(
             backward_config(p.head_dim), p.dtype, p.causal, None if self.score is None else self.score.fusion,
-            self.plan.target.arch, p.varlen,
+            self.plan.target.arch, p.varlen, deterministic,
         )  # fmt: skip
 
 

@@ -4,9 +4,10 @@
 runs :func:`epicute.attention`: ``score_mod`` and ``epilogue`` are registry keys (``""`` for
 none; a score_mod is registered with its indices traced as index leaves,
 :func:`~epicute.runtime.torch_ops.register_score_mod`), the hooks' operands travel by name in
-``spec`` together with ``causal``, ``softmax_scale`` and ``config``. LSE is always computed (the
-kernel writes it anyway); :func:`epicute.attention` drops it unless ``return_lse=True``. O is
-contiguous in q's dtype, LSE fp32 ``(batch, heads_q, seqlen_q)``, whatever the hooks are.
+``spec`` together with ``causal``, ``softmax_scale``, ``deterministic`` (the backward's) and
+``config``. LSE is always computed (the kernel writes it anyway); :func:`epicute.attention` drops
+it unless ``return_lse=True``. O is contiguous in q's dtype, LSE fp32 ``(batch, heads_q,
+seqlen_q)``, whatever the hooks are.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def attention_backward_op(
     )  # fmt: skip
     score = prepared.score
     score_operands = score.kernel_operands(q.device) if score else ((), ())
-    return attention_backward(call, o, lse, _tma_ready(do), prepared.backward_variant(), score_operands, dlse)
+    variant = prepared.backward_variant(spec.get("deterministic", False))
+    return attention_backward(call, o, lse, _tma_ready(do), variant, score_operands, dlse)
 
 
 @attention_backward_op.register_fake
@@ -208,6 +210,7 @@ def attention_op_call(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`epicute.attention` while ``torch.compile`` traces it: one ``epicute::attention`` op.
 
@@ -224,6 +227,8 @@ def attention_op_call(
             raise EpilogueError(refusal)
     tensor_names, tensors, scalar_names, scalars, pins = split_operands(operands)
     extra = (("causal", bool(causal)), ("softmax_scale", None if softmax_scale is None else float(softmax_scale)))
+    if deterministic:
+        extra += (("deterministic", True),)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         if max_seqlen_q is None or max_seqlen_k is None:
             raise ConfigError("under torch.compile, cu_seqlens need max_seqlen_q and max_seqlen_k (ints): the "

@@ -537,7 +537,7 @@ def explain(
         >>> a = torch.empty(8192, 8192, dtype=torch.bfloat16, device="meta")
         >>> plan = epicute.explain(a, a, file=None)
         >>> plan.config.tile_m, plan.config.tile_n
-        (128, 256)
+        (128, 192)
         >>> bias = torch.empty(8192, dtype=torch.bfloat16, device="meta")
         >>> plan = epicute.explain(a, a, epilogue=lambda acc, bias, residual: epicute.ops.gelu(acc + bias) + residual,
         ...                        bias=epicute.RowVector(bias), residual=a, file=None)

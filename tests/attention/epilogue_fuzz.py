@@ -10,10 +10,13 @@ bitwise-equal reductions across two runs.
 
 **O is exact.** The GEMM fuzzer's premise is an accumulator both sides compute
 bit for bit alike. Here each query sees one key (``seqlen_k = 1``) or, causally
-aligned bottom-right, none: its softmax weight is exactly 1 (``exp2(0)``) or its
-row is empty, so O is the key's V row or 0, exactly, on both sides, whatever q
-and k hold. What the fuzzer tests is the epilogue; attention's own math has its
-tests (tests/attention/test_attention_gpu.py).
+aligned bottom-right, none, and q is zero: its one score is exactly 0, its
+softmax weight exactly 1 (``exp2(0)``) or its row is empty, so O is the key's V
+row or 0, exactly, on both sides. (With random q, the weight ``exp2(s * c - m * c)``
+need not be exactly 1 when one side fuses a multiply into an fma: a d256 case's fp8
+cast of O then flipped at a rounding midpoint, and a ``col_amax`` of it moved.)
+What the fuzzer tests is the epilogue; attention's own math has its tests
+(tests/attention/test_attention_gpu.py).
 
 ``python -m tests.attention.epilogue_fuzz PROGRAM_SEED CASE_SEED`` reruns a case.
 """
@@ -70,7 +73,7 @@ def make_inputs(program: Program, shape: Shape, case_seed: int, device: str):
     def values(*dims, dtype):
         return torch.randn(dims, generator=gen).clamp(-3.0, 3.0).to(device=device, dtype=dtype)
 
-    q = values(b, sq, hq, d, dtype=dtype)
+    q = torch.zeros(b, sq, hq, d, dtype=dtype, device=device)
     k = values(b, 1, hkv, d, dtype=dtype)
     # O is V's row: |O| <= 1 < LEAF_BOUND, as the generator assumes of acc.
     v = (torch.rand(b, 1, hkv, d, generator=gen) * 2 - 1).to(device=device, dtype=dtype)

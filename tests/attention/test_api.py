@@ -135,6 +135,10 @@ def test_explain_shows_the_backward_kernel_autograd_runs(capsys):
     ).backward_variant()
     total = backward_smem_layout(variant.config, "bf16").total_bytes
     assert f"total               {total} B" in backward and "warp 1 reduce-adds dQ" in backward
+    assert "dQ order        as the reduce-adds land" in backward
+    epicute.explain_attention(q, kv, kv, causal=True, deterministic=True)
+    backward = capsys.readouterr().out.split("backward (training")[1]
+    assert "deterministic: the key blocks take turns adding into each query block, first to last" in backward
     q256 = torch.empty(1, 64, 2, 256, dtype=torch.bfloat16, device="meta")
     epicute.explain_attention(q256, q256, q256)
     assert "not available: attention backward: head_dim=256" in capsys.readouterr().out

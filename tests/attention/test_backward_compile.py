@@ -40,6 +40,13 @@ def test_score_mod_backward_and_fp16_compile():
     compile_backward(BackwardVariant(backward_config(64), "fp16", False))
 
 
+@pytest.mark.parametrize("d,causal,varlen", [(128, True, False), (64, False, True)])
+def test_deterministic_variants_compile_without_spills(d, causal, varlen, ptxas_report):
+    compile_backward(BackwardVariant(backward_config(d), "bf16", causal, varlen=varlen, deterministic=True))
+    spills, injected_fences = ptxas_report()
+    assert spills == [0] and injected_fences == []
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_smem_fits(d):
     assert backward_smem_layout(backward_config(d)).total_bytes <= SMEM_LIMIT
@@ -58,6 +65,8 @@ def test_prepare_plans_the_backward_or_says_why_not():
     variant = prepare(meta_call(hq=8, hkv=2, causal=True)).backward_variant()
     assert variant.causal and variant.config.head_dim == 128
     assert variant.key() != prepare(meta_call(hq=8, hkv=2)).backward_variant().key()
+    deterministic = prepare(meta_call(hq=8, hkv=2, causal=True)).backward_variant(deterministic=True)
+    assert deterministic.deterministic and deterministic.key() != variant.key()
     with pytest.raises(ConfigError, match="head_dim=256"):
         prepare(meta_call(d=256)).backward_variant()
     with pytest.raises(ConfigError, match="epilogue"):

@@ -5,8 +5,9 @@ with torch's autograd through :func:`reference_attention` on float32 copies of t
 (the same math: masks, score_mod, causal alignment), relative error <= 1e-2 per gradient. Odd
 lengths (1, 17, 1000, 4097), seqlen_q != seqlen_k both ways, MHA / GQA / MQA, causal, head_dim
 64 and 128, bf16 and fp16, score_mods (softcap, ALiBi, a masked softcap), LSE's own gradient,
-``torch.compile(fullgraph=True)``. dK and dV are NaN-poisoned through the backward's buffer seam,
-so an element the kernel never writes fails.
+``torch.compile(fullgraph=True)``, the deterministic mode (bitwise-equal gradients across runs).
+dK and dV are NaN-poisoned through the backward's buffer seam, so an element the kernel never
+writes fails.
 """
 
 from __future__ import annotations
@@ -58,9 +59,12 @@ def reference_grads(q, k, v, do, causal=False, score_mod=None, dlse=None, **oper
     return torch.autograd.grad(outputs, (q32, k32, v32), grads)
 
 
-def check(q, k, v, causal=False, score_mod=None, compiled=False, with_lse=False, **operands):
+def check(q, k, v, causal=False, score_mod=None, compiled=False, with_lse=False, deterministic=False, **operands):
+    """Gradients through epicute against the float32 reference; returns them."""
+
     def forward(q, k, v):
-        return epicute.attention(q, k, v, causal=causal, score_mod=score_mod, return_lse=with_lse, **operands)
+        return epicute.attention(q, k, v, causal=causal, score_mod=score_mod, return_lse=with_lse,
+                                 deterministic=deterministic, **operands)  # fmt: skip
 
     fn = torch.compile(forward, fullgraph=True) if compiled else forward
     result = fn(q, k, v)
@@ -77,6 +81,7 @@ def check(q, k, v, causal=False, score_mod=None, compiled=False, with_lse=False,
         assert g.dtype == q.dtype and g.shape == r.shape
         err = rel_err(g, r)
         assert err <= TOL, f"{name} rel err {err:.2e} for {what}"
+    return got
 
 
 LENGTHS = [(1, 17), (17, 17), (1000, 1000), (4097, 4097), (17, 1000), (1000, 17), (129, 4097)]
@@ -116,6 +121,28 @@ def test_score_mod_gradients_are_derived():
     slopes = torch.rand(4, device="cuda") * 0.1
     check(q, k, v, causal=False, score_mod=alibi, slopes=slopes)
     check(*leaves(1, 777, 1000, 4, 4, 64), causal=True, score_mod=local_softcap, cap=20.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,hq,hkv,sq,sk", [(128, 4, 2, 4097, 1000), (64, 2, 2, 1000, 4097), (128, 2, 1, 300, 17)])
+def test_deterministic_gradients_are_reproducible_bit_for_bit(d, hq, hkv, sq, sk, causal):
+    # Many key blocks add into each query block's dQ: in deterministic mode always in the same order.
+    q, k, v = leaves(2, sq, sk, hq, hkv, d)
+    do = torch.randn_like(q)
+
+    def grads():
+        return torch.autograd.grad(epicute.attention(q, k, v, causal=causal, deterministic=True), (q, k, v), do)
+
+    first = grads()
+    for _ in range(3):
+        for name, a, b in zip(("dq", "dk", "dv"), first, grads()):
+            assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+    for name, g, r in zip(("dq", "dk", "dv"), first, reference_grads(q, k, v, do, causal)):
+        assert rel_err(g, r) <= TOL, f"{name} rel err {rel_err(g, r):.2e}"
+
+
+def test_deterministic_mode_trains_under_torch_compile():
+    check(*leaves(2, 1000, 1000, 4, 2, 128), causal=True, compiled=True, deterministic=True)
 
 
 def test_lse_gradient_flows():

@@ -107,9 +107,12 @@ def test_fp16():
     check_forward(*packed([1000, 33], [17, 2000], 4, 4, 128, dtype=torch.float16), causal=True)
 
 
-def check_backward(q, k, v, varlen, causal=False, score_mod=None, compiled=False, **operands):
+def check_backward(q, k, v, varlen, causal=False, score_mod=None, compiled=False, deterministic=False, **operands):
+    """Gradients through epicute against the float32 reference; returns them."""
+
     def forward(q, k, v):
-        return epicute.attention(q, k, v, causal=causal, score_mod=score_mod, **varlen, **operands)
+        return epicute.attention(q, k, v, causal=causal, score_mod=score_mod, deterministic=deterministic,
+                                 **varlen, **operands)  # fmt: skip
 
     fn = torch.compile(forward, fullgraph=True) if compiled else forward
     o = fn(q, k, v)
@@ -122,6 +125,7 @@ def check_backward(q, k, v, varlen, causal=False, score_mod=None, compiled=False
         assert g.dtype == q.dtype and g.shape == r.shape
         err = rel_err(g, r)
         assert err <= TOL, f"{name} rel err {err:.2e} for {what}"
+    return got
 
 
 @pytest.mark.parametrize("d", (64, 128))
@@ -129,6 +133,22 @@ def check_backward(q, k, v, varlen, causal=False, score_mod=None, compiled=False
 @pytest.mark.parametrize("lengths", BATCHES, ids=("one", "mixed", "empty", "unequal"))
 def test_backward_matches_reference(lengths, causal, d):
     check_backward(*packed(*lengths, 8, 2, d, requires_grad=True), causal=causal)
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_deterministic_backward_is_reproducible_bit_for_bit(causal):
+    q, k, v, varlen = packed([1000, 1, 129, 4097], [1000, 17, 128, 4097], 8, 2, 64, requires_grad=True)
+    check_backward(q, k, v, varlen, causal=causal, deterministic=True)
+    do = torch.randn_like(q)
+
+    def grads():
+        o = epicute.attention(q, k, v, causal=causal, deterministic=True, **varlen)
+        return torch.autograd.grad(o, (q, k, v), do)
+
+    first = grads()
+    for _ in range(3):
+        for name, a, b in zip(("dq", "dk", "dv"), first, grads()):
+            assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
 
 def test_backward_score_mod_and_torch_compile():
