@@ -9,8 +9,8 @@ figure, the unit in the case name's suffix (_s, _ms, _us, or a count):
 - disk_load_ms: a fresh process loading that variant from the disk cache (median of 3 processes);
   fresh_process_first_call_ms: that process's whole first call (load + launch, imports excluded).
 - host_overhead_us: host time per cached call on a tiny problem, launches queued without a sync
-  (peer: torch.matmul, timed in turns with it); host_overhead_epilogue_us with a bias+relu epilogue;
-  host_overhead_prepared_us and host_overhead_prepared_epilogue_us the same calls through
+  (peer: torch.matmul, timed in turns with it, on each CPU in turn); host_overhead_epilogue_us with a
+  bias+relu epilogue; host_overhead_prepared_us and host_overhead_prepared_epilogue_us the same calls through
   epicute.prepare_gemm's object;
   kernel_time_us: the GPU time of the same call by CUDA events, to show which side bounds a tiny call.
 - recompiles_in_size_sweep: kernels fetched beyond the distinct variants the planner picks over 8 sizes (target 0);
@@ -123,23 +123,32 @@ def disk_load(directory: str) -> tuple[float, float]:
     return statistics.median(loads), statistics.median(firsts)
 
 
-def host_us(fns: dict, calls: int = 200, reps: int = 30) -> dict[str, float]:
+def host_us(fns: dict, calls: int = 200, reps: int = 32) -> dict[str, float]:
     """Best-of-reps host time per call of each of ``fns``, launches queued (no sync inside a rep). The
-    contenders take turns rep by rep, in alternating orders: the device's host speeds up and slows down
-    over a run by tens of percent (bench/NOTES.md), which moves them alike this way."""
+    contenders take turns rep by rep, in alternating orders, two reps on each of the process's CPUs in turn:
+    the device's host is a VM whose vCPUs run tens of percent slower while other guests load them, which
+    ones changing within a minute (torch.matmul 12-18 us from one vCPU to the next in one process,
+    bench/NOTES.md), so each figure is its best on the same CPUs over the same seconds as its peers'."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
     for fn in fns.values():
         fn()
     torch.cuda.synchronize()
     best = dict.fromkeys(fns, float("inf"))
     names = list(fns)
-    for rep in range(reps):
-        for name in names if rep % 2 == 0 else names[::-1]:
-            fn = fns[name]
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / calls)
-            torch.cuda.synchronize()
+    try:
+        for rep in range(max(reps, 2 * len(cpus))):
+            if cpus:
+                os.sched_setaffinity(0, {cpus[rep // 2 % len(cpus)]})
+            for name in names if rep % 2 == 0 else names[::-1]:
+                fn = fns[name]
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best[name] = min(best[name], (time.perf_counter() - start) / calls)
+                torch.cuda.synchronize()
+    finally:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
     return {name: round(seconds * 1e6, 2) for name, seconds in best.items()}
 
 

@@ -132,7 +132,7 @@ def gemm(
             and type(b) in PLAIN_TENSORS
         ):  # fmt: skip
             # A plain call (the same test as _fast_call's), keyed by no more than its prepared call checks: the
-            # cached path's whole cost is this key, one torch.empty and the launch (bench/NOTES.md, issue 23).
+            # cached path's whole cost is this key, D's allocation and the launch (bench/NOTES.md, issue 23).
             key = (a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype, b.get_device(),
                    out_dtype)  # fmt: skip
             repeat = _PREPARED_CALLS.get(key)
@@ -198,7 +198,7 @@ def prepare_gemm(
     here), and numbers where numbers were, whose values may change. It checks only that, raising
     :class:`~epicute.errors.SignatureError` naming the argument on a mismatch, before any launch;
     then it launches the recorded kernel: no tracing, planning or validation. A plain GEMM's call
-    hands the kernel the caller's tensors as they are, with one ``torch.empty`` for D. ``gemm``
+    hands the kernel the caller's tensors as they are, with one allocation for D. ``gemm``
     itself repeats calls through the same objects, one per signature, and finds this one too.
 
     A prepared call captures in a CUDA graph like any launch (D of a captured call comes from the

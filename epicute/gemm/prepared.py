@@ -13,7 +13,7 @@ planning or validation. ``epicute.gemm`` keeps one per signature it has met
 A plain GEMM whose A and B reach the kernel as the caller gave them (2-D ones through the kernel
 compiled for one batch, or 3-D ones) is launched *directly* (:class:`_DirectGemmCall`): it compares
 A's and B's shapes, strides, dtypes and devices with the prepared ones, checks their alignment,
-allocates D with one ``torch.empty`` and calls the kernel's TVM-FFI function: one torch object per
+allocates D with one ``a.new_empty`` and calls the kernel's TVM-FFI function: one torch object per
 call, where a replay makes several and each costs microseconds of host time (bench/NOTES.md, "A
 prepared GEMM call").
 
@@ -207,21 +207,21 @@ class _DirectGemmCall(PreparedGemmCall):
     as few Python and torch operations as it takes (see the module docstring; each one below was timed on
     the device's host, bench/NOTES.md)."""
 
-    __slots__ = ("_a_dtype", "_a_shape", "_a_stride", "_b_dtype", "_b_shape", "_b_stride", "_d_device", "_d_dtype",
-                 "_d_shape", "_index", "_split_plan", "_tail")  # fmt: skip
+    __slots__ = ("_d_dtype", "_d_shape", "_signature", "_split_plan", "_tail")
 
     def __init__(self, parts, names, outs_names, launch, steps, scalar_sources, aliases):  # fmt: skip
         super().__init__(parts, names, outs_names, launch, steps, scalar_sources, aliases)
-        self._a_shape, self._a_stride, self._a_dtype, device, _ = parts[0]
-        self._b_shape, self._b_stride, self._b_dtype, _, _ = parts[1]
-        cuda = device.type == "cuda"
-        self._index = device.index if cuda else -1  # as Tensor.get_device() says it
-        # D's sizes, dtype and device where it is allocated per call (sizes None: the caller's ``out``), the
-        # device by index and the sizes passed one by one: torch.empty parses both faster than a device object
-        # or a tuple (1.5 us less per call on the device's host).
-        self._d_shape = self._d_dtype = self._d_device = None
+        (a_shape, a_stride, a_dtype, device, _), (b_shape, b_stride, b_dtype, _, _) = parts[0], parts[1]
+        index = device.index if device.type == "cuda" else -1  # as Tensor.get_device() says it
+        # What a call's A and B must show, in the order __call__ builds its tuple: one comparison in C.
+        self._signature = (a_shape, b_shape, a_stride, b_stride, a_dtype, b_dtype, index, index)
+        # D's sizes where it is allocated per call (None: the caller's ``out``) and its dtype where it is not A's:
+        # ``a.new_empty(*sizes)`` takes D's device (and dtype) from A, the cheapest allocation torch's Python
+        # API has (bench/NOTES.md, "Host overhead").
+        self._d_shape = self._d_dtype = None
         if steps[2][0] == _FRESH:
-            _, self._d_shape, self._d_dtype, self._d_device = steps[2]
+            _, self._d_shape, d_dtype, _ = steps[2]
+            self._d_dtype = None if d_dtype == a_dtype else d_dtype
         plan = launch.plan
         self._split_plan = plan if plan.config.split_k > 1 else None
         # The launch's constant arguments, the empty tuples converted to TVM-FFI arrays once (a tuple is
@@ -232,10 +232,8 @@ class _DirectGemmCall(PreparedGemmCall):
     def __call__(self, a, b, *, out=None, **others):
         try:
             if (
-                a.shape == self._a_shape and b.shape == self._b_shape and a.stride() == self._a_stride
-                and b.stride() == self._b_stride and a.dtype == self._a_dtype and b.dtype == self._b_dtype
-                and a.get_device() == self._index and b.get_device() == self._index
-                and not (a.data_ptr() | b.data_ptr()) % TMA_ALIGN_BYTES and not others
+                (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.get_device(), b.get_device())
+                == self._signature and not (a.data_ptr() | b.data_ptr()) % TMA_ALIGN_BYTES and not others
             ):  # fmt: skip
                 if out is None and self._d_shape is not None:
                     return self.plain(a, b)
@@ -247,7 +245,7 @@ class _DirectGemmCall(PreparedGemmCall):
         return PreparedGemmCall.__call__(self, a, b, out=out, **others)  # raises, naming what differs
 
     def plain(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        d = torch.empty(*self._d_shape, dtype=self._d_dtype, device=self._d_device)
+        d = a.new_empty(*self._d_shape) if self._d_dtype is None else a.new_empty(*self._d_shape, dtype=self._d_dtype)
         tail = self._tail
         if tail is None:
             return self._launch_into(a, b, d)

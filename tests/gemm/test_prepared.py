@@ -154,6 +154,21 @@ def test_a_new_signature_takes_the_whole_path(kernel):
     assert len(api_module._PREPARED_CALLS) == 4
 
 
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_a_plain_repeat_call_allocates_d_as_the_whole_path_does(kernel, monkeypatch, out_dtype):
+    """The direct path allocates D from A (``a.new_empty``): out_dtype's dtype where it is not A's, never A's
+    tensor type (a Parameter A gives a plain D)."""
+    b = rand(N, K).t()
+    want = epicute.gemm(rand(M, K), b, out_dtype=out_dtype)
+    monkeypatch.setattr(api_module, "describe_call", None)  # the whole path would fail from here on
+    a = torch.nn.Parameter(rand(M, K, offset=8), requires_grad=False)
+    got = epicute.gemm(a, b, out_dtype=out_dtype)
+    (recorded,) = api_module._PREPARED_CALLS.values()
+    assert type(recorded).__name__ == "_DirectGemmCall" and kernel.calls[-1][0][2] is got
+    assert type(got) is torch.Tensor and (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    assert got.dtype == (out_dtype or torch.bfloat16) and got.device == a.device and not got.requires_grad
+
+
 def test_a_lambda_written_in_the_call_is_traced_once(kernel, monkeypatch):
     traced = []
     real_prepare = api_module.prepare
