@@ -2,18 +2,19 @@
 
 :func:`attention_backward` takes the forward's inputs, O, LSE and dO and returns dQ, dK, dV:
 
-1. preprocess (torch, on the GPU): ``D = rowsum(dO * O)`` in fp32 and LSE in log2 units, both
-   padded to whole query blocks (packed sequences: each one's rows from a block boundary, see
-   :func:`stat_rows_start`), with LSE = +inf on the padding and on rows the forward saw no key of
-   (their P is then exactly 0, as their O was);
-2. the kernel (:mod:`epicute.attention.backward_sm90`): dK and dV stored in the input dtype,
-   dQ added into a zeroed fp32 accumulator (``deterministic``: in a fixed order, through zeroed
-   turn counters, one per query block and head);
-3. ``dQ = accumulator * softmax_scale`` cast to the input dtype.
+1. the preprocess kernel (:mod:`epicute.attention.backward_prep_sm90`): ``D = rowsum(dO * O)`` in
+   fp32 and LSE in log2 units, both padded to whole query blocks (packed sequences: each one's rows
+   from a block boundary, see :func:`stat_rows_start`), with LSE = +inf on the padding and on rows
+   the forward saw no key of (their P is then exactly 0, as their O was), and dQ's fp32
+   accumulator zeroed (:func:`preprocess_reference` is the same math in torch);
+2. the main kernel (:mod:`epicute.attention.backward_sm90`): dK and dV stored in the input dtype,
+   dQ added into the accumulator (``deterministic``: in a fixed order, through zeroed turn
+   counters, one per query block and head);
+3. ``dQ = accumulator * softmax_scale`` cast to the input dtype (one torch pass).
 
-A :class:`BackwardVariant` is what changes the generated code (config, dtype, causal); it
-compiles against fake tensors with symbolic sizes, like the forward, so CI compiles every
-variant without a GPU.
+A :class:`BackwardVariant` (config, dtype, causal...) and a :class:`PreprocessVariant` are what
+change the generated code; they compile against fake tensors with symbolic sizes, like the
+forward, so CI compiles every variant without a GPU.
 """
 
 from __future__ import annotations
@@ -116,7 +117,77 @@ def compile_backward(variant: BackwardVariant):
 BACKWARD_CACHE = KernelFamily("attention_backward", {SM90A: compile_backward})
 
 
+@dataclass(frozen=True)
+class PreprocessVariant:
+    """The preprocess kernel's compile-time choices (see :mod:`epicute.attention.backward_prep_sm90`)."""
+
+    dtype: str
+    head_dim: int
+    #: the main kernel's query block: LSE and D are padded (packed: laid out) in blocks of it
+    tile_m: int
+    varlen: bool = False
+    #: LSE's gradient is subtracted from D
+    has_dlse: bool = False
+    arch: str = DEFAULT_ARCH
+
+    def key(self) -> CacheKey:
+        label = (f"attention backward preprocess d{self.head_dim} {self.dtype} x{self.tile_m}"
+                 + (" varlen" if self.varlen else "") + (" dlse" if self.has_dlse else ""))  # fmt: skip
+        parts = (self.dtype, self.head_dim, self.tile_m, self.varlen, self.has_dlse)
+        return CacheKey("attention_backward_preprocess", parts, self.arch, label)
+
+
+def compile_preprocess(variant: PreprocessVariant):
+    """Compile the preprocess for sm_90a; returns ``f(o, do, lse, lse_log2, d, dq_accum, dlse, varlen)``."""
+    import cutlass
+    from cutlass import cute
+
+    from epicute.attention.backward_prep_sm90 import BackwardPreprocessSm90
+    from epicute.attention.launch import _fake_bshd, _fake_elementwise
+    from epicute.sm90.epilogue_emit import DSL_DTYPES
+
+    dtype, d = DSL_DTYPES[variant.dtype], variant.head_dim
+    stats = tuple(_fake_elementwise(cutlass.Float32, 3) for _ in range(4))  # LSE, LSE log2, D, dLSE
+    varlen = (_fake_elementwise(cutlass.Int32, 1), cutlass.Int32(1)) if variant.varlen else ()
+    kernel = BackwardPreprocessSm90(d, variant.tile_m, variant.varlen, variant.has_dlse)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return dsl_compile(
+        variant, kernel, _fake_bshd(dtype, d), _fake_bshd(dtype, d), stats[0], stats[1], stats[2],
+        _fake_bshd(cutlass.Float32, d), stats[3:] if variant.has_dlse else (), varlen, stream,
+        constant_args=("dlse", "varlen"),
+    )  # fmt: skip
+
+
+PREPROCESS_CACHE = KernelFamily("attention_backward_preprocess", {SM90A: compile_preprocess})
+
+
 def preprocess(
+    o: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    dq_accum: torch.Tensor,
+    tile_m: int,
+    dlse: torch.Tensor | None = None,
+    packed: tuple = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The preprocess kernel: ``(LSE * log2 e, D)`` as :func:`preprocess_reference` returns them, and (dense)
+    ``dq_accum`` zeroed. ``packed``: ``(cu_seqlens_q, max_seqlen_q)`` for packed sequences (``dq_accum``
+    then comes zeroed)."""
+    heads, dtype = o.shape[-2], {torch.bfloat16: "bf16", torch.float16: "fp16"}[o.dtype]
+    if packed:
+        batch, total = packed[0].numel() - 1, o.shape[0]
+        shape = (1, heads, stat_rows_start(total, batch, tile_m))
+        o, do, lse, dq_accum = o[None], do[None], lse[None], dq_accum[None]
+        dlse = None if dlse is None else dlse[None]
+    else:
+        shape = (o.shape[0], heads, -(-o.shape[1] // tile_m) * tile_m)
+    lse_log2, dsum = (torch.empty(shape, dtype=torch.float32, device=o.device) for _ in range(2))
+    variant = PreprocessVariant(dtype, o.shape[-1], tile_m, bool(packed), dlse is not None)
+    PREPROCESS_CACHE.get(variant)(o, do, lse, lse_log2, dsum, dq_accum, () if dlse is None else (dlse,), packed)
+    return lse_log2, dsum
+
+
+def preprocess_reference(
     o: torch.Tensor,
     do: torch.Tensor,
     lse: torch.Tensor,
@@ -130,7 +201,7 @@ def preprocess(
     Packed (``o`` ``(total_q, heads, dim)``, ``lse`` ``(heads, total_q)``, ``cu_seqlens_q``): ``(1, heads, rows)``
     with sequence ``b``'s rows from :func:`stat_rows_start` on (no host sync)."""
     if o.dim() == 3:
-        lse_log2, dsum = preprocess(o[None], do[None], lse[None], 1, None if dlse is None else dlse[None])
+        lse_log2, dsum = preprocess_reference(o[None], do[None], lse[None], 1, None if dlse is None else dlse[None])
         total, batch = o.shape[0], cu_seqlens_q.numel() - 1
         rows = stat_rows_start(total, batch, tile_m)
         cu = cu_seqlens_q.long()
@@ -175,9 +246,11 @@ def attention_backward(
     as ``dS = P (dP - (D - dLSE))``."""
     q, k, v, p = call.q, call.k, call.v, call.problem
     dk, dv = new_grad(k.shape, k.dtype, k.device), new_grad(v.shape, v.dtype, v.device)
-    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    # Packed: zeroed here, rows outside every sequence included; dense: by the preprocess.
+    dq_accum = (torch.zeros if p.varlen else torch.empty)(q.shape, dtype=torch.float32, device=q.device)
     if q.numel() and k.numel():
-        lse_log2, dsum = preprocess(o, do, lse, variant.config.tile_m, dlse, call.cu_seqlens_q if p.varlen else None)
+        packed = (call.cu_seqlens_q, p.seqlen_q) if p.varlen else ()
+        lse_log2, dsum = preprocess(o, do, lse, dq_accum, variant.config.tile_m, dlse, packed)
         tensors, varlen = (q, k, v, do, dq_accum, dk, dv), ()
         if p.varlen:  # packed: one batch entry of every row
             tensors = tuple(t.unsqueeze(0) for t in tensors)
@@ -190,10 +263,22 @@ def attention_backward(
         BACKWARD_CACHE.get(variant)(
             q4, k4, v4, do4, lse_log2, dsum, dq4, dk4, dv4, call.softmax_scale, *score_operands, varlen, dq_turns
         )  # fmt: skip
-    elif k.numel():  # no queries: nothing flows back to the keys
+    else:  # no queries: nothing flows back to the keys; no keys: none to the queries
+        dq_accum.zero_()
         dk.zero_()
         dv.zero_()
-    return (dq_accum * call.softmax_scale).to(q.dtype), dk, dv
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return torch.mul(dq_accum, call.softmax_scale, out=dq), dk, dv  # scaled and cast in one pass
 
 
-__all__ = ["BACKWARD_CACHE", "BackwardVariant", "attention_backward", "compile_backward", "preprocess"]
+__all__ = [
+    "BACKWARD_CACHE",
+    "PREPROCESS_CACHE",
+    "BackwardVariant",
+    "PreprocessVariant",
+    "attention_backward",
+    "compile_backward",
+    "compile_preprocess",
+    "preprocess",
+    "preprocess_reference",
+]

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from epicute import ops
-from epicute.attention.backward import BackwardVariant, compile_backward, preprocess
+from epicute.attention.backward import (
+    BackwardVariant,
+    PreprocessVariant,
+    compile_backward,
+    compile_preprocess,
+    preprocess_reference,
+)
 from epicute.attention.backward_plan import BackwardConfig, backward_config, backward_smem_layout
 from epicute.attention.prepare import hooks_of, prepare
 from epicute.attention.validate import check_attention_args
@@ -47,6 +53,13 @@ def test_deterministic_variants_compile_without_spills(d, causal, varlen, ptxas_
     assert spills == [0] and injected_fences == []
 
 
+@pytest.mark.parametrize("d,tile_m,varlen,has_dlse", [(128, 64, False, False), (64, 128, True, True)])
+def test_preprocess_variants_compile_without_spills(d, tile_m, varlen, has_dlse, ptxas_report):
+    compile_preprocess(PreprocessVariant("bf16", d, tile_m, varlen, has_dlse))
+    spills, injected_fences = ptxas_report()
+    assert spills == [0] and injected_fences == []
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_smem_fits(d):
     assert backward_smem_layout(backward_config(d)).total_bytes <= SMEM_LIMIT
@@ -77,7 +90,7 @@ def test_preprocess_pads_lse_and_hides_rows_without_keys():
     o, do = torch.randn(2, 70, 3, 64), torch.randn(2, 70, 3, 64)
     lse = torch.randn(2, 3, 70)
     lse[0, 1, 5] = float("-inf")
-    lse_log2, dsum = preprocess(o, do, lse, 64)
+    lse_log2, dsum = preprocess_reference(o, do, lse, 64)
     assert lse_log2.shape == dsum.shape == (2, 3, 128)
     assert torch.isposinf(lse_log2[..., 70:]).all() and (dsum[..., 70:] == 0).all()
     assert torch.isposinf(lse_log2[0, 1, 5])

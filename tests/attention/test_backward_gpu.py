@@ -145,6 +145,29 @@ def test_deterministic_mode_trains_under_torch_compile():
     check(*leaves(2, 1000, 1000, 4, 2, 128), causal=True, compiled=True, deterministic=True)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_preprocess_kernel_matches_its_torch_reference(packed):
+    heads, d, tile_m = 3, 128, 64
+    if packed:
+        lengths = [10, 0, 130, 1, 77]
+        cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+        shape, lse_shape = (sum(lengths), heads, d), (heads, sum(lengths))
+    else:
+        shape, lse_shape = (2, 129, heads, d), (2, heads, 129)
+    o, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lse, dlse = (torch.randn(lse_shape, device="cuda") for _ in range(2))
+    lse.view(-1)[5] = float("-inf")  # a row that saw no key
+    dq_accum = torch.zeros(shape, device="cuda") if packed else nan_tensor(shape, device="cuda")
+    packing = (cu, max(lengths)) if packed else ()
+    lse_log2, dsum = rt_backward.preprocess(o, do, lse, dq_accum, tile_m, dlse, packing)
+    ref_lse, ref_d = rt_backward.preprocess_reference(o, do, lse, tile_m, dlse, cu if packed else None)
+    assert lse_log2.shape == ref_lse.shape and dsum.shape == ref_d.shape
+    assert torch.equal(torch.isposinf(lse_log2), torch.isposinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert rel_err(lse_log2[finite], ref_lse[finite]) <= 1e-6 and rel_err(dsum, ref_d) <= 1e-5
+    assert (dq_accum == 0).all()
+
+
 def test_lse_gradient_flows():
     check(*leaves(2, 1000, 1000, 4, 4, 128), causal=True, with_lse=True)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import epicute
-from epicute.attention.backward import BackwardVariant, compile_backward, preprocess
+from epicute.attention.backward import BackwardVariant, compile_backward, preprocess_reference
 from epicute.attention.backward_plan import backward_config, stat_rows_start
 from epicute.attention.launch import AttentionVariant, compile_attention
 from epicute.attention.plan import default_config
@@ -112,7 +112,7 @@ def test_backward_preprocess_starts_each_sequence_on_a_block():
     o, do = torch.randn(141, 3, 64), torch.randn(141, 3, 64)
     lse, dlse = torch.randn(3, 141), torch.randn(3, 141)
     lse[1, 4] = float("-inf")  # a row that saw no key
-    lse_log2, dsum = preprocess(o, do, lse, 128, dlse, cu)
+    lse_log2, dsum = preprocess_reference(o, do, lse, 128, dlse, cu)
     # Sequence b from the block boundary stat_rows_start gives; the last one's block fits.
     starts = [stat_rows_start(int(cu[b]), b, 128) for b in range(4)]
     assert starts == [0, 128, 256, 512] and lse_log2.shape == dsum.shape == (1, 3, 640)
