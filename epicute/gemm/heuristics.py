@@ -280,8 +280,13 @@ def choose_split_k(
     )
 
 
-#: The most rows (M per batch) a swap-AB plan is chosen for: its tile's N holds them all.
+#: The most rows (M per batch) a swap-AB plan is always chosen for (its tile's N holds them all), and the most
+#: it is chosen for where 128-row tiles of A would leave half the SMs idle and K is long enough to split in two.
 SWAP_AB_MAX_M = 64
+SWAP_AB_WIDE_MAX_M = 128
+#: k-tiles each of the two splits of a wide swapped tile runs at least: its 128 x M fp32 partial costs more than
+#: the extra CTAs gain over shorter splits (bench/NOTES.md: 128x4096x4096 lost 8 %, K = 8192 and more gained).
+SWAP_AB_WIDE_SPLIT_K_TILES = 64
 #: Pins that fix the unswapped kernel's tile shape: the planner swaps only where they are not given.
 _TILE_PINS = frozenset(("schedule", "tile_m", "tile_n", "cluster_m", "cluster_n", "epi_tile"))
 
@@ -314,7 +319,8 @@ def choose_persistent(tiles: int, cluster_ctas: int, hw: Target, overrides: dict
 
 def choose_swap_ab(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, overrides: dict) -> tuple[bool, str]:
     """``(swap, why)``: whether the kernel computes D^T = B^T A^T. Chosen for decode shapes -- at most
-    :data:`SWAP_AB_MAX_M` rows of A against a wider N, B the transpose of a row-major weight, A row-major --
+    :data:`SWAP_AB_MAX_M` rows of A against a wider N (up to :data:`SWAP_AB_WIDE_MAX_M` where 128x64 tiles would
+    leave half the SMs idle and K splits in two long halves), B the transpose of a row-major weight, A row-major --
     where the epilogue has a transpose (:meth:`EpilogueBuffers.transposed`) and no pin fixes the unswapped tile:
     a 128-row tile of A would compute 128 - M rows of zeros and carry them through shared memory, while B^T's
     N fills the MMA's 128 rows and the few rows of A a narrow N tile."""
@@ -323,10 +329,20 @@ def choose_swap_ab(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, 
         if refusal:
             raise ConfigError(f"swap_ab=True with {refusal}; use swap_ab=False")
         return overrides["swap_ab"], "requested"
-    if (_TILE_PINS & set(overrides) or not 0 < problem.m <= SWAP_AB_MAX_M or problem.n <= problem.m
+    if (_TILE_PINS & set(overrides) or not 0 < problem.m <= SWAP_AB_WIDE_MAX_M or problem.n <= problem.m
             or (problem.a_major, problem.b_major) != ("k", "k") or problem.block_scaled
             or swap_ab_refusal(problem, epilogue)):  # fmt: skip
         return False, ""
+    if problem.m > SWAP_AB_MAX_M:
+        tiles, k_tiles = _num_tiles(problem, 128, 64), ceil_div(problem.k, problem.tile_k)
+        if 2 * tiles > hw.num_sms or k_tiles < 2 * SWAP_AB_WIDE_SPLIT_K_TILES:
+            return False, ""
+        return True, (
+            f"M = {problem.m} rows against N = {problem.n}, K = {problem.k}: 128x64 tiles of A would be {tiles}, "
+            f"half the SMs idle, each CTA reading all {problem.m} rows of A for 64 weight rows; the kernel computes "
+            "D^T = B^T A^T, 128 weight rows by M per tile, K split in two; D^T's tiles are stored column-major "
+            "into D, row and column vectors trade places"
+        )
     return True, (
         f"M = {problem.m} rows against N = {problem.n}: the kernel computes D^T = B^T A^T, so B^T's rows fill the "
         f"MMA's 128-row side and A's {problem.m} rows a narrow N (a 128-row tile of A would compute "
@@ -357,6 +373,12 @@ def _swap_ab_config(
     if "split_k" in overrides:
         split_k = overrides["split_k"]
         reasons.append(f"split_k {split_k}: requested")
+    elif problem.m > SWAP_AB_MAX_M:  # choose_swap_ab swapped it for two splits
+        split_k = 2
+        reasons.append(
+            f"split_k 2: {tiles} tiles of {k_tiles} k-tiles run as 2 splits on {2 * tiles} CTAs; a split's partial "
+            f"is a 128x{tile_n} fp32 tile, and more splits cost more in partials than their CTAs gained (measured)"
+        )
     else:
         split_k = max(1, min(MAX_SPLIT_K, hw.num_sms // max(tiles, 1), k_tiles // MIN_SPLIT_K_TILES))
         if split_k > 1:

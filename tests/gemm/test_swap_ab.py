@@ -40,6 +40,18 @@ def test_decode_shapes_swap_with_m_in_a_narrow_n_tile(m, n, k):
     assert c.reasons[0].startswith(f"swap_ab: M = {m} rows") and "D^T = B^T A^T" in c.reasons[0]
 
 
+@pytest.mark.parametrize("m,n,k", [(128, 4096, 14336), (96, 4096, 14336), (65, 2048, 8192)])
+def test_wider_rows_swap_where_128_row_tiles_leave_sms_idle_and_k_is_long(m, n, k):
+    c = decode(m, n, k).config
+    assert c.swap_ab and c.tile_n == -(-m // 16) * 16 and c.split_k == 2
+    assert "half the SMs idle" in c.reasons[0] and "2 splits" in " ".join(c.reasons)
+
+
+@pytest.mark.parametrize("m,n,k", [(128, 4096, 4096), (128, 8192, 8192), (96, 14336, 4096), (129, 1024, 16384)])
+def test_wider_rows_keep_128_row_tiles_where_they_fill_the_sms_or_k_is_short(m, n, k):
+    assert not decode(m, n, k).config.swap_ab
+
+
 def test_explain_prints_the_swap_and_the_transposed_chain():
     x, w, bias = meta(16, 4096), meta(8192, 4096), meta(8192)
     out = io.StringIO()

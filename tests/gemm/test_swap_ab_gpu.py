@@ -57,6 +57,24 @@ def test_bias_relu_and_a_row_scale_trade_places(m):
     assert rel_err(plain, torch.relu(x.float() @ w.float().t() + bias.float())) <= TOL
 
 
+@pytest.mark.parametrize("epilogue", [False, True], ids=["plain", "bias_relu_scale"])
+def test_wider_rows_swap_in_two_splits(epilogue):
+    # 100 rows: the planner swaps where 128x64 tiles of A would leave half the SMs idle and K is long.
+    m, n, k = 100, 1000, 8200
+    x, w = decode_operands(m, n, k)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    scale = torch.rand(m, 1, device="cuda", dtype=torch.float32) + 0.5
+    args = {"epilogue": lambda acc, bias, scale: ops.relu(acc + bias) * scale, "bias": bias, "scale": scale}
+    args = args if epilogue else {}
+    c = epicute.explain(x, w.t(), file=None, **args).config
+    assert c.swap_ab and c.split_k == 2 and c.tile_n == 112
+    out = poisoned(m, n)
+    epicute.gemm(x, w.t(), out=out, **args)
+    ref = x.float() @ w.float().t()
+    ref = torch.relu(ref + bias.float()) * scale if epilogue else ref
+    assert rel_err(out, ref) <= TOL
+
+
 @pytest.mark.parametrize("split_k", [1, 2, 3, 8])
 def test_every_split_and_fp32_d(split_k):
     x, w = decode_operands(5, 520, 8200)
