@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from epicute.attention.backward_plan import BackwardConfig, stat_rows_start
+from epicute.epilogue.dtypes import TORCH_TO_IR
 from epicute.runtime.cache import CacheKey
 from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily, dsl_compile
 from epicute.runtime.target import DEFAULT_ARCH, SM90A
@@ -77,12 +78,12 @@ def compile_backward(variant: BackwardVariant):
     dq_accum = _fake_bshd(cutlass.Float32, d)
     lse, dsum, turns = (
         cute.runtime.make_fake_tensor(
-            dtype,
+            element,
             (cute.sym_int(), cute.sym_int(), cute.sym_int()),
             stride=(cute.sym_int64(), cute.sym_int64(), 1),
             assumed_align=4,
         )  # fmt: skip
-        for dtype in (cutlass.Float32, cutlass.Float32, cutlass.Int32)
+        for element in (cutlass.Float32, cutlass.Float32, cutlass.Int32)
     )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     score_tensors, score_scalars = _fake_score_operands(variant.score_mod)
@@ -131,6 +132,7 @@ class PreprocessVariant:
     arch: str = DEFAULT_ARCH
 
     def key(self) -> CacheKey:
+        """The compile cache's key."""
         label = (f"attention backward preprocess d{self.head_dim} {self.dtype} x{self.tile_m}"
                  + (" varlen" if self.varlen else "") + (" dlse" if self.has_dlse else ""))  # fmt: skip
         parts = (self.dtype, self.head_dim, self.tile_m, self.varlen, self.has_dlse)
@@ -173,7 +175,7 @@ def preprocess(
     """The preprocess kernel: ``(LSE * log2 e, D)`` as :func:`preprocess_reference` returns them, and (dense)
     ``dq_accum`` zeroed. ``packed``: ``(cu_seqlens_q, max_seqlen_q)`` for packed sequences (``dq_accum``
     then comes zeroed)."""
-    heads, dtype = o.shape[-2], {torch.bfloat16: "bf16", torch.float16: "fp16"}[o.dtype]
+    heads, dtype = o.shape[-2], TORCH_TO_IR[o.dtype]
     if packed:
         batch, total = packed[0].numel() - 1, o.shape[0]
         shape = (1, heads, stat_rows_start(total, batch, tile_m))

@@ -373,12 +373,14 @@ def _swap_ab_config(
     if "split_k" in overrides:
         split_k = overrides["split_k"]
         reasons.append(f"split_k {split_k}: requested")
-    elif problem.m > SWAP_AB_MAX_M:  # choose_swap_ab swapped it for two splits
-        split_k = 2
-        reasons.append(
-            f"split_k 2: {tiles} tiles of {k_tiles} k-tiles run as 2 splits on {2 * tiles} CTAs; a split's partial "
-            f"is a 128x{tile_n} fp32 tile, and more splits cost more in partials than their CTAs gained (measured)"
-        )
+    elif problem.m > SWAP_AB_MAX_M:  # choose_swap_ab swaps these for two long splits (a pinned swap may be short)
+        split_k = 2 if k_tiles >= 2 * SWAP_AB_WIDE_SPLIT_K_TILES else 1
+        if split_k == 2:
+            reasons.append(
+                f"split_k 2: {tiles} tiles of {k_tiles} k-tiles run as 2 splits on {2 * tiles} CTAs; a split's "
+                f"partial is a 128x{tile_n} fp32 tile, and more splits cost more in partials than their CTAs gained "
+                "(measured)"
+            )
     else:
         split_k = max(1, min(MAX_SPLIT_K, hw.num_sms // max(tiles, 1), k_tiles // MIN_SPLIT_K_TILES))
         if split_k > 1:
