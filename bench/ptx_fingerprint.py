@@ -101,6 +101,10 @@ def _variants(only: str | None):
             out.append((f"gemm planned {mnk}", lambda plan=plan: compile_gemm(variant_of(plan))))
         swapped = plan_gemm(GemmProblem(16, 4096, 14336, b_major="k"), "h100-sxm")  # a decode GEMM: swap-AB
         out.append(("gemm planned decode (16, 4096, 14336)", lambda: compile_gemm(variant_of(swapped))))
+        for mnk in [(8192, 8192, 8192), (128, 7168, 2048)]:  # fp8 with blockwise scales: the promoting mainloop
+            fp8 = GemmProblem(*mnk, ab_dtype="fp8e4m3", b_major="k", block_scaled=True)
+            blockwise = plan_gemm(fp8, "h100-sxm")
+            out.append((f"gemm planned fp8 blockwise {mnk}", lambda p=blockwise: compile_gemm(variant_of(p))))
     if only in (None, "epilogue"):
         dtypes = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4m3"}
         for name, (fn, kinds, out_dtypes, overrides) in sorted(epilogue_tests.EPILOGUES.items()):

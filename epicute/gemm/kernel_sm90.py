@@ -188,9 +188,6 @@ class GemmSm90:
         if cfg.split_k > 1 and type(self)._scheduler is not GemmSm90._scheduler:
             raise ConfigError(f"split_k={cfg.split_k}: {type(self).__name__} schedules its own tiles and does not "
                               "split K; use split_k=1")  # fmt: skip
-        if cfg.split_k > 1 and block_scaled:
-            raise ConfigError(f"split_k={cfg.split_k} with blockwise scales: the promoting mainloop runs at least "
-                              "one k-tile per tile, and a split may have none; use split_k=1")  # fmt: skip
         if cfg.swap_ab and (type(self)._scheduler is not GemmSm90._scheduler or block_scaled):
             with_scales = " and blockwise scales" if block_scaled else ""
             raise ConfigError(f"swap_ab with {type(self).__name__}{with_scales}: only the dense GEMM without "
@@ -672,7 +669,7 @@ class GemmSm90:
                 cute.copy(tma_b, tBgB_tile[(None, k_first + k_tile)], tBsB[(None, state.index)],
                           tma_bar_ptr=barrier, mcast_mask=b_mcast_mask)  # fmt: skip
                 if cutlass.const_expr(self.block_scaled):
-                    self._copy_block_scales(cta, block_scales, scale_sources, state.index, k_tile, barrier)
+                    self._copy_block_scales(cta, block_scales, scale_sources, state.index, k_first + k_tile, barrier)
                 ab_pipeline.producer_commit(state)  # no-op for TMA: bytes arm the barrier
                 state.advance()
             work = scheduler.next(work)
@@ -824,44 +821,49 @@ class GemmSm90:
                 # scaled by its A-row and B-block scales and added into acc in fp32. Unrolled by two
                 # so that each partial is a fixed set of registers: k-tile j's partial and scales are
                 # slot j % 2. Its scales arrived in its stage (:meth:`_copy_block_scales`) and are read
-                # as soon as the stage is full, an iteration before their use. k_tiles >= 1 (K = 0
-                # launches one k-tile of zeros).
-                last = tile_k_tiles - 1
-                ab_pipeline.consumer_wait(read_state)
-                read_block_scales(scale_regs, 0, cta, scale_rows, read_state.index)
-                self._fix_stage(cta, tile_coord, 0, read_state.index, mma_tidx)
-                issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0, k_blocks)
-                read_state.advance()
-                for pair in range(last // 2):
-                    for slot in cutlass.range_constexpr(2):  # k-tile j = 2 pair + 1 + slot: slot 1 - slot
+                # as soon as the stage is full, an iteration before their use.
+                has_k_tiles = True  # a split of K may have none: its partial sum stays zero
+                if cutlass.const_expr(cfg.split_k > 1):
+                    has_k_tiles = tile_k_tiles > 0
+                if has_k_tiles:
+                    last = tile_k_tiles - 1
+                    ab_pipeline.consumer_wait(read_state)
+                    read_block_scales(scale_regs, 0, cta, scale_rows, read_state.index)
+                    self._fix_stage(cta, tile_coord, 0, read_state.index, mma_tidx)
+                    issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0, k_blocks)
+                    read_state.advance()
+                    for pair in range(last // 2):
+                        for slot in cutlass.range_constexpr(2):  # k-tile j = 2 pair + 1 + slot: slot 1 - slot
+                            ab_pipeline.consumer_wait(read_state)
+                            read_block_scales(scale_regs, 1 - slot, cta, scale_rows, read_state.index)
+                            self._fix_stage(cta, tile_coord, 2 * pair + 1 + slot, read_state.index, mma_tidx)
+                            issue_k_tile(
+                                tiled_mma, tCrA, tCrB, read_state.index, partial0 if slot else partial1, k_blocks
+                            )
+                            read_state.advance()
+                            cute.nvgpu.warpgroup.wait_group(1)  # k-tile j - 1 retired
+                            ab_pipeline.consumer_release(release_state)
+                            release_state.advance()
+                            promote(acc, partial1 if slot else partial0, scale_regs, slot, row_slot)
+                    if last % 2 == 1:  # the last k-tile is odd: partial 1, scales slot 1
                         ab_pipeline.consumer_wait(read_state)
-                        read_block_scales(scale_regs, 1 - slot, cta, scale_rows, read_state.index)
-                        self._fix_stage(cta, tile_coord, 2 * pair + 1 + slot, read_state.index, mma_tidx)
-                        issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0 if slot else partial1, k_blocks)
+                        read_block_scales(scale_regs, 1, cta, scale_rows, read_state.index)
+                        self._fix_stage(cta, tile_coord, last, read_state.index, mma_tidx)
+                        issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial1, k_blocks)
                         read_state.advance()
-                        cute.nvgpu.warpgroup.wait_group(1)  # k-tile j - 1 retired
+                        cute.nvgpu.warpgroup.wait_group(1)
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
-                        promote(acc, partial1 if slot else partial0, scale_regs, slot, row_slot)
-                if last % 2 == 1:  # the last k-tile is odd: partial 1, scales slot 1
-                    ab_pipeline.consumer_wait(read_state)
-                    read_block_scales(scale_regs, 1, cta, scale_rows, read_state.index)
-                    self._fix_stage(cta, tile_coord, last, read_state.index, mma_tidx)
-                    issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial1, k_blocks)
-                    read_state.advance()
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    ab_pipeline.consumer_release(release_state)
-                    release_state.advance()
-                    promote(acc, partial0, scale_regs, 0, row_slot)
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    ab_pipeline.consumer_release(release_state)
-                    release_state.advance()
-                    promote(acc, partial1, scale_regs, 1, row_slot)
-                else:
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    ab_pipeline.consumer_release(release_state)
-                    release_state.advance()
-                    promote(acc, partial0, scale_regs, 0, row_slot)
+                        promote(acc, partial0, scale_regs, 0, row_slot)
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                        promote(acc, partial1, scale_regs, 1, row_slot)
+                    else:
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                        promote(acc, partial0, scale_regs, 0, row_slot)
                 mma_turns.pass_on(team)
             else:
                 # ---- mainloop: keep one WGMMA batch in flight, release a stage
@@ -889,8 +891,8 @@ class GemmSm90:
 
             if cutlass.const_expr(cfg.split_k > 1):
                 # Only the split that finishes last holds the tile's sum: it alone runs the epilogue.
-                if self._reduce_splits(cta, acc, tile_coord, scheduler.tile_slot(work), thr_mma, mma_tidx, copies,
-                                       sched_args, cute.size(mD, mode=[0])):  # fmt: skip
+                if self._reduce_splits(cta, acc, tile_coord, scheduler.tile_slot(work), tiled_mma, thr_mma, mma_tidx,
+                                       copies, sched_args, cute.size(mD, mode=[0])):  # fmt: skip
                     self._epilogue(run)
             else:
                 epilogue_turns.wait(team)
@@ -907,11 +909,11 @@ class GemmSm90:
         store.drain(is_store_warp)
 
     @cute.jit
-    def _reduce_splits(self, cta, acc, coord, slot, thr_mma, mma_tidx, copies, sched_args, m_extent):
+    def _reduce_splits(self, cta, acc, coord, slot, tiled_mma, thr_mma, mma_tidx, copies, sched_args, m_extent):
         """Split-K's serial reduction, after a split's mainloop: True for the team that now holds the tile's
         sum in ``acc`` and runs its epilogue.
 
-        Every split stores its fp32 partial (each thread its accumulators, in register order, rows past M
+        Every split stores its fp32 partial (each thread its accumulators, value-major, rows past M
         skipped) into the tile's slot of the workspace, fences, and counts itself on the tile's counter. The
         split that arrives last reads all of them back and adds them in split order, so the sum does not
         depend on which split finished last (deterministic), and resets the counter for the next launch. No
@@ -921,18 +923,23 @@ class GemmSm90:
         splits, size = cfg.split_k, cute.size(acc)
         coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         rows_left = m_extent - coord[0] * cfg.tile_m
+        # A thread's values lie in a few rows (two per 64-row band): the rows past M hold zeros (TMA zero-fills
+        # A there) and are neither stored nor read. Each row's values move as one branch-free block, so a
+        # split's loads are all in flight at once rather than one L2 round trip per value.
+        row_slot, row_values = accumulator_rows(tiled_mma, (cfg.tile_m, cfg.tile_n))
+        values_of_row = [[v for v in range(size) if row_slot[v] == r] for r in range(len(row_values))]
+        row_in_range = [coords[v][0] < rows_left for v in row_values]
 
-        # This thread's value v of split s is at first + s * split_stride + v * value_stride. A swapped tile's
-        # rows are all weight rows, so every thread stores its whole accumulator: value-major, so that a warp's
-        # store (and the last split's load) is one 128-byte line, not 32 (thread-major here, where few rows hold
-        # values).
+        # Value v of split s is at first + s * split_stride + v * tile_threads: value-major, so that a warp's
+        # store (and the last split's load) of one value is one 128-byte line (thread-major took 32 lines per
+        # instruction and ran a 128-row tile's reduction ~10x slower than its mainloop).
         split_stride = cfg.tile_threads * size
-        value_stride = cfg.tile_threads if cfg.swap_ab else 1
-        first = slot * splits * split_stride + mma_tidx * (1 if cfg.swap_ab else size)
+        first = slot * splits * split_stride + mma_tidx
         mine = first + coord[3] * split_stride
-        for v in cutlass.range_constexpr(size):
-            if coords[v][0] < rows_left:
-                partials[mine + v * value_stride] = acc[v]
+        for r in cutlass.range_constexpr(len(values_of_row)):
+            if row_in_range[r]:
+                for v in values_of_row[r]:
+                    partials[mine + v * cfg.tile_threads] = acc[v]
         cute.arch.fence_acq_rel_gpu()  # our partial is visible GPU-wide before the counter counts us
         copies.store.sync()
         if mma_tidx == 0:
@@ -941,12 +948,13 @@ class GemmSm90:
         last = cta.sSplitArrival[0] == splits - 1
         if last:
             cute.arch.fence_acq_rel_gpu()  # the other splits' partials, published before they were counted
-            for v in cutlass.range_constexpr(size):
-                total = Float32(0.0)
-                if coords[v][0] < rows_left:
-                    for split in cutlass.range_constexpr(splits):
-                        total = total + partials[first + split * split_stride + v * value_stride]
-                acc[v] = total
+            for r in cutlass.range_constexpr(len(values_of_row)):
+                if row_in_range[r]:
+                    for v in values_of_row[r]:
+                        total = partials[first + v * cfg.tile_threads]
+                        for split in cutlass.range_constexpr(1, splits):  # in split order: deterministic
+                            total = total + partials[first + split * split_stride + v * cfg.tile_threads]
+                        acc[v] = total
             if mma_tidx == 0:
                 counters[slot] = Int32(0)
         return last

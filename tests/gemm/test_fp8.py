@@ -235,6 +235,7 @@ def test_explain_and_aot_take_blockwise_scales():
         ((8192, 8192, 8192), False, {}),
         ((1000, 4104, 1040), True, {"persistent": False, "cluster_m": 2}),
         ((128, 7168, 2048), False, {"tile_n": 64}),
+        ((128, 7168, 2048), False, {"tile_n": 128, "split_k": 3}),
     ],
 )
 def test_blockwise_variants_compile_without_spills(mnk, epilogue, pins, ptxas_report):

@@ -153,6 +153,18 @@ def test_blockwise_under_every_cluster_shape(cluster):
     assert rel_err(out, block_reference(a, w, sa, sw)) <= TOL
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+@pytest.mark.parametrize("m,n,k", [(128, 392, 1040), (33, 264, 256)])
+def test_blockwise_split_k_reads_each_split_s_scales(m, n, k, split_k):
+    """Each split promotes its own k-tiles with their blocks' scales (K = 256 under 3 and 4 splits leaves
+    splits with no k-tile); full 128-row tiles reduce every value of their partials."""
+    a, w = quantized(m, k), quantized(n, k)
+    sa, sw = spread_scales(-(-k // 128), m).t(), spread_scales(-(-n // 128), -(-k // 128))
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    epicute.gemm(a, w.t(), a_scale=sa, b_scale=sw, out=out, config={"tile_n": 128, "split_k": split_k})
+    assert rel_err(out, block_reference(a, w, sa, sw)) <= TOL, (m, n, k, split_k)
+
+
 def test_blockwise_batched_k_zero_and_epilogues():
     l, m, n, k = 3, 129, 264, 400
     a, w = quantized(l, m, k), quantized(l, n, k)

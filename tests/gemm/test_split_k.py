@@ -42,12 +42,7 @@ def test_pinned_split_k_is_planned_around_and_validated():
 
 def test_split_k_is_refused_where_it_cannot_run():
     from epicute.gemm.compile import compile_gemm
-    from epicute.gemm.launch import variant_of
 
-    fp8 = GemmProblem(16, 4096, 4096, ab_dtype="fp8e4m3", a_major="k", b_major="k", block_scaled=True)
-    assert plan_gemm(fp8).config.split_k == 1
-    with pytest.raises(epicute.EpicuteError, match="blockwise"):
-        compile_gemm(variant_of(plan_gemm(fp8, split_k=2)))
     x, w, res = meta(16, 4096), meta(4096, 4096), meta(16, 4096)
     plan = epicute.explain(x, w.t(), epilogue=lambda acc, res: acc + res, res=res, file=None)
     assert plan.config.split_k == 1  # a tile operand streams in before the splits meet
