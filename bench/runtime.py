@@ -11,7 +11,8 @@ figure, the unit in the case name's suffix (_s, _ms, _us, or a count):
 - host_overhead_us: host time per cached call on a tiny problem, launches queued without a sync
   (peer: torch.matmul, timed in turns with it, on each CPU in turn); host_overhead_epilogue_us with a
   bias+relu epilogue; host_overhead_prepared_us and host_overhead_prepared_epilogue_us the same calls through
-  epicute.prepare_gemm's object;
+  epicute.prepare_gemm's object; host_overhead_fp8_rowwise_us an fp8 call with rowwise scales (peer:
+  torch._scaled_mm with the same arguments);
   kernel_time_us: the GPU time of the same call by CUDA events, to show which side bounds a tiny call.
 - recompiles_in_size_sweep: kernels fetched beyond the distinct variants the planner picks over 8 sizes (target 0);
   torch_compile_graphs_in_size_sweep: graphs torch.compile(dynamic=True) built over the same sweep.
@@ -235,6 +236,12 @@ def main() -> int:
         epi = host_us({"gemm": lambda: epicute.gemm(a, b, epilogue=bias_relu, bias=bias),
                        "prepared": lambda: fused(a, b, bias=bias),
                        "torch": lambda: torch.relu(torch.addmm(bias.value, a, b))})  # fmt: skip
+        # fp8 with rowwise scales, torch._scaled_mm's argument forms: the cached path's short key for scales.
+        a8, w8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn)
+        scale_a, scale_b = torch.rand(64, 1, device="cuda"), torch.rand(1, 64, device="cuda")
+        fp8 = host_us({"gemm": lambda: epicute.gemm(a8, w8.t(), a_scale=scale_a, b_scale=scale_b),
+                       "torch": lambda: torch._scaled_mm(a8, w8.t(), scale_a=scale_a, scale_b=scale_b,
+                                                         out_dtype=torch.bfloat16)})  # fmt: skip
         for case, times, through in (("host_overhead_us", host, "gemm"), ("host_overhead_epilogue_us", epi, "gemm"),
                                      ("host_overhead_prepared_us", host, "prepared"),
                                      ("host_overhead_prepared_epilogue_us", epi, "prepared")):  # fmt: skip
@@ -244,6 +251,7 @@ def main() -> int:
         recompiles, graphs = size_sweep()
         rows += [{"case": "recompiles_in_size_sweep", "epicute": recompiles},
                  {"case": "torch_compile_graphs_in_size_sweep", "epicute": graphs}]  # fmt: skip
+        rows.append({"case": "host_overhead_fp8_rowwise_us", "epicute": fp8["gemm"], "torch_scaled_mm": fp8["torch"]})
 
     command = shlex.join(["python", "bench/runtime.py", *sys.argv[1:]])
     path = write_result(args.out, "runtime", command, "see case suffix (_s, _ms, _us, count)", False, rows)

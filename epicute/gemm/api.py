@@ -139,6 +139,21 @@ def gemm(
             if repeat is not None and not (a.data_ptr() | b.data_ptr()) % TMA_ALIGN_BYTES:
                 return repeat.plain(a, b)
             fast = _FastCall(key, (a, b, None, None, None), None, (), ())
+        elif (
+            epilogue is None and out is None and not operands and outs is None and out_dtypes is None and config is None
+            and not gated and type(a) in PLAIN_TENSORS and type(b) in PLAIN_TENSORS and type(a_scale) in PLAIN_TENSORS
+            and type(b_scale) in PLAIN_TENSORS
+        ):  # fmt: skip
+            # fp8 with scale tensors and nothing else, keyed like a plain call plus the scales' layouts. Aligned
+            # pointers only (the signature's alignment class of each is then 0), and whether one tensor is both.
+            key = (a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype, b.get_device(),
+                   out_dtype, a_scale.shape, a_scale.stride(), a_scale.dtype, a_scale.get_device(), b_scale.shape,
+                   b_scale.stride(), b_scale.dtype, b_scale.get_device(), a_scale is b_scale)  # fmt: skip
+            aligned = not (a.data_ptr() | b.data_ptr() | a_scale.data_ptr() | b_scale.data_ptr()) % TMA_ALIGN_BYTES
+            repeat = _PREPARED_CALLS.get(key)
+            if repeat is not None and aligned:
+                return repeat.scaled(a, b, a_scale, b_scale)
+            fast = _FastCall(key, (a, b, None, a_scale, b_scale), None, (), ()) if aligned else None
         else:
             fast = _fast_key(a, b, out, (a_scale, b_scale), epilogue, operands, outs, out_dtype, out_dtypes, config,
                              gated)  # fmt: skip
@@ -255,7 +270,8 @@ class _FastCall(NamedTuple):
 
 
 #: Prepared calls by call signature: the cached path of :func:`gemm` (see epicute.gemm.prepared). A plain call's
-#: key is :func:`gemm`'s short one, any other's :func:`_fast_key`'s (a different length: the two never meet).
+#: key is :func:`gemm`'s short one, an fp8 call's with only scales that one plus the scales', any other's
+#: :func:`_fast_key`'s (three lengths: they never meet).
 _PREPARED_CALLS: dict[tuple, PreparedGemmCall] = {}
 
 

@@ -15,7 +15,8 @@ compiled for one batch, or 3-D ones) is launched *directly* (:class:`_DirectGemm
 A's and B's shapes, strides, dtypes and devices with the prepared ones, checks their alignment,
 allocates D with one ``a.new_empty`` and calls the kernel's TVM-FFI function: one torch object per
 call, where a replay makes several and each costs microseconds of host time (bench/NOTES.md, "A
-prepared GEMM call").
+prepared GEMM call"). An fp8 call with scale tensors and nothing else is keyed the same way plus the
+scales' layouts, and :meth:`PreparedGemmCall.scaled` rebuilds only the scales' views.
 
 Not recorded: launches that copied a tensor (a 2-D tile operand broadcast over a batch, K = 0's zero
 operands) and calls where distinct tensors share storage (which of them a view came from would be
@@ -87,7 +88,7 @@ class PreparedGemmCall:
     """
 
     __slots__ = ("_aliases", "_fn", "_inputs", "_launch", "_names", "_outs_names", "_parts", "_scalar_sources",
-                 "_steps", "_whole")  # fmt: skip
+                 "_scaled_plan", "_steps", "_whole")  # fmt: skip
 
     def __init__(self, parts: tuple, names: tuple, outs_names: tuple, launch: GemmLaunch | None = None,
                  steps: tuple | None = None, scalar_sources: tuple = (), aliases: tuple = (),
@@ -105,6 +106,19 @@ class PreparedGemmCall:
         alone = launch is not None and not (launch.aux or launch.workspaces or launch.group_scales is not None)
         if alone and launch.kernel is not None:
             self._fn, self._inputs = launcher(launch.kernel), 3 + len(launch.inputs)
+        self._scaled_plan = self._plan_scaled(steps, scalar_sources)
+
+    def _plan_scaled(self, steps: tuple | None, scalar_sources: tuple) -> tuple | None:
+        """How :meth:`scaled` launches without the generic replay: ``(D's shape, D's dtype, each kernel tensor after
+        D as (its source, its view or None), how many of them are epilogue operands)``; None unless A and B go in
+        as given, D is allocated, and every other tensor is a scale or a view of one."""
+        if self._fn is None or steps is None or scalar_sources or len(steps) < 3 or steps[2][0] != _FRESH:
+            return None
+        if steps[:2] != ((_SAME, 0), (_SAME, 1)) or any(s[0] == _FRESH or s[1] not in (3, 4) for s in steps[3:]):
+            return None
+        views = tuple((step[1], None if step[0] == _SAME else step[2:]) for step in steps[3:])
+        _, d_shape, d_dtype, _ = steps[2]
+        return d_shape, d_dtype, views, self._inputs - 3
 
     @classmethod
     def record(cls, launch: GemmLaunch, values: tuple, parts: tuple, scalar_sources: tuple, names: tuple,
@@ -200,6 +214,23 @@ class PreparedGemmCall:
     def plain(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """:meth:`replay` of a plain call (no ``out``, scales or operands)."""
         return self.replay((a, b, None, None, None))
+
+    def scaled(self, a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+        """:meth:`replay` of an fp8 call with scale tensors and nothing else (no ``out`` or operands)."""
+        plan = self._scaled_plan
+        if plan is None:
+            return self.replay((a, b, None, a_scale, b_scale))
+        d_shape, d_dtype, views, first_block = plan
+        d = a.new_empty(d_shape, dtype=d_dtype)  # on A's device, as recorded
+        scales = (a_scale, b_scale)
+        tensors = tuple(
+            s if view is None else s.as_strided(view[0], view[1], s.storage_offset() + view[2])
+            for s, view in ((scales[i - 3], view) for i, view in views)
+        )
+        launch_plan = self._launch.plan
+        split = split_workspace(launch_plan, d.device) if launch_plan.config.split_k > 1 else ()
+        self._fn(a, b, d, tensors[:first_block], (), tensors[first_block:], split, launch_plan.max_active_clusters)
+        return self._launch.caller_d(d)
 
 
 class _DirectGemmCall(PreparedGemmCall):

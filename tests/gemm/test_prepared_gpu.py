@@ -83,6 +83,57 @@ def test_repeat_calls_with_new_values_match_the_reference(name):
     assert len(recorded) >= 1 and recorded <= set(api_module._PREPARED_CALLS)
 
 
+def _fp8_scaled_cases():
+    """name -> make(): ``(a, b, a_scale, b_scale)`` of one signature, new random values each time."""
+
+    def operands(*lead):
+        return rand(*lead, M, K - 8, dtype=E4), rand(*lead, N, K - 8, dtype=E4).transpose(-1, -2)
+
+    def tensorwise():
+        return (*operands(), torch.rand((), device="cuda") + 0.5, torch.rand(1, device="cuda") + 0.5)
+
+    def one_scale_for_both():
+        s = torch.rand((), device="cuda") + 0.5
+        return (*operands(), s, s)
+
+    def rowwise():
+        return (*operands(), torch.rand(M, 1, device="cuda"), torch.rand(1, N, device="cuda"))
+
+    def rowwise_batched():
+        return (*operands(2), torch.rand(2, M, device="cuda"), torch.rand(2, N, device="cuda"))
+
+    def blockwise():
+        kb, nb = -(-(K - 8) // 128), -(-N // 128)
+        return (*operands(), torch.rand(kb, M, device="cuda").t(), torch.rand(nb, kb, device="cuda"))
+
+    def misaligned_scale():  # a_scale 4 bytes past a 16-byte boundary: the generic cached path, still right
+        return (*operands(), torch.rand(M + 1, device="cuda")[1:], torch.rand(N, device="cuda"))
+
+    cases = (tensorwise, one_scale_for_both, rowwise, rowwise_batched, blockwise, misaligned_scale)
+    return {case.__name__: case for case in cases}
+
+
+@pytest.mark.parametrize("name", list(_fp8_scaled_cases()))
+def test_fp8_calls_with_only_scales_repeat_through_the_short_key(name, monkeypatch):
+    """An fp8 call with scale tensors and nothing else is keyed by A's, B's and the scales' layouts: repeats
+    launch through :meth:`PreparedGemmCall.scaled` (aligned scales) with the scales' views rebuilt, and match
+    the reference whatever the new values."""
+    from epicute.gemm.prepared import PreparedGemmCall
+
+    short = []
+    real = PreparedGemmCall.scaled
+    monkeypatch.setattr(PreparedGemmCall, "scaled", lambda self, *args: short.append(self) or real(self, *args))
+    make = _fp8_scaled_cases()[name]
+    for _ in range(3):
+        a, b, sa, sb = make()
+        got = epicute.gemm(a, b, a_scale=sa, b_scale=sb)
+        _check(got, epicute.gemm(a, b, a_scale=sa, b_scale=sb, backend="reference"))
+    if name == "misaligned_scale":
+        assert not short
+    else:
+        assert len(short) == 2 and all(p._scaled_plan is not None for p in short)
+
+
 def test_the_cached_path_captures_in_a_cuda_graph():
     make, epilogue, fixed = bias_aux_reduction()
     (a, b), kw = make()
