@@ -14,8 +14,9 @@ bf16 D (``epicute_plain``). Every
 contender's first call is checked against a float32 reference of the dequantized math and not
 timed; then all are timed as ``triton.testing.do_bench`` times them (L2 flushed before each call,
 calls back to back: fp8 GEMMs run at the H100's power cap, see
-:func:`epicute.benchmark.time_flushed`), medians of interleaved rounds. The small-M shape is
-host-bound for epicute this way (its fp8 call costs ~0.1 ms of Python). Writes
+:func:`epicute.benchmark.time_flushed`), medians of interleaved rounds. A cached fp8 call costs
+~20 us of host time (``bench/runtime.py``), under the flush's ~0.1 ms, so no shape is host-bound
+this way. Writes
 bench/results/fp8.json (and $OUT/fp8.json when OUT is set).
 """
 

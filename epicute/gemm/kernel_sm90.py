@@ -931,8 +931,8 @@ class GemmSm90:
         row_in_range = [coords[v][0] < rows_left for v in row_values]
 
         # Value v of split s is at first + s * split_stride + v * tile_threads: value-major, so that a warp's
-        # store (and the last split's load) of one value is one 128-byte line (thread-major took 32 lines per
-        # instruction and ran a 128-row tile's reduction ~10x slower than its mainloop).
+        # store (and the last split's load) of one value is one 128-byte line; thread-major, it touched 32 lines
+        # (bench/NOTES.md, "Split-K's reduction at full rows").
         split_stride = cfg.tile_threads * size
         first = slot * splits * split_stride + mma_tidx
         mine = first + coord[3] * split_stride
