@@ -49,6 +49,20 @@ def nan_tensor(shape, dtype=torch.float32, device=None) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
+def poison_attention_outputs(monkeypatch, forward: bool = True, backward: bool = True) -> None:
+    """Every buffer the attention runtime allocates for a kernel to fill (O and LSE with ``forward``, dK and dV
+    with ``backward``) starts as NaN, and the float32 references run without TF32."""
+    from epicute.attention import backward as rt_backward
+    from epicute.attention import launch as rt_attention
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if forward:
+        monkeypatch.setattr(rt_attention, "new_lse", lambda shape, device: nan_tensor(shape, device=device))
+        monkeypatch.setattr(rt_attention, "new_output", nan_tensor)
+    if backward:
+        monkeypatch.setattr(rt_backward, "new_grad", nan_tensor)
+
+
 def assert_attention_close(out, lse, ref, ref_lse, what: str, tol: float) -> None:
     """O within ``tol`` (relative) of the float32 reference, and LSE: -inf on exactly the rows that see no key,
     within 1e-4 elsewhere."""

@@ -17,12 +17,11 @@ import torch
 
 import epicute
 from epicute import ops
-from epicute.attention import launch as rt_attention
 from epicute.attention.api import reference_attention
 from epicute.attention.launch import tile_counter
 from epicute.attention.prepare import hooks_of
 from epicute.attention.validate import check_attention_args
-from tests.conftest import assert_attention_close, nan_tensor, rel_err
+from tests.conftest import assert_attention_close, poison_attention_outputs, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -31,9 +30,7 @@ TOL = 1e-2
 
 @pytest.fixture(autouse=True)
 def _poisoned_outputs_and_exact_reference(monkeypatch):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    monkeypatch.setattr(rt_attention, "new_lse", lambda shape, device: nan_tensor(shape, device=device))
-    monkeypatch.setattr(rt_attention, "new_output", nan_tensor)
+    poison_attention_outputs(monkeypatch, backward=False)
 
 
 def qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16):

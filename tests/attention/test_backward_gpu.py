@@ -24,7 +24,7 @@ from epicute.attention.api import reference_attention
 from epicute.attention.prepare import hooks_of
 from epicute.attention.validate import check_attention_args
 from epicute.errors import ConfigError
-from tests.conftest import nan_tensor, rel_err
+from tests.conftest import nan_tensor, poison_attention_outputs, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -33,8 +33,7 @@ TOL = 1e-2
 
 @pytest.fixture(autouse=True)
 def _poisoned_grads_and_exact_reference(monkeypatch):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    monkeypatch.setattr(rt_backward, "new_grad", nan_tensor)
+    poison_attention_outputs(monkeypatch, forward=False)
 
 
 def leaves(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16):
