@@ -209,7 +209,7 @@ def attention(
     Training: when q, k or v require grad, the call runs as the custom op ``epicute::attention``
     whose registered autograd runs the backward kernel (:mod:`epicute.attention.backward`), in
     eager and under ``torch.compile``; a score_mod's gradient is derived from its traced graph.
-    The backward covers head_dim 64 and 128 with no output epilogue, paged cache or seqused_k;
+    The backward covers head_dim 64, 128 and 256 with no output epilogue, paged cache or seqused_k;
     other calls that need gradients get a :class:`~epicute.errors.ConfigError` before any launch.
 
     Decode-shaped calls (the query heads sharing a K/V head times the queries per sequence fit 64

@@ -3,9 +3,13 @@
 The backward kernel (:mod:`epicute.attention.backward_sm90`) gives each CTA one block of
 ``tile_n`` keys of one (batch, key/value head) and walks every query block that sees them
 (``tile_m`` queries at a time), for each query head of the GQA group in turn, so dK and dV
-are summed over the group in registers and written once. Each consumer warpgroup owns 64 of
-the block's keys: S^T and dP^T are computed keys-by-queries, so P^T and dS^T are born in the
-registers the dV and dK WGMMAs read as their A operand.
+are summed over the group in registers and written once. S^T and dP^T are computed
+keys-by-queries. At head_dim 64 and 128 each consumer warpgroup owns 64 of the block's 128
+keys, so P^T and dS^T are born in the registers the dV and dK WGMMAs read as their A operand.
+At head_dim 256 one warpgroup's dK and dV over 64 keys would take 256 registers a thread, so
+the warpgroups split head_dim instead (``split_head_dim``): a CTA takes 64 keys, each
+warpgroup computes S^T and dP^T for half of the step's queries, stages P^T and dS^T in shared
+memory, and accumulates dK and dV for all 64 keys over its half of head_dim (128 registers).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from epicute.sm90.smem_layout import MBARRIER_BYTES, SmemBuffer, SmemLayout
 from epicute.sm90.warp_roles import WarpRoles
 
 #: Head dims the backward kernel compiles for.
-BACKWARD_HEAD_DIMS = (64, 128)
+BACKWARD_HEAD_DIMS = (64, 128, 256)
 #: Keys per consumer warpgroup (one WGMMA M atom of S^T).
 KEYS_PER_WARPGROUP = 64
+#: Consumer warpgroups of the backward kernel.
+MMA_WARPGROUPS = 2
 
 
 @dataclass(frozen=True)
@@ -29,7 +35,7 @@ class BackwardConfig(WarpRoles):
     head_dim: int = 128
     #: Queries per step of a CTA's loop (the N of S^T = K Q^T, the K of dV = P^T dO).
     tile_m: int = 64
-    #: Keys per CTA, 64 per consumer warpgroup.
+    #: Keys per CTA: 64 per consumer warpgroup, or 64 shared by both (``split_head_dim``).
     tile_n: int = 128
     #: Depth of the ring that carries each step's Q and dO tiles.
     stages: int = 2
@@ -39,7 +45,18 @@ class BackwardConfig(WarpRoles):
 
     @property
     def num_mma_warpgroups(self) -> int:
-        return self.tile_n // KEYS_PER_WARPGROUP
+        return MMA_WARPGROUPS
+
+    @property
+    def split_head_dim(self) -> bool:
+        """The warpgroups split head_dim (and each step's queries) rather than the keys."""
+        return self.tile_n == KEYS_PER_WARPGROUP
+
+    @property
+    def score_buffers(self) -> int:
+        """Buffers of the staged dS^T (and, splitting head_dim, P^T): two, so a step's writes never meet
+        the previous step's WGMMA reads (the ring's stages where it has two)."""
+        return 2
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for a configuration the kernel cannot run."""
@@ -52,8 +69,14 @@ class BackwardConfig(WarpRoles):
                 f"tile_m={self.tile_m}: the backward kernel takes 64 queries per step, or 128 at head_dim 64 "
                 "(the registers of a 64-key by 128-query S^T and dP^T leave no room for wider dK and dV)"
             )
-        if self.tile_n != 2 * KEYS_PER_WARPGROUP:
-            raise ConfigError(f"tile_n={self.tile_n}: the backward kernel takes 128 keys per CTA (2 warpgroups)")
+        keys = MMA_WARPGROUPS * KEYS_PER_WARPGROUP
+        if self.head_dim == 256 and self.tile_n != KEYS_PER_WARPGROUP:
+            raise ConfigError(
+                f"tile_n={self.tile_n}: at head_dim 256 the backward kernel takes {KEYS_PER_WARPGROUP} keys per CTA "
+                "(its warpgroups split head_dim: dK and dV over more keys do not fit in registers)"
+            )
+        if self.head_dim != 256 and self.tile_n != keys:
+            raise ConfigError(f"tile_n={self.tile_n}: the backward kernel takes {keys} keys per CTA (2 warpgroups)")
         if not 1 <= self.stages <= 2:
             raise ConfigError(f"stages={self.stages}: the Q/dO ring takes 1 or 2 stages")
         self.validate_registers()
@@ -81,6 +104,25 @@ def backward_config(head_dim: int) -> BackwardConfig:
                 "cover twice the math; dQ split by rows over the warpgroups (a WGMMA's M is 64)"
             ),
         )
+    if head_dim == 256:
+        reasons = (
+            (
+                "head_dim 256: a CTA per (64 keys, key/value head, batch); the warpgroups split head_dim, as "
+                "dK and dV for 64 keys x 256 dims would take 256 registers a thread: each holds 128"
+            ),
+            (
+                "S^T and dP^T keys-by-queries, each warpgroup half of the step's queries; P^T and dS^T "
+                "staged in shared memory, where dV, dK (each warpgroup its half of head_dim) and dQ read them"
+            ),
+            (
+                "one stage of Q and of dO (64 queries x 256 dims of both are 64 KB: two stages beside K, V and "
+                "dQ's staging would not fit in 227 KB), each its own ring: the next step's Q loads once dK has "
+                "read this one, while dV still reads dO"
+            ),
+        ) + reasons[2:]
+        cfg = BackwardConfig(head_dim=head_dim, tile_m=64, tile_n=KEYS_PER_WARPGROUP, stages=1, reasons=reasons)
+        cfg.validate()
+        return cfg
     cfg = BackwardConfig(head_dim=head_dim, tile_m=128 if wide_steps else 64, reasons=reasons)
     cfg.validate()
     return cfg
@@ -96,12 +138,16 @@ def stat_rows_start(first_row, batch, tile_m: int):
 
 def backward_smem_layout(cfg: BackwardConfig, dtype: str = "bf16") -> SmemLayout:
     """The backward kernel's shared storage: the struct it allocates."""
-    d, stages = cfg.head_dim, cfg.stages
+    d, stages, scores = cfg.head_dim, cfg.stages, cfg.score_buffers
     return SmemLayout((
         SmemBuffer("kv_barriers", "K/V barriers", "int64", 2, "K and V: 1 full + 1 empty mbarrier",
                    align=MBARRIER_BYTES),
         SmemBuffer("qdo_barriers", "Q/dO barriers", "int64", 2 * stages,
-                   f"Q/dO ring: {stages} full + {stages} empty mbarriers", align=MBARRIER_BYTES),
+                   f"Q/dO ring (Q's, when dO has its own): {stages} full + {stages} empty mbarriers",
+                   align=MBARRIER_BYTES),
+        *([SmemBuffer("do_barriers", "dO barriers", "int64", 2 * stages,
+                      f"dO ring: {stages} full + {stages} empty mbarriers", align=MBARRIER_BYTES)]
+          if cfg.split_head_dim else []),
         SmemBuffer("sK", "K (then dK)", dtype, cfg.tile_n * d, f"{cfg.tile_n}x{d} {dtype}; dK is staged here"),
         SmemBuffer("sV", "V (then dV)", dtype, cfg.tile_n * d, f"{cfg.tile_n}x{d} {dtype}; dV is staged here"),
         SmemBuffer("sQ", "Q ring", dtype, cfg.tile_m * d * stages, f"{stages} x {cfg.tile_m}x{d} {dtype}"),
@@ -110,8 +156,11 @@ def backward_smem_layout(cfg: BackwardConfig, dtype: str = "bf16") -> SmemLayout
                    align=128),
         SmemBuffer("sD", "D ring", "fp32", cfg.tile_m * stages, f"{stages} x {cfg.tile_m} fp32: rowsum(dO * O)",
                    align=128),
-        SmemBuffer("sdS", "dS^T", dtype, cfg.tile_n * cfg.tile_m * stages,
-                   f"{stages} x {cfg.tile_n}x{cfg.tile_m} {dtype}: both warpgroups' dS^T, read whole by dQ = dS K"),
+        SmemBuffer("sdS", "dS^T", dtype, cfg.tile_n * cfg.tile_m * scores,
+                   f"{scores} x {cfg.tile_n}x{cfg.tile_m} {dtype}: both warpgroups' dS^T, read whole by dQ = dS K"),
+        *([SmemBuffer("sP", "P^T", dtype, cfg.tile_n * cfg.tile_m * scores,
+                      f"{scores} x {cfg.tile_n}x{cfg.tile_m} {dtype}: both warpgroups' P^T, read whole by dV")]
+          if cfg.split_head_dim else []),
         SmemBuffer("sdQ", "dQ staging", "fp32", cfg.tile_m * d,
                    f"{cfg.tile_m}x{d} fp32: each warpgroup's part of dQ, reduce-added into the fp32 dQ by warp 1"),
     ))  # fmt: skip
@@ -135,6 +184,13 @@ def render_backward_plan(variant, problem, smem_limit: int) -> list[str]:
         f"  warpgroup 0     producer: warp 0 TMA loads, warp 1 reduce-adds dQ   setmaxnreg {cfg.producer_regs}",
     ]
     for wg in range(cfg.num_mma_warpgroups):
+        if cfg.split_head_dim:
+            queries, dims = cfg.tile_m // cfg.num_mma_warpgroups, cfg.head_dim // cfg.num_mma_warpgroups
+            lines.append(
+                f"  warpgroup {wg + 1}     consumer: S^T, dP^T of queries {wg * queries}-{(wg + 1) * queries - 1}; "
+                f"dV, dK, dQ of dims {wg * dims}-{(wg + 1) * dims - 1}   setmaxnreg {cfg.consumer_regs}"
+            )
+            continue
         lo = wg * KEYS_PER_WARPGROUP
         lines.append(
             f"  warpgroup {wg + 1}     consumer: keys {lo}-{lo + KEYS_PER_WARPGROUP - 1}: S^T, dP^T, dV, dK; half of "

@@ -30,6 +30,11 @@ dV accumulate in registers and are stored once (the group's sum, no atomics). Wa
   each warpgroup issues its half of dQ = dS K over all 128 keys (half of head_dim, or at
   128-query steps half of the rows), then dK += dS^T Q (dS^T from registers), and copies dQ
   into its staging buffer for the dQ writer while dK runs.
+- head_dim 256 (``split_dims``, see :mod:`~epicute.attention.backward_plan`): a CTA owns 64 keys;
+  each warpgroup computes S^T and dP^T for half of the step's queries and stages P^T and dS^T in
+  shared memory (two buffers, alternating by step), and after ``SCORES_STAGED`` issues dK, dQ and
+  dV over its half of head_dim, all three reading the staged scores. Q (with LSE) and dO (with D)
+  ride in two one-stage rings: Q's is released once dK retired, so the next Q loads while dV runs.
 - epilogue: dK scaled, dV and dK cast and staged in K's and V's buffers once both warpgroups
   are past their last dQ (which reads all of K), TMA-stored (the store clips the ragged
   seqlen_k edge).
@@ -99,6 +104,8 @@ class AttentionBackwardSm90:
         self.score_graph = None if score_mod is None else value_and_derivative(score_mod.graph)
         self.smem = backward_smem_layout(cfg, dtype)
         self.num_wg = cfg.num_mma_warpgroups
+        #: head_dim 256: the warpgroups split head_dim and the step's queries, not the keys (backward_plan).
+        self.split_dims = cfg.split_head_dim
         self.load_warp = 0
         self.dq_warp = 1
         #: dQ's split over the consumer warpgroups: by rows at 128-query steps (a WGMMA's M is 64).
@@ -146,15 +153,22 @@ class AttentionBackwardSm90:
         if cutlass.const_expr(self.deterministic):
             dq_turns = (select_modes(dq_turns[0], [2, 1, 0]),)  # (query blocks, heads, batch)
 
-        # S^T = K Q^T and dP^T = V dO^T: keys as M, one 64-key atom per warpgroup.
+        # S^T = K Q^T and dP^T = V dO^T: keys as M, one 64-key atom per warpgroup (split_dims: all
+        # 64 keys, each warpgroup half of the step's queries).
+        sdp_atoms, sdp_tiler = (self.num_wg, 1, 1), (KEYS_PER_WARPGROUP, cfg.tile_m)
+        # dV += P^T dO and dK += dS^T Q: A from registers, B (dO^T, Q^T) read head_dim-major (split_dims:
+        # A from shared memory, where both warpgroups staged their queries, each warpgroup half of head_dim).
+        dkv_atoms, dkv_tiler, dkv_a = (self.num_wg, 1, 1), (KEYS_PER_WARPGROUP, d), warpgroup.OperandSource.RMEM
+        if cutlass.const_expr(self.split_dims):
+            sdp_atoms, sdp_tiler = (1, self.num_wg, 1), (KEYS_PER_WARPGROUP, cfg.tile_m // self.num_wg)
+            dkv_atoms, dkv_tiler = (1, self.num_wg, 1), (KEYS_PER_WARPGROUP, d // self.num_wg)
+            dkv_a = warpgroup.OperandSource.SMEM
         tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            (self.num_wg, 1, 1), tiler_mn=(KEYS_PER_WARPGROUP, cfg.tile_m),
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, sdp_atoms, tiler_mn=sdp_tiler,
         )  # fmt: skip
-        # dV += P^T dO and dK += dS^T Q: A from registers, B (dO^T, Q^T) read head_dim-major.
         tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            (self.num_wg, 1, 1), tiler_mn=(KEYS_PER_WARPGROUP, d), a_source=warpgroup.OperandSource.RMEM,
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, dkv_atoms, tiler_mn=dkv_tiler,
+            a_source=dkv_a,
         )  # fmt: skip
         # dQ = dS K, dS read from its staged transpose (queries contiguous), K^T head_dim-major:
         # each warpgroup takes half of head_dim over every query row, or (128-query steps) half of
@@ -168,7 +182,7 @@ class AttentionBackwardSm90:
         sQ_layout = row_major_smem_layout(self.dtype, cfg.tile_m, d, cfg.stages)
         sK_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d, major=d if self.dq_split_rows else self.dq_tile[1])
         sV_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d)
-        sdS_layout = row_major_smem_layout(self.dtype, cfg.tile_n, cfg.tile_m, cfg.stages)
+        sdS_layout = row_major_smem_layout(self.dtype, cfg.tile_n, cfg.tile_m, cfg.score_buffers)
         sdQ_layout = row_major_smem_layout(Float32, cfg.tile_m, d, major=self.dq_tile[1], row_bands=self.dq_split_rows)
         sdQ_wg_layout = row_major_smem_layout(Float32, *self.dq_tile, row_bands=self.dq_split_rows)
         sStat_layout = cute.make_layout((cfg.tile_m, cfg.stages))  # LSE and D, one vector per stage
@@ -265,17 +279,26 @@ class AttentionBackwardSm90:
         storage = smem.allocate(self.shared_storage)
         consumer_warps = cfg.num_mma_threads // 32
         kv_bytes = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
-        qdo_bytes = 2 * cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
-        qdo_bytes += 2 * cfg.tile_m * Float32.width // 8  # LSE and D
+        # Each step's Q and LSE, dO and D: one ring, or (split_dims) a ring each, so the next step's Q
+        # loads once this step's dK has read Q, while dV still reads dO.
+        rows_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
+        rows_bytes += cfg.tile_m * Float32.width // 8  # a step's LSE or D
         kv_pipe = make_tma_load_pipeline(storage.kv_barriers.data_ptr(), 1, kv_bytes, consumer_warps, (1, 1), 1, True)
-        qdo_pipe = make_tma_load_pipeline(
-            storage.qdo_barriers.data_ptr(), cfg.stages, qdo_bytes, consumer_warps, (1, 1), 1, True
-        )
+        rings = (
+            make_tma_load_pipeline(storage.qdo_barriers.data_ptr(), cfg.stages, 2 * rows_bytes, consumer_warps,
+                                   (1, 1), 1, True),
+        )  # fmt: skip
+        if cutlass.const_expr(self.split_dims):
+            rings = tuple(
+                make_tma_load_pipeline(barriers, cfg.stages, rows_bytes, consumer_warps, (1, 1), 1, True)
+                for barriers in (storage.qdo_barriers.data_ptr(), storage.do_barriers.data_ptr())
+            )
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner) if self.split_dims else None
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sD = storage.sD.get_tensor(sStat_layout)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
@@ -309,7 +332,7 @@ class AttentionBackwardSm90:
                 if warp_idx == self.load_warp:
                     self._load(
                         (tma_q, mQ, sQ), (tma_do, mdO, sdO), (tma_k, mK, sK), (tma_v, mV, sV), (tma_lse, mLSE, sLSE),
-                        (tma_dsum, mD, sD), kv_pipe, qdo_pipe, (n_block, kv_head, batch), seq, group, m_first,
+                        (tma_dsum, mD, sD), kv_pipe, rings, (n_block, kv_head, batch), seq, group, m_first,
                         m_count,
                     )  # fmt: skip
                 if warp_idx == self.dq_warp:
@@ -317,8 +340,8 @@ class AttentionBackwardSm90:
             else:
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
                 self._consume(
-                    tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sD, kv_pipe,
-                    qdo_pipe, tma_dk, mdK, tma_dv, mdV, (n_block, kv_head, batch), seq, group, m_first, m_count,
+                    tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, (sdS, sP), sdQ, sLSE, sD, kv_pipe,
+                    rings, tma_dk, mdK, tma_dv, mdV, (n_block, kv_head, batch), seq, group, m_first, m_count,
                     seqlen_q, seqlen_k, softmax_scale, (score_tensors, score_scalars), tidx - THREADS_PER_WARPGROUP,
                 )  # fmt: skip
 
@@ -342,9 +365,10 @@ class AttentionBackwardSm90:
         return kv_head * group + step // m_count, m_first + step % m_count
 
     @cute.jit
-    def _load(self, q, do, k, v, lse, dsum, kv_pipe, qdo_pipe, tile, seq, group, m_first, m_count):
+    def _load(self, q, do, k, v, lse, dsum, kv_pipe, rings, tile, seq, group, m_first, m_count):
         """Producer warp 0. ``q`` ... ``dsum``: (TMA atom, its global coordinate tensor, smem) of each
-        operand; K and V once, then per step the query block's Q, dO, LSE and D into one ring stage."""
+        operand; K and V once, then per step the query block's Q, dO, LSE and D into one ring stage
+        (``rings``: one pipeline, or Q and LSE's then dO and D's)."""
         cfg = self.cfg
         d = cfg.head_dim
         one = cute.make_layout(1)
@@ -361,20 +385,24 @@ class AttentionBackwardSm90:
         state = RingState.producer(cfg.stages)
         for step in cutlass.range(group * m_count, unroll=1):
             head, m_block = self._step_block(step, kv_head, group, m_first, m_count)
-            qdo_pipe.producer_acquire(state)
-            full = qdo_pipe.producer_get_barrier(state)
-            for tma, m_rows, s_rows in (q, do):
-                g_rows = cute.local_tile(self._rows(m_rows, head, seq, 0), (cfg.tile_m, d), (None, 0))
-                rows_smem, rows_gmem = cpasync.tma_partition(
-                    tma, 0, one, cute.group_modes(s_rows, 0, 2), cute.group_modes(g_rows, 0, 2)
-                )
-                cute.copy(tma, rows_gmem[None, m_block], rows_smem[None, state.index], tma_bar_ptr=full)
-            for tma, m_stat, s_stat in (lse, dsum):
-                g_stat = cute.local_tile(self._stat_rows(m_stat, head, seq), (cfg.tile_m,), (None,))
-                stat_smem, stat_gmem = cpasync.tma_partition(
-                    tma, 0, one, cute.group_modes(s_stat, 0, 1), cute.group_modes(g_stat, 0, 1)
-                )
-                cute.copy(tma, stat_gmem[None, m_block], stat_smem[None, state.index], tma_bar_ptr=full)
+            ring_loads = (((q, do), (lse, dsum)),)
+            if cutlass.const_expr(len(rings) > 1):
+                ring_loads = (((q,), (lse,)), ((do,), (dsum,)))
+            for pipe, (rows, stats) in zip(rings, ring_loads):
+                pipe.producer_acquire(state)
+                full = pipe.producer_get_barrier(state)
+                for tma, m_rows, s_rows in rows:
+                    g_rows = cute.local_tile(self._rows(m_rows, head, seq, 0), (cfg.tile_m, d), (None, 0))
+                    rows_smem, rows_gmem = cpasync.tma_partition(
+                        tma, 0, one, cute.group_modes(s_rows, 0, 2), cute.group_modes(g_rows, 0, 2)
+                    )
+                    cute.copy(tma, rows_gmem[None, m_block], rows_smem[None, state.index], tma_bar_ptr=full)
+                for tma, m_stat, s_stat in stats:
+                    g_stat = cute.local_tile(self._stat_rows(m_stat, head, seq), (cfg.tile_m,), (None,))
+                    stat_smem, stat_gmem = cpasync.tma_partition(
+                        tma, 0, one, cute.group_modes(s_stat, 0, 1), cute.group_modes(g_stat, 0, 1)
+                    )
+                    cute.copy(tma, stat_gmem[None, m_block], stat_smem[None, state.index], tma_bar_ptr=full)
             state.advance()
 
     @cute.jit
@@ -478,13 +506,17 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def _consume(
-        self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sD, kv_pipe, qdo_pipe,
+        self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, scores, sdQ, sLSE, sD, kv_pipe, rings,
         tma_dk, mdK, tma_dv, mdV, tile, seq, group, m_first, m_count, seqlen_q, seqlen_k, softmax_scale, score_args,
         mma_tidx,
     ):  # fmt: skip
+        """Consumer warpgroups: per step S^T, dP^T, P^T, dS^T, then dV, dK and this warpgroup's part of dQ
+        (module docstring); at the end, dK and dV stored. ``scores``: the staged (dS^T, P^T) buffers
+        (P^T only when splitting head_dim, else None)."""
         cfg = self.cfg
         d = cfg.head_dim
         n_block, kv_head, batch = tile
+        sdS, sP = scores
         wg = cute.arch.make_warp_uniform(mma_tidx // THREADS_PER_WARPGROUP)
         # Shared-memory operands (partitioned per warpgroup: see warpgroup_slice).
         wg_sdp, wg_dkv, wg_dq = (warpgroup_slice(m, wg) for m in (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
@@ -497,17 +529,27 @@ class AttentionBackwardSm90:
         tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(transposed_view(sdS)))
         tdQrKt = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
         thr_sdp, thr_dkv, thr_dq = (m.get_slice(mma_tidx) for m in (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
-        # P^T and dS^T in bf16/fp16, as the A operands of dV and dK.
-        tdVrP = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((cfg.tile_n, cfg.tile_m)))
-        tdKrdS = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((cfg.tile_n, cfg.tile_m)))
         s_shape = thr_sdp.partition_shape_C((cfg.tile_n, cfg.tile_m))
-        # dS^T's registers seen as an accumulator, for stmatrix into sdS (same element order).
-        dS_acc_view = cute.make_tensor(tdKrdS.iterator, cute.make_layout(s_shape))
+        if cutlass.const_expr(self.split_dims):
+            # P^T and dS^T in bf16/fp16 in the accumulator's order, for stmatrix; dV and dK read them
+            # staged (both warpgroups' queries), as shared-memory A operands.
+            p_regs = cute.make_rmem_tensor(s_shape, self.dtype)
+            ds_regs = cute.make_rmem_tensor(s_shape, self.dtype)
+            dS_acc_view = ds_regs
+            tdVrP = tiled_mma_dkv.make_fragment_A(wg_dkv.partition_A(sP))
+            tdKrdS = tiled_mma_dkv.make_fragment_A(wg_dkv.partition_A(sdS))
+        else:
+            # P^T and dS^T in bf16/fp16, as the A operands of dV and dK.
+            tdVrP = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((cfg.tile_n, cfg.tile_m)))
+            tdKrdS = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((cfg.tile_n, cfg.tile_m)))
+            # dS^T's registers seen as an accumulator, for stmatrix into sdS (same element order).
+            dS_acc_view = cute.make_tensor(tdKrdS.iterator, cute.make_layout(s_shape))
         r2s_ds = cute.make_tiled_copy_C(
             sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32), tiled_mma_sdp
         )
         thr_r2s_ds = r2s_ds.get_slice(mma_tidx)
         tdSsdS = thr_r2s_ds.partition_D(sdS)
+        tPsP = thr_r2s_ds.partition_D(sP) if cutlass.const_expr(self.split_dims) else None
         tdQsdQ = thr_dq.partition_C(sdQ)
         cS = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((cfg.tile_n, cfg.tile_m))))
         # This warpgroup and the dQ writer warp, around the warpgroup's dQ staging buffer.
@@ -536,7 +578,7 @@ class AttentionBackwardSm90:
         read = RingState.consumer(cfg.stages)
         for step in cutlass.range(group * m_count, unroll=1):
             head, m_block = self._step_block(step, kv_head, group, m_first, m_count)
-            wait_full(qdo_pipe, read)
+            wait_full(rings[0], read)
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             acc_dP = cute.make_rmem_tensor(s_shape, Float32)
             slope = cute.make_rmem_tensor(s_shape, Float32) if cutlass.const_expr(self.score_mod is not None) else None
@@ -545,6 +587,8 @@ class AttentionBackwardSm90:
                 for i, (name, _, _) in enumerate(self.score_mod.tensor_operands):
                     operands[name] = score_tensors[i][head].to(Float32)
             warpgroup_gemm(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, read.index], False, -1)
+            if cutlass.const_expr(len(rings) > 1):
+                wait_full(rings[1], read)  # dO and D
             warpgroup_gemm(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, read.index], False, 1)
             masked = ragged_keys
             if cutlass.const_expr(self.varlen):  # the block's queries run past the sequence's
@@ -559,7 +603,15 @@ class AttentionBackwardSm90:
                 self._probabilities(acc_S, slope, cS, step_args, True)
             else:
                 self._probabilities(acc_S, slope, cS, step_args, False)
-            pack_16bit(acc_as_operand_a(acc_S), tdVrP)
+            # The staged scores' buffer: the ring's stage, or (one stage) the step's parity.
+            scores_buf = read.index
+            if cutlass.const_expr(cfg.stages != cfg.score_buffers):
+                scores_buf = step % cfg.score_buffers
+            if cutlass.const_expr(self.split_dims):
+                pack_16bit(acc_S, p_regs)
+                cute.copy(r2s_ds, thr_r2s_ds.retile(p_regs), tPsP[None, None, None, scores_buf])
+            else:
+                pack_16bit(acc_as_operand_a(acc_S), tdVrP)
             warpgroup.wait_group(0)  # dP^T landed
             P, dP = acc_rows_cols(acc_S), acc_rows_cols(acc_dP)
             for c in cutlass.range_constexpr(cute.size(P, mode=[1])):
@@ -568,22 +620,35 @@ class AttentionBackwardSm90:
                     dP[r, c] = P[r, c] * (dP[r, c] - dsum_c)
                     if cutlass.const_expr(self.score_mod is not None):
                         dP[r, c] = dP[r, c] * acc_rows_cols(slope)[r, c]
-            pack_16bit(acc_as_operand_a(acc_dP), tdKrdS)
-            # dS^T staged for dQ (which reads both warpgroups' keys) while dV's WGMMA runs.
-            cute.copy(r2s_ds, thr_r2s_ds.retile(dS_acc_view), tdSsdS[None, None, None, read.index])
-            warpgroup_gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, read.index], True, -1)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            scores_staged.arrive_and_wait()
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((cfg.tile_m, d)), Float32)
-            warpgroup_gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, read.index], tdQrKt, False, 1)
-            warpgroup_gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, read.index], True, 1)
+            if cutlass.const_expr(self.split_dims):
+                # Both warpgroups' P^T and dS^T staged, then dQ, dV and dK read them from shared memory.
+                pack_16bit(acc_dP, ds_regs)
+                cute.copy(r2s_ds, thr_r2s_ds.retile(dS_acc_view), tdSsdS[None, None, None, scores_buf])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                scores_staged.arrive_and_wait()
+                dO_t, Q_t = tdVrdOt[None, None, None, read.index], tdKrQt[None, None, None, read.index]
+                warpgroup_gemm(tiled_mma_dkv, acc_dK, tdKrdS[None, None, None, scores_buf], Q_t, True, -1)
+                warpgroup_gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, scores_buf], tdQrKt, False, -1)
+                warpgroup_gemm(tiled_mma_dkv, acc_dV, tdVrP[None, None, None, scores_buf], dO_t, True, 2)
+                rings[0].consumer_release(read)  # dK has read Q (and S the step's LSE): the next Q may load
+                warpgroup.wait_group(1)
+            else:
+                pack_16bit(acc_as_operand_a(acc_dP), tdKrdS)
+                # dS^T staged for dQ (which reads both warpgroups' keys) while dV's WGMMA runs.
+                cute.copy(r2s_ds, thr_r2s_ds.retile(dS_acc_view), tdSsdS[None, None, None, scores_buf])
+                warpgroup_gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, read.index], True, -1)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                scores_staged.arrive_and_wait()
+                warpgroup_gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, scores_buf], tdQrKt, False, 1)
+                warpgroup_gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, read.index], True, 1)
             # dQ landed (dK still runs): stage it for the dQ writer once its last reduce-add has read the buffer.
             dq_empty.arrive_and_wait()
             cute.autovec_copy(acc_dQ, tdQsdQ)
             cute.arch.fence_proxy("async.shared", space="cta")
             dq_full.arrive()
             warpgroup.wait_group(0)
-            qdo_pipe.consumer_release(read)  # dV, dK and dQ have read Q, dO and dS
+            rings[-1].consumer_release(read)  # dV, dK and dQ have read Q, dO and dS
             read.advance()
 
         self._store_dkv(

@@ -29,7 +29,7 @@ def meta_call(d=128, hq=4, hkv=4, causal=False, **kwargs):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_backward_variants_compile_without_spills(d, causal, ptxas_report):
     compile_backward(BackwardVariant(backward_config(d), "bf16", causal))
     spills, injected_fences = ptxas_report()
@@ -44,9 +44,10 @@ def test_score_mod_backward_and_fp16_compile():
     score, _ = hooks_of(call, softcap, None, {"slopes": torch.ones(4), "cap": 30.0})
     compile_backward(BackwardVariant(backward_config(128), "bf16", True, score.fusion))
     compile_backward(BackwardVariant(backward_config(64), "fp16", False))
+    compile_backward(BackwardVariant(backward_config(256), "fp16", True, score.fusion))
 
 
-@pytest.mark.parametrize("d,causal,varlen", [(128, True, False), (64, False, True)])
+@pytest.mark.parametrize("d,causal,varlen", [(128, True, False), (64, False, True), (256, True, True)])
 def test_deterministic_variants_compile_without_spills(d, causal, varlen, ptxas_report):
     compile_backward(BackwardVariant(backward_config(d), "bf16", causal, varlen=varlen, deterministic=True))
     spills, injected_fences = ptxas_report()
@@ -60,14 +61,18 @@ def test_preprocess_variants_compile_without_spills(d, tile_m, varlen, has_dlse,
     assert spills == [0] and injected_fences == []
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_backward_smem_fits(d):
     assert backward_smem_layout(backward_config(d)).total_bytes <= SMEM_LIMIT
 
 
 def test_backward_config_refuses_what_the_kernel_cannot_run():
-    with pytest.raises(ConfigError, match="head_dim=256"):
-        backward_config(256)
+    with pytest.raises(ConfigError, match="head_dim=96"):
+        BackwardConfig(head_dim=96).validate()
+    with pytest.raises(ConfigError, match="tile_n=128: at head_dim 256"):
+        BackwardConfig(head_dim=256).validate()
+    with pytest.raises(ConfigError, match="tile_n=64"):
+        BackwardConfig(head_dim=128, tile_n=64).validate()
     with pytest.raises(ConfigError, match="tile_m"):
         BackwardConfig(tile_m=128).validate()
     with pytest.raises(ConfigError, match="stages"):
@@ -80,8 +85,8 @@ def test_prepare_plans_the_backward_or_says_why_not():
     assert variant.key() != prepare(meta_call(hq=8, hkv=2)).backward_variant().key()
     deterministic = prepare(meta_call(hq=8, hkv=2, causal=True)).backward_variant(deterministic=True)
     assert deterministic.deterministic and deterministic.key() != variant.key()
-    with pytest.raises(ConfigError, match="head_dim=256"):
-        prepare(meta_call(d=256)).backward_variant()
+    wide = prepare(meta_call(d=256)).backward_variant().config
+    assert wide.split_head_dim and (wide.tile_n, wide.tile_m, wide.stages) == (64, 64, 1)
     with pytest.raises(ConfigError, match="epilogue"):
         prepare(meta_call(), epilogue=lambda o: {"D": o * 2.0}).backward_variant()
 

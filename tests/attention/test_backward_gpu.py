@@ -4,7 +4,8 @@ Gradients of ``epicute.attention`` (through its custom op's registered autograd)
 with torch's autograd through :func:`reference_attention` on float32 copies of the same inputs
 (the same math: masks, score_mod, causal alignment), relative error <= 1e-2 per gradient. Odd
 lengths (1, 17, 1000, 4097), seqlen_q != seqlen_k both ways, MHA / GQA / MQA, causal, head_dim
-64 and 128, bf16 and fp16, score_mods (softcap, ALiBi, a masked softcap), LSE's own gradient,
+64, 128 and 256 (whose kernel splits head_dim over its warpgroups), bf16 and fp16, score_mods
+(softcap, ALiBi, a masked softcap), LSE's own gradient,
 ``torch.compile(fullgraph=True)``, the deterministic mode (bitwise-equal gradients across runs).
 dK and dV are NaN-poisoned through the backward's buffer seam, so an element the kernel never
 writes fails.
@@ -93,7 +94,7 @@ def test_gradients_match_reference(sq, sk, causal):
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (6, 1)])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_gqa_and_mqa_sum_dk_dv_over_the_group(d, hq, hkv):
     check(*leaves(2, 1000, 777, hq, hkv, d), causal=True)
     check(*leaves(1, 129, 1000, hq, hkv, d), causal=False)
@@ -102,6 +103,16 @@ def test_gqa_and_mqa_sum_dk_dv_over_the_group(d, hq, hkv):
 def test_fp16_and_head_dim_64():
     check(*leaves(2, 513, 1000, 4, 2, 64, torch.float16), causal=True)
     check(*leaves(1, 1000, 1000, 2, 2, 128, torch.float16))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1, 17), (17, 1000), (1000, 17), (4097, 4097), (129, 1000)])
+def test_head_dim_256_gradients_match_reference(sq, sk, causal):
+    # 64 keys per CTA, the warpgroups splitting the step's queries (S^T, dP^T) and head_dim (dV, dK, dQ):
+    # 1 and 17 keys leave most of a block masked, 4097 crosses a block edge by one.
+    check(*leaves(2, sq, sk, 2, 2, 256), causal=causal)
+    if sq == 129 and not causal:
+        check(*leaves(1, sq, sk, 4, 2, 256, torch.float16), causal=True)
 
 
 def test_score_mod_gradients_are_derived():
@@ -120,10 +131,13 @@ def test_score_mod_gradients_are_derived():
     slopes = torch.rand(4, device="cuda") * 0.1
     check(q, k, v, causal=False, score_mod=alibi, slopes=slopes)
     check(*leaves(1, 777, 1000, 4, 4, 64), causal=True, score_mod=local_softcap, cap=20.0)
+    check(*leaves(1, 300, 1000, 2, 2, 256), causal=True, score_mod=alibi, slopes=torch.rand(2, device="cuda") * 0.1)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d,hq,hkv,sq,sk", [(128, 4, 2, 4097, 1000), (64, 2, 2, 1000, 4097), (128, 2, 1, 300, 17)])
+@pytest.mark.parametrize(
+    "d,hq,hkv,sq,sk", [(128, 4, 2, 4097, 1000), (64, 2, 2, 1000, 4097), (128, 2, 1, 300, 17), (256, 4, 2, 1000, 777)]
+)
 def test_deterministic_gradients_are_reproducible_bit_for_bit(d, hq, hkv, sq, sk, causal):
     # Many key blocks add into each query block's dQ: in deterministic mode always in the same order.
     q, k, v = leaves(2, sq, sk, hq, hkv, d)
@@ -200,8 +214,10 @@ def test_unsupported_backward_is_refused_before_launch():
     slopes = torch.rand(2, device="cuda", requires_grad=True)
     with pytest.raises(ConfigError, match="slopes"):
         epicute.attention(q, k, v, score_mod=lambda s, b, h, qi, ki, slopes: s + slopes, slopes=slopes)
-    q256, k256, v256 = leaves(1, 64, 64, 2, 2, 256)
-    with pytest.raises(ConfigError, match="head_dim=256"):
-        epicute.attention(q256, k256, v256)
-    with torch.no_grad():  # inference needs no backward
-        assert epicute.attention(q256, k256, v256).shape == q256.shape
+    # A paged KV cache (one page of 64 keys) is for inference: refused with grad, served without.
+    pages = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    q_decode, k_paged, v_paged = leaves(1, 4, 64, 2, 2, 128)
+    with pytest.raises(ConfigError, match="page_table"):
+        epicute.attention(q_decode, k_paged, v_paged, page_table=pages)
+    with torch.no_grad():
+        assert epicute.attention(q_decode, k_paged, v_paged, page_table=pages).shape == q_decode.shape

@@ -123,7 +123,7 @@ def check_backward(q, k, v, varlen, causal=False, score_mod=None, compiled=False
     return got
 
 
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 128, 256))
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
 @pytest.mark.parametrize("lengths", BATCHES, ids=("one", "mixed", "empty", "unequal"))
 def test_backward_matches_reference(lengths, causal, d):
