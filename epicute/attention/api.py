@@ -209,6 +209,7 @@ def attention(
     Training: when q, k or v require grad, the call runs as the custom op ``epicute::attention``
     whose registered autograd runs the backward kernel (:mod:`epicute.attention.backward`), in
     eager and under ``torch.compile``; a score_mod's gradient is derived from its traced graph.
+    A score_mod's per-head vectors that require grad get gradients (summed in the backward kernel).
     The backward covers head_dim 64, 128 and 256 with no output epilogue, paged cache or seqused_k;
     other calls that need gradients get a :class:`~epicute.errors.ConfigError` before any launch.
 
@@ -267,7 +268,8 @@ def attention(
     )  # fmt: skip
     prepared = prepare(call, score_mod, epilogue, operands, out_dtypes, config)
     score, epi = prepared.score, prepared.epilogue
-    if backend == "kernel" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    needs_grad = any(t.requires_grad for t in (q, k, v, *(x for x in operands.values() if isinstance(x, torch.Tensor))))
+    if backend == "kernel" and torch.is_grad_enabled() and needs_grad:
         # Training: the custom op, whose autograd runs the backward kernel (checked here, before any launch).
         _check_differentiable(prepared, out, operands)
         if call.problem.varlen:  # the lengths travel as numbers: read them once, here
@@ -301,15 +303,16 @@ def attention(
 
 def _check_differentiable(prepared, out: torch.Tensor | None, operands: dict[str, Any]) -> None:
     """Refuse, with the fix, a call whose inputs need gradients the backward cannot give."""
+    score = prepared.score
+    for name, value in operands.items():
+        if isinstance(value, torch.Tensor) and value.requires_grad and (score is None or name not in score.operands):
+            raise ConfigError(
+                f"operand {name!r} requires grad: only the score_mod's per-head vectors get gradients (the output "
+                f"epilogue has no backward); pass {name}.detach()"
+            )
     prepared.backward_variant()
     if out is not None:
         raise ConfigError("out=: autograd needs attention to allocate O; drop out= or call under torch.no_grad()")
-    for name, value in operands.items():
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            raise ConfigError(
-                f"operand {name!r} requires grad: the backward differentiates the score_mod by the score only; "
-                f"pass {name}.detach()"
-            )
 
 
 def explain_attention(

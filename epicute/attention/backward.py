@@ -45,25 +45,30 @@ class BackwardVariant:
     varlen: bool = False
     #: dQ's parts added in a fixed order: bitwise reproducible gradients
     deterministic: bool = False
+    #: the score_mod's per-head vectors get gradients (summed in the kernel, see ``operand_grads``)
+    operand_grads: bool = False
 
     def key(self) -> CacheKey:
         """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
         c = self.config
         label = (f"attention backward d{c.head_dim} {c.tile_m}x{c.tile_n} {self.dtype}"
                  + (" causal" if self.causal else "") + ("" if self.score_mod is None else " +score_mod")
-                 + (" varlen" if self.varlen else "") + (" deterministic" if self.deterministic else ""))  # fmt: skip
+                 + (" varlen" if self.varlen else "") + (" deterministic" if self.deterministic else "")
+                 + (" +operand grads" if self.operand_grads else ""))  # fmt: skip
         score_key = None if self.score_mod is None else self.score_mod.key()
         parts = (c.key(), self.dtype, self.causal, score_key, ("align", OPERAND_ALIGN_BYTES))
         if self.varlen:
             parts += (("varlen", True),)
         if self.deterministic:
             parts += (("deterministic", True),)
+        if self.operand_grads:
+            parts += (("operand_grads", True),)
         return CacheKey("attention_backward", parts, self.arch, label)
 
 
 def compile_backward(variant: BackwardVariant):
     """Compile one variant for sm_90a; returns ``f(q, k, v, do, lse_log2, d, dq_accum, dk, dv, softmax_scale,
-    score_tensors, score_scalars, varlen, dq_turns)``
+    score_tensors, score_scalars, varlen, dq_turns, operand_grads)``
     taking torch tensors (see :meth:`~epicute.attention.backward_sm90.AttentionBackwardSm90.__call__`)."""
     import cutlass
     from cutlass import cute
@@ -91,8 +96,21 @@ def compile_backward(variant: BackwardVariant):
     if variant.varlen:  # cu_seqlens_q, cu_seqlens_k, max_seqlen_k
         varlen = (_fake_elementwise(cutlass.Int32, 1), _fake_elementwise(cutlass.Int32, 1), cutlass.Int32(1))
     kernel = AttentionBackwardSm90(
-        variant.config, variant.dtype, variant.causal, variant.score_mod, variant.varlen, variant.deterministic
+        variant.config,
+        variant.dtype,
+        variant.causal,
+        variant.score_mod,
+        variant.varlen,
+        variant.deterministic,
+        variant.operand_grads,
     )
+    partials = tuple(
+        cute.runtime.make_fake_tensor(
+            cutlass.Float32, tuple(cute.sym_int() for _ in range(4)),
+            stride=(*(cute.sym_int64() for _ in range(3)), 1), assumed_align=4,
+        )
+        for _ in kernel.grad_operands
+    )  # fmt: skip
     return dsl_compile(
         variant,
         kernel,
@@ -110,8 +128,9 @@ def compile_backward(variant: BackwardVariant):
         score_scalars,
         varlen,
         (turns,) if variant.deterministic else (),
+        partials,
         stream,
-        constant_args=("score_tensors", "score_scalars", "varlen", "dq_turns"),
+        constant_args=("score_tensors", "score_scalars", "varlen", "dq_turns", "operand_grads"),
     )
 
 
@@ -240,14 +259,26 @@ def attention_backward(
     variant: BackwardVariant,
     score_operands: tuple = ((), ()),
     dlse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of ``O = attention(q, k, v)`` (``call``: the forward's validated
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """dQ, dK, dV and the score_mod's per-head vectors' gradients (by name; ``variant.operand_grads``,
+    else none) of ``O = attention(q, k, v)`` (``call``: the forward's validated
     :class:`~epicute.attention.validate.AttentionCall`) for the gradient ``do`` of O (contiguous in
     head_dim); ``lse`` the forward's fp32 LSE. ``score_operands``: the score_mod's kernel operands, as
     the forward took them. ``dlse``: LSE's gradient, if LSE was used: since d LSE / d s = P, it enters
-    as ``dS = P (dP - (D - dLSE))``."""
+    as ``dS = P (dP - (D - dLSE))``.
+
+    An operand's gradient sums, over every score, d loss / d score_mod (``P (dP - D)``) times the
+    score_mod's derivative by the operand: the kernel leaves per (batch, head, key block, consumer warp)
+    partial sums, reduced here in a fixed order."""
     q, k, v, p = call.q, call.k, call.v, call.problem
     dk, dv = new_grad(k.shape, k.dtype, k.device), new_grad(v.shape, v.dtype, v.device)
+    grad_names = [n for n, _, _ in variant.score_mod.tensor_operands] if variant.operand_grads else []
+    sequences = call.cu_seqlens_q.numel() - 1 if p.varlen else p.batch
+    key_blocks = -(-p.seqlen_k // variant.config.tile_n)
+    warps = variant.config.num_mma_threads // 32
+    partials = tuple(
+        torch.zeros(sequences, p.heads_q, key_blocks, warps, dtype=torch.float32, device=q.device) for _ in grad_names
+    )
     # Packed: zeroed here, rows outside every sequence included; dense: by the preprocess.
     dq_accum = (torch.zeros if p.varlen else torch.empty)(q.shape, dtype=torch.float32, device=q.device)
     if q.numel() and k.numel():
@@ -263,14 +294,16 @@ def attention_backward(
             rows = lse_log2.shape
             dq_turns = (torch.zeros(*rows[:2], rows[2] // variant.config.tile_m, dtype=torch.int32, device=q.device),)
         BACKWARD_CACHE.get(variant)(
-            q4, k4, v4, do4, lse_log2, dsum, dq4, dk4, dv4, call.softmax_scale, *score_operands, varlen, dq_turns
+            q4, k4, v4, do4, lse_log2, dsum, dq4, dk4, dv4, call.softmax_scale, *score_operands, varlen, dq_turns,
+            partials,
         )  # fmt: skip
     else:  # no queries: nothing flows back to the keys; no keys: none to the queries
         dq_accum.zero_()
         dk.zero_()
         dv.zero_()
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return torch.mul(dq_accum, call.softmax_scale, out=dq), dk, dv  # scaled and cast in one pass
+    operand_grads = {name: part.sum(dim=(0, 2, 3)) for name, part in zip(grad_names, partials)}
+    return torch.mul(dq_accum, call.softmax_scale, out=dq), dk, dv, operand_grads  # dQ scaled and cast in one pass
 
 
 __all__ = [

@@ -91,7 +91,7 @@ class AttentionBackwardSm90:
 
     def __init__(
         self, cfg: BackwardConfig, dtype: str, causal: bool, score_mod: ScoreModFusion | None = None,
-        varlen: bool = False, deterministic: bool = False,
+        varlen: bool = False, deterministic: bool = False, operand_grads: bool = False,
     ):  # fmt: skip
         cfg.validate()
         self.varlen = varlen
@@ -100,8 +100,15 @@ class AttentionBackwardSm90:
         self.dtype = DSL_DTYPES[dtype]
         self.causal = causal
         self.score_mod = score_mod
-        #: The score_mod's value and its derivative by the score, one graph (shared nodes).
-        self.score_graph = None if score_mod is None else value_and_derivative(score_mod.graph)
+        #: The score_mod's per-head vectors whose gradients the kernel sums (``operand_grads``).
+        self.grad_operands = ()
+        if operand_grads and score_mod is not None:
+            self.grad_operands = tuple(name for name, _, _ in score_mod.tensor_operands)
+        #: The score_mod's value and its derivatives by the score and the ``grad_operands``, one graph
+        #: (shared nodes).
+        self.score_graph = (
+            None if score_mod is None else value_and_derivative(score_mod.graph, operands=self.grad_operands)
+        )
         self.smem = backward_smem_layout(cfg, dtype)
         self.num_wg = cfg.num_mma_warpgroups
         #: head_dim 256: the warpgroups split head_dim and the step's queries, not the keys (backward_plan).
@@ -134,6 +141,7 @@ class AttentionBackwardSm90:
         score_scalars: tuple,
         varlen: tuple,
         dq_turns: tuple,
+        operand_grads: tuple,
         stream,
     ):
         """Tensors ``(batch, seqlen, heads, head_dim)``; ``mLSE_bhs`` (LSE in log2 units) and
@@ -142,7 +150,10 @@ class AttentionBackwardSm90:
         per-head vectors and scalars as the forward takes them. ``varlen``: ``()``, or
         ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_k)`` with every tensor packed (batch extent 1, LSE
         and D padded by a query block past the last row). ``dq_turns``: ``()``, or (deterministic) the
-        zeroed int32 turn counters ``(batch, heads_q, LSE's rows / tile_m)``, one per query block."""
+        zeroed int32 turn counters ``(batch, heads_q, LSE's rows / tile_m)``, one per query block.
+        ``operand_grads``: per grad operand (``grad_operands``), zeroed fp32 partial sums ``(batch, heads_q,
+        key blocks, consumer warps)``: each consumer warp adds its part of every step into its own slot,
+        in step order (no two writers share one: the sums are reproducible)."""
         cfg = self.cfg
         d = cfg.head_dim
         # (seqlen, dim, heads, batch): TMA boxes are (rows, dim).
@@ -219,7 +230,7 @@ class AttentionBackwardSm90:
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
             tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, tma_lse, tma_mLSE, tma_dsum, tma_mD, sQ_layout,
             sK_layout, sV_layout, sdS_layout, sdQ_layout, sdQ_wg_layout, sStat_layout, group, softmax_scale,
-            score_tensors, score_scalars, varlen, dq_turns,
+            score_tensors, score_scalars, varlen, dq_turns, operand_grads,
         ).launch(
             grid=(n_blocks, cute.size(mK, mode=[2]), batches),
             block=[cfg.num_threads, 1, 1],
@@ -265,6 +276,7 @@ class AttentionBackwardSm90:
         score_scalars: tuple,
         varlen: tuple,
         dq_turns: tuple,
+        operand_grads: tuple,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -342,7 +354,8 @@ class AttentionBackwardSm90:
                 self._consume(
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, (sdS, sP), sdQ, sLSE, sD, kv_pipe,
                     rings, tma_dk, mdK, tma_dv, mdV, (n_block, kv_head, batch), seq, group, m_first, m_count,
-                    seqlen_q, seqlen_k, softmax_scale, (score_tensors, score_scalars), tidx - THREADS_PER_WARPGROUP,
+                    seqlen_q, seqlen_k, softmax_scale, (score_tensors, score_scalars, operand_grads),
+                    tidx - THREADS_PER_WARPGROUP,
                 )  # fmt: skip
 
     def _query_blocks(self, n_block, seqlen_q, seqlen_k):
@@ -457,17 +470,27 @@ class AttentionBackwardSm90:
 
     # ------------------------------------------------------------ consumers
     @cute.jit
-    def _probabilities(self, acc_S, slope, cS, step_args, masked: cutlass.Constexpr[bool]):
+    def _probabilities(self, acc_S, slope, cS, step_args, masked: cutlass.Constexpr[bool], grads=None):
         """S^T becomes P^T = exp2(s' * log2 e - LSE_log2) in place, s' the scaled score or the score_mod
         of it (whose derivative by the score goes to ``slope``: dS is then scaled by it); with
         ``masked``, keys past seqlen_k, (causal) keys past each query's diagonal and (packed sequences, whose
         next rows are another sequence's) queries past seqlen_q get P = 0.
         ``step_args``: (key block, query block, head, batch, the step's LSE by query row (shared memory),
-        seqlen_q, seqlen_k, softmax scale, the score_mod's operands loaded for the head)."""
+        seqlen_q, seqlen_k, softmax scale, the score_mod's operands loaded for the head).
+
+        ``grads`` (with ``grad_operands``): (dP^T, landed; the step's D by query row; the grad operands'
+        parts, an fp32 register vector): each score's dS^T is made here too, in place of dP^T, while its
+        derivatives by the operands are at hand: their products with P (dP - D) are added to the parts
+        (so neither the slope nor those derivatives are stored)."""
         cfg = self.cfg
         n_block, m_block, head, batch, lse, seqlen_q, seqlen_k, softmax_scale, operands = step_args
         S = acc_rows_cols(acc_S)
-        G = acc_rows_cols(slope) if cutlass.const_expr(self.score_mod is not None) else None
+        G = None
+        if cutlass.const_expr(self.score_mod is not None and grads is None):
+            G = acc_rows_cols(slope)
+        dP = dsum = parts = None
+        if cutlass.const_expr(grads is not None):
+            dP, dsum, parts = acc_rows_cols(grads[0]), grads[1], grads[2]
         scale_log2 = softmax_scale * LOG2_E
         if cutlass.const_expr(self.score_mod is not None):
             scale_log2 = Float32(LOG2_E)  # the score_mod sees (and returns) scaled scores
@@ -478,12 +501,14 @@ class AttentionBackwardSm90:
             if cutlass.const_expr(self.score_mod is not None):
                 index["q_idx"] = query.to(Float32)
             lse_c = lse[cS[0, c][1]]
+            dsum_c = dsum[cS[0, c][1]] if cutlass.const_expr(grads is not None) else None
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 key = n_block * cfg.tile_n + cS[r, 0][0]
                 score = S[r, c]
+                slope_rc, by_operand = None, []
                 if cutlass.const_expr(self.score_mod is not None):
                     index["kv_idx"] = key.to(Float32)
-                    score, G[r, c] = self._score_mod(score * softmax_scale, index, operands)
+                    score, slope_rc, by_operand = self._score_mod(score * softmax_scale, index, operands)
                 p = cute.math.exp2(score * scale_log2 - lse_c, fastmath=True)
                 if cutlass.const_expr(masked):
                     hidden = key >= seqlen_k
@@ -493,8 +518,16 @@ class AttentionBackwardSm90:
                         hidden = hidden | (key > query + seqlen_k - seqlen_q)
                     p = cutlass.select_(hidden, Float32(0.0), p)
                     if cutlass.const_expr(self.score_mod is not None):
-                        # A hidden key's slope may be anything (its score is not a real one): 0 * inf is NaN.
-                        G[r, c] = cutlass.select_(hidden, Float32(0.0), G[r, c])
+                        # A hidden key's slopes may be anything (its score is not a real one): 0 * inf is NaN.
+                        slope_rc = cutlass.select_(hidden, Float32(0.0), slope_rc)
+                        by_operand = [cutlass.select_(hidden, Float32(0.0), g) for g in by_operand]
+                if cutlass.const_expr(grads is not None):
+                    upstream = p * (dP[r, c] - dsum_c)  # d loss / d score_mod
+                    for i, g in enumerate(by_operand):
+                        parts[i] = parts[i] + upstream * g
+                    dP[r, c] = upstream * slope_rc
+                elif cutlass.const_expr(self.score_mod is not None):
+                    G[r, c] = slope_rc
                 S[r, c] = p
 
     def _score_mod(self, score, index: dict, operands: dict):
@@ -502,7 +535,7 @@ class AttentionBackwardSm90:
         graph = self.score_graph
         values = emit_score_mod(graph, score, index, operands)
         outputs = dict(graph.outputs)
-        return values[outputs["D"]], values[outputs["dD"]]
+        return values[outputs["D"]], values[outputs["dD"]], [values[outputs[f"d_{n}"]] for n in self.grad_operands]
 
     @cute.jit
     def _consume(
@@ -562,7 +595,7 @@ class AttentionBackwardSm90:
         scores_staged = pipeline.NamedBarrier(
             barrier_id=int(NamedBarriers.SCORES_STAGED), num_threads=cfg.num_mma_threads
         )
-        score_tensors, score_scalars = score_args
+        score_tensors, score_scalars, operand_grads = score_args
         scalar_operands = {}
         if cutlass.const_expr(self.score_mod is not None):
             for i, (name, _, _) in enumerate(self.score_mod.scalar_operands):
@@ -581,7 +614,9 @@ class AttentionBackwardSm90:
             wait_full(rings[0], read)
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             acc_dP = cute.make_rmem_tensor(s_shape, Float32)
-            slope = cute.make_rmem_tensor(s_shape, Float32) if cutlass.const_expr(self.score_mod is not None) else None
+            slope = grads = None
+            if cutlass.const_expr(self.score_mod is not None and not self.grad_operands):
+                slope = cute.make_rmem_tensor(s_shape, Float32)
             operands = dict(scalar_operands)
             if cutlass.const_expr(self.score_mod is not None):
                 for i, (name, _, _) in enumerate(self.score_mod.tensor_operands):
@@ -599,10 +634,15 @@ class AttentionBackwardSm90:
             # The step's LSE and D (padded past seqlen_q: no bounds checks), in the ring stage.
             lse, dsum = sLSE[None, read.index], sD[None, read.index]
             step_args = (n_block, m_block, head, batch, lse, seqlen_q, seqlen_k, softmax_scale, operands)
+            if cutlass.const_expr(self.grad_operands):
+                # dP^T first: each score's derivatives by the operands meet its P (dP - D) at once.
+                warpgroup.wait_group(0)
+                grads = (acc_dP, dsum, cute.make_rmem_tensor(len(self.grad_operands), Float32))
+                grads[2].fill(0.0)
             if masked:
-                self._probabilities(acc_S, slope, cS, step_args, True)
+                self._probabilities(acc_S, slope, cS, step_args, True, grads)
             else:
-                self._probabilities(acc_S, slope, cS, step_args, False)
+                self._probabilities(acc_S, slope, cS, step_args, False, grads)
             # The staged scores' buffer: the ring's stage, or (one stage) the step's parity.
             scores_buf = read.index
             if cutlass.const_expr(cfg.stages != cfg.score_buffers):
@@ -614,12 +654,16 @@ class AttentionBackwardSm90:
                 pack_16bit(acc_as_operand_a(acc_S), tdVrP)
             warpgroup.wait_group(0)  # dP^T landed
             P, dP = acc_rows_cols(acc_S), acc_rows_cols(acc_dP)
-            for c in cutlass.range_constexpr(cute.size(P, mode=[1])):
-                dsum_c = dsum[cS[0, c][1]]
-                for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
-                    dP[r, c] = P[r, c] * (dP[r, c] - dsum_c)
-                    if cutlass.const_expr(self.score_mod is not None):
-                        dP[r, c] = dP[r, c] * acc_rows_cols(slope)[r, c]
+            if cutlass.const_expr(self.grad_operands):  # dS^T made with P^T; the step's operand parts out
+                for i in cutlass.range_constexpr(len(self.grad_operands)):
+                    self._add_operand_part(operand_grads[i], grads[2][i], (batch, head, n_block), mma_tidx)
+            else:
+                for c in cutlass.range_constexpr(cute.size(P, mode=[1])):
+                    dsum_c = dsum[cS[0, c][1]]
+                    for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
+                        dP[r, c] = P[r, c] * (dP[r, c] - dsum_c)
+                        if cutlass.const_expr(self.score_mod is not None):
+                            dP[r, c] = dP[r, c] * acc_rows_cols(slope)[r, c]
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((cfg.tile_m, d)), Float32)
             if cutlass.const_expr(self.split_dims):
                 # Both warpgroups' P^T and dS^T staged, then dQ, dV and dK read them from shared memory.
@@ -655,6 +699,17 @@ class AttentionBackwardSm90:
             tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, tile, (seq, seqlen_k), softmax_scale,
             mma_tidx,
         )  # fmt: skip
+
+    @cute.jit
+    def _add_operand_part(self, partials: cute.Tensor, part: Float32, where: tuple, mma_tidx):
+        """The warp's sum of ``part`` added into its own slot of ``partials`` ``(batch, heads_q, key blocks,
+        consumer warps)`` at ``where`` = (batch, query head, key block): one lane, so the slot's adds come
+        in this warp's step order."""
+        part = cute.arch.warp_reduction_sum(part)
+        if cute.arch.lane_idx() == 0:
+            batch, head, n_block = where
+            slot = cute.domain_offset((batch, head, n_block, mma_tidx // 32), partials).iterator
+            cute.arch.atomic_add(slot, part, sem="relaxed", scope="gpu")
 
     @cute.jit
     def _store_dkv(

@@ -213,10 +213,10 @@ class PreparedAttention:
             p.varlen,
         )  # fmt: skip
 
-    def backward_variant(self, deterministic: bool = False):
+    def backward_variant(self, deterministic: bool = False, operand_grads: bool = False):
         """The backward kernel of this call (:mod:`epicute.attention.backward`), adding dQ's parts in a fixed
-        order if ``deterministic``; raises :class:`~epicute.errors.ConfigError` naming what the backward
-        does not cover."""
+        order if ``deterministic`` and summing the score_mod's per-head vectors' gradients if ``operand_grads``;
+        raises :class:`~epicute.errors.ConfigError` naming what the backward does not cover."""
         from epicute.attention.backward import BackwardVariant
         from epicute.attention.backward_plan import BACKWARD_HEAD_DIMS, backward_config
 
@@ -234,6 +234,7 @@ class PreparedAttention:
         return BackwardVariant(
             backward_config(p.head_dim), p.dtype, p.causal, None if self.score is None else self.score.fusion,
             self.plan.target.arch, p.varlen, deterministic,
+            operand_grads and self.score is not None and bool(self.score.fusion.tensor_operands),
         )  # fmt: skip
 
 

@@ -105,8 +105,11 @@ def attention_backward_op(
     spec: str,
     cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dQ, dK, dV)`` of ``epicute::attention``'s ``(O, LSE)`` for their gradients ``do`` and ``dlse``."""
+    operand_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dQ, dK, dV, dOperands)`` of ``epicute::attention``'s ``(O, LSE)`` for their gradients ``do`` and
+    ``dlse``. ``dOperands``: with ``operand_grads``, fp32 ``(len(operands), heads_q)``, row ``i`` the gradient
+    of ``operands[i]`` (a per-head vector; zeros for one the score_mod does not read); else ``(0, heads_q)``."""
     from epicute.attention.backward import attention_backward
     from epicute.attention.prepare import prepare
     from epicute.attention.validate import check_attention_args
@@ -121,13 +124,21 @@ def attention_backward_op(
     )  # fmt: skip
     score = prepared.score
     score_operands = score.kernel_operands(q.device) if score else ((), ())
-    variant = prepared.backward_variant(spec.get("deterministic", False))
-    return attention_backward(call, o, lse, _tma_ready(do), variant, score_operands, dlse)
+    variant = prepared.backward_variant(spec.get("deterministic", False), operand_grads)
+    dq, dk, dv, by_name = attention_backward(call, o, lse, _tma_ready(do), variant, score_operands, dlse)
+    rows = len(operands) if operand_grads else 0
+    d_operands = torch.zeros(rows, q.size(-2), dtype=torch.float32, device=q.device)
+    for i, name in enumerate(spec["tensors"][:rows]):
+        if name in by_name:
+            d_operands[i] = by_name[name]
+    return dq, dk, dv, d_operands
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(q, k, v, o, lse, do, dlse, operands, scalars, score_mod, spec, cu_q, cu_k):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _attention_backward_fake(q, k, v, o, lse, do, dlse, operands, scalars, score_mod, spec, cu_q, cu_k, operand_grads):
+    rows = len(operands) if operand_grads else 0
+    d_operands = q.new_empty((rows, q.size(-2)), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), d_operands
 
 
 register_meta(attention_backward_op, _attention_backward_fake)
@@ -157,6 +168,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, o, lse, *((cu_q, cu_k) if ctx.packed else ()), *operands)
     ctx.hooks = (scalars, score_mod, spec)
     ctx.list_slots = tuple(_grad_slot(x) for x in (operands, scalars))
+    ctx.operand_needs_grad = tuple(t.requires_grad for t in operands)
 
 
 def _backward(ctx, grad_o, grad_lse):
@@ -165,11 +177,15 @@ def _backward(ctx, grad_o, grad_lse):
     scalars, score_mod, spec = ctx.hooks
     if grad_o is None:
         grad_o = torch.zeros_like(o)
-    dq, dk, dv = torch.ops.epicute.attention_backward(q, k, v, o, lse, grad_o, grad_lse, operands, scalars,
-                                                      score_mod, spec, cu_q, cu_k)  # fmt: skip
-    # No gradient for the hooks' operands, the page table, seqused_k or the offsets (the backward refuses
-    # calls whose operands need one: see attention()); the tensor list gets a list, as autograd checks.
+    needs = ctx.operand_needs_grad
+    dq, dk, dv, d_operands = torch.ops.epicute.attention_backward(
+        q, k, v, o, lse, grad_o, grad_lse, operands, scalars, score_mod, spec, cu_q, cu_k, any(needs)
+    )  # fmt: skip
+    # Gradients for the score_mod's per-head vectors that require one (in their dtype); none for the
+    # scalars, the page table, seqused_k or the offsets. The tensor list gets a list, as autograd checks.
     operand_grads, scalar_grads = ctx.list_slots
+    if any(needs):
+        operand_grads = [row.to(t.dtype) if need else None for row, t, need in zip(d_operands, operands, needs)]
     return dq, dk, dv, operand_grads, scalar_grads, None, None, None, None, None, None, None
 
 

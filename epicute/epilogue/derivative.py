@@ -43,69 +43,80 @@ def derivative(graph: Graph, wrt: str = "acc", output: str = "D") -> Graph:
         >>> print(derivative(graph).output_node("D").op)  # 30 * (1 - tanh^2) / 30: a product of the chain
         mul
     """
-    rec, _, tangent = _differentiate(graph, wrt, output)
+    rec, _, (tangent,) = _differentiate(graph, (wrt,), output)
     return Graph(nodes=tuple(rec.nodes), inputs=graph.inputs, outputs=(("D", tangent.id),),
                  output_dtypes=(("D", "fp32"),))  # fmt: skip
 
 
-def value_and_derivative(graph: Graph, wrt: str = "acc", output: str = "D") -> Graph:
+def value_and_derivative(graph: Graph, wrt: str = "acc", output: str = "D", operands: tuple[str, ...] = ()) -> Graph:
     """One graph of both ``output`` (as ``"D"``) and ``d output / d wrt`` (as ``"dD"``, fp32), sharing
     their nodes: what attention's backward emits for a score_mod (P needs the value, dS the slope).
+    ``operands``: names whose derivatives ``d output / d operand`` it also gives, as ``"d_<name>"`` (fp32,
+    per element: the backward weighs them by dS and sums them into the operand's gradient).
 
     Example:
         >>> import epicute
         >>> from epicute.epilogue.derivative import value_and_derivative
-        >>> softcap = epicute.score_mod(lambda score, b, h, q_idx, kv_idx: 30.0 * epicute.ops.tanh(score / 30.0))
-        >>> [name for name, _ in value_and_derivative(softcap.trace({}, {}, None)).outputs]
-        ['D', 'dD']
+        >>> softcap = epicute.score_mod(lambda score, b, h, q_idx, kv_idx, cap: cap * epicute.ops.tanh(score / cap))
+        >>> graph = softcap.trace({"cap": "col"}, {}, None)  # a per-head vector (attention traces it as a column)
+        >>> [name for name, _ in value_and_derivative(graph, operands=("cap",)).outputs]
+        ['D', 'dD', 'd_cap']
     """
-    rec, value, tangent = _differentiate(graph, wrt, output)
-    return Graph(nodes=tuple(rec.nodes), inputs=graph.inputs, outputs=(("D", value.id), ("dD", tangent.id)),
-                 output_dtypes=(("D", "fp32"), ("dD", "fp32")))  # fmt: skip
+    rec, value, tangents = _differentiate(graph, (wrt, *operands), output)
+    outputs = (("D", value.id), ("dD", tangents[0].id), *((f"d_{n}", t.id) for n, t in zip(operands, tangents[1:])))
+    return Graph(nodes=tuple(rec.nodes), inputs=graph.inputs, outputs=outputs,
+                 output_dtypes=tuple((name, "fp32") for name, _ in outputs))  # fmt: skip
 
 
-def _differentiate(graph: Graph, wrt: str, output: str) -> tuple[Recorder, Value, Value]:
-    """The recorder holding ``graph``'s nodes and the tangent's, ``output``'s node and its tangent's."""
+def _differentiate(graph: Graph, wrts: tuple[str, ...], output: str) -> tuple[Recorder, Value, tuple[Value, ...]]:
+    """The recorder holding ``graph``'s nodes and the tangents', ``output``'s node and its tangent by each of
+    ``wrts`` (one forward pass over the nodes: the tangents share the original values)."""
     names = dict(graph.outputs)
     if output not in names:
         raise EpilogueError(f"derivative: the graph has no output {output!r}; it has {sorted(names)}")
-    if wrt not in ACCUMULATORS and wrt not in dict(graph.inputs):
-        raise EpilogueError(f"derivative: wrt={wrt!r} is neither {' nor '.join(ACCUMULATORS)} nor an operand of the "
-                            f"graph ({sorted(dict(graph.inputs))})")  # fmt: skip
+    for wrt in wrts:
+        if wrt not in ACCUMULATORS and wrt not in dict(graph.inputs):
+            raise EpilogueError(f"derivative: wrt={wrt!r} is neither {' nor '.join(ACCUMULATORS)} nor an operand of "
+                                f"the graph ({sorted(dict(graph.inputs))})")  # fmt: skip
     rec = Recorder()
     values: list[Value] = []
-    tangents: list = []
+    tangents: list[list] = [[] for _ in wrts]
     with rec.active():
         for node in graph.nodes:
             # The node again (its id may move: tangent nodes come between), over its arguments' new ids.
             args = tuple(values[a] for a in node.args)
             values.append(rec.add(node.op, tuple(a.id for a in args), node.kind, node.dtype, node.attrs))
-            if node.op in LEAVES:
-                seeded = node.op == wrt if wrt in ACCUMULATORS else node.op == "input" and node.attr("name") == wrt
-                tangents.append(1.0 if seeded else None)
-                continue
-            op = optable.find(node.op)
-            arg_tangents = tuple(tangents[a] for a in node.args)
-            if all(t is None for t in arg_tangents):
-                tangents.append(None)
-                continue
-            if op is None:  # a reduction (or a quantize_groups), which no elementwise derivative passes
-                tangents.append(_Undifferentiable(node.op))
-                continue
-            if any(isinstance(t, _Undifferentiable) for t in arg_tangents):
-                tangents.append(next(t for t in arg_tangents if isinstance(t, _Undifferentiable)))
-                continue
-            if op.tangent is None:
-                raise EpilogueError(f"derivative: op {node.op!r} has no derivative rule; give its OpDef a tangent "
-                                    "(CONTRIBUTING.md, 'Adding an epilogue op')")  # fmt: skip
-            tangents.append(op.tangent(args, arg_tangents, values[-1], **dict(node.attrs)))
-        result = tangents[names[output]]
-        if isinstance(result, _Undifferentiable):
-            raise EpilogueError(f"derivative: output {output!r} depends on {result.op}, a reduction, which has no "
-                                "elementwise derivative")  # fmt: skip
-        if result is None or isinstance(result, float):  # output does not depend on wrt, or does linearly
-            result = rec.add("const", kind="scalar", attrs=(("value", 0.0 if result is None else result),))
-    return rec, values[names[output]], result
+            for wrt, wrt_tangents in zip(wrts, tangents):
+                wrt_tangents.append(_tangent(node, args, values[-1], wrt, wrt_tangents))
+        results = []
+        for wrt_tangents in tangents:
+            result = wrt_tangents[names[output]]
+            if isinstance(result, _Undifferentiable):
+                raise EpilogueError(f"derivative: output {output!r} depends on {result.op}, a reduction, which has "
+                                    "no elementwise derivative")  # fmt: skip
+            if result is None or isinstance(result, float):  # output does not depend on wrt, or does linearly
+                result = rec.add("const", kind="scalar", attrs=(("value", 0.0 if result is None else result),))
+            results.append(result)
+    return rec, values[names[output]], tuple(results)
+
+
+def _tangent(node, args: tuple, value: Value, wrt: str, tangents: list):
+    """``node``'s tangent by ``wrt`` (None: zero; a float: that constant), from its arguments' ``tangents``."""
+    if node.op in LEAVES:
+        seeded = node.op == wrt if wrt in ACCUMULATORS else node.op == "input" and node.attr("name") == wrt
+        return 1.0 if seeded else None
+    op = optable.find(node.op)
+    arg_tangents = tuple(tangents[a] for a in node.args)
+    if all(t is None for t in arg_tangents):
+        return None
+    if op is None:  # a reduction (or a quantize_groups), which no elementwise derivative passes
+        return _Undifferentiable(node.op)
+    if any(isinstance(t, _Undifferentiable) for t in arg_tangents):
+        return next(t for t in arg_tangents if isinstance(t, _Undifferentiable))
+    if op.tangent is None:
+        raise EpilogueError(f"derivative: op {node.op!r} has no derivative rule; give its OpDef a tangent "
+                            "(CONTRIBUTING.md, 'Adding an epilogue op')")  # fmt: skip
+    return op.tangent(args, arg_tangents, value, **dict(node.attrs))
 
 
 class _Undifferentiable:
@@ -115,4 +126,4 @@ class _Undifferentiable:
         self.op = op
 
 
-__all__ = ["ACCUMULATORS", "derivative"]
+__all__ = ["ACCUMULATORS", "derivative", "value_and_derivative"]

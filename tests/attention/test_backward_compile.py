@@ -45,6 +45,8 @@ def test_score_mod_backward_and_fp16_compile():
     compile_backward(BackwardVariant(backward_config(128), "bf16", True, score.fusion))
     compile_backward(BackwardVariant(backward_config(64), "fp16", False))
     compile_backward(BackwardVariant(backward_config(256), "fp16", True, score.fusion))
+    # The per-head vectors' gradients: their partial sums leave the kernel through fp32 tensors.
+    compile_backward(BackwardVariant(backward_config(128), "bf16", True, score.fusion, operand_grads=True))
 
 
 @pytest.mark.parametrize("d,causal,varlen", [(128, True, False), (64, False, True), (256, True, True)])
@@ -85,6 +87,13 @@ def test_prepare_plans_the_backward_or_says_why_not():
     assert variant.key() != prepare(meta_call(hq=8, hkv=2)).backward_variant().key()
     deterministic = prepare(meta_call(hq=8, hkv=2, causal=True)).backward_variant(deterministic=True)
     assert deterministic.deterministic and deterministic.key() != variant.key()
+
+    def alibi(s, b, h, q_idx, kv_idx, slopes):
+        return s + slopes * (kv_idx - q_idx)
+
+    learned = prepare(meta_call(), alibi, operands={"slopes": torch.ones(4)}).backward_variant(operand_grads=True)
+    assert learned.operand_grads and "+operand grads" in learned.key().label
+    assert not prepare(meta_call()).backward_variant(operand_grads=True).operand_grads  # no score_mod: none
     wide = prepare(meta_call(d=256)).backward_variant().config
     assert wide.split_head_dim and (wide.tile_n, wide.tile_m, wide.stages) == (64, 64, 1)
     with pytest.raises(ConfigError, match="epilogue"):

@@ -134,6 +134,81 @@ def test_score_mod_gradients_are_derived():
     check(*leaves(1, 300, 1000, 2, 2, 256), causal=True, score_mod=alibi, slopes=torch.rand(2, device="cuda") * 0.1)
 
 
+def alibi_softcap(s, b, h, q_idx, kv_idx, slopes, cap):
+    return cap * ops.tanh((s + slopes * (kv_idx - q_idx)) / cap)
+
+
+def alibi_softcap_reference(q, k, v, do, causal, slopes, cap, o_stored):
+    """``alibi_softcap`` attention in float32 torch: autograd's gradients of q, k and v; and the gradients
+    of slopes and cap by the backward's own math, ``sum P (dP - D) d score_mod / d operand`` with
+    ``D = rowsum(dO * O)`` of the O the forward stored (``o_stored``, bf16), as every FlashAttention backward
+    takes it. The slopes' gradient weighs each score's residual by ``kv_idx - q_idx``, so the rounding of
+    O in D, which cancels in dS over a row, does not cancel there: against fp32 O's D the kernel's dslopes
+    differs by ~2e-2 (1.4e-2 to 2.1e-2 measured) while dq, dk and dv stay under 1e-2."""
+    q, k, v = (t.detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v))  # (b, h, s, d)
+    slopes, cap = (t.detach().float().requires_grad_() for t in (slopes, cap))
+    group = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    sq, sk = q.shape[2], k.shape[2]
+    q_idx = torch.arange(sq, device="cuda").view(-1, 1)
+    kv_idx = torch.arange(sk, device="cuda").view(1, -1)
+    s = q @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5
+    h = (slopes.view(-1, 1, 1), cap.view(-1, 1, 1))
+    f = h[1] * torch.tanh((s + h[0] * (kv_idx - q_idx)) / h[1])
+    if causal:  # bottom-right aligned, as epicute's (and flash-attn's) causal mask
+        f = f.masked_fill(kv_idx > q_idx + sk - sq, float("-inf"))
+    p = torch.softmax(f, dim=-1).nan_to_num(0.0)
+    do = do.float().transpose(1, 2)
+    dq, dk, dv = torch.autograd.grad(p @ vv, (q, k, v), do, retain_graph=True)
+    with torch.no_grad():
+        dp = do @ vv.transpose(-1, -2)
+        dsum = (do * o_stored.float().transpose(1, 2)).sum(-1, keepdim=True)
+        upstream = p * (dp - dsum)  # d loss / d score_mod
+    return (dq, dk, dv, *torch.autograd.grad(f, (slopes, cap), upstream))
+
+
+@pytest.mark.parametrize("d,causal", [(128, True), (64, False), (256, True)])
+def test_score_mod_operands_get_gradients(d, causal):
+    # Learnable ALiBi slopes and a per-head softcap: each gradient sums P (dP - D) times the score_mod's
+    # derivative by the operand over every score of its head (the kernel's per-warp partial sums).
+    q, k, v = leaves(2, 1000, 777, 4, 2, d)
+    slopes = (torch.rand(4, device="cuda") * 0.1).requires_grad_()
+    cap = (20.0 + 10.0 * torch.rand(4, device="cuda")).requires_grad_()
+    o = epicute.attention(q, k, v, causal=causal, score_mod=alibi_softcap, slopes=slopes, cap=cap)
+    do = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k, v, slopes, cap), do)
+    ref = alibi_softcap_reference(q, k, v, do, causal, slopes, cap, o.detach())
+    for name, g, r in zip(("dq", "dk", "dv", "dslopes", "dcap"), got, ref):
+        r = r.transpose(1, 2) if r.dim() == 4 else r
+        assert g.shape == r.shape and g.dtype == (q.dtype if r.dim() == 4 else torch.float32), name
+        err = rel_err(g, r)
+        assert err <= TOL, f"{name} rel err {err:.2e} (d{d}, causal={causal})"
+    # Only the slopes learn (bf16): the cap gets no gradient; q, k and v none needed either.
+    slopes16 = slopes.detach().bfloat16().requires_grad_()
+    o = epicute.attention(*(t.detach() for t in (q, k, v)), causal=causal, score_mod=alibi_softcap,
+                          slopes=slopes16, cap=cap.detach())  # fmt: skip
+    (grad,) = torch.autograd.grad(o.float().square().sum(), slopes16)
+    assert grad.dtype == torch.bfloat16 and grad.shape == (4,) and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_operand_gradients_are_reproducible_and_trained_under_torch_compile():
+    q, k, v = leaves(1, 1000, 1000, 4, 4, 128)
+    slopes = (torch.rand(4, device="cuda") * 0.1).requires_grad_()
+    cap = torch.full((4,), 30.0, device="cuda", requires_grad=True)
+    do = torch.randn_like(q)
+
+    def grads(fn):
+        o = fn(q, k, v, causal=True, score_mod=alibi_softcap, slopes=slopes, cap=cap)
+        return torch.autograd.grad(o, (slopes, cap), do)
+
+    first = grads(epicute.attention)
+    for name, a, b in zip(("dslopes", "dcap"), first, grads(epicute.attention)):
+        assert torch.equal(a, b), f"{name} differs between two runs"  # one writer per partial sum, in step order
+    compiled = grads(torch.compile(epicute.attention, fullgraph=True))
+    for name, a, b in zip(("dslopes", "dcap"), first, compiled):
+        assert rel_err(b, a) <= TOL, f"{name}: torch.compile's differs"
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     "d,hq,hkv,sq,sk", [(128, 4, 2, 4097, 1000), (64, 2, 2, 1000, 4097), (128, 2, 1, 300, 17), (256, 4, 2, 1000, 777)]
@@ -211,9 +286,9 @@ def test_unsupported_backward_is_refused_before_launch():
     q, k, v = leaves(1, 64, 64, 2, 2, 128)
     with pytest.raises(ConfigError, match="epilogue"):
         epicute.attention(q, k, v, epilogue=lambda o: {"D": o * 2.0})
-    slopes = torch.rand(2, device="cuda", requires_grad=True)
-    with pytest.raises(ConfigError, match="slopes"):
-        epicute.attention(q, k, v, score_mod=lambda s, b, h, qi, ki, slopes: s + slopes, slopes=slopes)
+    scale = torch.rand(128, device="cuda", requires_grad=True)  # an output epilogue's (head_dim,) vector
+    with pytest.raises(ConfigError, match="'scale' requires grad: only the score_mod's"):
+        epicute.attention(q, k, v, epilogue=lambda o, scale: {"D": o * scale}, scale=scale)
     # A paged KV cache (one page of 64 keys) is for inference: refused with grad, served without.
     pages = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
     q_decode, k_paged, v_paged = leaves(1, 4, 64, 2, 2, 128)
