@@ -68,7 +68,7 @@ from epicute.attention.backward_plan import KEYS_PER_WARPGROUP, BackwardConfig, 
 from epicute.attention.key_blocks import packed_range, ragged_rows, ragged_tensor
 from epicute.epilogue.derivative import value_and_derivative
 from epicute.epilogue.fusion import ScoreModFusion
-from epicute.sm90.epilogue_emit import DSL_DTYPES, emit_score_mod
+from epicute.sm90.epilogue_emit import DSL_DTYPES, emit_graph, emit_score_mod
 from epicute.sm90.fragments import (
     acc_as_operand_a,
     acc_rows_cols,
@@ -109,6 +109,15 @@ class AttentionBackwardSm90:
         self.score_graph = (
             None if score_mod is None else value_and_derivative(score_mod.graph, operands=self.grad_operands)
         )
+        #: The nodes the operands' derivatives need. Without the score among them (learnable ALiBi slopes, a
+        #: per-head bias: functions of the indices), the derivatives are evaluated where dS^T is made, after
+        #: dP^T landed; with it, the softmax waits for dP^T and makes dS^T itself (``fused_grads``), as the
+        #: score is gone once P^T replaces it.
+        self.grad_nodes = frozenset()
+        if self.grad_operands:
+            outputs = dict(self.score_graph.outputs)
+            self.grad_nodes = frozenset(_ancestors(self.score_graph, {outputs[f"d_{n}"] for n in self.grad_operands}))
+        self.fused_grads = any(self.score_graph.node(i).op == "acc" for i in self.grad_nodes)
         self.smem = backward_smem_layout(cfg, dtype)
         self.num_wg = cfg.num_mma_warpgroups
         #: head_dim 256: the warpgroups split head_dim and the step's queries, not the keys (backward_plan).
@@ -531,11 +540,22 @@ class AttentionBackwardSm90:
                 S[r, c] = p
 
     def _score_mod(self, score, index: dict, operands: dict):
-        """The traced score_mod and its derivative by the score, on one scaled score."""
+        """The traced score_mod, its derivative by the score and (``fused_grads``) by each grad operand, on
+        one scaled score."""
         graph = self.score_graph
         values = emit_score_mod(graph, score, index, operands)
         outputs = dict(graph.outputs)
-        return values[outputs["D"]], values[outputs["dD"]], [values[outputs[f"d_{n}"]] for n in self.grad_operands]
+        by_operand = [values[outputs[f"d_{n}"]] for n in self.grad_operands] if self.fused_grads else []
+        return values[outputs["D"]], values[outputs["dD"]], by_operand
+
+    def _operand_slopes(self, index: dict, operands: dict) -> list:
+        """The score_mod's derivatives by the grad operands at one (query, key), when they do not read the
+        score (not ``fused_grads``): only their own nodes are emitted."""
+        graph = self.score_graph
+        values = emit_graph(graph, lambda node: (index if node.op == "index" else operands)[node.attr("name")],
+                            needed=set(self.grad_nodes))  # fmt: skip
+        outputs = dict(graph.outputs)
+        return [values[outputs[f"d_{n}"]] for n in self.grad_operands]
 
     @cute.jit
     def _consume(
@@ -615,7 +635,7 @@ class AttentionBackwardSm90:
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             acc_dP = cute.make_rmem_tensor(s_shape, Float32)
             slope = grads = None
-            if cutlass.const_expr(self.score_mod is not None and not self.grad_operands):
+            if cutlass.const_expr(self.score_mod is not None and not self.fused_grads):
                 slope = cute.make_rmem_tensor(s_shape, Float32)
             operands = dict(scalar_operands)
             if cutlass.const_expr(self.score_mod is not None):
@@ -634,7 +654,7 @@ class AttentionBackwardSm90:
             # The step's LSE and D (padded past seqlen_q: no bounds checks), in the ring stage.
             lse, dsum = sLSE[None, read.index], sD[None, read.index]
             step_args = (n_block, m_block, head, batch, lse, seqlen_q, seqlen_k, softmax_scale, operands)
-            if cutlass.const_expr(self.grad_operands):
+            if cutlass.const_expr(self.fused_grads):
                 # dP^T first: each score's derivatives by the operands meet its P (dP - D) at once.
                 warpgroup.wait_group(0)
                 grads = (acc_dP, dsum, cute.make_rmem_tensor(len(self.grad_operands), Float32))
@@ -654,16 +674,26 @@ class AttentionBackwardSm90:
                 pack_16bit(acc_as_operand_a(acc_S), tdVrP)
             warpgroup.wait_group(0)  # dP^T landed
             P, dP = acc_rows_cols(acc_S), acc_rows_cols(acc_dP)
-            if cutlass.const_expr(self.grad_operands):  # dS^T made with P^T; the step's operand parts out
-                for i in cutlass.range_constexpr(len(self.grad_operands)):
-                    self._add_operand_part(operand_grads[i], grads[2][i], (batch, head, n_block), mma_tidx)
-            else:
+            if cutlass.const_expr(not self.fused_grads):
+                if cutlass.const_expr(self.grad_operands):  # their derivatives read only indices: made here
+                    grads = (None, None, cute.make_rmem_tensor(len(self.grad_operands), Float32))
+                    grads[2].fill(0.0)
+                    index = {"b": batch.to(Float32), "h": head.to(Float32)}
                 for c in cutlass.range_constexpr(cute.size(P, mode=[1])):
                     dsum_c = dsum[cS[0, c][1]]
+                    if cutlass.const_expr(self.grad_operands):
+                        index["q_idx"] = (m_block * cfg.tile_m + cS[0, c][1]).to(Float32)
                     for r in cutlass.range_constexpr(cute.size(P, mode=[0])):
                         dP[r, c] = P[r, c] * (dP[r, c] - dsum_c)
+                        if cutlass.const_expr(self.grad_operands):
+                            index["kv_idx"] = (n_block * cfg.tile_n + cS[r, 0][0]).to(Float32)
+                            for i, g in enumerate(self._operand_slopes(index, operands)):
+                                grads[2][i] = grads[2][i] + dP[r, c] * g
                         if cutlass.const_expr(self.score_mod is not None):
                             dP[r, c] = dP[r, c] * acc_rows_cols(slope)[r, c]
+            # The step's parts of the operands' gradients (dS^T made with P^T when fused_grads, else just above).
+            for i in cutlass.range_constexpr(len(self.grad_operands)):
+                self._add_operand_part(operand_grads[i], grads[2][i], (batch, head, n_block), mma_tidx)
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((cfg.tile_m, d)), Float32)
             if cutlass.const_expr(self.split_dims):
                 # Both warpgroups' P^T and dS^T staged, then dQ, dV and dK read them from shared memory.
@@ -746,6 +776,15 @@ class AttentionBackwardSm90:
                 cute.copy(tma, s_part, g_part)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+def _ancestors(graph, ids: set[int]) -> set[int]:
+    """``ids`` and every node they depend on."""
+    found = set(ids)
+    for node in reversed(graph.nodes):
+        if node.id in found:
+            found.update(node.args)
+    return found
 
 
 __all__ = ["AttentionBackwardSm90"]

@@ -115,12 +115,13 @@ def test_head_dim_256_gradients_match_reference(sq, sk, causal):
         check(*leaves(1, sq, sk, 4, 2, 256, torch.float16), causal=True)
 
 
+def alibi(s, b, h, q_idx, kv_idx, slopes):
+    return s + slopes * (kv_idx - q_idx)
+
+
 def test_score_mod_gradients_are_derived():
     def softcap(s, b, h, q_idx, kv_idx):
         return 30.0 * ops.tanh(s / 30.0)
-
-    def alibi(s, b, h, q_idx, kv_idx, slopes):
-        return s + slopes * (kv_idx - q_idx)
 
     def local_softcap(s, b, h, q_idx, kv_idx, cap):
         # A sliding window as a score_mod: -inf outside it (no gradient there), softcap inside.
@@ -138,23 +139,23 @@ def alibi_softcap(s, b, h, q_idx, kv_idx, slopes, cap):
     return cap * ops.tanh((s + slopes * (kv_idx - q_idx)) / cap)
 
 
-def alibi_softcap_reference(q, k, v, do, causal, slopes, cap, o_stored):
-    """``alibi_softcap`` attention in float32 torch: autograd's gradients of q, k and v; and the gradients
-    of slopes and cap by the backward's own math, ``sum P (dP - D) d score_mod / d operand`` with
-    ``D = rowsum(dO * O)`` of the O the forward stored (``o_stored``, bf16), as every FlashAttention backward
-    takes it. The slopes' gradient weighs each score's residual by ``kv_idx - q_idx``, so the rounding of
-    O in D, which cancels in dS over a row, does not cancel there: against fp32 O's D the kernel's dslopes
-    differs by ~2e-2 (1.4e-2 to 2.1e-2 measured) while dq, dk and dv stay under 1e-2."""
+def operand_grads_reference(q, k, v, do, causal, operands, score_fn, o_stored):
+    """Attention with ``score_fn(s, per-head operands as (h, 1, 1) tensors, kv_idx - q_idx)`` in float32
+    torch: autograd's gradients of q, k and v; and the gradients of ``operands`` by the backward's own
+    math, ``sum P (dP - D) d score_mod / d operand`` with ``D = rowsum(dO * O)`` of the O the forward
+    stored (``o_stored``, bf16), as every FlashAttention backward takes it. ALiBi slopes' gradient weighs
+    each score's residual by ``kv_idx - q_idx``, so the rounding of O in D, which cancels in dS over a
+    row, does not cancel there: against fp32 O's D the kernel's dslopes differs by ~2e-2 (1.4e-2 to
+    2.1e-2 measured) while dq, dk and dv stay under 1e-2."""
     q, k, v = (t.detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v))  # (b, h, s, d)
-    slopes, cap = (t.detach().float().requires_grad_() for t in (slopes, cap))
+    operands = [t.detach().float().requires_grad_() for t in operands]
     group = q.shape[1] // k.shape[1]
     kk, vv = (t.repeat_interleave(group, dim=1) for t in (k, v))
     sq, sk = q.shape[2], k.shape[2]
     q_idx = torch.arange(sq, device="cuda").view(-1, 1)
     kv_idx = torch.arange(sk, device="cuda").view(1, -1)
     s = q @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5
-    h = (slopes.view(-1, 1, 1), cap.view(-1, 1, 1))
-    f = h[1] * torch.tanh((s + h[0] * (kv_idx - q_idx)) / h[1])
+    f = score_fn(s, [t.view(-1, 1, 1) for t in operands], kv_idx - q_idx)
     if causal:  # bottom-right aligned, as epicute's (and flash-attn's) causal mask
         f = f.masked_fill(kv_idx > q_idx + sk - sq, float("-inf"))
     p = torch.softmax(f, dim=-1).nan_to_num(0.0)
@@ -164,7 +165,12 @@ def alibi_softcap_reference(q, k, v, do, causal, slopes, cap, o_stored):
         dp = do @ vv.transpose(-1, -2)
         dsum = (do * o_stored.float().transpose(1, 2)).sum(-1, keepdim=True)
         upstream = p * (dp - dsum)  # d loss / d score_mod
-    return (dq, dk, dv, *torch.autograd.grad(f, (slopes, cap), upstream))
+    return (dq, dk, dv, *torch.autograd.grad(f, operands, upstream))
+
+
+def softcap_torch(s, h, rel):
+    slopes, cap = h
+    return cap * torch.tanh((s + slopes * rel) / cap)
 
 
 @pytest.mark.parametrize("d,causal", [(128, True), (64, False), (256, True)])
@@ -177,12 +183,21 @@ def test_score_mod_operands_get_gradients(d, causal):
     o = epicute.attention(q, k, v, causal=causal, score_mod=alibi_softcap, slopes=slopes, cap=cap)
     do = torch.randn_like(o)
     got = torch.autograd.grad(o, (q, k, v, slopes, cap), do)
-    ref = alibi_softcap_reference(q, k, v, do, causal, slopes, cap, o.detach())
+    ref = operand_grads_reference(q, k, v, do, causal, (slopes, cap), softcap_torch, o.detach())
     for name, g, r in zip(("dq", "dk", "dv", "dslopes", "dcap"), got, ref):
         r = r.transpose(1, 2) if r.dim() == 4 else r
         assert g.shape == r.shape and g.dtype == (q.dtype if r.dim() == 4 else torch.float32), name
         err = rel_err(g, r)
         assert err <= TOL, f"{name} rel err {err:.2e} (d{d}, causal={causal})"
+    # ALiBi alone: the slopes' derivative reads only the indices, so the kernel makes it with dS^T, after the
+    # softmax (not fused into it).
+    o = epicute.attention(q, k, v, causal=causal, score_mod=alibi, slopes=slopes)
+    got = torch.autograd.grad(o, (q, k, v, slopes), do)
+    ref = operand_grads_reference(q, k, v, do, causal, (slopes,), lambda s, h, rel: s + h[0] * rel, o.detach())
+    for name, g, r in zip(("dq", "dk", "dv", "dslopes"), got, ref):
+        r = r.transpose(1, 2) if r.dim() == 4 else r
+        err = rel_err(g, r)
+        assert err <= TOL, f"ALiBi {name} rel err {err:.2e} (d{d}, causal={causal})"
     # Only the slopes learn (bf16): the cap gets no gradient; q, k and v none needed either.
     slopes16 = slopes.detach().bfloat16().requires_grad_()
     o = epicute.attention(*(t.detach() for t in (q, k, v)), causal=causal, score_mod=alibi_softcap,
