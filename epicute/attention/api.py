@@ -305,10 +305,17 @@ def _check_differentiable(prepared, out: torch.Tensor | None, operands: dict[str
     """Refuse, with the fix, a call whose inputs need gradients the backward cannot give."""
     score = prepared.score
     for name, value in operands.items():
-        if isinstance(value, torch.Tensor) and value.requires_grad and (score is None or name not in score.operands):
+        if not (isinstance(value, torch.Tensor) and value.requires_grad):
+            continue
+        if score is None or name not in score.operands:
             raise ConfigError(
                 f"operand {name!r} requires grad: only the score_mod's per-head vectors get gradients (the output "
                 f"epilogue has no backward); pass {name}.detach()"
+            )
+        if score.operands[name][0] != "head":
+            raise ConfigError(
+                f"operand {name!r} requires grad, but a one-element tensor is read as a number, which gets no "
+                f"gradient; give it one entry per query head ({prepared.plan.problem.heads_q},) or pass {name}.detach()"
             )
     prepared.backward_variant()
     if out is not None:

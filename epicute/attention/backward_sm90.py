@@ -487,10 +487,10 @@ class AttentionBackwardSm90:
         ``step_args``: (key block, query block, head, batch, the step's LSE by query row (shared memory),
         seqlen_q, seqlen_k, softmax scale, the score_mod's operands loaded for the head).
 
-        ``grads`` (with ``grad_operands``): (dP^T, landed; the step's D by query row; the grad operands'
-        parts, an fp32 register vector): each score's dS^T is made here too, in place of dP^T, while its
-        derivatives by the operands are at hand: their products with P (dP - D) are added to the parts
-        (so neither the slope nor those derivatives are stored)."""
+        ``grads`` (``fused_grads``: operand derivatives that read the score): (dP^T, landed; the step's D
+        by query row; the grad operands' parts, an fp32 register vector): each score's dS^T is made here
+        too, in place of dP^T, while its derivatives by the operands are at hand: their products with
+        P (dP - D) are added to the parts (so neither the slope nor those derivatives are stored)."""
         cfg = self.cfg
         n_block, m_block, head, batch, lse, seqlen_q, seqlen_k, softmax_scale, operands = step_args
         S = acc_rows_cols(acc_S)

@@ -301,6 +301,9 @@ def test_unsupported_backward_is_refused_before_launch():
     q, k, v = leaves(1, 64, 64, 2, 2, 128)
     with pytest.raises(ConfigError, match="epilogue"):
         epicute.attention(q, k, v, epilogue=lambda o: {"D": o * 2.0})
+    cap = torch.tensor(30.0, device="cuda", requires_grad=True)  # one element: read as a number
+    with pytest.raises(ConfigError, match="'cap' requires grad, but a one-element tensor is read as a number"):
+        epicute.attention(q, k, v, score_mod=lambda s, b, h, qi, ki, cap: cap * ops.tanh(s / cap), cap=cap)
     scale = torch.rand(128, device="cuda", requires_grad=True)  # an output epilogue's (head_dim,) vector
     with pytest.raises(ConfigError, match="'scale' requires grad: only the score_mod's"):
         epicute.attention(q, k, v, epilogue=lambda o, scale: {"D": o * scale}, scale=scale)
