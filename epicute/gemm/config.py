@@ -154,6 +154,10 @@ class GemmConfig(WarpRoles):
     #: the tile's M and A's rows (the small M) its N, and D's tile is stored transposed (column-major). Row and
     #: column vectors of the epilogue trade places with it (``EpilogueFusion.transposed``).
     swap_ab: bool = False
+    #: The kernel operand ("a" or "b") whose k-tiles one CTA reads alone -- D is a single tile wide (for A) or
+    #: tall (for B), so no other tile reads them -- loaded with an L2 evict-first hint
+    #: (:mod:`epicute.sm90.l2_hints`); "" where both are shared between tiles.
+    evict_first: str = ""
     producer_regs: int = field(default=40, metadata={"planned": False})
     consumer_regs: int = field(default=232, metadata={"planned": False})
     #: Why the planner chose this; printed by ``explain``.
@@ -203,13 +207,15 @@ class GemmConfig(WarpRoles):
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for a configuration the kernel cannot run."""
-        if self.swap_ab and (self.schedule != "cooperative" or self.tile_m != 128 or self.tile_n not in SWAP_AB_TILE_N
-                or self.cluster_size != 1):  # fmt: skip
+        swap_tile_m = 128 if self.schedule == "cooperative" else 64
+        if self.swap_ab and (self.tile_m != swap_tile_m or self.tile_n not in SWAP_AB_TILE_N or self.cluster_size != 1):
             raise ConfigError(
                 f"swap_ab with a {self.schedule} {self.tile_m}x{self.tile_n} tile in a {self.cluster_m}x"
-                f"{self.cluster_n} cluster: a swapped tile is cooperative, 128 rows of B^T by one of "
-                f"{SWAP_AB_TILE_N} rows of A, with no cluster peer"
+                f"{self.cluster_n} cluster: a swapped tile is 128 (cooperative) or 64 (pingpong) rows of B^T by "
+                f"one of {SWAP_AB_TILE_N} rows of A, with no cluster peer"
             )
+        if self.evict_first not in ("", "a", "b"):
+            raise ConfigError(f"evict_first={self.evict_first!r}: must be 'a', 'b' or '' (no L2 hint)")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r}: must be one of {SCHEDULES}")
         if self.schedule == "cooperative" and self.tile_m != 128:

@@ -287,6 +287,13 @@ SWAP_AB_WIDE_MAX_M = 128
 #: k-tiles each of the two splits of a wide swapped tile runs at least: its 128 x M fp32 partial costs more than
 #: the extra CTAs gain over shorter splits (bench/NOTES.md: 128x4096x4096 lost 8 %, K = 8192 and more gained).
 SWAP_AB_WIDE_SPLIT_K_TILES = 64
+#: Swapped tiles at least this wide (M > 48 rows of A) are 64-row ping-pong tiles: at M = 64 a 128-row CTA's stages
+#: carry half as many activation bytes as weight bytes, and twice the CTAs (no split) kept the weight stream
+#: faster than 128-row tiles split in two (bench/NOTES.md, 'L2 evict-first for decode GEMMs').
+SWAP_AB_PINGPONG_MIN_N = 64
+#: A swapped plan splits K until its CTAs fill this share of the SMs: with the weight loaded evict-first, half of
+#: them keep HBM streaming, and each further split only adds partials and the last split's serial reduction.
+SWAP_AB_SPLIT_SM_SHARE = 0.5
 #: Pins that fix the unswapped kernel's tile shape: the planner swaps only where they are not given.
 _TILE_PINS = frozenset(("schedule", "tile_m", "tile_n", "cluster_m", "cluster_n", "epi_tile"))
 
@@ -355,24 +362,37 @@ def _swap_ab_config(
     problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, swap_why: str, overrides: dict
 ) -> GemmConfig:
     """The swap-AB plan: the kernel's problem is D^T = B^T A^T (``problem.swapped()``), 128 rows of B^T by M
-    rounded up to 16, cooperative, no cluster (a peer would share only the few rows of A); K split across
-    CTAs while tiles leave SMs idle."""
+    rounded up to 16 (cooperative, K split across CTAs while they fill under half the SMs), or for M > 48 64-row
+    ping-pong tiles, unsplit; no cluster."""
     kernel, kernel_epi = problem.swapped(), epilogue.transposed()
     tile_n = overrides.get("tile_n", min(n for n in SWAP_AB_TILE_N if n >= min(kernel.n, SWAP_AB_TILE_N[-1])))
-    reasons = [
-        f"swap_ab: {swap_why}",
-        "schedule cooperative: the two consumer warpgroups take 64 rows of B^T each",
+    k_tiles = ceil_div(problem.k, problem.tile_k)
+    pingpong = overrides.get("schedule", "pingpong" if (
+        tile_n >= SWAP_AB_PINGPONG_MIN_N and problem.m <= SWAP_AB_MAX_M and overrides.get("split_k", 1) == 1
+    ) else "cooperative") == "pingpong"  # fmt: skip
+    tile_m = overrides.get("tile_m", 64 if pingpong else 128)
+    reasons = [f"swap_ab: {swap_why}"]
+    if pingpong:
+        reasons.append(
+            f"schedule pingpong: 64-row tiles, so {_num_tiles(kernel, 64, tile_n)} CTAs stream the weight without "
+            f"a split's partials (at M = {problem.m} a 128-row tile's stages carry {tile_n} activation rows per "
+            "128 weight rows)"
+        )
+    else:
+        reasons.append("schedule cooperative: the two consumer warpgroups take 64 rows of B^T each")
+    reasons += [
         (
-            f"tile 128x{tile_n}x{kernel.tile_k} of D^T: 128 of N's {problem.n} rows by M = {problem.m} rounded up to "
-            "a multiple of 16 (WGMMA N; one stmatrix atom of the transposed store)"
+            f"tile {tile_m}x{tile_n}x{kernel.tile_k} of D^T: {tile_m} of N's {problem.n} rows by M = {problem.m} "
+            "rounded up to a multiple of 16 (WGMMA N; one stmatrix atom of the transposed store)"
         ),
         "cluster 1x1: a cluster peer would share only the few rows of A",
     ]
-    tiles = _num_tiles(kernel, 128, tile_n)
-    k_tiles = ceil_div(problem.k, problem.tile_k)
+    tiles = _num_tiles(kernel, tile_m, tile_n)
     if "split_k" in overrides:
         split_k = overrides["split_k"]
         reasons.append(f"split_k {split_k}: requested")
+    elif pingpong:
+        split_k = 1
     elif problem.m > SWAP_AB_MAX_M:  # choose_swap_ab swaps these for two long splits (a pinned swap may be short)
         split_k = 2 if k_tiles >= 2 * SWAP_AB_WIDE_SPLIT_K_TILES else 1
         if split_k == 2:
@@ -382,29 +402,34 @@ def _swap_ab_config(
                 "(measured)"
             )
     else:
-        split_k = max(1, min(MAX_SPLIT_K, hw.num_sms // max(tiles, 1), k_tiles // MIN_SPLIT_K_TILES))
+        streaming = int(hw.num_sms * SWAP_AB_SPLIT_SM_SHARE)
+        split_k = max(1, min(MAX_SPLIT_K, streaming // max(tiles, 1), k_tiles // MIN_SPLIT_K_TILES))
         if split_k > 1:
             reasons.append(
                 f"split_k {split_k}: {tiles} tiles fill {tiles / hw.num_sms:.0%} of the SMs: each tile's {k_tiles} "
-                f"k-tiles run as {split_k} splits on {tiles * split_k} CTAs; the last split of a tile to finish adds "
-                "the fp32 partials in split order (deterministic) and runs the epilogue"
+                f"k-tiles run as {split_k} splits on {tiles * split_k} CTAs (up to {streaming}, half the SMs, keep "
+                "the weight streaming); the last split of a tile to finish adds the fp32 partials in split order "
+                "(deterministic) and runs the epilogue"
             )
     work = tiles * split_k
-    persistent, why = choose_persistent(work, 1, hw, overrides)
+    if pingpong and "persistent" not in overrides:
+        persistent, why = True, "persistent: the ping-pong warpgroups take alternate tiles of each CTA"
+    else:
+        persistent, why = choose_persistent(work, 1, hw, overrides)
     reasons.append(why)
     if "raster_along_m" in overrides:
         raster_along_m, raster_why = overrides["raster_along_m"], "requested"
     else:
         raster_along_m, raster_why = True, "B^T, the weight, is read once per band of D^T's rows"
-    cfg = GemmConfig(  # pins of the schedule, tile M or cluster are kept for validate() to refuse
-        schedule=overrides.get("schedule", "cooperative"),
-        tile_m=overrides.get("tile_m", 128),
+    cfg = GemmConfig(  # pins of the tile M or cluster are kept for validate() to refuse
+        schedule="pingpong" if pingpong else "cooperative",
+        tile_m=tile_m,
         tile_n=tile_n,
         tile_k=overrides.get("tile_k", kernel.tile_k),
         cluster_m=overrides.get("cluster_m", 1),
         cluster_n=overrides.get("cluster_n", 1),
         persistent=persistent,
-        epi_tile=overrides.get("epi_tile", (128, epi_tile_n(tile_n))),
+        epi_tile=overrides.get("epi_tile", (64 if pingpong else 128, epi_tile_n(tile_n))),
         epi_reuses_ab_smem=overrides.get("epi_reuses_ab_smem", not persistent),
         raster_along_m=raster_along_m,
         swizzle=overrides.get("swizzle", 8),
@@ -569,6 +594,23 @@ def choose_config(
     return _fit_and_check(cfg, problem, hw, epilogue, overrides, reasons, raster_why)
 
 
+def choose_evict_first(problem: GemmProblem, cfg: GemmConfig) -> tuple[str, str]:
+    """``(operand, why)``: the kernel operand ("a" or "b", "" for neither) that only one tile reads, loaded
+    evict-first from L2 (:mod:`epicute.sm90.l2_hints`). A is read once where D is one tile wide, B where it is
+    one tile tall, as in a decode GEMM whose weight streams past a few rows of activations; when both hold (a
+    single tile) neither is worth a hint."""
+    tiles_m, tiles_n = ceil_div(problem.m, cfg.tile_m), ceil_div(problem.n, cfg.tile_n)
+    if (tiles_m == 1) == (tiles_n == 1):
+        return "", ""
+    operand, other, extent, side = ("a", "b", problem.n, "columns") if tiles_n == 1 else ("b", "a", problem.m, "rows")
+    name = operand.upper() + (f" (the caller's {other.upper()})" if cfg.swap_ab else "")
+    return operand, (
+        f"L2 evict-first on {name}: one tile spans all {extent} {side} of {'D^T' if cfg.swap_ab else 'D'}, so each "
+        f"k-tile of {operand.upper()} is read by one CTA and streams through L2 without evicting what other kernels "
+        "left there (nor forcing dirty lines' write-back to DRAM while it streams)"
+    )
+
+
 def epi_tile_n(out_tile_n: int) -> int:
     """An epilogue subtile's columns: :data:`EPI_TILE_N` (or the whole tile, if narrower), else 16 (one stmatrix
     atom) where that does not divide the output tile (a swap-AB tile of 48 columns)."""
@@ -603,6 +645,13 @@ def _fit_and_check(
         f"raster: bands of {cfg.swizzle} clusters along "
         f"{'N, swept down M' if cfg.raster_along_m else 'M, swept across N'} ({raster_why})"
     )
+    if "evict_first" in overrides:
+        cfg = replace(cfg, evict_first=overrides["evict_first"])
+    else:
+        operand, why = choose_evict_first(problem, cfg)
+        cfg = replace(cfg, evict_first=operand)
+        if why:
+            reasons.append(why)
     # Fields the planner has no opinion on (register budgets, schedule) pass through.
     passthrough = {k: v for k, v in overrides.items() if k not in GemmConfig.planned_fields()}
     cfg = replace(cfg, **passthrough, reasons=tuple(reasons))

@@ -72,6 +72,7 @@ from epicute.sm90.cp_async import arrive_when_copied, copy_word
 from epicute.sm90.epilogue_chain import EpilogueRun, StagedOutput, chain_passes, run_chain
 from epicute.sm90.epilogue_emit import DSL_DTYPES
 from epicute.sm90.fragments import warpgroup_slice
+from epicute.sm90.l2_hints import evict_first_if
 from epicute.sm90.pipeline import (
     NamedBarriers,
     RingState,
@@ -649,6 +650,7 @@ class GemmSm90:
         ab_pipeline = cta.ab_pipeline
         tAsA, tBsB = cta.tAsA, cta.tBsB
         a_mcast_mask, b_mcast_mask = cta.a_mcast_mask, cta.b_mcast_mask
+        a_policy, b_policy = evict_first_if(cfg.evict_first == "a"), evict_first_if(cfg.evict_first == "b")
         scheduler = self._scheduler(sched_args)
         state = RingState.producer(cfg.ab_stages, tracked=True)
         work = scheduler.first()
@@ -665,9 +667,9 @@ class GemmSm90:
                 barrier = ab_pipeline.producer_get_barrier(state)
                 if cutlass.const_expr(not self.gather_threads):
                     cute.copy(tma_a, tAgA_tile[(None, k_first + k_tile)], tAsA[(None, state.index)],
-                              tma_bar_ptr=barrier, mcast_mask=a_mcast_mask)  # fmt: skip
+                              tma_bar_ptr=barrier, mcast_mask=a_mcast_mask, cache_policy=a_policy)  # fmt: skip
                 cute.copy(tma_b, tBgB_tile[(None, k_first + k_tile)], tBsB[(None, state.index)],
-                          tma_bar_ptr=barrier, mcast_mask=b_mcast_mask)  # fmt: skip
+                          tma_bar_ptr=barrier, mcast_mask=b_mcast_mask, cache_policy=b_policy)  # fmt: skip
                 if cutlass.const_expr(self.block_scaled):
                     self._copy_block_scales(cta, block_scales, scale_sources, state.index, k_first + k_tile, barrier)
                 ab_pipeline.producer_commit(state)  # no-op for TMA: bytes arm the barrier

@@ -140,6 +140,9 @@ def plan_grouped(
     instead and multicast A. Keyword overrides pin config fields."""
     hw = resolve_target(target)
     mean = problem.mean_group()
+    # Group sizes stay on the GPU, so no operand is known to be read by one tile: the dense planner's L2
+    # evict-first hint, judged on the mean group, cost up to 17 % where groups span several tiles (bench/NOTES.md).
+    overrides = {"evict_first": "", **overrides}
     if problem.ragged == "k":
         if overrides.get("schedule", "cooperative") != "cooperative":
             raise ConfigError(

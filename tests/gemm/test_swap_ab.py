@@ -27,17 +27,56 @@ def decode(m, n, k, **kwargs):
 
 
 @pytest.mark.parametrize("n,k", [(14336, 4096), (4096, 14336), (8192, 8192)])
-@pytest.mark.parametrize("m", [1, 16, 33, 64])
+@pytest.mark.parametrize("m", [1, 16, 33, 48])
 def test_decode_shapes_swap_with_m_in_a_narrow_n_tile(m, n, k):
     plan = decode(m, n, k)
     c = plan.config
-    assert c.swap_ab and c.tile_m == 128 and c.tile_n == -(-m // 16) * 16
+    assert c.swap_ab and c.schedule == "cooperative" and c.tile_m == 128 and c.tile_n == -(-m // 16) * 16
     assert plan.kernel_problem == GemmProblem(n, m, k, a_major="k", b_major="k")
     assert plan.num_tiles == -(-n // 128)
-    # K splits while the tiles of 128 weight rows leave SMs idle; the grid is every split of every tile.
-    assert plan.num_tiles * c.split_k <= plan.target.num_sms and (c.split_k > 1) == (n < 14336)
+    # K splits while the tiles of 128 weight rows fill under half the SMs; the grid is every split of every tile.
+    assert plan.num_tiles * c.split_k <= plan.target.num_sms // 2 or c.split_k == 1
+    assert c.split_k == (2 if n == 4096 else 1)
     assert plan.grid[2] == plan.num_tiles * c.split_k
     assert c.reasons[0].startswith(f"swap_ab: M = {m} rows") and "D^T = B^T A^T" in c.reasons[0]
+
+
+@pytest.mark.parametrize("n,k", [(14336, 4096), (4096, 14336), (8192, 8192)])
+@pytest.mark.parametrize("m", [49, 64])
+def test_decode_shapes_of_49_to_64_rows_swap_into_pingpong_64_row_tiles(m, n, k):
+    plan = decode(m, n, k)
+    c = plan.config
+    assert c.swap_ab and c.schedule == "pingpong" and (c.tile_m, c.tile_n) == (64, 64) and c.epi_tile[0] == 64
+    assert c.split_k == 1 and c.persistent and plan.num_tiles == -(-n // 64)
+    assert plan.grid[2] == min(plan.num_tiles, plan.target.num_sms)
+    assert c.reasons[1].startswith("schedule pingpong: 64-row tiles")
+
+
+@pytest.mark.parametrize(
+    "m,n,k,operand",
+    [(1, 8192, 8192, "a"), (64, 4096, 14336, "a"), (128, 8192, 8192, "b"), (1000, 64, 4096, "a"),
+     (4096, 4096, 4096, ""), (128, 128, 4096, "")],
+)  # fmt: skip
+def test_the_operand_only_one_tile_reads_is_loaded_evict_first(m, n, k, operand):
+    out = io.StringIO()
+    plan = epicute.explain(meta(m, k), meta(n, k).t(), file=out)
+    assert plan.config.evict_first == operand
+    assert ("L2 evict-first on" in out.getvalue()) == bool(operand)
+    if plan.config.swap_ab:  # the kernel's A is the caller's weight
+        assert "L2 evict-first on A (the caller's B)" in out.getvalue()
+    assert epicute.explain(meta(m, k), meta(n, k).t(), config={"evict_first": ""}, file=None).config.evict_first == ""
+    with pytest.raises(epicute.EpicuteError, match="evict_first='c'"):
+        epicute.explain(meta(m, k), meta(n, k).t(), config={"evict_first": "c"}, file=None)
+
+
+def test_grouped_plans_give_no_operand_the_evict_first_hint():
+    from importlib import import_module
+
+    grouped_plan = import_module("epicute.grouped.plan")
+    # 64 rows per group on average: the mean group is one tile tall, but group sizes are not known on the host.
+    problem = grouped_plan.GroupedProblem(4096, 2048, 7168, 64)
+    assert grouped_plan.plan_grouped(problem).config.evict_first == ""
+    assert grouped_plan.plan_grouped(problem, evict_first="b").config.evict_first == "b"
 
 
 @pytest.mark.parametrize("m,n,k", [(128, 4096, 14336), (96, 4096, 14336), (65, 2048, 8192)])
@@ -112,8 +151,10 @@ def test_pins_of_the_unswapped_tile_keep_it_and_swap_ab_pins_either_way():
     assert split.config.swap_ab and split.config.split_k == 3 and split.config.ab_stages == 5
     with pytest.raises(epicute.EpicuteError, match="swap_ab=True with L = 2"):
         plan_gemm(GemmProblem(16, 4096, 4096, 2, b_major="k"), swap_ab=True)
-    with pytest.raises(epicute.EpicuteError, match="swap_ab with a pingpong"):
-        plan_gemm(GemmProblem(16, 4096, 4096, b_major="k"), swap_ab=True, schedule="pingpong")
+    with pytest.raises(epicute.EpicuteError, match="swap_ab with a pingpong 128x16"):
+        plan_gemm(GemmProblem(16, 4096, 4096, b_major="k"), swap_ab=True, schedule="pingpong", tile_m=128)
+    with pytest.raises(epicute.EpicuteError, match="split_k=2 with schedule='pingpong'"):
+        plan_gemm(GemmProblem(64, 4096, 4096, b_major="k"), swap_ab=True, schedule="pingpong", split_k=2)
 
 
 def test_the_epilogue_runs_transposed_with_the_buffers_the_plan_budgets():
@@ -153,8 +194,10 @@ def test_grouped_kernels_refuse_swap_ab():
 
 
 SWAPPED = {
-    # M = 1: 16 columns, 4 splits, one tile per CTA (D staged in the A ring)
+    # M = 1: 16 columns, 2 splits, one tile per CTA (D staged in the A ring), the weight loaded evict-first
     "m1-split": (GemmProblem(1, 4096, 14336, b_major="k"), {}),
+    # M = 61: 64-row ping-pong tiles of 64 columns, persistent
+    "m61-pingpong": (GemmProblem(61, 4096, 14336, b_major="k"), {}),
     # 48 columns in subtiles of 16, fp32 D, persistent (more tiles than SMs)
     "m48-fp32-persistent": (GemmProblem(48, 20000, 1000, d_dtype="fp32", b_major="k"), {}),
     # a pinned swap of other majors (the kernel's A M-major, its B N-major) at M = 128

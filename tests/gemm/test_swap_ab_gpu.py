@@ -1,8 +1,8 @@
 """Swap-AB on the GPU: decode GEMMs computed as D^T = B^T A^T and stored transposed into row-major D.
 
-Odd M (1, 3, 17, 64), N and K that are no multiples of the tiles, split and unsplit, one tile per CTA and
-persistent, bias + relu and a per-row scale (the epilogue's vectors trade places), fp32 D, a prepared call and
-the split sum's determinism; D NaN-poisoned, against a float32 reference.
+Odd M (1, 3, 17, 50, 64: the last two in 64-row ping-pong tiles), N and K that are no multiples of the tiles,
+split and unsplit, one tile per CTA and persistent, bias + relu and a per-row scale (the epilogue's vectors trade
+places), fp32 D, a prepared call and the split sum's determinism; D NaN-poisoned, against a float32 reference.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def poisoned(m, n, dtype=torch.bfloat16):
     return torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
 
 
-@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("m", [1, 3, 17, 50, 64])
 @pytest.mark.parametrize("n,k", [(1000, 4104), (4104, 1000), (264, 72)])
 def test_planned_swap_matches_the_reference(m, n, k):
     x, w = decode_operands(m, n, k)

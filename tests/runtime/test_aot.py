@@ -28,7 +28,7 @@ SPEC = """
 shapes = [[17, 136, 72, 3], [1000, 4104, 136, 2]]
 dtype = "bf16"
 b_major = "k"
-config = { tile_n = 128, persistent = false, cluster_m = 1 }
+config = { tile_n = 128, persistent = false, cluster_m = 1, evict_first = "" }
 """
 
 
@@ -60,11 +60,12 @@ operands = { scale_m = "col:fp32", scale_n = "row:bf16" }
 """
     )
     plain, fused = read_spec(spec)["gemm"]
-    ((aot_plain, what),) = gemm_variants(plain)  # both shapes plan the same pinned config
+    # Both shapes plan the same pinned config (left to plan, the L2 hint would differ: 17 rows are one tile tall).
+    ((aot_plain, what),) = gemm_variants(plain)
     assert what == "17x136x72x3"
     a = torch.randn(3, 17, 72, dtype=torch.bfloat16)
     w = torch.randn(3, 136, 72, dtype=torch.bfloat16)
-    config = {"tile_n": 128, "persistent": False, "cluster_m": 1}
+    config = {"tile_n": 128, "persistent": False, "cluster_m": 1, "evict_first": ""}
     assert _launched_variant(monkeypatch, a, w.transpose(1, 2), config=config).key() == aot_plain.key()
     # A problem of one batch compiles the kernel's 2-D form, which an unbatched call launches.
     ((flat, _),) = gemm_variants({**plain, "shapes": [[1000, 4104, 136]]})
@@ -209,7 +210,7 @@ LOADER = textwrap.dedent(
     from epicute.gemm.launch import cached_plan, variant_of
 
     # What epicute.gemm does for a (3, 17, 72) @ (3, 72, 136)^T call with these pins.
-    pins = (("cluster_m", 1), ("persistent", False), ("tile_n", 128))
+    pins = (("cluster_m", 1), ("persistent", False), ("tile_n", 128), ("evict_first", ""))
     GEMM_CACHE.get(variant_of(cached_plan(GemmProblem(17, 136, 72, 3, "bf16", "bf16", "k", "k"), pins)))
     print("compiles", KERNEL_CACHE.stats.compiles, "disk_loads", KERNEL_CACHE.stats.disk_loads)
     """

@@ -98,8 +98,9 @@ def test_problem_sizes_are_not_in_the_key():
     keys = {variant_of(cached_plan(GemmProblem(m, 8192, 8192), ())).key() for m in (8193, 9000, 12288, 20000)}
     assert len(keys) == 1
     # Odd sizes and batch counts too, with the config pinned; one batch is the kernel's 2-D form (an unbatched
-    # call hands it its own tensors), shared by every size too.
-    pinned = (("cluster_m", 1), ("persistent", False), ("tile_n", 128))
+    # call hands it its own tensors), shared by every size too. (Left to plan, the L2 hint splits them in two: M of
+    # one tile, whose B only that tile reads, and more.)
+    pinned = (("cluster_m", 1), ("persistent", False), ("tile_n", 128), ("evict_first", ""))
     batched = variant_of(cached_plan(GemmProblem(17, 136, 72, 3), pinned))
     assert batched.key() == variant_of(cached_plan(GemmProblem(1000, 4104, 136, 2), pinned)).key()
     flat = {variant_of(cached_plan(GemmProblem(m, 4104, 136, 1), pinned)).key() for m in (1, 17, 1000)}
