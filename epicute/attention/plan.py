@@ -267,7 +267,7 @@ def default_config(head_dim: int, causal: bool, decode: dict | None = None, **ov
     # from a counter, full attention too: the tiles in flight then stay a contiguous window of the
     # m-block-fastest order (K and V of a few heads in L2), where striding by the grid lets CTAs
     # drift apart (bench/NOTES.md, 'Every persistent launch claims its tiles').
-    base.update(persistent=True)
+    base.setdefault("persistent", True)
     base.update(overrides)
     base.setdefault("dynamic_tiles", base["persistent"])
     base.setdefault("split_kv", base.get("num_splits", 1) > 1)
@@ -298,6 +298,10 @@ DECODE_TILE_N = {64: 128, 128: 128, 256: 64}
 #: K/V ring depth of decode tiles by head_dim. At d128 two 64 KB stages measured ~1 % above three
 #: (bench/NOTES.md, 'Decode attention'); d64 and d256 take what fits beside Q (not measured apart).
 DECODE_STAGES = {64: 6, 128: 2, 256: 3}
+#: Decode tiles that fit two CTAs on an SM, by head_dim: two 64-key stages of K and V (64 KB) beside Q's 16 KB,
+#: and 128 x (24 + 232) registers. Planned where the tiles fill the SMs unsplit: at batch 64 x 8192 keys 1.1 %
+#: above one persistent CTA per SM (bench/NOTES.md, 'Decode attention: two CTAs per SM'); d64 and d256 not measured.
+TWO_PER_SM = {128: {"tile_n": 64, "stages": 2, "producer_regs": 24, "consumer_regs": 232}}
 
 
 def page_tile_n(tile_n: int, page_size: int) -> int:
@@ -326,6 +330,11 @@ def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = T
     blocks = -(-p.seqlen_k // tile_n)
     splits = min(hw.num_sms // max(tiles, 1), blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS)
     splits = max(splits, 1)
+    # Tiles that fill the SMs unsplit run two CTAs per SM at d128 (TWO_PER_SM): each SM streams two tiles'
+    # K and V, and a CTA that finishes frees its slot to the next tile at once.
+    two_per_sm = p.head_dim in TWO_PER_SM and splits == 1 and tiles >= hw.num_sms
+    if two_per_sm:
+        tile_n = min(tile_n, TWO_PER_SM[p.head_dim]["tile_n"])
     why = (
         f"decode-shaped ({p.seqlen_q} quer{'y' if p.seqlen_q == 1 else 'ies'} x {p.group} head"
         f"{'s' if p.group > 1 else ''} per K/V head <= {DECODE_ROWS} rows): 64x{tile_n} tiles, one consumer "
@@ -335,11 +344,17 @@ def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = T
         + (f"; {tiles} tiles leave SMs idle: each tile's {blocks} key blocks split over {splits} CTAs "
            f"(>= {MIN_BLOCKS_PER_SPLIT} blocks each), combined by LSE in split order" if splits > 1 else "")
         + (f"; {tile_n}-key blocks tile the {p.page_size}-key pages" if p.page_size else "")
+        + (f"; {tiles} tiles fill the SMs: one CTA per tile, two per SM ({tile_n}-key blocks in "
+           f"{TWO_PER_SM[p.head_dim]['stages']} stages, {TWO_PER_SM[p.head_dim]['producer_regs']} + "
+           f"{TWO_PER_SM[p.head_dim]['consumer_regs']} registers per thread)" if two_per_sm else "")
     )  # fmt: skip
-    return {
+    choices = {
         "tile_m": WGMMA_M, "tile_n": tile_n, "stages": DECODE_STAGES[p.head_dim], "pingpong": False,
         "rescale_o_early": False, "release_k_late": False, "pack_gqa": pack, "num_splits": splits, "why": why,
     }  # fmt: skip
+    if two_per_sm:
+        choices.update(TWO_PER_SM[p.head_dim], tile_n=tile_n, persistent=False)
+    return choices
 
 
 def lpt_keys_per_band(head_dim: int, esize: int = 2) -> int:

@@ -108,6 +108,12 @@ def test_decode_variants_compile(d, ptxas_report):
     assert callable(compile_attention(AttentionVariant(cfg, "bf16", True, page_size=128, seqused_k=True)))
     spills, injected_fences = ptxas_report()
     assert spills == [0] and injected_fences == []
+    # Tiles that fill the SMs: two CTAs per SM at d128, 232 registers per consumer thread.
+    filled = plan_attention(AttentionProblem(64, 1, 8192, 32, 8, d, causal=True, page_size=128, seqused_k=True),
+                            H100_SXM).config  # fmt: skip
+    assert callable(compile_attention(AttentionVariant(filled, "bf16", True, page_size=128, seqused_k=True)))
+    spills, injected_fences = ptxas_report()
+    assert spills == [0] and injected_fences == []
 
     def alibi(s, b, h, q_idx, kv_idx, slopes):
         return s + slopes * (kv_idx - q_idx)

@@ -153,6 +153,23 @@ def test_decode_plans_pack_gqa_and_split_while_sms_idle():
         plan_attention(_decode(), H100_SXM, plain_output=False, num_splits=4)
 
 
+def test_decode_tiles_that_fill_the_sms_run_two_ctas_per_sm():
+    from epicute.attention.plan import attention_smem_layout
+
+    plan = plan_attention(_decode(batch=64, seqlen_k=8192, page_size=128, seqused_k=True), H100_SXM)
+    c = plan.config
+    assert (c.tile_n, c.stages, c.persistent, c.dynamic_tiles, c.num_splits) == (64, 2, False, False, 1)
+    assert plan.grid[0] == plan.num_tiles == 512
+    # Two CTAs fit an SM: their shared memory (the 1 KB each reserves besides) and 128 threads of each role.
+    assert 2 * (attention_smem_layout(c).total_bytes + 1024) <= 233472
+    assert 128 * (c.producer_regs + c.consumer_regs) <= 65536 // 2
+    assert "two per SM" in c.reasons[0]
+    # Split tiles (too few to fill the SMs) and other head dims keep one persistent CTA per SM.
+    for problem in (_decode(batch=8, seqlen_k=32768), _decode(batch=64, seqlen_k=8192, head_dim=64)):
+        c = plan_attention(problem, H100_SXM).config
+        assert c.persistent and "two per SM" not in c.reasons[0]
+
+
 def test_decode_config_errors():
     with pytest.raises(ConfigError, match="pack_gqa=3"):
         plan_attention(_decode(), H100_SXM, pack_gqa=3)
