@@ -333,23 +333,23 @@ def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = T
     # Tiles that fill the SMs unsplit run two CTAs per SM at d128 (TWO_PER_SM): each SM streams two tiles'
     # K and V, and a CTA that finishes frees its slot to the next tile at once.
     two_per_sm = p.head_dim in TWO_PER_SM and splits == 1 and tiles >= hw.num_sms
+    stages = TWO_PER_SM[p.head_dim]["stages"] if two_per_sm else DECODE_STAGES[p.head_dim]
     if two_per_sm:
         tile_n = min(tile_n, TWO_PER_SM[p.head_dim]["tile_n"])
     why = (
         f"decode-shaped ({p.seqlen_q} quer{'y' if p.seqlen_q == 1 else 'ies'} x {p.group} head"
         f"{'s' if p.group > 1 else ''} per K/V head <= {DECODE_ROWS} rows): 64x{tile_n} tiles, one consumer "
-        f"warpgroup, {DECODE_STAGES[p.head_dim]} K/V stages"
+        f"warpgroup, {stages} K/V stages"
         + (f"; the {pack} query heads of a GQA group packed into one tile's rows, so each K/V block is "
            "read once for all of them" if pack > 1 else "")
         + (f"; {tiles} tiles leave SMs idle: each tile's {blocks} key blocks split over {splits} CTAs "
            f"(>= {MIN_BLOCKS_PER_SPLIT} blocks each), combined by LSE in split order" if splits > 1 else "")
         + (f"; {tile_n}-key blocks tile the {p.page_size}-key pages" if p.page_size else "")
-        + (f"; {tiles} tiles fill the SMs: one CTA per tile, two per SM ({tile_n}-key blocks in "
-           f"{TWO_PER_SM[p.head_dim]['stages']} stages, {TWO_PER_SM[p.head_dim]['producer_regs']} + "
-           f"{TWO_PER_SM[p.head_dim]['consumer_regs']} registers per thread)" if two_per_sm else "")
+        + (f"; {tiles} tiles fill the SMs: one CTA per tile, two per SM ({TWO_PER_SM[p.head_dim]['producer_regs']} "
+           f"+ {TWO_PER_SM[p.head_dim]['consumer_regs']} registers per thread)" if two_per_sm else "")
     )  # fmt: skip
     choices = {
-        "tile_m": WGMMA_M, "tile_n": tile_n, "stages": DECODE_STAGES[p.head_dim], "pingpong": False,
+        "tile_m": WGMMA_M, "tile_n": tile_n, "stages": stages, "pingpong": False,
         "rescale_o_early": False, "release_k_late": False, "pack_gqa": pack, "num_splits": splits, "why": why,
     }  # fmt: skip
     if two_per_sm:

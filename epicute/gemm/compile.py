@@ -54,6 +54,7 @@ class GemmVariant:
             f"A:{self.a_major} B:{self.b_major}"
             + (" blockwise" if self.block_scaled else "")
             + (" swap-AB" if c.swap_ab else "")
+            + (f" L2:evict-first {c.evict_first.upper()}" if c.evict_first else "")
             + ("" if self.batched else " 2-D")
             + ("" if self.fusion is None else " +epilogue")
         )
