@@ -299,8 +299,9 @@ DECODE_TILE_N = {64: 128, 128: 128, 256: 64}
 #: (bench/NOTES.md, 'Decode attention'); d64 and d256 take what fits beside Q (not measured apart).
 DECODE_STAGES = {64: 6, 128: 2, 256: 3}
 #: Decode tiles that fit two CTAs on an SM, by head_dim: two 64-key stages of K and V (64 KB) beside Q's 16 KB,
-#: and 128 x (24 + 232) registers. Planned where the tiles fill the SMs unsplit: at batch 64 x 8192 keys 1.1 %
-#: above one persistent CTA per SM (bench/NOTES.md, 'Decode attention: two CTAs per SM'); d64 and d256 not measured.
+#: and 128 x (24 + 232) registers, one CTA per tile (or split). Planned where the CTAs fill at least half the SMs:
+#: 1.1 % above one persistent CTA per SM at batch 64 x 8192 keys (512 tiles), 1.8 % at 8 x 32768 (2 splits) and
+#: 2.6 % at 1 x 131072 (16 splits) (bench/NOTES.md, 'Decode attention: two CTAs per SM'); d64 and d256 not measured.
 TWO_PER_SM = {128: {"tile_n": 64, "stages": 2, "producer_regs": 24, "consumer_regs": 232}}
 
 
@@ -330,9 +331,9 @@ def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = T
     blocks = -(-p.seqlen_k // tile_n)
     splits = min(hw.num_sms // max(tiles, 1), blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS)
     splits = max(splits, 1)
-    # Tiles that fill the SMs unsplit run two CTAs per SM at d128 (TWO_PER_SM): each SM streams two tiles'
-    # K and V, and a CTA that finishes frees its slot to the next tile at once.
-    two_per_sm = p.head_dim in TWO_PER_SM and splits == 1 and tiles >= hw.num_sms
+    # At d128 the CTAs are sized so that two fit an SM (TWO_PER_SM) where they fill half the SMs or more: an SM
+    # can then stream two tiles' K and V, and a CTA that finishes frees its slot to the next tile at once.
+    two_per_sm = p.head_dim in TWO_PER_SM and 2 * tiles * splits >= hw.num_sms
     stages = TWO_PER_SM[p.head_dim]["stages"] if two_per_sm else DECODE_STAGES[p.head_dim]
     if two_per_sm:
         tile_n = min(tile_n, TWO_PER_SM[p.head_dim]["tile_n"])
@@ -345,8 +346,9 @@ def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = T
         + (f"; {tiles} tiles leave SMs idle: each tile's {blocks} key blocks split over {splits} CTAs "
            f"(>= {MIN_BLOCKS_PER_SPLIT} blocks each), combined by LSE in split order" if splits > 1 else "")
         + (f"; {tile_n}-key blocks tile the {p.page_size}-key pages" if p.page_size else "")
-        + (f"; {tiles} tiles fill the SMs: one CTA per tile, two per SM ({TWO_PER_SM[p.head_dim]['producer_regs']} "
-           f"+ {TWO_PER_SM[p.head_dim]['consumer_regs']} registers per thread)" if two_per_sm else "")
+        + (f"; one CTA per tile{' split' if splits > 1 else ''}, sized so that two fit an SM "
+           f"({TWO_PER_SM[p.head_dim]['producer_regs']} + {TWO_PER_SM[p.head_dim]['consumer_regs']} registers per "
+           "thread)" if two_per_sm else "")
     )  # fmt: skip
     choices = {
         "tile_m": WGMMA_M, "tile_n": tile_n, "stages": stages, "pingpong": False,

@@ -136,8 +136,9 @@ def _decode(batch=1, seqlen_q=1, seqlen_k=131072, heads_q=32, heads_kv=8, head_d
 def test_decode_plans_pack_gqa_and_split_while_sms_idle():
     plan = plan_attention(_decode(), H100_SXM)
     c = plan.config
-    # 8 KV heads x 1 sequence leave 124 SMs idle: 16 splits of 64 blocks fill 128 of them.
-    assert (c.tile_m, c.tile_n, c.pack_gqa, c.split_kv, c.num_splits) == (64, 128, 4, True, 16)
+    # 8 KV heads x 1 sequence leave 124 SMs idle: 16 splits of 64 128-key blocks fill 128 of them (each runs
+    # them as 64-key blocks in a CTA sized so that two fit an SM).
+    assert (c.tile_m, c.tile_n, c.pack_gqa, c.split_kv, c.num_splits) == (64, 64, 4, True, 16)
     assert plan.num_tiles == 128 and plan.rows == 4
     # 64 sequences x 8 KV heads already fill the GPU: no split.
     c = plan_attention(_decode(batch=64, seqlen_k=8192), H100_SXM).config
@@ -163,11 +164,16 @@ def test_decode_tiles_that_fill_the_sms_run_two_ctas_per_sm():
     # Two CTAs fit an SM: their shared memory (the 1 KB each reserves besides) and 128 threads of each role.
     assert 2 * (attention_smem_layout(c).total_bytes + 1024) <= 233472
     assert 128 * (c.producer_regs + c.consumer_regs) <= 65536 // 2
-    assert "two per SM" in c.reasons[0]
-    # Split tiles (too few to fill the SMs) and other head dims keep one persistent CTA per SM.
-    for problem in (_decode(batch=8, seqlen_k=32768), _decode(batch=64, seqlen_k=8192, head_dim=64)):
+    assert "two fit an SM" in c.reasons[0]
+    # Split tiles too: 8 K/V heads x 16 splits of 64-key blocks, one CTA each.
+    plan = plan_attention(_decode(), H100_SXM)
+    c = plan.config
+    assert (c.tile_n, c.num_splits, c.persistent) == (64, 16, False) and plan.grid[0] == 128
+    assert "one CTA per tile split, sized so that two fit an SM" in c.reasons[0]
+    # Too few CTAs for half the SMs (short keys: no split), and other head dims: one persistent CTA per SM.
+    for problem in (_decode(seqlen_k=500), _decode(batch=64, seqlen_k=8192, head_dim=64)):
         c = plan_attention(problem, H100_SXM).config
-        assert c.persistent and "two per SM" not in c.reasons[0]
+        assert c.persistent and "two fit an SM" not in c.reasons[0]
 
 
 def test_decode_config_errors():
