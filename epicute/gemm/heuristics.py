@@ -7,8 +7,10 @@ The choices, in order (measurements behind them: ``bench/results/configs*.json``
 
 - **swap-AB** first (:func:`choose_swap_ab`): a decode GEMM (M <= 64 rows of A against a wider N, B the
   transpose of a row-major weight) whose epilogue has a transpose runs as D^T = B^T A^T, the weight's rows on
-  the MMA's 128-row side and M in a tile N of 16-64; its own plan (:func:`_swap_ab_config`) splits K while the
-  tiles leave SMs idle (bench/NOTES.md, 'Swap-AB decode GEMMs'). The choices below are the unswapped kernel's.
+  the MMA's M side and M in a tile N of 16-64; its own plan (:func:`_swap_ab_config`) splits K while the CTAs
+  fill under half the SMs, or from M = 49 takes 64-row ping-pong tiles (bench/NOTES.md, 'Swap-AB decode GEMMs',
+  'L2 evict-first for decode GEMMs'). The operand only one tile reads is loaded L2 evict-first
+  (:func:`choose_evict_first`, for every plan). The choices below are the unswapped kernel's.
 0. **schedule**: cooperative for a plain GEMM, unless ping-pong's 128x192 tile is
    estimated faster (it fills the last wave better on some shapes: 8192^3,
    1024x14336x4096). With a fused epilogue: cooperative when the problem has at
@@ -352,7 +354,7 @@ def choose_swap_ab(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, 
         )
     return True, (
         f"M = {problem.m} rows against N = {problem.n}: the kernel computes D^T = B^T A^T, so B^T's rows fill the "
-        f"MMA's 128-row side and A's {problem.m} rows a narrow N (a 128-row tile of A would compute "
+        f"MMA's M side and A's {problem.m} rows a narrow N (a 128-row tile of A would compute "
         f"{128 - problem.m} rows of zeros); D^T's tiles are stored column-major into D, row and column vectors "
         "trade places"
     )
