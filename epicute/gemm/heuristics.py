@@ -637,11 +637,16 @@ def _fit_and_check(
     else:
         cfg = fit_stages(cfg, problem, hw.smem_per_cta_bytes, epilogue)
         extra = epilogue_smem_bytes(cfg, problem.ab_dtype, problem.d_dtype, epilogue, problem.block_scaled)
+        total = smem_total(cfg, problem.ab_dtype, problem.d_dtype, epilogue, problem.block_scaled)
         reasons.append(
             f"{cfg.ab_stages} A/B stages of {ab_stage_bytes(cfg, problem.ab_dtype)} B and "
             f"{cfg.num_epi_stages} D buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B"
             + (f" next to the fused epilogue's {extra} B" if extra else "")
-            + f" fill the {hw.smem_per_cta_bytes} B budget"
+            + (
+                f": {total} of the {hw.smem_per_cta_bytes} B budget, the ring at its cap of {MAX_AB_STAGES} stages"
+                if cfg.ab_stages == MAX_AB_STAGES
+                else f" fill the {hw.smem_per_cta_bytes} B budget"
+            )
         )
     reasons.append(
         f"raster: bands of {cfg.swizzle} clusters along "
