@@ -333,10 +333,10 @@ def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = T
     splits = max(splits, 1)
     # At d128 the CTAs are sized so that two fit an SM (TWO_PER_SM) where they fill half the SMs or more: an SM
     # can then stream two tiles' K and V, and a CTA that finishes frees its slot to the next tile at once.
-    two_per_sm = p.head_dim in TWO_PER_SM and 2 * tiles * splits >= hw.num_sms
-    stages = TWO_PER_SM[p.head_dim]["stages"] if two_per_sm else DECODE_STAGES[p.head_dim]
+    two_per_sm = TWO_PER_SM.get(p.head_dim) if 2 * tiles * splits >= hw.num_sms else None
+    stages = two_per_sm["stages"] if two_per_sm else DECODE_STAGES[p.head_dim]
     if two_per_sm:
-        tile_n = min(tile_n, TWO_PER_SM[p.head_dim]["tile_n"])
+        tile_n = min(tile_n, two_per_sm["tile_n"])
     why = (
         f"decode-shaped ({p.seqlen_q} quer{'y' if p.seqlen_q == 1 else 'ies'} x {p.group} head"
         f"{'s' if p.group > 1 else ''} per K/V head <= {DECODE_ROWS} rows): 64x{tile_n} tiles, one consumer "
@@ -347,15 +347,15 @@ def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = T
            f"(>= {MIN_BLOCKS_PER_SPLIT} blocks each), combined by LSE in split order" if splits > 1 else "")
         + (f"; {tile_n}-key blocks tile the {p.page_size}-key pages" if p.page_size else "")
         + (f"; one CTA per tile{' split' if splits > 1 else ''}, sized so that two fit an SM "
-           f"({TWO_PER_SM[p.head_dim]['producer_regs']} + {TWO_PER_SM[p.head_dim]['consumer_regs']} registers per "
-           "thread)" if two_per_sm else "")
+           f"({two_per_sm['producer_regs']} + {two_per_sm['consumer_regs']} registers per thread)"
+           if two_per_sm else "")
     )  # fmt: skip
     choices = {
         "tile_m": WGMMA_M, "tile_n": tile_n, "stages": stages, "pingpong": False,
         "rescale_o_early": False, "release_k_late": False, "pack_gqa": pack, "num_splits": splits, "why": why,
     }  # fmt: skip
     if two_per_sm:
-        choices.update(TWO_PER_SM[p.head_dim], tile_n=tile_n, persistent=False)
+        choices.update(two_per_sm, tile_n=tile_n, persistent=False)
     return choices
 
 
