@@ -10,7 +10,8 @@ partial sums promoted to fp32 along K) and ``cublas_<recipe>_fast`` (``use_fast_
 promotion, as epicute's tensorwise and rowwise kernels); blockwise promotes in both.
 ``blockwise_quantize`` rows time epicute's blockwise GEMM with the fused quantize-for-next-GEMM
 epilogue (SiLU, then ``ops.quantize_groups``: fp8 D and UE8M0 scales) against the same GEMM with a
-bf16 D (``epicute_plain``). Every
+bf16 D (``epicute_plain``) and with the SiLU alone, bf16 D (``epicute_silu``: the quantization's own cost
+is the difference). Every
 contender's first call is checked against a float32 reference of the dequantized math and not
 timed; then all are timed as ``triton.testing.do_bench`` times them (L2 flushed before each call,
 calls back to back: fp8 GEMMs run at the H100's power cap, see
@@ -76,6 +77,8 @@ def contenders(recipe: str) -> dict:
             "epicute": lambda a, b, sa, sb, out=None: epicute.gemm(a, b, a_scale=sa, b_scale=sb,
                                                                    epilogue=silu_then_quantize),
             "epicute_plain": plain,
+            "epicute_silu": lambda a, b, sa, sb, out=None: {"silu": epicute.gemm(a, b, a_scale=sa, b_scale=sb,
+                                                                                epilogue=silu_only, out=out)},
         }  # fmt: skip
     found = {"epicute": plain, f"cublas_{recipe}": cublas(False)}
     if recipe != "blockwise":  # cuBLAS's blockwise recipe always promotes
@@ -91,11 +94,20 @@ def silu_then_quantize(acc):
     return {"D": q, "scales": scales}
 
 
+def silu_only(acc):
+    """The quantize epilogue's SiLU alone, bf16 D: what the quantization adds is the difference."""
+    from epicute import ops
+
+    return ops.silu(acc)
+
+
 def checked_value(result, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(what a contender returned, what it should be) as float32: a quantized output dequantized, against the
     reference's own quantization of SiLU of the product (an fp8 rounding may flip, never more)."""
     if not isinstance(result, dict):
         return result.float(), ref
+    if "silu" in result:
+        return result["silu"].float(), torch.nn.functional.silu(ref)
     from epicute.epilogue.group_quant import group_quantize
 
     q, scales = group_quantize(torch.nn.functional.silu(ref)[None], "fp8e4m3", ue8m0=True)

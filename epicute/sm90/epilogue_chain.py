@@ -304,12 +304,13 @@ class Advance(StageEmitter):
 
 @_emitter("group_amax")
 class GroupAmax(StageEmitter):
-    """quantize_groups' first pass: fold each value's magnitude into its (row, group) partial (lanes outside
-    the problem contribute nothing), then keep the subtile's values for the second pass."""
+    """quantize_groups' first pass: fold each value's magnitude into its (row, group) partial (columns past N
+    contribute nothing; rows past M need no mask: their partials only make scales that are never stored),
+    then keep the subtile's values for the second pass."""
 
     def element(self, run, stage, at, values) -> None:
         _, m0, n0, m, n = at
-        valid = run.tile_epi.in_problem(m, n)
+        valid = run.origin[1] + n < run.extent[1]
         # Thread 0's static n and this thread's lie in one group: groups and 8-column atoms align.
         slot = run.group_partials.setdefault((m0, n0 // GROUP_N), [emit.identity("amax"), m, n])
         slot[0] = emit.fold_element("amax", slot[0], values[run.fusion.group_quant.arg], valid)

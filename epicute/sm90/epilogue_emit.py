@@ -102,13 +102,14 @@ def compute(fusion: EpilogueFusion, acc, tiles: dict, vectors: dict, scalars: tu
 
 # ------------------------------------------------------------------ reductions
 def combine(kind: str, a, b):
-    """Fold two partials (``amax`` partials are already absolute values)."""
-    return a + b if kind == "sum" else cutlass.max(a, b)
+    """Fold two partials (``amax`` partials are already absolute values). A max propagates NaN, as torch's
+    does, through ``max.NaN`` (one FMNMX.NAN: the generic NaN-propagating max takes three instructions)."""
+    return a + b if kind == "sum" else cute.arch.fmax(a, b, nan=True)
 
 
 def fold_element(kind: str, partial, x, valid):
     """``partial`` with element ``x`` folded in; lanes outside the problem contribute the identity."""
-    x = _select(x < Float32(0.0), -x, x) if kind == "amax" else x
+    x = cute.math.absf(x) if kind == "amax" else x
     return combine(kind, partial, _select(valid, x, identity(kind)))
 
 
