@@ -133,10 +133,15 @@ def ratio(row: Row, peer: str) -> float | None:
     return None
 
 
+def peer_names(names: Sequence[str]) -> list[str]:
+    """The contenders among ``names`` that are peers: epicute's own reference figures (``epicute_*``) are not."""
+    return [n for n in names if not n.startswith("epicute")]
+
+
 def best_ratio(row: Row, names: Sequence[str]) -> float | None:
     """epicute / the fastest peer among ``names`` for one (higher-is-better) row, or None when a figure
     is missing; epicute's own reference figures (``epicute_*``, e.g. the plain GEMM) are not peers."""
-    figures = [row.get(n) for n in names if not n.startswith("epicute")]
+    figures = [row.get(n) for n in peer_names(names)]
     figures = [f for f in figures if isinstance(f, (int, float)) and f > 0]
     ours = row.get("epicute")
     if not figures or not isinstance(ours, (int, float)):
@@ -199,7 +204,7 @@ def print_table(rows: Sequence[Row], unit: str) -> None:
 def _print_group(rows: Sequence[Row], unit: str) -> None:
     names = peers(rows)
     first = names[0] if names else None
-    vs_best = len(names) > 1
+    vs_best = len(peer_names(names)) > 1
     header = ["case", f"epicute ({unit})", *names]
     if first is not None:
         header.append(f"epicute/{first}")

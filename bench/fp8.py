@@ -16,8 +16,8 @@ contender's first call is checked against a float32 reference of the dequantized
 timed; then all are timed as ``triton.testing.do_bench`` times them (L2 flushed before each call,
 calls back to back: fp8 GEMMs run at the H100's power cap, see
 :func:`epicute.benchmark.time_flushed`), medians of interleaved rounds. A cached fp8 call costs
-~20 us of host time (``bench/runtime.py``), under the flush's ~0.1 ms, so no shape is host-bound
-this way. Writes
+~20 us of host time (``bench/runtime.py``), under the flush's ~0.1 ms; one with the quantize
+epilogue ~57 us, which the small shape's figure follows (its flushed time is host-bound). Writes
 bench/results/fp8.json (and $OUT/fp8.json when OUT is set).
 """
 

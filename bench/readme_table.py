@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import best_ratio, geomean, peer_groups, peers, ratio
+from common import best_ratio, geomean, peer_groups, peer_names, peers, ratio
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
@@ -48,7 +48,7 @@ def render(result: dict[str, Any]) -> str:
 def _table(rows: list[dict[str, Any]], higher: bool) -> str:
     names = peers(rows)
     first = names[0] if names else None
-    vs_best = higher and len(names) > 1
+    vs_best = higher and len(peer_names(names)) > 1
     columns = ([(f"epicute/{first}", lambda row: ratio(row, first))] if first else []) + (
         [("epicute/best", lambda row: best_ratio(row, names))] if vs_best else []
     )
