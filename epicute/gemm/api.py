@@ -126,11 +126,12 @@ def gemm(
         )  # fmt: skip
     fast = None
     if backend == "kernel" and not tune:
-        if (
-            epilogue is None and out is None and not operands and a_scale is None and b_scale is None and outs is None
-            and out_dtypes is None and config is None and not gated and type(a) in PLAIN_TENSORS
-            and type(b) in PLAIN_TENSORS
-        ):  # fmt: skip
+        # No epilogue, out, operands or options: a plain call, or fp8 with scale tensors and nothing else.
+        bare = (
+            epilogue is None and out is None and not operands and outs is None and out_dtypes is None
+            and config is None and not gated and type(a) in PLAIN_TENSORS and type(b) in PLAIN_TENSORS
+        )  # fmt: skip
+        if bare and a_scale is None and b_scale is None:
             # A plain call (the same test as _fast_call's), keyed by no more than its prepared call checks: the
             # cached path's whole cost is this key, D's allocation and the launch (bench/NOTES.md, issue 23).
             key = (a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype, b.get_device(),
@@ -139,11 +140,7 @@ def gemm(
             if repeat is not None and not (a.data_ptr() | b.data_ptr()) % TMA_ALIGN_BYTES:
                 return repeat.plain(a, b)
             fast = _FastCall(key, (a, b, None, None, None), None, (), ())
-        elif (
-            epilogue is None and out is None and not operands and outs is None and out_dtypes is None and config is None
-            and not gated and type(a) in PLAIN_TENSORS and type(b) in PLAIN_TENSORS and type(a_scale) in PLAIN_TENSORS
-            and type(b_scale) in PLAIN_TENSORS
-        ):  # fmt: skip
+        elif bare and type(a_scale) in PLAIN_TENSORS and type(b_scale) in PLAIN_TENSORS:
             # fp8 with scale tensors and nothing else, keyed like a plain call plus the scales' layouts. Aligned
             # pointers only (the signature's alignment class of each is then 0), and whether one tensor is both.
             key = (a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype, b.get_device(),
