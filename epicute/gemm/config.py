@@ -30,6 +30,26 @@ SWAP_AB_TILE_N = (16, 32, 48, 64, 80, 96, 112, 128)
 MAX_ACC_REGS = 192
 #: Most CTAs one output tile's K is split across.
 MAX_SPLIT_K = 8
+#: The width of a blockwise scale block along N and K (DeepSeek-V3's 128; ``epicute.epilogue.scales.BLOCK_K``).
+SCALE_BLOCK = 128
+#: Tile N of a blockwise-scaled fp8 GEMM. A 64- or 128-wide tile lies in one block of N; a 192-wide one starts on
+#: a multiple of 64, so each of its 64-column chunks does (:func:`b_scale_chunks`).
+BLOCK_SCALED_TILE_N = (64, 128, 192)
+
+
+def b_scale_chunks(tile_n: int) -> int:
+    """B scales a blockwise-scaled tile needs per k-tile: one per chunk of columns that lies in one block of N."""
+    chunk = SCALE_BLOCK if tile_n % SCALE_BLOCK == 0 else 64
+    return max(1, tile_n // chunk)
+
+
+def promote_partials(cfg: GemmConfig) -> int:
+    """k-tile partial sums a blockwise-scaled consumer keeps beside its fp32 sum: two where three accumulators fit
+    ``MAX_ACC_REGS`` (k-tile j's WGMMAs run while j - 1's partial is promoted), else one (the warpgroup waits for
+    its k-tile and promotes while the other warpgroup's WGMMAs hold the tensor cores); 0 where two do not fit."""
+    if 3 * cfg.acc_regs <= MAX_ACC_REGS:
+        return 2
+    return 1 if 2 * cfg.acc_regs <= MAX_ACC_REGS else 0
 
 
 @dataclass(frozen=True)

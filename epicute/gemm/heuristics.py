@@ -52,7 +52,15 @@ import functools
 from dataclasses import replace
 
 from epicute.errors import ConfigError
-from epicute.gemm.config import MAX_ACC_REGS, MAX_SPLIT_K, SWAP_AB_TILE_N, GemmConfig, GemmProblem
+from epicute.gemm.config import (
+    BLOCK_SCALED_TILE_N,
+    MAX_ACC_REGS,
+    MAX_SPLIT_K,
+    SWAP_AB_TILE_N,
+    GemmConfig,
+    GemmProblem,
+    promote_partials,
+)
 from epicute.gemm.roofline import estimate_seconds
 from epicute.gemm.smem import (
     NO_EPILOGUE,
@@ -178,14 +186,18 @@ def choose_tile_n(
     if problem.n <= 128:
         return 128, f"N={problem.n} fits one 128-wide tile"
     if problem.block_scaled:
-        narrow = estimate_seconds(problem, hw, 128, 64, epilogue, schedule)
-        wide = estimate_seconds(problem, hw, 128, 128, epilogue, schedule)
-        best = 64 if narrow < wide else 128
-        return best, (
-            f"blockwise scales: promotion holds two k-tiles' partials beside the sum (3 x {128 * best // 256} "
-            f"registers per thread), so tiles of at most 128x128; 128x{best} estimated "
-            f"{min(narrow, wide) * 1e6:.0f} us vs {max(narrow, wide) * 1e6:.0f} us for 128x{192 - best}"
+        # Widest first, so that a tie keeps the tile with the most reuse per byte.
+        times = {width: estimate_seconds(problem, hw, 128, width, epilogue, schedule) for width in (192, 128, 64)}
+        best = min(times, key=times.__getitem__)
+        others = ", ".join(f"{s * 1e6:.0f} us for 128x{width}" for width, s in times.items() if width != best)
+        partials = (
+            "one k-tile's partial beside the sum (2 x 96 registers per thread): each warpgroup promotes while the "
+            "other's WGMMAs run"
+            if best == 192
+            else f"two k-tiles' partials beside the sum (3 x {best // 2} registers per thread)"
         )
+        estimate = f"128x{best} estimated {times[best] * 1e6:.0f} us vs {others}"
+        return best, f"blockwise scales: promotion holds {partials}; {estimate}"
     wide = 192 if schedule == "pingpong" else 256
     # Widest first, so that a tie keeps the tile with the most reuse per byte.
     times = {width: estimate_seconds(problem, hw, 128, width, epilogue, schedule) for width in (wide, 128, 64)}
@@ -663,12 +675,12 @@ def _fit_and_check(
     passthrough = {k: v for k, v in overrides.items() if k not in GemmConfig.planned_fields()}
     cfg = replace(cfg, **passthrough, reasons=tuple(reasons))
     cfg.validate()
-    if problem.block_scaled and (cfg.tile_n > 128 or 3 * cfg.acc_regs > MAX_ACC_REGS):
+    if problem.block_scaled and (cfg.tile_n not in BLOCK_SCALED_TILE_N or not promote_partials(cfg)):
         raise ConfigError(
-            f"tile {cfg.tile_m}x{cfg.tile_n} ({cfg.schedule}) with blockwise scales: promotion holds three "
-            f"accumulators (the sum and two k-tiles' partials), 3 x {cfg.acc_regs} registers per thread (at most "
-            f"{MAX_ACC_REGS}), and a tile spans at most one 128-wide scale block of N; use tile_n 128 or 64, "
-            "cooperative, or ping-pong with tile_m 64"
+            f"tile {cfg.tile_m}x{cfg.tile_n} ({cfg.schedule}) with blockwise scales: promotion holds the sum and at "
+            f"least one k-tile's partial, 2 x {cfg.acc_regs} registers per thread (at most {MAX_ACC_REGS}), and "
+            f"tile_n must be one of {BLOCK_SCALED_TILE_N}; use the cooperative schedule with tile_n 128 or 192, "
+            "or ping-pong with tile_m 64"
         )
     out_tile_n = epilogue.out_tile_n(cfg.tile_n)
     if epilogue.gated and out_tile_n % cfg.epi_tile[1]:

@@ -65,7 +65,7 @@ from epicute.epilogue.gated import GATE_BLOCK
 from epicute.epilogue.scales import BLOCK_K
 from epicute.epilogue.schedule import plain_graph, schedule
 from epicute.errors import ConfigError
-from epicute.gemm.config import GemmConfig
+from epicute.gemm.config import BLOCK_SCALED_TILE_N, GemmConfig, b_scale_chunks, promote_partials
 from epicute.gemm.smem import NO_EPILOGUE, gemm_smem_layout
 from epicute.sm90 import epilogue_emit as emit
 from epicute.sm90.cp_async import arrive_when_copied, copy_word
@@ -133,7 +133,7 @@ class CtaShared:
     mA: cute.Tensor  # A's and B's TMA coordinates ((M, K, L), (N, K, L)) and this CTA's place in its
     mB: cute.Tensor  # cluster: grouped GEMMs partition them per tile (GroupedGemmSm90._a_k_tiles)
     cluster_coord: tuple
-    sScaleA: cute.Tensor | None  # blockwise fp8: each stage's A scales (tile_m, ab_stages) and B scale (ab_stages)
+    sScaleA: cute.Tensor | None  # blockwise fp8: each stage's A scales (tile_m, ab_stages), B's (chunks, ab_stages)
     sScaleB: cute.Tensor | None
     sSplitArrival: cute.Tensor | None  # split-K: how many splits of the tile had finished before ours
 
@@ -181,10 +181,13 @@ class GemmSm90:
         block_scaled: bool = False,
     ):
         cfg.validate()
-        if block_scaled and (cfg.tile_k != BLOCK_K or BLOCK_K % cfg.tile_n):
+        if block_scaled and (cfg.tile_k != BLOCK_K or cfg.tile_n not in BLOCK_SCALED_TILE_N
+                             or promote_partials(cfg) == 0):  # fmt: skip
             raise ConfigError(
-                f"blockwise scales with a {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} tile: a k-tile must be one "
-                f"{BLOCK_K}-wide scale block and a tile at most one block of N (tile_k={BLOCK_K}, tile_n 64 or 128)"
+                f"blockwise scales with a {cfg.schedule} {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} tile: a k-tile must "
+                f"be one {BLOCK_K}-wide scale block (tile_k={BLOCK_K}), tile_n one of {BLOCK_SCALED_TILE_N}, and the "
+                f"promotion's partial sums must fit the registers beside the sum ({cfg.acc_regs} per accumulator); "
+                "use the cooperative schedule with tile_n 128 or 192"
             )
         if cfg.split_k > 1 and type(self)._scheduler is not GemmSm90._scheduler:
             raise ConfigError(f"split_k={cfg.split_k}: {type(self).__name__} schedules its own tiles and does not "
@@ -243,6 +246,7 @@ class GemmSm90:
         self.smem = gemm_smem_layout(cfg, ab_dtype, d_dtype, self.epi_buffers, b_dtype, block_scaled)
         # Blockwise scales ride in the A/B ring: the load warp's lanes copy each k-tile's into the stage.
         self.scale_copy_threads = 32 if block_scaled else 0
+        self.b_scale_chunks = b_scale_chunks(cfg.tile_n) if block_scaled else 0
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -584,7 +588,7 @@ class GemmSm90:
         sScaleA = sScaleB = None
         if cutlass.const_expr(self.block_scaled):
             sScaleA = storage.sScaleA.get_tensor(cute.make_layout((cfg.tile_m, cfg.ab_stages)))
-            sScaleB = storage.sScaleB.get_tensor(cute.make_layout(cfg.ab_stages))
+            sScaleB = storage.sScaleB.get_tensor(cute.make_layout((self.b_scale_chunks, cfg.ab_stages)))
         sSplitArrival = None
         if cutlass.const_expr(cfg.split_k > 1):
             sSplitArrival = storage.split_arrival.get_tensor(cute.make_layout(1))
@@ -682,29 +686,36 @@ class GemmSm90:
     def _block_scale_sources(self, coord: tuple, block_scales: tuple, sched_args: tuple) -> tuple:
         """Where the load warp's lane reads the tile's blockwise scales: the A rows it copies (lane, lane + 32,
         ..., clamped to the problem's rows: rows past M compute values never stored), the batch and B's block
-        of N (a tile spans one; clamped too, for a cluster's spare tile past N). A grouped GEMM's tile starts at
-        its group's row and reads its group's B."""
+        of N for each chunk of the tile's columns (``b_scale_chunks``; clamped too, for a tile or a cluster's
+        spare tile past N). A grouped GEMM's tile starts at its group's row and reads its group's B."""
         sfa, sfb = block_scales
         lane = cute.arch.lane_idx()
         origin, extent, batch = self._epilogue_frame(coord, (cute.size(sfa, mode=[1]), 0))
         rows = [cutlass.min(origin[0] + lane + 32 * i, extent[0] - 1) for i in range(self.cfg.tile_m // 32)]
-        n_block = cutlass.min(coord[1] * self.cfg.tile_n // BLOCK_K, cute.size(sfb, mode=[1]) - 1)
-        return self._a_scale_rows(rows, sched_args), batch, n_block
+        chunk = self.cfg.tile_n // self.b_scale_chunks
+        n_blocks = [
+            cutlass.min((coord[1] * self.cfg.tile_n + c * chunk) // BLOCK_K, cute.size(sfb, mode=[1]) - 1)
+            for c in range(self.b_scale_chunks)
+        ]
+        return self._a_scale_rows(rows, sched_args), batch, n_blocks
 
     @cute.jit
     def _copy_block_scales(self, cta, block_scales: tuple, sources: tuple, stage, k_tile, barrier) -> None:
-        """Copy k-tile ``k_tile``'s scales into ring stage ``stage`` (each lane its A rows, lane 0 the B block's)
-        with cp.async, and arrive on the stage's full barrier once they land. Consumers read them from shared
-        memory after the barrier they wait on anyway: a scale loaded from global memory by a consumer stalls
-        its warpgroup's next WGMMAs for an L2 round trip unless loaded several k-tiles ahead."""
+        """Copy k-tile ``k_tile``'s scales into ring stage ``stage`` (each lane its A rows, lane 0 the B blocks'
+        of the tile's column chunks) with cp.async, and arrive on the stage's full barrier once they land.
+        Consumers read them from shared memory after the barrier they wait on anyway: a scale loaded from global
+        memory by a consumer stalls its warpgroup's next WGMMAs for an L2 round trip unless loaded several
+        k-tiles ahead."""
         sfa, sfb = block_scales
-        rows, batch, n_block = sources
+        rows, batch, n_blocks = sources
         lane = cute.arch.lane_idx()
         for i, row in enumerate(rows):
             dst = cta.sScaleA.iterator + (stage * self.cfg.tile_m + lane + 32 * i)
             copy_word(dst, sfa.iterator + cute.crd2idx((batch, row, k_tile), sfa.layout))
         if lane == 0:
-            copy_word(cta.sScaleB.iterator + stage, sfb.iterator + cute.crd2idx((batch, n_block, k_tile), sfb.layout))
+            for c, n_block in enumerate(n_blocks):
+                copy_word(cta.sScaleB.iterator + (stage * self.b_scale_chunks + c),
+                          sfb.iterator + cute.crd2idx((batch, n_block, k_tile), sfb.layout))  # fmt: skip
         arrive_when_copied(barrier)
 
     def _gather_a(self, cta, sched_args) -> None:
@@ -776,16 +787,18 @@ class GemmSm90:
         acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_shape_mnk, (None, None, 0)))
         acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
         k_blocks = cute.size(tCrA, mode=[2])
-        partial0 = partial1 = scale_regs = scale_rows = row_slot = None
+        partial0 = partial1 = scale_regs = scale_rows = scale_slot = None
+        partials = promote_partials(cfg) if self.block_scaled else 0
         if cutlass.const_expr(self.block_scaled):
-            # Two k-tiles' WGMMA accumulators (one in flight, one being promoted into acc), and
-            # their scales: per slot, A's of the thread's rows, then B's.
+            # One or two k-tiles' WGMMA accumulators (with two, one in flight while the other is promoted
+            # into acc), and their scales: per slot, A's of the thread's rows, then B's of its column chunks.
             partial0 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-            partial1 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            if cutlass.const_expr(partials == 2):
+                partial1 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
             acc_coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
-            row_slot, row_values = accumulator_rows(tiled_mma, (cfg.tile_m, cfg.tile_n))
+            scale_slot, row_values = accumulator_scales(tiled_mma, (cfg.tile_m, cfg.tile_n), self.b_scale_chunks)
             scale_rows = [acc_coords[v][0] for v in row_values]  # tile rows
-            scale_regs = cute.make_rmem_tensor((2, len(row_values) + 1), Float32)
+            scale_regs = cute.make_rmem_tensor((partials, len(row_values) + self.b_scale_chunks), Float32)
         copies = self._epilogue_copies(cta, tiled_mma, thr_mma, acc, mma_tidx, mD, tma_d, epi_stores)
         store, is_store_warp = copies.store, copies.is_store_warp
         c_state = None
@@ -817,7 +830,22 @@ class GemmSm90:
 
             acc.fill(0.0)
             mma_turns.wait(team)
-            if cutlass.const_expr(self.block_scaled):
+            if cutlass.const_expr(partials == 1):
+                # ---- promoting mainloop, one partial (tiles too wide for two): each k-tile accumulates from
+                # zero into the partial; the warpgroup waits for it, releases the stage and promotes it while
+                # the other warpgroup's WGMMAs keep the tensor cores busy.
+                for k_tile in range(tile_k_tiles):
+                    ab_pipeline.consumer_wait(read_state)
+                    read_block_scales(scale_regs, 0, cta, scale_rows, read_state.index)
+                    self._fix_stage(cta, tile_coord, k_tile, read_state.index, mma_tidx)
+                    issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0, k_blocks)
+                    read_state.advance()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                    promote(acc, partial0, scale_regs, 0, scale_slot, self.b_scale_chunks)
+                mma_turns.pass_on(team)
+            elif cutlass.const_expr(partials == 2):
                 # ---- promoting mainloop: each k-tile (one 128-wide scale block of K) accumulates
                 # from zero into one of two partials; while k-tile j's WGMMAs run, j-1's partial is
                 # scaled by its A-row and B-block scales and added into acc in fp32. Unrolled by two
@@ -846,7 +874,8 @@ class GemmSm90:
                             cute.nvgpu.warpgroup.wait_group(1)  # k-tile j - 1 retired
                             ab_pipeline.consumer_release(release_state)
                             release_state.advance()
-                            promote(acc, partial1 if slot else partial0, scale_regs, slot, row_slot)
+                            promote(acc, partial1 if slot else partial0, scale_regs, slot, scale_slot,
+                                    self.b_scale_chunks)  # fmt: skip
                     if last % 2 == 1:  # the last k-tile is odd: partial 1, scales slot 1
                         ab_pipeline.consumer_wait(read_state)
                         read_block_scales(scale_regs, 1, cta, scale_rows, read_state.index)
@@ -856,16 +885,16 @@ class GemmSm90:
                         cute.nvgpu.warpgroup.wait_group(1)
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
-                        promote(acc, partial0, scale_regs, 0, row_slot)
+                        promote(acc, partial0, scale_regs, 0, scale_slot, self.b_scale_chunks)
                         cute.nvgpu.warpgroup.wait_group(0)
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
-                        promote(acc, partial1, scale_regs, 1, row_slot)
+                        promote(acc, partial1, scale_regs, 1, scale_slot, self.b_scale_chunks)
                     else:
                         cute.nvgpu.warpgroup.wait_group(0)
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
-                        promote(acc, partial0, scale_regs, 0, row_slot)
+                        promote(acc, partial0, scale_regs, 0, scale_slot, self.b_scale_chunks)
                 mma_turns.pass_on(team)
             else:
                 # ---- mainloop: keep one WGMMA batch in flight, release a stage
@@ -928,7 +957,7 @@ class GemmSm90:
         # A thread's values lie in a few rows (two per 64-row band): the rows past M hold zeros (TMA zero-fills
         # A there) and are neither stored nor read. Each row's values move as one branch-free block, so a
         # split's loads are all in flight at once rather than one L2 round trip per value.
-        row_slot, row_values = accumulator_rows(tiled_mma, (cfg.tile_m, cfg.tile_n))
+        row_slot, row_values = accumulator_scales(tiled_mma, (cfg.tile_m, cfg.tile_n), 1)  # one chunk: the row
         values_of_row = [[v for v in range(size) if row_slot[v] == r] for r in range(len(row_values))]
         row_in_range = [coords[v][0] < rows_left for v in row_values]
 
@@ -1072,24 +1101,29 @@ class GemmSm90:
 # body calls a method on.
 
 
-def accumulator_rows(tiled_mma, tile_mn: tuple[int, int]) -> tuple[list[int], list[int]]:
-    """Static: for each accumulator value, the index of its row among the thread's rows; and for each
-    of those rows, one value in it."""
+def accumulator_scales(tiled_mma, tile_mn: tuple[int, int], chunks: int) -> tuple[list[int], list[int]]:
+    """Static: for each accumulator value, the index of its scale among the thread's (row, column chunk)
+    products, row-major; and for each of the thread's rows, one value in it. A thread's columns lie in the
+    same ``tile_n / chunks``-wide chunks as thread 0's (WGMMA's thread offsets stay within 8 columns), so
+    thread 0's coordinates serve every thread."""
     coords0 = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(tile_mn))
+    chunk = tile_mn[1] // chunks
     first_value_of_row: dict = {}
-    row_slot = []
+    scale_slot = []
     for v in range(cute.size(coords0)):
-        m0 = coords0[v][0]
+        m0, n0 = coords0[v]
         first_value_of_row.setdefault(m0, v)
-        row_slot.append(list(first_value_of_row).index(m0))
-    return row_slot, list(first_value_of_row.values())
+        scale_slot.append(list(first_value_of_row).index(m0) * chunks + n0 // chunk)
+    return scale_slot, list(first_value_of_row.values())
 
 
 def read_block_scales(regs: cute.Tensor, slot: int, cta, rows: list, stage) -> None:
-    """A full stage's scales into ``regs[slot, :]``: A's of each of the thread's tile ``rows``, then B's."""
+    """A full stage's scales into ``regs[slot, :]``: A's of each of the thread's tile ``rows``, then B's of
+    each column chunk."""
     for i, r in enumerate(rows):
         regs[slot, i] = cta.sScaleA[(r, stage)]
-    regs[slot, len(rows)] = cta.sScaleB[stage]
+    for c in range(cute.size(cta.sScaleB, mode=[0])):
+        regs[slot, len(rows) + c] = cta.sScaleB[(c, stage)]
 
 
 def issue_k_tile(tiled_mma, tCrA: cute.Tensor, tCrB: cute.Tensor, stage, partial: cute.Tensor, k_blocks: int) -> None:
@@ -1122,12 +1156,14 @@ def gate_up_positions(tiled_mma, out_coords0: cute.Tensor, tile_mn: tuple[int, i
     return tuple(gate), tuple(up)
 
 
-def promote(acc: cute.Tensor, partial: cute.Tensor, regs: cute.Tensor, slot: int, row_slot: list[int]) -> None:
-    """``acc += partial * a_scale[row] * b_scale`` for a retired k-tile whose scales are in ``regs[slot, :]``."""
-    rows = cute.size(regs, mode=[1]) - 1
-    row_scales = [regs[slot, i] * regs[slot, rows] for i in range(rows)]
+def promote(acc: cute.Tensor, partial: cute.Tensor, regs: cute.Tensor, slot: int, scale_slot: list[int],
+            chunks: int) -> None:  # fmt: skip
+    """``acc += partial * a_scale[row] * b_scale[chunk]`` for a retired k-tile whose scales are in ``regs[slot, :]``
+    (:func:`read_block_scales`), each value's product at ``scale_slot`` (:func:`accumulator_scales`)."""
+    rows = cute.size(regs, mode=[1]) - chunks
+    products = [regs[slot, r] * regs[slot, rows + c] for r in range(rows) for c in range(chunks)]
     for v in range(cute.size(acc)):
-        acc[v] = acc[v] + partial[v] * row_scales[row_slot[v]]
+        acc[v] = acc[v] + partial[v] * products[scale_slot[v]]
 
 
 class GemmOutput(StagedOutput):

@@ -33,6 +33,10 @@ from epicute.sm90.tile_grid import ceil_div
 #: (bench/results/configs.json, configs_pingpong.json; bench/NOTES.md, 'Ping-pong 128x192 for
 #: plain GEMMs' and 'Ping-pong 128x192 for plain 8192³').
 MAINLOOP_EFFICIENCY = {256: 0.82, 192: 0.81, 128: 0.70, 64: 0.55}
+#: The same for fp8 with blockwise scales, whose mainloop promotes every k-tile: 128x128 (two partials) and
+#: 128x192 (one partial) calibrated at full waves on the do_bench method (bench/NOTES.md, 'Blockwise fp8:
+#: 128x192 tiles with one partial'); 64 keeps the bf16 table's ratio to 128.
+BLOCK_SCALED_EFFICIENCY = {192: 0.55, 128: 0.52, 64: 0.41}
 #: Thread-instructions an SM issues per cycle: four schedulers, one warp (32 threads) each.
 SM_ISSUE_PER_CYCLE = 128
 #: Share of a ping-pong epilogue's issue time that the other warpgroup's mainloop loses.
@@ -97,7 +101,8 @@ def roofline(
     tiles = ceil_div(problem.m, tile_m) * ceil_div(problem.n, tile_n) * problem.l
     waves = ceil_div(tiles, hw.num_sms) if tiles else 0
     k_padded = ceil_div(problem.k, tile_k) * tile_k
-    per_sm_flops = peak_flops / hw.num_sms * MAINLOOP_EFFICIENCY.get(tile_n, 0.5)
+    efficiency = BLOCK_SCALED_EFFICIENCY if problem.block_scaled else MAINLOOP_EFFICIENCY
+    per_sm_flops = peak_flops / hw.num_sms * efficiency.get(tile_n, 0.5)
     epilogue_tile_s = tile_m * out_tile_n * extra_per_elem / (hw.hbm_tb_per_s * 1e12 / hw.num_sms)
     epilogue_alu_s = tile_m * out_tile_n * epilogue.instructions_per_element / (SM_ISSUE_PER_CYCLE * hw.tensor_clock_hz)
     mainloop_s = 2 * tile_m * tile_n * k_padded / per_sm_flops

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from epicute.epilogue.dtypes import DTYPE_BYTES
 from epicute.epilogue.schedule import NO_EPILOGUE, EpilogueBuffers
-from epicute.gemm.config import GemmConfig
+from epicute.gemm.config import GemmConfig, b_scale_chunks
 from epicute.sm90.smem_layout import BUFFER_ALIGN, MBARRIER_BYTES, SmemBuffer, SmemItem, SmemLayout
 
 
@@ -54,11 +54,13 @@ def gemm_smem_layout(
                    else d_shape, alias_of="sA" if cfg.epi_reuses_ab_smem else ""),
     ]  # fmt: skip
     if block_scaled:  # each A/B stage's k-tile of scales rides in the same ring (GemmSm90._copy_block_scales)
-        s = cfg.ab_stages
+        s, chunks = cfg.ab_stages, b_scale_chunks(cfg.tile_n)
         buffers += [
             SmemBuffer("sScaleA", "A block scales", "fp32", cfg.tile_m * s,
                        f"{s} x {cfg.tile_m} fp32, a scale per row per stage", align=16),
-            SmemBuffer("sScaleB", "B block scales", "fp32", s, f"{s} fp32, the tile's block per stage", align=16),
+            SmemBuffer("sScaleB", "B block scales", "fp32", s * chunks,
+                       f"{s} x {chunks} fp32, the tile's block per stage" if chunks == 1
+                       else f"{s} x {chunks} fp32, a block per {cfg.tile_n // chunks} columns per stage", align=16),
         ]  # fmt: skip
     if cfg.split_k > 1:
         buffers.append(SmemBuffer("split_arrival", "split-K arrival", "int32", 1,

@@ -198,16 +198,26 @@ def test_blockwise_scales_compose_with_epilogues_batched():
     assert rel_err(got["row_sum"], acc.sum(-1)) < 1e-5
 
 
-def test_blockwise_plans_promote_in_128x128_tiles():
-    p = GemmProblem(8192, 8192, 8192, ab_dtype="fp8e4m3", a_major="k", b_major="k", block_scaled=True)
-    plan = plan_gemm(p, "h100-sxm")
-    assert (plan.config.schedule, plan.config.tile_n, plan.config.tile_k) == ("cooperative", 128, 128)
-    text = render_plan(plan)
-    assert "promoted" in text and "blockwise scales: promotion holds two k-tiles" in text
-    assert plan_gemm(p, "h100-sxm", schedule="pingpong", tile_m=64, tile_n=128).config.tile_m == 64
+def test_blockwise_plans_promote_in_128x192_or_128x128_tiles():
+    """Full waves of 128x192 tiles (one partial) beat 128x128 (two partials); where 192-wide tiles quantize
+    the waves worse, 128x128 stays."""
+    def plan(m, n, k, **pins):
+        p = GemmProblem(m, n, k, ab_dtype="fp8e4m3", a_major="k", b_major="k", block_scaled=True)
+        return plan_gemm(p, "h100-sxm", **pins)
+
+    big = plan(8192, 8192, 8192)
+    assert (big.config.schedule, big.config.tile_n, big.config.tile_k) == ("cooperative", 192, 128)
+    text = render_plan(big)
+    assert "promoted" in text and "blockwise scales: promotion holds one k-tile's partial" in text
+    assert "B block scales" in text and "a block per 64 columns per stage" in text
+    for mnk in ((4096, 4096, 4096), (2048, 7168, 7168), (1024, 4096, 14336)):
+        narrow = plan(*mnk)
+        assert narrow.config.tile_n == 128, mnk
+        assert "blockwise scales: promotion holds two k-tiles' partials" in render_plan(narrow)
+    assert plan(8192, 8192, 8192, schedule="pingpong", tile_m=64, tile_n=128).config.tile_m == 64
     for pins in ({"tile_n": 256}, {"schedule": "pingpong", "tile_n": 128}):
-        with pytest.raises(epicute.ConfigError, match="promotion holds three accumulators"):
-            plan_gemm(p, "h100-sxm", **pins)
+        with pytest.raises(epicute.ConfigError, match="promotion holds the sum and at least one k-tile's partial"):
+            plan(8192, 8192, 8192, **pins)
     with pytest.raises(epicute.ConfigError, match="blockwise scales dequantize fp8"):
         GemmProblem(64, 64, 64, block_scaled=True)
 
@@ -236,6 +246,8 @@ def test_explain_and_aot_take_blockwise_scales():
         ((1000, 4104, 1040), True, {"persistent": False, "cluster_m": 2}),
         ((128, 7168, 2048), False, {"tile_n": 64}),
         ((128, 7168, 2048), False, {"tile_n": 128, "split_k": 3}),
+        ((2048, 7168, 7168), False, {"tile_n": 192}),
+        ((1000, 4104, 1040), True, {"tile_n": 192, "cluster_m": 1}),
     ],
 )
 def test_blockwise_variants_compile_without_spills(mnk, epilogue, pins, ptxas_report):

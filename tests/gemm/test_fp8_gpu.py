@@ -153,6 +153,21 @@ def test_blockwise_under_every_cluster_shape(cluster):
     assert rel_err(out, block_reference(a, w, sa, sw)) <= TOL
 
 
+@pytest.mark.parametrize(
+    "pins", [{}, {"cluster_m": 1, "cluster_n": 2}, {"cluster_m": 1}, {"split_k": 3}],
+    ids=["2x1", "1x2", "1x1", "split3"],
+)  # fmt: skip
+def test_blockwise_192_wide_tiles_promote_each_column_chunk_with_its_block(pins):
+    """A 192-wide tile starts on a multiple of 64, so every other tile straddles two 128-wide blocks of N: each
+    of its 64-column chunks is promoted with its own block's B scale (one partial per warpgroup)."""
+    for m, n, k in [(333, 712, 528), (129, 136, 272), (1000, 4104, 1040)]:
+        a, w = quantized(m, k), quantized(n, k)
+        sa, sw = spread_scales(-(-k // 128), m).t(), spread_scales(-(-n // 128), -(-k // 128))
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        epicute.gemm(a, w.t(), a_scale=sa, b_scale=sw, out=out, config={"tile_n": 192, **pins})
+        assert rel_err(out, block_reference(a, w, sa, sw)) <= TOL, (m, n, k, pins)
+
+
 @pytest.mark.parametrize("split_k", [2, 3, 4])
 @pytest.mark.parametrize("m,n,k", [(128, 392, 1040), (33, 264, 256)])
 def test_blockwise_split_k_reads_each_split_s_scales(m, n, k, split_k):

@@ -312,6 +312,7 @@ FP8_CONFIGS = {
     "cluster_2x1": {"cluster_m": 2, "cluster_n": 1},
     "cluster_1x2": {"cluster_m": 1, "cluster_n": 2},
     "persistent_128": {"persistent": True, "tile_n": 128},
+    "tile_192": {"tile_n": 192},  # 64-column chunks promoted with their own B blocks, one partial
 }
 
 
@@ -553,7 +554,7 @@ def test_variable_k_reductions_are_the_batched_gemms():
     assert rel_err(got["cols"], want.sum(1)) < 1e-5 and rel_err(got["peak"], want.abs().amax()) < 1e-6
 
 
-@pytest.mark.parametrize("config", [{}, {"cluster_m": 2, "cluster_n": 1}])
+@pytest.mark.parametrize("config", [{}, {"cluster_m": 2, "cluster_n": 1}, {"tile_n": 192}])
 def test_gathered_fp8_rows_read_their_tokens_scales(config):
     """fp8 experts over gathered tokens: each grouped row reads x[index] and that token's 1x128 scales; fp32 D
     against float64 math on the dequantized values (K = 400: a partial last scale block)."""
