@@ -191,8 +191,8 @@ def choose_tile_n(
         best = min(times, key=times.__getitem__)
         others = ", ".join(f"{s * 1e6:.0f} us for 128x{width}" for width, s in times.items() if width != best)
         partials = (
-            "one k-tile's partial beside the sum (2 x 96 registers per thread): each warpgroup promotes while the "
-            "other's WGMMAs run"
+            f"one k-tile's partial beside the sum (2 x {best // 2} registers per thread): each warpgroup promotes "
+            "while the other's WGMMAs run"
             if best == 192
             else f"two k-tiles' partials beside the sum (3 x {best // 2} registers per thread)"
         )

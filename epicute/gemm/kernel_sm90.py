@@ -1093,12 +1093,13 @@ class GemmSm90:
 #
 # fp8 WGMMA keeps its running sum with fewer mantissa bits than fp32, and blockwise scales vary along
 # K, so the mainloop *promotes*: each k-tile (one 128-wide scale block) accumulates into ``partial``
-# from zero, and ``acc += partial * a_scale[row] * b_scale`` once it retired. The load warp copies
-# each k-tile's scales (the tile's rows' A scales, its block of N's B scale) into the stage with the
-# operands (:meth:`GemmSm90._copy_block_scales`); a thread holds a few distinct rows (thread 0's
-# coordinates are static: equal ones mean the same row offset) and reads one A scale per row and
-# the B scale from shared memory. Functions, not an object: a runtime loop carries every object its
-# body calls a method on.
+# from zero, and ``acc += partial * a_scale[row] * b_scale[chunk]`` once it retired. The load warp
+# copies each k-tile's scales (the tile's rows' A scales, B's block for each chunk of columns that lies
+# in one block of N: one chunk for 64- and 128-wide tiles, three 64-column chunks for 192-wide ones) into
+# the stage with the operands (:meth:`GemmSm90._copy_block_scales`); a thread holds a few distinct rows
+# (thread 0's coordinates are static: equal ones mean the same row offset) and reads one A scale per row
+# and the chunks' B scales from shared memory. Functions, not an object: a runtime loop carries every
+# object its body calls a method on.
 
 
 def accumulator_scales(tiled_mma, tile_mn: tuple[int, int], chunks: int) -> tuple[list[int], list[int]]:
