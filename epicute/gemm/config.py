@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from epicute.epilogue.dtypes import DTYPE_BYTES
+from epicute.epilogue.scales import BLOCK_K
 from epicute.errors import ConfigError
 from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP, WarpRoles
 
@@ -30,8 +31,6 @@ SWAP_AB_TILE_N = (16, 32, 48, 64, 80, 96, 112, 128)
 MAX_ACC_REGS = 192
 #: Most CTAs one output tile's K is split across.
 MAX_SPLIT_K = 8
-#: The width of a blockwise scale block along N and K (DeepSeek-V3's 128; ``epicute.epilogue.scales.BLOCK_K``).
-SCALE_BLOCK = 128
 #: Tile N of a blockwise-scaled fp8 GEMM. A 64- or 128-wide tile lies in one block of N; a 192-wide one starts on
 #: a multiple of 64, so each of its 64-column chunks does (:func:`b_scale_chunks`).
 BLOCK_SCALED_TILE_N = (64, 128, 192)
@@ -39,8 +38,7 @@ BLOCK_SCALED_TILE_N = (64, 128, 192)
 
 def b_scale_chunks(tile_n: int) -> int:
     """B scales a blockwise-scaled tile needs per k-tile: one per chunk of columns that lies in one block of N."""
-    chunk = SCALE_BLOCK if tile_n % SCALE_BLOCK == 0 else 64
-    return max(1, tile_n // chunk)
+    return tile_n // BLOCK_K if tile_n % BLOCK_K == 0 else tile_n // 64
 
 
 def promote_partials(cfg: GemmConfig) -> int:
@@ -50,6 +48,17 @@ def promote_partials(cfg: GemmConfig) -> int:
     if 3 * cfg.acc_regs <= MAX_ACC_REGS:
         return 2
     return 1 if 2 * cfg.acc_regs <= MAX_ACC_REGS else 0
+
+
+def validate_block_scaled(cfg: GemmConfig) -> None:
+    """Raise :class:`ConfigError` for a tile the promoting mainloop cannot run (planner and kernel both ask)."""
+    if cfg.tile_k != BLOCK_K or cfg.tile_n not in BLOCK_SCALED_TILE_N or not promote_partials(cfg):
+        raise ConfigError(
+            f"tile {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} ({cfg.schedule}) with blockwise scales: a k-tile is one "
+            f"{BLOCK_K}-wide scale block (tile_k={BLOCK_K}), tile_n must be one of {BLOCK_SCALED_TILE_N}, and "
+            f"promotion holds the sum and at least one k-tile's partial, 2 x {cfg.acc_regs} registers per thread (at "
+            f"most {MAX_ACC_REGS}); use the cooperative schedule with tile_n 128 or 192, or ping-pong with tile_m 64"
+        )
 
 
 @dataclass(frozen=True)

@@ -53,13 +53,11 @@ from dataclasses import replace
 
 from epicute.errors import ConfigError
 from epicute.gemm.config import (
-    BLOCK_SCALED_TILE_N,
-    MAX_ACC_REGS,
     MAX_SPLIT_K,
     SWAP_AB_TILE_N,
     GemmConfig,
     GemmProblem,
-    promote_partials,
+    validate_block_scaled,
 )
 from epicute.gemm.roofline import estimate_seconds
 from epicute.gemm.smem import (
@@ -675,13 +673,8 @@ def _fit_and_check(
     passthrough = {k: v for k, v in overrides.items() if k not in GemmConfig.planned_fields()}
     cfg = replace(cfg, **passthrough, reasons=tuple(reasons))
     cfg.validate()
-    if problem.block_scaled and (cfg.tile_n not in BLOCK_SCALED_TILE_N or not promote_partials(cfg)):
-        raise ConfigError(
-            f"tile {cfg.tile_m}x{cfg.tile_n} ({cfg.schedule}) with blockwise scales: promotion holds the sum and at "
-            f"least one k-tile's partial, 2 x {cfg.acc_regs} registers per thread (at most {MAX_ACC_REGS}), and "
-            f"tile_n must be one of {BLOCK_SCALED_TILE_N}; use the cooperative schedule with tile_n 128 or 192, "
-            "or ping-pong with tile_m 64"
-        )
+    if problem.block_scaled:
+        validate_block_scaled(cfg)
     out_tile_n = epilogue.out_tile_n(cfg.tile_n)
     if epilogue.gated and out_tile_n % cfg.epi_tile[1]:
         raise ConfigError(

@@ -65,7 +65,7 @@ from epicute.epilogue.gated import GATE_BLOCK
 from epicute.epilogue.scales import BLOCK_K
 from epicute.epilogue.schedule import plain_graph, schedule
 from epicute.errors import ConfigError
-from epicute.gemm.config import BLOCK_SCALED_TILE_N, GemmConfig, b_scale_chunks, promote_partials
+from epicute.gemm.config import GemmConfig, b_scale_chunks, promote_partials, validate_block_scaled
 from epicute.gemm.smem import NO_EPILOGUE, gemm_smem_layout
 from epicute.sm90 import epilogue_emit as emit
 from epicute.sm90.cp_async import arrive_when_copied, copy_word
@@ -181,14 +181,8 @@ class GemmSm90:
         block_scaled: bool = False,
     ):
         cfg.validate()
-        if block_scaled and (cfg.tile_k != BLOCK_K or cfg.tile_n not in BLOCK_SCALED_TILE_N
-                             or promote_partials(cfg) == 0):  # fmt: skip
-            raise ConfigError(
-                f"blockwise scales with a {cfg.schedule} {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} tile: a k-tile must "
-                f"be one {BLOCK_K}-wide scale block (tile_k={BLOCK_K}), tile_n one of {BLOCK_SCALED_TILE_N}, and the "
-                f"promotion's partial sums must fit the registers beside the sum ({cfg.acc_regs} per accumulator); "
-                "use the cooperative schedule with tile_n 128 or 192"
-            )
+        if block_scaled:
+            validate_block_scaled(cfg)
         if cfg.split_k > 1 and type(self)._scheduler is not GemmSm90._scheduler:
             raise ConfigError(f"split_k={cfg.split_k}: {type(self).__name__} schedules its own tiles and does not "
                               "split K; use split_k=1")  # fmt: skip

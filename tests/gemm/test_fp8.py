@@ -216,7 +216,7 @@ def test_blockwise_plans_promote_in_128x192_or_128x128_tiles():
         assert "blockwise scales: promotion holds two k-tiles' partials" in render_plan(narrow)
     assert plan(8192, 8192, 8192, schedule="pingpong", tile_m=64, tile_n=128).config.tile_m == 64
     for pins in ({"tile_n": 256}, {"schedule": "pingpong", "tile_n": 128}):
-        with pytest.raises(epicute.ConfigError, match="promotion holds the sum and at least one k-tile's partial"):
+        with pytest.raises(epicute.ConfigError, match="promotion holds the sum and at least one k-tile.s partial"):
             plan(8192, 8192, 8192, **pins)
     with pytest.raises(epicute.ConfigError, match="blockwise scales dequantize fp8"):
         GemmProblem(64, 64, 64, block_scaled=True)
