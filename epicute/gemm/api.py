@@ -376,7 +376,7 @@ def describe_call(
             )
         epilogue, operands = scaling.apply(epilogue, operands)
         if scaling.block is not None:
-            p = replace(p, block_scaled=True)
+            p = replace(p, block_scaled=True, a_scales_tma=scaling.block.a_tma)
             call = replace(call, problem=p, block_scales=scaling.block)
     elif scales != (None, None):
         raise DtypeError(f"a_scale/b_scale dequantize fp8 inputs; a is {a.dtype}: drop them or pass fp8 tensors")
@@ -411,7 +411,7 @@ def _with_d_dtype(call, d_dtype, a, b, out, *, require_cuda: bool):
     if d_dtype == call.out_dtype:
         return call
     again = check_gemm_args(a, b, out, d_dtype, require_cuda=require_cuda, gated=call.gated)
-    problem = replace(again.problem, block_scaled=call.problem.block_scaled)
+    problem = replace(again.problem, block_scaled=call.problem.block_scaled, a_scales_tma=call.problem.a_scales_tma)
     return replace(again, problem=problem, block_scales=call.block_scales)
 
 

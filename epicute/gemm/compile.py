@@ -30,6 +30,8 @@ class GemmVariant:
     b_dtype: str = ""
     #: fp8 with blockwise scales applied in the mainloop (``GemmProblem.block_scaled``)
     block_scaled: bool = False
+    #: its A scales are TMA-loaded (``GemmProblem.a_scales_tma``: M-major, 16-byte aligned strides)
+    a_scales_tma: bool = False
     #: A, B and D arrive ``(L, ., .)``; False: one batch, 2-D ``(., .)``, so that an unbatched call hands the
     #: kernel its own tensors (a 3-D view per call costs more host time than the launch; NOTES, issue 23)
     batched: bool = True
@@ -43,6 +45,7 @@ class GemmVariant:
             None if self.fusion is None else self.fusion.key(),
             ("align", OPERAND_ALIGN_BYTES),
         ) + ((("block_scaled", True),) if self.block_scaled else ())  # fmt: skip
+        parts += (("a_scales", "tma"),) if self.a_scales_tma else ()
         parts += () if self.batched else (("batched", False),)
         c = self.config
         label = (
@@ -53,6 +56,7 @@ class GemmVariant:
             + f"->{self.d_dtype} "
             f"A:{self.a_major} B:{self.b_major}"
             + (" blockwise" if self.block_scaled else "")
+            + (" (A scales by TMA)" if self.a_scales_tma else "")
             + (" swap-AB" if c.swap_ab else "")
             + (f" L2:evict-first {c.evict_first.upper()}" if c.evict_first else "")
             + ("" if self.batched else " 2-D")
@@ -109,17 +113,21 @@ def d_columns(fusion, n):
     return cute.sym_int() if fusion is not None and fusion.gated else n
 
 
-def _fake_block_scales() -> tuple:
+def _fake_block_scales(a_tma: bool) -> tuple:
     """Blockwise fp8 scales as the kernel takes them, fp32 ``(L, M, KB)`` and ``(L, NB, KB)``, read element by
-    element, so of any strides."""
+    element, so of any strides; with ``a_tma`` A's are M-major with 16-byte aligned strides (a TMA tensor)."""
     import cutlass
     from cutlass import cute
 
-    return tuple(
-        cute.runtime.make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
-                                      stride=tuple(cute.sym_int64() for _ in range(3)), assumed_align=4)
-        for _ in range(2)
-    )  # fmt: skip
+    def fake(tma: bool):
+        if tma:
+            stride, align = (cute.sym_int64(divisibility=4), 1, cute.sym_int64(divisibility=4)), 16
+        else:
+            stride, align = tuple(cute.sym_int64() for _ in range(3)), 4
+        return cute.runtime.make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)), stride=stride,
+                                             assumed_align=align)  # fmt: skip
+
+    return fake(a_tma), fake(False)
 
 
 def fake_gemm_inputs(variant: GemmVariant, a_lm: tuple, b_l, d_lm: tuple, n, k) -> tuple:
@@ -139,7 +147,7 @@ def fake_gemm_inputs(variant: GemmVariant, a_lm: tuple, b_l, d_lm: tuple, n, k) 
     fake_b = _fake_operand(b_dtype, b_dims, contiguous=-1 if variant.b_major == "n" else -2)
     fake_d = _fake_operand(CUTLASS_DTYPES[variant.d_dtype], (*d_lm, d_columns(variant.fusion, n)), contiguous=-1)
     epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
-    block_scales = _fake_block_scales() if variant.block_scaled else ()
+    block_scales = _fake_block_scales(variant.a_scales_tma) if variant.block_scaled else ()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return (fake_a, fake_b, fake_d), (epi_tensors, epi_scalars, block_scales, cutlass.Int32(1), stream)
 
@@ -152,7 +160,7 @@ def kernel_args(variant: GemmVariant) -> tuple:
     """The arguments every GEMM-family kernel class is built from (:class:`~epicute.gemm.kernel_sm90.GemmSm90`)."""
     return (
         variant.config, variant.ab_dtype, variant.d_dtype, variant.a_major, variant.b_major, variant.fusion,
-        variant.b_dtype, variant.block_scaled,
+        variant.b_dtype, variant.block_scaled, variant.a_scales_tma,
     )  # fmt: skip
 
 

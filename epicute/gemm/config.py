@@ -84,6 +84,8 @@ class GemmProblem:
     b_major: str = "n"
     b_dtype: str = ""
     block_scaled: bool = False
+    #: blockwise A scales the kernel TMA-loads (``BlockScales.a_tma``); else a word per row by ``cp.async``
+    a_scales_tma: bool = False
 
     def __post_init__(self) -> None:
         if self.ab_dtype not in AB_DTYPES:
@@ -99,6 +101,8 @@ class GemmProblem:
             )
         if self.block_scaled and not self.fp8:
             raise ConfigError(f"block_scaled with ab_dtype={self.ab_dtype!r}: blockwise scales dequantize fp8 inputs")
+        if self.a_scales_tma and not self.block_scaled:
+            raise ConfigError("a_scales_tma without block_scaled: only blockwise A scales are TMA-loaded")
         if self.d_dtype not in D_DTYPES:
             raise ConfigError(f"d_dtype={self.d_dtype!r}: supported are {D_DTYPES}")
         if self.a_major not in ("k", "m"):

@@ -179,10 +179,14 @@ class GemmSm90:
         fusion: EpilogueFusion | None = None,
         b_dtype: str = "",
         block_scaled: bool = False,
+        a_scales_tma: bool = False,
     ):
         cfg.validate()
         if block_scaled:
             validate_block_scaled(cfg)
+        if a_scales_tma and (not block_scaled or type(self)._scheduler is not GemmSm90._scheduler):
+            raise ConfigError(f"a_scales_tma with {type(self).__name__}: only the dense GEMM's blockwise A scales are "
+                              "TMA-loaded (a grouped tile's rows are its group's); use a_scales_tma=False")  # fmt: skip
         if cfg.split_k > 1 and type(self)._scheduler is not GemmSm90._scheduler:
             raise ConfigError(f"split_k={cfg.split_k}: {type(self).__name__} schedules its own tiles and does not "
                               "split K; use split_k=1")  # fmt: skip
@@ -198,6 +202,7 @@ class GemmSm90:
                               "in ahead of the tile, before it is known which split runs the epilogue; use "
                               "split_k=1")  # fmt: skip
         self.block_scaled = block_scaled
+        self.a_scales_tma = a_scales_tma
         self.fusion = fusion
         self.cfg = cfg
         # Swap-AB: the kernel's A is the caller's B^T, its B the caller's A^T, its D the caller's D^T (column-major).
@@ -238,7 +243,8 @@ class GemmSm90:
         #: The epilogue the kernel runs: the fusion's chain, or the plain one (cast and store D).
         self.chain = fusion.stages if fusion is not None else schedule(plain_graph(d_dtype)).stages
         self.smem = gemm_smem_layout(cfg, ab_dtype, d_dtype, self.epi_buffers, b_dtype, block_scaled)
-        # Blockwise scales ride in the A/B ring: the load warp's lanes copy each k-tile's into the stage.
+        # Blockwise scales ride in the A/B ring: the load warp's lanes copy each k-tile's into the stage (A's by
+        # one TMA copy where their layout allows, B's by lane 0; every lane arrives once its copies landed).
         self.scale_copy_threads = 32 if block_scaled else 0
         self.b_scale_chunks = b_scale_chunks(cfg.tile_n) if block_scaled else 0
 
@@ -257,8 +263,9 @@ class GemmSm90:
         stream,
     ):
         """``epi_tensors``/``epi_scalars``: the fused epilogue's operands (see epilogue_emit).
-        ``block_scales``: ``()``, or blockwise fp8 scales ``(A (L, M, KB), B (L, NB, KB))`` fp32, copied
-        element by element into the A/B ring by the load warp (:meth:`_copy_block_scales`), of any strides.
+        ``block_scales``: ``()``, or blockwise fp8 scales ``(A (L, M, KB), B (L, NB, KB))`` fp32, copied into
+        the A/B ring by the load warp (:meth:`_copy_block_scales`): A's by TMA (``a_scales_tma``: M-major, 16-byte
+        aligned strides) or element by element, of any strides, B's element by element.
         ``max_active_clusters``: a persistent grid's cluster budget on this GPU (the host's
         ``GemmPlan.max_active_clusters``: SMs // cluster size), a runtime value so that one
         compiled kernel serves every SM count; one-tile-per-CTA variants ignore it.
@@ -301,6 +308,15 @@ class GemmSm90:
 
         tma_a, tma_mA = self._make_tma_load(mA, a_smem_staged, (cfg.tile_m, cfg.tile_k), self.a_mcast_ctas)
         tma_b, tma_mB = self._make_tma_load(mB, b_smem_staged, (cfg.tile_n, cfg.tile_k), self.b_mcast_ctas)
+        if cutlass.const_expr(self.a_scales_tma):
+            # A's scales (L, M, KB), M-major, as (M, KB, L): a k-tile's box is the tile's rows of one block of K.
+            # Rows past M arrive as zeros (their products are never stored). Not multicast: 512 bytes per CTA.
+            sfa, sfb = block_scales
+            tma_sfa, tma_mSFA = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), _rotate(sfa, [1, 2, 0]),
+                cute.make_layout((cfg.tile_m, 1)), (cfg.tile_m, 1),
+            )  # fmt: skip
+            block_scales = (tma_sfa, tma_mSFA, sfb)
         tma_d, tma_mD = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
             self._store_view(mD),
@@ -556,6 +572,8 @@ class GemmSm90:
         tx_bytes = cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
         if cutlass.const_expr(not self.gather_threads):  # gathered A rows arrive by cp.async, not as TMA bytes
             tx_bytes += cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
+        if cutlass.const_expr(self.a_scales_tma):
+            tx_bytes += cfg.tile_m * 4  # the k-tile's A scales, fp32
         c_pipeline = None
         if cutlass.const_expr(self.epi_buffers.loads_tiles):
             c_tx_bytes = sum(cfg.epi_tile[0] * cfg.epi_tile[1] * DSL_DTYPES[d].width // 8
@@ -658,7 +676,7 @@ class GemmSm90:
             tBgB_tile = self._b_k_tiles(cta, tma_b, tile_coord)
             scale_sources = None
             if cutlass.const_expr(self.block_scaled):
-                scale_sources = self._block_scale_sources(tile_coord, block_scales, sched_args)
+                scale_sources = self._block_scale_sources(cta, tile_coord, block_scales, sched_args)
             k_first = self._k_first(cta, tile_coord)
             for k_tile in range(self._k_tiles(cta, tile_coord)):
                 ab_pipeline.producer_acquire(state)
@@ -677,35 +695,52 @@ class GemmSm90:
         # stage, so no remote arrive targets an exited CTA.
         ab_pipeline.producer_tail(state)
 
-    def _block_scale_sources(self, coord: tuple, block_scales: tuple, sched_args: tuple) -> tuple:
-        """Where the load warp's lane reads the tile's blockwise scales: the A rows it copies (lane, lane + 32,
-        ..., clamped to the problem's rows: rows past M compute values never stored), the batch and B's block
-        of N for each chunk of the tile's columns (``b_scale_chunks``; clamped too, for a tile or a cluster's
-        spare tile past N). A grouped GEMM's tile starts at its group's row and reads its group's B."""
-        sfa, sfb = block_scales
+    def _block_scale_sources(self, cta, coord: tuple, block_scales: tuple, sched_args: tuple) -> tuple:
+        """Where the load warp reads the tile's blockwise scales: A's, and the batch and B's block of N for each
+        chunk of the tile's columns (``b_scale_chunks``; clamped to B's blocks, for a tile or a cluster's spare
+        tile past N). A's are the tile's ``(TMA, k_tile)`` view with their smem stages (TMA-loaded), or the rows
+        the lane copies (lane, lane + 32, ..., clamped to the problem's rows: rows past M compute values never
+        stored). A grouped GEMM's tile starts at its group's row and reads its group's B."""
+        sfb = block_scales[-1]
         lane = cute.arch.lane_idx()
-        origin, extent, batch = self._epilogue_frame(coord, (cute.size(sfa, mode=[1]), 0))
-        rows = [cutlass.min(origin[0] + lane + 32 * i, extent[0] - 1) for i in range(self.cfg.tile_m // 32)]
+        rows_total = cute.size(block_scales[1], mode=[0]) if self.a_scales_tma else cute.size(block_scales[0], mode=[1])
+        origin, extent, batch = self._epilogue_frame(coord, (rows_total, 0))
         chunk = self.cfg.tile_n // self.b_scale_chunks
         n_blocks = [
             cutlass.min((coord[1] * self.cfg.tile_n + c * chunk) // BLOCK_K, cute.size(sfb, mode=[1]) - 1)
             for c in range(self.b_scale_chunks)
         ]
+        if cutlass.const_expr(self.a_scales_tma):
+            tma_sfa, tma_mSFA = block_scales[0], block_scales[1]
+            gSFA = cute.local_tile(tma_mSFA, (self.cfg.tile_m, 1), (None, None, None))  # (tile_m, 1, tiles, KB, L)
+            sSFA = cute.make_tensor(cta.sScaleA.iterator, cute.make_layout((self.cfg.tile_m, 1, self.cfg.ab_stages)))
+            tSFAs, tSFAg = cute.nvgpu.cpasync.tma_partition(
+                tma_sfa, 0, cute.make_layout(1), cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2)
+            )  # fmt: skip
+            return (tSFAs, tSFAg[(None, coord[0], None, batch)]), batch, n_blocks
+        rows = [cutlass.min(origin[0] + lane + 32 * i, extent[0] - 1) for i in range(self.cfg.tile_m // 32)]
         return self._a_scale_rows(rows, sched_args), batch, n_blocks
 
     @cute.jit
     def _copy_block_scales(self, cta, block_scales: tuple, sources: tuple, stage, k_tile, barrier) -> None:
-        """Copy k-tile ``k_tile``'s scales into ring stage ``stage`` (each lane its A rows, lane 0 the B blocks'
-        of the tile's column chunks) with cp.async, and arrive on the stage's full barrier once they land.
+        """Copy k-tile ``k_tile``'s scales into ring stage ``stage``: A's by one TMA copy whose bytes the stage's
+        barrier expects (``a_scales_tma``) or a word per row by each lane, lane 0 the B blocks' of the tile's
+        column chunks, with cp.async; every lane arrives on the stage's full barrier once its copies land.
         Consumers read them from shared memory after the barrier they wait on anyway: a scale loaded from global
         memory by a consumer stalls its warpgroup's next WGMMAs for an L2 round trip unless loaded several
-        k-tiles ahead."""
-        sfa, sfb = block_scales
-        rows, batch, n_blocks = sources
+        k-tiles ahead. Four 4-byte cp.async per lane cost ~12 % of the blockwise GEMM's time against the TMA copy
+        (bench/NOTES.md)."""
+        sfb = block_scales[-1]
+        a_source, batch, n_blocks = sources
         lane = cute.arch.lane_idx()
-        for i, row in enumerate(rows):
-            dst = cta.sScaleA.iterator + (stage * self.cfg.tile_m + lane + 32 * i)
-            copy_word(dst, sfa.iterator + cute.crd2idx((batch, row, k_tile), sfa.layout))
+        if cutlass.const_expr(self.a_scales_tma):
+            tSFAs, tSFAg = a_source
+            cute.copy(block_scales[0], tSFAg[(None, k_tile)], tSFAs[(None, stage)], tma_bar_ptr=barrier)
+        else:
+            sfa = block_scales[0]
+            for i, row in enumerate(a_source):
+                dst = cta.sScaleA.iterator + (stage * self.cfg.tile_m + lane + 32 * i)
+                copy_word(dst, sfa.iterator + cute.crd2idx((batch, row, k_tile), sfa.layout))
         if lane == 0:
             for c, n_block in enumerate(n_blocks):
                 copy_word(cta.sScaleB.iterator + (stage * self.b_scale_chunks + c),

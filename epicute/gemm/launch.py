@@ -15,6 +15,7 @@ import functools
 
 import torch
 
+from epicute.epilogue.scales import tma_batch_stride
 from epicute.gemm import GemmPlan, GemmProblem, plan_gemm
 from epicute.gemm.compile import GEMM_CACHE, GemmVariant
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
@@ -42,7 +43,7 @@ def variant_of(plan: GemmPlan, fusion=None) -> GemmVariant:
     p = plan.problem
     b_dtype = p.b_dtype if p.b_dtype != p.ab_dtype else ""
     return GemmVariant(plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion, b_dtype,
-                       p.block_scaled, batched=p.l != 1)  # fmt: skip
+                       p.block_scaled, batched=p.l != 1, a_scales_tma=p.a_scales_tma)  # fmt: skip
 
 
 def launcher(kernel):
@@ -76,8 +77,12 @@ def _block_scales(call: GemmCall) -> tuple:
     if scales is None:
         return ()
     if call.problem.k == 0:
-        return tuple(s.new_ones(*s.shape[:-1], 1) for s in (scales.a, scales.b))
-    return scales.a, scales.b
+        a, b = scales.a, scales.b
+        if call.problem.a_scales_tma:  # M-major with aligned strides, as the TMA-loading variant reads it
+            rows = -(-a.shape[1] // 4) * 4
+            return a.new_ones(a.shape[0], 1, rows).transpose(1, 2)[:, : a.shape[1]], b.new_ones(*b.shape[:-1], 1)
+        return a.new_ones(*a.shape[:-1], 1), b.new_ones(*b.shape[:-1], 1)
+    return (tma_batch_stride(scales.a) if call.problem.a_scales_tma else scales.a), scales.b
 
 
 class GemmLaunch:

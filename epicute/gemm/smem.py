@@ -57,7 +57,7 @@ def gemm_smem_layout(
         s, chunks = cfg.ab_stages, b_scale_chunks(cfg.tile_n)
         buffers += [
             SmemBuffer("sScaleA", "A block scales", "fp32", cfg.tile_m * s,
-                       f"{s} x {cfg.tile_m} fp32, a scale per row per stage", align=16),
+                       f"{s} x {cfg.tile_m} fp32, a scale per row per stage", align=128),  # a TMA destination
             SmemBuffer("sScaleB", "B block scales", "fp32", s * chunks,
                        f"{s} x {chunks} fp32, the tile's block per stage" if chunks == 1
                        else f"{s} x {chunks} fp32, a block per {cfg.tile_n // chunks} columns per stage", align=16),

@@ -3,6 +3,8 @@ and sm_90a compiles (GPU correctness: tests/gemm/test_fp8_gpu.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -222,6 +224,38 @@ def test_blockwise_plans_promote_in_128x192_or_128x128_tiles():
         GemmProblem(64, 64, 64, block_scaled=True)
 
 
+@pytest.mark.parametrize(
+    ("rows", "form", "tma"),
+    [
+        (1000, "m_major", True),  # torch._scaled_mm's torch.rand(KB, M).t(), M a multiple of 4
+        (1001, "m_major", False),  # its row stride, 1001 floats, is no multiple of 16 bytes
+        (1001, "m_major_padded", True),
+        (1000, "row_major", False),
+    ],
+)
+def test_a_scales_are_tma_loaded_where_m_major_and_aligned(rows, form, tma):
+    from epicute.gemm.api import describe_call
+    from epicute.gemm.prepare import prepare
+
+    k, kb = 1040, 9
+    a = torch.empty(rows, k, dtype=E4M3, device="meta")
+    w = torch.empty(512, k, dtype=E4M3, device="meta")
+    sa = {
+        "m_major": lambda: torch.empty(kb, rows, device="meta").t(),
+        "m_major_padded": lambda: torch.empty(kb, rows + 3, device="meta")[:, :rows].t(),
+        "row_major": lambda: torch.empty(rows, kb, device="meta"),
+    }[form]()
+    _, _, request, _ = describe_call(a, w.t(), None, None, None, None, None, None, {}, False,
+                                     (sa, torch.empty(4, kb, device="meta")))  # fmt: skip
+    variant = prepare(request).variant()
+    assert (request.problem.a_scales_tma, variant.a_scales_tma) == (tma, tma)
+    assert ("A scales by TMA" in variant.key().label) == tma
+    other = replace(request, problem=replace(request.problem, a_scales_tma=not tma))
+    assert variant.key() != prepare(other).variant().key()
+    with pytest.raises(epicute.ConfigError, match="only blockwise A scales"):
+        GemmProblem(64, 64, 64, a_scales_tma=True)
+
+
 def test_explain_and_aot_take_blockwise_scales():
     a = torch.empty(4096, 7168, dtype=E4M3, device="meta")
     w = torch.empty(2048, 7168, dtype=E4M3, device="meta")
@@ -234,35 +268,46 @@ def test_explain_and_aot_take_blockwise_scales():
     problem = GemmProblem(4096, 2048, 7168, ab_dtype="fp8e4m3", a_major="k", b_major="k")
     request = gemm_request(problem, None, {"a_scale": "blockwise", "b_scale": "blockwise"}, False, {}, {})
     assert prepare(request).variant().block_scaled
+    from epicute.gemm.aot import gemm_variants
+
+    # The call's A-scale layout picks TMA or cp.async, so ahead of time both are compiled.
+    entry = {"shapes": [[4096, 2048, 7168]], "dtype": "fp8e4m3", "operands": {"a_scale": "blockwise",
+                                                                           "b_scale": "blockwise"}}
+    forms = sorted(v.a_scales_tma for v, _ in gemm_variants(entry, target="h100-sxm"))
+    assert forms == [False, True]
     with pytest.raises(epicute.ConfigError, match="both of them"):
         gemm_request(problem, None, {"a_scale": "blockwise"}, False, {}, {})
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize(
-    ("mnk", "epilogue", "pins"),
+    ("mnk", "epilogue", "pins", "m_major"),
     [
-        ((8192, 8192, 8192), False, {}),
-        ((1000, 4104, 1040), True, {"persistent": False, "cluster_m": 2}),
-        ((128, 7168, 2048), False, {"tile_n": 64}),
-        ((128, 7168, 2048), False, {"tile_n": 128, "split_k": 3}),
-        ((2048, 7168, 7168), False, {"tile_n": 192}),
-        ((1000, 4104, 1040), True, {"tile_n": 192, "cluster_m": 1}),
+        ((8192, 8192, 8192), False, {}, True),
+        ((8192, 8192, 8192), False, {"tile_n": 128}, False),
+        ((1000, 4104, 1040), True, {"persistent": False, "cluster_m": 2}, True),
+        ((128, 7168, 2048), False, {"tile_n": 64}, False),
+        ((128, 7168, 2048), False, {"tile_n": 128, "split_k": 3}, True),
+        ((2048, 7168, 7168), False, {"tile_n": 192}, False),
+        ((1000, 4104, 1040), True, {"tile_n": 192, "cluster_m": 1}, True),
     ],
 )
-def test_blockwise_variants_compile_without_spills(mnk, epilogue, pins, ptxas_report):
+def test_blockwise_variants_compile_without_spills(mnk, epilogue, pins, m_major, ptxas_report):
+    """``m_major``: A's scales as torch._scaled_mm lays them out, TMA-loaded; else row-major, by cp.async."""
     from epicute.gemm.api import describe_call
     from epicute.gemm.prepare import prepare
 
     m, n, k = mnk
     a = torch.empty(m, k, dtype=E4M3, device="meta")
     w = torch.empty(n, k, dtype=E4M3, device="meta")
-    scales = (torch.empty(m, -(-k // 128), device="meta"), torch.empty(-(-n // 128), -(-k // 128), device="meta"))
+    kb = -(-k // 128)
+    sa = torch.empty(kb, m, device="meta").t() if m_major else torch.empty(m, kb, device="meta")
+    scales = (sa, torch.empty(-(-n // 128), kb, device="meta"))
     epi = (lambda acc, bias: ops.gelu(acc + bias)) if epilogue else None
     operands = {"bias": torch.empty(n, dtype=torch.bfloat16, device="meta")} if epilogue else {}
     _, _, request, _ = describe_call(a, w.t(), epi, None, None, None, None, pins, operands, False, scales)
     variant = prepare(request).variant()
-    assert variant.block_scaled and (variant.fusion is not None) == epilogue
+    assert variant.block_scaled and (variant.fusion is not None) == epilogue and variant.a_scales_tma == m_major
     assert callable(compile_gemm(variant))
     spills, _ = ptxas_report()
     assert max(spills) == 0

@@ -168,6 +168,29 @@ def test_blockwise_192_wide_tiles_promote_each_column_chunk_with_its_block(pins)
         assert rel_err(out, block_reference(a, w, sa, sw)) <= TOL, (m, n, k, pins)
 
 
+@pytest.mark.parametrize(
+    "pins", [{}, {"cluster_m": 1, "cluster_n": 2}, {"cluster_m": 1}, {"tile_n": 192}, {"split_k": 3}],
+    ids=["2x1", "1x2", "1x1", "tile192", "split3"],
+)  # fmt: skip
+def test_blockwise_a_scales_by_tma_at_odd_rows_and_batched(pins):
+    """M-major A scales with 16-byte aligned strides (here padded past odd M) are TMA-loaded, a k-tile's rows in
+    one box; the box's rows past M arrive as zeros. The same values row-major take the cp.async path."""
+    from epicute.epilogue.scales import BlockScales
+
+    for l, m, n, k in [(1, 333, 712, 528), (1, 1, 136, 272), (2, 129, 264, 400)]:
+        a, w = quantized(l, m, k), quantized(l, n, k)
+        kb, nb, m_pad = -(-k // 128), -(-n // 128), -(-m // 4) * 4
+        sa = spread_scales(l, kb, m_pad)[:, :, :m].transpose(1, 2)  # (L, M, KB), M-major, row stride m_pad
+        sw = spread_scales(l, nb, kb)
+        if l == 1:
+            a, w, sa, sw = a[0], w[0], sa[0], sw[0]
+        assert BlockScales(sa if l > 1 else sa[None], sw).a_tma
+        for form in (sa, sa.contiguous()):
+            out = torch.full((*a.shape[:-1], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            epicute.gemm(a, w.transpose(-1, -2), a_scale=form, b_scale=sw, out=out, config=pins)
+            assert rel_err(out, block_reference(a, w, sa, sw)) <= TOL, (l, m, n, k, pins, form.stride())
+
+
 @pytest.mark.parametrize("split_k", [2, 3, 4])
 @pytest.mark.parametrize("m,n,k", [(128, 392, 1040), (33, 264, 256)])
 def test_blockwise_split_k_reads_each_split_s_scales(m, n, k, split_k):
