@@ -250,6 +250,7 @@ def test_a_scales_are_tma_loaded_where_m_major_and_aligned(rows, form, tma):
     variant = prepare(request).variant()
     assert (request.problem.a_scales_tma, variant.a_scales_tma) == (tma, tma)
     assert ("A scales by TMA" in variant.key().label) == tma
+    assert ("A block scales: one TMA copy per k-tile" in render_plan(prepare(request).plan)) == tma
     other = replace(request, problem=replace(request.problem, a_scales_tma=not tma))
     assert variant.key() != prepare(other).variant().key()
     with pytest.raises(epicute.ConfigError, match="only blockwise A scales"):
