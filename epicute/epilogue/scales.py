@@ -105,20 +105,12 @@ class BlockScales:
         """Whether the kernel can fetch A's scales of a k-tile with one TMA copy: they are M-major (unit stride
         along rows: ``torch._scaled_mm``'s ``torch.rand(KB, M).t()``) with 16-byte aligned strides and base,
         as TMA requires (M a multiple of 4). Other layouts are read a word per row (``cp.async``). A single batch's
-        stride is not the layout's: the launch gives it an aligned one (:func:`tma_batch_stride`)."""
+        stride is not the layout's: the launch gives it an aligned one (``with_aligned_unit_dims``)."""
         a = self.a
         return (
             a.stride(1) == 1 and a.stride(2) > 0 and a.stride(2) % 4 == 0 and (a.shape[0] == 1 or a.stride(0) % 4 == 0)
             and a.data_ptr() % 16 == 0 and a.shape[1] > 0
         )  # fmt: skip
-
-
-def tma_batch_stride(a: torch.Tensor) -> torch.Tensor:
-    """TMA-loadable A scales ``(L, M, KB)`` (:attr:`BlockScales.a_tma`) with a one-batch tensor's batch stride
-    made a multiple of 16 bytes: TMA checks every stride, even one no index steps along."""
-    if a.shape[0] != 1 or a.stride(0) % 4 == 0:
-        return a
-    return a.as_strided(a.shape, (a.stride(2) * max(a.shape[2], 1), a.stride(1), a.stride(2)))
 
 
 @dataclass(frozen=True)

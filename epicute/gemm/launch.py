@@ -15,11 +15,11 @@ import functools
 
 import torch
 
-from epicute.epilogue.scales import tma_batch_stride
 from epicute.gemm import GemmPlan, GemmProblem, plan_gemm
 from epicute.gemm.compile import GEMM_CACHE, GemmVariant
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.gemm.validate import GemmCall
+from epicute.runtime.checks import with_aligned_unit_dims
 from epicute.runtime.target import Target
 
 
@@ -82,7 +82,7 @@ def _block_scales(call: GemmCall) -> tuple:
             rows = -(-a.shape[1] // 4) * 4
             return a.new_ones(a.shape[0], 1, rows).transpose(1, 2)[:, : a.shape[1]], b.new_ones(*b.shape[:-1], 1)
         return a.new_ones(*a.shape[:-1], 1), b.new_ones(*b.shape[:-1], 1)
-    return (tma_batch_stride(scales.a) if call.problem.a_scales_tma else scales.a), scales.b
+    return (with_aligned_unit_dims(scales.a, 1) if call.problem.a_scales_tma else scales.a), scales.b
 
 
 class GemmLaunch:

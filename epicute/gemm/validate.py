@@ -25,6 +25,7 @@ from epicute.runtime.checks import (
     TMA_ALIGN_BYTES,
     check_on_one_hopper_gpu,
     overlaps,
+    with_aligned_unit_dims,
 )
 
 AB_TORCH_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -95,14 +96,7 @@ def _check_tma_strides(t: torch.Tensor, name: str, contiguous_dim: int, dims: st
             f"(a view with an element offset?); TMA needs 16-byte-aligned bases: pass {name}.clone()"
         )
     step = TMA_ALIGN_BYTES // elem
-    # A size-1 dimension's stride is never stepped along, but TMA still encodes
-    # it: give it an aligned value instead of rejecting the tensor.
-    strides = [
-        -(-max(st, 1) // step) * step if size == 1 and d != contiguous_dim and (st % step or st == 0) else st
-        for d, (size, st) in enumerate(zip(t.shape, t.stride()))
-    ]
-    if strides != list(t.stride()):
-        t = t.as_strided(t.shape, strides)
+    t = with_aligned_unit_dims(t, contiguous_dim)
     for d in range(3):
         if d == contiguous_dim:
             continue

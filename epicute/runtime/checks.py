@@ -13,6 +13,18 @@ from epicute.errors import DeviceError
 TMA_ALIGN_BYTES = 16
 
 
+def with_aligned_unit_dims(t: torch.Tensor, contiguous_dim: int) -> torch.Tensor:
+    """``t`` with the stride of each size-1 dimension but ``contiguous_dim`` made a multiple of 16 bytes (a view):
+    no index steps along such a dimension, but a TMA descriptor encodes every stride, so it gets an aligned value
+    instead of rejecting the tensor. Other strides are left as they are."""
+    step = TMA_ALIGN_BYTES // t.element_size()
+    strides = [
+        -(-max(st, 1) // step) * step if size == 1 and d != contiguous_dim and (st % step or st == 0) else st
+        for d, (size, st) in enumerate(zip(t.shape, t.stride()))
+    ]
+    return t if strides == list(t.stride()) else t.as_strided(t.shape, strides)
+
+
 def check_has_values(*named: tuple[str, torch.Tensor]) -> None:
     """Raise :class:`DeviceError` for a ``meta`` tensor: the reference backend computes values, and it has none."""
     for name, t in named:
