@@ -10,8 +10,8 @@ partial sums promoted to fp32 along K) and ``cublas_<recipe>_fast`` (``use_fast_
 promotion, as epicute's tensorwise and rowwise kernels); blockwise promotes in both.
 ``blockwise_quantize`` rows time epicute's blockwise GEMM with the fused quantize-for-next-GEMM
 epilogue (SiLU, then ``ops.quantize_groups``: fp8 D and UE8M0 scales) against the same GEMM with a
-bf16 D (``epicute_plain``) and with the SiLU alone, bf16 D (``epicute_silu``: the quantization's own cost
-is the difference). Every
+bf16 D (``epicute_plain``), with the SiLU alone, bf16 D (``epicute_silu``), and with the quantization alone
+of the product (``epicute_quantize``: fp8 D and scales, no activation). Every
 contender's first call is checked against a float32 reference of the dequantized math and not
 timed; then all are timed as ``triton.testing.do_bench`` times them (L2 flushed before each call,
 calls back to back: fp8 GEMMs run at the H100's power cap, see
@@ -79,6 +79,8 @@ def contenders(recipe: str) -> dict:
             "epicute_plain": plain,
             "epicute_silu": lambda a, b, sa, sb, out=None: {"silu": epicute.gemm(a, b, a_scale=sa, b_scale=sb,
                                                                                 epilogue=silu_only, out=out)},
+            "epicute_quantize": lambda a, b, sa, sb, out=None: {"quantized": epicute.gemm(
+                a, b, a_scale=sa, b_scale=sb, epilogue=quantize_only)},
         }  # fmt: skip
     found = {"epicute": plain, f"cublas_{recipe}": cublas(False)}
     if recipe != "blockwise":  # cuBLAS's blockwise recipe always promotes
@@ -91,6 +93,14 @@ def silu_then_quantize(acc):
     from epicute import ops
 
     q, scales = ops.quantize_groups(ops.silu(acc), ue8m0=True)
+    return {"D": q, "scales": scales}
+
+
+def quantize_only(acc):
+    """The quantization alone (no activation): what ``quantize_groups`` costs over the plain GEMM."""
+    from epicute import ops
+
+    q, scales = ops.quantize_groups(acc, ue8m0=True)
     return {"D": q, "scales": scales}
 
 
@@ -110,7 +120,11 @@ def checked_value(result, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         return result["silu"].float(), torch.nn.functional.silu(ref)
     from epicute.epilogue.group_quant import group_quantize
 
-    q, scales = group_quantize(torch.nn.functional.silu(ref)[None], "fp8e4m3", ue8m0=True)
+    if "quantized" in result:  # the quantization alone, of the product itself
+        result = result["quantized"]
+    else:
+        ref = torch.nn.functional.silu(ref)
+    q, scales = group_quantize(ref[None], "fp8e4m3", ue8m0=True)
 
     def dequantized(values, s):
         return values.float() * s.repeat_interleave(128, dim=-1)[..., : values.shape[-1]]

@@ -60,11 +60,14 @@ def gemm_variants(entry: dict, target: Target | None = None) -> list:
         entry.get("out_dtypes") or {}, config_pins(entry, GemmConfig), target, gated,
     )  # fmt: skip
     variants = {}
-    # Blockwise A scales come TMA-loadable (M-major, aligned) or not, which only the call's tensor says: both.
-    scale_forms = (True, False) if request.problem.block_scaled else (False,)
+    # Blockwise scales come in TMA- or bulk-copyable layouts (aligned, torch's) or not, which only the call's
+    # tensors say: every form.
+    scale_forms = [(a, b) for a in (True, False) for b in (True, False)] if request.problem.block_scaled else [
+        (False, False)]  # fmt: skip
     for shape in shapes:
-        for a_scales_tma in scale_forms:
-            problem = replace(problem_of(shape), block_scaled=request.problem.block_scaled, a_scales_tma=a_scales_tma)
+        for a_tma, b_bulk in scale_forms:
+            problem = replace(problem_of(shape), block_scaled=request.problem.block_scaled, a_scales_tma=a_tma,
+                              b_scales_bulk=b_bulk)  # fmt: skip
             variant = prepare(replace(request, problem=problem)).variant()
             m, n, k, l = (*shape, 1) if len(shape) == 3 else shape
             variants.setdefault(variant.key(), (variant, f"{m}x{n}x{k}" + (f"x{l}" if l != 1 else "")))

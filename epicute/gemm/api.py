@@ -83,7 +83,12 @@ def gemm(
         a_scale, b_scale: fp8 inputs' dequantization scales, as ``torch._scaled_mm`` takes them:
             tensorwise, a float or a 0-d/1-element fp32 tensor (read on the GPU: no host sync);
             rowwise, ``a_scale`` one per row of A (``(M,)``/``(M, 1)``) and ``b_scale`` one per column
-            of B (``(N,)``/``(1, N)``), fp32. The epilogue sees ``acc * a_scale * b_scale``; fp8
+            of B (``(N,)``/``(1, N)``), fp32. The epilogue sees ``acc * a_scale * b_scale``;
+            blockwise, ``a_scale`` one per row and 128-wide block of K, ``(M, KB)`` (fastest M-major,
+            torch's ``torch.rand(KB, M).t()``), and ``b_scale`` one per 128x128 block of the weight,
+            its ``(NB, KB)`` (fastest K-major) or that tensor's ``.t()`` view ``(KB, NB)``, applied in
+            the mainloop. Where NB == KB the shape cannot tell the two apart: a column-major square
+            ``b_scale`` is read as the ``(KB, NB)`` view, any other as ``(NB, KB)``. fp8
             inputs give bf16 D unless ``out_dtype`` says otherwise.
         backend: ``"kernel"`` (the GPU) or ``"reference"`` (float32 on the CPU,
             any device: the oracle every GPU test compares against).
@@ -376,7 +381,7 @@ def describe_call(
             )
         epilogue, operands = scaling.apply(epilogue, operands)
         if scaling.block is not None:
-            p = replace(p, block_scaled=True, a_scales_tma=scaling.block.a_tma)
+            p = replace(p, block_scaled=True, a_scales_tma=scaling.block.a_tma, b_scales_bulk=scaling.block.b_bulk)
             call = replace(call, problem=p, block_scales=scaling.block)
     elif scales != (None, None):
         raise DtypeError(f"a_scale/b_scale dequantize fp8 inputs; a is {a.dtype}: drop them or pass fp8 tensors")
@@ -411,7 +416,9 @@ def _with_d_dtype(call, d_dtype, a, b, out, *, require_cuda: bool):
     if d_dtype == call.out_dtype:
         return call
     again = check_gemm_args(a, b, out, d_dtype, require_cuda=require_cuda, gated=call.gated)
-    problem = replace(again.problem, block_scaled=call.problem.block_scaled, a_scales_tma=call.problem.a_scales_tma)
+    p = call.problem
+    problem = replace(again.problem, block_scaled=p.block_scaled, a_scales_tma=p.a_scales_tma,
+                      b_scales_bulk=p.b_scales_bulk)  # fmt: skip
     return replace(again, problem=problem, block_scales=call.block_scales)
 
 

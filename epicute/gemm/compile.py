@@ -32,6 +32,8 @@ class GemmVariant:
     block_scaled: bool = False
     #: its A scales are TMA-loaded (``GemmProblem.a_scales_tma``: M-major, 16-byte aligned strides)
     a_scales_tma: bool = False
+    #: its B scales arrive by bulk copy (``GemmProblem.b_scales_bulk``, and its tiles lie in one block of N)
+    b_scales_bulk: bool = False
     #: A, B and D arrive ``(L, ., .)``; False: one batch, 2-D ``(., .)``, so that an unbatched call hands the
     #: kernel its own tensors (a 3-D view per call costs more host time than the launch; NOTES, issue 23)
     batched: bool = True
@@ -46,6 +48,7 @@ class GemmVariant:
             ("align", OPERAND_ALIGN_BYTES),
         ) + ((("block_scaled", True),) if self.block_scaled else ())  # fmt: skip
         parts += (("a_scales", "tma"),) if self.a_scales_tma else ()
+        parts += (("b_scales", "bulk"),) if self.b_scales_bulk else ()
         parts += () if self.batched else (("batched", False),)
         c = self.config
         label = (
@@ -57,6 +60,7 @@ class GemmVariant:
             f"A:{self.a_major} B:{self.b_major}"
             + (" blockwise" if self.block_scaled else "")
             + (" (A scales by TMA)" if self.a_scales_tma else "")
+            + (" (B scales by bulk copy)" if self.b_scales_bulk else "")
             + (" swap-AB" if c.swap_ab else "")
             + (f" L2:evict-first {c.evict_first.upper()}" if c.evict_first else "")
             + ("" if self.batched else " 2-D")
@@ -113,21 +117,23 @@ def d_columns(fusion, n):
     return cute.sym_int() if fusion is not None and fusion.gated else n
 
 
-def _fake_block_scales(a_tma: bool) -> tuple:
+def _fake_block_scales(a_tma: bool, b_bulk: bool) -> tuple:
     """Blockwise fp8 scales as the kernel takes them, fp32 ``(L, M, KB)`` and ``(L, NB, KB)``, read element by
-    element, so of any strides; with ``a_tma`` A's are M-major with 16-byte aligned strides (a TMA tensor)."""
+    element, so of any strides; a TMA-loaded one (``a_tma``: A's M-major, ``b_bulk``: B's K-major) has unit stride
+    along that dim and 16-byte aligned others."""
     import cutlass
     from cutlass import cute
 
-    def fake(tma: bool):
-        if tma:
-            stride, align = (cute.sym_int64(divisibility=4), 1, cute.sym_int64(divisibility=4)), 16
-        else:
+    def fake(unit_stride: int | None):
+        if unit_stride is None:
             stride, align = tuple(cute.sym_int64() for _ in range(3)), 4
+        else:
+            stride = tuple(1 if i == unit_stride else cute.sym_int64(divisibility=4) for i in range(3))
+            align = 16
         return cute.runtime.make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)), stride=stride,
                                              assumed_align=align)  # fmt: skip
 
-    return fake(a_tma), fake(False)
+    return fake(1 if a_tma else None), fake(2 if b_bulk else None)
 
 
 def fake_gemm_inputs(variant: GemmVariant, a_lm: tuple, b_l, d_lm: tuple, n, k) -> tuple:
@@ -147,7 +153,7 @@ def fake_gemm_inputs(variant: GemmVariant, a_lm: tuple, b_l, d_lm: tuple, n, k) 
     fake_b = _fake_operand(b_dtype, b_dims, contiguous=-1 if variant.b_major == "n" else -2)
     fake_d = _fake_operand(CUTLASS_DTYPES[variant.d_dtype], (*d_lm, d_columns(variant.fusion, n)), contiguous=-1)
     epi_tensors, epi_scalars = _fake_epilogue_operands(variant.fusion)
-    block_scales = _fake_block_scales(variant.a_scales_tma) if variant.block_scaled else ()
+    block_scales = _fake_block_scales(variant.a_scales_tma, variant.b_scales_bulk) if variant.block_scaled else ()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return (fake_a, fake_b, fake_d), (epi_tensors, epi_scalars, block_scales, cutlass.Int32(1), stream)
 
@@ -160,7 +166,7 @@ def kernel_args(variant: GemmVariant) -> tuple:
     """The arguments every GEMM-family kernel class is built from (:class:`~epicute.gemm.kernel_sm90.GemmSm90`)."""
     return (
         variant.config, variant.ab_dtype, variant.d_dtype, variant.a_major, variant.b_major, variant.fusion,
-        variant.b_dtype, variant.block_scaled, variant.a_scales_tma,
+        variant.b_dtype, variant.block_scaled, variant.a_scales_tma, variant.b_scales_bulk,
     )  # fmt: skip
 
 

@@ -34,6 +34,10 @@ MAX_SPLIT_K = 8
 #: Tile N of a blockwise-scaled fp8 GEMM. A 64- or 128-wide tile lies in one block of N; a 192-wide one starts on
 #: a multiple of 64, so each of its 64-column chunks does (:func:`b_scale_chunks`).
 BLOCK_SCALED_TILE_N = (64, 128, 192)
+#: fp32 values per ring stage for B's blockwise scales: a 16-byte slot, the size and alignment of one bulk copy.
+#: A bulk copy brings the k-tile's block of K with the others of its aligned group of four (a consumer reads the
+#: one at ``k_tile % B_SCALE_SLOT``); cp.async fills the first ``b_scale_chunks`` values instead.
+B_SCALE_SLOT = 4
 
 
 def b_scale_chunks(tile_n: int) -> int:
@@ -86,6 +90,9 @@ class GemmProblem:
     block_scaled: bool = False
     #: blockwise A scales the kernel TMA-loads (``BlockScales.a_tma``); else a word per row by ``cp.async``
     a_scales_tma: bool = False
+    #: blockwise B scales the kernel fetches by bulk copy (``BlockScales.b_bulk``) where a tile lies in one block
+    #: of N; else a word per chunk by ``cp.async``
+    b_scales_bulk: bool = False
 
     def __post_init__(self) -> None:
         if self.ab_dtype not in AB_DTYPES:
@@ -101,8 +108,8 @@ class GemmProblem:
             )
         if self.block_scaled and not self.fp8:
             raise ConfigError(f"block_scaled with ab_dtype={self.ab_dtype!r}: blockwise scales dequantize fp8 inputs")
-        if self.a_scales_tma and not self.block_scaled:
-            raise ConfigError("a_scales_tma without block_scaled: only blockwise A scales are TMA-loaded")
+        if (self.a_scales_tma or self.b_scales_bulk) and not self.block_scaled:
+            raise ConfigError("a_scales_tma/b_scales_bulk without block_scaled: only blockwise scales have them")
         if self.d_dtype not in D_DTYPES:
             raise ConfigError(f"d_dtype={self.d_dtype!r}: supported are {D_DTYPES}")
         if self.a_major not in ("k", "m"):

@@ -57,6 +57,7 @@ from epicute.gemm.config import (
     SWAP_AB_TILE_N,
     GemmConfig,
     GemmProblem,
+    b_scale_chunks,
     validate_block_scaled,
 )
 from epicute.gemm.roofline import estimate_seconds
@@ -630,6 +631,24 @@ def epi_tile_n(out_tile_n: int) -> int:
     return width if out_tile_n % width == 0 else 16
 
 
+def block_scale_loads(problem: GemmProblem, tile_n: int) -> str:
+    """How the load warp fetches a blockwise plan's scales each k-tile, and what a faster way would take."""
+    if problem.a_scales_tma:
+        a = "A block scales: one TMA copy per k-tile (M-major, 16-byte aligned strides)"
+    else:
+        a = (
+            "A block scales: a word per row by cp.async (M-major scales with 16-byte aligned strides, "
+            "torch._scaled_mm's layout with M a multiple of 4, take one TMA copy per k-tile, ~10 % faster)"
+        )
+    if b_scale_chunks(tile_n) != 1:
+        b = f"B's by cp.async, one per 64-column chunk (a {tile_n}-wide tile straddles blocks of N)"
+    elif problem.b_scales_bulk:
+        b = "B's by one bulk copy of 16 bytes (K-major, 16-byte aligned rows)"
+    else:
+        b = "B's by one cp.async (K-major scales with 16-byte aligned rows take one bulk copy, no lane's arrival)"
+    return f"{a}; {b}"
+
+
 def _fit_and_check(
     cfg: GemmConfig, problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, overrides: dict, reasons: list,
     raster_why: str,
@@ -670,11 +689,7 @@ def _fit_and_check(
         if why:
             reasons.append(why)
     if problem.block_scaled:
-        reasons.append(
-            "A block scales: one TMA copy per k-tile (M-major, 16-byte aligned strides)" if problem.a_scales_tma
-            else "A block scales: a word per row by cp.async (M-major scales with 16-byte aligned strides, "
-            "torch._scaled_mm's layout with M a multiple of 4, take one TMA copy per k-tile, ~10 % faster)"
-        )
+        reasons.append(block_scale_loads(problem, cfg.tile_n))
     # Fields the planner has no opinion on (register budgets, schedule) pass through.
     passthrough = {k: v for k, v in overrides.items() if k not in GemmConfig.planned_fields()}
     cfg = replace(cfg, **passthrough, reasons=tuple(reasons))

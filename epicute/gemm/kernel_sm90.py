@@ -65,10 +65,10 @@ from epicute.epilogue.gated import GATE_BLOCK
 from epicute.epilogue.scales import BLOCK_K
 from epicute.epilogue.schedule import plain_graph, schedule
 from epicute.errors import ConfigError
-from epicute.gemm.config import GemmConfig, b_scale_chunks, promote_partials, validate_block_scaled
+from epicute.gemm.config import B_SCALE_SLOT, GemmConfig, b_scale_chunks, promote_partials, validate_block_scaled
 from epicute.gemm.smem import NO_EPILOGUE, gemm_smem_layout
 from epicute.sm90 import epilogue_emit as emit
-from epicute.sm90.cp_async import arrive_when_copied, copy_word
+from epicute.sm90.cp_async import arrive_when_copied, bulk_copy, copy_word
 from epicute.sm90.epilogue_chain import EpilogueRun, StagedOutput, chain_passes, run_chain
 from epicute.sm90.epilogue_emit import DSL_DTYPES
 from epicute.sm90.fragments import warpgroup_slice
@@ -180,13 +180,18 @@ class GemmSm90:
         b_dtype: str = "",
         block_scaled: bool = False,
         a_scales_tma: bool = False,
+        b_scales_bulk: bool = False,
     ):
         cfg.validate()
         if block_scaled:
             validate_block_scaled(cfg)
-        if a_scales_tma and (not block_scaled or type(self)._scheduler is not GemmSm90._scheduler):
-            raise ConfigError(f"a_scales_tma with {type(self).__name__}: only the dense GEMM's blockwise A scales are "
-                              "TMA-loaded (a grouped tile's rows are its group's); use a_scales_tma=False")  # fmt: skip
+        if (a_scales_tma or b_scales_bulk) and (not block_scaled or type(self)._scheduler is not GemmSm90._scheduler):
+            raise ConfigError(f"a_scales_tma or b_scales_bulk with {type(self).__name__}: only the dense GEMM's "
+                              "blockwise scales arrive by TMA or bulk copy (a grouped tile's rows are its group's); "
+                              "use a_scales_tma=b_scales_bulk=False")  # fmt: skip
+        if b_scales_bulk and b_scale_chunks(cfg.tile_n) != 1:
+            raise ConfigError(f"b_scales_bulk with tile_n={cfg.tile_n}: a tile whose columns straddle blocks of N "
+                              "reads a B scale per chunk (cp.async); use b_scales_bulk=False")  # fmt: skip
         if cfg.split_k > 1 and type(self)._scheduler is not GemmSm90._scheduler:
             raise ConfigError(f"split_k={cfg.split_k}: {type(self).__name__} schedules its own tiles and does not "
                               "split K; use split_k=1")  # fmt: skip
@@ -203,6 +208,7 @@ class GemmSm90:
                               "split_k=1")  # fmt: skip
         self.block_scaled = block_scaled
         self.a_scales_tma = a_scales_tma
+        self.b_scales_bulk = b_scales_bulk
         self.fusion = fusion
         self.cfg = cfg
         # Swap-AB: the kernel's A is the caller's B^T, its B the caller's A^T, its D the caller's D^T (column-major).
@@ -243,9 +249,10 @@ class GemmSm90:
         #: The epilogue the kernel runs: the fusion's chain, or the plain one (cast and store D).
         self.chain = fusion.stages if fusion is not None else schedule(plain_graph(d_dtype)).stages
         self.smem = gemm_smem_layout(cfg, ab_dtype, d_dtype, self.epi_buffers, b_dtype, block_scaled)
-        # Blockwise scales ride in the A/B ring: the load warp's lanes copy each k-tile's into the stage (A's by
-        # one TMA copy where their layout allows, B's by lane 0; every lane arrives once its copies landed).
-        self.scale_copy_threads = 32 if block_scaled else 0
+        # Blockwise scales ride in the A/B ring: the load warp copies each k-tile's into the stage, A's by one TMA
+        # copy and B's by one bulk copy where their layouts allow, else A's a word per row per lane and B's by
+        # lane 0 with cp.async (then every lane arrives on the stage's barrier once its copies landed).
+        self.scale_copy_threads = 32 if block_scaled and not (a_scales_tma and b_scales_bulk) else 0
         self.b_scale_chunks = b_scale_chunks(cfg.tile_n) if block_scaled else 0
 
     # ------------------------------------------------------------------ host
@@ -265,7 +272,8 @@ class GemmSm90:
         """``epi_tensors``/``epi_scalars``: the fused epilogue's operands (see epilogue_emit).
         ``block_scales``: ``()``, or blockwise fp8 scales ``(A (L, M, KB), B (L, NB, KB))`` fp32, copied into
         the A/B ring by the load warp (:meth:`_copy_block_scales`): A's by TMA (``a_scales_tma``: M-major, 16-byte
-        aligned strides) or element by element, of any strides, B's element by element.
+        aligned strides) or element by element, of any strides; B's by a bulk copy (``b_scales_bulk``: K-major,
+        16-byte aligned rows) or element by element.
         ``max_active_clusters``: a persistent grid's cluster budget on this GPU (the host's
         ``GemmPlan.max_active_clusters``: SMs // cluster size), a runtime value so that one
         compiled kernel serves every SM count; one-tile-per-CTA variants ignore it.
@@ -316,7 +324,7 @@ class GemmSm90:
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), _rotate(sfa, [1, 2, 0]),
                 cute.make_layout((cfg.tile_m, 1)), (cfg.tile_m, 1),
             )  # fmt: skip
-            block_scales = (tma_sfa, tma_mSFA, sfb)
+            block_scales = ((tma_sfa, tma_mSFA), sfb)
         tma_d, tma_mD = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
             self._store_view(mD),
@@ -574,6 +582,8 @@ class GemmSm90:
             tx_bytes += cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_staged, (None, None, 0)))
         if cutlass.const_expr(self.a_scales_tma):
             tx_bytes += cfg.tile_m * 4  # the k-tile's A scales, fp32
+        if cutlass.const_expr(self.b_scales_bulk):
+            tx_bytes += B_SCALE_SLOT * 4  # the bulk copy holding the k-tile's B scale
         c_pipeline = None
         if cutlass.const_expr(self.epi_buffers.loads_tiles):
             c_tx_bytes = sum(cfg.epi_tile[0] * cfg.epi_tile[1] * DSL_DTYPES[d].width // 8
@@ -600,7 +610,9 @@ class GemmSm90:
         sScaleA = sScaleB = None
         if cutlass.const_expr(self.block_scaled):
             sScaleA = storage.sScaleA.get_tensor(cute.make_layout((cfg.tile_m, cfg.ab_stages)))
-            sScaleB = storage.sScaleB.get_tensor(cute.make_layout((self.b_scale_chunks, cfg.ab_stages)))
+            sScaleB = storage.sScaleB.get_tensor(
+                cute.make_layout((B_SCALE_SLOT, cfg.ab_stages), stride=(1, B_SCALE_SLOT))
+            )  # fmt: skip
         sSplitArrival = None
         if cutlass.const_expr(cfg.split_k > 1):
             sSplitArrival = storage.split_arrival.get_tensor(cute.make_layout(1))
@@ -696,14 +708,14 @@ class GemmSm90:
         ab_pipeline.producer_tail(state)
 
     def _block_scale_sources(self, cta, coord: tuple, block_scales: tuple, sched_args: tuple) -> tuple:
-        """Where the load warp reads the tile's blockwise scales: A's, and the batch and B's block of N for each
-        chunk of the tile's columns (``b_scale_chunks``; clamped to B's blocks, for a tile or a cluster's spare
-        tile past N). A's are the tile's ``(TMA, k_tile)`` view with their smem stages (TMA-loaded), or the rows
-        the lane copies (lane, lane + 32, ..., clamped to the problem's rows: rows past M compute values never
-        stored). A grouped GEMM's tile starts at its group's row and reads its group's B."""
-        sfb = block_scales[-1]
+        """Where the load warp reads the tile's blockwise scales: ``(A's, batch, B's)``. A's are the tile's
+        ``(TMA, k_tile)`` view with its smem stages (``a_scales_tma``), or the rows the lane copies (lane, lane +
+        32, ..., clamped to the problem's rows: rows past M compute values never stored). B's are the block of N
+        of each chunk of the tile's columns (``b_scale_chunks``), clamped to B's blocks (for a tile or a cluster's
+        spare tile past N). A grouped GEMM's tile starts at its group's row and reads its group's B."""
+        sfa, sfb = block_scales
         lane = cute.arch.lane_idx()
-        rows_total = cute.size(block_scales[1], mode=[0]) if self.a_scales_tma else cute.size(block_scales[0], mode=[1])
+        rows_total = cute.size(sfa[1], mode=[0]) if self.a_scales_tma else cute.size(sfa, mode=[1])
         origin, extent, batch = self._epilogue_frame(coord, (rows_total, 0))
         chunk = self.cfg.tile_n // self.b_scale_chunks
         n_blocks = [
@@ -711,7 +723,7 @@ class GemmSm90:
             for c in range(self.b_scale_chunks)
         ]
         if cutlass.const_expr(self.a_scales_tma):
-            tma_sfa, tma_mSFA = block_scales[0], block_scales[1]
+            tma_sfa, tma_mSFA = sfa
             gSFA = cute.local_tile(tma_mSFA, (self.cfg.tile_m, 1), (None, None, None))  # (tile_m, 1, tiles, KB, L)
             sSFA = cute.make_tensor(cta.sScaleA.iterator, cute.make_layout((self.cfg.tile_m, 1, self.cfg.ab_stages)))
             tSFAs, tSFAg = cute.nvgpu.cpasync.tma_partition(
@@ -723,29 +735,44 @@ class GemmSm90:
 
     @cute.jit
     def _copy_block_scales(self, cta, block_scales: tuple, sources: tuple, stage, k_tile, barrier) -> None:
-        """Copy k-tile ``k_tile``'s scales into ring stage ``stage``: A's by one TMA copy whose bytes the stage's
-        barrier expects (``a_scales_tma``) or a word per row by each lane, lane 0 the B blocks' of the tile's
-        column chunks, with cp.async; every lane arrives on the stage's full barrier once its copies land.
-        Consumers read them from shared memory after the barrier they wait on anyway: a scale loaded from global
-        memory by a consumer stalls its warpgroup's next WGMMAs for an L2 round trip unless loaded several
-        k-tiles ahead. Four 4-byte cp.async per lane cost ~12 % of the blockwise GEMM's time against the TMA copy
-        (bench/NOTES.md)."""
-        sfb = block_scales[-1]
+        """Copy k-tile ``k_tile``'s scales into ring stage ``stage``, the bytes of A's TMA copy and B's bulk copy
+        (``a_scales_tma``, ``b_scales_bulk``) expected by the stage's barrier; else A's a word per row by each
+        lane and B's (a block per chunk of the tile's columns) by lane 0 with cp.async, every lane then arriving
+        on the barrier once its copies land. Consumers read them from shared memory after the barrier they wait
+        on anyway: a scale loaded from global memory by a consumer stalls its warpgroup's next WGMMAs for an L2
+        round trip unless loaded several k-tiles ahead. Four 4-byte cp.async per lane cost ~12 % of the
+        blockwise GEMM's time against A's TMA copy (bench/NOTES.md)."""
+        sfa, sfb = block_scales
         a_source, batch, n_blocks = sources
         lane = cute.arch.lane_idx()
         if cutlass.const_expr(self.a_scales_tma):
             tSFAs, tSFAg = a_source
-            cute.copy(block_scales[0], tSFAg[(None, k_tile)], tSFAs[(None, stage)], tma_bar_ptr=barrier)
+            cute.copy(sfa[0], tSFAg[(None, k_tile)], tSFAs[(None, stage)], tma_bar_ptr=barrier)
         else:
-            sfa = block_scales[0]
             for i, row in enumerate(a_source):
                 dst = cta.sScaleA.iterator + (stage * self.cfg.tile_m + lane + 32 * i)
                 copy_word(dst, sfa.iterator + cute.crd2idx((batch, row, k_tile), sfa.layout))
         if lane == 0:
-            for c, n_block in enumerate(n_blocks):
-                copy_word(cta.sScaleB.iterator + (stage * self.b_scale_chunks + c),
-                          sfb.iterator + cute.crd2idx((batch, n_block, k_tile), sfb.layout))  # fmt: skip
-        arrive_when_copied(barrier)
+            b_slot = cta.sScaleB.iterator + stage * B_SCALE_SLOT
+            if cutlass.const_expr(self.b_scales_bulk):
+                # The aligned group of B_SCALE_SLOT blocks of K holding the k-tile's: 16 aligned bytes of the
+                # row (its stride and base are 16-byte aligned). Past KB they are the row's padding, or bytes in
+                # the same 16-byte granule as its last block, which no allocation ends inside.
+                group = k_tile - k_tile % B_SCALE_SLOT
+                bulk_copy(b_slot, sfb.iterator + cute.crd2idx((batch, n_blocks[0], group), sfb.layout),
+                          B_SCALE_SLOT * 4, barrier)  # fmt: skip
+            else:
+                for c, n_block in enumerate(n_blocks):
+                    copy_word(b_slot + c, sfb.iterator + cute.crd2idx((batch, n_block, k_tile), sfb.layout))
+        if cutlass.const_expr(self.scale_copy_threads > 0):
+            arrive_when_copied(barrier)
+
+    def _b_scale_offset(self, k_tile):
+        """Where a stage's B scale sits in its slot: the k-tile's place in its bulk-copied group of blocks
+        (``k_tile``: the problem's k-tile index), or the slot's start (cp.async)."""
+        if cutlass.const_expr(self.b_scales_bulk):
+            return k_tile % B_SCALE_SLOT
+        return 0
 
     def _gather_a(self, cta, sched_args) -> None:
         """Producer warps ``GATHER_FIRST_WARP``.. where ``gather_threads`` is set: fill every stage's A with
@@ -851,6 +878,7 @@ class GemmSm90:
         while scheduler.is_valid(work):
             tile_coord = scheduler.coord(work)
             tile_k_tiles = self._k_tiles(cta, tile_coord)
+            k_first = self._k_first(cta, tile_coord)  # where the tile's k-tiles start (a split's share)
             run = GemmEpilogueRun(
                 self, cta, copies, tile_coord, tiles_done, mma_tidx, c_state, epi_vectors, epi_workspaces,
                 epi_scalars,
@@ -865,7 +893,8 @@ class GemmSm90:
                 # the other warpgroup's WGMMAs keep the tensor cores busy.
                 for k_tile in range(tile_k_tiles):
                     ab_pipeline.consumer_wait(read_state)
-                    read_block_scales(scale_regs, 0, cta, scale_rows, read_state.index)
+                    read_block_scales(scale_regs, 0, cta, scale_rows, read_state.index, self.b_scale_chunks,
+                                      self._b_scale_offset(k_first + k_tile))  # fmt: skip
                     self._fix_stage(cta, tile_coord, k_tile, read_state.index, mma_tidx)
                     issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0, k_blocks)
                     read_state.advance()
@@ -887,14 +916,17 @@ class GemmSm90:
                 if has_k_tiles:
                     last = tile_k_tiles - 1
                     ab_pipeline.consumer_wait(read_state)
-                    read_block_scales(scale_regs, 0, cta, scale_rows, read_state.index)
+                    read_block_scales(scale_regs, 0, cta, scale_rows, read_state.index, self.b_scale_chunks,
+                                      self._b_scale_offset(k_first))  # fmt: skip
                     self._fix_stage(cta, tile_coord, 0, read_state.index, mma_tidx)
                     issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial0, k_blocks)
                     read_state.advance()
                     for pair in range(last // 2):
                         for slot in cutlass.range_constexpr(2):  # k-tile j = 2 pair + 1 + slot: slot 1 - slot
                             ab_pipeline.consumer_wait(read_state)
-                            read_block_scales(scale_regs, 1 - slot, cta, scale_rows, read_state.index)
+                            read_block_scales(scale_regs, 1 - slot, cta, scale_rows, read_state.index,
+                                              self.b_scale_chunks,
+                                              self._b_scale_offset(k_first + 2 * pair + 1 + slot))  # fmt: skip
                             self._fix_stage(cta, tile_coord, 2 * pair + 1 + slot, read_state.index, mma_tidx)
                             issue_k_tile(
                                 tiled_mma, tCrA, tCrB, read_state.index, partial0 if slot else partial1, k_blocks
@@ -907,7 +939,8 @@ class GemmSm90:
                                     self.b_scale_chunks)  # fmt: skip
                     if last % 2 == 1:  # the last k-tile is odd: partial 1, scales slot 1
                         ab_pipeline.consumer_wait(read_state)
-                        read_block_scales(scale_regs, 1, cta, scale_rows, read_state.index)
+                        read_block_scales(scale_regs, 1, cta, scale_rows, read_state.index, self.b_scale_chunks,
+                                          self._b_scale_offset(k_first + last))  # fmt: skip
                         self._fix_stage(cta, tile_coord, last, read_state.index, mma_tidx)
                         issue_k_tile(tiled_mma, tCrA, tCrB, read_state.index, partial1, k_blocks)
                         read_state.advance()
@@ -1147,13 +1180,13 @@ def accumulator_scales(tiled_mma, tile_mn: tuple[int, int], chunks: int) -> tupl
     return scale_slot, list(first_value_of_row.values())
 
 
-def read_block_scales(regs: cute.Tensor, slot: int, cta, rows: list, stage) -> None:
+def read_block_scales(regs: cute.Tensor, slot: int, cta, rows: list, stage, chunks: int, b_offset) -> None:
     """A full stage's scales into ``regs[slot, :]``: A's of each of the thread's tile ``rows``, then B's of
-    each column chunk."""
+    each of the ``chunks`` column chunks, from ``b_offset`` on in the stage's slot."""
     for i, r in enumerate(rows):
         regs[slot, i] = cta.sScaleA[(r, stage)]
-    for c in range(cute.size(cta.sScaleB, mode=[0])):
-        regs[slot, len(rows) + c] = cta.sScaleB[(c, stage)]
+    for c in range(chunks):
+        regs[slot, len(rows) + c] = cta.sScaleB[(b_offset + c, stage)]
 
 
 def issue_k_tile(tiled_mma, tCrA: cute.Tensor, tCrB: cute.Tensor, stage, partial: cute.Tensor, k_blocks: int) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from epicute.gemm import GemmPlan, GemmProblem, plan_gemm
 from epicute.gemm.compile import GEMM_CACHE, GemmVariant
+from epicute.gemm.config import b_scale_chunks
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.gemm.validate import GemmCall
 from epicute.runtime.checks import with_aligned_unit_dims
@@ -43,7 +44,8 @@ def variant_of(plan: GemmPlan, fusion=None) -> GemmVariant:
     p = plan.problem
     b_dtype = p.b_dtype if p.b_dtype != p.ab_dtype else ""
     return GemmVariant(plan.config, p.ab_dtype, p.d_dtype, p.a_major, p.b_major, plan.target.arch, fusion, b_dtype,
-                       p.block_scaled, batched=p.l != 1, a_scales_tma=p.a_scales_tma)  # fmt: skip
+                       p.block_scaled, batched=p.l != 1, a_scales_tma=p.a_scales_tma,
+                       b_scales_bulk=p.b_scales_bulk and b_scale_chunks(plan.config.tile_n) == 1)  # fmt: skip
 
 
 def launcher(kernel):
@@ -76,13 +78,15 @@ def _block_scales(call: GemmCall) -> tuple:
     scales = call.block_scales
     if scales is None:
         return ()
-    if call.problem.k == 0:
+    p = call.problem
+    if p.k == 0:  # one block of ones each, in the layouts the variant reads (aligned for TMA and bulk copies)
         a, b = scales.a, scales.b
-        if call.problem.a_scales_tma:  # M-major with aligned strides, as the TMA-loading variant reads it
-            rows = -(-a.shape[1] // 4) * 4
-            return a.new_ones(a.shape[0], 1, rows).transpose(1, 2)[:, : a.shape[1]], b.new_ones(*b.shape[:-1], 1)
-        return a.new_ones(*a.shape[:-1], 1), b.new_ones(*b.shape[:-1], 1)
-    return (with_aligned_unit_dims(scales.a, 1) if call.problem.a_scales_tma else scales.a), scales.b
+        rows = -(-a.shape[1] // 4) * 4
+        a1 = a.new_ones(a.shape[0], 1, rows).transpose(1, 2)[:, : a.shape[1]] if p.a_scales_tma else a.new_ones(
+            *a.shape[:-1], 1)  # fmt: skip
+        b1 = b.new_ones(*b.shape[:-1], 4)[..., :1] if p.b_scales_bulk else b.new_ones(*b.shape[:-1], 1)
+        return a1, b1
+    return (with_aligned_unit_dims(scales.a, 1) if p.a_scales_tma else scales.a), scales.b
 
 
 class GemmLaunch:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from epicute.epilogue.dtypes import DTYPE_BYTES
 from epicute.epilogue.schedule import NO_EPILOGUE, EpilogueBuffers
-from epicute.gemm.config import GemmConfig, b_scale_chunks
+from epicute.gemm.config import B_SCALE_SLOT, GemmConfig, b_scale_chunks
 from epicute.sm90.smem_layout import BUFFER_ALIGN, MBARRIER_BYTES, SmemBuffer, SmemItem, SmemLayout
 
 
@@ -58,9 +58,10 @@ def gemm_smem_layout(
         buffers += [
             SmemBuffer("sScaleA", "A block scales", "fp32", cfg.tile_m * s,
                        f"{s} x {cfg.tile_m} fp32, a scale per row per stage", align=128),  # a TMA destination
-            SmemBuffer("sScaleB", "B block scales", "fp32", s * chunks,
-                       f"{s} x {chunks} fp32, the tile's block per stage" if chunks == 1
-                       else f"{s} x {chunks} fp32, a block per {cfg.tile_n // chunks} columns per stage", align=16),
+            SmemBuffer("sScaleB", "B block scales", "fp32", s * B_SCALE_SLOT,
+                       f"{s} x 16-byte slots, the tile's block of N per stage" if chunks == 1
+                       else f"{s} x 16-byte slots, a block per {cfg.tile_n // chunks} columns per stage",
+                       align=16),  # a bulk copy's destination
         ]  # fmt: skip
     if cfg.split_k > 1:
         buffers.append(SmemBuffer("split_arrival", "split-K arrival", "int32", 1,

@@ -6,6 +6,9 @@ the ring's full barrier with ``cp.async.mbarrier.arrive.noinc`` once its copies 
 barrier then counts those threads' arrivals besides the TMA producer's (see
 :func:`epicute.sm90.pipeline.make_tma_load_pipeline`'s ``async_copy_threads``).
 
+A few aligned bytes per stage (a k-tile's block scale) need no tensor map either: one thread issues a
+bulk copy (:func:`bulk_copy`, the TMA unit's ``cp.async.bulk``) whose bytes the stage's barrier expects.
+
 Shared-memory addresses are computed here, not by a CuTe copy atom: a chunk's destination is a
 16-byte slot of a 128-byte-swizzled K-major stage (:func:`swizzled_chunk`), the layout TMA and WGMMA
 use, so the stage reads the same whichever producer filled it.
@@ -13,8 +16,8 @@ use, so the stage reads the same whichever producer filled it.
 
 from __future__ import annotations
 
-from cutlass import Int32
-from cutlass._mlir.dialects import nvvm
+from cutlass import AddressSpace, Int32
+from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 #: Bytes one cp.async moves (its widest form, the one that may bypass L1).
@@ -54,6 +57,25 @@ def copy_word(dst, src, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def bulk_copy(dst, src, size: int, barrier, *, loc=None, ip=None) -> None:
+    """One thread's bulk copy of ``size`` bytes (a multiple of 16) from global ``src`` to shared ``dst`` (CuTe
+    pointers, both 16-byte aligned) whose bytes complete on the mbarrier at ``barrier``, which must expect them:
+    ``cp.async.bulk`` moves contiguous bytes with no tensor map, so no bounds either (``src`` must be readable)."""
+    # The instruction's destination is a shared::cluster address; this CTA's own window maps into it.
+    cluster_dst = llvm.addrspacecast(
+        llvm.PointerType.get(AddressSpace.dsmem), dst.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip
+    )
+    nvvm.cp_async_bulk_shared_cluster_global(
+        cluster_dst,
+        src.to_llvm_ptr(loc=loc, ip=ip),
+        barrier.to_llvm_ptr(loc=loc, ip=ip),
+        Int32(size).ir_value(loc=loc, ip=ip),
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
 def arrive_when_copied(barrier, *, loc=None, ip=None) -> None:
     """Arrive on the mbarrier at ``barrier`` once every cp.async this thread issued so far has landed, without
     raising its expected count (``.noinc``: the barrier was initialized to count this thread)."""
@@ -67,4 +89,12 @@ def swizzled_chunk(row, chunk):
     return row * LINE_BYTES + ((chunk ^ (row % 8)) * CHUNK_BYTES)
 
 
-__all__ = ["CHUNK_BYTES", "LINE_BYTES", "arrive_when_copied", "copy_chunk_zero_fill", "copy_word", "swizzled_chunk"]
+__all__ = [
+    "CHUNK_BYTES",
+    "LINE_BYTES",
+    "arrive_when_copied",
+    "bulk_copy",
+    "copy_chunk_zero_fill",
+    "copy_word",
+    "swizzled_chunk",
+]

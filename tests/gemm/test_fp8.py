@@ -225,36 +225,44 @@ def test_blockwise_plans_promote_in_128x192_or_128x128_tiles():
 
 
 @pytest.mark.parametrize(
-    ("rows", "form", "tma"),
+    ("rows", "a_form", "kb", "b_form", "tile_n", "tma"),
     [
-        (1000, "m_major", True),  # torch._scaled_mm's torch.rand(KB, M).t(), M a multiple of 4
-        (1001, "m_major", False),  # its row stride, 1001 floats, is no multiple of 16 bytes
-        (1001, "m_major_padded", True),
-        (1000, "row_major", False),
+        (1000, "m_major", 12, "weight", None, (True, True)),  # torch._scaled_mm's layouts, M and KB multiples of 4
+        (1001, "m_major", 12, "weight", None, (False, True)),  # A's row stride, 1001 floats, is no multiple of 16 B
+        (1001, "m_major_padded", 9, "weight", None, (True, False)),  # B's, 9 floats, neither
+        (1000, "row_major", 9, "weight_padded", None, (False, True)),
+        (1000, "m_major", 12, "n_major", None, (True, False)),
+        (1000, "m_major", 12, "weight", 192, (True, False)),  # a 192-wide tile's chunks straddle blocks of N
     ],
 )
-def test_a_scales_are_tma_loaded_where_m_major_and_aligned(rows, form, tma):
+def test_scales_arrive_by_tma_or_bulk_copy_where_their_layout_allows(rows, a_form, kb, b_form, tile_n, tma):
     from epicute.gemm.api import describe_call
     from epicute.gemm.prepare import prepare
 
-    k, kb = 1040, 9
+    k, nb = 128 * kb - 16, 4
     a = torch.empty(rows, k, dtype=E4M3, device="meta")
-    w = torch.empty(512, k, dtype=E4M3, device="meta")
+    w = torch.empty(128 * nb, k, dtype=E4M3, device="meta")
     sa = {
         "m_major": lambda: torch.empty(kb, rows, device="meta").t(),
         "m_major_padded": lambda: torch.empty(kb, rows + 3, device="meta")[:, :rows].t(),
         "row_major": lambda: torch.empty(rows, kb, device="meta"),
-    }[form]()
-    _, _, request, _ = describe_call(a, w.t(), None, None, None, None, None, None, {}, False,
-                                     (sa, torch.empty(4, kb, device="meta")))  # fmt: skip
+    }[a_form]()
+    sw = {
+        "weight": lambda: torch.empty(nb, kb, device="meta"),
+        "weight_padded": lambda: torch.empty(nb, kb + 3, device="meta")[:, :kb],
+        "n_major": lambda: torch.empty(kb, nb, device="meta").t(),
+    }[b_form]()
+    pins = {"tile_n": tile_n} if tile_n else None
+    _, _, request, _ = describe_call(a, w.t(), None, None, None, None, None, pins, {}, False, (sa, sw))
     variant = prepare(request).variant()
-    assert (request.problem.a_scales_tma, variant.a_scales_tma) == (tma, tma)
-    assert ("A scales by TMA" in variant.key().label) == tma
-    assert ("A block scales: one TMA copy per k-tile" in render_plan(prepare(request).plan)) == tma
-    other = replace(request, problem=replace(request.problem, a_scales_tma=not tma))
+    assert (variant.a_scales_tma, variant.b_scales_bulk) == tma
+    assert request.problem.b_scales_bulk == ((b_form != "n_major" and kb % 4 == 0) or b_form == "weight_padded")
+    assert ("A scales by TMA" in variant.key().label, "B scales by bulk copy" in variant.key().label) == tma
+    assert ("A block scales: one TMA copy per k-tile" in render_plan(prepare(request).plan)) == tma[0]
+    other = replace(request, problem=replace(request.problem, a_scales_tma=not tma[0]))
     assert variant.key() != prepare(other).variant().key()
-    with pytest.raises(epicute.ConfigError, match="only blockwise A scales"):
-        GemmProblem(64, 64, 64, a_scales_tma=True)
+    with pytest.raises(epicute.ConfigError, match="only blockwise scales"):
+        GemmProblem(64, 64, 64, b_scales_bulk=True)
 
 
 def test_explain_and_aot_take_blockwise_scales():
@@ -271,11 +279,11 @@ def test_explain_and_aot_take_blockwise_scales():
     assert prepare(request).variant().block_scaled
     from epicute.gemm.aot import gemm_variants
 
-    # The call's A-scale layout picks TMA or cp.async, so ahead of time both are compiled.
+    # The call's scale layouts pick TMA or cp.async, so ahead of time every form is compiled.
     entry = {"shapes": [[4096, 2048, 7168]], "dtype": "fp8e4m3", "operands": {"a_scale": "blockwise",
                                                                            "b_scale": "blockwise"}}
-    forms = sorted(v.a_scales_tma for v, _ in gemm_variants(entry, target="h100-sxm"))
-    assert forms == [False, True]
+    forms = sorted((v.a_scales_tma, v.b_scales_bulk) for v, _ in gemm_variants(entry, target="h100-sxm"))
+    assert forms == [(False, False), (False, True), (True, False), (True, True)]
     with pytest.raises(epicute.ConfigError, match="both of them"):
         gemm_request(problem, None, {"a_scale": "blockwise"}, False, {}, {})
 

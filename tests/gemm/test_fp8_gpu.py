@@ -169,26 +169,33 @@ def test_blockwise_192_wide_tiles_promote_each_column_chunk_with_its_block(pins)
 
 
 @pytest.mark.parametrize(
-    "pins", [{}, {"cluster_m": 1, "cluster_n": 2}, {"cluster_m": 1}, {"tile_n": 192}, {"split_k": 3}],
-    ids=["2x1", "1x2", "1x1", "tile192", "split3"],
+    "pins",
+    [{}, {"cluster_m": 1, "cluster_n": 2}, {"cluster_m": 1}, {"tile_n": 64}, {"tile_n": 192}, {"split_k": 3}],
+    ids=["2x1", "1x2", "1x1", "tile64", "tile192", "split3"],
 )  # fmt: skip
-def test_blockwise_a_scales_by_tma_at_odd_rows_and_batched(pins):
-    """M-major A scales with 16-byte aligned strides (here padded past odd M) are TMA-loaded, a k-tile's rows in
-    one box; the box's rows past M arrive as zeros. The same values row-major take the cp.async path."""
+def test_blockwise_scales_by_tma_and_bulk_copy_at_odd_shapes_and_batched(pins):
+    """Scales in aligned layouts (here padded past odd M and KB: A's M-major, B's K-major, strides 16-byte
+    aligned) arrive by one copy each per k-tile: A's TMA box is the tile's rows (those past M read zeros), B's
+    bulk copy the aligned group of four blocks of K holding the k-tile's (past KB, the row's padding). The same
+    values in other layouts (A row-major, B N-major) take cp.async; every pairing must give the same GEMM. A
+    192-wide tile keeps cp.async for B (its chunks straddle blocks); K = 2064 wraps the ring, and a split of K
+    starts inside a group."""
     from epicute.epilogue.scales import BlockScales
 
-    for l, m, n, k in [(1, 333, 712, 528), (1, 1, 136, 272), (2, 129, 264, 400)]:
+    for l, m, n, k in [(1, 333, 712, 528), (1, 1, 136, 272), (2, 129, 264, 400), (1, 200, 392, 2064)]:
         a, w = quantized(l, m, k), quantized(l, n, k)
-        kb, nb, m_pad = -(-k // 128), -(-n // 128), -(-m // 4) * 4
+        kb, nb, m_pad, kb_pad = -(-k // 128), -(-n // 128), -(-m // 4) * 4, -(-k // 512) * 4
         sa = spread_scales(l, kb, m_pad)[:, :, :m].transpose(1, 2)  # (L, M, KB), M-major, row stride m_pad
-        sw = spread_scales(l, nb, kb)
+        sw = spread_scales(l, nb, kb_pad)[:, :, :kb]  # (L, NB, KB), K-major, row stride kb_pad
+        assert BlockScales(sa, sw).a_tma and BlockScales(sa, sw).b_bulk
         if l == 1:
             a, w, sa, sw = a[0], w[0], sa[0], sw[0]
-        assert BlockScales(sa if l > 1 else sa[None], sw).a_tma
-        for form in (sa, sa.contiguous()):
+        want = block_reference(a, w, sa, sw)
+        for sa_form, sw_form in ((sa, sw), (sa.contiguous(), sw), (sa, sw.transpose(-1, -2).contiguous().transpose(
+                -1, -2)), (sa.contiguous(), sw.contiguous())):  # fmt: skip
             out = torch.full((*a.shape[:-1], n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            epicute.gemm(a, w.transpose(-1, -2), a_scale=form, b_scale=sw, out=out, config=pins)
-            assert rel_err(out, block_reference(a, w, sa, sw)) <= TOL, (l, m, n, k, pins, form.stride())
+            epicute.gemm(a, w.transpose(-1, -2), a_scale=sa_form, b_scale=sw_form, out=out, config=pins)
+            assert rel_err(out, want) <= TOL, (l, m, n, k, pins, sa_form.stride(), sw_form.stride())
 
 
 @pytest.mark.parametrize("split_k", [2, 3, 4])
