@@ -41,9 +41,10 @@ The choices, in order (measurements behind them: ``bench/results/configs*.json``
    its epilogue stages D in the idle A ring and the smem goes to A/B stages.
 4. **stages**: as many A/B stages as the budget allows after the epilogue's
    minimum (2 D buffers), then leftover shared memory deepens the D buffers.
-5. **rasterization**: bands of 8 clusters, swept along the longer output dimension (the
-   smaller operand is the one re-read per band); when M == N, the walk whose tiles in
-   flight cover the squarer block of the output.
+5. **rasterization**: bands of 8 clusters, walked so that the operand each band re-reads
+   costs the fewest rows plus columns over the whole output (mostly: swept along the longer
+   output dimension); when M == N, the walk whose tiles in flight cover the squarer block
+   of the output.
 """
 
 from __future__ import annotations
@@ -220,21 +221,44 @@ def raster_window(
     return height * rows, min(ceil_div(clusters, height), clusters_n) * cols
 
 
+def reread_rows_and_columns(
+    problem: GemmProblem, tile_mn: tuple[int, int], cluster: tuple[int, int], band: int
+) -> dict[bool, int]:
+    """For each walk (``along_m``: bands of ``band`` clusters across N, swept down M), the rows of A plus
+    columns of B read over the whole output: a band keeps its own slice of one operand and re-reads all of
+    the other (bands across N re-read A once per band of columns, bands across M B once per band of rows).
+    The walks differ even where the tiles are square: a 2x1 cluster of them is twice as tall as wide."""
+    rows, cols = tile_mn[0] * cluster[0], tile_mn[1] * cluster[1]
+    clusters_m, clusters_n = ceil_div(problem.m, rows), ceil_div(problem.n, cols)
+    return {
+        True: problem.m * ceil_div(clusters_n, band) + problem.n,
+        False: problem.m + problem.n * ceil_div(clusters_m, band),
+    }
+
+
 def choose_raster(
     problem: GemmProblem, tile_mn: tuple[int, int], cluster: tuple[int, int], band: int, in_flight: int
 ) -> tuple[bool, str]:
     """Whether bands run across N, swept down M (True), or across M, swept across N.
 
-    Each band re-reads the operand it sweeps: bands across N read A once per band, so the
-    longer output dimension is the one swept. When M == N that is a tie, and the walk
+    Each band re-reads the operand it sweeps: bands across N read A once per band, bands across
+    M B once per band, and the walk that re-reads fewer rows plus columns wins
+    (:func:`reread_rows_and_columns`: mostly the one sweeping the longer output dimension, not
+    for blockwise 128x128 tiles in 2x1 clusters at 16384x4096x4096, bench/NOTES.md 'Blockwise
+    fp8: B's scale by bulk copy'). When M == N that is a tie, and the walk
     whose tiles in flight cover the squarer block of the output wins: every k-step those
     tiles read (rows + columns) x 64 elements from L2, and the squarer block re-uses more
     of them. Ping-pong's 128x192 tiles, two per SM, cover 4352x1536 one way and 2048x3264
     the other at 8192^3, and the squarer walk is the faster one (bench/NOTES.md, 'Raster by
     the window in flight')."""
     if problem.m != problem.n:
-        along_m = problem.m > problem.n
-        return along_m, f"{'A' if along_m else 'B'}, the smaller operand, is the one re-read per band"
+        rereads = reread_rows_and_columns(problem, tile_mn, cluster, band)
+        along_m = rereads[True] < rereads[False] or (rereads[True] == rereads[False] and problem.m > problem.n)
+        reread = "A" if along_m else "B"
+        return along_m, (
+            f"{reread} is re-read per band: {rereads[along_m]} rows of A plus columns of B per k over the output, "
+            f"{rereads[not along_m]} the other way"
+        )
     windows = {along_m: raster_window(problem, tile_mn, cluster, band, in_flight, along_m) for along_m in (True, False)}
     if sum(windows[True]) == sum(windows[False]):
         rows, cols = windows[True]

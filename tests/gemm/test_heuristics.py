@@ -9,7 +9,14 @@ import torch
 
 from epicute import ConfigError
 from epicute.gemm import GemmProblem, plan_gemm, render_plan
-from epicute.gemm.heuristics import MAX_AB_STAGES, MIN_EPI_STAGES, choose_config, choose_raster, raster_window
+from epicute.gemm.heuristics import (
+    MAX_AB_STAGES,
+    MIN_EPI_STAGES,
+    choose_config,
+    choose_raster,
+    raster_window,
+    reread_rows_and_columns,
+)
 from epicute.gemm.smem import smem_total
 from epicute.runtime.target import H100_SXM, current_target
 
@@ -68,6 +75,20 @@ def test_8192_cubed_takes_ping_pong_tiles_in_bands_down_m():
 def test_raster_sweeps_the_longer_output_dimension(m, n, along_m):
     cfg = choose_config(GemmProblem(m=m, n=n, k=4096), H100_SXM)
     assert cfg.raster_along_m is along_m
+
+
+def test_raster_re_reads_the_operand_that_costs_less():
+    """Square tiles in 2x1 clusters: at 16384x4096 bands of 8 clusters across N are 1024 columns wide (A re-read
+    4 times), bands across M 2048 rows tall (B re-read 8 times, a quarter of A's size): across M wins although
+    M is the longer dimension. 128x256 tiles in the same clusters are square and sweep down M."""
+    problem = GemmProblem(m=16384, n=4096, k=4096)
+    assert reread_rows_and_columns(problem, (128, 128), (2, 1), 8) == {True: 16384 * 4 + 4096, False: 16384 + 4096 * 8}
+    along_m, why = choose_raster(problem, (128, 128), (2, 1), 8, 66)
+    assert not along_m and "B is re-read per band: 49152" in why
+    assert choose_raster(problem, (128, 256), (2, 1), 8, 66)[0]
+    blockwise = GemmProblem(16384, 4096, 4096, ab_dtype="fp8e4m3", a_major="k", b_major="k", block_scaled=True)
+    cfg = choose_config(blockwise, H100_SXM)
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.raster_along_m) == (128, 128, 2, 1, False)
 
 
 def test_raster_window_and_square_tie():
