@@ -265,6 +265,24 @@ def test_scales_arrive_by_tma_or_bulk_copy_where_their_layout_allows(rows, a_for
         GemmProblem(64, 64, 64, b_scales_bulk=True)
 
 
+def test_kernels_refuse_scale_copies_they_cannot_make():
+    """The kernel's own check behind the planner's choice: a 192-wide tile's column chunks straddle blocks of N
+    (one B scale per chunk), and a grouped tile's scales follow its group's rows."""
+    from epicute.gemm.compile import GemmVariant, kernel_args
+    from epicute.gemm.kernel_sm90 import GemmSm90
+    from epicute.grouped.kernel_sm90 import GroupedGemmSm90
+
+    problem = GemmProblem(2048, 7168, 7168, ab_dtype="fp8e4m3", a_major="k", b_major="k", block_scaled=True)
+    for tile_n, bulk, kernel, match in [
+        (192, True, GemmSm90, "straddle blocks of N"),
+        (128, True, GroupedGemmSm90, "only the dense GEMM"),
+    ]:
+        variant = GemmVariant(plan_gemm(problem, "h100-sxm", tile_n=tile_n).config, "fp8e4m3", "bf16", "k", "k",
+                              "sm_90a", None, "", True, b_scales_bulk=bulk)  # fmt: skip
+        with pytest.raises(epicute.ConfigError, match=match):
+            kernel(*kernel_args(variant))
+
+
 def test_explain_and_aot_take_blockwise_scales():
     a = torch.empty(4096, 7168, dtype=E4M3, device="meta")
     w = torch.empty(2048, 7168, dtype=E4M3, device="meta")
