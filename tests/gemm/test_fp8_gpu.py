@@ -198,6 +198,23 @@ def test_blockwise_scales_by_tma_and_bulk_copy_at_odd_shapes_and_batched(pins):
             assert rel_err(out, want) <= TOL, (l, m, n, k, pins, sa_form.stride(), sw_form.stride())
 
 
+def test_blockwise_scales_shared_by_every_batch():
+    """Scales broadcast over the batch (a zero batch stride, ``expand``) in the TMA/bulk-copy layouts and the
+    cp.async ones: every batch reads the same blocks."""
+    from epicute.epilogue.scales import BlockScales
+
+    l, m, n, k = 3, 200, 264, 1040
+    a, w = quantized(l, m, k), quantized(l, n, k)
+    kb, nb = -(-k // 128), -(-n // 128)
+    sa_m = spread_scales(kb, m).t()  # (M, KB) M-major, row stride M (a multiple of 4)
+    sw_k = spread_scales(nb, -(-kb // 4) * 4)[:, :kb]  # (NB, KB) K-major, 16-byte aligned rows
+    for (sa, sw), copies in (((sa_m, sw_k), (True, True)), ((sa_m.contiguous(), sw_k.contiguous()), (False, False))):
+        sa_l, sw_l = sa.expand(l, m, kb), sw.expand(l, nb, kb)
+        assert sa_l.stride(0) == 0 and sw_l.stride(0) == 0
+        assert (BlockScales(sa_l, sw_l).a_tma, BlockScales(sa_l, sw_l).b_bulk) == copies
+        check_blockwise(a, w, sa_l, sw_l, what=f"broadcast scales {sa_l.stride()} {sw_l.stride()}")
+
+
 @pytest.mark.parametrize("split_k", [2, 3, 4])
 @pytest.mark.parametrize("m,n,k", [(128, 392, 1040), (33, 264, 256)])
 def test_blockwise_split_k_reads_each_split_s_scales(m, n, k, split_k):
