@@ -669,7 +669,7 @@ def block_scale_loads(problem: GemmProblem, tile_n: int) -> str:
     elif problem.b_scales_bulk:
         b = "B's by one bulk copy of 16 bytes (K-major, 16-byte aligned rows)"
     else:
-        b = "B's by one cp.async (K-major scales with 16-byte aligned rows take one bulk copy, no lane's arrival)"
+        b = "B's by one cp.async (K-major scales with 16-byte aligned rows take one 16-byte bulk copy, 0-4 % faster)"
     return f"{a}; {b}"
 
 
