@@ -105,7 +105,7 @@ class BlockScales:
         """Whether the kernel can fetch A's scales of a k-tile with one TMA copy: they are M-major (unit stride
         along rows: ``torch._scaled_mm``'s ``torch.rand(KB, M).t()``) with 16-byte aligned strides and base, as
         TMA requires (M a multiple of 4). Other layouts are read a word per row (``cp.async``)."""
-        return _tma_ready(self.a, contiguous=1, other=2)
+        return _aligned_for_copies(self.a, contiguous=1, other=2)
 
     @property
     def b_bulk(self) -> bool:
@@ -113,16 +113,17 @@ class BlockScales:
         blocks of K holding it): they are K-major (the weight's ``(NB, KB)`` row-major, or its ``(KB, NB)`` view
         ``.t()`` that ``torch._scaled_mm`` takes with ``w.t()``) with 16-byte aligned strides and base (KB a
         multiple of 4 when contiguous). Other layouts are read by one ``cp.async``."""
-        return _tma_ready(self.b, contiguous=2, other=1)
+        return _aligned_for_copies(self.b, contiguous=2, other=1)
 
 
-def _tma_ready(t: torch.Tensor, contiguous: int, other: int) -> bool:
+def _aligned_for_copies(t: torch.Tensor, contiguous: int, other: int) -> bool:
     """Whether ``(L, X, Y)`` scales have unit stride along dim ``contiguous`` and 16-byte aligned base and other
     strides, as TMA and bulk copies need (a single batch's stride is not the layout's: none is stepped along, and
     a TMA tensor gets an aligned one at launch, ``with_aligned_unit_dims``)."""
+    words = 4  # fp32 values per 16 bytes
     return (
-        t.stride(contiguous) == 1 and t.stride(other) > 0 and t.stride(other) % 4 == 0
-        and (t.shape[0] == 1 or t.stride(0) % 4 == 0) and t.data_ptr() % 16 == 0 and t.shape[contiguous] > 0
+        t.stride(contiguous) == 1 and t.stride(other) > 0 and t.stride(other) % words == 0
+        and (t.shape[0] == 1 or t.stride(0) % words == 0) and t.data_ptr() % 16 == 0 and t.shape[contiguous] > 0
     )  # fmt: skip
 
 
