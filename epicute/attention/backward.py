@@ -10,11 +10,12 @@
 2. the main kernel (:mod:`epicute.attention.backward_sm90`): dK and dV stored in the input dtype,
    dQ added into the accumulator (``deterministic``: in a fixed order, through zeroed turn
    counters, one per query block and head);
-3. ``dQ = accumulator * softmax_scale`` cast to the input dtype (one torch pass).
+3. the postprocess kernel: ``dQ = accumulator * softmax_scale`` cast to the input dtype, un-permuted
+   from the order the main kernel adds it in.
 
-A :class:`BackwardVariant` (config, dtype, causal...) and a :class:`PreprocessVariant` are what
-change the generated code; they compile against fake tensors with symbolic sizes, like the
-forward, so CI compiles every variant without a GPU.
+A :class:`BackwardVariant` (config, dtype, causal...), a :class:`PreprocessVariant` and a
+:class:`PostprocessVariant` are what change the generated code; they compile against fake tensors
+with symbolic sizes, like the forward, so CI compiles every variant without a GPU.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def compile_backward(variant: BackwardVariant):
     dtype = DSL_DTYPES[variant.dtype]
     d = variant.config.head_dim
     q, k, v, do, dk, dv = (_fake_bshd(dtype, d) for _ in range(6))
-    dq_accum = _fake_bshd(cutlass.Float32, d)
+    dq_accum = _fake_bshd(cutlass.Float32, d)  # (batch, heads, rows, head_dim)
     lse, dsum, turns = (
         cute.runtime.make_fake_tensor(
             element,
@@ -148,13 +149,17 @@ class PreprocessVariant:
     varlen: bool = False
     #: LSE's gradient is subtracted from D
     has_dlse: bool = False
+    #: the main kernel's dQ accumulator layout (:attr:`~epicute.attention.backward_plan.BackwardConfig.
+    #: dq_fragment_order`), which the preprocess zeroes
+    dq_fragment_order: bool = True
     arch: str = DEFAULT_ARCH
 
     def key(self) -> CacheKey:
         """The compile cache's key."""
         label = (f"attention backward preprocess d{self.head_dim} {self.dtype} x{self.tile_m}"
-                 + (" varlen" if self.varlen else "") + (" dlse" if self.has_dlse else ""))  # fmt: skip
-        parts = (self.dtype, self.head_dim, self.tile_m, self.varlen, self.has_dlse)
+                 + (" varlen" if self.varlen else "") + (" dlse" if self.has_dlse else "")
+                 + ("" if self.dq_fragment_order else " dq rows"))  # fmt: skip
+        parts = (self.dtype, self.head_dim, self.tile_m, self.varlen, self.has_dlse, self.dq_fragment_order)
         return CacheKey("attention_backward_preprocess", parts, self.arch, label)
 
 
@@ -170,7 +175,7 @@ def compile_preprocess(variant: PreprocessVariant):
     dtype, d = DSL_DTYPES[variant.dtype], variant.head_dim
     stats = tuple(_fake_elementwise(cutlass.Float32, 3) for _ in range(4))  # LSE, LSE log2, D, dLSE
     varlen = (_fake_elementwise(cutlass.Int32, 1), cutlass.Int32(1)) if variant.varlen else ()
-    kernel = BackwardPreprocessSm90(d, variant.tile_m, variant.varlen, variant.has_dlse)
+    kernel = BackwardPreprocessSm90(d, variant.tile_m, variant.varlen, variant.has_dlse, variant.dq_fragment_order)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return dsl_compile(
         variant, kernel, _fake_bshd(dtype, d), _fake_bshd(dtype, d), stats[0], stats[1], stats[2],
@@ -182,30 +187,78 @@ def compile_preprocess(variant: PreprocessVariant):
 PREPROCESS_CACHE = KernelFamily("attention_backward_preprocess", {SM90A: compile_preprocess})
 
 
+@dataclass(frozen=True)
+class PostprocessVariant:
+    """The postprocess kernel's compile-time choices (see :mod:`epicute.attention.backward_prep_sm90`)."""
+
+    dtype: str
+    head_dim: int
+    #: the main kernel's query block: with head_dim, how its dQ fragments are laid out
+    tile_m: int
+    varlen: bool = False
+    arch: str = DEFAULT_ARCH
+
+    def key(self) -> CacheKey:
+        """The compile cache's key."""
+        label = (f"attention backward postprocess d{self.head_dim} {self.dtype} x{self.tile_m}"
+                 + (" varlen" if self.varlen else ""))  # fmt: skip
+        parts = (self.dtype, self.head_dim, self.tile_m, self.varlen)
+        return CacheKey("attention_backward_postprocess", parts, self.arch, label)
+
+
+def compile_postprocess(variant: PostprocessVariant):
+    """Compile the postprocess for sm_90a; returns ``f(dq_accum, dq, softmax_scale, varlen)``."""
+    import cutlass
+    from cutlass import cute
+
+    from epicute.attention.backward_prep_sm90 import BackwardPostprocessSm90
+    from epicute.attention.launch import _fake_bshd, _fake_elementwise
+    from epicute.sm90.epilogue_emit import DSL_DTYPES
+
+    d = variant.head_dim
+    kernel = BackwardPostprocessSm90(d, variant.tile_m, variant.dtype, variant.varlen)
+    varlen = (_fake_elementwise(cutlass.Int32, 1), cutlass.Int32(1)) if variant.varlen else ()
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return dsl_compile(
+        variant, kernel, _fake_bshd(cutlass.Float32, d), _fake_bshd(DSL_DTYPES[variant.dtype], d),
+        cutlass.Float32(1.0), varlen, stream, constant_args=("varlen",),
+    )  # fmt: skip
+
+
+POSTPROCESS_CACHE = KernelFamily("attention_backward_postprocess", {SM90A: compile_postprocess})
+
+
 def preprocess(
     o: torch.Tensor,
     do: torch.Tensor,
     lse: torch.Tensor,
-    dq_accum: torch.Tensor,
     tile_m: int,
     dlse: torch.Tensor | None = None,
     packed: tuple = (),
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The preprocess kernel: ``(LSE * log2 e, D)`` as :func:`preprocess_reference` returns them, and (dense)
-    ``dq_accum`` zeroed. ``packed``: ``(cu_seqlens_q, max_seqlen_q)`` for packed sequences (``dq_accum``
-    then comes zeroed)."""
+    dq_fragment_order: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The preprocess kernel: ``(LSE * log2 e, D)`` as :func:`preprocess_reference` returns them, and dQ's fp32
+    accumulator zeroed: ``(batch, heads, rows, head_dim)``, its rows LSE's, in fragment order, else shaped
+    like ``o``. ``packed``: ``(cu_seqlens_q, max_seqlen_q)`` for packed sequences."""
     heads, dtype = o.shape[-2], TORCH_TO_IR[o.dtype]
+    if dq_fragment_order:
+        dq_accum = None  # shaped by LSE's rows, below
+    else:  # row-major: packed, zeroed here, rows outside every sequence included; dense, by the kernel
+        dq_accum = (torch.zeros if packed else new_grad)(o.shape, dtype=torch.float32, device=o.device)
     if packed:
         batch, total = packed[0].numel() - 1, o.shape[0]
         shape = (1, heads, stat_rows_start(total, batch, tile_m))
-        o, do, lse, dq_accum = o[None], do[None], lse[None], dq_accum[None]
+        o, do, lse = o[None], do[None], lse[None]
+        dq_accum = None if dq_accum is None else dq_accum[None]
         dlse = None if dlse is None else dlse[None]
     else:
         shape = (o.shape[0], heads, -(-o.shape[1] // tile_m) * tile_m)
     lse_log2, dsum = (torch.empty(shape, dtype=torch.float32, device=o.device) for _ in range(2))
-    variant = PreprocessVariant(dtype, o.shape[-1], tile_m, bool(packed), dlse is not None)
+    if dq_fragment_order:
+        dq_accum = new_grad((*shape, o.shape[-1]), torch.float32, o.device)
+    variant = PreprocessVariant(dtype, o.shape[-1], tile_m, bool(packed), dlse is not None, dq_fragment_order)
     PREPROCESS_CACHE.get(variant)(o, do, lse, lse_log2, dsum, dq_accum, () if dlse is None else (dlse,), packed)
-    return lse_log2, dsum
+    return lse_log2, dsum, dq_accum
 
 
 def preprocess_reference(
@@ -279,40 +332,47 @@ def attention_backward(
     partials = tuple(
         torch.zeros(sequences, p.heads_q, key_blocks, warps, dtype=torch.float32, device=q.device) for _ in grad_names
     )
-    # Packed: zeroed here, rows outside every sequence included; dense: by the preprocess.
-    dq_accum = (torch.zeros if p.varlen else torch.empty)(q.shape, dtype=torch.float32, device=q.device)
+    dq = new_grad(q.shape, q.dtype, q.device)
     if q.numel() and k.numel():
         packed = (call.cu_seqlens_q, p.seqlen_q) if p.varlen else ()
-        lse_log2, dsum = preprocess(o, do, lse, dq_accum, variant.config.tile_m, dlse, packed)
-        tensors, varlen = (q, k, v, do, dq_accum, dk, dv), ()
+        cfg = variant.config
+        lse_log2, dsum, dq_accum = preprocess(o, do, lse, cfg.tile_m, dlse, packed, cfg.dq_fragment_order)
+        tensors, varlen = (q, k, v, do, dk, dv), ()
         if p.varlen:  # packed: one batch entry of every row
             tensors = tuple(t.unsqueeze(0) for t in tensors)
             varlen = (call.cu_seqlens_q, call.cu_seqlens_k, p.seqlen_k)
-        q4, k4, v4, do4, dq4, dk4, dv4 = tensors
+        q4, k4, v4, do4, dk4, dv4 = tensors
         dq_turns = ()
         if variant.deterministic:  # a counter per query block and head (LSE's rows are whole blocks)
             rows = lse_log2.shape
             dq_turns = (torch.zeros(*rows[:2], rows[2] // variant.config.tile_m, dtype=torch.int32, device=q.device),)
         BACKWARD_CACHE.get(variant)(
-            q4, k4, v4, do4, lse_log2, dsum, dq4, dk4, dv4, call.softmax_scale, *score_operands, varlen, dq_turns,
-            partials,
+            q4, k4, v4, do4, lse_log2, dsum, dq_accum, dk4, dv4, call.softmax_scale, *score_operands, varlen,
+            dq_turns, partials,
         )  # fmt: skip
+        if cfg.dq_fragment_order:
+            post = PostprocessVariant(variant.dtype, cfg.head_dim, cfg.tile_m, p.varlen)
+            POSTPROCESS_CACHE.get(post)(dq_accum, dq[None] if p.varlen else dq, call.softmax_scale, packed)
+        else:
+            torch.mul(dq_accum.view(q.shape), call.softmax_scale, out=dq)  # scaled and cast in one pass
     else:  # no queries: nothing flows back to the keys; no keys: none to the queries
-        dq_accum.zero_()
+        dq.zero_()
         dk.zero_()
         dv.zero_()
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     operand_grads = {name: part.sum(dim=(0, 2, 3)) for name, part in zip(grad_names, partials)}
-    return torch.mul(dq_accum, call.softmax_scale, out=dq), dk, dv, operand_grads  # dQ scaled and cast in one pass
+    return dq, dk, dv, operand_grads
 
 
 __all__ = [
     "BACKWARD_CACHE",
+    "POSTPROCESS_CACHE",
     "PREPROCESS_CACHE",
     "BackwardVariant",
+    "PostprocessVariant",
     "PreprocessVariant",
     "attention_backward",
     "compile_backward",
+    "compile_postprocess",
     "compile_preprocess",
     "preprocess",
     "preprocess_reference",

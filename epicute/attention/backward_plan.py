@@ -53,6 +53,14 @@ class BackwardConfig(WarpRoles):
         return self.tile_n == KEYS_PER_WARPGROUP
 
     @property
+    def dq_fragment_order(self) -> bool:
+        """dQ is staged and accumulated in the WGMMA accumulator's order (16-byte stores free of bank conflicts,
+        one bulk reduce-add per warpgroup part), which a postprocess kernel un-permutes; else row-major, through
+        a swizzled TMA box (stores with a 2-way bank conflict) and a torch pass. Measured faster at head_dim 64
+        and 128; at 256 (``split_head_dim``) 9 % slower, for a reason not yet found (bench/NOTES.md)."""
+        return not self.split_head_dim
+
+    @property
     def score_buffers(self) -> int:
         """Buffers of the staged dS^T (and, splitting head_dim, P^T): two, so a step's writes never meet
         the previous step's WGMMA reads (the ring's stages where it has two)."""
@@ -92,7 +100,7 @@ def backward_config(head_dim: int) -> BackwardConfig:
         "S^T and dP^T keys-by-queries: P^T and dS^T feed the dV and dK WGMMAs from registers",
         (
             "dQ per step through shared memory into an fp32 accumulator: each consumer warpgroup stages "
-            "its half and producer warp 1 issues the TMA reduce-add, so the consumers go on with dK"
+            "its half and producer warp 1 issues the reduce-add, so the consumers go on with dK"
         ),
         "each step's LSE and D ride in the Q/dO ring (TMA), read from shared memory",
     )
@@ -107,22 +115,38 @@ def backward_config(head_dim: int) -> BackwardConfig:
     if head_dim == 256:
         reasons = (
             (
-                "head_dim 256: a CTA per (64 keys, key/value head, batch); the warpgroups split head_dim, as "
-                "dK and dV for 64 keys x 256 dims would take 256 registers a thread: each holds 128"
-            ),
-            (
-                "S^T and dP^T keys-by-queries, each warpgroup half of the step's queries; P^T and dS^T "
-                "staged in shared memory, where dV, dK (each warpgroup its half of head_dim) and dQ read them"
-            ),
-            (
-                "one stage of Q and of dO (64 queries x 256 dims of both are 64 KB: two stages beside K, V and "
-                "dQ's staging would not fit in 227 KB), each its own ring: the next step's Q loads once dK has "
-                "read this one, while dV still reads dO"
-            ),
-        ) + reasons[2:]
+                (
+                    "head_dim 256: a CTA per (64 keys, key/value head, batch); the warpgroups split head_dim, as "
+                    "dK and dV for 64 keys x 256 dims would take 256 registers a thread: each holds 128"
+                ),
+                (
+                    "S^T and dP^T keys-by-queries, each warpgroup half of the step's queries; P^T and dS^T "
+                    "staged in shared memory, where dV, dK (each warpgroup its half of head_dim) and dQ read them"
+                ),
+                (
+                    "one stage of Q and of dO (64 queries x 256 dims of both are 64 KB: two stages beside K, V and "
+                    "dQ's staging would not fit in 227 KB), each its own ring: the next step's Q loads once dK has "
+                    "read this one, while dV still reads dO"
+                ),
+            )
+            + reasons[2:]
+            + (
+                (
+                    "dQ row-major, through a swizzled TMA reduce-add: the fragment order of head_dim 64 and 128 "
+                    "measured 9 % slower at 256"
+                ),
+            )
+        )
         cfg = BackwardConfig(head_dim=head_dim, tile_m=64, tile_n=KEYS_PER_WARPGROUP, stages=1, reasons=reasons)
         cfg.validate()
         return cfg
+    reasons += (
+        (
+            "dQ staged and added in the order WGMMA leaves it in registers: 16-byte stores free of bank conflicts "
+            "(row-major swizzled staging has 2-way ones) and one bulk reduce-add per warpgroup; a postprocess "
+            "kernel un-permutes it as it scales dQ"
+        ),
+    )
     cfg = BackwardConfig(head_dim=head_dim, tile_m=128 if wide_steps else 64, reasons=reasons)
     cfg.validate()
     return cfg
@@ -162,7 +186,9 @@ def backward_smem_layout(cfg: BackwardConfig, dtype: str = "bf16") -> SmemLayout
                       f"{scores} x {cfg.tile_n}x{cfg.tile_m} {dtype}: both warpgroups' P^T, read whole by dV")]
           if cfg.split_head_dim else []),
         SmemBuffer("sdQ", "dQ staging", "fp32", cfg.tile_m * d,
-                   f"{cfg.tile_m}x{d} fp32: each warpgroup's part of dQ, reduce-added into the fp32 dQ by warp 1"),
+                   f"{cfg.tile_m}x{d} fp32: each warpgroup's part of dQ"
+                   + (" in fragment order" if cfg.dq_fragment_order else "")
+                   + ", reduce-added into the fp32 dQ by warp 1"),
     ))  # fmt: skip
 
 

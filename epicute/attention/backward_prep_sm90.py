@@ -1,4 +1,5 @@
-"""The attention backward's preprocess: one pass over O and dO before the main kernel.
+"""The attention backward's passes around its main kernel: the preprocess, one pass over O and
+dO before it, and the postprocess, one pass over dQ's fp32 accumulator after it.
 
 For each query row and head it writes what the main kernel reads per step, padded to whole
 query blocks (``tile_m`` rows):
@@ -6,7 +7,10 @@ query blocks (``tile_m`` rows):
 - ``D = rowsum(dO * O) - dLSE`` in fp32 (the products and their sum in fp32);
 - LSE in log2 units, +inf where the forward's row saw no key (LSE = -inf) and on the padding,
   so that P = exp2(s - LSE) is exactly 0 there;
-- and (dense batches) zeroes the row's fp32 dQ accumulator, which the main kernel adds into.
+- and zeroes the row of the fp32 dQ accumulator, which the main kernel adds into: in fragment
+  order its rows are LSE's, so every row is zeroed, padding and gaps between packed sequences
+  included; row-major it is shaped like Q, and (dense batches) the row's query is zeroed (packed,
+  the host zeroes it).
 
 One warp per (query row, head): each lane owns ``head_dim / 32`` consecutive columns of O and
 dO, read as one vector, and the row's sum is a butterfly over the warp. A CTA takes one query
@@ -15,6 +19,13 @@ included: packed sequences' LSE and D rows start at block boundaries
 (:func:`~epicute.attention.backward_plan.stat_rows_start`), and a sequence's CTAs cover the rows
 up to the next sequence's start, so the gaps between them are written too. In torch ops the same
 work took several passes and fp32 copies of O and dO (bench/NOTES.md).
+
+The postprocess (:class:`BackwardPostprocessSm90`) writes ``dQ = accumulator * softmax_scale`` in
+the input dtype. The main kernel adds dQ in its WGMMA accumulator's order
+(:func:`~epicute.attention.backward_sm90.dq_fragment`), so each of the postprocess's 256 threads
+reads the fragment the consumer thread of the same number left (16-byte loads, a warp's over 512
+consecutive bytes) and stores each value where that thread's partition of the dQ MMA puts it: the
+same two functions place the values both ways, and rows past a sequence's end are not written.
 """
 
 from __future__ import annotations
@@ -24,8 +35,11 @@ import math
 import cutlass
 from cutlass import Float32, cute
 
-from epicute.attention.backward_plan import stat_rows_start
+from epicute.attention.backward_plan import MMA_WARPGROUPS, stat_rows_start
+from epicute.attention.backward_sm90 import as_vectors, dq_fragment, dq_tiled_mma
 from epicute.attention.key_blocks import packed_range
+from epicute.sm90.epilogue_emit import DSL_DTYPES
+from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
 LOG2_E = math.log2(math.e)
 #: Warps per CTA; each walks the block's rows ``warp, warp + WARPS, ...``.
@@ -35,11 +49,12 @@ WARPS = 4
 class BackwardPreprocessSm90:
     """The preprocess for one (dtype, head_dim, tile_m, packed or not, with dLSE or not)."""
 
-    def __init__(self, head_dim: int, tile_m: int, varlen: bool, has_dlse: bool):
+    def __init__(self, head_dim: int, tile_m: int, varlen: bool, has_dlse: bool, dq_fragment_order: bool = True):
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.varlen = varlen
         self.has_dlse = has_dlse
+        self.dq_fragment_order = dq_fragment_order
         self.cols_per_lane = head_dim // 32
 
     @cute.jit
@@ -55,11 +70,12 @@ class BackwardPreprocessSm90:
         varlen: tuple,
         stream,
     ):
-        """O, dO and the fp32 dQ accumulator ``(batch, seqlen_q, heads, head_dim)``; LSE (and ``dlse``'s
-        one tensor, if any) fp32 ``(batch, heads, seqlen_q)``; writes ``mLSE_log2`` and ``mD`` fp32
-        ``(batch, heads, rows)``, rows a multiple of tile_m. ``varlen``: ``()``, or ``(cu_seqlens_q,
-        max_seqlen_q)`` with every tensor packed (batch extent 1; rows as :func:`stat_rows_start` lays
-        them out), and the accumulator left alone (the host zeroes it: rows outside every sequence too)."""
+        """O and dO ``(batch, seqlen_q, heads, head_dim)``; LSE (and ``dlse``'s one tensor, if any) fp32
+        ``(batch, heads, seqlen_q)``; writes ``mLSE_log2`` and ``mD`` fp32 ``(batch, heads, rows)``, rows a
+        multiple of tile_m, and zeroes the fp32 dQ accumulator: ``(batch, heads, rows, head_dim)`` in
+        fragment order, else shaped like O (and left alone when packed).
+        ``varlen``: ``()``, or ``(cu_seqlens_q, max_seqlen_q)`` with every tensor packed (batch extent 1; rows
+        as :func:`stat_rows_start` lays them out)."""
         heads = cute.size(mO, mode=[2])
         blocks = cute.size(mLSE_log2, mode=[2]) // self.tile_m
         batches = cute.size(mO, mode=[0])
@@ -113,13 +129,79 @@ class BackwardPreprocessSm90:
                     lse_log2 = cutlass.select_(lse == -Float32.inf, Float32.inf, lse * Float32(LOG2_E))
                     if cutlass.const_expr(self.has_dlse):
                         dsum = dsum - dlse[0][tensor_batch, head, src]
-                    if cutlass.const_expr(not self.varlen):
-                        zeros = cute.make_rmem_tensor(cols, Float32)
-                        zeros.fill(0.0)
-                        cute.local_tile(mdQ[tensor_batch, src, head, None], cols, (lane,)).store(zeros.load())
+                    if cutlass.const_expr(not self.dq_fragment_order and not self.varlen):
+                        zero_cols(mdQ[tensor_batch, src, head, None], lane, cols)
+                if cutlass.const_expr(self.dq_fragment_order):
+                    zero_cols(mdQ[tensor_batch, head, stat_row, None], lane, cols)
                 if lane == 0:
                     mLSE_log2[tensor_batch, head, stat_row] = lse_log2
                     mD[tensor_batch, head, stat_row] = dsum
 
 
-__all__ = ["WARPS", "BackwardPreprocessSm90"]
+@cute.jit
+def zero_cols(row: cute.Tensor, lane, cols: tuple) -> None:
+    """Zero lane ``lane``'s ``cols`` consecutive values of a row of head_dim fp32 values."""
+    zeros = cute.make_rmem_tensor(cols, Float32)
+    zeros.fill(0.0)
+    cute.local_tile(row, cols, (lane,)).store(zeros.load())
+
+
+class BackwardPostprocessSm90:
+    """The postprocess for one (head_dim, tile_m: the main kernel's, dtype, packed or not): see the module
+    docstring."""
+
+    def __init__(self, head_dim: int, tile_m: int, dtype: str, varlen: bool):
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.dtype = DSL_DTYPES[dtype]
+        self.varlen = varlen
+
+    @cute.jit
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, varlen: tuple, stream):
+        """``mdQaccum`` fp32 ``(batch, heads, rows, head_dim)``, rows as the preprocess laid LSE's out; writes
+        ``mdQ`` ``(batch, seqlen_q, heads, head_dim)``. ``varlen``: ``()``, or ``(cu_seqlens_q, max_seqlen_q)``
+        with ``mdQ`` packed (batch extent 1)."""
+        t = self.tile_m
+        blocks = cute.ceil_div(cute.size(mdQ, mode=[1]), t)
+        batches = cute.size(mdQ, mode=[0])
+        if cutlass.const_expr(self.varlen):
+            blocks = (varlen[1] + t - 1) // t
+            batches = cute.size(varlen[0], mode=[0]) - 1
+        self.kernel(dq_tiled_mma(t, self.head_dim, self.dtype), mdQaccum, mdQ, softmax_scale, varlen).launch(
+            grid=(blocks, cute.size(mdQ, mode=[2]), batches),
+            block=[MMA_WARPGROUPS * THREADS_PER_WARPGROUP, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
+               varlen: tuple):  # fmt: skip
+        tidx, _, _ = cute.arch.thread_idx()
+        block, head, batch = cute.arch.block_idx()
+        t, d = self.tile_m, self.head_dim
+        seqlen = cute.size(mdQ, mode=[1])
+        # (first row in dQ, the block's first row in the accumulator, tensor batch)
+        first, acc_row, tensor_batch = 0, block * t, batch
+        if cutlass.const_expr(self.varlen):
+            first, seqlen = packed_range(varlen[0], batch, seqlen)
+            acc_row = stat_rows_start(first, batch, t) + block * t
+            tensor_batch = 0
+        if block * t < seqlen:
+            thr = tiled_mma.get_slice(tidx)
+            acc = cute.make_rmem_tensor(thr.partition_shape_C((t, d)), Float32)
+            staged = cute.domain_offset((acc_row, 0), mdQaccum[tensor_batch, head, None, None]).iterator
+            cute.autovec_copy(dq_fragment(staged, t, d, tidx), as_vectors(acc))
+            values = cute.make_rmem_tensor(acc.shape, self.dtype)
+            values.store((acc.load() * softmax_scale).to(self.dtype))
+            rows = cute.domain_offset((first, 0), mdQ[tensor_batch, None, head, None])
+            out = thr.partition_C(cute.local_tile(rows, (t, d), (block, 0)))
+            if (block + 1) * t <= seqlen:
+                cute.autovec_copy(values, out)
+            else:  # the sequence's last block: rows past its end are the next sequence's, or past the tensor
+                coords = thr.partition_C(cute.make_identity_tensor((t, d)))
+                for i in cutlass.range_constexpr(cute.size(values)):
+                    if block * t + coords[i][0] < seqlen:
+                        out[i] = values[i]
+
+
+__all__ = ["WARPS", "BackwardPostprocessSm90", "BackwardPreprocessSm90"]

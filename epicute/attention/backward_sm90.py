@@ -13,8 +13,13 @@ dV accumulate in registers and are stored once (the group's sum, no atomics). Wa
 - producer warp 0: K and V once, then each step's Q and dO tiles and its queries' LSE and D
   through a ``stages``-deep ring (one full barrier covers all four).
 - producer warp 1 (dQ writer): adds each consumer warpgroup's staged dQ into the fp32 dQ
-  accumulator in global memory with a TMA reduce-add (other CTAs add theirs: the sum's
+  accumulator in global memory with one bulk reduce-add (other CTAs add theirs: the sum's
   order is not fixed), and hands the staging buffer back once the reduce-add has read it.
+  dQ is staged and accumulated in the WGMMA accumulator's own order (:func:`dq_fragment`):
+  each thread's registers, four at a time, as consecutive 16-byte stores that no two lanes
+  share a bank in, and each warpgroup's part of a query block is one contiguous run of the
+  accumulator. The postprocess (:mod:`~epicute.attention.backward_prep_sm90`) un-permutes it
+  through the same partition as it scales and casts dQ.
   ``deterministic``: the key blocks add into each query block in ascending order, taking turns
   through a counter per (query block, head) (:mod:`epicute.sm90.turns`). Every CTA then walks
   its query blocks from the last one down, each for every query head of the group: all CTAs of
@@ -64,10 +69,17 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from epicute.attention.backward_plan import KEYS_PER_WARPGROUP, BackwardConfig, backward_smem_layout, stat_rows_start
+from epicute.attention.backward_plan import (
+    KEYS_PER_WARPGROUP,
+    MMA_WARPGROUPS,
+    BackwardConfig,
+    backward_smem_layout,
+    stat_rows_start,
+)
 from epicute.attention.key_blocks import packed_range, ragged_rows, ragged_tensor
 from epicute.epilogue.derivative import value_and_derivative
 from epicute.epilogue.fusion import ScoreModFusion
+from epicute.sm90.cp_async import bulk_reduce_add_f32
 from epicute.sm90.epilogue_emit import DSL_DTYPES, emit_graph, emit_score_mod
 from epicute.sm90.fragments import (
     acc_as_operand_a,
@@ -126,6 +138,11 @@ class AttentionBackwardSm90:
         self.dq_warp = 1
         #: dQ's split over the consumer warpgroups: by rows at 128-query steps (a WGMMA's M is 64).
         self.dq_split_rows = cfg.tile_m > KEYS_PER_WARPGROUP
+        #: dQ staged and added in fragment order (:func:`dq_fragment`), or row-major through a swizzled TMA box.
+        self.fragment_order = cfg.dq_fragment_order
+        #: Floats of one warpgroup's part of a query block's dQ: its staging buffer, one reduce-add.
+        self.dq_part = cfg.tile_m * cfg.head_dim // self.num_wg
+        #: A warpgroup's part as a row-major tile (rows, columns) of the accumulator, when not in fragment order.
         self.dq_tile = (
             (cfg.tile_m // self.num_wg, cfg.head_dim)
             if self.dq_split_rows
@@ -142,7 +159,7 @@ class AttentionBackwardSm90:
         mdO_bshd: cute.Tensor,
         mLSE_bhs: cute.Tensor,
         mD_bhs: cute.Tensor,
-        mdQ_bshd: cute.Tensor,
+        mdQ_accum: cute.Tensor,
         mdK_bshd: cute.Tensor,
         mdV_bshd: cute.Tensor,
         softmax_scale: Float32,
@@ -154,8 +171,10 @@ class AttentionBackwardSm90:
         stream,
     ):
         """Tensors ``(batch, seqlen, heads, head_dim)``; ``mLSE_bhs`` (LSE in log2 units) and
-        ``mD_bhs`` fp32 ``(batch, heads_q, padded seqlen_q)``; ``mdQ_bshd`` the fp32 dQ
-        accumulator (zeroed; gets ``dS K``, unscaled); dK and dV in the input dtype; the score_mod's
+        ``mD_bhs`` fp32 ``(batch, heads_q, padded seqlen_q)``; ``mdQ_accum`` the fp32 dQ accumulator
+        (zeroed; gets ``dS K``, unscaled): in fragment order ``(batch, heads_q, LSE's rows, head_dim)``, each
+        query block's parts one after the other, or (``dq_fragment_order`` off) ``(batch, seqlen_q, heads_q,
+        head_dim)``; dK and dV in the input dtype; the score_mod's
         per-head vectors and scalars as the forward takes them. ``varlen``: ``()``, or
         ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_k)`` with every tensor packed (batch extent 1, LSE
         and D padded by a query block past the last row). ``dq_turns``: ``()``, or (deterministic) the
@@ -166,8 +185,8 @@ class AttentionBackwardSm90:
         cfg = self.cfg
         d = cfg.head_dim
         # (seqlen, dim, heads, batch): TMA boxes are (rows, dim).
-        mQ, mK, mV, mdO, mdQ, mdK, mdV = (
-            select_modes(t, [1, 3, 2, 0]) for t in (mQ_bshd, mK_bshd, mV_bshd, mdO_bshd, mdQ_bshd, mdK_bshd, mdV_bshd)
+        mQ, mK, mV, mdO, mdK, mdV = (
+            select_modes(t, [1, 3, 2, 0]) for t in (mQ_bshd, mK_bshd, mV_bshd, mdO_bshd, mdK_bshd, mdV_bshd)
         )
         mLSE, mD = select_modes(mLSE_bhs, [2, 1, 0]), select_modes(mD_bhs, [2, 1, 0])  # (seqlen_q, heads, batch)
         if cutlass.const_expr(self.deterministic):
@@ -190,21 +209,25 @@ class AttentionBackwardSm90:
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, dkv_atoms, tiler_mn=dkv_tiler,
             a_source=dkv_a,
         )  # fmt: skip
-        # dQ = dS K, dS read from its staged transpose (queries contiguous), K^T head_dim-major:
-        # each warpgroup takes half of head_dim over every query row, or (128-query steps) half of
-        # the rows over all of head_dim; it stages its part (``dq_tile``) as one contiguous block.
-        dq_atoms = (self.num_wg, 1, 1) if self.dq_split_rows else (1, self.num_wg, 1)
-        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32, dq_atoms,
-            tiler_mn=(KEYS_PER_WARPGROUP, d) if self.dq_split_rows else (cfg.tile_m, d // self.num_wg),
-        )  # fmt: skip
+        tiled_mma_dq = dq_tiled_mma(cfg.tile_m, d, self.dtype)
 
         sQ_layout = row_major_smem_layout(self.dtype, cfg.tile_m, d, cfg.stages)
-        sK_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d, major=d if self.dq_split_rows else self.dq_tile[1])
+        k_major = d if self.dq_split_rows else d // self.num_wg  # dQ's B operand: a warpgroup's columns
+        sK_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d, major=k_major)
         sV_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d)
         sdS_layout = row_major_smem_layout(self.dtype, cfg.tile_n, cfg.tile_m, cfg.score_buffers)
-        sdQ_layout = row_major_smem_layout(Float32, cfg.tile_m, d, major=self.dq_tile[1], row_bands=self.dq_split_rows)
-        sdQ_wg_layout = row_major_smem_layout(Float32, *self.dq_tile, row_bands=self.dq_split_rows)
+        if cutlass.const_expr(self.fragment_order):
+            sdQ_layout = cute.make_layout(cfg.tile_m * d)  # the warpgroups' parts, one after the other
+            dq_store = (mdQ_accum,)  # reduce-added by address: no tensor map
+        else:
+            mdQ = select_modes(mdQ_accum, [1, 3, 2, 0])
+            sdQ_layout = row_major_smem_layout(Float32, cfg.tile_m, d, major=self.dq_tile[1],
+                                               row_bands=self.dq_split_rows)  # fmt: skip
+            sdQ_wg_layout = row_major_smem_layout(Float32, *self.dq_tile, row_bands=self.dq_split_rows)
+            tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_wg_layout, self.dq_tile
+            )
+            dq_store = (tma_mdQ, tma_dq, sdQ_wg_layout)
         sStat_layout = cute.make_layout((cfg.tile_m, cfg.stages))  # LSE and D, one vector per stage
 
         g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
@@ -220,9 +243,6 @@ class AttentionBackwardSm90:
             mdK, mdV = ragged_tensor(mdK), ragged_tensor(mdV)
         tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, kv_box)
         tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, kv_box)
-        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_wg_layout, self.dq_tile
-        )
 
         for name, layout in (("sQ", sQ_layout), ("sdO", sQ_layout), ("sK", sK_layout), ("sV", sV_layout),
                              ("sdS", sdS_layout), ("sdQ", sdQ_layout)):  # fmt: skip
@@ -237,8 +257,8 @@ class AttentionBackwardSm90:
 
         self.kernel(
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
-            tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV, tma_lse, tma_mLSE, tma_dsum, tma_mD, sQ_layout,
-            sK_layout, sV_layout, sdS_layout, sdQ_layout, sdQ_wg_layout, sStat_layout, group, softmax_scale,
+            dq_store, tma_dk, tma_mdK, tma_dv, tma_mdV, tma_lse, tma_mLSE, tma_dsum, tma_mD, sQ_layout,
+            sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout, group, softmax_scale,
             score_tensors, score_scalars, varlen, dq_turns, operand_grads,
         ).launch(
             grid=(n_blocks, cute.size(mK, mode=[2]), batches),
@@ -262,8 +282,7 @@ class AttentionBackwardSm90:
         mK: cute.Tensor,
         tma_v: cute.CopyAtom,
         mV: cute.Tensor,
-        tma_dq: cute.CopyAtom,
-        mdQ: cute.Tensor,
+        dq_store: tuple,
         tma_dk: cute.CopyAtom,
         mdK: cute.Tensor,
         tma_dv: cute.CopyAtom,
@@ -276,8 +295,7 @@ class AttentionBackwardSm90:
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
-        sdQ_layout: cute.ComposedLayout,
-        sdQ_wg_layout: cute.ComposedLayout,
+        sdQ_layout: cute.Layout | cute.ComposedLayout,
         sStat_layout: cute.Layout,
         group: cutlass.Int32,
         softmax_scale: Float32,
@@ -293,7 +311,7 @@ class AttentionBackwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         if warp_idx == self.load_warp:
-            for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum, tma_dq, tma_dk, tma_dv):
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum, tma_dk, tma_dv, *dq_store[1:2]):
                 cpasync.prefetch_descriptor(atom)
 
         smem = SmemAllocator()
@@ -322,16 +340,21 @@ class AttentionBackwardSm90:
         sP = storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner) if self.split_dims else None
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sD = storage.sD.get_tensor(sStat_layout)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
-        # Consumer warpgroup w's dQ columns: a contiguous part of sdQ (see sdQ_layout's atom).
-        sdQ_wg = [
-            cute.make_tensor(
-                cute.recast_ptr(storage.sdQ.data_ptr() + w * cute.cosize(sdQ_wg_layout.outer), sdQ_wg_layout.inner,
-                                dtype=Float32),
-                sdQ_wg_layout.outer,
-            )
-            for w in range(self.num_wg)
-        ]  # fmt: skip
+        if cutlass.const_expr(self.fragment_order):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout)  # warpgroup w stages its part at w * dq_part
+            dq_parts = sdQ
+        else:
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+            # Consumer warpgroup w's dQ columns: a contiguous part of sdQ (see sdQ_layout's atom).
+            sdQ_wg_layout = dq_store[2]
+            dq_parts = [
+                cute.make_tensor(
+                    cute.recast_ptr(storage.sdQ.data_ptr() + w * cute.cosize(sdQ_wg_layout.outer),
+                                    sdQ_wg_layout.inner, dtype=Float32),
+                    sdQ_wg_layout.outer,
+                )
+                for w in range(self.num_wg)
+            ]  # fmt: skip
         # Barrier initialization is visible to every thread (and the async proxy) before first use.
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -357,7 +380,7 @@ class AttentionBackwardSm90:
                         m_count,
                     )  # fmt: skip
                 if warp_idx == self.dq_warp:
-                    self._write_dq(tma_dq, mdQ, sdQ_wg, (n_block, kv_head), seq, group, m_first, m_count, dq_turns)
+                    self._write_dq(dq_store, dq_parts, (n_block, kv_head), seq, group, m_first, m_count, dq_turns)
             else:
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
                 self._consume(
@@ -428,13 +451,13 @@ class AttentionBackwardSm90:
             state.advance()
 
     @cute.jit
-    def _write_dq(self, tma_dq, mdQ, sdQ_wg, tile, seq, group, m_first, m_count, dq_turns):
-        """Producer warp 1: per step, once consumer warpgroup ``w`` has staged its dQ columns
-        (``DQ_FULL``), reduce-add them into the fp32 accumulator; once the previous step's
+    def _write_dq(self, dq_store, dq_parts, tile, seq, group, m_first, m_count, dq_turns):
+        """Producer warp 1: per step, once consumer warpgroup ``w`` has staged its part of dQ
+        (``DQ_FULL``), reduce-add it into the fp32 accumulator: one bulk copy in fragment order (the
+        part is contiguous there as in shared memory), else a TMA box; once the previous step's
         reduce-add has read a buffer, hand it back (``DQ_EMPTY``). Deterministic: the step's adds
-        wait for the key block's turn at the query block (the key blocks before it have added theirs)
-        and pass it on once they are complete."""
-        one = cute.make_layout(1)
+        wait for the key block's turn at the query block (the key blocks before it have added
+        theirs) and pass it on once they are complete."""
         pair = THREADS_PER_WARPGROUP + 32  # a consumer warpgroup and this warp
         n_block, kv_head = tile
         lane = cute.arch.lane_idx()
@@ -450,17 +473,32 @@ class AttentionBackwardSm90:
                 wait_turn(counter, n_block, lane)
             for w in cutlass.range_constexpr(self.num_wg):
                 cute.arch.barrier(barrier_id=int(NamedBarriers.DQ_FULL_WG1) + w, number_of_threads=pair)
-                part = (m_block * self.num_wg + w, 0) if self.dq_split_rows else (m_block, w)
-                g_dq = cute.local_tile(self._rows(mdQ, head, seq, 0), self.dq_tile, part)
-                dq_smem, dq_gmem = cpasync.tma_partition(
-                    tma_dq, 0, one, cute.group_modes(sdQ_wg[w], 0, 2), cute.group_modes(g_dq, 0, 2)
-                )
-                cute.copy(tma_dq, dq_smem, dq_gmem)
+                if cutlass.const_expr(self.fragment_order):
+                    block = self._dq_block(dq_store[0], head, seq, m_block)
+                    with cute.arch.elect_one():
+                        bulk_reduce_add_f32(block + w * self.dq_part, dq_parts.iterator + w * self.dq_part,
+                                            self.dq_part * 4)  # fmt: skip
+                else:
+                    tma_mdQ, tma_dq, _ = dq_store
+                    part = (m_block * self.num_wg + w, 0) if self.dq_split_rows else (m_block, w)
+                    g_dq = cute.local_tile(self._rows(tma_mdQ, head, seq, 0), self.dq_tile, part)
+                    dq_smem, dq_gmem = cpasync.tma_partition(
+                        tma_dq, 0, cute.make_layout(1), cute.group_modes(dq_parts[w], 0, 2),
+                        cute.group_modes(g_dq, 0, 2),
+                    )  # fmt: skip
+                    cute.copy(tma_dq, dq_smem, dq_gmem)
                 cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are complete, not just read
                 pass_turn(counter, lane)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def _dq_block(self, mdQ: cute.Tensor, head, seq: tuple, m_block):
+        """Where query block ``m_block`` of one head starts in the ``(batch, heads, rows, head_dim)`` dQ
+        accumulator, whose rows are LSE's (packed: the sequence's from ``seq[3]``, block-aligned)."""
+        if cutlass.const_expr(self.varlen):
+            return cute.domain_offset((seq[3] + m_block * self.cfg.tile_m, 0), mdQ[0, head, None, None]).iterator
+        return cute.domain_offset((m_block * self.cfg.tile_m, 0), mdQ[seq[2], head, None, None]).iterator
 
     def _rows(self, t: cute.Tensor, head, seq: tuple, side: int) -> cute.Tensor:
         """One head's ``(rows, dim)`` of a ``(rows, dim, heads, batch)`` tensor for the CTA's sequence
@@ -603,7 +641,8 @@ class AttentionBackwardSm90:
         thr_r2s_ds = r2s_ds.get_slice(mma_tidx)
         tdSsdS = thr_r2s_ds.partition_D(sdS)
         tPsP = thr_r2s_ds.partition_D(sP) if cutlass.const_expr(self.split_dims) else None
-        tdQsdQ = thr_dq.partition_C(sdQ)
+        # dQ staged in fragment order: 16-byte stores, a warp's over 512 consecutive bytes (no bank conflicts).
+        tdQsdQ = dq_fragment(sdQ.iterator, cfg.tile_m, d, mma_tidx) if self.fragment_order else thr_dq.partition_C(sdQ)
         cS = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((cfg.tile_n, cfg.tile_m))))
         # This warpgroup and the dQ writer warp, around the warpgroup's dQ staging buffer.
         dq_empty = pipeline.NamedBarrier(
@@ -718,7 +757,7 @@ class AttentionBackwardSm90:
                 warpgroup_gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, read.index], True, 1)
             # dQ landed (dK still runs): stage it for the dQ writer once its last reduce-add has read the buffer.
             dq_empty.arrive_and_wait()
-            cute.autovec_copy(acc_dQ, tdQsdQ)
+            cute.autovec_copy(as_vectors(acc_dQ) if self.fragment_order else acc_dQ, tdQsdQ)
             cute.arch.fence_proxy("async.shared", space="cta")
             dq_full.arrive()
             warpgroup.wait_group(0)
@@ -778,6 +817,44 @@ class AttentionBackwardSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
+# ---- dQ's fragment order, shared with the postprocess that un-permutes it
+
+#: fp32 values of dQ a thread moves per access of the fragment-ordered accumulator (16 bytes).
+DQ_VECTOR = 4
+
+
+def dq_tiled_mma(tile_m: int, head_dim: int, dtype) -> cute.TiledMma:
+    """dQ = dS K, dS read from its staged transpose (queries contiguous), K^T head_dim-major: each
+    consumer warpgroup takes half of head_dim over every query row, or (128-query steps) half of the
+    rows over all of head_dim. Its partition of C says which (row, column) of the query block each
+    register of thread ``t`` (0-255, the consumers' numbering) holds."""
+    split_rows = tile_m > KEYS_PER_WARPGROUP
+    atoms = (MMA_WARPGROUPS, 1, 1) if split_rows else (1, MMA_WARPGROUPS, 1)
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32, atoms,
+        tiler_mn=(KEYS_PER_WARPGROUP, head_dim) if split_rows else (tile_m, head_dim // MMA_WARPGROUPS),
+    )  # fmt: skip
+
+
+def dq_fragment(block, tile_m: int, head_dim: int, thread) -> cute.Tensor:
+    """Thread ``thread``'s values of a query block of dQ in fragment order, from ``block`` (the block's first
+    fp32, in shared or global memory): ``(DQ_VECTOR, vectors)``, register ``DQ_VECTOR j + i`` (of
+    :func:`dq_tiled_mma`'s accumulator) at ``j DQ_VECTOR 128 + DQ_VECTOR (thread % 128) + i`` of the thread's
+    warpgroup's part (``tile_m x head_dim / 2`` floats, warpgroup 1's after warpgroup 0's)."""
+    part = tile_m * head_dim // MMA_WARPGROUPS
+    vectors = part // (DQ_VECTOR * THREADS_PER_WARPGROUP)
+    at = thread // THREADS_PER_WARPGROUP * part + thread % THREADS_PER_WARPGROUP * DQ_VECTOR
+    return cute.make_tensor(
+        block + cute.assume(at, divby=DQ_VECTOR),
+        cute.make_layout((DQ_VECTOR, vectors), stride=(1, DQ_VECTOR * THREADS_PER_WARPGROUP)),
+    )
+
+
+def as_vectors(acc: cute.Tensor) -> cute.Tensor:
+    """A register fragment's values as ``(DQ_VECTOR, vectors)`` in register order (see :func:`dq_fragment`)."""
+    return cute.make_tensor(acc.iterator, cute.make_layout((DQ_VECTOR, cute.size(acc) // DQ_VECTOR)))
+
+
 def _ancestors(graph, ids: set[int]) -> set[int]:
     """``ids`` and every node they depend on."""
     found = set(ids)
@@ -787,4 +864,4 @@ def _ancestors(graph, ids: set[int]) -> set[int]:
     return found
 
 
-__all__ = ["AttentionBackwardSm90"]
+__all__ = ["DQ_VECTOR", "AttentionBackwardSm90", "as_vectors", "dq_fragment", "dq_tiled_mma"]

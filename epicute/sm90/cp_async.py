@@ -8,6 +8,8 @@ barrier then counts those threads' arrivals besides the TMA producer's (see
 
 A few aligned bytes per stage (a k-tile's block scale) need no tensor map either: one thread issues a
 bulk copy (:func:`bulk_copy`, the TMA unit's ``cp.async.bulk``) whose bytes the stage's barrier expects.
+The same unit adds contiguous shared memory into global memory (:func:`bulk_reduce_add_f32`): a staged
+block that is contiguous in both needs neither a tensor map nor a swizzle.
 
 Shared-memory addresses are computed here, not by a CuTe copy atom: a chunk's destination is a
 16-byte slot of a 128-byte-swizzled K-major stage (:func:`swizzled_chunk`), the layout TMA and WGMMA
@@ -16,7 +18,7 @@ use, so the stage reads the same whichever producer filled it.
 
 from __future__ import annotations
 
-from cutlass import AddressSpace, Int32
+from cutlass import AddressSpace, Int32, cute
 from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -76,6 +78,19 @@ def bulk_copy(dst, src, size: int, barrier, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def bulk_reduce_add_f32(dst, src, size: int, *, loc=None, ip=None) -> None:
+    """One thread's ``cp.reduce.async.bulk`` add of ``size`` bytes (a multiple of 16) of fp32 from shared ``src``
+    into global ``dst`` (CuTe pointers, both 16-byte aligned), element by element and atomic per element, in the
+    thread's bulk async-group (commit it; ``cp_async_bulk_wait_group(read=True)`` frees ``src``)."""
+    cute.arch.inline_ptx(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [{$r0}], [{$r1}], {$r2};",
+        read_only_args=[dst, src, Int32(size)],
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
 def arrive_when_copied(barrier, *, loc=None, ip=None) -> None:
     """Arrive on the mbarrier at ``barrier`` once every cp.async this thread issued so far has landed, without
     raising its expected count (``.noinc``: the barrier was initialized to count this thread)."""
@@ -94,6 +109,7 @@ __all__ = [
     "LINE_BYTES",
     "arrive_when_copied",
     "bulk_copy",
+    "bulk_reduce_add_f32",
     "copy_chunk_zero_fill",
     "copy_word",
     "swizzled_chunk",

@@ -9,8 +9,10 @@ import torch
 from epicute import ops
 from epicute.attention.backward import (
     BackwardVariant,
+    PostprocessVariant,
     PreprocessVariant,
     compile_backward,
+    compile_postprocess,
     compile_preprocess,
     preprocess_reference,
 )
@@ -56,11 +58,26 @@ def test_deterministic_variants_compile_without_spills(d, causal, varlen, ptxas_
     assert spills == [0] and injected_fences == []
 
 
-@pytest.mark.parametrize("d,tile_m,varlen,has_dlse", [(128, 64, False, False), (64, 128, True, True)])
-def test_preprocess_variants_compile_without_spills(d, tile_m, varlen, has_dlse, ptxas_report):
-    compile_preprocess(PreprocessVariant("bf16", d, tile_m, varlen, has_dlse))
+@pytest.mark.parametrize(
+    "d,tile_m,varlen,has_dlse,fragments", [(128, 64, False, False, True), (64, 128, True, True, True),
+                                           (256, 64, False, True, False)]
+)  # fmt: skip
+def test_preprocess_variants_compile_without_spills(d, tile_m, varlen, has_dlse, fragments, ptxas_report):
+    compile_preprocess(PreprocessVariant("bf16", d, tile_m, varlen, has_dlse, fragments))
     spills, injected_fences = ptxas_report()
     assert spills == [0] and injected_fences == []
+
+
+@pytest.mark.parametrize("dtype,d,varlen", [("bf16", 128, False), ("fp16", 64, True), ("bf16", 128, True)])
+def test_postprocess_variants_compile_without_spills(dtype, d, varlen, ptxas_report):
+    compile_postprocess(PostprocessVariant(dtype, d, backward_config(d).tile_m, varlen))
+    spills, injected_fences = ptxas_report()
+    assert spills == [0] and injected_fences == []
+
+
+def test_dq_fragment_order_is_planned_where_it_measured_faster():
+    assert backward_config(64).dq_fragment_order and backward_config(128).dq_fragment_order
+    assert not backward_config(256).dq_fragment_order
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -25,7 +25,7 @@ from epicute.attention.api import reference_attention
 from epicute.attention.prepare import hooks_of
 from epicute.attention.validate import check_attention_args
 from epicute.errors import ConfigError
-from tests.conftest import nan_tensor, poison_attention_outputs, rel_err
+from tests.conftest import poison_attention_outputs, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -248,8 +248,9 @@ def test_deterministic_mode_trains_under_torch_compile():
     check(*leaves(2, 1000, 1000, 4, 2, 128), causal=True, compiled=True, deterministic=True)
 
 
+@pytest.mark.parametrize("fragments", [True, False], ids=["dq_fragments", "dq_rows"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_preprocess_kernel_matches_its_torch_reference(packed):
+def test_preprocess_kernel_matches_its_torch_reference(packed, fragments):
     heads, d, tile_m = 3, 128, 64
     if packed:
         lengths = [10, 0, 130, 1, 77]
@@ -260,14 +261,14 @@ def test_preprocess_kernel_matches_its_torch_reference(packed):
     o, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lse, dlse = (torch.randn(lse_shape, device="cuda") for _ in range(2))
     lse.view(-1)[5] = float("-inf")  # a row that saw no key
-    dq_accum = torch.zeros(shape, device="cuda") if packed else nan_tensor(shape, device="cuda")
     packing = (cu, max(lengths)) if packed else ()
-    lse_log2, dsum = rt_backward.preprocess(o, do, lse, dq_accum, tile_m, dlse, packing)
+    lse_log2, dsum, dq_accum = rt_backward.preprocess(o, do, lse, tile_m, dlse, packing, fragments)  # NaN-poisoned
     ref_lse, ref_d = rt_backward.preprocess_reference(o, do, lse, tile_m, dlse, cu if packed else None)
     assert lse_log2.shape == ref_lse.shape and dsum.shape == ref_d.shape
     assert torch.equal(torch.isposinf(lse_log2), torch.isposinf(ref_lse))
     finite = torch.isfinite(ref_lse)
     assert rel_err(lse_log2[finite], ref_lse[finite]) <= 1e-6 and rel_err(dsum, ref_d) <= 1e-5
+    assert dq_accum.shape == ((*ref_lse.shape, d) if fragments else (1, *shape) if packed else shape)
     assert (dq_accum == 0).all()
 
 
