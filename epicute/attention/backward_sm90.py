@@ -15,11 +15,12 @@ dV accumulate in registers and are stored once (the group's sum, no atomics). Wa
 - producer warp 1 (dQ writer): adds each consumer warpgroup's staged dQ into the fp32 dQ
   accumulator in global memory with one bulk reduce-add (other CTAs add theirs: the sum's
   order is not fixed), and hands the staging buffer back once the reduce-add has read it.
-  dQ is staged and accumulated in the WGMMA accumulator's own order (:func:`dq_fragment`):
-  each thread's registers, four at a time, as consecutive 16-byte stores that no two lanes
-  share a bank in, and each warpgroup's part of a query block is one contiguous run of the
-  accumulator. The postprocess (:mod:`~epicute.attention.backward_prep_sm90`) un-permutes it
-  through the same partition as it scales and casts dQ.
+  At head_dim 64 and 128 (``BackwardConfig.dq_fragment_order``) dQ is staged and accumulated in
+  the WGMMA accumulator's own order (:func:`dq_fragment`): each thread's registers, four at a
+  time, as consecutive 16-byte stores that no two lanes share a bank in, and each warpgroup's
+  part of a query block is one contiguous run of the accumulator; the postprocess
+  (:mod:`~epicute.attention.backward_prep_sm90`) un-permutes it through the same partition as it
+  scales and casts dQ. At 256 it is row-major, staged in a swizzled tile for a TMA reduce-add.
   ``deterministic``: the key blocks add into each query block in ascending order, taking turns
   through a counter per (query block, head) (:mod:`epicute.sm90.turns`). Every CTA then walks
   its query blocks from the last one down, each for every query head of the group: all CTAs of
@@ -227,7 +228,7 @@ class AttentionBackwardSm90:
             tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_wg_layout, self.dq_tile
             )
-            dq_store = (tma_mdQ, tma_dq, sdQ_wg_layout)
+            dq_store = (tma_mdQ, tma_dq, sdQ_wg_layout)  # TMA's coordinates, its atom, a warpgroup's part
         sStat_layout = cute.make_layout((cfg.tile_m, cfg.stages))  # LSE and D, one vector per stage
 
         g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
@@ -311,7 +312,8 @@ class AttentionBackwardSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         if warp_idx == self.load_warp:
-            for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum, tma_dk, tma_dv, *dq_store[1:2]):
+            dq_atoms = () if self.fragment_order else (dq_store[1],)
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum, tma_dk, tma_dv, *dq_atoms):
                 cpasync.prefetch_descriptor(atom)
 
         smem = SmemAllocator()

@@ -203,6 +203,7 @@ def test_blockwise_scales_compose_with_epilogues_batched():
 def test_blockwise_plans_promote_in_128x192_or_128x128_tiles():
     """Full waves of 128x192 tiles (one partial) beat 128x128 (two partials); where 192-wide tiles quantize
     the waves worse, 128x128 stays."""
+
     def plan(m, n, k, **pins):
         p = GemmProblem(m, n, k, ab_dtype="fp8e4m3", a_major="k", b_major="k", block_scaled=True)
         return plan_gemm(p, "h100-sxm", **pins)
@@ -298,8 +299,11 @@ def test_explain_and_aot_take_blockwise_scales():
     from epicute.gemm.aot import gemm_variants
 
     # The call's scale layouts pick TMA or cp.async, so ahead of time every form is compiled.
-    entry = {"shapes": [[4096, 2048, 7168]], "dtype": "fp8e4m3", "operands": {"a_scale": "blockwise",
-                                                                           "b_scale": "blockwise"}}
+    entry = {
+        "shapes": [[4096, 2048, 7168]],
+        "dtype": "fp8e4m3",
+        "operands": {"a_scale": "blockwise", "b_scale": "blockwise"},
+    }
     forms = sorted((v.a_scales_tma, v.b_scales_bulk) for v, _ in gemm_variants(entry, target="h100-sxm"))
     assert forms == [(False, False), (False, True), (True, False), (True, True)]
     with pytest.raises(epicute.ConfigError, match="both of them"):
