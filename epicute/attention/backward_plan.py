@@ -200,7 +200,12 @@ def render_backward_plan(variant, problem, smem_limit: int) -> list[str]:
     key_blocks = -(-p.seqlen_k // cfg.tile_n)
     dq_split = "rows" if cfg.tile_m > KEYS_PER_WARPGROUP else "head_dim columns"
     lines = [
-        "backward (training: dQ, dK, dV, after a preprocess kernel: D = rowsum(dO * O), LSE, dQ's fp32 sum zeroed)",
+        "backward (training: dQ, dK, dV, after a preprocess kernel: D = rowsum(dO * O), LSE, dQ's fp32 sum zeroed; "
+        + (
+            "then a postprocess kernel un-permutes, scales and casts dQ)"
+            if cfg.dq_fragment_order
+            else "then one torch pass scales and casts dQ)"
+        ),
         (
             f"  grid            ({key_blocks}, {p.heads_kv}, {p.batch}): a CTA per {cfg.tile_n} keys of a (key/value "
             f"head, {'sequence' if p.varlen else 'batch'}), walking {p.group} query head(s) x every query block "
