@@ -241,21 +241,20 @@ def preprocess(
     accumulator zeroed: ``(batch, heads, rows, head_dim)``, its rows LSE's, in fragment order, else shaped
     like ``o``. ``packed``: ``(cu_seqlens_q, max_seqlen_q)`` for packed sequences."""
     heads, dtype = o.shape[-2], TORCH_TO_IR[o.dtype]
-    if dq_fragment_order:
-        dq_accum = None  # shaped by LSE's rows, below
-    else:  # row-major: packed, zeroed here, rows outside every sequence included; dense, by the kernel
-        dq_accum = (torch.zeros if packed else new_grad)(o.shape, dtype=torch.float32, device=o.device)
     if packed:
         batch, total = packed[0].numel() - 1, o.shape[0]
         shape = (1, heads, stat_rows_start(total, batch, tile_m))
         o, do, lse = o[None], do[None], lse[None]
-        dq_accum = None if dq_accum is None else dq_accum[None]
         dlse = None if dlse is None else dlse[None]
     else:
         shape = (o.shape[0], heads, -(-o.shape[1] // tile_m) * tile_m)
     lse_log2, dsum = (torch.empty(shape, dtype=torch.float32, device=o.device) for _ in range(2))
-    if dq_fragment_order:
+    if dq_fragment_order:  # the kernel zeroes every row
         dq_accum = new_grad((*shape, o.shape[-1]), torch.float32, o.device)
+    elif packed:  # row-major: zeroed here, rows outside every sequence included
+        dq_accum = torch.zeros(o.shape, dtype=torch.float32, device=o.device)
+    else:  # row-major, dense: the kernel zeroes each query's row
+        dq_accum = new_grad(o.shape, torch.float32, o.device)
     variant = PreprocessVariant(dtype, o.shape[-1], tile_m, bool(packed), dlse is not None, dq_fragment_order)
     PREPROCESS_CACHE.get(variant)(o, do, lse, lse_log2, dsum, dq_accum, () if dlse is None else (dlse,), packed)
     return lse_log2, dsum, dq_accum

@@ -49,7 +49,7 @@ WARPS = 4
 class BackwardPreprocessSm90:
     """The preprocess for one (dtype, head_dim, tile_m, packed or not, with dLSE or not)."""
 
-    def __init__(self, head_dim: int, tile_m: int, varlen: bool, has_dlse: bool, dq_fragment_order: bool = True):
+    def __init__(self, head_dim: int, tile_m: int, varlen: bool, has_dlse: bool, dq_fragment_order: bool):
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.varlen = varlen
