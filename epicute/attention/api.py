@@ -370,7 +370,7 @@ def explain_attention(
     if file is not None:
         try:  # the kernel autograd would run, from the same prepared call
             variant = prepared.backward_variant(deterministic)
-            backward = render_backward_plan(variant, prepared.plan.problem, prepared.plan.target.smem_per_cta_bytes)
+            backward = render_backward_plan(variant, prepared.plan.problem, prepared.plan.target)
         except ConfigError as exc:
             backward = ["backward (training)", f"  not available: {exc}"]
         text = "\n".join([render_attention_plan(prepared.plan, prepared.chain), "", *backward])

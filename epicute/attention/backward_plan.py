@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from epicute.epilogue.dtypes import DTYPE_BYTES
 from epicute.errors import ConfigError
 from epicute.sm90.smem_layout import MBARRIER_BYTES, SmemBuffer, SmemLayout
 from epicute.sm90.warp_roles import WarpRoles
@@ -152,6 +153,26 @@ def backward_config(head_dim: int) -> BackwardConfig:
     return cfg
 
 
+#: The widest section :func:`grid_section` takes (the widest measured).
+MAX_GRID_SECTION = 8
+
+
+def grid_section(cfg: BackwardConfig, causal: bool, group: int, seqlen_q: int, pairs: int, l2_bytes: int,
+                 elem_bytes: int = 2) -> int:  # fmt: skip
+    """How many (key/value head, batch) pairs the backward's grid visits at a time, key block by key block
+    (bands of :func:`~epicute.sm90.tile_scheduler.band_coord`). Causal key blocks shorten as they go (key block n sees
+    the queries from its diagonal on), so the plain order -- every block of one head, then the next head's --
+    runs each head's long blocks together and ends on a ragged tail; a section starts the long blocks of
+    several heads at once and ends on short ones. It is as wide as L2 holds what its CTAs stream (each pair:
+    Q, dO, dQ's fp32 sum, LSE and D of its ``group`` query heads), a power of two, at most
+    :data:`MAX_GRID_SECTION`. Without a causal mask the blocks are equal: one pair at a time."""
+    if not causal:
+        return 1
+    streamed = group * seqlen_q * (cfg.head_dim * (2 * elem_bytes + 4) + 8)
+    fits = max(1, l2_bytes // max(streamed, 1))
+    return min(1 << (fits.bit_length() - 1), MAX_GRID_SECTION, max(pairs, 1))
+
+
 def stat_rows_start(first_row, batch, tile_m: int):
     """Where packed sequence ``batch``, whose rows start at ``first_row``, starts in the preprocess's LSE
     and D rows: a multiple of ``tile_m`` (the kernel's TMA loads of them start 16-byte aligned), at least
@@ -192,12 +213,31 @@ def backward_smem_layout(cfg: BackwardConfig, dtype: str = "bf16") -> SmemLayout
     ))  # fmt: skip
 
 
-def render_backward_plan(variant, problem, smem_limit: int) -> list[str]:
+def _grid_order(section: int, causal: bool, pairs: int, varlen: bool) -> str:
+    """explain's account of :func:`grid_section`'s choice."""
+    pair = f"(head, {'sequence' if varlen else 'batch'})"
+    if section > 1:
+        return (f"key block by key block over {section} {pair} pairs at a time: causal key blocks shorten as they "
+                f"go, so the long ones of {section} heads start together and the launch ends on short ones "
+                f"(what {section} heads' CTAs stream fits L2)")  # fmt: skip
+    why = (
+        "without a causal mask every key block sees every query"
+        if not causal
+        else "a single pair"
+        if pairs == 1
+        else "what a second pair's CTAs stream would not fit L2 beside it"
+    )
+    return f"every key block of one {pair} pair, then the next: {why}"
+
+
+def render_backward_plan(variant, problem, target) -> list[str]:
     """explain's lines for ``variant`` (a :class:`~epicute.attention.backward.BackwardVariant`), the backward
-    kernel of ``problem`` (an :class:`~epicute.attention.plan.AttentionProblem`): grid, steps, warp roles,
-    dQ's order, shared memory, why."""
+    kernel of ``problem`` (an :class:`~epicute.attention.plan.AttentionProblem`) on ``target`` (a
+    :class:`~epicute.runtime.target.Target`): grid, steps, warp roles, dQ's order, shared memory, why."""
     cfg, dtype, p = variant.config, variant.dtype, problem
     key_blocks = -(-p.seqlen_k // cfg.tile_n)
+    section = grid_section(cfg, p.causal, p.group, p.seqlen_q, p.heads_kv * p.batch, target.l2_bytes,
+                           DTYPE_BYTES[dtype])  # fmt: skip
     dq_split = "rows" if cfg.tile_m > KEYS_PER_WARPGROUP else "head_dim columns"
     lines = [
         "backward (training: dQ, dK, dV, after a preprocess kernel: D = rowsum(dO * O), LSE, dQ's fp32 sum zeroed; "
@@ -211,6 +251,7 @@ def render_backward_plan(variant, problem, smem_limit: int) -> list[str]:
             f"head, {'sequence' if p.varlen else 'batch'}), walking {p.group} query head(s) x every query block "
             "that sees its keys" + (" (from the diagonal)" if p.causal else "")
         ),
+        "  grid order      " + _grid_order(section, p.causal, p.heads_kv * p.batch, p.varlen),
         f"  steps           {cfg.tile_m} queries per step; Q, dO, LSE and D in a {cfg.stages}-stage TMA ring",
         f"  warpgroup 0     producer: warp 0 TMA loads, warp 1 reduce-adds dQ   setmaxnreg {cfg.producer_regs}",
     ]
@@ -240,16 +281,18 @@ def render_backward_plan(variant, problem, smem_limit: int) -> list[str]:
     width = max(len(item.name) for item in table)
     lines += ["  shared memory"]
     lines += [f"    {item.name:<{width}}  {item.bytes:>7} B  {item.what}" for item in table]
-    lines.append(f"    {'total':<{width}}  {layout.total_bytes:>7} B  of {smem_limit} B")
+    lines.append(f"    {'total':<{width}}  {layout.total_bytes:>7} B  of {target.smem_per_cta_bytes} B")
     lines += ["  why"] + [f"    - {r}" for r in cfg.reasons]
     return lines
 
 
 __all__ = [
     "BACKWARD_HEAD_DIMS",
+    "MAX_GRID_SECTION",
     "BackwardConfig",
     "backward_config",
     "backward_smem_layout",
+    "grid_section",
     "render_backward_plan",
     "stat_rows_start",
 ]

@@ -136,6 +136,9 @@ def test_explain_shows_the_backward_kernel_autograd_runs(capsys):
     total = backward_smem_layout(variant.config, "bf16").total_bytes
     assert f"total               {total} B" in backward and "warp 1 reduce-adds dQ" in backward
     assert "dQ order        as the reduce-adds land" in backward
+    assert "grid order      key block by key block over 8 (head, batch) pairs at a time" in backward
+    epicute.explain_attention(q, kv, kv)
+    assert "every key block of one (head, batch) pair, then the next: without a causal mask" in capsys.readouterr().out
     epicute.explain_attention(q, kv, kv, causal=True, deterministic=True)
     backward = capsys.readouterr().out.split("backward (training")[1]
     assert "deterministic: the key blocks take turns adding into each query block, first to last" in backward

@@ -6,7 +6,8 @@ with torch's autograd through :func:`reference_attention` on float32 copies of t
 lengths (1, 17, 1000, 4097), seqlen_q != seqlen_k both ways, MHA / GQA / MQA, causal, head_dim
 64, 128 and 256 (whose kernel splits head_dim over its warpgroups), bf16 and fp16, score_mods
 (softcap, ALiBi, a masked softcap), LSE's own gradient,
-``torch.compile(fullgraph=True)``, the deterministic mode (bitwise-equal gradients across runs).
+``torch.compile(fullgraph=True)``, the deterministic mode (bitwise-equal gradients across runs and grid
+orders).
 dK and dV are NaN-poisoned through the backward's buffer seam, so an element the kernel never
 writes fails.
 """
@@ -242,6 +243,27 @@ def test_deterministic_gradients_are_reproducible_bit_for_bit(d, hq, hkv, sq, sk
             assert torch.equal(a, b), f"{name} differs between two deterministic runs"
     for name, g, r in zip(("dq", "dk", "dv"), first, reference_grads(q, k, v, do, causal)):
         assert rel_err(g, r) <= TOL, f"{name} rel err {rel_err(g, r):.2e}"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_grid_bands_of_heads_leave_the_gradients_unchanged(d, monkeypatch):
+    # 2 batches x 4 key/value heads walked in bands of 3 pairs (the last one 2 wide): each pair's key blocks
+    # still launch in order, so deterministic sums are bitwise those of the one-pair order.
+    q, k, v = leaves(2, 1000, 1000, 8, 4, d)
+    do = torch.randn_like(q)
+
+    def grads(band, deterministic):
+        monkeypatch.setattr(rt_backward, "grid_section", lambda *args: band)
+        out = epicute.attention(q, k, v, causal=True, deterministic=deterministic)
+        return torch.autograd.grad(out, (q, k, v), do)
+
+    ref = reference_grads(q, k, v, do, causal=True)
+    for deterministic in (False, True):
+        banded = grads(3, deterministic)
+        for name, g, r in zip(("dq", "dk", "dv"), banded, ref):
+            assert rel_err(g, r) <= TOL, f"{name} rel err {rel_err(g, r):.2e} (deterministic={deterministic})"
+    for name, a, b in zip(("dq", "dk", "dv"), banded, grads(1, True)):
+        assert torch.equal(a, b), f"{name}: bands of 3 pairs and of 1 sum dQ differently"
 
 
 def test_deterministic_mode_trains_under_torch_compile():
