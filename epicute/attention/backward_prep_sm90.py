@@ -12,8 +12,8 @@ query blocks (``tile_m`` rows):
   included; row-major it is shaped like Q, and (dense batches) the row's query is zeroed (packed,
   the host zeroes it).
 
-One warp per (query row, head): each lane owns ``head_dim / 32`` consecutive columns of O and
-dO, read as one vector, and the row's sum is a butterfly over the warp. A CTA takes one query
+``head_dim / 8`` lanes per (query row, head): each lane owns 8 consecutive columns of O and dO, read
+as one 16-byte vector, and the row's sum is a butterfly over its lanes. A CTA takes one query
 block of one head of one batch (or packed sequence) and writes every row of it, padding
 included: packed sequences' LSE and D rows start at block boundaries
 (:func:`~epicute.attention.backward_plan.stat_rows_start`), and a sequence's CTAs cover the rows
@@ -24,8 +24,9 @@ The postprocess (:class:`BackwardPostprocessSm90`) writes ``dQ = accumulator * s
 the input dtype. The main kernel adds dQ in its WGMMA accumulator's order
 (:func:`~epicute.attention.backward_sm90.dq_fragment`), so each of the postprocess's 256 threads
 reads the fragment the consumer thread of the same number left (16-byte loads, a warp's over 512
-consecutive bytes) and stores each value where that thread's partition of the dQ MMA puts it: the
-same two functions place the values both ways, and rows past a sequence's end are not written.
+consecutive bytes), stages its values row-major in shared memory where that thread's partition of
+the dQ MMA puts them (the same two functions place the values both ways), and one TMA store writes
+the block's whole rows, clipped at the sequence's end.
 """
 
 from __future__ import annotations
@@ -33,12 +34,17 @@ from __future__ import annotations
 import math
 
 import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, cute
+from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from epicute.attention.backward_plan import MMA_WARPGROUPS, stat_rows_start
 from epicute.attention.backward_sm90 import as_vectors, dq_fragment, dq_tiled_mma
-from epicute.attention.key_blocks import packed_range
+from epicute.attention.key_blocks import packed_range, ragged_rows, ragged_tensor
 from epicute.sm90.epilogue_emit import DSL_DTYPES
+from epicute.sm90.fragments import pack_16bit, row_major_smem_layout, select_modes
 from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
 LOG2_E = math.log2(math.e)
@@ -55,7 +61,12 @@ class BackwardPreprocessSm90:
         self.varlen = varlen
         self.has_dlse = has_dlse
         self.dq_fragment_order = dq_fragment_order
-        self.cols_per_lane = head_dim // 32
+        #: Each lane reads 16 bytes of a row of O and of dO: ``head_dim / 8`` lanes share a row.
+        self.cols_per_lane = 8
+        self.lanes_per_row = head_dim // self.cols_per_lane
+        self.rows_per_warp = 32 // self.lanes_per_row
+        #: shuffle distances of the butterfly that sums a row over its lanes
+        self.butterfly = tuple(self.lanes_per_row >> k for k in range(1, self.lanes_per_row.bit_length()))
 
     @cute.jit
     def __call__(
@@ -112,28 +123,33 @@ class BackwardPreprocessSm90:
             stat_rows = stat_rows_start(first + seqlen, batch + 1, t) - first_stat
             tensor_batch = 0
         if block * t < stat_rows:
-            cols = (self.cols_per_lane,)
-            for i in cutlass.range(warp, t, WARPS, unroll=2):  # two rows in flight per warp
-                row = block * t + i  # in the sequence
+            cols, lanes = (self.cols_per_lane,), self.lanes_per_row
+            col = lane % lanes  # the lane's 16 bytes of its row
+            rows_per_step = WARPS * self.rows_per_warp
+            for i in cutlass.range(warp * self.rows_per_warp, t, rows_per_step, unroll=2):  # two steps in flight
+                row = block * t + i + lane // lanes  # in the sequence
                 stat_row = first_stat + row
-                lse_log2, dsum = Float32.inf, Float32(0.0)
+                lse_log2, part, dlse_row = Float32.inf, Float32(0.0), Float32(0.0)
                 if row < seqlen:
                     src = first + row
-                    o = cute.local_tile(mO[tensor_batch, src, head, None], cols, (lane,)).load().to(Float32)
-                    do = cute.local_tile(mdO[tensor_batch, src, head, None], cols, (lane,)).load().to(Float32)
+                    o = cute.local_tile(mO[tensor_batch, src, head, None], cols, (col,)).load().to(Float32)
+                    do = cute.local_tile(mdO[tensor_batch, src, head, None], cols, (col,)).load().to(Float32)
                     part = (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    for offset in (16, 8, 4, 2, 1):
-                        part += cute.arch.shuffle_sync_bfly(part, offset)
-                    dsum = part
                     lse = mLSE[tensor_batch, head, src]
                     lse_log2 = cutlass.select_(lse == -Float32.inf, Float32.inf, lse * Float32(LOG2_E))
                     if cutlass.const_expr(self.has_dlse):
-                        dsum = dsum - dlse[0][tensor_batch, head, src]
+                        dlse_row = dlse[0][tensor_batch, head, src]
                     if cutlass.const_expr(not self.dq_fragment_order and not self.varlen):
-                        zero_cols(mdQ[tensor_batch, src, head, None], lane, cols)
+                        zero_cols(mdQ[tensor_batch, src, head, None], col, cols)
+                # The row's sum over its lanes: every lane shuffles (rows past the end add zeros).
+                for offset in self.butterfly:
+                    part += cute.arch.shuffle_sync_bfly(part, offset)
+                dsum = part
+                if cutlass.const_expr(self.has_dlse):
+                    dsum = part - dlse_row
                 if cutlass.const_expr(self.dq_fragment_order):
-                    zero_cols(mdQ[tensor_batch, head, stat_row, None], lane, cols)
-                if lane == 0:
+                    zero_cols(mdQ[tensor_batch, head, stat_row, None], col, cols)
+                if col == 0:
                     mLSE_log2[tensor_batch, head, stat_row] = lse_log2
                     mD[tensor_batch, head, stat_row] = dsum
 
@@ -161,47 +177,63 @@ class BackwardPostprocessSm90:
         """``mdQaccum`` fp32 ``(batch, heads, rows, head_dim)``, rows as the preprocess laid LSE's out; writes
         ``mdQ`` ``(batch, seqlen_q, heads, head_dim)``. ``varlen``: ``()``, or ``(cu_seqlens_q, max_seqlen_q)``
         with ``mdQ`` packed (batch extent 1)."""
-        t = self.tile_m
+        t, d = self.tile_m, self.head_dim
         blocks = cute.ceil_div(cute.size(mdQ, mode=[1]), t)
         batches = cute.size(mdQ, mode=[0])
+        m_dq = select_modes(mdQ, [1, 3, 2, 0])  # (seqlen, dim, heads, batch): TMA boxes are (rows, dim)
         if cutlass.const_expr(self.varlen):
             blocks = (varlen[1] + t - 1) // t
             batches = cute.size(varlen[0], mode=[0]) - 1
-        self.kernel(dq_tiled_mma(t, self.head_dim, self.dtype), mdQaccum, mdQ, softmax_scale, varlen).launch(
+            m_dq = ragged_tensor(m_dq)
+        s_layout = row_major_smem_layout(self.dtype, t, d)
+        tma, tma_m_dq = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), m_dq, s_layout, (t, d))
+        self.kernel(dq_tiled_mma(t, d, self.dtype), mdQaccum, tma, tma_m_dq, s_layout, softmax_scale, varlen).launch(
             grid=(blocks, cute.size(mdQ, mode=[2]), batches),
             block=[MMA_WARPGROUPS * THREADS_PER_WARPGROUP, 1, 1],
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, tiled_mma: cute.TiledMma, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
-               varlen: tuple):  # fmt: skip
+    def kernel(self, tiled_mma: cute.TiledMma, mdQaccum: cute.Tensor, tma: cute.CopyAtom, m_dq: cute.Tensor,
+               s_layout: cute.ComposedLayout, softmax_scale: Float32, varlen: tuple):  # fmt: skip
         tidx, _, _ = cute.arch.thread_idx()
         block, head, batch = cute.arch.block_idx()
         t, d = self.tile_m, self.head_dim
-        seqlen = cute.size(mdQ, mode=[1])
+        seqlen = cute.size(m_dq, mode=[0])
         # (first row in dQ, the block's first row in the accumulator, tensor batch)
         first, acc_row, tensor_batch = 0, block * t, batch
         if cutlass.const_expr(self.varlen):
             first, seqlen = packed_range(varlen[0], batch, seqlen)
             acc_row = stat_rows_start(first, batch, t) + block * t
             tensor_batch = 0
+        s_dq = SmemAllocator().allocate_tensor(self.dtype, s_layout.outer, byte_alignment=1024, swizzle=s_layout.inner)
         if block * t < seqlen:
             thr = tiled_mma.get_slice(tidx)
             acc = cute.make_rmem_tensor(thr.partition_shape_C((t, d)), Float32)
             staged = cute.domain_offset((acc_row, 0), mdQaccum[tensor_batch, head, None, None]).iterator
             cute.autovec_copy(dq_fragment(staged, t, d, tidx), as_vectors(acc))
+            acc.store(acc.load() * softmax_scale)
             values = cute.make_rmem_tensor(acc.shape, self.dtype)
-            values.store((acc.load() * softmax_scale).to(self.dtype))
-            rows = cute.domain_offset((first, 0), mdQ[tensor_batch, None, head, None])
-            out = thr.partition_C(cute.local_tile(rows, (t, d), (block, 0)))
-            if (block + 1) * t <= seqlen:
-                cute.autovec_copy(values, out)
-            else:  # the sequence's last block: rows past its end are the next sequence's, or past the tensor
-                coords = thr.partition_C(cute.make_identity_tensor((t, d)))
-                for i in cutlass.range_constexpr(cute.size(values)):
-                    if block * t + coords[i][0] < seqlen:
-                        out[i] = values[i]
+            pack_16bit(acc, values)
+            # Staged row-major (stmatrix into the swizzled tile) for one TMA store of whole rows, which
+            # clips the rows past the sequence's end (packed: through the ragged view).
+            r2s = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
+                                         tiled_mma)  # fmt: skip
+            thr_r2s = r2s.get_slice(tidx)
+            cute.copy(r2s, thr_r2s.retile(values), thr_r2s.partition_D(s_dq))
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            if tidx // 32 == 0:
+                rows = m_dq[None, None, head, tensor_batch]
+                if cutlass.const_expr(self.varlen):
+                    rows = ragged_rows(m_dq, head, first, seqlen)
+                s_part, g_part = cpasync.tma_partition(
+                    tma, 0, cute.make_layout(1), cute.group_modes(s_dq, 0, 2),
+                    cute.group_modes(cute.local_tile(rows, (t, d), (block, 0)), 0, 2),
+                )  # fmt: skip
+                cute.copy(tma, s_part, g_part)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 __all__ = ["WARPS", "BackwardPostprocessSm90", "BackwardPreprocessSm90"]

@@ -74,7 +74,9 @@ def test_preprocess_variants_compile_without_spills(d, tile_m, varlen, has_dlse,
     assert spills == [0] and injected_fences == []
 
 
-@pytest.mark.parametrize("dtype,d,varlen", [("bf16", 128, False), ("fp16", 64, True), ("bf16", 128, True)])
+@pytest.mark.parametrize(
+    "dtype,d,varlen", [("bf16", 128, False), ("fp16", 64, True), ("bf16", 128, True), ("bf16", 64, False)]
+)
 def test_postprocess_variants_compile_without_spills(dtype, d, varlen, ptxas_report):
     compile_postprocess(PostprocessVariant(dtype, d, backward_config(d).tile_m, varlen))
     spills, injected_fences = ptxas_report()

@@ -23,6 +23,7 @@ import epicute
 from epicute import ops
 from epicute.attention import backward as rt_backward
 from epicute.attention.api import reference_attention
+from epicute.attention.backward_plan import backward_config
 from epicute.attention.prepare import hooks_of
 from epicute.attention.validate import check_attention_args
 from epicute.errors import ConfigError
@@ -272,8 +273,10 @@ def test_deterministic_mode_trains_under_torch_compile():
 
 @pytest.mark.parametrize("fragments", [True, False], ids=["dq_fragments", "dq_rows"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_preprocess_kernel_matches_its_torch_reference(packed, fragments):
-    heads, d, tile_m = 3, 128, 64
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_preprocess_kernel_matches_its_torch_reference(d, packed, fragments):
+    # head_dim / 8 lanes share a row (4 rows a warp at 64, 1 at 256); tile_m is the main kernel's.
+    heads, tile_m = 3, backward_config(d).tile_m
     if packed:
         lengths = [10, 0, 130, 1, 77]
         cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
