@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epicute.attention.backward_plan import BackwardConfig, grid_section, stat_rows_start
+from epicute.attention.backward_plan import BackwardConfig, grid_band, stat_rows_start
 from epicute.epilogue.dtypes import TORCH_TO_IR
 from epicute.runtime.cache import CacheKey
 from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily, dsl_compile
@@ -69,7 +69,7 @@ class BackwardVariant:
 
 def compile_backward(variant: BackwardVariant):
     """Compile one variant for sm_90a; returns ``f(q, k, v, do, lse_log2, d, dq_accum, dk, dv, softmax_scale,
-    section, score_tensors, score_scalars, varlen, dq_turns, operand_grads)``
+    band, score_tensors, score_scalars, varlen, dq_turns, operand_grads)``
     taking torch tensors (see :meth:`~epicute.attention.backward_sm90.AttentionBackwardSm90.__call__`)."""
     import cutlass
     from cutlass import cute
@@ -346,10 +346,10 @@ def attention_backward(
         if variant.deterministic:  # a counter per query block and head (LSE's rows are whole blocks)
             rows = lse_log2.shape
             dq_turns = (torch.zeros(*rows[:2], rows[2] // variant.config.tile_m, dtype=torch.int32, device=q.device),)
-        section = grid_section(cfg, variant.causal, p.group, p.seqlen_q, p.heads_kv * p.batch,
+        band = grid_band(cfg, variant.causal, p.group, p.seqlen_q, p.heads_kv * p.batch,
                                current_target().l2_bytes, q.element_size())  # fmt: skip
         BACKWARD_CACHE.get(variant)(
-            q4, k4, v4, do4, lse_log2, dsum, dq_accum, dk4, dv4, call.softmax_scale, section, *score_operands,
+            q4, k4, v4, do4, lse_log2, dsum, dq_accum, dk4, dv4, call.softmax_scale, band, *score_operands,
             varlen, dq_turns, partials,
         )  # fmt: skip
         if cfg.dq_fragment_order:

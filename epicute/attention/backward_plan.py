@@ -153,24 +153,24 @@ def backward_config(head_dim: int) -> BackwardConfig:
     return cfg
 
 
-#: The widest section :func:`grid_section` takes (the widest measured).
-MAX_GRID_SECTION = 8
+#: The widest band :func:`grid_band` takes (the widest measured).
+MAX_GRID_BAND = 8
 
 
-def grid_section(cfg: BackwardConfig, causal: bool, group: int, seqlen_q: int, pairs: int, l2_bytes: int,
+def grid_band(cfg: BackwardConfig, causal: bool, group: int, seqlen_q: int, pairs: int, l2_bytes: int,
                  elem_bytes: int = 2) -> int:  # fmt: skip
     """How many (key/value head, batch) pairs the backward's grid visits at a time, key block by key block
     (bands of :func:`~epicute.sm90.tile_scheduler.band_coord`). Causal key blocks shorten as they go (key block n sees
     the queries from its diagonal on), so the plain order -- every block of one head, then the next head's --
-    runs each head's long blocks together and ends on a ragged tail; a section starts the long blocks of
+    runs each head's long blocks together and ends on a ragged tail; a band starts the long blocks of
     several heads at once and ends on short ones. It is as wide as L2 holds what its CTAs stream (each pair:
     Q, dO, dQ's fp32 sum, LSE and D of its ``group`` query heads), a power of two, at most
-    :data:`MAX_GRID_SECTION`. Without a causal mask the blocks are equal: one pair at a time."""
+    :data:`MAX_GRID_BAND`. Without a causal mask the blocks are equal: one pair at a time."""
     if not causal:
         return 1
     streamed = group * seqlen_q * (cfg.head_dim * (2 * elem_bytes + 4) + 8)
     fits = max(1, l2_bytes // max(streamed, 1))
-    return min(1 << (fits.bit_length() - 1), MAX_GRID_SECTION, max(pairs, 1))
+    return min(1 << (fits.bit_length() - 1), MAX_GRID_BAND, max(pairs, 1))
 
 
 def stat_rows_start(first_row, batch, tile_m: int):
@@ -213,13 +213,13 @@ def backward_smem_layout(cfg: BackwardConfig, dtype: str = "bf16") -> SmemLayout
     ))  # fmt: skip
 
 
-def _grid_order(section: int, causal: bool, pairs: int, varlen: bool) -> str:
-    """explain's account of :func:`grid_section`'s choice."""
+def _grid_order(band: int, causal: bool, pairs: int, varlen: bool) -> str:
+    """explain's account of :func:`grid_band`'s choice."""
     pair = f"(head, {'sequence' if varlen else 'batch'})"
-    if section > 1:
-        return (f"key block by key block over {section} {pair} pairs at a time: causal key blocks shorten as they "
-                f"go, so the long ones of {section} heads start together and the launch ends on short ones "
-                f"(what {section} heads' CTAs stream fits L2)")  # fmt: skip
+    if band > 1:
+        return (f"key block by key block over {band} {pair} pairs at a time: causal key blocks shorten as they "
+                f"go, so the long ones of {band} heads start together and the launch ends on short ones "
+                f"(what {band} heads' CTAs stream fits L2)")  # fmt: skip
     why = (
         "without a causal mask every key block sees every query"
         if not causal
@@ -236,7 +236,7 @@ def render_backward_plan(variant, problem, target) -> list[str]:
     :class:`~epicute.runtime.target.Target`): grid, steps, warp roles, dQ's order, shared memory, why."""
     cfg, dtype, p = variant.config, variant.dtype, problem
     key_blocks = -(-p.seqlen_k // cfg.tile_n)
-    section = grid_section(cfg, p.causal, p.group, p.seqlen_q, p.heads_kv * p.batch, target.l2_bytes,
+    band = grid_band(cfg, p.causal, p.group, p.seqlen_q, p.heads_kv * p.batch, target.l2_bytes,
                            DTYPE_BYTES[dtype])  # fmt: skip
     dq_split = "rows" if cfg.tile_m > KEYS_PER_WARPGROUP else "head_dim columns"
     lines = [
@@ -251,7 +251,7 @@ def render_backward_plan(variant, problem, target) -> list[str]:
             f"head, {'sequence' if p.varlen else 'batch'}), walking {p.group} query head(s) x every query block "
             "that sees its keys" + (" (from the diagonal)" if p.causal else "")
         ),
-        "  grid order      " + _grid_order(section, p.causal, p.heads_kv * p.batch, p.varlen),
+        "  grid order      " + _grid_order(band, p.causal, p.heads_kv * p.batch, p.varlen),
         f"  steps           {cfg.tile_m} queries per step; Q, dO, LSE and D in a {cfg.stages}-stage TMA ring",
         f"  warpgroup 0     producer: warp 0 TMA loads, warp 1 reduce-adds dQ   setmaxnreg {cfg.producer_regs}",
     ]
@@ -288,11 +288,11 @@ def render_backward_plan(variant, problem, target) -> list[str]:
 
 __all__ = [
     "BACKWARD_HEAD_DIMS",
-    "MAX_GRID_SECTION",
+    "MAX_GRID_BAND",
     "BackwardConfig",
     "backward_config",
     "backward_smem_layout",
-    "grid_section",
+    "grid_band",
     "render_backward_plan",
     "stat_rows_start",
 ]

@@ -165,7 +165,7 @@ class AttentionBackwardSm90:
         mdK_bshd: cute.Tensor,
         mdV_bshd: cute.Tensor,
         softmax_scale: Float32,
-        section: cutlass.Int32,
+        band: cutlass.Int32,
         score_tensors: tuple,
         score_scalars: tuple,
         varlen: tuple,
@@ -184,9 +184,9 @@ class AttentionBackwardSm90:
         zeroed int32 turn counters ``(batch, heads_q, LSE's rows / tile_m)``, one per query block.
         ``operand_grads``: per grad operand (``grad_operands``), zeroed fp32 partial sums ``(batch, heads_q,
         key blocks, consumer warps)``: each consumer warp adds its part of every step into its own slot,
-        in step order (no two writers share one: the sums are reproducible). ``section``: the grid visits
+        in step order (no two writers share one: the sums are reproducible). ``band``: the grid visits
         its (key/value head, batch) pairs this many at a time, key block by key block
-        (:func:`~epicute.sm90.tile_scheduler.band_coord`; :func:`~epicute.attention.backward_plan.grid_section`
+        (:func:`~epicute.sm90.tile_scheduler.band_coord`; :func:`~epicute.attention.backward_plan.grid_band`
         chooses it)."""
         cfg = self.cfg
         d = cfg.head_dim
@@ -264,7 +264,7 @@ class AttentionBackwardSm90:
         self.kernel(
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
             dq_store, tma_dk, tma_mdK, tma_dv, tma_mdV, tma_lse, tma_mLSE, tma_dsum, tma_mD, sQ_layout,
-            sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout, group, softmax_scale, section,
+            sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout, group, softmax_scale, band,
             score_tensors, score_scalars, varlen, dq_turns, operand_grads,
         ).launch(
             grid=(n_blocks, cute.size(mK, mode=[2]), batches),
@@ -305,7 +305,7 @@ class AttentionBackwardSm90:
         sStat_layout: cute.Layout,
         group: cutlass.Int32,
         softmax_scale: Float32,
-        section: cutlass.Int32,
+        band: cutlass.Int32,
         score_tensors: tuple,
         score_scalars: tuple,
         varlen: tuple,
@@ -314,13 +314,13 @@ class AttentionBackwardSm90:
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        # Key blocks in bands of `section` (head, batch) pairs: causal key blocks shorten as n_block grows,
+        # Key blocks in bands of `band` (head, batch) pairs: causal key blocks shorten as n_block grows,
         # so this starts the long ones of several heads together and ends the launch on short ones. Every
         # CTA is still launched after its pair's previous key block (deterministic turns rely on it).
         block_x, block_y, block_z = cute.arch.block_idx()
         n_blocks, kv_heads, batches = cute.arch.grid_dim()
         linear = block_x + n_blocks * (block_y + kv_heads * block_z)
-        n_block, pair = band_coord(linear, n_blocks, kv_heads * batches, section)
+        n_block, pair = band_coord(linear, n_blocks, kv_heads * batches, band)
         kv_head, batch = pair % kv_heads, pair // kv_heads
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)

@@ -17,11 +17,11 @@ from epicute.attention.backward import (
     preprocess_reference,
 )
 from epicute.attention.backward_plan import (
-    MAX_GRID_SECTION,
+    MAX_GRID_BAND,
     BackwardConfig,
     backward_config,
     backward_smem_layout,
-    grid_section,
+    grid_band,
 )
 from epicute.attention.prepare import hooks_of, prepare
 from epicute.attention.validate import check_attention_args
@@ -92,15 +92,15 @@ def test_causal_grids_walk_bands_of_heads_that_fit_l2():
     mib = 1 << 20
     cfg = backward_config(128)
     # Without a causal mask every key block does the same work: one (head, batch) pair at a time.
-    assert grid_section(cfg, False, 1, 8192, 64, 50 * mib) == 1
+    assert grid_band(cfg, False, 1, 8192, 64, 50 * mib) == 1
     # Causal: each pair streams Q, dO (bf16), dQ's fp32 sum, LSE and D: 8192 x (128 x 8 + 8) B = 8.06 MiB,
     # 6 of which fit 50 MiB of L2; bands are powers of two.
-    assert grid_section(cfg, True, 1, 8192, 64, 50 * mib) == 4
-    assert grid_section(cfg, True, 1, 4096, 64, 50 * mib) == MAX_GRID_SECTION  # 12 fit: capped
-    assert grid_section(cfg, True, 4, 8192, 16, 50 * mib) == 1  # a GQA group of 4 heads streams 32 MiB
-    assert grid_section(cfg, True, 1, 1000, 3, 50 * mib) == 3  # never wider than the pairs
-    assert grid_section(cfg, True, 1, 1 << 20, 8, 50 * mib) == 1  # nothing fits: one pair
-    assert grid_section(backward_config(64), True, 1, 16384, 64, 50 * mib) == 4  # 16384 x (64 x 8 + 8) B
+    assert grid_band(cfg, True, 1, 8192, 64, 50 * mib) == 4
+    assert grid_band(cfg, True, 1, 4096, 64, 50 * mib) == MAX_GRID_BAND  # 12 fit: capped
+    assert grid_band(cfg, True, 4, 8192, 16, 50 * mib) == 1  # a GQA group of 4 heads streams 32 MiB
+    assert grid_band(cfg, True, 1, 1000, 3, 50 * mib) == 3  # never wider than the pairs
+    assert grid_band(cfg, True, 1, 1 << 20, 8, 50 * mib) == 1  # nothing fits: one pair
+    assert grid_band(backward_config(64), True, 1, 16384, 64, 50 * mib) == 4  # 16384 x (64 x 8 + 8) B
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
