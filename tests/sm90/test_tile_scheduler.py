@@ -1,4 +1,5 @@
-"""The band walk shared by the GEMM's persistent scheduler and attention's causal (LPT) order."""
+"""The band walk shared by the GEMM's persistent scheduler, attention's causal (LPT) order and the causal
+backward's grid (bands of heads)."""
 
 from __future__ import annotations
 
