@@ -34,17 +34,15 @@ from __future__ import annotations
 import math
 
 import cutlass
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, cute
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
-from cutlass.tensor_utils import LayoutEnum
 
 from epicute.attention.backward_plan import MMA_WARPGROUPS, stat_rows_start
 from epicute.attention.backward_sm90 import as_vectors, dq_fragment, dq_tiled_mma
 from epicute.attention.key_blocks import packed_range, ragged_rows, ragged_tensor
 from epicute.sm90.epilogue_emit import DSL_DTYPES
-from epicute.sm90.fragments import pack_16bit, row_major_smem_layout, select_modes
+from epicute.sm90.fragments import pack_16bit, row_major_smem_layout, select_modes, stmatrix_copy
 from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
 LOG2_E = math.log2(math.e)
@@ -217,8 +215,7 @@ class BackwardPostprocessSm90:
             pack_16bit(acc, values)
             # Staged row-major (stmatrix into the swizzled tile) for one TMA store of whole rows, which
             # clips the rows past the sequence's end (packed: through the ragged view).
-            r2s = cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32),
-                                         tiled_mma)  # fmt: skip
+            r2s = stmatrix_copy(tiled_mma, self.dtype)
             thr_r2s = r2s.get_slice(tidx)
             cute.copy(r2s, thr_r2s.retile(values), thr_r2s.partition_D(s_dq))
             cute.arch.fence_proxy("async.shared", space="cta")

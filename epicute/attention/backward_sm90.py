@@ -68,7 +68,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, cute, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
-from cutlass.tensor_utils import LayoutEnum
 
 from epicute.attention.backward_plan import (
     KEYS_PER_WARPGROUP,
@@ -88,6 +87,7 @@ from epicute.sm90.fragments import (
     pack_16bit,
     row_major_smem_layout,
     select_modes,
+    stmatrix_copy,
     transposed_view,
     warpgroup_gemm,
     warpgroup_slice,
@@ -650,9 +650,7 @@ class AttentionBackwardSm90:
             tdKrdS = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((cfg.tile_n, cfg.tile_m)))
             # dS^T's registers seen as an accumulator, for stmatrix into sdS (same element order).
             dS_acc_view = cute.make_tensor(tdKrdS.iterator, cute.make_layout(s_shape))
-        r2s_ds = cute.make_tiled_copy_C(
-            sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32), tiled_mma_sdp
-        )
+        r2s_ds = stmatrix_copy(tiled_mma_sdp, self.dtype)
         thr_r2s_ds = r2s_ds.get_slice(mma_tidx)
         tdSsdS = thr_r2s_ds.partition_D(sdS)
         tPsP = thr_r2s_ds.partition_D(sP) if cutlass.const_expr(self.split_dims) else None
@@ -804,8 +802,7 @@ class AttentionBackwardSm90:
         cfg = self.cfg
         n_block, kv_head, batch = tile
         one = cute.make_layout(1)
-        store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
-        r2s = cute.make_tiled_copy_C(store_op, tiled_mma_dkv)
+        r2s = stmatrix_copy(tiled_mma_dkv, self.dtype)
         thr_r2s = r2s.get_slice(mma_tidx)
         acc_dK.store(acc_dK.load() * softmax_scale)
         epilogue = pipeline.NamedBarrier(barrier_id=int(NamedBarriers.EPILOGUE), num_threads=cfg.num_mma_threads)

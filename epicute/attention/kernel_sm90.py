@@ -63,7 +63,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int16, Int32, cute
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
-from cutlass.tensor_utils import LayoutEnum
 
 from epicute.attention.key_blocks import KeyRange, QueryRange
 from epicute.attention.plan import WGMMA_M, AttentionConfig, attention_smem_layout, lpt_keys_per_band
@@ -79,6 +78,7 @@ from epicute.sm90.fragments import (
     pack_pairs,
     row_major_smem_layout,
     select_modes,
+    stmatrix_copy,
     warpgroup_gemm,
     warpgroup_slice,
 )
@@ -840,8 +840,7 @@ class AttentionOutput(StagedOutput):
         self.atom, self.tensor, self.staging = atom, tensor, staging
         dsl = DSL_DTYPES[dtype]
         self.converted = cute.make_rmem_tensor(shape, dsl)
-        store_op = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dsl, Float32)
-        self.r2s = cute.make_tiled_copy_C(store_op, tiled_mma_pv)
+        self.r2s = stmatrix_copy(tiled_mma_pv, dsl)
         self.thr_r2s = self.r2s.get_slice(mma_tidx)
 
     def begin(self, run) -> None:

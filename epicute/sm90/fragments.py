@@ -21,8 +21,8 @@ accumulator as this thread's rows and columns), :func:`acc_as_operand_a` (an
 accumulator as the next WGMMA's register A operand), :func:`transposed_view` (a
 shared-memory tile read the other way round: V^T, dO^T, K^T, dS),
 :func:`row_major_smem_layout` (swizzle atoms no wider than a warpgroup's slice),
-:func:`select_modes`; and :func:`warpgroup_gemm`, one WGMMA issue with its fence,
-commit and optional wait.
+:func:`select_modes`, :func:`stmatrix_copy` (an accumulator's 16-bit copy into such a tile); and
+:func:`warpgroup_gemm`, one WGMMA issue with its fence, commit and optional wait.
 """
 
 from __future__ import annotations
@@ -78,6 +78,13 @@ def pack_pairs(src: cute.Tensor, dst: cute.Tensor):
 def pack_16bit(src: cute.Tensor, dst: cute.Tensor):
     """:func:`pack_pairs` to bf16 or fp16 (the P operand of attention's PV WGMMA)."""
     pack_pairs(src, dst)
+
+
+def stmatrix_copy(tiled_mma, dtype):
+    """The copy that stores a 16-bit ``dtype`` copy of ``tiled_mma``'s fp32 accumulator (packed by
+    :func:`pack_16bit`, retiled per thread) into a row-major swizzled shared-memory tile with
+    ``stmatrix`` (``partition_D`` of the thread's slice), for a TMA store or another WGMMA to read."""
+    return cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, Float32), tiled_mma)
 
 
 def warpgroup_slice(tiled_mma, warpgroup):
