@@ -31,6 +31,8 @@ dV accumulate in registers and are stored once (the group's sum, no atomics). Wa
 - consumers (2 warpgroups, 64 keys each). Per step: S^T = K Q^T and dP^T = V dO^T (WGMMA from
   shared memory, keys as M so each warpgroup's rows are its own keys); P^T = exp2(S^T *
   scale * log2 e - LSE * log2 e) with the ragged-key and causal masks; dS^T = P^T (dP^T - D).
+  Without a score_mod the masks set hidden scores to -inf first, and half of the exponentials
+  run while dP^T's WGMMA does, the rest interleaved with dS^T's arithmetic after its wait.
   dS^T is staged in shared memory (stmatrix) while dV += P^T dO runs (P^T a register A
   operand); once both warpgroups have staged their keys (named barrier ``SCORES_STAGED``),
   each warpgroup issues its half of dQ = dS K over all 128 keys (half of head_dim, or at
@@ -532,7 +534,10 @@ class AttentionBackwardSm90:
 
     # ------------------------------------------------------------ consumers
     @cute.jit
-    def _probabilities(self, acc_S, slope, cS, step_args, masked: cutlass.Constexpr[bool], grads=None):
+    def _probabilities(
+        self, acc_S, slope, cS, step_args, masked: cutlass.Constexpr[bool], grads=None,
+        columns: cutlass.Constexpr = None,
+    ):  # fmt: skip
         """S^T becomes P^T = exp2(s' * log2 e - LSE_log2) in place, s' the scaled score or the score_mod
         of it (whose derivative by the score goes to ``slope``: dS is then scaled by it); with
         ``masked``, keys past seqlen_k, (causal) keys past each query's diagonal and (packed sequences, whose
@@ -543,7 +548,9 @@ class AttentionBackwardSm90:
         ``grads`` (``fused_grads``: operand derivatives that read the score): (dP^T, landed; the step's D
         by query row; the grad operands' parts, an fp32 register vector): each score's dS^T is made here
         too, in place of dP^T, while its derivatives by the operands are at hand: their products with
-        P (dP - D) are added to the parts (so neither the slope nor those derivatives are stored)."""
+        P (dP - D) are added to the parts (so neither the slope nor those derivatives are stored).
+
+        ``columns``: (first, end) of this thread's accumulator columns to do, or all."""
         cfg = self.cfg
         n_block, m_block, head, batch, lse, seqlen_q, seqlen_k, softmax_scale, operands = step_args
         S = acc_rows_cols(acc_S)
@@ -558,7 +565,8 @@ class AttentionBackwardSm90:
             scale_log2 = Float32(LOG2_E)  # the score_mod sees (and returns) scaled scores
         index = {"b": batch.to(Float32), "h": head.to(Float32)}
         # Column by column: one query's LSE is read from shared memory once for its rows.
-        for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+        first, end = columns if cutlass.const_expr(columns is not None) else (0, cute.size(S, mode=[1]))
+        for c in cutlass.range_constexpr(first, end):
             query = m_block * cfg.tile_m + cS[0, c][1]
             if cutlass.const_expr(self.score_mod is not None):
                 index["q_idx"] = query.to(Float32)
@@ -573,11 +581,7 @@ class AttentionBackwardSm90:
                     score, slope_rc, by_operand = self._score_mod(score * softmax_scale, index, operands)
                 p = cute.math.exp2(score * scale_log2 - lse_c, fastmath=True)
                 if cutlass.const_expr(masked):
-                    hidden = key >= seqlen_k
-                    if cutlass.const_expr(self.varlen):
-                        hidden = hidden | (query >= seqlen_q)
-                    if cutlass.const_expr(self.causal):
-                        hidden = hidden | (key > query + seqlen_k - seqlen_q)
+                    hidden = self._hidden(key, query, seqlen_q, seqlen_k)
                     p = cutlass.select_(hidden, Float32(0.0), p)
                     if cutlass.const_expr(self.score_mod is not None):
                         # A hidden key's slopes may be anything (its score is not a real one): 0 * inf is NaN.
@@ -591,6 +595,31 @@ class AttentionBackwardSm90:
                 elif cutlass.const_expr(self.score_mod is not None):
                     G[r, c] = slope_rc
                 S[r, c] = p
+
+    @cute.jit
+    def _hide_scores(self, acc_S, cS, step_args):
+        """S^T = -inf where ``_probabilities`` would hide a score (its masks), so exp2 makes P = 0 there
+        (the LSE is finite or, on padded rows, +inf). Only without a score_mod, which must see real scores."""
+        cfg = self.cfg
+        n_block, m_block, _, _, _, seqlen_q, seqlen_k, _, _ = step_args
+        S = acc_rows_cols(acc_S)
+        for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+            query = m_block * cfg.tile_m + cS[0, c][1]
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                key = n_block * cfg.tile_n + cS[r, 0][0]
+                hidden = self._hidden(key, query, seqlen_q, seqlen_k)
+                S[r, c] = cutlass.select_(hidden, -Float32.inf, S[r, c])
+
+    def _hidden(self, key, query, seqlen_q, seqlen_k):
+        """Whether the score of (``query``, ``key``) is masked: a key past seqlen_k, (packed sequences, whose next
+        rows are another sequence's) a query past seqlen_q, (causal, diagonal bottom-right aligned) a key past the
+        query's diagonal."""
+        hidden = key >= seqlen_k
+        if cutlass.const_expr(self.varlen):
+            hidden = hidden | (query >= seqlen_q)
+        if cutlass.const_expr(self.causal):
+            hidden = hidden | (key > query + seqlen_k - seqlen_q)
+        return hidden
 
     def _score_mod(self, score, index: dict, operands: dict):
         """The traced score_mod, its derivative by the score and (``fused_grads``) by each grad operand, on
@@ -711,7 +740,19 @@ class AttentionBackwardSm90:
                 warpgroup.wait_group(0)
                 grads = (acc_dP, dsum, cute.make_rmem_tensor(len(self.grad_operands), Float32))
                 grads[2].fill(0.0)
-            if masked:
+            if cutlass.const_expr(self.score_mod is None):
+                # Hidden scores become -inf (P = 0) in a pass of their own, so no branch splits the
+                # exponentials from dS^T's ALU work. The first half of the columns' exponentials sits in a
+                # branch that is always taken (the step exists, so the CTA has keys): ptxas cannot hoist
+                # dP^T's wait above it, so those run while dP^T's WGMMA does, and the second half
+                # interleaves with dS^T after the wait.
+                if masked:
+                    self._hide_scores(acc_S, cS, step_args)
+                columns = cute.size(acc_rows_cols(acc_S), mode=[1])
+                if seqlen_k > 0:
+                    self._probabilities(acc_S, slope, cS, step_args, False, grads, columns=(0, columns // 2))
+                self._probabilities(acc_S, slope, cS, step_args, False, grads, columns=(columns // 2, columns))
+            elif masked:
                 self._probabilities(acc_S, slope, cS, step_args, True, grads)
             else:
                 self._probabilities(acc_S, slope, cS, step_args, False, grads)
