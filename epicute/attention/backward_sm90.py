@@ -748,10 +748,10 @@ class AttentionBackwardSm90:
                 # interleaves with dS^T after the wait.
                 if masked:
                     self._hide_scores(acc_S, cS, step_args)
-                columns = cute.size(acc_rows_cols(acc_S), mode=[1])
+                half = cute.size(acc_rows_cols(acc_S), mode=[1]) // 2
                 if seqlen_k > 0:
-                    self._probabilities(acc_S, slope, cS, step_args, False, grads, columns=(0, columns // 2))
-                self._probabilities(acc_S, slope, cS, step_args, False, grads, columns=(columns // 2, columns))
+                    self._probabilities(acc_S, slope, cS, step_args, False, grads, columns=(0, half))
+                self._probabilities(acc_S, slope, cS, step_args, False, grads, columns=(half, 2 * half))
             elif masked:
                 self._probabilities(acc_S, slope, cS, step_args, True, grads)
             else:
