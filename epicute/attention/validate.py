@@ -25,6 +25,8 @@ from epicute.errors import AlignmentError, ConfigError, DeviceError, DtypeError,
 from epicute.runtime.checks import TMA_ALIGN_BYTES, check_on_one_hopper_gpu, overlaps
 
 ATTN_DTYPES = (torch.bfloat16, torch.float16)
+#: The softmax scales the kernels take: positive normal float32 values.
+FLOAT32_NORMAL_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
 
 
 @dataclass
@@ -145,8 +147,15 @@ def check_attention_args(
         raise ShapeError("k and v have seqlen 0: softmax over no keys is undefined; pass at least one key")
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
-    elif not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        raise ConfigError(f"softmax_scale={softmax_scale!r}: must be a positive number (default head_dim ** -0.5)")
+    elif not isinstance(softmax_scale, (int, float)) or not (
+        FLOAT32_NORMAL_RANGE[0] <= softmax_scale <= FLOAT32_NORMAL_RANGE[1]
+    ):
+        # The kernels scale scores in float32 and mask with -inf: a scale that is 0, subnormal or inf there
+        # would turn masked scores into NaN.
+        raise ConfigError(
+            f"softmax_scale={softmax_scale!r}: must be a positive number that float32 holds as a normal value "
+            f"({FLOAT32_NORMAL_RANGE[0]:.3g} to {FLOAT32_NORMAL_RANGE[1]:.3g}; default head_dim ** -0.5)"
+        )
     if q.numel():
         for name, t in (("q", q), ("k", k), ("v", v)):
             _check_strides(t, name)

@@ -169,6 +169,8 @@ def test_validation_errors():
     misaligned = torch.empty(2 * 16 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 16, 4, 64)
     bad(epicute.AlignmentError, "16-byte", misaligned, k, v)
     bad(epicute.ConfigError, "softmax_scale", q, k, v, softmax_scale=-1.0)
+    for scale in (0.0, 1e-40, float("inf"), float("nan")):  # float32 would hold 0, a subnormal, inf, NaN
+        bad(epicute.ConfigError, "float32 holds", q, k, v, softmax_scale=scale)
     with pytest.raises(epicute.ConfigError, match="backend"):
         epicute.attention(q, k, v, backend="triton")
     with pytest.raises(epicute.DeviceError, match="cuda"):
