@@ -10,6 +10,8 @@ At head_dim 256 one warpgroup's dK and dV over 64 keys would take 256 registers 
 the warpgroups split head_dim instead (``split_head_dim``): a CTA takes 64 keys, each
 warpgroup computes S^T and dP^T for half of the step's queries, stages P^T and dS^T in shared
 memory, and accumulates dK and dV for all 64 keys over its half of head_dim (128 registers).
+At head_dim 128 without a score_mod a step takes 80 queries, and dQ, whose 80 rows no WGMMA's M
+covers, is computed transposed (:func:`dq_transposed`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ BACKWARD_HEAD_DIMS = (64, 128, 256)
 KEYS_PER_WARPGROUP = 64
 #: Consumer warpgroups of the backward kernel.
 MMA_WARPGROUPS = 2
+
+
+def dq_transposed(tile_m: int) -> bool:
+    """Whether the backward computes dQ transposed, ``dQ^T = K^T dS^T`` with head_dim as the WGMMA's M: when a
+    step's ``tile_m`` queries (80) are no multiple of a WGMMA's M (64), they can only be its N."""
+    return tile_m % KEYS_PER_WARPGROUP != 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,22 @@ class BackwardConfig(WarpRoles):
         return self.tile_n == KEYS_PER_WARPGROUP
 
     @property
+    def stat_stage_floats(self) -> int:
+        """Floats between the ring stages of LSE and of D in shared memory: ``tile_m`` rounded up to 32, as a
+        TMA load's shared-memory destination must be 128-byte aligned (80 rows of fp32 are 320 bytes)."""
+        return -(-self.tile_m // 32) * 32
+
+    @property
+    def dq_split_rows(self) -> bool:
+        """dQ's rows split over the consumer warpgroups (128-query steps: a WGMMA's M is 64), not head_dim."""
+        return self.tile_m == 2 * KEYS_PER_WARPGROUP
+
+    @property
+    def dq_swap_ab(self) -> bool:
+        """dQ computed transposed (:func:`dq_transposed`)."""
+        return dq_transposed(self.tile_m)
+
+    @property
     def dq_fragment_order(self) -> bool:
         """dQ is staged and accumulated in the WGMMA accumulator's order (16-byte stores free of bank conflicts,
         one bulk reduce-add per warpgroup part), which a postprocess kernel un-permutes; else row-major, through
@@ -73,10 +97,11 @@ class BackwardConfig(WarpRoles):
             raise ConfigError(
                 f"head_dim={self.head_dim}: the attention backward supports head_dim {BACKWARD_HEAD_DIMS}"
             )
-        if self.tile_m not in (64, 128) or (self.tile_m == 128 and self.head_dim != 64):
+        wide = {64: 128, 128: 80}.get(self.head_dim)
+        if self.tile_m != 64 and self.tile_m != wide:
             raise ConfigError(
-                f"tile_m={self.tile_m}: the backward kernel takes 64 queries per step, or 128 at head_dim 64 "
-                "(the registers of a 64-key by 128-query S^T and dP^T leave no room for wider dK and dV)"
+                f"tile_m={self.tile_m}: the backward kernel takes 64 queries per step, 128 at head_dim 64 or 80 at "
+                "head_dim 128 (the registers of S^T and dP^T over more queries leave no room for dK and dV)"
             )
         keys = MMA_WARPGROUPS * KEYS_PER_WARPGROUP
         if self.head_dim == 256 and self.tile_n != KEYS_PER_WARPGROUP:
@@ -91,8 +116,8 @@ class BackwardConfig(WarpRoles):
         self.validate_registers()
 
 
-def backward_config(head_dim: int) -> BackwardConfig:
-    """The backward config for ``head_dim`` (validated)."""
+def backward_config(head_dim: int, score_mod: bool = False) -> BackwardConfig:
+    """The backward config for ``head_dim`` (validated), with or without a ``score_mod``."""
     reasons = (
         (
             "a CTA per (128 keys, key/value head, batch): dK and dV stay in registers over every "
@@ -148,7 +173,17 @@ def backward_config(head_dim: int) -> BackwardConfig:
             "kernel un-permutes it as it scales dQ"
         ),
     )
-    cfg = BackwardConfig(head_dim=head_dim, tile_m=128 if wide_steps else 64, reasons=reasons)
+    tile_m = 128 if wide_steps else 64
+    if head_dim == 128 and not score_mod:
+        tile_m = 80
+        reasons += (
+            (
+                "head_dim 128: 80 queries per step (a WGMMA's N), so each step's fixed costs cover 25 % more math; "
+                "dQ^T = K^T dS^T, as 80 is no multiple of a WGMMA's M (64), each warpgroup half of head_dim "
+                "(a score_mod keeps 64: its slopes' registers would spill)"
+            ),
+        )
+    cfg = BackwardConfig(head_dim=head_dim, tile_m=tile_m, reasons=reasons)
     cfg.validate()
     return cfg
 
@@ -197,10 +232,10 @@ def backward_smem_layout(cfg: BackwardConfig, dtype: str = "bf16") -> SmemLayout
         SmemBuffer("sV", "V (then dV)", dtype, cfg.tile_n * d, f"{cfg.tile_n}x{d} {dtype}; dV is staged here"),
         SmemBuffer("sQ", "Q ring", dtype, cfg.tile_m * d * stages, f"{stages} x {cfg.tile_m}x{d} {dtype}"),
         SmemBuffer("sdO", "dO ring", dtype, cfg.tile_m * d * stages, f"{stages} x {cfg.tile_m}x{d} {dtype}"),
-        SmemBuffer("sLSE", "LSE ring", "fp32", cfg.tile_m * stages, f"{stages} x {cfg.tile_m} fp32 (log2 units)",
-                   align=128),
-        SmemBuffer("sD", "D ring", "fp32", cfg.tile_m * stages, f"{stages} x {cfg.tile_m} fp32: rowsum(dO * O)",
-                   align=128),
+        SmemBuffer("sLSE", "LSE ring", "fp32", cfg.stat_stage_floats * stages,
+                   f"{stages} x {cfg.tile_m} fp32 (log2 units)", align=128),
+        SmemBuffer("sD", "D ring", "fp32", cfg.stat_stage_floats * stages,
+                   f"{stages} x {cfg.tile_m} fp32: rowsum(dO * O)", align=128),
         SmemBuffer("sdS", "dS^T", dtype, cfg.tile_n * cfg.tile_m * scores,
                    f"{scores} x {cfg.tile_n}x{cfg.tile_m} {dtype}: both warpgroups' dS^T, read whole by dQ = dS K"),
         *([SmemBuffer("sP", "P^T", dtype, cfg.tile_n * cfg.tile_m * scores,
@@ -238,7 +273,7 @@ def render_backward_plan(variant, problem, target) -> list[str]:
     key_blocks = -(-p.seqlen_k // cfg.tile_n)
     band = grid_band(cfg, p.causal, p.group, p.seqlen_q, p.heads_kv * p.batch, target.l2_bytes,
                            DTYPE_BYTES[dtype])  # fmt: skip
-    dq_split = "rows" if cfg.tile_m > KEYS_PER_WARPGROUP else "head_dim columns"
+    dq_split = "rows" if cfg.dq_split_rows else "head_dim columns" + (" (dQ^T = K^T dS^T)" if cfg.dq_swap_ab else "")
     lines = [
         "backward (training: dQ, dK, dV, after a preprocess kernel: D = rowsum(dO * O), LSE, dQ's fp32 sum zeroed; "
         + (
@@ -292,6 +327,7 @@ __all__ = [
     "BackwardConfig",
     "backward_config",
     "backward_smem_layout",
+    "dq_transposed",
     "grid_band",
     "render_backward_plan",
     "stat_rows_start",

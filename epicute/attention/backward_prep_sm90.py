@@ -38,11 +38,11 @@ from cutlass import Float32, cute
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from epicute.attention.backward_plan import MMA_WARPGROUPS, stat_rows_start
+from epicute.attention.backward_plan import MMA_WARPGROUPS, dq_transposed, stat_rows_start
 from epicute.attention.backward_sm90 import as_vectors, dq_fragment, dq_tiled_mma
 from epicute.attention.key_blocks import packed_range, ragged_rows, ragged_tensor
 from epicute.sm90.epilogue_emit import DSL_DTYPES
-from epicute.sm90.fragments import pack_16bit, row_major_smem_layout, select_modes, stmatrix_copy
+from epicute.sm90.fragments import pack_16bit, row_major_smem_layout, select_modes, stmatrix_copy, transposed_view
 from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
 LOG2_E = math.log2(math.e)
@@ -169,6 +169,8 @@ class BackwardPostprocessSm90:
         self.tile_m = tile_m
         self.dtype = DSL_DTYPES[dtype]
         self.varlen = varlen
+        #: The main kernel computed dQ^T (:func:`~epicute.attention.backward_sm90.dq_tiled_mma`).
+        self.swap_ab = dq_transposed(tile_m)
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, varlen: tuple, stream):
@@ -207,17 +209,18 @@ class BackwardPostprocessSm90:
         s_dq = SmemAllocator().allocate_tensor(self.dtype, s_layout.outer, byte_alignment=1024, swizzle=s_layout.inner)
         if block * t < seqlen:
             thr = tiled_mma.get_slice(tidx)
-            acc = cute.make_rmem_tensor(thr.partition_shape_C((t, d)), Float32)
+            acc = cute.make_rmem_tensor(thr.partition_shape_C((d, t) if self.swap_ab else (t, d)), Float32)
             staged = cute.domain_offset((acc_row, 0), mdQaccum[tensor_batch, head, None, None]).iterator
             cute.autovec_copy(dq_fragment(staged, t, d, tidx), as_vectors(acc))
             acc.store(acc.load() * softmax_scale)
             values = cute.make_rmem_tensor(acc.shape, self.dtype)
             pack_16bit(acc, values)
             # Staged row-major (stmatrix into the swizzled tile) for one TMA store of whole rows, which
-            # clips the rows past the sequence's end (packed: through the ragged view).
-            r2s = stmatrix_copy(tiled_mma, self.dtype)
+            # clips the rows past the sequence's end (packed: through the ragged view). dQ^T's fragments are
+            # stored transposed (stmatrix .trans) into the tile seen as (head_dim, rows).
+            r2s = stmatrix_copy(tiled_mma, self.dtype, transpose=self.swap_ab)
             thr_r2s = r2s.get_slice(tidx)
-            cute.copy(r2s, thr_r2s.retile(values), thr_r2s.partition_D(s_dq))
+            cute.copy(r2s, thr_r2s.retile(values), thr_r2s.partition_D(transposed_view(s_dq) if self.swap_ab else s_dq))
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             if tidx // 32 == 0:

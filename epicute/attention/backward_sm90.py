@@ -36,8 +36,9 @@ dV accumulate in registers and are stored once (the group's sum, no atomics). Wa
   dS^T is staged in shared memory (stmatrix) while dV += P^T dO runs (P^T a register A
   operand); once both warpgroups have staged their keys (named barrier ``SCORES_STAGED``),
   each warpgroup issues its half of dQ = dS K over all 128 keys (half of head_dim, or at
-  128-query steps half of the rows), then dK += dS^T Q (dS^T from registers), and copies dQ
-  into its staging buffer for the dQ writer while dK runs.
+  128-query steps half of the rows; at 80-query steps dQ^T = K^T dS^T, half of head_dim), then
+  dK += dS^T Q (dS^T from registers), and copies dQ into its staging buffer for the dQ writer
+  while dK runs.
 - head_dim 256 (``split_dims``, see :mod:`~epicute.attention.backward_plan`): a CTA owns 64 keys;
   each warpgroup computes S^T and dP^T for half of the step's queries and stages P^T and dS^T in
   shared memory (two buffers, alternating by step), and after ``SCORES_STAGED`` issues dK, dQ and
@@ -76,6 +77,7 @@ from epicute.attention.backward_plan import (
     MMA_WARPGROUPS,
     BackwardConfig,
     backward_smem_layout,
+    dq_transposed,
     stat_rows_start,
 )
 from epicute.attention.key_blocks import packed_range, ragged_rows, ragged_tensor
@@ -141,7 +143,11 @@ class AttentionBackwardSm90:
         self.load_warp = 0
         self.dq_warp = 1
         #: dQ's split over the consumer warpgroups: by rows at 128-query steps (a WGMMA's M is 64).
-        self.dq_split_rows = cfg.tile_m > KEYS_PER_WARPGROUP
+        self.dq_split_rows = cfg.dq_split_rows
+        #: dQ^T = K^T dS^T (80-query steps: head_dim is the WGMMA's M, the queries its N).
+        self.dq_swap_ab = cfg.dq_swap_ab
+        #: The dQ accumulator's (M, N) extent: (queries, head_dim), or transposed.
+        self.dq_mn = (cfg.head_dim, cfg.tile_m) if self.dq_swap_ab else (cfg.tile_m, cfg.head_dim)
         #: dQ staged and added in fragment order (:func:`dq_fragment`), or row-major through a swizzled TMA box.
         self.fragment_order = cfg.dq_fragment_order
         #: Floats of one warpgroup's part of a query block's dQ: its staging buffer, one reduce-add.
@@ -236,7 +242,8 @@ class AttentionBackwardSm90:
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_wg_layout, self.dq_tile
             )
             dq_store = (tma_mdQ, tma_dq, sdQ_wg_layout)  # TMA's coordinates, its atom, a warpgroup's part
-        sStat_layout = cute.make_layout((cfg.tile_m, cfg.stages))  # LSE and D, one vector per stage
+        # LSE and D, one vector per stage, each 128-byte aligned for its TMA load.
+        sStat_layout = cute.make_layout((cfg.tile_m, cfg.stages), stride=(1, cfg.stat_stage_floats))
 
         g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         q_box, kv_box = (cfg.tile_m, d), (cfg.tile_n, d)
@@ -661,8 +668,13 @@ class AttentionBackwardSm90:
         tdPrdO = tiled_mma_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tdVrdOt = tiled_mma_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sdO)))
         tdKrQt = tiled_mma_dkv.make_fragment_B(wg_dkv.partition_B(transposed_view(sQ)))
-        tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(transposed_view(sdS)))
-        tdQrKt = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
+        # dQ = dS K: dS from its staged transpose, K^T head_dim-major; swapped, the same views as B and A.
+        if cutlass.const_expr(self.dq_swap_ab):
+            tdQrdS = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sdS)))
+            tdQrKt = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(transposed_view(sK)))
+        else:
+            tdQrdS = tiled_mma_dq.make_fragment_A(wg_dq.partition_A(transposed_view(sdS)))
+            tdQrKt = tiled_mma_dq.make_fragment_B(wg_dq.partition_B(transposed_view(sK)))
         thr_sdp, thr_dkv, thr_dq = (m.get_slice(mma_tidx) for m in (tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq))
         s_shape = thr_sdp.partition_shape_C((cfg.tile_n, cfg.tile_m))
         if cutlass.const_expr(self.split_dims):
@@ -787,7 +799,7 @@ class AttentionBackwardSm90:
             # The step's parts of the operands' gradients (dS^T made with P^T when fused_grads, else just above).
             for i in cutlass.range_constexpr(len(self.grad_operands)):
                 self._add_operand_part(operand_grads[i], grads[2][i], (batch, head, n_block), mma_tidx)
-            acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((cfg.tile_m, d)), Float32)
+            acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C(self.dq_mn), Float32)
             if cutlass.const_expr(self.split_dims):
                 # Both warpgroups' P^T and dS^T staged, then dQ, dV and dK read them from shared memory.
                 pack_16bit(acc_dP, ds_regs)
@@ -807,7 +819,10 @@ class AttentionBackwardSm90:
                 warpgroup_gemm(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, read.index], True, -1)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 scores_staged.arrive_and_wait()
-                warpgroup_gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, scores_buf], tdQrKt, False, 1)
+                dq_operands = (tdQrdS[None, None, None, scores_buf], tdQrKt)
+                if cutlass.const_expr(self.dq_swap_ab):
+                    dq_operands = dq_operands[::-1]
+                warpgroup_gemm(tiled_mma_dq, acc_dQ, *dq_operands, False, 1)
                 warpgroup_gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, read.index], True, 1)
             # dQ landed (dK still runs): stage it for the dQ writer once its last reduce-add has read the buffer.
             dq_empty.arrive_and_wait()
@@ -879,14 +894,19 @@ DQ_VECTOR = 4
 def dq_tiled_mma(tile_m: int, head_dim: int, dtype) -> cute.TiledMma:
     """dQ = dS K, dS read from its staged transpose (queries contiguous), K^T head_dim-major: each
     consumer warpgroup takes half of head_dim over every query row, or (128-query steps) half of the
-    rows over all of head_dim. Its partition of C says which (row, column) of the query block each
-    register of thread ``t`` (0-255, the consumers' numbering) holds."""
-    split_rows = tile_m > KEYS_PER_WARPGROUP
-    atoms = (MMA_WARPGROUPS, 1, 1) if split_rows else (1, MMA_WARPGROUPS, 1)
+    rows over all of head_dim. At 80-query steps (no multiple of a WGMMA's M) it computes dQ^T = K^T dS^T
+    instead, each warpgroup half of head_dim (its M) over every query. Its partition of C (``(tile_m,
+    head_dim)``, or transposed) says which (row, column) of the query block each register of thread ``t``
+    (0-255, the consumers' numbering) holds."""
+    if dq_transposed(tile_m):
+        atoms, tiler = (MMA_WARPGROUPS, 1, 1), (KEYS_PER_WARPGROUP, tile_m)
+    elif tile_m > KEYS_PER_WARPGROUP:
+        atoms, tiler = (MMA_WARPGROUPS, 1, 1), (KEYS_PER_WARPGROUP, head_dim)
+    else:
+        atoms, tiler = (1, MMA_WARPGROUPS, 1), (tile_m, head_dim // MMA_WARPGROUPS)
     return sm90_utils.make_trivial_tiled_mma(
-        dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32, atoms,
-        tiler_mn=(KEYS_PER_WARPGROUP, head_dim) if split_rows else (tile_m, head_dim // MMA_WARPGROUPS),
-    )  # fmt: skip
+        dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32, atoms, tiler_mn=tiler
+    )
 
 
 def dq_fragment(block, tile_m: int, head_dim: int, thread) -> cute.Tensor:

@@ -231,8 +231,9 @@ class PreparedAttention:
         for refused, why in refusals:
             if refused:
                 raise ConfigError(f"attention backward: {why}; or call under torch.no_grad() (inference)")
+        score = None if self.score is None else self.score.fusion
         return BackwardVariant(
-            backward_config(p.head_dim), p.dtype, p.causal, None if self.score is None else self.score.fusion,
+            backward_config(p.head_dim, score is not None), p.dtype, p.causal, score,
             self.plan.target.arch, p.varlen, deterministic,
             operand_grads and self.score is not None and bool(self.score.fusion.tensor_operands),
         )  # fmt: skip

@@ -80,11 +80,13 @@ def pack_16bit(src: cute.Tensor, dst: cute.Tensor):
     pack_pairs(src, dst)
 
 
-def stmatrix_copy(tiled_mma, dtype):
+def stmatrix_copy(tiled_mma, dtype, transpose: bool = False):
     """The copy that stores a 16-bit ``dtype`` copy of ``tiled_mma``'s fp32 accumulator (packed by
     :func:`pack_16bit`, retiled per thread) into a row-major swizzled shared-memory tile with
-    ``stmatrix`` (``partition_D`` of the thread's slice), for a TMA store or another WGMMA to read."""
-    return cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, Float32), tiled_mma)
+    ``stmatrix`` (``partition_D`` of the thread's slice), for a TMA store or another WGMMA to read;
+    ``transpose``: into a column-major one (``stmatrix.trans``, e.g. a :func:`transposed_view`)."""
+    layout = LayoutEnum.COL_MAJOR if transpose else LayoutEnum.ROW_MAJOR
+    return cute.make_tiled_copy_C(sm90_utils.get_smem_store_op(layout, dtype, Float32), tiled_mma)
 
 
 def warpgroup_slice(tiled_mma, warpgroup):

@@ -50,11 +50,13 @@ def test_score_mod_backward_and_fp16_compile():
 
     call = meta_call()
     score, _ = hooks_of(call, softcap, None, {"slopes": torch.ones(4), "cap": 30.0})
-    compile_backward(BackwardVariant(backward_config(128), "bf16", True, score.fusion))
+    compile_backward(BackwardVariant(backward_config(128, score_mod=True), "bf16", True, score.fusion))
     compile_backward(BackwardVariant(backward_config(64), "fp16", False))
-    compile_backward(BackwardVariant(backward_config(256), "fp16", True, score.fusion))
+    compile_backward(BackwardVariant(backward_config(256, score_mod=True), "fp16", True, score.fusion))
     # The per-head vectors' gradients: their partial sums leave the kernel through fp32 tensors.
-    compile_backward(BackwardVariant(backward_config(128), "bf16", True, score.fusion, operand_grads=True))
+    compile_backward(
+        BackwardVariant(backward_config(128, score_mod=True), "bf16", True, score.fusion, operand_grads=True)
+    )
 
 
 @pytest.mark.parametrize("d,causal,varlen", [(128, True, False), (64, False, True), (256, True, True)])
@@ -103,9 +105,24 @@ def test_causal_grids_walk_bands_of_heads_that_fit_l2():
     assert grid_band(backward_config(64), True, 1, 16384, 64, 50 * mib) == 4  # 16384 x (64 x 8 + 8) B
 
 
+def test_head_dim_128_takes_80_query_steps_with_dq_transposed_unless_a_score_mod_would_spill():
+    plain, modded = backward_config(128), backward_config(128, score_mod=True)
+    assert (plain.tile_m, plain.dq_swap_ab, plain.dq_split_rows) == (80, True, False)
+    assert (modded.tile_m, modded.dq_swap_ab) == (64, False)
+    assert backward_config(64).dq_split_rows and not backward_config(64).dq_swap_ab
+
+
+@pytest.mark.parametrize("score_mod", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_backward_smem_fits(d):
-    assert backward_smem_layout(backward_config(d)).total_bytes <= SMEM_LIMIT
+def test_backward_smem_fits(d, score_mod):
+    cfg = backward_config(d, score_mod)
+    layout = backward_smem_layout(cfg)
+    assert layout.total_bytes <= SMEM_LIMIT
+    # Each ring stage of LSE and of D is a TMA load's destination: 128-byte aligned (80 fp32 are 320 bytes).
+    offsets = layout.offsets()
+    for name in ("sLSE", "sD"):
+        assert offsets[name] % 128 == 0 and cfg.stat_stage_floats * 4 % 128 == 0
+        assert cfg.stat_stage_floats >= cfg.tile_m
 
 
 def test_backward_config_refuses_what_the_kernel_cannot_run():
@@ -117,6 +134,8 @@ def test_backward_config_refuses_what_the_kernel_cannot_run():
         BackwardConfig(head_dim=128, tile_n=64).validate()
     with pytest.raises(ConfigError, match="tile_m"):
         BackwardConfig(tile_m=128).validate()
+    with pytest.raises(ConfigError, match="tile_m=80"):
+        BackwardConfig(head_dim=64, tile_m=80).validate()
     with pytest.raises(ConfigError, match="stages"):
         BackwardConfig(stages=3).validate()
 
