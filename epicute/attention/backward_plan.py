@@ -11,7 +11,7 @@ the warpgroups split head_dim instead (``split_head_dim``): a CTA takes 64 keys,
 warpgroup computes S^T and dP^T for half of the step's queries, stages P^T and dS^T in shared
 memory, and accumulates dK and dV for all 64 keys over its half of head_dim (128 registers).
 At head_dim 128 without a score_mod a step takes 80 queries, and dQ, whose 80 rows no WGMMA's M
-covers, is computed transposed (:func:`dq_transposed`).
+covers, is computed transposed (:func:`dq_split`).
 """
 
 from __future__ import annotations
@@ -31,10 +31,14 @@ KEYS_PER_WARPGROUP = 64
 MMA_WARPGROUPS = 2
 
 
-def dq_transposed(tile_m: int) -> bool:
-    """Whether the backward computes dQ transposed, ``dQ^T = K^T dS^T`` with head_dim as the WGMMA's M: when a
-    step's ``tile_m`` queries (80) are no multiple of a WGMMA's M (64), they can only be its N."""
-    return tile_m % KEYS_PER_WARPGROUP != 0
+def dq_split(tile_m: int) -> str:
+    """How the consumer warpgroups share a query block's dQ at ``tile_m`` queries per step: ``"columns"`` (64: each
+    half of head_dim), ``"rows"`` (128: each 64 rows, a WGMMA's M), or ``"transposed"`` (80, no multiple of a WGMMA's
+    M, so only its N: ``dQ^T = K^T dS^T`` with head_dim as M, each warpgroup half of it). The kernel, its dQ MMA
+    and the postprocess all read it here."""
+    if tile_m % KEYS_PER_WARPGROUP:
+        return "transposed"
+    return "rows" if tile_m > KEYS_PER_WARPGROUP else "columns"
 
 
 @dataclass(frozen=True)
@@ -69,13 +73,13 @@ class BackwardConfig(WarpRoles):
 
     @property
     def dq_split_rows(self) -> bool:
-        """dQ's rows split over the consumer warpgroups (128-query steps: a WGMMA's M is 64), not head_dim."""
-        return self.tile_m == 2 * KEYS_PER_WARPGROUP
+        """dQ's rows split over the consumer warpgroups (:func:`dq_split`), not head_dim."""
+        return dq_split(self.tile_m) == "rows"
 
     @property
     def dq_swap_ab(self) -> bool:
-        """dQ computed transposed (:func:`dq_transposed`)."""
-        return dq_transposed(self.tile_m)
+        """dQ computed transposed (:func:`dq_split`)."""
+        return dq_split(self.tile_m) == "transposed"
 
     @property
     def dq_fragment_order(self) -> bool:
@@ -273,7 +277,7 @@ def render_backward_plan(variant, problem, target) -> list[str]:
     key_blocks = -(-p.seqlen_k // cfg.tile_n)
     band = grid_band(cfg, p.causal, p.group, p.seqlen_q, p.heads_kv * p.batch, target.l2_bytes,
                            DTYPE_BYTES[dtype])  # fmt: skip
-    dq_split = "rows" if cfg.dq_split_rows else "head_dim columns" + (" (dQ^T = K^T dS^T)" if cfg.dq_swap_ab else "")
+    dq_share = "rows" if cfg.dq_split_rows else "head_dim columns" + (" (dQ^T = K^T dS^T)" if cfg.dq_swap_ab else "")
     lines = [
         "backward (training: dQ, dK, dV, after a preprocess kernel: D = rowsum(dO * O), LSE, dQ's fp32 sum zeroed; "
         + (
@@ -301,7 +305,7 @@ def render_backward_plan(variant, problem, target) -> list[str]:
         lo = wg * KEYS_PER_WARPGROUP
         lines.append(
             f"  warpgroup {wg + 1}     consumer: keys {lo}-{lo + KEYS_PER_WARPGROUP - 1}: S^T, dP^T, dV, dK; half of "
-            f"dQ's {dq_split}   setmaxnreg {cfg.consumer_regs}"
+            f"dQ's {dq_share}   setmaxnreg {cfg.consumer_regs}"
         )
     if variant.deterministic:
         lines.append(
@@ -327,7 +331,7 @@ __all__ = [
     "BackwardConfig",
     "backward_config",
     "backward_smem_layout",
-    "dq_transposed",
+    "dq_split",
     "grid_band",
     "render_backward_plan",
     "stat_rows_start",

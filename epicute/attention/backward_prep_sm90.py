@@ -38,7 +38,7 @@ from cutlass import Float32, cute
 from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
-from epicute.attention.backward_plan import MMA_WARPGROUPS, dq_transposed, stat_rows_start
+from epicute.attention.backward_plan import MMA_WARPGROUPS, dq_split, stat_rows_start
 from epicute.attention.backward_sm90 import as_vectors, dq_fragment, dq_tiled_mma
 from epicute.attention.key_blocks import packed_range, ragged_rows, ragged_tensor
 from epicute.sm90.epilogue_emit import DSL_DTYPES
@@ -170,7 +170,7 @@ class BackwardPostprocessSm90:
         self.dtype = DSL_DTYPES[dtype]
         self.varlen = varlen
         #: The main kernel computed dQ^T (:func:`~epicute.attention.backward_sm90.dq_tiled_mma`).
-        self.swap_ab = dq_transposed(tile_m)
+        self.swap_ab = dq_split(tile_m) == "transposed"
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, varlen: tuple, stream):

@@ -77,7 +77,7 @@ from epicute.attention.backward_plan import (
     MMA_WARPGROUPS,
     BackwardConfig,
     backward_smem_layout,
-    dq_transposed,
+    dq_split,
     stat_rows_start,
 )
 from epicute.attention.key_blocks import packed_range, ragged_rows, ragged_tensor
@@ -898,12 +898,11 @@ def dq_tiled_mma(tile_m: int, head_dim: int, dtype) -> cute.TiledMma:
     instead, each warpgroup half of head_dim (its M) over every query. Its partition of C (``(tile_m,
     head_dim)``, or transposed) says which (row, column) of the query block each register of thread ``t``
     (0-255, the consumers' numbering) holds."""
-    if dq_transposed(tile_m):
-        atoms, tiler = (MMA_WARPGROUPS, 1, 1), (KEYS_PER_WARPGROUP, tile_m)
-    elif tile_m > KEYS_PER_WARPGROUP:
-        atoms, tiler = (MMA_WARPGROUPS, 1, 1), (KEYS_PER_WARPGROUP, head_dim)
-    else:
-        atoms, tiler = (1, MMA_WARPGROUPS, 1), (tile_m, head_dim // MMA_WARPGROUPS)
+    atoms, tiler = {
+        "transposed": ((MMA_WARPGROUPS, 1, 1), (KEYS_PER_WARPGROUP, tile_m)),
+        "rows": ((MMA_WARPGROUPS, 1, 1), (KEYS_PER_WARPGROUP, head_dim)),
+        "columns": ((1, MMA_WARPGROUPS, 1), (tile_m, head_dim // MMA_WARPGROUPS)),
+    }[dq_split(tile_m)]
     return sm90_utils.make_trivial_tiled_mma(
         dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32, atoms, tiler_mn=tiler
     )
