@@ -155,8 +155,9 @@ def backward_config(head_dim: int, score_mod: bool = False) -> BackwardConfig:
                 ),
                 (
                     "one stage of Q and of dO (64 queries x 256 dims of both are 64 KB: two stages beside K, V and "
-                    "dQ's staging would not fit in 227 KB), each its own ring: the next step's Q loads once dK has "
-                    "read this one, while dV still reads dO"
+                    "dQ's staging would not fit in 227 KB), each its own ring, released as soon as its last reader "
+                    "retires: dK, dV and dQ run in that order, so the next Q loads once dK has read this one and "
+                    "the next dO once dV has, both while dQ runs"
                 ),
             )
             + reasons[2:]

@@ -41,9 +41,12 @@ dV accumulate in registers and are stored once (the group's sum, no atomics). Wa
   while dK runs.
 - head_dim 256 (``split_dims``, see :mod:`~epicute.attention.backward_plan`): a CTA owns 64 keys;
   each warpgroup computes S^T and dP^T for half of the step's queries and stages P^T and dS^T in
-  shared memory (two buffers, alternating by step), and after ``SCORES_STAGED`` issues dK, dQ and
-  dV over its half of head_dim, all three reading the staged scores. Q (with LSE) and dO (with D)
-  ride in two one-stage rings: Q's is released once dK retired, so the next Q loads while dV runs.
+  shared memory (two buffers, alternating by step), and after ``SCORES_STAGED`` issues dK, dV and
+  dQ over its half of head_dim, all three reading the staged scores. Q (with LSE) and dO (with D)
+  ride in two one-stage rings, each released as soon as its last reader retires: Q once dK has,
+  dO once dV has. So the next Q loads while dV and dQ run, and the next dO while dQ runs and is
+  staged and the next S^T runs. (Releasing dO only after dQ's staging left its load exposed at
+  every step: 27 % of the causal main kernel's time, bench/NOTES.md.)
 - epilogue: dK scaled, dV and dK cast and staged in K's and V's buffers once both warpgroups
   are past their last dQ (which reads all of K), TMA-stored (the store clips the ragged
   seqlen_k edge).
@@ -343,7 +346,7 @@ class AttentionBackwardSm90:
         consumer_warps = cfg.num_mma_threads // 32
         kv_bytes = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
         # Each step's Q and LSE, dO and D: one ring, or (split_dims) a ring each, so the next step's Q
-        # loads once this step's dK has read Q, while dV still reads dO.
+        # loads once this step's dK has read Q, and its dO once dV has read dO, while dQ still runs.
         rows_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
         rows_bytes += cfg.tile_m * Float32.width // 8  # a step's LSE or D
         kv_pipe = make_tma_load_pipeline(storage.kv_barriers.data_ptr(), 1, kv_bytes, consumer_warps, (1, 1), 1, True)
@@ -801,17 +804,20 @@ class AttentionBackwardSm90:
                 self._add_operand_part(operand_grads[i], grads[2][i], (batch, head, n_block), mma_tidx)
             acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C(self.dq_mn), Float32)
             if cutlass.const_expr(self.split_dims):
-                # Both warpgroups' P^T and dS^T staged, then dQ, dV and dK read them from shared memory.
+                # Both warpgroups' P^T and dS^T staged, then dK, dV and dQ read them from shared memory: dQ
+                # last, so both one-stage rings are released (and their next loads start) before dQ's staging.
                 pack_16bit(acc_dP, ds_regs)
                 cute.copy(r2s_ds, thr_r2s_ds.retile(dS_acc_view), tdSsdS[None, None, None, scores_buf])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 scores_staged.arrive_and_wait()
                 dO_t, Q_t = tdVrdOt[None, None, None, read.index], tdKrQt[None, None, None, read.index]
                 warpgroup_gemm(tiled_mma_dkv, acc_dK, tdKrdS[None, None, None, scores_buf], Q_t, True, -1)
-                warpgroup_gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, scores_buf], tdQrKt, False, -1)
-                warpgroup_gemm(tiled_mma_dkv, acc_dV, tdVrP[None, None, None, scores_buf], dO_t, True, 2)
+                warpgroup_gemm(tiled_mma_dkv, acc_dV, tdVrP[None, None, None, scores_buf], dO_t, True, -1)
+                warpgroup_gemm(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, scores_buf], tdQrKt, False, 2)
                 rings[0].consumer_release(read)  # dK has read Q (and S the step's LSE): the next Q may load
                 warpgroup.wait_group(1)
+                rings[1].consumer_release(read)  # dV has read dO: the next dO loads while dQ runs and is staged
+                warpgroup.wait_group(0)
             else:
                 pack_16bit(acc_as_operand_a(acc_dP), tdKrdS)
                 # dS^T staged for dQ (which reads both warpgroups' keys) while dV's WGMMA runs.
@@ -824,13 +830,15 @@ class AttentionBackwardSm90:
                     dq_operands = dq_operands[::-1]
                 warpgroup_gemm(tiled_mma_dq, acc_dQ, *dq_operands, False, 1)
                 warpgroup_gemm(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, read.index], True, 1)
-            # dQ landed (dK still runs): stage it for the dQ writer once its last reduce-add has read the buffer.
+            # dQ landed (dK still runs, or split_dims: all landed): stage it for the dQ writer once its last
+            # reduce-add has read the buffer.
             dq_empty.arrive_and_wait()
             cute.autovec_copy(as_vectors(acc_dQ) if self.fragment_order else acc_dQ, tdQsdQ)
             cute.arch.fence_proxy("async.shared", space="cta")
             dq_full.arrive()
-            warpgroup.wait_group(0)
-            rings[-1].consumer_release(read)  # dV, dK and dQ have read Q, dO and dS
+            if cutlass.const_expr(not self.split_dims):
+                warpgroup.wait_group(0)
+                rings[-1].consumer_release(read)  # dV, dK and dQ have read Q, dO and dS
             read.advance()
 
         self._store_dkv(
