@@ -198,6 +198,10 @@ class GemmConfig(WarpRoles):
     #: tall (for B), so no other tile reads them -- loaded with an L2 evict-first hint
     #: (:mod:`epicute.sm90.l2_hints`); "" where both are shared between tiles.
     evict_first: str = ""
+    #: Grouped GEMMs: the two CTAs of a 2x1 cluster pair their tiles per group, along M (sharing B, multicast) while
+    #: the group has two row tiles left, else along N (sharing A), so a group is never padded to a pair of row
+    #: tiles (``GroupedTileScheduler``). The dense planner does not choose it; ``plan_grouped`` does.
+    pair_tiles: bool = field(default=False, metadata={"planned": False})
     producer_regs: int = field(default=40, metadata={"planned": False})
     consumer_regs: int = field(default=232, metadata={"planned": False})
     #: Why the planner chose this; printed by ``explain``.
@@ -285,6 +289,11 @@ class GemmConfig(WarpRoles):
                 raise ConfigError(f"{name}={getattr(self, name)}: must be 1 or 2")
         if self.cluster_size > 2:
             raise ConfigError("cluster 2x2 is not supported; use 1x1, 2x1 or 1x2")
+        if self.pair_tiles and (self.cluster_m, self.cluster_n, self.split_k, self.swap_ab) != (2, 1, 1, False):
+            raise ConfigError(
+                f"pair_tiles=True with cluster {self.cluster_m}x{self.cluster_n}, split_k={self.split_k}, "
+                f"swap_ab={self.swap_ab}: paired tiles take a 2x1 cluster, no split-K and no swap-AB"
+            )
         if self.ab_stages < 2:
             raise ConfigError(f"ab_stages={self.ab_stages}: need at least 2 to overlap TMA and MMA")
         if self.num_epi_stages < 1:

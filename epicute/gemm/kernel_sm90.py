@@ -231,6 +231,13 @@ class GemmSm90:
         # a B tile by the CTAs of one cluster column.
         self.a_mcast_ctas = cfg.cluster_n
         self.b_mcast_ctas = cfg.cluster_m
+        #: Paired tiles (grouped): no operand is split between the peers; whichever the tile shares, one CTA loads
+        #: it whole and multicasts it to both (:meth:`_tile_multicast`), so both atoms are multicast ones.
+        self.paired = cfg.pair_tiles
+        if self.paired:
+            self.a_mcast_ctas = self.b_mcast_ctas = 1
+        #: The CTAs whose loads write into a CTA's ring stage (its consumers release the stage to each).
+        self.ring_peers = cfg.cluster_size if self.paired else self.a_mcast_ctas + self.b_mcast_ctas - 1
         self.load_warp = 0
         # A second producer warp streams the epilogue's operand tiles, so the
         # mainloop's loads never wait behind them.
@@ -314,8 +321,10 @@ class GemmSm90:
         b_smem_staged = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_shape_mnk, self.b_dtype, cfg.ab_stages)
         d_smem_staged = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, cfg.epi_tile, cfg.num_epi_stages)
 
-        tma_a, tma_mA = self._make_tma_load(mA, a_smem_staged, (cfg.tile_m, cfg.tile_k), self.a_mcast_ctas)
-        tma_b, tma_mB = self._make_tma_load(mB, b_smem_staged, (cfg.tile_n, cfg.tile_k), self.b_mcast_ctas)
+        tma_a, tma_mA = self._make_tma_load(mA, a_smem_staged, (cfg.tile_m, cfg.tile_k), self.a_mcast_ctas,
+                                            self.paired)  # fmt: skip
+        tma_b, tma_mB = self._make_tma_load(mB, b_smem_staged, (cfg.tile_n, cfg.tile_k), self.b_mcast_ctas,
+                                            self.paired)  # fmt: skip
         if cutlass.const_expr(self.a_scales_tma):
             # A's scales (L, M, KB), M-major, as (M, KB, L): a k-tile's box is the tile's rows of one block of K.
             # Rows past M arrive as zeros (their products are never stored). Not multicast: 512 bytes per CTA.
@@ -389,10 +398,12 @@ class GemmSm90:
         return tensor
 
     @staticmethod
-    def _make_tma_load(tensor, smem_staged, smem_tile, mcast_ctas: int):
+    def _make_tma_load(tensor, smem_staged, smem_tile, mcast_ctas: int, multicast_whole: bool = False):
+        """A TMA load atom whose box is split between ``mcast_ctas`` peers that multicast their parts, or
+        (``multicast_whole``) a whole box one CTA may multicast."""
         op = (
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
-            if mcast_ctas > 1
+            if mcast_ctas > 1 or multicast_whole
             else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         )
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -458,6 +469,11 @@ class GemmSm90:
     def _b_k_tiles(self, cta, tma_b, coord: tuple) -> cute.Tensor:
         """The producer's TMA view of B's k-tiles for the tile at ``coord``: ``(TMA, k_tile)``."""
         return cta.tBgB[(None, coord[1], None, coord[2])]
+
+    def _tile_multicast(self, cta, coord: tuple) -> tuple:
+        """``(A's multicast mask, B's, whether this CTA loads A, whether it loads B)`` for the tile at ``coord``:
+        here the cluster's fixed masks, both loaded (each CTA its part of a shared box)."""
+        return cta.a_mcast_mask, cta.b_mcast_mask, True, True
 
     def _k_tiles(self, cta, coord: tuple):
         """How many k-tiles the tile at ``coord`` reduces over (every tile's K, here; its split's share of them
@@ -598,7 +614,7 @@ class GemmSm90:
             tx_bytes,
             num_consumer_warps=cfg.tile_threads // 32,  # a stage feeds one tile's team
             cluster_shape_mn=self.cluster_shape_mn,
-            mcast_ctas=self.a_mcast_ctas + self.b_mcast_ctas - 1,
+            mcast_ctas=self.ring_peers,
             async_copy_threads=self.gather_threads + self.scale_copy_threads,
         )
         # Peers must see our initialized barriers before any multicast lands.
@@ -642,15 +658,15 @@ class GemmSm90:
 
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a,
-            cluster_coord[1],
-            cute.make_layout(cfg.cluster_n),
+            cluster_coord[1] if self.a_mcast_ctas > 1 else 0,
+            cute.make_layout(self.a_mcast_ctas),
             cute.group_modes(sA, 0, 2),
             cute.group_modes(gA, 0, 2),
         )
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b,
-            cluster_coord[0],
-            cute.make_layout(cfg.cluster_m),
+            cluster_coord[0] if self.b_mcast_ctas > 1 else 0,
+            cute.make_layout(self.b_mcast_ctas),
             cute.group_modes(sB, 0, 2),
             cute.group_modes(gB, 0, 2),
         )
@@ -677,7 +693,6 @@ class GemmSm90:
         cfg = self.cfg
         ab_pipeline = cta.ab_pipeline
         tAsA, tBsB = cta.tAsA, cta.tBsB
-        a_mcast_mask, b_mcast_mask = cta.a_mcast_mask, cta.b_mcast_mask
         a_policy, b_policy = evict_first_if(cfg.evict_first == "a"), evict_first_if(cfg.evict_first == "b")
         scheduler = self._scheduler(sched_args)
         state = RingState.producer(cfg.ab_stages, tracked=True)
@@ -686,6 +701,7 @@ class GemmSm90:
             tile_coord = scheduler.coord(work)
             tAgA_tile = self._a_k_tiles(cta, tma_a, tile_coord)
             tBgB_tile = self._b_k_tiles(cta, tma_b, tile_coord)
+            a_mcast_mask, b_mcast_mask, load_a, load_b = self._tile_multicast(cta, tile_coord)
             scale_sources = None
             if cutlass.const_expr(self.block_scaled):
                 scale_sources = self._block_scale_sources(cta, tile_coord, block_scales, sched_args)
@@ -693,11 +709,13 @@ class GemmSm90:
             for k_tile in range(self._k_tiles(cta, tile_coord)):
                 ab_pipeline.producer_acquire(state)
                 barrier = ab_pipeline.producer_get_barrier(state)
-                if cutlass.const_expr(not self.gather_threads):
-                    cute.copy(tma_a, tAgA_tile[(None, k_first + k_tile)], tAsA[(None, state.index)],
-                              tma_bar_ptr=barrier, mcast_mask=a_mcast_mask, cache_policy=a_policy)  # fmt: skip
-                cute.copy(tma_b, tBgB_tile[(None, k_first + k_tile)], tBsB[(None, state.index)],
-                          tma_bar_ptr=barrier, mcast_mask=b_mcast_mask, cache_policy=b_policy)  # fmt: skip
+                if cutlass.const_expr(not self.gather_threads):  # noqa: SIM102 - compile-time guard, dynamic if
+                    if load_a:
+                        cute.copy(tma_a, tAgA_tile[(None, k_first + k_tile)], tAsA[(None, state.index)],
+                                  tma_bar_ptr=barrier, mcast_mask=a_mcast_mask, cache_policy=a_policy)  # fmt: skip
+                if load_b:
+                    cute.copy(tma_b, tBgB_tile[(None, k_first + k_tile)], tBsB[(None, state.index)],
+                              tma_bar_ptr=barrier, mcast_mask=b_mcast_mask, cache_policy=b_policy)  # fmt: skip
                 if cutlass.const_expr(self.block_scaled):
                     self._copy_block_scales(cta, block_scales, scale_sources, state.index, k_first + k_tile, barrier)
                 ab_pipeline.producer_commit(state)  # no-op for TMA: bytes arm the barrier

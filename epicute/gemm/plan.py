@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epicute.epilogue.gated import output_columns
+from epicute.errors import ConfigError
 from epicute.gemm.config import GemmConfig, GemmProblem
 from epicute.gemm.heuristics import choose_config
 from epicute.gemm.roofline import Roofline, roofline
@@ -123,4 +124,7 @@ def plan_gemm(
     pin :class:`GemmConfig` fields, e.g. ``tile_n=128``.
     """
     hw = resolve_target(target)
+    if overrides.get("pair_tiles"):
+        raise ConfigError("pair_tiles=True: paired tiles are a grouped GEMM's schedule (epicute.grouped_gemm); a dense "
+                          "GEMM takes cluster_m=2 or cluster_n=2")  # fmt: skip
     return GemmPlan(problem, choose_config(problem, hw, epilogue, **overrides), hw, epilogue)

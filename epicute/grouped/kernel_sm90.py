@@ -93,8 +93,22 @@ class GroupedGemmSm90(GemmSm90):
         offsets, num_groups, total_rows, clusters_n = sched_args[:4]
         return GroupedTileScheduler(
             offsets, num_groups, total_rows, clusters_n, self.cluster_shape_mn, self.cfg.swizzle,
-            self.cfg.raster_along_m, self.cfg.tile_m,
+            self.cfg.raster_along_m, self.cfg.tile_m, self.paired,
         )  # fmt: skip
+
+    @cute.jit
+    def _tile_multicast(self, cta, coord: tuple) -> tuple:
+        """Paired tiles (:attr:`~epicute.gemm.config.GemmConfig.pair_tiles`): the operand the cluster's two tiles
+        share (B along M, A along N) is loaded whole by CTA 0 and multicast to both; each CTA loads its own other
+        operand for itself alone."""
+        if cutlass.const_expr(not self.paired):
+            return GemmSm90._tile_multicast(self, cta, coord)
+        rank = cutlass.Int32(cta.cluster_coord[0])
+        along_n = coord[6] == 1
+        both, own = cutlass.Int32(0b11), cutlass.Int32(1) << rank
+        a_mask = cutlass.Int16(cutlass.select_(along_n, both, own))
+        b_mask = cutlass.Int16(cutlass.select_(along_n, own, both))
+        return a_mask, b_mask, (rank == 0) | (coord[6] == 0), (rank == 0) | along_n
 
     def _output_tiles(self, tensor: cute.Tensor) -> cute.Tensor:
         # Tiles are cut per tile from the group's rows (_subtile_partition): the tensor as it is.
@@ -150,9 +164,9 @@ class GatheredGemmSm90(GroupedGemmSm90):
 
     def __init__(self, cfg, *args, **kwargs):
         super().__init__(cfg, *args, **kwargs)
-        if cfg.cluster_n != 1:
-            raise ConfigError(f"gathered rows with cluster_n={cfg.cluster_n}: cp.async cannot multicast A; use "
-                              "cluster_n=1")  # fmt: skip
+        if cfg.cluster_n != 1 or cfg.pair_tiles:
+            raise ConfigError(f"gathered rows with cluster_n={cfg.cluster_n}, pair_tiles={cfg.pair_tiles}: cp.async "
+                              "cannot multicast A; use cluster_n=1 and pair_tiles=False")  # fmt: skip
         if self.a_layout != LayoutEnum.ROW_MAJOR:
             raise ConfigError("gathered rows take a K-major (row-major) A")
         if cfg.tile_k * self.ab_dtype.width // 8 != LINE_BYTES:

@@ -69,8 +69,9 @@ def _group_slots(plan: GroupedPlan, offsets: torch.Tensor) -> torch.Tensor:
     rows, per_row = tile_row_slots(plan)
     ends = offsets.clamp(0, p.total_m)
     starts = torch.minimum(torch.cat([ends.new_zeros(1), ends[:-1]]), ends)
-    block_m = c.tile_m * c.cluster_m
-    slots = ((ends - starts + block_m - 1) // block_m * c.cluster_m * per_row).long()
+    # Tile rows per group as the scheduler numbers them: a cluster's rows, or (paired tiles) each row tile once.
+    block_m, rows_per_block = (c.tile_m, 1) if c.pair_tiles else (c.tile_m * c.cluster_m, c.cluster_m)
+    slots = ((ends - starts + block_m - 1) // block_m * rows_per_block * per_row).long()
     return torch.cat([slots, (rows * per_row - slots.sum()).reshape(1)])
 
 

@@ -134,15 +134,20 @@ def plan_grouped(
     problem: GroupedProblem, target: Target | str | None = None, epilogue: EpilogueBuffers = NO_EPILOGUE, **overrides
 ) -> GroupedPlan:
     """Plan ``problem``: the dense planner's config for its mean group (:meth:`GroupedProblem.mean_group`),
-    except the cluster when groups are small. A cluster of two CTAs along M pads every group to two
-    tiles' rows (on random routing, a tile's worth of wasted rows per group), so below
-    :data:`PAIR_ALONG_M_MIN_TILES` tiles per mean group its two CTAs take neighbouring tiles along N
-    instead and multicast A. Keyword overrides pin config fields."""
+    except the cluster. A fixed cluster of two CTAs along M pads every group to two tiles' rows (on random
+    routing, a tile's worth of wasted rows per group), and one along N multicasts only A, the smaller operand
+    of small groups. So where the planner wants a 2-CTA cluster and N has two tiles or more, the cluster pairs
+    its tiles per group (:attr:`~epicute.gemm.config.GemmConfig.pair_tiles`): along M while the group has two
+    row tiles left, along N for an odd last one. Otherwise (gathered rows, which cannot multicast A; one tile
+    of N), below :data:`PAIR_ALONG_M_MIN_TILES` tiles per mean group a 2x1 cluster becomes 1x2 (or 1x1).
+    Keyword overrides pin config fields."""
     hw = resolve_target(target)
     mean = problem.mean_group()
     # Group sizes stay on the GPU, so no operand is known to be read by one tile: the dense planner's L2
     # evict-first hint, judged on the mean group, cost up to 17 % where groups span several tiles (bench/NOTES.md).
     overrides = {"evict_first": "", **overrides}
+    if overrides.get("pair_tiles") and problem.ragged == "k":
+        raise ConfigError("pair_tiles=True with variable K: paired tiles split groups of rows; use pair_tiles=False")
     if problem.ragged == "k":
         if overrides.get("schedule", "cooperative") != "cooperative":
             raise ConfigError(
@@ -156,13 +161,27 @@ def plan_grouped(
             config = replace(config, reasons=(*config.reasons, reason))
         return GroupedPlan(problem, config, hw, epilogue)
     pinned = "cluster_m" in overrides or "cluster_n" in overrides
+    if problem.gathered and overrides.get("pair_tiles"):
+        raise ConfigError(
+            "pair_tiles=True with gathered rows: a paired cluster multicasts A by TMA, and gathered rows are copied "
+            "with cp.async; use pair_tiles=False"
+        )
     if problem.gathered and overrides.get("cluster_n", 1) != 1:
         raise ConfigError(
             f"cluster_n={overrides['cluster_n']} with gathered rows: the producer copies A's rows with cp.async, "
             "which cannot multicast them to a cluster peer; use cluster_n=1"
         )
     config = choose_config(mean, hw, epilogue, **overrides)
-    if not pinned and config.cluster_m > 1 and mean.m < PAIR_ALONG_M_MIN_TILES * config.tile_m:
+    pairable = not problem.gathered and ceil_div(problem.n, config.tile_n) > 1 and "pair_tiles" not in overrides
+    if not pinned and pairable and config.cluster_size == 2:
+        config = choose_config(mean, hw, epilogue, **{**overrides, "cluster_m": 2, "cluster_n": 1, "pair_tiles": True})
+        reason = (
+            "cluster 2x1 with paired tiles: its two CTAs take two row tiles of a group (B multicast) while the group "
+            "has two left, and its last, odd row tile's neighbouring column tiles (A multicast), so no group is "
+            f"padded to {2 * config.tile_m} rows"
+        )
+        config = replace(config, reasons=(*config.reasons, reason))
+    elif not pinned and config.cluster_m > 1 and mean.m < PAIR_ALONG_M_MIN_TILES * config.tile_m:
         cluster_n = 1 if problem.gathered or ceil_div(problem.n, config.tile_n) == 1 else 2
         config = choose_config(mean, hw, epilogue, **{**overrides, "cluster_m": 1, "cluster_n": cluster_n})
         reason = (
@@ -188,6 +207,9 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
     ]
     if p.gathered:  # A is copied per CTA (cp.async), never multicast
         dense = [line.replace("TMA multicast: A to 1, B to", "TMA multicast: B to") for line in dense]
+    if c.pair_tiles:  # the shared operand is chosen per tile (the grouped schedule's "tiles" line)
+        dense = [line.replace("TMA multicast: A to 1, B to 2 CTAs", "TMA multicast: B or A to 2 CTAs, per tile")
+                 for line in dense]  # fmt: skip
     gated_line = (
         f"  gated           B's columns interleave gate and up in blocks of {GATE_BLOCK}; each output column gets its "
         "gate and up accumulators (same thread's registers)"
@@ -242,6 +264,11 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
             (
                 f"  tiles           never straddle groups: group g has ceil(rows_g / {c.tile_m * c.cluster_m}) x "
                 f"{ceil_div(ceil_div(p.n, c.tile_n), c.cluster_n)} cluster tiles, numbered group by group"
+                if not c.pair_tiles
+                else f"  tiles           never straddle groups, nor pad them: group g's t = ceil(rows_g / {c.tile_m}) "
+                f"row tiles make (t // 2) x {ceil_div(p.n, c.tile_n)} clusters of two row tiles (B multicast), then "
+                f"for an odd t {ceil_div(ceil_div(p.n, c.tile_n), 2)} clusters of its last row tile and two column "
+                "tiles (A multicast); numbered group by group"
             ),
             grid,
             "  group lookup    each warp: a prefix sum over 32 groups' tile counts per step (shuffles, no sync)",

@@ -239,16 +239,24 @@ class GroupedTileScheduler(StaticClusterWalk):
     is ``(tile_m within the group, tile_n, g, first row, end row, tile rows of the groups before g)``:
     the last numbers every tile row of the schedule once (a grouped epilogue's reduction slots).
 
+    ``paired`` (a 2x1 cluster, :attr:`~epicute.gemm.config.GemmConfig.pair_tiles`): a group of ``tm`` row
+    tiles and ``tn`` column tiles has ``(tm // 2) tn`` clusters of two row tiles (one column; B shared), then,
+    when ``tm`` is odd, ``ceil(tn / 2)`` clusters of its last row tile and two columns (A shared; the second
+    CTA of the last one past N when ``tn`` is odd: its loads read zeros, its stores are dropped). So no group
+    is padded to a pair of row tiles. ``coord`` then ends with 1 where the cluster pairs along N, else 0.
+
     Read-only inside loops: every value is computed before the role's tile loop, so the DSL needs
     to carry nothing. Each role counts the clusters once (:attr:`total`) and decodes each of its
     work ids with a scan from the first group: ``ceil(G / 32)`` warp steps of a few shuffles.
     """
 
     def __init__(self, offsets, num_groups, total_rows, clusters_n, cluster_shape_mn, group: int,
-                 raster_along_m: bool, tile_m: int):  # fmt: skip
+                 raster_along_m: bool, tile_m: int, paired: bool = False):  # fmt: skip
         self.offsets, self.num_groups, self.total_rows, self.clusters_n = offsets, num_groups, total_rows, clusters_n
         self.cluster_shape_mn, self.group, self.raster_along_m = cluster_shape_mn, group, raster_along_m
-        self.block_m = tile_m * cluster_shape_mn[0]
+        self.paired = paired
+        self.tile_m = tile_m
+        self.block_m = tile_m if paired else tile_m * cluster_shape_mn[0]
         self.total = self._count()
 
     def __extract_mlir_values__(self):
@@ -268,7 +276,10 @@ class GroupedTileScheduler(StaticClusterWalk):
             end = cutlass.min(cutlass.max(self.offsets[g], Int32(0)), self.total_rows)
             if g > 0:
                 start = cutlass.min(cutlass.max(self.offsets[g - 1], Int32(0)), end)
-        clusters = (end - start + self.block_m - 1) // self.block_m * self.clusters_n
+        row_tiles = (end - start + self.block_m - 1) // self.block_m
+        clusters = row_tiles * self.clusters_n
+        if cutlass.const_expr(self.paired):
+            clusters = row_tiles // 2 * self.clusters_n + row_tiles % 2 * ((self.clusters_n + 1) // 2)
         return start, end, clusters
 
     @cute.jit
@@ -304,9 +315,37 @@ class GroupedTileScheduler(StaticClusterWalk):
         clusters_before = before + cute.arch.shuffle_sync(inclusive - clusters, lane)
         within = work - clusters_before
         clusters_m = (group_end - group_start + self.block_m - 1) // self.block_m
+        if cutlass.const_expr(self.paired):
+            return (*self._paired_tile(within, clusters_m), first + lane, group_start, group_end,
+                    self._row_tiles_before(first + lane),
+                    cutlass.select_(within >= clusters_m // 2 * self.clusters_n, Int32(1), Int32(0)))  # fmt: skip
         tile_m, tile_n = self.cta_tile(within, clusters_m, self.clusters_n)
         rows_before = clusters_before // self.clusters_n * self.cluster_shape_mn[0]
         return tile_m, tile_n, first + lane, group_start, group_end, rows_before
+
+    @cute.jit
+    def _paired_tile(self, within, row_tiles):
+        """This CTA's (tile_m, tile_n) in its group's ``within``-th paired cluster (see the class docstring)."""
+        along_m = row_tiles // 2 * self.clusters_n
+        # The pairs along M walk the group's (row tiles / 2) x tn clusters in bands, as the unpaired schedule does.
+        # (Clamped, so a group with no pair along M decodes a valid cluster before the branch below replaces it.)
+        pair = cutlass.max(cutlass.min(within, along_m - 1), 0)
+        tile_m, tile_n = self.cta_tile(pair, cutlass.max(row_tiles // 2, 1), self.clusters_n)
+        if within >= along_m:
+            tile_m = row_tiles - 1
+            tile_n = (within - along_m) * 2 + Int32(cute.arch.block_idx()[0])
+        return tile_m, tile_n
+
+    @cute.jit
+    def _row_tiles_before(self, group):
+        """Row tiles of the groups before ``group`` (a second scan: paired clusters do not count them)."""
+        before = Int32(0)
+        for first in range(0, group, WARP):
+            start, end, _ = self._window(first)
+            tiles = (end - start + self.tile_m - 1) // self.tile_m
+            tiles = cutlass.select_(first + cute.arch.lane_idx() < group, tiles, Int32(0))
+            before += cute.arch.shuffle_sync(warp_inclusive_sum(tiles), WARP - 1)
+        return before
 
 
 class TileQueue(PersistentTileScheduler):

@@ -164,16 +164,50 @@ def test_explain_grouped_prints_the_schedule_and_chain(capsys):
     )
 
 
-@pytest.mark.parametrize(("groups", "rows", "along_m"), [(8, 16384, True), (64, 16384, False), (64, 4096, False)])
-def test_clusters_pair_along_m_only_for_large_groups(groups, rows, along_m):
+@pytest.mark.parametrize(("groups", "rows"), [(8, 16384), (64, 16384), (128, 32768)])
+def test_clusters_pair_tiles_per_group(groups, rows, capsys):
+    """Where the planner wants a 2-CTA cluster, it pairs tiles per group (no group padded to two row tiles); a pinned
+    cluster is kept as pinned, unpaired."""
     a = torch.empty(rows, 7168, dtype=torch.bfloat16, device="meta")
     w = torch.empty(groups, 2048, 7168, dtype=torch.bfloat16, device="meta")
-    plan = epicute.explain_grouped(a, w.transpose(-2, -1), torch.empty(groups, dtype=torch.int32, device="meta"),
-                                   file=None)  # fmt: skip
-    assert (plan.config.cluster_m == 2) == along_m
-    pinned = epicute.explain_grouped(a, w.transpose(-2, -1), torch.empty(groups, dtype=torch.int32, device="meta"),
-                                     config={"cluster_m": 2}, file=None)  # fmt: skip
-    assert pinned.config.cluster_m == 2
+    offsets = torch.empty(groups, dtype=torch.int32, device="meta")
+    plan = epicute.explain_grouped(a, w.transpose(-2, -1), offsets, target="h200")
+    text = capsys.readouterr().out
+    c = plan.config
+    assert (c.cluster_m, c.cluster_n, c.pair_tiles) == (2, 1, True)
+    assert "nor pad them" in text and "B or A to 2 CTAs, per tile" in text and "paired tiles" in text
+    for pin in ({"cluster_m": 2}, {"cluster_n": 2}):
+        pinned = epicute.explain_grouped(a, w.transpose(-2, -1), offsets, target="h200", config=pin, file=None)
+        assert not pinned.config.pair_tiles and pinned.config.cluster_m == pin.get("cluster_m", 1)
+
+
+def test_paired_tiles_are_not_planned_where_they_cannot_help_or_run():
+    offsets = torch.empty(64, dtype=torch.int32, device="meta")
+    x = torch.empty(16384, 7168, dtype=torch.bfloat16, device="meta")
+    narrow = torch.empty(64, 128, 7168, dtype=torch.bfloat16, device="meta")  # one column tile: no pair along N
+    plan = epicute.explain_grouped(x, narrow.transpose(-2, -1), offsets, target="h200", file=None)
+    assert not plan.config.pair_tiles
+    w = torch.empty(64, 2048, 7168, dtype=torch.bfloat16, device="meta").transpose(-2, -1)
+    index = torch.empty(16384, dtype=torch.int32, device="meta")
+    gathered = epicute.explain_grouped(x, w, offsets, a_index=index, target="h200", file=None)
+    assert not gathered.config.pair_tiles and gathered.config.cluster_n == 1
+    with pytest.raises(ConfigError, match="pair_tiles=True with gathered rows"):
+        epicute.explain_grouped(x, w, offsets, a_index=index, config={"pair_tiles": True}, file=None)
+    dy = torch.empty(16384, 2048, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ConfigError, match="pair_tiles=True with variable K"):
+        epicute.explain_grouped(x.t(), dy, offsets, config={"pair_tiles": True}, file=None)
+    with pytest.raises(ConfigError, match="pair_tiles=True: paired tiles are a grouped GEMM's schedule"):
+        epicute.explain(torch.empty(256, 64, dtype=torch.bfloat16, device="meta"),
+                        torch.empty(64, 256, dtype=torch.bfloat16, device="meta"),
+                        config={"pair_tiles": True}, file=None)  # fmt: skip
+
+
+@pytest.mark.parametrize("fields", [{"cluster_n": 2}, {}, {"cluster_m": 2, "split_k": 2}])
+def test_paired_tiles_take_a_2x1_cluster(fields):
+    from epicute.gemm.config import GemmConfig
+
+    with pytest.raises(ConfigError, match="pair_tiles"):
+        GemmConfig(pair_tiles=True, **fields).validate()
 
 
 def _prepared(config, dtype=torch.bfloat16, epilogue=None, **ops_):
@@ -187,6 +221,14 @@ COMPILES = {
     "plain_cooperative_2x1": ({"tile_n": 256, "cluster_m": 2}, torch.bfloat16, None, {}),
     "fp16_pingpong": ({"schedule": "pingpong", "tile_n": 128}, torch.float16, None, {}),
     "one_tile_per_cta": ({"persistent": False, "tile_n": 64}, torch.bfloat16, None, {}),
+    "paired_with_every_epilogue_kind": (
+        {"cluster_m": 2, "pair_tiles": True, "tile_n": 64},
+        torch.bfloat16,
+        lambda acc, bias, score, res: {"D": ops.silu(acc + bias) * score + res, "pre": acc, "colsum": ops.col_sum(acc)},
+        {"bias": torch.empty(5, 136, dtype=torch.bfloat16, device="meta"),
+         "score": torch.empty(300, 1, device="meta"),
+         "res": torch.empty(300, 136, dtype=torch.bfloat16, device="meta")},
+    ),
     "epilogue_every_kind": (
         {"cluster_n": 2},
         torch.bfloat16,

@@ -64,6 +64,27 @@ def test_grouped_matches_reference(name, b_major):
     assert rel_err(d, reference(a, b, offsets)) < BF16_TOL
 
 
+PAIRED = {"cluster_m": 2, "cluster_n": 1, "pair_tiles": True}
+
+
+@pytest.mark.parametrize("name", ["mixed", "many_groups", "skewed", "odd_row_tiles"])
+@pytest.mark.parametrize("tile_n", [128, 64])
+def test_paired_tiles_match_reference(name, tile_n):
+    """Paired clusters: groups of 1, 2 (pairs along M) and odd numbers of row tiles (the last one pairs along N),
+    N of 3 column tiles at 128 (the last N pair's second CTA is past N: it must store nothing) or 6 at 64;
+    D NaN-poisoned, and rows past the last group must keep their poison."""
+    sizes = {**SIZES, "odd_row_tiles": [129, 1, 385, 256, 0, 640]}[name]
+    k, n = 200, 376
+    offsets = offsets_of(sizes)
+    total = int(offsets[-1])
+    a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    b = weights(len(sizes), n, k, "k")
+    out = torch.full((total + 64, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    d = epicute.grouped_gemm(a, b, offsets, out=out[:total], config={**PAIRED, "tile_n": tile_n})
+    assert rel_err(d, reference(a, b, offsets)) < BF16_TOL
+    assert torch.isnan(out[total:]).all()
+
+
 def test_grouped_fp16_and_fp32_out():
     sizes = [5, 0, 130, 77]
     offsets = offsets_of(sizes)
@@ -98,7 +119,8 @@ def test_decreasing_offsets_on_the_gpu_stay_inside_out():
     assert torch.isnan(guard[:64]).all() and torch.isnan(guard[128:]).all()
 
 
-@pytest.mark.parametrize("config", [{"persistent": False}, {"schedule": "pingpong", "tile_n": 128}, {"tile_n": 64}])
+@pytest.mark.parametrize("config", [{"persistent": False}, {"schedule": "pingpong", "tile_n": 128}, {"tile_n": 64},
+                                    {**PAIRED, "schedule": "pingpong", "tile_n": 64}])  # fmt: skip
 def test_grouped_configs(config):
     sizes = [130, 1, 0, 257, 64]
     offsets = offsets_of(sizes)
@@ -311,6 +333,7 @@ FP8_CONFIGS = {
     "planned": None,
     "cluster_2x1": {"cluster_m": 2, "cluster_n": 1},
     "cluster_1x2": {"cluster_m": 1, "cluster_n": 2},
+    "paired": {"cluster_m": 2, "cluster_n": 1, "pair_tiles": True},
     "persistent_128": {"persistent": True, "tile_n": 128},
     "tile_192": {"tile_n": 192},  # 64-column chunks promoted with their own B blocks, one partial
 }
@@ -500,7 +523,8 @@ def check_reductions(got, y, offsets):
 
 @pytest.mark.parametrize("name", ["mixed", "empty_ends", "many_groups", "skewed"])
 @pytest.mark.parametrize("config", [{}, {"cluster_m": 2, "cluster_n": 1}, {"schedule": "pingpong", "tile_n": 128},
-                                    {"cluster_m": 1, "cluster_n": 2, "tile_n": 64}])  # fmt: skip
+                                    {"cluster_m": 1, "cluster_n": 2, "tile_n": 64},
+                                    {**PAIRED, "tile_n": 128}])  # fmt: skip
 def test_grouped_reductions_per_row_and_per_group(name, config):
     """Groups that share 16-row bands (sizes 1, 3, 37...), empty groups, clusters that pad groups: each tile row has
     its own partial slots, reduced per group on the GPU. D is fp32 and NaN-poisoned."""
