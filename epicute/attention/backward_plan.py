@@ -130,7 +130,7 @@ def backward_config(head_dim: int, score_mod: bool = False) -> BackwardConfig:
         "S^T and dP^T keys-by-queries: P^T and dS^T feed the dV and dK WGMMAs from registers",
         (
             "dQ per step through shared memory into an fp32 accumulator: each consumer warpgroup stages "
-            "its half and producer warp 1 issues the reduce-add, so the consumers go on with dK"
+            "its half and producer warp 1 issues the reduce-add, so the consumers go on while it runs"
         ),
         "each step's LSE and D ride in the Q/dO ring (TMA), read from shared memory",
     )
