@@ -316,16 +316,16 @@ class GroupedTileScheduler(StaticClusterWalk):
         within = work - clusters_before
         clusters_m = (group_end - group_start + self.block_m - 1) // self.block_m
         if cutlass.const_expr(self.paired):
-            return (*self._paired_tile(within, clusters_m), first + lane, group_start, group_end,
-                    self._row_tiles_before(first + lane),
-                    cutlass.select_(within >= clusters_m // 2 * self.clusters_n, Int32(1), Int32(0)))  # fmt: skip
+            tile_m, tile_n, along_n = self._paired_tile(within, clusters_m)
+            return tile_m, tile_n, first + lane, group_start, group_end, self._row_tiles_before(first + lane), along_n
         tile_m, tile_n = self.cta_tile(within, clusters_m, self.clusters_n)
         rows_before = clusters_before // self.clusters_n * self.cluster_shape_mn[0]
         return tile_m, tile_n, first + lane, group_start, group_end, rows_before
 
     @cute.jit
     def _paired_tile(self, within, row_tiles):
-        """This CTA's (tile_m, tile_n) in its group's ``within``-th paired cluster (see the class docstring)."""
+        """This CTA's (tile_m, tile_n) in its group's ``within``-th paired cluster, and 1 where that cluster pairs
+        along N, else 0 (see the class docstring)."""
         along_m = row_tiles // 2 * self.clusters_n
         # The pairs along M walk the group's (row tiles / 2) x tn clusters in bands, as the unpaired schedule does.
         # (Clamped, so a group with no pair along M decodes a valid cluster before the branch below replaces it.)
@@ -334,7 +334,7 @@ class GroupedTileScheduler(StaticClusterWalk):
         if within >= along_m:
             tile_m = row_tiles - 1
             tile_n = (within - along_m) * 2 + Int32(cute.arch.block_idx()[0])
-        return tile_m, tile_n
+        return tile_m, tile_n, cutlass.select_(within >= along_m, Int32(1), Int32(0))
 
     @cute.jit
     def _row_tiles_before(self, group):
