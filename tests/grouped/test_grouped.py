@@ -179,6 +179,9 @@ def test_clusters_pair_tiles_per_group(groups, rows, capsys):
     for pin in ({"cluster_m": 2}, {"cluster_n": 2}):
         pinned = epicute.explain_grouped(a, w.transpose(-2, -1), offsets, target="h200", config=pin, file=None)
         assert not pinned.config.pair_tiles and pinned.config.cluster_m == pin.get("cluster_m", 1)
+    off = epicute.explain_grouped(a, w.transpose(-2, -1), offsets, target="h200", config={"pair_tiles": False},
+                                  file=None)  # fmt: skip
+    assert not off.config.pair_tiles
 
 
 def test_paired_tiles_are_not_planned_where_they_cannot_help_or_run():
