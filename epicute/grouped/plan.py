@@ -160,6 +160,8 @@ def plan_grouped(
             reason = "cooperative: a ping-pong warpgroup steps its ring over the other's tiles, whose k-tiles differ"
             config = replace(config, reasons=(*config.reasons, reason))
         return GroupedPlan(problem, config, hw, epilogue)
+    if overrides.get("pair_tiles") and "cluster_m" not in overrides and "cluster_n" not in overrides:
+        overrides = {**overrides, "cluster_m": 2, "cluster_n": 1}  # paired tiles take a 2x1 cluster: pinned with them
     pinned = "cluster_m" in overrides or "cluster_n" in overrides
     if problem.gathered and overrides.get("pair_tiles"):
         raise ConfigError(

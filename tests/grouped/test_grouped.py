@@ -182,6 +182,12 @@ def test_clusters_pair_tiles_per_group(groups, rows, capsys):
     off = epicute.explain_grouped(a, w.transpose(-2, -1), offsets, target="h200", config={"pair_tiles": False},
                                   file=None)  # fmt: skip
     assert not off.config.pair_tiles
+    on = epicute.explain_grouped(a, w.transpose(-2, -1), offsets, target="h200", config={"pair_tiles": True},
+                                 file=None)  # fmt: skip
+    assert (on.config.cluster_m, on.config.cluster_n, on.config.pair_tiles) == (2, 1, True)
+    with pytest.raises(ConfigError, match="paired tiles take a 2x1 cluster"):
+        epicute.explain_grouped(a, w.transpose(-2, -1), offsets, config={"pair_tiles": True, "cluster_n": 2},
+                                file=None)  # fmt: skip
 
 
 def test_paired_tiles_are_not_planned_where_they_cannot_help_or_run():
