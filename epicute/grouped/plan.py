@@ -176,7 +176,9 @@ def plan_grouped(
     config = choose_config(mean, hw, epilogue, **overrides)
     pairable = not problem.gathered and ceil_div(problem.n, config.tile_n) > 1 and "pair_tiles" not in overrides
     if not pinned and pairable and config.cluster_size == 2:
-        config = choose_config(mean, hw, epilogue, **{**overrides, "cluster_m": 2, "cluster_n": 1, "pair_tiles": True})
+        # tile_n kept: the pairing along N was judged on it.
+        pins = {"tile_n": config.tile_n, **overrides, "cluster_m": 2, "cluster_n": 1, "pair_tiles": True}
+        config = choose_config(mean, hw, epilogue, **pins)
         reason = (
             "cluster 2x1 with paired tiles: its two CTAs take two row tiles of a group (B multicast) while the group "
             "has two left, and its last, odd row tile's neighbouring column tiles (A multicast), so no group is "
