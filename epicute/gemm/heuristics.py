@@ -97,16 +97,19 @@ def choose_schedule(
 ) -> tuple[str, str]:
     if not epilogue.chain:
         # A plain GEMM's ping-pong is a tile choice: its widest tile (128x192, one warpgroup's
-        # accumulators) fills the last wave better than 128x256 on some shapes and reuses more
-        # per byte than 128x128 (bench/results/configs_pingpong.json; bench/NOTES.md, 'Ping-pong
-        # 128x192 for plain GEMMs'). A pinned tile keeps the cooperative default.
+        # accumulators) fills the last wave better than 128x256 on some shapes, reuses more per
+        # byte than 128x128, and stores each tile under the other warpgroup's mainloop, which
+        # pays at many waves (bench/results/configs_pingpong.json; bench/NOTES.md, 'Ping-pong
+        # 128x192 for plain GEMMs', 'The cooperative store's exposed time'). A pinned tile keeps
+        # the cooperative default.
         if not tile_pinned and problem.n > 128:
             cooperative, coop_n = best_tile_estimate(problem, hw, epilogue, "cooperative")
             pingpong = estimate_seconds(problem, hw, 128, 192, schedule="pingpong")
             if pingpong < cooperative:
                 return "pingpong", (
                     f"plain GEMM: ping-pong 128x192 tiles estimated {pingpong * 1e6:.0f} us vs "
-                    f"{cooperative * 1e6:.0f} us for cooperative 128x{coop_n} (wave quantization)"
+                    f"{cooperative * 1e6:.0f} us for cooperative 128x{coop_n} (wave quantization; a cooperative "
+                    "tile's store runs with no WGMMA in flight)"
                 )
         why = "plain GEMM with a pinned tile" if tile_pinned else "plain GEMM"
         return "cooperative", f"{why}: two warpgroups on one 128-row tile"

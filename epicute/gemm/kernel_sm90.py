@@ -497,12 +497,17 @@ class GemmSm90:
         """The rows of the blockwise A scales the thread's accumulator rows read (the rows themselves here)."""
         return rows
 
-    def _skip_tiles(self, tiles, k_tiles, read_state, release_state, c_state):
-        """Step a consumer's ring positions over ``tiles`` tiles of other teams."""
-        read_state.advance(tiles * k_tiles)
-        release_state.advance(tiles * k_tiles)
+    def _skip_tiles(self, cta, scheduler, work, tiles, read_state, release_state, c_state):
+        """Step a consumer's ring positions over ``tiles`` tiles of other teams, the schedule's from ``work`` on."""
+        k_tiles = self._k_tiles_over(cta, scheduler, work, tiles)
+        read_state.advance(k_tiles)
+        release_state.advance(k_tiles)
         if cutlass.const_expr(self.epi_buffers.loads_tiles):
             c_state.advance(tiles * self.num_epi_subtiles)
+
+    def _k_tiles_over(self, cta, scheduler, work, tiles):
+        """The k-tiles the ring carries for ``tiles`` tiles of the schedule from ``work`` on: every tile's K here."""
+        return tiles * cta.k_tiles
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -849,7 +854,7 @@ class GemmSm90:
         ``release_state`` itself for the DSL to carry them (see :meth:`kernel`).
         """
         cfg = self.cfg
-        ab_pipeline, sA, sB, k_tiles = cta.ab_pipeline, cta.sA, cta.sB, cta.k_tiles
+        ab_pipeline, sA, sB = cta.ab_pipeline, cta.sA, cta.sB
         # A team: the consumer warpgroups on one tile (both cooperative, one ping-pong).
         team = cute.arch.make_warp_uniform((tidx - THREADS_PER_WARPGROUP) // cfg.tile_threads)
         mma_tidx = (tidx - THREADS_PER_WARPGROUP) % cfg.tile_threads
@@ -890,7 +895,7 @@ class GemmSm90:
         # Team t takes the CTA's tiles t, t + num_teams, ...; the rings carry every
         # tile in schedule order, so a team steps its positions over the others' tiles.
         if cutlass.const_expr(ping_pong):
-            self._skip_tiles(team, k_tiles, read_state, release_state, c_state)
+            self._skip_tiles(cta, scheduler, scheduler.first(), team, read_state, release_state, c_state)
         tiles_done = Int32(0)
         work = scheduler.next(scheduler.first(), team)
         while scheduler.is_valid(work):
@@ -1013,7 +1018,8 @@ class GemmSm90:
                 # The other team overwrites the staging buffers next: our last
                 # stores must have read them before we pass the turn.
                 store.drain(is_store_warp)
-                self._skip_tiles(cfg.num_teams - 1, k_tiles, read_state, release_state, c_state)
+                self._skip_tiles(cta, scheduler, scheduler.next(work), cfg.num_teams - 1, read_state, release_state,
+                                 c_state)  # fmt: skip
             epilogue_turns.pass_on(team)
             tiles_done += 1
             work = scheduler.next(work, cfg.num_teams)

@@ -28,7 +28,7 @@ group has its own ``(M, N)`` output, and the hooks change the k-loop instead (it
 from __future__ import annotations
 
 import cutlass
-from cutlass import cute
+from cutlass import Int32, cute
 from cutlass.tensor_utils import LayoutEnum
 
 from epicute.errors import ConfigError
@@ -267,14 +267,9 @@ class RaggedKGemmSm90(GemmSm90):
     those would add into this group's sum: the consumers zero them in shared memory before its WGMMAs
     (:meth:`_fix_stage`). A descriptor per group, or a ragged view whose base lies before A (the D store's
     trick), would avoid the rewrite; the first costs an update and fences per group change, the second
-    faulted for loads on the H100 (bench/NOTES.md). Cooperative schedule only: a ping-pong warpgroup steps
-    its ring over the other's tiles by one k-tile count for all.
+    faulted for loads on the H100 (bench/NOTES.md). Ping-pong: a warpgroup steps its ring over the other's
+    tiles by their own groups' k-tiles (:meth:`_k_tiles_over`).
     """
-
-    def __init__(self, cfg, *args, **kwargs):
-        if cfg.schedule != "cooperative":
-            raise ConfigError(f"variable K with schedule={cfg.schedule!r}: cooperative only (see the class docstring)")
-        super().__init__(cfg, *args, **kwargs)
 
     @cute.jit
     def __call__(
@@ -322,6 +317,18 @@ class RaggedKGemmSm90(GemmSm90):
 
     def _k_tiles(self, cta, coord: tuple):
         return (coord[4] - coord[3] + self.cfg.tile_k - 1) // self.cfg.tile_k
+
+    @cute.jit
+    def _k_tiles_over(self, cta, scheduler, work, tiles):
+        """The k-tiles of ``tiles`` (at most ``num_teams - 1``) schedule tiles from ``work`` on: each its group's."""
+        total = Int32(0)
+        for i in cutlass.range_constexpr(self.cfg.num_teams - 1):
+            other = scheduler.next(work, i)
+            k_tiles = Int32(0)
+            if scheduler.is_valid(other):  # past the schedule's end no coordinate is read (offsets[g] out of range)
+                k_tiles = self._k_tiles(cta, scheduler.coord(other))
+            total += cutlass.select_(Int32(i) < tiles, k_tiles, Int32(0))
+        return total
 
     @cute.jit
     def _fix_stage(self, cta, coord: tuple, k_tile, stage, mma_tidx) -> None:

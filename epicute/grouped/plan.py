@@ -140,7 +140,9 @@ def plan_grouped(
     its tiles per group (:attr:`~epicute.gemm.config.GemmConfig.pair_tiles`): along M while the group has two
     row tiles left, along N for an odd last one. Otherwise (gathered rows, which cannot multicast A; one tile
     of N), below :data:`PAIR_ALONG_M_MIN_TILES` tiles per mean group a 2x1 cluster becomes 1x2 (or 1x1).
-    Keyword overrides pin config fields."""
+    Ping-pong tiles (the dense planner's pick where many waves make the cooperative tile's store cost more than
+    its wider tile saves) stay unpaired, and gathered rows stay cooperative: both as measured. Keyword overrides
+    pin config fields."""
     hw = resolve_target(target)
     mean = problem.mean_group()
     # Group sizes stay on the GPU, so no operand is known to be read by one tile: the dense planner's L2
@@ -149,17 +151,7 @@ def plan_grouped(
     if overrides.get("pair_tiles") and problem.ragged == "k":
         raise ConfigError("pair_tiles=True with variable K: paired tiles split groups of rows; use pair_tiles=False")
     if problem.ragged == "k":
-        if overrides.get("schedule", "cooperative") != "cooperative":
-            raise ConfigError(
-                "schedule='pingpong' with variable K: a ping-pong warpgroup steps its ring over the other's tiles "
-                "by their k-tiles, which differ per group; use the cooperative schedule"
-            )
-        config = choose_config(mean, hw, epilogue, **overrides)
-        if config.schedule != "cooperative":
-            config = choose_config(mean, hw, epilogue, **{**overrides, "schedule": "cooperative"})
-            reason = "cooperative: a ping-pong warpgroup steps its ring over the other's tiles, whose k-tiles differ"
-            config = replace(config, reasons=(*config.reasons, reason))
-        return GroupedPlan(problem, config, hw, epilogue)
+        return GroupedPlan(problem, choose_config(mean, hw, epilogue, **overrides), hw, epilogue)
     if overrides.get("pair_tiles") and "cluster_m" not in overrides and "cluster_n" not in overrides:
         overrides = {**overrides, "cluster_m": 2, "cluster_n": 1}  # paired tiles take a 2x1 cluster: pinned with them
     pinned = "cluster_m" in overrides or "cluster_n" in overrides
@@ -173,8 +165,16 @@ def plan_grouped(
             f"cluster_n={overrides['cluster_n']} with gathered rows: the producer copies A's rows with cp.async, "
             "which cannot multicast them to a cluster peer; use cluster_n=1"
         )
+    gathered_cooperative = problem.gathered and "schedule" not in overrides
+    if gathered_cooperative:
+        overrides = {**overrides, "schedule": "cooperative"}
     config = choose_config(mean, hw, epilogue, **overrides)
-    pairable = not problem.gathered and ceil_div(problem.n, config.tile_n) > 1 and "pair_tiles" not in overrides
+    if gathered_cooperative:
+        why = ("schedule cooperative: gathered rows (the producer warps' cp.async copies of A feed the ring; ping-pong "
+               "128x192 tiles measured 6 % slower there)")  # fmt: skip
+        config = replace(config, reasons=tuple(why if r.startswith("schedule ") else r for r in config.reasons))
+    pairable = (not problem.gathered and ceil_div(problem.n, config.tile_n) > 1 and "pair_tiles" not in overrides
+                and config.schedule == "cooperative")  # fmt: skip
     if not pinned and pairable and config.cluster_size == 2:
         # tile_n kept: the pairing along N was judged on it.
         pins = {"tile_n": config.tile_n, **overrides, "cluster_m": 2, "cluster_n": 1, "pair_tiles": True}
@@ -192,6 +192,12 @@ def plan_grouped(
             f"cluster 1x{cluster_n}: groups of {mean.m} rows on average are fewer than {PAIR_ALONG_M_MIN_TILES} "
             f"tiles; two CTAs along M would pad each group to {2 * config.tile_m} rows"
             + (", so they pair along N" if cluster_n == 2 else "")
+        )
+        config = replace(config, reasons=(*config.reasons, reason))
+    elif not pinned and config.cluster_size == 2 and config.schedule == "pingpong" and "pair_tiles" not in overrides:
+        reason = (
+            "cluster 2x1 unpaired: ping-pong tiles measured 1-2 % faster without pairing on groups many tiles long "
+            f"(groups of {mean.m} rows on average)"
         )
         config = replace(config, reasons=(*config.reasons, reason))
     if problem.gathered:

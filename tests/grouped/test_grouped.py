@@ -211,6 +211,30 @@ def test_paired_tiles_are_not_planned_where_they_cannot_help_or_run():
                         config={"pair_tiles": True}, file=None)  # fmt: skip
 
 
+def test_groups_many_tiles_long_plan_unpaired_pingpong_tiles(capsys):
+    """At 8 experts x 2048 rows (55 waves of 128x256 tiles) the cooperative tile's exposed store makes ping-pong
+    128x192 the estimate's pick, in a plain 2x1 cluster (measured ahead of paired ping-pong tiles); gathered rows
+    stay cooperative, and variable K (the weight gradient) takes ping-pong too, each tile its own k-tiles."""
+    x = torch.empty(16384, 4096, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(8, 14336, 4096, dtype=torch.bfloat16, device="meta").transpose(-2, -1)
+    offsets = torch.empty(8, dtype=torch.int32, device="meta")
+    plan = epicute.explain_grouped(x, w, offsets, target="h200")
+    text = capsys.readouterr().out
+    c = plan.config
+    assert (c.schedule, c.tile_n, c.cluster_m, c.cluster_n, c.pair_tiles) == ("pingpong", 192, 2, 1, False)
+    assert "store runs with no WGMMA in flight" in text and "cluster 2x1 unpaired" in text
+    index = torch.empty(16384, dtype=torch.int32, device="meta")
+    gathered = epicute.explain_grouped(x, w, offsets, a_index=index, target="h200", file=None)
+    assert gathered.config.schedule == "cooperative"
+    assert any(r.startswith("schedule cooperative: gathered rows") for r in gathered.config.reasons)
+    pinned = epicute.explain_grouped(x, w, offsets, a_index=index, target="h200", config={"schedule": "pingpong"},
+                                     file=None)  # fmt: skip
+    assert pinned.config.schedule == "pingpong"
+    dy = torch.empty(16384, 14336, dtype=torch.bfloat16, device="meta")
+    wgrad = epicute.explain_grouped(x.t(), dy, offsets, target="h200", file=None)
+    assert (wgrad.problem.ragged, wgrad.config.schedule, wgrad.config.tile_n) == ("k", "pingpong", 192)
+
+
 @pytest.mark.parametrize("fields", [{"cluster_n": 2}, {}, {"cluster_m": 2, "split_k": 2}])
 def test_paired_tiles_take_a_2x1_cluster(fields):
     from epicute.gemm.config import GemmConfig
@@ -269,7 +293,7 @@ def test_variable_k_reference_and_explain():
     dy_meta = torch.empty(16384, 2048, dtype=torch.bfloat16, device="meta")
     text = io.StringIO()
     plan = epicute.explain_grouped(meta.t(), dy_meta, torch.empty(8, dtype=torch.int32, device="meta"), file=text)
-    assert plan.problem.ragged == "k" and plan.config.schedule == "cooperative"
+    assert plan.problem.ragged == "k" and f"schedule        {plan.config.schedule}, persistent" in text.getvalue()
     assert "variable K" in text.getvalue() and "zero the last k-tile's rows past the group's end" in text.getvalue()
 
 
@@ -278,7 +302,6 @@ VARIABLE_K_BAD = {
     "b_column_major": (lambda x, dy, o: (x.t(), dy.t().contiguous().t(), o), AlignmentError, "row-major (total_K, N)"),
     "k_mismatch": (lambda x, dy, o: (x.t(), dy[:-1], o), ShapeError, "K="),
     "offsets_short": (lambda x, dy, o: (x.t(), dy, torch.tensor([2, 4], dtype=torch.int32)), ShapeError, "total_K"),
-    "pingpong": (lambda x, dy, o: (x.t(), dy, o), ConfigError, "cooperative"),
     "gated": (lambda x, dy, o: (x.t(), dy, o), EpilogueError, "variable K"),
 }
 
@@ -287,19 +310,19 @@ VARIABLE_K_BAD = {
 def test_variable_k_bad_arguments_get_typed_errors(case):
     make, error, words = VARIABLE_K_BAD[case]
     x, dy = torch.randn(10, 16).bfloat16(), torch.randn(10, 24).bfloat16()
-    config = {"pingpong": {"schedule": "pingpong"}}.get(case)
     gated = {"epilogue": lambda gate, up: gate * up, "gated": True} if case == "gated" else {}
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
-        epicute.grouped_gemm(*make(x, dy, torch.tensor([4, 10], dtype=torch.int32)), config=config, backend="reference",
+        epicute.grouped_gemm(*make(x, dy, torch.tensor([4, 10], dtype=torch.int32)), backend="reference",
                              **gated)  # fmt: skip
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("cluster", [(1, 1), (2, 1), (1, 2)])
-def test_variable_k_compiles_for_sm90a(cluster):
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+def test_variable_k_compiles_for_sm90a(cluster, schedule):
     meta = torch.empty(300, 64, dtype=torch.bfloat16, device="meta")
     dy = torch.empty(300, 136, dtype=torch.bfloat16, device="meta")
-    config = {"tile_n": 128, "cluster_m": cluster[0], "cluster_n": cluster[1]}
+    config = {"tile_n": 128, "cluster_m": cluster[0], "cluster_n": cluster[1], "schedule": schedule}
     request = describe_grouped_call(meta.t(), dy, torch.empty(5, dtype=torch.int32, device="meta"),
                                     lambda acc, bias: acc + bias, None, torch.float32, None, config,
                                     {"bias": torch.empty(5, 136, device="meta")}, False)[2]  # fmt: skip

@@ -249,6 +249,9 @@ RAGGED_K_CONFIGS = {
     "cluster_2x1": {"cluster_m": 2, "cluster_n": 1},
     "cluster_1x2": {"cluster_m": 1, "cluster_n": 2, "tile_n": 128},
     "persistent_1x1": {"cluster_m": 1, "cluster_n": 1, "persistent": True},
+    # Ping-pong: each warpgroup steps its ring over the other's tiles by their groups' k-tiles.
+    "pingpong_2x1": {"schedule": "pingpong", "tile_n": 192, "cluster_m": 2, "cluster_n": 1},
+    "pingpong_1x1": {"schedule": "pingpong", "tile_n": 64, "cluster_m": 1, "cluster_n": 1},
 }
 
 
@@ -291,7 +294,7 @@ def test_variable_k_with_an_epilogue():
     assert dw.shape == (len(sizes), m, n) and rel_err(dw, want) < 1e-5
 
 
-@pytest.mark.parametrize("config", ["planned", "cluster_2x1"])
+@pytest.mark.parametrize("config", ["planned", "cluster_2x1", "pingpong_2x1"])
 def test_variable_k_never_reads_the_next_groups_rows(config):
     """A group's last k-tile box reaches into the next group's rows; NaN there (both operands) must not reach
     this group's sum. Groups 0 and 2 end mid-tile before a poisoned group 1."""
