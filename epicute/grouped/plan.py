@@ -255,6 +255,11 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
             (
                 f"  k-loop          ceil(rows_g / {c.tile_k}) k-tiles per tile, from the group's first K row (none for "
                 "an empty group: D is the epilogue of zeros)"
+                + (
+                    "; each ping-pong warpgroup steps its ring over the other's tiles by their groups' k-tiles"
+                    if c.schedule == "pingpong"
+                    else ""
+                )
             ),
             (
                 "  A, B            one 2-D TMA descriptor each; a tile's loads start at its group's first K row, and "

@@ -233,6 +233,8 @@ def test_groups_many_tiles_long_plan_unpaired_pingpong_tiles(capsys):
     dy = torch.empty(16384, 14336, dtype=torch.bfloat16, device="meta")
     wgrad = epicute.explain_grouped(x.t(), dy, offsets, target="h200", file=None)
     assert (wgrad.problem.ragged, wgrad.config.schedule, wgrad.config.tile_n) == ("k", "pingpong", 192)
+    epicute.explain_grouped(x.t(), dy, offsets, target="h200")
+    assert "steps its ring over the other's tiles by their groups' k-tiles" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fields", [{"cluster_n": 2}, {}, {"cluster_m": 2, "split_k": 2}])
