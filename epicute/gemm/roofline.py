@@ -16,7 +16,7 @@ loses about half of the epilogue's issue time (ncu: the tensor pipe is less
 active with a gelu epilogue beside the mainloop). Charged this way, the model matches the
 measured cost of the cooperative gelu epilogue (bench/NOTES.md, 'Fused epilogues:
 the schedule by estimate'). A plain GEMM's cooperative tile exposes its store of D the
-same way (:data:`COOPERATIVE_STORE_CYCLES_PER_ELEMENT`).
+same way, where the target has measured it (:attr:`~epicute.runtime.target.Target.cooperative_store_cycles`).
 """
 
 from __future__ import annotations
@@ -42,15 +42,6 @@ BLOCK_SCALED_EFFICIENCY = {192: 0.585, 128: 0.58, 64: 0.46}
 SM_ISSUE_PER_CYCLE = 128
 #: Share of a ping-pong epilogue's issue time that the other warpgroup's mainloop loses.
 PINGPONG_EPILOGUE_SHARE = 0.5
-#: SM cycles per output element that a plain cooperative tile's store (cast, staged, TMA-stored in
-#: subtiles) holds both warpgroups with no WGMMA in flight: ~1 us a 128x256 tile. Bracketed by plain GEMMs
-#: (bench/NOTES.md, 'The cooperative store's exposed time'): ping-pong 128x192, whose store runs under the
-#: other warpgroup's mainloop, beat cooperative 128x256 at 54-146 waves on the H200 (16384x14336x4096, the
-#: 8-expert grouped GEMMs), which takes more than ~0.4 us; cooperative stayed ahead at 14 waves on the
-#: H100 (4096x14336x4096, by 1 %), which takes less than ~1.4 us. Plain GEMMs only: the fused epilogues'
-#: figures above were fit to measured fused GEMMs, store included (cooperative stayed ahead at 16384x4096x4096
-#: with gelu, which this term on top would overturn).
-COOPERATIVE_STORE_CYCLES_PER_ELEMENT = 0.055
 
 
 @dataclass(frozen=True)
@@ -123,8 +114,8 @@ def roofline(
         tile_s = max(mainloop_s + PINGPONG_EPILOGUE_SHARE * epilogue_alu_s, epilogue_tile_s + epilogue_alu_s)
     else:
         tile_s = max(mainloop_s, epilogue_tile_s) + epilogue_alu_s
-        if not epilogue.chain:  # a fused epilogue's calibration carries its store
-            tile_s += tile_m * out_tile_n * COOPERATIVE_STORE_CYCLES_PER_ELEMENT / hw.tensor_clock_hz
+        if not epilogue.chain:  # a fused epilogue's calibration (above) was fit with its store in it
+            tile_s += tile_m * out_tile_n * hw.cooperative_store_cycles / hw.tensor_clock_hz
     quantized_s = waves * tile_s
     predicted = max(quantized_s, memory_s)
     return Roofline(

@@ -62,6 +62,13 @@ class Target:
     #: HBM bandwidth, TB/s.
     hbm_tb_per_s: float
     l2_bytes: int
+    #: SM cycles per output element that a plain GEMM's cooperative tile spends storing D (cast, staged,
+    #: TMA-stored) with no WGMMA in flight, where ping-pong stores under the other warpgroup's mainloop; the
+    #: roofline charges it (:mod:`epicute.gemm.roofline`). H200: 0.055 (~1 us a 128x256 tile), inside the
+    #: bracket its plain GEMMs set (ping-pong 128x192 ahead at 54-146 waves needs > ~0.4 us, cooperative
+    #: 128x256 ahead at 7 waves < ~3.7 us; bench/NOTES.md, 'The cooperative store's exposed time'). 0 where
+    #: not measured: the H100's last sweep of the 8-expert grouped GEMM (older kernels) had cooperative ahead.
+    cooperative_store_cycles: float = 0.0
     #: Read from a visible GPU (as opposed to named, or assumed without one).
     detected: bool = False
     #: Where the figures come from, as ``explain`` prints it.
@@ -85,8 +92,9 @@ class Target:
         )
 
 
-def _named(name: str, device: str, num_sms: int, tf16: float, tf8: float, tbs: float, l2_mib: int) -> Target:
-    return Target(name, device, SM90A, num_sms, HOPPER_SMEM_PER_CTA, tf16, tf8, tbs, l2_mib * _MIB)
+def _named(name: str, device: str, num_sms: int, tf16: float, tf8: float, tbs: float, l2_mib: int,
+           store_cycles: float = 0.0) -> Target:  # fmt: skip
+    return Target(name, device, SM90A, num_sms, HOPPER_SMEM_PER_CTA, tf16, tf8, tbs, l2_mib * _MIB, store_cycles)
 
 
 #: The named parts (NVIDIA's dense peaks; fp8 is twice 16-bit on Hopper).
@@ -95,7 +103,7 @@ TARGETS: dict[str, Target] = {
     for t in (
         _named("h100-sxm", "NVIDIA H100 SXM", 132, 989.0, 1979.0, 3.35, 50),
         _named("h100-pcie", "NVIDIA H100 PCIe", 114, 756.0, 1513.0, 2.0, 50),
-        _named("h200", "NVIDIA H200", 132, 989.0, 1979.0, 4.8, 50),
+        _named("h200", "NVIDIA H200", 132, 989.0, 1979.0, 4.8, 50, store_cycles=0.055),
         _named("h20", "NVIDIA H20", 78, 148.0, 296.0, 4.0, 60),
     )
 }
