@@ -164,6 +164,9 @@ def _grad_slot(value: list):
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, operands, scalars, score_mod, _epilogue, spec, _page_table, _seqused_k, cu_q, cu_k = inputs
     o, lse = output
+    # An output the loss does not use gets None, not zeros: an unused LSE costs the backward no fill
+    # and no dLSE read in the preprocess.
+    ctx.set_materialize_grads(False)
     ctx.packed = cu_q is not None
     ctx.save_for_backward(q, k, v, o, lse, *((cu_q, cu_k) if ctx.packed else ()), *operands)
     ctx.hooks = (scalars, score_mod, spec)

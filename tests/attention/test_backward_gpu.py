@@ -272,9 +272,10 @@ def test_deterministic_mode_trains_under_torch_compile():
 
 
 @pytest.mark.parametrize("fragments", [True, False], ids=["dq_fragments", "dq_rows"])
+@pytest.mark.parametrize("with_dlse", [True, False], ids=["dlse", "no_dlse"])
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_preprocess_kernel_matches_its_torch_reference(d, packed, fragments):
+def test_preprocess_kernel_matches_its_torch_reference(d, packed, fragments, with_dlse):
     # head_dim / 8 lanes share a row (4 rows a warp at 64, 1 at 256); tile_m is the main kernel's.
     heads, tile_m = 3, backward_config(d).tile_m
     if packed:
@@ -285,6 +286,7 @@ def test_preprocess_kernel_matches_its_torch_reference(d, packed, fragments):
         shape, lse_shape = (2, 129, heads, d), (2, heads, 129)
     o, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lse, dlse = (torch.randn(lse_shape, device="cuda") for _ in range(2))
+    dlse = dlse if with_dlse else None  # autograd passes None when the loss does not use LSE
     lse.view(-1)[5] = float("-inf")  # a row that saw no key
     packing = (cu, max(lengths)) if packed else ()
     lse_log2, dsum, dq_accum = rt_backward.preprocess(o, do, lse, tile_m, dlse, packing, fragments)  # NaN-poisoned
@@ -299,6 +301,18 @@ def test_preprocess_kernel_matches_its_torch_reference(d, packed, fragments):
 
 def test_lse_gradient_flows():
     check(*leaves(2, 1000, 1000, 4, 4, 128), causal=True, with_lse=True)
+
+
+def test_a_loss_of_lse_alone():
+    # O unused: autograd hands the backward None for its gradient (no zeros materialized), taken as dO = 0.
+    q, k, v = leaves(1, 333, 517, 2, 2, 128)
+    _, lse = epicute.attention(q, k, v, causal=True, return_lse=True)
+    dlse = torch.randn_like(lse)
+    dq, dk, dv = torch.autograd.grad(lse, (q, k, v), dlse)
+    ref = reference_grads(q, k, v, torch.zeros_like(q), True, None, dlse)
+    for name, g, r in zip(("dq", "dk"), (dq, dk), ref):
+        assert rel_err(g, r) <= TOL, f"{name} rel err {rel_err(g, r):.2e}"
+    assert dv.shape == v.shape and (dv == 0).all()  # dV = P^T dO with dO = 0
 
 
 def test_torch_compile_fullgraph_trains():
