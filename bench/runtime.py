@@ -14,6 +14,9 @@ figure, the unit in the case name's suffix (_s, _ms, _us, or a count):
   epicute.prepare_gemm's object; host_overhead_fp8_rowwise_us an fp8 call with rowwise scales (peer:
   torch._scaled_mm with the same arguments);
   kernel_time_us: the GPU time of the same call by CUDA events, to show which side bounds a tiny call.
+- host_overhead_attention_us: the same for epicute.attention on a small problem (peer: flash-attn-4's
+  flash_attn_func, when installed); host_overhead_attention_train_us the call with q, k, v requiring grad
+  (autograd records it); host_overhead_attention_backward_us its backward (torch.autograd.grad).
 - recompiles_in_size_sweep: kernels fetched beyond the distinct variants the planner picks over 8 sizes (target 0);
   torch_compile_graphs_in_size_sweep: graphs torch.compile(dynamic=True) built over the same sweep.
 Exits 2 without a CUDA device.
@@ -166,6 +169,37 @@ def gpu_us(fn, calls: int = 200) -> float:
     return start.elapsed_time(stop) * 1e3 / calls
 
 
+def attention_host_rows() -> list[Row]:
+    """Host time per attention call, inference, training forward and backward, beside flash-attn-4's."""
+    import epicute
+
+    q, k, v = (torch.randn(2, 256, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+    do = torch.randn_like(q)
+    calls = {"epicute": epicute.attention}
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+
+        calls["flash_attn_4"] = flash_attn_func
+    except ImportError:
+        print("flash-attn-4 not installed: no peer for attention's host overhead")
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    detached = tuple(t.detach() for t in (q, k, v))
+    outputs = {name: first(fn(q, k, v, causal=True)) for name, fn in calls.items()}
+    inference = {name: lambda fn=fn: fn(*detached, causal=True) for name, fn in calls.items()}
+    training = {name: lambda fn=fn: fn(q, k, v, causal=True) for name, fn in calls.items()}
+    backward = {name: lambda out=out: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+                for name, out in outputs.items()}  # fmt: skip
+    figures = {
+        "host_overhead_attention_us": host_us(inference),
+        "host_overhead_attention_train_us": host_us(training),
+        "host_overhead_attention_backward_us": host_us(backward, calls=50),
+    }
+    return [{"case": case, **times} for case, times in figures.items()]
+
+
 def size_sweep() -> tuple[int, int]:
     import epicute
     from epicute.gemm import GemmProblem
@@ -252,6 +286,7 @@ def main() -> int:
         rows += [{"case": "recompiles_in_size_sweep", "epicute": recompiles},
                  {"case": "torch_compile_graphs_in_size_sweep", "epicute": graphs}]  # fmt: skip
         rows.append({"case": "host_overhead_fp8_rowwise_us", "epicute": fp8["gemm"], "torch_scaled_mm": fp8["torch"]})
+        rows += attention_host_rows()
 
     command = shlex.join(["python", "bench/runtime.py", *sys.argv[1:]])
     path = write_result(args.out, "runtime", command, "see case suffix (_s, _ms, _us, count)", False, rows)

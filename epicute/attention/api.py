@@ -30,7 +30,7 @@ import torch
 from epicute.attention.backward_plan import render_backward_plan
 from epicute.attention.plan import AttentionPlan, render_attention_plan
 from epicute.attention.prepare import Hook, prepare
-from epicute.attention.torch_op import attention_op_call
+from epicute.attention.torch_op import EagerAttention, attention_op_call
 from epicute.attention.validate import AttentionCall, check_attention_args, check_attention_out
 from epicute.epilogue.dtypes import IR_TO_TORCH
 from epicute.epilogue.reference import evaluate, round_to
@@ -206,9 +206,11 @@ def attention(
             backward table has the deterministic rows). The forward is deterministic either way.
         **operands: the hooks' operands by name.
 
-    Training: when q, k or v require grad, the call runs as the custom op ``epicute::attention``
-    whose registered autograd runs the backward kernel (:mod:`epicute.attention.backward`), in
-    eager and under ``torch.compile``; a score_mod's gradient is derived from its traced graph.
+    Training: when q, k or v require grad, autograd runs the backward kernel
+    (:mod:`epicute.attention.backward`): in eager through an autograd Function that launches the
+    kernels itself (:class:`~epicute.attention.torch_op.EagerAttention`), under ``torch.compile``
+    through the custom op ``epicute::attention``, whose registered autograd runs the same kernels;
+    a score_mod's gradient is derived from its traced graph.
     A score_mod's per-head vectors that require grad get gradients (summed in the backward kernel).
     The backward covers head_dim 64, 128 and 256 with no output epilogue, paged cache or seqused_k;
     other calls that need gradients get a :class:`~epicute.errors.ConfigError` before any launch.
@@ -270,15 +272,12 @@ def attention(
     score, epi = prepared.score, prepared.epilogue
     needs_grad = any(t.requires_grad for t in (q, k, v, *(x for x in operands.values() if isinstance(x, torch.Tensor))))
     if backend == "kernel" and torch.is_grad_enabled() and needs_grad:
-        # Training: the custom op, whose autograd runs the backward kernel (checked here, before any launch).
+        # Training: what the custom op's autograd runs, without its dispatch (checked here, before any launch);
+        # under torch.compile the op itself (above).
         _check_differentiable(prepared, out, operands)
-        if call.problem.varlen:  # the lengths travel as numbers: read them once, here
-            varlen.update(max_seqlen_q=call.problem.seqlen_q, max_seqlen_k=call.problem.seqlen_k)
-        return attention_op_call(
-            q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,
-            epilogue=epilogue, out=None, out_dtypes=out_dtypes, backend=backend, config=config, operands=operands,
-            page_table=page_table, seqused_k=seqused_k, deterministic=deterministic, **varlen,
-        )  # fmt: skip
+        names = tuple(name for name, value in operands.items() if isinstance(value, torch.Tensor))
+        o, lse = EagerAttention.apply(call, prepared, deterministic, names, q, k, v, *(operands[n] for n in names))
+        return (o, lse) if return_lse else o
     if out is not None:
         check_attention_out(call, out, IR_TO_TORCH[prepared.output_dtypes["D"]])
     if backend == "reference":

@@ -195,6 +195,50 @@ def _backward(ctx, grad_o, grad_lse):
 torch.library.register_autograd("epicute::attention", _backward, setup_context=_setup_context)
 
 
+class EagerAttention(torch.autograd.Function):
+    """A training call outside ``torch.compile``: the kernels the op's autograd runs (the same forward launch,
+    :func:`~epicute.attention.backward.attention_backward`), without the op's dispatch, and the backward takes
+    the forward's validated call and plan instead of rebuilding them from the spec. Those were 65 % of a
+    training forward's host time and half of its backward's (bench/NOTES.md).
+
+    ``apply(call, prepared, deterministic, names, q, k, v, *tensors)``: ``call`` and ``prepared`` as
+    :func:`epicute.attention` made them, ``tensors`` the hooks' tensor operands named ``names``; returns
+    ``(O, LSE)``."""
+
+    @staticmethod
+    def forward(ctx, call, prepared, deterministic: bool, names: tuple, q, k, v, *tensors):
+        from epicute.attention.launch import launch_attention
+
+        score = prepared.score
+        results, lse = launch_attention(
+            call, prepared.variant(), score.kernel_operands(q.device) if score else ((), ()), ((), ()),
+            prepared.plan.max_ctas,
+        )  # fmt: skip
+        o = results["D"]
+        ctx.set_materialize_grads(False)  # as the op's: an unused LSE costs no fill and no dLSE read
+        ctx.save_for_backward(q, k, v, o, lse, *tensors)
+        ctx.call, ctx.prepared, ctx.deterministic, ctx.names = call, prepared, deterministic, names
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_o, grad_lse):
+        from epicute.attention.backward import attention_backward
+
+        q, _, _, o, lse, *tensors = ctx.saved_tensors
+        needs = ctx.needs_input_grad[7:]  # the operand tensors' (after call, prepared, deterministic, names, q, k, v)
+        if grad_o is None:
+            grad_o = torch.zeros_like(o)
+        variant = ctx.prepared.backward_variant(ctx.deterministic, any(needs))
+        score = ctx.prepared.score
+        dq, dk, dv, by_name = attention_backward(
+            ctx.call, o, lse, _tma_ready(grad_o), variant, score.kernel_operands(q.device) if score else ((), ()),
+            grad_lse,
+        )  # fmt: skip
+        grads = [by_name[name].to(t.dtype) if need else None for name, t, need in zip(ctx.names, tensors, needs)]
+        return None, None, None, None, dq, dk, dv, *grads
+
+
 @assume_constant_result
 def _uncompilable(epi_key: str, q_dtype: torch.dtype, has_out_dtypes: bool) -> str:
     """Why the op cannot stand for this epilogue ("" if it can): its outputs are O in q's dtype and LSE."""
@@ -263,4 +307,4 @@ def attention_op_call(
     return (o, lse) if return_lse else o
 
 
-__all__ = ["attention_backward_op", "attention_op", "attention_op_call"]
+__all__ = ["EagerAttention", "attention_backward_op", "attention_op", "attention_op_call"]

@@ -70,9 +70,13 @@ class KernelFamily:
     :meth:`register`, never inside them.
     """
 
+    #: Variants whose keys a family remembers (then it forgets them all and starts again).
+    REMEMBERED_KEYS = 4096
+
     def __init__(self, kind: str, compilers: dict[str, Callable[[Any], Any]]) -> None:
         self.kind = kind
         self.compilers = dict(compilers)
+        self._keys: dict[Any, Any] = {}
         FAMILIES[kind] = self
 
     def register(self, arch: str, compile_fn: Callable[[Any], Any]) -> None:
@@ -94,12 +98,26 @@ class KernelFamily:
 
     def get(self, variant) -> Callable:
         """The compiled kernel of ``variant`` (memory, else disk, else compiled now)."""
-        return KERNEL_CACHE.get(variant.key(), functools.partial(self.compile, variant))
+        return KERNEL_CACHE.get(self.key(variant), functools.partial(self.compile, variant))
+
+    def key(self, variant):
+        """``variant.key()``, remembered per variant: a key checks its parts and formats its label, which costs
+        more host time than a launch (a score_mod's key tens of microseconds), while a variant (a frozen
+        dataclass whose compared fields make its key) hashes in one or two. An unhashable variant is keyed anew."""
+        try:
+            key = self._keys.get(variant)
+        except TypeError:
+            return variant.key()
+        if key is None:
+            if len(self._keys) >= self.REMEMBERED_KEYS:
+                self._keys.clear()
+            key = self._keys[variant] = variant.key()
+        return key
 
     def ensure_on_disk(self, variant) -> tuple[str, Any]:
         """Ahead of time: compile ``variant`` into the disk cache unless it is there."""
         self.compiler(variant.arch)  # an arch without kernels fails here, before any lock or file
-        return KERNEL_CACHE.ensure_on_disk(variant.key(), functools.partial(self.compile, variant))
+        return KERNEL_CACHE.ensure_on_disk(self.key(variant), functools.partial(self.compile, variant))
 
 
 __all__ = ["DSL_COMPILE_OPTIONS", "FAMILIES", "OPERAND_ALIGN_BYTES", "KernelFamily", "dsl_compile"]

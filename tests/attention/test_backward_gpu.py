@@ -208,6 +208,29 @@ def test_score_mod_operands_get_gradients(d, causal):
     assert grad.dtype == torch.bfloat16 and grad.shape == (4,) and torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 
+def test_eager_training_and_the_custom_op_run_the_same_program():
+    # Eager training launches the kernels itself (EagerAttention, with the forward's validated call and plan);
+    # the custom op's autograd, which torch.compile calls, rebuilds both from its spec. Deterministic, the two
+    # give the same bits, operand gradients (mapped back by name) included.
+    from epicute.attention.torch_op import attention_op_call
+
+    q, k, v = leaves(2, 1000, 777, 4, 2, 128)
+    slopes = (torch.rand(4, device="cuda") * 0.1).requires_grad_()
+    cap = torch.full((4,), 30.0, device="cuda", requires_grad=True)
+    do = torch.randn_like(q)
+    hooks = {"causal": True, "score_mod": alibi_softcap, "deterministic": True}
+    o = epicute.attention(q, k, v, **hooks, slopes=slopes, cap=cap)
+    eager = torch.autograd.grad(o, (q, k, v, slopes, cap), do)
+    unset = dict.fromkeys(("softmax_scale", "epilogue", "out", "out_dtypes", "config"))
+    o_op = attention_op_call(q, k, v, return_lse=False, backend="kernel", operands={"slopes": slopes, "cap": cap},
+                             **unset, **hooks)  # fmt: skip
+    through_op = torch.autograd.grad(o_op, (q, k, v, slopes, cap), do)
+    assert torch.equal(o, o_op)
+    for name, a, b in zip(("dq", "dk", "dv", "dslopes", "dcap"), eager, through_op):
+        assert torch.isfinite(a).all() and a.abs().sum() > 0, name
+        assert torch.equal(a, b), f"{name}: eager and the custom op differ"
+
+
 def test_operand_gradients_are_reproducible_and_trained_under_torch_compile():
     q, k, v = leaves(1, 1000, 1000, 4, 4, 128)
     slopes = (torch.rand(4, device="cuda") * 0.1).requires_grad_()

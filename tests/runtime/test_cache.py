@@ -383,3 +383,42 @@ def test_real_kernel_round_trip_in_a_fresh_process(tmp_path):
     assert second.returncode == 0, second.stderr
     assert "compiles 0 disk_loads 1" in second.stdout
     assert "mA_lmk" in second.stdout and "expected device_type=cuda" in second.stdout
+
+
+def test_kernel_families_key_each_variant_once(monkeypatch):
+    # A kernel lookup keys its variant once (a key checks and formats its parts, costlier than the launch);
+    # equal variants share the key, an unhashable one is keyed on every lookup.
+    from dataclasses import dataclass
+
+    from epicute.runtime import compile as compile_mod
+
+    monkeypatch.setattr(compile_mod, "FAMILIES", {})
+    keyed = []
+
+    @dataclass(frozen=True)
+    class Variant:
+        n: int
+        arch: str = "sm_90a"
+
+        def key(self):
+            keyed.append(self.n)
+            return CacheKey("remembered_keys_test", (self.n,), self.arch)
+
+    family = compile_mod.KernelFamily("remembered_keys_test", {"sm_90a": lambda v: v.n})
+    assert family.key(Variant(1)) == family.key(Variant(1)) == CacheKey("remembered_keys_test", (1,))
+    assert family.key(Variant(2)).parts == (2,)
+    assert keyed == [1, 2]
+
+    @dataclass(eq=True)  # eq without frozen: unhashable
+    class Loose:
+        n: int
+        arch: str = "sm_90a"
+        key = Variant.key
+
+    family.key(Loose(3))
+    family.key(Loose(3))
+    assert keyed == [1, 2, 3, 3]
+    monkeypatch.setattr(compile_mod.KernelFamily, "REMEMBERED_KEYS", 2)
+    family.key(Variant(4))  # a third variant: the family forgets the first two
+    family.key(Variant(1))
+    assert keyed == [1, 2, 3, 3, 4, 1]
