@@ -94,6 +94,12 @@ WGMMA_M = 64
 GATHER_FIRST_WARP = 2
 
 
+def _first_modes(t: cute.Tensor, modes: int) -> cute.Tensor:
+    """``t``'s first ``modes`` modes, any further ones fixed at 0 (``t`` itself when it has no more)."""
+    extra = cute.rank(t) - modes
+    return t if extra == 0 else t[(*(None,) * modes, *(0,) * extra)]
+
+
 def _rotate(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
     """A view of ``tensor`` with its modes permuted (no data moves)."""
     return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=order))
@@ -321,10 +327,10 @@ class GemmSm90:
         b_smem_staged = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_shape_mnk, self.b_dtype, cfg.ab_stages)
         d_smem_staged = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, cfg.epi_tile, cfg.num_epi_stages)
 
-        tma_a, tma_mA = self._make_tma_load(mA, a_smem_staged, (cfg.tile_m, cfg.tile_k), self.a_mcast_ctas,
-                                            self.paired)  # fmt: skip
-        tma_b, tma_mB = self._make_tma_load(mB, b_smem_staged, (cfg.tile_n, cfg.tile_k), self.b_mcast_ctas,
-                                            self.paired)  # fmt: skip
+        tma_a, tma_mA = self._make_tma_load(self._load_view(mA), a_smem_staged, (cfg.tile_m, cfg.tile_k),
+                                            self.a_mcast_ctas, self.paired)  # fmt: skip
+        tma_b, tma_mB = self._make_tma_load(self._load_view(mB), b_smem_staged, (cfg.tile_n, cfg.tile_k),
+                                            self.b_mcast_ctas, self.paired)  # fmt: skip
         if cutlass.const_expr(self.a_scales_tma):
             # A's scales (L, M, KB), M-major, as (M, KB, L): a k-tile's box is the tile's rows of one block of K.
             # Rows past M arrive as zeros (their products are never stored). Not multicast: 512 bytes per CTA.
@@ -409,6 +415,10 @@ class GemmSm90:
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
             op, tensor, cute.slice_(smem_staged, (None, None, 0)), smem_tile, num_multicast=mcast_ctas
         )
+
+    def _load_view(self, tensor: cute.Tensor) -> cute.Tensor:
+        """The view of ``(rows, K, L)`` A or B that its TMA load descriptor is built over: the tensor itself."""
+        return tensor
 
     def _epi_smem_layout(self, dtype: str, stages: int):
         """Staged, swizzled smem layout of one epilogue subtile of ``dtype`` (row-major, like D)."""
@@ -655,9 +665,10 @@ class GemmSm90:
             length = self.out_tile_n if kind == "row" else cfg.tile_m
             sVec.append(getattr(storage, f"epi_vec_{i}").get_tensor(cute.make_layout(length)))
 
-        # Global tiles: (bM, bK, RestM, RestK, L) etc.
-        gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
-        gB = cute.local_tile(mB, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None))
+        # Global tiles: (bM, bK, RestM, RestK, L) etc. (A ragged load view's extra modes at 0: its tiles are cut
+        # per unit, by the subclass that made it.)
+        gA = cute.local_tile(_first_modes(mA, 3), cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None,) * 3)
+        gB = cute.local_tile(_first_modes(mB, 3), cute.slice_(self.tile_shape_mnk, (0, None, None)), (None,) * 3)
         gD = self._output_tiles(mD)
         k_tiles = cute.size(gA, mode=[3])
 

@@ -34,7 +34,8 @@ from cutlass.tensor_utils import LayoutEnum
 from epicute.errors import ConfigError
 from epicute.gemm.kernel_sm90 import GATHER_FIRST_WARP, GemmSm90, _rotate
 from epicute.sm90.cp_async import CHUNK_BYTES, LINE_BYTES, arrive_when_copied, copy_chunk_zero_fill, swizzled_chunk
-from epicute.sm90.pipeline import NamedBarriers, RingState
+from epicute.sm90.pipeline import RingState
+from epicute.sm90.ragged import ragged_load_view, ragged_rows
 from epicute.sm90.tile_grid import ceil_div, grouped_cluster_bound
 from epicute.sm90.tile_scheduler import GroupedTileScheduler, RaggedKTileScheduler
 
@@ -259,16 +260,14 @@ class RaggedKGemmSm90(GemmSm90):
     """The grouped GEMM's variable-K mode: ``D[g] = A[:, rows of g] @ B[rows of g, :]`` (a weight gradient
     ``dW_g = X_g^T dY_g`` over each group's tokens), one ``(M, N)`` output per group.
 
-    The dense GEMM with the groups as its batch, except the reduction. A ``(M, R)`` and B ``(R, N)`` keep
-    plain 2-D TMA descriptors over all ``R`` K rows; each tile's loads start at its group's first K row
-    (:meth:`_group_k_tiles`; K is the strided dimension of both, where a TMA box may start anywhere) and a
-    tile runs ``ceil(len_g / tile_k)`` k-tiles (:meth:`_k_tiles`; none for an empty group, whose D is the
-    epilogue of zeros). The last k-tile's box reaches past the group's end into the next group's rows, and
-    those would add into this group's sum: the consumers zero them in shared memory before its WGMMAs
-    (:meth:`_fix_stage`). A descriptor per group, or a ragged view whose base lies before A (the D store's
-    trick), would avoid the rewrite; the first costs an update and fences per group change, the second
-    faulted for loads on the H100 (bench/NOTES.md). Ping-pong: a warpgroup steps its ring over the other's
-    tiles by their own groups' k-tiles (:meth:`_k_tiles_over`).
+    The dense GEMM with the groups as its batch, except the reduction. A ``(M, R)`` and B ``(R, N)`` are loaded
+    through ragged TMA views along K (:func:`~epicute.sm90.ragged.ragged_load_view`, one descriptor each):
+    each tile's loads start at its group's first K row (:meth:`_group_k_tiles`; K is the strided dimension of
+    both, where a TMA box may start anywhere), a tile runs ``ceil(len_g / tile_k)`` k-tiles (:meth:`_k_tiles`;
+    none for an empty group, whose D is the epilogue of zeros), and the last k-tile's rows past the group's end,
+    which would be the next group's, arrive as zeros. (Zeroing them in shared memory instead cost 1.5-2 % at
+    the benchmark's sizes, bench/NOTES.md.) Ping-pong: a warpgroup steps its ring over the other's tiles by
+    their own groups' k-tiles (:meth:`_k_tiles_over`).
     """
 
     @cute.jit
@@ -298,9 +297,15 @@ class RaggedKGemmSm90(GemmSm90):
             self.cfg.raster_along_m,
         )  # fmt: skip
 
+    def _load_view(self, tensor: cute.Tensor) -> cute.Tensor:
+        """A and B ``(rows, R, 1)`` as ragged along K (:func:`~epicute.sm90.ragged.ragged_load_view`): a group's
+        last k-tile reads zeros past its end, where the next group's rows lie."""
+        return ragged_load_view(tensor, 1)
+
     def _group_k_tiles(self, tensor, tma, smem, peer, peers: int, tile_rows: int, tile_index, coord) -> cute.Tensor:
-        """``(TMA, k_tile)`` of a ``(rows, R, 1)`` operand for the group at ``coord``, from its first K row."""
-        rows = cute.domain_offset((0, coord[3]), tensor[(None, None, 0)])
+        """``(TMA, k_tile)`` of an operand for the group at ``coord``: its K rows from the first, the rows past
+        its end out of bounds (zero-filled)."""
+        rows = ragged_rows(tensor, 1, coord[3], coord[4] - coord[3])[(None, None, 0)]
         tiles = cute.local_tile(rows, (tile_rows, self.cfg.tile_k), (None, None))
         _, partition = cute.nvgpu.cpasync.tma_partition(
             tma, peer, cute.make_layout(peers), cute.group_modes(smem, 0, 2), cute.group_modes(tiles, 0, 2)
@@ -329,44 +334,6 @@ class RaggedKGemmSm90(GemmSm90):
                 k_tiles = self._k_tiles(cta, scheduler.coord(other))
             total += cutlass.select_(Int32(i) < tiles, k_tiles, Int32(0))
         return total
-
-    @cute.jit
-    def _fix_stage(self, cta, coord: tuple, k_tile, stage, mma_tidx) -> None:
-        """Zero the K rows past the group's end in the group's last, partial k-tile, in A's and B's stage
-        alike (a zero in one would do, but the next group's values times a zero can still be NaN: inf * 0),
-        then fence them to the async proxy WGMMA reads through and meet every consumer of the tile."""
-        cfg = self.cfg
-        valid = coord[4] - coord[3] - k_tile * cfg.tile_k
-        if valid < cfg.tile_k:
-            self._zero_k_rows(cta.sA, stage, valid, cfg.tile_m, mma_tidx)
-            self._zero_k_rows(cta.sB, stage, valid, cfg.tile_n, mma_tidx)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=int(NamedBarriers.STAGE_FIXUP), number_of_threads=cfg.tile_threads)
-
-    @cute.jit
-    def _zero_k_rows(self, smem, stage, first_k, rows: int, tidx):
-        """Zero K rows ``first_k..tile_k`` of an MN-major ring ``smem`` ``(rows, tile_k, stages)`` at ``stage``.
-
-        The 128-byte swizzle of an MN-major stage keeps each K row of a 128-byte run of rows in one 128-byte
-        line (it permutes the line's 16-byte chunks), and the unswizzled layout gives that line's start: so
-        the tile's threads write whole lines, one 16-byte chunk each, with no swizzle arithmetic.
-        """
-        cfg = self.cfg
-        width = smem.element_type.width
-        line = 1024 // width  # elements per 128-byte line
-        chunk = 128 // width  # elements per 16-byte store
-        assert rows % line == 0, f"variable K needs tile rows in 128-byte multiples, not {rows} x {width} bits"
-        raw = cute.recast_ptr(smem.iterator)
-        chunks_per_line, chunks_per_k = line // chunk, rows // chunk
-        zeros = cute.make_rmem_tensor((chunk,), smem.element_type)
-        zeros.fill(0)
-        for c in range(first_k * chunks_per_k + tidx, cfg.tile_k * chunks_per_k, cfg.tile_threads):
-            k = c // chunks_per_k
-            j = c % chunks_per_k  # the chunk's line (run of rows) and place in it
-            line_start = cute.crd2idx(((j // chunks_per_line) * line, k, stage), smem.layout)
-            offset = line_start + (j % chunks_per_line) * chunk
-            dst = cute.make_tensor(raw + cute.assume(offset, divby=chunk), cute.make_layout(chunk))
-            cute.autovec_copy(zeros, dst)
 
 
 __all__ = ["GatheredGemmSm90", "GroupedGemmSm90", "RaggedKGemmSm90"]

@@ -262,8 +262,9 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
                 )
             ),
             (
-                "  A, B            one 2-D TMA descriptor each; a tile's loads start at its group's first K row, and "
-                "the consumers zero the last k-tile's rows past the group's end in shared memory"
+                "  A, B            one ragged TMA descriptor each (K's extent ends at each group's end): a tile's "
+                "loads start at its group's first K row, and its last k-tile's rows past the group's end arrive as "
+                "zeros"
             ),
             f"  config          planned for the mean group, {p.mean_group().k} K rows (below)",
             "",

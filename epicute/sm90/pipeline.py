@@ -42,9 +42,6 @@ class NamedBarriers(enum.IntEnum):
     #: the staging buffers, so they take turns.
     EPILOGUE_TURN_WG1 = 5
     EPILOGUE_TURN_WG2 = 6
-    #: A tile's consumers meet after rewriting a filled A/B stage in shared memory (the
-    #: variable-K grouped GEMM zeroes the rows past a group's end) before WGMMA reads it.
-    STAGE_FIXUP = 7
     #: Attention backward: both consumer warpgroups have staged their half of a dS tile, which
     #: each then reads whole (dQ = dS K).
     SCORES_STAGED = 8
