@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from cutlass import cute
 
-#: The ragged dimension's extent in the view: more than any unit's coordinates reach (ROWS + a tile).
+#: The ragged dimension's extent in the view. A unit's rows are coordinates ``ROWS - length`` on, so a unit may be
+#: up to ROWS rows long; a tile reaching past ``ROWS`` reads zeros.
 ROWS = 2**30
 #: ``ROWS * WRAP = 2^64``: the first extra mode's step wraps the address around to where it started.
 WRAP = 2**64 // ROWS
