@@ -10,7 +10,9 @@ medians of interleaved rounds. epicute plans these itself (``explain`` shows spl
 output tiles are too few for the SMs).
 
 Decode attention rows (``attn_b{batch}_k{keys}``): one query per sequence, GQA 32 query heads over 8
-K/V heads, head_dim 128, causal, over a paged bf16 cache of 128-key pages in random order with
+K/V heads (``attn_b{batch}_k{keys}_gqa{g}``: 8 g query heads, the ratios 3, 5 and 7 of Llama-3.2-3B and
+Qwen2.5 whose groups do not divide a 64-row tile, beside their ratio-4 rows), head_dim 128, causal,
+over a paged bf16 cache of 128-key pages in random order with
 ``seqused_k`` (flash-attn-4's ``flash_attn_varlen_func`` on the same tensors, as PEERS.md calls it);
 GB/s counts the K and V bytes read. The first call of each is checked against the float32 reference
 of two of the sequences. Writes bench/results/decode.json (and $OUT/decode.json when OUT is set).
@@ -27,9 +29,12 @@ from common import Row, check_contenders, finish_peer_run, start_peer_run, time_
 from gemm import parse_shapes
 
 ALL_SHAPES = [(m, n, k) for n, k in ((14336, 4096), (4096, 14336), (8192, 8192)) for m in (1, 16, 64, 128)]
-#: (batch, keys per sequence) of the decode attention rows.
-ATTENTION_CASES = [(64, 8192), (8, 32768), (1, 131072)]
-HEADS_Q, HEADS_KV, HEAD_DIM, PAGE = 32, 8, 128, 128
+#: (batch, keys per sequence[, query heads per K/V head]) of the decode attention rows: the serving
+#: shapes at ratio 4, then ratios 3, 5 and 7 beside ratio 4 at batch 1 and 32, short and long contexts.
+ATTENTION_CASES = [(64, 8192), (8, 32768), (1, 131072)] + [
+    (batch, keys, group) for batch, keys in ((1, 4096), (1, 131072), (32, 2048), (32, 32768)) for group in (4, 3, 5, 7)
+]
+HEADS_KV, HEAD_DIM, PAGE = 8, 128, 128
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "decode.json"
 TOLERANCE = 1e-2
 
@@ -60,7 +65,7 @@ def run_case(shape) -> tuple[Row, bool]:
     return row, ok
 
 
-def run_attention_case(batch: int, keys: int) -> tuple[Row, bool]:
+def run_attention_case(batch: int, keys: int, group: int | None = None) -> tuple[Row, bool]:
     import epicute
     from epicute.attention.api import reference_attention
     from epicute.attention.validate import check_attention_args
@@ -72,8 +77,8 @@ def run_attention_case(batch: int, keys: int) -> tuple[Row, bool]:
     v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
     used = torch.full((batch,), keys, device="cuda", dtype=torch.int32)
-    q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    row: Row = {"case": f"attn_b{batch}_k{keys}"}
+    q = torch.randn(batch, 1, HEADS_KV * (group or 4), HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    row: Row = {"case": f"attn_b{batch}_k{keys}" + (f"_gqa{group}" if group else "")}
     plan = epicute.explain_attention(q, k, v, causal=True, page_table=table, seqused_k=used, file=None)
     print(row["case"], f"(pack_gqa {plan.config.pack_gqa}, num_splits {plan.config.num_splits})")
     picks = sorted({0, batch - 1})  # checked sequences: the float32 reference of all would not fit
@@ -106,6 +111,7 @@ def run_attention_case(batch: int, keys: int) -> tuple[Row, bool]:
 
 
 def parse_attention(text: str) -> list[tuple[int, int]]:
+    """``BATCHxKEYS`` or ``BATCHxKEYSxGROUP`` items, comma-separated, or 'none'."""
     return [] if text == "none" else [tuple(int(x) for x in item.split("x")) for item in text.split(",")]
 
 
@@ -117,7 +123,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=parse_gemm_shapes,
                         help="comma-separated MxNxK list, or 'none' (default: the issue's set)")  # fmt: skip
-    parser.add_argument("--attention", type=parse_attention, help="comma-separated BATCHxKEYS list, or 'none'"
+    parser.add_argument("--attention", type=parse_attention, help="comma-separated BATCHxKEYS[xGROUP] list, or 'none'"
                         " (default: the issue's set)")  # fmt: skip
     args = start_peer_run(parser, DEFAULT_OUT)
     if args is None:

@@ -4,7 +4,7 @@
 # through the device tool: run(command="bash bench/device.sh", carry=[".device"]).
 # Every step runs even if an earlier one failed; the exit status is non-zero if any failed.
 # Files left in $OUT: gpu-tests.log (every shard's log), bench.log,
-# gemm.json and eight sanitize-<tool>-<case>.log.
+# gemm.json, sanitize.json and a sanitize-<tool>-<case>.log per tool and case.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 steps=("$@")
@@ -60,20 +60,10 @@ run_bench() {
     python3 bench/gemm.py --all 2>&1 | tee "$OUT/bench.log"
 }
 
+# memcheck, racecheck and synccheck over a small case of every kernel family (bench/sanitize_case.py);
+# writes sanitize.json (errors per family and tool) and one log per tool and case.
 run_sanitize() {
-    local status=0 tool size log
-    for tool in memcheck racecheck; do
-        for size in small ragged epilogue attention; do
-            log="$OUT/sanitize-$tool-$size.log"
-            # No caching allocator: each tensor is its own cudaMalloc, so memcheck sees
-            # out-of-bounds accesses that would otherwise land inside a pooled block.
-            PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 1 \
-                python3 bench/sanitize_case.py "$size" >"$log" 2>&1 || status=1
-            echo "$tool $size: $(grep -E '^(PASS|FAIL)' "$log" | tail -n 1)" \
-                "| $(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -n 1 | sed 's/^========= //')"
-        done
-    done
-    return $status
+    python3 bench/sanitize.py --jobs 6 --out "$OUT/sanitize.json"
 }
 
 for step in "${steps[@]}"; do

@@ -1,17 +1,22 @@
 """One small epicute call for compute-sanitizer to watch (see bench/device.sh).
 
-Usage: python bench/sanitize_case.py small|ragged|pingpong|epilogue|attention
+Usage: python bench/sanitize_case.py CASE   (CASES below; `FAMILIES` groups them by kernel family)
 `small` is one aligned 128x256x64 tile problem; `ragged` (M=129, N=136, K=72) exercises the
 partial-tile paths; `pingpong` gives every CTA of the ping-pong schedule two or three ragged
 tiles, so both warpgroups' turns and the shared staging buffers are exercised; `epilogue` runs
 every stage of the GEMM's epilogue chain (a TMA-loaded operand tile, a parked vector, an aux tile
 staged beside D, row/column/whole reductions) under ping-pong; `attention` runs attention's
 output chain (O and an aux tile staged in turn in Q's buffer, reductions) on persistent CTAs,
-some of which walk two tiles. Prints PASS/FAIL and exits 1 on failure.
+some of which walk two tiles; `fp8_quantize` a blockwise-scaled fp8 GEMM whose epilogue quantizes
+D in 1x128 groups; `grouped` a grouped GEMM over ragged groups (an empty one too); `attention_gqa`
+a causal GQA prefill (ping-pong, dynamic tiles); `decode_paged` packed GQA decode over a paged cache
+with split-KV and its combine (ratio 4, and a padded ratio 3); `backward` the attention backward
+(GQA, causal, ragged lengths). Prints PASS/FAIL and exits 1 on failure.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -23,7 +28,14 @@ GEMM_CASES: dict[str, tuple[int, int, int, dict]] = {
     "pingpong": (2049, 2056, 72, {"schedule": "pingpong", "tile_n": 128}),
     "epilogue": (2049, 2056, 72, {"schedule": "pingpong", "tile_n": 128}),
 }
-CASES = (*GEMM_CASES, "attention")
+#: case -> the kernel family it watches (rows of bench/results/sanitize.json)
+FAMILIES = {
+    "small": "gemm", "ragged": "gemm", "pingpong": "gemm", "epilogue": "gemm epilogue",
+    "fp8_quantize": "fp8 blockwise + quantize_groups", "grouped": "grouped gemm",
+    "attention": "attention forward (epilogue)", "attention_gqa": "attention forward (GQA prefill)",
+    "decode_paged": "attention decode (paged, split-KV)", "backward": "attention backward",
+}  # fmt: skip
+CASES = tuple(FAMILIES)
 TOLERANCE = 1e-2
 
 
@@ -75,6 +87,88 @@ def attention_case() -> dict[str, float]:
     return {name: rel_err(got[name], ref[name].to(got[name].device)) for name in ref}
 
 
+def fp8_quantize_case() -> dict[str, float]:
+    import epicute
+
+    m, n, k = 257, 384, 512
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    a_scale = torch.rand(k // 128, m, device="cuda").t() + 0.5  # (M, K/128), M-major
+    b_scale = torch.rand(n // 128, k // 128, device="cuda") + 0.5
+
+    def epi(acc):
+        q, scales = epicute.ops.quantize_groups(epicute.ops.silu(acc), ue8m0=True)
+        return {"D": q, "scales": scales}
+
+    got = epicute.gemm(a, w.t(), a_scale=a_scale, b_scale=b_scale, epilogue=epi)
+    ref = epicute.gemm(a, w.t(), a_scale=a_scale, b_scale=b_scale, epilogue=epi, backend="reference")
+    dequant = {name: (r["D"].float().cpu().view(m, n // 128, 128) * r["scales"].cpu()[..., None]).view(m, n)
+               for name, r in (("got", got), ("ref", ref))}  # fmt: skip
+    return {"D": rel_err(dequant["got"], dequant["ref"]), "scales": rel_err(got["scales"].cpu(), ref["scales"])}
+
+
+def grouped_case() -> dict[str, float]:
+    import epicute
+
+    sizes = torch.tensor([129, 0, 300, 17])
+    x = torch.randn(int(sizes.sum()), 136, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(sizes), 264, 136, device="cuda", dtype=torch.bfloat16)
+    offs = sizes.cumsum(0).to(device="cuda", dtype=torch.int32)
+    got = epicute.grouped_gemm(x, w.transpose(-2, -1), offs)
+    ref = epicute.grouped_gemm(x, w.transpose(-2, -1), offs, backend="reference")
+    return {"D": rel_err(got, ref.to(got.device))}
+
+
+def attention_gqa_case() -> dict[str, float]:
+    import epicute
+
+    q = torch.randn(2, 300, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 300, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    got = epicute.attention(q, k, v, causal=True)
+    ref = epicute.attention(q, k, v, causal=True, backend="reference")
+    return {"O": rel_err(got, ref.to(got.device))}
+
+
+def decode_paged_case() -> dict[str, float]:
+    import epicute
+
+    errors = {}
+    for heads_q in (8, 6):  # GQA 4:1, and a padded 3:1 group
+        k, v = (torch.randn(9, 64, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        table = torch.randperm(9, device="cuda")[:8].view(2, 4).to(torch.int32)
+        used = torch.tensor([200, 256], device="cuda", dtype=torch.int32)
+        q = torch.randn(2, 1, heads_q, 128, device="cuda", dtype=torch.bfloat16)
+        kw = {"causal": True, "page_table": table, "seqused_k": used}
+        got = epicute.attention(q, k, v, config={"num_splits": 3}, **kw)
+        ref = epicute.attention(q, k, v, backend="reference", **kw)
+        errors[f"O gqa{heads_q // 2}"] = rel_err(got, ref.to(got.device))
+    return errors
+
+
+def backward_case() -> dict[str, float]:
+    import epicute
+
+    q = torch.randn(2, 300, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 257, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    from epicute.attention.api import reference_attention
+    from epicute.attention.validate import check_attention_args
+
+    do = torch.randn_like(q)
+    got = torch.autograd.grad(epicute.attention(q, k, v, causal=True), (q, k, v), do)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    call = dataclasses.replace(check_attention_args(q, k, v, causal=True, softmax_scale=None),
+                               q=leaves[0], k=leaves[1], v=leaves[2])  # fmt: skip
+    out = reference_attention(call, out_dtype=torch.float32, device="cuda")[0]["D"]
+    ref = torch.autograd.grad(out, leaves, do.float())
+    return {name: rel_err(g, r.to(g.device)) for name, g, r in zip(("dq", "dk", "dv"), got, ref)}
+
+
+SPECIAL_CASES = {
+    "attention": lambda: attention_case(), "fp8_quantize": fp8_quantize_case, "grouped": grouped_case,
+    "attention_gqa": attention_gqa_case, "decode_paged": decode_paged_case, "backward": backward_case,
+}  # fmt: skip
+
+
 def main() -> int:
     if len(sys.argv) != 2 or sys.argv[1] not in CASES:
         print(f"usage: {sys.argv[0]} {'|'.join(CASES)}")
@@ -84,7 +178,7 @@ def main() -> int:
         return 2
     name = sys.argv[1]
     torch.manual_seed(0)
-    errors = attention_case() if name == "attention" else gemm_case(name)
+    errors = SPECIAL_CASES[name]() if name in SPECIAL_CASES else gemm_case(name)
     torch.cuda.synchronize()
     ok = all(err <= TOLERANCE for err in errors.values())  # False for NaN too
     listed = ", ".join(f"{k} {v:.2e}" for k, v in errors.items())

@@ -102,27 +102,40 @@ LN_2 = math.log(2.0)
 RESCALE_THRESHOLD = 8.0
 
 
-def _pack_heads(t: cute.Tensor, group: int, head_mode: int) -> cute.Tensor:
+def _pack_heads(t: cute.Tensor, group: int, head_mode: int, rows: int | None = None) -> cute.Tensor:
     """Fold the ``group`` query heads of each key/value head into the rows (mode 0): ``(seqlen, ...,
-    heads, ...)`` -> ``((group, seqlen), ..., heads // group, ...)``, row ``r`` = query ``r // group``
-    of head ``r % group`` (no data moves)."""
+    heads, ...)`` -> ``((rows, seqlen), ..., heads // group, ...)``, row ``r`` = query ``r // rows``
+    of head ``r % rows`` of the group (no data moves). ``rows`` (default ``group``) is the rows a
+    query takes in a tile: a group that does not divide the tile is padded to a power of two, and
+    the padded rows (``r % rows >= group``) alias the next group's heads, so they are never stored."""
+    rows = group if rows is None else rows
     shape, stride = list(t.shape), list(t.stride)
     head_stride = stride[head_mode]
-    shape[0], stride[0] = (group, shape[0]), (head_stride, stride[0])
+    shape[0], stride[0] = (rows, shape[0]), (head_stride, stride[0])
     shape[head_mode], stride[head_mode] = shape[head_mode] // group, head_stride * group
     return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
 
 
-def _packed_tma_atom(op, t_sdhb: cute.Tensor, smem_layout, tile: tuple[int, int], group: int):
+def _packed_tma_atom(op, t_sdhb: cute.Tensor, smem_layout, tile: tuple[int, int], group: int, rows: int):
     """A TMA atom and tensor for ``(seqlen, dim, heads, batch)`` with the group's heads packed into
-    the rows (see :func:`_pack_heads`). The box is ``(group, tile_m // group)`` heads x queries by
-    ``dim``: heads and queries are grouped into one mode for the atom, so the TMA stays 4-D and
-    clips the ragged seqlen edge, then the heads mode is split back into (group, key/value head)."""
-    heads_first = cute.group_modes(select_modes(t_sdhb, [2, 0, 1, 3]), 0, 2)  # ((heads, seqlen), dim, batch)
-    atom, tma = cpasync.make_tiled_tma_atom(op, heads_first, smem_layout, ((group, tile[0] // group), tile[1]))
-    shape = ((group, tma.shape[0][1]), tma.shape[1], tma.shape[0][0] // group, tma.shape[2])
-    stride = (tma.stride[0], tma.stride[1], tma.stride[0][0] * group, tma.stride[2])
-    return atom, cute.make_tensor(tma.iterator, cute.make_layout(shape, stride=stride))
+    the rows (see :func:`_pack_heads`), as ``((rows, seqlen), dim, heads_kv, batch)``; the box is
+    ``(rows, tile_m // rows)`` heads x queries by ``dim``.
+
+    When the group fills its rows, heads and queries are grouped into one mode for the atom, so the
+    TMA stays 4-D and clips the ragged seqlen edge, then the heads mode is split back into (group,
+    key/value head). A padded group (``rows > group``) keeps the group as a TMA dimension of its own,
+    of extent ``group``: the box's padded heads fall outside it, so TMA zero-fills them on load and
+    drops them on store (5-D)."""
+    if group == rows:
+        heads_first = cute.group_modes(select_modes(t_sdhb, [2, 0, 1, 3]), 0, 2)  # ((heads, seqlen), dim, batch)
+        atom, tma = cpasync.make_tiled_tma_atom(op, heads_first, smem_layout, ((group, tile[0] // group), tile[1]))
+        shape = ((group, tma.shape[0][1]), tma.shape[1], tma.shape[0][0] // group, tma.shape[2])
+        stride = (tma.stride[0], tma.stride[1], tma.stride[0][0] * group, tma.stride[2])
+        return atom, cute.make_tensor(tma.iterator, cute.make_layout(shape, stride=stride))
+    grouped = _pack_heads(t_sdhb, group, 2)  # ((group, seqlen), dim, heads_kv, batch)
+    atom, tma = cpasync.make_tiled_tma_atom(op, grouped, smem_layout, ((rows, tile[0] // rows), tile[1]))
+    shape = ((rows, tma.shape[0][1]), tma.shape[1], tma.shape[2], tma.shape[3])
+    return atom, cute.make_tensor(tma.iterator, cute.make_layout(shape, stride=tma.stride))
 
 
 class AttentionSm90:
@@ -158,8 +171,10 @@ class AttentionSm90:
         self.store_warp = THREADS_PER_WARPGROUP // 32
         #: Longest-processing-time-first order (causal only: otherwise every query block is as long).
         self.lpt = causal and cfg.lpt_order
-        #: Query heads per tile row block (packed GQA; 1: a tile holds one head's queries).
+        #: Query heads per tile row block (packed GQA; 1: a tile holds one head's queries), and the
+        #: rows each query takes (the group padded to a power of two that divides tile_m).
         self.pack = cfg.pack_gqa
+        self.pack_rows = cfg.pack_rows
         #: Keys per page of a paged K/V cache (0: contiguous K/V).
         self.page_size = page_size
         self.seqused_k = seqused_k
@@ -202,12 +217,13 @@ class AttentionSm90:
         mQ, mK, mV, mO = (select_modes(t, [1, 3, 2, 0]) for t in (mQ_bshd, mK_bshd, mV_bshd, mO_bshd))
         mLSE = select_modes(mLSE_bhs, [2, 1, 0])  # (seqlen_q, heads, batch)
         if cutlass.const_expr(self.pack > 1):
-            mLSE = _pack_heads(mLSE, self.pack, 1)
+            mLSE = _pack_heads(mLSE, self.pack, 1, self.pack_rows)
         if cutlass.const_expr(cfg.split_kv):
             # (seqlen_q, dim, heads, batch, split) and (seqlen_q, heads, batch, split), packed like O.
             o_part, lse_part = select_modes(partials[0], [2, 4, 3, 1, 0]), select_modes(partials[1], [3, 2, 1, 0])
             if cutlass.const_expr(self.pack > 1):
-                o_part, lse_part = _pack_heads(o_part, self.pack, 2), _pack_heads(lse_part, self.pack, 1)
+                o_part = _pack_heads(o_part, self.pack, 2, self.pack_rows)
+                lse_part = _pack_heads(lse_part, self.pack, 1, self.pack_rows)
             partials = (o_part, lse_part)
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -338,10 +354,11 @@ class AttentionSm90:
         queries = QueryRange(mQ, varlen)
         _, num_tiles = self._tiles(queries, cute.size(mQ, mode=[2]), num_splits)
         tiles = TileQueue(
-            storage.tile_slot.get_tensor(cute.make_layout(5)),
+            storage.tile_slot.get_tensor(cute.make_layout((5, 2))),
             num_tiles,
             None,  # each role sets the order (_work_coord) from the extents it computes
             tile_counter if cutlass.const_expr(cfg.dynamic_tiles) else None,
+            meeting_threads=32 + cfg.num_mma_threads,  # the load warp and the consumers
         )
         # Barrier initialization is visible to every thread (and the async proxy) before first use.
         cute.arch.mbarrier_init_fence()
@@ -390,7 +407,7 @@ class AttentionSm90:
         tensor is ``((group, seqlen), dim, heads_kv, batch)``."""
         tile = (self.cfg.tile_m, self.cfg.head_dim)
         if cutlass.const_expr(self.pack > 1):
-            return _packed_tma_atom(op, t_sdhb, smem_layout, tile, self.pack)
+            return _packed_tma_atom(op, t_sdhb, smem_layout, tile, self.pack, self.pack_rows)
         return cpasync.make_tiled_tma_atom(op, t_sdhb, smem_layout, tile)
 
     def _num_splits(self, partials):
@@ -436,8 +453,14 @@ class AttentionSm90:
 
     def _query(self, row):
         """The query index of packed row ``row`` of a (batch, head): the row itself, or with packed
-        GQA the row's query (rows run head-in-group fastest)."""
-        return row // self.pack if cutlass.const_expr(self.pack > 1) else row
+        GQA the row's query (rows run head-in-group fastest, ``pack_rows`` per query)."""
+        return row // self.pack_rows if cutlass.const_expr(self.pack > 1) else row
+
+    def _is_head_row(self, row):
+        """Whether packed row ``row`` holds a query head (False for a padded group's extra rows)."""
+        if cutlass.const_expr(self.pack_rows != self.pack):
+            return row % self.pack_rows < self.pack
+        return True
 
     def _n_blocks(self, m_block, seqlen_q, seqlen_k):
         """Key blocks this query tile reads: all of them, or (causal) up to the last row's diagonal.
@@ -497,6 +520,7 @@ class AttentionSm90:
                           tma_bar_ptr=k_pipe.producer_get_barrier(state))  # fmt: skip
                 tiles.announce(q_pipe, q_state, tile, (m_block, head, batch, split))
                 cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=q_pipe.producer_get_barrier(q_state))
+                tiles.meet()  # dynamic tiles: the consumers read the announced tile past this barrier
                 q_state.advance()
                 # K runs one block ahead of V: K[n - 1] is in flight before V[n].
                 for i in cutlass.range(n_count - 1, unroll=1):
@@ -540,7 +564,10 @@ class AttentionSm90:
                 index["q_idx"] = self._query(row).to(Float32)
                 operands = score_operands
                 if cutlass.const_expr(self.pack > 1):
-                    head = tile_head * self.pack + row % self.pack
+                    in_group = row % self.pack_rows
+                    if cutlass.const_expr(self.pack_rows != self.pack):
+                        in_group = cutlass.min(in_group, self.pack - 1)  # a padded row: never stored
+                    head = tile_head * self.pack + in_group
                     index["h"] = head.to(Float32)
                     operands = dict(score_operands)
                     for i, (name, _, _) in enumerate(self.score_mod.tensor_operands):
@@ -654,7 +681,7 @@ class AttentionSm90:
         )
         tile = tiles.follow(None, q_pipe, q_read)
         while tiles.is_valid(tile):
-            m_block, head, batch, split = tiles.followed_coord(tile, 4)  # dynamic: announced with the tile's Q
+            m_block, head, batch, split = tiles.followed_coord(tile, 4, q_read)  # dynamic: announced with Q
             bounds = queries.bounds(batch)
             if self._has_rows(m_block, bounds):  # packed sequences: see _load
                 q_rows = bounds[1]  # the (batch, head)'s query rows, packed with packed GQA
@@ -794,7 +821,7 @@ class AttentionSm90:
             if cO_rc[0, 0][1] == 0:  # one lane of each quad writes its rows' LSE
                 for r in cutlass.range_constexpr(cute.size(lse)):
                     q = m_block * cfg.tile_m + cO_rc[r, 0][0]
-                    if q < seqlen_q:
+                    if q < seqlen_q and self._is_head_row(q):
                         mLSE[first_row + q, head, tensor_batch] = lse[r]
             outputs = {}
             for name, dtype in self.output_dtypes.items():
@@ -823,7 +850,7 @@ class AttentionSm90:
         O = acc_rows_cols(acc_O)
         for r in cutlass.range_constexpr(cute.size(lse)):
             q = m_block * self.cfg.tile_m + cO_rc[r, 0][0]
-            if q < rows:
+            if q < rows and self._is_head_row(q):
                 if cO_rc[r, 0][1] == 0:  # one lane of each quad writes its rows' LSE
                     lse_part[q, head, batch, split] = lse[r]
                 for c in cutlass.range_constexpr(cute.size(O, mode=[1])):

@@ -109,7 +109,7 @@ class AttentionConfig(WarpRoles):
     #: instead of striding by the grid: tiles of unequal length (causal) keep the longest-first balance.
     dynamic_tiles: bool = False
     #: Query heads that share a key/value head, packed into one tile's rows (row ``r`` is query
-    #: ``r // pack_gqa`` of head ``r % pack_gqa`` of the group): a decode tile reads each K/V block
+    #: ``r // pack_rows`` of head ``r % pack_rows`` of the group): a decode tile reads each K/V block
     #: once for all of them. 1: a tile holds one head's queries. Compile-time (it shapes the TMA boxes).
     pack_gqa: int = 1
     #: Split each tile's keys over ``num_splits`` CTAs, which write fp32 partial O and LSE; a second
@@ -124,6 +124,13 @@ class AttentionConfig(WarpRoles):
     @property
     def num_mma_warpgroups(self) -> int:
         return self.tile_m // WGMMA_M
+
+    @property
+    def pack_rows(self) -> int:
+        """Rows each query takes in a packed tile: ``pack_gqa`` padded to a power of two, so that
+        whole queries fill the tile (a group of 3, 5 or 7 heads takes 4, 8 or 8 rows; the padded
+        rows are zero-filled on load and never stored)."""
+        return packed_rows(self.pack_gqa)
 
     def validate(self, target: Target | str | None = None, dtype: str = "bf16") -> None:
         """Raise :class:`ConfigError` for a configuration the kernel cannot run on ``target``
@@ -147,9 +154,10 @@ class AttentionConfig(WarpRoles):
             raise ConfigError(
                 f"mma_atoms_mn={self.mma_atoms_mn}: must tile tile_m={self.tile_m} as ({self.num_mma_warpgroups}, 1)"
             )
-        if self.pack_gqa < 1 or self.tile_m % self.pack_gqa:
+        if not 1 <= self.pack_gqa <= WGMMA_M or (self.pack_gqa > 1 and self.tile_m != WGMMA_M):
             raise ConfigError(
-                f"pack_gqa={self.pack_gqa}: the query heads packed per key/value head must divide tile_m={self.tile_m}"
+                f"pack_gqa={self.pack_gqa}: packs 1 to {WGMMA_M} query heads per key/value head into a decode tile "
+                f"(tile_m={WGMMA_M}; this config has tile_m={self.tile_m})"
             )
         if not 1 <= self.num_splits <= MAX_SPLITS:
             raise ConfigError(f"num_splits={self.num_splits}: must be in [1, {MAX_SPLITS}]")
@@ -290,6 +298,12 @@ def default_config(head_dim: int, causal: bool, decode: dict | None = None, **ov
     return AttentionConfig(**base, reasons=(why, order))
 
 
+def packed_rows(group: int) -> int:
+    """Rows a query of a packed GQA group takes: the group padded to a power of two (which divides
+    the 64-row tile, so a TMA box holds whole queries)."""
+    return 1 << (max(group, 1) - 1).bit_length()
+
+
 #: Query rows (packed heads x queries) up to which a problem is decode-shaped: one consumer
 #: warpgroup's WGMMA M. Beyond it the prefill tiles apply.
 DECODE_ROWS = WGMMA_M
@@ -320,7 +334,7 @@ def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = T
     partial results a second kernel combines. Both need the kernel to write O itself (no output
     epilogue); ``plain_output=False`` keeps the prefill plan."""
     p = problem
-    rows = p.group * p.seqlen_q
+    rows = packed_rows(p.group) * p.seqlen_q
     if not plain_output or p.varlen or rows > DECODE_ROWS or p.seqlen_q > DECODE_ROWS:
         return None
     tile_n = DECODE_TILE_N[p.head_dim]
@@ -339,7 +353,9 @@ def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = T
         tile_n = min(tile_n, two_per_sm["tile_n"])
     why = (
         f"decode-shaped ({p.seqlen_q} quer{'y' if p.seqlen_q == 1 else 'ies'} x {p.group} head"
-        f"{'s' if p.group > 1 else ''} per K/V head <= {DECODE_ROWS} rows): 64x{tile_n} tiles, one consumer "
+        f"{'s' if p.group > 1 else ''} per K/V head"
+        + (f", padded to {packed_rows(p.group)} rows a query," if packed_rows(p.group) != p.group else "")
+        + f" <= {DECODE_ROWS} rows): 64x{tile_n} tiles, one consumer "
         f"warpgroup, {stages} K/V stages"
         + (f"; the {pack} query heads of a GQA group packed into one tile's rows, so each K/V block is "
            "read once for all of them" if pack > 1 else "")
@@ -380,9 +396,9 @@ def attention_smem_layout(cfg: AttentionConfig, dtype: str = "bf16") -> SmemLayo
                    f"K ring: {cfg.stages} full + {cfg.stages} empty mbarriers", align=barrier),
         SmemBuffer("v_barriers", "V barriers", "int64", 2 * cfg.stages,
                    f"V ring: {cfg.stages} full + {cfg.stages} empty mbarriers", align=barrier),
-        SmemBuffer("tile_slot", "tile slot", "int32", 5,
-                   "int32 x 5: a dynamic tile and its coordinates (m-block, head, batch, split), announced with its "
-                   "Q load", align=4),
+        SmemBuffer("tile_slot", "tile slot", "int32", 10,
+                   "int32 x 5 x 2: a dynamic tile and its coordinates (m-block, head, batch, split), announced with "
+                   "its Q load, in the half of the Q ring's phase", align=4),
         SmemBuffer("sQ", "Q (then outputs)", dtype, cfg.tile_m * cfg.head_dim,
                    f"{cfg.tile_m}x{cfg.head_dim} {dtype}; the epilogue stages each output tile here for its TMA store"),
         SmemBuffer("sK", "K ring", dtype, cfg.tile_n * cfg.head_dim * cfg.stages,
@@ -418,8 +434,8 @@ class AttentionPlan:
 
     @property
     def rows(self) -> int:
-        """Query rows of one tile's (batch, head): seqlen_q, or with packed GQA heads x seqlen_q."""
-        return self.problem.seqlen_q * self.config.pack_gqa
+        """Query rows of one tile's (batch, head): seqlen_q, or with packed GQA (padded) heads x seqlen_q."""
+        return self.problem.seqlen_q * (self.config.pack_rows if self.config.pack_gqa > 1 else 1)
 
     @property
     def m_blocks(self) -> int:
@@ -526,7 +542,9 @@ def render_attention_plan(plan: AttentionPlan, chain: tuple = ()) -> str:
     if c.pack_gqa > 1:
         lines.append(
             f"  GQA packing     the {c.pack_gqa} query heads of a K/V head share a tile: row r is query "
-            f"r // {c.pack_gqa} of head r % {c.pack_gqa} ({plan.rows} rows per K/V head)"
+            f"r // {c.pack_rows} of head r % {c.pack_rows} ({plan.rows} rows per K/V head"
+            + (f"; rows with r % {c.pack_rows} >= {c.pack_gqa} pad the group to a power of two: zero-filled "
+               "on load, never stored)" if c.pack_rows != c.pack_gqa else ")")
         )
     if c.split_kv:
         lines.append(

@@ -42,6 +42,9 @@ class NamedBarriers(enum.IntEnum):
     #: the staging buffers, so they take turns.
     EPILOGUE_TURN_WG1 = 5
     EPILOGUE_TURN_WG2 = 6
+    #: Dynamic persistent tiles: the producer warp and the consumers meet at each announced tile,
+    #: the producer once it has written the tile to shared memory, the consumers before they read it.
+    TILE_ANNOUNCED = 7
     #: Attention backward: both consumer warpgroups have staged their half of a dS tile, which
     #: each then reads whole (dQ = dS K).
     SCORES_STAGED = 8

@@ -40,7 +40,7 @@ import cutlass
 from cutlass import Int32, cute
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
-from epicute.sm90.pipeline import wait_full
+from epicute.sm90.pipeline import NamedBarriers, wait_full
 from epicute.sm90.tile_grid import launched
 
 
@@ -363,20 +363,30 @@ class TileQueue(PersistentTileScheduler):
     the counter at 0 without a memset.
 
     Dynamic tiles are claimed by the producer warp alone (:meth:`next`), which
-    announces each one to the consumers (:meth:`announce`): it writes the tile's index
-    and coordinates to ``slot`` (shared memory, four int32) before arming the full
-    barrier of the ring that carries the tile's first load (attention: Q's). A barrier
-    arrive releases the arriving thread's prior writes and a consumer's wait acquires
-    them, so consumers read the slot after waiting on that barrier (:meth:`follow`,
-    :meth:`followed_coord`); an index ``>= num_tiles`` ends their walk.
+    announces each one to the consumers (:meth:`announce`): its lane 0 writes the tile's
+    index and coordinates to ``slot`` (shared memory, int32 ``(values, 2)``: one half per
+    phase of the one-stage ring that carries the tile's first load, attention's Q), then
+    the warp meets the consumers at a named barrier (:meth:`meet`) once it has issued that
+    load, and the consumers read the slot past the same barrier (:meth:`follow`,
+    :meth:`followed_coord`); an index ``>= num_tiles`` ends their walk. The barrier orders
+    the write before the reads; the halves keep a consumer's read of one tile apart from
+    the producer's write of the next, which follows the next meeting. (The ring's
+    mbarriers order them as well, but compute-sanitizer's racecheck does not follow an
+    mbarrier's release and acquire for plain shared-memory accesses, and reported every
+    hand-off; a named barrier it does follow. Meeting costs the producer little: it waits
+    for the ring's stage to be freed by the previous tile's epilogue anyway.)
     """
 
-    def __init__(self, slot: cute.Tensor, num_tiles, order, counter: cute.Tensor | None = None):
+    def __init__(
+        self, slot: cute.Tensor, num_tiles, order, counter: cute.Tensor | None = None, meeting_threads: int = 0
+    ):
         self.slot = slot
         self.num_tiles = num_tiles
         self.order = order
         self.counter = counter
         self.dynamic = counter is not None
+        #: Threads at each meeting of a dynamic tile's announcement: the producer warp and the consumers.
+        self.meeting_threads = meeting_threads
 
     # Read-only inside loops: the DSL may carry it as-is.
     def __extract_mlir_values__(self):
@@ -387,7 +397,7 @@ class TileQueue(PersistentTileScheduler):
 
     def ordered_by(self, order) -> TileQueue:
         """This queue with its tile order set (each role builds it from the extents it has)."""
-        return TileQueue(self.slot, self.num_tiles, order, self.counter)
+        return TileQueue(self.slot, self.num_tiles, order, self.counter, self.meeting_threads)
 
     def first(self):
         return Int32(cute.arch.block_idx()[0])
@@ -414,12 +424,12 @@ class TileQueue(PersistentTileScheduler):
     @cute.jit
     def announce(self, ring, state, tile, coords: tuple):
         """``ring.producer_acquire(state)`` for the tile's first load; dynamic tiles also get
-        their index and coordinates written to the slot between the wait and the arrive."""
+        their index and coordinates written to the slot (then :meth:`meet`, once the load is issued)."""
         ring.sync_object_empty.wait(state.index, state.phase)
-        if cutlass.const_expr(self.dynamic):
-            # Every lane writes the same values: the arriving lane's own writes are released.
-            for i, value in enumerate((tile, *coords)):
-                self.slot[i] = value
+        if cutlass.const_expr(self.dynamic):  # noqa: SIM102 - a compile-time branch around a runtime one
+            if cute.arch.lane_idx() == 0:
+                for i, value in enumerate((tile, *coords)):
+                    self.slot[i, 1 - state.phase] = value  # the consumers' phase: producers run one ahead
         ring.sync_object_full.arrive(state.index, ring.producer_mask)
 
     @cute.jit
@@ -427,23 +437,35 @@ class TileQueue(PersistentTileScheduler):
         """Dynamic tiles: the consumers' stop, an out-of-range index on a stage no load fills."""
         if cutlass.const_expr(self.dynamic):
             ring.sync_object_empty.wait(state.index, state.phase)
-            self.slot[0] = self.num_tiles
+            if cute.arch.lane_idx() == 0:
+                self.slot[0, 1 - state.phase] = self.num_tiles
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive(ring.sync_object_full.get_barrier(state.index))
+            self.meet()
+
+    def meet(self):
+        """Dynamic tiles: the producer warp (after writing a tile) and the consumers (before reading it) meet."""
+        if cutlass.const_expr(self.dynamic):
+            # bar.sync is warp-aligned: the producer's lane-0 writes and elected arrives may leave
+            # its warp diverged here (synccheck saw it), so it reconverges first.
+            cute.arch.sync_warp()
+            cute.arch.barrier(barrier_id=NamedBarriers.TILE_ANNOUNCED, number_of_threads=self.meeting_threads)
 
     @cute.jit
     def follow(self, tile, ring, state):
         """The consumers' tile after ``tile`` (``None``: their first): static, computed here;
         dynamic, announced (waits for ``ring``'s stage ``state`` to be full)."""
         if cutlass.const_expr(self.dynamic):
+            self.meet()
             wait_full(ring, state)
-            return self.slot[0]
+            return self.slot[0, state.phase]
         if cutlass.const_expr(tile is None):
             return self.first()
         return tile + Int32(cute.arch.grid_dim()[0])
 
-    def followed_coord(self, tile, count: int) -> tuple:
-        """The consumers' coordinates of ``tile``: announced with it (dynamic), else computed."""
+    def followed_coord(self, tile, count: int, state) -> tuple:
+        """The consumers' coordinates of ``tile``: announced with it (dynamic; ``state``: the ring's
+        stage :meth:`follow` waited on), else computed."""
         if cutlass.const_expr(self.dynamic):
-            return tuple(self.slot[1 + i] for i in range(count))
+            return tuple(self.slot[1 + i, state.phase] for i in range(count))
         return self.coord(tile)

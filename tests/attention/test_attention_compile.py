@@ -121,3 +121,18 @@ def test_decode_variants_compile(d, ptxas_report):
     score, _ = fusions(alibi, head_dim=d, slopes=torch.rand(8))
     assert callable(compile_attention(AttentionVariant(cfg, "fp16", False, score_mod=score)))
     assert callable(compile_combine(CombineVariant("bf16", d)))
+
+
+@pytest.mark.parametrize("heads_q", (24, 56), ids=("gqa3", "gqa7"))
+def test_padded_gqa_groups_compile(heads_q, ptxas_report):
+    """A group that does not divide the 64-row tile (Llama-3.2-3B's 3, Qwen2.5-7B's 7) packs into rows padded
+    to a power of two: 5-D TMA boxes of Q and O whose padded heads fall outside the group."""
+    from epicute.attention.plan import AttentionProblem, plan_attention
+    from epicute.runtime.target import H100_SXM
+
+    problem = AttentionProblem(1, 2, 65536, heads_q, 8, 128, causal=True, page_size=256, seqused_k=True)
+    cfg = plan_attention(problem, H100_SXM).config
+    assert cfg.pack_gqa == heads_q // 8 and cfg.pack_rows in (4, 8) and cfg.split_kv
+    assert callable(compile_attention(AttentionVariant(cfg, "bf16", True, page_size=256, seqused_k=True)))
+    spills, injected_fences = ptxas_report()
+    assert spills == [0] and injected_fences == []

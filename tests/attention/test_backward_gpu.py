@@ -95,7 +95,7 @@ def test_gradients_match_reference(sq, sk, causal):
     check(*leaves(2, sq, sk, 4, 4, 128), causal=causal)
 
 
-@pytest.mark.parametrize("hq,hkv", [(8, 2), (6, 1)])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (6, 1), (6, 2), (10, 2), (14, 2), (24, 8)])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gqa_and_mqa_sum_dk_dv_over_the_group(d, hq, hkv):
     check(*leaves(2, 1000, 777, hq, hkv, d), causal=True)

@@ -85,6 +85,46 @@ def test_packed_gqa_and_split_kv(d, causal):
     check(*dense(1, 2, 3000, 2, 2, d), causal=causal, expect={"pack_gqa": 1, "split_kv": True})
 
 
+#: Query heads per K/V head: every ratio up to 8, and larger ones that do not divide the 64-row
+#: tile (a padded group: 3 -> 4 rows a query, 40 -> 64), up to 64 heads on one K/V head.
+RATIOS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 20, 24, 40, 48, 63, 64)
+
+
+@pytest.mark.parametrize("group", RATIOS)
+def test_every_gqa_ratio_packs_into_decode_tiles(group):
+    hkv, packed = 2, 1 << (group - 1).bit_length()
+    expect_pack = group if group > 1 else 1
+    # One query: packed, and split while the tiles are few.
+    check(*dense(2, 1, 3001, group * hkv, hkv, 128), causal=True, expect={"pack_gqa": expect_pack, "split_kv": True})
+    # As many queries as the padded group leaves room for in 64 rows, on a short cache (no split).
+    sq = max(64 // packed, 1)
+    for causal in (False, True):
+        check(*dense(1, sq, 515, group * hkv, hkv, 64), causal=causal, expect={"pack_gqa": expect_pack})
+
+
+#: Popular models' heads (query, key/value) whose group does not divide 64 (Llama-3.2-3B, Qwen2.5-7B,
+#: Qwen2.5-14B/32B, Qwen2.5-1.5B), at seqlen_q 1, 4 and 17 (17 x the padded group is past one tile).
+MODEL_HEADS = ((24, 8), (28, 4), (40, 8), (12, 2))
+
+
+@pytest.mark.parametrize("hq,hkv", MODEL_HEADS, ids=("llama3.2-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-1.5b"))
+def test_model_gqa_ratios_dense_and_paged(hq, hkv):
+    k, v, table = paged_cache(3, 9, 256, hkv, 128)
+    used = torch.tensor([1, 2000, 9 * 256], device="cuda", dtype=torch.int32)
+    for sq in (1, 4, 17):
+        q = torch.randn(3, sq, hq, 128, device="cuda", dtype=torch.bfloat16)
+        check(q, k, v, causal=True, page_table=table, seqused_k=used)
+        check(*dense(3, sq, 2001, hq, hkv, 128), causal=True)
+    # A score_mod sees each packed row's own head (the padded rows take none).
+    slopes = torch.rand(hq, device="cuda") * 0.1
+
+    def alibi(s, b, h, q_idx, kv_idx, slopes):
+        return s - slopes * epicute.ops.abs(q_idx - kv_idx) + h * 0.01
+
+    check(*dense(2, 2, 3000, hq, hkv, 128), causal=True, score_mod=alibi, slopes=slopes,
+          expect={"pack_gqa": hq // hkv})  # fmt: skip
+
+
 @pytest.mark.parametrize("splits", (1, 3, 7, 64))
 def test_pinned_splits_including_empty_ones(splits):
     # 1000 keys are 8 blocks of 128: with 7 splits of 2 blocks, splits 4-6 get none; with 64, most.

@@ -176,9 +176,41 @@ def test_decode_tiles_that_fill_the_sms_run_two_ctas_per_sm():
         assert c.persistent and "two fit an SM" not in c.reasons[0]
 
 
+@pytest.mark.parametrize("page_size", (0, 256))
+@pytest.mark.parametrize("seqlen_q", (1, 4, 17))
+def test_every_gqa_ratio_plans(seqlen_q, page_size):
+    """Every ratio from 1 (MHA) to 64 (MQA over 64 heads): decode tiles pack the whole group, padded to
+    a power of two rows a query when it does not divide the tile, and longer queries take the prefill
+    tiles; every plan validates."""
+    for group in range(1, 65):
+        for heads_kv in (1, 2, 8):
+            problem = _decode(seqlen_q=seqlen_q, seqlen_k=4097, heads_q=group * heads_kv, heads_kv=heads_kv,
+                              page_size=page_size)  # fmt: skip
+            for target in ("h100-sxm", "h200", "h20"):
+                plan = plan_attention(problem, target)
+                c = plan.config
+                c.validate(target)
+                rows = (1 << (group - 1).bit_length()) * seqlen_q
+                if group > 1 and rows <= 64:
+                    assert (c.pack_gqa, c.pack_rows, plan.rows, c.tile_m) == (group, rows // seqlen_q, rows, 64)
+                    assert plan.num_tiles == problem.batch * heads_kv * c.num_splits
+                else:
+                    assert c.pack_gqa == 1 and plan.rows == seqlen_q
+
+
+def test_padded_gqa_groups_are_explained():
+    text = render_attention_plan(plan_attention(_decode(heads_q=24, heads_kv=8), H100_SXM))
+    assert "the 3 query heads of a K/V head share a tile: row r is query r // 4 of head r % 4" in text
+    assert "pad the group to a power of two" in text and "padded to 4 rows a query" in text
+
+
 def test_decode_config_errors():
     with pytest.raises(ConfigError, match="pack_gqa=3"):
         plan_attention(_decode(), H100_SXM, pack_gqa=3)
+    with pytest.raises(ConfigError, match="pack_gqa=65: packs 1 to 64"):
+        AttentionConfig(tile_m=64, pingpong=False, mma_atoms_mn=(1, 1), pack_gqa=65).validate(H100_SXM)
+    with pytest.raises(ConfigError, match="pack_gqa=4: .*tile_m=128"):
+        AttentionConfig(tile_m=128, pack_gqa=4).validate(H100_SXM)
     with pytest.raises(ConfigError, match="all 4 query heads"):
         plan_attention(_decode(), H100_SXM, pack_gqa=2)
     with pytest.raises(ConfigError, match="num_splits=65"):

@@ -80,6 +80,11 @@ def test_forward_matches_reference(lengths, causal, d):
     check_forward(*packed(*lengths, 8, 2, d), causal=causal)
 
 
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (10, 2), (14, 2), (28, 4)], ids=("gqa3", "gqa5", "gqa7", "gqa7-4"))
+def test_gqa_ratios_that_do_not_divide_the_tile(hq, hkv):
+    check_forward(*packed(*BATCHES[1], hq, hkv, 128), causal=True)
+
+
 @pytest.mark.parametrize("dynamic", (False, True), ids=("static", "dynamic"))
 def test_persistent_ctas_skip_the_blocks_past_short_sequences(dynamic):
     # Many m-blocks of the longest sequence have no rows in the short ones: skipped by the producer
@@ -128,6 +133,11 @@ def check_backward(q, k, v, varlen, causal=False, score_mod=None, compiled=False
 @pytest.mark.parametrize("lengths", BATCHES, ids=("one", "mixed", "empty", "unequal"))
 def test_backward_matches_reference(lengths, causal, d):
     check_backward(*packed(*lengths, 8, 2, d, requires_grad=True), causal=causal)
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (10, 2), (14, 2)], ids=("gqa3", "gqa5", "gqa7"))
+def test_backward_gqa_ratios_that_do_not_divide_the_tile(hq, hkv):
+    check_backward(*packed(*BATCHES[3], hq, hkv, 128, requires_grad=True), causal=True)
 
 
 @pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))

@@ -32,6 +32,7 @@ def test_absolute_error_over_all_ranges():
 @pytest.mark.parametrize("lo,hi,bound", [(-3.0, 3.0, 1e-4), (-5.0, -3.0, 3e-3), (-8.0, -5.0, 2e-2)])
 def test_relative_error(lo, hi, bound):
     x = torch.empty(200_000).uniform_(lo, hi)
+    x = x[x != 0]  # gelu(0) = 0 has no relative error (an exact zero, drawn now and then; test_special_values)
     ref = exact_gelu(x)
 
     def worst_rel(out):
