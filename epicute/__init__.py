@@ -20,7 +20,6 @@ from epicute.runtime.target import DEFAULT_ARCH  # pure Python: neither torch no
 os.environ.setdefault("CUTE_DSL_ARCH", DEFAULT_ARCH)
 
 from epicute import errors
-from epicute.attention import aot as _attention_aot  # noqa: F401  (registers [[attention]] jobs for epicute compile)
 from epicute.attention.api import attention, explain_attention
 from epicute.epilogue import library as epilogues
 from epicute.epilogue import ops
@@ -29,13 +28,15 @@ from epicute.epilogue.operands import ColVector, RowVector, Scalar, Tile
 from epicute.epilogue.score_mod import score_mod
 from epicute.epilogue.tracer import epilogue
 from epicute.errors import *  # noqa: F403  (every error class: errors.__all__)
-from epicute.gemm import aot as _gemm_aot  # noqa: F401  (registers [[gemm]] jobs for epicute compile)
 from epicute.gemm.api import explain, gemm, prepare_gemm, tune
 from epicute.gemm.prepared import PreparedGemmCall
-from epicute.grouped import aot as _grouped_aot  # noqa: F401  (registers [[grouped_gemm]] jobs for epicute compile)
 from epicute.grouped.api import explain_grouped, grouped_gemm
+from epicute.runtime import torch_ops as _torch_ops
 
 __version__ = "0.1.0"
+
+# torch.ops.epicute.*: every declared family's op (epicute/families.py), defined here and only here.
+_torch_ops.define_ops()
 
 __all__ = [
     "ColVector", "PreparedGemmCall", "RowVector", "Scalar", "Tile", "__version__", "attention", "epilogue",

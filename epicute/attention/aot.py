@@ -1,6 +1,7 @@
 """The attention family's ahead-of-time jobs: an ``[[attention]]`` spec entry -> its variants.
 
-Registered into :data:`epicute.runtime.aot.JOB_KINDS`; the format is in :mod:`epicute.runtime.aot`.
+Its family's declaration (:mod:`epicute.families`) names :func:`attention_variants`, which ``epicute compile`` runs per
+entry; the format is in :mod:`epicute.runtime.aot`.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from epicute.errors import ConfigError, EpilogueError
-from epicute.runtime.aot import JOB_KINDS, check_fields, config_pins, import_object, is_size, operand_kind
+from epicute.runtime.aot import check_fields, config_pins, import_object, is_size, operand_kind
 
 if TYPE_CHECKING:
     from epicute.runtime.target import Target
@@ -114,6 +115,3 @@ def attention_variants(entry: dict, target: Target | None = None) -> list:
 #: Sizes of the calls an ``[[attention]]`` entry describes: any prefill shape plans alike; decode
 #: shapes split their keys (one sequence) or not (a batch that fills the GPU).
 PREFILL_ROWS, DECODE_KEYS, DECODE_BATCH = 1024, 65536, 1024
-
-
-JOB_KINDS["attention"] = attention_variants

@@ -28,8 +28,8 @@ import torch
 from epicute.attention.backward_plan import BackwardConfig, grid_band, stat_rows_start
 from epicute.epilogue.dtypes import TORCH_TO_IR
 from epicute.runtime.cache import CacheKey
-from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily, dsl_compile
-from epicute.runtime.target import DEFAULT_ARCH, SM90A, current_target
+from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES, dsl_compile
+from epicute.runtime.target import DEFAULT_ARCH, current_target
 
 LOG2_E = math.log2(math.e)
 
@@ -136,7 +136,7 @@ def compile_backward(variant: BackwardVariant):
     )
 
 
-BACKWARD_CACHE = KernelFamily("attention_backward", {SM90A: compile_backward})
+BACKWARD_CACHE = FAMILIES["attention_backward"]
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def compile_preprocess(variant: PreprocessVariant):
     )  # fmt: skip
 
 
-PREPROCESS_CACHE = KernelFamily("attention_backward_preprocess", {SM90A: compile_preprocess})
+PREPROCESS_CACHE = FAMILIES["attention_backward_preprocess"]
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ def compile_postprocess(variant: PostprocessVariant):
     )  # fmt: skip
 
 
-POSTPROCESS_CACHE = KernelFamily("attention_backward_postprocess", {SM90A: compile_postprocess})
+POSTPROCESS_CACHE = FAMILIES["attention_backward_postprocess"]
 
 
 def preprocess(

@@ -25,8 +25,8 @@ from epicute.epilogue.dtypes import IR_TO_TORCH
 from epicute.errors import CompileError
 from epicute.runtime import compile as compile_module
 from epicute.runtime.cache import CacheKey
-from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily
-from epicute.runtime.target import DEFAULT_ARCH, SM90A, current_target
+from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES
+from epicute.runtime.target import DEFAULT_ARCH, current_target
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def compile_attention(variant: AttentionVariant):
         raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
 
 
-ATTENTION_CACHE = KernelFamily("attention", {SM90A: compile_attention})
+ATTENTION_CACHE = FAMILIES["attention"]
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,7 @@ def compile_combine(variant: CombineVariant):
         raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
 
 
-COMBINE_CACHE = KernelFamily("attention_combine", {SM90A: compile_combine})
+COMBINE_CACHE = FAMILIES["attention_combine"]
 
 
 _TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}

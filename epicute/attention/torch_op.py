@@ -18,14 +18,16 @@ from typing import Any
 
 import torch
 
+from epicute.attention.plan import AttentionConfig
 from epicute.epilogue.dtypes import ir_dtype
 from epicute.errors import ConfigError, EpilogueError, ShapeError
+from epicute.runtime.checks import config_pins as checked_pins
 from epicute.runtime.torch_ops import (
+    TorchOp,
     assume_constant_result,
     config_of,
     operand_values,
     plain_fn,
-    register_meta,
     register_score_mod_traced,
     register_traced,
     registered_casts,
@@ -36,7 +38,6 @@ from epicute.runtime.torch_ops import (
 )
 
 
-@torch.library.custom_op("epicute::attention", mutates_args=())
 def attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -73,7 +74,6 @@ def _packed(cu_seqlens_q, cu_seqlens_k, spec: dict) -> dict:
             "max_seqlen_k": spec["max_seqlen_k"]}  # fmt: skip
 
 
-@attention_op.register_fake
 def _attention_fake(
     q, k, v, operands, scalars, score_mod, epilogue, spec, page_table, seqused_k, cu_seqlens_q, cu_seqlens_k
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,10 +87,6 @@ def _attention_fake(
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
-register_meta(attention_op, _attention_fake)
-
-
-@torch.library.custom_op("epicute::attention_backward", mutates_args=())
 def attention_backward_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -134,14 +130,14 @@ def attention_backward_op(
     return dq, dk, dv, d_operands
 
 
-@attention_backward_op.register_fake
 def _attention_backward_fake(q, k, v, o, lse, do, dlse, operands, scalars, score_mod, spec, cu_q, cu_k, operand_grads):
     rows = len(operands) if operand_grads else 0
     d_operands = q.new_empty((rows, q.size(-2)), dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), d_operands
 
 
-register_meta(attention_backward_op, _attention_backward_fake)
+#: The op (defined by ``import epicute`` from the family's declaration, :mod:`epicute.families`).
+ATTENTION_BACKWARD_OP = TorchOp("epicute::attention_backward", attention_backward_op, _attention_backward_fake)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -192,7 +188,9 @@ def _backward(ctx, grad_o, grad_lse):
     return dq, dk, dv, operand_grads, scalar_grads, None, None, None, None, None, None, None
 
 
-torch.library.register_autograd("epicute::attention", _backward, setup_context=_setup_context)
+#: The op (defined by ``import epicute`` from the family's declaration, :mod:`epicute.families`), differentiable
+#: through ``torch.ops.epicute.attention_backward``.
+ATTENTION_OP = TorchOp("epicute::attention", attention_op, _attention_fake, _backward, _setup_context)
 
 
 class EagerAttention(torch.autograd.Function):
@@ -240,6 +238,16 @@ class EagerAttention(torch.autograd.Function):
 
 
 @assume_constant_result
+def _check_names_traced(score_mod: Callable | None, epilogue: Callable | None) -> bool:
+    """The eager call's check of the hooks' operand names (``epicute.attention.api._named_hooks``), run once while
+    dynamo traces."""
+    from epicute.attention.api import _named_hooks
+
+    _named_hooks(score_mod, epilogue)
+    return True
+
+
+@assume_constant_result
 def _uncompilable(epi_key: str, q_dtype: torch.dtype, has_out_dtypes: bool) -> str:
     """Why the op cannot stand for this epilogue ("" if it can): its outputs are O in q's dtype and LSE."""
     outputs, o_dtype = registered_outputs(epi_key), registered_casts(epi_key).get("D", ir_dtype(q_dtype, "q"))
@@ -281,6 +289,8 @@ def attention_op_call(
     reductions) or one that stores O in another dtype runs eagerly only, and is refused here."""
     if backend != "kernel":
         raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
+    _check_names_traced(None if score_mod is None else plain_fn(score_mod), None if epilogue is None else
+                        plain_fn(epilogue))  # fmt: skip
     score_key = register_score_mod_traced(plain_fn(score_mod))[0] if score_mod is not None else ""
     epi_key = ""
     if epilogue is not None:
@@ -297,7 +307,7 @@ def attention_op_call(
             raise ConfigError("under torch.compile, cu_seqlens need max_seqlen_q and max_seqlen_k (ints): the "
                               "graph cannot read them from the offsets")  # fmt: skip
         extra += (("max_seqlen_q", int(max_seqlen_q)), ("max_seqlen_k", int(max_seqlen_k)))
-    config_pins = tuple(sorted((config or {}).items()))
+    config_pins = checked_pins(config, AttentionConfig)
     spec = spec_text(tuple(tensor_names), tuple(scalar_names), tuple(pins), config_pins, extra)
     o, lse = torch.ops.epicute.attention(
         q, k, v, tensors, scalars, score_key, epi_key, spec, page_table, seqused_k, cu_seqlens_q, cu_seqlens_k
@@ -307,4 +317,7 @@ def attention_op_call(
     return (o, lse) if return_lse else o
 
 
-__all__ = ["EagerAttention", "attention_backward_op", "attention_op", "attention_op_call"]
+__all__ = [
+    "ATTENTION_BACKWARD_OP", "ATTENTION_OP", "EagerAttention", "attention_backward_op", "attention_op",
+    "attention_op_call",
+]  # fmt: skip

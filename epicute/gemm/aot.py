@@ -1,6 +1,7 @@
 """The GEMM family's ahead-of-time jobs: a ``[[gemm]]`` spec entry -> the variants its calls compile.
 
-Registered into :data:`epicute.runtime.aot.JOB_KINDS`; the format is in :mod:`epicute.runtime.aot`.
+Its family's declaration (:mod:`epicute.families`) names :func:`gemm_variants`, which ``epicute compile`` runs per
+entry; the format is in :mod:`epicute.runtime.aot`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from epicute.errors import ConfigError, EpilogueError
-from epicute.runtime.aot import JOB_KINDS, check_fields, config_pins, import_object, is_size, operand_kind
+from epicute.runtime.aot import check_fields, config_pins, import_object, is_size, operand_kind
 
 if TYPE_CHECKING:
     from epicute.gemm import GemmProblem
@@ -124,6 +125,3 @@ def gemm_request(
         )
     kinds = tuple((p, *operand_kind(p, operands.get(p, "scalar"))) for p in epi.params)
     return GemmRequest(problem, epi, kinds, d_explicit, ir_items(out_dtypes, "out_dtypes"), (), overrides, target)
-
-
-JOB_KINDS["gemm"] = gemm_variants

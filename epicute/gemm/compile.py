@@ -9,8 +9,8 @@ from typing import ClassVar
 from epicute.epilogue.dtypes import DTYPE_BYTES
 from epicute.gemm.config import GemmConfig
 from epicute.runtime.cache import CacheKey
-from epicute.runtime.compile import OPERAND_ALIGN_BYTES, KernelFamily, dsl_compile
-from epicute.runtime.target import DEFAULT_ARCH, SM90A
+from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES, dsl_compile
+from epicute.runtime.target import DEFAULT_ARCH
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def _fake_split_workspace() -> tuple:
     )
 
 
-GEMM_CACHE = KernelFamily("gemm", {SM90A: compile_gemm_sm90})
+GEMM_CACHE = FAMILIES["gemm"]
 
 
 def compile_gemm(variant: GemmVariant):

@@ -16,21 +16,24 @@ from typing import Any
 import torch
 
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
-from epicute.epilogue.gated import check_gated_call, output_columns
+from epicute.epilogue.gated import check_gated_call, gated_epilogue, output_columns
 from epicute.epilogue.graph import REDUCTIONS
 from epicute.epilogue.group_quant import GROUP_N
 from epicute.epilogue.operands import PINS
 from epicute.epilogue.scales import SCALE_NAMES, fp8_scaling
+from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import ConfigError, EpilogueError
-from epicute.gemm.config import GemmProblem
+from epicute.gemm.config import GemmConfig, GemmProblem
 from epicute.gemm.prepare import GemmRequest, lower_epilogue
 from epicute.gemm.validate import FP8_TORCH_DTYPES
+from epicute.runtime.checks import check_no_grad, check_operand_names, config_pins
 from epicute.runtime.torch_ops import (
+    TorchOp,
+    assume_constant_result,
     config_of,
     operand_values,
     plain_fn,
     register_gated_traced,
-    register_meta,
     register_traced,
     registered_epilogue,
     registered_outputs,
@@ -52,7 +55,6 @@ def _gemm_kwargs(operands: list[torch.Tensor], scalars: list[float], epilogue: s
     }
 
 
-@torch.library.custom_op("epicute::gemm", mutates_args=())
 def gemm_op(
     a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], scalars: list[float], epilogue: str, spec: str
 ) -> list[torch.Tensor]:
@@ -65,7 +67,6 @@ def gemm_op(
     return [result[name] for name in registered_outputs(epilogue)]
 
 
-@gemm_op.register_fake
 def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
     spec = json.loads(spec)
     l_dims = (a.shape[0],) if a.dim() == 3 else ()
@@ -99,7 +100,8 @@ def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
     return outputs
 
 
-register_meta(gemm_op, _gemm_fake)
+#: The op (defined by ``import epicute`` from the family's declaration, :mod:`epicute.families`).
+GEMM_OP = TorchOp("epicute::gemm", gemm_op, _gemm_fake)
 
 
 def fake_operand_values(operands: list, scalars: list, spec: dict, not_scalars: tuple = ()) -> dict[str, Any]:
@@ -130,6 +132,16 @@ def fake_lowered_graph(a: torch.Tensor, d_dtype: str, epi, specs: dict, spec: di
     return lower_epilogue(request).graph
 
 
+@assume_constant_result
+def _check_names_traced(fn: Callable, gated: bool) -> bool:
+    """:func:`~epicute.runtime.checks.check_operand_names` of an epilogue, run once while dynamo traces."""
+    from epicute.gemm.api import GEMM_KEYWORDS
+
+    hook = gated_epilogue(fn) if gated else as_epilogue(fn)
+    check_operand_names("epilogue", hook.name, hook.params, GEMM_KEYWORDS, "epicute.gemm")
+    return True
+
+
 def gemm_op_call(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -149,9 +161,15 @@ def gemm_op_call(
     """:func:`epicute.gemm` while ``torch.compile`` traces it: one ``epicute::gemm`` op (dynamo-traceable)."""
     if backend != "kernel":
         raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
+    # The op has no backward yet: refuse inputs that need one, as the eager call does.
+    check_no_grad("epicute.gemm", ("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("out", out),
+                  *((f"outs[{n!r}]", t) for n, t in (outs or {}).items()), operands=operands)  # fmt: skip
     if epilogue is None and (operands or out_dtypes or outs):
         given = sorted(operands) or list(out_dtypes or outs)
         raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
+    if epilogue is not None:
+        _check_names_traced(plain_fn(epilogue), gated)
+    config = config_pins(config, GemmConfig)
     # Preallocated outputs: the op returns fresh ones in their dtypes, copied in below.
     if out is not None and out_dtype is None:
         out_dtype = out.dtype
@@ -163,7 +181,7 @@ def gemm_op_call(
     scales = {name: value for name, value in zip(SCALE_NAMES, (a_scale, b_scale)) if value is not None}
     tensor_names, tensors, scalar_names, scalars, pins = split_operands({**operands, **scales})
     spec = spec_text(
-        tuple(tensor_names), tuple(scalar_names), tuple(pins), tuple(sorted((config or {}).items())),
+        tuple(tensor_names), tuple(scalar_names), tuple(pins), config,
         (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted(out_dtypes.items()))), ("gated", gated)),
     )  # fmt: skip
     results = torch.ops.epicute.gemm(a, b, tensors, scalars, key, spec)
@@ -174,4 +192,4 @@ def gemm_op_call(
     return results["D"] if len(outputs) == 1 else results
 
 
-__all__ = ["gemm_op", "gemm_op_call"]
+__all__ = ["GEMM_OP", "gemm_op", "gemm_op_call"]

@@ -1,5 +1,6 @@
 """The grouped GEMM family's ahead-of-time jobs: a ``[[grouped_gemm]]`` spec entry -> the variants its calls
-compile. Registered into :data:`epicute.runtime.aot.JOB_KINDS` (the spec format is there)::
+compile: :func:`grouped_variants`, named by its family's declaration (:mod:`epicute.families`; the spec format is in
+:mod:`epicute.runtime.aot`)::
 
     [[grouped_gemm]]
     shapes = [[16384, 14336, 4096, 8]]  # total_M, N, K, G (variable K: M, N, total_K, G)
@@ -20,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from epicute.errors import ConfigError, EpilogueError
-from epicute.runtime.aot import JOB_KINDS, check_fields, config_pins, import_object, is_size, operand_kind
+from epicute.runtime.aot import check_fields, config_pins, import_object, is_size, operand_kind
 
 if TYPE_CHECKING:
     from epicute.runtime.target import Target
@@ -112,7 +113,5 @@ def grouped_request(
     return GroupedRequest(problem, epi, kinds, d_explicit, ir_items(out_dtypes, "out_dtypes"),
                           tuple(sorted(pins.items())), target)  # fmt: skip
 
-
-JOB_KINDS["grouped_gemm"] = grouped_variants
 
 __all__ = ["grouped_request", "grouped_variants"]

@@ -8,8 +8,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from epicute.gemm.compile import GEMM_CONSTANT_ARGS, GemmVariant, fake_gemm_inputs, kernel_args
-from epicute.runtime.compile import KernelFamily, dsl_compile
-from epicute.runtime.target import SM90A
+from epicute.runtime.compile import FAMILIES, dsl_compile
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ def compile_grouped_sm90(variant: GroupedVariant):
     return dsl_compile(variant, kernel, *operands, *index_args, *tail, constant_args=GEMM_CONSTANT_ARGS)
 
 
-GROUPED_CACHE = KernelFamily("grouped_gemm", {SM90A: compile_grouped_sm90})
+GROUPED_CACHE = FAMILIES["grouped_gemm"]
 
 
 def compile_grouped(variant: GroupedVariant):

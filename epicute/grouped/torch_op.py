@@ -16,17 +16,21 @@ from typing import Any
 import torch
 
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
-from epicute.epilogue.gated import output_columns
+from epicute.epilogue.gated import gated_epilogue, output_columns
 from epicute.epilogue.graph import REDUCTIONS
+from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import ConfigError, EpilogueError
+from epicute.gemm.config import GemmConfig
 from epicute.gemm.torch_op import fake_lowered_graph, fake_operand_values
 from epicute.gemm.validate import FP8_TORCH_DTYPES
+from epicute.runtime.checks import check_no_grad, check_operand_names, config_pins
 from epicute.runtime.torch_ops import (
+    TorchOp,
+    assume_constant_result,
     config_of,
     operand_values,
     plain_fn,
     register_gated_traced,
-    register_meta,
     register_traced,
     registered_epilogue,
     registered_outputs,
@@ -38,7 +42,6 @@ from epicute.runtime.torch_ops import (
 LOADER_ARGS = ("a_index", "a_scale", "b_scale")
 
 
-@torch.library.custom_op("epicute::grouped_gemm", mutates_args=())
 def grouped_gemm_op(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -66,7 +69,6 @@ def grouped_gemm_op(
     return [result[name] for name in registered_outputs(epilogue)]
 
 
-@grouped_gemm_op.register_fake
 def _grouped_gemm_fake(a, b, offsets, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
     spec = json.loads(spec)
     values = fake_operand_values(operands, scalars, spec, not_scalars=LOADER_ARGS)
@@ -105,7 +107,18 @@ def _grouped_gemm_fake(a, b, offsets, operands, scalars, epilogue, spec) -> list
     return outputs
 
 
-register_meta(grouped_gemm_op, _grouped_gemm_fake)
+#: The op (defined by ``import epicute`` from the family's declaration, :mod:`epicute.families`).
+GROUPED_GEMM_OP = TorchOp("epicute::grouped_gemm", grouped_gemm_op, _grouped_gemm_fake)
+
+
+@assume_constant_result
+def _check_names_traced(fn: Callable, gated: bool) -> bool:
+    """:func:`~epicute.runtime.checks.check_operand_names` of an epilogue, run once while dynamo traces."""
+    from epicute.grouped.api import GROUPED_KEYWORDS
+
+    hook = gated_epilogue(fn) if gated else as_epilogue(fn)
+    check_operand_names("epilogue", hook.name, hook.params, GROUPED_KEYWORDS, "epicute.grouped_gemm")
+    return True
 
 
 def grouped_gemm_op_call(
@@ -130,9 +143,15 @@ def grouped_gemm_op_call(
     if check_offsets:
         raise ConfigError("check_offsets=True reads the offsets on the host, a sync torch.compile cannot trace; "
                           "check them outside the compiled region")  # fmt: skip
+    # The op has no backward yet: refuse inputs that need one, as the eager call does.
+    check_no_grad("epicute.grouped_gemm", ("a", a), ("b", b), ("out", out), ("a_scale", loader_args.get("a_scale")),
+                  ("b_scale", loader_args.get("b_scale")), operands=operands)  # fmt: skip
     if epilogue is None and (operands or out_dtypes or gated):
         given = sorted(operands) or list(out_dtypes or ["gated"])
         raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
+    if epilogue is not None:
+        _check_names_traced(plain_fn(epilogue), gated)
+    config = config_pins(config, GemmConfig)
     if out is not None and out_dtype is None:  # the op returns a fresh D in out's dtype, copied in below
         out_dtype = out.dtype
     if epilogue is None:
@@ -142,7 +161,7 @@ def grouped_gemm_op_call(
     loaders = {name: value for name, value in loader_args.items() if value is not None}
     tensor_names, tensors, scalar_names, scalars, pins = split_operands({**operands, **loaders})
     spec = spec_text(
-        tuple(tensor_names), tuple(scalar_names), tuple(pins), tuple(sorted((config or {}).items())),
+        tuple(tensor_names), tuple(scalar_names), tuple(pins), config,
         (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted((out_dtypes or {}).items()))), ("gated", gated)),
     )  # fmt: skip
     results = dict(zip(outputs, torch.ops.epicute.grouped_gemm(a, b, offsets, tensors, scalars, key, spec)))
@@ -152,4 +171,4 @@ def grouped_gemm_op_call(
     return results["D"] if len(outputs) == 1 else results
 
 
-__all__ = ["grouped_gemm_op", "grouped_gemm_op_call"]
+__all__ = ["GROUPED_GEMM_OP", "grouped_gemm_op", "grouped_gemm_op_call"]

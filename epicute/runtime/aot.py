@@ -58,19 +58,23 @@ import contextvars
 import importlib
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from epicute.errors import ConfigError, EpicuteError, EpilogueError
+from epicute.runtime.family import Declared, resolve
 
 if TYPE_CHECKING:
     from epicute.runtime.target import Target
 
-#: Per kernel family (a ``KernelFamily`` of the same kind compiles them): a function
-#: from one spec table entry and a target to ``[(variant, description)]``, the variants it needs.
-JOB_KINDS: dict[str, Callable[[dict, Target | None], list]] = {}
+#: Per kernel family with an ``aot`` function in its declaration (:mod:`epicute.families`; the family of the
+#: same kind compiles them): a function from one ``[[kind]]`` table entry and a target to
+#: ``[(variant, description)]``, the variants it needs. Listing the kinds imports no family.
+JOB_KINDS: Mapping[str, Callable[[dict, Target | None], list]] = Declared(
+    lambda spec: resolve(spec.aot), select=lambda spec: spec.aot is not None
+)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 A kernel is cached under a :class:`CacheKey`: its kind (``"gemm"``,
 ``"attention"``), the fields that change its generated code (plan/config, epilogue
 semantic hash, dtypes, majors, alignment), the target arch, and the code
-versions (epicute's version plus a fingerprint of the kernel sources, the CuTe
+versions (epicute's version plus a fingerprint of the kernel sources, every module
+the declared families generate their code from (:mod:`epicute.runtime.family`), the CuTe
 DSL and TVM-FFI versions). Nothing that varies per call or per GPU of an arch
 belongs in a key: the number of persistent CTAs (from the SM count) is a launch
 argument, so a cache filled for one Hopper part serves every other; problem
@@ -52,18 +53,11 @@ from pathlib import Path
 from typing import Any
 
 from epicute.errors import CompileError, ConfigError
+from epicute.runtime.family import PACKAGE_ROOT, codegen_files
 from epicute.runtime.target import DEFAULT_ARCH
 
 #: Bump when the on-disk layout changes, so old entries are never misread.
 STORE_FORMAT = "epicute-cache 1"
-#: Sources whose text shapes the generated code: editing one invalidates every entry. Generous on
-#: purpose (all of epilogue/, whose op table holds the emitters; the config and shared-memory layout
-#: the kernels read): a needless recompile costs seconds, a stale kernel a wrong result.
-CODEGEN_SOURCES = (
-    "sm90", "epilogue", "gemm/kernel_sm90.py", "gemm/compile.py", "gemm/config.py", "gemm/smem.py",
-    "attention/kernel_sm90.py", "attention/launch.py", "attention/plan.py", "grouped/kernel_sm90.py",
-    "grouped/compile.py", "runtime/compile.py",
-)  # fmt: skip
 #: How long a process waits for another one compiling the same key.
 LOCK_TIMEOUT_S = 900.0
 
@@ -93,20 +87,24 @@ def code_versions() -> tuple[tuple[str, str], ...]:
 
     import epicute
 
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for rel in CODEGEN_SOURCES:
-        path = root / rel
-        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
-        for f in files:
-            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return (
         ("epicute", epicute.__version__),
-        ("epicute-sources", h.hexdigest()[:16]),
+        ("epicute-sources", sources_fingerprint()),
         ("cutlass-dsl", cutlass.__version__),
         ("tvm-ffi", tvm_ffi.__version__),
         ("format", STORE_FORMAT),
     )
+
+
+def sources_fingerprint(root: Path = PACKAGE_ROOT) -> str:
+    """A hash of every source the kernels' code is generated from (under ``root``, the package's directory):
+    the shared codegen modules and every declared family's (:func:`~epicute.runtime.family.codegen_files`).
+    Editing one invalidates every entry; generous on purpose, as a needless recompile costs seconds and a stale
+    kernel a wrong result."""
+    h = hashlib.sha256()
+    for f in codegen_files(root):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -512,4 +510,5 @@ __all__ = [
     "code_versions",
     "disk_entries",
     "load_exported",
+    "sources_fingerprint",
 ]  # fmt: skip

@@ -11,8 +11,9 @@ tensors directly and launch on torch's current stream.
 :class:`KernelFamily` puts one kernel kind's variants through the process-wide
 :data:`~epicute.runtime.cache.KERNEL_CACHE` (memory, then disk, then compile):
 a variant only needs ``key()`` (a ``CacheKey``) and ``arch``; a family compiles
-each arch with its own function (``GEMM_CACHE.register("sm_100a", ...)`` would
-add a Blackwell kernel beside the Hopper one); attention registers its own family.
+each arch with its own function (an ``"sm_100a"`` entry in the family's declaration would
+add a Blackwell kernel beside the Hopper one). The families are made from their declarations
+(:mod:`epicute.families`, see :mod:`epicute.runtime.family`) on first use: :data:`FAMILIES`.
 
 What depends on the GPU but not on the code -- the number of persistent CTAs --
 is a launch argument (``max_active_clusters``), so keys hold the arch and no
@@ -22,11 +23,12 @@ SM count: one ahead-of-time cache serves every Hopper part.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from epicute.errors import ConfigError
 from epicute.runtime.cache import KERNEL_CACHE
+from epicute.runtime.family import Declared, resolve
 
 #: Options of every ``cute.compile``: kernels are called through TVM-FFI. Tests append
 #: ``remarks{ptx}`` to have the DSL print ptxas's register and spill report.
@@ -34,10 +36,6 @@ DSL_COMPILE_OPTIONS = "--enable-tvm-ffi"
 
 #: Base-address alignment every TMA operand is compiled to assume (checked per call on the host).
 OPERAND_ALIGN_BYTES = 16
-
-
-#: Every kernel family by kind (``epicute compile`` looks them up here); each compiles per arch.
-FAMILIES: dict[str, KernelFamily] = {}
 
 
 def dsl_compile(variant, kernel, *args, constant_args: tuple[str, ...] = ()):
@@ -64,20 +62,20 @@ def dsl_compile(variant, kernel, *args, constant_args: tuple[str, ...] = ()):
 class KernelFamily:
     """One kernel kind's compiled variants, through :data:`KERNEL_CACHE`, found by (kind, arch).
 
-    ``compilers[arch](variant)`` compiles a variant whose ``arch`` is ``arch``;
-    ``variant.key()`` (a :class:`~epicute.runtime.cache.CacheKey`, which holds the
-    arch) names it. Another arch's kernel is added beside the others with
-    :meth:`register`, never inside them.
+    ``compilers[arch](variant)`` compiles a variant whose ``arch`` is ``arch`` (a function, or its
+    ``"module:function"`` text, imported when first compiled with); ``variant.key()`` (a
+    :class:`~epicute.runtime.cache.CacheKey`, which holds the arch) names it. Another arch's kernel is
+    added beside the others (in the declaration, or with :meth:`register`), never inside them. Making
+    one registers nothing: epicute's own are :data:`FAMILIES`, made from their declarations.
     """
 
     #: Variants whose keys a family remembers (then it forgets them all and starts again).
     REMEMBERED_KEYS = 4096
 
-    def __init__(self, kind: str, compilers: dict[str, Callable[[Any], Any]]) -> None:
+    def __init__(self, kind: str, compilers: Mapping[str, Callable[[Any], Any] | str]) -> None:
         self.kind = kind
         self.compilers = dict(compilers)
         self._keys: dict[Any, Any] = {}
-        FAMILIES[kind] = self
 
     def register(self, arch: str, compile_fn: Callable[[Any], Any]) -> None:
         """Compile this family's variants for ``arch`` with ``compile_fn``."""
@@ -86,11 +84,12 @@ class KernelFamily:
     def compiler(self, arch: str) -> Callable[[Any], Any]:
         """The compile function of ``arch``; :class:`ConfigError` if this family has none."""
         try:
-            return self.compilers[arch]
+            fn = self.compilers[arch]
         except KeyError:
             raise ConfigError(
                 f"no {self.kind} kernel for {arch}: epicute's {self.kind} kernels are for {', '.join(self.compilers)}"
             ) from None
+        return resolve(fn) if isinstance(fn, str) else fn
 
     def compile(self, variant) -> Any:
         """Compile ``variant`` now (no cache) with its arch's function."""
@@ -119,5 +118,9 @@ class KernelFamily:
         self.compiler(variant.arch)  # an arch without kernels fails here, before any lock or file
         return KERNEL_CACHE.ensure_on_disk(self.key(variant), functools.partial(self.compile, variant))
 
+
+#: Every declared kernel family by kind (``epicute compile`` looks them up here), each made on first use from
+#: its declaration (:mod:`epicute.families`); a family module takes its own from here (``FAMILIES["gemm"]``).
+FAMILIES: Mapping[str, KernelFamily] = Declared(lambda spec: KernelFamily(spec.kind, spec.compilers))
 
 __all__ = ["DSL_COMPILE_OPTIONS", "FAMILIES", "OPERAND_ALIGN_BYTES", "KernelFamily", "dsl_compile"]

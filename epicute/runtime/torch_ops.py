@@ -1,12 +1,14 @@
-"""The torch custom-op registry every kernel family registers its op into.
+"""The torch custom ops of the kernel families, defined from their declarations.
 
 Each family exposes its kernel as a ``torch.library`` custom op (``epicute/gemm/torch_op.py``:
 ``torch.ops.epicute.gemm``; ``epicute/attention/torch_op.py``: ``torch.ops.epicute.attention``)
-in one style: a ``custom_op`` whose real implementation is the public eager function, a
-``register_fake`` giving output metadata, a ``meta`` kernel reusing it (:func:`register_meta`),
-and a traceable ``*_op_call`` the public function delegates to while
-``torch.compiler.is_compiling()``. Under ``torch.compile`` (``fullgraph=True`` included) the
-public function turns into one call of its op, so user code needs no change.
+in one style: a :class:`TorchOp` whose real implementation is the public eager function and whose
+fake one gives output metadata (also run on the meta device, :func:`register_meta`), and a
+traceable ``*_op_call`` the public function delegates to while ``torch.compiler.is_compiling()``.
+Under ``torch.compile`` (``fullgraph=True`` included) the public function turns into one call of
+its op, so user code needs no change. A family's declaration (:mod:`epicute.families`) names its
+:class:`TorchOp`; ``import epicute`` defines them all (:func:`define_ops`), so which ops exist never
+depends on which modules happened to be imported.
 
 What they share lives here. Epilogues (and score_mods) reach an op as a registry key (a
 string in the graph, never a Python object): :func:`register_epilogue` traces the function
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -193,6 +196,49 @@ def registered_casts(key: str) -> dict[str, str]:
     return {name: dtype for name, dtype in _STORED[key].items() if dtype != "fp32"}
 
 
+@dataclass(frozen=True)
+class TorchOp:
+    """A family's custom op, as its ``torch_op.py`` declares it; :func:`define_ops` defines it with torch."""
+
+    #: the qualified name, ``"epicute::gemm"``: ``torch.ops.epicute.gemm``
+    name: str
+    #: the real implementation; its annotations are the op's schema
+    impl: Callable
+    #: the fake implementation: outputs' shapes, dtypes and strides, computing nothing
+    fake: Callable
+    #: a differentiable op's ``backward(ctx, *grads)`` and ``setup_context(ctx, inputs, output)``
+    #: (``torch.library.register_autograd``)
+    backward: Callable | None = None
+    setup_context: Callable | None = None
+
+
+_DEFINED: dict[str, Any] = {}
+
+
+def define_ops() -> dict[str, Any]:
+    """Define the torch op of every declared family (those already defined are kept); returns them by name."""
+    from epicute.runtime.family import declarations, resolve
+
+    for spec in declarations():
+        if spec.torch_op is not None:
+            define_op(resolve(spec.torch_op))
+    return dict(_DEFINED)
+
+
+def define_op(op: TorchOp) -> Any:
+    """``torch.library.custom_op(op.name)(op.impl)`` with ``op.fake`` as its fake (and meta) implementation,
+    once per process: the op object."""
+    with _LOCK:
+        if op.name not in _DEFINED:
+            custom = torch.library.custom_op(op.name, mutates_args=())(op.impl)
+            custom.register_fake(op.fake)
+            register_meta(custom, op.fake)
+            if op.backward is not None:
+                custom.register_autograd(op.backward, setup_context=op.setup_context)
+            _DEFINED[op.name] = custom
+        return _DEFINED[op.name]
+
+
 def register_meta(op, fake: Callable) -> None:
     """Run ``op``'s fake implementation on the meta device too, so shapes can be checked with no
     GPU; some torch versions already route Meta to the fake implementation (and refuse a second)."""
@@ -201,7 +247,7 @@ def register_meta(op, fake: Callable) -> None:
 
 
 __all__ = [
-    "assume_constant_result", "dtype_name", "operand_values", "plain_fn", "plain_value", "register_epilogue",
-    "register_meta", "register_score_mod", "registered_casts", "registered_epilogue", "registered_outputs",
-    "spec_text", "split_operands",
+    "TorchOp", "assume_constant_result", "define_op", "define_ops", "dtype_name", "operand_values", "plain_fn",
+    "plain_value", "register_epilogue", "register_meta", "register_score_mod", "registered_casts",
+    "registered_epilogue", "registered_outputs", "spec_text", "split_operands",
 ]  # fmt: skip

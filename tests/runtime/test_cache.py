@@ -125,6 +125,30 @@ def test_key_text_names_the_code_versions():
         assert needle in text
 
 
+def test_the_sources_fingerprint_changes_with_every_declared_codegen_file(tmp_path):
+    """Editing any file a declared family's code is generated from (epicute/families.py) makes every key new;
+    editing a file outside them (the CLI) does not."""
+    import shutil
+
+    from epicute.runtime.family import PACKAGE_ROOT, codegen_files
+
+    root = tmp_path / PACKAGE_ROOT.name
+    shutil.copytree(PACKAGE_ROOT, root, ignore=shutil.ignore_patterns("__pycache__"))
+    base = cache_mod.sources_fingerprint(root)
+    assert base == cache_mod.sources_fingerprint()  # paths relative to the package: the same wherever installed
+    files = codegen_files(root)
+    names = {f.relative_to(root).as_posix() for f in files}
+    backward = {f"attention/{name}.py" for name in ("backward_sm90", "backward_prep_sm90", "backward_plan", "backward")}
+    assert backward | {"attention/combine_sm90.py", "attention/key_blocks.py", "sm90/pipeline.py"} <= names
+    for f in files:
+        text = f.read_bytes()
+        f.write_bytes(text + b"# edited\n")
+        assert cache_mod.sources_fingerprint(root) != base, f"editing {f.relative_to(root)} keeps the fingerprint"
+        f.write_bytes(text)
+    (root / "cli.py").write_text((root / "cli.py").read_text() + "# edited\n")
+    assert cache_mod.sources_fingerprint(root) == base
+
+
 # ------------------------------------------------------------------- disk store
 class FakeCompiled:
     """Stands in for a DSL-compiled function: exports known bytes."""
