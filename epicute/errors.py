@@ -40,6 +40,11 @@ class EpilogueError(EpicuteError, ValueError):
     """An epilogue function cannot be traced, or its operands do not fit it."""
 
 
+class GradientError(EpicuteError, RuntimeError):
+    """Inputs require grad where epicute has no backward yet (the GEMMs'): the result would silently carry no
+    gradient, so the call is refused."""
+
+
 class CompileError(EpicuteError, RuntimeError):
     """The CuTe DSL failed to compile a kernel that the planner accepted."""
 
@@ -57,6 +62,7 @@ __all__ = [
     "DtypeError",
     "EpicuteError",
     "EpilogueError",
+    "GradientError",
     "OutputError",
     "ShapeError",
     "SignatureError",

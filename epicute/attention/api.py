@@ -31,11 +31,25 @@ from epicute.attention.backward_plan import render_backward_plan
 from epicute.attention.plan import AttentionPlan, render_attention_plan
 from epicute.attention.prepare import Hook, prepare
 from epicute.attention.torch_op import EagerAttention, attention_op_call
-from epicute.attention.validate import AttentionCall, check_attention_args, check_attention_out
+from epicute.attention.validate import (
+    AttentionCall,
+    check_attention_args,
+    check_attention_out,
+    check_packed_offsets,
+    check_page_table_values,
+)
 from epicute.epilogue.dtypes import IR_TO_TORCH
 from epicute.epilogue.reference import evaluate, round_to
+from epicute.epilogue.score_mod import score_mod as as_score_mod
+from epicute.epilogue.tracer import Epilogue, as_epilogue
 from epicute.errors import ConfigError
-from epicute.runtime.checks import check_has_values
+from epicute.runtime.checks import (
+    check_flags,
+    check_has_values,
+    check_operand_names,
+    check_text_file,
+    keyword_parameters,
+)
 from epicute.runtime.target import Target, resolve_target
 
 
@@ -65,7 +79,9 @@ def reference_attention(
 def _reference_packed(call, score, epi, compute_dtype, out_dtype, device, first_batch: int = 0):
     """:func:`reference_attention` of packed sequences: each one a batch of one (its ``b`` index kept)."""
     p = call.problem
-    cu_q, cu_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
+    # The kernels clamp offsets they do not read; the reference reads them, so it checks them.
+    cu_q = check_packed_offsets(call.cu_seqlens_q, "cu_seqlens_q", call.q.size(0))
+    cu_k = check_packed_offsets(call.cu_seqlens_k, "cu_seqlens_k", call.k.size(0))
     outs, lses = [], []
     for b in range(p.batch):
         q, k, v = call.q[cu_q[b] : cu_q[b + 1]], call.k[cu_k[b] : cu_k[b + 1]], call.v[cu_k[b] : cu_k[b + 1]]
@@ -86,6 +102,7 @@ def _reference_dense(call, score, epi, compute_dtype, out_dtype, device, first_b
     q = call.q.to(device, compute_dtype).permute(0, 2, 1, 3).reshape(B * H, Sq, D)
     k, v = call.k, call.v
     if call.page_table is not None:  # (pages, page_size, Hkv, D) -> (B, pages per sequence x page_size, Hkv, D)
+        check_page_table_values(call.page_table, k.size(0))  # the kernel does not read them on the host
         pages = call.page_table.to(k.device).long()
         k, v = (t[pages].reshape(B, Sk, p.heads_kv, D) for t in (k, v))
     k, v = (t.to(device, compute_dtype).repeat_interleave(group, dim=2).permute(0, 2, 1, 3).reshape(B * H, Sk, D)
@@ -139,6 +156,7 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    /,
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
@@ -262,8 +280,12 @@ def attention(
         )  # fmt: skip
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
+    score_mod, epilogue = _named_hooks(score_mod, epilogue)
+    check_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
     if backend == "reference":
-        check_has_values(("q", q), ("k", k), ("v", v))
+        check_has_values(("q", q), ("k", k), ("v", v), ("out", out), ("page_table", page_table),
+                         ("seqused_k", seqused_k), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                         operands=operands)  # fmt: skip
     call = check_attention_args(
         q, k, v, causal=causal, softmax_scale=softmax_scale, require_cuda=backend == "kernel",
         page_table=page_table, seqused_k=seqused_k, **varlen,
@@ -300,6 +322,18 @@ def attention(
     return (result, lse) if return_lse else result
 
 
+def _named_hooks(score_mod, epilogue) -> tuple[Epilogue | None, Epilogue | None]:
+    """The hooks as traceable objects (made once per call: tracing takes them as they are), refused before any
+    argument is checked when one takes an operand named like :func:`attention`'s own keyword parameters (a value
+    passed under that name binds to the parameter: ``causal=``, ``out=``...)."""
+    sm = None if score_mod is None else as_score_mod(score_mod)
+    epi = None if epilogue is None else as_epilogue(epilogue)
+    for hook, fn in (("score_mod", sm), ("epilogue", epi)):
+        if fn is not None:
+            check_operand_names(hook, fn.name, fn.params, ATTENTION_KEYWORDS, "epicute.attention")
+    return sm, epi
+
+
 def _check_differentiable(prepared, out: torch.Tensor | None, operands: dict[str, Any]) -> None:
     """Refuse, with the fix, a call whose inputs need gradients the backward cannot give."""
     score = prepared.score
@@ -325,6 +359,7 @@ def explain_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    /,
     *,
     causal: bool = False,
     score_mod: Callable | None = None,
@@ -361,6 +396,9 @@ def explain_attention(
         >>> plan.config.pack_gqa, plan.config.num_splits, plan.grid
         (4, 16, (128, 1, 1))
     """
+    check_text_file(file)
+    score_mod, epilogue = _named_hooks(score_mod, epilogue)
+    check_flags(causal=causal, deterministic=deterministic)
     call = check_attention_args(
         q, k, v, causal=causal, softmax_scale=None, require_cuda=False, page_table=page_table, seqused_k=seqused_k,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -375,3 +413,8 @@ def explain_attention(
         text = "\n".join([render_attention_plan(prepared.plan, prepared.chain), "", *backward])
         print(text, file=sys.stdout if file == "stdout" else file)
     return prepared.plan
+
+
+#: Keyword parameters of attention's entry points: a hook operand of one of these names would bind to the
+#: parameter (refused by :func:`_named_hooks`); ``q``, ``k`` and ``v`` are positional-only.
+ATTENTION_KEYWORDS = keyword_parameters(attention, explain_attention)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import functools
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from epicute.attention.plan import AttentionPlan, AttentionProblem, plan_attention
+from epicute.attention.plan import AttentionConfig, AttentionPlan, AttentionProblem, plan_attention
 from epicute.attention.validate import AttentionCall
 from epicute.epilogue.dtypes import DTYPE_BYTES, TORCH_TO_IR, ir_dtype
 from epicute.epilogue.fusion import EpilogueFusion, ScoreModFusion
@@ -27,12 +28,16 @@ from epicute.epilogue.schedule import ATTENTION_SM90, Stage, plain_graph, schedu
 from epicute.epilogue.score_mod import ScoreMod
 from epicute.epilogue.score_mod import score_mod as as_score_mod
 from epicute.epilogue.tracer import Epilogue, as_epilogue
-from epicute.errors import ConfigError, DeviceError, EpilogueError
+from epicute.errors import ConfigError, DeviceError, EpilogueError, OutputError
+from epicute.runtime.checks import config_pins
 from epicute.runtime.target import Target
 
 
 def ir_dtypes(dtypes: dict | None) -> dict[str, str]:
     """``out_dtypes`` (torch dtypes or IR names) as IR names."""
+    if dtypes is not None and not isinstance(dtypes, Mapping):
+        raise OutputError(f"out_dtypes is a {type(dtypes).__name__}; pass a dict by output name, e.g. "
+                          "out_dtypes={'D': torch.float8_e4m3fn}")  # fmt: skip
     return {name: ir_dtype(dtype, f"out_dtypes[{name!r}]") for name, dtype in (dtypes or {}).items()}
 
 
@@ -61,8 +66,8 @@ def _operand_kind(hook: str, name: str, value: Any, p: AttentionProblem) -> tupl
         return "scalar", float(value)
     if not isinstance(value, torch.Tensor):
         raise EpilogueError(f"operand {name!r}: expected a torch tensor or a Python number, got {type(value).__name__}")
-    if value.numel() == 1:
-        return "scalar", float(value.item())
+    if value.numel() == 1:  # a meta tensor has no value to read: only explain takes one (the plan ignores it)
+        return "scalar", 0.0 if value.device.type == "meta" else float(value.item())
     if value.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise EpilogueError(f"operand {name!r} has dtype {value.dtype}; use bf16, fp16 or fp32 (e.g. {name}.float())")
     shape = tuple(value.shape)
@@ -239,6 +244,16 @@ class PreparedAttention:
         )  # fmt: skip
 
 
+def attention_pins(config: Any, problem: AttentionProblem) -> tuple[tuple[str, Any], ...]:
+    """``config=``'s :class:`AttentionConfig` pins, checked (:func:`~epicute.runtime.checks.config_pins`); head_dim
+    is q's, so a pin may only repeat it."""
+    pins = config_pins(config, AttentionConfig)
+    head_dim = dict(pins).get("head_dim", problem.head_dim)
+    if head_dim != problem.head_dim:
+        raise ConfigError(f"config['head_dim']={head_dim}: head_dim is q's ({problem.head_dim}); drop the pin")
+    return pins
+
+
 def prepare(
     call: AttentionCall,
     score_mod=None,
@@ -251,9 +266,10 @@ def prepare(
     """The hooks traced against ``call``'s problem (``out_dtypes``: stored dtypes of the epilogue's
     outputs, torch dtypes or IR names), and the problem planned for ``target`` (None: the current
     GPU, else an H100 SXM) with ``config``'s pins."""
+    pins = attention_pins(config, call.problem)
     score, epi = hooks_of(call, score_mod, epilogue, operands or {}, ir_dtypes(out_dtypes))
-    plan = cached_plan(call.problem, tuple(sorted((config or {}).items())), target, epi is None)
+    plan = cached_plan(call.problem, pins, target, epi is None)
     return PreparedAttention(plan, score, epi)
 
 
-__all__ = ["Hook", "PreparedAttention", "cached_plan", "hooks_of", "ir_dtypes", "prepare"]
+__all__ = ["Hook", "PreparedAttention", "attention_pins", "cached_plan", "hooks_of", "ir_dtypes", "prepare"]

@@ -122,7 +122,7 @@ def check_attention_args(
             raise DtypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; cast them to one dtype")
     batch, seqlen_q, heads_q, head_dim = q.shape
     if k.shape != v.shape:
-        raise ShapeError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape (head_dim_v = head_dim)")
+        raise ShapeError(_kv_mismatch(k, v, page_table is not None))
     page_size = 0
     if page_table is not None:
         page_size = _check_page_table(page_table, q, k)
@@ -170,6 +170,25 @@ def check_attention_args(
     return call
 
 
+def _kv_mismatch(k: torch.Tensor, v: torch.Tensor, paged: bool, packed: bool = False) -> str:
+    """Why k and v, whose shapes differ, cannot be one call's keys and values, naming the dimension."""
+    if packed:
+        dims = ("total", "heads", "head_dim")
+    elif paged:
+        dims = ("num_pages", "page_size", "heads", "head_dim")
+    else:
+        dims = ("batch", "seqlen", "heads", "head_dim")
+    d = next(i for i, (x, y) in enumerate(zip(k.shape, v.shape)) if x != y)
+    what = {
+        "head_dim": "v's head_dim must equal k's (head_dim_v = head_dim)",
+        "seqlen": "every key needs its value: give v k's sequence length",
+        "total": "every key needs its value: give v k's packed rows",
+        "heads": "v must have k's heads_kv",
+    }.get(dims[d], f"v must have k's {dims[d]}")
+    shapes = f"k is {tuple(k.shape)} and v is {tuple(v.shape)}"
+    return f"{shapes}: they differ in {dims[d]} ({k.size(d)} != {v.size(d)}); {what}"
+
+
 def _check_packed(q, k, v, causal, softmax_scale, out, require_cuda, page_table, seqused_k, cu, max_seqlens):
     """Packed sequences: Q ``(total_q, heads_q, d)``, K and V ``(total_k, heads_kv, d)``, int32 ``cu_seqlens_q``
     and ``cu_seqlens_k`` ``(batch + 1,)``. Q, K and V are checked as the ``(1, total, heads, d)`` tensors the
@@ -185,6 +204,8 @@ def _check_packed(q, k, v, causal, softmax_scale, out, require_cuda, page_table,
                 f"{name} has shape {tuple(t.shape)}; with cu_seqlens, attention takes packed (total, heads, "
                 f"head_dim) tensors (flash-attn's varlen layout)"
             )
+    if k.shape != v.shape:
+        raise ShapeError(_kv_mismatch(k, v, False, packed=True))
     if page_table is not None or seqused_k is not None:
         raise ConfigError("cu_seqlens with page_table/seqused_k: packed sequences read contiguous K and V; pass "
                           "one or the other")  # fmt: skip
@@ -220,6 +241,13 @@ def _packed_max_length(cu: torch.Tensor, name: str, total: int) -> int:
     reads the offsets (a sync when they are on the GPU)."""
     if cu.device.type == "meta":
         raise ConfigError(f"{name} is a meta tensor: pass max_seqlen_{name[-1]} (its values cannot be read)")
+    values = check_packed_offsets(cu, name, total)
+    return max((b - a for a, b in itertools.pairwise(values)), default=0)
+
+
+def check_packed_offsets(cu: torch.Tensor, name: str, total: int) -> list[int]:
+    """``cu``'s values (cumulative sequence starts), checked: from 0, non-decreasing, ending at the packed
+    tensor's ``total`` rows. Reads them (a sync when they are on the GPU)."""
     values = cu.tolist()
     if values[0] != 0 or values[-1] != total:
         raise ShapeError(f"{name} runs from {values[0]} to {values[-1]}; it must run from 0 to the packed tensor's "
@@ -228,7 +256,22 @@ def _packed_max_length(cu: torch.Tensor, name: str, total: int) -> int:
     if any(n < 0 for n in lengths):
         raise ShapeError(f"{name} decreases at sequence {next(i for i, n in enumerate(lengths) if n < 0)}; "
                          "it holds cumulative sequence starts")  # fmt: skip
-    return max(lengths, default=0)
+    return values
+
+
+def check_page_table_values(page_table: torch.Tensor, num_pages: int) -> None:
+    """Every entry of ``page_table`` names one of the cache's ``num_pages`` pages (reads the table: a sync when it
+    is on the GPU; the kernel never reads it on the host)."""
+    if not page_table.numel():
+        return
+    bad = (page_table < 0) | (page_table >= num_pages)
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise ShapeError(
+            f"page_table[{b}, {i}] = {int(page_table[b, i])} is not a page of the cache: k and v hold {num_pages} "
+            f"pages (dim 0 of the paged (num_pages, page_size, heads_kv, head_dim) cache), so entries must be in "
+            f"[0, {num_pages})"
+        )
 
 
 #: Page sizes the paged kernel takes: a multiple of 16 keys (WGMMA's N step), at most 256.

@@ -111,7 +111,8 @@ def _describe_forms(kind: str, sizes: dict[str, int], pinned: bool) -> str:
 
 def _scalar(name: str, value: Any) -> OperandSpec:
     if isinstance(value, torch.Tensor):
-        value = value.item()
+        # A meta tensor has no value to read: only explain takes one (the plan does not depend on it).
+        value = 0.0 if value.device.type == "meta" else value.item()
     return OperandSpec(name, "scalar", "fp32", float(value))
 
 

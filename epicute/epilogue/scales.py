@@ -86,6 +86,8 @@ def scaled_epilogue(epilogue) -> ScaledEpilogue:
 
 
 def _describe(value: Any) -> str:
+    if value is None:
+        return "not given"
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     return f"a {type(value).__name__}"
@@ -157,7 +159,7 @@ def fp8_scaling(
         l3 = lambda t: t if batched else t.unsqueeze(0)  # noqa: E731
         return Fp8Scaling({}, BlockScales(l3(a_block), l3(b_block)))
     return Fp8Scaling({
-        "a_scale": _scale("a_scale", a_scale, m, n, k, l, batched, per="row"),
+        "a_scale": _scale("a_scale", a_scale, m, n, k, l, batched, per="row", other=b_scale),
         "b_scale": _scale("b_scale", b_scale, m, n, k, l, batched, per="column"),
     })  # fmt: skip
 
@@ -171,7 +173,8 @@ def grouped_block_scales(
     ``(1, total_M, KB)``, B's ``(G, NB, KB)``."""
     for name, value in (("a_scale", a_scale), ("b_scale", b_scale)):
         if value is None:
-            raise EpilogueError(f"{name} is missing: a grouped GEMM of fp8 inputs needs blockwise a_scale and b_scale")
+            raise DtypeError(f"{name} is missing: a grouped GEMM of fp8 inputs needs blockwise a_scale and b_scale "
+                             "(fp32, one per 128-wide block of K; see epicute.grouped_gemm)")  # fmt: skip
     blocks_n, blocks_k = -(-n // BLOCK_K), -(-k // BLOCK_K)
     b_block = _block_b(b_scale, (groups,), n, blocks_n, blocks_k)
     if b_block is None:
@@ -242,9 +245,9 @@ def _block_a(value: Any, lead: tuple, m: int, blocks_k: int) -> torch.Tensor:
     return value
 
 
-def _scale(name: str, value: Any, m: int, n: int, k: int, l: int, batched: bool, per: str):
+def _scale(name: str, value: Any, m: int, n: int, k: int, l: int, batched: bool, per: str, other: Any = None):
     if value is None:
-        raise EpilogueError(f"{name} is missing: fp8 inputs need both a_scale and b_scale (1.0 for none)")
+        raise DtypeError(f"{name} is missing: fp8 inputs need both a_scale and b_scale (pass {name}=1.0 for none)")
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return Scalar(float(value))
     if not isinstance(value, torch.Tensor):
@@ -264,7 +267,7 @@ def _scale(name: str, value: Any, m: int, n: int, k: int, l: int, batched: bool,
         raise ShapeError(
             f"a_scale has shape {tuple(value.shape)}: blockwise (one per row and 128-wide block of K), so b_scale "
             f"must be too: one per 128x128 block of the (N, K) weight, {lead + (-(-n // BLOCK_K), blocks_k)} or "
-            "its transpose"
+            f"its transpose; b_scale is {_describe(other)}"
         )
     forms = f"{lead + (extent,)}, {lead + ((extent, 1) if per == 'row' else (1, extent))}"
     blockwise = (

@@ -24,7 +24,7 @@ from epicute.epilogue.dtypes import ir_dtype
 from epicute.epilogue.graph import INDEX_KINDS, KINDS, REDUCTIONS, Graph, Node
 from epicute.epilogue.operands import OperandSpec, Pin, resolve_operands
 from epicute.epilogue.proxy import Recorder, Value
-from epicute.errors import EpilogueError
+from epicute.errors import EpicuteError, EpilogueError
 
 
 def _signature(fn: Callable) -> inspect.Signature:
@@ -49,24 +49,32 @@ class Epilogue:
     LEAF_PARAMS: tuple[str, ...] = ()
     #: Whether those leaves stay in the graph when no output needs them (the kernel's interface).
     KEEP_LEAVES: bool = False
+    #: What the hook is called in errors, and its signature.
+    HOOK: str = "epilogue"
+    SIGNATURE: str = "f(acc, *operands)"
+    #: The name of the function's first parameter (the accumulator), as errors call it.
+    value_name: str = "acc"
 
     def __init__(self, fn: Callable) -> None:
         if not callable(fn):
-            raise EpilogueError(f"an epilogue must be a function of the accumulator; got {type(fn).__name__}")
+            raise EpilogueError(self._not_a_function(fn))
         functools.update_wrapper(self, fn)
-        sig = _signature(fn)
+        try:
+            sig = _signature(fn)
+        except (TypeError, ValueError) as exc:  # a callable without a signature (a builtin, a C function)
+            raise EpilogueError(f"{self.HOOK} {fn!r}: its signature can't be read ({exc}); pass a Python function "
+                                f"{self.SIGNATURE}") from exc  # fmt: skip
         params = list(sig.parameters.values())
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         self.fn = fn
         self.name: str = getattr(fn, "__name__", type(fn).__name__)
         if not params or params[0].kind not in positional:
-            raise EpilogueError(
-                f"epilogue {self.name!r}: its first parameter must be the accumulator, e.g. f(acc, ...)"
-            )
+            raise EpilogueError(self._first_param_error())
+        self.value_name = params[0].name
         for p in params:
             if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
                 raise EpilogueError(
-                    f"epilogue {self.name!r}: list its operands by name instead of *{p.name}/**{p.name}"
+                    f"{self.HOOK} {self.name!r}: list its operands by name instead of *{p.name}/**{p.name}"
                 )
         n_leaves = len(self.LEAF_PARAMS)
         if n_leaves and (len(params) <= n_leaves or any(p.kind not in positional for p in params[1 : 1 + n_leaves])):
@@ -80,6 +88,13 @@ class Epilogue:
         }
         self.defaults: dict[str, Any] = {p.name: p.default for p in operands if p.default is not p.empty}
         self._keyword_only = frozenset(p.name for p in operands if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+    @classmethod
+    def _not_a_function(cls, fn: Any) -> str:
+        return f"an epilogue must be a function of the accumulator, {cls.SIGNATURE}; got {type(fn).__name__}"
+
+    def _first_param_error(self) -> str:
+        return f"epilogue {self.name!r}: its first parameter must be the accumulator, e.g. f(acc, ...)"
 
     def _leaf_params_error(self) -> str:
         listed = ", ".join(self.LEAF_PARAMS)
@@ -124,7 +139,7 @@ class Epilogue:
                 f"epilogue {self.name!r} takes operands {self.params}; got operand_kinds for "
                 f"{tuple(operand_kinds)} and operand_dtypes for {tuple(operand_dtypes)}"
             )
-        rec = Recorder()
+        rec = Recorder(self.HOOK)
         acc = rec.add("acc")
         leaves = self._leaf_values(rec)
         inputs: dict[str, Value] = {}
@@ -135,12 +150,21 @@ class Epilogue:
             dtype = ir_dtype(operand_dtypes.get(p, "fp32"), f"operand {p!r}")
             inputs[p] = rec.add("input", kind=kind, dtype=dtype, attrs=(("name", p),))
         with rec.active():
-            result = self.fn(
-                acc,
-                *leaves,
-                *(inputs[p] for p in self.params if p not in self._keyword_only),
-                **{p: inputs[p] for p in self._keyword_only},
-            )
+            try:
+                result = self.fn(
+                    acc,
+                    *leaves,
+                    *(inputs[p] for p in self.params if p not in self._keyword_only),
+                    **{p: inputs[p] for p in self._keyword_only},
+                )
+            except EpicuteError:
+                raise
+            except Exception as exc:  # the function's own error, met while it ran on traced values
+                raise _traced_error(exc)(
+                    f"{self.HOOK} {self.name!r} raised {type(exc).__name__} while it was traced: {exc}. It runs once, "
+                    "on traced values (one number per element, no data): use Python operators and epicute.ops on "
+                    "them"
+                ) from exc
         outputs = self._outputs(result, rec)
         kept = leaves if self.KEEP_LEAVES else ()
         return _finish(rec, inputs, outputs, self._output_dtypes(outputs, out_dtypes or {}, d_dtype), kept)
@@ -161,13 +185,13 @@ class Epilogue:
             if not isinstance(value, Value) or value._rec is not rec:
                 raise EpilogueError(
                     f"epilogue {self.name!r}: output {name!r} is {type(value).__name__}, not a value computed "
-                    "from acc and the operands in this trace"
+                    f"from {self.value_name} and the operands in this trace"
                 )
             node = value.node
             if name == "D" and node.kind != "tile":
                 raise EpilogueError(
                     f"epilogue {self.name!r}: D is a {node.kind} value; it must be a tile (one per (m, n)): "
-                    "a function of acc or of a tile operand"
+                    f"a function of {self.value_name} or of a tile operand"
                 )
             if node.kind != "tile" and node.op not in REDUCTIONS and node.op != "group_scales":
                 raise EpilogueError(
@@ -204,6 +228,20 @@ class Epilogue:
             else:
                 stored[name] = node.dtype if optable.rounds(node.op) else requested_d
         return stored
+
+
+@functools.lru_cache(maxsize=64)
+def _traced_error_type(base: type) -> type:
+    """An :class:`EpilogueError` that is also a ``base`` (``TypeError``...): callers catching either catch it."""
+    return type(f"Epilogue{base.__name__}", (EpilogueError, base), {"__module__": __name__})
+
+
+def _traced_error(exc: Exception) -> type:
+    """The error type an epilogue function's own ``exc`` is raised as: an EpilogueError, of ``exc``'s type too
+    where that is a plain one (a TypeError from calling an op wrongly stays a TypeError)."""
+    if type(exc) in (TypeError, AttributeError, NameError, ZeroDivisionError, OverflowError, IndexError):
+        return _traced_error_type(type(exc))
+    return EpilogueError
 
 
 def _finish(

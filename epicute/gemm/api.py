@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple, TextIO
 
@@ -18,8 +18,9 @@ from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import reference_gemm, round_to
 from epicute.epilogue.scales import dequantize_blockwise, fp8_scaling
 from epicute.epilogue.tracer import TraceMemo, as_epilogue, trace_key
-from epicute.errors import ConfigError, DeviceError, DtypeError, EpilogueError, SignatureError
+from epicute.errors import ConfigError, DeviceError, DtypeError, EpilogueError, OutputError, SignatureError
 from epicute.gemm import GemmPlan, render_plan
+from epicute.gemm.config import GemmConfig
 from epicute.gemm.epilogue_args import aux_outputs, check_outs_names, kernel_inputs
 from epicute.gemm.launch import GemmLaunch, bind_gemm
 from epicute.gemm.prepare import GemmRequest, PreparedGemm, ir_items, prepare
@@ -34,17 +35,34 @@ from epicute.gemm.prepared import (
 from epicute.gemm.torch_op import gemm_op_call
 from epicute.gemm.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry, tune_key
 from epicute.gemm.validate import GemmCall, check_gemm_args
-from epicute.runtime.checks import TMA_ALIGN_BYTES, check_has_values, overlaps
+from epicute.runtime.checks import (
+    TMA_ALIGN_BYTES,
+    check_flags,
+    check_has_values,
+    check_no_grad,
+    check_operand_names,
+    check_text_file,
+    config_pins,
+    keyword_parameters,
+    overlaps,
+)
 from epicute.runtime.target import Target, current_target, resolve_target
 
 
 def _overrides(config: dict | None) -> tuple:
-    return tuple(sorted((config or {}).items()))
+    """``config=``'s pins, checked (:func:`~epicute.runtime.checks.config_pins`)."""
+    return config_pins(config, GemmConfig)
+
+
+def _named_outs(outs: Any) -> tuple:
+    """``outs``' tensors as ``(argument, tensor)`` pairs (none for a malformed ``outs``: refused later)."""
+    return tuple((f"outs[{name!r}]", t) for name, t in outs.items()) if isinstance(outs, Mapping) else ()
 
 
 def gemm(
     a: torch.Tensor,
     b: torch.Tensor,
+    /,
     *,
     epilogue: Callable | None = None,
     out: torch.Tensor | None = None,
@@ -106,6 +124,12 @@ def gemm(
     A repeat call of a signature seen before takes the cached path (:mod:`epicute.gemm.prepared`); a loop
     that calls one signature many times can hold the object itself (:func:`prepare_gemm`).
 
+    The kernel's backward is not built yet: under autograd, a call whose tensors require grad raises
+    :class:`~epicute.errors.GradientError` (call it under ``torch.no_grad()``/``torch.inference_mode()``, pass
+    ``.detach()``-ed tensors, or use ``backend="reference"``, which is differentiable). ``a`` and ``b`` are
+    positional-only, so epilogue operands may take those names; an operand named like one of the keyword
+    parameters (``out``, ``config``, ...) is refused with :class:`~epicute.errors.EpilogueError`.
+
     Returns:
         D, accumulated in fp32 and rounded once to its dtype; a dict of all
         outputs when the epilogue returns more than ``"D"``: aux tiles like D,
@@ -129,6 +153,9 @@ def gemm(
             a, b, epilogue=epilogue, out=out, out_dtype=out_dtype, out_dtypes=out_dtypes, outs=outs,
             a_scale=a_scale, b_scale=b_scale, backend=backend, config=config, operands=operands, gated=gated,
         )  # fmt: skip
+    # The kernel has no backward yet: inputs that require grad under autograd are refused (check_no_grad) before
+    # anything launches. The cached paths test only their own tensors' requires_grad (a plain call's host time is
+    # counted in tenths of a microsecond), and leave every other call to the whole check below.
     fast = None
     if backend == "kernel" and not tune:
         # No epilogue, out, operands or options: a plain call, or fp8 with scale tensors and nothing else.
@@ -142,7 +169,8 @@ def gemm(
             key = (a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype, b.get_device(),
                    out_dtype)  # fmt: skip
             repeat = _PREPARED_CALLS.get(key)
-            if repeat is not None and not (a.data_ptr() | b.data_ptr()) % TMA_ALIGN_BYTES:
+            if (repeat is not None and not (a.data_ptr() | b.data_ptr()) % TMA_ALIGN_BYTES
+                    and not ((a.requires_grad or b.requires_grad) and torch.is_grad_enabled())):  # fmt: skip
                 return repeat.plain(a, b)
             fast = _FastCall(key, (a, b, None, None, None), None, (), ())
         elif bare and type(a_scale) in PLAIN_TENSORS and type(b_scale) in PLAIN_TENSORS:
@@ -153,10 +181,14 @@ def gemm(
                    b_scale.stride(), b_scale.dtype, b_scale.get_device(), a_scale is b_scale)  # fmt: skip
             aligned = not (a.data_ptr() | b.data_ptr() | a_scale.data_ptr() | b_scale.data_ptr()) % TMA_ALIGN_BYTES
             repeat = _PREPARED_CALLS.get(key)
-            if repeat is not None and aligned:
+            if repeat is not None and aligned and not (
+                    (a.requires_grad or b.requires_grad or a_scale.requires_grad or b_scale.requires_grad)
+                    and torch.is_grad_enabled()):  # fmt: skip
                 return repeat.scaled(a, b, a_scale, b_scale)
             fast = _FastCall(key, (a, b, None, a_scale, b_scale), None, (), ()) if aligned else None
         else:
+            check_no_grad("epicute.gemm", ("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale),
+                          ("out", out), *_named_outs(outs), operands=operands)  # fmt: skip
             fast = _fast_key(a, b, out, (a_scale, b_scale), epilogue, operands, outs, out_dtype, out_dtypes, config,
                              gated)  # fmt: skip
             repeat = _PREPARED_CALLS.get(fast.key) if fast is not None else None
@@ -166,11 +198,16 @@ def gemm(
     elif backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
     scales = (a_scale, b_scale)
+    check_flags(tune=tune)
+    if backend == "kernel":
+        check_no_grad("epicute.gemm", ("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("out", out),
+                      *_named_outs(outs), operands=operands)  # fmt: skip
     if backend == "reference":
-        check_has_values(("a", a), ("b", b))
+        check_has_values(("a", a), ("b", b), ("out", out), ("a_scale", a_scale), ("b_scale", b_scale),
+                         *_named_outs(outs), operands=operands)  # fmt: skip
     if tune and backend == "kernel":
         tuned = _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands, scales, gated)
-        config = {**tuned, **(config or {})}  # the caller's pins win
+        config = {**tuned, **dict(_overrides(config))}  # the caller's pins win
     on_gpu = backend == "kernel"
     call, specs, request, operands = describe_call(
         a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, on_gpu, scales, gated
@@ -192,6 +229,7 @@ def gemm(
 def prepare_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
+    /,
     *,
     epilogue: Callable | None = None,
     out: torch.Tensor | None = None,
@@ -293,6 +331,8 @@ def _fast_call(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtype
 def _fast_key(a, b, out, scales, epilogue, operands, outs, out_dtype, out_dtypes, config, gated) -> _FastCall | None:
     """A call's :class:`_FastCall`, or None when it has no signature (something unhashable)."""
     capture = None
+    if config is not None and not isinstance(config, dict):
+        return None  # a malformed config: the whole path refuses it
     if epilogue is not None:
         capture = trace_key(epilogue)
         if capture is None:
@@ -359,10 +399,25 @@ def describe_call(
 ) -> tuple[GemmCall, dict[str, OperandSpec], GemmRequest, dict[str, Any]]:  # fmt: skip
     """Validate a call's tensors and describe it: the call, its resolved operands, its :class:`GemmRequest`
     and the operands by name (an fp8 call's ``scales`` among them, in front of its epilogue's)."""
+    for name, value in (("out_dtypes", out_dtypes), ("outs", outs)):
+        if value is not None and not isinstance(value, Mapping):
+            raise OutputError(
+                f"{name} is a {type(value).__name__}; pass a dict by output name, e.g. "
+                f"{name}={{'pre': {'torch.float32' if name == 'out_dtypes' else 'torch.empty_like(d)'}}}"
+            )
+    for name, t in (outs or {}).items():
+        if not isinstance(t, torch.Tensor):
+            raise OutputError(f"outs[{name!r}] is a {type(t).__name__}; pass a preallocated tensor (or leave it out)")
     if epilogue is None and (operands or out_dtypes or outs):
         given = sorted(operands) or list(out_dtypes or outs)
         raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
+    check_flags(gated=gated)
     check_gated_call(gated, epilogue)
+    user_epilogue, hook = epilogue, None
+    if epilogue is not None:
+        # Before any argument is checked: an operand named like gemm's own parameter never reached the epilogue.
+        hook = gated_epilogue(epilogue) if gated else as_epilogue(epilogue)
+        check_operand_names("epilogue", hook.name, hook.params, GEMM_KEYWORDS, "epicute.gemm")
     if out_dtypes and "D" in out_dtypes:
         out_dtype = out_dtype or out_dtypes["D"]
     call = check_gemm_args(a, b, out, out_dtype, require_cuda=require_cuda, gated=gated)
@@ -387,7 +442,7 @@ def describe_call(
         raise DtypeError(f"a_scale/b_scale dequantize fp8 inputs; a is {a.dtype}: drop them or pass fp8 tensors")
     if epilogue is None:
         return call, {}, GemmRequest(p, overrides=_overrides(config)), operands
-    epi = as_epilogue(epilogue)
+    epi = hook if epilogue is user_epilogue else as_epilogue(epilogue)
     specs = epi.operands(operands, p.m, call.d_n, p.l)
     request = GemmRequest(
         p, epi, tuple((s.name, s.kind, s.dtype) for s in specs.values()),
@@ -425,6 +480,7 @@ def _with_d_dtype(call, d_dtype, a, b, out, *, require_cuda: bool):
 def tune(
     a: torch.Tensor,
     b: torch.Tensor,
+    /,
     *,
     epilogue: Callable | None = None,
     out_dtype: torch.dtype | None = None,
@@ -460,7 +516,8 @@ def tune(
                                 **operands)  # fmt: skip
         return time_cuda(run, warmup=warmup, iters=iters)
 
-    with Progress(transient=True, disable=not progress) as bar:
+    # Timing needs no gradient: inputs that require grad (a model's weights) are run as inference.
+    with Progress(transient=True, disable=not progress) as bar, torch.no_grad():
         task = bar.add_task("tuning", total=len(options))
 
         def advance(name: str) -> None:
@@ -516,6 +573,10 @@ def _deliver(call, results: dict[str, torch.Tensor], outs: dict | None = None):
     if not call.batched:
         results = {k: v[0] if v.dim() else v for k, v in results.items()}
     targets = dict(outs or {})
+    for name, target in targets.items():
+        if name in results and tuple(target.shape) != tuple(results[name].shape):
+            raise OutputError(f"outs[{name!r}] has shape {tuple(target.shape)}; the epilogue writes "
+                              f"{tuple(results[name].shape)}")  # fmt: skip
     if call.out is not None:
         targets["D"] = call.out if call.batched else call.out[0]
     for name, target in targets.items():
@@ -527,6 +588,7 @@ def _deliver(call, results: dict[str, torch.Tensor], outs: dict | None = None):
 def explain(
     a: torch.Tensor,
     b: torch.Tensor,
+    /,
     *,
     epilogue: Callable | None = None,
     out: torch.Tensor | None = None,
@@ -564,6 +626,7 @@ def explain(
         >>> [item.name for item in plan.smem][-2:]
         ['operand tile 0', 'row vector 0']
     """
+    check_text_file(file)
     scales = (a_scale, b_scale)
     _, _, request, _ = describe_call(a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, False, scales,
                                      gated)  # fmt: skip
@@ -585,3 +648,8 @@ def explain(
         # Resolved per call so redirect_stdout, capsys and notebooks see the text.
         print(text, file=sys.stdout if file == "stdout" else file)
     return plan
+
+
+#: Keyword parameters of the GEMM's entry points: an epilogue operand of one of these names would bind to the
+#: parameter (refused by describe_call); ``a`` and ``b`` are positional-only, so operands may take those names.
+GEMM_KEYWORDS = keyword_parameters(gemm, prepare_gemm, explain, tune)

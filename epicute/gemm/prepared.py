@@ -36,7 +36,7 @@ import torch
 from epicute.epilogue.operands import Pin
 from epicute.errors import AlignmentError, OutputError, SignatureError
 from epicute.gemm.launch import GemmLaunch, launcher, split_workspace
-from epicute.runtime.checks import TMA_ALIGN_BYTES, overlaps
+from epicute.runtime.checks import TMA_ALIGN_BYTES, check_no_grad, overlaps
 
 #: Tensor types whose data pointers and views are their own (tensor subclasses such as fake or
 #: functional tensors are not, and are never on a hot path).
@@ -158,7 +158,12 @@ class PreparedGemmCall:
         )  # fmt: skip
         return (_DirectGemmCall if direct else cls)(parts, names, outs_names, template, steps, scalar_sources, aliases)
 
-    def __call__(self, a, b, *, out=None, outs=None, a_scale=None, b_scale=None, **operands):
+    def __call__(self, a, b, /, *, out=None, outs=None, a_scale=None, b_scale=None, **operands):
+        if outs is not None and not isinstance(outs, dict):
+            raise SignatureError(f"outs is a {type(outs).__name__}; pass a dict of preallocated aux tiles by name")
+        # The kernel has no backward yet: refuse inputs that need one.
+        check_no_grad("epicute.gemm", ("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("out", out),
+                      *((f"outs[{n!r}]", t) for n, t in (outs or {}).items()), operands=operands)  # fmt: skip
         if operands.keys() != set(self._names):  # dict keys against a set: in any order
             raise SignatureError(
                 f"operands {sorted(operands)}: this call was prepared for {sorted(self._names)}; pass those, or {_FIX}"
@@ -260,15 +265,17 @@ class _DirectGemmCall(PreparedGemmCall):
         empty = _ffi_empty()
         self._tail = None if self._split_plan is not None else (empty, empty, empty, empty, plan.max_active_clusters)
 
-    def __call__(self, a, b, *, out=None, **others):
+    def __call__(self, a, b, /, *, out=None, **others):
         try:
             if (
                 (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.get_device(), b.get_device())
                 == self._signature and not (a.data_ptr() | b.data_ptr()) % TMA_ALIGN_BYTES and not others
+                and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))  # else the whole check
             ):  # fmt: skip
                 if out is None and self._d_shape is not None:
                     return self.plain(a, b)
-                if out is not None and self._d_shape is None and source_signature(out) == self._parts[2]:
+                if (out is not None and self._d_shape is None and source_signature(out) == self._parts[2]
+                        and not (out.requires_grad and torch.is_grad_enabled())):  # fmt: skip
                     check_out_apart(out, a, b)
                     return self._launch_into(a, b, out)
         except AttributeError:  # not a tensor: the whole check names it

@@ -15,7 +15,8 @@ from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import evaluate, round_to
 from epicute.epilogue.scales import dequantize_blockwise
 from epicute.epilogue.tracer import as_epilogue
-from epicute.errors import ConfigError, EpilogueError
+from epicute.errors import ConfigError, EpilogueError, OutputError
+from epicute.gemm.config import GemmConfig
 from epicute.gemm.epilogue_args import aux_outputs, kernel_inputs
 from epicute.gemm.prepare import ir_items
 from epicute.gemm.validate import check_d_rows
@@ -24,7 +25,15 @@ from epicute.grouped.plan import GroupedPlan, render_grouped_plan
 from epicute.grouped.prepare import GroupedRequest, PreparedGrouped, prepare
 from epicute.grouped.torch_op import grouped_gemm_op_call
 from epicute.grouped.validate import GroupedCall, check_a_index_values, check_grouped_args, check_offsets_values
-from epicute.runtime.checks import check_has_values
+from epicute.runtime.checks import (
+    check_flags,
+    check_has_values,
+    check_no_grad,
+    check_operand_names,
+    check_text_file,
+    config_pins,
+    keyword_parameters,
+)
 from epicute.runtime.target import Target, resolve_target
 
 
@@ -32,6 +41,7 @@ def grouped_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
     offsets: torch.Tensor,
+    /,
     *,
     epilogue: Callable | None = None,
     out: torch.Tensor | None = None,
@@ -96,6 +106,10 @@ def grouped_gemm(
             ``a``'s rows, so a bad one reads a wrong row, never outside ``a``. Groups splitting M; fp8 ``a`` takes
             its ``a_scale`` per token, ``(T, ceil(K/128))``, read through the same index.
 
+    Under autograd, tensors that require grad are refused with :class:`~epicute.errors.GradientError` on the
+    kernel backend (its backward is not built yet; ``torch.no_grad()``, ``.detach()`` or ``backend="reference"``).
+    ``a``, ``b`` and ``offsets`` are positional-only: epilogue operands may take those names.
+
     Returns:
         D ``(total_M, N)`` (variable K: ``(G, M, N)``); a dict of every output when the epilogue returns
         more than ``"D"``.
@@ -126,8 +140,11 @@ def grouped_gemm(
     if backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
     on_gpu = backend == "kernel"
-    if not on_gpu:
-        check_has_values(("a", a), ("b", b))
+    named = (("a", a), ("b", b), ("out", out), ("a_scale", a_scale), ("b_scale", b_scale))
+    if on_gpu:  # the kernel has no backward yet: refuse inputs that need one
+        check_no_grad("epicute.grouped_gemm", *named, operands=operands)
+    else:
+        check_has_values(*named, operands=operands)  # offsets and a_index: their device is checked with a's
     call, specs, request = describe_grouped_call(
         a, b, offsets, epilogue, out, out_dtype, out_dtypes, config, operands, on_gpu, check_offsets, gated,
         (a_scale, b_scale), a_index,
@@ -156,18 +173,26 @@ def describe_grouped_call(
     """Validate a call and describe it: the call, its operands resolved for the kernel (per-group rows
     ``(G, N)``, per-row columns ``(G, total_M)`` with a zero group stride, tiles ``(1, total_M, N)``) and
     its :class:`GroupedRequest`."""
+    if out_dtypes is not None and not isinstance(out_dtypes, Mapping):
+        raise OutputError(f"out_dtypes is a {type(out_dtypes).__name__}; pass a dict by output name, e.g. "
+                          "out_dtypes={'pre': torch.float32}")  # fmt: skip
     if epilogue is None and (operands or out_dtypes):
         raise EpilogueError(f"operands/outputs {sorted(operands) or list(out_dtypes)} were given without an epilogue")
+    check_flags(gated=gated, check_offsets=check_offsets)
     check_gated_call(gated, epilogue)
+    overrides = config_pins(config, GemmConfig)
+    epi = None
+    if epilogue is not None:
+        # Before any argument is checked: an operand named like the call's own parameter never reached the epilogue.
+        epi = gated_epilogue(epilogue) if gated else as_epilogue(epilogue)
+        check_operand_names("epilogue", epi.name, epi.params, GROUPED_KEYWORDS, "epicute.grouped_gemm")
     if out_dtypes and "D" in out_dtypes:
         out_dtype = out_dtype or out_dtypes["D"]
     call = check_grouped_args(a, b, offsets, out, out_dtype, check_offsets=check_offsets, require_cuda=require_cuda,
                               gated=gated, a_scale=scales[0], b_scale=scales[1], a_index=a_index)  # fmt: skip
     p = call.problem
-    overrides = tuple(sorted((config or {}).items()))
-    if epilogue is None:
+    if epi is None:
         return call, {}, GroupedRequest(p, overrides=overrides)
-    epi = gated_epilogue(epilogue) if gated else as_epilogue(epilogue)
     specs = epi.operands(operands, p.total_m, p.d_n, p.groups)
     if p.ragged == "m":  # per-row operands span all groups' rows
         specs = {name: _grouped_operand(spec, p.groups) for name, spec in specs.items()}
@@ -263,6 +288,7 @@ def explain_grouped(
     a: torch.Tensor,
     b: torch.Tensor,
     offsets: torch.Tensor,
+    /,
     *,
     epilogue: Callable | None = None,
     out_dtype: torch.dtype | None = None,
@@ -289,6 +315,7 @@ def explain_grouped(
         >>> plan.config.tile_m, plan.grid[2] <= 132
         (128, True)
     """
+    check_text_file(file)
     _, _, request = describe_grouped_call(a, b, offsets, epilogue, None, out_dtype, out_dtypes, config, operands,
                                           False, gated=gated, scales=(a_scale, b_scale), a_index=a_index)  # fmt: skip
     plan = prepare(replace(request, target=resolve_target(target))).plan
@@ -297,4 +324,9 @@ def explain_grouped(
     return plan
 
 
-__all__ = ["explain_grouped", "grouped_gemm", "reference_grouped"]
+#: Keyword parameters of the grouped GEMM's entry points: an epilogue operand of one of these names would bind to
+#: the parameter (refused by describe_grouped_call); ``a``, ``b`` and ``offsets`` are positional-only.
+GROUPED_KEYWORDS = keyword_parameters(grouped_gemm, explain_grouped)
+
+
+__all__ = ["GROUPED_KEYWORDS", "explain_grouped", "grouped_gemm", "reference_grouped"]

@@ -78,8 +78,14 @@ def _checked_offsets(offsets, groups: int, total: int, device, check_offsets: bo
     if offsets.dtype != torch.int32:
         raise DtypeError(f"offsets has dtype {offsets.dtype}; pass int32 group ends (offsets.to(torch.int32))")
     if tuple(offsets.shape) != (groups,):
-        hint = (" (that is quack's cu_seqlens form, starting at 0: pass offsets[1:])"
-                if tuple(offsets.shape) == (groups + 1,) else "")  # fmt: skip
+        hint = ""
+        if tuple(offsets.shape) == (groups + 1,):
+            first = int(offsets[0]) if offsets.device.type == "cpu" else None  # never a sync
+            hint = (
+                " (a (G + 1,) tensor starting at 0 is quack's cu_seqlens form: pass offsets[1:])" if first is None
+                else " (it starts at 0: that is quack's cu_seqlens form, pass offsets[1:])" if first == 0
+                else f" (it has one entry too many: b has {groups} groups, one end {what} each)"
+            )  # fmt: skip
         raise ShapeError(f"offsets has shape {tuple(offsets.shape)}; it must be ({groups},), each group's end {what}, "
                          f"as torch._grouped_mm takes it{hint}")  # fmt: skip
     if offsets.device.type == "cpu" or check_offsets:

@@ -5,9 +5,16 @@ Each raises an :class:`~epicute.errors.EpicuteError` subclass naming the argumen
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
+import numbers
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
 import torch
 
-from epicute.errors import DeviceError
+from epicute.errors import ConfigError, DeviceError, EpilogueError, GradientError
 
 #: TMA moves whole 16-byte units: base addresses and every stride but the unit one are multiples of it.
 TMA_ALIGN_BYTES = 16
@@ -25,14 +32,191 @@ def with_aligned_unit_dims(t: torch.Tensor, contiguous_dim: int) -> torch.Tensor
     return t if strides == list(t.stride()) else t.as_strided(t.shape, strides)
 
 
-def check_has_values(*named: tuple[str, torch.Tensor]) -> None:
-    """Raise :class:`DeviceError` for a ``meta`` tensor: the reference backend computes values, and it has none."""
-    for name, t in named:
-        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+def _tensor_of(value: Any) -> torch.Tensor | None:
+    """``value`` if it is a tensor, the tensor an operand pin (``epicute.RowVector(t)``) holds, else None."""
+    if isinstance(value, torch.Tensor):
+        return value
+    inner = getattr(value, "value", None)  # a Pin (epicute.epilogue.operands), duck-typed: no import cycle
+    return inner if isinstance(inner, torch.Tensor) else None
+
+
+def _named(named: Iterable[tuple[str, Any]], operands: Mapping[str, Any] | None) -> Iterable[tuple[str, str, Any]]:
+    """``(label, expression, value)`` of each ``named`` argument, then of each operand."""
+    for name, value in named:
+        yield name, name, value
+    for name, value in (operands or {}).items():
+        yield f"operand {name!r}", name, value
+
+
+def check_has_values(*named: tuple[str, Any], operands: Mapping[str, Any] | None = None) -> None:
+    """Raise :class:`DeviceError` for a ``meta`` tensor: the reference backend computes values, and it has none.
+    ``named``: ``(argument, value)`` pairs; ``operands``: an epilogue's (or score_mod's) by name, pins unwrapped."""
+    for label, _, value in _named(named, operands):
+        t = _tensor_of(value)
+        if t is not None and t.device.type == "meta":
             raise DeviceError(
-                f"{name} is a meta tensor: backend='reference' computes values and it has none; pass real tensors "
+                f"{label} is a meta tensor: backend='reference' computes values and it has none; pass real tensors "
                 "(explain works on meta tensors)"
             )
+
+
+def check_no_grad(entry: str, *named: tuple[str, Any], operands: Mapping[str, Any] | None = None) -> None:
+    """Raise :class:`GradientError` when autograd records and an argument requires grad: ``entry`` (the kernel
+    path of a GEMM family) has no backward yet, so its result would carry no gradient and a training step would
+    silently stop learning. ``named``: ``(argument, value)`` pairs; ``operands``: the epilogue's by name (pins
+    unwrapped). Costs one ``torch.is_grad_enabled()`` under ``torch.no_grad()``/``inference_mode()``."""
+    if not torch.is_grad_enabled():
+        return
+    for name, value in named:
+        if value is not None and (value.requires_grad if type(value) is torch.Tensor else _requires_grad(value)):
+            raise _gradient_error(entry, name, name)
+    if operands:
+        for name, value in operands.items():
+            if _requires_grad(value):
+                raise _gradient_error(entry, f"operand {name!r}", name)
+
+
+def _requires_grad(value: Any) -> bool:
+    t = _tensor_of(value)
+    return t is not None and t.requires_grad
+
+
+def _gradient_error(entry: str, label: str, expr: str) -> GradientError:
+    return GradientError(
+        f"{label} requires grad, but the backward of {entry} is not built yet: its result would carry no "
+        f"gradient (training would silently stop learning). For inference, call it under torch.no_grad() "
+        f"or torch.inference_mode(), or pass {expr}.detach(); for a differentiable result use "
+        "backend='reference' (float32 on the CPU)"
+    )
+
+
+def check_flags(**flags: Any) -> None:
+    """Each keyword is a yes/no option (``gated=``, ``causal=``...): True or False (or 1/0); else
+    :class:`ConfigError` (a string or a tensor there would be read as True, or fail deep inside)."""
+    for name, value in flags.items():
+        if isinstance(value, bool) or type(value).__name__ == "bool_":  # numpy's bool too
+            continue
+        if isinstance(value, numbers.Integral) and value in (0, 1):
+            continue
+        raise ConfigError(f"{name}={value!r}: pass True or False")
+
+
+def check_text_file(file: Any) -> None:
+    """An ``explain`` function's ``file=``: ``"stdout"``, None (quiet) or something with a ``write`` method (a file
+    opened for text, ``io.StringIO``); else :class:`ConfigError`."""
+    if file is not None and file != "stdout" and not callable(getattr(file, "write", None)):
+        raise ConfigError(
+            f"file={file!r}: pass 'stdout' (the default), None to print nothing, or a text stream such as "
+            "sys.stderr or open(path, 'w')"
+        )
+
+
+def keyword_parameters(*functions: Callable) -> frozenset[str]:
+    """The keyword-only parameter names of ``functions`` (a family's entry points): names an epilogue's operands
+    cannot take, since a keyword argument of that name binds to the entry's own parameter."""
+    return frozenset(
+        p.name for fn in functions for p in inspect.signature(fn).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    )  # fmt: skip
+
+
+def check_operand_names(hook: str, fn_name: str, params: Iterable[str], reserved: Iterable[str], entry: str) -> None:
+    """Raise :class:`EpilogueError` when a ``hook`` (``"epilogue"``, ``"score_mod"``) takes an operand named like
+    one of ``entry``'s own keyword parameters (``reserved``): a value passed under that name would bind to the
+    parameter (``out=``, ``config=``...), never reach the hook."""
+    clash = sorted(set(params) & set(reserved))
+    if clash:
+        name = clash[0]
+        raise EpilogueError(
+            f"{hook} {fn_name!r} takes an operand named {name!r}, which is {entry}'s own parameter {name}=: a value "
+            f"passed as {name}= goes to {entry}, never to the {hook}. Rename the {hook}'s parameter (e.g. "
+            f"{name}_) and pass it under that name"
+        )
+
+
+#: Config fields' types, per config class: ``{field: default}`` of every field a caller may pin.
+_CONFIG_FIELDS: dict[type, dict[str, Any]] = {}
+
+
+def _config_fields(cls: type) -> dict[str, Any]:
+    found = _CONFIG_FIELDS.get(cls)
+    if found is None:
+        found = _CONFIG_FIELDS[cls] = {
+            f.name: f.default for f in dataclasses.fields(cls) if f.init and f.name != "reasons"
+        }  # fmt: skip
+    return found
+
+
+def _config_value(name: str, value: Any, default: Any, cls: type) -> Any:
+    """``value`` as config field ``name`` (of ``default``'s type) takes it, or a :class:`ConfigError`."""
+
+    def refuse(what: str) -> ConfigError:
+        return ConfigError(
+            f"config[{name!r}]={value!r} ({type(value).__name__}): {cls.__name__}.{name} takes {what}, e.g. "
+            f"config={{{name!r}: {default!r}}}"
+        )
+
+    def integral(x: Any) -> int | None:
+        if isinstance(x, bool):
+            return None
+        if isinstance(x, numbers.Integral):
+            return int(x)
+        if isinstance(x, float) and x.is_integer():
+            return int(x)
+        return None
+
+    if isinstance(default, bool):
+        if isinstance(value, bool) or (integral(value) in (0, 1) and not isinstance(value, float)):
+            return bool(value)
+        raise refuse("True or False")
+    if isinstance(default, int):  # every int field is a size or a count
+        number = integral(value)
+        if number is None or number < 1:
+            raise refuse("a positive int")
+        return number
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise refuse("a string")
+        return value
+    if isinstance(default, tuple):
+        items = tuple(map(integral, value)) if isinstance(value, (tuple, list)) else None
+        if items is None or len(items) != len(default) or any(x is None or x < 1 for x in items):
+            raise refuse(f"a tuple of {len(default)} positive ints")
+        return items
+    return value
+
+
+def config_pins(config: Any, cls: type) -> tuple[tuple[str, Any], ...]:
+    """A call's ``config=`` as sorted ``(field, value)`` pins of the family's config dataclass ``cls``, checked: a
+    dict (or other mapping) whose keys are ``cls``'s fields and whose values have each field's type (positive ints:
+    every int field is a size or a count; bools, strings, tuples of positive ints; a whole float counts as an int, a
+    list as a tuple). A None value pins nothing (the planner chooses, as if the key were absent). Raises
+    :class:`ConfigError` naming the field and the fix. Whether the kernel can run the pinned values is the planner's
+    to say."""
+    if config is None:
+        return ()
+    known = _config_fields(cls)
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            f"config={config!r} ({type(config).__name__}): pass a dict of {cls.__name__} fields to pin, e.g. "
+            f"config={{'tile_n': 128}} (fields: {', '.join(sorted(known))})"
+        )
+    pins = []
+    for name, value in config.items():
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1) if isinstance(name, str) else []
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"config has an unknown field {name!r}; {hint}{cls.__name__} fields are {', '.join(sorted(known))}"
+            )
+        if value is not None:
+            pins.append((name, _config_value(name, value, known[name], cls)))
+    return tuple(sorted(pins))
+
+
+# Under dynamo (the families' ``*_op_call``) it runs once, at trace time, and its result is a constant of the graph:
+# the mark ``torch._dynamo.assume_constant_result`` sets (see epicute.runtime.torch_ops.assume_constant_result).
+config_pins._dynamo_marked_constant = True
 
 
 def check_on_one_hopper_gpu(*named: tuple[str, torch.Tensor]) -> None:
@@ -67,7 +251,13 @@ def ranges_meet(x0: int, x_span: int, y0: int, y_span: int) -> bool:
 def overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
     if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
         return False
+    if x.device != y.device or x.device.type == "meta":  # meta tensors have no memory (every pointer is 0)
+        return False
     return ranges_meet(x.data_ptr(), span_bytes(x), y.data_ptr(), span_bytes(y))
 
 
-__all__ = ["TMA_ALIGN_BYTES", "check_has_values", "check_on_one_hopper_gpu", "overlaps", "ranges_meet", "span_bytes"]
+__all__ = [
+    "TMA_ALIGN_BYTES", "check_flags", "check_has_values", "check_no_grad", "check_on_one_hopper_gpu",
+    "check_operand_names", "check_text_file", "config_pins", "keyword_parameters", "overlaps", "ranges_meet",
+    "span_bytes",
+]  # fmt: skip

@@ -162,7 +162,7 @@ def test_validation_errors():
     bad(epicute.DtypeError, "k has dtype", q, k.half(), v)
     bad(epicute.ShapeError, "head_dim=96", *qkv(1, 8, 8, 2, 2, 96))
     bad(epicute.ShapeError, "multiple of heads_kv", *qkv(1, 8, 8, 3, 2, 64))
-    bad(epicute.ShapeError, "same shape", q, k, v[:, :8])
+    bad(epicute.ShapeError, r"they differ in seqlen \(16 != 8\)", q, k, v[:, :8])
     bad(epicute.ShapeError, "batch", q, k[:1], v[:1])
     bad(epicute.ShapeError, "seqlen 0", q, k[:, :0], v[:, :0])
     bad(epicute.AlignmentError, "contiguous", q, k.transpose(2, 3).contiguous().transpose(2, 3), v)
@@ -288,3 +288,140 @@ def test_reference_of_a_paged_cache_is_the_gathered_dense_one():
         sub.q, sub.k, sub.v = q[b : b + 1], k, v
         want, want_lse = reference_attention(sub, compute_dtype=torch.float64, out_dtype=torch.float64)
         assert rel_err(got["D"][b : b + 1], want["D"]) < 1e-12 and rel_err(lse[b : b + 1], want_lse) < 1e-12
+
+
+# --- issue 56, item 6: typed errors naming the argument ----------------------------------------------------------
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize(
+    ("v_shape", "match"),
+    [
+        ((2, 8, 2, 64), r"they differ in seqlen \(16 != 8\); every key needs its value"),
+        ((2, 16, 1, 64), r"they differ in heads \(2 != 1\)"),
+        ((2, 16, 2, 128), r"they differ in head_dim \(64 != 128\); v's head_dim must equal k's"),
+        ((1, 16, 2, 64), r"they differ in batch \(2 != 1\)"),
+    ],
+)
+def test_k_and_v_mismatch_names_the_dimension(v_shape, match):
+    q, k, _ = qkv(2, 16, 16, 4, 2, 64)
+    bad(epicute.ShapeError, r"k is \(2, 16, 2, 64\) and v is .*" + match, q, k, torch.randn(v_shape).bfloat16())
+
+
+def test_packed_k_and_v_mismatch_names_the_rows():
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    q = torch.randn(10, 2, 64).bfloat16()
+    bad(epicute.ShapeError, r"they differ in total \(10 != 9\)", q, q, q[:9], cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ("tile_n=64", r"config='tile_n=64' \(str\): pass a dict of AttentionConfig fields"),
+        ([("tile_n", 64)], r"\(list\): pass a dict of AttentionConfig fields"),
+        ({"bogus": 1}, r"unknown field 'bogus'; AttentionConfig fields are"),
+        ({"tile_k": 64}, r"unknown field 'tile_k'; did you mean"),
+        ({"tile_n": "64"}, r"config\['tile_n'\]='64' \(str\): AttentionConfig.tile_n takes a positive int"),
+        ({"mma_atoms_mn": (0, 0)}, r"config\['mma_atoms_mn'\]=\(0, 0\)"),
+        ({"pingpong": "no"}, r"AttentionConfig.pingpong takes True or False"),
+        ({"head_dim": 128}, r"config\['head_dim'\]=128: head_dim is q's \(64\)"),
+    ],
+)
+def test_malformed_configs_are_config_errors(config, match):
+    q, k, v = qkv(1, 8, 8, 2, 2, 64)
+    bad(epicute.ConfigError, match, q, k, v, config=config)
+    with pytest.raises(epicute.ConfigError, match=match):
+        epicute.explain_attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64), config=config, file=None)
+
+
+@pytest.mark.parametrize(("entry", "match"), [(7, r"page_table\[0, 1\] = 7"), (-1, r"page_table\[0, 1\] = -1")])
+def test_reference_checks_page_table_entries(entry, match):
+    """The kernel never reads the table on the host; the reference does, so it names an entry past the cache
+    (an IndexError there before) or a negative one (which torch would have wrapped to the last page)."""
+    q = torch.randn(1, 1, 2, 64).bfloat16()
+    cache = torch.randn(4, 16, 2, 64).bfloat16()
+    table = torch.tensor([[0, entry]], dtype=torch.int32)
+    bad(epicute.ShapeError, match + r" is not a page of the cache: k and v hold 4 pages.*\[0, 4\)", q, cache, cache,
+        page_table=table)  # fmt: skip
+
+
+def test_reference_checks_packed_offsets_given_with_max_seqlens():
+    q = torch.randn(10, 2, 64).bfloat16()
+    cu, bad_cu = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 4, 12], dtype=torch.int32)
+    bad(epicute.ShapeError, r"cu_seqlens_q runs from 0 to 12; it must run from 0 to the packed tensor's 10 rows", q,
+        q, q, cu_seqlens_q=bad_cu, cu_seqlens_k=cu, max_seqlen_q=8, max_seqlen_k=6)  # fmt: skip
+
+
+def test_reference_refuses_meta_operands_beside_cpu_inputs():
+    q, k, v = qkv(1, 8, 8, 2, 2, 64)
+    scaled = lambda s, b, h, qi, ki, w: s * w
+    for w in (meta(2, dtype=torch.float32), meta(1, dtype=torch.float32)):
+        bad(epicute.DeviceError, r"^operand 'w' is a meta tensor: backend='reference'", q, k, v, score_mod=scaled, w=w)
+    bad(epicute.DeviceError, r"^operand 'w' is a meta tensor", q, k, v, epilogue=lambda o, w: o * w,
+        w=meta(64, dtype=torch.float32))  # fmt: skip
+    # explain plans with meta operands, one-element ones included (their value is not read)
+    plan = epicute.explain_attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64), score_mod=scaled,
+                                     w=meta(1, dtype=torch.float32), file=None)  # fmt: skip
+    assert plan.problem.head_dim == 64
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_hook_operands_may_be_named_like_the_inputs(name):
+    q, k, v = qkv(1, 8, 8, 2, 2, 64)
+    slopes = torch.rand(2)
+    mod = eval(f"lambda s, b, h, qi, ki, {name}: s + {name} * (ki - qi)")
+    got = epicute.attention(q, k, v, score_mod=mod, backend="reference", **{name: slopes})
+    want = epicute.attention(q, k, v, score_mod=lambda s, b, h, qi, ki, w: s + w * (ki - qi), w=slopes,
+                             backend="reference")  # fmt: skip
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["causal", "out", "config", "softmax_scale", "page_table", "return_lse", "file"])
+def test_hook_operand_named_like_an_attention_parameter_is_refused(name):
+    q, k, v = qkv(1, 8, 8, 2, 2, 64)
+    match = rf"takes an operand named '{name}', which is epicute.attention's own parameter {name}=.*Rename"
+    mod = eval(f"lambda s, b, h, qi, ki, {name}: s * {name}")
+    bad(epicute.EpilogueError, "score_mod '<lambda>' " + match, q, k, v, score_mod=mod)
+    bad(epicute.EpilogueError, "epilogue '<lambda>' " + match, q, k, v, epilogue=eval(f"lambda o, {name}: o * {name}"))
+    if name == "causal":  # passed, it binds to causal= (a tensor there failed inside bool() before)
+        bad(epicute.EpilogueError, match, q, k, v, score_mod=mod, causal=torch.rand(2))
+
+
+def test_malformed_flags_out_dtypes_and_file():
+    q, k, v = qkv(1, 8, 8, 2, 2, 64)
+    bad(epicute.ConfigError, r"causal='yes': pass True or False", q, k, v, causal="yes")
+    bad(epicute.ConfigError, r"return_lse=2: pass True or False", q, k, v, return_lse=2)
+    bad(epicute.OutputError, r"out_dtypes is a list; pass a dict by output name", q, k, v, epilogue=lambda o: o,
+        out_dtypes=[torch.float16])  # fmt: skip
+    with pytest.raises(epicute.ConfigError, match=r"file='out.txt': pass 'stdout'"):
+        epicute.explain_attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64), file="out.txt")
+
+
+@pytest.mark.parametrize(
+    ("mod", "match"),
+    [
+        (lambda s, b, h, qi, ki: s**2, r"\*\* on a traced score_mod value is not supported.*x \* x"),
+        (lambda s, b, h, qi, ki: s + ki % 2, r"% on a traced score_mod value"),
+        (lambda s, b, h, qi, ki: s.exp(), r"a traced score_mod value has no attribute 'exp'.*ops.exp\(x\)"),
+        (lambda s, b, h, qi, ki: {"new": s},
+         r"score_mod '<lambda>' returned a dict \('new',\); a score_mod returns one value, the new score"),
+        (lambda s, b, h, qi, ki: None,
+         r"score_mod '<lambda>' returned NoneType, not a value computed from s, the indices and the operands"),
+        (lambda s, b, h, qi, ki: qi * 1.0,
+         r"returns a value per query row .*; it must return one score per \(query, key\): a function of s"),
+        (lambda s, b, h, qi, ki: ki * 1.0, r"returns a value per key"),
+        (lambda s, b, h, qi, ki: ops.row_sum(s), r"returns ops.row_sum\(...\), a reduction"),
+        (lambda score: score, r"score_mod '<lambda>': takes the score first, then the positional indices"),
+        (3, r"score_mod must be a function f\(score, b, h, q_idx, kv_idx, \*operands\); got int"),
+    ],
+)  # fmt: skip
+def test_score_mod_errors_speak_of_the_score_mod(mod, match):
+    """score_mod errors name the score_mod and its own parameters, never an epilogue's acc or D."""
+    q, k, v = qkv(1, 8, 8, 2, 2, 64)
+    with pytest.raises(epicute.EpilogueError, match=match) as info:
+        epicute.attention(q, k, v, score_mod=mod, backend="reference")
+    text = str(info.value)
+    assert "acc" not in text.replace("accumulator", "") and "'D'" not in text and "epilogue value" not in text

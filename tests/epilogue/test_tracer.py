@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -302,3 +303,77 @@ def test_traced_values_show_their_node():
     as_epilogue(lambda acc, b: seen.append(acc + b) or acc).trace({"b": "col"})
     assert seen[0].kind == "tile" and seen[0].dtype == "fp32"
     assert repr(seen[0]) == "<traced %2 = add(%0, %1) : tile fp32>"
+
+
+# --- Python the tracer has no op for (issue 56, item 6) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fn", "match"),
+    [
+        (lambda acc: acc**2, r"\*\* on a traced epilogue value is not supported.*x \* x.*ops\.sqrt"),
+        (lambda acc: 2**acc, r"\*\* on a traced epilogue value.*ops\.exp2\(y\)"),
+        (lambda acc: acc // 2, r"// on a traced epilogue value is not supported"),
+        (lambda acc: 7.0 // acc, r"// on a traced epilogue value"),
+        (lambda acc: acc % 2, r"% on a traced epilogue value is not supported"),
+        (lambda acc: divmod(acc, 2), r"divmod\(\) on a traced epilogue value"),
+        (lambda acc: acc @ acc, r"@ on a traced epilogue value is not supported.*elementwise"),
+        (lambda acc: round(acc), r"round\(\) on a traced epilogue value.*ops\.cast"),
+        (lambda acc: acc[0], r"indexing a traced epilogue value is not supported"),
+        (lambda acc: acc[:, 1:], r"indexing a traced epilogue value"),
+        (lambda acc: (acc > 0) & (acc < 1), r"& on a traced epilogue value.*\(a > 0\) \* \(b < 1\)"),
+        (lambda acc: (acc > 0) | (acc < 1), r"\| on a traced epilogue value.*ops\.maximum"),
+        (lambda acc: ~(acc > 0), r"~ on a traced epilogue value.*1 - mask"),
+        (lambda acc: acc << 1, r"<< on a traced epilogue value"),
+        (lambda acc: acc.sum(), r"a traced epilogue value has no attribute 'sum'.*ops\.row_sum\(x\)"),
+        (lambda acc: acc.exp(), r"no attribute 'exp'.*write ops\.exp\(x\)"),
+        (lambda acc: acc.pow(2), r"no attribute 'pow'.*x \* x"),
+        (lambda acc: acc * acc.shape[0], r"no attribute 'shape'.*Python numbers"),
+        (lambda acc: acc.T, r"no attribute 'T'"),
+        (lambda acc: acc.to(torch.bfloat16), r"no attribute 'to'.*ops\.cast\(x, dtype\)"),
+        (lambda acc: np.exp(acc), r"numpy's exp can't run on a traced epilogue value.*ops\.exp\(x\)"),
+        (lambda acc: np.sum(acc), r"numpy's add\.reduce can't run.*ops\.row_sum"),
+        (lambda acc: np.float32(2.0) ** acc, r"numpy's power can't run"),
+        (lambda acc: list(acc), r"iterating over \(or unpacking\) a traced epilogue value"),
+        (lambda acc: len(acc), r"len\(\) of a traced epilogue value"),
+        (lambda acc: acc(1), r"a traced epilogue value is not a function"),
+        (lambda acc: complex(acc), r"complex\(\) needs the data"),
+        (lambda acc: setattr(acc, "x", 1) or acc, r"can't be given attribute 'x'"),
+        (lambda acc: acc * (1 / 0), r"epilogue '<lambda>' raised ZeroDivisionError while it was traced"),
+        (lambda acc: undefined_name * acc, r"raised NameError while it was traced"),  # noqa: F821
+    ],
+)  # fmt: skip
+def test_unsupported_python_is_an_epilogue_error_that_says_what_to_write(fn, match):
+    with pytest.raises(EpilogueError, match=match):
+        _trace(fn)
+
+
+def test_unsupported_attributes_keep_attribute_error_semantics():
+    """``hasattr`` and protocol lookups still work on traced values (the error is an AttributeError too), and
+    numpy scalars still combine with them as numbers."""
+    seen = {}
+
+    def fn(acc):
+        seen["hasattr"] = hasattr(acc, "sum"), hasattr(acc, "__array__")
+        return np.float32(2.0) * acc + np.float64(1.0) - np.int64(3) * acc
+
+    graph = _trace(fn)
+    assert seen["hasattr"] == (False, False)
+    assert [n.op for n in graph.nodes if n.op != "const"] == ["acc", "mul", "add", "mul", "sub"]
+    with pytest.raises(AttributeError):
+        _trace(lambda acc: acc.sum())
+    with pytest.raises(TypeError):  # an op called wrongly stays a TypeError, and is an EpilogueError too
+        _trace(lambda acc: ops.exp(acc, acc))
+
+
+def test_score_mod_errors_name_the_score_mod():
+    from epicute.epilogue.score_mod import score_mod
+
+    with pytest.raises(EpilogueError, match=r"\*\* on a traced score_mod value") as info:
+        score_mod(lambda s, b, h, q_idx, kv_idx: s**2).trace({})
+    assert "epilogue" not in str(info.value)
+    with pytest.raises(EpilogueError, match=r"torch function 'tanh' can't run on a traced score_mod value"):
+        score_mod(lambda s, b, h, q_idx, kv_idx: torch.tanh(s)).trace({})
+    with pytest.raises(EpilogueError, match=r"bool\(\) .* traced score_mod value, which does not exist while the "
+                                            r"score_mod is traced"):  # fmt: skip
+        score_mod(lambda s, b, h, q_idx, kv_idx: s if q_idx > kv_idx else -s).trace({})

@@ -253,3 +253,204 @@ def test_repeat_catches_a_misaligned_pointer():
     check(storage[:-8].view(M, K), rand(K, N))
     with pytest.raises(AlignmentError, match=r"a.data_ptr\(\) is 2 bytes past a 16-byte boundary"):
         check(storage[1:-7].view(M, K), rand(K, N))
+
+
+# --- gradients: the kernel has no backward yet (issue 56, item 5) -------------------------------------------------
+# The check comes before the device check, so CPU tensors reach it; the same call under torch.no_grad() fails on the
+# device instead, which shows that nothing but requires_grad refused it.
+
+
+def _needs_grad(t: torch.Tensor) -> torch.Tensor:
+    return t.requires_grad_()
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: epicute.gemm(_needs_grad(rand(16, 16)), rand(16, 16)), "a"),
+        (lambda: epicute.gemm(rand(16, 16), torch.nn.Parameter(rand(16, 16))), "b"),
+        (lambda: epicute.gemm(rand(16, 16), rand(16, 16), out=_needs_grad(rand(16, 16))), "out"),
+        (lambda: epicute.gemm(rand(16, 16), rand(16, 16), epilogue=lambda acc, bias: acc + bias,
+                              bias=_needs_grad(rand(16))), "operand 'bias'"),
+        (lambda: epicute.gemm(rand(16, 16), rand(16, 16), epilogue=lambda acc, bias: acc + bias,
+                              bias=epicute.RowVector(_needs_grad(rand(16)))), "operand 'bias'"),
+        (lambda: epicute.gemm(rand(16, 16), _needs_grad(rand(16, 32)), gated=True,
+                              epilogue=lambda gate, up: gate * up), "b"),
+        (lambda: epicute.gemm(rand(16, 128).to(torch.float8_e4m3fn), rand(16, 128).to(torch.float8_e4m3fn).t(),
+                              a_scale=torch.ones(1, requires_grad=True), b_scale=1.0), "a_scale"),
+    ],
+    ids=["a", "b-parameter", "out", "operand", "pinned-operand", "gated", "fp8-scale"],
+)  # fmt: skip
+def test_kernel_calls_needing_gradients_are_refused_before_anything_else(call, name):
+    with pytest.raises(epicute.GradientError, match=rf"^{name} requires grad, but the backward of epicute.gemm") as e:
+        call()
+    assert "torch.no_grad()" in str(e.value) and ".detach()" in str(e.value)
+    with torch.no_grad(), pytest.raises(DeviceError, match="cuda"):
+        call()
+    with torch.inference_mode(), pytest.raises(DeviceError, match="cuda"):
+        call()
+
+
+def test_the_cached_path_refuses_gradients_too(monkeypatch):
+    """A repeat of a plain call launches through ``_PREPARED_CALLS`` without the full checks: it must still test
+    requires_grad (the fake prepared call stands for one recorded on a GPU)."""
+    from epicute.gemm import api
+
+    a, b = _needs_grad(rand(16, 16)), rand(16, 16)
+    key = (a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype, b.get_device(), None)
+
+    class Recorded:
+        def plain(self, a, b):
+            return "launched"
+
+    monkeypatch.setitem(api._PREPARED_CALLS, key, Recorded())
+    with pytest.raises(epicute.GradientError, match="^a requires grad"):
+        epicute.gemm(a, b)
+    with torch.no_grad():
+        assert epicute.gemm(a, b) == "launched"  # inference keeps the cached path
+    assert epicute.gemm(a.detach(), b) == "launched"
+
+
+def test_prepared_calls_refuse_gradients():
+    from epicute.gemm.prepared import PreparedGemmCall, call_signature
+
+    a, b = rand(16, 16), rand(16, 16)
+    prepared = PreparedGemmCall(call_signature((a, b, None, None, None)), (), (), whole=lambda *args, **kw: "ran")
+    assert prepared(a, b) == "ran"
+    with pytest.raises(epicute.GradientError, match="^b requires grad"):
+        prepared(a, _needs_grad(rand(16, 16)))
+    with torch.no_grad():
+        assert prepared(a, _needs_grad(rand(16, 16))) == "ran"
+
+
+def test_the_reference_backend_keeps_gradients():
+    a = _needs_grad(rand(16, 16))
+    d = epicute.gemm(a, rand(16, 16), epilogue=lambda acc, s: acc * s, s=2.0, backend="reference")
+    assert d.requires_grad and d.grad_fn is not None
+    d.float().sum().backward()
+    assert a.grad is not None
+
+
+# --- malformed arguments get typed errors naming them (issue 56, item 6) ----------------------------------------
+
+
+def ref(*args, **kwargs):
+    return epicute.gemm(*args, backend="reference", **kwargs)
+
+
+def meta(*shape, dtype=BF16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ("tile_n=128", r"config='tile_n=128' \(str\): pass a dict of GemmConfig fields"),
+        ([("tile_n", 128)], r"config=\[\('tile_n', 128\)\] \(list\): pass a dict"),
+        ({"tile_n": "128"}, r"config\['tile_n'\]='128' \(str\): GemmConfig.tile_n takes a positive int"),
+        ({"cluster_m": "2"}, r"config\['cluster_m'\]='2'"),
+        ({"split_k": "2"}, r"config\['split_k'\]='2'"),
+        ({"epi_tile": 64}, r"config\['epi_tile'\]=64 \(int\): GemmConfig.epi_tile takes a tuple of 2 positive ints"),
+        ({"tile_n": [128]}, r"config\['tile_n'\]=\[128\]"),
+        ({"tile_m": 0}, r"config\['tile_m'\]=0"),
+        ({"swizzle": 0}, r"config\['swizzle'\]=0"),
+        ({"persistent": "yes"}, r"config\['persistent'\]='yes' \(str\): GemmConfig.persistent takes True or False"),
+        ({1: 2}, r"unknown field 1"),
+        ({"tile": 128}, r"unknown field 'tile'; did you mean"),
+    ],
+)
+def test_malformed_configs_are_config_errors_in_every_entry(config, match):
+    a, b = rand(16, 32), rand(32, 64)
+    with pytest.raises(epicute.ConfigError, match=match):
+        ref(a, b, config=config)
+    with pytest.raises(epicute.ConfigError, match=match):
+        epicute.explain(meta(256, 256), meta(256, 256), config=config, file=None)
+    with pytest.raises(epicute.ConfigError, match=match):
+        epicute.explain(meta(256, 256), meta(256, 256), epilogue=lambda acc: acc, config=config, file=None)
+
+
+def test_config_none_values_and_lists_are_taken():
+    plan = epicute.explain(meta(256, 256), meta(256, 256), config={"tile_n": None, "epi_tile": [128, 32]}, file=None)
+    assert plan.config.epi_tile == (128, 32)
+
+
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_operands_may_be_named_like_the_inputs(name):
+    """``a`` and ``b`` are positional-only: an operand of either name reaches the epilogue."""
+    a, b, v = rand(16, 32), rand(32, 64), rand(64)
+    got = ref(a, b, epilogue=eval(f"lambda acc, {name}: acc + {name}"), **{name: v})
+    want = ref(a, b, epilogue=lambda acc, bias: acc + bias, bias=v)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["out", "config", "a_scale", "b_scale", "outs", "out_dtype", "backend", "gated",
+                                  "tune", "epilogue", "target", "file"])  # fmt: skip
+def test_operand_named_like_a_gemm_parameter_is_refused_naming_the_clash(name):
+    fn = eval(f"lambda acc, {name}: acc * {name}")
+    match = rf"takes an operand named '{name}', which is epicute.gemm's own parameter {name}=.*Rename"
+    with pytest.raises(epicute.EpilogueError, match=match):
+        ref(rand(16, 32), rand(32, 64), epilogue=fn)
+    with pytest.raises(epicute.EpilogueError, match=match):
+        epicute.explain(meta(64, 64), meta(64, 64), epilogue=fn, file=None)
+    if name == "out":  # passing it binds to out=: the clash is named, not out's shape
+        with pytest.raises(epicute.EpilogueError, match=match):
+            ref(rand(16, 32), rand(32, 64), epilogue=fn, out=rand(64))
+    gated = eval(f"lambda gate, up, {name}: gate * up")
+    with pytest.raises(epicute.EpilogueError, match=match):
+        ref(rand(16, 32), rand(32, 64), gated=True, epilogue=gated)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"epilogue": lambda acc, bias: acc + bias, "bias": meta(64)}, "operand 'bias'"),
+        ({"epilogue": lambda acc, t: acc + t, "t": meta(16, 64)}, "operand 't'"),
+        ({"epilogue": lambda acc, s: acc * s, "s": meta(1)}, "operand 's'"),
+        ({"epilogue": lambda acc, s: acc * s, "s": epicute.Scalar(meta(1))}, "operand 's'"),
+        ({"epilogue": lambda acc: {"D": acc, "p": acc}, "outs": {"p": meta(16, 64)}}, r"outs\['p'\]"),
+    ],
+)
+def test_meta_tensors_beside_cpu_inputs_are_refused_on_the_reference(kwargs, name):
+    with pytest.raises(DeviceError, match=rf"^{name} is a meta tensor: backend='reference' computes values"):
+        ref(rand(16, 32), rand(32, 64), **kwargs)
+
+
+def test_meta_scalar_operands_plan_in_explain():
+    plan = epicute.explain(meta(64, 64), meta(64, 64), epilogue=lambda acc, s: acc * s, s=meta(1, dtype=torch.float32),
+                           file=None)  # fmt: skip
+    assert plan.config.tile_m == 128
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"out_dtypes": [torch.float32]}, OutputError, r"out_dtypes is a list; pass a dict by output name"),
+        ({"outs": [rand(16, 64)]}, OutputError, r"outs is a list; pass a dict by output name"),
+        ({"outs": {"p": 1.0}}, OutputError, r"outs\['p'\] is a float; pass a preallocated tensor"),
+        ({"outs": {"p": rand(3, 3)}}, OutputError, r"outs\['p'\] has shape \(3, 3\); the epilogue writes \(16, 64\)"),
+        ({"gated": "yes"}, epicute.ConfigError, r"gated='yes': pass True or False"),
+        ({"tune": "yes"}, epicute.ConfigError, r"tune='yes': pass True or False"),
+    ],
+)
+def test_malformed_output_arguments_and_flags(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ref(rand(16, 32), rand(32, 64), epilogue=lambda acc: {"D": acc, "p": acc}, **kwargs)
+
+
+def test_explain_file_must_be_a_stream():
+    with pytest.raises(epicute.ConfigError, match=r"file=3: pass 'stdout'"):
+        epicute.explain(meta(64, 64), meta(64, 64), file=3)
+
+
+def test_an_epilogue_raising_while_traced_is_an_epilogue_error():
+    def broken(acc):
+        return acc * (1 / 0)
+
+    with pytest.raises(epicute.EpilogueError, match=r"epilogue 'broken' raised ZeroDivisionError while it was traced"):
+        ref(rand(16, 32), rand(32, 64), epilogue=broken)
+
+
+def test_explain_takes_a_meta_out():
+    """Meta tensors have no memory (every data pointer is 0): an ``out`` beside meta inputs does not overlap them."""
+    plan = epicute.explain(meta(64, 64), meta(64, 64), out=meta(64, 64), file=None)
+    assert plan.problem.m == 64

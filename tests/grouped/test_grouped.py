@@ -375,7 +375,7 @@ def test_fp8_blockwise_reference(b_dtype):
 
 
 FP8_BAD = {
-    "no_scales": (lambda x, b, o, sa, sb: ((x, b, o), {}), EpilogueError, "a_scale is missing"),
+    "no_scales": (lambda x, b, o, sa, sb: ((x, b, o), {}), DtypeError, "a_scale is missing"),
     "rowwise_b_scale": (
         lambda x, b, o, sa, sb: ((x, b, o), {"a_scale": sa, "b_scale": torch.rand(3, 200)}),
         ShapeError,
@@ -565,3 +565,93 @@ def test_grouped_reductions_compile_for_sm90a():
     variant = prepare(request).variant()
     assert len(variant.fusion.reductions) == 4
     compile_grouped(variant)
+
+
+# --- issue 56: gradients, malformed arguments, names ------------------------------------------------------------
+
+
+def test_kernel_calls_needing_gradients_are_refused():
+    """No backward yet: requires_grad under autograd is refused before the device check (CPU tensors reach it);
+    the same call under torch.no_grad() fails on the device instead."""
+    a, b, offsets = operands([2, 3, 5], k=32, n=24)
+    calls = {
+        "a": lambda: epicute.grouped_gemm(a.clone().requires_grad_(), b, offsets),
+        "b": lambda: epicute.grouped_gemm(a, torch.nn.Parameter(b), offsets),
+        "operand 'score'": lambda: epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc, score: acc * score,
+                                                        score=torch.rand(10, 1, requires_grad=True)),
+    }  # fmt: skip
+    for name, call in calls.items():
+        with pytest.raises(epicute.GradientError, match=rf"^{name} requires grad, but the backward of "
+                                                        r"epicute.grouped_gemm is not built yet"):  # fmt: skip
+            call()
+        with torch.no_grad(), pytest.raises(DeviceError, match="cuda"):
+            call()
+    d = epicute.grouped_gemm(a.clone().requires_grad_(), b, offsets, backend="reference")  # the reference trains
+    assert d.requires_grad
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ("tile_n=128", r"config='tile_n=128' \(str\): pass a dict of GemmConfig fields"),
+        ({"tile_n": "64"}, r"config\['tile_n'\]='64' \(str\): GemmConfig.tile_n takes a positive int"),
+        ({"tile_m": 0}, r"config\['tile_m'\]=0"),
+        ({"bogus": 1}, r"unknown field 'bogus'"),
+    ],
+)
+def test_malformed_configs_are_config_errors(config, match):
+    a, b, offsets = operands([2, 3, 5], k=32, n=24)
+    with pytest.raises(ConfigError, match=match):
+        epicute.grouped_gemm(a, b, offsets, config=config, backend="reference")
+    meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
+    with pytest.raises(ConfigError, match=match):
+        epicute.explain_grouped(meta(10, 64), meta(2, 64, 64), meta(2, dtype=torch.int32), config=config, file=None)
+
+
+def test_offsets_with_one_entry_too_many_get_the_hint_that_fits():
+    a, b, _ = operands([2, 3, 5], k=32, n=24)
+    shifted = torch.tensor([1, 2, 5, 10], dtype=torch.int32)  # (G + 1,), not quack's form: no "starting at 0"
+    with pytest.raises(ShapeError, match=r"offsets has shape \(4,\); it must be \(3,\).*one entry too many: b has 3 "
+                                         r"groups") as info:  # fmt: skip
+        epicute.grouped_gemm(a, b, shifted, backend="reference")
+    assert "starting at 0" not in str(info.value) and "offsets[1:]" not in str(info.value)
+    quack = torch.tensor([0, 2, 5, 10], dtype=torch.int32)
+    with pytest.raises(ShapeError, match=r"it starts at 0: that is quack's cu_seqlens form, pass offsets\[1:\]"):
+        epicute.grouped_gemm(a, b, quack, backend="reference")
+    meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")
+    with pytest.raises(ShapeError, match=r"a \(G \+ 1,\) tensor starting at 0 is quack's cu_seqlens form"):
+        epicute.explain_grouped(meta(10, 64), meta(3, 64, 64), meta(4, dtype=torch.int32), file=None)  # not read
+
+
+@pytest.mark.parametrize("name", ["a", "b", "offsets"])
+def test_operands_may_be_named_like_the_inputs(name):
+    a, b, offsets = operands([2, 3, 5], k=32, n=24)
+    bias = torch.randn(24)
+    got = epicute.grouped_gemm(a, b, offsets, epilogue=eval(f"lambda acc, {name}: acc + {name}"), backend="reference",
+                               **{name: bias})  # fmt: skip
+    want = epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc, bias: acc + bias, bias=bias, backend="reference")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["out", "config", "a_index", "a_scale", "check_offsets", "gated", "file"])
+def test_operand_named_like_a_grouped_parameter_is_refused(name):
+    a, b, offsets = operands([2, 3, 5], k=32, n=24)
+    match = rf"takes an operand named '{name}', which is epicute.grouped_gemm's own parameter {name}=.*Rename"
+    with pytest.raises(EpilogueError, match=match):
+        epicute.grouped_gemm(a, b, offsets, epilogue=eval(f"lambda acc, {name}: acc * {name}"), backend="reference")
+    if name == "out":  # passed, it binds to out=: the clash is named, not out's shape
+        with pytest.raises(EpilogueError, match=match):
+            epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc, out: acc + out, out=torch.randn(24),
+                                 backend="reference")  # fmt: skip
+
+
+def test_reference_refuses_meta_operands_and_malformed_output_arguments():
+    a, b, offsets = operands([2, 3, 5], k=32, n=24)
+    meta_score = torch.empty(10, 1, device="meta")
+    with pytest.raises(DeviceError, match=r"^operand 'score' is a meta tensor: backend='reference'"):
+        epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc, score: acc * score, score=meta_score,
+                             backend="reference")  # fmt: skip
+    with pytest.raises(OutputError, match=r"out_dtypes is a list; pass a dict by output name"):
+        epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc: acc, out_dtypes=[torch.float32], backend="reference")
+    with pytest.raises(ConfigError, match=r"check_offsets='yes': pass True or False"):
+        epicute.grouped_gemm(a, b, offsets, check_offsets="yes", backend="reference")

@@ -115,3 +115,27 @@ def test_compiled_grouped_reductions_have_their_shapes_on_meta():
     rows, cols, peak = torch.compile(f, fullgraph=True, backend="eager")(meta(300, 64), meta(8, 136, 64),
                                                                          meta(8, dtype=torch.int32))  # fmt: skip
     assert rows.shape == (300,) and cols.shape == (8, 136) and peak.shape == (8,)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_grouped_calls_needing_gradients_or_bad_configs_are_refused(fullgraph):
+    """No autograd for the op yet: inputs that require grad are refused under torch.compile as in eager; a malformed
+    config too (fullgraph=True: dynamo's report carries the message)."""
+    offs = meta(2, dtype=torch.int32)
+
+    def plain(x, w, offs):
+        return epicute.grouped_gemm(x, w.transpose(-2, -1), offs)
+
+    def pinned(x, w, offs):
+        return epicute.grouped_gemm(x, w.transpose(-2, -1), offs, config={"tile_n": "128"})
+
+    cases = [
+        (plain, (meta(10, 64).requires_grad_(), meta(2, 136, 64)), epicute.GradientError, "a requires grad"),
+        (plain, (meta(10, 64), meta(2, 136, 64).requires_grad_()), epicute.GradientError, "b requires grad"),
+        (pinned, (meta(10, 64), meta(2, 136, 64)), ConfigError, "GemmConfig.tile_n takes a positive int"),
+    ]
+    for fn, args, error, words in cases:
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info:
+            torch.compile(fn, fullgraph=fullgraph, backend="eager")(*args, offs)
+        assert isinstance(info.value, error) or words in str(info.value), info.value

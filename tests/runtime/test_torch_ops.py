@@ -199,3 +199,54 @@ def test_constant_result_marks_are_dynamos_own():
     torch._dynamo.assume_constant_result(dynamos)
     assert ours.__dict__ == dynamos.__dict__ != {}
     assert all(f._dynamo_marked_constant for f in (torch_ops.register_traced, torch_ops.spec_text))
+
+
+def _refused(exc: BaseException, error: type, words: str) -> bool:
+    """Whether torch.compile's exception is ``error`` itself (a graph break ran the call eagerly) or dynamo's report
+    of it (fullgraph=True: the message rides along)."""
+    return isinstance(exc, error) or words in str(exc)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_calls_needing_gradients_are_refused(fullgraph):
+    """The op has no autograd yet: under torch.compile a call whose inputs require grad is refused as in eager
+    (epicute.GradientError naming the argument), not traced into an op whose output trains nothing."""
+
+    def plain(a, b):
+        return epicute.gemm(a, b)
+
+    def biased(a, b, bias):
+        return epicute.gemm(a, b, epilogue=lambda acc, bias: acc + bias, bias=bias)
+
+    cases = [
+        (plain, (meta(16, 64).requires_grad_(), meta(64, 64)), "a requires grad"),
+        (biased, (meta(16, 64), meta(64, 64), meta(64).requires_grad_()), "operand 'bias' requires grad"),
+    ]
+    for fn, args, words in cases:
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info:
+            torch.compile(fn, fullgraph=fullgraph, backend="eager")(*args)
+        assert _refused(info.value, epicute.GradientError, words), info.value
+    torch._dynamo.reset()
+    with torch.no_grad():  # inference traces as before
+        d = torch.compile(plain, fullgraph=fullgraph, backend="eager")(meta(16, 64).requires_grad_(), meta(64, 64))
+    assert d.shape == (16, 64)
+
+
+def test_compiled_calls_check_config_and_operand_names():
+    torch._dynamo.reset()
+
+    def pinned(a, b):
+        return epicute.gemm(a, b, config={"tile_n": "128"})
+
+    with pytest.raises(Exception) as info:
+        torch.compile(pinned, fullgraph=True, backend="eager")(meta(16, 64), meta(64, 64))
+    assert _refused(info.value, ConfigError, "GemmConfig.tile_n takes a positive int")
+
+    def named_out(a, b, t):
+        return epicute.gemm(a, b, epilogue=lambda acc, out: acc + out, out=t)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(named_out, fullgraph=True, backend="eager")(meta(16, 64), meta(64, 64), meta(16, 64))
+    assert _refused(info.value, EpilogueError, "epicute.gemm's own parameter out=")
