@@ -32,8 +32,8 @@ MAX_ACC_REGS = 192
 #: Most CTAs one output tile's K is split across.
 MAX_SPLIT_K = 8
 #: Tile N of a blockwise-scaled fp8 GEMM. A 64- or 128-wide tile lies in one block of N; a 192-wide one starts on
-#: a multiple of 64, so each of its 64-column chunks does (:func:`b_scale_chunks`).
-BLOCK_SCALED_TILE_N = (64, 128, 192)
+#: a multiple of 64, so each of its 64-column chunks does; a 256-wide one spans two blocks (:func:`b_scale_chunks`).
+BLOCK_SCALED_TILE_N = (64, 128, 192, 256)
 #: fp32 values per ring stage for B's blockwise scales: a 16-byte slot, the size and alignment of one bulk copy.
 #: A bulk copy brings the k-tile's block of K with the others of its aligned group of four (a consumer reads the
 #: one at ``k_tile % B_SCALE_SLOT``); cp.async fills the first ``b_scale_chunks`` values instead.
@@ -45,13 +45,24 @@ def b_scale_chunks(tile_n: int) -> int:
     return tile_n // BLOCK_K if tile_n % BLOCK_K == 0 else tile_n // 64
 
 
+def promote_chunks(cfg: GemmConfig) -> int:
+    """Column chunks a blockwise-scaled consumer computes each k-tile's partial in: 1, the whole tile, where a
+    partial as wide as the tile fits beside the fp32 sum in ``MAX_ACC_REGS``; 2 for a 256-wide tile where only a
+    half does (the sum's 128 registers and a 128-column partial's 64: each half is one block of N, whose WGMMAs
+    retire and are promoted before the other half's are issued); 0 where neither fits."""
+    if 2 * cfg.acc_regs <= MAX_ACC_REGS:
+        return 1
+    return 2 if cfg.tile_n == 256 and cfg.acc_regs + cfg.acc_regs // 2 <= MAX_ACC_REGS else 0
+
+
 def promote_partials(cfg: GemmConfig) -> int:
     """k-tile partial sums a blockwise-scaled consumer keeps beside its fp32 sum: two where three accumulators fit
     ``MAX_ACC_REGS`` (k-tile j's WGMMAs run while j - 1's partial is promoted), else one (the warpgroup waits for
-    its k-tile and promotes while the other warpgroup's WGMMAs hold the tensor cores); 0 where two do not fit."""
+    its k-tile, or each half of it (:func:`promote_chunks`), and promotes while the other warpgroup's WGMMAs hold
+    the tensor cores); 0 where not even one fits."""
     if 3 * cfg.acc_regs <= MAX_ACC_REGS:
         return 2
-    return 1 if 2 * cfg.acc_regs <= MAX_ACC_REGS else 0
+    return 1 if promote_chunks(cfg) else 0
 
 
 def validate_block_scaled(cfg: GemmConfig) -> None:
@@ -60,8 +71,9 @@ def validate_block_scaled(cfg: GemmConfig) -> None:
         raise ConfigError(
             f"tile {cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k} ({cfg.schedule}) with blockwise scales: a k-tile is one "
             f"{BLOCK_K}-wide scale block (tile_k={BLOCK_K}), tile_n must be one of {BLOCK_SCALED_TILE_N}, and "
-            f"promotion holds the sum and at least one k-tile's partial, 2 x {cfg.acc_regs} registers per thread (at "
-            f"most {MAX_ACC_REGS}); use the cooperative schedule with tile_n 128 or 192, or ping-pong with tile_m 64"
+            f"promotion holds the sum and at least one k-tile's partial ({cfg.acc_regs} registers per thread each, "
+            f"a 256-wide tile's partial half of them) within {MAX_ACC_REGS}; use the cooperative schedule with "
+            "tile_n 128, 192 or 256, or ping-pong with tile_m 64"
         )
 
 

@@ -3,6 +3,11 @@
 Pure Python: it runs without a GPU and is unit-tested on CPU. Each decision
 appends a one-line reason to the config, which ``explain`` prints.
 
+One rule decides what may be chosen: :func:`check_config`, the check every planned config gets. Candidate tiles
+go through it before any choice among them (:func:`tile_refusal`), so the planner never picks what it would then
+refuse; the refusals of the tiles it passes over are part of the reasons (``tests/test_plans_validate.py`` sweeps
+``explain`` to hold it to that).
+
 The choices, in order (measurements behind them: ``bench/results/configs*.json``):
 
 - **swap-AB** first (:func:`choose_swap_ab`): a decode GEMM (M <= 64 rows of A against a wider N, B the
@@ -54,8 +59,10 @@ from dataclasses import replace
 
 from epicute.errors import ConfigError
 from epicute.gemm.config import (
+    MAX_ACC_REGS,
     MAX_SPLIT_K,
     SWAP_AB_TILE_N,
+    TILE_N,
     GemmConfig,
     GemmProblem,
     b_scale_chunks,
@@ -93,7 +100,20 @@ def _num_tiles(problem: GemmProblem, tile_m: int, tile_n: int) -> int:
 
 
 def choose_schedule(
-    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, tile_pinned: bool = False
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, tile_pinned: bool = False, pins: tuple = ()
+) -> tuple[str, str]:
+    """``(schedule, why)``; a schedule none of whose tiles can run the problem (:func:`tile_refusal`) is not
+    chosen where the other's can. ``pins``: the config fields the caller pinned, as sorted items."""
+    schedule, why = _preferred_schedule(problem, hw, epilogue, tile_pinned, pins)
+    refusal = schedule_refusal(problem, hw, epilogue, schedule, pins)
+    other = "pingpong" if schedule == "cooperative" else "cooperative"
+    if refusal is not None and schedule_refusal(problem, hw, epilogue, other, pins) is None:
+        return other, f"no {schedule} tile can run it ({refusal})"
+    return schedule, why
+
+
+def _preferred_schedule(
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, tile_pinned: bool, pins: tuple
 ) -> tuple[str, str]:
     if not epilogue.chain:
         # A plain GEMM's ping-pong is a tile choice: its widest tile (128x192, one warpgroup's
@@ -102,8 +122,12 @@ def choose_schedule(
         # pays at many waves (bench/results/configs_pingpong.json; bench/NOTES.md, 'Ping-pong
         # 128x192 for plain GEMMs', 'The cooperative store's exposed time'). A pinned tile keeps
         # the cooperative default.
-        if not tile_pinned and problem.n > 128:
-            cooperative, coop_n = best_tile_estimate(problem, hw, epilogue, "cooperative")
+        if (
+            not tile_pinned
+            and problem.n > 128
+            and tile_refusal(problem, hw, epilogue, "pingpong", 128, 192, pins) is None
+        ):
+            cooperative, coop_n = best_tile_estimate(problem, hw, epilogue, "cooperative", pins)
             pingpong = estimate_seconds(problem, hw, 128, 192, schedule="pingpong")
             if pingpong < cooperative:
                 return "pingpong", (
@@ -127,7 +151,7 @@ def choose_schedule(
     # ping-pong's 128x192 on most shapes (fused gelu; ping-pong stays ahead at 4096x14336x4096
     # and 8192^3: bench/NOTES.md, 'Fused epilogues: the schedule by estimate').
     estimates = {
-        schedule: best_tile_estimate(problem, hw, epilogue, schedule) for schedule in ("pingpong", "cooperative")
+        schedule: best_tile_estimate(problem, hw, epilogue, schedule, pins) for schedule in ("pingpong", "cooperative")
     }
     best = min(estimates, key=lambda name: estimates[name][0])
     other = "cooperative" if best == "pingpong" else "pingpong"
@@ -149,18 +173,21 @@ def epilogue_code(epilogue: EpilogueBuffers, schedule: str, tile_m: int, tile_n:
 
 
 def fit_epilogue_code(
-    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str, tile_n: int
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str, tile_n: int, pins: tuple = ()
 ) -> tuple[str, int, str]:
     """(schedule, tile_n, reason) whose 128-row tile keeps the epilogue's code within budget:
-    the given pair if it fits, else the widest cooperative tile that does (else the narrowest)."""
+    the given pair if it fits, else the widest cooperative tile that does (else the narrowest), of those that
+    can run the problem (:func:`tile_refusal`)."""
     per_element = epilogue.instructions_per_element
     code = epilogue_code(epilogue, schedule, 128, tile_n)
     note = f"epilogue code ~{per_element} instructions per element x {code // per_element} per thread = {code}"
     if code <= EPILOGUE_CODE_BUDGET:
         return schedule, tile_n, f"{note}, within the {EPILOGUE_CODE_BUDGET} budget"
-    widest, _ = choose_tile_n(problem, hw, epilogue, "cooperative")
-    widths = [w for w in (256, 128, 64) if w <= widest] or [64]
-    width = next((w for w in widths if epilogue_code(epilogue, "cooperative", 128, w) <= EPILOGUE_CODE_BUDGET), 64)
+    widest, _ = choose_tile_n(problem, hw, epilogue, "cooperative", 128, pins)
+    widths = [w for w in (256, 128, 64) if w <= widest and tile_refusal(problem, hw, epilogue, "cooperative", 128, w,
+                                                                        pins) is None] or [widest]  # fmt: skip
+    width = next((w for w in widths if epilogue_code(epilogue, "cooperative", 128, w) <= EPILOGUE_CODE_BUDGET),
+                 widths[-1])  # fmt: skip
     return (
         "cooperative",
         width,
@@ -172,42 +199,189 @@ def fit_epilogue_code(
     )
 
 
-def best_tile_estimate(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str) -> tuple[float, int]:
+def best_tile_estimate(
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str, pins: tuple = ()
+) -> tuple[float, int]:
     """(estimated seconds, tile N) of ``schedule``'s best 128-row tile."""
-    width, _ = choose_tile_n(problem, hw, epilogue, schedule)
+    width, _ = choose_tile_n(problem, hw, epilogue, schedule, 128, pins)
     return estimate_seconds(problem, hw, 128, width, epilogue, schedule), width
+
+
+# ---- the one rule: what the kernel runs is what the planner may choose
+#
+# check_config is every check a planned config must pass (the config's own, blockwise promotion, the epilogue's
+# tile needs, shared memory). The planner checks its final config with it, and before that filters its candidate
+# tiles through it (tile_refusal: the config the planner would build around a candidate, its stages fitted, run
+# through check_config), so a choice it makes is never refused: the refusals of the tiles it passes over are
+# printed among explain's reasons.
+
+
+def check_config(
+    cfg: GemmConfig, problem: GemmProblem, epilogue: EpilogueBuffers = NO_EPILOGUE, smem_budget: int | None = None
+) -> None:
+    """Raise :class:`ConfigError` for a configuration the kernel cannot run for ``problem`` (as the kernel's
+    tiles see it: swapped under ``swap_ab``) with ``epilogue``, within ``smem_budget`` bytes of shared memory
+    (None: not checked)."""
+    cfg.validate()
+    if problem.block_scaled:
+        validate_block_scaled(cfg)
+    out_tile_n = epilogue.out_tile_n(cfg.tile_n)
+    if epilogue.gated and out_tile_n % cfg.epi_tile[1]:
+        raise ConfigError(
+            f"epi_tile={cfg.epi_tile} with a gated epilogue: its N must divide the output tile's {out_tile_n} "
+            f"columns (tile_n={cfg.tile_n} / 2)"
+        )
+    group_n = epilogue.group_n
+    if group_n and out_tile_n % group_n:
+        raise ConfigError(
+            f"tile_n={cfg.tile_n} with quantize_groups: a tile must hold whole groups of {group_n} columns of D; "
+            + ("use tile_n 256 (gated: half of it is output)" if epilogue.gated else "use tile_n 128 or 256")
+        )
+    if cfg.tile_k != problem.tile_k:
+        raise ConfigError(
+            f"tile_k={cfg.tile_k} with {problem.ab_dtype} inputs: a k-tile is one 128-byte swizzle row, "
+            f"tile_k={problem.tile_k}"
+        )
+    if cfg.split_k > 1 and epilogue.loads_tiles:
+        raise ConfigError(f"split_k={cfg.split_k} with an epilogue that reads full-tile operands: they stream "
+                          "in ahead of the tile, before it is known which split runs the epilogue; use "
+                          "split_k=1")  # fmt: skip
+    if cfg.epi_reuses_ab_smem and not epi_fits_in_a_ring(cfg, problem.ab_dtype, problem.d_dtype):
+        raise ConfigError(
+            f"{cfg.num_epi_stages} D staging buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B do not fit in "
+            f"the A ring they would reuse ({cfg.ab_stages} stages); raise ab_stages or lower num_epi_stages"
+        )
+    if smem_budget is None:
+        return
+    total = smem_total(cfg, problem.ab_dtype, problem.d_dtype, epilogue, problem.block_scaled)
+    if total > smem_budget:
+        raise ConfigError(
+            f"configuration needs {total} B of shared memory, over the {smem_budget} B "
+            "per CTA; lower ab_stages or num_epi_stages"
+        )
+
+
+def _trial_configs(
+    problem: GemmProblem, epilogue: EpilogueBuffers, schedule: str, tile_m: int, tile_n: int, pins: dict
+) -> list[GemmConfig]:
+    """The configs the planner may build around a candidate tile (its pins kept): persistent, and for the
+    cooperative schedule one tile per CTA staging D in the A ring (the planner picks one by the tile count)."""
+    base = {
+        "schedule": schedule, "tile_m": tile_m, "tile_n": tile_n, "tile_k": problem.tile_k,
+        "epi_tile": (64 if schedule == "pingpong" else tile_m, epi_tile_n(epilogue.out_tile_n(tile_n))),
+    }  # fmt: skip
+    kept = {name: value for name, value in pins.items() if name not in ("schedule", "tile_m", "tile_n", "reasons")}
+    forms = [{"persistent": True, "epi_reuses_ab_smem": False}]
+    if schedule == "cooperative":
+        forms.append({"persistent": False, "epi_reuses_ab_smem": True})
+    return [GemmConfig(**{**base, **form, **kept}) for form in forms]
+
+
+@functools.lru_cache(maxsize=4096)
+def tile_refusal(
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str, tile_m: int, tile_n: int,
+    pins: tuple = (),
+) -> str | None:  # fmt: skip
+    """Why no config the planner would build around a ``schedule`` ``tile_m x tile_n`` tile (``pins``: the caller's
+    pinned fields, sorted items) passes :func:`check_config` on ``hw``; None when one does."""
+    pinned = dict(pins)
+    refusal = None
+    for cfg in _trial_configs(problem, epilogue, schedule, tile_m, tile_n, pinned):
+        try:
+            if not {"ab_stages", "num_epi_stages"} & pinned.keys():
+                cfg = fit_stages(cfg, problem, hw.smem_per_cta_bytes, epilogue)
+            check_config(cfg, problem, epilogue, hw.smem_per_cta_bytes)
+            return None
+        except ConfigError as exc:
+            refusal = refusal or str(exc)
+    return refusal
+
+
+def _short(refusal: str) -> str:
+    """A refusal without its advice (what follows the first ``"; "``), for explain's reasons."""
+    return refusal.split("; ")[0]
+
+
+def schedule_refusal(
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str, pins: tuple = ()
+) -> str | None:
+    """Why none of ``schedule``'s 128-row tiles can run ``problem`` (their refusals), or None when one can."""
+    preferred, fallback = tile_widths(problem, schedule)
+    refusals = {w: tile_refusal(problem, hw, epilogue, schedule, 128, w, pins) for w in preferred + fallback}
+    if any(refusal is None for refusal in refusals.values()):
+        return None
+    return "; ".join(f"128x{w}: {_short(refusal)}" for w, refusal in refusals.items())
+
+
+def tile_widths(problem: GemmProblem, schedule: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(preferred, fallback)`` tile widths for ``problem`` under ``schedule``: the planner chooses among the
+    preferred ones that can run the problem, and only where none can among the fallback ones (narrowest first)."""
+    if problem.n <= 64:
+        preferred: tuple[int, ...] = (64,)
+    elif problem.n <= 128:
+        preferred = (128,)
+    elif problem.block_scaled:
+        preferred = (192, 128, 64)
+    else:
+        preferred = (192 if schedule == "pingpong" else 256, 128, 64)
+    return preferred, tuple(w for w in TILE_N if w not in preferred)
+
+
+def _block_scaled_partials(width: int) -> str:
+    """How a blockwise tile ``width`` wide promotes (explain's reason)."""
+    if width == 256:
+        return (
+            f"one k-tile's partial of half the tile's columns beside the sum (128 + 64 of {MAX_ACC_REGS} registers "
+            "per thread): each k-tile's WGMMAs run as two 128-column halves, one block of N each, each promoted "
+            "before the next starts, while the other warpgroup's WGMMAs run"
+        )
+    if width == 192:
+        return (
+            f"one k-tile's partial beside the sum (2 x {width // 2} registers per thread): each warpgroup promotes "
+            "while the other's WGMMAs run"
+        )
+    return f"two k-tiles' partials beside the sum (3 x {width // 2} registers per thread)"
 
 
 @functools.lru_cache(maxsize=1024)
 def choose_tile_n(
-    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers = NO_EPILOGUE, schedule: str = "cooperative"
-) -> tuple[int, str]:
-    """(tile N, reason) of ``schedule``'s best 128-row tile for ``problem``; decided once per argument
-    set (the schedule comparison and the final choice ask for the same tiles)."""
-    if problem.n <= 64:
-        return 64, f"N={problem.n} fits one 64-wide tile"
-    if problem.n <= 128:
-        return 128, f"N={problem.n} fits one 128-wide tile"
-    if problem.block_scaled:
-        # Widest first, so that a tie keeps the tile with the most reuse per byte.
-        times = {width: estimate_seconds(problem, hw, 128, width, epilogue, schedule) for width in (192, 128, 64)}
-        best = min(times, key=times.__getitem__)
-        others = ", ".join(f"{s * 1e6:.0f} us for 128x{width}" for width, s in times.items() if width != best)
-        partials = (
-            f"one k-tile's partial beside the sum (2 x {best // 2} registers per thread): each warpgroup promotes "
-            "while the other's WGMMAs run"
-            if best == 192
-            else f"two k-tiles' partials beside the sum (3 x {best // 2} registers per thread)"
-        )
-        estimate = f"128x{best} estimated {times[best] * 1e6:.0f} us vs {others}"
-        return best, f"blockwise scales: promotion holds {partials}; {estimate}"
-    wide = 192 if schedule == "pingpong" else 256
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers = NO_EPILOGUE, schedule: str = "cooperative",
+    tile_m: int = 128, pins: tuple = (),
+) -> tuple[int, str]:  # fmt: skip
+    """(tile N, reason) of ``schedule``'s best tile ``tile_m`` rows tall for ``problem``, among the widths whose
+    tiles can run it (:func:`tile_refusal`; the others' refusals are part of the reason); decided once per
+    argument set (the schedule comparison and the final choice ask for the same tiles). Estimates are of 128-row
+    tiles. Where no width can run it, the first preferred one: the final check then says why."""
+    preferred, fallback = tile_widths(problem, schedule)
+    refusals = {w: tile_refusal(problem, hw, epilogue, schedule, tile_m, w, pins) for w in preferred}
+    excluded = "".join(f"; not {tile_m}x{w}: {_short(why)}" for w, why in refusals.items() if why is not None)
+    widths = tuple(w for w in preferred if refusals[w] is None)
+    if not widths:
+        fallbacks = {w: tile_refusal(problem, hw, epilogue, schedule, tile_m, w, pins) for w in fallback}
+        runnable = [w for w in fallback if fallbacks[w] is None]
+        if not runnable:
+            widths = preferred  # nothing runs: the final check refuses the preferred tile, with its reason
+            excluded = ""
+        else:
+            width = runnable[0]
+            how = f"; blockwise scales: promotion holds {_block_scaled_partials(width)}" if problem.block_scaled else ""
+            return width, (
+                f"{tile_m}x{width}, the narrowest tile that can run it, as none of the usual widths can ("
+                + "; ".join(f"{tile_m}x{w}: {_short(why)}" for w, why in refusals.items())
+                + f"){how}"
+            )
+    if len(widths) == 1 and len(preferred) == 1:
+        return widths[0], f"N={problem.n} fits one {widths[0]}-wide tile{excluded}"
     # Widest first, so that a tie keeps the tile with the most reuse per byte.
-    times = {width: estimate_seconds(problem, hw, 128, width, epilogue, schedule) for width in (wide, 128, 64)}
+    times = {width: estimate_seconds(problem, hw, 128, width, epilogue, schedule) for width in widths}
     best = min(times, key=times.__getitem__)
     others = ", ".join(f"{seconds * 1e6:.0f} us for 128x{width}" for width, seconds in times.items() if width != best)
-    why = {wide: "", 128: " (wave quantization)", 64: " (too few wider tiles to fill the SMs)"}[best]
-    return best, f"128x{best} tiles estimated {times[best] * 1e6:.0f} us vs {others}{why}"
+    others = f" vs {others}" if others else ""
+    if problem.block_scaled:
+        estimate = f"128x{best} estimated {times[best] * 1e6:.0f} us{others}"
+        return best, f"blockwise scales: promotion holds {_block_scaled_partials(best)}; {estimate}{excluded}"
+    why = {preferred[0]: "", 128: " (wave quantization)", 64: " (too few wider tiles to fill the SMs)"}.get(best, "")
+    return best, f"128x{best} tiles estimated {times[best] * 1e6:.0f} us{others}{why}{excluded}"
 
 
 def raster_window(
@@ -282,8 +456,9 @@ SPLIT_K_WIDE_M = 16
 
 
 def choose_split_k(
-    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str, tile_n: int, overrides: dict
-) -> tuple[int, int, str | None]:
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, schedule: str, tile_n: int, overrides: dict,
+    tile_m: int = 128,
+) -> tuple[int, int, str | None]:  # fmt: skip
     """``(split_k, tile_n, why)``: K split across CTAs when a decode-shaped problem (M <= ``SPLIT_K_MAX_M`` per
     batch) has too few tiles to keep the SMs streaming B, and the tile width that goes with it; ``why`` is
     None when there is nothing to say. Each split stores its tile's rows of fp32 partials: at M = 128 that
@@ -296,7 +471,9 @@ def choose_split_k(
     if (problem.block_scaled or epilogue.loads_tiles or schedule != "cooperative" or problem.m > SPLIT_K_MAX_M
             or tiles == 0 or k_tiles < 2 * MIN_SPLIT_K_TILES):  # fmt: skip
         return 1, tile_n, None
-    if problem.m <= SPLIT_K_WIDE_M and "tile_n" not in overrides and 2 * wide_tiles <= hw.num_sms:
+    wide_pins = tuple(sorted((k, v) for k, v in {**overrides, "split_k": 2}.items() if k != "reasons"))
+    if (problem.m <= SPLIT_K_WIDE_M and "tile_n" not in overrides and 2 * wide_tiles <= hw.num_sms
+            and tile_refusal(problem, hw, epilogue, schedule, tile_m, 128, wide_pins) is None):  # fmt: skip
         return (
             2,
             128,
@@ -529,6 +706,8 @@ def choose_config(
     swap, swap_why = choose_swap_ab(problem, hw, epilogue, overrides)
     if swap:
         return _swap_ab_config(problem, hw, epilogue, swap_why, overrides)
+    # The pins every candidate of the planner keeps (tile_refusal builds its configs around them).
+    pins = tuple(sorted((name, value) for name, value in overrides.items() if name != "reasons"))
     if "schedule" in overrides:
         schedule, schedule_why = overrides["schedule"], "requested"
     elif problem.block_scaled:
@@ -545,11 +724,11 @@ def choose_config(
         schedule, schedule_why = "cooperative", "one tile per CTA leaves a ping-pong warpgroup idle"
     else:
         tile_pinned = bool({"tile_m", "tile_n", "epi_tile"} & set(overrides))
-        schedule, schedule_why = choose_schedule(problem, hw, epilogue, tile_pinned)
+        schedule, schedule_why = choose_schedule(problem, hw, epilogue, tile_pinned, pins)
     tile_m = overrides.get("tile_m", 128)
     tile_n = overrides.get("tile_n")
     if tile_n is None:
-        tile_n, tile_why = choose_tile_n(problem, hw, epilogue, schedule)
+        tile_n, tile_why = choose_tile_n(problem, hw, epilogue, schedule, tile_m, pins)
     else:
         tile_why = "requested"
     code_why = None
@@ -560,19 +739,10 @@ def choose_config(
             code_why = (f"epilogue code ~{code} instructions per thread ({EPILOGUE_CODE_BUDGET} budget; "
                         f"{' and '.join(sorted(pinned))} requested)")  # fmt: skip
         else:
-            fitted_schedule, fitted_n, code_why = fit_epilogue_code(problem, hw, epilogue, schedule, tile_n)
+            fitted_schedule, fitted_n, code_why = fit_epilogue_code(problem, hw, epilogue, schedule, tile_n, pins)
             if (fitted_schedule, fitted_n) != (schedule, tile_n):
                 schedule, tile_n = fitted_schedule, fitted_n
                 schedule_why = tile_why = "the epilogue's code (below)"
-    group_n = epilogue.group_n
-    if group_n and epilogue.out_tile_n(tile_n) % group_n and "tile_n" not in overrides:
-        tile_n, tile_why = (
-            group_n * tile_n // epilogue.out_tile_n(tile_n),
-            (
-                f"quantize_groups: a tile holds whole groups of {group_n} columns (a group's scale is the tile's to "
-                f"compute), so 128x{group_n * tile_n // epilogue.out_tile_n(tile_n)} instead of 128x{tile_n}"
-            ),
-        )
     reasons = [f"schedule {schedule}: {schedule_why}", f"tile {tile_m}x{tile_n}x{problem.tile_k}: {tile_why}"]
     if code_why:
         reasons.append(code_why)
@@ -592,7 +762,7 @@ def choose_config(
             "a cluster peer would idle an SM"
         )
 
-    split_k, split_tile_n, split_why = choose_split_k(problem, hw, epilogue, schedule, tile_n, overrides)
+    split_k, split_tile_n, split_why = choose_split_k(problem, hw, epilogue, schedule, tile_n, overrides, tile_m)
     if split_tile_n != tile_n:
         tile_n = split_tile_n
         reasons[1] = f"tile {tile_m}x{tile_n}x{problem.tile_k}: split K (below)"
@@ -668,7 +838,8 @@ def block_scale_loads(problem: GemmProblem, tile_n: int) -> str:
             "torch._scaled_mm's layout with M a multiple of 4, take one TMA copy per k-tile, ~10 % faster)"
         )
     if b_scale_chunks(tile_n) != 1:
-        b = f"B's by cp.async, one per 64-column chunk (a {tile_n}-wide tile straddles blocks of N)"
+        b = (f"B's by cp.async, one per {tile_n // b_scale_chunks(tile_n)}-column chunk (a {tile_n}-wide tile "
+             "straddles blocks of N)")  # fmt: skip
     elif problem.b_scales_bulk:
         b = "B's by one bulk copy of 16 bytes (K-major, 16-byte aligned rows)"
     else:
@@ -720,35 +891,5 @@ def _fit_and_check(
     # Fields the planner has no opinion on (register budgets, schedule) pass through.
     passthrough = {k: v for k, v in overrides.items() if k not in GemmConfig.planned_fields()}
     cfg = replace(cfg, **passthrough, reasons=tuple(reasons))
-    cfg.validate()
-    if problem.block_scaled:
-        validate_block_scaled(cfg)
-    out_tile_n = epilogue.out_tile_n(cfg.tile_n)
-    if epilogue.gated and out_tile_n % cfg.epi_tile[1]:
-        raise ConfigError(
-            f"epi_tile={cfg.epi_tile} with a gated epilogue: its N must divide the output tile's {out_tile_n} "
-            f"columns (tile_n={cfg.tile_n} / 2)"
-        )
-    group_n = epilogue.group_n
-    if group_n and out_tile_n % group_n:
-        raise ConfigError(
-            f"tile_n={cfg.tile_n} with quantize_groups: a tile must hold whole groups of {group_n} columns of D; "
-            + ("use tile_n 256 (gated: half of it is output)" if epilogue.gated else "use tile_n 128 or 256")
-        )
-    if cfg.tile_k != problem.tile_k:
-        raise ConfigError(
-            f"tile_k={cfg.tile_k} with {problem.ab_dtype} inputs: a k-tile is one 128-byte swizzle row, "
-            f"tile_k={problem.tile_k}"
-        )
-    if cfg.epi_reuses_ab_smem and not epi_fits_in_a_ring(cfg, problem.ab_dtype, problem.d_dtype):
-        raise ConfigError(
-            f"{cfg.num_epi_stages} D staging buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B do not fit in "
-            f"the A ring they would reuse ({cfg.ab_stages} stages); raise ab_stages or lower num_epi_stages"
-        )
-    total = smem_total(cfg, problem.ab_dtype, problem.d_dtype, epilogue, problem.block_scaled)
-    if total > hw.smem_per_cta_bytes:
-        raise ConfigError(
-            f"configuration needs {total} B of shared memory, over the {hw.smem_per_cta_bytes} B "
-            "per CTA; lower ab_stages or num_epi_stages"
-        )
+    check_config(cfg, problem, epilogue, hw.smem_per_cta_bytes)
     return cfg

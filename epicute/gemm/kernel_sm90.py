@@ -65,7 +65,14 @@ from epicute.epilogue.gated import GATE_BLOCK
 from epicute.epilogue.scales import BLOCK_K
 from epicute.epilogue.schedule import plain_graph, schedule
 from epicute.errors import ConfigError
-from epicute.gemm.config import B_SCALE_SLOT, GemmConfig, b_scale_chunks, promote_partials, validate_block_scaled
+from epicute.gemm.config import (
+    B_SCALE_SLOT,
+    GemmConfig,
+    b_scale_chunks,
+    promote_chunks,
+    promote_partials,
+    validate_block_scaled,
+)
 from epicute.gemm.smem import NO_EPILOGUE, gemm_smem_layout
 from epicute.sm90 import epilogue_emit as emit
 from epicute.sm90.cp_async import arrive_when_copied, bulk_copy, copy_word
@@ -879,10 +886,28 @@ class GemmSm90:
         k_blocks = cute.size(tCrA, mode=[2])
         partial0 = partial1 = scale_regs = scale_rows = scale_slot = None
         partials = promote_partials(cfg) if self.block_scaled else 0
+        chunks = promote_chunks(cfg) if self.block_scaled else 1
+        chunk_mma = tCrA_chunk = tCrB_chunks = positions = None
         if cutlass.const_expr(self.block_scaled):
             # One or two k-tiles' WGMMA accumulators (with two, one in flight while the other is promoted
             # into acc), and their scales: per slot, A's of the thread's rows, then B's of its column chunks.
-            partial0 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            partial_shape = acc_shape
+            if cutlass.const_expr(chunks > 1):
+                # A 256-wide tile whose whole partial would not fit beside acc: each k-tile's WGMMAs run in
+                # column chunks of one block of N (promote_chunks), the same WGMMAs N / chunks wide over that
+                # chunk's rows of B's stage, into one chunk-wide partial.
+                width = cfg.tile_n // chunks
+                chunk_mma = self._make_tiled_mma(width)
+                chunk_wg = warpgroup_slice(chunk_mma, cute.arch.make_warp_uniform(mma_tidx // THREADS_PER_WARPGROUP))
+                tCrA_chunk = chunk_mma.make_fragment_A(chunk_wg.partition_A(sA))
+                sB_chunks = cute.flat_divide(sB, (width,))  # (width, chunks, tile_k, stages)
+                tCrB_chunks = [
+                    chunk_mma.make_fragment_B(chunk_wg.partition_B(sB_chunks[(None, c, None, None)]))
+                    for c in range(chunks)
+                ]
+                partial_shape = chunk_mma.get_slice(mma_tidx).partition_shape_C((cfg.tile_m, width))
+                positions = chunk_positions(tiled_mma, chunk_mma, (cfg.tile_m, cfg.tile_n), chunks)
+            partial0 = cute.make_rmem_tensor(partial_shape, self.acc_dtype)
             if cutlass.const_expr(partials == 2):
                 partial1 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
             acc_coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
@@ -921,7 +946,7 @@ class GemmSm90:
 
             acc.fill(0.0)
             mma_turns.wait(team)
-            if cutlass.const_expr(partials == 1):
+            if cutlass.const_expr(partials == 1 and chunks == 1):
                 # ---- promoting mainloop, one partial (tiles too wide for two): each k-tile accumulates from
                 # zero into the partial; the warpgroup waits for it, releases the stage and promotes it while
                 # the other warpgroup's WGMMAs keep the tensor cores busy.
@@ -991,6 +1016,25 @@ class GemmSm90:
                         ab_pipeline.consumer_release(release_state)
                         release_state.advance()
                         promote(acc, partial0, scale_regs, 0, scale_slot, self.b_scale_chunks)
+                mma_turns.pass_on(team)
+            elif cutlass.const_expr(partials == 1):  # chunks > 1
+                # ---- promoting mainloop, one chunk-wide partial (256-wide tiles): each k-tile's WGMMAs run
+                # chunk by chunk into the partial, from zero; the warpgroup waits for a chunk and promotes it
+                # (with its block of N's B scale) before issuing the next, while the other warpgroup's WGMMAs
+                # keep the tensor cores busy, and releases the stage once the last chunk's WGMMAs retired.
+                for k_tile in range(tile_k_tiles):
+                    ab_pipeline.consumer_wait(read_state)
+                    read_block_scales(scale_regs, 0, cta, scale_rows, read_state.index, self.b_scale_chunks,
+                                      self._b_scale_offset(k_first + k_tile))  # fmt: skip
+                    self._fix_stage(cta, tile_coord, k_tile, read_state.index, mma_tidx)
+                    for c in cutlass.range_constexpr(chunks):
+                        issue_k_tile(chunk_mma, tCrA_chunk, tCrB_chunks[c], read_state.index, partial0, k_blocks)
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        if cutlass.const_expr(c == chunks - 1):
+                            ab_pipeline.consumer_release(release_state)
+                            release_state.advance()
+                        promote_chunk(acc, partial0, scale_regs, 0, scale_slot, self.b_scale_chunks, positions[c])
+                    read_state.advance()
                 mma_turns.pass_on(team)
             else:
                 # ---- mainloop: keep one WGMMA batch in flight, release a stage
@@ -1192,7 +1236,8 @@ class GemmSm90:
 # K, so the mainloop *promotes*: each k-tile (one 128-wide scale block) accumulates into ``partial``
 # from zero, and ``acc += partial * a_scale[row] * b_scale[chunk]`` once it retired. The load warp
 # copies each k-tile's scales (the tile's rows' A scales, B's block for each chunk of columns that lies
-# in one block of N: one chunk for 64- and 128-wide tiles, three 64-column chunks for 192-wide ones) into
+# in one block of N: one chunk for 64- and 128-wide tiles, three 64-column chunks for 192-wide ones, two
+# 128-column ones for 256-wide ones, whose k-tiles are also computed and promoted a chunk at a time) into
 # the stage with the operands (:meth:`GemmSm90._copy_block_scales`); a thread holds a few distinct rows
 # (thread 0's coordinates are static: equal ones mean the same row offset) and reads one A scale per row
 # and the chunks' B scales from shared memory. Functions, not an object: a runtime loop carries every
@@ -1262,6 +1307,31 @@ def promote(acc: cute.Tensor, partial: cute.Tensor, regs: cute.Tensor, slot: int
     products = [regs[slot, r] * regs[slot, rows + c] for r in range(rows) for c in range(chunks)]
     for v in range(cute.size(acc)):
         acc[v] = acc[v] + partial[v] * products[scale_slot[v]]
+
+
+def chunk_positions(tiled_mma, chunk_mma, tile_mn: tuple[int, int], chunks: int) -> list[list[int]]:
+    """Static: for each of the tile's ``chunks`` column chunks, where each value of ``chunk_mma``'s accumulator (a
+    ``tile_m x tile_n / chunks`` tile) sits in ``tiled_mma``'s (the whole tile's): the same row, its column plus the
+    chunk's first. Thread 0's coordinates serve every thread (WGMMA's thread offsets are the same for any N)."""
+    width = tile_mn[1] // chunks
+    acc0 = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(tile_mn))
+    position = {tuple(acc0[i]): i for i in range(cute.size(acc0))}
+    part0 = chunk_mma.get_slice(0).partition_C(cute.make_identity_tensor((tile_mn[0], width)))
+    coords = [tuple(part0[v]) for v in range(cute.size(part0))]
+    return [[position[(m, n + c * width)] for m, n in coords] for c in range(chunks)]
+
+
+def promote_chunk(acc: cute.Tensor, partial: cute.Tensor, regs: cute.Tensor, slot: int, scale_slot: list[int],
+                  chunks: int, positions: list[int]) -> None:  # fmt: skip
+    """:func:`promote` for a retired column chunk of a k-tile: ``acc[positions[v]] += partial[v] * a_scale[row] *
+    b_scale[chunk]`` (``positions``: :func:`chunk_positions`; ``chunks``: the tile's B scales per k-tile)."""
+    rows = cute.size(regs, mode=[1]) - chunks
+    products: dict[int, object] = {}
+    for v, position in enumerate(positions):
+        s = scale_slot[position]
+        if s not in products:
+            products[s] = regs[slot, s // chunks] * regs[slot, rows + s % chunks]
+        acc[position] = acc[position] + partial[v] * products[s]
 
 
 class GemmOutput(StagedOutput):

@@ -147,11 +147,15 @@ def plan_grouped(
     mean = problem.mean_group()
     # Group sizes stay on the GPU, so no operand is known to be read by one tile: the dense planner's L2
     # evict-first hint, judged on the mean group, cost up to 17 % where groups span several tiles (bench/NOTES.md).
-    overrides = {"evict_first": "", **overrides}
+    # The grouped kernels schedule their own tiles: the dense planner's split-K and swap-AB for small mean groups
+    # are theirs to refuse (GemmSm90's constructor), so they are not planned.
+    split_pinned = "split_k" in overrides
+    overrides = {"evict_first": "", "split_k": 1, "swap_ab": False, **overrides}
     if overrides.get("pair_tiles") and problem.ragged == "k":
         raise ConfigError("pair_tiles=True with variable K: paired tiles split groups of rows; use pair_tiles=False")
     if problem.ragged == "k":
-        return GroupedPlan(problem, choose_config(mean, hw, epilogue, **overrides), hw, epilogue)
+        return GroupedPlan(problem, _unsplit_reason(choose_config(mean, hw, epilogue, **overrides), split_pinned), hw,
+                           epilogue)  # fmt: skip
     if overrides.get("pair_tiles") and "cluster_m" not in overrides and "cluster_n" not in overrides:
         overrides = {**overrides, "cluster_m": 2, "cluster_n": 1}  # paired tiles take a 2x1 cluster: pinned with them
     pinned = "cluster_m" in overrides or "cluster_n" in overrides
@@ -203,7 +207,14 @@ def plan_grouped(
     if problem.gathered:
         reason = "no cluster along N: gathered A rows are copied per CTA (cp.async cannot multicast)"
         config = replace(config, reasons=(*config.reasons, reason))
-    return GroupedPlan(problem, config, hw, epilogue)
+    return GroupedPlan(problem, _unsplit_reason(config, split_pinned), hw, epilogue)
+
+
+def _unsplit_reason(config: GemmConfig, split_pinned: bool) -> GemmConfig:
+    """``config`` without the dense planner's "requested" for the ``split_k=1`` the caller did not pin."""
+    if split_pinned:
+        return config
+    return replace(config, reasons=tuple(r for r in config.reasons if r != "split_k 1: requested"))
 
 
 def render_grouped_plan(plan: GroupedPlan) -> str:

@@ -12,6 +12,7 @@ import epicute
 from epicute import ops
 from epicute.gemm import GemmProblem, plan_gemm
 from epicute.gemm.compile import compile_gemm
+from epicute.gemm.config import promote_chunks
 from epicute.gemm.launch import variant_of
 from epicute.gemm.report import render_plan
 from tests.conftest import rel_err
@@ -88,7 +89,7 @@ def test_explain_shows_the_scales_in_the_chain_and_the_fp8_peak():
          "row-major a"),
         (lambda a, w: epicute.gemm(a, w.t().to(torch.bfloat16), a_scale=1.0, b_scale=1.0), epicute.DtypeError,
          "only fp8 inputs may mix"),
-        (lambda a, w: epicute.gemm(a, w.t()), epicute.EpilogueError, "a_scale is missing"),
+        (lambda a, w: epicute.gemm(a, w.t()), epicute.DtypeError, "a_scale is missing"),
         (lambda a, w: epicute.gemm(a, w.t(), a_scale=torch.ones(33, dtype=torch.float16), b_scale=1.0),
          epicute.DtypeError, "scales are fp32"),
         (lambda a, w: epicute.gemm(a, w.t(), a_scale=torch.ones(5), b_scale=1.0), epicute.ShapeError,
@@ -102,11 +103,11 @@ def test_explain_shows_the_scales_in_the_chain_and_the_fp8_peak():
         (lambda a, w: epicute.gemm(a, w.t(), a_scale=torch.ones(33, 2), b_scale=torch.ones(2, 2).half()),
          epicute.DtypeError, "scales are fp32"),
         (lambda a, w: epicute.gemm(a, w.t(), a_scale=torch.ones(33, 2), b_scale=torch.ones(3, 2)), epicute.ShapeError,
-         r"so b_scale must be too.*\(2, 2\) or its transpose"),
+         r"so b_scale must be too.*\(2, 2\) or its transpose; b_scale is a torch.float32 tensor of shape \(3, 2\)"),
         (lambda a, w: epicute.gemm(a.float().bfloat16(), w.t().float().bfloat16(), a_scale=1.0),
          epicute.DtypeError, "dequantize fp8 inputs"),
         (lambda a, w: epicute.gemm(a, w.t(), a_scale=1.0, b_scale=1.0, epilogue=lambda acc, b_scale: acc * b_scale,
-                                   b_scale2=1.0), epicute.EpilogueError, "rename them"),
+                                   b_scale2=1.0), epicute.EpilogueError, "'b_scale'.*own parameter b_scale=.*Rename"),
     ],
     ids=["b-not-k-major", "a-not-k-major", "fp8-with-bf16", "no-scales", "fp16-scale", "scale-shape",
          "a-blockwise-b-not", "b-blockwise-a-not", "blockwise-a-shape", "blockwise-fp16", "blockwise-b-shape",
@@ -218,9 +219,11 @@ def test_blockwise_plans_promote_in_128x192_or_128x128_tiles():
         assert narrow.config.tile_n == 128, mnk
         assert "blockwise scales: promotion holds two k-tiles' partials" in render_plan(narrow)
     assert plan(8192, 8192, 8192, schedule="pingpong", tile_m=64, tile_n=128).config.tile_m == 64
-    for pins in ({"tile_n": 256}, {"schedule": "pingpong", "tile_n": 128}):
-        with pytest.raises(epicute.ConfigError, match="promotion holds the sum and at least one k-tile.s partial"):
-            plan(8192, 8192, 8192, **pins)
+    # 256-wide tiles promote each k-tile in two 128-column halves (128 + 64 registers), cooperative or ping-pong.
+    for pins in ({"tile_n": 256}, {"schedule": "pingpong", "tile_m": 64, "tile_n": 256}):
+        assert promote_chunks(plan(8192, 8192, 8192, **pins).config) == 2
+    with pytest.raises(epicute.ConfigError, match="promotion holds the sum and at least one k-tile.s partial"):
+        plan(8192, 8192, 8192, schedule="pingpong", tile_n=128)
     with pytest.raises(epicute.ConfigError, match="blockwise scales dequantize fp8"):
         GemmProblem(64, 64, 64, block_scaled=True)
 
@@ -321,6 +324,7 @@ def test_explain_and_aot_take_blockwise_scales():
         ((128, 7168, 2048), False, {"tile_n": 128, "split_k": 3}, True),
         ((2048, 7168, 7168), False, {"tile_n": 192}, False),
         ((1000, 4104, 1040), True, {"tile_n": 192, "cluster_m": 1}, True),
+        ((8192, 8192, 8192), False, {"tile_n": 256}, True),  # a half-width partial per k-tile
     ],
 )
 def test_blockwise_variants_compile_without_spills(mnk, epilogue, pins, m_major, ptxas_report):
@@ -339,6 +343,39 @@ def test_blockwise_variants_compile_without_spills(mnk, epilogue, pins, m_major,
     _, _, request, _ = describe_call(a, w.t(), epi, None, None, None, None, pins, operands, False, scales)
     variant = prepare(request).variant()
     assert variant.block_scaled and (variant.fusion is not None) == epilogue and variant.a_scales_tma == m_major
+    assert callable(compile_gemm(variant))
+    spills, _ = ptxas_report()
+    assert max(spills) == 0
+
+
+def swiglu_then_quantize(gate, up):
+    q, scales = ops.quantize_groups(ops.silu(gate) * up, ue8m0=True)
+    return {"D": q, "scales": scales}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    "pins", [None, {"schedule": "pingpong", "tile_m": 64, "tile_n": 256}], ids=["planned", "pingpong-64x256"]
+)
+def test_blockwise_gated_quantize_compiles_without_spills(pins, ptxas_report):
+    """DeepSeek-V3's dense MLP (4096 tokens, 7168 -> 2 x 18432: gate/up, SwiGLU, 1x128 quantization for the down
+    projection) in one blockwise GEMM: 256 accumulator columns are 128 output columns, one whole quantize group,
+    and each k-tile is promoted in two 128-column halves (the sum's 128 registers and a half partial's 64), so
+    the tile compiles for sm_90a without spills, beside the gated epilogue's two passes."""
+    from epicute.gemm.api import describe_call
+    from epicute.gemm.config import promote_partials
+    from epicute.gemm.prepare import prepare
+
+    m, n, k = 4096, 18432, 7168
+    a, w = torch.empty(m, k, dtype=E4M3, device="meta"), torch.empty(2 * n, k, dtype=E4M3, device="meta")
+    scales = (torch.empty(k // 128, m, device="meta").t(), torch.empty(2 * n // 128, k // 128, device="meta"))
+    _, _, request, _ = describe_call(a, w.t(), swiglu_then_quantize, None, None, None, None, pins, {}, False, scales,
+                                     True)  # fmt: skip
+    variant = prepare(request).variant()
+    cfg = variant.config
+    assert variant.block_scaled and variant.fusion.gated and cfg.tile_n == 256
+    assert (promote_partials(cfg), promote_chunks(cfg)) == (1, 2)
+    assert cfg.schedule == ("pingpong" if pins else "cooperative")
     assert callable(compile_gemm(variant))
     spills, _ = ptxas_report()
     assert max(spills) == 0
