@@ -80,9 +80,9 @@ def decode_operands(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16))  # fmt: skip
 
 
-def aot_compile_then_fresh_load(tmp_path, spec_text: str, loader_text: str) -> None:
+def aot_compile_then_fresh_load(tmp_path, spec_text: str, loader_text: str) -> str:
     """``epicute compile`` a spec into a private cache (twice: the second finds it cached),
-    then assert a fresh process running ``loader_text`` loads its one kernel from disk."""
+    then assert a fresh process running ``loader_text`` loads its one kernel from disk; returns what it printed."""
     import subprocess
     import sys
     from pathlib import Path
@@ -109,6 +109,7 @@ def aot_compile_then_fresh_load(tmp_path, spec_text: str, loader_text: str) -> N
     loaded = run(str(loader))
     assert loaded.returncode == 0, loaded.stderr
     assert "compiles 0 disk_loads 1" in loaded.stdout
+    return loaded.stdout
 
 
 def recording_backend():

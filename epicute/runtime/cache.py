@@ -15,9 +15,13 @@ rejects anything but plain Python values (a tensor that leaked into a key would
 recompile on every call).
 
 Lookups go to an in-process dict first, then to a directory of exported object
-files (``export_to_c``, loaded back with ``cute.runtime.load_module`` through
-TVM-FFI, ~ms instead of ~s), so a new process, or a GPU machine fed by an
+files (``export_to_c``), so a new process, or a GPU machine fed by an
 ahead-of-time ``epicute compile`` on a CPU machine, loads instead of compiling.
+Where a C compiler is found when an entry is written, the object file is also
+linked into a shared library beside it, which TVM-FFI loads by itself in a few
+milliseconds: a process whose kernels all come from disk never imports the CuTe
+DSL (its import alone costs ~0.6 s). Otherwise, or when the library does not load
+(another machine's paths in its run path), the DSL's loader links the object file.
 
 Where: ``$EPICUTE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/epicute`` (default
 ``~/.cache/epicute``); ``EPICUTE_CACHE=0`` turns the disk store off. Both are
@@ -41,8 +45,11 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
+import shutil
+import subprocess
 import threading
 import time
 import warnings
@@ -82,7 +89,6 @@ def _check_plain(value: Any, where: str) -> None:
 @functools.lru_cache(maxsize=1)
 def code_versions() -> tuple[tuple[str, str], ...]:
     """The versions a compiled object depends on, as ``(name, version)`` pairs (computed once)."""
-    import cutlass
     import tvm_ffi
 
     import epicute
@@ -90,10 +96,21 @@ def code_versions() -> tuple[tuple[str, str], ...]:
     return (
         ("epicute", epicute.__version__),
         ("epicute-sources", sources_fingerprint()),
-        ("cutlass-dsl", cutlass.__version__),
+        ("cutlass-dsl", _dsl_version()),
         ("tvm-ffi", tvm_ffi.__version__),
         ("format", STORE_FORMAT),
     )
+
+
+def _dsl_version() -> str:
+    """The CuTe DSL's version, from its distribution's metadata: importing it to ask would cost a
+    process whose kernels all load from disk the DSL's whole import."""
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:  # on the path without its metadata
+        import cutlass
+
+        return cutlass.__version__
 
 
 def sources_fingerprint(root: Path = PACKAGE_ROOT) -> str:
@@ -252,6 +269,8 @@ class KernelCache:
         self.stats = CacheStats()
         #: How each key was obtained in this process: ("compiled" | "disk", seconds).
         self.events: dict[CacheKey, tuple[str, float]] = {}
+        #: The TVM-FFI modules of the kernels loaded from shared libraries, kept loaded.
+        self._libraries: dict[CacheKey, Any] = {}
 
     def __len__(self) -> int:
         return len(self._fns)
@@ -359,13 +378,14 @@ class KernelCache:
     def _load(self, directory: Path, key: CacheKey, locked: bool, record: bool = True) -> Callable | None:
         """The entry's kernel, or None. Only a ``locked`` caller (no writer can be
         active) judges a bad entry damaged and removes it; otherwise it is a miss."""
-        _dsl_cute()  # imported outside the timed load: a fresh process pays it once, whatever it then loads
         start = time.perf_counter()
         try:
             manifest = self._read_verified(directory, key)
             if manifest is None:
                 return None
-            fn = load_exported(directory / f"{key.digest}.o", manifest["function"])
+            fn = self._load_library(directory, key, manifest)
+            if fn is None:
+                fn = load_exported(directory / f"{key.digest}.o", manifest["function"])
         except Exception as exc:  # noqa: BLE001 - CorruptEntry, or the DSL's loader (any type): a bad entry is a miss
             if locked:
                 reason = str(exc) if isinstance(exc, CorruptEntry) else f"does not load ({type(exc).__name__}: {exc})"
@@ -378,15 +398,40 @@ class KernelCache:
             self.events[key] = ("disk", seconds)
         return fn
 
+    def _load_library(self, directory: Path, key: CacheKey, manifest: dict) -> Callable | None:
+        """The entry's kernel from its shared library, or None where it has none, or it does not match its
+        manifest or does not load (the object file then serves)."""
+        library = manifest.get("library")
+        path = directory / f"{key.digest}.so"
+        if not isinstance(library, dict) or not path.exists():
+            return None
+        try:
+            data = path.read_bytes()
+            if len(data) != library.get("size") or hashlib.sha256(data).hexdigest() != library.get("sha256"):
+                return None
+            module, fn = load_library(path, manifest["function"])
+        except Exception:  # noqa: BLE001 - TVM-FFI's loader raises several types; the object file is the fallback
+            return None
+        self._libraries[key] = module  # the kernel's code lives as long as its module
+        return fn
+
     def _store(self, directory: Path, key: CacheKey, compiled: Any) -> None:
         function = f"epicute_{key.kind}_{key.digest[:16]}"
         obj = directory / f"{key.digest}.o"
-        tmp = directory / f".{key.digest}.{os.getpid()}.{threading.get_ident()}.tmp.o"
+        tag = f"{os.getpid()}.{threading.get_ident()}"
+        tmp = directory / f".{key.digest}.{tag}.tmp.o"
+        tmp_library = directory / f".{key.digest}.{tag}.tmp.so"
+        library = None
         try:
             compiled.export_to_c(str(tmp), function_name=function)
             data = tmp.read_bytes()
+            if link_library(tmp, tmp_library):
+                library_data = tmp_library.read_bytes()
+                library = {"size": len(library_data), "sha256": hashlib.sha256(library_data).hexdigest()}
+                os.replace(tmp_library, directory / f"{key.digest}.so")
         finally:
             tmp.unlink(missing_ok=True)
+            tmp_library.unlink(missing_ok=True)
         _write_atomic(obj, data)
         seconds = self.events.get(key, ("compiled", 0.0))[1]
         manifest = {
@@ -398,6 +443,7 @@ class KernelCache:
             "function": function,
             "size": len(data),
             "sha256": hashlib.sha256(data).hexdigest(),
+            **({"library": library} if library else {}),
             "versions": dict(code_versions()),
             "compile_seconds": round(seconds, 3),
             "created": time.time(),
@@ -410,7 +456,7 @@ class KernelCache:
             key.digest,
             f"epicute: kernel cache entry {key.digest[:16]} ({key.kind}) is damaged: {reason}; rebuilding it",
         )
-        for suffix in (".json", ".o"):  # manifest first: a reader never sees a half-removed entry as whole
+        for suffix in (".json", ".o", ".so"):  # manifest first: a reader never sees a half-removed entry as whole
             (directory / f"{key.digest}{suffix}").unlink(missing_ok=True)
 
     def _warn(self, tag: str, message: str) -> None:
@@ -420,8 +466,37 @@ class KernelCache:
 
 
 def load_exported(path: Path, function: str) -> Callable:
-    """Load an exported kernel as a TVM-FFI function (works without a GPU; launching needs one)."""
+    """Load an exported kernel's object file as a TVM-FFI function through the DSL, which links it in
+    memory (works without a GPU; launching needs one)."""
     return _dsl_cute().runtime.load_module(str(path), enable_tvm_ffi=True)[function]
+
+
+def load_library(path: Path, function: str) -> tuple[Any, Callable]:
+    """``(module, function)`` of an entry's shared library, loaded by TVM-FFI alone (no DSL import)."""
+    import tvm_ffi
+
+    module = tvm_ffi.load_module(str(path))
+    return module, module[function]
+
+
+def link_library(obj: Path, out: Path) -> bool:
+    """Link an exported object file into a shared library at ``out`` with the C compiler (``$CC``, else
+    ``cc``), against the DSL's runtime and TVM-FFI, found again at load time through its run path.
+    False (and no file) when there is no compiler or the link fails: the object file serves alone."""
+    compiler = shutil.which(os.environ.get("CC") or "cc")
+    if compiler is None:
+        return False
+    from cutlass.runtime import find_runtime_libraries  # the DSL is imported: this runs after a compile
+
+    libraries = find_runtime_libraries(enable_tvm_ffi=True)
+    run_path = [f"-Wl,-rpath,{Path(lib).parent}" for lib in libraries]
+    result = subprocess.run(
+        [compiler, "-shared", "-o", str(out), str(obj), *libraries, *run_path], capture_output=True, check=False
+    )
+    if result.returncode != 0:
+        out.unlink(missing_ok=True)
+        return False
+    return True
 
 
 def _dsl_cute():
@@ -486,7 +561,7 @@ def clear_disk(root: Path | None = None, stale_only: bool = False) -> int:
     for entry in disk_entries(root):
         if stale_only and entry["current"]:
             continue
-        for suffix in (".json", ".o", ".lock"):
+        for suffix in (".json", ".o", ".so", ".lock"):
             (directory / f"{entry['digest']}{suffix}").unlink(missing_ok=True)
         removed += 1
     if not stale_only:  # leftovers: orphaned object files, temporaries, locks
@@ -509,6 +584,8 @@ __all__ = [
     "clear_disk",
     "code_versions",
     "disk_entries",
+    "link_library",
     "load_exported",
+    "load_library",
     "sources_fingerprint",
 ]  # fmt: skip

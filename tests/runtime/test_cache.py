@@ -166,6 +166,7 @@ def store(tmp_path, monkeypatch):
     monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("EPICUTE_CACHE", raising=False)
     monkeypatch.setattr(cache_mod, "load_exported", lambda path, function: ("loaded", Path(path).read_bytes()))
+    monkeypatch.setattr(cache_mod, "link_library", lambda obj, out: False)  # no C compiler: the object file alone
     return tmp_path
 
 
@@ -193,6 +194,51 @@ def test_round_trip_loads_in_a_new_cache_instead_of_compiling(store):
     assert second.events[key][0] == "disk"
     (entry,) = disk_entries(store)
     assert entry["digest"] == key.digest and entry["current"] and entry["kind"] == "test"
+
+
+def _fake_linker(obj: Path, out: Path) -> bool:
+    out.write_bytes(b"library:" + obj.read_bytes())
+    return True
+
+
+def test_a_linked_library_is_loaded_before_the_object_file(store, monkeypatch):
+    monkeypatch.setattr(cache_mod, "link_library", _fake_linker)
+    monkeypatch.setattr(cache_mod, "load_library", lambda path, function: ("module", ("library", path.read_bytes())))
+    key = CacheKey("test", ("library", os.urandom(8).hex()))
+    fn = KernelCache().get(key, _builder(b"kernel-lib", []))
+    assert fn[0] == "library" and fn[1].startswith(b"library:kernel-lib|epicute_test_")
+    (entry,) = disk_entries(store)
+    assert entry["library"]["size"] == len(fn[1])
+    second = KernelCache()
+    assert second.get(key, _builder(b"other", []))[0] == "library" and second.stats.disk_loads == 1
+    assert second._libraries[key] == "module"  # kept loaded while the cache lives
+
+
+@pytest.mark.parametrize("damage", ["missing", "flip", "does-not-load"])
+def test_a_library_that_fails_falls_back_to_the_object_file(store, monkeypatch, damage):
+    monkeypatch.setattr(cache_mod, "link_library", _fake_linker)
+    key = CacheKey("test", ("library-fallback", damage, os.urandom(8).hex()))
+    KernelCache().get(key, _builder(b"kernel-fb", []))
+    library = store / "kernels" / f"{key.digest}.so"
+    if damage == "missing":
+        library.unlink()
+    elif damage == "flip":
+        library.write_bytes(b"X" + library.read_bytes()[1:])
+
+    def refuse(path, function):
+        raise RuntimeError("cannot open shared object: libcute_dsl_runtime.so (another machine's run path)")
+
+    monkeypatch.setattr(cache_mod, "load_library", refuse if damage == "does-not-load" else None)
+    second = KernelCache()
+    fn = second.get(key, _builder(b"other", []))
+    assert fn[0] == "loaded" and fn[1].startswith(b"kernel-fb|")  # the object file, not a rebuild
+    assert second.stats.compiles == 0 and second.stats.rebuilt_corrupt == 0
+
+
+def test_link_library_without_a_compiler_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    out = tmp_path / "k.so"
+    assert cache_mod.link_library(tmp_path / "k.o", out) is False and not out.exists()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "no-manifest", "bad-manifest"])
