@@ -59,6 +59,17 @@ def _print_table(table: Table) -> None:
     Console(width=width, highlight=False, markup=False).print(table)
 
 
+def _check_pins(pins: dict) -> None:
+    """The config pins given as options (``--tile-n``, ``--cluster-m``): sizes, so positive; the planner says
+    which it can run."""
+    from epicute.errors import ConfigError
+
+    for key, value in pins.items():
+        if not isinstance(value, bool) and value < 1:
+            raise ConfigError(f"--{key.replace('_', '-')} {value}: pin a positive size (tile_n: 64, 128, 192 or 256; "
+                              "cluster_m: 1 or 2)")  # fmt: skip
+
+
 def _check_choice(option: str, value: str, choices: tuple) -> None:
     from epicute.errors import DtypeError
 
@@ -123,6 +134,7 @@ def explain_gemm(
         if value is not None
     }
     try:
+        _check_pins(pins)
         _check_choice("--dtype", dtype, AB_DTYPES)
         if out_dtype is not None:
             _check_choice("--out-dtype", out_dtype, D_DTYPES)
@@ -172,6 +184,7 @@ def explain_grouped_cmd(
 
     pins = {key: value for key, value in (("tile_n", tile_n), ("cluster_m", cluster_m)) if value is not None}
     try:
+        _check_pins(pins)
         operands = dict(item.split("=", 1) if "=" in item else (item, "") for item in operand)
         request = grouped_request([total_m, n, k, groups], dtype, out_dtype, b_major, mode, gated, epilogue,
                                   operands, {}, pins, resolve_target(target))  # fmt: skip

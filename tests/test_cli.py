@@ -456,3 +456,31 @@ def test_explain_grouped_prints_the_grouped_schedule():
     bad = runner.invoke(app, ["explain", "grouped", "--total-m", "8", "--n", "8", "--k", "8", "--groups", "2", "--mode",
                               "ragged"])  # fmt: skip
     assert bad.exit_code == 2 and "rows, gathered, variable_k" in bad.output
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["gemm", "--m", "8", "--n", "8", "--k", "8", "--tile-n", "0"], "--tile-n 0: pin a positive size"),
+        (["gemm", "--m", "8", "--n", "8", "--k", "8", "--cluster-m", "0"], "--cluster-m 0: pin a positive size"),
+        (["grouped", "--total-m", "64", "--n", "64", "--k", "64", "--groups", "2", "--tile-n", "0"], "--tile-n 0"),
+        (["gemm", "--m", "16", "--n", "16", "--k", "8", "--dtype", "fp8e4m3"], "K=8 with fp8 inputs"),
+        (["grouped", "--total-m", "64", "--n", "64", "--k", "100", "--groups", "2", "--dtype", "fp8e4m3"],
+         "K=100 with fp8 inputs"),
+    ],
+)
+def test_explain_refuses_zero_pins_and_fp8_k_in_one_line(args, words):
+    # Before: a ZeroDivisionError traceback from the planner for a zero pin; fp8 plans for a K no kernel can run.
+    result = runner.invoke(app, ["explain", *args])
+    assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_compile_refuses_a_zero_config_pin_and_fp8_k(tmp_path):
+    spec = tmp_path / "k.toml"
+    spec.write_text("[[gemm]]\nshapes = [[16, 16, 16]]\nconfig = { tile_n = 0 }\n")
+    result = runner.invoke(app, ["compile", str(spec), "--dry-run"])
+    assert result.exit_code == 2 and "config tile_n = 0; it takes positive sizes" in result.output
+    spec.write_text("[[gemm]]\nshapes = [[16, 16, 8]]\ndtype = 'fp8e4m3'\n")
+    result = runner.invoke(app, ["compile", str(spec), "--dry-run"])
+    assert result.exit_code == 2 and "K=8 with fp8 inputs" in result.output

@@ -20,6 +20,7 @@ declares them.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -37,12 +38,13 @@ from epicute.attention.validate import (
     check_attention_out,
     check_packed_offsets,
     check_page_table_values,
+    check_seqused_k_values,
 )
 from epicute.epilogue.dtypes import IR_TO_TORCH
 from epicute.epilogue.reference import evaluate, round_to
 from epicute.epilogue.score_mod import score_mod as as_score_mod
 from epicute.epilogue.tracer import Epilogue, as_epilogue
-from epicute.errors import ConfigError
+from epicute.errors import ConfigError, ShapeError
 from epicute.runtime.checks import (
     check_flags,
     check_has_values,
@@ -82,6 +84,13 @@ def _reference_packed(call, score, epi, compute_dtype, out_dtype, device, first_
     # The kernels clamp offsets they do not read; the reference reads them, so it checks them.
     cu_q = check_packed_offsets(call.cu_seqlens_q, "cu_seqlens_q", call.q.size(0))
     cu_k = check_packed_offsets(call.cu_seqlens_k, "cu_seqlens_k", call.k.size(0))
+    for name, cu, longest in (("q", cu_q, p.seqlen_q), ("k", cu_k, p.seqlen_k)):
+        b, length = max(enumerate(y - x for x, y in itertools.pairwise(cu)), key=lambda bl: bl[1], default=(0, 0))
+        if length > longest:  # the kernel would leave the rows past max_seqlen unwritten (or keys unread)
+            raise ShapeError(
+                f"max_seqlen_{name}={longest}, but sequence {b} of cu_seqlens_{name} has {length} rows; pass the "
+                f"longest sequence's length (max_seqlen_{name}={length}), or leave it out to have it read"
+            )
     outs, lses = [], []
     for b in range(p.batch):
         q, k, v = call.q[cu_q[b] : cu_q[b + 1]], call.k[cu_k[b] : cu_k[b + 1]], call.v[cu_k[b] : cu_k[b + 1]]
@@ -110,6 +119,7 @@ def _reference_dense(call, score, epi, compute_dtype, out_dtype, device, first_b
     # Keys each sequence uses, per (batch, head) row block.
     used = torch.full((B,), Sk, device=device)
     if call.seqused_k is not None:
+        check_seqused_k_values(call.seqused_k, Sk, call.page_table is not None)  # the kernel does not read them
         used = call.seqused_k.to(device).long().clamp(0, Sk)
     used = used.repeat_interleave(H).view(-1, 1, 1)
     s = torch.matmul(q, k.transpose(-1, -2)) * call.softmax_scale

@@ -15,6 +15,7 @@ Each error names the argument and the fix; nothing is copied behind the user's b
 from __future__ import annotations
 
 import itertools
+import numbers
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from epicute.attention.plan import HEAD_DIMS, AttentionProblem
 from epicute.epilogue.dtypes import TORCH_TO_IR
 from epicute.errors import AlignmentError, ConfigError, DeviceError, DtypeError, OutputError, ShapeError
-from epicute.runtime.checks import TMA_ALIGN_BYTES, check_on_one_hopper_gpu, overlaps
+from epicute.runtime.checks import TMA_ALIGN_BYTES, check_on_one_hopper_gpu, check_outputs_apart
 
 ATTN_DTYPES = (torch.bfloat16, torch.float16)
 #: The softmax scales the kernels take: positive normal float32 values.
@@ -147,7 +148,7 @@ def check_attention_args(
         raise ShapeError("k and v have seqlen 0: softmax over no keys is undefined; pass at least one key")
     if softmax_scale is None:
         softmax_scale = head_dim**-0.5
-    elif not isinstance(softmax_scale, (int, float)) or not (
+    elif not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool) or not (
         FLOAT32_NORMAL_RANGE[0] <= softmax_scale <= FLOAT32_NORMAL_RANGE[1]
     ):
         # The kernels scale scores in float32 and mask with -inf: a scale that is 0, subnormal or inf there
@@ -227,6 +228,9 @@ def _check_packed(q, k, v, causal, softmax_scale, out, require_cuda, page_table,
             lengths.append(_packed_max_length(t, name, total))
         elif isinstance(given, bool) or not isinstance(given, int) or given < 0:
             raise ConfigError(f"max_seqlen_{name[-1]}={given!r}: pass the longest sequence's length, an int >= 0")
+        elif given > total:  # no sequence is longer than the packed tensor; the kernel's grid is cut from it
+            raise ConfigError(f"max_seqlen_{name[-1]}={given}, but the packed {name[-1]} has {total} rows, which no "
+                              "sequence exceeds; pass the longest sequence's length")  # fmt: skip
         else:
             lengths.append(given)
     problem = replace(call.problem, batch=batch, seqlen_q=lengths[0], seqlen_k=lengths[1], varlen=True)
@@ -274,6 +278,19 @@ def check_page_table_values(page_table: torch.Tensor, num_pages: int) -> None:
         )
 
 
+def check_seqused_k_values(seqused_k: torch.Tensor, capacity: int, paged: bool) -> None:
+    """Every sequence uses between 0 and ``capacity`` keys (k's seqlen, or a paged sequence's pages times the page
+    size); reads ``seqused_k`` (a sync when it is on the GPU; the kernel never reads it on the host)."""
+    bad = (seqused_k < 0) | (seqused_k > capacity)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        holds = "its pages in page_table times page_size" if paged else "k's seqlen"
+        raise ShapeError(
+            f"seqused_k[{b}] = {int(seqused_k[b])}, but a sequence holds 0 to {capacity} keys ({holds}); pass each "
+            f"sequence's used keys, in [0, {capacity}]"
+        )
+
+
 #: Page sizes the paged kernel takes: a multiple of 16 keys (WGMMA's N step), at most 256.
 MAX_PAGE_SIZE = 256
 
@@ -317,9 +334,7 @@ def check_attention_out(call: AttentionCall, out: torch.Tensor, dtype: torch.dty
             f"out is {out.dtype} {tuple(out.shape)} on {out.device}; it must be O's: "
             f"{dtype} {tuple(q.shape)} on {q.device}"
         )
-    for name, t in (("q", q), ("k", call.k), ("v", call.v)):
-        if overlaps(out, t):
-            raise OutputError(f"out shares memory with {name}; the kernel would read {name} while writing out")
+    check_outputs_apart((("out", out),), (("q", q), ("k", call.k), ("v", call.v)))
     if out.numel():
         try:
             _check_strides(out.unsqueeze(0) if call.problem.varlen else out, "out")

@@ -33,7 +33,7 @@ import torch
 
 from epicute.epilogue.proxy import Recorder, Value
 from epicute.epilogue.tracer import Epilogue
-from epicute.errors import EpilogueError, ShapeError
+from epicute.errors import DtypeError, EpilogueError, ShapeError
 
 #: Gate and up columns alternate in blocks of this many (see the module docstring).
 GATE_BLOCK = 8
@@ -86,8 +86,18 @@ def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, dim: int = -2) -> t
     as ``w.t()`` (``w.transpose(-2, -1)``) like any weight. ``dim=-1`` interleaves ``(K, N)`` matrices instead.
     N must be a multiple of 8. A copy: build it once, where the weights are loaded.
     """
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor):
+            raise DtypeError(f"{name} must be a torch.Tensor (a weight), got {type(t).__name__}")
     if gate.shape != up.shape:
         raise ShapeError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
+    if gate.dtype != up.dtype or gate.device != up.device:
+        raise DtypeError(f"gate is {gate.dtype} on {gate.device} but up is {up.dtype} on {up.device}; pass one dtype "
+                         "and device (torch.cat would promote one silently)")  # fmt: skip
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -gate.dim() <= dim < gate.dim():
+        rank = gate.dim()
+        raise ShapeError(f"dim={dim!r}: gate and up have {rank} dimensions {tuple(gate.shape)}; pass a dimension "
+                         f"in [-{rank}, {rank}) (default -2: the N of (N, K) weights)")  # fmt: skip
     dim = dim % gate.dim()
     n = gate.shape[dim]
     if n % GATE_BLOCK:

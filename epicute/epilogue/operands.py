@@ -113,7 +113,14 @@ def _scalar(name: str, value: Any) -> OperandSpec:
     if isinstance(value, torch.Tensor):
         # A meta tensor has no value to read: only explain takes one (the plan does not depend on it).
         value = 0.0 if value.device.type == "meta" else value.item()
-    return OperandSpec(name, "scalar", "fp32", float(value))
+    try:
+        number = float(value)
+    except (OverflowError, TypeError) as exc:  # an int past float's range; a complex tensor's item()
+        raise EpilogueError(
+            f"operand {name!r} = {repr(value)[:40]} is no float32 scalar ({exc}); pass a real number within float "
+            "range"
+        ) from exc
+    return OperandSpec(name, "scalar", "fp32", number)
 
 
 #: Tensor operands resolved before: (name, declared kind, pin kind, shape, stride, dtype, m, n, l)

@@ -50,6 +50,8 @@ def clamp(x: Arg, lo: float | None = None, hi: float | None = None) -> Value:
                 f"clamp: {name} must be a Python number (a constant of the kernel); got {type(bound).__name__}: "
                 "for a traced bound use ops.maximum(x, lo) / ops.minimum(x, hi)"
             )
+        if bound is not None and bound != bound:  # NaN: torch's clamp gives NaN, the kernel's max/min the other value
+            raise EpilogueError(f"clamp: {name}=nan; pass a number, or leave {name} out (None) for no bound")
     if lo is not None and hi is not None and lo > hi:
         raise EpilogueError(f"clamp: lo={lo} > hi={hi}")
     return optable.call("clamp", x, hi=None if hi is None else float(hi), lo=None if lo is None else float(lo))

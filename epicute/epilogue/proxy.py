@@ -89,13 +89,24 @@ class Recorder:
             _ACTIVE.reset(token)
 
 
+def _function_name(op: str) -> str:
+    """The ``epicute.ops`` function a user calls to record ``op`` (``gelu`` for ``gelu_tanh``), for errors."""
+    if op in GROUP_OPS:
+        return "quantize_groups"
+    try:
+        function = optable.get(op).function
+    except EpilogueError:  # not a table op: a reduction, whose function is its name
+        return op
+    return function or op
+
+
 def record(op: str, operands: Sequence[Any], attrs: tuple[tuple[str, Any], ...] = ()) -> Value:
     """Append ``op(*operands)`` to the trace the operands belong to; infer its kind and dtype."""
     rec = _ACTIVE.get()
     if rec is None:
         raise EpilogueError(
-            f"epicute.ops {op}: works on the traced values of an epilogue function while it is traced, "
-            "not outside one (to run an epilogue on tensors, use epicute.epilogue.reference_gemm or evaluate)"
+            f"epicute.ops.{_function_name(op)}: works on the traced values of an epilogue function while it is "
+            "traced, not outside one (to run an epilogue on tensors, use epicute.epilogue.reference_gemm or evaluate)"
         )
     args = [rec.nodes[rec.lift(x, op)] for x in operands]
     if op == "group_scales":  # the scales of a group_quant: one per row and group of columns

@@ -285,7 +285,14 @@ def epilogue(fn: Callable) -> Epilogue:
         %7 = add(%6, %2) : tile fp32
         output D = %7
     """
-    return fn if isinstance(fn, Epilogue) else Epilogue(fn)
+    if isinstance(fn, Epilogue):
+        if fn.HOOK != Epilogue.HOOK:  # a score_mod traces its indices as leaves an epilogue does not have
+            raise EpilogueError(
+                f"{fn!r} is a {fn.HOOK} (epicute.{fn.HOOK}), not an epilogue: pass it as {fn.HOOK}=, or pass an "
+                f"epilogue function {Epilogue.SIGNATURE} as epilogue="
+            )
+        return fn
+    return Epilogue(fn)
 
 
 #: What a caller passing ``epilogue=`` uses: decorated or not, any function of ``acc`` is accepted.

@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from epicute.errors import ConfigError, EpilogueError
-from epicute.runtime.aot import check_fields, config_pins, import_object, is_size, operand_kind
+from epicute.runtime.aot import check_fields, check_fp8_k, config_pins, import_object, is_size, operand_kind
 
 if TYPE_CHECKING:
     from epicute.gemm import GemmProblem
@@ -95,6 +95,7 @@ def gemm_request(
     from epicute.gemm.prepare import GemmRequest, ir_items
 
     overrides = tuple(sorted(pins.items()))
+    check_fp8_k(problem.fp8, problem.k)
     blockwise = [name for name in SCALE_NAMES if operands.get(name) == "blockwise"]
     if blockwise:
         if not problem.fp8 or len(blockwise) != 2:

@@ -21,7 +21,7 @@ from epicute.epilogue.tracer import TraceMemo, as_epilogue, trace_key
 from epicute.errors import ConfigError, DeviceError, DtypeError, EpilogueError, OutputError, SignatureError
 from epicute.gemm import GemmPlan, render_plan
 from epicute.gemm.config import GemmConfig
-from epicute.gemm.epilogue_args import aux_outputs, check_outs_names, kernel_inputs
+from epicute.gemm.epilogue_args import aux_outputs, check_outs, check_outs_names, kernel_inputs
 from epicute.gemm.launch import GemmLaunch, bind_gemm
 from epicute.gemm.prepare import GemmRequest, PreparedGemm, ir_items, prepare
 from epicute.gemm.prepared import (
@@ -34,13 +34,14 @@ from epicute.gemm.prepared import (
 )
 from epicute.gemm.torch_op import gemm_op_call
 from epicute.gemm.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry, tune_key
-from epicute.gemm.validate import GemmCall, check_gemm_args
+from epicute.gemm.validate import D_TORCH_DTYPES, GemmCall, check_gemm_args
 from epicute.runtime.checks import (
     TMA_ALIGN_BYTES,
     check_flags,
     check_has_values,
     check_no_grad,
     check_operand_names,
+    check_outputs_apart,
     check_text_file,
     config_pins,
     keyword_parameters,
@@ -52,6 +53,13 @@ from epicute.runtime.target import Target, current_target, resolve_target
 def _overrides(config: dict | None) -> tuple:
     """``config=``'s pins, checked (:func:`~epicute.runtime.checks.config_pins`)."""
     return config_pins(config, GemmConfig)
+
+
+def _check_outs_apart(outs: Mapping, a, b, out, scales: tuple, operands: Mapping[str, Any]) -> None:
+    """``outs``' tensors share memory with nothing the kernel reads or writes (nor have elements sharing it)."""
+    inputs = (("a", a), ("b", b), ("out", out), ("a_scale", scales[0]), ("b_scale", scales[1]),
+              *((f"operand {name!r}", unwrap(value)) for name, value in operands.items()))  # fmt: skip
+    check_outputs_apart(_named_outs(outs), inputs)
 
 
 def _named_outs(outs: Any) -> tuple:
@@ -194,6 +202,8 @@ def gemm(
             repeat = _PREPARED_CALLS.get(fast.key) if fast is not None else None
             apart = out is None or not (overlaps(out, a) or overlaps(out, b))
             if repeat is not None and repeat.fits(fast.sources) and apart:
+                if outs:  # checked on the first call; the pointers may differ now
+                    _check_outs_apart(outs, a, b, out, (a_scale, b_scale), operands)
                 return repeat.replay(fast.sources)
     elif backend not in ("kernel", "reference"):
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
@@ -219,7 +229,8 @@ def gemm(
         return _deliver(call, {"D": _reference_matmul(call)})
     call = _with_d_dtype(call, prepared.d_torch_dtype, a, b, out, require_cuda=False)
     outs = dict(outs or {})
-    check_outs_names(outs, prepared.epilogue.aux_outputs)
+    p = call.problem
+    check_outs(prepared.fusion, outs, (p.l, p.m, call.d_n), call.batched)  # as the kernel takes them
     stored = {name: IR_TO_TORCH[dtype] for name, dtype in prepared.output_dtypes.items()}
     a_ref, b_ref = _reference_inputs(call)
     results = reference_gemm(a_ref, b_ref, request.epilogue, operands, stored, gated=call.gated)
@@ -408,6 +419,8 @@ def describe_call(
     for name, t in (outs or {}).items():
         if not isinstance(t, torch.Tensor):
             raise OutputError(f"outs[{name!r}] is a {type(t).__name__}; pass a preallocated tensor (or leave it out)")
+    if outs:  # each its own memory, apart from the inputs and D (out's own is checked with a and b)
+        _check_outs_apart(outs, a, b, out, scales, operands)
     if epilogue is None and (operands or out_dtypes or outs):
         given = sorted(operands) or list(out_dtypes or outs)
         raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
@@ -419,7 +432,12 @@ def describe_call(
         hook = gated_epilogue(epilogue) if gated else as_epilogue(epilogue)
         check_operand_names("epilogue", hook.name, hook.params, GEMM_KEYWORDS, "epicute.gemm")
     if out_dtypes and "D" in out_dtypes:
-        out_dtype = out_dtype or out_dtypes["D"]
+        d_dtype = out_dtypes["D"]
+        if d_dtype not in D_TORCH_DTYPES:
+            raise DtypeError(f"out_dtypes['D']={d_dtype!r}; D's dtype is one of {', '.join(map(str, D_TORCH_DTYPES))}")
+        if out_dtype is not None and out_dtype != d_dtype:
+            raise OutputError(f"out_dtype={out_dtype} but out_dtypes['D']={d_dtype}; D has one dtype: drop one")
+        out_dtype = out_dtype or d_dtype
     call = check_gemm_args(a, b, out, out_dtype, require_cuda=require_cuda, gated=gated)
     p = call.problem
     if gated:
@@ -628,10 +646,15 @@ def explain(
     """
     check_text_file(file)
     scales = (a_scale, b_scale)
-    _, _, request, _ = describe_call(a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, False, scales,
-                                     gated)  # fmt: skip
+    call, _, request, _ = describe_call(a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, False,
+                                        scales, gated)  # fmt: skip
     resolved = resolve_target(target)
-    plan = prepare(replace(request, target=resolved)).plan
+    prepared = prepare(replace(request, target=resolved))
+    plan = prepared.plan
+    if prepared.epilogue is not None:  # the preallocated outputs, as gemm would take them
+        check_outs(prepared.fusion, dict(outs or {}), (call.problem.l, call.problem.m, call.d_n), call.batched)
+    elif outs:
+        check_outs_names(outs, ())
     if file is not None:
         text = render_plan(plan)
         # Tuned winners are stored per GPU: only the current one's apply to its own plan.

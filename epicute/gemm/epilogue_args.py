@@ -56,26 +56,40 @@ def check_outs_names(outs: Mapping[str, torch.Tensor], aux_names: tuple[str, ...
         )
 
 
-def aux_outputs(
-    fusion, outs: Mapping[str, torch.Tensor], lmn: tuple[int, int, int], batched: bool, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """Every aux output as an ``(L, M, N)`` tensor: the caller's from ``outs`` (checked), else new."""
+def check_outs(fusion, outs: Mapping[str, torch.Tensor], lmn: tuple[int, int, int], batched: bool) -> dict:
+    """``outs`` as the kernel takes them (names, shapes, dtypes, TMA-storable layouts; not their device): each
+    as an ``(L, M, N)`` tensor by name."""
     check_outs_names(outs, fusion.aux_outputs)
     dtypes = fusion.output_dtypes
-    result = {}
-    for name in fusion.aux_outputs:
+    checked = {}
+    for name, t in outs.items():
         dtype = IR_TO_TORCH[dtypes[name]]
-        t = outs.get(name)
-        if t is None:  # prepare() checked that TMA can store its rows
-            result[name] = torch.empty(lmn, dtype=dtype, device=device)
-            continue
         label = f"outs[{name!r}]"
         expected = lmn if batched else lmn[1:]
         if tuple(t.shape) != expected:
             raise OutputError(f"{label} has shape {tuple(t.shape)}; the epilogue writes {expected}")
         if t.dtype != dtype:
             raise OutputError(f"{label} has dtype {t.dtype} but the output is {dtype}; set out_dtypes[{name!r}]")
-        _on_device(t, label, device)
+        if t.numel() and t.size(-1) > 1 and t.stride(-1) != 1:
+            raise OutputError(f"{label} has strides {tuple(t.stride())}; it must be row-major (last stride 1), as "
+                              "TMA stores it")  # fmt: skip
         t3 = t if batched else t.unsqueeze(0)
-        result[name] = _check_tma_strides(t3, label, contiguous_dim=2, dims="LMN")
+        checked[name] = _check_tma_strides(t3, label, contiguous_dim=2, dims="LMN")
+    return checked
+
+
+def aux_outputs(
+    fusion, outs: Mapping[str, torch.Tensor], lmn: tuple[int, int, int], batched: bool, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Every aux output as an ``(L, M, N)`` tensor: the caller's from ``outs`` (checked), else new."""
+    checked = check_outs(fusion, outs, lmn, batched)
+    dtypes = fusion.output_dtypes
+    result = {}
+    for name in fusion.aux_outputs:
+        t = checked.get(name)
+        if t is None:  # prepare() checked that TMA can store its rows
+            result[name] = torch.empty(lmn, dtype=IR_TO_TORCH[dtypes[name]], device=device)
+            continue
+        _on_device(t, f"outs[{name!r}]", device)
+        result[name] = t
     return result

@@ -36,7 +36,7 @@ import torch
 from epicute.epilogue.operands import Pin
 from epicute.errors import AlignmentError, OutputError, SignatureError
 from epicute.gemm.launch import GemmLaunch, launcher, split_workspace
-from epicute.runtime.checks import TMA_ALIGN_BYTES, check_no_grad, overlaps
+from epicute.runtime.checks import TMA_ALIGN_BYTES, check_no_grad, check_outputs_apart, overlaps
 
 #: Tensor types whose data pointers and views are their own (tensor subclasses such as fake or
 #: functional tensors are not, and are never on a hot path).
@@ -187,6 +187,10 @@ class PreparedGemmCall:
                 )
         if out is not None:
             check_out_apart(out, a, b)
+        if outs:  # each apart from what the kernel reads and from D (its layout was checked when prepared)
+            check_outputs_apart(((f"outs[{n!r}]", outs[n]) for n in self._outs_names),
+                                (("a", a), ("b", b), ("out", out), ("a_scale", a_scale), ("b_scale", b_scale),
+                                 *((f"operand {n!r}", unwrap(operands[n])) for n in self._names)))  # fmt: skip
         if self._steps is None:
             return self._whole(a, b, out=out, outs=outs, a_scale=a_scale, b_scale=b_scale, **operands)
         return self.replay(sources)

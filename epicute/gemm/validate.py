@@ -24,7 +24,7 @@ from epicute.gemm.config import GemmProblem
 from epicute.runtime.checks import (
     TMA_ALIGN_BYTES,
     check_on_one_hopper_gpu,
-    overlaps,
+    check_outputs_apart,
     with_aligned_unit_dims,
 )
 
@@ -94,6 +94,11 @@ def _check_tma_strides(t: torch.Tensor, name: str, contiguous_dim: int, dims: st
         raise AlignmentError(
             f"{name}.data_ptr() is {t.data_ptr() % TMA_ALIGN_BYTES} bytes past a 16-byte boundary "
             f"(a view with an element offset?); TMA needs 16-byte-aligned bases: pass {name}.clone()"
+        )
+    if t.size(contiguous_dim) > 1 and t.stride(contiguous_dim) != 1:
+        raise AlignmentError(
+            f"{name} has strides {tuple(t.stride())}: its dimension {dims[contiguous_dim]} must be contiguous (stride "
+            f"1) for TMA; pass {name}.contiguous()"
         )
     step = TMA_ALIGN_BYTES // elem
     t = with_aligned_unit_dims(t, contiguous_dim)
@@ -209,9 +214,7 @@ def check_out_placement(out: torch.Tensor, expected: tuple, writes: str, a: torc
         raise OutputError(f"out has shape {tuple(out.shape)}; {writes}")
     if out.device != a.device:
         raise OutputError(f"out is on {out.device} but the operands are on {a.device}")
-    for name, t in (("a", a), ("b", b)):
-        if overlaps(out, t):
-            raise OutputError(f"out shares memory with {name}; the kernel would read {name} while writing out")
+    check_outputs_apart((("out", out),), (("a", a), ("b", b)))
     if out.numel() and out.stride(-1) != 1 and out.size(-1) > 1:
         raise OutputError(f"out has strides {tuple(out.stride())}; it must be row-major (last stride 1)")
 

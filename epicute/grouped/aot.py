@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from epicute.errors import ConfigError, EpilogueError
-from epicute.runtime.aot import check_fields, config_pins, import_object, is_size, operand_kind
+from epicute.runtime.aot import check_fields, check_fp8_k, config_pins, import_object, is_size, operand_kind
 
 if TYPE_CHECKING:
     from epicute.runtime.target import Target
@@ -106,6 +106,7 @@ def grouped_request(
     elif operands or out_dtypes or gated:
         raise ConfigError("operands/out_dtypes/gated need an epilogue")
     total_m, n, k, groups = shape
+    check_fp8_k(fp8, k)
     problem = GroupedProblem(
         total_m, n, k, groups, dtype, out_dtype, "m" if variable_k else "k", b_major, gated,
         "k" if variable_k else "m", block_scaled=fp8, gathered=mode == "gathered",

@@ -180,6 +180,12 @@ def check_grouped_args(
     if a.dim() != 2:
         raise ShapeError(f"a has shape {tuple(a.shape)}; a grouped GEMM takes a 2-D (total_M, K), rows sorted by group")
     if b.dim() == 2:
+        if a_index is not None:
+            raise ShapeError(
+                f"a_index with a 2-D b {tuple(b.shape)} (variable K): gathered rows are the rows of a (total_M, K) "
+                "that a 3-D b's groups multiply; with variable K the groups split a's K columns, which a_index "
+                "cannot gather: drop it, and gather the tokens first (a = x[a_index].t() for a = x.t())"
+            )
         if fp8:
             raise DtypeError(
                 f"a has dtype {a.dtype} with a 2-D b (variable K): variable K reads A M-major and B N-major, and "

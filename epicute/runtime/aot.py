@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from epicute.errors import ConfigError, EpicuteError, EpilogueError
+from epicute.errors import AlignmentError, ConfigError, EpicuteError, EpilogueError
 from epicute.runtime.family import Declared, resolve
 
 if TYPE_CHECKING:
@@ -216,7 +216,19 @@ def config_pins(entry: dict, config_cls: type) -> dict:
             isinstance(value, tuple) and not all(type(x) is type(y) for x, y in zip(value, default))
         ):
             raise ConfigError(f"config {name} = {value!r}; it takes a value like {default!r}")
+        # Every int field is a size or a count, as epicute.runtime.checks.config_pins takes them.
+        sizes = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(x, int) and not isinstance(x, bool) and x < 1 for x in sizes):
+            raise ConfigError(f"config {name} = {value!r}; it takes positive sizes, like {default!r}")
     return pins
+
+
+def check_fp8_k(fp8: bool, k: int) -> None:
+    """fp8 inputs need K a multiple of 16 (TMA moves 16-byte rows of A and B), as ``epicute.gemm`` checks on
+    tensors: a planned or compiled kernel for another K could never run."""
+    if fp8 and k % 16:
+        raise AlignmentError(f"K={k} with fp8 inputs: TMA moves 16-byte rows of A and B, so K must be a multiple of "
+                             f"16; pad K to {-(-k // 16) * 16}")  # fmt: skip
 
 
 def is_size(x: Any) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from epicute.errors import ConfigError, DeviceError, EpilogueError, GradientError
+from epicute.errors import ConfigError, DeviceError, EpilogueError, GradientError, OutputError
 
 #: TMA moves whole 16-byte units: base addresses and every stride but the unit one are multiples of it.
 TMA_ALIGN_BYTES = 16
@@ -248,6 +248,38 @@ def ranges_meet(x0: int, x_span: int, y0: int, y_span: int) -> bool:
     return x0 < y0 + y_span and y0 < x0 + x_span
 
 
+def self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (an ``expand``-ed dimension's zero stride, an ``as_strided``
+    view whose rows overlap): a kernel storing into ``t`` would write them in any order. Reads shape and strides
+    only: a layout where each dimension's stride passes the span of the smaller ones is free of overlap."""
+    reach = 0
+    for stride, size in sorted((st, size) for size, st in zip(t.shape, t.stride()) if size > 1):
+        if stride <= reach:
+            return t.numel() > 0
+        reach += (size - 1) * stride
+    return False
+
+
+def check_outputs_apart(outputs: Iterable[tuple[str, torch.Tensor]], inputs: Iterable[tuple[str, Any]] = ()) -> None:
+    """Raise :class:`OutputError` when an output (``(argument, tensor)`` pairs: ``out``, ``outs[name]``) has elements
+    that share memory, or shares memory with another output or with an input (``(argument, tensor or None)``)."""
+    outputs, inputs = list(outputs), [(n, t) for n, t in inputs if isinstance(t, torch.Tensor)]
+    for i, (name, t) in enumerate(outputs):
+        if self_overlapping(t):
+            raise OutputError(
+                f"{name} has shape {tuple(t.shape)} and strides {tuple(t.stride())}: some of its elements share memory "
+                f"(an expand()-ed or as_strided view), so the kernel's stores to them would collide; pass a tensor "
+                f"of its own, e.g. torch.empty({tuple(t.shape)}, dtype={t.dtype})"
+            )
+        for other, u in (*outputs[:i], *inputs):
+            if overlaps(t, u):
+                raise OutputError(
+                    f"{name} shares memory with {other}; the kernel would "
+                    f"{'write both at once' if other.startswith('out') else f'read {other} while writing {name}'}: "
+                    "pass separate tensors"
+                )
+
+
 def overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
     if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
         return False
@@ -258,6 +290,6 @@ def overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 __all__ = [
     "TMA_ALIGN_BYTES", "check_flags", "check_has_values", "check_no_grad", "check_on_one_hopper_gpu",
-    "check_operand_names", "check_text_file", "config_pins", "keyword_parameters", "overlaps", "ranges_meet",
-    "span_bytes",
+    "check_operand_names", "check_outputs_apart", "check_text_file", "config_pins", "keyword_parameters", "overlaps",
+    "ranges_meet", "self_overlapping", "span_bytes",
 ]  # fmt: skip

@@ -425,3 +425,49 @@ def test_score_mod_errors_speak_of_the_score_mod(mod, match):
         epicute.attention(q, k, v, score_mod=mod, backend="reference")
     text = str(info.value)
     assert "acc" not in text.replace("accumulator", "") and "'D'" not in text and "epilogue value" not in text
+
+
+# --- second pass of typed errors (issue 56) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [lambda q: q[:1, :1, :1].expand(q.shape),
+                                  lambda q: torch.empty(q.numel() // 2, dtype=q.dtype).as_strided(q.shape,
+                                                                                                    (0, 64, 0, 1))])
+def test_out_with_elements_sharing_memory_is_refused(make):
+    # Before: torch's RuntimeError from the reference's copy_ (and stores racing each other in the kernel).
+    q, k, v = qkv(2, 16, 16, 4, 2, 64)
+    bad(epicute.OutputError, r"^out has shape \(2, 16, 4, 64\) and strides .*: some of its elements share memory",
+        q, k, v, out=make(q))  # fmt: skip
+
+
+@pytest.mark.parametrize(("used", "paged"), [([16, 17], False), ([-1, 4], False), ([0, 33], True)])
+def test_reference_checks_seqused_k_values(used, paged):
+    # Before: clamped to [0, keys] without a word; the kernel never reads them on the host.
+    q, k, v = qkv(2, 1, 16, 4, 2, 64)
+    kwargs = {}
+    if paged:
+        k, v = torch.randn(4, 16, 2, 64, dtype=torch.bfloat16), torch.randn(4, 16, 2, 64, dtype=torch.bfloat16)
+        kwargs["page_table"] = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    b = next(i for i, n in enumerate(used) if not 0 <= n <= (32 if paged else 16))
+    bad(epicute.ShapeError, rf"^seqused_k\[{b}\] = {used[b]}, but a sequence holds 0 to {32 if paged else 16} keys",
+        q, k, v, seqused_k=torch.tensor(used, dtype=torch.int32), **kwargs)  # fmt: skip
+
+
+def test_packed_max_seqlens_must_bound_the_sequences():
+    # Before: a max_seqlen_q shorter than a sequence passed (the kernel leaves its rows past it unwritten, the
+    # reference computed them all); one longer than the packed tensor would size the kernel's grid from it.
+    q, k = torch.randn(40, 4, 64, dtype=torch.bfloat16), torch.randn(50, 2, 64, dtype=torch.bfloat16)
+    cu = {"cu_seqlens_q": torch.tensor([0, 15, 40], dtype=torch.int32),
+          "cu_seqlens_k": torch.tensor([0, 20, 50], dtype=torch.int32)}  # fmt: skip
+    bad(epicute.ShapeError, r"^max_seqlen_q=10, but sequence 1 of cu_seqlens_q has 25 rows", q, k, k,
+        max_seqlen_q=10, max_seqlen_k=30, **cu)  # fmt: skip
+    bad(epicute.ShapeError, r"^max_seqlen_k=29, but sequence 1 of cu_seqlens_k has 30 rows", q, k, k,
+        max_seqlen_q=25, max_seqlen_k=29, **cu)  # fmt: skip
+    bad(epicute.ConfigError, r"^max_seqlen_q=1000000000000, but the packed q has 40 rows", q, k, k,
+        max_seqlen_q=10**12, max_seqlen_k=30, **cu)  # fmt: skip
+    assert epicute.attention(q, k, k, max_seqlen_q=25, max_seqlen_k=30, backend="reference", **cu).shape == q.shape
+
+
+def test_softmax_scale_is_a_real_number_not_a_flag():
+    q, k, v = qkv(1, 16, 16, 2, 2, 64)
+    bad(epicute.ConfigError, r"^softmax_scale=True: must be a positive number", q, k, v, softmax_scale=True)

@@ -172,3 +172,18 @@ def test_gated_roofline_counts_the_stored_half():
                            epilogue=lambda gate, up, res: epicute.ops.silu(gate) * up + res)  # fmt: skip
     stored = 2 * (m * k + k * n) + 2 * m * (n // 2) * 2  # A, B; D and the residual tile, bf16
     assert plan.roofline.min_bytes == stored
+
+
+@pytest.mark.parametrize(
+    ("gate", "up", "kwargs", "error", "match"),
+    [
+        ([1.0], torch.randn(16, 8), {}, epicute.DtypeError, r"^gate must be a torch.Tensor \(a weight\), got list"),
+        (torch.randn(16, 8), torch.randn(16, 8).double(), {}, epicute.DtypeError, r"^gate is torch.float32 on cpu"),
+        (torch.randn(16, 8), torch.randn(16, 8), {"dim": 5}, epicute.ShapeError, r"^dim=5: gate and up have 2 "),
+        (torch.randn(16, 8), torch.randn(16, 8), {"dim": "x"}, epicute.ShapeError, r"^dim='x'"),
+    ],
+)  # fmt: skip
+def test_interleave_gate_up_bad_arguments(gate, up, kwargs, error, match):
+    # Before: AttributeError for a list; dim=5 wrapped around to dim 1 without a word; mixed dtypes promoted.
+    with pytest.raises(error, match=match):
+        epicute.interleave_gate_up(gate, up, **kwargs)

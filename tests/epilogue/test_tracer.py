@@ -377,3 +377,52 @@ def test_score_mod_errors_name_the_score_mod():
     with pytest.raises(EpilogueError, match=r"bool\(\) .* traced score_mod value, which does not exist while the "
                                             r"score_mod is traced"):  # fmt: skip
         score_mod(lambda s, b, h, q_idx, kv_idx: s if q_idx > kv_idx else -s).trace({})
+
+
+# --- second pass of typed errors (issue 56) ---------------------------------------------------------------------
+
+
+def _ref_gemm(epilogue, **operands):
+    a, b = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 24, dtype=torch.bfloat16)
+    return epicute.gemm(a, b, epilogue=epilogue, backend="reference", **operands)
+
+
+@pytest.mark.parametrize("value", [10**400, torch.tensor(1j)], ids=["int-past-float", "complex-tensor"])
+def test_a_scalar_operand_that_is_no_float_is_an_epilogue_error(value):
+    # Before: OverflowError (an int past float's range) or TypeError (a complex item) from float().
+    with pytest.raises(EpilogueError, match=r"^operand 'x' = .* is no float32 scalar"):
+        _ref_gemm(lambda acc, x: acc * x, x=value)
+
+
+def test_a_score_mod_passed_as_the_epilogue_is_refused():
+    # Before: accepted (a ScoreMod is an Epilogue): its index parameters were traced as a GEMM's epilogue leaves.
+    @epicute.score_mod
+    def keep(score, b, h, q_idx, kv_idx):
+        return score
+
+    with pytest.raises(EpilogueError, match=r"is a score_mod \(epicute.score_mod\), not an epilogue: pass it as "
+                                            r"score_mod="):  # fmt: skip
+        _ref_gemm(keep)
+    q = torch.randn(1, 16, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(EpilogueError, match=r"is a score_mod"):
+        epicute.attention(q, q, q, epilogue=keep, backend="reference")
+    assert epicute.attention(q, q, q, score_mod=keep, backend="reference").shape == q.shape
+
+
+@pytest.mark.parametrize("bounds", [(math.nan, 1.0), (None, math.nan)])
+def test_clamp_refuses_nan_bounds(bounds):
+    # Before: accepted; torch.clamp (the reference) gives NaN, the kernel's max/min the other operand.
+    lo, hi = bounds
+    with pytest.raises(EpilogueError, match=rf"^clamp: {'lo' if lo != lo else 'hi'}=nan"):
+        _ref_gemm(lambda acc: ops.clamp(acc, lo, hi))
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [(lambda: ops.quantize_groups(torch.ones(3)), "quantize_groups"), (lambda: ops.gelu(torch.ones(3)), "gelu"),
+     (lambda: ops.gelu(torch.ones(3), approximate="tanh"), "gelu"), (lambda: ops.row_sum(torch.ones(3)), "row_sum")],
+)  # fmt: skip
+def test_ops_outside_a_trace_name_the_function_called(call, name):
+    # Before: the IR op's name (group_quant, gelu_erf), which the user never wrote.
+    with pytest.raises(EpilogueError, match=rf"^epicute.ops.{name}: works on the traced values"):
+        call()

@@ -454,3 +454,80 @@ def test_explain_takes_a_meta_out():
     """Meta tensors have no memory (every data pointer is 0): an ``out`` beside meta inputs does not overlap them."""
     plan = epicute.explain(meta(64, 64), meta(64, 64), out=meta(64, 64), file=None)
     assert plan.problem.m == 64
+
+
+# --- outputs that share memory, out_dtypes['D'], strides TMA cannot store (issue 56, second pass) ------------------
+
+PAIR = lambda acc: {"D": acc, "p": acc}
+
+
+@pytest.mark.parametrize("entry", ["reference", "explain"])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"out": rand(1, 64).expand(16, 64)}, r"^out has shape \(16, 64\) and strides \(0, 1\): some of its"),
+        ({"out": rand(184).as_strided((16, 64), (8, 1))}, r"^out has shape \(16, 64\) and strides \(8, 1\): some"),
+        ({"epilogue": PAIR, "outs": {"p": rand(1, 64).expand(16, 64)}}, r"^outs\['p'\] has shape \(16, 64\) and"),
+        ({"epilogue": PAIR, "outs": {"p": rand(64, 16).t()}}, r"^outs\['p'\] has strides \(1, 16\); it must be row"),
+        ({"epilogue": PAIR, "outs": {"p": rand(16, 128)[:, ::2]}}, r"^outs\['p'\] has strides \(128, 2\); it must"),
+        ({"epilogue": PAIR, "outs": {"q": rand(16, 64)}}, r"^outs names \['q'\], which the epilogue does not return"),
+        ({"epilogue": PAIR, "outs": {"p": rand(16, 63)}}, r"^outs\['p'\] has shape \(16, 63\); the epilogue writes"),
+        ({"epilogue": PAIR, "out_dtypes": {"D": torch.int8}}, r"^out_dtypes\['D'\]=torch.int8; D's dtype is one of"),
+        ({"epilogue": PAIR, "out_dtype": BF16, "out_dtypes": {"D": torch.float32}},
+         r"^out_dtype=torch.bfloat16 but out_dtypes\['D'\]=torch.float32; D has one dtype"),
+    ],
+)
+def test_outputs_the_kernel_could_not_store_are_refused_in_every_entry(entry, kwargs, match):
+    # Before: an expanded out raised torch's RuntimeError from the reference's copy (and would race in the kernel);
+    # explain planned bad outs without a word; out_dtypes['D'] was reported as out_dtype.
+    error = epicute.DtypeError if "int8" in match else OutputError
+    a, b = rand(16, 32), rand(32, 64)
+    with pytest.raises(error, match=match):
+        if entry == "reference":
+            ref(a, b, **kwargs)
+        else:
+            epicute.explain(a, b, file=None, **kwargs)
+
+
+@pytest.mark.parametrize("which", ["a", "b", "out", "operand"])
+def test_outs_sharing_memory_with_an_input_or_out_are_refused(which):
+    # Before: accepted on the reference and by explain (the kernel would read an input while writing outs, or
+    # store D and an aux tile into the same memory).
+    a, b, out, bias = rand(16, 64), rand(64, 64), rand(16, 64), rand(16, 64)
+    aliased = {"a": a, "b": b[:16], "out": out, "operand": bias}[which]
+    label = {"operand": "operand 'bias'"}.get(which, which)
+    with pytest.raises(OutputError, match=rf"^outs\['p'\] shares memory with {label}"):
+        ref(a, b, epilogue=lambda acc, bias: {"D": acc + bias, "p": acc}, bias=bias, out=out, outs={"p": aliased})
+
+
+def test_unit_stride_is_required_along_the_contiguous_dimension():
+    # TMA reads the contiguous dimension with unit stride: a tile operand with a step of 2 along N passed the
+    # stride check (only the other strides were looked at) and would have been read as contiguous.
+    from epicute.gemm.validate import _check_tma_strides
+
+    tile = rand(1, 16, 128)[..., ::2]
+    with pytest.raises(AlignmentError, match=r"^operand 'r' has strides \(2048, 128, 2\): its dimension N must be "
+                                             r"contiguous \(stride 1\) for TMA"):  # fmt: skip
+        _check_tma_strides(tile, "operand 'r'", contiguous_dim=2, dims="LMN")
+
+
+def test_the_cached_path_refuses_outs_sharing_memory(monkeypatch):
+    """A repeat call with ``outs`` skips the full checks: outs aliasing an input there must still be refused (the
+    fake prepared call stands for one recorded on a GPU)."""
+    from epicute.gemm import api
+
+    epi = lambda acc: {"D": acc, "p": acc}
+    a, b, p = rand(16, 16), rand(16, 16), rand(16, 16)
+    fast = api._fast_key(a, b, None, (None, None), epi, {}, {"p": p}, None, None, None, False)
+
+    class Recorded:
+        def fits(self, sources):
+            return True
+
+        def replay(self, sources):
+            return "launched"
+
+    monkeypatch.setitem(api._PREPARED_CALLS, fast.key, Recorded())
+    assert epicute.gemm(a, b, epilogue=epi, outs={"p": p}) == "launched"
+    with pytest.raises(OutputError, match=r"^outs\['p'\] shares memory with a"):
+        epicute.gemm(a, b, epilogue=epi, outs={"p": a})

@@ -655,3 +655,21 @@ def test_reference_refuses_meta_operands_and_malformed_output_arguments():
         epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc: acc, out_dtypes=[torch.float32], backend="reference")
     with pytest.raises(ConfigError, match=r"check_offsets='yes': pass True or False"):
         epicute.grouped_gemm(a, b, offsets, check_offsets="yes", backend="reference")
+
+
+def test_a_index_with_variable_k_is_refused():
+    # Before: a_index was dropped without a word with a 2-D b (variable K): the result ignored the gather.
+    x, dy = torch.randn(10, 16).bfloat16(), torch.randn(10, 24).bfloat16()
+    offsets, index = torch.tensor([4, 10], dtype=torch.int32), torch.arange(10)
+    with pytest.raises(ShapeError, match=r"^a_index with a 2-D b \(10, 24\) \(variable K\)"):
+        epicute.grouped_gemm(x.t(), dy, offsets, a_index=index, backend="reference")
+    with pytest.raises(ShapeError, match=r"^a_index with a 2-D b"):
+        epicute.explain_grouped(x.t(), dy, offsets, a_index=index, file=None)
+
+
+def test_out_with_elements_sharing_memory_is_refused():
+    # Before: torch's RuntimeError from the reference's copy_ (the kernel's stores would collide).
+    a, b, offsets = operands([2, 3, 5], k=32, n=24)
+    out = torch.empty(1, 24, dtype=torch.bfloat16).expand(10, 24)
+    with pytest.raises(OutputError, match=r"^out has shape \(10, 24\) and strides \(0, 1\): some of its elements"):
+        epicute.grouped_gemm(a, b, offsets, out=out, backend="reference")

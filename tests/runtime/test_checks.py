@@ -121,3 +121,15 @@ def test_explain_file_is_a_stream_stdout_or_none():
     for bad in (3, "out.txt", [1]):
         with pytest.raises(epicute.ConfigError, match=r"file=.*: pass 'stdout'"):
             check_text_file(bad)
+
+
+def test_self_overlapping_reads_only_the_layout():
+    from epicute.runtime.checks import self_overlapping
+
+    t = torch.empty(8, 24)
+    assert not self_overlapping(t) and not self_overlapping(t.t()) and not self_overlapping(t[:, ::2])
+    assert not self_overlapping(torch.empty(2, 8, 24)[:, 1:]) and not self_overlapping(torch.empty(1, 24).expand(1, 24))
+    assert not self_overlapping(torch.empty(0, 24).expand(0, 24))
+    assert self_overlapping(torch.empty(1, 24).expand(8, 24))
+    assert self_overlapping(torch.empty(64).as_strided((8, 24), (4, 1)))  # rows 24 wide, 4 apart
+    assert self_overlapping(torch.empty(64).as_strided((8, 24), (1, 1)))
