@@ -3,7 +3,8 @@
 Thin on purpose: each command parses arguments and calls the library, importing
 what it needs when it runs (``epicute --help`` loads neither dynamo nor the CuTe
 DSL). Errors epicute raises on purpose are printed in one line and exit with
-status 2. Text from users and libraries is never read as rich markup: ``[plot]``
+status 2, and so are the command line's own (a bad value, an unknown option:
+``_Group``). Text from users and libraries is never read as rich markup: ``[plot]``
 or ``[[gemm]]`` in a message is printed as it is.
 """
 
@@ -17,10 +18,70 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+try:  # recent typer parses with its own copy of click (typer._click), whose exceptions these are
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer parses with click itself
+    from click import exceptions as click_exceptions
+from typer.core import TyperGroup
+
 if TYPE_CHECKING:
     from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="epicute: fused Hopper kernels from Python.")
+
+def _usage_error_line(exc: Exception) -> str:
+    """A click error (a bad value, an unknown option or command, a missing option) as one line: the option,
+    what is wrong with it, and where the options are listed; typer would draw a multi-line panel."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    param = getattr(exc, "param", None)
+    if isinstance(exc, click_exceptions.BadParameter) and not isinstance(exc, click_exceptions.MissingParameter):
+        hint = exc.param_hint
+        if hint is not None and not isinstance(hint, str):
+            hint = "/".join(hint)
+        if hint is None and param is not None:
+            hint = "/".join(getattr(param, "opts", ())) or param.human_readable_name
+        if hint:
+            message = " ".join(exc.message.split()).rstrip(".")
+            # recent typer validates values with pydantic, whose message leaves out the value given
+            errors = getattr(exc.__cause__, "errors", None)
+            given = (errors() or [{}])[0].get("input") if callable(errors) else None
+            if isinstance(given, str):
+                hint, message = f"{hint} {given!r}", message[:1].lower() + message[1:]
+            message = f"{hint}: {message}"
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, click_exceptions.UsageError) and ctx is not None:
+        message += f" (see '{ctx.command_path} --help')"
+    return message
+
+
+class _Group(TyperGroup):
+    """The root command: click's errors exit with their status (2 for usage) in one line, as :func:`_fail`
+    prints epicute's, in place of typer's panel."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click_exceptions.ClickException as exc:
+            raise _one_line(exc) from exc
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click_exceptions.ClickException as exc:
+            raise _one_line(exc) from exc
+
+
+def _one_line(exc: click_exceptions.ClickException) -> Exception:
+    if type(exc).__name__ == "NoArgsIsHelpError":  # typer printed the help; click exits 2 after it
+        return typer.Exit(exc.exit_code)
+    Console(stderr=True, highlight=False, soft_wrap=True, markup=False).print(
+        f"[red]error:[/red] {escape(_usage_error_line(exc))}", markup=True
+    )
+    return typer.Exit(exc.exit_code)
+
+
+app = typer.Typer(
+    cls=_Group, add_completion=False, no_args_is_help=True, help="epicute: fused Hopper kernels from Python."
+)
 explain_app = typer.Typer(no_args_is_help=True, help="Print the plan epicute would run, with or without a GPU.")
 app.add_typer(explain_app, name="explain")
 cache_app = typer.Typer(no_args_is_help=True, help="The compiled-kernel cache on disk: list, describe, clear.")

@@ -143,6 +143,82 @@ def test_explain_gemm_with_a_fused_epilogue_prints_its_chain_and_buffers():
     assert bad.exit_code == 2 and "kind 'diagonal'" in bad.output
 
 
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["explain", "gemm", "--m", "abc", "--n", "8", "--k", "8"], ("--m", "'abc'", "integer")),
+        (["explain", "gemm", "--m", "8", "--n", "8", "--k", "8", "--bogus"], ("No such option: --bogus",)),
+        (["explain", "gemm", "--m", "8", "--n", "8", "--k", "8", "--batch", "x"], ("--l/--batch", "'x'")),
+        (["explain", "grouped", "--total-m", "8", "--n", "8", "--k", "8", "--groups", "0"], ("--groups", "0", "1")),
+        (["explain", "attention", "--seqlen-q", "8", "--heads-q", "8", "--heads-kv", "0"], ("--heads-kv", "0", "1")),
+        (["explain", "gemm", "--n", "8", "--k", "8"], ("Missing option '--m'",)),
+        (["cache", "ls", "--stale"], ("No such option: --stale",)),
+        (["doctor", "--bogus"], ("No such option: --bogus",)),
+        (["nosuch"], ("No such command 'nosuch'",)),
+        (["--bogus"], ("No such option: --bogus",)),
+    ],
+)
+def test_usage_errors_exit_2_in_one_line(args, needles):
+    """What click refuses while parsing is printed like the errors epicute raises: one line, exit status 2,
+    naming the option, the reason and where the options are listed (typer would draw a boxed panel)."""
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert all(needle in lines[0] for needle in needles) and "--help')" in lines[0], result.output
+    assert not any(ch in result.output for ch in "╭│╰"), result.output
+
+
+def test_no_arguments_still_print_the_help():
+    result = runner.invoke(app, ["explain"])
+    assert result.exit_code == 2 and "gemm" in result.output and "attention" in result.output
+
+
+def test_operand_kinds_must_agree_with_the_epilogue_annotation():
+    """``scale`` is annotated Scalar in tensor_quant: the CLI refuses another kind as epicute.explain refuses
+    another pin, with the same EpilogueError wording."""
+    import torch
+
+    import epicute
+
+    base = ["explain", "gemm", "--m", "256", "--n", "256", "--k", "256", "--epilogue", "tensor_quant"]
+    result = runner.invoke(app, [*base, "--operand", "scale=row"])
+    assert result.exit_code == 2, result.output
+    declared = "error: operand 'scale' is declared Scalar by the epilogue, but was passed as 'row'; describe it as "
+    assert declared + "scale=scalar" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert runner.invoke(app, [*base, "--operand", "scale=scalar"]).exit_code == 0
+    a = torch.empty(256, 256, dtype=torch.bfloat16, device="meta")
+    row = epicute.RowVector(torch.empty(256, device="meta"))
+    with pytest.raises(epicute.EpilogueError, match="operand 'scale' is declared Scalar by the epilogue, but was"):
+        epicute.explain(a, a, epilogue=epicute.epilogues.tensor_quant, scale=row, file=None)
+
+
+@pytest.mark.parametrize(
+    ("operands", "message"),
+    [
+        (["a_scale=tile"], "a_scale=tile: no fp8 recipe takes a 'tile' scale; give a_scale as scalar, row, col or"),
+        (["b_scale=col"], "b_scale=col: no fp8 recipe takes a 'col' scale; give b_scale as scalar, row or blockwise"),
+        (["b_scale=tile:fp32"], "b_scale=tile:fp32: no fp8 recipe takes a 'tile' scale"),
+        (["a_scale=col:bf16"], "a_scale=col:bf16: scales are fp32; give a_scale=col:fp32"),
+        (["a_scale=scalar", "b_scale=scalar"], None),
+        (["a_scale=row", "b_scale=row:fp32"], None),  # tensorwise, as a 1-element tensor
+        (["a_scale=col"], None),  # rowwise (b_scale's default: row)
+        (["a_scale=blockwise", "b_scale=blockwise"], None),
+    ],
+)
+def test_fp8_scale_operands_take_the_recipes_kinds(operands, message):
+    """fp8 scales described with --operand are the kinds epicute.gemm makes of tensorwise, rowwise and blockwise
+    scales; any other kind is refused before planning, in one line."""
+    args = ["explain", "gemm", "--m", "256", "--n", "256", "--k", "256", "--dtype", "fp8e4m3"]
+    result = runner.invoke(app, [*args, *(x for item in operands for x in ("--operand", item))])
+    if message is None:
+        assert result.exit_code == 0, result.output
+    else:
+        assert result.exit_code == 2 and f"error: {message}" in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1
+
+
 # ------------------------------------------------------- as a user runs it (fresh processes)
 def test_python_m_epicute_is_the_cli(tmp_path):
     result = subprocess.run(
@@ -484,3 +560,14 @@ def test_compile_refuses_a_zero_config_pin_and_fp8_k(tmp_path):
     spec.write_text("[[gemm]]\nshapes = [[16, 16, 8]]\ndtype = 'fp8e4m3'\n")
     result = runner.invoke(app, ["compile", str(spec), "--dry-run"])
     assert result.exit_code == 2 and "K=8 with fp8 inputs" in result.output
+
+
+def test_usage_errors_of_the_console_script_are_one_line_on_stderr(tmp_path):
+    for args, needle in ((("explain", "gemm", "--m", "abc", "--n", "8", "--k", "8"), "--m"),
+                         (("cache", "ls", "--stale"), "No such option: --stale")):  # fmt: skip
+        result = epicute_cli(*args, cwd=tmp_path, cache=tmp_path / "cache")
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert result.stdout == "" and "Traceback" not in result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
+        assert "'epicute " in lines[0]  # the command path as the user typed it, for its --help

@@ -48,6 +48,7 @@ from epicute.errors import ConfigError, ShapeError
 from epicute.runtime.checks import (
     check_flags,
     check_has_values,
+    check_one_device,
     check_operand_names,
     check_text_file,
     keyword_parameters,
@@ -387,7 +388,8 @@ def explain_attention(
     deterministic: bool = False,
     **operands: Any,
 ) -> AttentionPlan:
-    """Print (to ``file``; ``None`` to stay quiet) and return the attention plan; works on ``"meta"`` tensors.
+    """Print (to ``file``; ``None`` to stay quiet) and return the attention plan; works on ``"meta"`` tensors
+    (q, k and v on one device).
 
     Takes :func:`attention`'s arguments and goes the same way (:func:`epicute.attention.prepare.prepare`):
     with a ``score_mod`` or ``epilogue`` (and their operands) the text ends with the epilogue chain
@@ -407,6 +409,7 @@ def explain_attention(
         (4, 16, (128, 1, 1))
     """
     check_text_file(file)
+    check_one_device(("q", q), ("k", k), ("v", v))
     score_mod, epilogue = _named_hooks(score_mod, epilogue)
     check_flags(causal=causal, deterministic=deterministic)
     call = check_attention_args(

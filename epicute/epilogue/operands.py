@@ -109,6 +109,14 @@ def _describe_forms(kind: str, sizes: dict[str, int], pinned: bool) -> str:
     return " or ".join(shapes)
 
 
+def declared_kind_error(name: str, declared: str, given: str, fix: str = "") -> EpilogueError:
+    """An operand given as another kind than the epilogue's annotation (``scale: Scalar``) declares: passed
+    to a call as another pin, or described in text (``--operand scale=row``, a spec's ``operands``)."""
+    return EpilogueError(
+        f"operand {name!r} is declared {PINS[declared].__name__} by the epilogue, but was passed as {given}{fix}"
+    )
+
+
 def _scalar(name: str, value: Any) -> OperandSpec:
     if isinstance(value, torch.Tensor):
         # A meta tensor has no value to read: only explain takes one (the plan does not depend on it).
@@ -157,10 +165,7 @@ def _resolve(name: str, value: Any, m: int, n: int, l: int, declared: str | None
     kind = declared
     if isinstance(value, Pin):
         if declared is not None and value.kind != declared:
-            raise EpilogueError(
-                f"operand {name!r} is declared {PINS[declared].__name__} by the epilogue, but was passed as "
-                f"{type(value).__name__}"
-            )
+            raise declared_kind_error(name, declared, type(value).__name__)
         kind, value = value.kind, value.value
     is_tensor = isinstance(value, torch.Tensor)
     if not is_tensor and not isinstance(value, numbers.Real):

@@ -51,6 +51,9 @@ from epicute.errors import DeviceError, DtypeError, EpilogueError, ShapeError
 SCALE_NAMES = ("a_scale", "b_scale")
 #: K extent of a block of blockwise scaling (DeepSeek-V3's recipe).
 BLOCK_K = 128
+#: The operand kinds :func:`fp8_scaling` makes of tensorwise and rowwise scales: a float is a scalar, a 1-element
+#: tensor a row (one value, zero stride); rowwise, A's one per row is a col and B's one per column a row.
+SCALE_KINDS = {"a_scale": ("scalar", "row", "col"), "b_scale": ("scalar", "row")}
 
 
 class ScaledEpilogue(Epilogue):
@@ -143,6 +146,24 @@ class Fp8Scaling:
         if self.block is not None:
             return epilogue, operands
         return scaled_epilogue(epilogue), {**self.operands, **operands}
+
+
+def check_scale_kind(name: str, text: str) -> None:
+    """A scale of an fp8 GEMM described in text (``--operand a_scale=col``, a spec's ``operands``) as
+    ``kind[:dtype]``: a kind some recipe takes (:data:`SCALE_KINDS`; ``blockwise`` is the mainloop's, taken
+    before), in fp32, as :func:`fp8_scaling` checks a call's scales."""
+    kind, _, dtype = str(text).partition(":")
+    legal = SCALE_KINDS[name]
+    if kind not in legal:
+        rowwise = {"a_scale": "a_scale=col, one per row of A, (M, 1)", "b_scale": "b_scale=row, one per column "
+                   "of B, (1, N)"}[name]  # fmt: skip
+        raise ShapeError(
+            f"{name}={text}: no fp8 recipe takes a {kind!r} scale; give {name} as {', '.join(legal)} or blockwise: "
+            f"tensorwise ({name}=scalar, a float; {name}=row, a 1-element fp32 tensor), rowwise ({rowwise}), or "
+            "blockwise (a_scale=blockwise and b_scale=blockwise, one per 128-wide block of K)"
+        )
+    if dtype not in ("", "fp32"):
+        raise DtypeError(f"{name}={text}: scales are fp32; give {name}={kind}" + (":fp32" if kind != "scalar" else ""))
 
 
 def fp8_scaling(
@@ -282,10 +303,12 @@ def _scale(name: str, value: Any, m: int, n: int, k: int, l: int, batched: bool,
 
 __all__ = [
     "BLOCK_K",
+    "SCALE_KINDS",
     "SCALE_NAMES",
     "BlockScales",
     "Fp8Scaling",
     "ScaledEpilogue",
+    "check_scale_kind",
     "dequantize_blockwise",
     "fp8_scaling",
     "grouped_block_scales",

@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from epicute.errors import ConfigError, EpilogueError
-from epicute.runtime.aot import check_fields, check_fp8_k, config_pins, import_object, is_size, operand_kind
+from epicute.runtime.aot import check_fields, check_fp8_k, config_pins, epilogue_operand_kinds, import_object, is_size
 
 if TYPE_CHECKING:
     from epicute.gemm import GemmProblem
@@ -90,7 +90,7 @@ def gemm_request(
     are scalars), ``out_dtypes`` IR dtype names, ``pins`` config fields, ``target`` the GPU to plan
     for (None: the current one), ``gated`` a gated epilogue ``f(gate, up, ...)``."""
     from epicute.epilogue.gated import gated_epilogue
-    from epicute.epilogue.scales import SCALE_NAMES, scaled_epilogue
+    from epicute.epilogue.scales import SCALE_NAMES, check_scale_kind, scaled_epilogue
     from epicute.epilogue.tracer import as_epilogue
     from epicute.gemm.prepare import GemmRequest, ir_items
 
@@ -117,6 +117,8 @@ def gemm_request(
         # mainloop's: epicute.epilogue.scales).
         epi = scaled_epilogue(epi)
         operands = {"a_scale": "col", "b_scale": "row", **operands}
+        for name in SCALE_NAMES:
+            check_scale_kind(name, operands[name])
     missing = [p for p in epi.params if p not in operands and p not in epi.defaults]
     extra = sorted(set(operands) - set(epi.params))
     if missing or extra:
@@ -124,5 +126,5 @@ def gemm_request(
             f"epilogue {epi.name!r} takes operands {epi.params}: give each as name = 'kind[:dtype]' "
             f"(missing {missing}, unexpected {extra})"
         )
-    kinds = tuple((p, *operand_kind(p, operands.get(p, "scalar"))) for p in epi.params)
+    kinds = epilogue_operand_kinds(epi, operands)
     return GemmRequest(problem, epi, kinds, d_explicit, ir_items(out_dtypes, "out_dtypes"), (), overrides, target)

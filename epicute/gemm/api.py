@@ -40,6 +40,7 @@ from epicute.runtime.checks import (
     check_flags,
     check_has_values,
     check_no_grad,
+    check_one_device,
     check_operand_names,
     check_outputs_apart,
     check_text_file,
@@ -627,8 +628,8 @@ def explain(
     so the plan is the one ``gemm`` launches: with ``epilogue`` (and its operands) it
     budgets the epilogue's shared memory, D's dtype is the one stored, and the text
     ends with the stage chain the kernel runs.
-    Works without a GPU: tensors may live on any device, ``"meta"`` included,
-    and the plan then targets an H100 SXM, or ``target``: a name of
+    Works without a GPU: tensors may live on any device, ``"meta"`` included
+    (``a`` and ``b`` on the same one), and the plan then targets an H100 SXM, or ``target``: a name of
     :data:`epicute.runtime.target.TARGETS` (``"h100-pcie"``, ``"h20"``...) or a
     :class:`~epicute.runtime.target.Target` (default: the visible GPU).
 
@@ -645,6 +646,7 @@ def explain(
         ['operand tile 0', 'row vector 0']
     """
     check_text_file(file)
+    check_one_device(("a", a), ("b", b))
     scales = (a_scale, b_scale)
     call, _, request, _ = describe_call(a, b, epilogue, out, out_dtype, out_dtypes, outs, config, operands, False,
                                         scales, gated)  # fmt: skip

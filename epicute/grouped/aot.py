@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from epicute.errors import ConfigError, EpilogueError
-from epicute.runtime.aot import check_fields, check_fp8_k, config_pins, import_object, is_size, operand_kind
+from epicute.runtime.aot import check_fields, check_fp8_k, config_pins, epilogue_operand_kinds, import_object, is_size
 
 if TYPE_CHECKING:
     from epicute.runtime.target import Target
@@ -102,7 +102,7 @@ def grouped_request(
         if missing or extra:
             raise EpilogueError(f"epilogue {epi.name!r} takes operands {epi.params}: give each as name = "
                                 f"'kind[:dtype]' (missing {missing}, unexpected {extra})")  # fmt: skip
-        kinds = tuple((p, *operand_kind(p, operands.get(p, "scalar"))) for p in epi.params)
+        kinds = epilogue_operand_kinds(epi, operands)
     elif operands or out_dtypes or gated:
         raise ConfigError("operands/out_dtypes/gated need an epilogue")
     total_m, n, k, groups = shape

@@ -29,6 +29,7 @@ from epicute.runtime.checks import (
     check_flags,
     check_has_values,
     check_no_grad,
+    check_one_device,
     check_operand_names,
     check_text_file,
     config_pins,
@@ -304,7 +305,7 @@ def explain_grouped(
 ) -> GroupedPlan:
     """Print (to ``file``; ``None``: quiet) and return the plan :func:`grouped_gemm` launches for these
     arguments: the grouped schedule, the tile plan and the epilogue chain. Tensors may be on any device
-    (``"meta"`` included: the offsets' values are never read).
+    (``"meta"`` included: the offsets' values are never read), ``a`` and ``b`` on the same one.
 
     Example:
         >>> import torch, epicute
@@ -316,6 +317,7 @@ def explain_grouped(
         (128, True)
     """
     check_text_file(file)
+    check_one_device(("a", a), ("b", b))
     _, _, request = describe_grouped_call(a, b, offsets, epilogue, None, out_dtype, out_dtypes, config, operands,
                                           False, gated=gated, scales=(a_scale, b_scale), a_index=a_index)  # fmt: skip
     plan = prepare(replace(request, target=resolve_target(target))).plan

@@ -200,6 +200,24 @@ def operand_kind(name: str, text: str, kinds: tuple[str, ...] = ("scalar", "row"
     return kind, dtype or "fp32"
 
 
+def epilogue_operand_kinds(epi: Any, operands: Mapping[str, str]) -> tuple[tuple[str, str, str], ...]:
+    """``(name, kind, dtype)`` of each of ``epi``'s operands, described as ``{name: "kind[:dtype]"}`` (a spec
+    entry, the CLI's ``--operand``). A kind must agree with the parameter's annotation (``scale: Scalar``), as a
+    pin passed to a call must (:func:`epicute.epilogue.operands.operand_spec`); one not described takes the
+    annotation's kind, else is a scalar."""
+    from epicute.epilogue.operands import declared_kind_error
+
+    kinds = []
+    for p in epi.params:
+        declared = epi.pins.get(p)
+        kind, dtype = operand_kind(p, operands.get(p, declared or "scalar"))
+        if declared is not None and kind != declared:
+            example = declared if declared == "scalar" else f"{declared}:{dtype}"
+            raise declared_kind_error(p, declared, repr(kind), f"; describe it as {p}={example}")
+        kinds.append((p, kind, dtype))
+    return tuple(kinds)
+
+
 def config_pins(entry: dict, config_cls: type) -> dict:
     """The entry's ``config`` table, each pin a field of ``config_cls`` of its type (the planner
     assumes both); TOML has no tuples, configs do (epi_tile, mma_atoms_mn)."""
@@ -302,6 +320,7 @@ __all__ = [
     "check_fields",
     "compile_spec",
     "config_pins",
+    "epilogue_operand_kinds",
     "import_object",
     "is_size",
     "operand_kind",

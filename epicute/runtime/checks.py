@@ -219,15 +219,22 @@ def config_pins(config: Any, cls: type) -> tuple[tuple[str, Any], ...]:
 config_pins._dynamo_marked_constant = True
 
 
+def check_one_device(*named: tuple[str, Any], where: str = "one device") -> None:
+    """Raise :class:`DeviceError` when the tensors among ``(name, value)`` live on different devices (``explain``
+    plans for any device, ``"meta"`` included, but the call it describes has its inputs on one; the kernel path
+    asks for one GPU). Values that are no tensors are left to the checks of their types."""
+    tensors = [(name, t) for name, t in named if isinstance(t, torch.Tensor)]
+    if len({t.device for _, t in tensors}) > 1:
+        listing = ", ".join(f"{name} on {t.device}" for name, t in tensors)
+        raise DeviceError(f"{listing}; move them to {where}")
+
+
 def check_on_one_hopper_gpu(*named: tuple[str, torch.Tensor]) -> None:
     """Raise :class:`DeviceError` unless every ``(name, tensor)`` lives on one CUDA device, a Hopper GPU."""
     for name, t in named:
         if t.device.type != "cuda":
             raise DeviceError(f"{name} is on {t.device}; epicute kernels run on a CUDA device: pass {name}.cuda()")
-    devices = {t.device for _, t in named}
-    if len(devices) > 1:
-        where = ", ".join(f"{name} on {t.device}" for name, t in named)
-        raise DeviceError(f"{where}; move them to one GPU")
+    check_one_device(*named, where="one GPU")
     device = named[0][1].device
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
@@ -290,6 +297,6 @@ def overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 __all__ = [
     "TMA_ALIGN_BYTES", "check_flags", "check_has_values", "check_no_grad", "check_on_one_hopper_gpu",
-    "check_operand_names", "check_outputs_apart", "check_text_file", "config_pins", "keyword_parameters", "overlaps",
-    "ranges_meet", "self_overlapping", "span_bytes",
+    "check_one_device", "check_operand_names", "check_outputs_apart", "check_text_file", "config_pins",
+    "keyword_parameters", "overlaps", "ranges_meet", "self_overlapping", "span_bytes",
 ]  # fmt: skip

@@ -421,6 +421,36 @@ def test_meta_scalar_operands_plan_in_explain():
     assert plan.config.tile_m == 128
 
 
+def test_explain_refuses_inputs_on_two_devices():
+    """explain plans for tensors of any device, meta included, but of one: a CPU ``a`` beside a meta ``b`` (or the
+    reverse) is refused as the kernel path refuses two devices (check_on_one_hopper_gpu's wording). The grouped
+    GEMM's and attention's explain do the same; inputs of one device, and meta scalars beside CPU inputs, plan."""
+    i32 = torch.int32
+    cases = [
+        (lambda: epicute.explain(rand(64, 64), meta(64, 64), file=None), "a on cpu, b on meta"),
+        (lambda: epicute.explain(meta(64, 64), rand(64, 64), file=None), "a on meta, b on cpu"),
+        (lambda: epicute.explain_grouped(rand(64, 64), meta(2, 64, 32), torch.tensor([32, 64], dtype=i32), file=None),
+         "a on cpu, b on meta"),
+        (lambda: epicute.explain_grouped(meta(64, 64), rand(2, 64, 32), meta(2, dtype=i32), file=None),
+         "a on meta, b on cpu"),
+        (lambda: epicute.explain_attention(rand(1, 128, 2, 64), meta(1, 128, 2, 64), meta(1, 128, 2, 64), file=None),
+         "q on cpu, k on meta, v on meta"),
+        (lambda: epicute.explain_attention(meta(1, 128, 2, 64), meta(1, 128, 2, 64), rand(1, 128, 2, 64), file=None),
+         "q on meta, k on meta, v on cpu"),
+    ]  # fmt: skip
+    for explain, where in cases:
+        with pytest.raises(DeviceError, match=rf"^{where}; move them to one device$"):
+            explain()
+    assert epicute.explain(rand(64, 64), rand(64, 64), file=None).problem.m == 64
+    assert epicute.explain(meta(64, 64), meta(64, 64), file=None).problem.m == 64
+    plan = epicute.explain(rand(64, 64), rand(64, 64), epilogue=lambda acc, s: acc * s,
+                           s=meta(1, dtype=torch.float32), file=None)  # fmt: skip
+    assert plan.problem.m == 64
+    offsets = torch.tensor([32, 64], dtype=i32)
+    assert epicute.explain_grouped(rand(64, 64), rand(2, 64, 32), offsets, file=None).problem.groups == 2
+    assert epicute.explain_attention(*(meta(1, 128, 2, 64),) * 3, file=None) is not None
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import epicute
-from epicute.errors import ConfigError, EpilogueError
+from epicute.errors import ConfigError, DtypeError, EpilogueError, ShapeError
 from epicute.gemm import api
 from epicute.gemm.aot import gemm_variants
 from epicute.runtime.aot import compile_spec, import_object, read_spec
@@ -117,6 +117,14 @@ def test_spec_without_out_dtype_stores_d_like_gemm_does(monkeypatch, tmp_path):
             "missing",
         ),
         ("[[gemm]]\nshapes = [[8, 8, 8]]\noperands = { x = 'row' }\n", ConfigError, "need an epilogue"),
+        ("[[gemm]]\nshapes = [[64, 64, 64]]\nepilogue = 'tensor_quant'\noperands = { scale = 'row' }\n", EpilogueError,
+         r"entry 1: operand 'scale' is declared Scalar by the epilogue, but was passed as 'row'; describe it as sc"),
+        ("[[gemm]]\nshapes = [[64, 64, 64]]\ndtype = 'fp8e4m3'\noperands = { a_scale = 'tile' }\n", ShapeError,
+         "a_scale=tile: no fp8 recipe takes a 'tile' scale"),
+        ("[[gemm]]\nshapes = [[64, 64, 64]]\ndtype = 'fp8e4m3'\noperands = { b_scale = 'row:bf16' }\n", DtypeError,
+         "b_scale=row:bf16: scales are fp32"),
+        ("[[grouped_gemm]]\nshapes = [[64, 64, 64, 2]]\nepilogue = 'tensor_quant'\noperands = { scale = 'tile' }\n",
+         EpilogueError, "operand 'scale' is declared Scalar by the epilogue, but was passed as 'tile'"),
         ("[[conv]]\nshapes = [[8, 8, 8]]\n", ConfigError, "unknown kernel kinds"),
         ("[[gemm]\n", ConfigError, "not valid TOML"),
         ("", ConfigError, r"names no kernels to compile; add an entry, e.g. \[\[gemm\]\] then shapes"),
