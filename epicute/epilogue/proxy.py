@@ -347,58 +347,6 @@ class Value:
             "(to nearest even); there is no rounding to an integer"
         )
 
-    def __pow__(self, other: Any) -> NoReturn:
-        self._unsupported("**")
-
-    __rpow__ = __pow__
-
-    def __floordiv__(self, other: Any) -> NoReturn:
-        self._unsupported("//")
-
-    __rfloordiv__ = __floordiv__
-
-    def __mod__(self, other: Any) -> NoReturn:
-        self._unsupported("%")
-
-    __rmod__ = __mod__
-
-    def __divmod__(self, other: Any) -> NoReturn:
-        self._unsupported("divmod()")
-
-    __rdivmod__ = __divmod__
-
-    def __matmul__(self, other: Any) -> NoReturn:
-        self._unsupported("@")
-
-    __rmatmul__ = __matmul__
-
-    def __and__(self, other: Any) -> NoReturn:
-        self._unsupported("&")
-
-    __rand__ = __and__
-
-    def __or__(self, other: Any) -> NoReturn:
-        self._unsupported("|")
-
-    __ror__ = __or__
-
-    def __xor__(self, other: Any) -> NoReturn:
-        self._unsupported("^")
-
-    __rxor__ = __xor__
-
-    def __invert__(self) -> NoReturn:
-        self._unsupported("~")
-
-    def __lshift__(self, other: Any) -> NoReturn:
-        self._unsupported("<<")
-
-    __rlshift__ = __lshift__
-
-    def __rshift__(self, other: Any) -> NoReturn:
-        self._unsupported(">>")
-
-    __rrshift__ = __rshift__
 
     def __getitem__(self, index: Any) -> NoReturn:
         raise EpilogueError(
@@ -436,6 +384,25 @@ class Value:
             f"(e.g. ops.exp, ops.gelu, ops.where) for math, and pass tensors as operands of the {hook}"
         )
 
+
+#: The binary operators a traced value refuses, by dunder name (their fixes: _OPERATOR_FIXES); each also reflected.
+_REFUSED_OPERATORS = {
+    "pow": "**", "floordiv": "//", "mod": "%", "divmod": "divmod()", "matmul": "@", "and": "&", "or": "|",
+    "xor": "^", "lshift": "<<", "rshift": ">>",
+}  # fmt: skip
+
+
+def _refuse(syntax: str) -> Any:
+    def refused(self: Value, *other: Any) -> NoReturn:
+        self._unsupported(syntax)
+
+    return refused
+
+
+for _name, _syntax in _REFUSED_OPERATORS.items():
+    setattr(Value, f"__{_name}__", _refuse(_syntax))
+    setattr(Value, f"__r{_name}__", _refuse(_syntax))
+Value.__invert__ = _refuse("~")  # type: ignore[method-assign]
 
 def _numpy_number(x: Any) -> bool:
     """A numpy scalar (a number to the graph), told apart without importing numpy."""
