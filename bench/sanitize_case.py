@@ -164,7 +164,7 @@ def backward_case() -> dict[str, float]:
 
 
 SPECIAL_CASES = {
-    "attention": lambda: attention_case(), "fp8_quantize": fp8_quantize_case, "grouped": grouped_case,
+    "attention": attention_case, "fp8_quantize": fp8_quantize_case, "grouped": grouped_case,
     "attention_gqa": attention_gqa_case, "decode_paged": decode_paged_case, "backward": backward_case,
 }  # fmt: skip
 

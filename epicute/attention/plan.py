@@ -328,9 +328,9 @@ def page_tile_n(tile_n: int, page_size: int) -> int:
 def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = True) -> dict | None:
     """The decode plan for ``problem`` (a config's fields plus ``why``), or None for prefill shapes.
 
-    Decode-shaped: the query heads of a GQA group times the queries per sequence fit one 64-row
-    warpgroup tile. Such a tile packs the group's heads (one K/V read serves them all), and when
-    its tiles leave SMs idle, each tile's keys are split over several CTAs (split-KV) whose
+    Decode-shaped: the query heads of a GQA group (padded to :func:`packed_rows`) times the queries
+    per sequence fit one 64-row warpgroup tile. Such a tile packs the group's heads (one K/V read
+    serves them all), and when its tiles leave SMs idle, each tile's keys are split over several CTAs (split-KV) whose
     partial results a second kernel combines. Both need the kernel to write O itself (no output
     epilogue); ``plain_output=False`` keeps the prefill plan."""
     p = problem

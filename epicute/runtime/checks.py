@@ -40,18 +40,17 @@ def _tensor_of(value: Any) -> torch.Tensor | None:
     return inner if isinstance(inner, torch.Tensor) else None
 
 
-def _named(named: Iterable[tuple[str, Any]], operands: Mapping[str, Any] | None) -> Iterable[tuple[str, str, Any]]:
-    """``(label, expression, value)`` of each ``named`` argument, then of each operand."""
-    for name, value in named:
-        yield name, name, value
+def _named(named: Iterable[tuple[str, Any]], operands: Mapping[str, Any] | None) -> Iterable[tuple[str, Any]]:
+    """``(label, value)`` of each ``named`` argument, then of each operand."""
+    yield from named
     for name, value in (operands or {}).items():
-        yield f"operand {name!r}", name, value
+        yield f"operand {name!r}", value
 
 
 def check_has_values(*named: tuple[str, Any], operands: Mapping[str, Any] | None = None) -> None:
     """Raise :class:`DeviceError` for a ``meta`` tensor: the reference backend computes values, and it has none.
     ``named``: ``(argument, value)`` pairs; ``operands``: an epilogue's (or score_mod's) by name, pins unwrapped."""
-    for label, _, value in _named(named, operands):
+    for label, value in _named(named, operands):
         t = _tensor_of(value)
         if t is not None and t.device.type == "meta":
             raise DeviceError(

@@ -14,6 +14,7 @@ import torch
 import epicute
 from epicute.attention import launch as rt_attention
 from epicute.attention.api import reference_attention
+from epicute.attention.plan import packed_rows
 from epicute.attention.prepare import hooks_of
 from epicute.attention.validate import check_attention_args
 from tests.attention.test_attention_gpu import _poisoned_outputs_and_exact_reference  # noqa: F401  (fixture)
@@ -92,7 +93,7 @@ RATIOS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 20, 24, 40, 48, 63, 64)
 
 @pytest.mark.parametrize("group", RATIOS)
 def test_every_gqa_ratio_packs_into_decode_tiles(group):
-    hkv, packed = 2, 1 << (group - 1).bit_length()
+    hkv, packed = 2, packed_rows(group)
     expect_pack = group if group > 1 else 1
     # One query: packed, and split while the tiles are few.
     check(*dense(2, 1, 3001, group * hkv, hkv, 128), causal=True, expect={"pack_gqa": expect_pack, "split_kv": True})
