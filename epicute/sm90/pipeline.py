@@ -19,6 +19,8 @@
 - :class:`RingState`: the one ring-position type of every ring (compact: one
   counter; tracked: count, index and phase), and :func:`wait_full`, a consumer
   wait whose retry loop stays off the hot path.
+- :func:`meet_unaligned`: a named barrier that threads may reach from different
+  instructions (roles meeting from their own code).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import dataclasses
 import enum
 
 import cutlass
-from cutlass import cute, pipeline
+from cutlass import Int32, cute, pipeline
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 
 class NamedBarriers(enum.IntEnum):
@@ -56,6 +60,26 @@ class NamedBarriers(enum.IntEnum):
     #: the dQ writer warp waits, then issues the reduce-add).
     DQ_FULL_WG1 = 11
     DQ_FULL_WG2 = 12
+
+
+@dsl_user_op
+def meet_unaligned(barrier_id: int, number_of_threads: int, *, loc=None, ip=None) -> None:
+    """``barrier.cta.sync barrier_id, number_of_threads`` without ``.aligned``.
+
+    ``cute.arch.barrier`` emits ``bar.sync``, which is ``.aligned``: the PTX ISA then requires
+    every participating thread to execute the *same* barrier instruction. Roles that meet from
+    their own code (a producer warp after its write, consumers before their read) break that
+    rule, and synccheck reports "Divergent thread(s) in block"; the unaligned form allows it.
+    """
+    llvm.inline_asm(
+        None,
+        [Int32(int(barrier_id)).ir_value(loc=loc, ip=ip), Int32(int(number_of_threads)).ir_value(loc=loc, ip=ip)],
+        "barrier.cta.sync $0, $1;",
+        "r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 def make_tma_load_pipeline(

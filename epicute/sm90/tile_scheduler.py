@@ -40,7 +40,7 @@ import cutlass
 from cutlass import Int32, cute
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
-from epicute.sm90.pipeline import NamedBarriers, wait_full
+from epicute.sm90.pipeline import NamedBarriers, meet_unaligned, wait_full
 from epicute.sm90.tile_grid import launched
 
 
@@ -446,10 +446,8 @@ class TileQueue(PersistentTileScheduler):
     def meet(self):
         """Dynamic tiles: the producer warp (after writing a tile) and the consumers (before reading it) meet."""
         if cutlass.const_expr(self.dynamic):
-            # bar.sync is warp-aligned: the producer's lane-0 writes and elected arrives may leave
-            # its warp diverged here (synccheck saw it), so it reconverges first.
-            cute.arch.sync_warp()
-            cute.arch.barrier(barrier_id=NamedBarriers.TILE_ANNOUNCED, number_of_threads=self.meeting_threads)
+            # The producer and the consumers meet from different code: an unaligned barrier.
+            meet_unaligned(NamedBarriers.TILE_ANNOUNCED, self.meeting_threads)
 
     @cute.jit
     def follow(self, tile, ring, state):
