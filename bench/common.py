@@ -39,7 +39,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], **timing) -> dict[str
 
 
 # Distribution names whose versions are recorded when installed; epicute and the DSL always appear.
-_OPTIONAL_DISTS = ("quack-kernels", "flash-attn-4")
+_OPTIONAL_DISTS = ("quack-kernels", "flash-attn-4", "liger-kernel")
 
 
 def check_contenders(

@@ -26,6 +26,7 @@ from epicute.runtime.torch_ops import (
     TorchOp,
     assume_constant_result,
     config_of,
+    grad_slot,
     operand_values,
     plain_fn,
     register_score_mod_traced,
@@ -151,12 +152,6 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _grad_slot(value: list):
-    """No gradient for a list input, in the structure autograd expects back: a list of tensors
-    (an empty list included) is a list of slots, any other list one leaf."""
-    return [None] * len(value) if all(isinstance(x, torch.Tensor) for x in value) else None
-
-
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, operands, scalars, score_mod, _epilogue, spec, _page_table, _seqused_k, cu_q, cu_k = inputs
     o, lse = output
@@ -166,7 +161,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.packed = cu_q is not None
     ctx.save_for_backward(q, k, v, o, lse, *((cu_q, cu_k) if ctx.packed else ()), *operands)
     ctx.hooks = (scalars, score_mod, spec)
-    ctx.list_slots = tuple(_grad_slot(x) for x in (operands, scalars))
+    ctx.list_slots = tuple(grad_slot(x) for x in (operands, scalars))
     ctx.operand_needs_grad = tuple(t.requires_grad for t in operands)
 
 

@@ -18,8 +18,10 @@ a graph whose output depends on one is refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from epicute.epilogue import optable
-from epicute.epilogue.graph import LEAVES, Graph
+from epicute.epilogue.graph import LEAVES, Graph, Node
 from epicute.epilogue.proxy import Recorder, Value
 from epicute.errors import EpilogueError
 
@@ -79,15 +81,8 @@ def _differentiate(graph: Graph, wrts: tuple[str, ...], output: str) -> tuple[Re
             raise EpilogueError(f"derivative: wrt={wrt!r} is neither {' nor '.join(ACCUMULATORS)} nor an operand of "
                                 f"the graph ({sorted(dict(graph.inputs))})")  # fmt: skip
     rec = Recorder()
-    values: list[Value] = []
-    tangents: list[list] = [[] for _ in wrts]
     with rec.active():
-        for node in graph.nodes:
-            # The node again (its id may move: tangent nodes come between), over its arguments' new ids.
-            args = tuple(values[a] for a in node.args)
-            values.append(rec.add(node.op, tuple(a.id for a in args), node.kind, node.dtype, node.attrs))
-            for wrt, wrt_tangents in zip(wrts, tangents):
-                wrt_tangents.append(_tangent(node, args, values[-1], wrt, wrt_tangents))
+        values, tangents = replay_with_tangents(graph, wrts, rec)
         results = []
         for wrt_tangents in tangents:
             result = wrt_tangents[names[output]]
@@ -98,6 +93,32 @@ def _differentiate(graph: Graph, wrts: tuple[str, ...], output: str) -> tuple[Re
                 result = rec.add("const", kind="scalar", attrs=(("value", 0.0 if result is None else result),))
             results.append(result)
     return rec, values[names[output]], tuple(results)
+
+
+def replay_with_tangents(
+    graph: Graph, wrts: tuple[str, ...], rec: Recorder, leaf: Callable[[Node], Value | None] | None = None
+) -> tuple[list[Value], list[list]]:
+    """Record ``graph``'s nodes again in ``rec`` (active) with each node's tangent by each of ``wrts``: the
+    nodes' new values, and per ``wrt`` a list of tangents by node id (None: zero; a float: that constant;
+    an undifferentiable marker for a value that came through a reduction). ``leaf(node)`` may give a leaf
+    another value (a gradient graph reads a saved accumulator as an operand); the tangents still seed on
+    the original leaves."""
+    values: list[Value] = []
+    tangents: list[list] = [[] for _ in wrts]
+    for node in graph.nodes:
+        replaced = leaf(node) if leaf is not None and node.op in LEAVES else None
+        # The node again (its id may move: tangent nodes come between), over its arguments' new ids.
+        args = tuple(values[a] for a in node.args)
+        values.append(replaced if replaced is not None else
+                      rec.add(node.op, tuple(a.id for a in args), node.kind, node.dtype, node.attrs))  # fmt: skip
+        for wrt, wrt_tangents in zip(wrts, tangents):
+            wrt_tangents.append(_tangent(node, args, values[-1], wrt, wrt_tangents))
+    return values, tangents
+
+
+def is_undifferentiable(tangent) -> bool:
+    """Whether a tangent of :func:`replay_with_tangents` came through a reduction (has no elementwise derivative)."""
+    return isinstance(tangent, _Undifferentiable)
 
 
 def _tangent(node, args: tuple, value: Value, wrt: str, tangents: list):
@@ -126,4 +147,4 @@ class _Undifferentiable:
         self.op = op
 
 
-__all__ = ["ACCUMULATORS", "derivative", "value_and_derivative"]
+__all__ = ["ACCUMULATORS", "derivative", "is_undifferentiable", "replay_with_tangents", "value_and_derivative"]

@@ -9,7 +9,6 @@ from dataclasses import replace
 from typing import Any, NamedTuple, TextIO
 
 import torch
-from rich.progress import Progress
 
 from epicute.epilogue.dtypes import IR_TO_TORCH, TORCH_TO_IR
 from epicute.epilogue.gated import check_gated_call, gated_epilogue
@@ -18,7 +17,15 @@ from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import reference_gemm, round_to
 from epicute.epilogue.scales import dequantize_blockwise, fp8_scaling
 from epicute.epilogue.tracer import TraceMemo, as_epilogue, trace_key
-from epicute.errors import ConfigError, DeviceError, DtypeError, EpilogueError, OutputError, SignatureError
+from epicute.errors import (
+    ConfigError,
+    DeviceError,
+    DtypeError,
+    EpilogueError,
+    GradientError,
+    OutputError,
+    SignatureError,
+)
 from epicute.gemm import GemmPlan, render_plan
 from epicute.gemm.config import GemmConfig
 from epicute.gemm.epilogue_args import aux_outputs, check_outs, check_outs_names, kernel_inputs
@@ -32,14 +39,13 @@ from epicute.gemm.prepared import (
     source_signature,
     unwrap,
 )
-from epicute.gemm.torch_op import gemm_op_call
+from epicute.gemm.torch_op import gemm_op_call, needs_backward
 from epicute.gemm.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry, tune_key
 from epicute.gemm.validate import D_TORCH_DTYPES, GemmCall, check_gemm_args
 from epicute.runtime.checks import (
     TMA_ALIGN_BYTES,
     check_flags,
     check_has_values,
-    check_no_grad,
     check_one_device,
     check_operand_names,
     check_outputs_apart,
@@ -133,9 +139,10 @@ def gemm(
     A repeat call of a signature seen before takes the cached path (:mod:`epicute.gemm.prepared`); a loop
     that calls one signature many times can hold the object itself (:func:`prepare_gemm`).
 
-    The kernel's backward is not built yet: under autograd, a call whose tensors require grad raises
-    :class:`~epicute.errors.GradientError` (call it under ``torch.no_grad()``/``torch.inference_mode()``, pass
-    ``.detach()``-ed tensors, or use ``backend="reference"``, which is differentiable). ``a`` and ``b`` are
+    Differentiable: under autograd, a call whose ``a``, ``b`` or epilogue operands require grad records a
+    backward derived from the epilogue (:mod:`epicute.gemm.autograd`: gradients to ``a``, ``b`` and every
+    floating-point operand; reductions, ``quantize_groups`` and fp8 outputs carry none). fp8 inputs and scales,
+    and ``out``/``outs``, take no gradient (:class:`~epicute.errors.GradientError`). ``a`` and ``b`` are
     positional-only, so epilogue operands may take those names; an operand named like one of the keyword
     parameters (``out``, ``config``, ...) is refused with :class:`~epicute.errors.EpilogueError`.
 
@@ -162,9 +169,9 @@ def gemm(
             a, b, epilogue=epilogue, out=out, out_dtype=out_dtype, out_dtypes=out_dtypes, outs=outs,
             a_scale=a_scale, b_scale=b_scale, backend=backend, config=config, operands=operands, gated=gated,
         )  # fmt: skip
-    # The kernel has no backward yet: inputs that require grad under autograd are refused (check_no_grad) before
-    # anything launches. The cached paths test only their own tensors' requires_grad (a plain call's host time is
-    # counted in tenths of a microsecond), and leave every other call to the whole check below.
+    # A call autograd records goes through the op, which carries the backward (needs_backward). The cached paths
+    # test only their own tensors' requires_grad (a plain call's host time is counted in tenths of a
+    # microsecond), and leave every other call to the whole check below.
     fast = None
     if backend == "kernel" and not tune:
         # No epilogue, out, operands or options: a plain call, or fp8 with scale tensors and nothing else.
@@ -196,8 +203,9 @@ def gemm(
                 return repeat.scaled(a, b, a_scale, b_scale)
             fast = _FastCall(key, (a, b, None, a_scale, b_scale), None, (), ()) if aligned else None
         else:
-            check_no_grad("epicute.gemm", ("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale),
-                          ("out", out), *_named_outs(outs), operands=operands)  # fmt: skip
+            if needs_backward(a, b, a_scale, b_scale, out, outs, operands):
+                return _differentiable(a, b, epilogue, out_dtype, out_dtypes, a_scale, b_scale, config, gated,
+                                       operands)  # fmt: skip
             fast = _fast_key(a, b, out, (a_scale, b_scale), epilogue, operands, outs, out_dtype, out_dtypes, config,
                              gated)  # fmt: skip
             repeat = _PREPARED_CALLS.get(fast.key) if fast is not None else None
@@ -210,9 +218,8 @@ def gemm(
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
     scales = (a_scale, b_scale)
     check_flags(tune=tune)
-    if backend == "kernel":
-        check_no_grad("epicute.gemm", ("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("out", out),
-                      *_named_outs(outs), operands=operands)  # fmt: skip
+    if backend == "kernel" and needs_backward(a, b, a_scale, b_scale, out, outs, operands):
+        return _differentiable(a, b, epilogue, out_dtype, out_dtypes, a_scale, b_scale, config, gated, operands)
     if backend == "reference":
         check_has_values(("a", a), ("b", b), ("out", out), ("a_scale", a_scale), ("b_scale", b_scale),
                          *_named_outs(outs), operands=operands)  # fmt: skip
@@ -236,6 +243,15 @@ def gemm(
     a_ref, b_ref = _reference_inputs(call)
     results = reference_gemm(a_ref, b_ref, request.epilogue, operands, stored, gated=call.gated)
     return _deliver(call, results, outs)
+
+
+def _differentiable(a, b, epilogue, out_dtype, out_dtypes, a_scale, b_scale, config, gated, operands):
+    """A call autograd records: through the op, whose backward (:mod:`epicute.gemm.autograd`) is derived from the
+    epilogue; eager and ``torch.compile`` then train through the same code."""
+    return gemm_op_call(
+        a, b, epilogue=epilogue, out=None, out_dtype=out_dtype, out_dtypes=out_dtypes, outs=None, a_scale=a_scale,
+        b_scale=b_scale, backend="kernel", config=config, operands=operands, gated=gated,
+    )  # fmt: skip
 
 
 def prepare_gemm(
@@ -536,6 +552,8 @@ def tune(
         return time_cuda(run, warmup=warmup, iters=iters)
 
     # Timing needs no gradient: inputs that require grad (a model's weights) are run as inference.
+    from rich.progress import Progress  # tune() alone draws a bar: rich stays out of `import epicute`
+
     with Progress(transient=True, disable=not progress) as bar, torch.no_grad():
         task = bar.add_task("tuning", total=len(options))
 
@@ -658,7 +676,7 @@ def explain(
     elif outs:
         check_outs_names(outs, ())
     if file is not None:
-        text = render_plan(plan)
+        text = render_plan(plan) + "\n\n" + _backward_line(request, call.problem)
         # Tuned winners are stored per GPU: only the current one's apply to its own plan.
         tuned = None
         if resolved == current_target():
@@ -673,6 +691,19 @@ def explain(
         # Resolved per call so redirect_stdout, capsys and notebooks see the text.
         print(text, file=sys.stdout if file == "stdout" else file)
     return plan
+
+
+def _backward_line(request, problem) -> str:
+    """What a training call's backward would do (:func:`epicute.gemm.autograd.plan_backward`), for ``explain``."""
+    from epicute.gemm.autograd import plan_backward
+    from epicute.gemm.prepare import lower_epilogue
+
+    graph = lower_epilogue(request).graph if request.epilogue is not None else None
+    try:
+        line = plan_backward(graph, problem.k).explain(problem.m, problem.n, problem.k)
+    except GradientError as exc:
+        line = f"backward: none ({exc})"
+    return "under autograd\n  " + line
 
 
 #: Keyword parameters of the GEMM's entry points: an epilogue operand of one of these names would bind to the

@@ -161,9 +161,10 @@ class PreparedGemmCall:
     def __call__(self, a, b, /, *, out=None, outs=None, a_scale=None, b_scale=None, **operands):
         if outs is not None and not isinstance(outs, dict):
             raise SignatureError(f"outs is a {type(outs).__name__}; pass a dict of preallocated aux tiles by name")
-        # The kernel has no backward yet: refuse inputs that need one.
-        check_no_grad("epicute.gemm", ("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("out", out),
-                      *((f"outs[{n!r}]", t) for n, t in (outs or {}).items()), operands=operands)  # fmt: skip
+        # A recorded launch has no backward: refuse inputs that need one (epicute.gemm has it).
+        check_no_grad("a prepared call (epicute.prepare_gemm)", ("a", a), ("b", b), ("a_scale", a_scale),
+                      ("b_scale", b_scale), ("out", out), *((f"outs[{n!r}]", t) for n, t in (outs or {}).items()),
+                      operands=operands, instead="To train, call epicute.gemm, which is differentiable. ")  # fmt: skip
         if operands.keys() != set(self._names):  # dict keys against a set: in any order
             raise SignatureError(
                 f"operands {sorted(operands)}: this call was prepared for {sorted(self._names)}; pass those, or {_FIX}"

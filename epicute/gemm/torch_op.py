@@ -19,18 +19,28 @@ from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
 from epicute.epilogue.gated import check_gated_call, gated_epilogue, output_columns
 from epicute.epilogue.graph import REDUCTIONS
 from epicute.epilogue.group_quant import GROUP_N
-from epicute.epilogue.operands import PINS
+from epicute.epilogue.operands import PINS, Pin
 from epicute.epilogue.scales import SCALE_NAMES, fp8_scaling
 from epicute.epilogue.tracer import as_epilogue
-from epicute.errors import ConfigError, EpilogueError
+from epicute.errors import ConfigError, EpilogueError, GradientError
+from epicute.gemm.autograd import (
+    BackwardStep,
+    DenseKernels,
+    plan_backward,
+    remembered_plan,
+    saved_dtype,
+    saving_epilogue,
+    setup_backward,
+)
 from epicute.gemm.config import GemmConfig, GemmProblem
 from epicute.gemm.prepare import GemmRequest, lower_epilogue
 from epicute.gemm.validate import FP8_TORCH_DTYPES
-from epicute.runtime.checks import check_no_grad, check_operand_names, config_pins
+from epicute.runtime.checks import check_operand_names, config_pins
 from epicute.runtime.torch_ops import (
     TorchOp,
     assume_constant_result,
     config_of,
+    grad_slot,
     operand_values,
     plain_fn,
     register_gated_traced,
@@ -61,19 +71,78 @@ def gemm_op(
     """``epicute.gemm(a, b, ...)`` as an op: ``[D, *aux outputs]`` (see the module docstring)."""
     from epicute.gemm.api import gemm
 
-    result = gemm(a, b, **_gemm_kwargs(operands, scalars, epilogue, json.loads(spec)))
+    spec = json.loads(spec)
+    kwargs = _gemm_kwargs(operands, scalars, epilogue, spec)
+    names = registered_outputs(epilogue) if epilogue else ("D",)
+    plan = backward_plan_of(a, b, operands, scalars, epilogue, spec)
+    if plan is not None and plan.saved:  # the forward of a "save" backward: the accumulators too
+        graph = plan.graph
+        kwargs["epilogue"] = saving_epilogue(graph, ir_dtype(saved_dtype(a.dtype), "a"))
+        kwargs["out_dtype"] = None
+        stored = dict(graph.output_dtypes)
+        kwargs["out_dtypes"] = {name: IR_TO_TORCH[stored[name]] for name in names}
+        names = (*names, *plan.saved)
+    result = gemm(a, b, **kwargs)
     if isinstance(result, torch.Tensor):
         return [result]
-    return [result[name] for name in registered_outputs(epilogue)]
+    return [result[name] for name in names]
+
+
+def user_graph(a, b, operands, scalars, epilogue: str, spec: dict):
+    """The graph of the call's own epilogue (fp8 scales aside: its ``acc`` is the scaled accumulator), with
+    every output's stored dtype as the call settles it; None without an epilogue. Tensor values are never
+    read (fake tensors do)."""
+    if not epilogue:
+        return None
+    values = fake_operand_values(operands, scalars, spec)
+    for name in SCALE_NAMES:
+        values.pop(name, None)
+    epi = registered_epilogue(epilogue)
+    l = a.shape[0] if a.dim() == 3 else 1
+    m, n = a.shape[-2], output_columns(b.shape[-1], spec.get("gated", False))
+    return fake_lowered_graph(a, _d_dtype(a, spec), epi, epi.operands(values, m, n, l), spec)
+
+
+def backward_plan_of(a, b, operands, scalars, epilogue: str, spec: dict):
+    """The call's :class:`~epicute.gemm.autograd.BackwardPlan`, or None when it was made without one (no input
+    required grad). Remembered by what it depends on (the forward, setup and fake all ask) where shapes are ints."""
+    if not spec.get("backward"):
+        return None
+    memo = plan_memo_key("gemm", (a, b, *operands), epilogue, spec)
+    graph = lambda: user_graph(a, b, operands, scalars, epilogue, spec)  # noqa: E731 - computed on a miss only
+    return remembered_plan(memo, lambda: plan_backward(graph(), a.shape[-1]))
+
+
+def plan_memo_key(family: str, tensors: tuple, epilogue: str, spec: dict) -> tuple | None:
+    """What an op call's backward plan depends on: the family, the epilogue, the spec (pins, dtypes, gated), and the
+    shapes and dtypes that settle operand kinds; None under symbolic shapes (a trace asks once anyway)."""
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    if not all(type(d) is int for shape in shapes for d in shape):
+        return None
+    return (family, epilogue, json.dumps(spec, sort_keys=True), shapes, tuple(t.dtype for t in tensors))
+
+
+def _d_dtype(a: torch.Tensor, spec: dict) -> str:
+    """D's IR dtype as the call settles it (check_gemm_args' rule: fp8 inputs give bf16)."""
+    default_d = "bf16" if a.dtype in FP8_TORCH_DTYPES else ir_dtype(a.dtype, "a")
+    return spec["out_dtype"] or spec["out_dtypes"].get("D") or default_d
 
 
 def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
     spec = json.loads(spec)
     l_dims = (a.shape[0],) if a.dim() == 3 else ()
     m, n = a.shape[-2], output_columns(b.shape[-1], spec.get("gated", False))
+    plan = backward_plan_of(a, b, operands, scalars, epilogue, spec)
+    saved = [a.new_empty((*l_dims, m, n), dtype=saved_dtype(a.dtype)) for _ in (plan.saved if plan else ())]
+    return _forward_fake(a, b, operands, scalars, epilogue, spec) + saved
+
+
+def _forward_fake(a, b, operands, scalars, epilogue, spec: dict) -> list[torch.Tensor]:
+    """The outputs of the call's own epilogue, as fakes."""
+    l_dims = (a.shape[0],) if a.dim() == 3 else ()
+    m, n = a.shape[-2], output_columns(b.shape[-1], spec.get("gated", False))
     fp8 = a.dtype in FP8_TORCH_DTYPES
-    default_d = "bf16" if fp8 else ir_dtype(a.dtype, "a")  # as check_gemm_args settles it
-    d_dtype = IR_TO_TORCH[spec["out_dtype"] or spec["out_dtypes"].get("D") or default_d]
+    d_dtype = IR_TO_TORCH[_d_dtype(a, spec)]
     if not epilogue and not fp8:
         return [a.new_empty((*l_dims, m, n), dtype=d_dtype)]
     epi = registered_epilogue(epilogue) if epilogue else None
@@ -100,8 +169,27 @@ def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
     return outputs
 
 
-#: The op (defined by ``import epicute`` from the family's declaration, :mod:`epicute.families`).
-GEMM_OP = TorchOp("epicute::gemm", gemm_op, _gemm_fake)
+def _setup_context(ctx, inputs, output) -> None:
+    a, b, operands, scalars, epilogue, spec_json = inputs
+    spec = json.loads(spec_json)
+    plan = backward_plan_of(a, b, operands, scalars, epilogue, spec)
+    names = registered_outputs(epilogue) if epilogue else ("D",)
+    setup_backward(ctx, plan, names, output, (a, b), operands, scalars, spec)
+
+
+def _backward(ctx, grads):
+    step = BackwardStep.of(ctx, grads, "epicute.gemm", SCALE_NAMES)
+    if step is None:
+        return None, None, [None] * ctx.call.count, grad_slot(ctx.call.scalars), None, None
+    a, b = step.inputs
+    kernels = DenseKernels(a, b, step.gated, step.loaders)
+    da, db, by_operand = step.run(kernels, tuple(ctx.needs_input_grad[:2]), saved_dtype(a.dtype))
+    return da, db, step.operand_grads(by_operand), grad_slot(ctx.call.scalars), None, None
+
+
+#: The op (defined by ``import epicute`` from the family's declaration, :mod:`epicute.families`), differentiable
+#: by the backward :mod:`epicute.gemm.autograd` derives from its epilogue.
+GEMM_OP = TorchOp("epicute::gemm", gemm_op, _gemm_fake, _backward, _setup_context)
 
 
 def fake_operand_values(operands: list, scalars: list, spec: dict, not_scalars: tuple = ()) -> dict[str, Any]:
@@ -161,9 +249,7 @@ def gemm_op_call(
     """:func:`epicute.gemm` while ``torch.compile`` traces it: one ``epicute::gemm`` op (dynamo-traceable)."""
     if backend != "kernel":
         raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
-    # The op has no backward yet: refuse inputs that need one, as the eager call does.
-    check_no_grad("epicute.gemm", ("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale), ("out", out),
-                  *((f"outs[{n!r}]", t) for n, t in (outs or {}).items()), operands=operands)  # fmt: skip
+    backward = needs_backward(a, b, a_scale, b_scale, out, outs, operands)
     if epilogue is None and (operands or out_dtypes or outs):
         given = sorted(operands) or list(out_dtypes or outs)
         raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
@@ -182,7 +268,8 @@ def gemm_op_call(
     tensor_names, tensors, scalar_names, scalars, pins = split_operands({**operands, **scales})
     spec = spec_text(
         tuple(tensor_names), tuple(scalar_names), tuple(pins), config,
-        (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted(out_dtypes.items()))), ("gated", gated)),
+        (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted(out_dtypes.items()))), ("gated", gated),
+         *((("backward", True),) if backward else ())),
     )  # fmt: skip
     results = torch.ops.epicute.gemm(a, b, tensors, scalars, key, spec)
     results = dict(zip(outputs, results))
@@ -192,4 +279,30 @@ def gemm_op_call(
     return results["D"] if len(outputs) == 1 else results
 
 
-__all__ = ["GEMM_OP", "gemm_op", "gemm_op_call"]
+def needs_backward(a, b, a_scale, b_scale, out, outs, operands: dict) -> bool:
+    """Whether autograd records this call (grad mode on, and a, b or an epilogue operand requires grad); raises
+    :class:`~epicute.errors.GradientError` for what has no gradient: fp8 inputs, scales, ``out=``/``outs=``."""
+    if not torch.is_grad_enabled():
+        return False
+    tensors = {"a": a, "b": b, **{f"operand {name!r}": value.value if isinstance(value, Pin) else value
+                                  for name, value in operands.items()}}  # fmt: skip
+    needs = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not needs:
+        return False
+    for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise GradientError(f"{name} requires grad: fp8 dequantization scales take no gradient; pass "
+                                f"{name}.detach()")  # fmt: skip
+    fp8 = [name for name in ("a", "b") if tensors[name].dtype in FP8_TORCH_DTYPES and tensors[name].requires_grad]
+    if fp8:
+        raise GradientError(f"{fp8[0]} is an fp8 tensor that requires grad: fp8 GEMM inputs take no gradient "
+                            f"(quantize from a tensor that does, and pass the fp8 one .detach()-ed)")  # fmt: skip
+    if out is not None or outs:
+        raise GradientError(
+            f"{' and '.join(needs)} require grad, but out=/outs= were given: outputs written into preallocated "
+            "tensors take no gradient (as torch's out= arguments); drop out/outs to train"
+        )
+    return True
+
+
+__all__ = ["GEMM_OP", "gemm_op", "gemm_op_call", "needs_backward", "plan_memo_key"]

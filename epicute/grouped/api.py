@@ -23,12 +23,11 @@ from epicute.gemm.validate import check_d_rows
 from epicute.grouped.launch import run_grouped
 from epicute.grouped.plan import GroupedPlan, render_grouped_plan
 from epicute.grouped.prepare import GroupedRequest, PreparedGrouped, prepare
-from epicute.grouped.torch_op import grouped_gemm_op_call
+from epicute.grouped.torch_op import grouped_gemm_op_call, needs_grouped_backward
 from epicute.grouped.validate import GroupedCall, check_a_index_values, check_grouped_args, check_offsets_values
 from epicute.runtime.checks import (
     check_flags,
     check_has_values,
-    check_no_grad,
     check_one_device,
     check_operand_names,
     check_text_file,
@@ -107,8 +106,10 @@ def grouped_gemm(
             ``a``'s rows, so a bad one reads a wrong row, never outside ``a``. Groups splitting M; fp8 ``a`` takes
             its ``a_scale`` per token, ``(T, ceil(K/128))``, read through the same index.
 
-    Under autograd, tensors that require grad are refused with :class:`~epicute.errors.GradientError` on the
-    kernel backend (its backward is not built yet; ``torch.no_grad()``, ``.detach()`` or ``backend="reference"``).
+    Differentiable (rows, gathered or not, and gated): under autograd, ``a``, ``b`` and every floating-point
+    epilogue operand get gradients, derived from the epilogue (:mod:`epicute.gemm.autograd`); ``da`` of gathered
+    rows is summed back into each token, ``db`` runs on the variable-K kernel. fp8 inputs and scales, ``out`` and
+    variable-K calls take none (:class:`~epicute.errors.GradientError`).
     ``a``, ``b`` and ``offsets`` are positional-only: epilogue operands may take those names.
 
     Returns:
@@ -142,9 +143,14 @@ def grouped_gemm(
         raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
     on_gpu = backend == "kernel"
     named = (("a", a), ("b", b), ("out", out), ("a_scale", a_scale), ("b_scale", b_scale))
-    if on_gpu:  # the kernel has no backward yet: refuse inputs that need one
-        check_no_grad("epicute.grouped_gemm", *named, operands=operands)
-    else:
+    loader_args = {"a_index": a_index, "a_scale": a_scale, "b_scale": b_scale}
+    if on_gpu and needs_grouped_backward(a, b, out, loader_args, operands):
+        # Through the op, whose backward (epicute.gemm.autograd) is derived from the epilogue.
+        return grouped_gemm_op_call(
+            a, b, offsets, epilogue=epilogue, out=None, out_dtype=out_dtype, out_dtypes=out_dtypes, backend=backend,
+            config=config, check_offsets=check_offsets, gated=gated, loader_args=loader_args, operands=operands,
+        )  # fmt: skip
+    if not on_gpu:
         check_has_values(*named, operands=operands)  # offsets and a_index: their device is checked with a's
     call, specs, request = describe_grouped_call(
         a, b, offsets, epilogue, out, out_dtype, out_dtypes, config, operands, on_gpu, check_offsets, gated,

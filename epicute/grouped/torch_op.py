@@ -19,15 +19,24 @@ from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
 from epicute.epilogue.gated import gated_epilogue, output_columns
 from epicute.epilogue.graph import REDUCTIONS
 from epicute.epilogue.tracer import as_epilogue
-from epicute.errors import ConfigError, EpilogueError
+from epicute.errors import ConfigError, EpilogueError, GradientError
+from epicute.gemm.autograd import (
+    BackwardStep,
+    plan_backward,
+    remembered_plan,
+    saved_dtype,
+    saving_epilogue,
+    setup_backward,
+)
 from epicute.gemm.config import GemmConfig
-from epicute.gemm.torch_op import fake_lowered_graph, fake_operand_values
+from epicute.gemm.torch_op import fake_lowered_graph, fake_operand_values, needs_backward, plan_memo_key
 from epicute.gemm.validate import FP8_TORCH_DTYPES
-from epicute.runtime.checks import check_no_grad, check_operand_names, config_pins
+from epicute.runtime.checks import check_operand_names, config_pins
 from epicute.runtime.torch_ops import (
     TorchOp,
     assume_constant_result,
     config_of,
+    grad_slot,
     operand_values,
     plain_fn,
     register_gated_traced,
@@ -55,40 +64,71 @@ def grouped_gemm_op(
     from epicute.grouped.api import grouped_gemm
 
     parsed = json.loads(spec)
-    result = grouped_gemm(
-        a, b, offsets,
-        epilogue=registered_epilogue(epilogue) if epilogue else None,
-        out_dtype=IR_TO_TORCH[parsed["out_dtype"]] if parsed["out_dtype"] else None,
-        out_dtypes={k: IR_TO_TORCH[v] for k, v in parsed["out_dtypes"].items()} or None,
-        config=config_of(parsed),
-        gated=parsed["gated"],
-        **operand_values(operands, scalars, parsed),
-    )  # fmt: skip
+    kwargs = {
+        "epilogue": registered_epilogue(epilogue) if epilogue else None,
+        "out_dtype": IR_TO_TORCH[parsed["out_dtype"]] if parsed["out_dtype"] else None,
+        "out_dtypes": {k: IR_TO_TORCH[v] for k, v in parsed["out_dtypes"].items()} or None,
+    }
+    names = registered_outputs(epilogue) if epilogue else ("D",)
+    plan = _backward_plan(a, b, offsets, operands, scalars, epilogue, parsed)
+    if plan is not None and plan.saved:  # the forward of a "save" backward: the accumulators too
+        stored = dict(plan.graph.output_dtypes)
+        kwargs = {"epilogue": saving_epilogue(plan.graph, ir_dtype(saved_dtype(a.dtype), "a")), "out_dtype": None,
+                  "out_dtypes": {name: IR_TO_TORCH[stored[name]] for name in names}}  # fmt: skip
+        names = (*names, *plan.saved)
+    result = grouped_gemm(a, b, offsets, config=config_of(parsed), gated=parsed["gated"], **kwargs,
+                          **operand_values(operands, scalars, parsed))  # fmt: skip
     if isinstance(result, torch.Tensor):
         return [result]
-    return [result[name] for name in registered_outputs(epilogue)]
+    return [result[name] for name in names]
 
 
-def _grouped_gemm_fake(a, b, offsets, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
-    spec = json.loads(spec)
+def _user_graph(a, b, offsets, operands, scalars, epilogue: str, spec: dict):
+    """The graph of the call's own epilogue with every output's stored dtype settled, and the call's rows; the
+    graph is None without an epilogue. Tensor values are never read."""
     values = fake_operand_values(operands, scalars, spec, not_scalars=LOADER_ARGS)
     a_index = values.pop("a_index", None)
     for name in LOADER_ARGS:
         values.pop(name, None)
-    groups, n = offsets.shape[0], b.shape[-1]
-    d_n = output_columns(n, spec["gated"])
-    if b.dim() == 2:  # variable K: one (M, N) per group
-        rows, batch, shape = a.shape[0], groups, (groups, a.shape[0], d_n)
-    else:
-        rows = a.shape[0] if a_index is None else a_index.shape[0]
-        batch, shape = groups, (rows, d_n)
-    fp8 = a.dtype in FP8_TORCH_DTYPES
-    default_d = "bf16" if fp8 else ir_dtype(a.dtype, "a")  # as check_grouped_args settles it
-    d_dtype = spec["out_dtype"] or spec["out_dtypes"].get("D") or default_d
+    groups, d_n = offsets.shape[0], output_columns(b.shape[-1], spec["gated"])
+    # Variable K (a 2-D b) has one (M, N) per group; gathered rows have a_index's.
+    rows = a.shape[0] if b.dim() == 2 or a_index is None else a_index.shape[0]
+    d_dtype = _d_dtype(a, spec)
     if not epilogue:
-        return [a.new_empty(shape, dtype=IR_TO_TORCH[d_dtype])]
+        return None, rows, d_n, d_dtype
     epi = registered_epilogue(epilogue)
-    graph = fake_lowered_graph(a, d_dtype, epi, epi.operands(values, rows, d_n, batch), spec)
+    return fake_lowered_graph(a, d_dtype, epi, epi.operands(values, rows, d_n, groups), spec), rows, d_n, d_dtype
+
+
+def _d_dtype(a: torch.Tensor, spec: dict) -> str:
+    default_d = "bf16" if a.dtype in FP8_TORCH_DTYPES else ir_dtype(a.dtype, "a")  # as check_grouped_args settles it
+    return spec["out_dtype"] or spec["out_dtypes"].get("D") or default_d
+
+
+def _backward_plan(a, b, offsets, operands, scalars, epilogue: str, spec: dict):
+    """The call's backward plan, or None when it was made without one (no input required grad)."""
+    if not spec.get("backward"):
+        return None
+    memo = plan_memo_key("grouped_gemm", (a, b, offsets, *operands), epilogue, spec)
+    graph = lambda: _user_graph(a, b, offsets, operands, scalars, epilogue, spec)[0]  # noqa: E731 - on a miss only
+    return remembered_plan(memo, lambda: plan_backward(graph(), a.shape[-1]))
+
+
+def _grouped_gemm_fake(a, b, offsets, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
+    spec = json.loads(spec)
+    graph, rows, d_n, d_dtype = _user_graph(a, b, offsets, operands, scalars, epilogue, spec)
+    groups = offsets.shape[0]
+    shape = (groups, a.shape[0], d_n) if b.dim() == 2 else (rows, d_n)
+    plan = _backward_plan(a, b, offsets, operands, scalars, epilogue, spec)
+    saved = [a.new_empty(shape, dtype=saved_dtype(a.dtype)) for _ in (plan.saved if plan else ())]
+    if graph is None:
+        return [a.new_empty(shape, dtype=IR_TO_TORCH[d_dtype])]
+    return _epilogue_fakes(a, b, graph, groups, rows, shape) + saved
+
+
+def _epilogue_fakes(a, b, graph, groups: int, rows, shape) -> list[torch.Tensor]:
+    """The epilogue's outputs as fakes, in its order."""
+    d_n = shape[-1]
     stored = dict(graph.output_dtypes)
     variable_k = b.dim() == 2
     # Reductions as run_grouped returns them (by the kind of vector each gives): one value per row, per column of
@@ -107,8 +147,69 @@ def _grouped_gemm_fake(a, b, offsets, operands, scalars, epilogue, spec) -> list
     return outputs
 
 
-#: The op (defined by ``import epicute`` from the family's declaration, :mod:`epicute.families`).
-GROUPED_GEMM_OP = TorchOp("epicute::grouped_gemm", grouped_gemm_op, _grouped_gemm_fake)
+def _setup_context(ctx, inputs, output) -> None:
+    a, b, offsets, operands, scalars, epilogue, spec_json = inputs
+    spec = json.loads(spec_json)
+    plan = _backward_plan(a, b, offsets, operands, scalars, epilogue, spec)
+    names = registered_outputs(epilogue) if epilogue else ("D",)
+    setup_backward(ctx, plan, names, output, (a, b, offsets), operands, scalars, spec)
+
+
+def _backward(ctx, grads):
+    step = BackwardStep.of(ctx, grads, "epicute.grouped_gemm", LOADER_ARGS)
+    if step is None:
+        return None, None, None, [None] * ctx.call.count, grad_slot(ctx.call.scalars), None, None
+    a, b, offsets = step.inputs
+    kernels = GroupedKernels(a, b, offsets, step.gated, step.loaders)
+    da, db, by_operand = step.run(kernels, tuple(ctx.needs_input_grad[:2]), saved_dtype(a.dtype))
+    return da, db, None, step.operand_grads(by_operand), grad_slot(ctx.call.scalars), None, None
+
+
+class GroupedKernels:
+    """:class:`~epicute.gemm.autograd.GradientKernels` of ``epicute.grouped_gemm`` over rows (gathered or not):
+    the gradient epilogue per group, ``da`` a grouped GEMM with the transposed weights (scattered back to the
+    tokens by ``a_index``), ``db`` the variable-K grouped GEMM. Each is a call of the op (eager, or traced)."""
+
+    def __init__(self, a, b, offsets, gated: bool, loaders: dict) -> None:
+        self.a, self.b, self.offsets, self.gated, self.loaders = a, b, offsets, gated, loaders
+
+    def gradient_pass(self, epilogue, recompute, out_dtypes, operands):
+        a, b, offsets = self.a, self.b, self.offsets
+        if recompute:
+            results = _grouped(a, b, offsets, epilogue, out_dtypes, operands, self.gated, self.loaders)
+        else:  # the epilogue over a zero accumulator (K = 0), which it does not read
+            index = self.loaders.get("a_index")
+            rows, dtype = a.shape[0] if index is None else index.shape[0], out_dtypes["D"]
+            zero_b = a.new_zeros((b.shape[0], 0, output_columns(b.shape[-1], self.gated)), dtype=dtype)
+            results = _grouped(a.new_zeros((rows, 0), dtype=dtype), zero_b, offsets, epilogue, out_dtypes, operands)
+        return results if isinstance(results, dict) else {"D": results}
+
+    def data_grad(self, dacc):
+        rows = _grouped(dacc, self.b.transpose(-2, -1), self.offsets)
+        index = self.loaders.get("a_index")
+        if index is None:
+            return rows
+        # A token routed to several experts sums their rows' gradients (in fp32: at most top-k adds each).
+        return torch.zeros(self.a.shape, dtype=torch.float32, device=rows.device).index_add_(
+            0, index.long(), rows.float()
+        ).to(self.a.dtype)
+
+    def weight_grad(self, dacc):
+        index = self.loaders.get("a_index")
+        rows = self.a if index is None else self.a[index.long()]
+        return _grouped(rows.contiguous().t(), dacc, self.offsets)  # variable K: x[rows of g].T @ dacc[rows of g]
+
+
+def _grouped(a, b, offsets, epilogue=None, out_dtypes=None, operands=None, gated=False, loaders=None):
+    return grouped_gemm_op_call(
+        a, b, offsets, epilogue=epilogue, out=None, out_dtype=None, out_dtypes=out_dtypes, backend="kernel",
+        config=None, check_offsets=False, gated=gated, loader_args=loaders or {}, operands=operands or {},
+    )  # fmt: skip
+
+
+#: The op (defined by ``import epicute`` from the family's declaration, :mod:`epicute.families`), differentiable
+#: by the backward :mod:`epicute.gemm.autograd` derives from its epilogue.
+GROUPED_GEMM_OP = TorchOp("epicute::grouped_gemm", grouped_gemm_op, _grouped_gemm_fake, _backward, _setup_context)
 
 
 @assume_constant_result
@@ -143,9 +244,7 @@ def grouped_gemm_op_call(
     if check_offsets:
         raise ConfigError("check_offsets=True reads the offsets on the host, a sync torch.compile cannot trace; "
                           "check them outside the compiled region")  # fmt: skip
-    # The op has no backward yet: refuse inputs that need one, as the eager call does.
-    check_no_grad("epicute.grouped_gemm", ("a", a), ("b", b), ("out", out), ("a_scale", loader_args.get("a_scale")),
-                  ("b_scale", loader_args.get("b_scale")), operands=operands)  # fmt: skip
+    backward = needs_grouped_backward(a, b, out, loader_args, operands)
     if epilogue is None and (operands or out_dtypes or gated):
         given = sorted(operands) or list(out_dtypes or ["gated"])
         raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
@@ -162,7 +261,8 @@ def grouped_gemm_op_call(
     tensor_names, tensors, scalar_names, scalars, pins = split_operands({**operands, **loaders})
     spec = spec_text(
         tuple(tensor_names), tuple(scalar_names), tuple(pins), config,
-        (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted((out_dtypes or {}).items()))), ("gated", gated)),
+        (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted((out_dtypes or {}).items()))), ("gated", gated),
+         *((("backward", True),) if backward else ())),
     )  # fmt: skip
     results = dict(zip(outputs, torch.ops.epicute.grouped_gemm(a, b, offsets, tensors, scalars, key, spec)))
     if out is not None:
@@ -171,4 +271,15 @@ def grouped_gemm_op_call(
     return results["D"] if len(outputs) == 1 else results
 
 
-__all__ = ["GROUPED_GEMM_OP", "grouped_gemm_op", "grouped_gemm_op_call"]
+def needs_grouped_backward(a, b, out, loader_args: dict, operands: dict) -> bool:
+    """Whether autograd records this call (:func:`epicute.gemm.torch_op.needs_backward`'s rules); a variable-K call
+    (a weight gradient itself) takes none."""
+    if not needs_backward(a, b, loader_args.get("a_scale"), loader_args.get("b_scale"), out, None, operands):
+        return False
+    if b.dim() == 2:
+        raise GradientError("a variable-K grouped GEMM (a 2-D b: weight gradients) records no backward; call it "
+                            "under torch.no_grad() or pass .detach()-ed tensors")  # fmt: skip
+    return True
+
+
+__all__ = ["GROUPED_GEMM_OP", "GroupedKernels", "grouped_gemm_op", "grouped_gemm_op_call", "needs_grouped_backward"]

@@ -59,20 +59,21 @@ def check_has_values(*named: tuple[str, Any], operands: Mapping[str, Any] | None
             )
 
 
-def check_no_grad(entry: str, *named: tuple[str, Any], operands: Mapping[str, Any] | None = None) -> None:
-    """Raise :class:`GradientError` when autograd records and an argument requires grad: ``entry`` (the kernel
-    path of a GEMM family) has no backward yet, so its result would carry no gradient and a training step would
-    silently stop learning. ``named``: ``(argument, value)`` pairs; ``operands``: the epilogue's by name (pins
-    unwrapped). Costs one ``torch.is_grad_enabled()`` under ``torch.no_grad()``/``inference_mode()``."""
+def check_no_grad(entry: str, *named: tuple[str, Any], operands: Mapping[str, Any] | None = None,
+                  instead: str = "") -> None:  # fmt: skip
+    """Raise :class:`GradientError` when autograd records and an argument requires grad: ``entry`` records no
+    backward, so its result would carry no gradient and a training step would silently stop learning. ``named``:
+    ``(argument, value)`` pairs; ``operands``: the epilogue's by name (pins unwrapped); ``instead``: where a
+    differentiable call is. Costs one ``torch.is_grad_enabled()`` under ``torch.no_grad()``/``inference_mode()``."""
     if not torch.is_grad_enabled():
         return
     for name, value in named:
         if value is not None and (value.requires_grad if type(value) is torch.Tensor else _requires_grad(value)):
-            raise _gradient_error(entry, name, name)
+            raise _gradient_error(entry, name, name, instead)
     if operands:
         for name, value in operands.items():
             if _requires_grad(value):
-                raise _gradient_error(entry, f"operand {name!r}", name)
+                raise _gradient_error(entry, f"operand {name!r}", name, instead)
 
 
 def _requires_grad(value: Any) -> bool:
@@ -80,12 +81,11 @@ def _requires_grad(value: Any) -> bool:
     return t is not None and t.requires_grad
 
 
-def _gradient_error(entry: str, label: str, expr: str) -> GradientError:
+def _gradient_error(entry: str, label: str, expr: str, instead: str) -> GradientError:
     return GradientError(
-        f"{label} requires grad, but the backward of {entry} is not built yet: its result would carry no "
-        f"gradient (training would silently stop learning). For inference, call it under torch.no_grad() "
-        f"or torch.inference_mode(), or pass {expr}.detach(); for a differentiable result use "
-        "backend='reference' (float32 on the CPU)"
+        f"{label} requires grad, but {entry} records no backward: its result would carry no gradient (training "
+        f"would silently stop learning). {instead or ''}For inference, call it under torch.no_grad() or "
+        f"torch.inference_mode(), or pass {expr}.detach()"
     )
 
 

@@ -39,7 +39,7 @@ from epicute.epilogue.gated import gated_epilogue
 from epicute.epilogue.hashing import semantic_hash
 from epicute.epilogue.operands import PINS, Pin
 from epicute.epilogue.score_mod import score_mod as as_score_mod
-from epicute.epilogue.tracer import Epilogue, as_epilogue
+from epicute.epilogue.tracer import Epilogue, as_epilogue, trace_key
 from epicute.errors import EpilogueError
 
 _EPILOGUES: dict[str, Epilogue] = {}
@@ -77,7 +77,18 @@ def registered_epilogue(key: str) -> Epilogue:
         ) from None
 
 
+#: Registrations by what tracing depends on (:func:`~epicute.epilogue.tracer.trace_key`) and the hook: a repeat
+#: call of an eager training step (which goes through the op) does not trace its epilogue again.
+_REGISTERED: dict[tuple, tuple[str, tuple[str, ...]]] = {}
+
+
 def _register(fn: Callable, hook: Callable[[Callable], Epilogue] = as_epilogue) -> tuple[str, tuple[str, ...]]:
+    memo = trace_key(fn)
+    if memo is not None:
+        memo = (hook, memo)
+        hit = _REGISTERED.get(memo)
+        if hit is not None:
+            return hit
     epi = hook(fn)
     kinds = {p: epi.pins.get(p, "tile") for p in epi.params}
     try:
@@ -93,6 +104,10 @@ def _register(fn: Callable, hook: Callable[[Callable], Epilogue] = as_epilogue) 
         _EPILOGUES.setdefault(key, epi)
         _OUTPUTS[key] = tuple(name for name, _ in graph.outputs)
         _STORED[key] = dict(graph.output_dtypes)
+        if memo is not None:
+            if len(_REGISTERED) >= 4096:
+                _REGISTERED.clear()
+            _REGISTERED[memo] = (key, _OUTPUTS[key])
     return key, _OUTPUTS[key]
 
 
@@ -151,6 +166,12 @@ def operand_values(operands: list[torch.Tensor], scalars: list[float], spec: dic
     for name, kind in spec["pins"].items():
         values[name] = PINS[kind](values[name])
     return values
+
+
+def grad_slot(value: list):
+    """No gradient for a list input of an op, in the structure autograd expects back: a list of tensors
+    (an empty list included) is a list of slots, any other list one leaf."""
+    return [None] * len(value) if all(isinstance(x, torch.Tensor) for x in value) else None
 
 
 def config_of(spec: dict) -> dict | None:
@@ -247,7 +268,8 @@ def register_meta(op, fake: Callable) -> None:
 
 
 __all__ = [
-    "TorchOp", "assume_constant_result", "define_op", "define_ops", "dtype_name", "operand_values", "plain_fn",
+    "TorchOp", "assume_constant_result", "define_op", "define_ops", "dtype_name", "grad_slot", "operand_values",
+    "plain_fn",
     "plain_value", "register_epilogue", "register_meta", "register_score_mod", "registered_casts",
     "registered_epilogue", "registered_outputs", "spec_text", "split_operands",
 ]  # fmt: skip

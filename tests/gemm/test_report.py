@@ -89,8 +89,30 @@ def test_explain_meta_tensors_prints_and_returns_the_plan():
     plan = epicute.explain(a, b, out_dtype=torch.float32, file=buf)
     assert isinstance(plan, GemmPlan)
     assert plan.problem == GemmProblem(4096, 1024, 2048, d_dtype="fp32", a_major="k", b_major="k")
-    assert buf.getvalue() == render_plan(plan) + "\n"
+    assert buf.getvalue().startswith(render_plan(plan) + "\n\nunder autograd\n  backward: plain")
     assert "B bf16 column-major (K contiguous); D fp32 row-major" in buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("k", "epilogue", "plan"),
+    [
+        (2048, lambda acc, bias: acc + bias, "backward: operands (the gradient does not read acc: nothing saved)"),
+        (2048, lambda acc, bias: epicute.ops.gelu(acc + bias), "backward: save (the forward also stores acc (16.0 MiB)"),
+        (64, lambda acc, bias: epicute.ops.gelu(acc + bias), "1. a GEMM recomputing a @ b, epilogue derived"),
+        (2048, lambda acc, bias: dict(zip(("D", "scales"), epicute.ops.quantize_groups(acc + bias))),
+         "backward: none: no output carries a gradient"),
+    ],
+    ids=["operands", "save", "recompute", "quantized"],
+)
+def test_explain_prints_the_backward_plan(k, epilogue, plan):
+    a, b = _meta_operands(4096, 2048, k)
+    bias = torch.empty(2048, dtype=torch.bfloat16, device="meta")
+    buf = io.StringIO()
+    epicute.explain(a, b, epilogue=epilogue, bias=bias, file=buf)
+    backward = buf.getvalue().split("under autograd")[1]
+    assert plan in backward
+    if "quantize" not in plan and "none" not in plan:
+        assert "D, d_bias <- " in backward and "col_sum" in backward and "3. db = a^T @ dacc" in backward
 
 
 def test_explain_passes_config_overrides():

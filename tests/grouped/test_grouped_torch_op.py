@@ -118,24 +118,41 @@ def test_compiled_grouped_reductions_have_their_shapes_on_meta():
 
 
 @pytest.mark.parametrize("fullgraph", [True, False])
-def test_compiled_grouped_calls_needing_gradients_or_bad_configs_are_refused(fullgraph):
-    """No autograd for the op yet: inputs that require grad are refused under torch.compile as in eager; a malformed
-    config too (fullgraph=True: dynamo's report carries the message)."""
+def test_compiled_grouped_calls_refuse_bad_configs_and_gradients_without_one(fullgraph):
+    """A malformed config, and a gradient through a variable-K call (a weight gradient itself), are refused under
+    torch.compile as in eager (fullgraph=True: dynamo's report carries the message)."""
     offs = meta(2, dtype=torch.int32)
-
-    def plain(x, w, offs):
-        return epicute.grouped_gemm(x, w.transpose(-2, -1), offs)
 
     def pinned(x, w, offs):
         return epicute.grouped_gemm(x, w.transpose(-2, -1), offs, config={"tile_n": "128"})
 
     cases = [
-        (plain, (meta(10, 64).requires_grad_(), meta(2, 136, 64)), epicute.GradientError, "a requires grad"),
-        (plain, (meta(10, 64), meta(2, 136, 64).requires_grad_()), epicute.GradientError, "b requires grad"),
         (pinned, (meta(10, 64), meta(2, 136, 64)), ConfigError, "GemmConfig.tile_n takes a positive int"),
+        (f_wgrad, (meta(300, 64).requires_grad_(), meta(300, 136)), epicute.GradientError, "records no backward"),
     ]
     for fn, args, error, words in cases:
         torch._dynamo.reset()
         with pytest.raises(Exception) as info:
             torch.compile(fn, fullgraph=fullgraph, backend="eager")(*args, offs)
         assert isinstance(info.value, error) or words in str(info.value), info.value
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_grouped_training_step_on_meta(dynamic):
+    """The op's registered backward under torch.compile(fullgraph=True): on "meta" tensors the whole step runs (the
+    op's meta kernel is its fake), gathered rows and a gated epilogue with a router weight included; every input
+    that needs a gradient gets one of its own shape."""
+
+    def step(x, w13, offs, index, score):
+        h = epicute.grouped_gemm(x, w13.transpose(-2, -1), offs, a_index=index, gated=True, score=score,
+                                 epilogue=lambda gate, up, score: epicute.ops.silu(gate) * up * score)  # fmt: skip
+        return h.float().sum()
+
+    torch._dynamo.reset()
+    x, w13, score = meta(100, 512).requires_grad_(), meta(4, 272, 512).requires_grad_(), meta(300, 1).requires_grad_()
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=dynamic)(
+        x, w13, meta(4, dtype=torch.int32), meta(300, dtype=torch.int32), score
+    )
+    loss.backward()
+    for t in (x, w13, score):
+        assert t.grad is not None and t.grad.shape == t.shape

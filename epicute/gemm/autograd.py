@@ -1,0 +1,350 @@
+"""Autograd of ``epicute.gemm``: the backward of a GEMM and its epilogue, derived from the epilogue's graph.
+
+For ``outputs = f(acc, operands)`` with ``acc = a @ b``, the loss's gradients of the outputs give (see
+:mod:`epicute.epilogue.backward`) ``dacc`` and the operands' gradients, one epilogue graph; then
+``da = dacc @ b^T`` and ``db = a^T @ dacc``, two plain GEMMs. Where that graph runs is the backward plan
+(:func:`plan_backward`, printed by ``epicute explain``):
+
+- ``plain``: no epilogue; ``dacc`` is D's gradient itself.
+- ``none``: no output carries a gradient (statistics, quantized tiles): nothing to run.
+- ``operands``: the gradient graph does not read the accumulator (``acc + bias``, ``acc * alpha + residual``):
+  the forward saves nothing, and the backward runs the graph as the epilogue of a zero-K GEMM (an
+  elementwise pass over the gradients, the bias gradient a ``col_sum`` of the same kernel).
+- ``save``: the forward also stores the accumulator (the pre-activation) as an aux output in the
+  inputs' dtype, ``M x N x 2`` bytes, and the backward's zero-K pass reads it.
+- ``recompute``: the forward saves nothing; the backward recomputes ``a @ b`` with the gradient graph as its
+  epilogue (``2 M N K`` flops, no extra memory). It costs less time than ``save``'s write and read only
+  while ``K`` is small (:data:`RECOMPUTE_BELOW_K`), so the planner picks it there.
+
+Outputs without a gradient (reductions, ``quantize_groups``, fp8 tiles) are marked non-differentiable.
+The op ``torch.ops.epicute.gemm`` carries this backward (``torch.library.register_autograd``), so eager
+training and ``torch.compile`` (``dynamic=True`` too) run the same code; :func:`epicute.gemm` routes a call
+whose tensors require grad through the op.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from epicute.epilogue.backward import (
+    DACC,
+    DACC_UP,
+    SAVED,
+    differentiable_outputs,
+    grad_name,
+    gradient_graph,
+    operand_grad_name,
+    reads_accumulator,
+    replay_epilogue,
+)
+from epicute.epilogue.dtypes import ir_dtype
+from epicute.epilogue.gated import GATE_BLOCK, output_columns
+from epicute.epilogue.graph import Graph
+from epicute.errors import GradientError
+
+#: Below this K, recomputing ``a @ b`` in the backward (``2 M N K`` flops at ~800 TFLOPS) costs less than
+#: saving the accumulator and reading it back (``4 M N`` bytes at ~4.8 TB/s on an H200): they meet at K ~ 330.
+RECOMPUTE_BELOW_K = 256
+#: The plans, as :func:`plan_backward` names them.
+PLANS = ("plain", "none", "operands", "save", "recompute")
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """How a GEMM call's backward runs (see the module docstring)."""
+
+    mode: str
+    #: the forward epilogue's graph (None for a plain GEMM)
+    graph: Graph | None
+    #: the accumulators the forward stores as extra outputs (``save``): names in :data:`SAVED`
+    saved: tuple[str, ...] = ()
+
+    def explain(self, m: int, n: int, k: int, dtype_bytes: int = 2) -> str:
+        """``explain``'s account: the plan, what the forward saves, and the backward's kernels with their
+        epilogues (the derived gradient graph's nodes, every operand needing a gradient)."""
+        if self.mode == "plain":
+            return "backward: plain\n  1. da = dD @ b^T\n  2. db = a^T @ dD"
+        if self.mode == "none":
+            return "backward: none: no output carries a gradient (reductions, quantize_groups and fp8 tiles do not)"
+        why = {
+            "operands": "the gradient does not read acc: nothing saved",
+            "save": f"the forward also stores acc ({m * n * dtype_bytes * len(self.saved) / 2**20:.1f} MiB): "
+            f"K={k} >= {RECOMPUTE_BELOW_K}, cheaper than recomputing a @ b",
+            "recompute": f"K={k} < {RECOMPUTE_BELOW_K}: recomputing a @ b costs less than saving acc; nothing saved",
+        }[self.mode]
+        outputs = differentiable_outputs(self.graph)
+        operands = tuple(name for name, _ in self.graph.inputs)
+        gb = gradient_graph(self.graph, dict.fromkeys(outputs, "bf16"), operands, saved_acc=self.mode == "save")
+        ops = ", ".join(f"%{node.id} {node.op}" for node in gb.nodes if node.op not in ("acc", "input", "const"))
+        results = ", ".join(name for name, _ in gb.outputs)
+        first = ("a GEMM recomputing a @ b" if self.mode == "recompute" else "a zero-K pass (the epilogue alone)")
+        return (f"backward: {self.mode} ({why})\n  1. {first}, epilogue derived from the forward's: {results} <- {ops}"
+                "\n  2. da = dacc @ b^T\n  3. db = a^T @ dacc")  # fmt: skip
+
+
+def plan_backward(graph: Graph | None, k: int) -> BackwardPlan:
+    """The backward plan of a call whose forward epilogue is ``graph``: raises
+    :class:`~epicute.errors.GradientError` when an output has no gradient it could need (it depends on a
+    reduction of the accumulator)."""
+    return _plan_backward(graph, bool(k < RECOMPUTE_BELOW_K))  # a guard on K under symbolic shapes
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_backward(graph: Graph | None, small_k: bool) -> BackwardPlan:
+    if graph is None:
+        return BackwardPlan("plain", None)
+    outputs = differentiable_outputs(graph)
+    operands = tuple(name for name, _ in graph.inputs)
+    if not outputs:
+        return BackwardPlan("none", graph)
+    probe = gradient_graph(graph, dict.fromkeys(outputs, "fp32"), operands)
+    if not reads_accumulator(probe):
+        return BackwardPlan("operands", graph)
+    if small_k:
+        return BackwardPlan("recompute", graph)
+    return BackwardPlan("save", graph, ("saved_acc", "saved_acc_up") if graph.gated else ("saved_acc",))
+
+
+_PLANS: dict[tuple, BackwardPlan] = {}
+
+
+def remembered_plan(memo: tuple | None, compute: Callable[[], BackwardPlan]) -> BackwardPlan:
+    """An op call's backward plan, computed once per ``memo`` (None: not remembered): the forward, its
+    ``setup_context`` and its fake all ask for it on every call."""
+    plan = _PLANS.get(memo) if memo is not None else None
+    if plan is None:
+        plan = compute()
+        if memo is not None:
+            if len(_PLANS) >= 4096:
+                _PLANS.clear()
+            _PLANS[memo] = plan
+    return plan
+
+
+def saving_epilogue(graph: Graph, dtype: str) -> Any:
+    """The forward epilogue of a ``save`` plan: ``graph`` plus its accumulators as tile outputs (:data:`SAVED`)
+    stored in ``dtype``, as a replayed epilogue function."""
+    leaves = {node.op: node.id for node in graph.nodes if node.op in SAVED}
+    extra = tuple((SAVED[op], leaves[op]) for op in ("acc", "acc_up") if op in leaves)
+    augmented = Graph(graph.nodes, graph.inputs, graph.outputs + extra,
+                      graph.output_dtypes + tuple((name, dtype) for name, _ in extra))  # fmt: skip
+    return replay_epilogue(augmented, "forward_saving_acc")
+
+
+def saved_dtype(a_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a ``save`` plan stores the accumulator in: the inputs' (16-bit), bf16 for fp8 inputs."""
+    return a_dtype if a_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+@functools.lru_cache(maxsize=256)
+def _gradient_epilogue(graph: Graph, grads: tuple, operands: tuple, saved: bool):
+    gb = gradient_graph(graph, dict(grads), operands, saved_acc=saved)
+    return gb, replay_epilogue(gb)
+
+
+class GradientKernels(Protocol):
+    """What a family runs for a backward (:func:`backward_of`): the gradient epilogue's pass, and the data and
+    weight gradients of ``dacc``."""
+
+    def gradient_pass(self, epilogue: Callable, recompute: bool, out_dtypes: dict, operands: dict) -> dict: ...
+
+    def data_grad(self, dacc: torch.Tensor) -> torch.Tensor: ...
+
+    def weight_grad(self, dacc: torch.Tensor) -> torch.Tensor: ...
+
+
+def backward_of(
+    plan: BackwardPlan,
+    kernels: GradientKernels,
+    values: dict[str, Any],
+    saved: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor],
+    needs: tuple[bool, bool],
+    operands: tuple[str, ...],
+    gated: bool,
+    acc_dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """``(da, db, {operand: gradient as the kernel reduces it})`` for the outputs' gradients ``grads`` (by name).
+
+    ``values``: the epilogue's operands by name; ``saved``: the tiles a ``save`` plan stored; ``needs``: whether
+    a and b need a gradient; ``operands``: the operands that need one; ``acc_dtype``: what ``dacc`` is stored in.
+    Operand gradients come back fp32, shaped as the kernel's reductions are (a row operand's ``col_sum``...).
+    """
+    if plan.mode == "plain":
+        dacc, by_operand = grads["D"], {}
+    else:
+        grad_dtypes = tuple((name, ir_dtype(t.dtype, name)) for name, t in grads.items())
+        gb, epilogue = _gradient_epilogue(plan.graph, grad_dtypes, operands, plan.mode == "save")
+        inputs = {name for name, _ in gb.inputs}
+        given = {**values, **saved, **{grad_name(name): t for name, t in grads.items()}}
+        out_dtypes = {name: acc_dtype if name in (DACC, DACC_UP) else torch.float32 for name, _ in gb.outputs
+                      if name in (DACC, DACC_UP) or gb.output_node(name).kind == "tile"}  # fmt: skip
+        results = kernels.gradient_pass(epilogue, plan.mode == "recompute", out_dtypes,
+                                        {name: value for name, value in given.items() if name in inputs})  # fmt: skip
+        dacc = _interleave(results[DACC], results[DACC_UP]) if gated and any(needs) else results[DACC]
+        by_operand = {name: results[operand_grad_name(name)] for name in operands}
+    da = kernels.data_grad(dacc) if needs[0] else None
+    db = kernels.weight_grad(dacc) if needs[1] else None
+    return da, db, by_operand
+
+
+class DenseKernels:
+    """:class:`GradientKernels` of ``epicute.gemm``: ``a @ b`` (batched or not) and its fp8 scales/gated flag. Each
+    GEMM is a call of the op, which runs eagerly as well as under AOTAutograd's trace of a compiled backward."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, gated: bool, scales: dict[str, Any]) -> None:
+        self.a, self.b, self.gated, self.scales = a, b, gated, scales
+
+    def gradient_pass(self, epilogue, recompute, out_dtypes, operands):
+        a, b = self.a, self.b
+        if recompute:
+            return _as_dict(_gemm(a, b, epilogue, out_dtypes, operands, self.gated, self.scales))
+        # An elementwise pass: the epilogue over a zero accumulator (K = 0), which it does not read.
+        lead, m, n = a.shape[:-2], a.shape[-2], output_columns(b.shape[-1], self.gated)
+        dtype = out_dtypes[DACC]
+        zero_a, zero_b = a.new_zeros((*lead, m, 0), dtype=dtype), a.new_zeros((*lead, 0, n), dtype=dtype)
+        return _as_dict(_gemm(zero_a, zero_b, epilogue, out_dtypes, operands))
+
+    def data_grad(self, dacc):
+        return _gemm(dacc, self.b.transpose(-1, -2))
+
+    def weight_grad(self, dacc):
+        return _gemm(self.a.transpose(-1, -2), dacc)
+
+
+def _gemm(a, b, epilogue=None, out_dtypes=None, operands=None, gated=False, scales=None):
+    from epicute.gemm.torch_op import gemm_op_call
+
+    scales = scales or {}
+    return gemm_op_call(
+        a, b, epilogue=epilogue, out=None, out_dtype=None, out_dtypes=out_dtypes, outs=None,
+        a_scale=scales.get("a_scale"), b_scale=scales.get("b_scale"), backend="kernel", config=None,
+        operands=operands or {}, gated=gated,
+    )  # fmt: skip
+
+
+def _as_dict(results) -> dict:
+    return results if isinstance(results, dict) else {"D": results}
+
+
+def setup_backward(
+    ctx, plan: BackwardPlan | None, names: tuple, output, inputs: tuple, operands, scalars, spec: dict
+) -> None:
+    """An op's ``setup_context``: ``names`` its epilogue's outputs (then a ``save`` plan's accumulators, last in
+    ``output``); ``inputs`` the GEMM's tensors (a, b and what else the backward needs); ``operands`` and
+    ``scalars`` the op's operand lists."""
+    ctx.set_materialize_grads(False)  # an output the loss does not use gets None: no zeros to fill and read
+    differentiable = differentiable_outputs(plan.graph) if plan is not None and plan.graph is not None else ("D",)
+    # One call with all of them: each call replaces the last one's set. The saved accumulators carry none either.
+    ctx.mark_non_differentiable(*(t for name, t in zip(names, output) if name not in differentiable),
+                                *output[len(names):])  # fmt: skip
+    ctx.save_for_backward(*inputs, *operands, *output[len(names):])
+    ctx.call = _Recorded(plan, spec, scalars, names, differentiable, len(inputs), len(operands),
+                         tuple(t.requires_grad for t in operands))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Recorded:
+    """What an op's forward left for its backward (beside the saved tensors)."""
+
+    plan: BackwardPlan | None
+    spec: dict
+    scalars: Any
+    names: tuple
+    differentiable: tuple
+    inputs: int
+    count: int
+    operand_needs: tuple
+
+
+@dataclass(frozen=True)
+class BackwardStep:
+    """One backward of an op: its saved tensors taken apart, the gradients it got, the operands by name."""
+
+    recorded: _Recorded
+    inputs: tuple
+    operands: tuple
+    saved: dict
+    grads: dict
+    values: dict
+    loaders: dict
+
+    @classmethod
+    def of(cls, ctx, grads, entry: str, loader_names: tuple) -> BackwardStep | None:
+        """The step (None: no differentiable output got a gradient). ``loader_names``: operands that are the
+        mainloop's (fp8 scales, gathered rows' index), not the epilogue's."""
+        recorded: _Recorded = ctx.call
+        if recorded.plan is None:
+            raise GradientError(
+                f"{entry} ran without autograd recording (no input required grad when it was called), so it saved "
+                "nothing for a backward; call it with the inputs that need a gradient already requiring grad"
+            )
+        tensors = ctx.saved_tensors
+        inputs, rest = tensors[: recorded.inputs], tensors[recorded.inputs :]
+        operands, saved = rest[: recorded.count], rest[recorded.count :]
+        by_name = {name: g for name, g in zip(recorded.names, grads)
+                   if g is not None and name in recorded.differentiable}  # fmt: skip
+        if not by_name:
+            return None
+        # Autograd may hand over expanded (stride 0) or strided gradients, which TMA cannot read.
+        by_name = {name: g if g.is_contiguous() else g.contiguous() for name, g in by_name.items()}
+        values = _operand_values(list(operands), recorded.scalars, recorded.spec)
+        loaders = {name: values.pop(name) for name in loader_names if name in values}
+        return cls(recorded, tuple(inputs), tuple(operands), dict(zip(recorded.plan.saved, saved)), by_name, values,
+                   loaders)  # fmt: skip
+
+    @property
+    def gated(self) -> bool:
+        return self.recorded.spec.get("gated", False)
+
+    @property
+    def needing(self) -> tuple[str, ...]:
+        """The epilogue operands that need a gradient."""
+        r = self.recorded
+        return tuple(name for name, needs in zip(r.spec["tensors"], r.operand_needs) if needs and name in self.values)
+
+    def run(self, kernels: GradientKernels, needs: tuple[bool, bool], acc_dtype: torch.dtype):
+        return backward_of(self.recorded.plan, kernels, self.values, self.saved, self.grads, needs, self.needing,
+                           self.gated, acc_dtype)  # fmt: skip
+
+    def operand_grads(self, by_operand: dict) -> list:
+        """The op's operand list's gradients (None for those without one), each in its operand's shape."""
+        graph = self.recorded.plan.graph
+        return [to_operand_shape(by_operand[name], t, graph.input_node(name).kind) if name in by_operand else None
+                for name, t in zip(self.recorded.spec["tensors"], self.operands)]  # fmt: skip
+
+
+def _operand_values(operands: list, scalars, spec: dict) -> dict:
+    from epicute.runtime.torch_ops import operand_values
+
+    return operand_values(operands, scalars, spec)
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gradient of a gated GEMM's accumulator in B's column order: gate and up in blocks of 8."""
+    *lead, m, n = gate.shape
+    blocks = torch.stack((gate.reshape(*lead, m, n // GATE_BLOCK, GATE_BLOCK),
+                          up.reshape(*lead, m, n // GATE_BLOCK, GATE_BLOCK)), dim=-2)  # fmt: skip
+    return blocks.reshape(*lead, m, 2 * n)
+
+
+def to_operand_shape(grad: torch.Tensor, operand: torch.Tensor, kind: str) -> torch.Tensor:
+    """An operand's gradient from its canonical one (:func:`gemm_backward`): summed over what the operand was
+    broadcast along (the batch; everything for a scalar), in the operand's shape and dtype."""
+    if kind == "scalar":
+        grad = grad.sum()
+    elif grad.numel() != operand.numel():  # a 2-D operand of a batched call: broadcast over L
+        grad = grad.sum(0)
+    return grad.reshape(operand.shape).to(operand.dtype)
+
+
+__all__ = [
+    "PLANS", "RECOMPUTE_BELOW_K", "BackwardPlan", "BackwardStep", "DenseKernels", "GradientKernels", "backward_of",
+    "plan_backward", "remembered_plan", "saved_dtype", "saving_epilogue", "setup_backward", "to_operand_shape",
+]  # fmt: skip
+

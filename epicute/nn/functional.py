@@ -1,0 +1,263 @@
+"""Differentiable layer functions with ``torch.nn.functional``'s conventions, on epicute's GEMMs.
+
+- :func:`linear`: ``F.linear`` (any leading dimensions, weight ``(out, in)``, optional bias) with an optional fused
+  epilogue after the bias. Its backward is :func:`epicute.gemm`'s, derived from the epilogue.
+- :func:`mlp`: ``w2 act(w1 x + b1) + b2``, and :func:`gated_mlp`: ``w_down (act(gate) * up)`` over a gate/up
+  weight interleaved once (:func:`epicute.interleave_gate_up`). Their backward fuses across the two GEMMs: the
+  down projection's data-gradient GEMM (``dh = dy w_down``) applies the activation's derivative in its epilogue,
+  from the pre-activation the forward stored beside ``h``, and reduces ``b1``'s gradient there too (cuBLASLt's
+  ``DGELU_BGRAD``, for any activation: the derivative comes from the activation's traced graph,
+  :func:`epicute.epilogue.backward.read_from_accumulator`). Five GEMMs and no elementwise pass per step.
+
+Activations are named (``"gelu"`` (erf), ``"gelu_tanh"``, ``"relu"``, ``"silu"``) or any function of one traced value
+written with :mod:`epicute.ops` (eager only: under ``torch.compile`` name one).
+
+Example:
+    >>> import torch                                                           # doctest: +SKIP
+    >>> from epicute.nn import functional as EF
+    >>> x = torch.randn(8, 512, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    >>> w, b = torch.randn(11008, 4096, device="cuda", dtype=torch.bfloat16), None
+    >>> y = EF.linear(x, w, b, epilogue=lambda acc: epicute.ops.silu(acc))   # (8, 512, 11008)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from epicute.epilogue import ops
+from epicute.epilogue.backward import DACC, DACC_UP, SAVED, gradient_graph, read_from_accumulator, replay_epilogue
+from epicute.epilogue.gated import GATE_BLOCK, gated_epilogue
+from epicute.epilogue.operands import RowVector
+from epicute.epilogue.tracer import as_epilogue
+from epicute.errors import EpilogueError, ShapeError
+from epicute.gemm.api import gemm
+
+#: Named activations: one traced value in, one out.
+ACTIVATIONS: dict[str, Callable] = {
+    "gelu": ops.gelu,
+    "gelu_tanh": functools.partial(ops.gelu, approximate="tanh"),
+    "relu": ops.relu,
+    "silu": ops.silu,
+}
+
+
+def _activation(activation: str | Callable) -> Callable:
+    if callable(activation):
+        return activation
+    if activation not in ACTIVATIONS:
+        raise EpilogueError(f"activation={activation!r}: use one of {sorted(ACTIVATIONS)} or a function of one value")
+    return ACTIVATIONS[activation]
+
+
+def _rows(x: torch.Tensor, name: str, features: int) -> torch.Tensor:
+    """``x`` as ``(tokens, features)``: its leading dimensions flattened (a view where they can be)."""
+    if x.dim() < 1 or x.shape[-1] != features:
+        raise ShapeError(f"{name} has shape {tuple(x.shape)}; its last dimension must be {features} (the weight's in)")
+    return x.reshape(-1, features)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    epilogue: Callable | None = None,
+    **operands: Any,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """``epilogue(x @ weight.T + bias, **operands)``, as ``F.linear`` takes ``x``, ``weight`` and ``bias``.
+
+    ``x`` ``(..., in)``; ``weight`` ``(out, in)``; ``bias`` ``(out,)``. The epilogue's operands are shaped against the
+    flattened ``(tokens, out)`` problem (a residual ``(..., out)`` may be passed as ``residual.reshape(-1, out)``).
+    Tile outputs come back ``(..., out)``; per-row reductions ``(...)``; per-column ones ``(out,)``.
+    """
+    if weight.dim() != 2:
+        raise ShapeError(f"weight has shape {tuple(weight.shape)}; linear takes a 2-D (out, in) weight")
+    lead, out_features = x.shape[:-1], weight.shape[0]
+    x2 = _rows(x, "x", weight.shape[1])
+    fn = _with_bias(epilogue) if bias is not None else epilogue
+    extra = {"bias": RowVector(bias)} if bias is not None else {}
+    result = gemm(x2, weight.t(), epilogue=fn, **extra, **operands)
+    if isinstance(result, torch.Tensor):
+        return result.reshape(*lead, out_features)
+    return {name: _unflatten(t, lead, x2.shape[0], out_features) for name, t in result.items()}
+
+
+def _unflatten(t: torch.Tensor, lead: tuple, rows: int, cols: int) -> torch.Tensor:
+    if t.dim() == 2 and t.shape == (rows, cols):
+        return t.reshape(*lead, cols)
+    if t.dim() == 1 and t.shape[0] == rows and rows != cols:
+        return t.reshape(*lead)
+    return t
+
+
+@functools.lru_cache(maxsize=256)
+def _with_bias(epilogue: Callable | None) -> Callable:
+    """``f(acc, bias, *operands) = epilogue(acc + bias, *operands)`` (or ``acc + bias``), keeping the operands' names
+    and pins."""
+    if epilogue is None:
+        return _add_bias
+    epi = as_epilogue(epilogue)
+    if "bias" in epi.params:
+        raise EpilogueError(f"epilogue {epi.name!r} takes an operand named 'bias'; linear's bias= is added before it")
+
+    def biased(acc, bias, *rest):
+        return epi.fn(acc + bias, *rest)
+
+    params = list(inspect.signature(biased).parameters.values())[:2]
+    params += [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                 annotation=_pin(epi.pins.get(p)), default=epi.defaults.get(p, inspect.Parameter.empty))
+               for p in epi.params]  # fmt: skip
+    biased.__signature__ = inspect.Signature(params)
+    biased.__name__ = f"{epi.name}_after_bias"
+    return biased
+
+
+def _pin(kind: str | None):
+    from epicute.epilogue.operands import PINS
+
+    return PINS[kind] if kind else inspect.Parameter.empty
+
+
+def _add_bias(acc, bias: RowVector):
+    return acc + bias
+
+
+# --- MLPs with a backward fused across their two GEMMs ------------------------------------------------------------
+
+
+def _programs(activation: str | Callable, gated: bool, has_bias: bool) -> tuple[Callable, Callable]:
+    """:func:`_mlp_programs` of an activation, by name or function. The named ones' are built when this module is
+    imported, so a call under ``torch.compile`` only looks them up (dynamo does not trace the tracer)."""
+    key = (activation, gated, has_bias)
+    programs = _PROGRAMS.get(key)
+    if programs is None:
+        programs = _PROGRAMS[key] = _mlp_programs(_activation(activation), gated, has_bias)
+    return programs
+
+
+def _mlp_programs(activation: Callable, gated: bool, has_bias: bool) -> tuple[Callable, Callable]:
+    """(forward epilogue of the up projection, backward epilogue of the down projection's data gradient).
+
+    Forward: ``h = act(acc + b1)`` (gated: ``act(gate) * up``), storing what the derivative reads (the
+    pre-activation; gated: gate and up) as the aux outputs named in :data:`SAVED`. Backward: the derivative's graph
+    with ``dh`` read from the accumulator of ``dy @ w_down`` (:func:`read_from_accumulator`), the bias gradient a
+    ``col_sum`` of the same kernel; gated, ``D`` and ``D_up`` are d gate and d up."""
+    if gated:
+        graph = gated_epilogue(lambda gate, up: activation(gate) * up).trace({})
+    else:
+        graph = as_epilogue(lambda acc: activation(acc)).trace({})
+    backward = read_from_accumulator(gradient_graph(graph, {"D": "bf16"}, saved_acc=True), "D",
+                                     "d_bias" if has_bias else None)  # fmt: skip
+    if gated:
+
+        def forward(gate, up):
+            return {"D": activation(gate) * up, SAVED["acc"]: gate, SAVED["acc_up"]: up}
+
+    elif has_bias:
+
+        def forward(acc, bias: RowVector):
+            pre = acc + bias
+            return {"D": activation(pre), SAVED["acc"]: pre}
+
+    else:
+
+        def forward(acc):
+            return {"D": activation(acc), SAVED["acc"]: acc}
+
+    return forward, replay_epilogue(backward, "mlp_backward")
+
+
+class _MLP(torch.autograd.Function):
+    """``y = act(x w1^T + b1) w2^T + b2`` (``gated``: ``w_down (act(gate) * up)``, ``w1`` the interleaved gate/up
+    weight, no biases), with the down projection's data gradient carrying the activation's derivative."""
+
+    @staticmethod
+    def forward(ctx, activation, gated: bool, x, w1, b1, w2, b2):
+        forward_epi, backward_epi = _programs(activation, gated, b1 is not None)
+        bias = {"bias": RowVector(b1)} if b1 is not None else {}
+        up = gemm(x, w1.t(), gated=gated, epilogue=forward_epi, **bias)
+        h = up["D"]
+        y = gemm(h, w2.t(), epilogue=_add_bias, bias=RowVector(b2)) if b2 is not None else gemm(h, w2.t())
+        saved = [up[SAVED["acc"]], *((up[SAVED["acc_up"]],) if gated else ())]
+        ctx.save_for_backward(x, w1, w2, h, *saved)
+        ctx.program = (backward_epi, gated, b1 is not None, b2 is not None)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, w1, w2, h, *saved = ctx.saved_tensors
+        backward_epi, gated, has_b1, has_b2 = ctx.program
+        dy = dy if dy.is_contiguous() else dy.contiguous()
+        needs = ctx.needs_input_grad
+        tiles = {SAVED["acc"]: saved[0], **({SAVED["acc_up"]: saved[1]} if gated else {})}
+        # dh = dy @ w2, and in its epilogue the activation's derivative (and b1's gradient): dacc in one kernel.
+        grads = gemm(dy, w2, epilogue=backward_epi, out_dtypes={DACC: x.dtype, **({DACC_UP: x.dtype} if gated else {})},
+                     **tiles)  # fmt: skip
+        grads = grads if isinstance(grads, dict) else {DACC: grads}
+        dacc = _interleave(grads[DACC], grads[DACC_UP]) if gated else grads[DACC]
+        dx = gemm(dacc, w1) if needs[2] else None
+        dw1 = gemm(dacc.t(), x) if needs[3] else None
+        db1 = grads["d_bias"].to(w1.dtype) if has_b1 and needs[4] else None
+        dw2 = gemm(dy.t(), h) if needs[5] else None
+        db2 = dy.float().sum(0).to(dy.dtype) if has_b2 and needs[6] else None
+        return None, None, dx, dw1, db1, dw2, db2
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    rows, n = gate.shape
+    return torch.stack((gate.reshape(rows, n // GATE_BLOCK, GATE_BLOCK), up.reshape(rows, n // GATE_BLOCK, GATE_BLOCK)),
+                       dim=-2).reshape(rows, 2 * n)  # fmt: skip
+
+
+def mlp(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    activation: str | Callable = "gelu",
+) -> torch.Tensor:
+    """``F.linear(act(F.linear(x, w1, b1)), w2, b2)``: ``x`` ``(..., d)``, ``w1`` ``(hidden, d)``, ``w2``
+    ``(d_out, hidden)``. The backward fuses the activation's derivative and ``b1``'s gradient into the GEMM of
+    ``dy @ w2`` (see the module docstring)."""
+    _check_weights(w1, w2, x.shape[-1])
+    x2 = _rows(x, "x", w1.shape[1])
+    y = _MLP.apply(activation, False, x2, w1, b1, w2, b2)
+    return y.reshape(*x.shape[:-1], w2.shape[0])
+
+
+def gated_mlp(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: str | Callable = "silu"
+) -> torch.Tensor:
+    """``F.linear(act(x w_gate^T) * (x w_up^T), w_down)`` (SwiGLU with ``"silu"``, GeGLU with ``"gelu"``), with
+    ``w_gate_up = epicute.interleave_gate_up(w_gate, w_up)`` ``(2 * hidden, d)`` built once. One GEMM computes gate,
+    up and ``h``; the backward's ``dy @ w_down`` GEMM gives d gate and d up from the stored gate and up."""
+    _check_weights(w_gate_up, w_down, x.shape[-1], gated=True)
+    x2 = _rows(x, "x", w_gate_up.shape[1])
+    y = _MLP.apply(activation, True, x2, w_gate_up, None, w_down, None)
+    return y.reshape(*x.shape[:-1], w_down.shape[0])
+
+
+_PROGRAMS: dict[tuple, tuple[Callable, Callable]] = {}
+for _name in ACTIVATIONS:
+    for _gated, _bias in ((False, True), (False, False), (True, False)):
+        _programs(_name, _gated, _bias)
+
+
+def _check_weights(w1: torch.Tensor, w2: torch.Tensor, d: int, gated: bool = False) -> None:
+    if w1.dim() != 2 or w2.dim() != 2:
+        raise ShapeError(f"weights of shapes {tuple(w1.shape)} and {tuple(w2.shape)}: pass 2-D (out, in) weights")
+    hidden = w1.shape[0] // 2 if gated else w1.shape[0]
+    if w1.shape[1] != d or w2.shape[1] != hidden:
+        what = "w_gate_up (2 * hidden, d)" if gated else "w1 (hidden, d)"
+        raise ShapeError(f"x's features {d}, {what} {tuple(w1.shape)} and the down weight {tuple(w2.shape)} do not "
+                         f"chain: need the down weight (d_out, {hidden})")  # fmt: skip
+
+
+__all__ = ["ACTIVATIONS", "gated_mlp", "linear", "mlp"]

@@ -1,0 +1,108 @@
+"""Autograd of epicute.gemm on the CPU: the kernel replaced by the reference backend (same op, same backward
+plan, gradient graph and routing), gradients against float64 autograd of the same math. The kernels' run is
+tests/gemm/test_autograd_gpu.py."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import epicute
+from epicute.epilogue.backward import differentiable_outputs, gradient_graph, reads_accumulator
+from epicute.gemm.autograd import RECOMPUTE_BELOW_K, plan_backward
+from tests.gemm.autograd_cases import cases, run_case
+
+M, N = 33, 24
+TOL = 1e-2  # bf16 outputs and gradients (8 significant bits), fp32 accumulation
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """The op's real implementation computed by the reference backend (while torch.compile traces, the op's fake
+    implementation stands for it)."""
+    api = sys.modules["epicute.gemm.api"]
+    kernel_gemm = api.gemm
+    monkeypatch.setattr(api, "gemm", lambda a, b, /, **kwargs: kernel_gemm(a, b, **kwargs, backend="reference"))
+
+
+@pytest.mark.parametrize("name", list(cases(M, N, "cpu")))
+@pytest.mark.parametrize("k", [40, RECOMPUTE_BELOW_K + 8], ids=["recompute", "save"])
+def test_gradients_match_float64_autograd(reference_kernels, name, k):
+    errors = run_case(cases(M, N, "cpu")[name], M, N, k, "cpu")
+    outputs = errors.pop("differentiable outputs")
+    assert outputs == (["D", "pre"] if name == "tanh_scaled_with_aux" else ["D"])  # not the row_sum statistic
+    assert all(e < TOL for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("name", ["bias", "gelu_bias_residual"])
+def test_batched_calls_sum_broadcast_operands_over_the_batch(reference_kernels, name):
+    errors = run_case(cases(M, N, "cpu")[name], M, N, 40, "cpu", batch=3)
+    errors.pop("differentiable outputs")
+    assert all(e < TOL for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("name", ["gelu_bias_residual", "swiglu", "tanh_scaled_with_aux"])
+def test_compiled_training_matches_eager(reference_kernels, name):
+    """torch.compile(fullgraph=True, dynamic=True) traces the op's registered backward, whose GEMMs are op calls
+    too; the compiled step computes what the eager one does (both on the reference), at two sizes."""
+    compiled = torch.compile(epicute.gemm, fullgraph=True, dynamic=True, backend="aot_eager")
+    torch._dynamo.reset()
+    for m in (M, 2 * M + 1):
+        torch.manual_seed(m)
+        eager = run_case(cases(m, N, "cpu")[name], m, N, RECOMPUTE_BELOW_K + 8, "cpu")
+        torch.manual_seed(m)
+        traced = run_case(cases(m, N, "cpu")[name], m, N, RECOMPUTE_BELOW_K + 8, "cpu", call=compiled)
+        assert traced == eager
+
+
+def test_only_the_inputs_that_need_a_gradient_get_one(reference_kernels):
+    a, b = torch.randn(M, 40, dtype=torch.bfloat16), torch.randn(40, N, dtype=torch.bfloat16)
+    bias = torch.randn(N, dtype=torch.bfloat16, requires_grad=True)
+    d = epicute.gemm(a, b, epilogue=lambda acc, bias: epicute.ops.relu(acc) + bias, bias=bias)
+    d.float().sum().backward()
+    assert a.grad is None and b.grad is None
+    assert torch.equal(bias.grad.float(), torch.full((N,), float(M)))  # d(sum)/d bias: M rows of ones, exactly
+
+
+def test_a_loss_of_an_aux_output_alone(reference_kernels):
+    """D unused by the loss gets no gradient (None, not zeros): the backward runs on the aux output's alone."""
+    a = torch.randn(M, 40, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(40, N, dtype=torch.bfloat16)
+    out = epicute.gemm(a, b, epilogue=lambda acc: {"D": epicute.ops.relu(acc), "twice": acc * 2.0})
+    out["twice"].float().sum().backward()
+    want = 2.0 * b.double().sum(1).expand(M, -1)
+    assert ((a.grad.double() - want).norm() / want.norm()).item() < TOL
+
+
+def test_statistics_and_quantized_outputs_carry_no_gradient(reference_kernels):
+    a = torch.randn(M, 128, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(128, 128, dtype=torch.bfloat16)
+    out = epicute.gemm(a, b, epilogue=lambda acc: {"D": acc, "rs": epicute.ops.row_sum(acc),
+                                                   "q": epicute.ops.cast(acc, torch.float8_e4m3fn)})  # fmt: skip
+    assert out["D"].requires_grad and not out["rs"].requires_grad and not out["q"].requires_grad
+
+
+def test_the_plan_follows_what_the_gradient_reads():
+    def graph(fn, **kinds):
+        return epicute.epilogue(fn).trace(kinds)
+
+    assert plan_backward(None, 4096).mode == "plain"
+    assert plan_backward(graph(lambda acc, bias: acc + bias, bias="row"), 4096).mode == "operands"
+    gelu = graph(lambda acc, bias: epicute.ops.gelu(acc + bias), bias="row")
+    assert plan_backward(gelu, 4096).mode == "save" and plan_backward(gelu, 4096).saved == ("saved_acc",)
+    assert plan_backward(gelu, RECOMPUTE_BELOW_K - 8).mode == "recompute"
+    quantized = graph(lambda acc: dict(zip(("D", "s"), epicute.ops.quantize_groups(acc))))
+    assert plan_backward(quantized, 4096).mode == "none"
+
+
+def test_the_gradient_graph_of_a_linear_epilogue_reads_no_accumulator():
+    g = epicute.epilogue(lambda acc, bias, residual: 0.5 * acc + bias + residual).trace(
+        {"bias": "row", "residual": "tile"}
+    )
+    gb = gradient_graph(g, {"D": "bf16"}, ("bias", "residual"))
+    assert not reads_accumulator(gb)
+    assert [name for name, _ in gb.inputs] == ["grad_D"]  # neither operand is read: none is loaded
+    assert [gb.output_node(name).op for name in ("d_bias",)] == ["col_sum"]
+    assert differentiable_outputs(g) == ("D",)

@@ -1,0 +1,67 @@
+"""Autograd of epicute.gemm on the GPU: every backward plan on the kernels, eager and under torch.compile.
+
+Gradients of a, b and every operand against float64 autograd of the same math (tests/gemm/autograd_cases.py),
+fresh random inputs each run, ragged sizes (M odd, N not a multiple of the tile, K not one of the k-tile):
+K = 200 plans ``recompute`` (the gradient epilogue fused into a GEMM recomputing a @ b), K = 520 plans ``save``
+(the forward stores acc, a zero-K pass reads it), and linear epilogues plan ``operands`` (a zero-K pass over the
+gradients alone).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import epicute
+from epicute.gemm.autograd import RECOMPUTE_BELOW_K
+from tests.gemm.autograd_cases import cases, run_case
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+M, N = 333, 264
+TOL = 1e-2  # bf16 outputs and gradients, fp32 accumulation
+K_PLANS = {"recompute": 200, "save": 520}
+assert K_PLANS["recompute"] < RECOMPUTE_BELOW_K <= K_PLANS["save"]
+
+
+@pytest.mark.parametrize("name", list(cases(M, N, DEVICE)))
+@pytest.mark.parametrize("plan", list(K_PLANS))
+def test_gradients_match_float64_autograd(name, plan):
+    errors = run_case(cases(M, N, DEVICE)[name], M, N, K_PLANS[plan], DEVICE)
+    errors.pop("differentiable outputs")
+    assert all(e < TOL for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("name", ["bias", "gelu_bias_residual", "swiglu"])
+def test_batched_calls(name):
+    errors = run_case(cases(M, N, DEVICE)[name], M, N, K_PLANS["save"], DEVICE, batch=3)
+    errors.pop("differentiable outputs")
+    assert all(e < TOL for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("name", ["plain", "gelu_bias_residual", "swiglu", "tanh_scaled_with_aux"])
+def test_compiled_training_step(name):
+    """torch.compile(fullgraph=True, dynamic=True): the op's registered backward, two sizes on one graph."""
+    torch._dynamo.reset()
+    compiled = torch.compile(epicute.gemm, fullgraph=True, dynamic=True)
+    for m in (M, 2 * M + 1):
+        errors = run_case(cases(m, N, DEVICE)[name], m, N, K_PLANS["save"], DEVICE, call=compiled)
+        errors.pop("differentiable outputs")
+        assert all(e < TOL for e in errors.values()), (m, errors)
+
+
+def test_fp8_inputs_train_their_epilogue_operands():
+    """fp8 a and b take no gradient; the epilogue's operands do, through the scaled accumulator."""
+    a = torch.randn(M, 256, device=DEVICE).to(torch.float8_e4m3fn)
+    w = torch.randn(N, 256, device=DEVICE).to(torch.float8_e4m3fn)
+    scale_a, scale_b = torch.rand(M, 1, device=DEVICE) + 0.5, torch.rand(1, N, device=DEVICE) + 0.5
+    bias = torch.randn(N, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    d = epicute.gemm(a, w.t(), a_scale=scale_a, b_scale=scale_b,
+                     epilogue=lambda acc, bias: epicute.ops.silu(acc + bias), bias=bias)  # fmt: skip
+    grad = torch.randn_like(d)
+    d.backward(grad)
+    bias64 = bias.detach().double().requires_grad_()
+    acc = (a.double() @ w.double().t()) * scale_a.double() * scale_b.double()
+    torch.nn.functional.silu(acc + bias64).backward(grad.double())
+    assert ((bias.grad.double() - bias64.grad).norm() / bias64.grad.norm()).item() < TOL

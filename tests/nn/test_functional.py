@@ -1,0 +1,59 @@
+"""epicute.nn.functional on the CPU: the GEMMs computed by the reference backend (the same call sequence, the
+fused MLP backward's derived epilogues included), against float64 autograd. The kernels' run:
+tests/nn/test_functional_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import epicute
+from epicute.epilogue.backward import SAVED, gradient_graph, read_from_accumulator
+from epicute.nn import functional as EF
+from tests.nn.functional_cases import gated_mlp_step, linear_step, mlp_step
+
+TOL = 1e-2  # bf16 storage of h, the pre-activation and the gradients between the GEMMs (8 significant bits)
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    gemm = EF.gemm
+    monkeypatch.setattr(EF, "gemm", lambda a, b, /, **kwargs: gemm(a, b, **kwargs, backend="reference"))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mlp_gradients(reference_kernels, activation, bias):
+    errors = mlp_step((3, 11), 48, 80, "cpu", activation, bias)
+    assert all(e < TOL for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_gated_mlp_gradients(reference_kernels, activation):
+    errors = gated_mlp_step((37,), 48, 80, "cpu", activation)
+    assert all(e < TOL for e in errors.values()), errors
+
+
+def test_linear_with_bias_and_an_epilogue(reference_kernels):
+    errors = linear_step((3, 11), 48, 40, "cpu")
+    assert all(e < TOL for e in errors.values()), errors
+
+
+def test_the_down_projections_backward_epilogue_reads_its_accumulator_as_dh():
+    """The fused backward's epilogue: no grad_D operand (dh is the accumulator), the saved pre-activation, and the
+    bias gradient as a col_sum of dacc."""
+    graph = epicute.epilogue(lambda acc: epicute.ops.gelu(acc)).trace({})
+    fused = read_from_accumulator(gradient_graph(graph, {"D": "bf16"}, saved_acc=True), "D", "d_bias")
+    assert [name for name, _ in fused.inputs] == [SAVED["acc"]]
+    assert fused.output_node("d_bias").op == "col_sum"
+    assert fused.output_node("d_bias").args == (dict(fused.outputs)["D"],)
+
+
+def test_bad_shapes_are_shape_errors():
+    x, w1, w2 = torch.randn(4, 16), torch.randn(32, 16), torch.randn(16, 24)
+    with pytest.raises(epicute.ShapeError, match=r"do not chain: need the down weight \(d_out, 32\)"):
+        EF.mlp(x, w1, None, w2, None)
+    with pytest.raises(epicute.ShapeError, match=r"its last dimension must be 16"):
+        EF.linear(torch.randn(4, 15), w1)
+    with pytest.raises(epicute.EpilogueError, match=r"activation='swish'"):
+        EF.mlp(x, w1, None, torch.randn(16, 32), None, activation="swish")
