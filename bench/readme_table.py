@@ -21,7 +21,8 @@ from common import best_ratio, geomean, peer_groups, peer_names, peers, ratio
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 README_BENCHMARKS = (
-    "gemm", "epilogue", "attention", "attention_bwd", "fp8", "fp8_swiglu", "grouped", "decode", "decode_gqa", "training", "runtime",
+    "gemm", "epilogue", "attention", "attention_bwd", "fp8", "fp8_swiglu", "grouped", "decode", "decode_gqa",
+    "training", "runtime",
 )  # fmt: skip
 CHART_WIDTH = 40
 
