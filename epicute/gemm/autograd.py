@@ -43,7 +43,7 @@ from epicute.epilogue.backward import (
     replay_epilogue,
 )
 from epicute.epilogue.dtypes import ir_dtype
-from epicute.epilogue.gated import GATE_BLOCK, output_columns
+from epicute.epilogue.gated import GATE_BLOCK
 from epicute.epilogue.graph import Graph
 from epicute.errors import GradientError
 
@@ -193,45 +193,6 @@ def backward_of(
     return da, db, by_operand
 
 
-class DenseKernels:
-    """:class:`GradientKernels` of ``epicute.gemm``: ``a @ b`` (batched or not) and its fp8 scales/gated flag. Each
-    GEMM is a call of the op, which runs eagerly as well as under AOTAutograd's trace of a compiled backward."""
-
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, gated: bool, scales: dict[str, Any]) -> None:
-        self.a, self.b, self.gated, self.scales = a, b, gated, scales
-
-    def gradient_pass(self, epilogue, recompute, out_dtypes, operands):
-        a, b = self.a, self.b
-        if recompute:
-            return _as_dict(_gemm(a, b, epilogue, out_dtypes, operands, self.gated, self.scales))
-        # An elementwise pass: the epilogue over a zero accumulator (K = 0), which it does not read.
-        lead, m, n = a.shape[:-2], a.shape[-2], output_columns(b.shape[-1], self.gated)
-        dtype = out_dtypes[DACC]
-        zero_a, zero_b = a.new_zeros((*lead, m, 0), dtype=dtype), a.new_zeros((*lead, 0, n), dtype=dtype)
-        return _as_dict(_gemm(zero_a, zero_b, epilogue, out_dtypes, operands))
-
-    def data_grad(self, dacc):
-        return _gemm(dacc, self.b.transpose(-1, -2))
-
-    def weight_grad(self, dacc):
-        return _gemm(self.a.transpose(-1, -2), dacc)
-
-
-def _gemm(a, b, epilogue=None, out_dtypes=None, operands=None, gated=False, scales=None):
-    from epicute.gemm.torch_op import gemm_op_call
-
-    scales = scales or {}
-    return gemm_op_call(
-        a, b, epilogue=epilogue, out=None, out_dtype=None, out_dtypes=out_dtypes, outs=None,
-        a_scale=scales.get("a_scale"), b_scale=scales.get("b_scale"), backend="kernel", config=None,
-        operands=operands or {}, gated=gated,
-    )  # fmt: skip
-
-
-def _as_dict(results) -> dict:
-    return results if isinstance(results, dict) else {"D": results}
-
-
 def setup_backward(
     ctx, plan: BackwardPlan | None, names: tuple, output, inputs: tuple, operands, scalars, spec: dict
 ) -> None:
@@ -344,7 +305,7 @@ def to_operand_shape(grad: torch.Tensor, operand: torch.Tensor, kind: str) -> to
 
 
 __all__ = [
-    "PLANS", "RECOMPUTE_BELOW_K", "BackwardPlan", "BackwardStep", "DenseKernels", "GradientKernels", "backward_of",
+    "PLANS", "RECOMPUTE_BELOW_K", "BackwardPlan", "BackwardStep", "GradientKernels", "backward_of",
     "plan_backward", "remembered_plan", "saved_dtype", "saving_epilogue", "setup_backward", "to_operand_shape",
 ]  # fmt: skip
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from epicute.epilogue.backward import DACC
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
 from epicute.epilogue.gated import check_gated_call, gated_epilogue, output_columns
 from epicute.epilogue.graph import REDUCTIONS
@@ -25,7 +26,6 @@ from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import ConfigError, EpilogueError, GradientError
 from epicute.gemm.autograd import (
     BackwardStep,
-    DenseKernels,
     plan_backward,
     remembered_plan,
     saved_dtype,
@@ -187,6 +187,44 @@ def _backward(ctx, grads):
     return da, db, step.operand_grads(by_operand), grad_slot(ctx.call.scalars), None, None
 
 
+class DenseKernels:
+    """:class:`~epicute.gemm.autograd.GradientKernels` of ``epicute.gemm``: ``a @ b`` (batched or not) and its
+    fp8 scales/gated flag. Each GEMM is a call of the op, which runs eagerly as well as under AOTAutograd's trace
+    of a compiled backward."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, gated: bool, scales: dict[str, Any]) -> None:
+        self.a, self.b, self.gated, self.scales = a, b, gated, scales
+
+    def gradient_pass(self, epilogue, recompute, out_dtypes, operands):
+        a, b = self.a, self.b
+        if recompute:
+            return _as_dict(_gemm(a, b, epilogue, out_dtypes, operands, self.gated, self.scales))
+        # An elementwise pass: the epilogue over a zero accumulator (K = 0), which it does not read.
+        lead, m, n = a.shape[:-2], a.shape[-2], output_columns(b.shape[-1], self.gated)
+        dtype = out_dtypes[DACC]
+        zero_a, zero_b = a.new_zeros((*lead, m, 0), dtype=dtype), a.new_zeros((*lead, 0, n), dtype=dtype)
+        return _as_dict(_gemm(zero_a, zero_b, epilogue, out_dtypes, operands))
+
+    def data_grad(self, dacc):
+        return _gemm(dacc, self.b.transpose(-1, -2))
+
+    def weight_grad(self, dacc):
+        return _gemm(self.a.transpose(-1, -2), dacc)
+
+
+def _gemm(a, b, epilogue=None, out_dtypes=None, operands=None, gated=False, scales=None):
+    scales = scales or {}
+    return gemm_op_call(
+        a, b, epilogue=epilogue, out=None, out_dtype=None, out_dtypes=out_dtypes, outs=None,
+        a_scale=scales.get("a_scale"), b_scale=scales.get("b_scale"), backend="kernel", config=None,
+        operands=operands or {}, gated=gated,
+    )  # fmt: skip
+
+
+def _as_dict(results) -> dict:
+    return results if isinstance(results, dict) else {"D": results}
+
+
 #: The op (defined by ``import epicute`` from the family's declaration, :mod:`epicute.families`), differentiable
 #: by the backward :mod:`epicute.gemm.autograd` derives from its epilogue.
 GEMM_OP = TorchOp("epicute::gemm", gemm_op, _gemm_fake, _backward, _setup_context)
@@ -305,4 +343,4 @@ def needs_backward(a, b, a_scale, b_scale, out, outs, operands: dict) -> bool:
     return True
 
 
-__all__ = ["GEMM_OP", "gemm_op", "gemm_op_call", "needs_backward", "plan_memo_key"]
+__all__ = ["GEMM_OP", "DenseKernels", "gemm_op", "gemm_op_call", "needs_backward", "plan_memo_key"]
