@@ -33,7 +33,7 @@ from epicute.epilogue import ops
 from epicute.epilogue.backward import DACC, DACC_UP, SAVED, gradient_graph, read_from_accumulator, replay_epilogue
 from epicute.epilogue.gated import GATE_BLOCK, gated_epilogue
 from epicute.epilogue.operands import RowVector
-from epicute.epilogue.tracer import as_epilogue
+from epicute.epilogue.tracer import as_epilogue, trace_key
 from epicute.errors import EpilogueError, ShapeError
 from epicute.gemm.api import gemm
 
@@ -95,12 +95,27 @@ def _unflatten(t: torch.Tensor, lead: tuple, rows: int, cols: int) -> torch.Tens
     return t
 
 
-@functools.lru_cache(maxsize=256)
 def _with_bias(epilogue: Callable | None) -> Callable:
     """``f(acc, bias, *operands) = epilogue(acc + bias, *operands)`` (or ``acc + bias``), keeping the operands' names
-    and pins."""
+    and pins. One composite per :func:`~epicute.epilogue.tracer.trace_key` of the epilogue: a lambda written in the
+    call is a new object each time, and a new composite would be traced and planned again on every call."""
     if epilogue is None:
         return _add_bias
+    key = trace_key(epilogue)
+    if key is None:
+        return _compose_bias(epilogue)
+    composite = _BIASED.get(key)
+    if composite is None:
+        if len(_BIASED) >= 1024:
+            _BIASED.clear()
+        composite = _BIASED[key] = _compose_bias(epilogue)
+    return composite
+
+
+_BIASED: dict[tuple, Callable] = {}
+
+
+def _compose_bias(epilogue: Callable) -> Callable:
     epi = as_epilogue(epilogue)
     if "bias" in epi.params:
         raise EpilogueError(f"epilogue {epi.name!r} takes an operand named 'bias'; linear's bias= is added before it")

@@ -45,7 +45,7 @@ def test_compiled_training_matches_eager(reference_kernels, name):
         eager = run_grouped_case(name, sizes, RECOMPUTE_BELOW_K + 8, 24, "cpu", tokens=19)
         torch.manual_seed(len(sizes) + sum(sizes))
         traced = run_grouped_case(name, sizes, RECOMPUTE_BELOW_K + 8, 24, "cpu", tokens=19, call=compiled)
-        assert traced == eager
+        assert traced == pytest.approx(eager, rel=1e-6, abs=1e-9)  # the same errors: the same gradients
 
 
 def _bf16(*shape, grad=False):
