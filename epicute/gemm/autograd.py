@@ -43,7 +43,7 @@ from epicute.epilogue.backward import (
     replay_epilogue,
 )
 from epicute.epilogue.dtypes import ir_dtype
-from epicute.epilogue.gated import GATE_BLOCK
+from epicute.epilogue.gated import interleave_gate_up
 from epicute.epilogue.graph import Graph
 from epicute.errors import GradientError
 
@@ -186,7 +186,8 @@ def backward_of(
                       if name in (DACC, DACC_UP) or gb.output_node(name).kind == "tile"}  # fmt: skip
         results = kernels.gradient_pass(epilogue, plan.mode == "recompute", out_dtypes,
                                         {name: value for name, value in given.items() if name in inputs})  # fmt: skip
-        dacc = _interleave(results[DACC], results[DACC_UP]) if gated and any(needs) else results[DACC]
+        # A gated accumulator's gradient in B's column order: gate and up interleaved in blocks, as B holds them.
+        dacc = interleave_gate_up(results[DACC], results[DACC_UP], dim=-1) if gated and any(needs) else results[DACC]
         by_operand = {name: results[operand_grad_name(name)] for name in operands}
     da = kernels.data_grad(dacc) if needs[0] else None
     db = kernels.weight_grad(dacc) if needs[1] else None
@@ -284,14 +285,6 @@ def _operand_values(operands: list, scalars, spec: dict) -> dict:
     from epicute.runtime.torch_ops import operand_values
 
     return operand_values(operands, scalars, spec)
-
-
-def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The gradient of a gated GEMM's accumulator in B's column order: gate and up in blocks of 8."""
-    *lead, m, n = gate.shape
-    blocks = torch.stack((gate.reshape(*lead, m, n // GATE_BLOCK, GATE_BLOCK),
-                          up.reshape(*lead, m, n // GATE_BLOCK, GATE_BLOCK)), dim=-2)  # fmt: skip
-    return blocks.reshape(*lead, m, 2 * n)
 
 
 def to_operand_shape(grad: torch.Tensor, operand: torch.Tensor, kind: str) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 
 from epicute.epilogue import ops
 from epicute.epilogue.backward import DACC, DACC_UP, SAVED, gradient_graph, read_from_accumulator, replay_epilogue
-from epicute.epilogue.gated import GATE_BLOCK, gated_epilogue
+from epicute.epilogue.gated import gated_epilogue, interleave_gate_up
 from epicute.epilogue.operands import RowVector
 from epicute.epilogue.tracer import as_epilogue, trace_key
 from epicute.errors import EpilogueError, ShapeError
@@ -215,19 +215,13 @@ class _MLP(torch.autograd.Function):
         grads = gemm(dy, w2, epilogue=backward_epi, out_dtypes={DACC: x.dtype, **({DACC_UP: x.dtype} if gated else {})},
                      **tiles)  # fmt: skip
         grads = grads if isinstance(grads, dict) else {DACC: grads}
-        dacc = _interleave(grads[DACC], grads[DACC_UP]) if gated else grads[DACC]
+        dacc = interleave_gate_up(grads[DACC], grads[DACC_UP], dim=-1) if gated else grads[DACC]
         dx = gemm(dacc, w1) if needs[2] else None
         dw1 = gemm(dacc.t(), x) if needs[3] else None
         db1 = grads["d_bias"].to(w1.dtype) if has_b1 and needs[4] else None
         dw2 = gemm(dy.t(), h) if needs[5] else None
         db2 = dy.float().sum(0).to(dy.dtype) if has_b2 and needs[6] else None
         return None, None, dx, dw1, db1, dw2, db2
-
-
-def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    rows, n = gate.shape
-    return torch.stack((gate.reshape(rows, n // GATE_BLOCK, GATE_BLOCK), up.reshape(rows, n // GATE_BLOCK, GATE_BLOCK)),
-                       dim=-2).reshape(rows, 2 * n)  # fmt: skip
 
 
 def mlp(
