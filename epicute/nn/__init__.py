@@ -1,6 +1,8 @@
-"""Layers on epicute's kernels. :mod:`epicute.nn.functional` holds the differentiable functions (``linear``, ``mlp``,
-``gated_mlp``) with ``torch.nn.functional``'s conventions; they call the families' public entry points only."""
+"""Layers on epicute's kernels, with ``torch.nn``'s conventions and state dicts (:mod:`epicute.nn.modules`:
+``Linear``, ``GatedMLP``), and the differentiable functions they call (:mod:`epicute.nn.functional`: ``linear``,
+``mlp``, ``gated_mlp``). They use the families' public entry points only."""
 
 from epicute.nn import functional
+from epicute.nn.modules import GatedMLP, Linear
 
-__all__ = ["functional"]
+__all__ = ["GatedMLP", "Linear", "functional"]

@@ -1,0 +1,150 @@
+"""Layers with ``torch.nn``'s conventions over :mod:`epicute.nn.functional`.
+
+- :class:`Linear`: ``nn.Linear``'s parameters and state dict, any leading dimensions, an optional fused epilogue
+  after the bias.
+- :class:`GatedMLP`: a Llama/Qwen/Mistral MLP (``down(act(gate(x)) * up(x))``). It holds the gate and up weights as
+  the one interleaved weight the gated GEMM reads (built once, when weights are loaded, and trained as such), and
+  its state dict has the checkpoint's layout: separate ``gate_proj.weight``/``up_proj.weight``, or a concatenated
+  ``gate_up_proj.weight`` (``[gate; up]``, as Phi-3-style checkpoints store it) on load.
+
+Example:
+    >>> import torch
+    >>> from epicute.nn import GatedMLP
+    >>> mlp = GatedMLP(64, 128, activation="silu", dtype=torch.bfloat16)
+    >>> sorted(mlp.state_dict())
+    ['down_proj.weight', 'gate_proj.weight', 'up_proj.weight']
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from epicute.epilogue.gated import interleave_gate_up, split_gate_up
+from epicute.errors import ShapeError
+from epicute.nn import functional as EF
+
+
+class Linear(nn.Module):
+    """``nn.Linear`` on epicute's GEMM: ``epilogue(x @ weight.T + bias, **operands)``.
+
+    Parameters and state dict are ``nn.Linear``'s (``weight`` ``(out, in)``, ``bias`` ``(out,)``), so a checkpoint
+    loads either way. ``epilogue`` (optional) is fused after the bias; its operands are passed to ``forward``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        epilogue: Callable | None = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.epilogue = in_features, out_features, epilogue
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialization."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, epilogue: Callable | None = None) -> Linear:
+        """The same layer (its parameters shared, not copied) on epicute's GEMM."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, epilogue=epilogue,
+                    device="meta", dtype=linear.weight.dtype)  # fmt: skip
+        layer.weight = linear.weight
+        layer.bias = linear.bias
+        return layer
+
+    def forward(self, x: torch.Tensor, **operands: Any) -> torch.Tensor:
+        return EF.linear(x, self.weight, self.bias, epilogue=self.epilogue, **operands)
+
+    def extra_repr(self) -> str:
+        fused = f", epilogue={getattr(self.epilogue, '__name__', self.epilogue)}" if self.epilogue else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{fused}"
+
+
+class GatedMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` as two epicute GEMMs (:func:`epicute.nn.functional.gated_mlp`).
+
+    ``gate_up`` ``(2 * intermediate, hidden)`` is the gate and up weights interleaved in blocks of 8
+    (:func:`epicute.interleave_gate_up`), trained as one parameter; ``down_proj`` an ``nn.Linear``'s weight.
+    ``state_dict()`` gives ``gate_proj.weight``, ``up_proj.weight`` and ``down_proj.weight`` (a Llama checkpoint's
+    keys); ``load_state_dict`` takes those, or ``gate_up_proj.weight`` concatenated ``[gate; up]``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str | Callable = "silu",
+        *,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if intermediate_size % 8:
+            raise ShapeError(f"intermediate_size={intermediate_size}: the gated GEMM needs a multiple of 8")
+        self.hidden_size, self.intermediate_size, self.activation = hidden_size, intermediate_size, activation
+        gate, up = (nn.Linear(hidden_size, intermediate_size, bias=False, device=device, dtype=dtype) for _ in "gu")
+        self.gate_up = nn.Parameter(interleave_gate_up(gate.weight.detach(), up.weight.detach()))
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device, dtype=dtype)
+        self._register_state_dict_hook(_gate_up_to_checkpoint)
+        self._register_load_state_dict_pre_hook(_checkpoint_to_gate_up)
+
+    @classmethod
+    def from_projections(
+        cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, activation: str | Callable = "silu"
+    ) -> GatedMLP:
+        """A GatedMLP holding these projections' weights (copied once into the interleaved layout)."""
+        for name, proj in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+            if proj.bias is not None:
+                raise ShapeError(f"{name} has a bias; GatedMLP's projections have none (mlp_bias=False)")
+        weight = gate_proj.weight
+        mlp = cls(gate_proj.in_features, gate_proj.out_features, activation, device="meta", dtype=weight.dtype)
+        mlp.load_state_dict({"gate_proj.weight": weight.detach(), "up_proj.weight": up_proj.weight.detach(),
+                             "down_proj.weight": down_proj.weight.detach()}, assign=True)  # fmt: skip
+        return mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return EF.gated_mlp(x, self.gate_up, self.down_proj.weight, activation=self.activation)
+
+    def extra_repr(self) -> str:
+        sizes = f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"
+        return f"{sizes}, activation={self.activation}"
+
+
+def _gate_up_to_checkpoint(module: GatedMLP, state: dict, prefix: str, local_metadata: Any) -> None:
+    """state_dict hook: the interleaved weight as the checkpoint's separate gate and up weights."""
+    gate_up = state.pop(prefix + "gate_up")
+    gate, up = split_gate_up(gate_up.transpose(-2, -1))
+    state[prefix + "gate_proj.weight"] = gate.transpose(-2, -1).contiguous()
+    state[prefix + "up_proj.weight"] = up.transpose(-2, -1).contiguous()
+
+
+def _checkpoint_to_gate_up(state: dict, prefix: str, *args: Any) -> None:
+    """load_state_dict pre-hook: separate (``gate_proj``/``up_proj``) or concatenated (``gate_up_proj``) weights into
+    the interleaved one, once."""
+    gate_key, up_key, both_key = prefix + "gate_proj.weight", prefix + "up_proj.weight", prefix + "gate_up_proj.weight"
+    if both_key in state:
+        gate, up = state.pop(both_key).chunk(2, dim=0)
+    elif gate_key in state and up_key in state:
+        gate, up = state.pop(gate_key), state.pop(up_key)
+    else:
+        return  # a state dict of our own layout, or one missing keys: load_state_dict reports them
+    state[prefix + "gate_up"] = interleave_gate_up(gate, up)
+
+
+__all__ = ["GatedMLP", "Linear"]

@@ -1,0 +1,79 @@
+"""epicute.nn's layers on the CPU (the GEMMs by the reference backend): state dicts in the checkpoint's layout,
+training against the same layer written in torch (float64 autograd)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import epicute
+from epicute.nn import GatedMLP, Linear
+from epicute.nn import functional as EF
+
+TOL = 1e-2  # bf16 weights, activations and gradients
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    gemm = EF.gemm
+    monkeypatch.setattr(EF, "gemm", lambda a, b, /, **kwargs: gemm(a, b, **kwargs, backend="reference"))
+
+
+def _rel(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def test_gated_mlp_state_dict_has_the_checkpoint_layout():
+    gate, up, down = (nn.Linear(48, 80, bias=False), nn.Linear(48, 80, bias=False), nn.Linear(80, 48, bias=False))
+    mlp = GatedMLP.from_projections(gate, up, down)
+    state = mlp.state_dict()
+    assert sorted(state) == ["down_proj.weight", "gate_proj.weight", "up_proj.weight"]
+    for key, linear in (("gate_proj.weight", gate), ("up_proj.weight", up), ("down_proj.weight", down)):
+        assert torch.equal(state[key], linear.weight.detach())  # a copy of the same values: moved, not computed
+    concatenated = GatedMLP(48, 80)
+    concatenated.load_state_dict({"gate_up_proj.weight": torch.cat([gate.weight, up.weight]).detach(),
+                                  "down_proj.weight": down.weight.detach()})  # fmt: skip
+    assert torch.equal(concatenated.gate_up, mlp.gate_up)
+    assert torch.equal(mlp.gate_up, epicute.interleave_gate_up(gate.weight, up.weight))
+
+
+def test_gated_mlp_trains_like_the_torch_mlp(reference_kernels):
+    torch.manual_seed(0)
+    ref = [nn.Linear(48, 80, bias=False, dtype=torch.bfloat16) for _ in range(2)]
+    down = nn.Linear(80, 48, bias=False, dtype=torch.bfloat16)
+    mlp = GatedMLP.from_projections(ref[0], ref[1], down)
+    x = torch.randn(3, 7, 48, dtype=torch.bfloat16, requires_grad=True)
+    y = mlp(x)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    x64 = x.detach().double().requires_grad_()
+    g64, u64, d64 = (p.weight.detach().double().requires_grad_() for p in (*ref, down))
+    want = F.linear(F.silu(F.linear(x64, g64)) * F.linear(x64, u64), d64)
+    want.backward(grad.double())
+    grads = mlp.gate_up.grad  # the interleaved weight's: the reference's gate and up gradients, interleaved
+    errors = {"out": _rel(y, want.detach()), "x": _rel(x.grad, x64.grad), "down": _rel(mlp.down_proj.weight.grad,
+              d64.grad), "gate_up": _rel(grads, epicute.interleave_gate_up(g64.grad, u64.grad))}  # fmt: skip
+    assert all(e < TOL for e in errors.values()), errors
+
+
+def test_linear_shares_its_parameters_and_trains(reference_kernels):
+    torch.manual_seed(1)
+    torch_linear = nn.Linear(48, 40, dtype=torch.bfloat16)
+    layer = Linear.from_linear(torch_linear)
+    assert layer.weight is torch_linear.weight and sorted(layer.state_dict()) == ["bias", "weight"]
+    x = torch.randn(2, 5, 48, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    y.float().square().sum().backward()
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, layer.weight, layer.bias))
+    F.linear(x64, w64, b64).square().sum().backward()
+    for got, want in ((x.grad, x64.grad), (layer.weight.grad, w64.grad), (layer.bias.grad, b64.grad)):
+        assert _rel(got, want) < TOL
+
+
+def test_gated_mlp_refuses_what_it_cannot_hold():
+    with pytest.raises(epicute.ShapeError, match="multiple of 8"):
+        GatedMLP(48, 84)
+    with pytest.raises(epicute.ShapeError, match="gate_proj has a bias"):
+        GatedMLP.from_projections(nn.Linear(8, 16), nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
