@@ -86,3 +86,46 @@ def test_unsupported_transformers_versions_are_refused(monkeypatch):
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.46.0")
     with pytest.raises(epicute.ConfigError, match=r"transformers 4.46.0 is not supported"):
         patch(model)
+
+
+@pytest.fixture
+def reference_grouped(monkeypatch):
+    from epicute.integrations import transformers as integration
+
+    grouped = integration.grouped_gemm
+    monkeypatch.setattr(integration, "grouped_gemm",
+                        lambda a, b, offsets, /, **kwargs: grouped(a, b, offsets, **kwargs, backend="reference"))
+
+
+def _tiny_moe(kind: str):
+    config_cls, model_cls = {
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    }[kind]
+    sizes = {"intermediate_size": 136} if kind == "mixtral" else {"moe_intermediate_size": 136, "intermediate_size": 136}
+    config = config_cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        vocab_size=96, num_local_experts=5, num_experts=5, num_experts_per_tok=2,
+                        max_position_embeddings=64, **sizes)  # fmt: skip
+    torch.manual_seed(0)
+    return model_cls(config).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_patched_moe_experts_train_like_the_original(reference_kernels, reference_grouped, kind):
+    original = _tiny_moe(kind)
+    patched = copy.deepcopy(original)
+    report = patch(patched)
+    assert report["experts"] == 2
+    assert patched.config._experts_implementation == "epicute"
+    ids = torch.randint(0, 96, (2, 13))
+    losses, grads = [], []
+    for model in (original, patched):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        grads.append({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+    assert _rel(losses[1], losses[0]) < TOL
+    assert sorted(grads[1]) == sorted(grads[0])  # every parameter the original trains gets a gradient
+    for name in grads[0]:
+        if "experts" in name or "gate" in name:
+            assert _rel(grads[1][name], grads[0][name]) < TOL, name

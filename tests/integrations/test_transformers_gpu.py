@@ -36,3 +36,24 @@ def test_patched_llama_trains_like_the_original(linears):
         ref, mlp = original.model.layers[layer].mlp, patched.model.layers[layer].mlp
         want = epicute.interleave_gate_up(ref.gate_proj.weight.grad, ref.up_proj.weight.grad).double()
         assert ((mlp.gate_up.grad.double() - want).norm() / want.norm()).item() < TOL
+
+
+def test_patched_mixtral_experts_train_like_the_original():
+    config = transformers.MixtralConfig(hidden_size=512, intermediate_size=1368, num_hidden_layers=2,
+                                        num_attention_heads=8, num_key_value_heads=2, vocab_size=1000,
+                                        num_local_experts=8, num_experts_per_tok=2)  # fmt: skip
+    torch.manual_seed(0)
+    original = transformers.MixtralForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+    patched = copy.deepcopy(original)
+    assert patch(patched)["experts"] == 2
+    ids = torch.randint(0, 1000, (2, 333), device="cuda")
+    losses, grads = [], []
+    for model in (original, patched):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(out.loss.detach().double())
+        grads.append({name: p.grad.double() for name, p in model.named_parameters() if p.grad is not None})
+    assert (losses[1] - losses[0]).abs() / losses[0].abs() < TOL
+    for name, want in grads[0].items():
+        if "experts" in name:
+            assert ((grads[1][name] - want).norm() / want.norm()).item() < TOL, name
