@@ -102,7 +102,7 @@ def _tiny_moe(kind: str):
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[kind]
-    sizes = {"intermediate_size": 136} if kind == "mixtral" else {"moe_intermediate_size": 136, "intermediate_size": 136}
+    sizes = {"intermediate_size": 136, **({"moe_intermediate_size": 136} if kind == "qwen3_moe" else {})}
     config = config_cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         vocab_size=96, num_local_experts=5, num_experts=5, num_experts_per_tok=2,
                         max_position_embeddings=64, **sizes)  # fmt: skip
