@@ -15,19 +15,23 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
+from epicute.attention.api import attention
+from epicute.epilogue import ops
 from epicute.epilogue.gated import interleave_gate_up
 from epicute.errors import ConfigError
 from epicute.grouped.api import grouped_gemm
 from epicute.nn import functional as EF
 from epicute.nn.modules import GatedMLP, Linear
 
-#: The name epicute's experts forward is registered under in transformers' ``ExpertsInterface``.
-EXPERTS = "epicute"
+#: The name epicute's experts forward is registered under in transformers' ``ExpertsInterface``, and its attention
+#: under ``AttentionInterface`` (``attn_implementation="epicute"``).
+EXPERTS = ATTENTION = "epicute"
 
 #: transformers versions this integration is tested with (the modules' attribute names it reads).
 SUPPORTED = ((5, 0), (6, 0))
@@ -36,19 +40,24 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_ta
                "gelu_new": "gelu_tanh", "relu": "relu"}  # fmt: skip
 
 
-def patch(model: nn.Module, *, mlps: bool = True, linears: bool = False, experts: bool = True) -> dict[str, int]:
-    """Swap ``model``'s gated MLPs (and, with ``linears``, its other ``nn.Linear`` layers) for epicute's, in place,
-    and (``experts``) run its MoE experts (Mixtral, Qwen3-MoE: transformers' experts interface) on epicute's grouped
-    GEMMs (:func:`experts_forward`).
+def patch(
+    model: nn.Module, *, mlps: bool = True, linears: bool = False, experts: bool = True, attention: bool = True
+) -> dict[str, int]:
+    """Swap ``model``'s gated MLPs (and, with ``linears``, its other ``nn.Linear`` layers) for epicute's, in place;
+    run its MoE experts (Mixtral, Qwen3-MoE: transformers' experts interface) on epicute's grouped GEMMs
+    (:func:`experts_forward`), and its attention on :func:`epicute.attention` (:func:`attention_forward`,
+    ``attn_implementation="epicute"``).
 
     Returns how many modules of each kind were swapped or switched. A gated MLP with biases or an activation epicute
     lacks is left as it is (and not counted). Raises :class:`~epicute.errors.ConfigError` for a transformers version
     outside :data:`SUPPORTED`.
     """
     _check_version()
-    swapped = {"GatedMLP": 0, "Linear": 0, "experts": 0}
+    swapped = {"GatedMLP": 0, "Linear": 0, "experts": 0, "attention": 0}
     if experts:
         swapped["experts"] = _use_epicute_experts(model)
+    if attention:
+        swapped["attention"] = _use_epicute_attention(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             replacement = _replacement(child, mlps, linears)
@@ -92,6 +101,62 @@ def experts_forward(
     down = grouped_gemm(h, self.down_proj.transpose(-2, -1), offsets)
     out = torch.zeros(num_tokens, down.shape[-1], device=down.device, dtype=torch.float32)
     return out.index_add(0, rows.long(), down.float()).to(hidden_states.dtype)
+
+
+def attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention forward (``AttentionInterface``) on :func:`epicute.attention`: q, k, v arrive
+    ``(batch, heads, seqlen, head_dim)`` and leave ``(batch, seqlen, heads, head_dim)``, as flash-attn's do; causal
+    bottom-right aligned (a decode step's queries see the whole cache); GQA at any ratio. What epicute's attention
+    lacks is refused with :class:`~epicute.errors.ConfigError` rather than computed differently: attention dropout,
+    a sliding window shorter than the keys, padded batches (a mask with zeros: pass unpadded sequences)."""
+    if dropout:
+        raise ConfigError(f"attention dropout {dropout}: epicute's attention has none; set attention_dropout=0.0")
+    kv_len = key.shape[2]
+    if sliding_window is not None and sliding_window < kv_len:
+        raise ConfigError(f"sliding_window={sliding_window} < {kv_len} keys: epicute's attention has no sliding "
+                          "window; use a window of at least the sequence length")  # fmt: skip
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ConfigError("a padding mask with zeros: epicute's attention takes unpadded batches (equal lengths, no "
+                          "attention_mask), or packed sequences")  # fmt: skip
+    causal = bool(module.is_causal if is_causal is None else is_causal) and query.shape[2] > 1
+    score_mod = _softcapped(float(softcap)) if softcap else None
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = attention(q, k, v, causal=causal, softmax_scale=scaling, score_mod=score_mod)
+    return out, None
+
+
+@functools.lru_cache(maxsize=64)
+def _softcapped(cap: float):
+    """Gemma-2-style logit softcapping as a score_mod, one function per cap (its trace is remembered)."""
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * ops.tanh(score / cap)
+
+    return softcap
+
+
+def _use_epicute_attention(model: nn.Module) -> int:
+    """Register :func:`attention_forward` (and flash-attn's mask convention: no mask without padding) and select it
+    for ``model``: the number of attention modules that will run it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    AttentionInterface.register(ATTENTION, attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, flash_attention_mask)
+    model.set_attn_implementation(ATTENTION)
+    return sum(1 for module in model.modules() if hasattr(module, "is_causal") and hasattr(module, "q_proj"))
 
 
 def _weighted_gated(act):
@@ -143,4 +208,4 @@ def _check_version() -> None:
         )
 
 
-__all__ = ["ACTIVATIONS", "EXPERTS", "SUPPORTED", "experts_forward", "patch"]
+__all__ = ["ACTIVATIONS", "ATTENTION", "EXPERTS", "SUPPORTED", "attention_forward", "experts_forward", "patch"]
