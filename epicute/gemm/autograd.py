@@ -42,7 +42,7 @@ from epicute.epilogue.backward import (
     reads_accumulator,
     replay_epilogue,
 )
-from epicute.epilogue.dtypes import ir_dtype
+from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
 from epicute.epilogue.gated import interleave_gate_up
 from epicute.epilogue.graph import Graph
 from epicute.errors import GradientError
@@ -124,6 +124,19 @@ def remembered_plan(memo: tuple | None, compute: Callable[[], BackwardPlan]) -> 
                 _PLANS.clear()
             _PLANS[memo] = plan
     return plan
+
+
+def saving_call(plan: BackwardPlan, names: tuple[str, ...], a_dtype: torch.dtype) -> tuple[dict, tuple[str, ...]]:
+    """The forward of a ``save`` plan: the call's ``epilogue``, ``out_dtype`` and ``out_dtypes`` (every output of
+    the epilogue's own, ``names``, in the dtype the call settled; the accumulators in :func:`saved_dtype`), and the
+    names of all its outputs, the saved accumulators last."""
+    stored = dict(plan.graph.output_dtypes)
+    options = {
+        "epilogue": saving_epilogue(plan.graph, ir_dtype(saved_dtype(a_dtype), "a")),
+        "out_dtype": None,
+        "out_dtypes": {name: IR_TO_TORCH[stored[name]] for name in names},
+    }
+    return options, (*names, *plan.saved)
 
 
 def saving_epilogue(graph: Graph, dtype: str) -> Any:
@@ -299,6 +312,7 @@ def to_operand_shape(grad: torch.Tensor, operand: torch.Tensor, kind: str) -> to
 
 __all__ = [
     "PLANS", "RECOMPUTE_BELOW_K", "BackwardPlan", "BackwardStep", "GradientKernels", "backward_of",
-    "plan_backward", "remembered_plan", "saved_dtype", "saving_epilogue", "setup_backward", "to_operand_shape",
+    "plan_backward", "remembered_plan", "saved_dtype", "saving_call", "saving_epilogue", "setup_backward",
+    "to_operand_shape",
 ]  # fmt: skip
 

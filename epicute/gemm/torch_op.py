@@ -29,7 +29,7 @@ from epicute.gemm.autograd import (
     plan_backward,
     remembered_plan,
     saved_dtype,
-    saving_epilogue,
+    saving_call,
     setup_backward,
 )
 from epicute.gemm.config import GemmConfig, GemmProblem
@@ -76,12 +76,8 @@ def gemm_op(
     names = registered_outputs(epilogue) if epilogue else ("D",)
     plan = backward_plan_of(a, b, operands, scalars, epilogue, spec)
     if plan is not None and plan.saved:  # the forward of a "save" backward: the accumulators too
-        graph = plan.graph
-        kwargs["epilogue"] = saving_epilogue(graph, ir_dtype(saved_dtype(a.dtype), "a"))
-        kwargs["out_dtype"] = None
-        stored = dict(graph.output_dtypes)
-        kwargs["out_dtypes"] = {name: IR_TO_TORCH[stored[name]] for name in names}
-        names = (*names, *plan.saved)
+        options, names = saving_call(plan, names, a.dtype)
+        kwargs.update(options)
     result = gemm(a, b, **kwargs)
     if isinstance(result, torch.Tensor):
         return [result]

@@ -25,7 +25,7 @@ from epicute.gemm.autograd import (
     plan_backward,
     remembered_plan,
     saved_dtype,
-    saving_epilogue,
+    saving_call,
     setup_backward,
 )
 from epicute.gemm.config import GemmConfig
@@ -72,10 +72,7 @@ def grouped_gemm_op(
     names = registered_outputs(epilogue) if epilogue else ("D",)
     plan = _backward_plan(a, b, offsets, operands, scalars, epilogue, parsed)
     if plan is not None and plan.saved:  # the forward of a "save" backward: the accumulators too
-        stored = dict(plan.graph.output_dtypes)
-        kwargs = {"epilogue": saving_epilogue(plan.graph, ir_dtype(saved_dtype(a.dtype), "a")), "out_dtype": None,
-                  "out_dtypes": {name: IR_TO_TORCH[stored[name]] for name in names}}  # fmt: skip
-        names = (*names, *plan.saved)
+        kwargs, names = saving_call(plan, names, a.dtype)
     result = grouped_gemm(a, b, offsets, config=config_of(parsed), gated=parsed["gated"], **kwargs,
                           **operand_values(operands, scalars, parsed))  # fmt: skip
     if isinstance(result, torch.Tensor):
