@@ -186,9 +186,10 @@ class GroupedKernels:
         index = self.loaders.get("a_index")
         if index is None:
             return rows
-        # A token routed to several experts sums their rows' gradients (in fp32: at most top-k adds each).
-        return torch.zeros(self.a.shape, dtype=torch.float32, device=rows.device).index_add_(
-            0, index.long(), rows.float()
+        # A token routed to several experts sums their rows' gradients (in fp32: at most top-k adds each), with
+        # index_put_'s accumulate, which torch.use_deterministic_algorithms(True) makes deterministic.
+        return torch.zeros(self.a.shape, dtype=torch.float32, device=rows.device).index_put_(
+            (index.long(),), rows.float(), accumulate=True
         ).to(self.a.dtype)
 
     def weight_grad(self, dacc):

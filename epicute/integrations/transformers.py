@@ -23,9 +23,7 @@ from torch import nn
 
 from epicute.attention.api import attention
 from epicute.epilogue import ops
-from epicute.epilogue.gated import interleave_gate_up
 from epicute.errors import ConfigError
-from epicute.grouped.api import grouped_gemm
 from epicute.nn import functional as EF
 from epicute.nn.modules import GatedMLP, Linear
 
@@ -80,27 +78,10 @@ def _replacement(module: nn.Module, mlps: bool, linears: bool) -> nn.Module | No
 def experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """transformers' experts forward (``ExpertsInterface``) on epicute: the routed rows sorted by expert and read
-    in place through ``a_index`` (no gathered copy), gate/up as one gated grouped GEMM whose epilogue applies the
-    activation and the router weight (``act(gate) * up * weight``: the down projection is linear, so weighting its
-    input weights its output), the down projection a grouped GEMM, and each routed row summed back into its token.
-
-    ``self.gate_up_proj`` ``(E, 2I, H)`` holds ``[gate; up]`` (transformers' concatenated layout); the gated GEMM
-    reads them interleaved, built here from the parameter (a differentiable copy: the weights train as stored).
-    """
-    num_tokens, top_k = top_k_index.shape
-    experts = self.gate_up_proj.shape[0]
-    expert_ids = top_k_index.reshape(-1)
-    order = torch.argsort(expert_ids, stable=True)
-    rows = (order // top_k).to(torch.int32)  # the token each routed row reads
-    offsets = torch.cumsum(torch.bincount(expert_ids, minlength=experts), 0, dtype=torch.int32)
-    weight = top_k_weights.reshape(-1)[order].to(torch.float32).unsqueeze(-1)
-    gate, up = self.gate_up_proj.chunk(2, dim=-2)
-    h = grouped_gemm(hidden_states, interleave_gate_up(gate, up).transpose(-2, -1), offsets, a_index=rows,
-                     gated=True, epilogue=_WEIGHTED[ACTIVATIONS[self.config.hidden_act]], weight=weight)  # fmt: skip
-    down = grouped_gemm(h, self.down_proj.transpose(-2, -1), offsets)
-    out = torch.zeros(num_tokens, down.shape[-1], device=down.device, dtype=torch.float32)
-    return out.index_add(0, rows.long(), down.float()).to(hidden_states.dtype)
+    """transformers' experts forward (``ExpertsInterface``) on :func:`epicute.nn.functional.moe_experts`:
+    ``self.gate_up_proj`` ``(E, 2I, H)`` holds ``[gate; up]``, ``self.down_proj`` ``(E, H, I)``."""
+    return EF.moe_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
+                          activation=ACTIVATIONS[self.config.hidden_act])  # fmt: skip
 
 
 def attention_forward(
@@ -157,17 +138,6 @@ def _use_epicute_attention(model: nn.Module) -> int:
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, flash_attention_mask)
     model.set_attn_implementation(ATTENTION)
     return sum(1 for module in model.modules() if hasattr(module, "is_causal") and hasattr(module, "q_proj"))
-
-
-def _weighted_gated(act):
-    def weighted(gate, up, weight):
-        return act(gate) * up * weight
-
-    return weighted
-
-
-#: The experts' gate/up epilogue per activation: one function each, so the call's trace is remembered.
-_WEIGHTED = {name: _weighted_gated(act) for name, act in EF.ACTIVATIONS.items()}
 
 
 def _use_epicute_experts(model: nn.Module) -> int:

@@ -2,6 +2,8 @@
 
 - :func:`linear`: ``F.linear`` (any leading dimensions, weight ``(out, in)``, optional bias) with an optional fused
   epilogue after the bias. Its backward is :func:`epicute.gemm`'s, derived from the epilogue.
+- :func:`moe_experts`: a mixture-of-experts layer's experts (routed rows read in place, gate/up/activation/routing
+  weight in one gated grouped GEMM, the down projection, a deterministic sum of each token's rows).
 - :func:`mlp`: ``w2 act(w1 x + b1) + b2``, and :func:`gated_mlp`: ``w_down (act(gate) * up)`` over a gate/up
   weight interleaved once (:func:`epicute.interleave_gate_up`). Their backward fuses across the two GEMMs: the
   down projection's data-gradient GEMM (``dh = dy w_down``) applies the activation's derivative in its epilogue,
@@ -36,6 +38,7 @@ from epicute.epilogue.operands import RowVector
 from epicute.epilogue.tracer import as_epilogue, trace_key
 from epicute.errors import EpilogueError, ShapeError
 from epicute.gemm.api import gemm
+from epicute.grouped.api import grouped_gemm
 
 #: Named activations: one traced value in, one out.
 ACTIVATIONS: dict[str, Callable] = {
@@ -259,6 +262,55 @@ for _name in ACTIVATIONS:
         _programs(_name, _gated, _bias)
 
 
+def moe_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """A mixture-of-experts layer's experts: ``out[t] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t))`` with
+    ``e = top_k_index[t, j]`` and ``w = top_k_weights``, differentiable in ``x``, the weights and ``top_k_weights``.
+
+    ``x`` ``(T, H)``; ``gate_up_proj`` ``(E, 2I, H)`` holding ``[gate; up]`` (transformers' layout); ``down_proj``
+    ``(E, H, I)``; ``top_k_index`` ``(T, k)``, ``top_k_weights`` ``(T, k)``. The routed rows are sorted by expert and
+    read in place (``a_index``: no gathered copy); gate, up, the activation and the routing weight are one gated
+    grouped GEMM (the down projection is linear: weighting its input weights its output), the down projection a
+    second; each token then sums its ``k`` rows in slot order (a gather by the inverse permutation: deterministic,
+    no atomics). The gated GEMM reads gate and up interleaved: built here from ``gate_up_proj`` (a differentiable
+    copy, so the weights train in their own layout).
+    """
+    if x.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != x.shape[0]:
+        raise ShapeError(f"x {tuple(x.shape)}, top_k_index {tuple(top_k_index.shape)} and top_k_weights "
+                         f"{tuple(top_k_weights.shape)}: need (T, H), (T, k) and (T, k)")  # fmt: skip
+    tokens, top_k = top_k_index.shape
+    experts = gate_up_proj.shape[0]
+    expert_ids = top_k_index.reshape(-1)
+    order = torch.argsort(expert_ids, stable=True)  # routed rows by expert
+    rows = (order // top_k).to(torch.int32)  # the token each routed row reads
+    offsets = torch.cumsum(torch.bincount(expert_ids, minlength=experts), 0, dtype=torch.int32)
+    weight = top_k_weights.reshape(-1)[order].to(torch.float32).unsqueeze(-1)
+    gate, up = gate_up_proj.chunk(2, dim=-2)
+    h = grouped_gemm(x, interleave_gate_up(gate, up).transpose(-2, -1), offsets, a_index=rows, gated=True,
+                     epilogue=_WEIGHTED_GATED[activation], weight=weight)  # fmt: skip
+    down = grouped_gemm(h, down_proj.transpose(-2, -1), offsets)
+    slot_of = torch.empty_like(order)
+    slot_of[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> its routed row
+    return down[slot_of].view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def _weighted_gated(act: Callable) -> Callable:
+    def weighted(gate, up, weight):
+        return act(gate) * up * weight
+
+    return weighted
+
+
+#: The experts' gate/up epilogue per named activation: one function each, so a call's trace is remembered.
+_WEIGHTED_GATED = {name: _weighted_gated(act) for name, act in ACTIVATIONS.items()}
+
+
 def _check_weights(w1: torch.Tensor, w2: torch.Tensor, d: int, gated: bool = False) -> None:
     if w1.dim() != 2 or w2.dim() != 2:
         raise ShapeError(f"weights of shapes {tuple(w1.shape)} and {tuple(w2.shape)}: pass 2-D (out, in) weights")
@@ -269,4 +321,4 @@ def _check_weights(w1: torch.Tensor, w2: torch.Tensor, d: int, gated: bool = Fal
                          f"chain: need the down weight (d_out, {hidden})")  # fmt: skip
 
 
-__all__ = ["ACTIVATIONS", "gated_mlp", "linear", "mlp"]
+__all__ = ["ACTIVATIONS", "gated_mlp", "linear", "mlp", "moe_experts"]

@@ -113,10 +113,8 @@ def test_unsupported_transformers_versions_are_refused(monkeypatch):
 
 @pytest.fixture
 def reference_grouped(monkeypatch):
-    from epicute.integrations import transformers as integration
-
-    grouped = integration.grouped_gemm
-    monkeypatch.setattr(integration, "grouped_gemm",
+    grouped = EF.grouped_gemm
+    monkeypatch.setattr(EF, "grouped_gemm",
                         lambda a, b, offsets, /, **kwargs: grouped(a, b, offsets, **kwargs, backend="reference"))
 
 
