@@ -1,16 +1,26 @@
-"""Training steps (forward + backward) of bf16 MLP layers: epicute.nn.functional vs torch, torch.compile and Liger.
+"""Training steps (forward + backward) of bf16 MLPs and MoE experts: epicute.nn.functional vs torch, compile, Liger.
 
 TFLOPS of the step (see Unit below).
 
-Usage: python bench/training.py [--cases llama3_8b_mlp,gpt_mlp,linear_gelu_residual] [--tokens 8192,16384]
-       [--no-max-autotune] [--dry] [--out PATH]
+Usage: python bench/training.py [--cases llama3_8b_mlp,gpt_mlp,linear_gelu_residual,mixtral_experts,qwen3_moe_experts]
+       [--tokens 8192,16384] [--no-max-autotune] [--dry] [--out PATH]
 Cases (T tokens, bf16 on the GPU, weights in ``nn.Linear``'s (out, in) layout, no dropout):
 
 - ``llama3_8b_mlp`` (T 8192 and 16384): ``down(silu(x @ Wg^T) * (x @ Wu^T))``, hidden 4096, intermediate
   14336, no biases; Wg, Wu (14336, 4096), Wd (4096, 14336);
 - ``gpt_mlp`` (T 8192 and 16384): ``gelu(x @ W1^T + b1) @ W2^T + b2``, 4096 -> 16384 -> 4096, erf GELU
   (``F.gelu``'s default);
-- ``linear_gelu_residual`` (T 8192): ``gelu(x @ W^T + b) + residual``, W (4096, 4096), residual (T, 4096).
+- ``linear_gelu_residual`` (T 8192): ``gelu(x @ W^T + b) + residual``, W (4096, 4096), residual (T, 4096);
+- ``mixtral_experts`` (T 8192): Mixtral-8x7B's expert block, hidden 4096, intermediate 14336, 8 experts, top-2;
+- ``qwen3_moe_experts`` (T 8192): Qwen3-30B-A3B's expert block, hidden 2048, MoE intermediate 768, 128 experts,
+  top-8.
+
+The MoE cases are the experts only (no router): ``out[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
+with ``e = top_k_index[t, j]``, weights in transformers 5's layout: ``gate_up_proj`` (E, 2I, H) holding
+``[gate; up]`` (gate first), ``down_proj`` (E, H, I). The routing is fixed, drawn once per case outside the
+timing (seeded): Zipf-skewed expert popularity as in bench/grouped.py (expert i's share ~ 1/(i+1), shuffled),
+each token's k distinct experts drawn in proportion to it (``top_k_index`` (T, k) int64), its weights a softmax
+of random values (``top_k_weights`` (T, k) float32, rows summing to 1); the rows per expert are printed.
 
 One step of every contender, alike: the ``.grad`` of its leaves set to None, ``out = layer(x)``, then
 ``out.backward(grad)`` with a fixed random bf16 ``grad``; x (and the residual) require grad like the weights,
@@ -30,23 +40,41 @@ Contenders, same inputs, same run:
   ``LigerSiLUMulFunction`` between torch's GEMMs, as here); left out, with the reason printed, where
   ``liger_kernel`` does not import. It has GEGLU but no GELU MLP, and nothing for the linear case.
 
+The MoE cases' contenders instead:
+
+- ``epicute``: ``moe_experts(x, gate_up_proj, down_proj, top_k_index, top_k_weights, activation="silu")`` (the
+  routing sorted, the weights interleaved inside the call: all of it timed);
+- ``torch_grouped_mm``: transformers' ``grouped_mm_experts_forward`` (no biases, no expert-parallel sentinels):
+  the (token, slot) pairs sorted by expert, their rows gathered, int32 offsets (cumsum of a ``histc`` of the
+  experts), ``torch._grouped_mm(rows, gate_up_proj.transpose(-2, -1), offs=offsets, out_dtype=torch.bfloat16)``
+  as ../shared/bench/PEERS.md calls it, ``silu(gate) * up``, the same for ``down_proj``, times the routing weight
+  (float32), back to token order and each token's k rows summed;
+- ``torch_eager_loop``: transformers 5's ``MixtralExperts.forward`` (``Qwen3MoeExperts``' is the same): a
+  Python loop over the experts hit, ``F.linear`` with ``gate_up_proj[e]``, chunk, ``silu(gate) * up``,
+  ``F.linear`` with ``down_proj[e]``, times the weight, ``index_add_`` into the tokens;
+- ``torch_grouped_mm_compile``: ``torch_grouped_mm`` under ``torch.compile`` (default mode, static shapes),
+  compiled by its checked first step; where it does not compile, the reason is printed and it is left out.
+
 Every contender's first step is checked, not timed, against float32 autograd of the same math on the same
-values (TF32 off): the output and every leaf's gradient, the largest relative error (Frobenius norm) counts.
-epicute's fused gate/up gradient is compared with ``interleave_gate_up`` of the reference's two. Then all are
+values (TF32 off; for the MoE cases a loop over the experts in float32): the output and every leaf's gradient
+(the MoE cases: x, gate_up_proj, down_proj), the largest relative error (Frobenius norm) counts. In the SwiGLU
+MLP, epicute's fused gate/up gradient is compared with ``interleave_gate_up`` of the reference's two. Then all are
 timed as ``triton.testing.do_bench`` times them (L2 flushed before each step, :func:`epicute.benchmark.time_flushed`),
 medians of interleaved rounds.
 
 Unit: TFLOPS of the step, 3 x the forward's GEMM FLOPs (forward, input gradient, weight gradient;
 elementwise work not counted): 3 x 6·T·H·I for the SwiGLU MLP, 3 x 4·T·H·F for the GELU MLP, 3 x 2·T·H·N for
-the linear. TFLOPS, not milliseconds per step, because ``common.finish_peer_run`` writes every result as
-higher-is-better; the milliseconds per step are printed beside them. Writes bench/results/training.json (and
-$OUT/training.json when OUT is set).
+the linear, 3 x (2·T·k·H·2I + 2·T·k·I·H) = 3 x 6·T·k·H·I for the MoE experts (the routed rows only; sorting,
+gathering and summing not counted). TFLOPS, not milliseconds per step, because ``common.finish_peer_run`` writes
+every result as higher-is-better; the milliseconds per step are printed beside them. Writes
+bench/results/training.json (and $OUT/training.json when OUT is set).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import importlib.metadata
 import sys
@@ -60,11 +88,17 @@ import torch.nn.functional as F
 from common import Row, check_contenders, finish_peer_run, time_interleaved
 
 HIDDEN = 4096
-#: name -> (default token counts, FLOPs of one forward per token / hidden size: 6·I, 4·F, 2·N)
+#: MoE expert blocks: name -> (hidden H, intermediate I, experts E, experts per token k)
+MOE = {
+    "mixtral_experts": (4096, 14336, 8, 2),  # Mixtral-8x7B
+    "qwen3_moe_experts": (2048, 768, 128, 8),  # Qwen3-30B-A3B
+}
+#: name -> (default token counts, hidden size, FLOPs of one forward per token / hidden size: 6·I, 4·F, 2·N, 6·k·I)
 CASES = {
-    "llama3_8b_mlp": ((8192, 16384), 6 * 14336),
-    "gpt_mlp": ((8192, 16384), 4 * 16384),
-    "linear_gelu_residual": ((8192,), 2 * HIDDEN),
+    "llama3_8b_mlp": ((8192, 16384), HIDDEN, 6 * 14336),
+    "gpt_mlp": ((8192, 16384), HIDDEN, 4 * 16384),
+    "linear_gelu_residual": ((8192,), HIDDEN, 2 * HIDDEN),
+    **{name: ((8192,), hidden, 6 * top_k * inter) for name, (hidden, inter, _, top_k) in MOE.items()},
 }
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "training.json"
 TOLERANCE = 1e-2
@@ -79,9 +113,13 @@ class Setup:
     """One case's tensors and contenders' layers.
 
     ``inputs`` (x, and the residual) and ``weights`` are bf16 leaves requiring grad, in the order ``torch_fn``
-    takes them (inputs first); ``epicute_leaves`` are the leaves of epicute's call (its gate/up weight is its
-    own, interleaved copy); ``liger_fn`` takes ``torch_fn``'s arguments; ``derived`` maps the reference's
-    gradients (name -> tensor) to the reference of gradients that only epicute's leaves have."""
+    takes them (inputs first); ``torch_fn`` is the float32 reference's math and, unless ``peers`` and ``compiled``
+    say otherwise, the ``torch_eager`` contender and the compiled ones; ``epicute_leaves`` are the leaves of
+    epicute's call (its gate/up weight may be its own, interleaved copy); ``liger_fn`` takes ``torch_fn``'s
+    arguments; ``derived`` maps the reference's gradients (name -> tensor) to the reference of gradients that only
+    epicute's leaves have. ``peers`` (label -> function of ``torch_fn``'s arguments) replaces ``torch_eager``;
+    ``compiled`` (label -> (function of ``torch_fn``'s arguments, torch.compile mode)) replaces the compiled
+    ``torch_fn``."""
 
     inputs: Tensors
     weights: Tensors
@@ -90,6 +128,8 @@ class Setup:
     epicute_call: Callable[[], torch.Tensor]
     liger_fn: Callable[..., torch.Tensor] | None = None
     derived: Callable[[Tensors], Tensors] | None = None
+    peers: dict[str, Callable[..., torch.Tensor]] | None = None
+    compiled: dict[str, tuple[Callable[..., torch.Tensor], str | None]] | None = None
 
 
 def _randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -129,7 +169,7 @@ def liger_swiglu():
 def setup_llama3_8b_mlp(EF, tokens: int) -> Setup:
     import epicute
 
-    inter = CASES["llama3_8b_mlp"][1] // 6
+    inter = CASES["llama3_8b_mlp"][2] // 6
     x = _randn(tokens, HIDDEN)
     w_gate, w_up = _randn(inter, HIDDEN, scale=HIDDEN**-0.5), _randn(inter, HIDDEN, scale=HIDDEN**-0.5)
     w_down = _randn(HIDDEN, inter, scale=inter**-0.5)
@@ -146,7 +186,7 @@ def setup_llama3_8b_mlp(EF, tokens: int) -> Setup:
 
 
 def setup_gpt_mlp(EF, tokens: int) -> Setup:
-    ffn = CASES["gpt_mlp"][1] // 4
+    ffn = CASES["gpt_mlp"][2] // 4
     x = _randn(tokens, HIDDEN)
     w1, b1 = _randn(ffn, HIDDEN, scale=HIDDEN**-0.5), _randn(ffn, scale=0.1)
     w2, b2 = _randn(HIDDEN, ffn, scale=ffn**-0.5), _randn(HIDDEN, scale=0.1)
@@ -179,10 +219,103 @@ def setup_linear_gelu_residual(EF, tokens: int) -> Setup:
     )
 
 
+def moe_routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed routing on the CPU: ``top_k_index`` (T, k) int64, each token's k distinct experts drawn in
+    proportion to a Zipf popularity (expert i's share ~ 1/(i+1), shuffled: bench/grouped.py's skew), and
+    ``top_k_weights`` (T, k) float32, a softmax of random values (rows summing to 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    popularity = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64)
+    popularity = popularity[torch.randperm(experts, generator=gen)]
+    probs = (popularity / popularity.sum()).expand(tokens, experts).contiguous()
+    top_k_index = torch.multinomial(probs, top_k, replacement=False, generator=gen)
+    top_k_weights = torch.randn(tokens, top_k, generator=gen).softmax(dim=-1)
+    return top_k_index, top_k_weights
+
+
+def describe_routing(top_k_index: torch.Tensor, experts: int) -> str:
+    rows = torch.bincount(top_k_index.flatten(), minlength=experts)
+    return (f"routing: Zipf, {top_k_index.shape[0]} tokens x top-{top_k_index.shape[1]} over {experts} experts; "
+            f"rows per expert {int(rows.min())}-{int(rows.max())} (mean {rows.float().mean().item():.0f})")  # fmt: skip
+
+
+def grouped_mm_experts(x, gate_up_proj, down_proj, *, top_k_index, top_k_weights):
+    """transformers' ``grouped_mm_experts_forward`` (no biases, no expert-parallel sentinels) on
+    ``torch._grouped_mm``, called as ../shared/bench/PEERS.md calls it: rows sorted by expert, the weights
+    (E, N, K) row-major passed as ``.transpose(-2, -1)``, int32 cumulative group ends."""
+    tokens, top_k = top_k_index.shape
+    experts = gate_up_proj.shape[0]
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    rows = x[perm // top_k]
+    weights = top_k_weights.reshape(-1)[perm]
+    # transformers' histc (not bincount: no data-dependent size under torch.compile / CUDA graphs); the CPU's
+    # histc takes floats, CUDA's ints
+    ids = expert_ids.float() if expert_ids.device.type == "cpu" else expert_ids.int()
+    offsets = torch.cumsum(torch.histc(ids, bins=experts, min=0, max=experts - 1), dim=0, dtype=torch.int32)
+    h = torch._grouped_mm(rows, gate_up_proj.transpose(-2, -1), offs=offsets, out_dtype=torch.bfloat16)
+    gate, up = h.chunk(2, dim=-1)
+    h = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets, out_dtype=torch.bfloat16)
+    weighted = h * weights.unsqueeze(-1)  # float32, as the routing weights
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    # as transformers: back to (token, slot) order, each token's k rows summed (float32, deterministic)
+    return weighted[inverse].view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def eager_expert_loop(x, gate_up_proj, down_proj, *, top_k_index, top_k_weights):
+    """transformers 5's ``MixtralExperts.forward`` (``Qwen3MoeExperts.forward`` is the same)."""
+    experts = gate_up_proj.shape[0]
+    out = torch.zeros_like(x)
+    with torch.no_grad():
+        expert_mask = F.one_hot(top_k_index, num_classes=experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        gate, up = F.linear(x[token_idx], gate_up_proj[expert_idx]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, down_proj[expert_idx])
+        h = h * top_k_weights[token_idx, top_k_pos, None]
+        out.index_add_(0, token_idx, h.to(out.dtype))
+    return out
+
+
+def moe_reference(x, gate_up_proj, down_proj, *, top_k_index, top_k_weights):
+    """The same math for the float32 reference: a loop over every expert, its weights from ``unbind`` (one
+    stacked gradient, not a full-size one per expert)."""
+    out = torch.zeros_like(x)
+    for e, (w_gate_up, w_down) in enumerate(zip(gate_up_proj.unbind(0), down_proj.unbind(0))):
+        token, slot = torch.where(top_k_index == e)
+        gate, up = F.linear(x[token], w_gate_up).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w_down) * top_k_weights[token, slot, None]
+        out.index_add_(0, token, h.to(out.dtype))
+    return out
+
+
+def setup_moe_experts(EF, name: str, tokens: int) -> Setup:
+    hidden, inter, experts, top_k = MOE[name]
+    top_k_index, top_k_weights = moe_routing(tokens, experts, top_k)
+    print(f"  {describe_routing(top_k_index, experts)}")
+    top_k_index, top_k_weights = top_k_index.cuda(), top_k_weights.cuda()
+    x = _randn(tokens, hidden)
+    gate_up_proj = _randn(experts, 2 * inter, hidden, scale=hidden**-0.5)
+    down_proj = _randn(experts, hidden, inter, scale=inter**-0.5)
+    routed = {"top_k_index": top_k_index, "top_k_weights": top_k_weights}
+    grouped = functools.partial(grouped_mm_experts, **routed)
+    return Setup(
+        inputs={"x": x},
+        weights={"gate_up_proj": gate_up_proj, "down_proj": down_proj},
+        torch_fn=functools.partial(moe_reference, **routed),
+        epicute_leaves={"x": x, "gate_up_proj": gate_up_proj, "down_proj": down_proj},
+        epicute_call=lambda: EF.moe_experts(x, gate_up_proj, down_proj, top_k_index, top_k_weights, activation="silu"),
+        peers={"torch_grouped_mm": grouped, "torch_eager_loop": functools.partial(eager_expert_loop, **routed)},
+        compiled={"torch_grouped_mm_compile": (grouped, None)},
+    )
+
+
 SETUPS = {
     "llama3_8b_mlp": setup_llama3_8b_mlp,
     "gpt_mlp": setup_gpt_mlp,
     "linear_gelu_residual": setup_linear_gelu_residual,
+    **{name: functools.partial(setup_moe_experts, name=name) for name in MOE},
 }
 
 
@@ -263,19 +396,27 @@ def run_case(EF, name: str, tokens: int, max_autotune: bool) -> tuple[Row, bool]
     torch._dynamo.reset()  # each case compiles afresh, for its own static shapes
     row: Row = {"case": f"{name} T{tokens}"}
     print(row["case"])
-    setup = SETUPS[name](EF, tokens)
-    grad = torch.randn(tokens, HIDDEN, device="cuda").to(torch.bfloat16)
+    setup = SETUPS[name](EF, tokens=tokens)
+    grad = torch.randn(tokens, CASES[name][1], device="cuda").to(torch.bfloat16)
     ref = reference(setup, grad)
     inputs, weights = setup.inputs, setup.weights
     args = (*inputs.values(), *weights.values())
-    calls = {
-        "epicute": steps(setup.epicute_leaves, setup.epicute_call, grad),
-        "torch_eager": steps({**inputs, **weights}, lambda: setup.torch_fn(*args), grad),
+    calls = {"epicute": steps(setup.epicute_leaves, setup.epicute_call, grad)}
+    for label, fn in (setup.peers or {"torch_eager": setup.torch_fn}).items():
+        calls[label] = steps({**inputs, **weights}, lambda fn=fn: fn(*args), grad)
+    compiled_fns = setup.compiled or {
+        "torch_compile": (setup.torch_fn, None),
+        "torch_compile_max_autotune": (setup.torch_fn, "max-autotune"),
     }
-    modes = {"torch_compile": None, **({"torch_compile_max_autotune": "max-autotune"} if max_autotune else {})}
-    for label, mode in modes.items():
-        layer = Layer(setup.torch_fn, weights)
-        compiled = torch.compile(layer, mode=mode, dynamic=False)
+    for label, (fn, mode) in compiled_fns.items():
+        if mode == "max-autotune" and not max_autotune:
+            continue
+        try:  # compiling happens in the first (checked) step: check_contenders prints why that fails, if it does
+            layer = Layer(fn, weights)
+            compiled = torch.compile(layer, mode=mode, dynamic=False)
+        except Exception as exc:  # noqa: BLE001 - a peer that does not compile is reported and left out
+            print(f"  {label:16s} not run: torch.compile failed ({type(exc).__name__}: {exc})")
+            continue
         leaves = {**inputs, **dict(layer.named_parameters())}
         checked, step = steps(leaves, lambda c=compiled: c(*inputs.values()), grad)
         calls[label] = (announced(label, checked), step)
@@ -291,7 +432,7 @@ def run_case(EF, name: str, tokens: int, max_autotune: bool) -> tuple[Row, bool]
     timed, ok = check_contenders(calls, error, TOLERANCE)
     ref.clear()  # the float32 reference's memory, before the timing
     torch.cuda.empty_cache()
-    flops = 3 * tokens * HIDDEN * CASES[name][1]
+    flops = 3 * tokens * CASES[name][1] * CASES[name][2]
     times = time_interleaved(timed, timer=time_flushed, **TIMING)
     for label, ms in times.items():
         row[label] = round(flops / (ms * 1e-3) / 1e12, 1)
@@ -307,9 +448,16 @@ def plan(cases: list[str], tokens: list[int] | None, max_autotune: bool) -> None
     compiled = ["torch_compile", *(["torch_compile_max_autotune"] if max_autotune else [])]
     for name in cases:
         for t in tokens or CASES[name][0]:
-            peers_ = ["torch_eager", *compiled, *(["liger (if it imports)"] if name == "llama3_8b_mlp" else [])]
-            gflop = 3 * t * HIDDEN * CASES[name][1] / 1e9
+            if name in MOE:
+                peers_ = ["torch_grouped_mm", "torch_eager_loop", "torch_grouped_mm_compile (if it compiles)"]
+            else:
+                peers_ = ["torch_eager", *compiled, *(["liger (if it imports)"] if name == "llama3_8b_mlp" else [])]
+            gflop = 3 * t * CASES[name][1] * CASES[name][2] / 1e9
             print(f"{name} T{t}: {gflop:.1f} GFLOP per step; epicute vs {', '.join(peers_)}")
+            if name in MOE:  # the routing a run would draw (on the CPU, as the run draws it)
+                hidden, inter, experts, top_k = MOE[name]
+                routing = describe_routing(moe_routing(t, experts, top_k)[0], experts)
+                print(f"  hidden {hidden}, intermediate {inter}; {routing}")
 
 
 def main() -> int:
@@ -336,7 +484,8 @@ def main() -> int:
         from epicute.nn import functional as EF
     except ImportError as exc:
         print(f"epicute.nn.functional does not import ({type(exc).__name__}: {exc}); this benchmark times its "
-              "gated_mlp, mlp and linear: run it with an epicute that has them", file=sys.stderr)  # fmt: skip
+              "gated_mlp, mlp, linear and moe_experts: run it with an epicute that has them",
+              file=sys.stderr)  # fmt: skip
         return 2
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference (the default; said, not assumed)
