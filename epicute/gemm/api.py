@@ -219,6 +219,9 @@ def gemm(
     scales = (a_scale, b_scale)
     check_flags(tune=tune)
     if backend == "kernel" and needs_backward(a, b, a_scale, b_scale, out, outs, operands):
+        if tune:  # the forward runs the tuned config too (tuning itself times inference calls)
+            config = {**_tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands, scales, gated),
+                      **dict(_overrides(config))}  # fmt: skip
         return _differentiable(a, b, epilogue, out_dtype, out_dtypes, a_scale, b_scale, config, gated, operands)
     if backend == "reference":
         check_has_values(("a", a), ("b", b), ("out", out), ("a_scale", a_scale), ("b_scale", b_scale),
