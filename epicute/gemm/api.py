@@ -22,7 +22,6 @@ from epicute.errors import (
     DeviceError,
     DtypeError,
     EpilogueError,
-    GradientError,
     OutputError,
     SignatureError,
 )
@@ -697,16 +696,12 @@ def explain(
 
 
 def _backward_line(request, problem) -> str:
-    """What a training call's backward would do (:func:`epicute.gemm.autograd.plan_backward`), for ``explain``."""
-    from epicute.gemm.autograd import plan_backward
+    """What a training call's backward would do (:func:`epicute.gemm.autograd.explain_backward`)."""
+    from epicute.gemm.autograd import explain_backward
     from epicute.gemm.prepare import lower_epilogue
 
     graph = lower_epilogue(request).graph if request.epilogue is not None else None
-    try:
-        line = plan_backward(graph, problem.k).explain(problem.m, problem.n, problem.k)
-    except GradientError as exc:
-        line = f"backward: none ({exc})"
-    return "under autograd\n  " + line
+    return explain_backward(graph, problem.m, problem.n, problem.k)
 
 
 #: Keyword parameters of the GEMM's entry points: an epilogue operand of one of these names would bind to the

@@ -87,6 +87,15 @@ class BackwardPlan:
                 "\n  2. da = dacc @ b^T\n  3. db = a^T @ dacc")  # fmt: skip
 
 
+def explain_backward(graph: Graph | None, m: int, n: int, k: int) -> str:
+    """``explain``'s "under autograd" paragraph for a call whose epilogue lowers to ``graph``."""
+    try:
+        line = plan_backward(graph, k).explain(m, n, k)
+    except GradientError as exc:
+        line = f"backward: none ({exc})"
+    return "under autograd\n  " + line
+
+
 def plan_backward(graph: Graph | None, k: int) -> BackwardPlan:
     """The backward plan of a call whose forward epilogue is ``graph``: raises
     :class:`~epicute.errors.GradientError` when an output has no gradient it could need (it depends on a
@@ -311,7 +320,7 @@ def to_operand_shape(grad: torch.Tensor, operand: torch.Tensor, kind: str) -> to
 
 
 __all__ = [
-    "PLANS", "RECOMPUTE_BELOW_K", "BackwardPlan", "BackwardStep", "GradientKernels", "backward_of",
+    "PLANS", "RECOMPUTE_BELOW_K", "BackwardPlan", "BackwardStep", "GradientKernels", "backward_of", "explain_backward",
     "plan_backward", "remembered_plan", "saved_dtype", "saving_call", "saving_epilogue", "setup_backward",
     "to_operand_shape",
 ]  # fmt: skip

@@ -16,6 +16,7 @@ from epicute.epilogue.reference import evaluate, round_to
 from epicute.epilogue.scales import dequantize_blockwise
 from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import ConfigError, EpilogueError, OutputError
+from epicute.gemm.autograd import explain_backward
 from epicute.gemm.config import GemmConfig
 from epicute.gemm.epilogue_args import aux_outputs, kernel_inputs
 from epicute.gemm.prepare import ir_items
@@ -326,9 +327,14 @@ def explain_grouped(
     check_one_device(("a", a), ("b", b))
     _, _, request = describe_grouped_call(a, b, offsets, epilogue, None, out_dtype, out_dtypes, config, operands,
                                           False, gated=gated, scales=(a_scale, b_scale), a_index=a_index)  # fmt: skip
-    plan = prepare(replace(request, target=resolve_target(target))).plan
+    prepared = prepare(replace(request, target=resolve_target(target)))
+    plan = prepared.plan
     if file is not None:
-        print(render_grouped_plan(plan), file=sys.stdout if file == "stdout" else file)
+        p = plan.problem
+        graph = prepared.epilogue.graph if prepared.epilogue is not None else None
+        backward = explain_backward(graph, p.total_m, p.d_n, p.k) if p.ragged == "m" else (
+            "under autograd\n  backward: none (a variable-K call takes no gradient)")  # fmt: skip
+        print(render_grouped_plan(plan) + "\n\n" + backward, file=sys.stdout if file == "stdout" else file)
     return plan
 
 

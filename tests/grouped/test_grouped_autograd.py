@@ -68,3 +68,17 @@ def test_what_has_no_gradient_is_refused_before_anything_else(call, words):
         call(offsets)
     with torch.no_grad(), pytest.raises(epicute.DeviceError, match="cuda"):
         call(offsets)
+
+
+def test_explain_grouped_prints_the_backward_plan(capsys):
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    x, w = torch.empty(16384, 4096, **meta), torch.empty(8, 2048, 4096, **meta)
+    offsets = torch.empty(8, dtype=torch.int32, device="meta")
+    score = torch.empty(16384, 1, device="meta")
+    epicute.explain_grouped(x, w.transpose(-2, -1), offsets, gated=True, score=score,
+                            epilogue=lambda gate, up, score: epicute.ops.silu(gate) * up * score)  # fmt: skip
+    backward = capsys.readouterr().out.split("under autograd")[1]
+    assert "backward: save (the forward also stores acc (64.0 MiB)" in backward
+    assert "D, D_up, d_score <- " in backward and "row_sum" in backward  # the router weight's gradient: per row
+    epicute.explain_grouped(x.t(), torch.empty(16384, 4096, **meta), offsets)
+    assert "a variable-K call takes no gradient" in capsys.readouterr().out
