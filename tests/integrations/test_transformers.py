@@ -13,22 +13,10 @@ import torch
 import epicute
 from epicute.integrations.transformers import patch
 from epicute.nn import GatedMLP, Linear
-from epicute.nn import functional as EF
 
 transformers = pytest.importorskip("transformers")
 
 TOL = 2e-2  # bf16 end to end through two decoder layers: the original model in torch's bf16 is the peer
-
-
-@pytest.fixture
-def reference_kernels(monkeypatch):
-    """The GEMMs and the attention computed by the reference backends (differentiable torch on the CPU)."""
-    from epicute.integrations import transformers as integration
-
-    gemm, attention = EF.gemm, integration.attention
-    monkeypatch.setattr(EF, "gemm", lambda a, b, /, **kwargs: gemm(a, b, **kwargs, backend="reference"))
-    monkeypatch.setattr(integration, "attention",
-                        lambda q, k, v, /, **kwargs: attention(q, k, v, **kwargs, backend="reference"))
 
 
 def _tiny(kind: str):
@@ -49,7 +37,7 @@ def _rel(got, want):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("linears", [False, True])
-def test_patched_model_trains_like_the_original(reference_kernels, kind, linears):
+def test_patched_model_trains_like_the_original(reference_layers, kind, linears):
     original = _tiny(kind)
     patched = copy.deepcopy(original)
     report = patch(patched, linears=linears)
@@ -78,7 +66,7 @@ def test_patched_model_trains_like_the_original(reference_kernels, kind, linears
     assert _rel(grads[1]["model.embed_tokens.weight"], grads[0]["model.embed_tokens.weight"]) < TOL
 
 
-def test_padded_batches_and_dropout_are_refused(reference_kernels):
+def test_padded_batches_and_dropout_are_refused(reference_layers):
     model = _tiny("llama")
     patch(model)
     ids = torch.randint(0, 96, (2, 11))
@@ -111,13 +99,6 @@ def test_unsupported_transformers_versions_are_refused(monkeypatch):
         patch(model)
 
 
-@pytest.fixture
-def reference_grouped(monkeypatch):
-    grouped = EF.grouped_gemm
-    monkeypatch.setattr(EF, "grouped_gemm",
-                        lambda a, b, offsets, /, **kwargs: grouped(a, b, offsets, **kwargs, backend="reference"))
-
-
 def _tiny_moe(kind: str):
     config_cls, model_cls = {
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
@@ -132,7 +113,7 @@ def _tiny_moe(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
-def test_patched_moe_experts_train_like_the_original(reference_kernels, reference_grouped, kind):
+def test_patched_moe_experts_train_like_the_original(reference_layers, kind):
     """One MoE block, original and patched, on the same hidden states: the router picks the same experts on both
     (a whole model in bf16 may route a token differently after a last-bit difference upstream, which moves its
     gradients to other experts: a comparison of routing, not of epicute's experts)."""

@@ -16,26 +16,20 @@ from tests.nn.functional_cases import gated_mlp_step, linear_step, mlp_step
 TOL = 1e-2  # bf16 storage of h, the pre-activation and the gradients between the GEMMs (8 significant bits)
 
 
-@pytest.fixture
-def reference_kernels(monkeypatch):
-    gemm = EF.gemm
-    monkeypatch.setattr(EF, "gemm", lambda a, b, /, **kwargs: gemm(a, b, **kwargs, backend="reference"))
-
-
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_mlp_gradients(reference_kernels, activation, bias):
+def test_mlp_gradients(reference_layers, activation, bias):
     errors = mlp_step((3, 11), 48, 80, "cpu", activation, bias)
     assert all(e < TOL for e in errors.values()), errors
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
-def test_gated_mlp_gradients(reference_kernels, activation):
+def test_gated_mlp_gradients(reference_layers, activation):
     errors = gated_mlp_step((37,), 48, 80, "cpu", activation)
     assert all(e < TOL for e in errors.values()), errors
 
 
-def test_linear_with_bias_and_an_epilogue(reference_kernels):
+def test_linear_with_bias_and_an_epilogue(reference_layers):
     errors = linear_step((3, 11), 48, 40, "cpu")
     assert all(e < TOL for e in errors.values()), errors
 
@@ -60,14 +54,7 @@ def test_bad_shapes_are_shape_errors():
         EF.mlp(x, w1, None, torch.randn(16, 32), None, activation="swish")
 
 
-@pytest.fixture
-def reference_grouped(monkeypatch):
-    grouped = EF.grouped_gemm
-    monkeypatch.setattr(EF, "grouped_gemm",
-                        lambda a, b, offsets, /, **kwargs: grouped(a, b, offsets, **kwargs, backend="reference"))
-
-
-def test_moe_experts_gradients(reference_grouped):
+def test_moe_experts_gradients(reference_layers):
     """Against float64 autograd of the HF expert loop's math; every input gets its gradient (the routing weights
     too); an expert no token picks is fine; the result is the same bits run to run (tokens sum their rows in slot
     order, no atomics)."""
