@@ -3,7 +3,7 @@
 TFLOPS of the step (see Unit below).
 
 Usage: python bench/training.py [--cases llama3_8b_mlp,gpt_mlp,linear_gelu_residual,mixtral_experts,qwen3_moe_experts]
-       [--tokens 8192,16384] [--no-max-autotune] [--dry] [--out PATH]
+       [--tokens 8192,16384] [--no-max-autotune] [--profile] [--dry] [--out PATH]
 Cases (T tokens, bf16 on the GPU, weights in ``nn.Linear``'s (out, in) layout, no dropout):
 
 - ``llama3_8b_mlp`` (T 8192 and 16384): ``down(silu(x @ Wg^T) * (x @ Wu^T))``, hidden 4096, intermediate
@@ -77,6 +77,7 @@ import contextlib
 import functools
 import gc
 import importlib.metadata
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -390,7 +391,7 @@ def relative_errors(got: Tensors, ref: Tensors) -> dict[str, float]:
     return errors
 
 
-def run_case(EF, name: str, tokens: int, max_autotune: bool) -> tuple[Row, bool]:
+def run_case(EF, name: str, tokens: int, max_autotune: bool, profile: bool = False) -> tuple[Row, bool]:
     from epicute.benchmark import time_flushed
 
     torch._dynamo.reset()  # each case compiles afresh, for its own static shapes
@@ -430,6 +431,9 @@ def run_case(EF, name: str, tokens: int, max_autotune: bool) -> tuple[Row, bool]
         return max(errors.values())
 
     timed, ok = check_contenders(calls, error, TOLERANCE)
+    if profile:
+        print_kernels(timed["epicute"])
+        print_host_profile(timed["epicute"], setup.epicute_call, grad)
     ref.clear()  # the float32 reference's memory, before the timing
     torch.cuda.empty_cache()
     flops = 3 * tokens * CASES[name][1] * CASES[name][2]
@@ -441,6 +445,59 @@ def run_case(EF, name: str, tokens: int, max_autotune: bool) -> tuple[Row, bool]
     if "epicute" in times and peer_times:  # from the times, not the rounded TFLOPS
         print(f"  epicute / best peer: {min(peer_times) / times['epicute']:.3f} (TFLOPS ratio, > 1: epicute faster)")
     return row, ok
+
+
+def print_kernels(step: Callable[[], object], repeats: int = 3) -> None:
+    """The CUDA kernels of ``repeats`` warm steps, by total GPU time (``torch.profiler``): where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    print(f"  epicute's kernels over {repeats} steps:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
+
+
+def print_host_profile(step: Callable[[], object], forward: Callable[[], torch.Tensor], grad: torch.Tensor,
+                       repeats: int = 10) -> None:
+    """Host milliseconds of a step, its forward and its backward (each queued without waiting on the GPU, which
+    is idle before each), and where they went: ``torch.profiler``'s CPU ops, and ``cProfile`` of the forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def host_ms(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        return statistics.median(times) * 1e3
+
+    outs: list[torch.Tensor] = []
+    fwd = host_ms(lambda: outs.append(forward()))
+    bwd = host_ms(lambda: outs.pop().backward(grad))
+    print(f"  epicute's host ms, GPU idle before each (median of {repeats}): step {host_ms(step):.3f}, "
+          f"forward {fwd:.3f}, backward {bwd:.3f}")  # fmt: skip
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=90))
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()  # the forward runs on this thread (the backward on autograd's device thread)
+    profiler.enable()
+    for _ in range(repeats):
+        outs.append(forward())
+    profiler.disable()
+    outs.clear()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("cumtime").print_stats(35)
 
 
 def plan(cases: list[str], tokens: list[int] | None, max_autotune: bool) -> None:
@@ -467,6 +524,8 @@ def main() -> int:
                         help="comma-separated token counts T for every case (default: each case's own)")  # fmt: skip
     parser.add_argument("--no-max-autotune", dest="max_autotune", action="store_false",
                         help="leave out torch.compile(mode='max-autotune') (minutes of compile a case)")  # fmt: skip
+    parser.add_argument("--profile", action="store_true",
+                        help="print epicute's kernels per step (torch.profiler) and its host time (cProfile)")
     parser.add_argument("--dry", action="store_true", help="print the cases and contenders, run nothing (no GPU)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON path")
     args = parser.parse_args()
@@ -492,7 +551,7 @@ def main() -> int:
     rows, all_ok = [], True
     for name in cases:
         for tokens in args.tokens or CASES[name][0]:
-            row, ok = run_case(EF, name, tokens, args.max_autotune)
+            row, ok = run_case(EF, name, tokens, args.max_autotune, args.profile)
             rows.append(row)
             all_ok = all_ok and ok
             torch._dynamo.reset()

@@ -151,6 +151,36 @@ def gradient_graph(
     return _finish(rec, kept, outputs, {name: "fp32" for name in outputs})
 
 
+def forwarded_gradients(graph: Graph) -> tuple[Graph, tuple[tuple[str, str], ...]]:
+    """``graph`` without the outputs that are an incoming gradient as it is (a residual's gradient is D's: nothing
+    to compute, and a kernel would copy it), and those outputs as ``((output, gradient input), ...)``. The
+    accumulators' gradients stay while anything else is computed (a GEMM epilogue has a D); when every output
+    is forwarded, the graph keeps none and there is no pass to run."""
+    inputs = {node_id: name for name, node_id in graph.inputs}
+    forwarded = {name: inputs[i] for name, i in graph.outputs
+                 if i in inputs and graph.node(i).kind == "tile" and inputs[i].startswith(grad_name(""))}  # fmt: skip
+    if set(forwarded) != {name for name, _ in graph.outputs}:
+        forwarded = {name: v for name, v in forwarded.items() if name not in (DACC, DACC_UP)}
+    if not forwarded:
+        return graph, ()
+    outputs = [(name, i) for name, i in graph.outputs if name not in forwarded]
+    return _pruned(graph, outputs), tuple(forwarded.items())
+
+
+def _pruned(graph: Graph, outputs: list[tuple[str, int]]) -> Graph:
+    """``graph`` with only ``outputs`` and what they read, renumbered."""
+    live = _live(graph.nodes, [i for _, i in outputs])
+    rec = Recorder("backward epilogue")
+    with rec.active():
+        values: list[Value] = []
+        for node in graph.nodes:
+            values.append(rec.add(node.op, tuple(values[a].id for a in node.args), node.kind, node.dtype, node.attrs))
+    inputs = {name: values[i] for name, i in graph.inputs if i in live}
+    dtypes = dict(graph.output_dtypes)
+    kept = {name: values[i].node for name, i in outputs}
+    return _finish(rec, inputs, kept, {name: dtypes[name] for name in kept})
+
+
 def _live(nodes, roots) -> set[int]:
     """Ids of the nodes ``roots`` depend on (themselves included); ``nodes`` in topological order."""
     live = set(roots)
@@ -236,6 +266,6 @@ def replay_epilogue(graph: Graph, name: str = "backward") -> Callable:
 
 
 __all__ = [
-    "DACC", "DACC_UP", "SAVED", "differentiable_outputs", "grad_name", "gradient_graph", "operand_grad_name",
-    "read_from_accumulator", "reads_accumulator", "reads_leaf", "replay_epilogue",
+    "DACC", "DACC_UP", "SAVED", "differentiable_outputs", "forwarded_gradients", "grad_name", "gradient_graph",
+    "operand_grad_name", "read_from_accumulator", "reads_accumulator", "reads_leaf", "replay_epilogue",
 ]  # fmt: skip

@@ -36,6 +36,7 @@ from epicute.epilogue.backward import (
     DACC_UP,
     SAVED,
     differentiable_outputs,
+    forwarded_gradients,
     grad_name,
     gradient_graph,
     operand_grad_name,
@@ -45,6 +46,7 @@ from epicute.epilogue.backward import (
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
 from epicute.epilogue.gated import interleave_gate_up
 from epicute.epilogue.graph import Graph
+from epicute.epilogue.operands import Pin
 from epicute.errors import GradientError
 
 #: Below this K, recomputing ``a @ b`` in the backward (``2 M N K`` flops at ~800 TFLOPS) costs less than
@@ -165,8 +167,10 @@ def saved_dtype(a_dtype: torch.dtype) -> torch.dtype:
 
 @functools.lru_cache(maxsize=256)
 def _gradient_epilogue(graph: Graph, grads: tuple, operands: tuple, saved: bool):
-    gb = gradient_graph(graph, dict(grads), operands, saved_acc=saved)
-    return gb, replay_epilogue(gb)
+    """(the gradient pass's graph, its epilogue or None when nothing is left to compute, the outputs that are
+    an incoming gradient as it is: ``((output, input), ...)``)."""
+    gb, forwarded = forwarded_gradients(gradient_graph(graph, dict(grads), operands, saved_acc=saved))
+    return gb, (replay_epilogue(gb) if gb.outputs else None), forwarded
 
 
 class GradientKernels(Protocol):
@@ -201,19 +205,32 @@ def backward_of(
         dacc, by_operand = grads["D"], {}
     else:
         grad_dtypes = tuple((name, ir_dtype(t.dtype, name)) for name, t in grads.items())
-        gb, epilogue = _gradient_epilogue(plan.graph, grad_dtypes, operands, plan.mode == "save")
-        inputs = {name for name, _ in gb.inputs}
+        gb, epilogue, forwarded = _gradient_epilogue(plan.graph, grad_dtypes, operands, plan.mode == "save")
         given = {**values, **saved, **{grad_name(name): t for name, t in grads.items()}}
-        out_dtypes = {name: acc_dtype if name in (DACC, DACC_UP) else torch.float32 for name, _ in gb.outputs
-                      if name in (DACC, DACC_UP) or gb.output_node(name).kind == "tile"}  # fmt: skip
-        results = kernels.gradient_pass(epilogue, plan.mode == "recompute", out_dtypes,
-                                        {name: value for name, value in given.items() if name in inputs})  # fmt: skip
+        results = {out: given[name] for out, name in forwarded}
+        if epilogue is not None:
+            inputs = {name for name, _ in gb.inputs}
+            shape = next(iter(grads.values())).shape
+            out_dtypes = {DACC: acc_dtype, DACC_UP: acc_dtype} | {
+                operand_grad_name(name): _tile_gradient_dtype(values[name], shape) for name in operands}
+            out_dtypes = {name: out_dtypes[name] for name, _ in gb.outputs
+                          if name in (DACC, DACC_UP) or gb.output_node(name).kind == "tile"}  # fmt: skip
+            needed = {name: value for name, value in given.items() if name in inputs}
+            results |= kernels.gradient_pass(epilogue, plan.mode == "recompute", out_dtypes, needed)
         # A gated accumulator's gradient in B's column order: gate and up interleaved in blocks, as B holds them.
         dacc = interleave_gate_up(results[DACC], results[DACC_UP], dim=-1) if gated and any(needs) else results[DACC]
         by_operand = {name: results[operand_grad_name(name)] for name in operands}
     da = kernels.data_grad(dacc) if needs[0] else None
     db = kernels.weight_grad(dacc) if needs[1] else None
     return da, db, by_operand
+
+
+def _tile_gradient_dtype(operand: Any, shape: torch.Size) -> torch.dtype:
+    """What the gradient pass stores a tile operand's gradient in: the operand's dtype where it has the output's
+    shape (rounded once, as a ``.to`` after the pass would), fp32 where it is broadcast over the batch and still
+    to be summed."""
+    tensor = operand.value if isinstance(operand, Pin) else operand
+    return tensor.dtype if isinstance(tensor, torch.Tensor) and tensor.shape == shape else torch.float32
 
 
 def setup_backward(

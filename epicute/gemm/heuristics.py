@@ -687,6 +687,30 @@ def fit_stages(cfg: GemmConfig, problem: GemmProblem, budget: int, epi: Epilogue
     return best
 
 
+#: K = 0 with an epilogue is an elementwise pass over the epilogue's operands (a backward's gradient pass). No
+#: mainloop runs to hide an epilogue under, so both warpgroups work on one tile's epilogue, and the shared memory
+#: the A/B ring would take deepens the operand loads instead. Measured on the H200 (bench/NOTES.md, issue 57's
+#: gradient pass): ping-pong 128x128 with 2 operand stages 644 us, cooperative 128x256 with 4 444 us, cooperative
+#: 128x128 with 6 366 us.
+EPILOGUE_PASS_WHY = "K = 0: an elementwise pass, both warpgroups on one tile's epilogue (no mainloop to overlap)"
+EPILOGUE_PASS_C_STAGES = 6
+
+
+def fit_epilogue_pass_stages(cfg: GemmConfig, problem: GemmProblem, budget: int, epi: EpilogueBuffers) -> GemmConfig:
+    """A K = 0 pass's stages: the fewest A/B stages, the deepest operand-load ring up to
+    :data:`EPILOGUE_PASS_C_STAGES` that fits, then the deepest D staging."""
+    ab, d, scaled = problem.ab_dtype, problem.d_dtype, problem.block_scaled
+    for c_stages in range(EPILOGUE_PASS_C_STAGES, 0, -1):
+        trial = replace(cfg, ab_stages=2, num_c_stages=c_stages, num_epi_stages=MIN_EPI_STAGES)
+        if smem_total(trial, ab, d, epi, scaled) <= budget:
+            break
+    for epi_stages in range(MAX_EPI_STAGES, MIN_EPI_STAGES, -1):
+        deeper = replace(trial, num_epi_stages=epi_stages)
+        if smem_total(deeper, ab, d, epi, scaled) <= budget:
+            return deeper
+    return trial
+
+
 def choose_config(
     problem: GemmProblem, hw: Target = H100_SXM, epilogue: EpilogueBuffers = NO_EPILOGUE, **overrides
 ) -> GemmConfig:
@@ -722,17 +746,21 @@ def choose_config(
         schedule, schedule_why = "cooperative", "a 128x256 tile needs both warpgroups' registers"
     elif overrides.get("persistent") is False or overrides.get("epi_reuses_ab_smem"):
         schedule, schedule_why = "cooperative", "one tile per CTA leaves a ping-pong warpgroup idle"
+    elif problem.k == 0:
+        schedule, schedule_why = "cooperative", EPILOGUE_PASS_WHY
     else:
         tile_pinned = bool({"tile_m", "tile_n", "epi_tile"} & set(overrides))
         schedule, schedule_why = choose_schedule(problem, hw, epilogue, tile_pinned, pins)
     tile_m = overrides.get("tile_m", 128)
     tile_n = overrides.get("tile_n")
-    if tile_n is None:
+    if tile_n is None and problem.k == 0:
+        tile_n, tile_why = 128, "K = 0: 128 columns (faster than 256 for an elementwise pass, bench/NOTES.md)"
+    elif tile_n is None:
         tile_n, tile_why = choose_tile_n(problem, hw, epilogue, schedule, tile_m, pins)
     else:
         tile_why = "requested"
     code_why = None
-    if epilogue.instructions_per_element and tile_m == 128:
+    if epilogue.instructions_per_element and tile_m == 128 and problem.k:
         pinned = {"schedule", "tile_n"} & set(overrides)
         if pinned:
             code = epilogue_code(epilogue, schedule, tile_m, tile_n)
@@ -854,7 +882,11 @@ def _fit_and_check(
     """``cfg`` with its stages fitted (unless pinned), the pins the planner has no opinion on, its reasons, and
     checked; ``problem`` and ``epilogue`` as the kernel's tiles see them (swapped under ``swap_ab``)."""
     cfg = replace(cfg, num_c_stages=overrides.get("num_c_stages", cfg.num_c_stages))
-    if "ab_stages" in overrides or "num_epi_stages" in overrides:
+    if problem.k == 0 and not {"ab_stages", "num_epi_stages", "num_c_stages"} & set(overrides):
+        cfg = fit_epilogue_pass_stages(cfg, problem, hw.smem_per_cta_bytes, epilogue)
+        reasons.append(f"stages: {cfg.num_c_stages} of the epilogue's operand loads, the A/B ring at its least "
+                       f"({cfg.ab_stages}: K = 0 reads one k-tile of zeros), {cfg.num_epi_stages} D buffers")
+    elif "ab_stages" in overrides or "num_epi_stages" in overrides:
         cfg = replace(
             cfg,
             ab_stages=overrides.get("ab_stages", cfg.ab_stages),

@@ -65,11 +65,18 @@ def _zero_k_operands(call: GemmCall) -> tuple[torch.Tensor, torch.Tensor]:
 
     def zeros(rows: int, contiguous: int) -> torch.Tensor:  # (L, rows, contiguous), row strides 16-byte aligned
         padded = -(-contiguous // k) * k
-        return torch.zeros(p.l, rows, padded, dtype=a.dtype, device=a.device)[:, :, :contiguous]
+        return _cached_zeros(p.l, rows, padded, a.dtype, a.device)[:, :, :contiguous]
 
     a0 = zeros(p.m, k) if p.a_major == "k" else zeros(k, p.m).transpose(1, 2)
     b0 = zeros(k, p.n) if p.b_major == "n" else zeros(p.n, k).transpose(1, 2)
     return a0, b0
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_zeros(l: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros only ever read (the K = 0 operands), kept: a backward's gradient pass makes the same call every step,
+    and a launch over the same constant tensors can be recorded and replayed (:class:`GemmLaunch`'s ``constant``)."""
+    return torch.zeros(l, rows, cols, dtype=dtype, device=device)
 
 
 def _block_scales(call: GemmCall) -> tuple:
@@ -95,9 +102,10 @@ class GemmLaunch:
 
     ``a``, ``b`` and ``d`` are in the kernel's rank: 2-D for a problem of one batch (an unbatched call's
     own tensors), else ``(L, ., .)``; the epilogue's tensors are always batch-first. ``fresh`` holds the
-    ids of the tensors allocated empty for it (outputs and workspaces): with the caller's tensors and
-    views of them, they are all a :class:`epicute.gemm.prepared.PreparedGemmCall` needs to repeat the
-    launch for new tensors of the same signature.
+    ids of the tensors allocated empty for it (outputs and workspaces), ``constant`` those it may take again as
+    they are (read-only zeros standing in for K = 0): with the caller's tensors and views of them, they are all
+    a :class:`epicute.gemm.prepared.PreparedGemmCall` needs to repeat the launch for new tensors of the same
+    signature.
     """
 
     __slots__ = (
@@ -106,6 +114,7 @@ class GemmLaunch:
         "b",
         "batched",
         "block_scales",
+        "constant",
         "d",
         "fresh",
         "fusion",
@@ -118,8 +127,9 @@ class GemmLaunch:
     )  # fmt: skip
 
     def __init__(self, kernel, plan, fusion, batched, a, b, d, inputs, aux, workspaces, group_scales, scalars,
-                 block_scales, fresh=frozenset()):  # fmt: skip
+                 block_scales, fresh=frozenset(), constant=frozenset()):  # fmt: skip
         self.kernel, self.plan, self.fusion, self.batched = kernel, plan, fusion, batched
+        self.constant = constant
         self.a, self.b, self.d, self.inputs = a, b, d, inputs
         self.aux, self.workspaces, self.group_scales = aux, workspaces, group_scales
         self.scalars, self.block_scales, self.fresh = scalars, block_scales, fresh
@@ -247,9 +257,11 @@ def bind_gemm(
             fresh.add(id(group_scales))
         fresh.update(id(t) for t in workspaces.values())
     runs = p.m and p.n and (p.k or fusion is not None)
-    a, b = (call.a, call.b) if p.k or not runs else _zero_k_operands(call)
+    zero_k = runs and not p.k
+    a, b = _zero_k_operands(call) if zero_k else (call.a, call.b)
     if flat:
         a, b = a[0], b[0]
     kernel = kernel_for(plan, fusion) if runs else None
+    constant = frozenset((id(a), id(b)) if zero_k else ())
     return GemmLaunch(kernel, plan, fusion, call.batched, a, b, d, tuple(epi_inputs), dict(aux or {}), workspaces,
-                      group_scales, tuple(epi_scalars), _block_scales(call), frozenset(fresh))  # fmt: skip
+                      group_scales, tuple(epi_scalars), _block_scales(call), frozenset(fresh), constant)  # fmt: skip

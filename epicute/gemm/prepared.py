@@ -45,7 +45,7 @@ PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 #: then the ``outs`` tensors.
 FIXED_SOURCES = ("a", "b", "out", "a_scale", "b_scale")
 
-_SAME, _VIEW, _FRESH = 0, 1, 2
+_SAME, _VIEW, _FRESH, _CONST = 0, 1, 2, 3
 #: Stands for a tensor in the recorded launch, which keeps the launch's structure, not its memory.
 _VACANT = object()
 _FIX = "prepare a call for it (epicute.prepare_gemm), or call epicute.gemm, which prepares one per signature"
@@ -129,7 +129,7 @@ class PreparedGemmCall:
         by_storage: dict[int, int] = {}
         aliases = []
         for i, s in enumerate(sources):
-            if isinstance(s, torch.Tensor):
+            if isinstance(s, torch.Tensor) and s.untyped_storage().nbytes():  # empty ones share no data
                 ptr = s.untyped_storage().data_ptr()
                 if ptr in by_storage:
                     if sources[by_storage[ptr]] is not s:
@@ -141,6 +141,9 @@ class PreparedGemmCall:
         for t in launch.tensors():
             if id(t) in launch.fresh:  # the device by index: torch.empty parses it faster than a device object
                 steps.append((_FRESH, tuple(t.shape), t.dtype, t.device.index if t.is_cuda else t.device))
+                continue
+            if id(t) in launch.constant:
+                steps.append((_CONST, t))
                 continue
             i = by_storage.get(t.untyped_storage().data_ptr())
             if i is None:
@@ -210,6 +213,8 @@ class PreparedGemmCall:
             elif kind == _VIEW:
                 s = sources[step[1]]
                 tensors.append(s.as_strided(step[2], step[3], s.storage_offset() + step[4]))
+            elif kind == _CONST:
+                tensors.append(step[1])
             else:
                 tensors.append(torch.empty(*step[1], dtype=step[2], device=step[3]))
         scalars = tuple(_number(sources[i]) for i in self._scalar_sources)

@@ -47,6 +47,7 @@ from epicute.runtime.torch_ops import (
     register_traced,
     registered_epilogue,
     registered_outputs,
+    runs_eagerly,
     spec_text,
     split_operands,
 )
@@ -209,7 +210,14 @@ class DenseKernels:
 
 
 def _gemm(a, b, epilogue=None, out_dtypes=None, operands=None, gated=False, scales=None):
+    """One GEMM of a backward: :func:`epicute.gemm` itself when eager (its cached path; differentiable again
+    under ``create_graph=True``), the op while torch.compile traces the backward."""
     scales = scales or {}
+    if runs_eagerly(a, b):
+        from epicute.gemm.api import gemm
+
+        return gemm(a, b, epilogue=epilogue, out_dtypes=out_dtypes, gated=gated, a_scale=scales.get("a_scale"),
+                    b_scale=scales.get("b_scale"), **(operands or {}))  # fmt: skip
     return gemm_op_call(
         a, b, epilogue=epilogue, out=None, out_dtype=None, out_dtypes=out_dtypes, outs=None,
         a_scale=scales.get("a_scale"), b_scale=scales.get("b_scale"), backend="kernel", config=None,
@@ -287,7 +295,7 @@ def gemm_op_call(
     if epilogue is None and (operands or out_dtypes or outs):
         given = sorted(operands) or list(out_dtypes or outs)
         raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
-    if epilogue is not None:
+    if epilogue is not None and not runs_eagerly(a, b):  # an eager call's names are checked where it runs
         _check_names_traced(plain_fn(epilogue), gated)
     config = config_pins(config, GemmConfig)
     # Preallocated outputs: the op returns fresh ones in their dtypes, copied in below.
@@ -305,7 +313,7 @@ def gemm_op_call(
         (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted(out_dtypes.items()))), ("gated", gated),
          *((("backward", True),) if backward else ())),
     )  # fmt: skip
-    results = torch.ops.epicute.gemm(a, b, tensors, scalars, key, spec)
+    results = GEMM_OP(a, b, tensors, scalars, key, spec)
     results = dict(zip(outputs, results))
     for name, target in {**(outs or {}), **({"D": out} if out is not None else {})}.items():
         target.copy_(results[name])

@@ -43,6 +43,7 @@ from epicute.runtime.torch_ops import (
     register_traced,
     registered_epilogue,
     registered_outputs,
+    runs_eagerly,
     spec_text,
     split_operands,
 )
@@ -199,6 +200,13 @@ class GroupedKernels:
 
 
 def _grouped(a, b, offsets, epilogue=None, out_dtypes=None, operands=None, gated=False, loaders=None):
+    """One grouped GEMM of a backward: :func:`epicute.grouped_gemm` itself when eager, the op while torch.compile
+    traces the backward."""
+    if runs_eagerly(a, b):
+        from epicute.grouped.api import grouped_gemm
+
+        return grouped_gemm(a, b, offsets, epilogue=epilogue, out_dtypes=out_dtypes, gated=gated,
+                            **(loaders or {}), **(operands or {}))  # fmt: skip
     return grouped_gemm_op_call(
         a, b, offsets, epilogue=epilogue, out=None, out_dtype=None, out_dtypes=out_dtypes, backend="kernel",
         config=None, check_offsets=False, gated=gated, loader_args=loaders or {}, operands=operands or {},
@@ -246,7 +254,7 @@ def grouped_gemm_op_call(
     if epilogue is None and (operands or out_dtypes or gated):
         given = sorted(operands) or list(out_dtypes or ["gated"])
         raise EpilogueError(f"operands/outputs {given} were given without an epilogue")
-    if epilogue is not None:
+    if epilogue is not None and not runs_eagerly(a, b):  # an eager call's names are checked where it runs
         _check_names_traced(plain_fn(epilogue), gated)
     config = config_pins(config, GemmConfig)
     if out is not None and out_dtype is None:  # the op returns a fresh D in out's dtype, copied in below
@@ -262,7 +270,7 @@ def grouped_gemm_op_call(
         (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted((out_dtypes or {}).items()))), ("gated", gated),
          *((("backward", True),) if backward else ())),
     )  # fmt: skip
-    results = dict(zip(outputs, torch.ops.epicute.grouped_gemm(a, b, offsets, tensors, scalars, key, spec)))
+    results = dict(zip(outputs, GROUPED_GEMM_OP(a, b, offsets, tensors, scalars, key, spec)))
     if out is not None:
         out.copy_(results["D"])
         results["D"] = out

@@ -232,6 +232,75 @@ class TorchOp:
     backward: Callable | None = None
     setup_context: Callable | None = None
 
+    def __call__(self, *args: Any) -> list[torch.Tensor]:
+        """The op applied to ``args``: through ``torch.ops`` while torch.compile traces (or on meta and fake
+        tensors), else eagerly through an ``autograd.Function`` made of the same implementation, setup and
+        backward. The dispatcher's own autograd wrapper costs a few hundred microseconds of Python a call
+        (bench/NOTES.md, issue 57's host time), more than a GEMM's launch; the Function costs a few."""
+        if not runs_eagerly(args[0]):
+            namespace, name = self.name.split("::")
+            return getattr(getattr(torch.ops, namespace), name)(*args)
+        layout = tuple(_arg_kind(arg) for arg in args)
+        flat = [t for arg, (kind, _) in zip(args, layout) for t in (arg if kind == _LIST else (arg,))]
+        return list(_EagerOp.apply(*flat, self, layout))
+
+
+def runs_eagerly(*tensors: torch.Tensor) -> bool:
+    """Whether a call on ``tensors`` runs for real, outside any trace: not while torch.compile traces (AOTAutograd
+    traces a compiled backward with fake or functional tensors, where ``is_compiling()`` can be False), not on
+    meta tensors."""
+    return not torch.compiler.is_compiling() and all(
+        type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta" for t in tensors
+    )
+
+
+_TENSOR, _LIST, _OTHER = "tensor", "list", "other"
+
+
+def _arg_kind(arg: Any) -> tuple[str, int]:
+    """An op argument's kind for :class:`_EagerOp`, and how many flat arguments it takes."""
+    if isinstance(arg, torch.Tensor):
+        return _TENSOR, 1
+    if isinstance(arg, list) and arg and all(isinstance(t, torch.Tensor) for t in arg):
+        return _LIST, len(arg)
+    return _OTHER, 1
+
+
+def _regroup(flat: tuple, layout: tuple) -> list:
+    """The op's arguments from the Function's flat ones."""
+    args, i = [], 0
+    for kind, count in layout:
+        args.append(list(flat[i : i + count]) if kind == _LIST else flat[i])
+        i += count
+    return args
+
+
+class _EagerOp(torch.autograd.Function):
+    """A :class:`TorchOp` run eagerly: ``apply(*flat_args, op, layout)``, the op's tensor lists expanded (an
+    ``autograd.Function`` tracks only tensors passed directly). ``a`` and ``b`` stay first, so the op's backward
+    finds their ``needs_input_grad`` where it does under ``torch.ops``."""
+
+    @staticmethod
+    def forward(*args: Any) -> tuple[torch.Tensor, ...]:
+        *flat, op, layout = args
+        return tuple(op.impl(*_regroup(tuple(flat), layout)))
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:
+        *flat, op, layout = inputs
+        ctx.op, ctx.layout = op, layout
+        op.setup_context(ctx, _regroup(tuple(flat), layout), list(output))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple:
+        flat: list = []
+        for (kind, count), grad in zip(ctx.layout, ctx.op.backward(ctx, list(grads))):
+            if kind == _LIST:
+                flat.extend(grad if grad is not None else [None] * count)
+            else:
+                flat.append(grad if kind == _TENSOR else None)
+        return (*flat, None, None)
+
 
 _DEFINED: dict[str, Any] = {}
 
@@ -271,5 +340,5 @@ __all__ = [
     "TorchOp", "assume_constant_result", "define_op", "define_ops", "dtype_name", "grad_slot", "operand_values",
     "plain_fn",
     "plain_value", "register_epilogue", "register_meta", "register_score_mod", "registered_casts",
-    "registered_epilogue", "registered_outputs", "spec_text", "split_operands",
+    "registered_epilogue", "registered_outputs", "runs_eagerly", "spec_text", "split_operands",
 ]  # fmt: skip

@@ -108,3 +108,31 @@ def test_the_gradient_graph_of_a_linear_epilogue_reads_no_accumulator():
     assert [name for name, _ in gb.inputs] == ["grad_D"]  # neither operand is read: none is loaded
     assert [gb.output_node(name).op for name in ("d_bias",)] == ["col_sum"]
     assert differentiable_outputs(g) == ("D",)
+
+
+def test_a_compiled_backward_calls_the_op(reference_kernels):
+    """AOTAutograd traces the backward with fake tensors (``is_compiling()`` need not say so): the backward's
+    GEMMs must enter its graph as ``epicute::gemm`` ops, never run eagerly on the fakes."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = {}
+
+    def backend(gm, example_inputs):
+        def keep(name):
+            def compiler(g, _):
+                graphs[name] = g
+                return make_boxed_func(g.forward)
+
+            return compiler
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(epicute.gemm, fullgraph=True, dynamic=True, backend=backend)
+    for m in (M, 2 * M + 1):
+        errors = run_case(cases(m, N, "cpu")["gelu_bias_residual"], m, N, RECOMPUTE_BELOW_K + 8, "cpu", call=compiled)
+        errors.pop("differentiable outputs")
+        assert all(e < TOL for e in errors.values()), errors
+    ops_called = [str(node.target) for node in graphs["backward"].graph.nodes if node.op == "call_function"]
+    assert ops_called.count("epicute.gemm.default") == 3, ops_called  # the gradient pass, da and db
