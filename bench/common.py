@@ -42,6 +42,23 @@ def time_interleaved(fns: dict[str, Callable[[], object]], **timing) -> dict[str
 _OPTIONAL_DISTS = ("quack-kernels", "flash-attn-4", "liger-kernel")
 
 
+def host_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median host milliseconds of ``fn()`` (what it costs to queue its work), the GPU idle before each call."""
+    import statistics
+    import time
+
+    import torch
+
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
+
+
 def check_contenders(
     runs: dict[str, tuple[Callable[[], object], Callable[[], object]]],
     error: Callable[[object], float],

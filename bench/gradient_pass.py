@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import check_contenders, finish_peer_run, time_interleaved
+from common import check_contenders, finish_peer_run, host_ms, time_interleaved
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gradient_pass.json"
 HIDDEN = 4096
@@ -67,17 +67,9 @@ def print_host_cost(fn, repeats: int = 20) -> None:
     """Host microseconds of an ``epicute.gemm`` call of the pass (the GPU idle before each), and its profile."""
     import cProfile
     import pstats
-    import statistics
-    import time
 
     fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    print(f"  host time of epicute.gemm(the pass): {statistics.median(times) * 1e6:.1f} us (median of {repeats})")
+    print(f"  host time of epicute.gemm(the pass): {host_ms(fn, repeats) * 1e3:.1f} us (median of {repeats})")
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(repeats):

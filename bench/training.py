@@ -77,7 +77,6 @@ import contextlib
 import functools
 import gc
 import importlib.metadata
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -86,7 +85,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import Row, check_contenders, finish_peer_run, time_interleaved
+from common import Row, check_contenders, finish_peer_run, host_ms, time_interleaved
 
 HIDDEN = 4096
 #: MoE expert blocks: name -> (hidden H, intermediate I, experts E, experts per token k)
@@ -467,20 +466,10 @@ def print_host_profile(step: Callable[[], object], forward: Callable[[], torch.T
     is idle before each), and where they went: ``torch.profiler``'s CPU ops, and ``cProfile`` of the forward."""
     from torch.profiler import ProfilerActivity, profile
 
-    def host_ms(fn: Callable[[], object]) -> float:
-        times = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        torch.cuda.synchronize()
-        return statistics.median(times) * 1e3
-
     outs: list[torch.Tensor] = []
-    fwd = host_ms(lambda: outs.append(forward()))
-    bwd = host_ms(lambda: outs.pop().backward(grad))
-    print(f"  epicute's host ms, GPU idle before each (median of {repeats}): step {host_ms(step):.3f}, "
+    fwd = host_ms(lambda: outs.append(forward()), repeats)
+    bwd = host_ms(lambda: outs.pop().backward(grad), repeats)
+    print(f"  epicute's host ms, GPU idle before each (median of {repeats}): step {host_ms(step, repeats):.3f}, "
           f"forward {fwd:.3f}, backward {bwd:.3f}")  # fmt: skip
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
