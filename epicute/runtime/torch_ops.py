@@ -240,6 +240,8 @@ class TorchOp:
         if not runs_eagerly(args[0]):
             namespace, name = self.name.split("::")
             return getattr(getattr(torch.ops, namespace), name)(*args)
+        if self.backward is None:
+            return self.impl(*args)
         layout = tuple(_arg_kind(arg) for arg in args)
         flat = [t for arg, (kind, _) in zip(args, layout) for t in (arg if kind == _LIST else (arg,))]
         return list(_EagerOp.apply(*flat, self, layout))
