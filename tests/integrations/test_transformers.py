@@ -13,6 +13,7 @@ import torch
 import epicute
 from epicute.integrations.transformers import patch
 from epicute.nn import GatedMLP, Linear
+from tests.integrations.block_step import mlp_block_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,15 +125,7 @@ def test_patched_moe_experts_train_like_the_original(reference_layers, kind):
     assert patched.config._experts_implementation == "epicute"
     hidden = torch.randn(2, 13, 256, dtype=torch.bfloat16)
     upstream = torch.randn(2, 13, 256, dtype=torch.bfloat16)
-    results = []
-    for model in (original, patched):
-        block = model.model.layers[0].mlp
-        x = hidden.clone().requires_grad_()
-        out = block(x)
-        out = out[0] if isinstance(out, tuple) else out
-        out.backward(upstream)
-        results.append((out.detach(), x.grad, {name: p.grad for name, p in block.named_parameters()}))
-    (out0, dx0, grads0), (out1, dx1, grads1) = results
+    (out0, dx0, grads0), (out1, dx1, grads1) = (mlp_block_step(m, hidden, upstream) for m in (original, patched))
     assert _rel(out1, out0) < TOL and _rel(dx1, dx0) < TOL
     assert sorted(grads1) == sorted(grads0)
     for name, want in grads0.items():
