@@ -11,7 +11,10 @@ some of which walk two tiles; `fp8_quantize` a blockwise-scaled fp8 GEMM whose e
 D in 1x128 groups; `grouped` a grouped GEMM over ragged groups (an empty one too); `attention_gqa`
 a causal GQA prefill (ping-pong, dynamic tiles); `decode_paged` packed GQA decode over a paged cache
 with split-KV and its combine (ratio 4, and a padded ratio 3); `backward` the attention backward
-(GQA, causal, ragged lengths). Prints PASS/FAIL and exits 1 on failure.
+(GQA, causal, ragged lengths); `linear_backward` a linear + bias + GELU + residual layer's forward and
+backward (the saved pre-activation, the K = 0 gradient pass with its bias-gradient reduction, the data
+and weight GEMMs); `moe_backward` a small MoE expert block's forward and backward (gathered rows,
+the gated epilogue's gradient, the variable-K weight gradients). Prints PASS/FAIL and exits 1 on failure.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ FAMILIES = {
     "fp8_quantize": "fp8 blockwise + quantize_groups", "grouped": "grouped gemm",
     "attention": "attention forward (epilogue)", "attention_gqa": "attention forward (GQA prefill)",
     "decode_paged": "attention decode (paged, split-KV)", "backward": "attention backward",
+    "linear_backward": "gemm backward (K = 0 gradient pass)", "moe_backward": "grouped gemm backward",
 }  # fmt: skip
 CASES = tuple(FAMILIES)
 TOLERANCE = 1e-2
@@ -163,9 +167,58 @@ def backward_case() -> dict[str, float]:
     return {name: rel_err(g, r.to(g.device)) for name, g, r in zip(("dq", "dk", "dv"), got, ref)}
 
 
+def _float64_grads(fn, tensors: tuple, upstream: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.detach().double().requires_grad_() for t in tensors]
+    return list(torch.autograd.grad(fn(*leaves), leaves, upstream.double()))
+
+
+def linear_backward_case() -> dict[str, float]:
+    from epicute import ops
+    from epicute.nn import functional as EF
+
+    # K >= 256: the forward saves the pre-activation and the backward runs the K = 0 gradient pass.
+    m, n, k = 257, 392, 320
+    x, w = torch.randn(m, k, device="cuda") / k**0.5, torch.randn(n, k, device="cuda")
+    b, r = torch.randn(n, device="cuda"), torch.randn(m, n, device="cuda")
+    tensors = tuple(t.bfloat16().requires_grad_() for t in (x, w, b, r))
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    y = EF.linear(*tensors[:3], epilogue=lambda acc, residual: ops.gelu(acc) + residual, residual=tensors[3])
+    got = torch.autograd.grad(y, tensors, dy)
+    ref = _float64_grads(lambda x, w, b, r: torch.nn.functional.gelu(x @ w.t() + b) + r, tensors, dy)
+    return {name: rel_err(g, r) for name, g, r in zip(("dx", "dw", "db", "dresidual"), got, ref)}
+
+
+def moe_backward_case() -> dict[str, float]:
+    from epicute.nn import functional as EF
+
+    tokens, hidden, inter, experts, top_k = 67, 128, 192, 4, 2
+    x = torch.randn(tokens, hidden, device="cuda")
+    gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden**0.5
+    down = torch.randn(experts, hidden, inter, device="cuda") / inter**0.5
+    index = torch.rand(tokens, experts, device="cuda").argsort(-1)[:, :top_k]
+    weights = torch.rand(tokens, top_k, device="cuda").softmax(-1)
+    tensors = tuple(t.bfloat16().requires_grad_() for t in (x, gate_up, down, weights))
+    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    y = EF.moe_experts(tensors[0], tensors[1], tensors[2], index, tensors[3])
+    got = torch.autograd.grad(y, tensors, dy)
+
+    def reference(x, gate_up, down, weights):
+        out = torch.zeros_like(x)
+        for slot in range(top_k):
+            e = index[:, slot]
+            gate, up = (gate_up[e] @ x.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+            h = torch.nn.functional.silu(gate) * up
+            out = out + weights[:, slot, None] * (down[e] @ h.unsqueeze(-1)).squeeze(-1)
+        return out
+
+    ref = _float64_grads(reference, tensors, dy)
+    return {name: rel_err(g, r) for name, g, r in zip(("dx", "dgate_up", "ddown", "dweights"), got, ref)}
+
+
 SPECIAL_CASES = {
     "attention": attention_case, "fp8_quantize": fp8_quantize_case, "grouped": grouped_case,
     "attention_gqa": attention_gqa_case, "decode_paged": decode_paged_case, "backward": backward_case,
+    "linear_backward": linear_backward_case, "moe_backward": moe_backward_case,
 }  # fmt: skip
 
 

@@ -42,8 +42,10 @@ Contenders, same inputs, same run:
 
 The MoE cases' contenders instead:
 
-- ``epicute``: ``moe_experts(x, gate_up_proj, down_proj, top_k_index, top_k_weights, activation="silu")`` (the
-  routing sorted, the weights interleaved inside the call: all of it timed);
+- ``epicute``: ``moe_experts(x, gate_up, down_proj, top_k_index, top_k_weights, activation="silu",
+  interleaved=True)``: its layer's own gate/up weight, interleaved once at load (untimed, as for the SwiGLU MLP;
+  its gradient is compared with ``interleave_gate_up`` of the reference's), the routing sorted inside the call
+  (timed);
 - ``torch_grouped_mm``: transformers' ``grouped_mm_experts_forward`` (no biases, no expert-parallel sentinels):
   the (token, slot) pairs sorted by expert, their rows gathered, int32 offsets (cumsum of a ``histc`` of the
   experts), ``torch._grouped_mm(rows, gate_up_proj.transpose(-2, -1), offs=offsets, out_dtype=torch.bfloat16)``
@@ -291,6 +293,8 @@ def moe_reference(x, gate_up_proj, down_proj, *, top_k_index, top_k_weights):
 
 
 def setup_moe_experts(EF, name: str, tokens: int) -> Setup:
+    import epicute
+
     hidden, inter, experts, top_k = MOE[name]
     top_k_index, top_k_weights = moe_routing(tokens, experts, top_k)
     print(f"  {describe_routing(top_k_index, experts)}")
@@ -298,14 +302,18 @@ def setup_moe_experts(EF, name: str, tokens: int) -> Setup:
     x = _randn(tokens, hidden)
     gate_up_proj = _randn(experts, 2 * inter, hidden, scale=hidden**-0.5)
     down_proj = _randn(experts, hidden, inter, scale=inter**-0.5)
+    # epicute's layer owns its gate/up weight interleaved (built once at load, untimed), as GatedMLP's is
+    gate_up = epicute.interleave_gate_up(*gate_up_proj.detach().chunk(2, dim=-2)).requires_grad_()
     routed = {"top_k_index": top_k_index, "top_k_weights": top_k_weights}
     grouped = functools.partial(grouped_mm_experts, **routed)
     return Setup(
         inputs={"x": x},
         weights={"gate_up_proj": gate_up_proj, "down_proj": down_proj},
         torch_fn=functools.partial(moe_reference, **routed),
-        epicute_leaves={"x": x, "gate_up_proj": gate_up_proj, "down_proj": down_proj},
-        epicute_call=lambda: EF.moe_experts(x, gate_up_proj, down_proj, top_k_index, top_k_weights, activation="silu"),
+        epicute_leaves={"x": x, "gate_up_interleaved": gate_up, "down_proj": down_proj},
+        epicute_call=lambda: EF.moe_experts(x, gate_up, down_proj, top_k_index, top_k_weights, activation="silu",
+                                            interleaved=True),
+        derived=lambda ref: {"gate_up_interleaved": epicute.interleave_gate_up(*ref["gate_up_proj"].chunk(2, dim=-2))},
         peers={"torch_grouped_mm": grouped, "torch_eager_loop": functools.partial(eager_expert_loop, **routed)},
         compiled={"torch_grouped_mm_compile": (grouped, None)},
     )

@@ -206,7 +206,16 @@ class DenseKernels:
         return _gemm(dacc, self.b.transpose(-1, -2))
 
     def weight_grad(self, dacc):
+        if stored_transposed(self.b):  # b = weight.t(): dB computed as weight's (N, K) (no transposing copy after)
+            return _gemm(dacc.transpose(-1, -2), self.a).transpose(-1, -2)
         return _gemm(self.a.transpose(-1, -2), dacc)
+
+
+def stored_transposed(b: torch.Tensor) -> bool:
+    """Whether ``b`` ``(..., K, N)`` is the transposed view of a row-major ``(..., N, K)`` weight (``w.t()``, as
+    ``F.linear``'s weight is passed): its gradient is then computed as ``(..., N, K)`` rows, the weight's own layout,
+    which autograd accumulates into ``weight.grad`` as is, where a ``(K, N)`` result would be copied to match it."""
+    return b.stride(-2) == 1 and b.stride(-1) != 1 and b.shape[-1] > 1
 
 
 def _gemm(a, b, epilogue=None, out_dtypes=None, operands=None, gated=False, scales=None):
@@ -347,4 +356,4 @@ def needs_backward(a, b, a_scale, b_scale, out, outs, operands: dict) -> bool:
     return True
 
 
-__all__ = ["GEMM_OP", "DenseKernels", "gemm_op", "gemm_op_call", "needs_backward", "plan_memo_key"]
+__all__ = ["GEMM_OP", "DenseKernels", "gemm_op", "gemm_op_call", "needs_backward", "plan_memo_key", "stored_transposed"]

@@ -29,7 +29,13 @@ from epicute.gemm.autograd import (
     setup_backward,
 )
 from epicute.gemm.config import GemmConfig
-from epicute.gemm.torch_op import fake_lowered_graph, fake_operand_values, needs_backward, plan_memo_key
+from epicute.gemm.torch_op import (
+    fake_lowered_graph,
+    fake_operand_values,
+    needs_backward,
+    plan_memo_key,
+    stored_transposed,
+)
 from epicute.gemm.validate import FP8_TORCH_DTYPES
 from epicute.runtime.checks import check_operand_names, config_pins
 from epicute.runtime.torch_ops import (
@@ -187,16 +193,26 @@ class GroupedKernels:
         index = self.loaders.get("a_index")
         if index is None:
             return rows
-        # A token routed to several experts sums their rows' gradients (in fp32: at most top-k adds each), with
-        # index_put_'s accumulate, which torch.use_deterministic_algorithms(True) makes deterministic.
-        return torch.zeros(self.a.shape, dtype=torch.float32, device=rows.device).index_put_(
-            (index.long(),), rows.float(), accumulate=True
-        ).to(self.a.dtype)
+        return sum_rows_by_index(rows, index, self.a.shape[0]).to(self.a.dtype)
 
     def weight_grad(self, dacc):
         index = self.loaders.get("a_index")
-        rows = self.a if index is None else self.a[index.long()]
-        return _grouped(rows.contiguous().t(), dacc, self.offsets)  # variable K: x[rows of g].T @ dacc[rows of g]
+        rows = (self.a if index is None else self.a[index.long()]).contiguous()
+        # variable K: x[rows of g].T @ dacc[rows of g], or its transpose in the weight's own layout
+        if stored_transposed(self.b):
+            return _grouped(dacc.t(), rows, self.offsets).transpose(-2, -1)
+        return _grouped(rows.t(), dacc, self.offsets)
+
+
+def sum_rows_by_index(rows: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+    """``out[i] = sum of rows[j] with index[j] == i`` (fp32, ``(count, N)``), deterministic: each output row adds its
+    rows in their own order, one after another (a stable sort by index, then a segmented sum), so gradients are the
+    same bits run to run, eager or compiled (an accumulating scatter lowers to atomics under torch.compile). No
+    device sync: CUDA-graph safe."""
+    index = index.long()
+    order = torch.argsort(index, stable=True)
+    lengths = torch.zeros(count, dtype=torch.long, device=index.device).scatter_add_(0, index, torch.ones_like(index))
+    return torch.segment_reduce(rows.float()[order], "sum", lengths=lengths, axis=0, unsafe=True)
 
 
 def _grouped(a, b, offsets, epilogue=None, out_dtypes=None, operands=None, gated=False, loaders=None):

@@ -39,6 +39,7 @@ from epicute.epilogue.tracer import as_epilogue, trace_key
 from epicute.errors import EpilogueError, ShapeError
 from epicute.gemm.api import gemm
 from epicute.grouped.api import grouped_gemm
+from epicute.runtime.torch_ops import assume_constant_result
 
 #: Named activations: one traced value in, one out.
 ACTIVATIONS: dict[str, Callable] = {
@@ -82,7 +83,12 @@ def linear(
         raise ShapeError(f"weight has shape {tuple(weight.shape)}; linear takes a 2-D (out, in) weight")
     lead, out_features = x.shape[:-1], weight.shape[0]
     x2 = _rows(x, "x", weight.shape[1])
-    fn = _with_bias(epilogue) if bias is not None else epilogue
+    if bias is not None:
+        # Under torch.compile the composite is built while tracing and read back from _BIASED_TRACED (a function
+        # returned by a folded call cannot be guarded; one read from a module-level table can).
+        fn = _BIASED_TRACED[_biased_traced(epilogue)] if torch.compiler.is_compiling() else _with_bias(epilogue)
+    else:
+        fn = epilogue
     extra = {"bias": RowVector(bias)} if bias is not None else {}
     result = gemm(x2, weight.t(), epilogue=fn, **extra, **operands)
     if isinstance(result, torch.Tensor):
@@ -116,6 +122,17 @@ def _with_bias(epilogue: Callable | None) -> Callable:
 
 
 _BIASED: dict[tuple, Callable] = {}
+_BIASED_TRACED: dict[str, Callable] = {}
+
+
+@assume_constant_result
+def _biased_traced(epilogue: Callable | None) -> str:
+    """:func:`_with_bias` of ``epilogue``, filed in ``_BIASED_TRACED`` under the name returned (a constant of the
+    traced graph)."""
+    composite = _with_bias(epilogue)
+    key = f"{getattr(composite, '__name__', 'biased')}:{id(composite)}"
+    _BIASED_TRACED[key] = composite
+    return key
 
 
 def _compose_bias(epilogue: Callable) -> Callable:
@@ -269,6 +286,8 @@ def moe_experts(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     activation: str = "silu",
+    *,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """A mixture-of-experts layer's experts: ``out[t] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t))`` with
     ``e = top_k_index[t, j]`` and ``w = top_k_weights``, differentiable in ``x``, the weights and ``top_k_weights``.
@@ -279,20 +298,24 @@ def moe_experts(
     grouped GEMM (the down projection is linear: weighting its input weights its output), the down projection a
     second; each token then sums its ``k`` rows in slot order (a gather by the inverse permutation: deterministic,
     no atomics). The gated GEMM reads gate and up interleaved: built here from ``gate_up_proj`` (a differentiable
-    copy, so the weights train in their own layout).
+    copy, so the weights train in their own layout), or, with ``interleaved=True``, ``gate_up_proj`` is already
+    ``epicute.interleave_gate_up(gate, up)`` ``(E, 2I, H)``, built once by a layer that owns and trains it (no copy
+    per call, none of its gradient).
     """
     if x.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != x.shape[0]:
         raise ShapeError(f"x {tuple(x.shape)}, top_k_index {tuple(top_k_index.shape)} and top_k_weights "
                          f"{tuple(top_k_weights.shape)}: need (T, H), (T, k) and (T, k)")  # fmt: skip
     tokens, top_k = top_k_index.shape
     experts = gate_up_proj.shape[0]
-    expert_ids = top_k_index.reshape(-1)
+    expert_ids = top_k_index.reshape(-1).long()
     order = torch.argsort(expert_ids, stable=True)  # routed rows by expert
     rows = (order // top_k).to(torch.int32)  # the token each routed row reads
-    offsets = torch.cumsum(torch.bincount(expert_ids, minlength=experts), 0, dtype=torch.int32)
+    # A scatter-add count, not bincount: bincount reads its maximum back (a sync no CUDA graph can capture).
+    counts = expert_ids.new_zeros(experts).scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     weight = top_k_weights.reshape(-1)[order].to(torch.float32).unsqueeze(-1)
-    gate, up = gate_up_proj.chunk(2, dim=-2)
-    h = grouped_gemm(x, interleave_gate_up(gate, up).transpose(-2, -1), offsets, a_index=rows, gated=True,
+    gate_up = gate_up_proj if interleaved else interleave_gate_up(*gate_up_proj.chunk(2, dim=-2))
+    h = grouped_gemm(x, gate_up.transpose(-2, -1), offsets, a_index=rows, gated=True,
                      epilogue=_WEIGHTED_GATED[activation], weight=weight)  # fmt: skip
     down = grouped_gemm(h, down_proj.transpose(-2, -1), offsets)
     slot_of = torch.empty_like(order)
