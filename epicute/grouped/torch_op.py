@@ -212,7 +212,7 @@ def sum_rows_by_index(rows: torch.Tensor, index: torch.Tensor, count: int) -> to
     index = index.long()
     order = torch.argsort(index, stable=True)
     lengths = torch.zeros(count, dtype=torch.long, device=index.device).scatter_add_(0, index, torch.ones_like(index))
-    return torch.segment_reduce(rows.float()[order], "sum", lengths=lengths, axis=0, unsafe=True)
+    return torch.segment_reduce(rows[order].float(), "sum", lengths=lengths, axis=0, unsafe=True)
 
 
 def _grouped(a, b, offsets, epilogue=None, out_dtypes=None, operands=None, gated=False, loaders=None):

@@ -293,34 +293,76 @@ def moe_experts(
     ``e = top_k_index[t, j]`` and ``w = top_k_weights``, differentiable in ``x``, the weights and ``top_k_weights``.
 
     ``x`` ``(T, H)``; ``gate_up_proj`` ``(E, 2I, H)`` holding ``[gate; up]`` (transformers' layout); ``down_proj``
-    ``(E, H, I)``; ``top_k_index`` ``(T, k)``, ``top_k_weights`` ``(T, k)``. The routed rows are sorted by expert and
-    read in place (``a_index``: no gathered copy); gate, up, the activation and the routing weight are one gated
-    grouped GEMM (the down projection is linear: weighting its input weights its output), the down projection a
-    second; each token then sums its ``k`` rows in slot order (a gather by the inverse permutation: deterministic,
-    no atomics). The gated GEMM reads gate and up interleaved: built here from ``gate_up_proj`` (a differentiable
-    copy, so the weights train in their own layout), or, with ``interleaved=True``, ``gate_up_proj`` is already
+    ``(E, H, I)``; ``top_k_index`` ``(T, k)``, ``top_k_weights`` ``(T, k)``. The ``(token, slot)`` pairs are sorted
+    by expert and their rows gathered (one copy: the grouped GEMM then loads them by TMA, multicast across a cluster,
+    which measured faster than reading them in place through ``a_index``, bench/NOTES.md); gate, up, the activation
+    and the routing weight are one gated grouped GEMM (the down projection is linear: weighting its input weights its
+    output), the down projection a second; each token then sums its ``k`` rows in slot order. The gather and the sum
+    are each other's gradient (:class:`_Dispatch`, :class:`_Combine`): deterministic, no atomics, no sort in the
+    backward. The gated GEMM reads gate and up interleaved: built here from ``gate_up_proj`` (a differentiable copy,
+    so the weights train in their own layout), or, with ``interleaved=True``, ``gate_up_proj`` is already
     ``epicute.interleave_gate_up(gate, up)`` ``(E, 2I, H)``, built once by a layer that owns and trains it (no copy
     per call, none of its gradient).
     """
     if x.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != x.shape[0]:
         raise ShapeError(f"x {tuple(x.shape)}, top_k_index {tuple(top_k_index.shape)} and top_k_weights "
                          f"{tuple(top_k_weights.shape)}: need (T, H), (T, k) and (T, k)")  # fmt: skip
-    tokens, top_k = top_k_index.shape
+    top_k = top_k_index.shape[1]
     experts = gate_up_proj.shape[0]
     expert_ids = top_k_index.reshape(-1).long()
-    order = torch.argsort(expert_ids, stable=True)  # routed rows by expert
-    rows = (order // top_k).to(torch.int32)  # the token each routed row reads
+    order = torch.argsort(expert_ids, stable=True)  # routed row -> its (token, slot), rows sorted by expert
+    token_of_row = order // top_k
+    slot_of = torch.empty_like(order).index_put_((order,), torch.arange(order.numel(), device=order.device))
+    routing = (token_of_row, slot_of, top_k)  # (token, slot) pair i * k + j is routed row slot_of[i * k + j]
     # A scatter-add count, not bincount: bincount reads its maximum back (a sync no CUDA graph can capture).
     counts = expert_ids.new_zeros(experts).scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     weight = top_k_weights.reshape(-1)[order].to(torch.float32).unsqueeze(-1)
     gate_up = gate_up_proj if interleaved else interleave_gate_up(*gate_up_proj.chunk(2, dim=-2))
-    h = grouped_gemm(x, gate_up.transpose(-2, -1), offsets, a_index=rows, gated=True,
-                     epilogue=_WEIGHTED_GATED[activation], weight=weight)  # fmt: skip
+    rows = _Dispatch.apply(x, *routing)
+    h = grouped_gemm(rows, gate_up.transpose(-2, -1), offsets, gated=True, epilogue=_WEIGHTED_GATED[activation],
+                     weight=weight)  # fmt: skip
     down = grouped_gemm(h, down_proj.transpose(-2, -1), offsets)
-    slot_of = torch.empty_like(order)
-    slot_of[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> its routed row
-    return down[slot_of].view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return _Combine.apply(down, *routing)
+
+
+def _gather_tokens(t: torch.Tensor, token_of_row: torch.Tensor) -> torch.Tensor:
+    """Routed row ``r`` is its token's row: ``t[token_of_row]``."""
+    return t[token_of_row]
+
+
+def _sum_slots(t: torch.Tensor, slot_of: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Token ``i``'s row is the sum of its ``k`` routed rows ``t[slot_of[i * k + j]]``, in slot order, in fp32."""
+    return t[slot_of].view(-1, top_k, t.shape[-1]).sum(dim=1, dtype=torch.float32).to(t.dtype)
+
+
+class _Dispatch(torch.autograd.Function):
+    """Tokens to routed rows (a gather); its gradient sums each token's rows (:func:`_sum_slots`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token_of_row: torch.Tensor, slot_of: torch.Tensor, top_k: int):
+        ctx.save_for_backward(slot_of)
+        ctx.top_k = top_k
+        return _gather_tokens(x, token_of_row)
+
+    @staticmethod
+    def backward(ctx, d_rows: torch.Tensor):
+        (slot_of,) = ctx.saved_tensors
+        return _sum_slots(d_rows, slot_of, ctx.top_k), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Routed rows back to tokens (each token's rows summed); its gradient gathers (:func:`_gather_tokens`)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, token_of_row: torch.Tensor, slot_of: torch.Tensor, top_k: int):
+        ctx.save_for_backward(token_of_row)
+        return _sum_slots(rows, slot_of, top_k)
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):
+        (token_of_row,) = ctx.saved_tensors
+        return _gather_tokens(d_out, token_of_row), None, None, None
 
 
 def _weighted_gated(act: Callable) -> Callable:

@@ -54,10 +54,11 @@ def test_bad_shapes_are_shape_errors():
         EF.mlp(x, w1, None, torch.randn(16, 32), None, activation="swish")
 
 
-def test_moe_experts_gradients(reference_layers):
+@pytest.mark.parametrize("interleaved", [False, True], ids=["transformers_layout", "interleaved"])
+def test_moe_experts_gradients(reference_layers, interleaved):
     """Against float64 autograd of the HF expert loop's math; every input gets its gradient (the routing weights
     too); an expert no token picks is fine; the result is the same bits run to run (tokens sum their rows in slot
-    order, no atomics)."""
+    order, no atomics). ``interleaved``: the layer's own interleaved gate/up weight, its gradient interleaved too."""
     torch.manual_seed(0)
     tokens, hidden, inter, experts, top_k = 37, 48, 40, 5, 2
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
@@ -65,10 +66,14 @@ def test_moe_experts_gradients(reference_layers):
     down = (torch.randn(experts, hidden, inter, dtype=torch.bfloat16) / inter**0.5).requires_grad_()
     index = torch.stack([torch.randperm(experts - 1)[:top_k] for _ in range(tokens)])  # expert 4 never picked
     weights = torch.softmax(torch.randn(tokens, top_k), -1).requires_grad_()
-    y = EF.moe_experts(x, gate_up, down, index, weights)
-    assert torch.equal(y, EF.moe_experts(x, gate_up, down, index, weights))  # deterministic: the same bits
+    weight = epicute.interleave_gate_up(*gate_up.detach().chunk(2, dim=-2)).requires_grad_() if interleaved else gate_up
+    y = EF.moe_experts(x, weight, down, index, weights, interleaved=interleaved)
+    assert torch.equal(y, EF.moe_experts(x, weight, down, index, weights, interleaved=interleaved))  # same bits
     grad = torch.randn_like(y)
     y.backward(grad)
+    if interleaved:  # the gradient in the weight's layout: de-interleaved, it is the transformers-layout gradient
+        blocks = weight.grad.unflatten(1, (inter // 8, 2, 8))
+        gate_up.grad = torch.cat([blocks[:, :, 0].flatten(1, 2), blocks[:, :, 1].flatten(1, 2)], dim=1)
     x64, gu64, d64, w64 = (t.detach().double().requires_grad_() for t in (x, gate_up, down, weights))
     want = torch.zeros(tokens, hidden, dtype=torch.float64)
     for t in range(tokens):
