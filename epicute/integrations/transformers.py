@@ -3,8 +3,10 @@ for epicute's layers in place, for training and for ``generate()``.
 
 A gated MLP (``gate_proj``, ``up_proj``, ``down_proj`` without biases: Llama, Qwen2/Qwen3, Mistral, and the dense
 layers of their MoE siblings) becomes a :class:`epicute.nn.GatedMLP` (one gated GEMM for gate, up and the
-activation; a backward fused across its two GEMMs); ``linears=True`` also puts every other ``nn.Linear``
-(attention projections, ``lm_head``) on :class:`epicute.nn.Linear`, sharing its parameters. The patched model's
+activation; a backward fused across its two GEMMs); the 3-D experts of Mixtral and Qwen3-MoE become
+:class:`epicute.nn.MoEExperts` (two grouped GEMMs, the gate/up weight interleaved once); ``linears=True`` also puts
+every other ``nn.Linear`` (attention projections, ``lm_head``) on :class:`epicute.nn.Linear`, sharing its
+parameters. The patched model's
 ``state_dict()`` keeps the checkpoint's keys and layout, so ``save_pretrained``/``load_state_dict`` work as before.
 
 Example:
@@ -24,12 +26,11 @@ from torch import nn
 from epicute.attention.api import attention
 from epicute.epilogue import ops
 from epicute.errors import ConfigError
-from epicute.nn import functional as EF
-from epicute.nn.modules import GatedMLP, Linear
+from epicute.nn.modules import GatedMLP, Linear, MoEExperts
 
-#: The name epicute's experts forward is registered under in transformers' ``ExpertsInterface``, and its attention
-#: under ``AttentionInterface`` (``attn_implementation="epicute"``).
-EXPERTS = ATTENTION = "epicute"
+#: The name epicute's attention is registered under in transformers' ``AttentionInterface``
+#: (``attn_implementation="epicute"``).
+ATTENTION = "epicute"
 
 #: transformers versions this integration is tested with (the modules' attribute names it reads).
 SUPPORTED = ((5, 0), (6, 0))
@@ -41,31 +42,33 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_ta
 def patch(
     model: nn.Module, *, mlps: bool = True, linears: bool = False, experts: bool = True, attention: bool = True
 ) -> dict[str, int]:
-    """Swap ``model``'s gated MLPs (and, with ``linears``, its other ``nn.Linear`` layers) for epicute's, in place;
-    run its MoE experts (Mixtral, Qwen3-MoE: transformers' experts interface) on epicute's grouped GEMMs
-    (:func:`experts_forward`), and its attention on :func:`epicute.attention` (:func:`attention_forward`,
-    ``attn_implementation="epicute"``).
+    """Swap ``model``'s gated MLPs (and, with ``linears``, its other ``nn.Linear`` layers) and its MoE experts
+    (Mixtral, Qwen3-MoE) for epicute's layers, in place, and run its attention on :func:`epicute.attention`
+    (:func:`attention_forward`, ``attn_implementation="epicute"``). Patch before building the optimizer: the
+    experts' gate/up weight becomes a new (interleaved) parameter.
 
     Returns how many modules of each kind were swapped or switched. A gated MLP with biases or an activation epicute
     lacks is left as it is (and not counted). Raises :class:`~epicute.errors.ConfigError` for a transformers version
     outside :data:`SUPPORTED`.
     """
     _check_version()
-    swapped = {"GatedMLP": 0, "Linear": 0, "experts": 0, "attention": 0}
-    if experts:
-        swapped["experts"] = _use_epicute_experts(model)
+    swapped = {"GatedMLP": 0, "Linear": 0, "MoEExperts": 0, "attention": 0}
     if attention:
         swapped["attention"] = _use_epicute_attention(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            replacement = _replacement(child, mlps, linears)
+            replacement = _replacement(child, mlps, linears, experts)
             if replacement is not None:
                 setattr(parent, name, replacement)
                 swapped[type(replacement).__name__] += 1
     return swapped
 
 
-def _replacement(module: nn.Module, mlps: bool, linears: bool) -> nn.Module | None:
+def _replacement(module: nn.Module, mlps: bool, linears: bool, experts: bool) -> nn.Module | None:
+    if experts and _is_experts(module):
+        activation = ACTIVATIONS.get(_hidden_act(module))
+        if activation is not None:
+            return MoEExperts.from_experts(module, activation)
     if mlps and _is_gated_mlp(module):
         activation = ACTIVATIONS.get(_hidden_act(module))
         if activation is not None:
@@ -73,15 +76,6 @@ def _replacement(module: nn.Module, mlps: bool, linears: bool) -> nn.Module | No
     if linears and type(module) is nn.Linear:
         return Linear.from_linear(module)
     return None
-
-
-def experts_forward(
-    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """transformers' experts forward (``ExpertsInterface``) on :func:`epicute.nn.functional.moe_experts`:
-    ``self.gate_up_proj`` ``(E, 2I, H)`` holds ``[gate; up]``, ``self.down_proj`` ``(E, H, I)``."""
-    return EF.moe_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
-                          activation=ACTIVATIONS[self.config.hidden_act])  # fmt: skip
 
 
 def attention_forward(
@@ -140,20 +134,11 @@ def _use_epicute_attention(model: nn.Module) -> int:
     return sum(1 for module in model.modules() if hasattr(module, "is_causal") and hasattr(module, "q_proj"))
 
 
-def _use_epicute_experts(model: nn.Module) -> int:
-    """Register :func:`experts_forward` with transformers and select it for every experts module: their count."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    ALL_EXPERTS_FUNCTIONS.register(EXPERTS, experts_forward)
-    count = 0
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if hasattr(module, "gate_up_proj") and hasattr(config, "_experts_implementation"):
-            if getattr(module, "has_bias", False) or ACTIVATIONS.get(getattr(config, "hidden_act", None)) is None:
-                continue
-            config._experts_implementation = EXPERTS
-            count += 1
-    return count
+def _is_experts(module: nn.Module) -> bool:
+    """transformers' 3-D experts (``gate_up_proj`` ``(E, 2I, H)`` ``[gate; up]``, ``down_proj``, no biases)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+            and not getattr(module, "has_bias", False) and gate_up.shape[1] % 16 == 0)  # fmt: skip
 
 
 def _is_gated_mlp(module: nn.Module) -> bool:
@@ -178,4 +163,4 @@ def _check_version() -> None:
         )
 
 
-__all__ = ["ACTIVATIONS", "ATTENTION", "EXPERTS", "SUPPORTED", "attention_forward", "experts_forward", "patch"]
+__all__ = ["ACTIVATIONS", "ATTENTION", "SUPPORTED", "attention_forward", "patch"]

@@ -6,6 +6,11 @@
   the one interleaved weight the gated GEMM reads (built once, when weights are loaded, and trained as such), and
   its state dict has the checkpoint's layout: separate ``gate_proj.weight``/``up_proj.weight``, or a concatenated
   ``gate_up_proj.weight`` (``[gate; up]``, as Phi-3-style checkpoints store it) on load.
+- :class:`MoEExperts`: a mixture-of-experts layer's experts (transformers' ``MixtralExperts``/``Qwen3MoeExperts``
+  call: ``experts(hidden_states, top_k_index, top_k_weights)``), two grouped GEMMs. Like :class:`GatedMLP` it holds
+  gate and up interleaved, and its state dict has transformers' ``gate_up_proj`` ``(E, 2I, H)`` (``[gate; up]``)
+  and ``down_proj`` ``(E, H, I)``. :func:`top_k_routing` turns router logits into its ``top_k_index`` and
+  ``top_k_weights``.
 
 Example:
     >>> import torch
@@ -25,7 +30,7 @@ import torch
 from torch import nn
 
 from epicute.epilogue.gated import interleave_gate_up, split_gate_up
-from epicute.errors import ShapeError
+from epicute.errors import EpilogueError, ShapeError
 from epicute.nn import functional as EF
 
 
@@ -126,6 +131,99 @@ class GatedMLP(nn.Module):
         return f"{sizes}, activation={self.activation}"
 
 
+class MoEExperts(nn.Module):
+    """The experts of a mixture-of-experts layer: ``out[t] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t))``,
+    ``e = top_k_index[t, j]``, ``w = top_k_weights`` (:func:`epicute.nn.functional.moe_experts`).
+
+    ``gate_up`` ``(E, 2I, H)`` holds each expert's gate and up weights interleaved in blocks of 8, built once at load
+    and trained as such (no copy per call); ``down_proj`` ``(E, H, I)``. ``state_dict()`` gives transformers' keys and
+    layout (``gate_up_proj`` ``[gate; up]``, ``down_proj``); ``load_state_dict`` takes them.
+
+    Example:
+        >>> import torch
+        >>> from epicute.nn import MoEExperts, top_k_routing
+        >>> experts = MoEExperts(8, 64, 128, dtype=torch.bfloat16)
+        >>> sorted(experts.state_dict())
+        ['down_proj', 'gate_up_proj']
+        >>> index, weights = top_k_routing(torch.randn(5, 8), 2)
+        >>> index.shape, weights.shape
+        (torch.Size([5, 2]), torch.Size([5, 2]))
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "silu",
+        *,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if intermediate_size % 8:
+            raise ShapeError(f"intermediate_size={intermediate_size}: the gated GEMM needs a multiple of 8")
+        if activation not in EF.ACTIVATIONS:
+            raise EpilogueError(f"activation={activation!r}: MoEExperts takes one of {sorted(EF.ACTIVATIONS)}")
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.activation = activation
+        bound_in, bound_mid = hidden_size**-0.5, intermediate_size**-0.5  # nn.Linear's default bounds, per expert
+        gate_up = torch.empty(num_experts, 2 * intermediate_size, hidden_size, device=device, dtype=dtype)
+        down = torch.empty(num_experts, hidden_size, intermediate_size, device=device, dtype=dtype)
+        if gate_up.device.type != "meta":
+            nn.init.uniform_(gate_up, -bound_in, bound_in)
+            nn.init.uniform_(down, -bound_mid, bound_mid)
+        self.gate_up = nn.Parameter(interleave_gate_up(*gate_up.chunk(2, dim=-2)))
+        self.down_proj = nn.Parameter(down)
+        self._register_state_dict_hook(_experts_to_checkpoint)
+        self._register_load_state_dict_pre_hook(_checkpoint_to_experts)
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, activation: str = "silu") -> MoEExperts:
+        """The experts of a transformers module holding ``gate_up_proj`` ``(E, 2I, H)`` and ``down_proj``
+        ``(E, H, I)`` (gate/up copied once into the interleaved layout; ``down_proj`` shared)."""
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        layer = cls(gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2, activation, device="meta",
+                    dtype=gate_up.dtype)  # fmt: skip
+        layer.load_state_dict({"gate_up_proj": gate_up.detach(), "down_proj": down.detach()}, assign=True)
+        layer.down_proj = down
+        return layer
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        return EF.moe_experts(hidden_states, self.gate_up, self.down_proj, top_k_index, top_k_weights,
+                              activation=self.activation, interleaved=True)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, activation={self.activation}")  # fmt: skip
+
+
+def top_k_routing(router_logits: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(top_k_index, top_k_weights)`` from router logits ``(T, E)``: the softmax's ``top_k`` largest probabilities
+    (float32) and their experts, renormalized to sum to 1 when ``normalize`` (Mixtral; Qwen3-MoE's
+    ``norm_topk_prob``)."""
+    if router_logits.dim() != 2 or not 1 <= top_k <= router_logits.shape[-1]:
+        raise ShapeError(f"router_logits {tuple(router_logits.shape)} and top_k={top_k}: need (T, E) logits and "
+                         "1 <= top_k <= E")  # fmt: skip
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, index = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return index, weights
+
+
+def _experts_to_checkpoint(module: MoEExperts, state: dict, prefix: str, local_metadata: Any) -> None:
+    """state_dict hook: the interleaved gate/up as transformers' concatenated ``gate_up_proj`` ``[gate; up]``."""
+    gate, up = split_gate_up(state.pop(prefix + "gate_up").transpose(-2, -1))
+    state[prefix + "gate_up_proj"] = torch.cat([gate, up], dim=-1).transpose(-2, -1).contiguous()
+
+
+def _checkpoint_to_experts(state: dict, prefix: str, *args: Any) -> None:
+    """load_state_dict pre-hook: transformers' ``gate_up_proj`` into the interleaved ``gate_up``, once."""
+    if prefix + "gate_up_proj" in state:
+        state[prefix + "gate_up"] = interleave_gate_up(*state.pop(prefix + "gate_up_proj").chunk(2, dim=-2))
+
+
 def _gate_up_to_checkpoint(module: GatedMLP, state: dict, prefix: str, local_metadata: Any) -> None:
     """state_dict hook: the interleaved weight as the checkpoint's separate gate and up weights."""
     gate_up = state.pop(prefix + "gate_up")
@@ -147,4 +245,4 @@ def _checkpoint_to_gate_up(state: dict, prefix: str, *args: Any) -> None:
     state[prefix + "gate_up"] = interleave_gate_up(gate, up)
 
 
-__all__ = ["GatedMLP", "Linear"]
+__all__ = ["GatedMLP", "Linear", "MoEExperts", "top_k_routing"]

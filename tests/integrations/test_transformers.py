@@ -121,12 +121,19 @@ def test_patched_moe_experts_train_like_the_original(reference_layers, kind):
     original = _tiny_moe(kind)
     patched = copy.deepcopy(original)
     report = patch(patched)
-    assert report["experts"] == 2
-    assert patched.config._experts_implementation == "epicute"
+    assert report["MoEExperts"] == 2
+    assert sum(isinstance(m, epicute.nn.MoEExperts) for m in patched.modules()) == 2
+    assert patched.state_dict().keys() == original.state_dict().keys()  # transformers' keys and layout
+    for name, want in original.state_dict().items():
+        assert torch.equal(patched.state_dict()[name], want), name
     hidden = torch.randn(2, 13, 256, dtype=torch.bfloat16)
     upstream = torch.randn(2, 13, 256, dtype=torch.bfloat16)
     (out0, dx0, grads0), (out1, dx1, grads1) = (mlp_block_step(m, hidden, upstream) for m in (original, patched))
     assert _rel(out1, out0) < TOL and _rel(dx1, dx0) < TOL
+    # The patched experts train their gate/up weight interleaved: its gradient is the interleaved original's.
+    gate_up_grad = grads0.pop("experts.gate_up_proj")
+    want = epicute.interleave_gate_up(*gate_up_grad.chunk(2, dim=-2))
+    assert _rel(grads1.pop("experts.gate_up"), want) < TOL
     assert sorted(grads1) == sorted(grads0)
     for name, want in grads0.items():
         assert _rel(grads1[name], want) < TOL, name
