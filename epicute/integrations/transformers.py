@@ -6,8 +6,8 @@ layers of their MoE siblings) becomes a :class:`epicute.nn.GatedMLP` (one gated 
 activation; a backward fused across its two GEMMs); the 3-D experts of Mixtral and Qwen3-MoE become
 :class:`epicute.nn.MoEExperts` (two grouped GEMMs, the gate/up weight interleaved once); ``linears=True`` also puts
 every other ``nn.Linear`` (attention projections, ``lm_head``) on :class:`epicute.nn.Linear`, sharing its
-parameters. The patched model's
-``state_dict()`` keeps the checkpoint's keys and layout, so ``save_pretrained``/``load_state_dict`` work as before.
+parameters. The patched model's ``state_dict()`` keeps the checkpoint's keys and layout, so
+``save_pretrained``/``load_state_dict`` work as before.
 
 Example:
     >>> from transformers import LlamaConfig, LlamaForCausalLM          # doctest: +SKIP
