@@ -156,16 +156,11 @@ def ptxas_report(monkeypatch, capfd):
 
 
 @pytest.fixture
-def reference_layers(monkeypatch):
+def reference_layers():
     """epicute.nn's kernels (its GEMMs, grouped GEMMs and the transformers integration's attention) computed by the
-    reference backends: differentiable torch on the CPU, so the layers' own logic (routing, interleaving, fused
-    backward programs, state dicts) is tested without a GPU."""
-    from epicute.integrations import transformers as integration
-    from epicute.nn import functional
+    reference backends (``epicute.use_backend("reference")``): differentiable torch on the CPU, so the layers' own
+    logic (routing, interleaving, fused backward programs, state dicts) is tested without a GPU."""
+    import epicute
 
-    gemm, grouped, attention = functional.gemm, functional.grouped_gemm, integration.attention
-    monkeypatch.setattr(functional, "gemm", lambda a, b, /, **kwargs: gemm(a, b, **kwargs, backend="reference"))
-    monkeypatch.setattr(functional, "grouped_gemm",
-                        lambda a, b, offsets, /, **kwargs: grouped(a, b, offsets, **kwargs, backend="reference"))
-    monkeypatch.setattr(integration, "attention",
-                        lambda q, k, v, /, **kwargs: attention(q, k, v, **kwargs, backend="reference"))
+    with epicute.use_backend("reference"):
+        yield

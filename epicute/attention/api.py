@@ -45,6 +45,7 @@ from epicute.epilogue.reference import evaluate, round_to
 from epicute.epilogue.score_mod import score_mod as as_score_mod
 from epicute.epilogue.tracer import Epilogue, as_epilogue
 from epicute.errors import ConfigError, ShapeError
+from epicute.runtime.backend import resolve_backend
 from epicute.runtime.checks import (
     check_flags,
     check_has_values,
@@ -176,7 +177,7 @@ def attention(
     epilogue: Callable | None = None,
     out: torch.Tensor | None = None,
     out_dtypes: dict[str, torch.dtype] | None = None,
-    backend: str = "kernel",
+    backend: str | None = None,
     config: dict | None = None,
     page_table: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
@@ -289,8 +290,7 @@ def attention(
             epilogue=epilogue, out=out, out_dtypes=out_dtypes, backend=backend, config=config, operands=operands,
             page_table=page_table, seqused_k=seqused_k, deterministic=deterministic, **varlen,
         )  # fmt: skip
-    if backend not in ("kernel", "reference"):
-        raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
+    backend = resolve_backend(backend)
     score_mod, epilogue = _named_hooks(score_mod, epilogue)
     check_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
     if backend == "reference":

@@ -282,7 +282,7 @@ def attention_op_call(
 
     The op's outputs are O in q's dtype and LSE: an epilogue with more outputs (aux tiles,
     reductions) or one that stores O in another dtype runs eagerly only, and is refused here."""
-    if backend != "kernel":
+    if backend not in (None, "kernel"):
         raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
     _check_names_traced(None if score_mod is None else plain_fn(score_mod), None if epilogue is None else
                         plain_fn(epilogue))  # fmt: skip

@@ -18,7 +18,6 @@ from epicute.epilogue.reference import reference_gemm, round_to
 from epicute.epilogue.scales import dequantize_blockwise, fp8_scaling
 from epicute.epilogue.tracer import TraceMemo, as_epilogue, trace_key
 from epicute.errors import (
-    ConfigError,
     DeviceError,
     DtypeError,
     EpilogueError,
@@ -41,6 +40,7 @@ from epicute.gemm.prepared import (
 from epicute.gemm.torch_op import gemm_op_call, needs_backward
 from epicute.gemm.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry, tune_key
 from epicute.gemm.validate import D_TORCH_DTYPES, GemmCall, check_gemm_args
+from epicute.runtime.backend import resolve_backend
 from epicute.runtime.checks import (
     TMA_ALIGN_BYTES,
     check_flags,
@@ -85,7 +85,7 @@ def gemm(
     outs: dict[str, torch.Tensor] | None = None,
     a_scale: float | torch.Tensor | None = None,
     b_scale: float | torch.Tensor | None = None,
-    backend: str = "kernel",
+    backend: str | None = None,
     config: dict | None = None,
     tune: bool = False,
     gated: bool = False,
@@ -168,6 +168,7 @@ def gemm(
             a, b, epilogue=epilogue, out=out, out_dtype=out_dtype, out_dtypes=out_dtypes, outs=outs,
             a_scale=a_scale, b_scale=b_scale, backend=backend, config=config, operands=operands, gated=gated,
         )  # fmt: skip
+    backend = resolve_backend(backend)
     # A call autograd records goes through the op, which carries the backward (needs_backward). The cached paths
     # test only their own tensors' requires_grad (a plain call's host time is counted in tenths of a
     # microsecond), and leave every other call to the whole check below.
@@ -213,8 +214,6 @@ def gemm(
                 if outs:  # checked on the first call; the pointers may differ now
                     _check_outs_apart(outs, a, b, out, (a_scale, b_scale), operands)
                 return repeat.replay(fast.sources)
-    elif backend not in ("kernel", "reference"):
-        raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
     scales = (a_scale, b_scale)
     check_flags(tune=tune)
     if backend == "kernel" and needs_backward(a, b, a_scale, b_scale, out, outs, operands):

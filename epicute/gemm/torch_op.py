@@ -298,7 +298,7 @@ def gemm_op_call(
     gated: bool = False,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """:func:`epicute.gemm` while ``torch.compile`` traces it: one ``epicute::gemm`` op (dynamo-traceable)."""
-    if backend != "kernel":
+    if backend not in (None, "kernel"):
         raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
     backward = needs_backward(a, b, a_scale, b_scale, out, outs, operands)
     if epilogue is None and (operands or out_dtypes or outs):

@@ -15,7 +15,7 @@ from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import evaluate, round_to
 from epicute.epilogue.scales import dequantize_blockwise
 from epicute.epilogue.tracer import as_epilogue
-from epicute.errors import ConfigError, EpilogueError, OutputError
+from epicute.errors import EpilogueError, OutputError
 from epicute.gemm.autograd import explain_backward
 from epicute.gemm.config import GemmConfig
 from epicute.gemm.epilogue_args import aux_outputs, kernel_inputs
@@ -26,6 +26,7 @@ from epicute.grouped.plan import GroupedPlan, render_grouped_plan
 from epicute.grouped.prepare import GroupedRequest, PreparedGrouped, prepare
 from epicute.grouped.torch_op import grouped_gemm_op_call, needs_grouped_backward
 from epicute.grouped.validate import GroupedCall, check_a_index_values, check_grouped_args, check_offsets_values
+from epicute.runtime.backend import resolve_backend
 from epicute.runtime.checks import (
     check_flags,
     check_has_values,
@@ -48,7 +49,7 @@ def grouped_gemm(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     out_dtypes: dict[str, torch.dtype] | None = None,
-    backend: str = "kernel",
+    backend: str | None = None,
     config: dict | None = None,
     check_offsets: bool = False,
     gated: bool = False,
@@ -140,8 +141,7 @@ def grouped_gemm(
             config=config, check_offsets=check_offsets, gated=gated,
             loader_args={"a_index": a_index, "a_scale": a_scale, "b_scale": b_scale}, operands=operands,
         )  # fmt: skip
-    if backend not in ("kernel", "reference"):
-        raise ConfigError(f"backend={backend!r}: use 'kernel' or 'reference'")
+    backend = resolve_backend(backend)
     on_gpu = backend == "kernel"
     named = (("a", a), ("b", b), ("out", out), ("a_scale", a_scale), ("b_scale", b_scale))
     loader_args = {"a_index": a_index, "a_scale": a_scale, "b_scale": b_scale}

@@ -261,7 +261,7 @@ def grouped_gemm_op_call(
     operands: dict[str, Any],
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """:func:`epicute.grouped_gemm` while ``torch.compile`` traces it: one ``epicute::grouped_gemm`` op."""
-    if backend != "kernel":
+    if backend not in (None, "kernel"):
         raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
     if check_offsets:
         raise ConfigError("check_offsets=True reads the offsets on the host, a sync torch.compile cannot trace; "

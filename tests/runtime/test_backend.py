@@ -1,0 +1,41 @@
+"""epicute.use_backend: the backend of calls that name none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import epicute
+from epicute.nn import GatedMLP
+
+
+def test_calls_naming_no_backend_follow_the_block_and_the_default_comes_back():
+    a, b = torch.randn(5, 24, dtype=torch.bfloat16), torch.randn(24, 16, dtype=torch.bfloat16)
+    with epicute.use_backend("reference"):
+        got = epicute.gemm(a, b)
+        with epicute.use_backend("kernel"), pytest.raises(epicute.DeviceError, match="CUDA device"):
+            epicute.gemm(a, b)  # the inner block's kernel backend: a CPU tensor is refused
+        assert epicute.gemm(a, b).shape == (5, 16)  # the outer block's again
+    want = a.double() @ b.double()
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-2  # bf16 output
+    with pytest.raises(epicute.DeviceError, match="CUDA device"):
+        epicute.gemm(a, b)  # outside: the kernels
+
+
+def test_an_explicit_backend_wins_and_unknown_names_are_refused():
+    a, b = torch.randn(5, 24, dtype=torch.bfloat16), torch.randn(24, 16, dtype=torch.bfloat16)
+    with epicute.use_backend("kernel"):
+        assert epicute.gemm(a, b, backend="reference").shape == (5, 16)
+    with pytest.raises(epicute.ConfigError, match=r"backend='cpu': use 'kernel' or 'reference'"):
+        epicute.use_backend("cpu").__enter__()
+    with pytest.raises(epicute.ConfigError, match=r"backend='cpu'"):
+        epicute.grouped_gemm(a, b.unsqueeze(0), torch.tensor([5], dtype=torch.int32), backend="cpu")
+
+
+def test_layers_train_on_the_reference_backend():
+    """A layer's forward and backward GEMMs all name no backend: the block decides for all of them."""
+    layer = GatedMLP(32, 48, dtype=torch.bfloat16)
+    x = torch.randn(7, 32, dtype=torch.bfloat16, requires_grad=True)
+    with epicute.use_backend("reference"):
+        layer(x).sum().backward()
+    assert x.grad is not None and layer.gate_up.grad is not None and torch.isfinite(layer.gate_up.grad).all()
