@@ -1,8 +1,13 @@
 """Layers on epicute's kernels, with ``torch.nn``'s conventions and state dicts (:mod:`epicute.nn.modules`:
 ``Linear``, ``GatedMLP``, ``MoEExperts``), and the differentiable functions they call (:mod:`epicute.nn.functional`:
-``linear``, ``mlp``, ``gated_mlp``, ``moe_experts``). They use the families' public entry points only."""
+``linear``, ``mlp``, ``gated_mlp``, ``moe_experts``), and a paged KV cache that appends (:mod:`epicute.nn.kv_cache`).
+They use the families' public entry points only."""
 
 from epicute.nn import functional
-from epicute.nn.modules import GatedMLP, Linear, MoEExperts, top_k_routing
+from epicute.nn.kv_cache import PagedKVCache, attention_with_kvcache
+from epicute.nn.modules import Attention, GatedMLP, Linear, MoEExperts, rotary, top_k_routing
 
-__all__ = ["GatedMLP", "Linear", "MoEExperts", "functional", "top_k_routing"]
+__all__ = [
+    "Attention", "GatedMLP", "Linear", "MoEExperts", "PagedKVCache", "attention_with_kvcache", "functional", "rotary",
+    "top_k_routing",
+]  # fmt: skip

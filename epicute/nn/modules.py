@@ -11,6 +11,9 @@
   gate and up interleaved, and its state dict has transformers' ``gate_up_proj`` ``(E, 2I, H)`` (``[gate; up]``)
   and ``down_proj`` ``(E, H, I)``. :func:`top_k_routing` turns router logits into its ``top_k_index`` and
   ``top_k_weights``.
+- :class:`Attention`: Llama-style attention (GQA, rotary embeddings, no biases by default) over
+  :func:`epicute.attention` when training or prefilling without a cache, and over a
+  :class:`~epicute.nn.kv_cache.PagedKVCache` (appending the new keys and values) when serving.
 
 Example:
     >>> import torch
@@ -29,9 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from epicute.attention.api import attention
 from epicute.epilogue.gated import interleave_gate_up, split_gate_up
 from epicute.errors import EpilogueError, ShapeError
 from epicute.nn import functional as EF
+from epicute.nn.kv_cache import PagedKVCache, attention_with_kvcache
 
 
 class Linear(nn.Module):
@@ -212,6 +217,70 @@ def top_k_routing(router_logits: torch.Tensor, top_k: int, normalize: bool = Tru
     return index, weights
 
 
+class Attention(nn.Module):
+    """``o_proj(attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x)))``, causal, with ``num_heads`` query heads
+    over ``num_kv_heads`` key/value heads (any ratio) and rotary embeddings (Llama's: ``rotate_half``, base
+    ``rope_theta``). Projections are :class:`Linear` (``nn.Linear``'s state dict: ``q_proj.weight``...).
+
+    ``forward(x, cache=None)``: ``x`` ``(batch, s, hidden)``. Without a cache the ``s`` tokens are positions
+    ``0..s-1`` and attend causally (training: differentiable). With a :class:`~epicute.nn.kv_cache.PagedKVCache` they
+    are positions ``seqlens[b]`` onward: their keys and values are appended, then they attend over the whole cache
+    (prefill, then one token per decode step; no host sync, so a decode step can be captured in a CUDA graph).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        *,
+        rope_theta: float = 10000.0,
+        bias: bool = False,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        head_dim = head_dim or hidden_size // num_heads
+        if num_heads % num_kv_heads:
+            raise ShapeError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope_theta = rope_theta
+        kw = {"bias": bias, "device": device, "dtype": dtype}
+        self.q_proj = Linear(hidden_size, num_heads * head_dim, **kw)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, **kw)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor, cache: PagedKVCache | None = None) -> torch.Tensor:
+        batch, s, _ = x.shape
+        q = self.q_proj(x).view(batch, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, s, self.num_kv_heads, self.head_dim)
+        start = cache.seqlens.long()[:, None] if cache is not None else x.new_zeros((1, 1), dtype=torch.long)
+        positions = start + torch.arange(s, device=x.device)  # (batch or 1, s)
+        q, k = (rotary(t, positions, self.rope_theta) for t in (q, k))
+        out = attention(q, k, v, causal=True) if cache is None else attention_with_kvcache(q, cache, k, v)
+        return self.o_proj(out.reshape(batch, s, self.num_heads * self.head_dim))
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+
+
+def rotary(t: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding of ``t`` ``(batch, s, heads, head_dim)`` at ``positions`` ``(batch or 1, s)``, as
+    Llama applies it (``t * cos + rotate_half(t) * sin``, the frequencies repeated over the two halves), computed in
+    fp32 and returned in ``t``'s dtype."""
+    half = t.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # (batch, s, half)
+    cos, sin = (f(torch.cat([angles, angles], dim=-1))[:, :, None, :] for f in (torch.cos, torch.sin))
+    x = t.float()
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(t.dtype)
+
+
 def _experts_to_checkpoint(module: MoEExperts, state: dict, prefix: str, local_metadata: Any) -> None:
     """state_dict hook: the interleaved gate/up as transformers' concatenated ``gate_up_proj`` ``[gate; up]``."""
     gate, up = split_gate_up(state.pop(prefix + "gate_up").transpose(-2, -1))
@@ -245,4 +314,4 @@ def _checkpoint_to_gate_up(state: dict, prefix: str, *args: Any) -> None:
     state[prefix + "gate_up"] = interleave_gate_up(gate, up)
 
 
-__all__ = ["GatedMLP", "Linear", "MoEExperts", "top_k_routing"]
+__all__ = ["Attention", "GatedMLP", "Linear", "MoEExperts", "rotary", "top_k_routing"]

@@ -1,0 +1,110 @@
+"""A paged KV cache that appends, and attention over it (``flash_attn_with_kvcache``'s call, on epicute).
+
+- :class:`PagedKVCache`: one layer's keys and values for ``batch`` sequences in fixed-size pages, the layout
+  :func:`epicute.attention` reads through ``page_table`` and ``seqused_k``. :meth:`PagedKVCache.append` writes new
+  keys and values behind each sequence's own length, on the device (no host sync: a decode step that appends and
+  attends can be captured in a CUDA graph and replayed, the lengths advancing on the GPU).
+- :func:`attention_with_kvcache`: append ``k_new``/``v_new`` (optional), then attend ``q`` (causal, bottom-right
+  aligned: query ``i`` of ``s`` new ones sees the cache and the new keys up to its own) over each sequence's cache.
+
+Example:
+    >>> import torch, epicute
+    >>> from epicute.nn import PagedKVCache, attention_with_kvcache
+    >>> cache = PagedKVCache(2, 256, kv_heads=2, head_dim=64, dtype=torch.bfloat16, device="cpu")
+    >>> q = torch.randn(2, 5, 8, 64, dtype=torch.bfloat16)  # a 5-token prefill, 8 query heads (GQA 4:1)
+    >>> k, v = (torch.randn(2, 5, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    >>> with epicute.use_backend("reference"):
+    ...     out = attention_with_kvcache(q, cache, k, v)
+    >>> out.shape, cache.seqlens.tolist()
+    (torch.Size([2, 5, 8, 64]), [5, 5])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from epicute.attention.api import attention
+from epicute.errors import ShapeError
+
+
+class PagedKVCache:
+    """Keys and values of ``batch`` sequences of up to ``max_seqlen`` tokens, in pages of ``page_size`` tokens.
+
+    ``k_pages``/``v_pages`` ``(num_pages, page_size, kv_heads, head_dim)``; ``page_table`` int32 ``(batch, pages per
+    sequence)`` (default: sequence ``b`` owns pages ``b * P`` to ``b * P + P - 1``; pass your own, e.g. a block
+    manager's, to share a pool); ``seqlens`` int32 ``(batch,)``, each sequence's cached tokens (zero to start, or
+    given). Appending past a sequence's pages is not checked (that would read the lengths back to the host).
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        max_seqlen: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        page_size: int = 64,
+        page_table: torch.Tensor | None = None,
+        num_pages: int | None = None,
+        seqlens: torch.Tensor | None = None,
+        device: Any = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        if page_size % 16 or not 16 <= page_size <= 256:
+            raise ShapeError(f"page_size={page_size}: epicute's paged attention takes a multiple of 16 up to 256")
+        per_sequence = -(-max_seqlen // page_size)
+        if page_table is None:
+            page_table = torch.arange(batch * per_sequence, device=device, dtype=torch.int32).view(batch, -1)
+        if page_table.shape[0] != batch or page_table.dtype != torch.int32:
+            raise ShapeError(f"page_table {tuple(page_table.shape)} {page_table.dtype}: pass int32 (batch={batch}, "
+                             "pages per sequence)")  # fmt: skip
+        num_pages = num_pages or batch * per_sequence
+        self.page_size, self.page_table = page_size, page_table
+        self.k_pages = torch.zeros(num_pages, page_size, kv_heads, head_dim, device=device, dtype=dtype)
+        self.v_pages = torch.zeros_like(self.k_pages)
+        self.seqlens = (torch.zeros(batch, device=device, dtype=torch.int32) if seqlens is None
+                        else seqlens.to(device=self.k_pages.device, dtype=torch.int32).clone())  # fmt: skip
+
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Write ``k_new``/``v_new`` ``(batch, s, kv_heads, head_dim)`` at positions ``seqlens[b]`` to
+        ``seqlens[b] + s - 1`` of each sequence, then advance ``seqlens`` by ``s`` (all on the device)."""
+        batch, s = k_new.shape[:2]
+        if k_new.shape != v_new.shape or k_new.shape[2:] != self.k_pages.shape[2:] or batch != self.seqlens.shape[0]:
+            want = f"(batch={self.seqlens.shape[0]}, s, {self.k_pages.shape[2]}, {self.k_pages.shape[3]})"
+            raise ShapeError(f"k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)}: need {want} each")
+        positions = self.seqlens.long()[:, None] + torch.arange(s, device=self.seqlens.device)  # (batch, s)
+        pages = self.page_table.long().gather(1, positions // self.page_size)
+        slots = positions % self.page_size
+        self.k_pages[pages, slots] = k_new.to(self.k_pages.dtype)
+        self.v_pages[pages, slots] = v_new.to(self.v_pages.dtype)
+        self.seqlens += s
+
+    def reset(self) -> None:
+        """Every sequence empty again (the pages are reused as they are)."""
+        self.seqlens.zero_()
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """``flash_attn_with_kvcache``'s call: append ``k_new``/``v_new`` to ``cache`` (when given), then
+    :func:`epicute.attention` of ``q`` ``(batch, s, heads, head_dim)`` over each sequence's cached keys (their
+    ``seqlens``, new ones included). ``kwargs`` go to :func:`epicute.attention` (``score_mod``, ``config``...)."""
+    if (k_new is None) != (v_new is None):
+        raise ShapeError("pass k_new and v_new together (or neither)")
+    if k_new is not None:
+        cache.append(k_new, v_new)
+    return attention(q, cache.k_pages, cache.v_pages, causal=causal, softmax_scale=softmax_scale,
+                     page_table=cache.page_table, seqused_k=cache.seqlens, **kwargs)  # fmt: skip
+
+
+__all__ = ["PagedKVCache", "attention_with_kvcache"]
