@@ -1,0 +1,183 @@
+"""Whole transformers models on epicute against the ways they usually run (H200): tokens per second.
+
+Usage: python bench/models.py [--cases llama_train,llama_prefill,mixtral_train,qwen3_moe_train] [--layers 2]
+                              [--out PATH]
+
+Models are built from configs (random weights, nothing downloaded), bf16, ``--layers`` decoder layers, the real
+vocabulary (its LM head and loss are part of every step):
+
+- ``llama_train``: Llama-3-8B-shaped (hidden 4096, MLP 14336, 32/8 heads, vocab 128256), a training step
+  (``model(input_ids, labels=...).loss.backward()``) on batch 2 x 4096;
+- ``llama_prefill``: the same model's forward over batch 4 x 2048 (no labels; inference mode);
+- ``mixtral_train`` / ``qwen3_moe_train``: Mixtral-8x7B- and Qwen3-30B-A3B-shaped MoE models, a training step on
+  batch 2 x 4096.
+
+Contenders, each built from the same weights (a deep copy of one model) and fed the same tokens:
+
+- ``epicute``: ``epicute.integrations.transformers.patch(model, linears=True)``: MLPs, MoE experts, every linear
+  layer and the attention on epicute;
+- ``hf_sdpa``: transformers with ``attn_implementation="sdpa"`` (its default); ``hf_eager``: ``"eager"``;
+- ``hf_sdpa_compile``: ``hf_sdpa`` under ``torch.compile`` (default mode, static shapes);
+- ``liger`` (training, dense Llama only): ``apply_liger_kernel_to_llama(model=...)`` on an SDPA model (RMSNorm,
+  SwiGLU, RoPE and its fused linear cross-entropy). Liger patches ``modeling_llama``'s module globals (RoPE,
+  the RMSNorm and MLP classes); those patches are undone for everyone else and applied only around its own
+  steps, so no other contender runs Liger's code.
+
+Every contender's first step is checked, not timed: its loss (training) or last-position logits (prefill)
+against the unpatched SDPA model's, relative error; a failing contender is reported and left out. Then all are
+timed in interleaved rounds (``time_flushed``: L2 flushed, medians). Writes bench/results/models.json (unit:
+thousand tokens per second). Decode steps (CUDA graphs, static caches) are not measured yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from common import Row, check_contenders, finish_peer_run, start_peer_run, time_interleaved
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "models.json"
+TOLERANCE = 2e-2  # bf16 end to end: the unpatched bf16 model is itself the reference
+
+LLAMA = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+             vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)  # fmt: skip
+MIXTRAL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+               vocab_size=32000, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=8192)  # fmt: skip
+QWEN3_MOE = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
+                 max_position_embeddings=8192)  # fmt: skip
+#: case -> (config class name, model class name, config, batch, sequence length, training)
+CASES = {
+    "llama_train": ("LlamaConfig", "LlamaForCausalLM", LLAMA, 2, 4096, True),
+    "llama_prefill": ("LlamaConfig", "LlamaForCausalLM", LLAMA, 4, 2048, False),
+    "mixtral_train": ("MixtralConfig", "MixtralForCausalLM", MIXTRAL, 2, 4096, True),
+    "qwen3_moe_train": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE, 2, 4096, True),
+}
+
+
+def build(name: str, layers: int, attn: str):
+    import torch
+    import transformers
+
+    config_name, model_name, sizes, *_ = CASES[name]
+    config = getattr(transformers, config_name)(num_hidden_layers=layers, attn_implementation=attn, **sizes)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = getattr(transformers, model_name)(config)
+    return model.to(torch.bfloat16)
+
+
+def with_weights(model, like):
+    """``model`` holding ``like``'s weights (an attention implementation is fixed when a model is built)."""
+    model.load_state_dict(like.state_dict())
+    return model
+
+
+@contextlib.contextmanager
+def module_globals(module, values: dict):
+    """``module``'s globals set to ``values`` within the block (Liger's patches, for Liger's own steps only)."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def liger_model(base):
+    """An SDPA model with ``base``'s weights, patched by Liger; its module-level patches undone, returned apart."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from transformers.models.llama import modeling_llama
+
+    model = copy.deepcopy(base)
+    before = dict(vars(modeling_llama))
+    apply_liger_kernel_to_llama(model=model)
+    patched = {name: value for name, value in vars(modeling_llama).items() if before.get(name) is not value}
+    for name in patched:
+        if name in before:
+            setattr(modeling_llama, name, before[name])
+    return model, patched
+
+
+def run_case(name: str, layers: int) -> tuple[Row, bool]:
+    import torch
+
+    from epicute.benchmark import time_flushed
+    from epicute.integrations.transformers import patch
+
+    torch._dynamo.reset()
+    *_, batch, seqlen, training = CASES[name]
+    row: Row = {"case": f"{name} L{layers} {batch}x{seqlen}"}
+    print(row["case"])
+    sdpa = build(name, layers, "sdpa")
+    vocab = sdpa.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seqlen), device="cuda")
+    models: dict[str, tuple[object, contextlib.AbstractContextManager | None]] = {}
+    epicute_model = copy.deepcopy(sdpa)
+    print(f"  epicute patched: {patch(epicute_model, linears=True)}")
+    models["epicute"] = (epicute_model, None)
+    models["hf_sdpa"] = (sdpa, None)
+    models["hf_eager"] = (with_weights(build(name, layers, "eager"), sdpa), None)
+    models["hf_sdpa_compile"] = (torch.compile(copy.deepcopy(sdpa), dynamic=False), None)
+    if training and name == "llama_train":
+        try:
+            from transformers.models.llama import modeling_llama
+
+            liger, patched = liger_model(sdpa)
+            models["liger"] = (liger, functools.partial(module_globals, modeling_llama, patched))
+        except ImportError as exc:
+            print(f"  liger            not run: {exc}")
+
+    def step(model, scope) -> Callable[[], object]:
+        def run():
+            with scope() if scope else contextlib.nullcontext():
+                if training:
+                    loss = model(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                    return loss.detach()
+                with torch.inference_mode():
+                    return model(input_ids=ids).logits[:, -1].float()
+
+        return run
+
+    steps = {label: step(model, scope) for label, (model, scope) in models.items()}
+    want = steps["hf_sdpa"]()  # the reference: the unpatched SDPA model
+    for model, _ in models.values():
+        model.zero_grad(set_to_none=True)
+
+    def error(got) -> float:
+        return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+    runs = {label: (fn, fn) for label, fn in steps.items()}
+    timed, ok = check_contenders(runs, error, TOLERANCE)
+    times = time_interleaved(timed, timer=time_flushed, rounds=3)
+    for label, ms in times.items():
+        row[label] = round(batch * seqlen / (ms * 1e-3) / 1e3, 1)
+    print("  ms per step: " + ", ".join(f"{label} {ms:.2f}" for label, ms in times.items()))
+    return row, ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
+    parser.add_argument("--layers", type=int, default=2)
+    args = start_peer_run(parser, DEFAULT_OUT)
+    if args is None:
+        return 2
+    rows, all_ok = [], True
+    for name in args.cases.split(","):
+        row, ok = run_case(name, args.layers)
+        rows.append(row)
+        all_ok = all_ok and ok
+    return finish_peer_run(args.out, "models", rows, all_ok, unit="ktokens/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
