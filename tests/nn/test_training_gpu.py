@@ -93,7 +93,34 @@ def moe_layer() -> Layer:
     return Layer(leaves, {"index": index}, run, math, reroute)
 
 
-LAYERS = {"linear": linear_layer, "gated_mlp": gated_mlp_layer, "moe_experts": moe_layer}
+def gathered_rows_layer() -> Layer:
+    """``epicute.grouped_gemm`` reading routed rows in place (``a_index``, each token 8 times): its backward sums a
+    token's 8 row gradients (``sum_rows_by_index``)."""
+    tokens, k, n, groups, top_k = 301, 256, 136, 16, 8
+    leaves = {"x": _param(tokens, k), "w": _param(groups, n, k, scale=k**-0.5)}
+    index = torch.empty(tokens * top_k, device=DEVICE, dtype=torch.int32)
+    offsets = torch.empty(groups, device=DEVICE, dtype=torch.int32)
+
+    def reroute():
+        experts = torch.rand(tokens, groups, device=DEVICE).argsort(-1)[:, :top_k].reshape(-1)
+        order = torch.argsort(experts, stable=True)
+        index.copy_(order // top_k)
+        offsets.copy_(torch.cumsum(torch.bincount(experts, minlength=groups), 0))
+
+    reroute()
+
+    def run(x, w, index, offsets):
+        return epicute.grouped_gemm(x, w.transpose(-2, -1), offsets, a_index=index)
+
+    def math(x, w, index, offsets):
+        group = torch.searchsorted(offsets.long(), torch.arange(index.numel(), device=DEVICE), right=True)
+        return (w[group] @ x[index.long()].unsqueeze(-1)).squeeze(-1)
+
+    return Layer(leaves, {"index": index, "offsets": offsets}, run, math, reroute)
+
+
+LAYERS = {"linear": linear_layer, "gated_mlp": gated_mlp_layer, "moe_experts": moe_layer,
+          "gathered_rows": gathered_rows_layer}  # fmt: skip
 
 
 def _step(layer: Layer, run: Callable, upstream: torch.Tensor) -> torch.Tensor:
