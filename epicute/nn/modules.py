@@ -105,8 +105,7 @@ class GatedMLP(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if intermediate_size % 8:
-            raise ShapeError(f"intermediate_size={intermediate_size}: the gated GEMM needs a multiple of 8")
+        _check_gated_width(intermediate_size)
         self.hidden_size, self.intermediate_size, self.activation = hidden_size, intermediate_size, activation
         gate, up = (nn.Linear(hidden_size, intermediate_size, bias=False, device=device, dtype=dtype) for _ in "gu")
         self.gate_up = nn.Parameter(interleave_gate_up(gate.weight.detach(), up.weight.detach()))
@@ -166,8 +165,7 @@ class MoEExperts(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if intermediate_size % 8:
-            raise ShapeError(f"intermediate_size={intermediate_size}: the gated GEMM needs a multiple of 8")
+        _check_gated_width(intermediate_size)
         if activation not in EF.ACTIVATIONS:
             raise EpilogueError(f"activation={activation!r}: MoEExperts takes one of {sorted(EF.ACTIVATIONS)}")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
@@ -291,6 +289,11 @@ def _checkpoint_to_experts(state: dict, prefix: str, *args: Any) -> None:
     """load_state_dict pre-hook: transformers' ``gate_up_proj`` into the interleaved ``gate_up``, once."""
     if prefix + "gate_up_proj" in state:
         state[prefix + "gate_up"] = interleave_gate_up(*state.pop(prefix + "gate_up_proj").chunk(2, dim=-2))
+
+
+def _check_gated_width(intermediate_size: int) -> None:
+    if intermediate_size % 8:
+        raise ShapeError(f"intermediate_size={intermediate_size}: the gated GEMM needs a multiple of 8")
 
 
 def _gate_up_to_checkpoint(module: GatedMLP, state: dict, prefix: str, local_metadata: Any) -> None:
