@@ -137,3 +137,21 @@ def test_patched_moe_experts_train_like_the_original(reference_layers, kind):
     assert sorted(grads1) == sorted(grads0)
     for name, want in grads0.items():
         assert _rel(grads1[name], want) < TOL, name
+
+
+def test_the_pinned_transformers_range_is_the_supported_one():
+    """pyproject's ``transformers`` extra (and the test extra) pin what ``patch`` accepts: one range, two places."""
+    from pathlib import Path
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    from epicute.integrations.transformers import SUPPORTED
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    (low_major, low_minor), (high_major, _) = SUPPORTED
+    pin = f"transformers>={low_major}.{low_minor},<{high_major}"
+    assert project["optional-dependencies"]["transformers"] == [pin]
+    assert pin in project["optional-dependencies"]["test"]
