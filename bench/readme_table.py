@@ -1,8 +1,10 @@
 """Render stored benchmark results (bench/results/*.json) as markdown tables.
 
-Usage: python bench/readme_table.py [--results DIR] [--write README.md]
-Without --write the tables go to stdout; with it they replace the text between
-`<!-- bench:start -->` and `<!-- bench:end -->` in that file (left untouched if a marker is missing).
+Usage: python bench/readme_table.py [--results DIR] [--write docs/performance.md --write README.md]
+Without --write the tables go to stdout. With it, each FILE's marked blocks are replaced: the full tables
+between `<!-- bench:start -->` and `<!-- bench:end -->` (docs/performance.md), the headline table, one
+row per comparison, between `<!-- bench-headline:start -->` and `<!-- bench-headline:end -->` (README.md).
+A file with neither pair of markers is left untouched (exit status 1).
 Only the benchmarks against peers are rendered (README_BENCHMARKS), each followed, for
 the GEMM, by a text bar chart of epicute vs its peers across shapes (the repository
 keeps no images); the planner's evidence (configs*.json) stays in its JSON.
@@ -19,10 +21,11 @@ from typing import Any
 from common import best_ratio, geomean, peer_groups, peer_names, peers, ratio
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+HEADLINE_START, HEADLINE_END = "<!-- bench-headline:start -->", "<!-- bench-headline:end -->"
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 README_BENCHMARKS = (
     "gemm", "epilogue", "attention", "attention_bwd", "fp8", "fp8_swiglu", "grouped", "decode", "decode_gqa",
-    "training", "runtime",
+    "training", "models", "runtime",
 )  # fmt: skip
 CHART_WIDTH = 40
 
@@ -92,9 +95,45 @@ def chart(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def load_results(results_dir: Path) -> list[dict[str, Any]]:
+    """The stored results of README_BENCHMARKS, in that order (missing ones left out)."""
+    return [json.loads((results_dir / f"{name}.json").read_text())
+            for name in README_BENCHMARKS if (results_dir / f"{name}.json").exists()]  # fmt: skip
+
+
+def _short_gpu(device: str) -> str:
+    return device.removeprefix("NVIDIA ").split(" ")[0] if device else "?"
+
+
+def headline(results: list[dict[str, Any]]) -> str:
+    """One row per :func:`peer_groups` run that has a peer: epicute over its first peer (geomean and range over
+    the run's cases) and, for higher-is-better runs with several peers, over the best peer per case."""
+    lines = ["| benchmark | cases | vs | epicute/peer: geomean (range) | epicute/best peer | GPU |",
+             "|---|---:|---|---:|---:|---|"]  # fmt: skip
+    for result in results:
+        higher = result.get("higher_is_better", True)
+        for group in peer_groups(result.get("rows", [])):
+            names = peers(group)
+            baselines = peer_names(names)
+            if not baselines:
+                continue  # epicute against its own variants only (e.g. the cost of a fused quantization)
+            first = baselines[0]
+            ratios = [r for r in (ratio(row, first) for row in group) if r is not None]
+            if not ratios:
+                continue
+            best = [r for r in (best_ratio(row, names) for row in group) if r is not None]
+            vs_best = f"{geomean(best):.2f}×" if higher and len(baselines) > 1 and best else "–"
+            cases = [str(row.get("case", "")).split(":")[0] for row in group if ratio(row, first) is not None]
+            what = f"{len(cases)} cases" if len(cases) > 2 else ", ".join(cases)
+            vs = first if higher else f"{first} (time: lower is better)"
+            spread = f"{min(ratios):.2f}–{max(ratios):.2f}×" if len(ratios) > 1 else "one case"
+            lines.append(f"| {result.get('benchmark', '?')} | {what} | {vs} | {geomean(ratios):.2f}× ({spread}) | "
+                         f"{vs_best} | {_short_gpu(result.get('device', ''))} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def render_all(results_dir: Path) -> str:
-    results = [json.loads((results_dir / f"{name}.json").read_text())
-               for name in README_BENCHMARKS if (results_dir / f"{name}.json").exists()]  # fmt: skip
+    results = load_results(results_dir)
     if not results:
         return f"_No benchmark results in {results_dir.name}/ yet._"
     parts = []
@@ -105,31 +144,38 @@ def render_all(results_dir: Path) -> str:
     return "\n\n".join(parts)
 
 
-def replace_block(path: Path, body: str) -> bool:
+def replace_block(path: Path, body: str, start_marker: str = START, end_marker: str = END) -> bool:
     """Put `body` between the markers in `path`; False (file untouched) when a marker is missing."""
     text = path.read_text()
-    start, end = text.find(START), text.find(END)
+    start, end = text.find(start_marker), text.find(end_marker)
     if start < 0 or end < start:
         return False
-    path.write_text(text[: start + len(START)] + "\n" + body + "\n" + text[end:])
+    path.write_text(text[: start + len(start_marker)] + "\n" + body + "\n" + text[end:])
     return True
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="directory of result JSON")
-    parser.add_argument("--write", type=Path, metavar="FILE", help="update the marked block in FILE")
+    parser.add_argument("--write", type=Path, metavar="FILE", action="append",
+                        help="update the marked blocks in FILE (repeatable)")  # fmt: skip
     args = parser.parse_args()
 
-    body = render_all(args.results)
-    if args.write is None:
-        print(body)
+    if not args.write:
+        print(render_all(args.results))
         return 0
-    if not replace_block(args.write, body):
-        print(f"{args.write}: markers {START} / {END} not found; file left unchanged", file=sys.stderr)
-        return 1
-    print(f"updated {args.write}")
-    return 0
+    blocks = ((START, END, render_all(args.results)),
+              (HEADLINE_START, HEADLINE_END, headline(load_results(args.results))))  # fmt: skip
+    status = 0
+    for path in args.write:
+        updated = [start for start, end, body in blocks if replace_block(path, body, start, end)]
+        if updated:
+            print(f"updated {path} ({', '.join(updated)})")
+        else:
+            print(f"{path}: neither {START} / {END} nor {HEADLINE_START} / {HEADLINE_END} found; file left unchanged",
+                  file=sys.stderr)  # fmt: skip
+            status = 1
+    return status
 
 
 if __name__ == "__main__":

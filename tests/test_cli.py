@@ -240,7 +240,7 @@ def bias_gelu(acc, bias):
     return ops.gelu(acc + bias)
 """
 
-README_SPEC = """
+DOCS_SPEC = """
 [[gemm]]
 shapes = [[1, 14336, 4096], [4096, 14336, 4096]]
 b_major = "k"
@@ -250,11 +250,11 @@ operands = { bias = "row:bf16" }
 
 
 def test_compile_imports_the_spec_epilogue_from_the_working_directory(tmp_path):
-    """README's layout: mypkg/epilogues.py beside kernels.toml, `epicute compile kernels.toml` run there."""
+    """docs/runtime.md's layout: mypkg/epilogues.py beside kernels.toml, `epicute compile kernels.toml` run there."""
     project = tmp_path / "project"
     (project / "mypkg").mkdir(parents=True)
     (project / "mypkg" / "epilogues.py").write_text(EPILOGUES_PY)
-    (project / "kernels.toml").write_text(README_SPEC)
+    (project / "kernels.toml").write_text(DOCS_SPEC)
     here = epicute_cli("compile", "kernels.toml", "--dry-run", cwd=project, cache=tmp_path / "cache")
     assert here.returncode == 0, here.stdout + here.stderr
     assert "2 variants (0 compiled now)" in here.stdout
@@ -263,7 +263,7 @@ def test_compile_imports_the_spec_epilogue_from_the_working_directory(tmp_path):
     assert there.returncode == 0, there.stdout + there.stderr
     # A spec whose module is nowhere: the error says where it looked and what to do.
     (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "elsewhere" / "kernels.toml").write_text(README_SPEC)
+    (tmp_path / "elsewhere" / "kernels.toml").write_text(DOCS_SPEC)
     missing = epicute_cli("compile", "kernels.toml", "--dry-run", cwd=tmp_path / "elsewhere", cache=tmp_path / "cache")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert "no module 'mypkg'" in missing.stdout and "PYTHONPATH" in missing.stdout

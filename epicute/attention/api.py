@@ -232,8 +232,8 @@ def attention(
             on the way; given, they are not (a sequence longer than ``max_seqlen_q`` leaves the rows past
             it unwritten, and offsets outside the tensors are clamped, never followed).
         deterministic: the backward adds each key block's part of dQ in a fixed order, so gradients are
-            bitwise reproducible (as flash-attn's ``deterministic``; it costs some speed: README's
-            backward table has the deterministic rows). The forward is deterministic either way.
+            bitwise reproducible (as flash-attn's ``deterministic``; it costs some speed: the backward table
+            of docs/performance.md has the deterministic rows). The forward is deterministic either way.
         **operands: the hooks' operands by name.
 
     Training: when q, k or v require grad, autograd runs the backward kernel

@@ -76,7 +76,7 @@ OUTPUT_EPILOGUES = {
 #: is 128 fp32 registers of a consumer's 240, and a head_dim vector (64 cached values), an aux tile
 #: and reductions at once exceed them; at head_dim 64 three consumer warpgroups have 160 each, and
 #: the byte-wise staging of an fp8 tile needs a few more. ptxas spills tens to hundreds of bytes
-#: there: correct, slower (README, attention's epilogue). Every head_dim 128 epilogue fits.
+#: there: correct, slower (docs/attention.md, the output epilogue). Every head_dim 128 epilogue fits.
 KNOWN_SPILLS = {("aux_and_reductions", 256), ("fp8_aux_tile", 64), ("fp8_aux_tile", 256), ("fp8_o_with_amax", 64)}
 
 
