@@ -93,7 +93,8 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention forward (``AttentionInterface``) on :func:`epicute.attention`: q, k, v arrive
     ``(batch, heads, seqlen, head_dim)`` and leave ``(batch, seqlen, heads, head_dim)``, as flash-attn's do; causal
-    bottom-right aligned (a decode step's queries see the whole cache); GQA at any ratio. What epicute's attention
+    bottom-right aligned (a decode step's queries see the whole cache, up to their own positions: a static cache's
+    empty slots are never read); GQA at any ratio. What epicute's attention
     lacks is refused with :class:`~epicute.errors.ConfigError` rather than computed differently: attention dropout,
     a sliding window shorter than the keys, padded batches (a mask with zeros: pass unpadded sequences)."""
     if dropout:
@@ -105,10 +106,16 @@ def attention_forward(
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ConfigError("a padding mask with zeros: epicute's attention takes unpadded batches (equal lengths, no "
                           "attention_mask), or packed sequences")  # fmt: skip
+    used = None
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None and query.shape[2] < kv_len:
+        # A cache may hold more slots than keys (a static cache has its full length from the start, the unused
+        # slots zero): each sequence attends over the keys up to its last query's position, never past them.
+        used = (position_ids[..., -1] + 1).to(torch.int32).expand(query.shape[0]).contiguous()
     causal = bool(module.is_causal if is_causal is None else is_causal) and query.shape[2] > 1
     score_mod = _softcapped(float(softcap)) if softcap else None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = attention(q, k, v, causal=causal, softmax_scale=scaling, score_mod=score_mod)
+    out = attention(q, k, v, causal=causal, softmax_scale=scaling, score_mod=score_mod, seqused_k=used)
     return out, None
 
 

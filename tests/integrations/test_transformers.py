@@ -13,7 +13,7 @@ import torch
 import epicute
 from epicute.integrations.transformers import patch
 from epicute.nn import GatedMLP, Linear
-from tests.integrations.block_step import mlp_block_step
+from tests.integrations.block_step import generate_logits_error, mlp_block_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,6 +65,16 @@ def test_patched_model_trains_like_the_original(reference_layers, kind, linears)
         assert _rel(mlp.gate_up.grad, want) < TOL
         assert _rel(mlp.down_proj.weight.grad, ref.down_proj.weight.grad) < TOL
     assert _rel(grads[1]["model.embed_tokens.weight"], grads[0]["model.embed_tokens.weight"]) < TOL
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_generate_reads_only_the_cached_keys(reference_layers, cache):
+    """A static cache holds its full length from the first step: the empty slots must never be attended."""
+    original = _tiny("llama").eval()
+    patched = copy.deepcopy(original)
+    patch(patched)
+    with torch.no_grad():
+        assert generate_logits_error(original, patched, torch.randint(0, 96, (2, 9)), cache) < TOL
 
 
 def test_padded_batches_and_dropout_are_refused(reference_layers):

@@ -10,12 +10,26 @@ import torch
 
 import epicute
 from epicute.integrations.transformers import patch
-from tests.integrations.block_step import mlp_block_step
+from tests.integrations.block_step import generate_logits_error, mlp_block_step
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.gpu
 
 TOL = 2e-2  # bf16 end to end through the decoder layers; torch's bf16 model is the peer
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_generate_reads_only_the_cached_keys(cache):
+    """Decode steps on the kernels (a static cache's empty slots never attended: seqused_k from the positions)."""
+    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1368, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)  # fmt: skip
+    torch.manual_seed(0)
+    original = transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    patched = copy.deepcopy(original)
+    patch(patched, linears=True)
+    with torch.no_grad():
+        prompt = torch.randint(0, 1000, (3, 37), device="cuda")
+        assert generate_logits_error(original, patched, prompt, cache, new_tokens=9) < TOL
 
 
 @pytest.mark.parametrize("linears", [False, True])
