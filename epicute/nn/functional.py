@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -273,6 +274,79 @@ def gated_mlp(
     return y.reshape(*x.shape[:-1], w_down.shape[0])
 
 
+def explain_mlp(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: str = "gelu",
+    *,
+    gated: bool = False,
+    file: Any = "stdout",
+) -> dict[str, Any]:
+    """The GEMMs :func:`mlp` (``gated=True``: :func:`gated_mlp`, ``w1`` the interleaved gate/up weight, no biases)
+    runs for a training step, each planned as :func:`epicute.explain` plans it: ``up`` (``x w1^T``, the activation
+    in its epilogue, storing what the derivative reads), ``down``, then the backward's ``dh`` (``dy w2``: the
+    activation's derivative in its epilogue, and ``b1``'s gradient as its column sum), ``dx``, ``dw1`` and ``dw2``
+    (``b2``'s gradient is a torch column sum of ``dy``). Printed in that order under a heading each (``file`` as for
+    :func:`epicute.explain`); returns the plans by name. Tensors may be on any device, ``"meta"`` included: nothing
+    is read or launched.
+
+    Example:
+        >>> import torch
+        >>> from epicute.nn.functional import explain_mlp
+        >>> meta = dict(device="meta", dtype=torch.bfloat16)
+        >>> x, w1, b1 = torch.empty(8192, 4096, **meta), torch.empty(16384, 4096, **meta), torch.empty(16384, **meta)
+        >>> w2, b2 = torch.empty(4096, 16384, **meta), torch.empty(4096, **meta)
+        >>> plans = explain_mlp(x, w1, w2, b1, b2, file=None)
+        >>> list(plans)
+        ['up', 'down', 'dh', 'dx', 'dw1', 'dw2']
+    """
+    from epicute.gemm import render_plan
+    from epicute.gemm.api import explain
+    from epicute.runtime.checks import check_text_file
+
+    check_text_file(file)
+    if gated and (b1 is not None or b2 is not None):
+        raise ShapeError("gated=True: the gated MLP has no biases; pass b1=None and b2=None")
+    _check_weights(w1, w2, x.shape[-1], gated=gated)
+    forward_epi, backward_epi = _programs(activation, gated, b1 is not None)
+    x2 = _rows(x, "x", w1.shape[1])
+    hidden, tokens = w2.shape[1], x2.shape[0]
+    h = x2.new_empty((tokens, hidden))
+    dy = x2.new_empty((tokens, w2.shape[0]))
+    dacc = x2.new_empty((tokens, w1.shape[0]))  # gated: d gate and d up interleaved, as w1's rows are
+    saved = {SAVED["acc"]: h, **({SAVED["acc_up"]: h} if gated else {})}
+    grads = {DACC: x2.dtype, **({DACC_UP: x2.dtype} if gated else {})}
+    up_bias = {"bias": RowVector(b1)} if b1 is not None else {}
+    calls = {
+        "up": ((x2, w1.t()), dict(gated=gated, epilogue=forward_epi, **up_bias)),
+        "down": ((h, w2.t()), dict(epilogue=_add_bias, bias=RowVector(b2)) if b2 is not None else {}),
+        "dh": ((dy, w2), dict(epilogue=backward_epi, out_dtypes=grads, **saved)),
+        "dx": ((dacc, w1), {}),
+        "dw1": ((dacc.t(), x2), {}),
+        "dw2": ((dy.t(), h), {}),
+    }  # fmt: skip
+    out = sys.stdout if file == "stdout" else file
+    plans = {name: explain(*args, file=None, **kwargs) for name, (args, kwargs) in calls.items()}
+    if out is not None:  # each plan's own text (the GEMMs run inside the MLP's backward: none has its own)
+        for name, plan in plans.items():
+            print(f"=== {name}: {_MLP_STEPS[name]} ===\n{render_plan(plan)}\n", file=out)
+    return plans
+
+
+#: What each GEMM of :func:`explain_mlp` is for.
+_MLP_STEPS = {
+    "up": "forward, x w1^T with the activation (its inputs stored for the backward)",
+    "down": "forward, h w2^T",
+    "dh": "backward, dy w2 with the activation's derivative (and b1's gradient) in its epilogue",
+    "dx": "backward, dh w1",
+    "dw1": "backward, dh^T x",
+    "dw2": "backward, dy^T h",
+}
+
+
 _PROGRAMS: dict[tuple, tuple[Callable, Callable]] = {}
 for _name in ACTIVATIONS:
     for _gated, _bias in ((False, True), (False, False), (True, False)):
@@ -386,4 +460,4 @@ def _check_weights(w1: torch.Tensor, w2: torch.Tensor, d: int, gated: bool = Fal
                          f"chain: need the down weight (d_out, {hidden})")  # fmt: skip
 
 
-__all__ = ["ACTIVATIONS", "gated_mlp", "linear", "mlp", "moe_experts"]
+__all__ = ["ACTIVATIONS", "explain_mlp", "gated_mlp", "linear", "mlp", "moe_experts"]

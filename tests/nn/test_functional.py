@@ -86,3 +86,27 @@ def test_moe_experts_gradients(reference_layers, interleaved):
         ("out", y, want.detach()), ("x", x.grad, x64.grad), ("gate_up", gate_up.grad, gu64.grad),
         ("down", down.grad, d64.grad), ("weights", weights.grad, w64.grad))}  # fmt: skip
     assert all(e < TOL for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_explain_mlp_shows_the_step_s_gemms_and_where_the_derivative_runs(gated):
+    """On meta tensors: the six GEMMs of a training step, the derivative in dh's epilogue, b1's gradient its
+    column sum (with a bias), d gate and d up its two outputs (gated)."""
+    import io
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    x, w2 = torch.empty(4, 1001, 512, **meta), torch.empty(512, 1048, **meta)
+    w1 = torch.empty(2 * 1048 if gated else 1048, 512, **meta)
+    b1, b2 = (None, None) if gated else (torch.empty(1048, **meta), torch.empty(512, **meta))
+    text = io.StringIO()
+    plans = EF.explain_mlp(x, w1, w2, b1, b2, activation="silu", gated=gated, file=text)
+    assert list(plans) == ["up", "down", "dh", "dx", "dw1", "dw2"]
+    shapes = {name: (p.problem.m, p.problem.n, p.problem.k) for name, p in plans.items()}
+    assert shapes["up"] == (4004, w1.shape[0], 512) and shapes["dh"] == (4004, 1048, 512)  # gated: B's 2N columns
+    assert shapes["dx"] == (4004, 512, w1.shape[0]) and shapes["dw1"] == (w1.shape[0], 512, 4004)
+    dh = text.getvalue().split("=== dh")[1].split("=== dx")[0]
+    assert "sigmoid" in dh  # silu's derivative, traced from silu
+    assert ("d_bias = col_sum" in dh) == (not gated)
+    assert ("D_up" in dh) == gated
+    with pytest.raises(epicute.ShapeError, match="gated MLP has no biases"):
+        EF.explain_mlp(x, w1, w2, torch.empty(1048, **meta), None, gated=True, file=None)
