@@ -46,7 +46,7 @@ MIN_RUN = {
     "docs/fp8.md": 3,
     "docs/grouped.md": 7,
     "docs/attention.md": 6,
-    "docs/training.md": 4,
+    "docs/training.md": 5,
     "docs/models.md": 3,
     "docs/runtime.md": 2,
     "docs/performance.md": 0,
