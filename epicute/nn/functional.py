@@ -2,14 +2,15 @@
 
 - :func:`linear`: ``F.linear`` (any leading dimensions, weight ``(out, in)``, optional bias) with an optional fused
   epilogue after the bias. Its backward is :func:`epicute.gemm`'s, derived from the epilogue.
-- :func:`moe_experts`: a mixture-of-experts layer's experts (routed rows read in place, gate/up/activation/routing
+- :func:`moe_experts`: a mixture-of-experts layer's experts (routed rows gathered once, gate/up/activation/routing
   weight in one gated grouped GEMM, the down projection, a deterministic sum of each token's rows).
 - :func:`mlp`: ``w2 act(w1 x + b1) + b2``, and :func:`gated_mlp`: ``w_down (act(gate) * up)`` over a gate/up
   weight interleaved once (:func:`epicute.interleave_gate_up`). Their backward fuses across the two GEMMs: the
   down projection's data-gradient GEMM (``dh = dy w_down``) applies the activation's derivative in its epilogue,
   from the pre-activation the forward stored beside ``h``, and reduces ``b1``'s gradient there too (cuBLASLt's
   ``DGELU_BGRAD``, for any activation: the derivative comes from the activation's traced graph,
-  :func:`epicute.epilogue.backward.read_from_accumulator`). Five GEMMs and no elementwise pass per step.
+  :func:`epicute.epilogue.backward.read_from_accumulator`). Five GEMMs and no elementwise pass per step;
+  :func:`explain_mlp` prints them.
 
 Activations are named (``"gelu"`` (erf), ``"gelu_tanh"``, ``"relu"``, ``"silu"``) or any function of one traced value
 written with :mod:`epicute.ops` (eager only: under ``torch.compile`` name one).
