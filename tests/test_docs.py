@@ -48,7 +48,7 @@ MIN_RUN = {
     "docs/attention.md": 6,
     "docs/training.md": 5,
     "docs/models.md": 3,
-    "docs/runtime.md": 2,
+    "docs/runtime.md": 3,
     "docs/performance.md": 0,
     "docs/layout.md": 0,
     "docs/roadmap.md": 0,

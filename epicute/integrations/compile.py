@@ -1,0 +1,221 @@
+"""torch.compile fusing into epicute, first part: a backend that lifts each linear layer, with the chain of
+elementwise ops consuming it, into one :func:`epicute.gemm` whose epilogue is traced from those ops, then hands the
+graph to Inductor.
+
+    compiled = torch.compile(model, backend=epicute.integrations.compile.backend)
+    print(epicute.integrations.compile.last_report())   # what was lifted, what was left and why
+
+The backend rewrites Dynamo's graph (torch-level calls, before AOTAutograd), so a lifted layer trains through the
+epicute op's own autograd: its backward epilogue is derived from the lifted ops (:mod:`epicute.gemm.autograd`).
+Everything else stays Inductor's. Lifted: ``F.linear`` (any leading dimensions, with or without a bias; bf16 or
+fp16, ``in`` and ``out`` multiples of 8) followed by single-use ``gelu``/``relu``/``silu``/``sigmoid``/``tanh`` and
+``+ - * /`` with numbers, ``(out,)`` vectors or tensors of the output's shape, all in the layer's dtype. Every
+candidate is lifted (no measurement against Inductor's own fusion yet), and its epilogue computes in fp32 without
+the intermediate roundings to bf16 that the unfused ops make.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from epicute.epilogue import ops
+from epicute.epilogue.operands import RowVector
+
+#: torch callables (as Dynamo records them) -> the epicute op each becomes
+FUNCTIONS: dict[Any, str] = {
+    F.gelu: "gelu", torch.relu: "relu", F.relu: "relu", F.silu: "silu", torch.sigmoid: "sigmoid",
+    torch.tanh: "tanh", operator.add: "add", torch.add: "add", operator.mul: "mul", torch.mul: "mul",
+    operator.sub: "sub", torch.sub: "sub", operator.truediv: "div", torch.div: "div",
+}  # fmt: skip
+#: tensor methods -> the epicute op
+METHODS = {"add": "add", "mul": "mul", "sub": "sub", "div": "div", "relu": "relu", "sigmoid": "sigmoid",
+           "tanh": "tanh"}  # fmt: skip
+#: epicute op -> how a lifted step applies it to traced values
+APPLY: dict[str, Callable] = {
+    "add": operator.add, "mul": operator.mul, "sub": operator.sub, "div": operator.truediv,
+    "gelu": ops.gelu, "gelu_tanh": functools.partial(ops.gelu, approximate="tanh"), "relu": ops.relu,
+    "silu": ops.silu, "sigmoid": ops.sigmoid, "tanh": ops.tanh,
+}  # fmt: skip
+LIFTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Report:
+    """One graph's rewrite: each linear node, lifted (with the ops its epilogue took) or left (and why)."""
+
+    lifted: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    left: list[tuple[str, str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"lifted {node}: linear -> {', '.join(steps) or '(no epilogue)'}" for node, steps in self.lifted]
+        lines += [f"left {node}: {why}" for node, why in self.left]
+        return "\n".join(lines) or "no linear layers in the graph"
+
+
+_REPORTS: list[Report] = []
+
+
+def last_report() -> Report | None:
+    """The report of the graph the backend compiled last (None before any)."""
+    return _REPORTS[-1] if _REPORTS else None
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs: list, inner: str = "inductor") -> Callable:
+    """A ``torch.compile`` backend: :func:`lift_linear_epilogues` on Dynamo's graph, then ``inner`` (Inductor, or
+    ``"aot_eager"``: AOTAutograd without Inductor's code generation) compiles the result."""
+    report = lift_linear_epilogues(gm)
+    _REPORTS[:] = [*_REPORTS[-15:], report]
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(inner)(gm, example_inputs)
+
+
+def lift_linear_epilogues(gm: torch.fx.GraphModule) -> Report:
+    """Rewrite ``gm`` in place: every liftable linear node and its elementwise consumers become one call of
+    :func:`lifted_linear`. Returns what was lifted and what was left."""
+    report = Report()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not F.linear or node.graph is not gm.graph:
+            continue
+        why = _why_not(node)
+        if why:
+            report.left.append((node.name, why))
+            continue
+        x, weight, bias = (list(node.args) + [node.kwargs.get("bias")])[:3]
+        operands: list = [bias] if bias is not None else []
+        kinds: list[str] = ["row"] if bias is not None else []
+        steps: list = [("add", (("acc",), ("operand", 0)))] if bias is not None else []
+        chain = [node]
+        while (step := _next_step(chain[-1], _value(node), operands, kinds)) is not None:
+            steps.append(step[0])
+            chain.append(step[1])
+        program = (tuple(steps), tuple(kinds))
+        with gm.graph.inserting_before(chain[-1]):
+            fused = gm.graph.call_function(lifted_linear, (x, weight, *operands), {"program": program})
+        fused.meta.update(chain[-1].meta)
+        chain[-1].replace_all_uses_with(fused)
+        for dead in reversed(chain):
+            gm.graph.erase_node(dead)
+        report.lifted.append((node.name, tuple(op for op, _ in steps)))
+    gm.graph.lint()
+    gm.recompile()
+    return report
+
+
+def _value(node: torch.fx.Node) -> Any:
+    return node.meta.get("example_value")
+
+
+def _why_not(node: torch.fx.Node) -> str | None:
+    """Why this linear node is left to Inductor (None: it is lifted)."""
+    args = list(node.args) + [node.kwargs.get("bias")]
+    x, weight = (_value(a) if isinstance(a, torch.fx.Node) else None for a in args[:2])
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return "its input or weight is not a traced tensor"
+    if x.dtype not in LIFTED_DTYPES or weight.dtype != x.dtype:
+        return f"dtypes {x.dtype} x {weight.dtype}: epicute lifts bf16 or fp16 linears of one dtype"
+    if weight.dim() != 2 or x.dim() < 2:
+        return "a weight that is not 2-D, or a 1-D input"
+    n, k = weight.shape
+    if n % 8 or k % 8:  # symbolic sizes: a guard of the compiled graph (it recompiles where it fails)
+        return f"weight {tuple(weight.shape)}: in and out must be multiples of 8 (TMA's 16-byte rows)"
+    return None
+
+
+def _next_step(last: torch.fx.Node, out: torch.Tensor, operands: list, kinds: list) -> tuple | None:
+    """The chain's next elementwise op after ``last``, as ``((op, argument refs), node)``, registering its tensor
+    operand; None where the chain ends (several users, an op epicute lacks, a dtype or shape change)."""
+    users = list(last.users)
+    if len(users) != 1:
+        return None
+    user = users[0]
+    op = _op_of(user)
+    value = _value(user)
+    if op is None or not isinstance(value, torch.Tensor) or value.shape != out.shape or value.dtype != out.dtype:
+        return None
+    if op == "gelu":
+        approximate = user.kwargs.get("approximate", "none")
+        if approximate not in ("none", "tanh"):
+            return None
+        op = "gelu" if approximate == "none" else "gelu_tanh"
+    if set(user.kwargs) - {"approximate"}:
+        return None
+    refs, added = [], []
+    for arg in user.args:
+        if arg is last:
+            refs.append(("acc",))
+        elif isinstance(arg, (int, float)) and not isinstance(arg, bool):
+            refs.append(("const", float(arg)))
+        elif isinstance(arg, torch.fx.Node) and isinstance(_value(arg), torch.Tensor):
+            t = _value(arg)
+            kind = "tile" if t.shape == out.shape else "row" if tuple(t.shape) == (out.shape[-1],) else None
+            if kind is None or t.dtype not in (*LIFTED_DTYPES, torch.float32):
+                return None
+            refs.append(("operand", len(operands) + len(added)))
+            added.append((arg, kind))
+        else:
+            return None
+    if sum(ref == ("acc",) for ref in refs) != 1:
+        return None
+    for arg, kind in added:
+        operands.append(arg)
+        kinds.append(kind)
+    return (op, tuple(refs)), user
+
+
+def _op_of(node: torch.fx.Node) -> str | None:
+    if node.op == "call_function":
+        return FUNCTIONS.get(node.target)
+    if node.op == "call_method":
+        return METHODS.get(node.target)
+    return None
+
+
+@functools.cache
+def lifted_epilogue(program: tuple) -> Callable:
+    """The epilogue of a lifted chain: ``f(acc, t0, t1, ...)`` applying its steps to the accumulator (one function
+    per program, so its trace is remembered)."""
+    steps, kinds = program
+
+    def epilogue(acc, *operands):
+        value = acc
+        for op, refs in steps:
+            args = [value if ref[0] == "acc" else operands[ref[1]] if ref[0] == "operand" else ref[1] for ref in refs]
+            value = APPLY[op](*args)
+        return value
+
+    params = [inspect.Parameter("acc", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(f"t{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD) for i in range(len(kinds))]
+    epilogue.__signature__ = inspect.Signature(params)
+    epilogue.__name__ = "lifted_" + "_".join(op for op, _ in steps) if steps else "lifted"
+    return epilogue
+
+
+def lifted_linear(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor, program: tuple) -> torch.Tensor:
+    """``F.linear(x, weight)`` and the lifted ops as one ``epicute::gemm`` (what a rewritten graph calls): ``x``'s
+    leading dimensions flattened, row operands as ``RowVector``, tiles as ``(tokens, out)``."""
+    from epicute.gemm.torch_op import gemm_op_call
+
+    _, kinds = program
+    n = weight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    values = {f"t{i}": RowVector(t) if kind == "row" else t.reshape(-1, n)
+              for i, (t, kind) in enumerate(zip(operands, kinds))}  # fmt: skip
+    d = gemm_op_call(x2, weight.t(), epilogue=lifted_epilogue(program), out=None, out_dtype=None, out_dtypes=None,
+                     outs=None, a_scale=None, b_scale=None, backend=None, config=None, operands=values)  # fmt: skip
+    return d.reshape(*x.shape[:-1], n)
+
+
+__all__ = ["Report", "backend", "last_report", "lift_linear_epilogues", "lifted_linear"]

@@ -1,0 +1,63 @@
+"""The torch.compile integration on the CPU (the reference backend computes the lifted GEMMs): which linears are
+lifted with which ops, and the compiled step against float64 autograd."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from epicute.integrations import compile as EC
+from tests.integrations.compile_cases import block, block_leaves, step_errors
+
+TOL = 1e-2  # bf16 inputs, weights and outputs
+
+AOT_EAGER = functools.partial(EC.backend, inner="aot_eager")
+
+
+@pytest.mark.parametrize("inner", ["inductor", "aot_eager"])
+def test_a_block_trains_through_its_lifted_gemms(reference_layers, inner):
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=functools.partial(EC.backend, inner=inner), fullgraph=True)
+    errors = step_errors(compiled, block_leaves((3, 37), "cpu"))
+    assert all(e < TOL for e in errors.values()), errors
+    assert [steps for _, steps in EC.last_report().lifted] == [("add", "gelu", "mul", "add"), ("silu", "add")]
+
+
+def test_dynamic_shapes_keep_one_graph(reference_layers):
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=AOT_EAGER, fullgraph=True, dynamic=True)
+    for tokens in ((3, 37), (5, 41)):
+        errors = step_errors(compiled, block_leaves(tokens, "cpu"))
+        assert all(e < TOL for e in errors.values()), (tokens, errors)
+    assert len(EC.last_report().lifted) == 2
+
+
+def test_what_is_left_and_where_a_chain_stops(reference_layers):
+    def f(x, w, x32, w32):
+        y = F.linear(x, w)
+        return torch.tanh(y) + y.mean(), F.linear(x32, w32)  # y has two users; fp32 is Inductor's
+
+    torch._dynamo.reset()
+    x, w = torch.randn(9, 64, dtype=torch.bfloat16), (torch.randn(16, 64) / 8).to(torch.bfloat16)
+    out = torch.compile(f, backend=AOT_EAGER, fullgraph=True)(x, w, x.float(), w.float())
+    report = EC.last_report()
+    assert [steps for _, steps in report.lifted] == [()]  # lifted alone: its value has two users
+    assert len(report.left) == 1 and "torch.float32" in report.left[0][1]
+    assert "linear -> (no epilogue)" in str(report)
+    y = F.linear(x.double(), w.double())
+    want = torch.tanh(y) + y.mean()
+    assert ((out[0].double() - want).norm() / want.norm()).item() < TOL
+
+
+def test_odd_widths_are_left_with_the_reason():
+    def f(x, w):
+        return F.gelu(F.linear(x, w))
+
+    torch._dynamo.reset()
+    x, w = torch.randn(4, 20, dtype=torch.bfloat16), torch.randn(12, 20, dtype=torch.bfloat16)
+    torch.compile(f, backend=AOT_EAGER)(x, w)
+    assert EC.last_report().lifted == []
+    assert "multiples of 8" in EC.last_report().left[0][1]
