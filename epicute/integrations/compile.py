@@ -206,15 +206,14 @@ def lifted_epilogue(program: tuple) -> Callable:
 def lifted_linear(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor, program: tuple) -> torch.Tensor:
     """``F.linear(x, weight)`` and the lifted ops as one ``epicute::gemm`` (what a rewritten graph calls): ``x``'s
     leading dimensions flattened, row operands as ``RowVector``, tiles as ``(tokens, out)``."""
-    from epicute.gemm.torch_op import gemm_op_call
+    from epicute.gemm.api import gemm
 
     _, kinds = program
     n = weight.shape[0]
     x2 = x.reshape(-1, x.shape[-1])
     values = {f"t{i}": RowVector(t) if kind == "row" else t.reshape(-1, n)
               for i, (t, kind) in enumerate(zip(operands, kinds))}  # fmt: skip
-    d = gemm_op_call(x2, weight.t(), epilogue=lifted_epilogue(program), out=None, out_dtype=None, out_dtypes=None,
-                     outs=None, a_scale=None, b_scale=None, backend=None, config=None, operands=values)  # fmt: skip
+    d = gemm(x2, weight.t(), epilogue=lifted_epilogue(program), **values)
     return d.reshape(*x.shape[:-1], n)
 
 
