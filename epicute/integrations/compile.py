@@ -1,6 +1,6 @@
 """torch.compile fusing into epicute, first part: a backend that lifts each linear layer, with the chain of
-elementwise ops consuming it, into one :func:`epicute.gemm` whose epilogue is traced from those ops, then hands the
-graph to Inductor.
+elementwise ops consuming it, into one :func:`epicute.gemm` whose epilogue is traced from those ops, and each
+``F.scaled_dot_product_attention`` into :func:`epicute.attention`, then hands the graph to Inductor.
 
     compiled = torch.compile(model, backend=epicute.integrations.compile.backend)
     print(epicute.integrations.compile.last_report())   # what was lifted, what was left and why
@@ -11,7 +11,9 @@ Everything else stays Inductor's. Lifted: ``F.linear`` (any leading dimensions, 
 fp16, ``in`` and ``out`` multiples of 8) followed by single-use ``gelu``/``relu``/``silu``/``sigmoid``/``tanh`` and
 ``+ - * /`` with numbers, ``(out,)`` vectors or tensors of the output's shape, all in the layer's dtype. Every
 candidate is lifted (no measurement against Inductor's own fusion yet), and its epilogue computes in fp32 without
-the intermediate roundings to bf16 that the unfused ops make.
+the intermediate roundings to bf16 that the unfused ops make. Attention is lifted without a mask or dropout, bf16 or
+fp16, head_dim 64, 128 or 256, any GQA ratio; causal only with as many queries as keys (torch aligns a causal mask
+top-left, epicute bottom-right: they agree only there).
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ class Report:
     left: list[tuple[str, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"lifted {node}: linear -> {', '.join(steps) or '(no epilogue)'}" for node, steps in self.lifted]
+        lines = [f"lifted {node}: " + ("attention" if steps == ("attention",) else
+                                        f"linear -> {', '.join(steps) or '(no epilogue)'}")
+                 for node, steps in self.lifted]  # fmt: skip
         lines += [f"left {node}: {why}" for node, why in self.left]
         return "\n".join(lines) or "no linear layers in the graph"
 
@@ -84,9 +88,13 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, inner: str = "induct
 
 def lift_linear_epilogues(gm: torch.fx.GraphModule) -> Report:
     """Rewrite ``gm`` in place: every liftable linear node and its elementwise consumers become one call of
-    :func:`lifted_linear`. Returns what was lifted and what was left."""
+    :func:`lifted_linear`, every liftable attention one call of :func:`lifted_attention`. Returns what was lifted and
+    what was left."""
     report = Report()
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is F.scaled_dot_product_attention:
+            _lift_attention(gm, node, report)
+            continue
         if node.op != "call_function" or node.target is not F.linear or node.graph is not gm.graph:
             continue
         why = _why_not(node)
@@ -112,6 +120,49 @@ def lift_linear_epilogues(gm: torch.fx.GraphModule) -> Report:
     gm.graph.lint()
     gm.recompile()
     return report
+
+
+#: F.scaled_dot_product_attention's parameters after q, k, v, with their defaults
+SDPA_PARAMETERS = (("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False), ("scale", None),
+                   ("enable_gqa", False))  # fmt: skip
+
+
+def _lift_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, report: Report) -> None:
+    q, k, v = (_value(a) if isinstance(a, torch.fx.Node) else None for a in node.args[:3])
+    given = dict(zip((name for name, _ in SDPA_PARAMETERS), node.args[3:])) | dict(node.kwargs)
+    options = {name: given.get(name, default) for name, default in SDPA_PARAMETERS}
+    why = None
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        why = "q, k and v are not 4-D traced tensors"
+    elif q.dtype not in LIFTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        why = f"dtype {q.dtype}: epicute's attention takes bf16 or fp16"
+    elif options["attn_mask"] is not None or options["dropout_p"]:
+        why = "an attn_mask or dropout: epicute's attention has neither"
+    elif q.shape[-1] not in (64, 128, 256) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        why = f"head_dim {q.shape[-1]}: epicute's attention takes 64, 128 or 256"
+    elif q.shape[1] % k.shape[1]:
+        why = f"{q.shape[1]} query heads over {k.shape[1]} key/value heads"
+    elif options["is_causal"] and q.shape[2] != k.shape[2]:
+        why = "causal with fewer queries than keys: torch aligns the mask top-left, epicute bottom-right"
+    if why:
+        report.left.append((node.name, why))
+        return
+    with gm.graph.inserting_before(node):
+        fused = gm.graph.call_function(lifted_attention, tuple(node.args[:3]),
+                                       {"causal": bool(options["is_causal"]), "scale": options["scale"]})  # fmt: skip
+    fused.meta.update(node.meta)
+    node.replace_all_uses_with(fused)
+    gm.graph.erase_node(node)
+    report.lifted.append((node.name, ("attention",)))
+
+
+def lifted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None):
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`` (``(batch, heads, seqlen, dim)``)
+    as :func:`epicute.attention` (``(batch, seqlen, heads, dim)``: transposed views both ways, no copies)."""
+    from epicute.attention.api import attention
+
+    out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=scale)
+    return out.transpose(1, 2)
 
 
 def _value(node: torch.fx.Node) -> Any:
@@ -217,4 +268,4 @@ def lifted_linear(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor
     return d.reshape(*x.shape[:-1], n)
 
 
-__all__ = ["Report", "backend", "last_report", "lift_linear_epilogues", "lifted_linear"]
+__all__ = ["Report", "backend", "last_report", "lift_linear_epilogues", "lifted_attention", "lifted_linear"]

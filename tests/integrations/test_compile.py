@@ -61,3 +61,31 @@ def test_odd_widths_are_left_with_the_reason():
     torch.compile(f, backend=AOT_EAGER)(x, w)
     assert EC.last_report().lifted == []
     assert "multiples of 8" in EC.last_report().left[0][1]
+
+
+def _sdpa_block(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2
+
+
+def test_attention_is_lifted_and_computes_sdpa(reference_layers):
+    """Inference on the CPU (the reference backend has no compiled backward: the GPU test trains)."""
+    torch._dynamo.reset()
+    q = torch.randn(2, 8, 37, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 37, 64, dtype=torch.bfloat16) for _ in range(2))
+    out = torch.compile(_sdpa_block, backend=AOT_EAGER, fullgraph=True)(q, k, v)
+    assert EC.last_report().lifted == [("scaled_dot_product_attention", ("attention",))]
+    want = _sdpa_block(q.double(), k.double(), v.double())
+    assert ((out.double() - want).norm() / want.norm()).item() < TOL
+
+
+def test_attention_torch_and_epicute_would_align_differently_is_left():
+    def f(q, k, v, mask):
+        causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # 5 queries over 37 keys: top-left in torch
+        return causal, F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    torch._dynamo.reset()
+    q, k = torch.randn(1, 4, 5, 64, dtype=torch.bfloat16), torch.randn(1, 4, 37, 64, dtype=torch.bfloat16)
+    torch.compile(f, backend=AOT_EAGER)(q, k, k, torch.ones(5, 37, dtype=torch.bool))
+    reasons = [why for _, why in EC.last_report().left]
+    assert EC.last_report().lifted == [] and len(reasons) == 2
+    assert "top-left" in reasons[0] and "attn_mask" in reasons[1]

@@ -22,3 +22,23 @@ def test_a_block_trains_through_its_lifted_kernels(dynamic):
         errors = step_errors(compiled, block_leaves(tokens, "cuda"))
         assert all(e < TOL for e in errors.values()), (tokens, errors)
     assert [steps for _, steps in EC.last_report().lifted] == [("add", "gelu", "mul", "add"), ("silu", "add")]
+
+
+def test_attention_trains_through_epicute():
+    """F.scaled_dot_product_attention (causal, GQA 4:1) lifted to epicute.attention, forward and backward."""
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    q = torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    y = torch.compile(f, backend=EC.backend, fullgraph=True)(q, k, v)
+    assert EC.last_report().lifted == [("scaled_dot_product_attention", ("attention",))]
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = f(*ref)
+    want.backward(grad.double())
+    for got, expected in ((y, want.detach()), *((t.grad, r.grad) for t, r in zip((q, k, v), ref))):
+        assert ((got.double() - expected).norm() / expected.norm()).item() < TOL
