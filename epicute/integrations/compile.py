@@ -7,9 +7,10 @@ elementwise ops consuming it, into one :func:`epicute.gemm` whose epilogue is tr
 
 The backend rewrites Dynamo's graph (torch-level calls, before AOTAutograd), so a lifted layer trains through the
 epicute op's own autograd: its backward epilogue is derived from the lifted ops (:mod:`epicute.gemm.autograd`).
-Everything else stays Inductor's. Lifted: ``F.linear`` (any leading dimensions, with or without a bias; bf16 or
-fp16, ``in`` and ``out`` multiples of 8) followed by single-use ``gelu``/``relu``/``silu``/``sigmoid``/``tanh`` and
-``+ - * /`` with numbers, ``(out,)`` vectors or tensors of the output's shape, all in the layer's dtype. Every
+Everything else stays Inductor's. Lifted: ``F.linear`` and ``x @ w`` with a 2-D ``w`` (any leading dimensions, a
+linear's bias too; bf16 or fp16, ``in`` and ``out`` multiples of 8) followed by single-use
+``gelu``/``relu``/``silu``/``sigmoid``/``tanh`` and ``+ - * /`` with numbers, ``(out,)`` vectors or tensors of the
+output's shape, all in the layer's dtype. Every
 candidate is lifted (no measurement against Inductor's own fusion yet), and its epilogue computes in fp32 without
 the intermediate roundings to bf16 that the unfused ops make. Attention is lifted without a mask or dropout, bf16 or
 fp16, head_dim 64, 128 or 256, any GQA ratio; causal only with as many queries as keys (torch aligns a causal mask
@@ -47,6 +48,8 @@ APPLY: dict[str, Callable] = {
     "silu": ops.silu, "sigmoid": ops.sigmoid, "tanh": ops.tanh,
 }  # fmt: skip
 LIFTED_DTYPES = (torch.bfloat16, torch.float16)
+#: the GEMM calls lifted: ``F.linear(x, w, b)`` (``w`` ``(out, in)``) and ``x @ w`` (``w`` ``(in, out)``)
+GEMMS = (F.linear, operator.matmul, torch.matmul)
 
 
 @dataclass
@@ -88,20 +91,21 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, inner: str = "induct
 
 def lift_linear_epilogues(gm: torch.fx.GraphModule) -> Report:
     """Rewrite ``gm`` in place: every liftable linear node and its elementwise consumers become one call of
-    :func:`lifted_linear`, every liftable attention one call of :func:`lifted_attention`. Returns what was lifted and
+    :func:`lifted_gemm`, every liftable attention one call of :func:`lifted_attention`. Returns what was lifted and
     what was left."""
     report = Report()
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is F.scaled_dot_product_attention:
             _lift_attention(gm, node, report)
             continue
-        if node.op != "call_function" or node.target is not F.linear or node.graph is not gm.graph:
+        if node.op != "call_function" or node.target not in GEMMS or node.graph is not gm.graph:
             continue
-        why = _why_not(node)
+        linear = node.target is F.linear
+        why = _why_not(node, linear)
         if why:
             report.left.append((node.name, why))
             continue
-        x, weight, bias = (list(node.args) + [node.kwargs.get("bias")])[:3]
+        x, weight, bias = (list(node.args) + [node.kwargs.get("bias") if linear else None])[:3]
         operands: list = [bias] if bias is not None else []
         kinds: list[str] = ["row"] if bias is not None else []
         steps: list = [("add", (("acc",), ("operand", 0)))] if bias is not None else []
@@ -111,7 +115,7 @@ def lift_linear_epilogues(gm: torch.fx.GraphModule) -> Report:
             chain.append(step[1])
         program = (tuple(steps), tuple(kinds))
         with gm.graph.inserting_before(chain[-1]):
-            fused = gm.graph.call_function(lifted_linear, (x, weight, *operands), {"program": program})
+            fused = gm.graph.call_function(lifted_gemm, (x, weight, *operands), {"program": program, "linear": linear})
         fused.meta.update(chain[-1].meta)
         chain[-1].replace_all_uses_with(fused)
         for dead in reversed(chain):
@@ -169,17 +173,18 @@ def _value(node: torch.fx.Node) -> Any:
     return node.meta.get("example_value")
 
 
-def _why_not(node: torch.fx.Node) -> str | None:
-    """Why this linear node is left to Inductor (None: it is lifted)."""
-    args = list(node.args) + [node.kwargs.get("bias")]
-    x, weight = (_value(a) if isinstance(a, torch.fx.Node) else None for a in args[:2])
+def _why_not(node: torch.fx.Node, linear: bool) -> str | None:
+    """Why this linear (or ``x @ w`` matmul) node is left to Inductor (None: it is lifted)."""
+    x, weight = (_value(a) if isinstance(a, torch.fx.Node) else None for a in node.args[:2])
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return "its input or weight is not a traced tensor"
     if x.dtype not in LIFTED_DTYPES or weight.dtype != x.dtype:
-        return f"dtypes {x.dtype} x {weight.dtype}: epicute lifts bf16 or fp16 linears of one dtype"
+        return f"dtypes {x.dtype} x {weight.dtype}: epicute lifts bf16 or fp16 GEMMs of one dtype"
     if weight.dim() != 2 or x.dim() < 2:
         return "a weight that is not 2-D, or a 1-D input"
-    n, k = weight.shape
+    if weight.stride(-1) != 1 and weight.stride(-2) != 1:
+        return f"weight strides {tuple(weight.stride())}: neither dimension is contiguous (TMA reads rows)"
+    n, k = weight.shape if linear else reversed(weight.shape)
     if n % 8 or k % 8:  # symbolic sizes: a guard of the compiled graph (it recompiles where it fails)
         return f"weight {tuple(weight.shape)}: in and out must be multiples of 8 (TMA's 16-byte rows)"
     return None
@@ -254,18 +259,20 @@ def lifted_epilogue(program: tuple) -> Callable:
     return epilogue
 
 
-def lifted_linear(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor, program: tuple) -> torch.Tensor:
-    """``F.linear(x, weight)`` and the lifted ops as one ``epicute::gemm`` (what a rewritten graph calls): ``x``'s
-    leading dimensions flattened, row operands as ``RowVector``, tiles as ``(tokens, out)``."""
+def lifted_gemm(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor, program: tuple, linear: bool):
+    """``F.linear(x, weight)`` (``linear``) or ``x @ weight`` and the lifted ops as one :func:`epicute.gemm` (what a
+    rewritten graph calls): ``x``'s leading dimensions flattened, row operands as ``RowVector``, tiles as
+    ``(tokens, out)``."""
     from epicute.gemm.api import gemm
 
     _, kinds = program
-    n = weight.shape[0]
+    b = weight.t() if linear else weight
+    n = b.shape[-1]
     x2 = x.reshape(-1, x.shape[-1])
     values = {f"t{i}": RowVector(t) if kind == "row" else t.reshape(-1, n)
               for i, (t, kind) in enumerate(zip(operands, kinds))}  # fmt: skip
-    d = gemm(x2, weight.t(), epilogue=lifted_epilogue(program), **values)
+    d = gemm(x2, b, epilogue=lifted_epilogue(program), **values)
     return d.reshape(*x.shape[:-1], n)
 
 
-__all__ = ["Report", "backend", "last_report", "lift_linear_epilogues", "lifted_attention", "lifted_linear"]
+__all__ = ["Report", "backend", "last_report", "lift_linear_epilogues", "lifted_attention", "lifted_gemm"]

@@ -89,3 +89,16 @@ def test_attention_torch_and_epicute_would_align_differently_is_left():
     reasons = [why for _, why in EC.last_report().left]
     assert EC.last_report().lifted == [] and len(reasons) == 2
     assert "top-left" in reasons[0] and "attn_mask" in reasons[1]
+
+
+def test_a_matmul_with_a_transposed_weight_is_lifted_like_a_linear(reference_layers):
+    def f(x, w, b):
+        return torch.tanh(x @ w.t() + b)
+
+    torch._dynamo.reset()
+    x, w = torch.randn(3, 29, 64, dtype=torch.bfloat16), (torch.randn(40, 64) / 8).to(torch.bfloat16)
+    b = torch.randn(40, dtype=torch.bfloat16)
+    out = torch.compile(f, backend=AOT_EAGER, fullgraph=True)(x, w, b)
+    assert [steps for _, steps in EC.last_report().lifted] == [("add", "tanh")]
+    want = f(x.double(), w.double(), b.double())
+    assert ((out.double() - want).norm() / want.norm()).item() < TOL
