@@ -70,3 +70,29 @@ def test_gated_mlp_refuses_what_it_cannot_hold():
         GatedMLP(48, 84)
     with pytest.raises(epicute.ShapeError, match="gate_proj has a bias"):
         GatedMLP.from_projections(nn.Linear(8, 16), nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
+
+
+def test_bad_layer_arguments_are_refused_with_the_fix():
+    from epicute.nn import Attention, MoEExperts, top_k_routing
+
+    with pytest.raises(epicute.EpilogueError, match=r"activation='swish': MoEExperts takes one of"):
+        MoEExperts(4, 64, 128, activation="swish")
+    with pytest.raises(epicute.ShapeError, match="intermediate_size=100"):
+        MoEExperts(4, 64, 100)
+    with pytest.raises(epicute.ShapeError, match=r"router_logits \(5, 8\) and top_k=9"):
+        top_k_routing(torch.randn(5, 8), 9)
+    with pytest.raises(epicute.ShapeError, match="num_heads=6 is not a multiple of num_kv_heads=4"):
+        Attention(384, 6, 4)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_top_k_routing_picks_the_largest_probabilities(normalize):
+    from epicute.nn import top_k_routing
+
+    logits = (torch.rand(37, 8).argsort(-1) * 0.37).to(torch.bfloat16)  # distinct in each row: no ties to break
+    index, weights = top_k_routing(logits, 2, normalize=normalize)
+    probs = torch.softmax(logits.double(), dim=-1)
+    assert torch.equal(index.sort(-1).values, probs.topk(2, dim=-1).indices.sort(-1).values)
+    want = probs.gather(1, index)
+    want = want / want.sum(-1, keepdim=True) if normalize else want
+    assert weights.dtype == torch.float32 and ((weights.double() - want).norm() / want.norm()).item() < 1e-6
