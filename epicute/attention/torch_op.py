@@ -21,6 +21,7 @@ import torch
 from epicute.attention.plan import AttentionConfig
 from epicute.epilogue.dtypes import ir_dtype
 from epicute.errors import ConfigError, EpilogueError, ShapeError
+from epicute.runtime.backend import check_traced_backend
 from epicute.runtime.checks import config_pins as checked_pins
 from epicute.runtime.torch_ops import (
     TorchOp,
@@ -282,8 +283,7 @@ def attention_op_call(
 
     The op's outputs are O in q's dtype and LSE: an epilogue with more outputs (aux tiles,
     reductions) or one that stores O in another dtype runs eagerly only, and is refused here."""
-    if backend not in (None, "kernel"):
-        raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
+    check_traced_backend(backend)
     _check_names_traced(None if score_mod is None else plain_fn(score_mod), None if epilogue is None else
                         plain_fn(epilogue))  # fmt: skip
     score_key = register_score_mod_traced(plain_fn(score_mod))[0] if score_mod is not None else ""

@@ -23,7 +23,7 @@ from epicute.epilogue.group_quant import GROUP_N
 from epicute.epilogue.operands import PINS, Pin
 from epicute.epilogue.scales import SCALE_NAMES, fp8_scaling
 from epicute.epilogue.tracer import as_epilogue
-from epicute.errors import ConfigError, EpilogueError, GradientError
+from epicute.errors import EpilogueError, GradientError
 from epicute.gemm.autograd import (
     BackwardStep,
     plan_backward,
@@ -35,6 +35,7 @@ from epicute.gemm.autograd import (
 from epicute.gemm.config import GemmConfig, GemmProblem
 from epicute.gemm.prepare import GemmRequest, lower_epilogue
 from epicute.gemm.validate import FP8_TORCH_DTYPES
+from epicute.runtime.backend import check_traced_backend
 from epicute.runtime.checks import check_operand_names, config_pins
 from epicute.runtime.torch_ops import (
     TorchOp,
@@ -298,8 +299,7 @@ def gemm_op_call(
     gated: bool = False,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """:func:`epicute.gemm` while ``torch.compile`` traces it: one ``epicute::gemm`` op (dynamo-traceable)."""
-    if backend not in (None, "kernel"):
-        raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
+    check_traced_backend(backend)
     backward = needs_backward(a, b, a_scale, b_scale, out, outs, operands)
     if epilogue is None and (operands or out_dtypes or outs):
         given = sorted(operands) or list(out_dtypes or outs)

@@ -37,6 +37,7 @@ from epicute.gemm.torch_op import (
     stored_transposed,
 )
 from epicute.gemm.validate import FP8_TORCH_DTYPES
+from epicute.runtime.backend import check_traced_backend
 from epicute.runtime.checks import check_operand_names, config_pins
 from epicute.runtime.torch_ops import (
     TorchOp,
@@ -261,8 +262,7 @@ def grouped_gemm_op_call(
     operands: dict[str, Any],
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """:func:`epicute.grouped_gemm` while ``torch.compile`` traces it: one ``epicute::grouped_gemm`` op."""
-    if backend not in (None, "kernel"):
-        raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
+    check_traced_backend(backend)
     if check_offsets:
         raise ConfigError("check_offsets=True reads the offsets on the host, a sync torch.compile cannot trace; "
                           "check them outside the compiled region")  # fmt: skip

@@ -24,6 +24,12 @@ def resolve_backend(backend: str | None) -> str:
     return backend
 
 
+def check_traced_backend(backend: str | None) -> None:
+    """A call torch.compile traces runs the kernels (its op): an explicit other backend is a :class:`ConfigError`."""
+    if backend not in (None, "kernel"):
+        raise ConfigError(f"backend={backend!r} cannot be compiled with torch.compile; use backend='kernel'")
+
+
 @contextlib.contextmanager
 def use_backend(backend: str) -> Iterator[None]:
     """Within the block, calls of :func:`epicute.gemm`, :func:`epicute.grouped_gemm` and :func:`epicute.attention`
@@ -46,4 +52,4 @@ def use_backend(backend: str) -> Iterator[None]:
         _DEFAULT[0] = previous
 
 
-__all__ = ["BACKENDS", "resolve_backend", "use_backend"]
+__all__ = ["BACKENDS", "check_traced_backend", "resolve_backend", "use_backend"]

@@ -340,7 +340,6 @@ def register_meta(op, fake: Callable) -> None:
 
 __all__ = [
     "TorchOp", "assume_constant_result", "define_op", "define_ops", "dtype_name", "grad_slot", "operand_values",
-    "plain_fn",
-    "plain_value", "register_epilogue", "register_meta", "register_score_mod", "registered_casts",
+    "plain_fn", "plain_value", "register_epilogue", "register_meta", "register_score_mod", "registered_casts",
     "registered_epilogue", "registered_outputs", "runs_eagerly", "spec_text", "split_operands",
 ]  # fmt: skip
