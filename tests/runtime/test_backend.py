@@ -39,3 +39,12 @@ def test_layers_train_on_the_reference_backend():
     with epicute.use_backend("reference"):
         layer(x).sum().backward()
     assert x.grad is not None and layer.gate_up.grad is not None and torch.isfinite(layer.gate_up.grad).all()
+
+
+def test_a_traced_call_refuses_another_backend_with_the_fix():
+    from epicute.runtime.backend import check_traced_backend
+
+    check_traced_backend(None)
+    check_traced_backend("kernel")
+    with pytest.raises(epicute.ConfigError, match="cannot be compiled with torch.compile; use backend='kernel'"):
+        check_traced_backend("reference")
