@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from epicute.epilogue import ops
 from epicute.epilogue.operands import RowVector
+from epicute.nn import functional as EF
 
 #: torch callables (as Dynamo records them) -> the epicute op each becomes
 FUNCTIONS: dict[Any, str] = {
@@ -43,9 +44,8 @@ METHODS = {"add": "add", "mul": "mul", "sub": "sub", "div": "div", "relu": "relu
            "tanh": "tanh"}  # fmt: skip
 #: epicute op -> how a lifted step applies it to traced values
 APPLY: dict[str, Callable] = {
+    **EF.ACTIVATIONS, "sigmoid": ops.sigmoid, "tanh": ops.tanh,
     "add": operator.add, "mul": operator.mul, "sub": operator.sub, "div": operator.truediv,
-    "gelu": ops.gelu, "gelu_tanh": functools.partial(ops.gelu, approximate="tanh"), "relu": ops.relu,
-    "silu": ops.silu, "sigmoid": ops.sigmoid, "tanh": ops.tanh,
 }  # fmt: skip
 LIFTED_DTYPES = (torch.bfloat16, torch.float16)
 #: the GEMM calls lifted: ``F.linear(x, w, b)`` (``w`` ``(out, in)``) and ``x @ w`` (``w`` ``(in, out)``)
@@ -261,18 +261,14 @@ def lifted_epilogue(program: tuple) -> Callable:
 
 def lifted_gemm(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor, program: tuple, linear: bool):
     """``F.linear(x, weight)`` (``linear``) or ``x @ weight`` and the lifted ops as one :func:`epicute.gemm` (what a
-    rewritten graph calls): ``x``'s leading dimensions flattened, row operands as ``RowVector``, tiles as
+    rewritten graph calls), through :func:`epicute.nn.functional.linear`: row operands as ``RowVector``, tiles as
     ``(tokens, out)``."""
-    from epicute.gemm.api import gemm
-
     _, kinds = program
-    b = weight.t() if linear else weight
-    n = b.shape[-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    values = {f"t{i}": RowVector(t) if kind == "row" else t.reshape(-1, n)
+    weight = weight if linear else weight.t()  # F.linear's (out, in)
+    out = weight.shape[0]
+    values = {f"t{i}": RowVector(t) if kind == "row" else t.reshape(-1, out)
               for i, (t, kind) in enumerate(zip(operands, kinds))}  # fmt: skip
-    d = gemm(x2, b, epilogue=lifted_epilogue(program), **values)
-    return d.reshape(*x.shape[:-1], n)
+    return EF.linear(x, weight, epilogue=lifted_epilogue(program), **values)
 
 
 __all__ = ["Report", "backend", "last_report", "lift_linear_epilogues", "lifted_attention", "lifted_gemm"]
