@@ -55,6 +55,7 @@ from epicute.runtime.checks import (
     keyword_parameters,
 )
 from epicute.runtime.target import Target, resolve_target
+from epicute.runtime.torch_ops import traced
 
 
 def reference_attention(
@@ -283,7 +284,7 @@ def attention(
     """
     varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
               "max_seqlen_k": max_seqlen_k}  # fmt: skip
-    if torch.compiler.is_compiling():
+    if traced(q):
         # torch.compile sees one custom op (epicute::attention), never this Python code.
         return attention_op_call(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,

@@ -135,7 +135,8 @@ def attention_backward_op(
 def _attention_backward_fake(q, k, v, o, lse, do, dlse, operands, scalars, score_mod, spec, cu_q, cu_k, operand_grads):
     rows = len(operands) if operand_grads else 0
     d_operands = q.new_empty((rows, q.size(-2)), dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), d_operands
+    # Contiguous, as the kernels write them whatever the layout of q, k and v (views of (batch, heads, ...) too).
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_operands
 
 
 #: The op (defined by ``import epicute`` from the family's declaration, :mod:`epicute.families`).

@@ -54,6 +54,7 @@ from epicute.runtime.checks import (
     overlaps,
 )
 from epicute.runtime.target import Target, current_target, resolve_target
+from epicute.runtime.torch_ops import traced
 
 
 def _overrides(config: dict | None) -> tuple:
@@ -162,7 +163,7 @@ def gemm(
         >>> z = epicute.gemm(a, w.t(), epilogue=lambda acc, bias: epicute.ops.relu(acc + bias),
         ...                  bias=torch.randn(14336, device="cuda", dtype=torch.bfloat16))
     """
-    if torch.compiler.is_compiling():
+    if traced(a):
         # torch.compile sees one custom op (epicute::gemm), never this Python code.
         return gemm_op_call(
             a, b, epilogue=epilogue, out=out, out_dtype=out_dtype, out_dtypes=out_dtypes, outs=outs,

@@ -37,6 +37,7 @@ from epicute.runtime.checks import (
     keyword_parameters,
 )
 from epicute.runtime.target import Target, resolve_target
+from epicute.runtime.torch_ops import traced
 
 
 def grouped_gemm(
@@ -134,7 +135,7 @@ def grouped_gemm(
         >>> routed = torch.randint(0, 4096, (8192,), device="cuda")              # two experts per token
         >>> y2 = epicute.grouped_gemm(x, w.transpose(-2, -1), 2 * offs, a_index=routed)  # (8192, 2048)
     """
-    if torch.compiler.is_compiling():
+    if traced(a):
         # torch.compile sees one custom op (epicute::grouped_gemm), never this Python code.
         return grouped_gemm_op_call(
             a, b, offsets, epilogue=epilogue, out=out, out_dtype=out_dtype, out_dtypes=out_dtypes, backend=backend,

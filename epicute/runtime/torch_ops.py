@@ -41,6 +41,7 @@ from epicute.epilogue.operands import PINS, Pin
 from epicute.epilogue.score_mod import score_mod as as_score_mod
 from epicute.epilogue.tracer import Epilogue, as_epilogue, trace_key
 from epicute.errors import EpilogueError
+from epicute.runtime.buffers import per_call_buffers
 
 _EPILOGUES: dict[str, Epilogue] = {}
 _OUTPUTS: dict[str, tuple[str, ...]] = {}
@@ -247,13 +248,18 @@ class TorchOp:
         return list(_EagerOp.apply(*flat, self, layout))
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def traced(t: torch.Tensor) -> bool:
+    """Whether a call on ``t`` is being traced (torch.compile, or AOTAutograd tracing a compiled graph with fake or
+    functional tensors, where ``is_compiling()`` can be False): the public functions then call their torch op."""
+    return torch.compiler.is_compiling() or (type(t) not in _PLAIN_TENSORS and isinstance(t, torch.Tensor))
+
+
 def runs_eagerly(*tensors: torch.Tensor) -> bool:
-    """Whether a call on ``tensors`` runs for real, outside any trace: not while torch.compile traces (AOTAutograd
-    traces a compiled backward with fake or functional tensors, where ``is_compiling()`` can be False), not on
-    meta tensors."""
-    return not torch.compiler.is_compiling() and all(
-        type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta" for t in tensors
-    )
+    """Whether a call on ``tensors`` runs for real: not :func:`traced`, not on meta tensors."""
+    return not any(traced(t) or t.device.type == "meta" for t in tensors)
 
 
 _TENSOR, _LIST, _OTHER = "tensor", "list", "other"
@@ -322,7 +328,10 @@ def define_op(op: TorchOp) -> Any:
     once per process: the op object."""
     with _LOCK:
         if op.name not in _DEFINED:
-            custom = torch.library.custom_op(op.name, mutates_args=())(op.impl)
+            # Calls through torch.ops come from compiled graphs, which CUDA graphs may record: their buffers are
+            # allocated per call (epicute.runtime.buffers says why).
+            schema = torch.library.infer_schema(op.impl, mutates_args=())
+            custom = torch.library.custom_op(op.name, per_call_buffers(op.impl), mutates_args=(), schema=schema)
             custom.register_fake(op.fake)
             register_meta(custom, op.fake)
             if op.backward is not None:
@@ -341,5 +350,5 @@ def register_meta(op, fake: Callable) -> None:
 __all__ = [
     "TorchOp", "assume_constant_result", "define_op", "define_ops", "dtype_name", "grad_slot", "operand_values",
     "plain_fn", "plain_value", "register_epilogue", "register_meta", "register_score_mod", "registered_casts",
-    "registered_epilogue", "registered_outputs", "runs_eagerly", "spec_text", "split_operands",
+    "registered_epilogue", "registered_outputs", "runs_eagerly", "spec_text", "split_operands", "traced",
 ]  # fmt: skip

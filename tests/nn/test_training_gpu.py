@@ -182,7 +182,7 @@ def test_a_compiled_training_step_replays_in_a_cuda_graph(name):
             t.copy_(torch.randn_like(t) * t.std())
         upstream.copy_(torch.randn_like(upstream))
     layer.reroute()
-    y.fill_(float("nan"))
+    y.data.fill_(float("nan"))  # the replay's output memory, poisoned (.data: y may be a view autograd guards)
     for t in layer.leaves.values():
         t.grad.fill_(float("nan"))
     graph.replay()
