@@ -24,6 +24,7 @@ from epicute.attention.plan import AttentionConfig
 from epicute.epilogue.dtypes import IR_TO_TORCH
 from epicute.errors import CompileError
 from epicute.runtime import compile as compile_module
+from epicute.runtime.buffers import keep
 from epicute.runtime.cache import CacheKey
 from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES
 from epicute.runtime.target import DEFAULT_ARCH, current_target
@@ -249,7 +250,7 @@ def tile_counter(device: torch.device, dynamic: bool = True) -> torch.Tensor:
         key = (device.index, None)
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
-        counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        counter = keep(_TILE_COUNTERS, key, torch.zeros(1, dtype=torch.int32, device=device))
     return counter
 
 

@@ -20,6 +20,7 @@ from epicute.gemm.compile import GEMM_CACHE, GemmVariant
 from epicute.gemm.config import b_scale_chunks
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.gemm.validate import GemmCall
+from epicute.runtime.buffers import keep, keeping
 from epicute.runtime.checks import with_aligned_unit_dims
 from epicute.runtime.target import Target
 
@@ -72,11 +73,19 @@ def _zero_k_operands(call: GemmCall) -> tuple[torch.Tensor, torch.Tensor]:
     return a0, b0
 
 
-@functools.lru_cache(maxsize=16)
+_ZEROS: dict[tuple, torch.Tensor] = {}
+
+
 def _cached_zeros(l: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros only ever read (the K = 0 operands), kept: a backward's gradient pass makes the same call every step,
     and a launch over the same constant tensors can be recorded and replayed (:class:`GemmLaunch`'s ``constant``)."""
-    return torch.zeros(l, rows, cols, dtype=dtype, device=device)
+    key = (l, rows, cols, dtype, device)
+    zeros = _ZEROS.get(key)
+    if zeros is None:
+        if len(_ZEROS) >= 16:  # a few shapes per model: forget the oldest
+            del _ZEROS[next(iter(_ZEROS))]
+        zeros = keep(_ZEROS, key, torch.zeros(l, rows, cols, dtype=dtype, device=device))
+    return zeros
 
 
 def _block_scales(call: GemmCall) -> tuple:
@@ -203,8 +212,7 @@ _SPLIT_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def split_workspace(plan, device: torch.device) -> tuple:
     """``()``, or for a split-K plan its ``(partials, counters)`` on ``device``'s current stream (grown on need).
-    While a CUDA graph is being captured, a workspace the cache lacks is the graph's own (its allocation
-    belongs to the graph's memory pool, which must not outlive it in the cache)."""
+    A workspace the cache lacks may be a CUDA graph's own, not kept (:mod:`epicute.runtime.buffers`)."""
     if plan.config.split_k == 1:
         return ()
     partial_count, counter_count = plan.split_workspace_shape
@@ -217,9 +225,7 @@ def split_workspace(plan, device: torch.device) -> tuple:
                            device=device)  # fmt: skip
     counters = torch.zeros(max(counter_count, 0 if counters is None else counters.numel()), dtype=torch.int32,
                            device=device)  # fmt: skip
-    if not torch.cuda.is_current_stream_capturing():
-        _SPLIT_WORKSPACES[key] = partials, counters
-    return partials, counters
+    return keep(_SPLIT_WORKSPACES, key, (partials, counters))
 
 
 def bind_gemm(
@@ -262,6 +268,7 @@ def bind_gemm(
     if flat:
         a, b = a[0], b[0]
     kernel = kernel_for(plan, fusion) if runs else None
-    constant = frozenset((id(a), id(b)) if zero_k else ())
+    # Zero operands are constants a prepared call may take again only where they are kept.
+    constant = frozenset((id(a), id(b)) if zero_k and keeping() else ())
     return GemmLaunch(kernel, plan, fusion, call.batched, a, b, d, tuple(epi_inputs), dict(aux or {}), workspaces,
                       group_scales, tuple(epi_scalars), _block_scales(call), frozenset(fresh), constant)  # fmt: skip

@@ -28,6 +28,7 @@ NOT_CODEGEN = {
     "version, which every key holds by itself",
     "epicute.runtime.target": "arch names (every key holds the arch) and SM counts (launch arguments, never code)",
     "epicute.runtime.family": "the declarations' type: which function compiles a variant, not what it generates",
+    "epicute.runtime.buffers": "whether a launch's device buffers are kept between calls: never generated code",
 }
 
 
