@@ -96,16 +96,20 @@ def attention_forward(
     bottom-right aligned (a decode step's queries see the whole cache, up to their own positions: a static cache's
     empty slots are never read); GQA at any ratio. What epicute's attention
     lacks is refused with :class:`~epicute.errors.ConfigError` rather than computed differently: attention dropout,
-    a sliding window shorter than the keys, padded batches (a mask with zeros: pass unpadded sequences)."""
+    a sliding window shorter than the keys, padded batches (a mask with zeros: pass unpadded sequences; under
+    torch.compile, where reading the mask would stop the graph, a device-side assertion fails instead)."""
     if dropout:
         raise ConfigError(f"attention dropout {dropout}: epicute's attention has none; set attention_dropout=0.0")
     kv_len = key.shape[2]
     if sliding_window is not None and sliding_window < kv_len:
         raise ConfigError(f"sliding_window={sliding_window} < {kv_len} keys: epicute's attention has no sliding "
                           "window; use a window of at least the sequence length")  # fmt: skip
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ConfigError("a padding mask with zeros: epicute's attention takes unpadded batches (equal lengths, no "
-                          "attention_mask), or packed sequences")  # fmt: skip
+    if attention_mask is not None:
+        if torch.compiler.is_compiling():  # no host sync in a graph (and no graph break): checked on the device
+            torch._assert_async(attention_mask.all(), "epicute attention: a padding mask with zeros")
+        elif not bool(attention_mask.all()):
+            raise ConfigError("a padding mask with zeros: epicute's attention takes unpadded batches (equal lengths, "
+                              "no attention_mask), or packed sequences")  # fmt: skip
     used = None
     position_ids = kwargs.get("position_ids")
     if position_ids is not None and query.shape[2] < kv_len:
