@@ -158,7 +158,79 @@ def check_grouped_args(
 ) -> GroupedCall:
     """Validate a grouped GEMM call and describe it as a :class:`GroupedProblem` (``gated``: B interleaves gate and
     up columns, D has half of them; ``a_scale``/``b_scale``: fp8 inputs' blockwise scales; ``a_index``: the rows
-    of ``a`` each grouped row reads)."""
+    of ``a`` each grouped row reads). A call like one already validated (:func:`_signature`) is not checked again."""
+    signature = _signature(a, b, offsets, out, out_dtype, check_offsets, require_cuda, gated, a_scale, b_scale, a_index)
+    if signature is not None:
+        checked = _CHECKED.get(signature)
+        if checked is not None:
+            return checked.bind(a, b, offsets, a_index)
+    call = _check_grouped_args(a, b, offsets, out, out_dtype, check_offsets=check_offsets, require_cuda=require_cuda,
+                               gated=gated, a_scale=a_scale, b_scale=b_scale, a_index=a_index)  # fmt: skip
+    if signature is not None:
+        checked = _Checked.of(call, a, b, offsets, a_index)
+        if checked is not None:
+            if len(_CHECKED) >= 1024:  # a model makes a few dozen kinds of calls: forget the oldest
+                del _CHECKED[next(iter(_CHECKED))]
+            _CHECKED[signature] = checked
+    return call
+
+
+def _signature(a, b, offsets, out, out_dtype, check_offsets, require_cuda, gated, a_scale, b_scale, a_index):
+    """What every check of a plain GPU call (no ``out``, no fp8 scales, offsets and ``a_index`` as the kernel
+    reads them) depends on: each tensor's shape, strides, dtype, device and base alignment; None for any other call
+    (each is checked in full)."""
+    if out is not None or a_scale is not None or b_scale is not None or check_offsets or not require_cuda:
+        return None
+    tensors = (a, b, offsets) if a_index is None else (a, b, offsets, a_index)
+    if not all(type(t) is torch.Tensor for t in tensors):
+        return None
+    return (out_dtype, gated, a_index is None) + tuple(
+        (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % TMA_ALIGN_BYTES) for t in tensors
+    )
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A validated call's problem and its operands' layouts as the kernel reads them, for new tensors of the same
+    signature: views of them with the same storage offsets (offsets and ``a_index`` themselves)."""
+
+    problem: GroupedProblem
+    out_dtype: torch.dtype
+    a_layout: tuple
+    b_layout: tuple
+
+    @staticmethod
+    def of(call: GroupedCall, a, b, offsets, a_index) -> _Checked | None:
+        """None where the call's operands are not views of the arguments as given (a copy was made)."""
+        same = call.offsets is offsets and call.a_index is a_index and call.block_scales is None
+        views = all(v.storage_offset() == t.storage_offset() and v.untyped_storage().data_ptr() ==
+                    t.untyped_storage().data_ptr() for v, t in ((call.a, a), (call.b, b)))  # fmt: skip
+        if not (same and views) or call.out is not None:
+            return None
+        return _Checked(call.problem, call.out_dtype, (call.a.shape, call.a.stride()), (call.b.shape, call.b.stride()))
+
+    def bind(self, a, b, offsets, a_index) -> GroupedCall:
+        return GroupedCall(self.problem, a.as_strided(*self.a_layout), b.as_strided(*self.b_layout), offsets, None,
+                           self.out_dtype, None, a_index)  # fmt: skip
+
+
+_CHECKED: dict[tuple, _Checked] = {}
+
+
+def _check_grouped_args(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+    *,
+    check_offsets: bool,
+    require_cuda: bool,
+    gated: bool,
+    a_scale: Any,
+    b_scale: Any,
+    a_index: Any,
+) -> GroupedCall:
     for name, t in (("a", a), ("b", b), ("offsets", offsets)):
         if not isinstance(t, torch.Tensor):
             raise DtypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
