@@ -1,7 +1,7 @@
 """Whole transformers models on epicute against the ways they usually run (H200): tokens per second.
 
-Usage: python bench/models.py [--cases llama_train,llama_prefill,mixtral_train,qwen3_moe_train] [--layers 2]
-                              [--out PATH]
+Usage: python bench/models.py [--cases llama_train,llama_prefill,mixtral_train,qwen3_moe_train,
+                               llama_decode_b32,llama_decode_b128] [--layers 2] [--out PATH]
 
 Models are built from configs (random weights, nothing downloaded), bf16, ``--layers`` decoder layers, the real
 vocabulary (its LM head and loss are part of every step):
@@ -10,7 +10,13 @@ vocabulary (its LM head and loss are part of every step):
   (``model(input_ids, labels=...).loss.backward()``) on batch 2 x 4096;
 - ``llama_prefill``: the same model's forward over batch 4 x 2048 (no labels; inference mode);
 - ``mixtral_train`` / ``qwen3_moe_train``: Mixtral-8x7B- and Qwen3-30B-A3B-shaped MoE models, a training step on
-  batch 2 x 4096.
+  batch 2 x 4096;
+- ``llama_decode_b32`` / ``_b128``: the Llama model's decode step (one new token per sequence, logits of it) at
+  batch 32 / 128 over a 4096-token context in a static cache of exactly that length (filled once by the unpatched
+  model's prefill and copied to every contender, so none reads more keys than another). Contenders: ``hf_sdpa``
+  eager, ``hf_sdpa_graphs`` (``torch.compile(mode="reduce-overhead")``: CUDA graphs, HF's recipe for static caches),
+  ``epicute`` (patched, under the same compile mode: epicute's ops are opaque to it and recorded into its CUDA
+  graphs) and ``epicute_eager`` (patched, no graphs). Unit: thousand tokens per second (batch / step time).
 
 Contenders, each built from the same weights (a deep copy of one model) and fed the same tokens:
 
@@ -26,7 +32,7 @@ Contenders, each built from the same weights (a deep copy of one model) and fed 
 Every contender's first step is checked, not timed: its loss (training) or last-position logits (prefill)
 against the unpatched SDPA model's, relative error; a failing contender is reported and left out. Then all are
 timed in interleaved rounds (``time_flushed``: L2 flushed, medians). Writes bench/results/models.json (unit:
-thousand tokens per second). Decode steps (CUDA graphs, static caches) are not measured yet.
+thousand tokens per second).
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ CASES = {
     "mixtral_train": ("MixtralConfig", "MixtralForCausalLM", MIXTRAL, 2, 4096, True),
     "qwen3_moe_train": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE, 2, 4096, True),
 }
+#: decode case -> (the model's case, batch, context)
+DECODE_CASES = {"llama_decode_b32": ("llama_prefill", 32, 4096), "llama_decode_b128": ("llama_prefill", 128, 4096)}
 
 
 def build(name: str, layers: int, attn: str):
@@ -164,16 +172,76 @@ def run_case(name: str, layers: int) -> tuple[Row, bool]:
     return row, ok
 
 
+def run_decode(name: str, layers: int) -> tuple[Row, bool]:
+    import torch
+    from transformers import StaticCache
+
+    from epicute.benchmark import time_flushed
+    from epicute.integrations.transformers import patch
+
+    torch._dynamo.reset()
+    model_case, batch, context = DECODE_CASES[name]
+    row: Row = {"case": f"{name} L{layers} {batch}x1 context {context}"}
+    print(row["case"])
+    sdpa = build(model_case, layers, "sdpa").eval()
+    ids = torch.randint(0, sdpa.config.vocab_size, (batch, context), device="cuda")
+    filled = StaticCache(config=sdpa.config, max_cache_len=context)
+    with torch.inference_mode():  # the context's keys and values, once: every contender gets a copy
+        sdpa(input_ids=ids[:, :-1], past_key_values=filled, logits_to_keep=1)
+    new = ids[:, -1:]
+    position = torch.full((batch, 1), context - 1, device="cuda")
+    cache_position = torch.tensor([context - 1], device="cuda")
+    patched = copy.deepcopy(sdpa)
+    print(f"  epicute patched: {patch(patched, linears=True)}")
+    graphs = {"hf_sdpa_graphs", "epicute"}  # CUDA graphs through torch.compile(mode="reduce-overhead")
+    models = {"hf_sdpa": sdpa, "hf_sdpa_graphs": sdpa, "epicute": patched, "epicute_eager": patched}
+
+    def step(label: str, model) -> Callable[[], object]:
+        cache = copy.deepcopy(filled)
+        for layer in cache.layers:  # a copy's tensors are new: fixed addresses again, as HF marks its own
+            for t in (layer.keys, layer.values, layer.cumulative_length):
+                torch._dynamo.mark_static_address(t)
+        forward = torch.compile(model.forward, mode="reduce-overhead") if label in graphs else model.forward
+
+        def run():  # the same slot written every step (the cache's own length set back): the same work each step
+            with torch.inference_mode():  # the cache was filled in inference mode: its tensors are inference tensors
+                for layer in cache.layers:
+                    layer.cumulative_length.fill_(context - 1)
+                out = forward(input_ids=new, past_key_values=cache, position_ids=position,
+                              cache_position=cache_position, use_cache=True)  # fmt: skip
+                return out.logits[:, -1].float().clone()
+
+        return run
+
+    steps = {label: step(label, model) for label, model in models.items()}
+    want = steps["hf_sdpa"]()
+
+    def error(got) -> float:
+        return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+    def checked(fn: Callable[[], object]) -> Callable[[], object]:
+        return lambda: [fn() for _ in range(3)][-1]  # CUDA-graph trees warm up, record, replay: the replay checked
+
+    runs = {label: (checked(fn), fn) for label, fn in steps.items()}
+    timed, ok = check_contenders(runs, error, TOLERANCE)
+    times = time_interleaved(timed, timer=time_flushed, rounds=5)
+    for label, ms in times.items():
+        row[label] = round(batch / (ms * 1e-3) / 1e3, 2)
+    print("  ms per step: " + ", ".join(f"{label} {ms:.3f}" for label, ms in times.items()))
+    return row, ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
+    parser.add_argument("--cases", default=",".join([*CASES, *DECODE_CASES]),
+                        help=f"comma-separated subset of {[*CASES, *DECODE_CASES]}")  # fmt: skip
     parser.add_argument("--layers", type=int, default=2)
     args = start_peer_run(parser, DEFAULT_OUT)
     if args is None:
         return 2
     rows, all_ok = [], True
     for name in args.cases.split(","):
-        row, ok = run_case(name, args.layers)
+        row, ok = (run_decode if name in DECODE_CASES else run_case)(name, args.layers)
         rows.append(row)
         all_ok = all_ok and ok
     return finish_peer_run(args.out, "models", rows, all_ok, unit="ktokens/s")

@@ -9,7 +9,9 @@ figure, the unit in the case name's suffix (_s, _ms, _us, or a count):
 - disk_load_ms: a fresh process loading that variant from the disk cache (median of 3 processes);
   fresh_process_first_call_ms: that process's whole first call (load + launch, imports excluded);
   fresh_process_beyond_torch_ms: what epicute adds to a fresh process once torch has imported and CUDA
-  has initialized: ``import epicute`` and the first call (issue 56's target: <= 300 ms).
+  has initialized: ``import epicute`` and the first call (issue 56's target: <= 300 ms), importing compiled
+  bytecode as a pip-installed package does; fresh_process_beyond_torch_no_bytecode_ms the same with every
+  source compiled again (``PYTHONDONTWRITEBYTECODE=1``).
 - host_overhead_us: host time per cached call on a tiny problem, launches queued without a sync
   (peer: torch.matmul, timed in turns with it, on each CPU in turn); host_overhead_epilogue_us with a
   bias+relu epilogue; host_overhead_prepared_us and host_overhead_prepared_epilogue_us the same calls through
@@ -108,28 +110,42 @@ def cold_attention(directory: str) -> float | None:
     return sum(compiled) if compiled else None
 
 
-def disk_load(directory: str) -> tuple[float, float, float]:
+def disk_load(directory: str, bytecode: bool) -> tuple[float, float, float]:
+    """Medians of 3 fresh processes' first call with the kernel in the disk cache.
+
+    ``bytecode``: the processes import from compiled bytecode, as a package installed by pip does (pip compiles
+    it at install time): an unmeasured first process writes it under a private cache prefix. Without it every
+    process compiles epicute's sources again (``PYTHONDONTWRITEBYTECODE``, which some machines set).
+    """
     # Keep the caller's PYTHONPATH entries: on the device the DSL bundle lives there.
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "EPICUTE_CACHE_DIR": directory, "PYTHONPATH": path}
-    loads, firsts, beyond = [], [], []
-    for _ in range(3):
-        out = subprocess.run(
-            [sys.executable, "-c", FRESH % (PINS,)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,  # a failure is raised below with the child's stderr
-        )
-        if out.returncode != 0:
-            raise RuntimeError(out.stderr)
-        how, seconds, first, total = out.stdout.split()[-4:]
-        assert how == "disk", f"the fresh process did not load from disk: {how}"
-        loads.append(float(seconds))
-        firsts.append(float(first))
-        beyond.append(float(total))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    with tempfile.TemporaryDirectory() as pycache:
+        if bytecode:
+            env["PYTHONPYCACHEPREFIX"] = pycache
+        else:
+            env["PYTHONDONTWRITEBYTECODE"] = "1"
+        runs = [fresh_process(env) for _ in range(4 if bytecode else 3)][1 if bytecode else 0 :]
+    loads, firsts, beyond = zip(*runs)
     return statistics.median(loads), statistics.median(firsts), statistics.median(beyond)
+
+
+def fresh_process(env: dict[str, str]) -> tuple[float, float, float]:
+    out = subprocess.run(
+        [sys.executable, "-c", FRESH % (PINS,)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,  # a failure is raised below with the child's stderr
+    )
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    how, seconds, first, total = out.stdout.split()[-4:]
+    assert how == "disk", f"the fresh process did not load from disk: {how}"
+    return float(seconds), float(first), float(total)
 
 
 def host_us(fns: dict, calls: int = 200, reps: int = 32) -> dict[str, float]:
@@ -251,10 +267,13 @@ def main() -> int:
         compile_s, first_s = cold_gemm(directory)
         rows += [{"case": "cold_compile_gemm_s", "epicute": round(compile_s, 3)},
                  {"case": "cold_first_call_gemm_s", "epicute": round(first_s, 3)}]  # fmt: skip
-        load_s, fresh_first_s, beyond_s = disk_load(directory)
+        load_s, fresh_first_s, beyond_s = disk_load(directory, bytecode=True)
+        *_, beyond_source_s = disk_load(directory, bytecode=False)
         rows += [{"case": "disk_load_ms", "epicute": round(load_s * 1e3, 2)},
                  {"case": "fresh_process_first_call_ms", "epicute": round(fresh_first_s * 1e3, 2)},
-                 {"case": "fresh_process_beyond_torch_ms", "epicute": round(beyond_s * 1e3, 2)}]  # fmt: skip
+                 {"case": "fresh_process_beyond_torch_ms", "epicute": round(beyond_s * 1e3, 2)},
+                 {"case": "fresh_process_beyond_torch_no_bytecode_ms",
+                  "epicute": round(beyond_source_s * 1e3, 2)}]  # fmt: skip
         with tempfile.TemporaryDirectory() as attention_dir:
             attention_s = cold_attention(attention_dir)
         if attention_s is not None:

@@ -311,8 +311,9 @@ def setup_moe_experts(EF, name: str, tokens: int) -> Setup:
         weights={"gate_up_proj": gate_up_proj, "down_proj": down_proj},
         torch_fn=functools.partial(moe_reference, **routed),
         epicute_leaves={"x": x, "gate_up_interleaved": gate_up, "down_proj": down_proj},
-        epicute_call=lambda: EF.moe_experts(x, gate_up, down_proj, top_k_index, top_k_weights, activation="silu",
-                                            interleaved=True),
+        epicute_call=lambda: EF.moe_experts(
+            x, gate_up, down_proj, top_k_index, top_k_weights, activation="silu", interleaved=True
+        ),
         derived=lambda ref: {"gate_up_interleaved": epicute.interleave_gate_up(*ref["gate_up_proj"].chunk(2, dim=-2))},
         peers={"torch_grouped_mm": grouped, "torch_eager_loop": functools.partial(eager_expert_loop, **routed)},
         compiled={"torch_grouped_mm_compile": (grouped, None)},
@@ -468,10 +469,11 @@ def print_kernels(step: Callable[[], object], repeats: int = 3) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
 
 
-def print_host_profile(step: Callable[[], object], forward: Callable[[], torch.Tensor], grad: torch.Tensor,
-                       repeats: int = 10) -> None:
+def print_host_profile(
+    step: Callable[[], object], forward: Callable[[], torch.Tensor], grad: torch.Tensor, repeats: int = 10
+) -> None:
     """Host milliseconds of a step, its forward and its backward (each queued without waiting on the GPU, which
-    is idle before each), and where they went: ``torch.profiler``'s CPU ops, and ``cProfile`` of the forward."""
+    is idle before each), and where they went: ``torch.profiler``'s CPU ops, and ``cProfile`` of whole steps."""
     from torch.profiler import ProfilerActivity, profile
 
     outs: list[torch.Tensor] = []
@@ -487,14 +489,16 @@ def print_host_profile(step: Callable[[], object], forward: Callable[[], torch.T
     import cProfile
     import pstats
 
-    profiler = cProfile.Profile()  # the forward runs on this thread (the backward on autograd's device thread)
-    profiler.enable()
-    for _ in range(repeats):
-        outs.append(forward())
-    profiler.disable()
-    outs.clear()
+    profiler = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):  # the backward on this thread too, where cProfile sees it
+        profiler.enable()
+        for _ in range(repeats):
+            step()
+        profiler.disable()
     torch.cuda.synchronize()
-    pstats.Stats(profiler).sort_stats("cumtime").print_stats(35)
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumtime").print_stats(45)
 
 
 def plan(cases: list[str], tokens: list[int] | None, max_autotune: bool) -> None:
@@ -521,8 +525,11 @@ def main() -> int:
                         help="comma-separated token counts T for every case (default: each case's own)")  # fmt: skip
     parser.add_argument("--no-max-autotune", dest="max_autotune", action="store_false",
                         help="leave out torch.compile(mode='max-autotune') (minutes of compile a case)")  # fmt: skip
-    parser.add_argument("--profile", action="store_true",
-                        help="print epicute's kernels per step (torch.profiler) and its host time (cProfile)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="print epicute's kernels per step (torch.profiler) and its host time (cProfile)",
+    )
     parser.add_argument("--dry", action="store_true", help="print the cases and contenders, run nothing (no GPU)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result JSON path")
     args = parser.parse_args()
