@@ -316,7 +316,8 @@ def attention(
         check_attention_out(call, out, IR_TO_TORCH[prepared.output_dtypes["D"]])
     if backend == "reference":
         results, lse = reference_attention(call, score, epi)
-        results = {name: value.to(q.device) for name, value in results.items()}
+        # Contiguous, as the kernels write them (and as the torch op's fake promises).
+        results = {name: value.to(q.device).contiguous() for name, value in results.items()}
         lse = lse.to(q.device)
         if out is not None:
             results["D"] = out.copy_(results["D"])

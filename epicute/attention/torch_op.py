@@ -21,7 +21,7 @@ import torch
 from epicute.attention.plan import AttentionConfig
 from epicute.epilogue.dtypes import ir_dtype
 from epicute.errors import ConfigError, EpilogueError, ShapeError
-from epicute.runtime.backend import check_traced_backend
+from epicute.runtime.backend import check_traced_backend, resolve_backend
 from epicute.runtime.checks import config_pins as checked_pins
 from epicute.runtime.torch_ops import (
     TorchOp,
@@ -113,6 +113,9 @@ def attention_backward_op(
     from epicute.attention.validate import check_attention_args
 
     spec = json.loads(spec)
+    if resolve_backend(None) == "reference":  # a compiled graph run inside use_backend("reference")
+        raise ConfigError("attention's backward under torch.compile runs on the kernels only; on the reference "
+                          "backend, train without torch.compile (eager autograd differentiates it)")  # fmt: skip
     call = check_attention_args(
         q, k, v, causal=spec["causal"], softmax_scale=spec["softmax_scale"], **_packed(cu_seqlens_q, cu_seqlens_k, spec)
     )

@@ -77,6 +77,22 @@ def test_generate_reads_only_the_cached_keys(reference_layers, cache):
         assert generate_logits_error(original, patched, torch.randint(0, 96, (2, 9)), cache) < TOL
 
 
+def test_a_patched_model_compiles(reference_layers):
+    """torch.compile of a patched model (epicute's ops opaque to it, the rest Inductor's): the forward agrees with
+    the original; a compiled attention backward on the reference backend is refused with what to do instead."""
+    torch._dynamo.reset()
+    original = _tiny("llama")
+    patched = copy.deepcopy(original)
+    patch(patched, linears=True)
+    compiled = torch.compile(patched, dynamic=False)
+    ids = torch.randint(0, 96, (2, 11))
+    with torch.no_grad():
+        assert _rel(compiled(input_ids=ids).logits, original(input_ids=ids).logits) < TOL
+    loss = compiled(input_ids=ids, labels=ids).loss
+    with pytest.raises(epicute.ConfigError, match="train without torch.compile"):
+        loss.backward()
+
+
 def test_padded_batches_and_dropout_are_refused(reference_layers):
     model = _tiny("llama")
     patch(model)

@@ -32,8 +32,10 @@ def test_generate_reads_only_the_cached_keys(cache):
         assert generate_logits_error(original, patched, prompt, cache, new_tokens=9) < TOL
 
 
-@pytest.mark.parametrize("linears", [False, True])
-def test_patched_llama_trains_like_the_original(linears):
+@pytest.mark.parametrize(("linears", "compiled"), [(False, False), (True, False), (True, True)])
+def test_patched_llama_trains_like_the_original(linears, compiled):
+    """compiled: the patched model under torch.compile (epicute's ops opaque, their backward through the ops)."""
+    torch._dynamo.reset()
     config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1368, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=2, vocab_size=1000)  # fmt: skip
     torch.manual_seed(0)
@@ -42,7 +44,7 @@ def test_patched_llama_trains_like_the_original(linears):
     patch(patched, linears=linears)
     ids = torch.randint(0, 1000, (2, 333), device="cuda")
     losses = []
-    for model in (original, patched):
+    for model in (original, torch.compile(patched, dynamic=False) if compiled else patched):
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         losses.append(out.loss.detach().double())
