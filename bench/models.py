@@ -20,9 +20,9 @@ vocabulary (its LM head and loss are part of every step):
 
 Contenders, each built from the same weights (a deep copy of one model) and fed the same tokens:
 
-- ``epicute``: ``epicute.integrations.transformers.patch(model, linears=True)``: MLPs, MoE experts, every linear
-  layer and the attention on epicute; ``epicute_compile``: the same model under ``torch.compile`` (default mode,
-  static shapes), epicute's ops opaque to it and the rest (norms, rotary, routing, the loss) fused by Inductor;
+- ``epicute``: ``epicute.integrations.transformers.patch(model, linears=True)`` (MLPs, MoE experts, every linear
+  layer and the attention on epicute) under ``torch.compile`` (default mode, static shapes): epicute's ops opaque to
+  it, the rest (norms, rotary, routing, the loss) fused by Inductor; ``epicute_eager``: the patched model as it is;
 - ``hf_sdpa``: transformers with ``attn_implementation="sdpa"`` (its default); ``hf_eager``: ``"eager"``;
 - ``hf_sdpa_compile``: ``hf_sdpa`` under ``torch.compile`` (default mode, static shapes);
 - ``liger`` (training, dense Llama only): ``apply_liger_kernel_to_llama(model=...)`` on an SDPA model (RMSNorm,
@@ -131,9 +131,9 @@ def run_case(name: str, layers: int) -> tuple[Row, bool]:
     models: dict[str, tuple[object, contextlib.AbstractContextManager | None]] = {}
     epicute_model = copy.deepcopy(sdpa)
     print(f"  epicute patched: {patch(epicute_model, linears=True)}")
-    models["epicute"] = (epicute_model, None)
     # The patched model under torch.compile: epicute's ops stay opaque, Inductor fuses what lies between them.
-    models["epicute_compile"] = (torch.compile(epicute_model, dynamic=False), None)
+    models["epicute"] = (torch.compile(epicute_model, dynamic=False), None)
+    models["epicute_eager"] = (epicute_model, None)
     models["hf_sdpa"] = (sdpa, None)
     models["hf_eager"] = (with_weights(build(name, layers, "eager"), sdpa), None)
     models["hf_sdpa_compile"] = (torch.compile(copy.deepcopy(sdpa), dynamic=False), None)
