@@ -31,6 +31,7 @@ from epicute.errors import *  # noqa: F403  (every error class: errors.__all__)
 from epicute.gemm.api import explain, gemm, prepare_gemm, tune
 from epicute.gemm.prepared import PreparedGemmCall
 from epicute.grouped.api import explain_grouped, grouped_gemm
+from epicute.quantize.api import quantize
 from epicute.runtime import torch_ops as _torch_ops
 from epicute.runtime.backend import use_backend
 
@@ -42,6 +43,6 @@ _torch_ops.define_ops()
 __all__ = [
     "ColVector", "PreparedGemmCall", "RowVector", "Scalar", "Tile", "__version__", "attention", "epilogue",
     "epilogues", "explain", "explain_attention", "explain_grouped", "gemm", "grouped_gemm", "interleave_gate_up", "ops",
-    "prepare_gemm", "score_mod", "tune", "use_backend",
+    "prepare_gemm", "quantize", "score_mod", "tune", "use_backend",
 ]  # fmt: skip
 __all__ += errors.__all__  # every error class: users catch them by name

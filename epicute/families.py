@@ -80,6 +80,12 @@ DECLARATIONS: tuple[FamilySpec, ...] = (
         compilers={SM90A: "epicute.attention.backward:compile_postprocess"},
         codegen=("epicute.attention.backward_prep_sm90", *_BACKWARD_CODEGEN),
     ),
+    # The standalone group quantizer (epicute.quantize): a model's first input, what no GEMM epilogue produces.
+    FamilySpec(
+        "quantize",
+        compilers={SM90A: "epicute.quantize.launch:compile_quantize"},
+        codegen=("epicute.quantize.kernel_sm90", "epicute.quantize.launch"),
+    ),
 )
 
 __all__ = ["DECLARATIONS", "SHARED_CODEGEN"]

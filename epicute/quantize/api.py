@@ -1,0 +1,132 @@
+"""``epicute.quantize``: fp8 values and scales in exactly the layouts epicute's and torch's fp8 GEMMs take."""
+
+from __future__ import annotations
+
+import torch
+
+from epicute.epilogue.dtypes import FP8_MAX, TORCH_TO_IR, round_to
+from epicute.epilogue.group_quant import AMAX_FLOOR, GROUP_N, ceil_pow2
+from epicute.errors import AlignmentError, ConfigError, DtypeError, ShapeError
+from epicute.runtime.backend import resolve_backend
+from epicute.runtime.checks import check_on_one_hopper_gpu
+
+#: recipe -> what one scale covers
+RECIPES = {
+    "groups": "1 x 128: a row's 128 consecutive values (activations: DeepSeek-V3's recipe)",
+    "rowwise": "a whole row (torch._scaled_mm's rowwise scale_a)",
+    "tensorwise": "the whole tensor",
+    "blocks": "128 x 128 values of a 2-D weight (DeepSeek-V3's weights)",
+}
+FP8_DTYPES = {torch.float8_e4m3fn: "fp8e4m3", torch.float8_e5m2: "fp8e5m2"}
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    recipe: str = "groups",
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    ue8m0: bool = False,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in fp8 and its scales: ``x ≈ q * scale`` (each scale broadcast over the values it covers).
+
+    A scale is ``max(amax, 1e-4) / fp8_max`` of the values it covers (``ue8m0=True``: rounded up to a power of
+    two, DeepSeek-V3's scale format), and ``q = x * (1 / scale)`` rounded to ``dtype``, saturating: the math of
+    the GEMM epilogue's :func:`epicute.ops.quantize_groups`. Recipes (``x`` has any leading dimensions and
+    ``K`` values per row, a multiple of 16 so that fp8 rows are 16-byte aligned for the next GEMM's TMA loads):
+
+    - ``"groups"``: one scale per row and 128 columns, ``(*leading, ceil(K / 128))`` fp32, M-major (rows
+      contiguous): ``epicute.gemm``'s and ``torch._scaled_mm``'s blockwise ``a_scale``. On the GPU one
+      memory-bound kernel (bf16 or fp16 ``x``); the rest are torch operations on ``x``'s device.
+    - ``"rowwise"``: ``(*leading, 1)``; ``"tensorwise"``: a 0-d scale; ``"blocks"``: a 2-D ``(N, K)`` weight in
+      128 x 128 blocks, scales ``(ceil(N / 128), ceil(K / 128))`` (the blockwise ``b_scale`` of ``w.t()``).
+
+    Example:
+        >>> import torch, epicute
+        >>> x = torch.randn(4, 256, dtype=torch.bfloat16)
+        >>> with epicute.use_backend("reference"):
+        ...     q, scales = epicute.quantize(x, ue8m0=True)
+        >>> q.dtype, tuple(scales.shape), scales.stride()
+        (torch.float8_e4m3fn, (4, 2), (1, 4))
+    """
+    backend = resolve_backend(backend)
+    fp8, shape = _check(x, recipe, dtype, ue8m0)
+    if backend == "kernel":
+        check_on_one_hopper_gpu(("x", x))
+        if recipe == "groups" and x.dtype != torch.float32 and x.numel():
+            from epicute.quantize.launch import QuantizeVariant, launch_group_quantize
+
+            rows = x.view(-1, shape[-1])
+            if rows.data_ptr() % 16:
+                raise AlignmentError("x.data_ptr() is not 16-byte aligned (a view with an element offset?); pass "
+                                     "x.clone()")  # fmt: skip
+            q, scales = launch_group_quantize(rows, QuantizeVariant(TORCH_TO_IR[x.dtype], fp8, ue8m0), dtype)
+            return q.view(shape), scales.view(*shape[:-1], scales.shape[-1])
+        return _quantize(x, recipe, fp8, ue8m0)
+    q, scales = _quantize(x.detach().cpu(), recipe, fp8, ue8m0)
+    return q.to(x.device), scales.to(x.device)
+
+
+def _check(x, recipe: str, dtype, ue8m0) -> tuple[str, tuple[int, ...]]:
+    """Every argument checked before anything runs: (the fp8 IR name, x's shape)."""
+    if not isinstance(x, torch.Tensor):
+        raise DtypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if recipe not in RECIPES:
+        raise ConfigError(f"recipe={recipe!r}; use one of {sorted(RECIPES)}")
+    if dtype not in FP8_DTYPES:
+        raise DtypeError(f"dtype={dtype}; quantize makes torch.float8_e4m3fn or torch.float8_e5m2")
+    if not isinstance(ue8m0, bool):
+        raise ConfigError(f"ue8m0={ue8m0!r}; pass True (power-of-two scales) or False")
+    if x.dtype not in INPUT_DTYPES:
+        raise DtypeError(f"x has dtype {x.dtype}; quantize takes torch.bfloat16, torch.float16 or torch.float32")
+    if x.dim() == 0 or (recipe == "blocks" and x.dim() != 2):
+        want = "a 2-D (N, K) weight" if recipe == "blocks" else "at least one dimension"
+        raise ShapeError(f"x has shape {tuple(x.shape)}; recipe {recipe!r} takes {want}")
+    k = x.shape[-1]
+    if k % 16:
+        raise AlignmentError(f"x has K={k} values per row; fp8 rows must be 16-byte aligned for the GEMM that reads "
+                             f"them: pad K to {-(-k // 16) * 16}")  # fmt: skip
+    if x.numel() and (x.stride(-1) != 1 or any(x.stride(d) % 16 for d in range(x.dim() - 1) if x.shape[d] > 1)):
+        raise AlignmentError(f"x has strides {tuple(x.stride())}: rows must be contiguous and 16-value aligned; "
+                             "pass x.contiguous()")  # fmt: skip
+    try:
+        x.view(-1, k)
+    except RuntimeError:
+        raise AlignmentError(f"x has strides {tuple(x.stride())}: its leading dimensions do not flatten into rows "
+                             "without a copy; pass x.contiguous()") from None  # fmt: skip
+    return FP8_DTYPES[dtype], tuple(x.shape)
+
+
+def _scale(amax: torch.Tensor, fp8: str, ue8m0: bool) -> torch.Tensor:
+    scale = torch.clamp(amax.float(), min=AMAX_FLOOR) / torch.tensor(FP8_MAX[fp8], dtype=torch.float32)
+    return ceil_pow2(scale) if ue8m0 else scale
+
+
+def _quantize(x: torch.Tensor, recipe: str, fp8: str, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recipes in torch operations (fp32 math; the group kernel's, operation for operation)."""
+    shape, k = x.shape, x.shape[-1]
+    v = x.float()
+    if recipe == "groups":
+        groups = -(-k // GROUP_N)
+        padded = torch.nn.functional.pad(v.reshape(-1, k).abs(), (0, groups * GROUP_N - k))
+        scales = _scale(padded.view(-1, groups, GROUP_N).amax(-1), fp8, ue8m0)  # (M, groups)
+        expanded = scales.repeat_interleave(GROUP_N, dim=-1)[:, :k].reshape(shape)
+        scales = scales.t().contiguous().t().view(*shape[:-1], groups)  # M-major
+    elif recipe == "rowwise":
+        scales = _scale(v.abs().amax(-1, keepdim=True), fp8, ue8m0) if k else v.new_ones(*shape[:-1], 1)
+        expanded = scales
+    elif recipe == "tensorwise":
+        scales = _scale(v.abs().amax(), fp8, ue8m0) if v.numel() else v.new_ones(())
+        expanded = scales
+    else:  # 128 x 128 blocks of an (N, K) weight
+        n = shape[0]
+        nb, kb = -(-n // GROUP_N), -(-k // GROUP_N)
+        padded = torch.nn.functional.pad(v.abs(), (0, kb * GROUP_N - k, 0, nb * GROUP_N - n))
+        scales = _scale(padded.view(nb, GROUP_N, kb, GROUP_N).amax(dim=(1, 3)), fp8, ue8m0)
+        expanded = scales.repeat_interleave(GROUP_N, 0).repeat_interleave(GROUP_N, 1)[:n, :k]
+    q = round_to(v * (1.0 / expanded), fp8)
+    return q, scales
+
+
+__all__ = ["RECIPES", "quantize"]

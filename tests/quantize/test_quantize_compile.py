@@ -1,0 +1,18 @@
+"""Compile the group quantizer for sm_90a with fake tensors (no GPU needed): every input and fp8 dtype, both
+scale formats; no spills."""
+
+from __future__ import annotations
+
+import pytest
+
+from epicute.quantize.launch import QuantizeVariant, compile_quantize
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.mark.parametrize("in_dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize(("out_dtype", "ue8m0"), [("fp8e4m3", False), ("fp8e4m3", True), ("fp8e5m2", False)])
+def test_variants_compile(in_dtype, out_dtype, ue8m0, ptxas_report):
+    assert callable(compile_quantize(QuantizeVariant(in_dtype, out_dtype, ue8m0)))
+    spills, _ = ptxas_report()
+    assert spills == [0]

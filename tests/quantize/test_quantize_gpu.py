@@ -1,0 +1,47 @@
+"""epicute.quantize's group kernel on the GPU against float64 math: odd row counts, K not a multiple of 128, leading
+dimensions, both fp8 types and scale formats, NaN-poisoned outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import epicute
+from epicute.quantize import launch
+from tests.conftest import nan_tensor
+from tests.quantize.checks import check_group_quantization
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    def poisoned_output(shape, dtype, device):
+        return nan_tensor(shape, torch.float32, device).to(dtype)  # fp8 NaN too
+
+    monkeypatch.setattr(launch, "new_output", poisoned_output)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize(("shape", "dtype"), [((1001, 4112), torch.bfloat16), ((3, 37, 400), torch.float16),
+                                              ((1, 16), torch.bfloat16), ((2049, 7168), torch.bfloat16)])  # fmt: skip
+def test_groups_against_float64(shape, dtype, fp8, ue8m0):
+    x = (torch.randn(shape, device="cuda") * torch.rand(shape[-1], device="cuda") * 30).to(dtype)
+    q, scales = epicute.quantize(x, dtype=fp8, ue8m0=ue8m0)
+    torch.cuda.synchronize()
+    check_group_quantization(x, q, scales, fp8, ue8m0)
+
+
+def test_nan_stays_in_its_group():
+    x = torch.randn(3, 384, device="cuda", dtype=torch.bfloat16)
+    x[1, 200] = float("nan")
+    _, scales = epicute.quantize(x)
+    assert torch.isnan(scales[1, 1]) and torch.isfinite(scales[1, 0]) and torch.isfinite(scales[1, 2])
+    assert torch.isfinite(scales[0]).all() and torch.isfinite(scales[2]).all()
+
+
+def test_a_misaligned_view_is_refused():
+    x = torch.randn(4 * 256 + 8, device="cuda", dtype=torch.bfloat16)[8 - 1 : -1].view(4, 256)
+    with pytest.raises(epicute.AlignmentError, match="16-byte aligned"):
+        epicute.quantize(x)
