@@ -38,6 +38,7 @@ FAMILIES = {
     "attention": "attention forward (epilogue)", "attention_gqa": "attention forward (GQA prefill)",
     "decode_paged": "attention decode (paged, split-KV)", "backward": "attention backward",
     "linear_backward": "gemm backward (K = 0 gradient pass)", "moe_backward": "grouped gemm backward",
+    "quantize": "group quantizer (epicute.quantize)",
 }  # fmt: skip
 CASES = tuple(FAMILIES)
 TOLERANCE = 1e-2
@@ -109,6 +110,17 @@ def fp8_quantize_case() -> dict[str, float]:
     dequant = {name: (r["D"].float().cpu().view(m, n // 128, 128) * r["scales"].cpu()[..., None]).view(m, n)
                for name, r in (("got", got), ("ref", ref))}  # fmt: skip
     return {"D": rel_err(dequant["got"], dequant["ref"]), "scales": rel_err(got["scales"].cpu(), ref["scales"])}
+
+
+def quantize_case() -> dict[str, float]:
+    """A ragged last group (K = 400) and a row count that leaves the last CTA part empty."""
+    import epicute
+
+    x = torch.randn(37, 400, device="cuda", dtype=torch.bfloat16) * 10
+    got = epicute.quantize(x, ue8m0=True)
+    ref = epicute.quantize(x, ue8m0=True, backend="reference")
+    dequant = [(q.float().cpu() * s.cpu().repeat_interleave(128, -1)[:, :400]) for q, s in (got, ref)]
+    return {"D": rel_err(*dequant), "scales": rel_err(got[1].cpu(), ref[1].cpu())}
 
 
 def grouped_case() -> dict[str, float]:
@@ -218,7 +230,7 @@ def moe_backward_case() -> dict[str, float]:
 SPECIAL_CASES = {
     "attention": attention_case, "fp8_quantize": fp8_quantize_case, "grouped": grouped_case,
     "attention_gqa": attention_gqa_case, "decode_paged": decode_paged_case, "backward": backward_case,
-    "linear_backward": linear_backward_case, "moe_backward": moe_backward_case,
+    "linear_backward": linear_backward_case, "moe_backward": moe_backward_case, "quantize": quantize_case,
 }  # fmt: skip
 
 
