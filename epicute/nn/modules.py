@@ -34,8 +34,10 @@ from torch import nn
 
 from epicute.attention.api import attention
 from epicute.epilogue.gated import interleave_gate_up, split_gate_up
-from epicute.errors import EpilogueError, ShapeError
+from epicute.errors import ConfigError, EpilogueError, ShapeError
 from epicute.nn import functional as EF
+from epicute.nn.fp8 import RECIPES as FP8_RECIPES
+from epicute.nn.fp8 import fp8_linear
 from epicute.nn.kv_cache import PagedKVCache, attention_with_kvcache
 
 
@@ -44,6 +46,8 @@ class Linear(nn.Module):
 
     Parameters and state dict are ``nn.Linear``'s (``weight`` ``(out, in)``, ``bias`` ``(out,)``), so a checkpoint
     loads either way. ``epilogue`` (optional) is fused after the bias; its operands are passed to ``forward``.
+    ``fp8="blockwise"`` (or ``"rowwise"``) trains it in fp8: the forward and both gradients as fp8 GEMMs, the
+    weight kept in its dtype (:func:`epicute.nn.fp8.fp8_linear`).
     """
 
     def __init__(
@@ -53,11 +57,15 @@ class Linear(nn.Module):
         bias: bool = True,
         *,
         epilogue: Callable | None = None,
+        fp8: str | None = None,
         device: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.epilogue = in_features, out_features, epilogue
+        if fp8 is not None and (fp8 not in FP8_RECIPES or epilogue is not None):
+            raise ConfigError(f"fp8={fp8!r}" + (" with an epilogue: fp8 training fuses none yet" if fp8 in FP8_RECIPES
+                              else f"; use one of {sorted(FP8_RECIPES)} (or None: the layer's dtype)"))  # fmt: skip
+        self.in_features, self.out_features, self.epilogue, self.fp8 = in_features, out_features, epilogue, fp8
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.reset_parameters()
@@ -79,10 +87,13 @@ class Linear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor, **operands: Any) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, self.bias, recipe=self.fp8)
         return EF.linear(x, self.weight, self.bias, epilogue=self.epilogue, **operands)
 
     def extra_repr(self) -> str:
         fused = f", epilogue={getattr(self.epilogue, '__name__', self.epilogue)}" if self.epilogue else ""
+        fused += f", fp8={self.fp8!r}" if self.fp8 else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{fused}"
 
 

@@ -1,0 +1,17 @@
+"""epicute.nn.fp8 on the kernels (the group quantizer and the blockwise or rowwise fp8 GEMMs): gradients against
+float64 autograd of the same math, odd token counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.nn.fp8_cases import TOL, errors
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+@pytest.mark.parametrize(("lead", "bias"), [((1001,), True), ((3, 131), False)])
+def test_gradients_against_float64(recipe, lead, bias):
+    found = errors(recipe, lead, 1040, 528, bias, "cuda")
+    assert all(e < TOL for e in found.values()), found
