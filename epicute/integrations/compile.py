@@ -9,8 +9,10 @@ The backend rewrites Dynamo's graph (torch-level calls, before AOTAutograd), so 
 epicute op's own autograd: its backward epilogue is derived from the lifted ops (:mod:`epicute.gemm.autograd`).
 Everything else stays Inductor's. Lifted: ``F.linear`` and ``x @ w`` with a 2-D ``w`` (any leading dimensions, a
 linear's bias too; bf16 or fp16, ``in`` and ``out`` multiples of 8) followed by single-use
-``gelu``/``relu``/``silu``/``sigmoid``/``tanh`` and ``+ - * /`` with numbers, ``(out,)`` vectors or tensors of the
-output's shape, all in the layer's dtype. Every
+``gelu``/``relu``/``silu``/``sigmoid``/``tanh`` and ``+ - * /`` with numbers, ``(out,)`` vectors, per-row
+``(..., 1)`` columns or tensors of the output's shape, all in the layer's dtype; ``torch._grouped_mm(x, w, offs=offs)``
+(what ``F.grouped_mm`` and transformers' grouped experts record) with the same chains, as one
+:func:`epicute.grouped_gemm` (an MoE layer's SiLU and router weights ride in its epilogue). Every
 candidate is lifted (no measurement against Inductor's own fusion yet), and its epilogue computes in fp32 without
 the intermediate roundings to bf16 that the unfused ops make. Attention is lifted without a mask or dropout, bf16 or
 fp16, head_dim 64, 128 or 256, any GQA ratio; causal only with as many queries as keys (torch aligns a causal mask
@@ -60,9 +62,13 @@ class Report:
     left: list[tuple[str, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"lifted {node}: " + ("attention" if steps == ("attention",) else
-                                        f"linear -> {', '.join(steps) or '(no epilogue)'}")
-                 for node, steps in self.lifted]  # fmt: skip
+        def kernel(steps: tuple[str, ...]) -> str:
+            if steps == ("attention",):
+                return "attention"
+            head, rest = ("grouped gemm", steps[1:]) if steps[:1] == ("grouped",) else ("linear", steps)
+            return f"{head} -> {', '.join(rest) or '(no epilogue)'}"
+
+        lines = [f"lifted {node}: {kernel(steps)}" for node, steps in self.lifted]
         lines += [f"left {node}: {why}" for node, why in self.left]
         return "\n".join(lines) or "no linear layers in the graph"
 
@@ -98,6 +104,9 @@ def lift_linear_epilogues(gm: torch.fx.GraphModule) -> Report:
         if node.op == "call_function" and node.target is F.scaled_dot_product_attention:
             _lift_attention(gm, node, report)
             continue
+        if node.op == "call_function" and node.target is torch._grouped_mm and node.graph is gm.graph:
+            _lift_grouped(gm, node, report)
+            continue
         if node.op != "call_function" or node.target not in GEMMS or node.graph is not gm.graph:
             continue
         linear = node.target is F.linear
@@ -106,24 +115,76 @@ def lift_linear_epilogues(gm: torch.fx.GraphModule) -> Report:
             report.left.append((node.name, why))
             continue
         x, weight, bias = (list(node.args) + [node.kwargs.get("bias") if linear else None])[:3]
-        operands: list = [bias] if bias is not None else []
-        kinds: list[str] = ["row"] if bias is not None else []
-        steps: list = [("add", (("acc",), ("operand", 0)))] if bias is not None else []
-        chain = [node]
-        while (step := _next_step(chain[-1], _value(node), operands, kinds)) is not None:
-            steps.append(step[0])
-            chain.append(step[1])
-        program = (tuple(steps), tuple(kinds))
-        with gm.graph.inserting_before(chain[-1]):
-            fused = gm.graph.call_function(lifted_gemm, (x, weight, *operands), {"program": program, "linear": linear})
-        fused.meta.update(chain[-1].meta)
-        chain[-1].replace_all_uses_with(fused)
-        for dead in reversed(chain):
-            gm.graph.erase_node(dead)
-        report.lifted.append((node.name, tuple(op for op, _ in steps)))
+        steps = _lift_chain(gm, node, lifted_gemm, (x, weight), {"linear": linear}, [bias] if bias is not None else [])
+        report.lifted.append((node.name, steps))
     gm.graph.lint()
     gm.recompile()
     return report
+
+
+def _lift_chain(gm: torch.fx.GraphModule, node: torch.fx.Node, fn: Callable, args: tuple, kwargs: dict,
+                bias: list) -> tuple[str, ...]:  # fmt: skip
+    """Replace the GEMM ``node`` and the elementwise chain consuming it (a ``bias`` first, as a row operand) by one
+    call ``fn(*args, *operands, program=..., **kwargs)``; returns the chain's ops."""
+    operands: list = list(bias)
+    kinds: list[str] = ["row"] * len(bias)
+    steps: list = [("add", (("acc",), ("operand", 0)))] if bias else []
+    chain = [node]
+    while (step := _next_step(chain[-1], _value(node), operands, kinds)) is not None:
+        steps.append(step[0])
+        chain.append(step[1])
+    program = (tuple(steps), tuple(kinds))
+    with gm.graph.inserting_before(chain[-1]):
+        fused = gm.graph.call_function(fn, (*args, *operands), {"program": program, **kwargs})
+    fused.meta.update(chain[-1].meta)
+    chain[-1].replace_all_uses_with(fused)
+    for dead in reversed(chain):
+        gm.graph.erase_node(dead)
+    return tuple(op for op, _ in steps)
+
+
+#: torch._grouped_mm's keyword parameters, with their defaults
+GROUPED_PARAMETERS = (("offs", None), ("bias", None), ("out_dtype", None))
+
+
+def _lift_grouped(gm: torch.fx.GraphModule, node: torch.fx.Node, report: Report) -> None:
+    """``torch._grouped_mm(x, w, offs=offs)`` (``F.grouped_mm`` records as it: an MoE layer's experts) and its
+    elementwise consumers as one :func:`epicute.grouped_gemm` (:func:`lifted_grouped_gemm`)."""
+    a, b = (_value(arg) if isinstance(arg, torch.fx.Node) else None for arg in node.args[:2])
+    given = dict(zip((name for name, _ in GROUPED_PARAMETERS), node.args[2:])) | dict(node.kwargs)
+    options = {name: given.get(name, default) for name, default in GROUPED_PARAMETERS}
+    why = None
+    if (
+        not isinstance(a, torch.Tensor)
+        or not isinstance(b, torch.Tensor)
+        or not isinstance(options["offs"], torch.fx.Node)
+    ):
+        why = "its inputs or offs are not traced tensors"
+    elif a.dim() != 2 or b.dim() != 3:
+        why = f"a {a.dim()}-D x {b.dim()}-D grouped_mm: epicute lifts (tokens, K) x (G, K, N) with offs"
+    elif a.dtype not in LIFTED_DTYPES or b.dtype != a.dtype:
+        why = f"dtypes {a.dtype} x {b.dtype}: epicute lifts bf16 or fp16 grouped GEMMs of one dtype"
+    elif options["bias"] is not None or options["out_dtype"] not in (None, a.dtype):
+        why = "a bias or another out_dtype"
+    elif a.shape[-1] % 8 or b.shape[-1] % 8:  # symbolic sizes: a guard of the compiled graph
+        why = f"K={a.shape[-1]}, N={b.shape[-1]}: both must be multiples of 8 (TMA's 16-byte rows)"
+    elif a.stride(-1) != 1:
+        why = f"x strides {tuple(a.stride())}: epicute's grouped GEMM reads row-major rows"
+    if why:
+        report.left.append((node.name, why))
+        return
+    steps = _lift_chain(gm, node, lifted_grouped_gemm, (*node.args[:2], options["offs"]), {}, [])
+    report.lifted.append((node.name, ("grouped", *steps)))
+
+
+def lifted_grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *operands: torch.Tensor,
+                        program: tuple):  # fmt: skip
+    """``torch._grouped_mm(x, w, offs=offs)`` and the lifted ops as one :func:`epicute.grouped_gemm` (tiles
+    ``(tokens, N)``, per-token columns ``(tokens, 1)``)."""
+    from epicute.grouped.api import grouped_gemm
+
+    values = {f"t{i}": t for i, t in enumerate(operands)}
+    return grouped_gemm(x, w, offs, epilogue=lifted_epilogue(program), **values)
 
 
 #: F.scaled_dot_product_attention's parameters after q, k, v, with their defaults
@@ -216,7 +277,8 @@ def _next_step(last: torch.fx.Node, out: torch.Tensor, operands: list, kinds: li
             refs.append(("const", float(arg)))
         elif isinstance(arg, torch.fx.Node) and isinstance(_value(arg), torch.Tensor):
             t = _value(arg)
-            kind = "tile" if t.shape == out.shape else "row" if tuple(t.shape) == (out.shape[-1],) else None
+            kind = ("tile" if t.shape == out.shape else "row" if tuple(t.shape) == (out.shape[-1],)
+                    else "col" if tuple(t.shape) == (*out.shape[:-1], 1) else None)  # fmt: skip
             if kind is None or t.dtype not in (*LIFTED_DTYPES, torch.float32):
                 return None
             refs.append(("operand", len(operands) + len(added)))
@@ -266,9 +328,10 @@ def lifted_gemm(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor, 
     _, kinds = program
     weight = weight if linear else weight.t()  # F.linear's (out, in)
     out = weight.shape[0]
-    values = {f"t{i}": RowVector(t) if kind == "row" else t.reshape(-1, out)
+    values = {f"t{i}": RowVector(t) if kind == "row" else t.reshape(-1, 1 if kind == "col" else out)
               for i, (t, kind) in enumerate(zip(operands, kinds))}  # fmt: skip
     return EF.linear(x, weight, epilogue=lifted_epilogue(program), **values)
 
 
-__all__ = ["Report", "backend", "last_report", "lift_linear_epilogues", "lifted_attention", "lifted_gemm"]
+__all__ = ["Report", "backend", "last_report", "lift_linear_epilogues", "lifted_attention", "lifted_gemm",
+           "lifted_grouped_gemm"]  # fmt: skip

@@ -1,7 +1,7 @@
 """A two-layer block for the torch.compile integration's tests: linear + bias, GELU, a scale and a residual, then a
 linear without bias, SiLU and a bias-like vector; its float64 math is the same function. (Smooth activations: a ReLU
 whose mask flips where bf16 rounds a value across zero moves its gradient by several percent in any bf16 run, torch's
-own included.)"""
+own included.) And an MoE expert layer's shape over ``torch._grouped_mm``, with its float64 math."""
 
 from __future__ import annotations
 
@@ -31,6 +31,36 @@ def step_errors(compiled, leaves: dict[str, torch.Tensor]) -> dict[str, float]:
     y.backward(grad)
     ref = {name: t.detach().double().requires_grad_() for name, t in leaves.items()}
     want = block(**ref)
+    want.backward(grad.double())
+
+    def rel(got, expected):
+        return ((got.double() - expected).norm() / expected.norm()).item()
+
+    return {"out": rel(y, want.detach())} | {name: rel(t.grad, ref[name].grad) for name, t in leaves.items()}
+
+
+def experts(x, w, offs, weights):
+    """The routed rows through their expert's weight (transformers' grouped_mm path), SiLU, times each row's router
+    weight."""
+    return F.silu(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)) * weights
+
+
+def _experts64(x, w, offs: list[int], weights):
+    starts = [0, *offs[:-1]]
+    return F.silu(torch.cat([x[s:e] @ w[g].t() for g, (s, e) in enumerate(zip(starts, offs))])) * weights
+
+
+def experts_errors(compiled, ends: list[int], device: str, k: int = 64, n: int = 40) -> dict[str, float]:
+    """Forward and backward of ``compiled`` :func:`experts` against float64 autograd: relative errors."""
+    leaves = {"x": torch.randn(ends[-1], k, device=device), "w": torch.randn(len(ends), n, k, device=device) * k**-0.5,
+              "weights": torch.rand(ends[-1], 1, device=device)}  # fmt: skip
+    leaves = {name: t.to(torch.bfloat16).requires_grad_() for name, t in leaves.items()}
+    offs = torch.tensor(ends, dtype=torch.int32, device=device)
+    y = compiled(leaves["x"], leaves["w"], offs, leaves["weights"])
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    ref = {name: t.detach().double().requires_grad_() for name, t in leaves.items()}
+    want = _experts64(ref["x"], ref["w"], ends, ref["weights"])
     want.backward(grad.double())
 
     def rel(got, expected):

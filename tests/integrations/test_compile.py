@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from epicute.integrations import compile as EC
-from tests.integrations.compile_cases import block, block_leaves, step_errors
+from tests.integrations.compile_cases import block, block_leaves, experts, experts_errors, step_errors
 
 TOL = 1e-2  # bf16 inputs, weights and outputs
 
@@ -102,3 +102,22 @@ def test_a_matmul_with_a_transposed_weight_is_lifted_like_a_linear(reference_lay
     assert [steps for _, steps in EC.last_report().lifted] == [("add", "tanh")]
     want = f(x.double(), w.double(), b.double())
     assert ((out.double() - want).norm() / want.norm()).item() < TOL
+
+
+@pytest.mark.parametrize("inner", ["inductor", "aot_eager"])
+def test_grouped_mm_experts_are_lifted_and_train(reference_layers, inner):
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend=functools.partial(EC.backend, inner=inner), fullgraph=True)
+    errors = experts_errors(compiled, [7, 7, 20, 33, 45], "cpu")  # an empty expert too
+    assert all(e < TOL for e in errors.values()), errors
+    assert [steps for _, steps in EC.last_report().lifted] == [("grouped", "silu", "mul")]
+    assert "grouped gemm -> silu, mul" in str(EC.last_report())
+
+
+def test_grouped_mm_epicute_cannot_take_is_left_with_the_reason():
+    torch._dynamo.reset()
+    x, w = torch.randn(12, 24, dtype=torch.bfloat16), torch.randn(3, 12, 24, dtype=torch.bfloat16)
+    offs = torch.tensor([4, 8, 12], dtype=torch.int32)
+    out = torch.compile(experts, backend=AOT_EAGER, fullgraph=True)(x, w, offs, torch.ones(12, 1))
+    report = EC.last_report()
+    assert not report.lifted and "N=12" in report.left[0][1] and out.shape == (12, 12)

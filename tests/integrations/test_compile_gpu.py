@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from epicute.integrations import compile as EC
-from tests.integrations.compile_cases import block, block_leaves, step_errors
+from tests.integrations.compile_cases import block, block_leaves, experts, experts_errors, step_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -42,3 +42,13 @@ def test_attention_trains_through_epicute():
     want.backward(grad.double())
     for got, expected in ((y, want.detach()), *((t.grad, r.grad) for t, r in zip((q, k, v), ref))):
         assert ((got.double() - expected).norm() / expected.norm()).item() < TOL
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_grouped_mm_experts_train_through_epicute(dynamic):
+    """torch._grouped_mm (transformers' experts) with SiLU and the router weights lifted into one grouped GEMM."""
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend=EC.backend, fullgraph=True, dynamic=dynamic)
+    errors = experts_errors(compiled, [300, 300, 1000, 1001, 2049], "cuda", k=1024, n=520)  # an empty expert too
+    assert all(e < TOL for e in errors.values()), errors
+    assert [steps for _, steps in EC.last_report().lifted] == [("grouped", "silu", "mul")]
