@@ -23,7 +23,7 @@ from epicute.errors import ConfigError
 from epicute.gemm import GemmProblem
 from epicute.gemm.heuristics import choose_config
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
-from epicute.runtime.cache import _file_lock, _write_atomic, cache_dir, code_versions
+from epicute.runtime.cache import JsonTable, code_versions
 from epicute.runtime.target import Target
 
 #: The axes tuning explores; stages are fitted by the planner for each point.
@@ -112,32 +112,15 @@ def tune_key(problem: GemmProblem, epilogue_hash: str | None, device_name: str) 
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _store_path():
-    root = cache_dir()
-    return None if root is None else root / "tuned.json"
+#: The winners, keyed by :func:`tune_key`.
+TUNED = JsonTable("tuned.json")
 
 
 def stored_entry(key: str) -> dict | None:
     """What tuning stored for ``key`` (``best``, ``times_ms``, ``planner``), or None (never tuned, or caching
     disabled)."""
-    path = _store_path()
-    if path is None or not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text()).get(key)
-    except (OSError, ValueError):
-        return None  # an unreadable store is as good as none: tuning again rewrites it
+    return TUNED.get(key)
 
 
 def store_winner(key: str, result: TuneResult) -> None:
-    path = _store_path()
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(path.with_suffix(".lock")):
-        try:
-            table = json.loads(path.read_text()) if path.exists() else {}
-        except ValueError:
-            table = {}
-        table[key] = {"best": result.best, "times_ms": result.times_ms, "planner": result.planner}
-        _write_atomic(path, json.dumps(table, indent=1, sort_keys=True).encode())
+    TUNED.put(key, {"best": result.best, "times_ms": result.times_ms, "planner": result.planner})

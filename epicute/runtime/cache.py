@@ -241,6 +241,41 @@ def _write_atomic(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+class JsonTable:
+    """A small JSON table of decisions beside the kernels (``<cache dir>/<name>``), kept across processes: read
+    without a lock (an unreadable table is as good as none), written under one, atomically. Nothing is stored
+    where caching is disabled."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _path(self) -> Path | None:
+        root = cache_dir()
+        return None if root is None else root / self.name
+
+    def get(self, key: str) -> Any:
+        path = self._path()
+        if path is None or not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text()).get(key)
+        except (OSError, ValueError):
+            return None
+
+    def put(self, key: str, value: Any) -> None:
+        path = self._path()
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(path.with_suffix(".lock")):
+            try:
+                table = json.loads(path.read_text()) if path.exists() else {}
+            except ValueError:
+                table = {}
+            table[key] = value
+            _write_atomic(path, json.dumps(table, indent=1, sort_keys=True).encode())
+
+
 class CorruptEntry(Exception):
     """An on-disk entry that cannot be trusted (internal: it is rebuilt)."""
 
@@ -578,6 +613,7 @@ __all__ = [
     "KERNEL_CACHE",
     "CacheKey",
     "CacheStats",
+    "JsonTable",
     "KernelCache",
     "cache_dir",
     "check_cache_dir",
