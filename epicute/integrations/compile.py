@@ -12,17 +12,22 @@ linear's bias too; bf16 or fp16, ``in`` and ``out`` multiples of 8) followed by 
 ``gelu``/``relu``/``silu``/``sigmoid``/``tanh`` and ``+ - * /`` with numbers, ``(out,)`` vectors, per-row
 ``(..., 1)`` columns or tensors of the output's shape, all in the layer's dtype; ``torch._grouped_mm(x, w, offs=offs)``
 (what ``F.grouped_mm`` and transformers' grouped experts record) with the same chains, as one
-:func:`epicute.grouped_gemm` (an MoE layer's SiLU and router weights ride in its epilogue). Every
-candidate is lifted (no measurement against Inductor's own fusion yet), and its epilogue computes in fp32 without
-the intermediate roundings to bf16 that the unfused ops make. Attention is lifted without a mask or dropout, bf16 or
+:func:`epicute.grouped_gemm` (an MoE layer's SiLU and router weights ride in its epilogue). On a GPU
+each GEMM candidate is kept only where it wins (:class:`Measured`: epicute's call against the unlifted chain
+compiled by Inductor, forward, on random inputs of the graph's sizes, once per chain, sizes and GPU, remembered on
+disk); on a CPU every candidate is lifted. A lifted epilogue computes in fp32 without the intermediate roundings to
+bf16 that the unfused ops make. Attention is lifted without a mask or dropout, bf16 or
 fp16, head_dim 64, 128 or 256, any GQA ratio; causal only with as many queries as keys (torch aligns a causal mask
 top-left, epicute bottom-right: they agree only there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import inspect
+import json
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +39,7 @@ import torch.nn.functional as F
 from epicute.epilogue import ops
 from epicute.epilogue.operands import RowVector
 from epicute.nn import functional as EF
+from epicute.runtime.cache import JsonTable, code_versions
 
 #: torch callables (as Dynamo records them) -> the epicute op each becomes
 FUNCTIONS: dict[Any, str] = {
@@ -60,6 +66,8 @@ class Report:
 
     lifted: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
     left: list[tuple[str, str]] = field(default_factory=list)
+    #: each decided candidate's measurement (node, what decided it), lifted or left
+    measured: list[tuple[str, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
         def kernel(steps: tuple[str, ...]) -> str:
@@ -68,7 +76,9 @@ class Report:
             head, rest = ("grouped gemm", steps[1:]) if steps[:1] == ("grouped",) else ("linear", steps)
             return f"{head} -> {', '.join(rest) or '(no epilogue)'}"
 
-        lines = [f"lifted {node}: {kernel(steps)}" for node, steps in self.lifted]
+        because = dict(self.measured)
+        lines = [f"lifted {node}: {kernel(steps)}" + (f" ({because[node]})" if node in because else "")
+                 for node, steps in self.lifted]  # fmt: skip
         lines += [f"left {node}: {why}" for node, why in self.left]
         return "\n".join(lines) or "no linear layers in the graph"
 
@@ -76,15 +86,143 @@ class Report:
 _REPORTS: list[Report] = []
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+#: epicute op -> the torch call a candidate's unlifted chain makes (what Inductor would compile)
+TORCH_STEPS: dict[str, Callable] = {
+    "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "relu": torch.relu, "silu": F.silu, "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh, "add": operator.add, "mul": operator.mul, "sub": operator.sub, "div": operator.truediv,
+}  # fmt: skip
+#: Lift decisions measured on this machine, kept beside the kernels (``lifted.json``).
+LIFTED = JsonTable("lifted.json")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A liftable GEMM chain: the torch GEMM it starts with, the epicute call that would replace it, the example
+    values of its inputs (the GEMM's, then the chain's operands), its program and the call's options."""
+
+    target: Callable
+    lifted: Callable
+    inputs: tuple
+    gemm_arity: int
+    program: tuple
+    options: tuple
+
+    def key(self) -> str:
+        """What the decision depends on: the chain, its inputs' sizes, strides and dtypes, the GPU, the code."""
+        device = self.inputs[0].device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        metas = [(_hints(t.shape), _hints(t.stride()), str(t.dtype)) for t in self.inputs]
+        text = json.dumps([getattr(self.target, "__name__", str(self.target)), self.lifted.__name__, repr(self.program),
+                           self.options, metas, name, torch.__version__, code_versions()])  # fmt: skip
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def real_inputs(self) -> list[torch.Tensor]:
+        """Random tensors like the example values (group ends split the rows evenly)."""
+        made = []
+        for i, t in enumerate(self.inputs):
+            shape, stride = _hints(t.shape), _hints(t.stride())
+            if self.lifted is lifted_grouped_gemm and i == 2:  # offs
+                rows, groups = _hints(self.inputs[0].shape)[0], shape[0]
+                made.append(torch.arange(1, groups + 1, device=t.device, dtype=t.dtype) * rows // groups)
+            else:
+                made.append(torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).normal_())
+        return made
+
+    def epicute(self) -> Callable:
+        return functools.partial(self.lifted, program=self.program, **dict(self.options))
+
+    def unlifted(self) -> torch.fx.GraphModule:
+        """The chain as torch calls: what the graph held before lifting."""
+        graph = torch.fx.Graph()
+        args = [graph.placeholder(f"a{i}") for i in range(len(self.inputs))]
+        gemm_args, operands = args[: self.gemm_arity], args[self.gemm_arity :]
+        if self.target is torch._grouped_mm:
+            value = graph.call_function(torch._grouped_mm, tuple(gemm_args[:2]), {"offs": gemm_args[2]})
+        else:
+            value = graph.call_function(self.target, tuple(gemm_args))
+        steps, _ = self.program
+        for op, refs in steps:
+            call_args = tuple(value if r[0] == "acc" else operands[r[1]] if r[0] == "operand" else r[1] for r in refs)
+            value = graph.call_function(TORCH_STEPS[op], call_args)
+        graph.output(value)
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _hints(sizes) -> list[int]:
+    """Sizes (or strides) as numbers, a symbolic one by its hint (never a guard)."""
+    return [s.node.hint if isinstance(s, torch.SymInt) else int(s) for s in sizes]
+
+
+@dataclass
+class Measured:
+    """Keep a candidate where epicute's call takes no longer than the unlifted chain compiled by Inductor, timed once
+    on random inputs like the graph's (forward only) and remembered on disk (:data:`LIFTED`). ``timer`` (milliseconds
+    of ``fn(*inputs)``) and ``peer`` (compiles the unlifted chain) may be replaced: tests do."""
+
+    timer: Callable[[Callable, list], float] | None = None
+    peer: Callable[[torch.fx.GraphModule, list], Callable] | None = None
+
+    def __call__(self, candidate: Candidate) -> tuple[bool, str]:
+        key = candidate.key()
+        stored = LIFTED.get(key)
+        if stored is not None:
+            return stored["lift"], stored["why"]
+        from torch._inductor.compile_fx import compile_fx
+
+        timer = self.timer or _time_ms
+        inputs = candidate.real_inputs()
+        with torch.no_grad(), _running_eagerly():
+            try:
+                ours_ms = timer(candidate.epicute(), inputs)
+            except Exception as exc:  # noqa: BLE001 - epicute's call failed here: the chain stays Inductor's
+                return False, f"epicute's call failed on inputs like the graph's ({type(exc).__name__}: {exc})"
+            try:
+                theirs_ms = timer((self.peer or compile_fx)(candidate.unlifted(), inputs), inputs)
+            except Exception as exc:  # noqa: BLE001 - no figure to beat: lifted, as without measuring
+                return True, f"Inductor's chain not measured ({type(exc).__name__}: {exc})"
+        lift = ours_ms <= theirs_ms
+        why = f"measured: epicute {ours_ms:.4g} ms, Inductor {theirs_ms:.4g} ms"
+        LIFTED.put(key, {"lift": lift, "why": why})
+        return lift, why
+
+
+@contextlib.contextmanager
+def _running_eagerly():
+    """The backend runs while Dynamo compiles, with ``torch.compiler.is_compiling()`` True: the measured calls run
+    for real, so epicute's entry points must not take their traced paths."""
+    flag = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = False
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = flag
+
+
+def _time_ms(fn: Callable, inputs: list) -> float:
+    """Median CUDA-event milliseconds of ``fn(*inputs)``."""
+    from epicute.benchmark import time_cuda
+
+    return time_cuda(lambda: fn(*inputs), warmup=5, iters=20)
+
+
 def last_report() -> Report | None:
     """The report of the graph the backend compiled last (None before any)."""
     return _REPORTS[-1] if _REPORTS else None
 
 
-def backend(gm: torch.fx.GraphModule, example_inputs: list, inner: str = "inductor") -> Callable:
+def backend(gm: torch.fx.GraphModule, example_inputs: list, inner: str = "inductor",
+            decide: Callable[[Candidate], tuple[bool, str]] | None = None) -> Callable:  # fmt: skip
     """A ``torch.compile`` backend: :func:`lift_linear_epilogues` on Dynamo's graph, then ``inner`` (Inductor, or
-    ``"aot_eager"``: AOTAutograd without Inductor's code generation) compiles the result."""
-    report = lift_linear_epilogues(gm)
+    ``"aot_eager"``: AOTAutograd without Inductor's code generation) compiles the result. ``decide`` keeps or drops
+    each GEMM candidate: by default :class:`Measured` where the graph runs on a GPU, every candidate on a CPU (whose
+    epicute calls compute on the reference backend: nothing there to measure)."""
+    if decide is None and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+        decide = Measured()
+    report = lift_linear_epilogues(gm, decide)
     _REPORTS[:] = [*_REPORTS[-15:], report]
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
@@ -95,37 +233,40 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, inner: str = "induct
     return lookup_backend(inner)(gm, example_inputs)
 
 
-def lift_linear_epilogues(gm: torch.fx.GraphModule) -> Report:
-    """Rewrite ``gm`` in place: every liftable linear node and its elementwise consumers become one call of
-    :func:`lifted_gemm`, every liftable attention one call of :func:`lifted_attention`. Returns what was lifted and
-    what was left."""
+def lift_linear_epilogues(gm: torch.fx.GraphModule, decide: Callable[[Candidate], tuple[bool, str]] | None = None,
+                          ) -> Report:  # fmt: skip
+    """Rewrite ``gm`` in place: every liftable linear (or grouped) GEMM node and its elementwise consumers become one
+    call of :func:`lifted_gemm` (:func:`lifted_grouped_gemm`) where ``decide`` keeps the candidate (all of them
+    without one), every liftable attention one call of :func:`lifted_attention`. Returns what was lifted and what
+    was left, and why."""
     report = Report()
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is F.scaled_dot_product_attention:
+        if node.op != "call_function" or node.graph is not gm.graph:
+            continue
+        if node.target is F.scaled_dot_product_attention:
             _lift_attention(gm, node, report)
-            continue
-        if node.op == "call_function" and node.target is torch._grouped_mm and node.graph is gm.graph:
-            _lift_grouped(gm, node, report)
-            continue
-        if node.op != "call_function" or node.target not in GEMMS or node.graph is not gm.graph:
-            continue
-        linear = node.target is F.linear
-        why = _why_not(node, linear)
-        if why:
-            report.left.append((node.name, why))
-            continue
-        x, weight, bias = (list(node.args) + [node.kwargs.get("bias") if linear else None])[:3]
-        steps = _lift_chain(gm, node, lifted_gemm, (x, weight), {"linear": linear}, [bias] if bias is not None else [])
-        report.lifted.append((node.name, steps))
+        elif node.target is torch._grouped_mm:
+            why = _why_not_grouped(node)
+            offs = _grouped_options(node)["offs"]
+            _lift_or_leave(gm, node, why, lifted_grouped_gemm, (*node.args[:2], offs), {}, [], decide, report)
+        elif node.target in GEMMS:
+            linear = node.target is F.linear
+            x, weight, bias = (list(node.args) + [node.kwargs.get("bias") if linear else None])[:3]
+            bias_list = [bias] if bias is not None else []
+            _lift_or_leave(gm, node, _why_not(node, linear), lifted_gemm, (x, weight), {"linear": linear}, bias_list,
+                           decide, report)  # fmt: skip
     gm.graph.lint()
     gm.recompile()
     return report
 
 
-def _lift_chain(gm: torch.fx.GraphModule, node: torch.fx.Node, fn: Callable, args: tuple, kwargs: dict,
-                bias: list) -> tuple[str, ...]:  # fmt: skip
+def _lift_or_leave(gm, node, why: str | None, fn: Callable, args: tuple, kwargs: dict, bias: list, decide,
+                   report: Report) -> None:  # fmt: skip
     """Replace the GEMM ``node`` and the elementwise chain consuming it (a ``bias`` first, as a row operand) by one
-    call ``fn(*args, *operands, program=..., **kwargs)``; returns the chain's ops."""
+    call ``fn(*args, *operands, program=..., **kwargs)``, unless ``why`` says it cannot be or ``decide`` drops it."""
+    if why:
+        report.left.append((node.name, why))
+        return
     operands: list = list(bias)
     kinds: list[str] = ["row"] * len(bias)
     steps: list = [("add", (("acc",), ("operand", 0)))] if bias else []
@@ -134,25 +275,38 @@ def _lift_chain(gm: torch.fx.GraphModule, node: torch.fx.Node, fn: Callable, arg
         steps.append(step[0])
         chain.append(step[1])
     program = (tuple(steps), tuple(kinds))
+    names = (("grouped",) if fn is lifted_grouped_gemm else ()) + tuple(op for op, _ in steps)
+    if decide is not None:
+        candidate = Candidate(node.target, fn, tuple(_value(a) for a in (*args, *operands)), len(args), program,
+                              tuple(sorted(kwargs.items())))  # fmt: skip
+        lift, because = decide(candidate)
+        report.measured.append((node.name, because))
+        if not lift:
+            report.left.append((node.name, because))
+            return
     with gm.graph.inserting_before(chain[-1]):
         fused = gm.graph.call_function(fn, (*args, *operands), {"program": program, **kwargs})
     fused.meta.update(chain[-1].meta)
     chain[-1].replace_all_uses_with(fused)
     for dead in reversed(chain):
         gm.graph.erase_node(dead)
-    return tuple(op for op, _ in steps)
+    report.lifted.append((node.name, names))
 
 
 #: torch._grouped_mm's keyword parameters, with their defaults
 GROUPED_PARAMETERS = (("offs", None), ("bias", None), ("out_dtype", None))
 
 
-def _lift_grouped(gm: torch.fx.GraphModule, node: torch.fx.Node, report: Report) -> None:
-    """``torch._grouped_mm(x, w, offs=offs)`` (``F.grouped_mm`` records as it: an MoE layer's experts) and its
-    elementwise consumers as one :func:`epicute.grouped_gemm` (:func:`lifted_grouped_gemm`)."""
-    a, b = (_value(arg) if isinstance(arg, torch.fx.Node) else None for arg in node.args[:2])
+def _grouped_options(node: torch.fx.Node) -> dict[str, Any]:
     given = dict(zip((name for name, _ in GROUPED_PARAMETERS), node.args[2:])) | dict(node.kwargs)
-    options = {name: given.get(name, default) for name, default in GROUPED_PARAMETERS}
+    return {name: given.get(name, default) for name, default in GROUPED_PARAMETERS}
+
+
+def _why_not_grouped(node: torch.fx.Node) -> str | None:
+    """Why a ``torch._grouped_mm(x, w, offs=offs)`` node (``F.grouped_mm`` records as it: an MoE layer's experts) is
+    left to Inductor (None: it is lifted, with its elementwise consumers, as one :func:`epicute.grouped_gemm`)."""
+    a, b = (_value(arg) if isinstance(arg, torch.fx.Node) else None for arg in node.args[:2])
+    options = _grouped_options(node)
     why = None
     if (
         not isinstance(a, torch.Tensor)
@@ -170,11 +324,7 @@ def _lift_grouped(gm: torch.fx.GraphModule, node: torch.fx.Node, report: Report)
         why = f"K={a.shape[-1]}, N={b.shape[-1]}: both must be multiples of 8 (TMA's 16-byte rows)"
     elif a.stride(-1) != 1:
         why = f"x strides {tuple(a.stride())}: epicute's grouped GEMM reads row-major rows"
-    if why:
-        report.left.append((node.name, why))
-        return
-    steps = _lift_chain(gm, node, lifted_grouped_gemm, (*node.args[:2], options["offs"]), {}, [])
-    report.lifted.append((node.name, ("grouped", *steps)))
+    return why
 
 
 def lifted_grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *operands: torch.Tensor,
@@ -333,5 +483,5 @@ def lifted_gemm(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor, 
     return EF.linear(x, weight, epilogue=lifted_epilogue(program), **values)
 
 
-__all__ = ["Report", "backend", "last_report", "lift_linear_epilogues", "lifted_attention", "lifted_gemm",
-           "lifted_grouped_gemm"]  # fmt: skip
+__all__ = ["Candidate", "Measured", "Report", "backend", "last_report", "lift_linear_epilogues", "lifted_attention",
+           "lifted_gemm", "lifted_grouped_gemm"]  # fmt: skip

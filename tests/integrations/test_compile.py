@@ -121,3 +121,35 @@ def test_grouped_mm_epicute_cannot_take_is_left_with_the_reason():
     out = torch.compile(experts, backend=AOT_EAGER, fullgraph=True)(x, w, offs, torch.ones(12, 1))
     report = EC.last_report()
     assert not report.lifted and "N=12" in report.left[0][1] and out.shape == (12, 12)
+
+
+class _Timer:
+    """Runs each timed call once (so both sides must work) and reports ``ours`` for epicute's call, ``theirs`` for
+    the unlifted chain (the peer here: the chain's graph itself, run eagerly)."""
+
+    def __init__(self, ours: float, theirs: float) -> None:
+        self.ours, self.theirs, self.calls = ours, theirs, 0
+
+    def __call__(self, fn, inputs) -> float:
+        out = fn(*inputs)
+        assert isinstance(out, torch.Tensor) and torch.isfinite(out.float()).all()
+        self.calls += 1
+        return self.theirs if isinstance(fn, torch.fx.GraphModule) else self.ours
+
+
+@pytest.mark.parametrize(("ours", "theirs", "lifted"), [(1.0, 2.0, True), (3.0, 2.0, False)])
+def test_each_candidate_is_kept_only_where_it_wins(reference_layers, monkeypatch, tmp_path, ours, theirs, lifted):
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    timer = _Timer(ours, theirs)
+    decide = EC.Measured(timer=timer, peer=lambda gm, inputs: gm)
+    compiled_block = functools.partial(EC.backend, inner="aot_eager", decide=decide)
+    for _ in range(2):  # the second compile takes the decisions from the disk
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend=compiled_block, fullgraph=True)
+        errors = step_errors(compiled, block_leaves((3, 37), "cpu"))
+        assert all(e < TOL for e in errors.values()), errors
+        report = EC.last_report()
+        assert len(report.lifted) == (2 if lifted else 0) and len(report.left) == (0 if lifted else 2)
+        assert all(f"epicute {ours:.4g} ms, Inductor {theirs:.4g} ms" in why for _, why in report.measured)
+        assert timer.calls == 4  # two candidates, each side timed once, on the first compile only
+    assert (tmp_path / "lifted.json").exists()
