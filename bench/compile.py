@@ -1,0 +1,160 @@
+"""Unmodified model code under ``torch.compile`` with epicute's backend against plain ``torch.compile`` (H200).
+
+Usage: python bench/compile.py [--cases llama_train,llama_prefill,mixtral_train,gpt2_mlp_train,vit_block_train]
+                               [--max-autotune] [--out PATH]
+
+Nothing in the models is changed: ``torch.compile(model, backend=epicute.integrations.compile.backend)`` lifts what
+it finds (linears with their elementwise chains, transformers' grouped experts, SDPA; each GEMM candidate measured
+against Inductor's own chain and kept where it wins), against ``torch.compile(model)`` (default mode) and, with
+``--max-autotune``, ``mode="max-autotune"``. Cases (bf16, random weights from configs, nothing downloaded):
+
+- ``llama_train`` / ``llama_prefill``: 2 Llama-3-8B-shaped decoder layers (bench/models.py's model), a training step
+  on 2 x 4096 tokens / a forward over 4 x 2048;
+- ``mixtral_train``: 2 Mixtral-8x7B-shaped layers (transformers' grouped-mm experts), a training step on 2 x 4096;
+- ``gpt2_mlp_train``: a GPT-2-style MLP block, ``x + fc2(gelu(fc1(ln(x))))``, hidden 4096, 4x, biases, 8192 tokens;
+- ``vit_block_train``: one ViT-L/16-shaped ``ViTLayer`` (1024 hidden, 16 heads, MLP 4096) on 64 images x 197 tokens.
+
+Each contender's first call compiles (its wall time is printed and recorded as ``<name>_compile_s`` rows' companion
+figure in the printout, cold: caches reset per case) and is checked against the eager model (loss, logits or
+output, relative error); then all are timed in interleaved rounds (``time_flushed``, L2 flushed, medians). Writes
+bench/results/compile.json (unit: thousand tokens per second). Also prints, per case, what epicute's backend
+lifted and left (``last_report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from common import Row, check_contenders, finish_peer_run, start_peer_run, time_interleaved
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "compile.json"
+TOLERANCE = 2e-2  # bf16 end to end; the eager model is the reference
+CASES = ("llama_train", "llama_prefill", "mixtral_train", "gpt2_mlp_train", "vit_block_train")
+
+
+def _model(name: str):
+    """(module, its inputs, tokens per step, training)."""
+    if name in ("llama_train", "llama_prefill", "mixtral_train"):
+        from models import build
+
+        model = build({"mixtral_train": "mixtral_train"}.get(name, "llama_train"), 2, "sdpa")
+        batch, seqlen = (4, 2048) if name == "llama_prefill" else (2, 4096)
+        ids = torch.randint(0, model.config.vocab_size, (batch, seqlen), device="cuda")
+        return model, {"input_ids": ids}, batch * seqlen, name != "llama_prefill"
+    torch.manual_seed(0)
+    if name == "gpt2_mlp_train":
+        model = ResidualMLP(4096).to(device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        return model, {"x": x}, 8192, True
+    from transformers import ViTConfig
+    from transformers.models.vit.modeling_vit import ViTLayer
+
+    config = ViTConfig(hidden_size=1024, num_attention_heads=16, intermediate_size=4096, attn_implementation="sdpa")
+    model = ViTLayer(config).to(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(64, 197, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return model, {"hidden_states": x}, 64 * 197, True
+
+
+class ResidualMLP(torch.nn.Module):
+    """GPT-2's MLP block: ``x + fc2(gelu(fc1(ln(x))))``."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = (
+            torch.nn.LayerNorm(hidden),
+            torch.nn.Linear(hidden, 4 * hidden),
+            torch.nn.Linear(4 * hidden, hidden),
+        )
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+def _output(result):
+    """The tensor a step is judged by: a model's loss or last logits, a layer's output."""
+    if hasattr(result, "loss") and result.loss is not None:
+        return result.loss
+    if hasattr(result, "logits"):
+        return result.logits[:, -1]
+    return result[0] if isinstance(result, tuple) else result
+
+
+def run_case(name: str, max_autotune: bool) -> tuple[Row, bool]:
+    from epicute.benchmark import time_flushed
+    from epicute.integrations import compile as EC
+
+    torch._dynamo.reset()
+    model, inputs, tokens, training = _model(name)
+    if name.endswith("_train") and "input_ids" in inputs:
+        inputs = {**inputs, "labels": inputs["input_ids"]}
+    row: Row = {"case": name}
+    print(name)
+    contenders = {"epicute": dict(backend=EC.backend), "torch_compile": {}}
+    if max_autotune:
+        contenders["torch_compile_max_autotune"] = {"mode": "max-autotune"}
+    models = {label: torch.compile(copy.deepcopy(model), dynamic=False, **options)
+              for label, options in contenders.items()}  # fmt: skip
+    leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def step(module) -> Callable[[], object]:
+        def run():
+            if training:
+                out = _output(module(**inputs))
+                out.float().sum().backward()  # a loss, or a layer's output summed
+                for leaf in leaves:
+                    leaf.grad = None
+                return out.detach()
+            with torch.inference_mode():
+                return _output(module(**inputs)).float()
+
+        return run
+
+    want = step(model)()
+
+    def error(got) -> float:
+        return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+    def timed_first(label: str, fn: Callable[[], object]) -> Callable[[], object]:
+        def first():
+            start = time.perf_counter()
+            result = fn()
+            torch.cuda.synchronize()
+            print(f"  {label:28s} first call (compiles) {time.perf_counter() - start:.1f} s")
+            if label == "epicute":
+                print("    " + str(EC.last_report()).replace("\n", "\n    "))
+            return result
+
+        return first
+
+    runs = {label: (timed_first(label, step(module)), step(module)) for label, module in models.items()}
+    timed, ok = check_contenders(runs, error, TOLERANCE)
+    times = time_interleaved(timed, timer=time_flushed, rounds=3)
+    for label, ms in times.items():
+        row[label] = round(tokens / (ms * 1e-3) / 1e3, 1)
+    print("  ms per step: " + ", ".join(f"{label} {ms:.2f}" for label, ms in times.items()))
+    return row, ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
+    parser.add_argument("--max-autotune", action="store_true", help="add torch.compile(mode='max-autotune')")
+    args = start_peer_run(parser, DEFAULT_OUT)
+    if args is None:
+        return 2
+    rows, oks = [], []
+    for name in args.cases.split(","):
+        row, ok = run_case(name, args.max_autotune)
+        rows.append(row)
+        oks.append(ok)
+    return finish_peer_run(args.out, "compile", rows, all(oks), unit="ktokens/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
