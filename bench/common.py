@@ -116,6 +116,21 @@ def versions() -> dict[str, str]:
     return found
 
 
+def measure_rates(row: Row, runs: dict, error: Callable[[object], float], tolerance: float, per_step: int, *,
+                  rounds: int = 3, digits: int = 1) -> bool:  # fmt: skip
+    """Check each contender (:func:`check_contenders`), time those that ran in ``rounds`` interleaved rounds with L2
+    flushed (``time_flushed``, medians), and put each one's rate, ``per_step`` items per step in thousands a second,
+    into ``row``; prints the milliseconds per step. Returns whether epicute ran within ``tolerance``."""
+    from epicute.benchmark import time_flushed
+
+    timed, ok = check_contenders(runs, error, tolerance)
+    times = time_interleaved(timed, timer=time_flushed, rounds=rounds)
+    for label, ms in times.items():
+        row[label] = round(per_step / (ms * 1e-3) / 1e3, digits)
+    print("  ms per step: " + ", ".join(f"{label} {ms:.3f}" for label, ms in times.items()))
+    return ok
+
+
 def peers(rows: Sequence[Row]) -> list[str]:
     """Peer keys (every key but `case` and `epicute`) in order of first appearance."""
     names: list[str] = []

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import Row, check_contenders, finish_peer_run, start_peer_run, time_interleaved
+from common import Row, finish_peer_run, measure_rates, start_peer_run
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "compile.json"
 TOLERANCE = 2e-2  # bf16 end to end; the eager model is the reference
@@ -86,7 +86,6 @@ def _output(result):
 
 
 def run_case(name: str, max_autotune: bool) -> tuple[Row, bool]:
-    from epicute.benchmark import time_flushed
     from epicute.integrations import compile as EC
 
     torch._dynamo.reset()
@@ -133,12 +132,7 @@ def run_case(name: str, max_autotune: bool) -> tuple[Row, bool]:
         return first
 
     runs = {label: (timed_first(label, step(module)), step(module)) for label, module in models.items()}
-    timed, ok = check_contenders(runs, error, TOLERANCE)
-    times = time_interleaved(timed, timer=time_flushed, rounds=3)
-    for label, ms in times.items():
-        row[label] = round(tokens / (ms * 1e-3) / 1e3, 1)
-    print("  ms per step: " + ", ".join(f"{label} {ms:.2f}" for label, ms in times.items()))
-    return row, ok
+    return row, measure_rates(row, runs, error, TOLERANCE, tokens)
 
 
 def main() -> int:

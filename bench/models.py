@@ -46,7 +46,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from common import Row, check_contenders, finish_peer_run, start_peer_run, time_interleaved
+from common import Row, finish_peer_run, measure_rates, start_peer_run
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "models.json"
 TOLERANCE = 2e-2  # bf16 end to end: the unpatched bf16 model is itself the reference
@@ -118,7 +118,6 @@ def liger_model(base):
 def run_case(name: str, layers: int) -> tuple[Row, bool]:
     import torch
 
-    from epicute.benchmark import time_flushed
     from epicute.integrations.transformers import patch
 
     torch._dynamo.reset()
@@ -167,19 +166,13 @@ def run_case(name: str, layers: int) -> tuple[Row, bool]:
         return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
     runs = {label: (fn, fn) for label, fn in steps.items()}
-    timed, ok = check_contenders(runs, error, TOLERANCE)
-    times = time_interleaved(timed, timer=time_flushed, rounds=3)
-    for label, ms in times.items():
-        row[label] = round(batch * seqlen / (ms * 1e-3) / 1e3, 1)
-    print("  ms per step: " + ", ".join(f"{label} {ms:.2f}" for label, ms in times.items()))
-    return row, ok
+    return row, measure_rates(row, runs, error, TOLERANCE, batch * seqlen)
 
 
 def run_decode(name: str, layers: int) -> tuple[Row, bool]:
     import torch
     from transformers import StaticCache
 
-    from epicute.benchmark import time_flushed
     from epicute.integrations.transformers import patch
 
     torch._dynamo.reset()
@@ -226,12 +219,7 @@ def run_decode(name: str, layers: int) -> tuple[Row, bool]:
         return lambda: [fn() for _ in range(3)][-1]  # CUDA-graph trees warm up, record, replay: the replay checked
 
     runs = {label: (checked(fn), fn) for label, fn in steps.items()}
-    timed, ok = check_contenders(runs, error, TOLERANCE)
-    times = time_interleaved(timed, timer=time_flushed, rounds=5)
-    for label, ms in times.items():
-        row[label] = round(batch / (ms * 1e-3) / 1e3, 2)
-    print("  ms per step: " + ", ".join(f"{label} {ms:.3f}" for label, ms in times.items()))
-    return row, ok
+    return row, measure_rates(row, runs, error, TOLERANCE, batch, rounds=5, digits=2)
 
 
 def main() -> int:
