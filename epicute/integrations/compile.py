@@ -202,6 +202,11 @@ def _running_eagerly():
         torch.compiler._is_compiling_flag = flag
 
 
+def always(candidate: Candidate) -> tuple[bool, str]:
+    """A policy that lifts every candidate (what the backend does on a CPU)."""
+    return True, "lifted without measuring"
+
+
 def _time_ms(fn: Callable, inputs: list) -> float:
     """Median CUDA-event milliseconds of ``fn(*inputs)``."""
     from epicute.benchmark import time_cuda
@@ -483,5 +488,5 @@ def lifted_gemm(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor, 
     return EF.linear(x, weight, epilogue=lifted_epilogue(program), **values)
 
 
-__all__ = ["Candidate", "Measured", "Report", "backend", "last_report", "lift_linear_epilogues", "lifted_attention",
-           "lifted_gemm", "lifted_grouped_gemm"]  # fmt: skip
+__all__ = ["Candidate", "Measured", "Report", "always", "backend", "last_report", "lift_linear_epilogues",
+           "lifted_attention", "lifted_gemm", "lifted_grouped_gemm"]  # fmt: skip

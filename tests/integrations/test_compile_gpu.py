@@ -3,6 +3,8 @@ forward and backward against float64 autograd, static and dynamic shapes."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -12,12 +14,14 @@ from tests.integrations.compile_cases import block, block_leaves, experts, exper
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2  # bf16 inputs, weights and outputs
+#: Every candidate lifted: these tests check the lifted kernels (which candidates win is bench/compile.py's question).
+LIFT_ALL = functools.partial(EC.backend, decide=EC.always)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_a_block_trains_through_its_lifted_kernels(dynamic):
     torch._dynamo.reset()
-    compiled = torch.compile(block, backend=EC.backend, fullgraph=True, dynamic=dynamic)
+    compiled = torch.compile(block, backend=LIFT_ALL, fullgraph=True, dynamic=dynamic)
     for tokens in ((3, 333), (1001,)):
         errors = step_errors(compiled, block_leaves(tokens, "cuda"))
         assert all(e < TOL for e in errors.values()), (tokens, errors)
@@ -48,7 +52,21 @@ def test_attention_trains_through_epicute():
 def test_grouped_mm_experts_train_through_epicute(dynamic):
     """torch._grouped_mm (transformers' experts) with SiLU and the router weights lifted into one grouped GEMM."""
     torch._dynamo.reset()
-    compiled = torch.compile(experts, backend=EC.backend, fullgraph=True, dynamic=dynamic)
+    compiled = torch.compile(experts, backend=LIFT_ALL, fullgraph=True, dynamic=dynamic)
     errors = experts_errors(compiled, [300, 300, 1000, 1001, 2049], "cuda", k=1024, n=520)  # an empty expert too
     assert all(e < TOL for e in errors.values()), errors
     assert [steps for _, steps in EC.last_report().lifted] == [("grouped", "silu", "mul")]
+
+
+def test_a_measured_candidate_is_decided_once_and_remembered(monkeypatch, tmp_path):
+    """The default backend on a GPU measures each GEMM candidate against Inductor's chain: the decision says what it
+    measured, and a second compile takes it from the disk."""
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    for _ in range(2):
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend=EC.backend, fullgraph=True)
+        errors = step_errors(compiled, block_leaves((4096,), "cuda"))
+        assert all(e < TOL for e in errors.values()), errors
+        report = EC.last_report()
+        assert len(report.measured) == 2 and all("measured: epicute" in why for _, why in report.measured)
+    assert (tmp_path / "lifted.json").exists()
