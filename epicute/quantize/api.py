@@ -6,7 +6,7 @@ import torch
 
 from epicute.epilogue.dtypes import FP8_MAX, TORCH_TO_IR, round_to
 from epicute.epilogue.group_quant import AMAX_FLOOR, GROUP_N, ceil_pow2
-from epicute.errors import AlignmentError, ConfigError, DtypeError, ShapeError
+from epicute.errors import AlignmentError, ConfigError, DtypeError, GradientError, ShapeError
 from epicute.runtime.backend import resolve_backend
 from epicute.runtime.checks import check_on_one_hopper_gpu
 
@@ -78,6 +78,9 @@ def _check(x, recipe: str, dtype, ue8m0) -> tuple[str, tuple[int, ...]]:
         raise DtypeError(f"dtype={dtype}; quantize makes torch.float8_e4m3fn or torch.float8_e5m2")
     if not isinstance(ue8m0, bool):
         raise ConfigError(f"ue8m0={ue8m0!r}; pass True (power-of-two scales) or False")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise GradientError("x requires grad, and fp8 values and scales carry none: pass x.detach(), or train "
+                            "through epicute.nn.fp8_linear (its backward quantizes the gradients)")  # fmt: skip
     if x.dtype not in INPUT_DTYPES:
         raise DtypeError(f"x has dtype {x.dtype}; quantize takes torch.bfloat16, torch.float16 or torch.float32")
     if x.dim() == 0 or (recipe == "blocks" and x.dim() != 2):

@@ -83,6 +83,7 @@ def test_empty_inputs():
         (lambda: epicute.quantize(torch.ones(32, 4).t()), epicute.AlignmentError, "x.contiguous"),
         (lambda: epicute.quantize(torch.ones(4, 32), ue8m0=1), epicute.ConfigError, "ue8m0"),
         (lambda: epicute.quantize(torch.ones(())), epicute.ShapeError, "at least one dimension"),
+        (lambda: epicute.quantize(torch.ones(4, 32, requires_grad=True)), epicute.GradientError, "x.detach"),
     ],
 )
 def test_bad_arguments_are_refused(call, error, match):
