@@ -90,11 +90,8 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-#: epicute op -> the torch call a candidate's unlifted chain makes (what Inductor would compile)
-TORCH_STEPS: dict[str, Callable] = {
-    "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "relu": torch.relu, "silu": F.silu, "sigmoid": torch.sigmoid,
-    "tanh": torch.tanh, "add": operator.add, "mul": operator.mul, "sub": operator.sub, "div": operator.truediv,
-}  # fmt: skip
+#: epicute op -> a torch call that makes it (FUNCTIONS read backwards): what a candidate's unlifted chain calls
+TORCH_STEPS: dict[str, Callable] = {op: fn for fn, op in FUNCTIONS.items()} | {"gelu_tanh": _gelu_tanh}
 #: Lift decisions measured on this machine, kept beside the kernels (``lifted.json``).
 LIFTED = JsonTable("lifted.json")
 
