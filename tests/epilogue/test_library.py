@@ -61,7 +61,14 @@ def test_tensor_quant(gen):
     assert set(out) == {"D", "amax"}
     assert out["D"].dtype == torch.float8_e4m3fn and out["D"].shape == (l, m, n)
     assert y.abs().max() > E4M3_MAX, "the test must exercise saturation"
-    assert torch.equal(out["D"].float(), y.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float())
+    # The reference rounds its fp32 product to e4m3, this test's float64 one may sit across a rounding boundary from
+    # it: every value within one e4m3 step (3 mantissa bits; 2^-9 below the normal range) of the saturated product,
+    # and the saturated ones exactly at the format's largest value.
+    got, want = out["D"].double(), y.clamp(-E4M3_MAX, E4M3_MAX)
+    step = torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=2.0**-6))) - 3)
+    assert ((got - want).abs() <= step).all()
+    saturated = y.abs() > E4M3_MAX
+    assert saturated.any() and (got[saturated] == torch.sign(y[saturated]) * E4M3_MAX).all()
     assert out["amax"].shape == () and out["amax"].dtype == torch.float32
     assert out["amax"].item() == pytest.approx(y.abs().max().item(), rel=1e-6)
 
