@@ -116,6 +116,24 @@ def versions() -> dict[str, str]:
     return found
 
 
+def announced(label: str, fn: Callable[[], object], then: Callable[[], object] | None = None) -> Callable[[], object]:
+    """``fn`` printing how long it took (a compiling first call, untimed), then calling ``then`` (more to print)."""
+    import time
+
+    import torch
+
+    def run():
+        start = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        print(f"  {label:16s} first call (compiles, untimed): {time.perf_counter() - start:.1f} s")
+        if then is not None:
+            then()
+        return result
+
+    return run
+
+
 def measure_rates(row: Row, runs: dict, error: Callable[[object], float], tolerance: float, per_step: int, *,
                   rounds: int = 3, digits: int = 1) -> bool:  # fmt: skip
     """Check each contender (:func:`check_contenders`), time those that ran in ``rounds`` interleaved rounds with L2

@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import Row, finish_peer_run, measure_rates, start_peer_run
+from common import Row, announced, finish_peer_run, measure_rates, start_peer_run
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "compile.json"
 TOLERANCE = 2e-2  # bf16 end to end; the eager model is the reference
@@ -119,19 +118,11 @@ def run_case(name: str, max_autotune: bool) -> tuple[Row, bool]:
     def error(got) -> float:
         return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
-    def timed_first(label: str, fn: Callable[[], object]) -> Callable[[], object]:
-        def first():
-            start = time.perf_counter()
-            result = fn()
-            torch.cuda.synchronize()
-            print(f"  {label:28s} first call (compiles) {time.perf_counter() - start:.1f} s")
-            if label == "epicute":
-                print("    " + str(EC.last_report()).replace("\n", "\n    "))
-            return result
+    def report() -> None:
+        print("    " + str(EC.last_report()).replace("\n", "\n    "))
 
-        return first
-
-    runs = {label: (timed_first(label, step(module)), step(module)) for label, module in models.items()}
+    runs = {label: (announced(label, step(module), report if label == "epicute" else None), step(module))
+            for label, module in models.items()}  # fmt: skip
     return row, measure_rates(row, runs, error, TOLERANCE, tokens)
 
 

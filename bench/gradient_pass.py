@@ -31,8 +31,13 @@ PINNED = {
     "cooperative_128x256_c4": {"schedule": "cooperative", "tile_m": 128, "tile_n": 256, "num_c_stages": 4},
     "cooperative_128x128_c6": {"schedule": "cooperative", "tile_m": 128, "tile_n": 128, "num_c_stages": 6},
     "pingpong_128x128_c6": {"schedule": "pingpong", "tile_m": 128, "tile_n": 128, "num_c_stages": 6},
-    "cooperative_128x256_c4_ab2": {"schedule": "cooperative", "tile_m": 128, "tile_n": 256, "num_c_stages": 4,
-                                   "ab_stages": 2},  # fmt: skip
+    "cooperative_128x256_c4_ab2": {
+        "schedule": "cooperative",
+        "tile_m": 128,
+        "tile_n": 256,
+        "num_c_stages": 4,
+        "ab_stages": 2,
+    },  # fmt: skip
 }
 
 
@@ -113,6 +118,7 @@ def main() -> int:
 
     print_host_cost(lambda: epicute.gemm(call["a"], call["b"], epilogue=call["epilogue"],
                                          out_dtypes=call["out_dtypes"], **call["operands"]))  # fmt: skip
+
     def torch_math(grad, saved):
         dacc = torch.ops.aten.gelu_backward(grad, saved)
         return {"D": dacc, "d_bias": dacc.float().sum(0)}

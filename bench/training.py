@@ -80,14 +80,13 @@ import functools
 import gc
 import importlib.metadata
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import Row, check_contenders, finish_peer_run, host_ms, time_interleaved
+from common import Row, announced, check_contenders, finish_peer_run, host_ms, time_interleaved
 
 HIDDEN = 4096
 #: MoE expert blocks: name -> (hidden H, intermediate I, experts E, experts per token k)
@@ -360,19 +359,6 @@ def steps(leaves: Tensors, forward: Callable[[], torch.Tensor], grad: torch.Tens
         return {"out": out.detach(), **{name: t.grad for name, t in leaves.items()}}
 
     return checked, step
-
-
-def announced(label: str, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` printing how long it took (a compiling first call)."""
-
-    def run():
-        start = time.perf_counter()
-        result = fn()
-        torch.cuda.synchronize()
-        print(f"  {label:16s} first step (compiles, untimed): {time.perf_counter() - start:.1f} s")
-        return result
-
-    return run
 
 
 def reference(setup: Setup, grad: torch.Tensor) -> Tensors:
