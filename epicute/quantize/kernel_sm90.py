@@ -1,12 +1,13 @@
 """The group quantizer: each row of ``x`` cut into groups of 128 columns, each group's fp8 values and scale.
 
-A memory-bound kernel with no shared memory: 16 lanes own a group (a lane, 8 consecutive values: one 16-byte
-load), fold their values' magnitudes, combine them across the 16 lanes by butterfly shuffles (a fixed order:
-the same bits every run), and each lane stores its 8 values times the group's reciprocal scale as 8 fp8 bytes
-(two per saturating ``cvt``); the group's first lane stores the scale. A warp covers two groups, a CTA of
-:data:`THREADS` threads 16; groups are numbered row by row, so a warp's loads and stores are contiguous runs
-of a row. The math is :mod:`epicute.epilogue.group_quant`'s, operation for operation (the GEMM epilogue's
-``quantize_groups`` runs the same emitters).
+A memory-bound kernel with no shared memory. A group's lanes (``128 / values_per_lane`` consecutive lanes of a
+warp) each take ``values_per_lane`` consecutive values (16-byte loads), fold their magnitudes, combine them by
+butterfly shuffles (a fixed order: the same bits every run), and store their values times the group's reciprocal
+scale as fp8 (two per saturating ``cvt``, 8 or 16 bytes a store); the group's first lane stores the scale. A
+thread may take ``groups_per_lane`` groups, issuing every load before the first shuffle: loads in flight, not
+occupancy, set an HBM-bound kernel's speed. Groups are numbered row by row, so a warp's loads and stores are
+contiguous runs of a row. The math is :mod:`epicute.epilogue.group_quant`'s, operation for operation (the GEMM
+epilogue's ``quantize_groups`` runs the same emitters).
 """
 
 from __future__ import annotations
@@ -19,18 +20,19 @@ from epicute.epilogue.group_quant import AMAX_FLOOR, GROUP_N
 from epicute.sm90 import epilogue_emit as emit
 from epicute.sm90.fragments import pack_pairs
 
-#: Values per lane: one 16-byte load of 16-bit inputs.
-VALUES_PER_LANE = 8
-#: Lanes per group of :data:`GROUP_N` columns (consecutive lanes of one warp: butterfly masks 1, 2, 4, 8).
-LANES_PER_GROUP = GROUP_N // VALUES_PER_LANE
 THREADS = 256
 
 
 class GroupQuantizeSm90:
-    """The kernel for one (input dtype, fp8 dtype, UE8M0 or not)."""
+    """The kernel for one (input dtype, fp8 dtype, UE8M0 or not) and one split of the work among lanes."""
 
-    def __init__(self, out_dtype, fp8_name: str, ue8m0: bool):
+    def __init__(self, out_dtype, fp8_name: str, ue8m0: bool, groups_per_lane: int, values_per_lane: int):
         self.out_dtype = out_dtype
+        self.groups_per_lane = groups_per_lane
+        self.values_per_lane = values_per_lane
+        # A group's lanes are consecutive lanes of one warp: butterfly masks 1, 2, ... lanes_per_group / 2.
+        self.lanes_per_group = GROUP_N // values_per_lane
+        self.lane_masks = tuple(1 << i for i in range(self.lanes_per_group.bit_length() - 1))
         self.fp8_max = FP8_MAX[fp8_name]
         self.ue8m0 = ue8m0
 
@@ -38,42 +40,49 @@ class GroupQuantizeSm90:
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mScales: cute.Tensor, stream):
         """``mX`` ``(M, K)`` row-major 16-bit, ``mQ`` ``(M, K)`` fp8 row-major, ``mScales`` fp32 ``(K / 128, M)``
         (M contiguous: the ``(M, K / 128)`` M-major scales a blockwise GEMM takes, transposed)."""
-        lanes = cute.size(mX, mode=[0]) * cute.ceil_div(cute.size(mX, mode=[1]), GROUP_N) * LANES_PER_GROUP
-        self.kernel(mX, mQ, mScales).launch(grid=(cute.ceil_div(lanes, THREADS), 1, 1), block=[THREADS, 1, 1],
-                                            stream=stream)  # fmt: skip
+        lanes = cute.size(mX, mode=[0]) * cute.ceil_div(cute.size(mX, mode=[1]), GROUP_N) * self.lanes_per_group
+        ctas = cute.ceil_div(lanes, THREADS * self.groups_per_lane)
+        self.kernel(mX, mQ, mScales).launch(grid=(ctas, 1, 1), block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mScales: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         m, k = cute.size(mX, mode=[0]), cute.size(mX, mode=[1])
-        groups = cute.ceil_div(k, GROUP_N)
-        lane = bidx * THREADS + tidx
-        group_id = lane // LANES_PER_GROUP
-        row, group = group_id // groups, group_id % groups
-        chunk = group * LANES_PER_GROUP + lane % LANES_PER_GROUP  # this lane's 8 values: K's chunk `chunk`
-        # K is a multiple of 16 (checked on the host): a lane's 8 values lie in K or past it, never across.
-        valid = (row < m) & (chunk * VALUES_PER_LANE < k)
-        values = cute.make_rmem_tensor((VALUES_PER_LANE,), Float32)
-        values.fill(0.0)
-        if valid:
-            values.store(cute.local_tile(mX[row, None], (VALUES_PER_LANE,), (chunk,)).load().to(Float32))
-        amax = emit.identity("amax")
-        for i in cutlass.range_constexpr(VALUES_PER_LANE):
-            amax = emit.fold_element("amax", amax, values[i], valid)
-        # Every lane takes part in the shuffles (lanes past the problem bring the identity).
-        amax = emit.butterfly("amax", amax, (1, 2, 4, 8))
-        scale = cutlass.max(amax, Float32(AMAX_FLOOR)) / Float32(self.fp8_max)
-        if cutlass.const_expr(self.ue8m0):
-            scale = emit.ceil_pow2(scale)
-        reciprocal = Float32(1.0) / scale
-        if valid:
-            values.store(values.load() * reciprocal)
-            packed = cute.make_rmem_tensor((VALUES_PER_LANE,), self.out_dtype)
-            pack_pairs(values, packed)
-            cute.local_tile(mQ[row, None], (VALUES_PER_LANE,), (chunk,)).store(packed.load())
-        if (lane % LANES_PER_GROUP == 0) & (row < m):
-            mScales[group, row] = scale
+        groups, chunks = cute.ceil_div(k, GROUP_N), k // self.values_per_lane
+        places, loaded = [], []
+        for j in cutlass.range_constexpr(self.groups_per_lane):
+            lane = (bidx * self.groups_per_lane + j) * THREADS + tidx
+            group_id = lane // self.lanes_per_group
+            row, group = group_id // groups, group_id % groups
+            chunk = group * self.lanes_per_group + lane % self.lanes_per_group  # K's chunk `chunk`: this lane's values
+            # K is a multiple of 16 (checked on the host): a lane's 8 or 16 values lie in K or past it, never across.
+            valid = (row < m) & (chunk < chunks)
+            places.append((row, group, chunk, valid, lane % self.lanes_per_group == 0))
+            # Unconditional loads from a clamped address (a lane past the problem reads a value it then ignores):
+            # a branch around each load would keep the compiler from issuing them together.
+            source = cute.local_tile(mX[cutlass.min(row, m - 1), None], (self.values_per_lane,),
+                                     (cutlass.min(chunk, chunks - 1),))  # fmt: skip
+            values = cute.make_rmem_tensor((self.values_per_lane,), Float32)
+            values.store(source.load().to(Float32))
+            loaded.append(values)
+        for (row, group, chunk, valid, leads), values in zip(places, loaded):
+            amax = emit.identity("amax")
+            for i in cutlass.range_constexpr(self.values_per_lane):
+                amax = emit.fold_element("amax", amax, values[i], valid)
+            # Every lane takes part in the shuffles (lanes past the problem bring the identity).
+            amax = emit.butterfly("amax", amax, self.lane_masks)
+            scale = cutlass.max(amax, Float32(AMAX_FLOOR)) / Float32(self.fp8_max)
+            if cutlass.const_expr(self.ue8m0):
+                scale = emit.ceil_pow2(scale)
+            reciprocal = Float32(1.0) / scale
+            if valid:
+                values.store(values.load() * reciprocal)
+                packed = cute.make_rmem_tensor((self.values_per_lane,), self.out_dtype)
+                pack_pairs(values, packed)
+                cute.local_tile(mQ[row, None], (self.values_per_lane,), (chunk,)).store(packed.load())
+            if leads & (row < m):
+                mScales[group, row] = scale
 
 
-__all__ = ["LANES_PER_GROUP", "THREADS", "VALUES_PER_LANE", "GroupQuantizeSm90"]
+__all__ = ["THREADS", "GroupQuantizeSm90"]

@@ -10,6 +10,12 @@ from epicute.runtime.cache import CacheKey
 from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES, dsl_compile
 from epicute.runtime.target import DEFAULT_ARCH
 
+#: Groups a thread of the kernel quantizes (their loads issued together) and values a lane takes of each: 8 (one
+#: 16-byte load, an 8-byte store) or 16 (two loads, one 16-byte store). One group of 16 values a lane measured
+#: fastest on the H200 (bench/NOTES.md, issue 59: the sweep).
+GROUPS_PER_LANE = 1
+VALUES_PER_LANE = 16
+
 
 @dataclass(frozen=True)
 class QuantizeVariant:
@@ -18,11 +24,15 @@ class QuantizeVariant:
     in_dtype: str  # "bf16" | "fp16"
     out_dtype: str  # "fp8e4m3" | "fp8e5m2"
     ue8m0: bool
+    groups_per_lane: int = GROUPS_PER_LANE
+    values_per_lane: int = VALUES_PER_LANE
     arch: str = DEFAULT_ARCH
 
     def key(self) -> CacheKey:
         label = f"quantize 1x128 {self.in_dtype} -> {self.out_dtype}" + (" ue8m0" if self.ue8m0 else "")
-        return CacheKey("quantize", (self.in_dtype, self.out_dtype, self.ue8m0), self.arch, label)
+        fields = (self.in_dtype, self.out_dtype, self.ue8m0, self.groups_per_lane, self.values_per_lane)
+        lanes = f"{self.groups_per_lane} groups x {self.values_per_lane} values a lane"
+        return CacheKey("quantize", fields, self.arch, f"{label}, {lanes}")
 
 
 def compile_quantize(variant: QuantizeVariant):
@@ -44,7 +54,13 @@ def compile_quantize(variant: QuantizeVariant):
         cutlass.Float32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1), assumed_align=4
     )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = GroupQuantizeSm90(DSL_DTYPES[variant.out_dtype], variant.out_dtype, variant.ue8m0)
+    kernel = GroupQuantizeSm90(
+        DSL_DTYPES[variant.out_dtype],
+        variant.out_dtype,
+        variant.ue8m0,
+        variant.groups_per_lane,
+        variant.values_per_lane,
+    )
     return dsl_compile(variant, kernel, x, q, scales, stream)
 
 

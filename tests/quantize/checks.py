@@ -40,11 +40,11 @@ def check_group_quantization(x: torch.Tensor, q: torch.Tensor, scales: torch.Ten
     assert scales.shape == (*x.shape[:-1], -(-k // 128)) and scales.dtype == torch.float32
     flat = scales.reshape(-1, scales.shape[-1])
     assert flat.stride(0) == 1 or flat.shape[0] <= 1  # M-major
-    got = flat.double().cpu()
+    got, x64 = flat.double().cpu(), x.double().cpu()
     assert torch.isfinite(got).all()
-    check_scales(got, group_scales64(x, fp8), ue8m0)
+    check_scales(got, group_scales64(x64, fp8), ue8m0)
     per_value = got.repeat_interleave(128, dim=-1)[:, :k]
-    value = x.double().reshape(-1, k).cpu() / per_value  # what q approximates, within [-fp8_max, fp8_max]
+    value = x64.reshape(-1, k) / per_value  # what q approximates, within [-fp8_max, fp8_max]
     err = (q.reshape(-1, k).double().cpu() - value).abs()
     bound = REL_STEP[fp8] * value.abs() + SUBNORMAL[fp8] + 1e-6 * FP8_MAX[fp8]
     assert (err <= bound).all(), (err - bound).max().item()

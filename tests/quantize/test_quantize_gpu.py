@@ -45,3 +45,14 @@ def test_a_misaligned_view_is_refused():
     x = torch.randn(4 * 256 + 8, device="cuda", dtype=torch.bfloat16)[8 - 1 : -1].view(4, 256)
     with pytest.raises(epicute.AlignmentError, match="16-byte aligned"):
         epicute.quantize(x)
+
+
+@pytest.mark.parametrize(("groups_per_lane", "values_per_lane"), [(1, 8), (4, 8), (2, 16), (3, 16)])
+def test_every_split_of_the_work_among_lanes(groups_per_lane, values_per_lane):
+    """The splits the tuning sweep compares (bench/NOTES.md) hold to the same checks as the default, on a row count
+    that leaves a CTA part-filled and a K whose last group is short."""
+    x = (torch.randn(1003, 4112, device="cuda") * 7).to(torch.bfloat16)
+    variant = launch.QuantizeVariant("bf16", "fp8e4m3", True, groups_per_lane, values_per_lane)
+    q, scales = launch.launch_group_quantize(x, variant, torch.float8_e4m3fn)
+    torch.cuda.synchronize()
+    check_group_quantization(x, q, scales, torch.float8_e4m3fn, True)
