@@ -13,17 +13,16 @@ linear's bias too; bf16 or fp16, ``in`` and ``out`` multiples of 8) followed by 
 ``(..., 1)`` columns or tensors of the output's shape, all in the layer's dtype; ``torch._grouped_mm(x, w, offs=offs)``
 (what ``F.grouped_mm`` and transformers' grouped experts record) with the same chains, as one
 :func:`epicute.grouped_gemm` (an MoE layer's SiLU and router weights ride in its epilogue). On a GPU
-each GEMM candidate is kept only where it wins (:class:`Measured`: epicute's call against the unlifted chain
-compiled by Inductor, forward, on random inputs of the graph's sizes, once per chain, sizes and GPU, remembered on
-disk); on a CPU every candidate is lifted. A lifted epilogue computes in fp32 without the intermediate roundings to
-bf16 that the unfused ops make. Attention is lifted without a mask or dropout, bf16 or
-fp16, head_dim 64, 128 or 256, any GQA ratio; causal only with as many queries as keys (torch aligns a causal mask
-top-left, epicute bottom-right: they agree only there).
+each candidate, GEMM chain or attention, is kept only where it wins (:class:`Measured`: epicute's call against the
+unlifted call compiled by Inductor, forward, on random inputs of the graph's sizes, once per call, sizes and GPU,
+remembered on disk); on a CPU every candidate is lifted. A lifted epilogue computes in fp32 without the intermediate
+roundings to bf16 that the unfused ops make. Attention is lifted without a
+mask or dropout, bf16 or fp16, head_dim 64, 128 or 256, any GQA ratio; causal only with as many queries as keys
+(torch aligns a causal mask top-left, epicute bottom-right: they agree only there).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import inspect
@@ -98,23 +97,24 @@ LIFTED = JsonTable("lifted.json")
 
 @dataclass(frozen=True)
 class Candidate:
-    """A liftable GEMM chain: the torch GEMM it starts with, the epicute call that would replace it, the example
-    values of its inputs (the GEMM's, then the chain's operands), its program and the call's options."""
+    """A liftable call: the torch call it starts with (a GEMM and the elementwise chain after it, or an attention),
+    the epicute call that would replace it, the example values of its inputs (the torch call's, then the chain's
+    operands), the epicute call's keyword arguments (a chain's ``program`` among them) and the torch call's."""
 
     target: Callable
     lifted: Callable
     inputs: tuple
-    gemm_arity: int
-    program: tuple
+    arity: int
     options: tuple
+    torch_options: tuple = ()
 
     def key(self) -> str:
-        """What the decision depends on: the chain, its inputs' sizes, strides and dtypes, the GPU, the code."""
+        """What the decision depends on: the call, its inputs' sizes, strides and dtypes, the GPU, the code."""
         device = self.inputs[0].device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         metas = [(_hints(t.shape), _hints(t.stride()), str(t.dtype)) for t in self.inputs]
-        text = json.dumps([getattr(self.target, "__name__", str(self.target)), self.lifted.__name__, repr(self.program),
-                           self.options, metas, name, torch.__version__, code_versions()])  # fmt: skip
+        text = json.dumps([getattr(self.target, "__name__", str(self.target)), self.lifted.__name__, repr(self.options),
+                           repr(self.torch_options), metas, name, torch.__version__, code_versions()])  # fmt: skip
         return hashlib.sha256(text.encode()).hexdigest()
 
     def real_inputs(self) -> list[torch.Tensor]:
@@ -130,22 +130,22 @@ class Candidate:
         return made
 
     def epicute(self) -> Callable:
-        return functools.partial(self.lifted, program=self.program, **dict(self.options))
+        return functools.partial(self.lifted, **dict(self.options))
 
     def unlifted(self) -> torch.fx.GraphModule:
-        """The chain as torch calls: what the graph held before lifting."""
+        """The call as torch calls: what the graph held before lifting."""
         graph = torch.fx.Graph()
         args = [graph.placeholder(f"a{i}") for i in range(len(self.inputs))]
-        gemm_args, operands = args[: self.gemm_arity], args[self.gemm_arity :]
+        call_args, operands = args[: self.arity], args[self.arity :]
         if self.target is torch._grouped_mm:
-            value = graph.call_function(torch._grouped_mm, tuple(gemm_args[:2]), {"offs": gemm_args[2]})
+            value = graph.call_function(torch._grouped_mm, tuple(call_args[:2]), {"offs": call_args[2]})
         else:
-            value = graph.call_function(self.target, tuple(gemm_args))
-        steps, _ = self.program
+            value = graph.call_function(self.target, tuple(call_args), dict(self.torch_options))
+        steps, _ = dict(self.options).get("program", ((), ()))
         for op, refs in steps:
             call_args = tuple(value if r[0] == "acc" else operands[r[1]] if r[0] == "operand" else r[1] for r in refs)
             value = graph.call_function(TORCH_STEPS[op], call_args)
-        graph.output(value)
+        graph.output((value,))  # a tuple, as Dynamo's graphs return (what compile backends take)
         return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
@@ -156,9 +156,13 @@ def _hints(sizes) -> list[int]:
 
 @dataclass
 class Measured:
-    """Keep a candidate where epicute's call takes no longer than the unlifted chain compiled by Inductor, timed once
-    on random inputs like the graph's (forward only) and remembered on disk (:data:`LIFTED`). ``timer`` (milliseconds
-    of ``fn(*inputs)``) and ``peer`` (compiles the unlifted chain) may be replaced: tests do."""
+    """Keep a candidate where epicute's call takes no longer than the unlifted call compiled by Inductor, timed once
+    (forward) on random inputs like the graph's and remembered on disk (:data:`LIFTED`). ``timer`` (milliseconds of
+    ``fn(*inputs)``) and ``peer`` (compiles the unlifted call) may be replaced: tests do.
+
+    Forward only: a peer that trains compiles its backward lazily, on autograd's device thread, under Dynamo's
+    compile lock that the compiling thread holds (a deadlock on a GPU); timing the backward too needs a process of
+    its own (bench/NOTES.md, issue 61)."""
 
     timer: Callable[[Callable, list], float] | None = None
     peer: Callable[[torch.fx.GraphModule, list], Callable] | None = None
@@ -168,33 +172,44 @@ class Measured:
         stored = LIFTED.get(key)
         if stored is not None:
             return stored["lift"], stored["why"]
-        from torch._inductor.compile_fx import compile_fx
-
-        timer = self.timer or _time_ms
-        inputs = candidate.real_inputs()
-        with torch.no_grad(), _running_eagerly():
-            try:
-                ours_ms = timer(candidate.epicute(), inputs)
-            except Exception as exc:  # noqa: BLE001 - epicute's call failed here: the chain stays Inductor's
-                return False, f"epicute's call failed on inputs like the graph's ({type(exc).__name__}: {exc})"
-            try:
-                theirs_ms = timer((self.peer or compile_fx)(candidate.unlifted(), inputs), inputs)
-            except Exception as exc:  # noqa: BLE001 - no figure to beat: lifted, as without measuring
-                return True, f"Inductor's chain not measured ({type(exc).__name__}: {exc})"
+        ours_ms, theirs_ms, failed = _outside_the_compile(functools.partial(self._measure, candidate))
+        if failed is not None:
+            return failed
         lift = ours_ms <= theirs_ms
         why = f"measured: epicute {ours_ms:.4g} ms, Inductor {theirs_ms:.4g} ms"
         LIFTED.put(key, {"lift": lift, "why": why})
         return lift, why
 
+    def _measure(self, candidate: Candidate) -> tuple[float, float, tuple[bool, str] | None]:
+        from torch._inductor.compile_fx import compile_fx
 
-@contextlib.contextmanager
-def _running_eagerly():
-    """The backend runs while Dynamo compiles, with ``torch.compiler.is_compiling()`` True: the measured calls run
-    for real, so epicute's entry points must not take their traced paths."""
+        timer = self.timer or _time_ms
+        inputs = candidate.real_inputs()
+        with torch.no_grad():
+            try:
+                ours_ms = timer(candidate.epicute(), inputs)
+            except Exception as exc:  # noqa: BLE001 - epicute's call failed here: the chain stays Inductor's
+                why = f"epicute's call failed on inputs like the graph's ({type(exc).__name__}: {exc})"
+                return 0.0, 0.0, (False, why)
+            try:
+                theirs_ms = timer((self.peer or compile_fx)(candidate.unlifted(), inputs), inputs)
+            except Exception as exc:  # noqa: BLE001 - no figure to beat: lifted, as without measuring
+                return 0.0, 0.0, (True, f"Inductor's chain not measured ({type(exc).__name__}: {exc})")
+        return ours_ms, theirs_ms, None
+
+
+def _outside_the_compile(measure: Callable[[], Any]) -> Any:
+    """``measure()`` as an eager program would run it. The backend runs inside Dynamo's compile: without its tracing
+    context and fake mode, Inductor's compile of the peer makes its symbols in a shape environment of its own
+    (in Dynamo's, the graph's guards found no source for them), and with ``torch.compiler.is_compiling()`` lowered
+    epicute's entry points take their eager paths."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     flag = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = False
     try:
-        yield
+        with torch._guards.tracing(None), unset_fake_temporarily():
+            return measure()
     finally:
         torch.compiler._is_compiling_flag = flag
 
@@ -220,7 +235,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, inner: str = "induct
             decide: Callable[[Candidate], tuple[bool, str]] | None = None) -> Callable:  # fmt: skip
     """A ``torch.compile`` backend: :func:`lift_linear_epilogues` on Dynamo's graph, then ``inner`` (Inductor, or
     ``"aot_eager"``: AOTAutograd without Inductor's code generation) compiles the result. ``decide`` keeps or drops
-    each GEMM candidate: by default :class:`Measured` where the graph runs on a GPU, every candidate on a CPU (whose
+    each candidate: by default :class:`Measured` where the graph runs on a GPU, every candidate on a CPU (whose
     epicute calls compute on the reference backend: nothing there to measure)."""
     if decide is None and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
         decide = Measured()
@@ -239,14 +254,14 @@ def lift_linear_epilogues(gm: torch.fx.GraphModule, decide: Callable[[Candidate]
                           ) -> Report:  # fmt: skip
     """Rewrite ``gm`` in place: every liftable linear (or grouped) GEMM node and its elementwise consumers become one
     call of :func:`lifted_gemm` (:func:`lifted_grouped_gemm`) where ``decide`` keeps the candidate (all of them
-    without one), every liftable attention one call of :func:`lifted_attention`. Returns what was lifted and what
-    was left, and why."""
+    without one), every liftable attention one call of :func:`lifted_attention` (where ``decide`` keeps it too).
+    Returns what was lifted and what was left, and why."""
     report = Report()
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.graph is not gm.graph:
             continue
         if node.target is F.scaled_dot_product_attention:
-            _lift_attention(gm, node, report)
+            _lift_attention(gm, node, decide, report)
         elif node.target is torch._grouped_mm:
             why = _why_not_grouped(node)
             offs = _grouped_options(node)["offs"]
@@ -279,12 +294,9 @@ def _lift_or_leave(gm, node, why: str | None, fn: Callable, args: tuple, kwargs:
     program = (tuple(steps), tuple(kinds))
     names = (("grouped",) if fn is lifted_grouped_gemm else ()) + tuple(op for op, _ in steps)
     if decide is not None:
-        candidate = Candidate(node.target, fn, tuple(_value(a) for a in (*args, *operands)), len(args), program,
-                              tuple(sorted(kwargs.items())))  # fmt: skip
-        lift, because = decide(candidate)
-        report.measured.append((node.name, because))
-        if not lift:
-            report.left.append((node.name, because))
+        candidate = Candidate(node.target, fn, tuple(_value(a) for a in (*args, *operands)), len(args),
+                              tuple(sorted({**kwargs, "program": program}.items())))  # fmt: skip
+        if not _decided(candidate, node, decide, report):
             return
     with gm.graph.inserting_before(chain[-1]):
         fused = gm.graph.call_function(fn, (*args, *operands), {"program": program, **kwargs})
@@ -293,6 +305,15 @@ def _lift_or_leave(gm, node, why: str | None, fn: Callable, args: tuple, kwargs:
     for dead in reversed(chain):
         gm.graph.erase_node(dead)
     report.lifted.append((node.name, names))
+
+
+def _decided(candidate: Candidate, node: torch.fx.Node, decide, report: Report) -> bool:
+    """Whether ``decide`` keeps ``candidate`` (recorded in ``report``; left with the reason where it does not)."""
+    lift, because = decide(candidate)
+    report.measured.append((node.name, because))
+    if not lift:
+        report.left.append((node.name, because))
+    return lift
 
 
 #: torch._grouped_mm's keyword parameters, with their defaults
@@ -344,7 +365,7 @@ SDPA_PARAMETERS = (("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False)
                    ("enable_gqa", False))  # fmt: skip
 
 
-def _lift_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, report: Report) -> None:
+def _lift_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, decide, report: Report) -> None:
     q, k, v = (_value(a) if isinstance(a, torch.fx.Node) else None for a in node.args[:3])
     given = dict(zip((name for name, _ in SDPA_PARAMETERS), node.args[3:])) | dict(node.kwargs)
     options = {name: given.get(name, default) for name, default in SDPA_PARAMETERS}
@@ -364,9 +385,16 @@ def _lift_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, report: Repor
     if why:
         report.left.append((node.name, why))
         return
+    lifted_options = {"causal": bool(options["is_causal"]), "scale": options["scale"]}
+    if decide is not None:
+        torch_options = {"is_causal": lifted_options["causal"], "scale": options["scale"],
+                         "enable_gqa": q.shape[1] != k.shape[1]}  # fmt: skip
+        candidate = Candidate(F.scaled_dot_product_attention, lifted_attention, (q, k, v), 3,
+                              tuple(sorted(lifted_options.items())), tuple(sorted(torch_options.items())))  # fmt: skip
+        if not _decided(candidate, node, decide, report):
+            return
     with gm.graph.inserting_before(node):
-        fused = gm.graph.call_function(lifted_attention, tuple(node.args[:3]),
-                                       {"causal": bool(options["is_causal"]), "scale": options["scale"]})  # fmt: skip
+        fused = gm.graph.call_function(lifted_attention, tuple(node.args[:3]), lifted_options)
     fused.meta.update(node.meta)
     node.replace_all_uses_with(fused)
     gm.graph.erase_node(node)

@@ -125,16 +125,18 @@ def test_grouped_mm_epicute_cannot_take_is_left_with_the_reason():
 
 class _Timer:
     """Runs each timed call once (so both sides must work) and reports ``ours`` for epicute's call, ``theirs`` for
-    the unlifted chain (the peer here: the chain's graph itself, run eagerly)."""
+    the unlifted call (the peer here: its graph itself, run eagerly, returning a tuple as Dynamo's graphs do)."""
 
     def __init__(self, ours: float, theirs: float) -> None:
         self.ours, self.theirs, self.calls = ours, theirs, 0
 
     def __call__(self, fn, inputs) -> float:
         out = fn(*inputs)
+        peer = isinstance(fn, torch.fx.GraphModule)
+        out = out[0] if peer else out
         assert isinstance(out, torch.Tensor) and torch.isfinite(out.float()).all()
         self.calls += 1
-        return self.theirs if isinstance(fn, torch.fx.GraphModule) else self.ours
+        return self.theirs if peer else self.ours
 
 
 @pytest.mark.parametrize(("ours", "theirs", "lifted"), [(1.0, 2.0, True), (3.0, 2.0, False)])
@@ -150,6 +152,47 @@ def test_each_candidate_is_kept_only_where_it_wins(reference_layers, monkeypatch
         assert all(e < TOL for e in errors.values()), errors
         report = EC.last_report()
         assert len(report.lifted) == (2 if lifted else 0) and len(report.left) == (0 if lifted else 2)
-        assert all(f"epicute {ours:.4g} ms, Inductor {theirs:.4g} ms" in why for _, why in report.measured)
+        expected = f"measured: epicute {ours:.4g} ms, Inductor {theirs:.4g} ms"
+        assert all(why == expected for _, why in report.measured), report.measured
         assert timer.calls == 4  # two candidates, each side timed once, on the first compile only
     assert (tmp_path / "lifted.json").exists()
+
+
+@pytest.mark.parametrize(("ours", "theirs", "lifted"), [(1.0, 2.0, True), (3.0, 2.0, False)])
+def test_attention_is_kept_only_where_it_wins(reference_layers, monkeypatch, tmp_path, ours, theirs, lifted):
+    """An attention candidate is measured like a GEMM chain: SDPA (GQA 2:1, causal) stays where epicute loses."""
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    timer = _Timer(ours, theirs)
+    decide = EC.Measured(timer=timer, peer=lambda gm, inputs: gm)
+
+    def f(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=functools.partial(EC.backend, inner="aot_eager", decide=decide), fullgraph=True)
+    q = torch.randn(1, 4, 37, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 37, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    y = compiled(q, k, v)
+    report = EC.last_report()
+    assert report.lifted == ([("scaled_dot_product_attention", ("attention",))] if lifted else [])
+    expected = f"measured: epicute {ours:.4g} ms, Inductor {theirs:.4g} ms"
+    assert [why for _, why in report.measured] == [expected]
+    want = f(*(t.detach().double() for t in (q, k, v)))
+    assert ((y.double() - want).norm() / want.norm()).item() < TOL
+
+
+def test_the_peer_compiles_inside_the_compile(reference_layers, monkeypatch, tmp_path):
+    """Measuring compiles the unlifted chain (through AOTAutograd) while Dynamo compiles the graph, dynamic shapes
+    included: both compiles finish, the decisions say what was measured and the steps compute the block."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    decide = EC.Measured(timer=lambda fn, inputs: (fn(*inputs), 1.0)[1], peer=lookup_backend("aot_eager"))
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=functools.partial(EC.backend, inner="aot_eager", decide=decide),
+                             fullgraph=True, dynamic=True)  # fmt: skip
+    for tokens in ((3, 37), (41,)):
+        errors = step_errors(compiled, block_leaves(tokens, "cpu"))
+        assert all(e < TOL for e in errors.values()), errors
+    expected = "measured: epicute 1 ms, Inductor 1 ms"
+    assert [why for _, why in EC.last_report().measured] == [expected] * 2

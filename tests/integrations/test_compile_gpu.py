@@ -37,7 +37,7 @@ def test_attention_trains_through_epicute():
 
     q = torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(2, 2, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    y = torch.compile(f, backend=EC.backend, fullgraph=True)(q, k, v)
+    y = torch.compile(f, backend=LIFT_ALL, fullgraph=True)(q, k, v)
     assert EC.last_report().lifted == [("scaled_dot_product_attention", ("attention",))]
     grad = torch.randn_like(y)
     y.backward(grad)
@@ -68,5 +68,6 @@ def test_a_measured_candidate_is_decided_once_and_remembered(monkeypatch, tmp_pa
         errors = step_errors(compiled, block_leaves((4096,), "cuda"))
         assert all(e < TOL for e in errors.values()), errors
         report = EC.last_report()
-        assert len(report.measured) == 2 and all("measured: epicute" in why for _, why in report.measured)
+        assert len(report.measured) == 2
+        assert all(why.startswith("measured: epicute") for _, why in report.measured)
     assert (tmp_path / "lifted.json").exists()
