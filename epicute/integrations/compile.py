@@ -14,9 +14,9 @@ linear's bias too; bf16 or fp16, ``in`` and ``out`` multiples of 8) followed by 
 (what ``F.grouped_mm`` and transformers' grouped experts record) with the same chains, as one
 :func:`epicute.grouped_gemm` (an MoE layer's SiLU and router weights ride in its epilogue). On a GPU
 each candidate, GEMM chain or attention, is kept only where it wins (:class:`Measured`: epicute's call against the
-unlifted call compiled by Inductor, forward, on random inputs of the graph's sizes, once per call, sizes and GPU,
-remembered on disk); on a CPU every candidate is lifted. A lifted epilogue computes in fp32 without the intermediate
-roundings to bf16 that the unfused ops make. Attention is lifted without a
+unlifted call compiled by Inductor, forward and backward where the graph trains, on random inputs of the graph's
+sizes, once per call, sizes and GPU, remembered on disk); on a CPU every candidate is lifted. A lifted epilogue
+computes in fp32 without the intermediate roundings to bf16 that the unfused ops make. Attention is lifted without a
 mask or dropout, bf16 or fp16, head_dim 64, 128 or 256, any GQA ratio; causal only with as many queries as keys
 (torch aligns a causal mask top-left, epicute bottom-right: they agree only there).
 """
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from epicute.epilogue import ops
 from epicute.epilogue.operands import RowVector
@@ -109,13 +110,18 @@ class Candidate:
     torch_options: tuple = ()
 
     def key(self) -> str:
-        """What the decision depends on: the call, its inputs' sizes, strides and dtypes, the GPU, the code."""
+        """What the decision depends on: the call, its inputs' sizes, strides, dtypes and whether they need gradients,
+        the GPU, the code."""
         device = self.inputs[0].device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        metas = [(_hints(t.shape), _hints(t.stride()), str(t.dtype)) for t in self.inputs]
+        metas = [(_hints(t.shape), _hints(t.stride()), str(t.dtype), t.requires_grad) for t in self.inputs]
         text = json.dumps([getattr(self.target, "__name__", str(self.target)), self.lifted.__name__, repr(self.options),
                            repr(self.torch_options), metas, name, torch.__version__, code_versions()])  # fmt: skip
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def trains(self) -> bool:
+        """Whether the graph differentiates through the call (an input requires grad)."""
+        return any(t.requires_grad for t in self.inputs)
 
     def real_inputs(self) -> list[torch.Tensor]:
         """Random tensors like the example values (group ends split the rows evenly)."""
@@ -157,12 +163,10 @@ def _hints(sizes) -> list[int]:
 @dataclass
 class Measured:
     """Keep a candidate where epicute's call takes no longer than the unlifted call compiled by Inductor, timed once
-    (forward) on random inputs like the graph's and remembered on disk (:data:`LIFTED`). ``timer`` (milliseconds of
-    ``fn(*inputs)``) and ``peer`` (compiles the unlifted call) may be replaced: tests do.
-
-    Forward only: a peer that trains compiles its backward lazily, on autograd's device thread, under Dynamo's
-    compile lock that the compiling thread holds (a deadlock on a GPU); timing the backward too needs a process of
-    its own (bench/NOTES.md, issue 61)."""
+    on random inputs like the graph's and remembered on disk (:data:`LIFTED`). Where the graph trains (an input
+    requires grad) each side is timed forward and backward, as one joint function (:func:`_joint`); otherwise
+    forward. ``timer`` (milliseconds of ``fn(*inputs)``) and ``peer`` (compiles a graph of the unlifted call) may be
+    replaced: tests do."""
 
     timer: Callable[[Callable, list], float] | None = None
     peer: Callable[[torch.fx.GraphModule, list], Callable] | None = None
@@ -176,7 +180,8 @@ class Measured:
         if failed is not None:
             return failed
         lift = ours_ms <= theirs_ms
-        why = f"measured: epicute {ours_ms:.4g} ms, Inductor {theirs_ms:.4g} ms"
+        what = "measured (forward and backward)" if candidate.trains() else "measured"
+        why = f"{what}: epicute {ours_ms:.4g} ms, Inductor {theirs_ms:.4g} ms"
         LIFTED.put(key, {"lift": lift, "why": why})
         return lift, why
 
@@ -185,17 +190,42 @@ class Measured:
 
         timer = self.timer or _time_ms
         inputs = candidate.real_inputs()
+        ours, theirs = candidate.epicute(), candidate.unlifted()
         with torch.no_grad():
+            if candidate.trains():
+                trains = [t.requires_grad for t in candidate.inputs]
+                out = theirs(*inputs)[0]
+                inputs = [*inputs, torch.randn_like(out)]  # the gradient both backward passes start from
+                ours, theirs = _joint(ours, trains), _joint(theirs, trains)
+                theirs = make_fx(theirs, tracing_mode="fake")(*inputs)
             try:
-                ours_ms = timer(candidate.epicute(), inputs)
+                ours_ms = timer(ours, inputs)
             except Exception as exc:  # noqa: BLE001 - epicute's call failed here: the chain stays Inductor's
                 why = f"epicute's call failed on inputs like the graph's ({type(exc).__name__}: {exc})"
                 return 0.0, 0.0, (False, why)
             try:
-                theirs_ms = timer((self.peer or compile_fx)(candidate.unlifted(), inputs), inputs)
+                theirs_ms = timer((self.peer or compile_fx)(theirs, inputs), inputs)
             except Exception as exc:  # noqa: BLE001 - no figure to beat: lifted, as without measuring
                 return 0.0, 0.0, (True, f"Inductor's chain not measured ({type(exc).__name__}: {exc})")
         return ours_ms, theirs_ms, None
+
+
+def _joint(fn: Callable, trains: list[bool]) -> Callable:
+    """``fn``'s forward and its backward as one function ``joint(*inputs, grad)`` returning ``(out, *gradients)`` of
+    the inputs ``trains`` marks. Traced (``make_fx``) it is one inference graph of forward and backward, which
+    Inductor compiles at once: a peer compiled for training would compile its backward lazily, on autograd's device
+    thread, under Dynamo's compile lock that the compiling thread holds (a deadlock on a GPU)."""
+
+    def joint(*args):
+        *inputs, grad = args
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(needs) for t, needs in zip(inputs, trains)]
+            out = fn(*leaves)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            grads = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], grad)
+        return (out.detach(), *grads)
+
+    return joint
 
 
 def _outside_the_compile(measure: Callable[[], Any]) -> Any:

@@ -124,17 +124,25 @@ def test_grouped_mm_epicute_cannot_take_is_left_with_the_reason():
 
 
 class _Timer:
-    """Runs each timed call once (so both sides must work) and reports ``ours`` for epicute's call, ``theirs`` for
-    the unlifted call (the peer here: its graph itself, run eagerly, returning a tuple as Dynamo's graphs do)."""
+    """Runs each timed call once and reports ``ours`` for epicute's call, ``theirs`` for the unlifted call (the peer
+    here: its graph itself, run eagerly). Where the graph trains, each side is one function of the inputs and the
+    output's gradient returning the output and the inputs' gradients: the two sides must agree on all of them."""
 
     def __init__(self, ours: float, theirs: float) -> None:
         self.ours, self.theirs, self.calls = ours, theirs, 0
+        self.results: dict[bool, list] = {}
 
     def __call__(self, fn, inputs) -> float:
-        out = fn(*inputs)
         peer = isinstance(fn, torch.fx.GraphModule)
-        out = out[0] if peer else out
-        assert isinstance(out, torch.Tensor) and torch.isfinite(out.float()).all()
+        out = fn(*inputs)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        assert all(isinstance(t, torch.Tensor) and torch.isfinite(t.float()).all() for t in outs)
+        self.results[peer] = outs
+        if len(self.results) == 2:  # both sides of one candidate: the same output and gradients
+            ours, theirs = self.results.pop(False), self.results.pop(True)
+            assert len(ours) == len(theirs)
+            for got, want in zip(ours, theirs):
+                assert ((got.double() - want.double()).norm() / want.double().norm()).item() < TOL
         self.calls += 1
         return self.theirs if peer else self.ours
 
@@ -152,7 +160,7 @@ def test_each_candidate_is_kept_only_where_it_wins(reference_layers, monkeypatch
         assert all(e < TOL for e in errors.values()), errors
         report = EC.last_report()
         assert len(report.lifted) == (2 if lifted else 0) and len(report.left) == (0 if lifted else 2)
-        expected = f"measured: epicute {ours:.4g} ms, Inductor {theirs:.4g} ms"
+        expected = f"measured (forward and backward): epicute {ours:.4g} ms, Inductor {theirs:.4g} ms"
         assert all(why == expected for _, why in report.measured), report.measured
         assert timer.calls == 4  # two candidates, each side timed once, on the first compile only
     assert (tmp_path / "lifted.json").exists()
@@ -175,15 +183,16 @@ def test_attention_is_kept_only_where_it_wins(reference_layers, monkeypatch, tmp
     y = compiled(q, k, v)
     report = EC.last_report()
     assert report.lifted == ([("scaled_dot_product_attention", ("attention",))] if lifted else [])
-    expected = f"measured: epicute {ours:.4g} ms, Inductor {theirs:.4g} ms"
+    expected = f"measured (forward and backward): epicute {ours:.4g} ms, Inductor {theirs:.4g} ms"
     assert [why for _, why in report.measured] == [expected]
     want = f(*(t.detach().double() for t in (q, k, v)))
     assert ((y.double() - want).norm() / want.norm()).item() < TOL
 
 
 def test_the_peer_compiles_inside_the_compile(reference_layers, monkeypatch, tmp_path):
-    """Measuring compiles the unlifted chain (through AOTAutograd) while Dynamo compiles the graph, dynamic shapes
-    included: both compiles finish, the decisions say what was measured and the steps compute the block."""
+    """Measuring compiles the unlifted chain's forward and backward (one graph, through AOTAutograd) while Dynamo
+    compiles the graph, dynamic shapes included: both compiles finish, the decisions say what was measured and the
+    steps compute the block."""
     from torch._dynamo.backends.registry import lookup_backend
 
     monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
@@ -194,5 +203,5 @@ def test_the_peer_compiles_inside_the_compile(reference_layers, monkeypatch, tmp
     for tokens in ((3, 37), (41,)):
         errors = step_errors(compiled, block_leaves(tokens, "cpu"))
         assert all(e < TOL for e in errors.values()), errors
-    expected = "measured: epicute 1 ms, Inductor 1 ms"
+    expected = "measured (forward and backward): epicute 1 ms, Inductor 1 ms"
     assert [why for _, why in EC.last_report().measured] == [expected] * 2

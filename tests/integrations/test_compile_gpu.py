@@ -69,5 +69,5 @@ def test_a_measured_candidate_is_decided_once_and_remembered(monkeypatch, tmp_pa
         assert all(e < TOL for e in errors.values()), errors
         report = EC.last_report()
         assert len(report.measured) == 2
-        assert all(why.startswith("measured: epicute") for _, why in report.measured)
+        assert all(why.startswith("measured (forward and backward): epicute") for _, why in report.measured)
     assert (tmp_path / "lifted.json").exists()
