@@ -21,6 +21,8 @@ figure, the unit in the case name's suffix (_s, _ms, _us, or a count):
 - host_overhead_attention_us: the same for epicute.attention on a small problem (peer: flash-attn-4's
   flash_attn_func, when installed); host_overhead_attention_train_us the call with q, k, v requiring grad
   (autograd records it); host_overhead_attention_backward_us its backward (torch.autograd.grad).
+  host_overhead_linear_us, _train_us and _backward_us: the same three for epicute.nn.functional.linear with a
+  bias (peer: F.linear), 64 x 512 x 512.
 - recompiles_in_size_sweep: kernels fetched beyond the distinct variants the planner picks over 8 sizes (target 0);
   torch_compile_graphs_in_size_sweep: graphs torch.compile(dynamic=True) built over the same sweep.
 Exits 2 without a CUDA device.
@@ -190,35 +192,48 @@ def gpu_us(fn, calls: int = 200) -> float:
     return start.elapsed_time(stop) * 1e3 / calls
 
 
+def autograd_host_rows(name: str, calls: dict, leaves: tuple, grad: torch.Tensor) -> list[Row]:
+    """Host time per call of each of ``calls`` (``fn(*inputs) -> tensor``) on ``leaves`` detached (inference), on the
+    leaves (autograd records the call) and of its backward from ``grad`` (torch.autograd.grad): three rows."""
+    detached = tuple(t.detach() for t in leaves)
+    outputs = {peer: fn(*leaves) for peer, fn in calls.items()}
+    inference = {peer: lambda fn=fn: fn(*detached) for peer, fn in calls.items()}
+    training = {peer: lambda fn=fn: fn(*leaves) for peer, fn in calls.items()}
+    backward = {peer: lambda out=out: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+                for peer, out in outputs.items()}  # fmt: skip
+    figures = {
+        f"host_overhead_{name}_us": host_us(inference),
+        f"host_overhead_{name}_train_us": host_us(training),
+        f"host_overhead_{name}_backward_us": host_us(backward, calls=50),
+    }
+    return [{"case": case, **times} for case, times in figures.items()]
+
+
 def attention_host_rows() -> list[Row]:
     """Host time per attention call, inference, training forward and backward, beside flash-attn-4's."""
     import epicute
 
     q, k, v = (torch.randn(2, 256, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
-    do = torch.randn_like(q)
-    calls = {"epicute": epicute.attention}
+    calls = {"epicute": lambda q, k, v: epicute.attention(q, k, v, causal=True)}
     try:
         from flash_attn.cute.interface import flash_attn_func
 
-        calls["flash_attn_4"] = flash_attn_func
+        calls["flash_attn_4"] = lambda q, k, v: flash_attn_func(q, k, v, causal=True)[0]
     except ImportError:
         print("flash-attn-4 not installed: no peer for attention's host overhead")
+    return autograd_host_rows("attention", calls, (q, k, v), torch.randn_like(q))
 
-    def first(out):
-        return out[0] if isinstance(out, tuple) else out
 
-    detached = tuple(t.detach() for t in (q, k, v))
-    outputs = {name: first(fn(q, k, v, causal=True)) for name, fn in calls.items()}
-    inference = {name: lambda fn=fn: fn(*detached, causal=True) for name, fn in calls.items()}
-    training = {name: lambda fn=fn: fn(q, k, v, causal=True) for name, fn in calls.items()}
-    backward = {name: lambda out=out: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-                for name, out in outputs.items()}  # fmt: skip
-    figures = {
-        "host_overhead_attention_us": host_us(inference),
-        "host_overhead_attention_train_us": host_us(training),
-        "host_overhead_attention_backward_us": host_us(backward, calls=50),
-    }
-    return [{"case": case, **times} for case, times in figures.items()]
+def linear_host_rows() -> list[Row]:
+    """Host time per ``epicute.nn.functional.linear`` call with a bias (a layer's), inference, training forward and
+    backward, beside ``F.linear``'s: the host path a small training step pays per layer."""
+    import epicute.nn.functional as EF
+
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    calls = {"epicute": EF.linear, "torch_linear": torch.nn.functional.linear}
+    return autograd_host_rows("linear", calls, (x, w, bias), torch.randn(64, 512, device="cuda", dtype=torch.bfloat16))
 
 
 def size_sweep() -> tuple[int, int]:
@@ -311,7 +326,7 @@ def main() -> int:
         rows += [{"case": "recompiles_in_size_sweep", "epicute": recompiles},
                  {"case": "torch_compile_graphs_in_size_sweep", "epicute": graphs}]  # fmt: skip
         rows.append({"case": "host_overhead_fp8_rowwise_us", "epicute": fp8["gemm"], "torch_scaled_mm": fp8["torch"]})
-        rows += attention_host_rows()
+        rows += attention_host_rows() + linear_host_rows()
 
     command = shlex.join(["python", "bench/runtime.py", *sys.argv[1:]])
     path = write_result(args.out, "runtime", command, "see case suffix (_s, _ms, _us, count)", False, rows)
