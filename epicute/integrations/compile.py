@@ -4,6 +4,7 @@ elementwise ops consuming it, into one :func:`epicute.gemm` whose epilogue is tr
 
     compiled = torch.compile(model, backend=epicute.integrations.compile.backend)
     print(epicute.integrations.compile.last_report())   # what was lifted, what was left and why
+    epicute.integrations.compile.last_report().explain(sys.stdout)   # and each lifted kernel's plan
 
 The backend rewrites Dynamo's graph (torch-level calls, before AOTAutograd), so a lifted layer trains through the
 epicute op's own autograd: its backward epilogue is derived from the lifted ops (:mod:`epicute.gemm.autograd`).
@@ -26,11 +27,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import io
 import json
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +70,8 @@ class Report:
     left: list[tuple[str, str]] = field(default_factory=list)
     #: each decided candidate's measurement (node, what decided it), lifted or left
     measured: list[tuple[str, str]] = field(default_factory=list)
+    #: each lifted node's call, its inputs as meta tensors of the graph's sizes (what :meth:`explain` plans)
+    calls: dict[str, Candidate] = field(default_factory=dict)
 
     def __str__(self) -> str:
         def kernel(steps: tuple[str, ...]) -> str:
@@ -81,6 +85,35 @@ class Report:
                  for node, steps in self.lifted]  # fmt: skip
         lines += [f"left {node}: {why}" for node, why in self.left]
         return "\n".join(lines) or "no linear layers in the graph"
+
+    def explain(self, file: TextIO | None = None) -> str:
+        """This report, then the plan of each lifted node's kernel at the graph's sizes (symbolic ones by their
+        hints): the text :func:`epicute.explain`, :func:`epicute.explain_grouped` or
+        :func:`epicute.explain_attention` prints for the call that replaced it. Written to ``file`` when given;
+        returned.
+
+        Example:
+            >>> import functools, torch, epicute
+            >>> from epicute.integrations import compile as EC
+            >>> def mlp(x, w, b):
+            ...     return torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b))
+            >>> x, w, b = torch.randn(8, 64), torch.randn(32, 64), torch.randn(32)
+            >>> backend = functools.partial(EC.backend, inner="aot_eager")
+            >>> with epicute.use_backend("reference"):
+            ...     y = torch.compile(mlp, backend=backend)(*(t.bfloat16() for t in (x, w, b)))
+            >>> text = EC.last_report().explain()
+            >>> text.splitlines()[0]
+            'lifted linear: linear -> add, gelu'
+        """
+        parts = [str(self)]
+        for node, call in self.calls.items():
+            plan = io.StringIO()
+            call.explain(plan)
+            parts.append(f"\n== {node}\n{plan.getvalue().rstrip()}")
+        text = "\n".join(parts) + "\n"
+        if file is not None:
+            file.write(text)
+        return text
 
 
 _REPORTS: list[Report] = []
@@ -118,6 +151,17 @@ class Candidate:
         text = json.dumps([getattr(self.target, "__name__", str(self.target)), self.lifted.__name__, repr(self.options),
                            repr(self.torch_options), metas, name, torch.__version__, code_versions()])  # fmt: skip
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def on_meta(self) -> Candidate:
+        """The same call with its inputs as meta tensors of the example values' sizes and strides (hints for
+        symbolic ones): what a report keeps, without the compile's fake tensors."""
+        metas = tuple(torch.empty_strided(_hints(t.shape), _hints(t.stride()), dtype=t.dtype, device="meta")
+                      for t in self.inputs)  # fmt: skip
+        return replace(self, inputs=metas)
+
+    def explain(self, file: TextIO) -> None:
+        """Print the plan of the epicute call (as :data:`EXPLAINERS` says it) to ``file``."""
+        EXPLAINERS[self.lifted](*self.inputs, **dict(self.options), file=file)
 
     def trains(self) -> bool:
         """Whether the graph differentiates through the call (an input requires grad)."""
@@ -323,11 +367,10 @@ def _lift_or_leave(gm, node, why: str | None, fn: Callable, args: tuple, kwargs:
         chain.append(step[1])
     program = (tuple(steps), tuple(kinds))
     names = (("grouped",) if fn is lifted_grouped_gemm else ()) + tuple(op for op, _ in steps)
-    if decide is not None:
-        candidate = Candidate(node.target, fn, tuple(_value(a) for a in (*args, *operands)), len(args),
-                              tuple(sorted({**kwargs, "program": program}.items())))  # fmt: skip
-        if not _decided(candidate, node, decide, report):
-            return
+    candidate = Candidate(node.target, fn, tuple(_value(a) for a in (*args, *operands)), len(args),
+                          tuple(sorted({**kwargs, "program": program}.items())))  # fmt: skip
+    if decide is not None and not _decided(candidate, node, decide, report):
+        return
     with gm.graph.inserting_before(chain[-1]):
         fused = gm.graph.call_function(fn, (*args, *operands), {"program": program, **kwargs})
     fused.meta.update(chain[-1].meta)
@@ -335,6 +378,7 @@ def _lift_or_leave(gm, node, why: str | None, fn: Callable, args: tuple, kwargs:
     for dead in reversed(chain):
         gm.graph.erase_node(dead)
     report.lifted.append((node.name, names))
+    report.calls[node.name] = candidate.on_meta()
 
 
 def _decided(candidate: Candidate, node: torch.fx.Node, decide, report: Report) -> bool:
@@ -386,8 +430,18 @@ def lifted_grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *o
     ``(tokens, N)``, per-token columns ``(tokens, 1)``)."""
     from epicute.grouped.api import grouped_gemm
 
-    values = {f"t{i}": t for i, t in enumerate(operands)}
-    return grouped_gemm(x, w, offs, epilogue=lifted_epilogue(program), **values)
+    return grouped_gemm(x, w, offs, epilogue=lifted_epilogue(program), **_named(operands))
+
+
+def _named(operands: tuple) -> dict[str, torch.Tensor]:
+    """A lifted epilogue's operands by the names its signature gives them (``t0``, ``t1``, ...)."""
+    return {f"t{i}": t for i, t in enumerate(operands)}
+
+
+def _explain_grouped(x, w, offs, *operands, program: tuple, file: TextIO) -> None:
+    from epicute.grouped.api import explain_grouped
+
+    explain_grouped(x, w, offs, epilogue=lifted_epilogue(program), file=file, **_named(operands))
 
 
 #: F.scaled_dot_product_attention's parameters after q, k, v, with their defaults
@@ -416,19 +470,19 @@ def _lift_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, decide, repor
         report.left.append((node.name, why))
         return
     lifted_options = {"causal": bool(options["is_causal"]), "scale": options["scale"]}
-    if decide is not None:
-        torch_options = {"is_causal": lifted_options["causal"], "scale": options["scale"],
-                         "enable_gqa": q.shape[1] != k.shape[1]}  # fmt: skip
-        candidate = Candidate(F.scaled_dot_product_attention, lifted_attention, (q, k, v), 3,
-                              tuple(sorted(lifted_options.items())), tuple(sorted(torch_options.items())))  # fmt: skip
-        if not _decided(candidate, node, decide, report):
-            return
+    torch_options = {"is_causal": lifted_options["causal"], "scale": options["scale"],
+                     "enable_gqa": q.shape[1] != k.shape[1]}  # fmt: skip
+    candidate = Candidate(F.scaled_dot_product_attention, lifted_attention, (q, k, v), 3,
+                          tuple(sorted(lifted_options.items())), tuple(sorted(torch_options.items())))  # fmt: skip
+    if decide is not None and not _decided(candidate, node, decide, report):
+        return
     with gm.graph.inserting_before(node):
         fused = gm.graph.call_function(lifted_attention, tuple(node.args[:3]), lifted_options)
     fused.meta.update(node.meta)
     node.replace_all_uses_with(fused)
     gm.graph.erase_node(node)
     report.lifted.append((node.name, ("attention",)))
+    report.calls[node.name] = candidate.on_meta()
 
 
 def lifted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None):
@@ -438,6 +492,12 @@ def lifted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
 
     out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=scale)
     return out.transpose(1, 2)
+
+
+def _explain_attention(q, k, v, *, causal: bool, scale: float | None, file: TextIO) -> None:
+    from epicute.attention.api import explain_attention
+
+    explain_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, file=file)
 
 
 def _value(node: torch.fx.Node) -> Any:
@@ -535,12 +595,31 @@ def lifted_gemm(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor, 
     """``F.linear(x, weight)`` (``linear``) or ``x @ weight`` and the lifted ops as one :func:`epicute.gemm` (what a
     rewritten graph calls), through :func:`epicute.nn.functional.linear`: row operands as ``RowVector``, tiles as
     ``(tokens, out)``."""
+    weight, values = _linear_operands(weight, operands, program, linear)
+    return EF.linear(x, weight, epilogue=lifted_epilogue(program), **values)
+
+
+def _linear_operands(weight: torch.Tensor, operands: tuple, program: tuple, linear: bool) -> tuple:
+    """F.linear's ``(out, in)`` weight and the epilogue's operands against the ``(tokens, out)`` problem: row
+    operands as ``RowVector``, columns ``(tokens, 1)``, tiles ``(tokens, out)``."""
     _, kinds = program
-    weight = weight if linear else weight.t()  # F.linear's (out, in)
+    weight = weight if linear else weight.t()
     out = weight.shape[0]
     values = {f"t{i}": RowVector(t) if kind == "row" else t.reshape(-1, 1 if kind == "col" else out)
               for i, (t, kind) in enumerate(zip(operands, kinds))}  # fmt: skip
-    return EF.linear(x, weight, epilogue=lifted_epilogue(program), **values)
+    return weight, values
+
+
+def _explain_gemm(x, weight, *operands, program: tuple, linear: bool, file: TextIO) -> None:
+    from epicute.gemm.api import explain
+
+    weight, values = _linear_operands(weight, operands, program, linear)
+    explain(x.reshape(-1, x.shape[-1]), weight.t(), epilogue=lifted_epilogue(program), file=file, **values)
+
+
+#: each lifted call -> what prints its kernel's plan (the same arguments, and ``file``)
+EXPLAINERS: dict[Callable, Callable] = {lifted_gemm: _explain_gemm, lifted_grouped_gemm: _explain_grouped,
+                                        lifted_attention: _explain_attention}  # fmt: skip
 
 
 __all__ = ["Candidate", "Measured", "Report", "always", "backend", "last_report", "lift_linear_epilogues",

@@ -205,3 +205,35 @@ def test_the_peer_compiles_inside_the_compile(reference_layers, monkeypatch, tmp
         assert all(e < TOL for e in errors.values()), errors
     expected = "measured (forward and backward): epicute 1 ms, Inductor 1 ms"
     assert [why for _, why in EC.last_report().measured] == [expected] * 2
+
+
+def test_explain_plans_each_lifted_kernel_at_the_graphs_sizes(reference_layers):
+    """A report's explain: what was lifted and left, then each lifted node's kernel plan at the graph's sizes (a
+    dynamic graph's by their hints), with the epilogue chain the kernel runs; attention and grouped GEMMs too."""
+
+    def model(x, w1, b1, r, w2, v, q, k, w, offs, weights):
+        attended = F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+        return block(x, w1, b1, r, w2, v), attended, experts(x.reshape(-1, 64), w, offs, weights)
+
+    leaves = block_leaves((3, 37), "cpu")
+    q = torch.randn(1, 4, 40, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 40, 64, dtype=torch.bfloat16)
+    w = torch.randn(3, 48, 64, dtype=torch.bfloat16)  # (experts, out, in), as experts() takes them
+    offs = torch.tensor([50, 50, 111], dtype=torch.int32)
+    weights = torch.rand(111, 1, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=AOT_EAGER, fullgraph=True, dynamic=True)
+    compiled(**leaves, q=q, k=k, w=w, offs=offs, weights=weights)
+    report = EC.last_report()
+    text = report.explain()
+    assert text.startswith(str(report) + "\n")
+    sections = dict(part.split("\n", 1) for part in text.split("\n== ")[1:])
+    assert sorted(sections) == sorted(report.calls) == sorted(node for node, _ in report.lifted)
+    plans = sorted(section.splitlines()[0] for section in sections.values())
+    attention = "epicute attention plan: O[1x40x4x64] = softmax(Q K^T) V, seqlen_k=40, bf16, causal (bottom-right"
+    grouped = "epicute grouped GEMM plan: 3 groups, D[111x48] = A[111x64] @ B[group][64x48] (rows sorted by group;"
+    assert plans[:2] == ["epicute GEMM plan: D[1x111x136] = A[1x111x64] @ B[1x64x136]",
+                         "epicute GEMM plan: D[1x111x24] = A[1x111x136] @ B[1x136x24]"]  # fmt: skip
+    assert plans[2].startswith(attention) and plans[3].startswith(grouped), plans
+    chains = [line for section in sections.values() for line in section.splitlines() if "subtile  compute" in line]
+    assert any("gelu" in line for line in chains) and any("silu" in line for line in chains)
