@@ -14,6 +14,7 @@ finite value.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,7 +31,9 @@ from epicute.errors import EpilogueError, ShapeError
 Tensor = torch.Tensor
 
 
-def _fp32(value: float, compute: torch.dtype, device: torch.device) -> Tensor:
+def _fp32(value: float | Tensor, compute: torch.dtype, device: torch.device) -> Tensor:
+    if isinstance(value, Tensor):  # a 0-d tensor scalar that trains: rounded as the kernel reads it, differentiably
+        return value.to(device=device, dtype=torch.float32).to(compute)
     return torch.tensor(value, dtype=torch.float32, device=device).to(compute)
 
 
@@ -144,6 +147,14 @@ def _batched(t: Tensor, name: str, dims: str) -> Tensor:
     raise ShapeError(f"{name} has shape {tuple(t.shape)}; expected 2-D {dims} or batched 3-D (L, {dims[1:]}")
 
 
+def training_scalars(specs: dict[str, OperandSpec], operands: Mapping[str, Any]) -> dict[str, OperandSpec]:
+    """``specs`` with each tensor scalar that requires grad as itself: a scalar spec holds the number the kernel
+    reads, and the reference backend's result must be differentiable in a scalar like in every other operand."""
+    trained = {name: value for name, value in operands.items() if isinstance(value, Tensor) and value.requires_grad}
+    return {name: replace(spec, value=trained[name].reshape(())) if spec.kind == "scalar" and name in trained
+            else spec for name, spec in specs.items()}  # fmt: skip
+
+
 def reference_gemm(
     a: Tensor,
     b: Tensor,
@@ -166,7 +177,7 @@ def reference_gemm(
     if a.dim() != b.dim() or a3.shape[0] != b3.shape[0] or a3.shape[2] != b3.shape[1]:
         raise ShapeError(f"a {tuple(a.shape)} and b {tuple(b.shape)} do not multiply: need (L, M, K) @ (L, K, N)")
     l, m, n = a3.shape[0], a3.shape[1], output_columns(b3.shape[2], gated)
-    specs = epi.operands(operands or {}, m, n, l)
+    specs = training_scalars(epi.operands(operands or {}, m, n, l), operands or {})
     d_dtype = a.dtype if a.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     graph = epi.trace(
         {k: s.kind for k, s in specs.items()}, {k: s.dtype for k, s in specs.items()}, out_dtypes, d_dtype=d_dtype

@@ -12,7 +12,7 @@ import torch
 from epicute.epilogue.dtypes import IR_TO_TORCH
 from epicute.epilogue.gated import check_gated_call, gated_epilogue, split_gate_up
 from epicute.epilogue.operands import OperandSpec
-from epicute.epilogue.reference import evaluate, round_to
+from epicute.epilogue.reference import evaluate, round_to, training_scalars
 from epicute.epilogue.scales import dequantize_blockwise
 from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import EpilogueError, OutputError
@@ -164,7 +164,7 @@ def grouped_gemm(
             check_d_rows(None, call.problem.d_n, prepared.d_torch_dtype)
         call = replace(call, problem=prepared.plan.problem, out_dtype=prepared.d_torch_dtype)
     if backend == "reference":
-        results = reference_grouped(call, prepared, specs)
+        results = reference_grouped(call, prepared, training_scalars(specs, operands))
     elif prepared.epilogue is None:
         results = run_grouped(call, prepared.plan)
     else:

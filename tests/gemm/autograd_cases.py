@@ -58,10 +58,10 @@ def _leaf(value):
     return value.value if isinstance(value, epicute.ColVector | epicute.RowVector) else value
 
 
-def run_case(case: tuple, m: int, n: int, k: int, device: str, batch: int | None = None, call=None) -> dict:
-    """Run one case forward and backward through ``call`` (default :func:`epicute.gemm`) and through float64
-    autograd of its math; the relative error of every gradient (and of each output), by name."""
-    epilogue, math, factories, options = case
+def forward_backward(case: tuple, m: int, n: int, k: int, device: str, batch: int | None = None, call=None):
+    """One case forward and backward through ``call`` (default :func:`epicute.gemm`) on random inputs and random
+    upstream gradients: ``(a, b, operands, outs, upstream)``, the leaves' ``.grad`` filled."""
+    epilogue, _, factories, options = case
     gated = options.get("gated", False)
     lead = (batch,) if batch else ()
     a = torch.randn(*lead, m, k, device=device, dtype=BF16).requires_grad_()
@@ -72,6 +72,20 @@ def run_case(case: tuple, m: int, n: int, k: int, device: str, batch: int | None
     outs = out if isinstance(out, dict) else {"D": out}
     upstream = {name: torch.randn_like(t) for name, t in outs.items() if t.requires_grad}
     torch.autograd.backward([outs[name] for name in upstream], [upstream[name] for name in upstream])
+    return a, b, operands, outs, upstream
+
+
+def gradients(operands: dict) -> dict[str, torch.Tensor]:
+    """Each operand's gradient by name (a vector wrapper's from its tensor)."""
+    return {name: _leaf(v).grad for name, v in operands.items()}
+
+
+def run_case(case: tuple, m: int, n: int, k: int, device: str, batch: int | None = None, call=None) -> dict:
+    """Run one case forward and backward through ``call`` (default :func:`epicute.gemm`) and through float64
+    autograd of its math; the relative error of every gradient (and of each output), by name."""
+    _, math, _, options = case
+    gated = options.get("gated", False)
+    a, b, operands, outs, upstream = forward_backward(case, m, n, k, device, batch, call)
 
     a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
     ops64 = {name: _leaf(v).detach().double().requires_grad_() for name, v in operands.items()}

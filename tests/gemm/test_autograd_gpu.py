@@ -14,7 +14,7 @@ import torch
 
 import epicute
 from epicute.gemm.autograd import RECOMPUTE_BELOW_K
-from tests.gemm.autograd_cases import cases, run_case
+from tests.gemm.autograd_cases import cases, forward_backward, gradients, run_case
 
 pytestmark = pytest.mark.gpu
 
@@ -49,6 +49,24 @@ def test_compiled_training_step(name):
         errors = run_case(cases(m, N, DEVICE)[name], m, N, K_PLANS["save"], DEVICE, call=compiled)
         errors.pop("differentiable outputs")
         assert all(e < TOL for e in errors.values()), (m, errors)
+
+
+@pytest.mark.parametrize("name", ["bias", "gelu_bias_residual", "tanh_scaled_with_aux", "swiglu"])
+@pytest.mark.parametrize("plan", list(K_PLANS))
+def test_gradients_are_bitwise_identical_run_to_run(name, plan):
+    """Every reduction in the backward (a bias's column sums, a scalar's total, the row sums of an aux output)
+    combines its partials in a fixed order: the same inputs give the same bits, run after run."""
+    runs = []
+    for _ in range(3):
+        torch.manual_seed(1234)
+        a, b, operands, outs, _ = forward_backward(cases(M, N, DEVICE)[name], M, N, K_PLANS[plan], DEVICE)
+        runs.append({"a": a.grad, "b": b.grad, **gradients(operands), **{f"out {o}": t for o, t in outs.items()}})
+    first = runs[0]
+    assert all(t is not None for t in first.values()), sorted(first)
+    for again in runs[1:]:
+        assert all(torch.equal(first[key], again[key]) for key in first), [
+            key for key in first if not torch.equal(first[key], again[key])
+        ]
 
 
 def test_fp8_inputs_train_their_epilogue_operands():

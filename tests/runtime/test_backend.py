@@ -48,3 +48,35 @@ def test_a_traced_call_refuses_another_backend_with_the_fix():
     check_traced_backend("kernel")
     with pytest.raises(epicute.ConfigError, match="cannot be compiled with torch.compile; use backend='kernel'"):
         check_traced_backend("reference")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tensor_scalar_operand_trains_on_the_reference_backend(dtype):
+    """A 0-d tensor scalar that requires grad gets its gradient (the kernel reads the number; the reference backend
+    computes with the tensor itself), against float64 autograd of the same math."""
+    a = torch.randn(7, 40, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(40, 24, dtype=torch.bfloat16, requires_grad=True)
+    alpha = (torch.rand((), dtype=dtype) + 0.5).requires_grad_()
+    with epicute.use_backend("reference"):
+        d = epicute.gemm(a, b, epilogue=lambda acc, alpha: epicute.ops.tanh(acc * alpha), alpha=alpha)
+    grad = torch.randn_like(d)
+    d.backward(grad)
+    leaves = [t.detach().double().requires_grad_() for t in (a, b, alpha)]
+    torch.tanh((leaves[0] @ leaves[1]) * leaves[2]).backward(grad.double())
+    for got, want in zip((a.grad, b.grad, alpha.grad), (t.grad for t in leaves)):
+        assert got is not None
+        assert ((got.double() - want).norm() / want.norm()).item() < 2e-2  # bf16 output and operands
+
+
+def test_a_tensor_scalar_operand_trains_a_grouped_gemm_on_the_reference_backend():
+    a = torch.randn(30, 16, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(2, 16, 8, dtype=torch.bfloat16, requires_grad=True)
+    offsets = torch.tensor([11, 30], dtype=torch.int32)
+    alpha = (torch.rand(()) + 0.5).requires_grad_()
+    with epicute.use_backend("reference"):
+        d = epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc, alpha: acc * alpha, alpha=alpha)
+    grad = torch.randn_like(d)
+    d.backward(grad)
+    a64, b64 = a.detach().double(), b.detach().double()
+    want = torch.cat([a64[:11] @ b64[0], a64[11:] @ b64[1]]).mul(grad.double()).sum()
+    assert alpha.grad is not None and abs(alpha.grad.double() - want).item() / want.abs().item() < 2e-2
