@@ -315,6 +315,8 @@ def attention(
     if out is not None:
         check_attention_out(call, out, IR_TO_TORCH[prepared.output_dtypes["D"]])
     if backend == "reference":
+        if torch.is_grad_enabled() and needs_grad:
+            check_operand_gradients(prepared, operands)
         results, lse = reference_attention(call, score, epi)
         # Contiguous, as the kernels write them (and as the torch op's fake promises).
         results = {name: value.to(q.device).contiguous() for name, value in results.items()}
@@ -349,6 +351,15 @@ def _named_hooks(score_mod, epilogue) -> tuple[Epilogue | None, Epilogue | None]
 
 def _check_differentiable(prepared, out: torch.Tensor | None, operands: dict[str, Any]) -> None:
     """Refuse, with the fix, a call whose inputs need gradients the backward cannot give."""
+    check_operand_gradients(prepared, operands)
+    prepared.backward_variant()
+    if out is not None:
+        raise ConfigError("out=: autograd needs attention to allocate O; drop out= or call under torch.no_grad()")
+
+
+def check_operand_gradients(prepared, operands: dict[str, Any]) -> None:
+    """Refuse, with the fix, an operand that requires grad where no backend gives it one: only a score_mod's
+    per-head vectors have gradients (the reference backend refuses the rest as the kernels do)."""
     score = prepared.score
     for name, value in operands.items():
         if not (isinstance(value, torch.Tensor) and value.requires_grad):
@@ -363,9 +374,6 @@ def _check_differentiable(prepared, out: torch.Tensor | None, operands: dict[str
                 f"operand {name!r} requires grad, but a one-element tensor is read as a number, which gets no "
                 f"gradient; give it one entry per query head ({prepared.plan.problem.heads_q},) or pass {name}.detach()"
             )
-    prepared.backward_variant()
-    if out is not None:
-        raise ConfigError("out=: autograd needs attention to allocate O; drop out= or call under torch.no_grad()")
 
 
 def explain_attention(

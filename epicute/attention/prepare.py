@@ -97,13 +97,10 @@ class Hook:
         missing = [name for name in fn.params if name not in values and name not in fn.defaults]
         if missing:
             raise EpilogueError(f"{hook} {fn.name!r} needs operands {missing}: pass them as keyword arguments")
-        given = {name: values[name] if name in values else fn.defaults[name] for name in fn.params}
-        self.operands = {name: _operand_kind(hook, name, value, p) for name, value in given.items()}
-        # What the reference backend differentiates in: a tensor scalar that requires grad, as itself (the kernel
-        # reads its number).
-        self.trained_scalars = {name: value.reshape(()) for name, value in given.items()
-                                if self.operands[name][0] == "scalar" and isinstance(value, torch.Tensor)
-                                and value.requires_grad}  # fmt: skip
+        self.operands = {
+            name: _operand_kind(hook, name, values[name] if name in values else fn.defaults[name], p)
+            for name in fn.params
+        }
         dtypes = {n: "fp32" if k == "scalar" else TORCH_TO_IR[v.dtype] for n, (k, v) in self.operands.items()}
         kinds = {n: _IR_KIND[k] for n, (k, _) in self.operands.items()}
         self.graph = fn.trace(kinds, dtypes, out_dtypes, d_dtype=out_dtype)
@@ -131,12 +128,12 @@ class Hook:
 
     def reference_specs(self, p: AttentionProblem) -> dict[str, OperandSpec]:
         """Operands in the IR's canonical ``(L, M, N)`` views, ``L = batch * heads`` (CPU copies, differentiable:
-        the reference backend's result trains every operand that requires grad)."""
+        the reference backend trains a score_mod's per-head vectors as the kernels' backward does)."""
         L = p.batch * p.heads_q
         specs = {}
         for name, (kind, value) in self.operands.items():
             if kind == "scalar":
-                specs[name] = OperandSpec(name, "scalar", "fp32", self.trained_scalars.get(name, value))
+                specs[name] = OperandSpec(name, "scalar", "fp32", value)
                 continue
             t = value.cpu()
             if kind == "head":

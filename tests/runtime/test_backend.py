@@ -82,32 +82,38 @@ def test_a_tensor_scalar_operand_trains_a_grouped_gemm_on_the_reference_backend(
     assert alpha.grad is not None and abs(alpha.grad.double() - want).item() / want.abs().item() < 2e-2
 
 
-def test_attention_hook_operands_train_on_the_reference_backend():
-    """score_mod and epilogue operands (a tensor scalar, a per-head vector, a row vector) get their gradients on the
-    reference backend, against float64 autograd of the same math."""
+def test_attention_hook_operands_train_on_the_reference_backend_as_on_the_kernels():
+    """A score_mod's per-head vector gets its gradient on the reference backend, against float64 autograd of the
+    same math; an operand the kernels' backward gives no gradient (a number, an epilogue's) is refused the same way
+    on both backends."""
     batch, seqlen, heads, dim = 2, 37, 2, 64
     q, k, v = (torch.randn(batch, seqlen, heads, dim, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
-    temperature = (torch.rand(()) + 0.5).requires_grad_()
     slope = torch.rand(heads, requires_grad=True)  # a per-head position bias (ALiBi-like): not shift-invariant
-    gain = torch.randn(dim, requires_grad=True)
+    gain = torch.randn(dim)
 
     def score_mod(score, b, h, q_idx, kv_idx, temperature, slope):
         return score * temperature - slope * (q_idx - kv_idx)
 
+    def call(temperature, gain):
+        return epicute.attention(q, k, v, causal=True, score_mod=score_mod, epilogue=lambda o, gain: o * gain,
+                                 temperature=temperature, slope=slope, gain=gain)  # fmt: skip
+
     with epicute.use_backend("reference"):
-        out = epicute.attention(q, k, v, causal=True, score_mod=score_mod, epilogue=lambda o, gain: o * gain,
-                                temperature=temperature, slope=slope, gain=gain)  # fmt: skip
+        out = call(0.8, gain)
+        with pytest.raises(epicute.ConfigError, match="'temperature' requires grad, but a one-element tensor"):
+            call(torch.tensor(0.8, requires_grad=True), gain)
+        with pytest.raises(epicute.ConfigError, match="'gain' requires grad: only the score_mod's per-head vectors"):
+            call(0.8, gain.clone().requires_grad_())
     grad = torch.randn_like(out)
     out.backward(grad)
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, temperature, slope, gain)]
-    q64, k64, v64, t64, s64, g64 = leaves
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, slope)]
+    q64, k64, v64, s64 = leaves
     scores = torch.einsum("bqhd,bkhd->bhqk", q64, k64) / dim**0.5
     position = torch.arange(seqlen, dtype=torch.float64)
-    scores = scores * t64 - s64.view(1, -1, 1, 1) * (position.view(-1, 1) - position.view(1, -1))
+    scores = scores * 0.8 - s64.view(1, -1, 1, 1) * (position.view(-1, 1) - position.view(1, -1))
     scores = scores.masked_fill(torch.ones(seqlen, seqlen, dtype=torch.bool).triu(1), float("-inf"))
-    want = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v64) * g64
+    want = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v64) * gain.double()
     want.backward(grad.double())
-    names = ("q", "k", "v", "temperature", "slope", "gain")
-    for name, got, ref in zip(names, (q, k, v, temperature, slope, gain), leaves):
+    for name, got, ref in zip(("q", "k", "v", "slope"), (q, k, v, slope), leaves):
         assert got.grad is not None, name
         assert ((got.grad.double() - ref.grad).norm() / ref.grad.norm()).item() < 2e-2, name  # bf16 inputs, output
