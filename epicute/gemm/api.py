@@ -225,6 +225,7 @@ def gemm(
     if backend == "reference":
         check_has_values(("a", a), ("b", b), ("out", out), ("a_scale", a_scale), ("b_scale", b_scale),
                          *_named_outs(outs), operands=operands)  # fmt: skip
+        needs_backward(a, b, a_scale, b_scale, out, outs, operands)  # the kernels' refusals, the same here
     if tune and backend == "kernel":
         tuned = _tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands, scales, gated)
         config = {**tuned, **dict(_overrides(config))}  # the caller's pins win

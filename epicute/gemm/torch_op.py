@@ -335,15 +335,15 @@ def needs_backward(a, b, a_scale, b_scale, out, outs, operands: dict) -> bool:
     :class:`~epicute.errors.GradientError` for what has no gradient: fp8 inputs, scales, ``out=``/``outs=``."""
     if not torch.is_grad_enabled():
         return False
+    for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):  # alone too: the output would have no grad_fn
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise GradientError(f"{name} requires grad: fp8 dequantization scales take no gradient; pass "
+                                f"{name}.detach()")  # fmt: skip
     tensors = {"a": a, "b": b, **{f"operand {name!r}": value.value if isinstance(value, Pin) else value
                                   for name, value in operands.items()}}  # fmt: skip
     needs = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
     if not needs:
         return False
-    for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            raise GradientError(f"{name} requires grad: fp8 dequantization scales take no gradient; pass "
-                                f"{name}.detach()")  # fmt: skip
     fp8 = [name for name in ("a", "b") if tensors[name].dtype in FP8_TORCH_DTYPES and tensors[name].requires_grad]
     if fp8:
         raise GradientError(f"{fp8[0]} is an fp8 tensor that requires grad: fp8 GEMM inputs take no gradient "

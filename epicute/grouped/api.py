@@ -154,6 +154,7 @@ def grouped_gemm(
         )  # fmt: skip
     if not on_gpu:
         check_has_values(*named, operands=operands)  # offsets and a_index: their device is checked with a's
+        needs_grouped_backward(a, b, out, loader_args, operands)  # the kernels' refusals, the same here
     call, specs, request = describe_grouped_call(
         a, b, offsets, epilogue, out, out_dtype, out_dtypes, config, operands, on_gpu, check_offsets, gated,
         (a_scale, b_scale), a_index,

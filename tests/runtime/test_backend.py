@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -117,3 +119,32 @@ def test_attention_hook_operands_train_on_the_reference_backend_as_on_the_kernel
     for name, got, ref in zip(("q", "k", "v", "slope"), (q, k, v, slope), leaves):
         assert got.grad is not None, name
         assert ((got.grad.double() - ref.grad).norm() / ref.grad.norm()).item() < 2e-2, name  # bf16 inputs, output
+
+
+def _fp8(*shape):
+    return torch.randn(*shape).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda: epicute.gemm(_fp8(8, 32), _fp8(16, 32).t(), a_scale=torch.rand(8, 1).requires_grad_(),
+                              b_scale=torch.rand(1, 16)),
+         "a_scale requires grad: fp8 dequantization scales take no gradient"),
+        (lambda: epicute.gemm(torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True),
+                              torch.randn(32, 16, dtype=torch.bfloat16), out=torch.empty(8, 16, dtype=torch.bfloat16)),
+         "out=/outs= were given"),
+        (lambda: epicute.grouped_gemm(torch.randn(16, 10, dtype=torch.bfloat16, requires_grad=True),
+                                      torch.randn(10, 24, dtype=torch.bfloat16),
+                                      torch.tensor([4, 10], dtype=torch.int32)),
+         "a variable-K grouped GEMM (a 2-D b: weight gradients) records no backward"),
+    ],
+    ids=["scale-alone", "out", "variable-k"],
+)  # fmt: skip
+def test_what_the_kernels_give_no_gradient_is_refused_on_both_backends(backend, call, words):
+    """The reference backend is differentiable torch, but a program tried on it must meet the kernels' rules: the
+    same typed error, before any computation (a scale that alone requires grad included: the output would
+    otherwise carry no gradient)."""
+    with epicute.use_backend(backend), pytest.raises(epicute.GradientError, match=re.escape(words)):
+        call()
