@@ -309,6 +309,7 @@ def attention(
         # Training: what the custom op's autograd runs, without its dispatch (checked here, before any launch);
         # under torch.compile the op itself (above).
         _check_differentiable(prepared, out, operands)
+        prepared.backward_variant()  # what the backward launches, built before the forward runs
         names = tuple(name for name, value in operands.items() if isinstance(value, torch.Tensor))
         o, lse = EagerAttention.apply(call, prepared, deterministic, names, q, k, v, *(operands[n] for n in names))
         return (o, lse) if return_lse else o
@@ -316,7 +317,7 @@ def attention(
         check_attention_out(call, out, IR_TO_TORCH[prepared.output_dtypes["D"]])
     if backend == "reference":
         if torch.is_grad_enabled() and needs_grad:
-            check_operand_gradients(prepared, operands)
+            _check_differentiable(prepared, out, operands)
         results, lse = reference_attention(call, score, epi)
         # Contiguous, as the kernels write them (and as the torch op's fake promises).
         results = {name: value.to(q.device).contiguous() for name, value in results.items()}
@@ -350,16 +351,10 @@ def _named_hooks(score_mod, epilogue) -> tuple[Epilogue | None, Epilogue | None]
 
 
 def _check_differentiable(prepared, out: torch.Tensor | None, operands: dict[str, Any]) -> None:
-    """Refuse, with the fix, a call whose inputs need gradients the backward cannot give."""
-    check_operand_gradients(prepared, operands)
-    prepared.backward_variant()
-    if out is not None:
-        raise ConfigError("out=: autograd needs attention to allocate O; drop out= or call under torch.no_grad()")
-
-
-def check_operand_gradients(prepared, operands: dict[str, Any]) -> None:
-    """Refuse, with the fix, an operand that requires grad where no backend gives it one: only a score_mod's
-    per-head vectors have gradients (the reference backend refuses the rest as the kernels do)."""
+    """Refuse, with the fix, a call whose inputs need gradients the backward cannot give (on both backends: a
+    program tried on the reference backend meets the kernels' rules): only a score_mod's per-head vectors among
+    the operands, none of what :meth:`~epicute.attention.prepare.PreparedAttention.check_backward` names, no
+    ``out=``."""
     score = prepared.score
     for name, value in operands.items():
         if not (isinstance(value, torch.Tensor) and value.requires_grad):
@@ -374,6 +369,9 @@ def check_operand_gradients(prepared, operands: dict[str, Any]) -> None:
                 f"operand {name!r} requires grad, but a one-element tensor is read as a number, which gets no "
                 f"gradient; give it one entry per query head ({prepared.plan.problem.heads_q},) or pass {name}.detach()"
             )
+    prepared.check_backward()
+    if out is not None:
+        raise ConfigError("out=: autograd needs attention to allocate O; drop out= or call under torch.no_grad()")
 
 
 def explain_attention(

@@ -219,12 +219,10 @@ class PreparedAttention:
             p.varlen,
         )  # fmt: skip
 
-    def backward_variant(self, deterministic: bool = False, operand_grads: bool = False):
-        """The backward kernel of this call (:mod:`epicute.attention.backward`), adding dQ's parts in a fixed
-        order if ``deterministic`` and summing the score_mod's per-head vectors' gradients if ``operand_grads``;
-        raises :class:`~epicute.errors.ConfigError` naming what the backward does not cover."""
-        from epicute.attention.backward import BackwardVariant
-        from epicute.attention.backward_plan import BACKWARD_HEAD_DIMS, backward_config
+    def check_backward(self) -> None:
+        """Raise :class:`~epicute.errors.ConfigError` naming what the backward does not cover (both backends: a
+        program tried on the reference backend meets the kernels' rules)."""
+        from epicute.attention.backward_plan import BACKWARD_HEAD_DIMS
 
         p = self.plan.problem
         refusals = [
@@ -237,6 +235,16 @@ class PreparedAttention:
         for refused, why in refusals:
             if refused:
                 raise ConfigError(f"attention backward: {why}; or call under torch.no_grad() (inference)")
+
+    def backward_variant(self, deterministic: bool = False, operand_grads: bool = False):
+        """The backward kernel of this call (:mod:`epicute.attention.backward`), adding dQ's parts in a fixed
+        order if ``deterministic`` and summing the score_mod's per-head vectors' gradients if ``operand_grads``;
+        raises :class:`~epicute.errors.ConfigError` naming what the backward does not cover."""
+        from epicute.attention.backward import BackwardVariant
+        from epicute.attention.backward_plan import backward_config
+
+        self.check_backward()
+        p = self.plan.problem
         score = None if self.score is None else self.score.fusion
         return BackwardVariant(
             backward_config(p.head_dim, score is not None), p.dtype, p.causal, score,

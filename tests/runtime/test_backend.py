@@ -86,26 +86,28 @@ def test_a_tensor_scalar_operand_trains_a_grouped_gemm_on_the_reference_backend(
 
 def test_attention_hook_operands_train_on_the_reference_backend_as_on_the_kernels():
     """A score_mod's per-head vector gets its gradient on the reference backend, against float64 autograd of the
-    same math; an operand the kernels' backward gives no gradient (a number, an epilogue's) is refused the same way
-    on both backends."""
+    same math; what the kernels' backward refuses (a number's gradient, an epilogue's operand, an output epilogue
+    while training) is refused the same way on both backends."""
     batch, seqlen, heads, dim = 2, 37, 2, 64
     q, k, v = (torch.randn(batch, seqlen, heads, dim, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
     slope = torch.rand(heads, requires_grad=True)  # a per-head position bias (ALiBi-like): not shift-invariant
-    gain = torch.randn(dim)
 
     def score_mod(score, b, h, q_idx, kv_idx, temperature, slope):
         return score * temperature - slope * (q_idx - kv_idx)
 
-    def call(temperature, gain):
-        return epicute.attention(q, k, v, causal=True, score_mod=score_mod, epilogue=lambda o, gain: o * gain,
-                                 temperature=temperature, slope=slope, gain=gain)  # fmt: skip
+    def call(temperature, **epilogue):
+        return epicute.attention(q, k, v, causal=True, score_mod=score_mod, temperature=temperature, slope=slope,
+                                 **epilogue)  # fmt: skip
 
+    gain = torch.randn(dim)
     with epicute.use_backend("reference"):
-        out = call(0.8, gain)
+        out = call(0.8)
         with pytest.raises(epicute.ConfigError, match="'temperature' requires grad, but a one-element tensor"):
-            call(torch.tensor(0.8, requires_grad=True), gain)
+            call(torch.tensor(0.8, requires_grad=True))
         with pytest.raises(epicute.ConfigError, match="'gain' requires grad: only the score_mod's per-head vectors"):
-            call(0.8, gain.clone().requires_grad_())
+            call(0.8, epilogue=lambda o, gain: o * gain, gain=gain.clone().requires_grad_())
+        with pytest.raises(epicute.ConfigError, match="epilogue=: an output epilogue has no backward"):
+            call(0.8, epilogue=lambda o, gain: o * gain, gain=gain)
     grad = torch.randn_like(out)
     out.backward(grad)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, slope)]
@@ -114,7 +116,7 @@ def test_attention_hook_operands_train_on_the_reference_backend_as_on_the_kernel
     position = torch.arange(seqlen, dtype=torch.float64)
     scores = scores * 0.8 - s64.view(1, -1, 1, 1) * (position.view(-1, 1) - position.view(1, -1))
     scores = scores.masked_fill(torch.ones(seqlen, seqlen, dtype=torch.bool).triu(1), float("-inf"))
-    want = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v64) * gain.double()
+    want = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v64)
     want.backward(grad.double())
     for name, got, ref in zip(("q", "k", "v", "slope"), (q, k, v, slope), leaves):
         assert got.grad is not None, name
