@@ -220,38 +220,36 @@ class Measured:
         stored = LIFTED.get(key)
         if stored is not None:
             return stored["lift"], stored["why"]
-        ours_ms, theirs_ms, failed = _outside_the_compile(functools.partial(self._measure, candidate))
-        if failed is not None:
-            return failed
-        lift = ours_ms <= theirs_ms
-        what = "measured (forward and backward)" if candidate.trains() else "measured"
-        why = f"{what}: epicute {ours_ms:.4g} ms, Inductor {theirs_ms:.4g} ms"
-        LIFTED.put(key, {"lift": lift, "why": why})
-        return lift, why
+        return _outside_the_compile(functools.partial(self._measure, candidate, key))
 
-    def _measure(self, candidate: Candidate) -> tuple[float, float, tuple[bool, str] | None]:
+    def _measure(self, candidate: Candidate, key: str) -> tuple[bool, str]:
+        """Time both sides; the decision, remembered under ``key`` where both were measured."""
         from torch._inductor.compile_fx import compile_fx
 
         timer = self.timer or _time_ms
         inputs = candidate.real_inputs()
         ours, theirs = candidate.epicute(), candidate.unlifted()
+        trains = candidate.trains()
         with torch.no_grad():
-            if candidate.trains():
-                trains = [t.requires_grad for t in candidate.inputs]
-                out = theirs(*inputs)[0]
-                inputs = [*inputs, torch.randn_like(out)]  # the gradient both backward passes start from
-                ours, theirs = _joint(ours, trains), _joint(theirs, trains)
-                theirs = make_fx(theirs, tracing_mode="fake")(*inputs)
+            if trains:
+                needs = [t.requires_grad for t in candidate.inputs]
+                grad = torch.randn_like(theirs(*inputs)[0])  # the gradient both backward passes start from
+                inputs = [*inputs, grad]
+                ours, theirs = _joint(ours, needs), _joint(theirs, needs)
             try:
                 ours_ms = timer(ours, inputs)
             except Exception as exc:  # noqa: BLE001 - epicute's call failed here: the chain stays Inductor's
-                why = f"epicute's call failed on inputs like the graph's ({type(exc).__name__}: {exc})"
-                return 0.0, 0.0, (False, why)
+                return False, f"epicute's call failed on inputs like the graph's ({type(exc).__name__}: {exc})"
             try:
-                theirs_ms = timer((self.peer or compile_fx)(theirs, inputs), inputs)
+                graph = make_fx(theirs, tracing_mode="fake")(*inputs) if trains else theirs
+                theirs_ms = timer((self.peer or compile_fx)(graph, inputs), inputs)
             except Exception as exc:  # noqa: BLE001 - no figure to beat: lifted, as without measuring
-                return 0.0, 0.0, (True, f"Inductor's chain not measured ({type(exc).__name__}: {exc})")
-        return ours_ms, theirs_ms, None
+                return True, f"Inductor's chain not measured ({type(exc).__name__}: {exc})"
+        lift = ours_ms <= theirs_ms
+        what = "measured (forward and backward)" if trains else "measured"
+        why = f"{what}: epicute {ours_ms:.4g} ms, Inductor {theirs_ms:.4g} ms"
+        LIFTED.put(key, {"lift": lift, "why": why})
+        return lift, why
 
 
 def _joint(fn: Callable, trains: list[bool]) -> Callable:
