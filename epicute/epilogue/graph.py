@@ -94,6 +94,18 @@ class Graph:
     def output_node(self, name: str) -> Node:
         return self.nodes[dict(self.outputs)[name]]
 
+    def __hash__(self) -> int:
+        # Graphs key the memos of every host path (plans, derived gradients): hashed once, not node by node per call.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.nodes, self.inputs, self.outputs, self.output_dtypes))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        # The cached hash is this process's (string hashes are salted per process): never pickled.
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def gated(self) -> bool:
         """A gated epilogue's graph (:class:`~epicute.epilogue.tracer.GatedEpilogue`): its accumulator pairs

@@ -39,7 +39,7 @@ from epicute.gemm.prepared import (
 )
 from epicute.gemm.torch_op import gemm_op_call, needs_backward
 from epicute.gemm.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry, tune_key
-from epicute.gemm.validate import D_TORCH_DTYPES, GemmCall, check_gemm_args
+from epicute.gemm.validate import D_TORCH_DTYPES, GemmCall, check_gemm_args, settle_d
 from epicute.runtime.backend import resolve_backend
 from epicute.runtime.checks import (
     TMA_ALIGN_BYTES,
@@ -238,7 +238,7 @@ def gemm(
         return _run_and_record(_bind(call, specs, prepared, outs, a, b, out), fast)
     if prepared.epilogue is None:
         return _deliver(call, {"D": _reference_matmul(call)})
-    call = _with_d_dtype(call, prepared.d_torch_dtype, a, b, out, require_cuda=False)
+    call = settle_d(call, prepared.d_torch_dtype)
     outs = dict(outs or {})
     p = call.problem
     check_outs(prepared.fusion, outs, (p.l, p.m, call.d_n), call.batched)  # as the kernel takes them
@@ -416,7 +416,7 @@ def _bind(call: GemmCall, specs, prepared: PreparedGemm, outs, a, b, out) -> Gem
     """The launch of a validated kernel call (``describe_call``'s ``call`` and ``specs``) as ``prepared`` says."""
     if prepared.epilogue is None:
         return bind_gemm(call, prepared.plan)
-    call = _with_d_dtype(call, prepared.d_torch_dtype, a, b, out, require_cuda=True)
+    call = settle_d(call, prepared.d_torch_dtype)
     p, device = call.problem, call.a.device
     tensors, scalars = kernel_inputs(prepared.fusion, specs, device)
     aux = aux_outputs(prepared.fusion, dict(outs or {}), (p.l, p.m, call.d_n), call.batched, device)
@@ -458,7 +458,7 @@ def describe_call(
         if out_dtype is not None and out_dtype != d_dtype:
             raise OutputError(f"out_dtype={out_dtype} but out_dtypes['D']={d_dtype}; D has one dtype: drop one")
         out_dtype = out_dtype or d_dtype
-    call = check_gemm_args(a, b, out, out_dtype, require_cuda=require_cuda, gated=gated)
+    call = check_gemm_args(a, b, out, out_dtype, require_cuda=require_cuda, gated=gated, d_settled=epilogue is None)
     p = call.problem
     if gated:
         epilogue = gated_epilogue(epilogue)
@@ -502,17 +502,6 @@ def _prepare_memo(request: GemmRequest) -> PreparedGemm:
         return prepare(request)  # a plan-cache hit
     # The request's epilogue is what is traced: the user's, or its scaled or gated form.
     return _PREPARED.get(request.epilogue, request.signature(), lambda: prepare(request))
-
-
-def _with_d_dtype(call, d_dtype, a, b, out, *, require_cuda: bool):
-    """``call`` again with D stored in ``d_dtype`` (an epilogue's own cast/quantize may choose it)."""
-    if d_dtype == call.out_dtype:
-        return call
-    again = check_gemm_args(a, b, out, d_dtype, require_cuda=require_cuda, gated=call.gated)
-    p = call.problem
-    problem = replace(again.problem, block_scaled=p.block_scaled, a_scales_tma=p.a_scales_tma,
-                      b_scales_bulk=p.b_scales_bulk)  # fmt: skip
-    return replace(again, problem=problem, block_scales=call.block_scales)
 
 
 def tune(
@@ -674,7 +663,8 @@ def explain(
     resolved = resolve_target(target)
     prepared = prepare(replace(request, target=resolved))
     plan = prepared.plan
-    if prepared.epilogue is not None:  # the preallocated outputs, as gemm would take them
+    if prepared.epilogue is not None:  # D's rows and the preallocated outputs, as gemm would take them
+        settle_d(call, prepared.d_torch_dtype)
         check_outs(prepared.fusion, dict(outs or {}), (call.problem.l, call.problem.m, call.d_n), call.batched)
     elif outs:
         check_outs_names(outs, ())

@@ -25,6 +25,7 @@ whose tensors require grad through the op.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -48,6 +49,7 @@ from epicute.epilogue.gated import interleave_gate_up
 from epicute.epilogue.graph import Graph
 from epicute.epilogue.operands import Pin
 from epicute.errors import GradientError
+from epicute.runtime.torch_ops import registered_outputs
 
 #: Below this K, recomputing ``a @ b`` in the backward (``2 M N K`` flops at ~800 TFLOPS) costs less than
 #: saving the accumulator and reading it back (``4 M N`` bytes at ~4.8 TB/s on an H200): they meet at K ~ 330.
@@ -121,20 +123,58 @@ def _plan_backward(graph: Graph | None, small_k: bool) -> BackwardPlan:
     return BackwardPlan("save", graph, ("saved_acc", "saved_acc_up") if graph.gated else ("saved_acc",))
 
 
-_PLANS: dict[tuple, BackwardPlan] = {}
+@dataclass(frozen=True)
+class OpCall:
+    """What an op call's static arguments decide, once per signature (:func:`op_call`): the forward, its
+    ``setup_context`` and its fake all read this one record, so no fact is decided twice."""
+
+    #: the parsed spec (read only)
+    spec: dict
+    #: the epilogue's own outputs, D first
+    names: tuple[str, ...]
+    #: the backward plan; None for a call made without one (no input required grad)
+    plan: BackwardPlan | None
+    #: the public function's keyword options (epilogue, out_dtype, out_dtypes, ...), a ``save`` plan's included
+    options: dict
+    #: the op's outputs: ``names``, then a ``save`` plan's accumulators
+    outputs: tuple[str, ...]
 
 
-def remembered_plan(memo: tuple | None, compute: Callable[[], BackwardPlan]) -> BackwardPlan:
-    """An op call's backward plan, computed once per ``memo`` (None: not remembered): the forward, its
-    ``setup_context`` and its fake all ask for it on every call."""
-    plan = _PLANS.get(memo) if memo is not None else None
-    if plan is None:
-        plan = compute()
-        if memo is not None:
-            if len(_PLANS) >= 4096:
-                _PLANS.clear()
-            _PLANS[memo] = plan
-    return plan
+_OP_CALLS: dict[tuple, OpCall] = {}
+
+
+def op_call(
+    family: str,
+    tensors: tuple[torch.Tensor, ...],
+    epilogue: str,
+    spec: str,
+    options: Callable[[dict], dict],
+    graph: Callable[[dict], Graph | None],
+) -> OpCall:
+    """The :class:`OpCall` of a call of ``family``'s op over ``tensors`` (a and b first), remembered by the family,
+    the epilogue's key, the spec and the tensors' shapes and dtypes (not remembered under symbolic shapes: a trace
+    asks once anyway). ``options(spec)`` gives the public function's keyword options; ``graph(spec)`` the
+    epilogue's graph as the call lowers it (asked only for a call that records a backward)."""
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    memo = None
+    if all(type(d) is int for shape in shapes for d in shape):
+        memo = (family, epilogue, spec, shapes, tuple(t.dtype for t in tensors))
+        found = _OP_CALLS.get(memo)
+        if found is not None:
+            return found
+    parsed = json.loads(spec)
+    names = registered_outputs(epilogue) if epilogue else ("D",)
+    plan = plan_backward(graph(parsed), tensors[0].shape[-1]) if parsed.get("backward") else None
+    kwargs, outputs = options(parsed), names
+    if plan is not None and plan.saved:  # the forward of a "save" backward stores the accumulators too
+        saving, outputs = saving_call(plan, names, tensors[0].dtype)
+        kwargs = {**kwargs, **saving}
+    found = OpCall(parsed, names, plan, kwargs, outputs)
+    if memo is not None:
+        if len(_OP_CALLS) >= 4096:
+            _OP_CALLS.clear()
+        _OP_CALLS[memo] = found
+    return found
 
 
 def saving_call(plan: BackwardPlan, names: tuple[str, ...], a_dtype: torch.dtype) -> tuple[dict, tuple[str, ...]]:
@@ -337,8 +377,20 @@ def to_operand_shape(grad: torch.Tensor, operand: torch.Tensor, kind: str) -> to
 
 
 __all__ = [
-    "PLANS", "RECOMPUTE_BELOW_K", "BackwardPlan", "BackwardStep", "GradientKernels", "backward_of", "explain_backward",
-    "plan_backward", "remembered_plan", "saved_dtype", "saving_call", "saving_epilogue", "setup_backward",
+    "PLANS",
+    "RECOMPUTE_BELOW_K",
+    "BackwardPlan",
+    "BackwardStep",
+    "GradientKernels",
+    "OpCall",
+    "backward_of",
+    "explain_backward",
+    "op_call",
+    "plan_backward",
+    "saved_dtype",
+    "saving_call",
+    "saving_epilogue",
+    "setup_backward",
     "to_operand_shape",
 ]  # fmt: skip
 

@@ -9,7 +9,6 @@ the eager path. Outputs are ``[D, *aux outputs]`` in the epilogue's output order
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -26,10 +25,9 @@ from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import EpilogueError, GradientError
 from epicute.gemm.autograd import (
     BackwardStep,
-    plan_backward,
-    remembered_plan,
+    OpCall,
+    op_call,
     saved_dtype,
-    saving_call,
     setup_backward,
 )
 from epicute.gemm.config import GemmConfig, GemmProblem
@@ -47,24 +45,30 @@ from epicute.runtime.torch_ops import (
     register_gated_traced,
     register_traced,
     registered_epilogue,
-    registered_outputs,
     runs_eagerly,
     spec_text,
     split_operands,
 )
 
 
-def _gemm_kwargs(operands: list[torch.Tensor], scalars: list[float], epilogue: str, spec: dict) -> dict:
-    """The keyword arguments of the :func:`epicute.gemm` call the op stands for (an fp8 call's scales
-    travel among the operands, under their parameter names)."""
+def _options(spec: dict) -> dict:
+    """The keyword options of the :func:`epicute.gemm` call the op stands for (its operands aside)."""
     return {
-        "epilogue": registered_epilogue(epilogue) if epilogue else None,
         "out_dtype": IR_TO_TORCH[spec["out_dtype"]] if spec["out_dtype"] else None,
         "out_dtypes": {k: IR_TO_TORCH[v] for k, v in spec["out_dtypes"].items()} or None,
         "config": config_of(spec),
         "gated": spec.get("gated", False),
-        **operand_values(operands, scalars, spec),
     }
+
+
+def dense_call(a, b, operands, scalars, epilogue: str, spec: str) -> OpCall:
+    """The op call's :class:`~epicute.gemm.autograd.OpCall` (decided once per signature)."""
+
+    def options(parsed: dict) -> dict:
+        return {"epilogue": registered_epilogue(epilogue) if epilogue else None, **_options(parsed)}
+
+    return op_call("gemm", (a, b, *operands), epilogue, spec, options,
+                   lambda parsed: user_graph(a, b, operands, scalars, epilogue, parsed))  # fmt: skip
 
 
 def gemm_op(
@@ -73,17 +77,12 @@ def gemm_op(
     """``epicute.gemm(a, b, ...)`` as an op: ``[D, *aux outputs]`` (see the module docstring)."""
     from epicute.gemm.api import gemm
 
-    spec = json.loads(spec)
-    kwargs = _gemm_kwargs(operands, scalars, epilogue, spec)
-    names = registered_outputs(epilogue) if epilogue else ("D",)
-    plan = backward_plan_of(a, b, operands, scalars, epilogue, spec)
-    if plan is not None and plan.saved:  # the forward of a "save" backward: the accumulators too
-        options, names = saving_call(plan, names, a.dtype)
-        kwargs.update(options)
-    result = gemm(a, b, **kwargs)
+    call = dense_call(a, b, operands, scalars, epilogue, spec)
+    # An fp8 call's scales travel among the operands, under their parameter names.
+    result = gemm(a, b, **call.options, **operand_values(operands, scalars, call.spec))
     if isinstance(result, torch.Tensor):
         return [result]
-    return [result[name] for name in names]
+    return [result[name] for name in call.outputs]
 
 
 def user_graph(a, b, operands, scalars, epilogue: str, spec: dict):
@@ -101,25 +100,6 @@ def user_graph(a, b, operands, scalars, epilogue: str, spec: dict):
     return fake_lowered_graph(a, _d_dtype(a, spec), epi, epi.operands(values, m, n, l), spec)
 
 
-def backward_plan_of(a, b, operands, scalars, epilogue: str, spec: dict):
-    """The call's :class:`~epicute.gemm.autograd.BackwardPlan`, or None when it was made without one (no input
-    required grad). Remembered by what it depends on (the forward, setup and fake all ask) where shapes are ints."""
-    if not spec.get("backward"):
-        return None
-    memo = plan_memo_key("gemm", (a, b, *operands), epilogue, spec)
-    graph = lambda: user_graph(a, b, operands, scalars, epilogue, spec)  # noqa: E731 - computed on a miss only
-    return remembered_plan(memo, lambda: plan_backward(graph(), a.shape[-1]))
-
-
-def plan_memo_key(family: str, tensors: tuple, epilogue: str, spec: dict) -> tuple | None:
-    """What an op call's backward plan depends on: the family, the epilogue, the spec (pins, dtypes, gated), and the
-    shapes and dtypes that settle operand kinds; None under symbolic shapes (a trace asks once anyway)."""
-    shapes = tuple(tuple(t.shape) for t in tensors)
-    if not all(type(d) is int for shape in shapes for d in shape):
-        return None
-    return (family, epilogue, json.dumps(spec, sort_keys=True), shapes, tuple(t.dtype for t in tensors))
-
-
 def _d_dtype(a: torch.Tensor, spec: dict) -> str:
     """D's IR dtype as the call settles it (check_gemm_args' rule: fp8 inputs give bf16)."""
     default_d = "bf16" if a.dtype in FP8_TORCH_DTYPES else ir_dtype(a.dtype, "a")
@@ -127,12 +107,11 @@ def _d_dtype(a: torch.Tensor, spec: dict) -> str:
 
 
 def _gemm_fake(a, b, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
-    spec = json.loads(spec)
+    call = dense_call(a, b, operands, scalars, epilogue, spec)
     l_dims = (a.shape[0],) if a.dim() == 3 else ()
-    m, n = a.shape[-2], output_columns(b.shape[-1], spec.get("gated", False))
-    plan = backward_plan_of(a, b, operands, scalars, epilogue, spec)
-    saved = [a.new_empty((*l_dims, m, n), dtype=saved_dtype(a.dtype)) for _ in (plan.saved if plan else ())]
-    return _forward_fake(a, b, operands, scalars, epilogue, spec) + saved
+    m, n = a.shape[-2], output_columns(b.shape[-1], call.spec.get("gated", False))
+    saved = [a.new_empty((*l_dims, m, n), dtype=saved_dtype(a.dtype)) for _ in (call.plan.saved if call.plan else ())]
+    return _forward_fake(a, b, operands, scalars, epilogue, call.spec) + saved
 
 
 def _forward_fake(a, b, operands, scalars, epilogue, spec: dict) -> list[torch.Tensor]:
@@ -168,11 +147,9 @@ def _forward_fake(a, b, operands, scalars, epilogue, spec: dict) -> list[torch.T
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    a, b, operands, scalars, epilogue, spec_json = inputs
-    spec = json.loads(spec_json)
-    plan = backward_plan_of(a, b, operands, scalars, epilogue, spec)
-    names = registered_outputs(epilogue) if epilogue else ("D",)
-    setup_backward(ctx, plan, names, output, (a, b), operands, scalars, spec)
+    a, b, operands, scalars, epilogue, spec = inputs
+    call = dense_call(a, b, operands, scalars, epilogue, spec)
+    setup_backward(ctx, call.plan, call.names, output, (a, b), operands, scalars, call.spec)
 
 
 def _backward(ctx, grads):
@@ -356,4 +333,4 @@ def needs_backward(a, b, a_scale, b_scale, out, outs, operands: dict) -> bool:
     return True
 
 
-__all__ = ["GEMM_OP", "DenseKernels", "gemm_op", "gemm_op_call", "needs_backward", "plan_memo_key", "stored_transposed"]
+__all__ = ["GEMM_OP", "DenseKernels", "gemm_op", "gemm_op_call", "needs_backward", "stored_transposed"]

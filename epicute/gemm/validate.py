@@ -13,7 +13,7 @@ only whether ``out`` overlaps ``a`` or ``b``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -127,9 +127,11 @@ def check_gemm_args(
     *,
     require_cuda: bool = True,
     gated: bool = False,
+    d_settled: bool = True,
 ) -> GemmCall:
     """Validate ``a @ b`` (optionally into ``out``) and describe it as a :class:`GemmProblem` (``gated``: B
-    interleaves gate and up columns, D has half of them)."""
+    interleaves gate and up columns, D has half of them). ``d_settled=False``: an epilogue settles a new D's dtype
+    later (its own cast or quantize may choose it), and :func:`settle_d` checks D's rows then."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise DtypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -189,8 +191,20 @@ def check_gemm_args(
     if m and n and k:
         a3 = _check_tma_strides(a3, "a", 2 if a_major == "k" else 1, "LMK")
         b3 = _check_tma_strides(b3, "b", 2 if b_major == "n" else 1, "LKN")
-        out3 = check_d_rows(out3, d_n, out_dtype)
+        if out3 is not None or d_settled:
+            out3 = check_d_rows(out3, d_n, out_dtype)
     return GemmCall(problem, a3, b3, out3, out_dtype, batched, gated=gated)
+
+
+def settle_d(call: GemmCall, d_dtype: torch.dtype) -> GemmCall:
+    """``call`` with D stored in ``d_dtype``, as preparing its epilogue settled it, and a new D's rows checked for
+    that dtype (``check_gemm_args(..., d_settled=False)`` left them): the one place an epilogue call's D is checked."""
+    p = call.problem
+    if call.out is None and p.m and p.n and p.k:
+        check_d_rows(None, call.d_n, d_dtype)
+    if d_dtype == call.out_dtype:
+        return call
+    return replace(call, problem=replace(p, d_dtype=TORCH_TO_IR[d_dtype]), out_dtype=d_dtype)
 
 
 def resolve_out_dtype(out: torch.Tensor | None, out_dtype: torch.dtype | None, default: torch.dtype) -> torch.dtype:

@@ -9,7 +9,6 @@ shape and dtype without reading the offsets; outputs are ``[D, *aux outputs]`` i
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +21,9 @@ from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import ConfigError, EpilogueError, GradientError
 from epicute.gemm.autograd import (
     BackwardStep,
-    plan_backward,
-    remembered_plan,
+    OpCall,
+    op_call,
     saved_dtype,
-    saving_call,
     setup_backward,
 )
 from epicute.gemm.config import GemmConfig
@@ -33,7 +31,6 @@ from epicute.gemm.torch_op import (
     fake_lowered_graph,
     fake_operand_values,
     needs_backward,
-    plan_memo_key,
     stored_transposed,
 )
 from epicute.gemm.validate import FP8_TORCH_DTYPES
@@ -49,7 +46,6 @@ from epicute.runtime.torch_ops import (
     register_gated_traced,
     register_traced,
     registered_epilogue,
-    registered_outputs,
     runs_eagerly,
     spec_text,
     split_operands,
@@ -71,21 +67,27 @@ def grouped_gemm_op(
     """``epicute.grouped_gemm(a, b, offsets, ...)`` as an op: ``[D, *aux outputs]`` (see the module docstring)."""
     from epicute.grouped.api import grouped_gemm
 
-    parsed = json.loads(spec)
-    kwargs = {
-        "epilogue": registered_epilogue(epilogue) if epilogue else None,
-        "out_dtype": IR_TO_TORCH[parsed["out_dtype"]] if parsed["out_dtype"] else None,
-        "out_dtypes": {k: IR_TO_TORCH[v] for k, v in parsed["out_dtypes"].items()} or None,
-    }
-    names = registered_outputs(epilogue) if epilogue else ("D",)
-    plan = _backward_plan(a, b, offsets, operands, scalars, epilogue, parsed)
-    if plan is not None and plan.saved:  # the forward of a "save" backward: the accumulators too
-        kwargs, names = saving_call(plan, names, a.dtype)
-    result = grouped_gemm(a, b, offsets, config=config_of(parsed), gated=parsed["gated"], **kwargs,
-                          **operand_values(operands, scalars, parsed))  # fmt: skip
+    call = grouped_call(a, b, offsets, operands, scalars, epilogue, spec)
+    result = grouped_gemm(a, b, offsets, **call.options, **operand_values(operands, scalars, call.spec))
     if isinstance(result, torch.Tensor):
         return [result]
-    return [result[name] for name in names]
+    return [result[name] for name in call.outputs]
+
+
+def grouped_call(a, b, offsets, operands, scalars, epilogue: str, spec: str) -> OpCall:
+    """The op call's :class:`~epicute.gemm.autograd.OpCall` (decided once per signature)."""
+
+    def options(parsed: dict) -> dict:
+        return {
+            "epilogue": registered_epilogue(epilogue) if epilogue else None,
+            "out_dtype": IR_TO_TORCH[parsed["out_dtype"]] if parsed["out_dtype"] else None,
+            "out_dtypes": {k: IR_TO_TORCH[v] for k, v in parsed["out_dtypes"].items()} or None,
+            "config": config_of(parsed),
+            "gated": parsed["gated"],
+        }
+
+    graph = lambda parsed: _user_graph(a, b, offsets, operands, scalars, epilogue, parsed)[0]  # noqa: E731
+    return op_call("grouped_gemm", (a, b, offsets, *operands), epilogue, spec, options, graph)
 
 
 def _user_graph(a, b, offsets, operands, scalars, epilogue: str, spec: dict):
@@ -110,22 +112,12 @@ def _d_dtype(a: torch.Tensor, spec: dict) -> str:
     return spec["out_dtype"] or spec["out_dtypes"].get("D") or default_d
 
 
-def _backward_plan(a, b, offsets, operands, scalars, epilogue: str, spec: dict):
-    """The call's backward plan, or None when it was made without one (no input required grad)."""
-    if not spec.get("backward"):
-        return None
-    memo = plan_memo_key("grouped_gemm", (a, b, offsets, *operands), epilogue, spec)
-    graph = lambda: _user_graph(a, b, offsets, operands, scalars, epilogue, spec)[0]  # noqa: E731 - on a miss only
-    return remembered_plan(memo, lambda: plan_backward(graph(), a.shape[-1]))
-
-
 def _grouped_gemm_fake(a, b, offsets, operands, scalars, epilogue, spec) -> list[torch.Tensor]:
-    spec = json.loads(spec)
-    graph, rows, d_n, d_dtype = _user_graph(a, b, offsets, operands, scalars, epilogue, spec)
+    call = grouped_call(a, b, offsets, operands, scalars, epilogue, spec)
+    graph, rows, d_n, d_dtype = _user_graph(a, b, offsets, operands, scalars, epilogue, call.spec)
     groups = offsets.shape[0]
     shape = (groups, a.shape[0], d_n) if b.dim() == 2 else (rows, d_n)
-    plan = _backward_plan(a, b, offsets, operands, scalars, epilogue, spec)
-    saved = [a.new_empty(shape, dtype=saved_dtype(a.dtype)) for _ in (plan.saved if plan else ())]
+    saved = [a.new_empty(shape, dtype=saved_dtype(a.dtype)) for _ in (call.plan.saved if call.plan else ())]
     if graph is None:
         return [a.new_empty(shape, dtype=IR_TO_TORCH[d_dtype])]
     return _epilogue_fakes(a, b, graph, groups, rows, shape) + saved
@@ -153,11 +145,9 @@ def _epilogue_fakes(a, b, graph, groups: int, rows, shape) -> list[torch.Tensor]
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    a, b, offsets, operands, scalars, epilogue, spec_json = inputs
-    spec = json.loads(spec_json)
-    plan = _backward_plan(a, b, offsets, operands, scalars, epilogue, spec)
-    names = registered_outputs(epilogue) if epilogue else ("D",)
-    setup_backward(ctx, plan, names, output, (a, b, offsets), operands, scalars, spec)
+    a, b, offsets, operands, scalars, epilogue, spec = inputs
+    call = grouped_call(a, b, offsets, operands, scalars, epilogue, spec)
+    setup_backward(ctx, call.plan, call.names, output, (a, b, offsets), operands, scalars, call.spec)
 
 
 def _backward(ctx, grads):

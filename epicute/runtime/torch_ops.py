@@ -187,7 +187,15 @@ def dtype_name(dtype: torch.dtype | str | None) -> str | None:
 @assume_constant_result
 def spec_text(tensor_names: tuple, scalar_names: tuple, pins: tuple, config: tuple, fields: tuple) -> str:
     """An op's static arguments as JSON: operand names and pins, config pins, and the
-    kernel's own ``fields`` (``(name, value)`` pairs; see :func:`_plain`)."""
+    kernel's own ``fields`` (``(name, value)`` pairs; see :func:`_plain`). The same arguments give the same
+    string object (an eager training step builds one per call)."""
+    memo = (tensor_names, scalar_names, pins, config, fields)
+    try:
+        found = _SPECS.get(memo)
+    except TypeError:  # an unhashable config value
+        memo = found = None
+    if found is not None:
+        return found
     spec = {
         "tensors": list(tensor_names),
         "scalars": list(scalar_names),
@@ -195,7 +203,15 @@ def spec_text(tensor_names: tuple, scalar_names: tuple, pins: tuple, config: tup
         "config": dict(config),
         **{name: plain_value(value) for name, value in fields},
     }
-    return json.dumps(spec, sort_keys=True)
+    text = json.dumps(spec, sort_keys=True)
+    if memo is not None:
+        if len(_SPECS) >= 4096:
+            _SPECS.clear()
+        _SPECS[memo] = text
+    return text
+
+
+_SPECS: dict[tuple, str] = {}
 
 
 def plain_value(value: Any) -> Any:

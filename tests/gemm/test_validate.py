@@ -562,3 +562,29 @@ def test_the_cached_path_refuses_outs_sharing_memory(monkeypatch):
     assert epicute.gemm(a, b, epilogue=epi, outs={"p": p}) == "launched"
     with pytest.raises(OutputError, match=r"^outs\['p'\] shares memory with a"):
         epicute.gemm(a, b, epilogue=epi, outs={"p": a})
+
+
+# --- D's rows, checked once the epilogue has settled D's dtype --------------
+
+
+def test_epilogue_cast_to_fp32_settles_ds_rows():
+    """N = 12: a bf16 D's rows (24 bytes) would not be 16-byte aligned, the fp32 D the epilogue casts to (48) are
+    (B column-major, ``w.t()``: its own rows are K long)."""
+    a, b = rand(33, 40), rand(12, 40).t()
+    with epicute.use_backend("reference"):
+        d = epicute.gemm(a, b, epilogue=lambda acc: epicute.ops.cast(acc * 2.0, torch.float32))
+    expected = (a.double() @ b.double()) * 2.0
+    assert d.dtype == torch.float32
+    assert ((d.double() - expected).norm() / expected.norm()).item() < 1e-5
+
+
+def test_epilogue_quantize_to_fp8_checks_ds_rows_in_fp8():
+    """N = 24: bf16 rows (48 bytes) are aligned, e4m3 rows (24) are not: refused naming the fp8 dtype, by gemm and
+    explain alike."""
+    a, b = rand(32, 48), rand(48, 24)
+    fp8_d = lambda acc: epicute.ops.cast(acc, torch.float8_e4m3fn)  # noqa: E731
+    with epicute.use_backend("reference"), pytest.raises(AlignmentError, match=r"N=24 .*float8_e4m3fn.*pad N to 32"):
+        epicute.gemm(a, b, epilogue=fp8_d)
+    meta = dict(device="meta", dtype=BF16)
+    with pytest.raises(AlignmentError, match=r"N=24 .*float8_e4m3fn"):
+        epicute.explain(torch.empty(32, 48, **meta), torch.empty(48, 24, **meta), epilogue=fp8_d, file=None)
