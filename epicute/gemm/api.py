@@ -37,7 +37,15 @@ from epicute.gemm.prepared import (
     source_signature,
     unwrap,
 )
-from epicute.gemm.torch_op import gemm_op_call, needs_backward
+from epicute.gemm.torch_op import (
+    GEMM_OP,
+    PreparedTraining,
+    dense_call,
+    gemm_op_call,
+    needs_backward,
+    op_arguments,
+    op_results,
+)
 from epicute.gemm.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry, tune_key
 from epicute.gemm.validate import D_TORCH_DTYPES, GemmCall, check_gemm_args, settle_d
 from epicute.runtime.backend import resolve_backend
@@ -54,7 +62,7 @@ from epicute.runtime.checks import (
     overlaps,
 )
 from epicute.runtime.target import Target, current_target, resolve_target
-from epicute.runtime.torch_ops import traced
+from epicute.runtime.torch_ops import operand_values, traced
 
 
 def _overrides(config: dict | None) -> tuple:
@@ -204,11 +212,11 @@ def gemm(
                 return repeat.scaled(a, b, a_scale, b_scale)
             fast = _FastCall(key, (a, b, None, a_scale, b_scale), None, (), ()) if aligned else None
         else:
-            if needs_backward(a, b, a_scale, b_scale, out, outs, operands):
-                return _differentiable(a, b, epilogue, out_dtype, out_dtypes, a_scale, b_scale, config, gated,
-                                       operands)  # fmt: skip
             fast = _fast_key(a, b, out, (a_scale, b_scale), epilogue, operands, outs, out_dtype, out_dtypes, config,
                              gated)  # fmt: skip
+            if needs_backward(a, b, a_scale, b_scale, out, outs, operands):
+                return _differentiable(a, b, epilogue, out_dtype, out_dtypes, a_scale, b_scale, config, gated,
+                                       operands, fast)  # fmt: skip
             repeat = _PREPARED_CALLS.get(fast.key) if fast is not None else None
             apart = out is None or not (overlaps(out, a) or overlaps(out, b))
             if repeat is not None and repeat.fits(fast.sources) and apart:
@@ -221,7 +229,7 @@ def gemm(
         if tune:  # the forward runs the tuned config too (tuning itself times inference calls)
             config = {**_tuned_overrides(a, b, epilogue, out_dtype, out_dtypes, operands, scales, gated),
                       **dict(_overrides(config))}  # fmt: skip
-        return _differentiable(a, b, epilogue, out_dtype, out_dtypes, a_scale, b_scale, config, gated, operands)
+        return _differentiable(a, b, epilogue, out_dtype, out_dtypes, a_scale, b_scale, config, gated, operands, fast)
     if backend == "reference":
         check_has_values(("a", a), ("b", b), ("out", out), ("a_scale", a_scale), ("b_scale", b_scale),
                          *_named_outs(outs), operands=operands)  # fmt: skip
@@ -248,13 +256,41 @@ def gemm(
     return _deliver(call, results, outs)
 
 
-def _differentiable(a, b, epilogue, out_dtype, out_dtypes, a_scale, b_scale, config, gated, operands):
+def _differentiable(a, b, epilogue, out_dtype, out_dtypes, a_scale, b_scale, config, gated, operands, fast=None):
     """A call autograd records: through the op, whose backward (:mod:`epicute.gemm.autograd`) is derived from the
-    epilogue; eager and ``torch.compile`` then train through the same code."""
-    return gemm_op_call(
+    epilogue; eager and ``torch.compile`` then train through the same code. An eager call of a signature met before
+    (``fast``: its key) repeats through the :class:`~epicute.gemm.torch_op.PreparedTraining` its first call left."""
+    if fast is not None:
+        repeat = _TRAINING_CALLS.get(fast.key)
+        if repeat is not None:
+            return repeat(a, b, operands)
+    args = op_arguments(
         a, b, epilogue=epilogue, out=None, out_dtype=out_dtype, out_dtypes=out_dtypes, outs=None, a_scale=a_scale,
         b_scale=b_scale, backend="kernel", config=config, operands=operands, gated=gated,
     )  # fmt: skip
+    results = dict(zip(args.outputs, GEMM_OP(a, b, args.tensors, args.scalars, args.epilogue, args.spec)))
+    if fast is not None and a_scale is None and b_scale is None:
+        _remember_training(fast.key, a, b, args)
+    return op_results(args.outputs, results)
+
+
+#: Eager training calls by :func:`gemm`'s key of their signature (fp8 calls aside: their scales travel among the op's
+#: operands, out of the order a prepared forward takes them).
+_TRAINING_CALLS: dict[tuple, PreparedTraining] = {}
+
+
+def _remember_training(key: tuple, a, b, args) -> None:
+    """File the training call just made under ``key``, with the forward launch its op implementation recorded."""
+    call = dense_call(a, b, args.tensors, args.scalars, args.epilogue, args.spec)
+    options = call.options
+    values = operand_values(args.tensors, args.scalars, call.spec)
+    inner = _fast_key(a, b, None, (None, None), options["epilogue"], values, None, options["out_dtype"],
+                      options["out_dtypes"], options["config"], options["gated"])  # fmt: skip
+    forward = _PREPARED_CALLS.get(inner.key) if inner is not None else None
+    if forward is not None:
+        if len(_TRAINING_CALLS) >= 1024:
+            _TRAINING_CALLS.clear()
+        _TRAINING_CALLS[key] = PreparedTraining(args, call, forward)
 
 
 def prepare_gemm(

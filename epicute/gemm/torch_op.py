@@ -10,7 +10,7 @@ the eager path. Outputs are ``[D, *aux outputs]`` in the epilogue's output order
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -259,7 +259,17 @@ def _check_names_traced(fn: Callable, gated: bool) -> bool:
     return True
 
 
-def gemm_op_call(
+class OpArguments(NamedTuple):
+    """An ``epicute::gemm`` call's arguments beside ``a`` and ``b``, and the names of the outputs it returns."""
+
+    tensors: list
+    scalars: list
+    epilogue: str
+    spec: str
+    outputs: tuple
+
+
+def op_arguments(
     a: torch.Tensor,
     b: torch.Tensor,
     *,
@@ -274,8 +284,8 @@ def gemm_op_call(
     config: dict | None,
     operands: dict[str, Any],
     gated: bool = False,
-) -> torch.Tensor | dict[str, torch.Tensor]:
-    """:func:`epicute.gemm` while ``torch.compile`` traces it: one ``epicute::gemm`` op (dynamo-traceable)."""
+) -> OpArguments:
+    """What :func:`epicute.gemm`'s arguments become as one call of the op (checked; dynamo-traceable)."""
     check_traced_backend(backend)
     backward = needs_backward(a, b, a_scale, b_scale, out, outs, operands)
     if epilogue is None and (operands or out_dtypes or outs):
@@ -284,7 +294,7 @@ def gemm_op_call(
     if epilogue is not None and not runs_eagerly(a, b):  # an eager call's names are checked where it runs
         _check_names_traced(plain_fn(epilogue), gated)
     config = config_pins(config, GemmConfig)
-    # Preallocated outputs: the op returns fresh ones in their dtypes, copied in below.
+    # Preallocated outputs: the op returns fresh ones in their dtypes, copied in by gemm_op_call.
     if out is not None and out_dtype is None:
         out_dtype = out.dtype
     out_dtypes = {**{name: t.dtype for name, t in (outs or {}).items()}, **(out_dtypes or {})}
@@ -299,12 +309,59 @@ def gemm_op_call(
         (("out_dtype", out_dtype), ("out_dtypes", tuple(sorted(out_dtypes.items()))), ("gated", gated),
          *((("backward", True),) if backward else ())),
     )  # fmt: skip
-    results = GEMM_OP(a, b, tensors, scalars, key, spec)
-    results = dict(zip(outputs, results))
+    return OpArguments(tensors, scalars, key, spec, outputs)
+
+
+def gemm_op_call(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    out: torch.Tensor | None,
+    outs: dict[str, torch.Tensor] | None,
+    **options: Any,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """:func:`epicute.gemm` as one ``epicute::gemm`` op (dynamo-traceable); ``options``: :func:`op_arguments`'."""
+    args = op_arguments(a, b, out=out, outs=outs, **options)
+    results = dict(zip(args.outputs, GEMM_OP(a, b, args.tensors, args.scalars, args.epilogue, args.spec)))
     for name, target in {**(outs or {}), **({"D": out} if out is not None else {})}.items():
         target.copy_(results[name])
         results[name] = target
+    return op_results(args.outputs, results)
+
+
+def op_results(outputs: tuple, results: dict) -> torch.Tensor | dict[str, torch.Tensor]:
+    """:func:`epicute.gemm`'s return value from the op's outputs by name: D alone, or all of them."""
     return results["D"] if len(outputs) == 1 else results
+
+
+class PreparedTraining:
+    """An eager training call of one signature, as the op's first call of it decided: its arguments beside the
+    tensors, its :class:`~epicute.gemm.autograd.OpCall`, and the forward's prepared launch (the one the op's
+    implementation recorded). A repeat call runs the op's own autograd Function, setup and backward, with the
+    launch replayed directly: the op path, less the decisions already made (bench/NOTES.md, issue 57's host path).
+    """
+
+    def __init__(self, args: OpArguments, call: OpCall, forward: Any) -> None:
+        self.args, self.call, self.forward = args, call, forward
+        self.op = TorchOp(GEMM_OP.name, self._impl, GEMM_OP.fake, GEMM_OP.backward, self._setup)
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, operands: dict) -> torch.Tensor | dict[str, torch.Tensor]:
+        _, tensors, _, scalars, _ = split_operands(operands)
+        args = self.args
+        return op_results(args.outputs, dict(zip(args.outputs, self.op(a, b, tensors, scalars, args.epilogue,
+                                                                           args.spec))))  # fmt: skip
+
+    def _impl(self, a, b, tensors, scalars, epilogue, spec) -> list[torch.Tensor]:
+        # The forward's sources in the order the op's implementation passes them: tensors, then numbers.
+        sources = (a, b, None, None, None, *tensors, *scalars)
+        if not self.forward.fits(sources):  # one tensor where the recorded call had two, or the converse
+            return gemm_op(a, b, tensors, scalars, epilogue, spec)
+        result = self.forward.replay(sources)
+        return [result] if isinstance(result, torch.Tensor) else [result[name] for name in self.call.outputs]
+
+    def _setup(self, ctx, inputs, output) -> None:
+        a, b, operands, scalars, _, _ = inputs
+        setup_backward(ctx, self.call.plan, self.call.names, output, (a, b), operands, scalars, self.call.spec)
 
 
 def needs_backward(a, b, a_scale, b_scale, out, outs, operands: dict) -> bool:
@@ -333,4 +390,7 @@ def needs_backward(a, b, a_scale, b_scale, out, outs, operands: dict) -> bool:
     return True
 
 
-__all__ = ["GEMM_OP", "DenseKernels", "gemm_op", "gemm_op_call", "needs_backward", "stored_transposed"]
+__all__ = [
+    "GEMM_OP", "DenseKernels", "OpArguments", "PreparedTraining", "gemm_op", "gemm_op_call", "needs_backward",
+    "op_arguments", "stored_transposed",
+]  # fmt: skip

@@ -83,3 +83,63 @@ def test_fp8_inputs_train_their_epilogue_operands():
     acc = (a.double() @ w.double().t()) * scale_a.double() * scale_b.double()
     torch.nn.functional.silu(acc + bias64).backward(grad.double())
     assert ((bias.grad.double() - bias64.grad).norm() / bias64.grad.norm()).item() < TOL
+
+
+class _CountingForward:
+    """A prepared forward launch that counts its replays (PreparedGemmCall has slots: it is wrapped, not patched)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.replays = inner, 0
+
+    def fits(self, sources) -> bool:
+        return self.inner.fits(sources)
+
+    def replay(self, sources):
+        self.replays += 1
+        return self.inner.replay(sources)
+
+
+@pytest.mark.parametrize("name", ["bias", "tanh_scaled_with_aux", "swiglu", "geglu_row_scale"])
+@pytest.mark.parametrize("plan", list(K_PLANS))
+def test_a_repeat_training_call_replays_its_prepared_forward(name, plan):
+    """The first eager training call of a signature goes through the op and leaves a PreparedTraining; the next
+    one (fresh inputs) replays the forward launch it recorded, and trains as the first did (float64 reference)."""
+    from epicute.gemm import api as gemm_api
+
+    gemm_api._TRAINING_CALLS.clear()
+    first = run_case(cases(M, N, DEVICE)[name], M, N, K_PLANS[plan], DEVICE)
+    assert len(gemm_api._TRAINING_CALLS) == 1
+    entry = next(iter(gemm_api._TRAINING_CALLS.values()))
+    entry.forward = counting = _CountingForward(entry.forward)
+    again = run_case(cases(M, N, DEVICE)[name], M, N, K_PLANS[plan], DEVICE)
+    assert counting.replays == 1
+    for errors in (first, again):
+        assert errors.pop("differentiable outputs")
+        assert all(e < TOL for e in errors.values()), errors
+
+
+def test_a_repeat_passing_one_tensor_twice_trains_both_uses():
+    """Recorded with two operand tensors, repeated with one tensor in both places: the forward launch is replayed
+    (two reads of one tensor), and the tensor's gradient sums both uses."""
+    from epicute.gemm import api as gemm_api
+
+    k = K_PLANS["save"]
+    epilogue = lambda acc, r1, r2: epicute.ops.gelu(acc) * r1 + r2
+    a = torch.randn(M, k, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    b = (torch.randn(k, N, device=DEVICE, dtype=torch.bfloat16) / k**0.5).requires_grad_()
+    r1, r2 = (torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    gemm_api._TRAINING_CALLS.clear()
+    epicute.gemm(a, b, epilogue=epilogue, r1=r1, r2=r2).sum().backward()
+    entry = next(iter(gemm_api._TRAINING_CALLS.values()))
+    entry.forward = counting = _CountingForward(entry.forward)
+    r = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    d = epicute.gemm(a, b, epilogue=epilogue, r1=r, r2=r)
+    grad = torch.randn_like(d)
+    d.backward(grad)
+    assert counting.replays == 1
+    a64, b64, r64 = (t.detach().double().requires_grad_() for t in (a, b, r))
+    want = torch.nn.functional.gelu(a64 @ b64) * r64 + r64
+    want.backward(grad.double())
+    rel = lambda got, ref: ((got.double() - ref).norm() / ref.norm()).item()
+    assert rel(d, want.detach()) < TOL
+    assert rel(r.grad, r64.grad) < TOL
