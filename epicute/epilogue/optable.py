@@ -250,6 +250,7 @@ _GELU_TANH_C = 0.7978845608028654
 _GELU_EXP2_SCALE = 0.8493218002880191  # s = sqrt(log2(e) / 2): exp2(-(x s)^2) = exp(-x^2 / 2)
 _FLOAT32_MAX = 3.4028234663852886e38
 _LOG2E = 1.4426950408889634
+_INV_SQRT_2PI = 0.3989422804014327
 
 
 def gelu_erf(m, x):
@@ -276,6 +277,31 @@ def gelu_erf(m, x):
         half_poly = half_poly * t + m.const(0.5 * coeff)
     tail = t * half_poly * m.exp2(-xs * xs, fastmath=True)  # Phi(-|x|)
     return m.max(x, m.const(0.0)) - m.min(m.absf(x), m.const(_FLOAT32_MAX)) * tail
+
+
+def gelu_erf_grad(m, x):
+    """GELU's derivative ``Phi(x) + x phi(x)``, over the math namespace ``m``, with :func:`gelu_erf`'s erfc and one
+    exp2 for both terms (``phi(x) = exp(-x^2 / 2) / sqrt(2 pi)`` is the exp2 term the tail already takes): one
+    reciprocal, one exp2, one select and ~14 ALU instructions per element. The gradient graph's chain rule
+    written over ``gelu_erf`` took ~40 (``Phi = gelu(x) / x``: an IEEE division with its slow path, guards at 0 and
+    the accurate exp): a backward epilogue pays them per element (bench/NOTES.md, issue 57's gradient pass).
+    ``x`` is capped at the largest float where it multiplies ``phi``, so the limits at +-inf are 1 and 0."""
+    xs = x * m.const(_GELU_EXP2_SCALE)
+    t = m.rcp_approx(m.const(1.0) + m.const(_ERFC_P * _SQRT1_2 / _GELU_EXP2_SCALE) * m.absf(xs))
+    half_poly = m.const(0.5 * _ERFC_POLY[0])
+    for coeff in _ERFC_POLY[1:]:
+        half_poly = half_poly * t + m.const(0.5 * coeff)
+    gauss = m.exp2(-xs * xs, fastmath=True)  # exp(-x^2 / 2)
+    tail = t * half_poly * gauss  # Phi(-|x|)
+    capped = m.max(m.min(x, m.const(_FLOAT32_MAX)), m.const(-_FLOAT32_MAX))
+    cdf = m.select(x >= m.const(0.0), m.const(1.0) - tail, tail)
+    return cdf + capped * gauss * m.const(_INV_SQRT_2PI)
+
+
+def _gelu_erf_grad_reference(x: Tensor) -> Tensor:
+    """``Phi(x) + x phi(x)``; 1 and 0 at +-inf (the limits, as the kernel computes them)."""
+    exact = 0.5 * (1.0 + torch.erf(x * _SQRT1_2)) + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
+    return torch.where(x.isinf(), (x > 0).to(x.dtype), exact)
 
 
 def _exp_neg(m, x):
@@ -384,9 +410,7 @@ def _tie_split(a, b, wins: str):
 
 
 def _gelu_erf_partial(x, out):
-    # x * Phi(x) has derivative Phi(x) + x phi(x); Phi(x) = out / x, and 1/2 at x = 0.
-    phi = call("exp", -0.5 * x * x) * 0.3989422804014327
-    return (call("where", call("eq", x, 0.0), 0.5, out / call("where", call("eq", x, 0.0), 1.0, x)) + x * phi,)
+    return (call("gelu_erf_grad", x),)
 
 
 def _gelu_tanh_partial(x, out):
@@ -473,6 +497,9 @@ BUILTIN: tuple[OpDef, ...] = (
     _unary("gelu_erf", _gelu_erf_reference, gelu_erf, 14, Domain(("any",), lambda x: x, weight=0.5),
            "GELU, ``x * Phi(x)`` with erf.", function="gelu", variant=(("approximate", "none"),),
            tangent=_partials(_gelu_erf_partial)),
+    _unary("gelu_erf_grad", _gelu_erf_grad_reference, gelu_erf_grad, 18, Domain(("any",), lambda x: 1.2, weight=0.25),
+           "GELU's derivative, ``Phi(x) + x phi(x)`` with erf (what ``gelu``'s gradient records).",
+           tangent=_partials(lambda x, out: (call("exp", -0.5 * x * x) * _INV_SQRT_2PI * (2.0 - x * x),))),
     _unary("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), _gelu_tanh, 21,
            Domain(("any",), lambda x: x, weight=0.5), "GELU, the tanh approximation.",
            function="gelu", variant=(("approximate", "tanh"),), tangent=_partials(_gelu_tanh_partial)),
