@@ -41,6 +41,7 @@ from epicute.epilogue.tracer import as_epilogue, trace_key
 from epicute.errors import EpilogueError, ShapeError
 from epicute.gemm.api import gemm
 from epicute.grouped.api import grouped_gemm
+from epicute.nn.parallel import is_distributed, parallel_linear
 from epicute.runtime.torch_ops import assume_constant_result
 
 #: Named activations: one traced value in, one out.
@@ -83,6 +84,8 @@ def linear(
     """
     if weight.dim() != 2:
         raise ShapeError(f"weight has shape {tuple(weight.shape)}; linear takes a 2-D (out, in) weight")
+    if is_distributed(weight):  # sharded by a tensor-parallel plan: each rank runs its shard (epicute.nn.parallel)
+        return parallel_linear(linear, x, weight, bias, epilogue, operands)
     lead, out_features = x.shape[:-1], weight.shape[0]
     x2 = _rows(x, "x", weight.shape[1])
     if bias is not None:
@@ -94,7 +97,8 @@ def linear(
     extra = {"bias": RowVector(bias)} if bias is not None else {}
     result = gemm(x2, weight.t(), epilogue=fn, **extra, **operands)
     if isinstance(result, torch.Tensor):
-        return result.reshape(*lead, out_features)
+        # A 2-D x's result as it is, not a view of it (FSDP2 warns of a module returning a view).
+        return result if x.dim() == 2 else result.reshape(*lead, out_features)
     return {name: _unflatten(t, lead, x2.shape[0], out_features) for name, t in result.items()}
 
 

@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -41,11 +40,13 @@ from epicute.nn.fp8 import fp8_linear
 from epicute.nn.kv_cache import PagedKVCache, attention_with_kvcache
 
 
-class Linear(nn.Module):
+class Linear(nn.Linear):
     """``nn.Linear`` on epicute's GEMM: ``epilogue(x @ weight.T + bias, **operands)``.
 
-    Parameters and state dict are ``nn.Linear``'s (``weight`` ``(out, in)``, ``bias`` ``(out,)``), so a checkpoint
-    loads either way. ``epilogue`` (optional) is fused after the bias; its operands are passed to ``forward``.
+    An ``nn.Linear`` (a subclass: its parameters, initialization and state dict, so a checkpoint loads either way,
+    and what recognizes an ``nn.Linear`` recognizes it: torch.distributed's ``ColwiseParallel``/``RowwiseParallel``
+    shard it, :func:`epicute.nn.functional.linear` then runs each rank's shard, :mod:`epicute.nn.parallel`).
+    ``epilogue`` (optional) is fused after the bias; its operands are passed to ``forward``.
     ``fp8="blockwise"`` (or ``"rowwise"``) trains it in fp8: the forward and both gradients as fp8 GEMMs, the
     weight kept in its dtype (:func:`epicute.nn.fp8.fp8_linear`).
     """
@@ -61,21 +62,11 @@ class Linear(nn.Module):
         device: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
         if fp8 is not None and (fp8 not in FP8_RECIPES or epilogue is not None):
             raise ConfigError(f"fp8={fp8!r}" + (" with an epilogue: fp8 training fuses none yet" if fp8 in FP8_RECIPES
                               else f"; use one of {sorted(FP8_RECIPES)} (or None: the layer's dtype)"))  # fmt: skip
-        self.in_features, self.out_features, self.epilogue, self.fp8 = in_features, out_features, epilogue, fp8
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """``nn.Linear``'s initialization."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features) if self.in_features else 0
-            nn.init.uniform_(self.bias, -bound, bound)
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.epilogue, self.fp8 = epilogue, fp8
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, epilogue: Callable | None = None) -> Linear:

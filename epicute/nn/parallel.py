@@ -1,0 +1,136 @@
+"""Tensor-parallel linear layers: :func:`epicute.nn.functional.linear` over DTensor weights.
+
+torch.distributed's plans shard an ``nn.Linear`` (so an :class:`epicute.nn.Linear`) in place:
+``ColwiseParallel`` splits ``weight`` and ``bias`` by output features (``Shard(0)``) and hands the layer a
+replicated input; ``RowwiseParallel`` splits ``weight`` by input features (``Shard(1)``), keeps ``bias``
+replicated, and hands the layer an input sharded along its last dimension. Each rank then runs its own shard as
+one epicute GEMM, and the result is a DTensor the plan redistributes as it asks (``output_layouts``):
+
+- column-parallel: ``y[:, own columns] = epilogue(x @ w_own.T + b_own)``, sharded along the last dimension. An
+  epilogue is elementwise over the output, so it is fused as on one GPU; its operands are sharded like the output
+  (row vectors ``Shard(0)``, tiles ``Shard(-1)``) or numbers. ``x``'s gradient on each rank is its own columns'
+  part of the sum: marked ``Partial`` (the plan's backward all-reduces it).
+- row-parallel: ``x_own @ w_own.T`` on each rank is a ``Partial`` sum; the replicated bias is added once the sum
+  is complete. An epilogue would apply before the reduction, which changes its meaning: refused.
+- a replicated weight (a layer the plan leaves whole, inside a tensor-parallel model) runs on the full tensors.
+
+FSDP2 (``fully_shard``) needs none of this: it gathers a layer's parameters into plain tensors before its forward.
+The GEMM fused with the collectives themselves (all-gather + GEMM, GEMM + reduce-scatter) is issue 62's next
+part and needs several GPUs; this module is its host side, which a CPU ``gloo`` world tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from epicute.epilogue.operands import Pin
+from epicute.errors import ConfigError, EpilogueError
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def is_distributed(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (imported only where torch.distributed is, and only when asked)."""
+    if type(t) in _PLAIN or not isinstance(t, torch.Tensor) or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def parallel_linear(
+    linear: Callable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue: Callable | None,
+    operands: dict[str, Any],
+) -> torch.Tensor | dict[str, torch.Tensor]:  # fmt: skip
+    """``linear(x, weight, bias, epilogue=..., **operands)`` (:func:`epicute.nn.functional.linear` on plain tensors)
+    for a DTensor ``weight``, shard by shard (module docstring)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = weight.device_mesh
+    if mesh.ndim != 1:
+        raise ConfigError(
+            f"weight is a DTensor on a {mesh.ndim}-D device mesh {tuple(mesh.shape)}; epicute's tensor-parallel "
+            "linear takes the 1-D mesh of the tensor-parallel dimension (with FSDP2 on another dimension, "
+            "fully_shard gathers its own before the forward)"
+        )
+    (placement,) = weight.placements
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    if placement.is_replicate():  # every rank computes the whole layer
+        x = x.redistribute(mesh, [Replicate()])
+        result = linear(x.to_local(), weight.to_local(), _local(bias), epilogue=epilogue,
+                        **_local_operands(operands, sharded=False))  # fmt: skip
+        return _as_distributed(result, mesh, [Replicate()])
+    if placement == Shard(0):  # column-parallel
+        x = x.redistribute(mesh, [Replicate()])
+        # Each rank's dx covers its own output columns only: the full gradient is their sum.
+        result = linear(x.to_local(grad_placements=[Partial()]), weight.to_local(), _local(bias),
+                        epilogue=epilogue, **_local_operands(operands, sharded=True))  # fmt: skip
+        return _as_distributed(result, mesh, [Shard(x.dim() - 1)])
+    if placement == Shard(1):  # row-parallel
+        if epilogue is not None or operands:
+            raise EpilogueError(
+                "an epilogue on a row-parallel linear (RowwiseParallel: weight Shard(1)) would apply to each rank's "
+                "partial sum before the reduction; fuse it into the column-parallel layer before, or apply it to "
+                "this layer's output"
+            )
+        x = x.redistribute(mesh, [Shard(x.dim() - 1)])
+        partial = DTensor.from_local(linear(x.to_local(), weight.to_local(), None), mesh, [Partial()], run_check=False)
+        if bias is None:
+            return partial
+        if not is_distributed(bias):
+            bias = DTensor.from_local(bias, mesh, [Replicate()], run_check=False)
+        return partial.redistribute(mesh, [Replicate()]) + bias
+    raise ConfigError(
+        f"weight is sharded as {weight.placements}; epicute's tensor-parallel linear takes Shard(0) "
+        "(ColwiseParallel), Shard(1) (RowwiseParallel) or Replicate()"
+    )
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if is_distributed(t) else t
+
+
+def _local_operands(operands: dict[str, Any], sharded: bool) -> dict[str, Any]:
+    """The epilogue's operands as each rank holds them: a DTensor's local shard (sharded like the output where the
+    layer is column-parallel), numbers, and plain tensors where the layer is whole (beside a column-parallel layer
+    one would be read whole against the rank's own columns: refused)."""
+    local = {}
+    for name, value in operands.items():
+        inner = value.value if isinstance(value, Pin) else value
+        if sharded and isinstance(inner, torch.Tensor) and not is_distributed(inner) and inner.numel() != 1:
+            raise EpilogueError(
+                f"operand {name!r} is a plain tensor of shape {tuple(inner.shape)} beside a column-parallel weight "
+                "(ColwiseParallel: Shard(0)): each rank computes "
+                "its own output columns, so pass it as a DTensor sharded like the output "
+                "(distribute_tensor(t, mesh, [Shard(-1)]) for a tile, [Shard(0)] for a per-column vector)"
+            )
+        if is_distributed(inner):
+            inner = inner.to_local()
+        local[name] = type(value)(inner) if isinstance(value, Pin) else inner
+    return local
+
+
+def _as_distributed(result: Any, mesh, placements: list) -> Any:
+    """``linear``'s result(s) as DTensors: tiles with ``placements``; per-column reductions ``(out,)`` sharded with
+    the columns; per-row ones would be partial sums over the rank's columns only: refused."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(result, torch.Tensor):
+        return DTensor.from_local(result, mesh, placements, run_check=False)
+    distributed = {}
+    for name, t in result.items():
+        if name == "D" or t.dim() > 1 or placements[0].is_replicate():
+            distributed[name] = DTensor.from_local(t, mesh, placements, run_check=False)
+        else:
+            raise EpilogueError(
+                f"output {name!r} is a reduction, and a column-parallel layer splits the output's columns among "
+                "ranks: return the tile and reduce the DTensor, or keep this layer unsharded"
+            )
+    return distributed
+
+
+__all__ = ["is_distributed", "parallel_linear"]
