@@ -41,7 +41,7 @@ from epicute.epilogue.tracer import as_epilogue, trace_key
 from epicute.errors import EpilogueError, ShapeError
 from epicute.gemm.api import gemm
 from epicute.grouped.api import grouped_gemm
-from epicute.nn.parallel import is_distributed, parallel_linear
+from epicute.nn.parallel import is_distributed, parallel_linear, parallel_mlp
 from epicute.runtime.torch_ops import assume_constant_result
 
 #: Named activations: one traced value in, one out.
@@ -274,6 +274,8 @@ def gated_mlp(
     ``w_gate_up = epicute.interleave_gate_up(w_gate, w_up)`` ``(2 * hidden, d)`` built once. One GEMM computes gate,
     up and ``h``; the backward's ``dy @ w_down`` GEMM gives d gate and d up from the stored gate and up."""
     _check_weights(w_gate_up, w_down, x.shape[-1], gated=True)
+    if is_distributed(w_gate_up):  # split by GatedMLPParallel: each rank its features (epicute.nn.parallel)
+        return parallel_mlp(functools.partial(gated_mlp, activation=activation), x, w_gate_up, w_down)
     x2 = _rows(x, "x", w_gate_up.shape[1])
     y = _MLP.apply(activation, True, x2, w_gate_up, None, w_down, None)
     return y.reshape(*x.shape[:-1], w_down.shape[0])

@@ -14,6 +14,11 @@ one epicute GEMM, and the result is a DTensor the plan redistributes as it asks 
   is complete. An epilogue would apply before the reduction, which changes its meaning: refused.
 - a replicated weight (a layer the plan leaves whole, inside a tensor-parallel model) runs on the full tensors.
 
+A gated MLP (:class:`epicute.nn.GatedMLP`) is split the Megatron way by :class:`GatedMLPParallel`: the interleaved
+gate/up weight by rows (each rank a contiguous range of the intermediate features, whole gate/up blocks) and the
+down projection by the same features, so each rank runs the whole fused MLP (one gated GEMM, one GEMM, and the
+backward that fuses across them) on its features, and the outputs' partial sums are reduced once.
+
 FSDP2 (``fully_shard``) needs none of this: it gathers a layer's parameters into plain tensors before its forward.
 The GEMM fused with the collectives themselves (all-gather + GEMM, GEMM + reduce-scatter) is issue 62's next
 part and needs several GPUs; this module is its host side, which a CPU ``gloo`` world tests.
@@ -90,6 +95,29 @@ def parallel_linear(
     )
 
 
+def parallel_mlp(
+    mlp: Callable, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``mlp(x, w_gate_up, w_down)`` (:func:`epicute.nn.functional.gated_mlp` on plain tensors) for DTensor weights
+    split by :class:`GatedMLPParallel`: each rank's features, the outputs' partial sums reduced."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = w_gate_up.device_mesh
+    if not is_distributed(w_down) or w_down.device_mesh != mesh or (w_gate_up.placements, w_down.placements) != (
+            (Shard(0),), (Shard(1),)):  # fmt: skip
+        raise ConfigError(
+            "a gated MLP's weights are split together: the interleaved gate/up weight Shard(0) and the down "
+            "projection Shard(1) on one 1-D mesh (epicute.nn.parallel.GatedMLPParallel does both); got "
+            f"{getattr(w_gate_up, 'placements', None)} and {getattr(w_down, 'placements', None)}"
+        )
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    x = x.redistribute(mesh, [Replicate()])
+    # Each rank's dx covers its own features only: the full gradient is their sum.
+    y = mlp(x.to_local(grad_placements=[Partial()]), w_gate_up.to_local(), w_down.to_local())
+    return DTensor.from_local(y, mesh, [Partial()], run_check=False)
+
+
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if is_distributed(t) else t
 
@@ -133,4 +161,57 @@ def _as_distributed(result: Any, mesh, placements: list) -> Any:
     return distributed
 
 
-__all__ = ["is_distributed", "parallel_linear"]
+def _gated_mlp_style():
+    """:class:`GatedMLPParallel`, defined on first use (torch.distributed's tensor package loads only then)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from epicute.epilogue.gated import GATE_BLOCK
+
+    class GatedMLPParallel(ParallelStyle):
+        """Shard an :class:`epicute.nn.GatedMLP` over a 1-D mesh (``parallelize_module(mlp, mesh,
+        GatedMLPParallel())``, or under its name in a model's plan): its interleaved gate/up weight by rows,
+        ``down_proj.weight`` by columns, over the same intermediate features; its output comes back as
+        ``output_layouts`` (``Replicate()``: one all-reduce) and, with ``use_local_output``, as a plain tensor.
+        Each rank's share of the intermediate features must be a multiple of 8 (whole gate/up blocks)."""
+
+        def __init__(self, *, output_layouts=None, use_local_output: bool = True) -> None:
+            super().__init__()
+            self.output_layouts = (output_layouts or Replicate(),)
+            self.use_local_output = use_local_output
+
+        def _apply(self, module, device_mesh):
+            from epicute.nn.modules import GatedMLP
+
+            if not isinstance(module, GatedMLP):
+                raise ConfigError(f"GatedMLPParallel shards an epicute.nn.GatedMLP, not a {type(module).__name__}")
+            ranks, features = device_mesh.size(), module.intermediate_size
+            if device_mesh.ndim != 1 or features % (ranks * GATE_BLOCK):
+                raise ConfigError(
+                    f"intermediate_size={features} over a mesh of shape {tuple(device_mesh.shape)}: each of the "
+                    f"{ranks} ranks takes a contiguous share of the features, whole blocks of {GATE_BLOCK} gate and "
+                    f"{GATE_BLOCK} up rows: use a 1-D mesh whose size times {GATE_BLOCK} divides intermediate_size"
+                )
+            module.gate_up = torch.nn.Parameter(distribute_tensor(module.gate_up.data, device_mesh, [Shard(0)]),
+                                                module.gate_up.requires_grad)  # fmt: skip
+            down = module.down_proj
+            down.weight = torch.nn.Parameter(distribute_tensor(down.weight.data, device_mesh, [Shard(1)]),
+                                             down.weight.requires_grad)  # fmt: skip
+            module.register_forward_hook(self._output)
+            return module
+
+        def _output(self, module, inputs, output):
+            output = output.redistribute(placements=self.output_layouts)
+            return output.to_local() if self.use_local_output else output
+
+    return GatedMLPParallel
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GatedMLPParallel":
+        style = globals()["GatedMLPParallel"] = _gated_mlp_style()
+        return style
+    raise AttributeError(name)
+
+
+__all__ = ["GatedMLPParallel", "is_distributed", "parallel_linear", "parallel_mlp"]  # noqa: F822 - GatedMLPParallel: __getattr__

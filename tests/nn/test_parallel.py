@@ -160,3 +160,49 @@ def test_fsdp2_trains_like_the_whole_model():
     """fully_shard gathers each layer's parameters into plain tensors before its forward: epicute's layers run
     unchanged, and the reduce-scattered gradients match the whole model's."""
     _spawn(_fsdp_mlp, 2)
+
+
+def _gated_mlp(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import epicute
+    from epicute.nn import GatedMLP
+    from epicute.nn.parallel import GatedMLPParallel
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(11)
+    mlp = GatedMLP(HIDDEN, INNER, activation="silu", dtype=BF16)
+    whole = {name: t.detach().double() for name, t in mlp.state_dict().items()}  # the checkpoint's gate/up/down
+    leaves = {name: t.clone().requires_grad_() for name, t in whole.items()}
+    parallelize_module(mlp, mesh, GatedMLPParallel())
+    assert mlp.gate_up.placements == (Shard(0),) and mlp.down_proj.weight.placements == (Shard(1),)
+    # The sharded module's state dict still has the checkpoint's layout (each key a DTensor of the same values).
+    assert {name: _full(t).double() for name, t in mlp.state_dict().items()}.keys() == whole.keys()
+    assert all(torch.equal(_full(t).double(), whole[name]) for name, t in mlp.state_dict().items())
+    torch.manual_seed(3)
+    x = torch.randn(2, TOKENS, HIDDEN, dtype=BF16, requires_grad=True)
+    grad = torch.randn(2, TOKENS, HIDDEN, dtype=BF16)
+    y = mlp(x)  # the reduced output, a plain tensor on every rank
+    y.backward(grad)
+    x64 = x.detach().double().requires_grad_()
+    gate, up = x64 @ leaves["gate_proj.weight"].T, x64 @ leaves["up_proj.weight"].T
+    want = (torch.nn.functional.silu(gate) * up) @ leaves["down_proj.weight"].T
+    want.backward(grad.double())
+    # The gradients in the checkpoint's layout: gate_up's gradient split as the state dict splits the weight.
+    grads = type(mlp)(HIDDEN, INNER, dtype=BF16, device="meta")
+    grads.gate_up = torch.nn.Parameter(mlp.gate_up.grad.full_tensor(), requires_grad=False)
+    grads.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.grad.full_tensor(), requires_grad=False)
+    errors = {"out": _rel(y, want.detach()), "x": _rel(x.grad, x64.grad)}
+    errors |= {name: _rel(g, leaves[name].grad) for name, g in grads.state_dict().items()}
+    assert all(e < TOL for e in errors.values()), errors
+    with pytest.raises(epicute.ConfigError, match="intermediate_size=40"):
+        parallelize_module(GatedMLP(HIDDEN, 40, dtype=BF16), mesh, GatedMLPParallel())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_gated_mlp_split_by_features_trains_like_the_whole_one(world):
+    """GatedMLPParallel: gate/up by rows and down by columns over the same features; the fused MLP (its backward
+    across the two GEMMs included) on each rank, one reduction of the outputs."""
+    _spawn(_gated_mlp, world)
