@@ -377,20 +377,8 @@ def to_operand_shape(grad: torch.Tensor, operand: torch.Tensor, kind: str) -> to
 
 
 __all__ = [
-    "PLANS",
-    "RECOMPUTE_BELOW_K",
-    "BackwardPlan",
-    "BackwardStep",
-    "GradientKernels",
-    "OpCall",
-    "backward_of",
-    "explain_backward",
-    "op_call",
-    "plan_backward",
-    "saved_dtype",
-    "saving_call",
-    "saving_epilogue",
-    "setup_backward",
+    "PLANS", "RECOMPUTE_BELOW_K", "BackwardPlan", "BackwardStep", "GradientKernels", "OpCall", "backward_of",
+    "explain_backward", "op_call", "plan_backward", "saved_dtype", "saving_call", "saving_epilogue", "setup_backward",
     "to_operand_shape",
 ]  # fmt: skip
 

@@ -51,8 +51,8 @@ from epicute.runtime.torch_ops import (
 )
 
 
-def _options(spec: dict) -> dict:
-    """The keyword options of the :func:`epicute.gemm` call the op stands for (its operands aside)."""
+def op_options(spec: dict) -> dict:
+    """The keyword options of the public call an op stands for, from its spec (the epilogue and operands aside)."""
     return {
         "out_dtype": IR_TO_TORCH[spec["out_dtype"]] if spec["out_dtype"] else None,
         "out_dtypes": {k: IR_TO_TORCH[v] for k, v in spec["out_dtypes"].items()} or None,
@@ -65,7 +65,7 @@ def dense_call(a, b, operands, scalars, epilogue: str, spec: str) -> OpCall:
     """The op call's :class:`~epicute.gemm.autograd.OpCall` (decided once per signature)."""
 
     def options(parsed: dict) -> dict:
-        return {"epilogue": registered_epilogue(epilogue) if epilogue else None, **_options(parsed)}
+        return {"epilogue": registered_epilogue(epilogue) if epilogue else None, **op_options(parsed)}
 
     return op_call("gemm", (a, b, *operands), epilogue, spec, options,
                    lambda parsed: user_graph(a, b, operands, scalars, epilogue, parsed))  # fmt: skip
@@ -354,7 +354,7 @@ class PreparedTraining:
     def _impl(self, a, b, tensors, scalars, epilogue, spec) -> list[torch.Tensor]:
         # The forward's sources in the order the op's implementation passes them: tensors, then numbers.
         sources = (a, b, None, None, None, *tensors, *scalars)
-        if not self.forward.fits(sources):  # one tensor where the recorded call had two, or the converse
+        if not self.forward.fits(sources):  # the recorded call passed one tensor twice, this one two tensors
             return gemm_op(a, b, tensors, scalars, epilogue, spec)
         result = self.forward.replay(sources)
         return [result] if isinstance(result, torch.Tensor) else [result[name] for name in self.call.outputs]
@@ -392,5 +392,5 @@ def needs_backward(a, b, a_scale, b_scale, out, outs, operands: dict) -> bool:
 
 __all__ = [
     "GEMM_OP", "DenseKernels", "OpArguments", "PreparedTraining", "gemm_op", "gemm_op_call", "needs_backward",
-    "op_arguments", "stored_transposed",
+    "op_arguments", "op_options", "stored_transposed",
 ]  # fmt: skip

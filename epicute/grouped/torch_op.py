@@ -31,6 +31,7 @@ from epicute.gemm.torch_op import (
     fake_lowered_graph,
     fake_operand_values,
     needs_backward,
+    op_options,
     stored_transposed,
 )
 from epicute.gemm.validate import FP8_TORCH_DTYPES
@@ -39,7 +40,6 @@ from epicute.runtime.checks import check_operand_names, config_pins
 from epicute.runtime.torch_ops import (
     TorchOp,
     assume_constant_result,
-    config_of,
     grad_slot,
     operand_values,
     plain_fn,
@@ -78,13 +78,7 @@ def grouped_call(a, b, offsets, operands, scalars, epilogue: str, spec: str) -> 
     """The op call's :class:`~epicute.gemm.autograd.OpCall` (decided once per signature)."""
 
     def options(parsed: dict) -> dict:
-        return {
-            "epilogue": registered_epilogue(epilogue) if epilogue else None,
-            "out_dtype": IR_TO_TORCH[parsed["out_dtype"]] if parsed["out_dtype"] else None,
-            "out_dtypes": {k: IR_TO_TORCH[v] for k, v in parsed["out_dtypes"].items()} or None,
-            "config": config_of(parsed),
-            "gated": parsed["gated"],
-        }
+        return {"epilogue": registered_epilogue(epilogue) if epilogue else None, **op_options(parsed)}
 
     graph = lambda parsed: _user_graph(a, b, offsets, operands, scalars, epilogue, parsed)[0]  # noqa: E731
     return op_call("grouped_gemm", (a, b, offsets, *operands), epilogue, spec, options, graph)
