@@ -582,7 +582,7 @@ def test_epilogue_quantize_to_fp8_checks_ds_rows_in_fp8():
     """N = 24: bf16 rows (48 bytes) are aligned, e4m3 rows (24) are not: refused naming the fp8 dtype, by gemm and
     explain alike."""
     a, b = rand(32, 48), rand(48, 24)
-    fp8_d = lambda acc: epicute.ops.cast(acc, torch.float8_e4m3fn)  # noqa: E731
+    fp8_d = lambda acc: epicute.ops.cast(acc, torch.float8_e4m3fn)
     with epicute.use_backend("reference"), pytest.raises(AlignmentError, match=r"N=24 .*float8_e4m3fn.*pad N to 32"):
         epicute.gemm(a, b, epilogue=fp8_d)
     meta = dict(device="meta", dtype=BF16)
