@@ -145,6 +145,44 @@ def _use_epicute_attention(model: nn.Module) -> int:
     return sum(1 for module in model.modules() if hasattr(module, "is_causal") and hasattr(module, "q_proj"))
 
 
+#: The attention projections a tensor-parallel plan splits by heads (column-parallel), and the one it reduces.
+ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), "o_proj")
+
+
+def tensor_parallel_plan(model: nn.Module, world_size: int) -> dict[str, Any]:
+    """A ``parallelize_module`` plan for a model :func:`patch` switched to epicute (``linears=True``) over a 1-D mesh
+    of ``world_size`` ranks, the Megatron split: each attention's ``q_proj``/``k_proj``/``v_proj`` column-parallel
+    (each rank its own heads, which epicute's attention runs as on one GPU) and ``o_proj`` row-parallel, each
+    :class:`~epicute.nn.GatedMLP` by :class:`~epicute.nn.parallel.GatedMLPParallel`. Embeddings, norms, the LM head
+    and MoE experts stay replicated. Raises :class:`~epicute.errors.ConfigError` where the heads (query or key/value)
+    do not split evenly (and ``parallelize_module`` does where a gated MLP's features do not).
+
+    Example:
+        >>> plan = tensor_parallel_plan(model, mesh.size())               # doctest: +SKIP
+        >>> parallelize_module(model, mesh, plan)
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from epicute.nn.parallel import GatedMLPParallel
+
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    plan: dict[str, Any] = {}
+    (columns, rows) = ATTENTION_PROJECTIONS
+    for name, module in model.named_modules():
+        if all(isinstance(getattr(module, p, None), Linear) for p in (*columns, rows)):
+            if heads is None or heads % world_size or kv_heads % world_size:
+                raise ConfigError(f"{name}: {heads} query and {kv_heads} key/value heads do not split over "
+                                  f"{world_size} ranks; use a tensor-parallel size that divides both")  # fmt: skip
+            plan |= {f"{name}.{p}": ColwiseParallel() for p in columns} | {f"{name}.{rows}": RowwiseParallel()}
+        elif isinstance(module, GatedMLP):  # GatedMLPParallel checks that its features split when it is applied
+            plan[name] = GatedMLPParallel()
+    if not plan:
+        raise ConfigError("no attention or GatedMLP to split: patch(model, linears=True) first")
+    return plan
+
+
 def _is_experts(module: nn.Module) -> bool:
     """transformers' 3-D experts (``gate_up_proj`` ``(E, 2I, H)`` ``[gate; up]``, ``down_proj``, no biases)."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
@@ -174,4 +212,7 @@ def _check_version() -> None:
         )
 
 
-__all__ = ["ACTIVATIONS", "ATTENTION", "SUPPORTED", "attention_forward", "patch"]
+__all__ = [
+    "ACTIVATIONS", "ATTENTION", "ATTENTION_PROJECTIONS", "SUPPORTED", "attention_forward", "patch",
+    "tensor_parallel_plan",
+]  # fmt: skip

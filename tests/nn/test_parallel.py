@@ -8,41 +8,16 @@ outputs and gradients, the reduction's bf16 all-reduce on top).
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+from tests.nn.gloo_world import AVAILABLE, spawn
+
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="needs torch.distributed with gloo")
 
 BF16 = torch.bfloat16
 TOL = 2e-2
 HIDDEN, INNER, OUT, TOKENS = 40, 96, 24, 13  # INNER splits evenly over 2 and 4 ranks
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(fn, world: int) -> None:
-    mp.spawn(_rank_main, args=(world, _free_port(), fn), nprocs=world, join=True)
-
-
-def _rank_main(rank: int, world: int, port: int, fn) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        import epicute
-
-        with epicute.use_backend("reference"):
-            fn(rank, world)
-    finally:
-        dist.destroy_process_group()
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -106,7 +81,7 @@ def _tensor_parallel_mlp(rank: int, world: int) -> None:
 def test_colwise_then_rowwise_mlp_trains_like_the_whole_one(world):
     """Llama-style column-then-row split (the fused GELU on each rank's columns, the bias added after the partial
     sums are reduced)."""
-    _spawn(_tensor_parallel_mlp, world)
+    spawn(_tensor_parallel_mlp, world)
 
 
 def _refusals(rank: int, world: int) -> None:
@@ -141,7 +116,7 @@ def _refusals(rank: int, world: int) -> None:
 
 
 def test_what_a_sharded_layer_cannot_fuse_is_refused_and_a_sharded_operand_fuses():
-    _spawn(_refusals, 2)
+    spawn(_refusals, 2)
 
 
 def _fsdp_mlp(rank: int, world: int) -> None:
@@ -159,7 +134,7 @@ def _fsdp_mlp(rank: int, world: int) -> None:
 def test_fsdp2_trains_like_the_whole_model():
     """fully_shard gathers each layer's parameters into plain tensors before its forward: epicute's layers run
     unchanged, and the reduce-scattered gradients match the whole model's."""
-    _spawn(_fsdp_mlp, 2)
+    spawn(_fsdp_mlp, 2)
 
 
 def _gated_mlp(rank: int, world: int) -> None:
@@ -205,4 +180,4 @@ def _gated_mlp(rank: int, world: int) -> None:
 def test_a_gated_mlp_split_by_features_trains_like_the_whole_one(world):
     """GatedMLPParallel: gate/up by rows and down by columns over the same features; the fused MLP (its backward
     across the two GEMMs included) on each rank, one reduction of the outputs."""
-    _spawn(_gated_mlp, world)
+    spawn(_gated_mlp, world)
