@@ -153,9 +153,10 @@ def tensor_parallel_plan(model: nn.Module, world_size: int) -> dict[str, Any]:
     """A ``parallelize_module`` plan for a model :func:`patch` switched to epicute (``linears=True``) over a 1-D mesh
     of ``world_size`` ranks, the Megatron split: each attention's ``q_proj``/``k_proj``/``v_proj`` column-parallel
     (each rank its own heads, which epicute's attention runs as on one GPU) and ``o_proj`` row-parallel, each
-    :class:`~epicute.nn.GatedMLP` by :class:`~epicute.nn.parallel.GatedMLPParallel`. Embeddings, norms, the LM head
-    and MoE experts stay replicated. Raises :class:`~epicute.errors.ConfigError` where the heads (query or key/value)
-    do not split evenly (and ``parallelize_module`` does where a gated MLP's features do not).
+    :class:`~epicute.nn.GatedMLP` and every expert of each :class:`~epicute.nn.MoEExperts` by their features
+    (:class:`~epicute.nn.parallel.GatedMLPParallel`). Embeddings, norms, routers and the LM head stay replicated.
+    Raises :class:`~epicute.errors.ConfigError` where the heads (query or key/value) do not split evenly (and
+    ``parallelize_module`` does where a gated MLP's features do not).
 
     Example:
         >>> plan = tensor_parallel_plan(model, mesh.size())               # doctest: +SKIP
@@ -176,7 +177,7 @@ def tensor_parallel_plan(model: nn.Module, world_size: int) -> dict[str, Any]:
                 raise ConfigError(f"{name}: {heads} query and {kv_heads} key/value heads do not split over "
                                   f"{world_size} ranks; use a tensor-parallel size that divides both")  # fmt: skip
             plan |= {f"{name}.{p}": ColwiseParallel() for p in columns} | {f"{name}.{rows}": RowwiseParallel()}
-        elif isinstance(module, GatedMLP):  # GatedMLPParallel checks that its features split when it is applied
+        elif isinstance(module, GatedMLP | MoEExperts):  # GatedMLPParallel checks that the features split
             plan[name] = GatedMLPParallel()
     if not plan:
         raise ConfigError("no attention or GatedMLP to split: patch(model, linears=True) first")

@@ -38,10 +38,10 @@ from epicute.epilogue.backward import DACC, DACC_UP, SAVED, gradient_graph, read
 from epicute.epilogue.gated import gated_epilogue, interleave_gate_up
 from epicute.epilogue.operands import RowVector
 from epicute.epilogue.tracer import as_epilogue, trace_key
-from epicute.errors import EpilogueError, ShapeError
+from epicute.errors import ConfigError, EpilogueError, ShapeError
 from epicute.gemm.api import gemm
 from epicute.grouped.api import grouped_gemm
-from epicute.nn.parallel import is_distributed, parallel_linear, parallel_mlp
+from epicute.nn.parallel import is_distributed, parallel_experts, parallel_linear, parallel_mlp
 from epicute.runtime.torch_ops import assume_constant_result
 
 #: Named activations: one traced value in, one out.
@@ -388,6 +388,13 @@ def moe_experts(
     if x.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != x.shape[0]:
         raise ShapeError(f"x {tuple(x.shape)}, top_k_index {tuple(top_k_index.shape)} and top_k_weights "
                          f"{tuple(top_k_weights.shape)}: need (T, H), (T, k) and (T, k)")  # fmt: skip
+    if is_distributed(gate_up_proj):  # every expert split by features (epicute.nn.parallel.GatedMLPParallel)
+        if not interleaved:
+            raise ConfigError("gate_up_proj is a DTensor with interleaved=False: its [gate; up] halves split by rows "
+                              "would give each rank gate or up rows only; shard the interleaved weight "
+                              "(epicute.nn.MoEExperts holds it)")  # fmt: skip
+        run = functools.partial(moe_experts, activation=activation, interleaved=True)
+        return parallel_experts(run, x, gate_up_proj, down_proj, top_k_index, top_k_weights)
     top_k = top_k_index.shape[1]
     experts = gate_up_proj.shape[0]
     expert_ids = top_k_index.reshape(-1).long()

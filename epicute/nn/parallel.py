@@ -118,6 +118,29 @@ def parallel_mlp(
     return DTensor.from_local(y, mesh, [Partial()], run_check=False)
 
 
+def parallel_experts(experts: Callable, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``experts(x, gate_up, down, top_k_index, top_k_weights)`` (:func:`epicute.nn.functional.moe_experts` on plain
+    tensors, ``interleaved=True``) for every expert split by features (:class:`GatedMLPParallel`): each rank routes
+    all tokens through its share of every expert, the outputs' partial sums reduced."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = gate_up.device_mesh
+    if not is_distributed(down) or (gate_up.placements, down.placements) != ((Shard(1),), (Shard(2),)):
+        raise ConfigError(
+            "the experts' weights are split together: the interleaved gate/up weight Shard(1) and down_proj "
+            "Shard(2) on one 1-D mesh (epicute.nn.parallel.GatedMLPParallel does both); got "
+            f"{gate_up.placements} and {getattr(down, 'placements', None)}"
+        )
+    local = []
+    for t in (x, top_k_weights):  # each rank's gradient of them covers its own features: the sum is the gradient
+        t = t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        local.append(t.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]))
+    index = top_k_index.full_tensor() if isinstance(top_k_index, DTensor) else top_k_index
+    out = experts(local[0], gate_up.to_local(), down.to_local(), index, local[1])
+    return DTensor.from_local(out, mesh, [Partial()], run_check=False)
+
+
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if is_distributed(t) else t
 
@@ -169,9 +192,10 @@ def _gated_mlp_style():
     from epicute.epilogue.gated import GATE_BLOCK
 
     class GatedMLPParallel(ParallelStyle):
-        """Shard an :class:`epicute.nn.GatedMLP` over a 1-D mesh (``parallelize_module(mlp, mesh,
-        GatedMLPParallel())``, or under its name in a model's plan): its interleaved gate/up weight by rows,
-        ``down_proj.weight`` by columns, over the same intermediate features; its output comes back as
+        """Shard an :class:`epicute.nn.GatedMLP` (or every expert of an :class:`epicute.nn.MoEExperts`) over a 1-D
+        mesh (``parallelize_module(mlp, mesh, GatedMLPParallel())``, or under its name in a model's plan): its
+        interleaved gate/up weight by rows, the down projection by columns, over the same intermediate features
+        (each rank every expert's share); its output comes back as
         ``output_layouts`` (``Replicate()``: one all-reduce) and, with ``use_local_output``, as a plain tensor.
         Each rank's share of the intermediate features must be a multiple of 8 (whole gate/up blocks)."""
 
@@ -181,10 +205,11 @@ def _gated_mlp_style():
             self.use_local_output = use_local_output
 
         def _apply(self, module, device_mesh):
-            from epicute.nn.modules import GatedMLP
+            from epicute.nn.modules import GatedMLP, MoEExperts
 
-            if not isinstance(module, GatedMLP):
-                raise ConfigError(f"GatedMLPParallel shards an epicute.nn.GatedMLP, not a {type(module).__name__}")
+            if not isinstance(module, GatedMLP | MoEExperts):
+                raise ConfigError("GatedMLPParallel shards an epicute.nn.GatedMLP or MoEExperts, not a "
+                                  f"{type(module).__name__}")  # fmt: skip
             ranks, features = device_mesh.size(), module.intermediate_size
             if device_mesh.ndim != 1 or features % (ranks * GATE_BLOCK):
                 raise ConfigError(
@@ -192,11 +217,12 @@ def _gated_mlp_style():
                     f"{ranks} ranks takes a contiguous share of the features, whole blocks of {GATE_BLOCK} gate and "
                     f"{GATE_BLOCK} up rows: use a 1-D mesh whose size times {GATE_BLOCK} divides intermediate_size"
                 )
-            module.gate_up = torch.nn.Parameter(distribute_tensor(module.gate_up.data, device_mesh, [Shard(0)]),
-                                                module.gate_up.requires_grad)  # fmt: skip
-            down = module.down_proj
-            down.weight = torch.nn.Parameter(distribute_tensor(down.weight.data, device_mesh, [Shard(1)]),
-                                             down.weight.requires_grad)  # fmt: skip
+            # gate/up (..., 2I, H) by its rows, down (..., H, I) by its columns: one expert's or all experts'.
+            owner, name = (module.down_proj, "weight") if isinstance(module, GatedMLP) else (module, "down_proj")
+            for holder, attr, dim in ((module, "gate_up", -2), (owner, name, -1)):
+                weight = getattr(holder, attr)
+                sharded = distribute_tensor(weight.data, device_mesh, [Shard(weight.dim() + dim)])
+                setattr(holder, attr, torch.nn.Parameter(sharded, weight.requires_grad))
             module.register_forward_hook(self._output)
             return module
 
@@ -214,4 +240,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["GatedMLPParallel", "is_distributed", "parallel_linear", "parallel_mlp"]  # noqa: F822 - GatedMLPParallel: __getattr__
+__all__ = ["GatedMLPParallel", "is_distributed", "parallel_experts", "parallel_linear", "parallel_mlp"]  # noqa: F822 - GatedMLPParallel: __getattr__

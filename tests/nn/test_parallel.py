@@ -181,3 +181,51 @@ def test_a_gated_mlp_split_by_features_trains_like_the_whole_one(world):
     """GatedMLPParallel: gate/up by rows and down by columns over the same features; the fused MLP (its backward
     across the two GEMMs included) on each rank, one reduction of the outputs."""
     spawn(_gated_mlp, world)
+
+
+def _experts(rank: int, world: int) -> None:
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from epicute.nn import MoEExperts
+    from epicute.nn.parallel import GatedMLPParallel
+
+    mesh = init_device_mesh("cpu", (world,))
+    num_experts, top_k = 5, 2
+    torch.manual_seed(21)
+    layer = MoEExperts(num_experts, HIDDEN, INNER, dtype=BF16)
+    whole = {name: t.detach().double().requires_grad_() for name, t in layer.state_dict().items()}
+    parallelize_module(layer, mesh, GatedMLPParallel())
+    assert layer.gate_up.placements == (Shard(1),) and layer.down_proj.placements == (Shard(2),)
+    torch.manual_seed(22)  # the same tokens and routing on every rank, as a replicated router gives
+    x = torch.randn(TOKENS, HIDDEN, dtype=BF16, requires_grad=True)
+    index = torch.stack([torch.randperm(num_experts - 1)[:top_k] for _ in range(TOKENS)])  # expert 4 never picked
+    weights = torch.softmax(torch.randn(TOKENS, top_k), -1).requires_grad_()
+    grad = torch.randn(TOKENS, HIDDEN, dtype=BF16)
+    y = layer(x, index, weights)
+    y.backward(grad)
+    x64, w64 = x.detach().double().requires_grad_(), weights.detach().double().requires_grad_()
+    want = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64)
+    for t in range(TOKENS):
+        for j in range(top_k):
+            e = int(index[t, j])
+            g, u = F.linear(x64[t], whole["gate_up_proj"][e]).chunk(2)
+            want = want.index_add(
+                0, torch.tensor([t]), (w64[t, j] * F.linear(F.silu(g) * u, whole["down_proj"][e]))[None]
+            )
+    want.backward(grad.double())
+    # The weights' gradients in the checkpoint's layout, as the state dict hook de-interleaves the weight.
+    grads = MoEExperts(num_experts, HIDDEN, INNER, dtype=BF16, device="meta")
+    grads.gate_up = torch.nn.Parameter(layer.gate_up.grad.full_tensor(), requires_grad=False)
+    grads.down_proj = torch.nn.Parameter(layer.down_proj.grad.full_tensor(), requires_grad=False)
+    errors = {"out": _rel(y, want.detach()), "x": _rel(x.grad, x64.grad), "weights": _rel(weights.grad, w64.grad)}
+    errors |= {name: _rel(g, whole[name].grad) for name, g in grads.state_dict().items()}
+    assert all(e < TOL for e in errors.values()), errors
+
+
+def test_moe_experts_split_by_features_train_like_the_whole_layer():
+    """GatedMLPParallel on MoEExperts: every expert's gate/up rows and down columns split over the same features,
+    each rank routing every token through its share, one reduction; the router weights' gradient sums the ranks'."""
+    spawn(_experts, 2)
