@@ -1,4 +1,5 @@
-"""Tensor-parallel linear layers: :func:`epicute.nn.functional.linear` over DTensor weights.
+"""Tensor-parallel layers: :mod:`epicute.nn.functional`'s ``linear``, ``gated_mlp`` and ``moe_experts`` over DTensor
+weights.
 
 torch.distributed's plans shard an ``nn.Linear`` (so an :class:`epicute.nn.Linear`) in place:
 ``ColwiseParallel`` splits ``weight`` and ``bias`` by output features (``Shard(0)``) and hands the layer a
@@ -17,7 +18,8 @@ one epicute GEMM, and the result is a DTensor the plan redistributes as it asks 
 A gated MLP (:class:`epicute.nn.GatedMLP`) is split the Megatron way by :class:`GatedMLPParallel`: the interleaved
 gate/up weight by rows (each rank a contiguous range of the intermediate features, whole gate/up blocks) and the
 down projection by the same features, so each rank runs the whole fused MLP (one gated GEMM, one GEMM, and the
-backward that fuses across them) on its features, and the outputs' partial sums are reduced once.
+backward that fuses across them) on its features, and the outputs' partial sums are reduced once; a
+:class:`epicute.nn.MoEExperts` is split the same way, every expert by its features.
 
 FSDP2 (``fully_shard``) needs none of this: it gathers a layer's parameters into plain tensors before its forward.
 The GEMM fused with the collectives themselves (all-gather + GEMM, GEMM + reduce-scatter) is issue 62's next
@@ -62,20 +64,17 @@ def parallel_linear(
             "fully_shard gathers its own before the forward)"
         )
     (placement,) = weight.placements
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
     if placement.is_replicate():  # every rank computes the whole layer
-        x = x.redistribute(mesh, [Replicate()])
+        x = _distributed(x, mesh).redistribute(mesh, [Replicate()])
         result = linear(x.to_local(), weight.to_local(), _local(bias), epilogue=epilogue,
                         **_local_operands(operands, sharded=False))  # fmt: skip
         return _as_distributed(result, mesh, [Replicate()])
     if placement == Shard(0):  # column-parallel
-        x = x.redistribute(mesh, [Replicate()])
-        # Each rank's dx covers its own output columns only: the full gradient is their sum.
-        result = linear(x.to_local(grad_placements=[Partial()]), weight.to_local(), _local(bias),
-                        epilogue=epilogue, **_local_operands(operands, sharded=True))  # fmt: skip
+        result = linear(_whole_input(x, mesh), weight.to_local(), _local(bias), epilogue=epilogue,
+                        **_local_operands(operands, sharded=True))  # fmt: skip
         return _as_distributed(result, mesh, [Shard(x.dim() - 1)])
     if placement == Shard(1):  # row-parallel
+        x = _distributed(x, mesh)
         if epilogue is not None or operands:
             raise EpilogueError(
                 "an epilogue on a row-parallel linear (RowwiseParallel: weight Shard(1)) would apply to each rank's "
@@ -100,7 +99,7 @@ def parallel_mlp(
 ) -> torch.Tensor:  # fmt: skip
     """``mlp(x, w_gate_up, w_down)`` (:func:`epicute.nn.functional.gated_mlp` on plain tensors) for DTensor weights
     split by :class:`GatedMLPParallel`: each rank's features, the outputs' partial sums reduced."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Shard
 
     mesh = w_gate_up.device_mesh
     if not is_distributed(w_down) or w_down.device_mesh != mesh or (w_gate_up.placements, w_down.placements) != (
@@ -110,11 +109,7 @@ def parallel_mlp(
             "projection Shard(1) on one 1-D mesh (epicute.nn.parallel.GatedMLPParallel does both); got "
             f"{getattr(w_gate_up, 'placements', None)} and {getattr(w_down, 'placements', None)}"
         )
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    x = x.redistribute(mesh, [Replicate()])
-    # Each rank's dx covers its own features only: the full gradient is their sum.
-    y = mlp(x.to_local(grad_placements=[Partial()]), w_gate_up.to_local(), w_down.to_local())
+    y = mlp(_whole_input(x, mesh), w_gate_up.to_local(), w_down.to_local())
     return DTensor.from_local(y, mesh, [Partial()], run_check=False)
 
 
@@ -123,7 +118,7 @@ def parallel_experts(experts: Callable, x: torch.Tensor, gate_up: torch.Tensor, 
     """``experts(x, gate_up, down, top_k_index, top_k_weights)`` (:func:`epicute.nn.functional.moe_experts` on plain
     tensors, ``interleaved=True``) for every expert split by features (:class:`GatedMLPParallel`): each rank routes
     all tokens through its share of every expert, the outputs' partial sums reduced."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Shard
 
     mesh = gate_up.device_mesh
     if not is_distributed(down) or (gate_up.placements, down.placements) != ((Shard(1),), (Shard(2),)):
@@ -132,13 +127,25 @@ def parallel_experts(experts: Callable, x: torch.Tensor, gate_up: torch.Tensor, 
             "Shard(2) on one 1-D mesh (epicute.nn.parallel.GatedMLPParallel does both); got "
             f"{gate_up.placements} and {getattr(down, 'placements', None)}"
         )
-    local = []
-    for t in (x, top_k_weights):  # each rank's gradient of them covers its own features: the sum is the gradient
-        t = t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-        local.append(t.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]))
     index = top_k_index.full_tensor() if isinstance(top_k_index, DTensor) else top_k_index
-    out = experts(local[0], gate_up.to_local(), down.to_local(), index, local[1])
+    out = experts(_whole_input(x, mesh), gate_up.to_local(), down.to_local(), index, _whole_input(top_k_weights, mesh))
     return DTensor.from_local(out, mesh, [Partial()], run_check=False)
+
+
+def _distributed(t: torch.Tensor, mesh) -> torch.Tensor:
+    """``t`` as a DTensor: itself, or a plain tensor as the replicated value every rank holds."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+
+
+def _whole_input(t: torch.Tensor, mesh) -> torch.Tensor:
+    """An input every rank reads whole beside its own share of a layer's features (columns, heads, an expert's
+    rows): the replicated tensor, local, whose gradient on each rank covers that share only, so the full gradient
+    is their sum (``Partial``: the plan's backward all-reduces it)."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    return _distributed(t, mesh).redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
