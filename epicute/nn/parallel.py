@@ -173,22 +173,21 @@ def _local_operands(operands: dict[str, Any], sharded: bool) -> dict[str, Any]:
 
 
 def _as_distributed(result: Any, mesh, placements: list) -> Any:
-    """``linear``'s result(s) as DTensors: tiles with ``placements``; per-column reductions ``(out,)`` sharded with
-    the columns; per-row ones would be partial sums over the rank's columns only: refused."""
+    """``linear``'s result(s) as DTensors with ``placements``. Beside a column-parallel weight only tiles (D's shape)
+    are: a reduction would hold each rank's own columns' share, refused (once the rank computed it: which outputs an
+    epilogue returns is known from its trace, which the GEMM makes)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(result, torch.Tensor):
         return DTensor.from_local(result, mesh, placements, run_check=False)
-    distributed = {}
+    tile = result["D"].shape
     for name, t in result.items():
-        if name == "D" or t.dim() > 1 or placements[0].is_replicate():
-            distributed[name] = DTensor.from_local(t, mesh, placements, run_check=False)
-        else:
+        if t.shape != tile and not placements[0].is_replicate():
             raise EpilogueError(
                 f"output {name!r} is a reduction, and a column-parallel layer splits the output's columns among "
                 "ranks: return the tile and reduce the DTensor, or keep this layer unsharded"
             )
-    return distributed
+    return {name: DTensor.from_local(t, mesh, placements, run_check=False) for name, t in result.items()}
 
 
 def _gated_mlp_style():
@@ -202,9 +201,9 @@ def _gated_mlp_style():
         """Shard an :class:`epicute.nn.GatedMLP` (or every expert of an :class:`epicute.nn.MoEExperts`) over a 1-D
         mesh (``parallelize_module(mlp, mesh, GatedMLPParallel())``, or under its name in a model's plan): its
         interleaved gate/up weight by rows, the down projection by columns, over the same intermediate features
-        (each rank every expert's share); its output comes back as
-        ``output_layouts`` (``Replicate()``: one all-reduce) and, with ``use_local_output``, as a plain tensor.
-        Each rank's share of the intermediate features must be a multiple of 8 (whole gate/up blocks)."""
+        (each rank every expert's share). Its output comes back as ``output_layouts`` (``Replicate()``: one
+        all-reduce) and, with ``use_local_output``, as a plain tensor. Each rank's share of the intermediate
+        features must be a multiple of 8 (whole gate/up blocks)."""
 
         def __init__(self, *, output_layouts=None, use_local_output: bool = True) -> None:
             super().__init__()

@@ -229,3 +229,45 @@ def test_moe_experts_split_by_features_train_like_the_whole_layer():
     """GatedMLPParallel on MoEExperts: every expert's gate/up rows and down columns split over the same features,
     each rank routing every token through its share, one reduction; the router weights' gradient sums the ranks'."""
     spawn(_experts, 2)
+
+
+def _more_refusals(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import epicute
+    from epicute.nn import Linear
+    from epicute.nn import functional as EF
+    from epicute.nn.parallel import GatedMLPParallel
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(5)
+    x = torch.randn(TOKENS, HIDDEN, dtype=BF16)
+    # A reduction of a column-parallel layer would hold each rank's own columns' share.
+    col = Linear(HIDDEN, INNER, epilogue=lambda acc: {"D": acc, "rs": epicute.ops.row_sum(acc)}, dtype=BF16)
+    parallelize_module(col, mesh, ColwiseParallel(use_local_output=False))
+    for tokens in (x, x.reshape(1, TOKENS, HIDDEN)):  # (13,) and (1, 13) row sums: no tile for either
+        with pytest.raises(epicute.EpilogueError, match="output 'rs' is a reduction"):
+            col(tokens)
+    # A weight on a 2-D mesh: the tensor-parallel dimension's 1-D mesh is what the layer takes.
+    square = init_device_mesh("cpu", (1, world))
+    w = distribute_tensor(torch.randn(INNER, HIDDEN, dtype=BF16), square, [Replicate(), Shard(0)])
+    with pytest.raises(epicute.ConfigError, match="2-D device mesh"):
+        EF.linear(x, w)
+    # A gated MLP's two weights split together, and only the interleaved gate/up weight of experts splits.
+    gate_up = distribute_tensor(torch.randn(2 * INNER, HIDDEN, dtype=BF16), mesh, [Shard(0)])
+    down = distribute_tensor(torch.randn(HIDDEN, INNER, dtype=BF16), mesh, [Replicate()])
+    with pytest.raises(epicute.ConfigError, match="split together"):
+        EF.gated_mlp(x, gate_up, down)
+    experts_gate_up = distribute_tensor(torch.randn(3, 2 * INNER, HIDDEN, dtype=BF16), mesh, [Shard(1)])
+    experts_down = distribute_tensor(torch.randn(3, HIDDEN, INNER, dtype=BF16), mesh, [Shard(2)])
+    index, weights = torch.zeros(TOKENS, 1, dtype=torch.long), torch.ones(TOKENS, 1)
+    with pytest.raises(epicute.ConfigError, match="interleaved=False"):
+        EF.moe_experts(x, experts_gate_up, experts_down, index, weights)
+    with pytest.raises(epicute.ConfigError, match="not a Linear"):
+        parallelize_module(Linear(HIDDEN, INNER, dtype=BF16), mesh, GatedMLPParallel())
+
+
+def test_more_that_a_sharded_layer_refuses_names_the_fix():
+    spawn(_more_refusals, 2)
