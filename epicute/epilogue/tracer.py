@@ -22,7 +22,7 @@ import torch
 from epicute.epilogue import optable
 from epicute.epilogue.dtypes import ir_dtype
 from epicute.epilogue.graph import INDEX_KINDS, KINDS, REDUCTIONS, Graph, Node
-from epicute.epilogue.operands import OperandSpec, Pin, resolve_operands
+from epicute.epilogue.operands import PINS, OperandSpec, Pin, resolve_operands
 from epicute.epilogue.proxy import Recorder, Value
 from epicute.errors import EpicuteError, EpilogueError
 
@@ -297,6 +297,51 @@ def epilogue(fn: Callable) -> Epilogue:
 
 #: What a caller passing ``epilogue=`` uses: decorated or not, any function of ``acc`` is accepted.
 as_epilogue = epilogue
+
+
+def with_leading_operands(
+    epilogue: Callable | None, names: tuple[str, ...], kinds: tuple[str, ...], combine: Callable, owner: str,
+) -> Callable:  # fmt: skip
+    """``f(acc, *names, *operands) = epilogue(combine(acc, *names), *operands)`` (``combine(acc, *names)`` alone
+    without an epilogue): a step a caller puts before the user's epilogue (a layer's bias, peers' partial sums), as
+    one traced epilogue keeping the user's operand names, pins and defaults; ``kinds`` pins the leading operands.
+
+    One composite per :func:`trace_key` of the epilogue (a lambda written in the call is a new object each time, and
+    a new composite would be traced and planned again on every call). ``owner`` names the caller in the error for
+    an epilogue operand that takes one of ``names``."""
+    key = (trace_key(epilogue) if epilogue is not None else (), names, kinds, combine, owner)
+    composite = _COMPOSITES.get(key) if key[0] is not None else None
+    if composite is None:
+        composite = _compose(epilogue, names, kinds, combine, owner)
+        if key[0] is not None:
+            if len(_COMPOSITES) >= 1024:
+                _COMPOSITES.clear()
+            _COMPOSITES[key] = composite
+    return composite
+
+
+_COMPOSITES: dict[tuple, Callable] = {}
+
+
+def _compose(epilogue: Callable | None, names: tuple, kinds: tuple, combine: Callable, owner: str) -> Callable:
+    epi = as_epilogue(epilogue) if epilogue is not None else None
+    for name in set(names) & set(epi.params if epi else ()):
+        raise EpilogueError(f"epilogue {epi.name!r} takes an operand named {name!r}; {owner} passes its own {name!r} "
+                            "before the epilogue: rename the epilogue's")  # fmt: skip
+    count = len(names)
+
+    def composite(acc, *values):
+        combined = combine(acc, *values[:count])
+        return epi.fn(combined, *values[count:]) if epi is not None else combined
+
+    param = functools.partial(inspect.Parameter, kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = [param("acc"), *(param(name, annotation=PINS[kind]) for name, kind in zip(names, kinds, strict=True))]
+    if epi is not None:
+        params += [param(p, annotation=PINS[epi.pins[p]] if p in epi.pins else inspect.Parameter.empty,
+                         default=epi.defaults.get(p, inspect.Parameter.empty)) for p in epi.params]  # fmt: skip
+    composite.__signature__ = inspect.Signature(params)
+    composite.__name__ = f"{epi.name}_after_{'_'.join(names)}" if epi is not None else f"plus_{'_'.join(names)}"
+    return composite
 
 
 def trace_for_gemm(

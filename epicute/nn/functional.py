@@ -26,7 +26,7 @@ Example:
 from __future__ import annotations
 
 import functools
-import inspect
+import operator
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +37,7 @@ from epicute.epilogue import ops
 from epicute.epilogue.backward import DACC, DACC_UP, SAVED, gradient_graph, read_from_accumulator, replay_epilogue
 from epicute.epilogue.gated import gated_epilogue, interleave_gate_up
 from epicute.epilogue.operands import RowVector
-from epicute.epilogue.tracer import as_epilogue, trace_key
+from epicute.epilogue.tracer import as_epilogue, with_leading_operands
 from epicute.errors import ConfigError, EpilogueError, ShapeError
 from epicute.gemm.api import gemm
 from epicute.grouped.api import grouped_gemm
@@ -111,23 +111,12 @@ def _unflatten(t: torch.Tensor, lead: tuple, rows: int, cols: int) -> torch.Tens
 
 
 def _with_bias(epilogue: Callable | None) -> Callable:
-    """``f(acc, bias, *operands) = epilogue(acc + bias, *operands)`` (or ``acc + bias``), keeping the operands' names
-    and pins. One composite per :func:`~epicute.epilogue.tracer.trace_key` of the epilogue: a lambda written in the
-    call is a new object each time, and a new composite would be traced and planned again on every call."""
+    """``f(acc, bias, *operands) = epilogue(acc + bias, *operands)`` (or ``acc + bias``)."""
     if epilogue is None:
         return _add_bias
-    key = trace_key(epilogue)
-    if key is None:
-        return _compose_bias(epilogue)
-    composite = _BIASED.get(key)
-    if composite is None:
-        if len(_BIASED) >= 1024:
-            _BIASED.clear()
-        composite = _BIASED[key] = _compose_bias(epilogue)
-    return composite
+    return with_leading_operands(epilogue, ("bias",), ("row",), operator.add, "linear's bias=")
 
 
-_BIASED: dict[tuple, Callable] = {}
 _BIASED_TRACED: dict[str, Callable] = {}
 
 
@@ -139,29 +128,6 @@ def _biased_traced(epilogue: Callable | None) -> str:
     key = f"{getattr(composite, '__name__', 'biased')}:{id(composite)}"
     _BIASED_TRACED[key] = composite
     return key
-
-
-def _compose_bias(epilogue: Callable) -> Callable:
-    epi = as_epilogue(epilogue)
-    if "bias" in epi.params:
-        raise EpilogueError(f"epilogue {epi.name!r} takes an operand named 'bias'; linear's bias= is added before it")
-
-    def biased(acc, bias, *rest):
-        return epi.fn(acc + bias, *rest)
-
-    params = list(inspect.signature(biased).parameters.values())[:2]
-    params += [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                 annotation=_pin(epi.pins.get(p)), default=epi.defaults.get(p, inspect.Parameter.empty))
-               for p in epi.params]  # fmt: skip
-    biased.__signature__ = inspect.Signature(params)
-    biased.__name__ = f"{epi.name}_after_bias"
-    return biased
-
-
-def _pin(kind: str | None):
-    from epicute.epilogue.operands import PINS
-
-    return PINS[kind] if kind else inspect.Parameter.empty
 
 
 def _add_bias(acc, bias: RowVector):

@@ -1,5 +1,6 @@
-"""A CPU ``gloo`` world for tests of torch.distributed code: :func:`spawn` runs ``fn(rank, world)`` on each rank,
-the GEMMs on the reference backend; an exception on any rank fails the test with that rank's traceback."""
+"""Process-group worlds for tests of torch.distributed code: :func:`spawn` runs ``fn(rank, world)`` on each rank, in a
+CPU ``gloo`` world (the GEMMs on the reference backend) or an ``nccl`` world of one GPU per rank (the kernels); an
+exception on any rank fails the test with that rank's traceback."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import torch.multiprocessing as mp
 AVAILABLE = dist.is_available() and dist.is_gloo_available()
 
 
-def spawn(fn, world: int) -> None:
-    """Run ``fn(rank, world)`` in ``world`` processes of one gloo process group."""
-    mp.spawn(_rank_main, args=(world, _free_port(), fn), nprocs=world, join=True)
+def spawn(fn, world: int, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world)`` in ``world`` processes of one process group (``"gloo"`` or ``"nccl"``)."""
+    mp.spawn(_rank_main, args=(world, _free_port(), fn, backend), nprocs=world, join=True)
 
 
 def _free_port() -> int:
@@ -25,13 +26,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, fn) -> None:
+def _rank_main(rank: int, world: int, port: int, fn, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        import torch
+
+        # NVLink multicast stays off (it can take a shared host's GPUs out of service): NCCL, torch, NVSHMEM.
+        os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         import epicute
 
-        with epicute.use_backend("reference"):
+        with epicute.use_backend("reference" if backend == "gloo" else "kernel"):
             fn(rank, world)
         # No rank tears its group down while another still talks to it (gloo aborts the process if one does); a
         # rank that raised is past this, and spawn ends the others.

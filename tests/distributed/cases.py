@@ -1,0 +1,143 @@
+"""Checks of :mod:`epicute.distributed` that every rank of a world runs (a CPU gloo world in test_collective.py, an
+NCCL world of one GPU per rank in test_collective_gpu.py), against float64 of the same math on the whole, unsharded
+tensors: relative error, fresh random inputs (one seed drawn by rank 0 per check), odd row counts, outputs the
+module allocates poisoned with NaN. bf16 outputs: 1e-2 (one rounding); gradients 2e-2 (the partial sums travel in
+bf16 before the fp32 sum, then one more rounding)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+
+import epicute
+import epicute.distributed as ED
+from epicute.distributed import collective
+
+BF16 = torch.bfloat16
+TOL, GRAD_TOL = 1e-2, 2e-2
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got = got.detach().cpu().double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - want.detach()).norm() / want.detach().norm()).item()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _fresh_seed() -> None:
+    """One new seed for every rank (rank 0 draws it): each rank builds the same whole tensors and cuts its share."""
+    seed = [random.randrange(2**31) if dist.get_rank() == 0 else 0]
+    dist.broadcast_object_list(seed, src=0)
+    torch.manual_seed(seed[0])
+
+
+def _poison_outputs() -> None:
+    collective.new_output = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _inputs(rows_total: int, k: int, n: int):
+    a = torch.randn(rows_total, k).to(BF16)
+    w = (torch.randn(n, k) / k**0.5).to(BF16)
+    return a, w
+
+
+def all_gather_gemm_with_epilogue(rank: int, world: int, rows: int, k: int, n: int) -> None:
+    """A bias, a per-row scale and a residual tile over the gathered rows, a GELU, D and a per-row sum; the gathered
+    A returned too; then a per-column reduction refused on every rank before any collective."""
+    _fresh_seed()
+    _poison_outputs()
+    dev = _device()
+    m = world * rows
+    a, w = _inputs(m, k, n)
+    bias, scale, residual = torch.randn(n).to(BF16), torch.rand(m, 1), torch.randn(m, n).to(BF16)
+
+    def epilogue(acc, bias, scale, residual):
+        y = epicute.ops.gelu(acc + bias) * scale + residual
+        return {"D": y, "rows": epicute.ops.row_sum(y)}
+
+    shard = a[rank * rows : (rank + 1) * rows].to(dev)
+    out, gathered = ED.all_gather_gemm(shard, w.to(dev).t(), epilogue=epilogue, bias=bias.to(dev),
+                                       scale=scale.to(dev), residual=residual.to(dev), return_a=True)  # fmt: skip
+    want = torch.nn.functional.gelu(a.double() @ w.double().T + bias.double()) * scale.double() + residual.double()
+    assert out["D"].shape == (m, n) and out["D"].dtype == BF16
+    assert rel(out["D"], want) < TOL, rel(out["D"], want)
+    assert rel(out["rows"], want.sum(1)) < TOL, rel(out["rows"], want.sum(1))
+    assert torch.equal(gathered.cpu(), a)  # a copy of every rank's rows, bit for bit
+
+    try:
+        ED.all_gather_gemm(shard, w.to(dev).t(), epilogue=lambda acc: {"D": acc, "cols": epicute.ops.col_sum(acc)})
+    except epicute.EpilogueError as exc:
+        assert "reduces over the output's rows" in str(exc)
+    else:
+        raise AssertionError("a per-column reduction across the gathered blocks was not refused")
+    dist.barrier()  # every rank refused before sending anything: the group is still in step
+
+
+def gemm_reduce_scatter_with_epilogue(rank: int, world: int, rows: int, k: int, n: int) -> None:
+    """Each rank's share of K; the sum's rows of this rank, with a bias and a residual after the reduction; then
+    rows that don't split evenly refused."""
+    _fresh_seed()
+    dev = _device()
+    m = world * rows
+    a, w = _inputs(m, world * k, n)
+    bias, residual = torch.randn(n).to(BF16), torch.randn(rows * world, n).to(BF16)
+    own = slice(rank * rows, (rank + 1) * rows)
+    cols = slice(rank * k, (rank + 1) * k)
+    got = ED.gemm_reduce_scatter(a[:, cols].contiguous().to(dev), w[:, cols].contiguous().to(dev).t(),
+                                 epilogue=lambda acc, bias, residual: epicute.ops.relu(acc + bias) + residual,
+                                 bias=bias.to(dev), residual=residual[own].to(dev))  # fmt: skip
+    want = torch.relu(a.double() @ w.double().T + bias.double())[own] + residual[own].double()
+    assert got.shape == (rows, n) and got.dtype == BF16
+    assert rel(got, want) < TOL, rel(got, want)
+    # A second call: the peers' partials of the first are overwritten only once every rank is done with them.
+    again = ED.gemm_reduce_scatter(a[:, cols].contiguous().to(dev), w[:, cols].contiguous().to(dev).t())
+    assert rel(again, (a.double() @ w.double().T)[own]) < TOL
+
+    try:
+        ED.gemm_reduce_scatter(a[: m - 1, cols].contiguous().to(dev), w[:, cols].contiguous().to(dev).t())
+    except epicute.ShapeError as exc:
+        assert "multiple of the group's size" in str(exc)
+    else:
+        raise AssertionError("rows that don't split evenly among the ranks were not refused")
+    dist.barrier()
+
+
+def column_then_row_parallel_trains(rank: int, world: int, rows: int, k: int, n: int) -> None:
+    """A sequence-parallel MLP's two projections, ``reduce_scatter(all_gather(x) @ w1_r.T @ w2_r.T)``, through
+    autograd: the output and the gradients of x's rows, w1's and w2's shares against float64 autograd of the whole;
+    an epilogue under autograd refused."""
+    _fresh_seed()
+    dev = _device()
+    m, inner = world * rows, world * n
+    x, w1 = _inputs(m, k, inner)
+    w2 = (torch.randn(k, inner) / inner**0.5).to(BF16)
+    grad = torch.randn(m, k).to(BF16)
+    own, feats = slice(rank * rows, (rank + 1) * rows), slice(rank * n, (rank + 1) * n)
+    x_r = x[own].to(dev).requires_grad_()
+    w1_r = w1[feats].to(dev).requires_grad_()
+    w2_r = w2[:, feats].contiguous().to(dev).requires_grad_()
+    h = ED.all_gather_gemm(x_r, w1_r.t())
+    y = ED.gemm_reduce_scatter(h, w2_r.t())
+    y.backward(grad[own].to(dev))
+
+    x64, w1_64, w2_64 = (t.double().requires_grad_() for t in (x, w1, w2))
+    want = x64 @ w1_64.T @ w2_64.T
+    want.backward(grad.double())
+    assert rel(y, want[own]) < TOL, rel(y, want[own])
+    for name, got, ref in (("x", x_r.grad, x64.grad[own]), ("w1", w1_r.grad, w1_64.grad[feats]),
+                           ("w2", w2_r.grad, w2_64.grad[:, feats])):  # fmt: skip
+        assert got is not None and rel(got, ref) < GRAD_TOL, (name, rel(got, ref) if got is not None else None)
+
+    try:
+        ED.all_gather_gemm(x_r, w1_r.t(), epilogue=lambda acc: epicute.ops.silu(acc))
+    except epicute.GradientError as exc:
+        assert "no backward yet" in str(exc)
+    else:
+        raise AssertionError("an epilogue under autograd was not refused")
+    dist.barrier()
