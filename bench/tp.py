@@ -7,18 +7,21 @@ heads of 128), each rank holding ``tokens / TP`` tokens:
 - row-parallel (the GEMM, then reduce-scatter the partial sums): ``o_proj`` (K = 8192 / TP) and ``down``
   (28672 / TP).
 
+Each in bf16 and in fp8 (e4m3, rowwise scales: the tokens' per row, the weight's per output feature, bf16 out).
 Peers, every one on the same inputs in the same run, interleaved in balanced orders: ``nccl+cublas`` (the unfused
 NCCL collective and ``torch.matmul``) and ``async_tp`` (``torch.ops.symm_mem.fused_all_gather_matmul`` /
-``fused_matmul_reduce_scatter``). Each rank times every contender (CUDA events, medians, warm-up excluded); a row
-gives the slowest rank's median as TFLOP/s per GPU. Every contender's output is checked against the unfused one first.
+``fused_matmul_reduce_scatter``, their ``scaled`` forms for fp8). Each rank times every contender (CUDA events,
+medians, warm-up excluded); a row gives the slowest rank's median as TFLOP/s per GPU. Every contender's output is
+checked against the unfused one first.
 
-    python bench/tp.py [--tp 2 4 8] [--tokens 8192] [--out bench/results/tp.json]
+    python bench/tp.py [--tp 2 4 8] [--tokens 8192] [--dtypes bf16 fp8] [--out bench/results/tp.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import socket
 import sys
@@ -40,43 +43,70 @@ PROJECTIONS = (
 TOLERANCE = 2e-2  # bf16 outputs of two orders of summation
 
 
-def _contenders(style: str, x, w, group):
-    """The three ways to run one rank's share of a projection: each a function of no arguments."""
+def _contenders(style: str, x, w, group, scales=None):
+    """The three ways to run one rank's share of a projection, each a function of no arguments; ``scales`` (fp8
+    inputs): x's per-row ``(rows, 1)`` and w's per-output-feature ``(1, N)`` fp32 scales."""
     import torch
     import torch.distributed as dist
 
     import epicute.distributed as ED
 
-    world, name = group.size(), group.group_name
+    world, name, bf16 = group.size(), group.group_name, torch.bfloat16
+    xs, ws = scales or (None, None)
+    ours_scales = {"a_scale": xs, "b_scale": ws} if scales else {}
+
+    def matmul(a, a_scale=None):
+        if scales is None:
+            return a @ w.t()
+        return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=ws, out_dtype=bf16)
+
     if style == "column":
         gathered = x.new_empty((world * x.shape[0], x.shape[1]))
+        gathered_scales = xs.new_empty((world * xs.shape[0], 1)) if scales else None
 
         def unfused():
-            dist.all_gather_into_tensor(gathered, x, group=group)
-            return gathered @ w.t()
+            dist.all_gather_into_tensor(gathered.view(torch.uint8) if scales else gathered,
+                                        x.view(torch.uint8) if scales else x, group=group)  # fmt: skip
+            if scales:
+                dist.all_gather_into_tensor(gathered_scales, xs, group=group)
+            return matmul(gathered, gathered_scales)
 
         def async_tp():
-            return torch.ops.symm_mem.fused_all_gather_matmul(x, [w.t()], gather_dim=0, group_name=name)[1][0]
+            if scales is None:
+                return torch.ops.symm_mem.fused_all_gather_matmul(x, [w.t()], gather_dim=0, group_name=name)[1][0]
+            return torch.ops.symm_mem.fused_all_gather_scaled_matmul(
+                x, [w.t()], xs, [ws], 0, name, [None], [None], [bf16], [False])[1][0]  # fmt: skip
 
         def ours():
-            return ED.all_gather_gemm(x, w.t(), group)
+            return ED.all_gather_gemm(x, w.t(), group, **ours_scales)
     else:
-        scattered = x.new_empty((x.shape[0] // world, w.shape[0]))
+        scattered = torch.empty((x.shape[0] // world, w.shape[0]), dtype=bf16, device=x.device)
 
         def unfused():
-            dist.reduce_scatter_tensor(scattered, x @ w.t(), group=group)
+            dist.reduce_scatter_tensor(scattered, matmul(x, xs), group=group)
             return scattered
 
         def async_tp():
-            return torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w.t(), "sum", scatter_dim=0, group_name=name)
+            if scales is None:
+                return torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w.t(), "sum", scatter_dim=0, group_name=name)
+            return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+                x, w.t(), xs, ws, "sum", 0, 0, name, [x.shape[0], w.shape[0]], out_dtype=bf16)  # fmt: skip
 
         def ours():
-            return ED.gemm_reduce_scatter(x, w.t(), group)
+            return ED.gemm_reduce_scatter(x, w.t(), group, **ours_scales)
 
     return {"epicute": ours, "nccl+cublas": unfused, "async_tp": async_tp}
 
 
-def _rank(rank: int, world: int, port: int, tokens: int, queue) -> None:
+def _rowwise_fp8(t):
+    """``t`` in e4m3 per row, and the fp32 scales ``(rows, 1)`` that dequantize it."""
+    import torch
+
+    scale = t.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-6) / 448.0
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def _rank(rank: int, world: int, port: int, tokens: int, dtypes: list[str], queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
                       TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")  # fmt: skip
     import warnings
@@ -94,15 +124,19 @@ def _rank(rank: int, world: int, port: int, tokens: int, queue) -> None:
         warnings.simplefilter("ignore", FutureWarning)  # needless from torch 2.8 on, required before
         symm_mem.enable_symm_mem_for_group(group.group_name)
     rows = []
-    for case, style, k, n in PROJECTIONS:
+    for (case, style, k, n), dtype in itertools.product(PROJECTIONS, dtypes):
         torch.manual_seed(1234 + rank)
         shard_k, shard_n = (k, n // world) if style == "column" else (k // world, n)
         x_rows = tokens // world if style == "column" else tokens
         x = torch.randn(x_rows, shard_k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(shard_n, shard_k, device="cuda", dtype=torch.bfloat16) / shard_k**0.5
-        fns = _contenders(style, x, w, group)
+        if dtype == "fp8":
+            (x, xs), (w, ws) = _rowwise_fp8(x), _rowwise_fp8(w)
+            fns = _contenders(style, x, w, group, (xs, ws.reshape(1, -1)))
+        else:
+            fns = _contenders(style, x, w, group)
         want = fns["nccl+cublas"]().float()
-        row = {"case": f"{case} {style} TP{world} {tokens}x{n}x{k}"}
+        row = {"case": f"{case} {style} {dtype} TP{world} {tokens}x{n}x{k}"}
         for label, fn in fns.items():
             got = fn().float()
             error = ((got - want).norm() / want.norm()).item()
@@ -132,6 +166,8 @@ def main() -> int:
     parser.add_argument("--tp", type=int, nargs="+", default=None, help="tensor-parallel sizes (default: 2, 4, 8 "
                         "up to the GPUs there are)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--dtypes", nargs="+", choices=("bf16", "fp8"), default=["bf16", "fp8"],
+                        help="bf16, and fp8 e4m3 with rowwise scales")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tp.json")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
@@ -146,8 +182,8 @@ def main() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.start_processes(functools.partial(_rank, queue=queue), args=(world, port, args.tokens), nprocs=world,
-                           join=True, start_method="spawn")  # fmt: skip
+        rank = functools.partial(_rank, queue=queue)
+        mp.start_processes(rank, args=(world, port, args.tokens, args.dtypes), nprocs=world, start_method="spawn")
         rows += queue.get()
     command = "python bench/tp.py " + " ".join(sys.argv[1:])
     print(f"wrote {write_result(args.out, 'tp', command.strip(), 'TFLOPS', True, rows)}")

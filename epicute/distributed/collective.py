@@ -4,10 +4,11 @@
   parallelism. A rank starts its GEMM on its own rows at once, while the copy engine pulls the peers' shards out of
   torch's symmetric memory; each peer's rows are multiplied as soon as they have landed, so the all-gather hides
   behind the GEMM. The fused epilogue runs unchanged on every block of rows.
-- :func:`gemm_reduce_scatter`: ``epilogue(reduce_scatter(a @ b))``, the row-parallel layer. A rank first computes
-  the partial sums of its peers' rows into its symmetric buffer; then its own rows, whose epilogue adds the peers'
-  partials for those rows, read in place from their buffers: the reduction is part of the last GEMM, with no pass
-  and no copy of its own, and the user's epilogue applies to the full sum.
+- :func:`gemm_reduce_scatter`: ``epilogue(reduce_scatter(a @ b))``, the row-parallel layer, as a ring of GEMMs:
+  each step multiplies the rows of the next rank around the ring and adds, in its epilogue, the running sum of those
+  rows that the previous rank left in its symmetric buffer, read in place; the last step's rows are the rank's own,
+  complete. The reduction is part of the GEMMs, with no pass and no copy of its own, and the user's epilogue applies
+  to the full sum.
 
 Both take what :func:`epicute.gemm` takes for the GEMM and the epilogue, and are differentiable (without an epilogue:
 each one's backward is the other, ``all_gather_gemm``'s input gradient a ``gemm_reduce_scatter`` and vice versa).
@@ -18,6 +19,7 @@ collective; a call is validated in full before its first collective, so a refuse
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +27,7 @@ import torch
 
 from epicute.distributed.transport import transport
 from epicute.epilogue.operands import Pin, Tile
-from epicute.epilogue.tracer import as_epilogue, with_leading_operands
+from epicute.epilogue.tracer import as_epilogue, trace_key, with_leading_operands
 from epicute.errors import ConfigError, EpilogueError, GradientError, ShapeError
 from epicute.gemm.api import explain, gemm
 
@@ -38,6 +40,8 @@ def all_gather_gemm(
     *,
     epilogue: Callable | None = None,
     out_dtype: torch.dtype | None = None,
+    a_scale: float | torch.Tensor | None = None,
+    b_scale: float | torch.Tensor | None = None,
     return_a: bool = False,
     **operands: Any,
 ) -> Any:
@@ -52,7 +56,9 @@ def all_gather_gemm(
             and per-row vectors span all gathered rows. It runs on each rank's block of rows as that block is
             multiplied, so its outputs are D, aux tiles and per-row reductions; one reduced over the rows (``col_*``,
             ``amax``) spans blocks and is refused.
-        out_dtype: D's dtype (default: ``a_shard``'s).
+        out_dtype: D's dtype (default: ``a_shard``'s; bf16 for fp8 inputs).
+        a_scale, b_scale: fp8 inputs' scales, as :func:`epicute.gemm` takes them, ``a_scale`` for this rank's rows:
+            rowwise (``(m,)``/``(m, 1)``, gathered with the rows) or tensorwise (one value per rank).
         return_a: also return the gathered A (``world * m, K``), e.g. for a weight gradient.
 
     Returns:
@@ -64,11 +70,12 @@ def all_gather_gemm(
     """
     group = _group(group)
     _check_pair(a_shard, b, "all_gather_gemm", "a_shard")
+    scales = (_row_scales(a_scale, a_shard), b_scale)
     if _needs_grad(a_shard, b, operands):
         _no_epilogue_under_autograd(epilogue, operands, "all_gather_gemm")
         d, gathered = _AllGatherGemm.apply(a_shard, b, group, out_dtype)
         return (d, gathered) if return_a else d
-    result = _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands)
+    result = _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands, scales)
     return result if return_a else result[0]
 
 
@@ -80,6 +87,8 @@ def gemm_reduce_scatter(
     *,
     epilogue: Callable | None = None,
     out_dtype: torch.dtype | None = None,
+    a_scale: float | torch.Tensor | None = None,
+    b_scale: float | torch.Tensor | None = None,
     **operands: Any,
 ) -> Any:
     """``epilogue(reduce_scatter(a @ b), **operands)``: this rank's rows of the sum over ranks of ``a @ b``, the
@@ -92,8 +101,11 @@ def gemm_reduce_scatter(
         group: the process group (default: the world).
         epilogue, operands: :func:`epicute.gemm`'s fused epilogue over this rank's ``(M / world, N)`` rows of the
             full sum (a bias, a residual, an activation: after the reduction, as the math says).
-        out_dtype: D's dtype (default: ``a``'s). The peers' partial sums travel in ``a``'s dtype and are added to
-            this rank's fp32 accumulator, the whole sum rounded once.
+        out_dtype: D's dtype (default: ``a``'s; bf16 for fp8 inputs). The running sums travel between neighbours
+            in ``a``'s dtype (bf16 for fp8 inputs), each added to the next rank's fp32 accumulator: ``world - 1``
+            roundings, as NCCL's ring reduces bf16.
+        a_scale, b_scale: fp8 inputs' scales, as :func:`epicute.gemm` takes them: ``a_scale`` rowwise over all M
+            rows or tensorwise.
 
     Returns:
         D, rank ``r``'s rows ``r * M / world`` up to the next rank's (a dict with the epilogue's other outputs).
@@ -109,53 +121,140 @@ def gemm_reduce_scatter(
             f"a has {a.shape[0]} rows; gemm_reduce_scatter gives each of the group's {group.size()} ranks an equal "
             "share of them: pad the rows to a multiple of the group's size"
         )
+    scales = (_row_scales(a_scale, a), b_scale)
     if _needs_grad(a, b, operands):
         _no_epilogue_under_autograd(epilogue, operands, "gemm_reduce_scatter")
         return _GemmReduceScatter.apply(a, b, group, out_dtype)
-    return _gemm_reduce_scatter(a, b, group, epilogue, out_dtype, operands)
+    return _gemm_reduce_scatter(a, b, group, epilogue, out_dtype, operands, scales)
 
 
 # --- the schedules ---------------------------------------------------------------------------------------------------
 
 
-def _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands) -> tuple[Any, torch.Tensor]:
+def _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands, scales=(None, None)) -> tuple[Any, Any]:
     world, rows, n = group.size(), a_shard.shape[0], b.shape[1]
+    a_scale, b_scale = scales
     blocks = _RowBlocks(epilogue, operands, world * rows, n)
-    d = new_output((world * rows, n), out_dtype or a_shard.dtype, a_shard.device)
-    explain(a_shard, b, epilogue=epilogue, out=d[:rows], **blocks.rows(0, rows), file=None)  # refuse before sending
+    d = new_output((world * rows, n), out_dtype or _wide(a_shard.dtype), a_shard.device)
+    _check_before_sending(a_shard, b, epilogue=epilogue, out=d[:rows], a_scale=a_scale, b_scale=b_scale,
+                          **blocks.rows(0, rows))  # fmt: skip
     gathered = new_output((world * rows, a_shard.shape[1]), a_shard.dtype, a_shard.device)
+    shards, outs = [a_shard], [gathered]
+    if a_scale is not None:
+        shards.append(a_scale)
+        outs.append(new_output((world * rows, 1), a_scale.dtype, a_scale.device))
     others: dict[str, list] = {}
-    for src in transport(group, a_shard).gather(a_shard, gathered):
+    # A block's aux outputs may be made on a side stream: they are read (concatenated) on the caller's.
+    caller = torch.cuda.current_stream(a_shard.device) if a_shard.is_cuda else None
+    for src in transport(group, a_shard).gather(shards, outs):
         lo, hi = src * rows, (src + 1) * rows
-        a_rows = a_shard if src == group.rank() else gathered[lo:hi]
-        result = gemm(a_rows, b, epilogue=epilogue, out=d[lo:hi], **blocks.rows(lo, hi))
+        own = src == group.rank()
+        result = gemm(a_shard if own else gathered[lo:hi], b, epilogue=epilogue, out=d[lo:hi],
+                      a_scale=a_scale if own or a_scale is None else outs[1][lo:hi], b_scale=b_scale,
+                      **blocks.rows(lo, hi))  # fmt: skip
         if isinstance(result, dict):
             for name, value in result.items():
                 if name != "D":
+                    if caller is not None:
+                        value.record_stream(caller)
                     others.setdefault(name, [None] * world)[src] = value
     if not others:
         return d, gathered
     return {"D": d, **{name: torch.cat(parts) for name, parts in others.items()}}, gathered
 
 
-def _gemm_reduce_scatter(a, b, group, epilogue, out_dtype, operands) -> Any:
+def _gemm_reduce_scatter(a, b, group, epilogue, out_dtype, operands, scales=(None, None)) -> Any:
+    """A ring: at step ``t`` rank ``r`` multiplies the rows of rank ``(r - 1 - t) mod w`` and adds the previous
+    rank's running sum of those rows (its step ``t - 1``), read from that rank's buffer, in the GEMM's epilogue; the
+    last step's rows are its own, every rank's partial in them, and the user's epilogue follows the sum."""
     world, rank = group.size(), group.rank()
     rows, n = a.shape[0] // world, b.shape[1]
-    own = a[rank * rows : (rank + 1) * rows]
+    a_scale, b_scale = scales
+
+    def block(step: int) -> dict[str, Any]:
+        """Step ``step``'s rows of A (and their scales) as :func:`gemm`'s arguments."""
+        owner = slice((rank - 1 - step) % world * rows, ((rank - 1 - step) % world + 1) * rows)
+        return {"a": a[owner], "a_scale": None if a_scale is None else a_scale[owner], "b_scale": b_scale}
+
+    def step_gemm(step: int, **kwargs: Any) -> Any:
+        args = block(step)
+        return gemm(args.pop("a"), b, **args, **kwargs)
+
     if world == 1:
-        return gemm(own, b, epilogue=epilogue, out_dtype=out_dtype, **operands)
-    names = tuple(f"peer_partial{i}" for i in range(1, world))
-    reduce = with_leading_operands(epilogue, names, ("tile",) * len(names), _add_all, "gemm_reduce_scatter")
-    partial = a.new_empty((rows, n))
-    explain(own, b, out=partial, file=None)  # the peers' partials (then the own rows' call, with them as operands)
-    explain(own, b, epilogue=reduce, out_dtype=out_dtype, **dict.fromkeys(names, Tile(partial)), **operands, file=None)
+        return step_gemm(0, epilogue=epilogue, out_dtype=out_dtype, **operands)
+    running = new_output((rows, n), _wide(a.dtype), a.device)
+    final = with_leading_operands(epilogue, ("running_sum",), ("tile",), operator.add, "gemm_reduce_scatter")
+    # Every step's call (the middle steps' and the last one's; the first is the middle one's GEMM).
+    first = block(0)
+    _check_before_sending(first.pop("a"), b, **first, epilogue=final, out_dtype=out_dtype,
+                          running_sum=Tile(running), **operands)  # fmt: skip
+    first = block(0)
+    _check_before_sending(first.pop("a"), b, **first, epilogue=_ADD_RUNNING, out=running, running_sum=Tile(running))
 
-    def produce(dst: int, out: torch.Tensor) -> None:
-        gemm(a[dst * rows : (dst + 1) * rows], b, out=out)
+    steps = transport(group, a).reduce_ring((rows, n), running.dtype, a.device)
+    step_gemm(0, out=steps.out(0))
+    steps.send(0)
+    for step in range(1, world - 1):
+        step_gemm(step, epilogue=_ADD_RUNNING, out=steps.out(step), running_sum=Tile(steps.received(step - 1)))
+        steps.send(step)
+    return step_gemm(world - 1, epilogue=final, out_dtype=out_dtype, running_sum=Tile(steps.received(world - 2)),
+                     **operands)  # fmt: skip
 
-    partials = transport(group, a).exchange(produce, (rows, n), a.dtype)
-    peers = {name: Tile(p) for name, p in zip(names, partials, strict=True)}
-    return gemm(own, b, epilogue=reduce, out_dtype=out_dtype, **peers, **operands)
+
+def _check_before_sending(a: torch.Tensor, b: torch.Tensor, **arguments: Any) -> None:
+    """Refuse a GEMM call of the schedule before its first collective (a refusal after it would leave the peers
+    waiting): :func:`epicute.explain` goes :func:`epicute.gemm`'s way without launching. Once per signature (the
+    shapes, strides, dtypes, devices and 16-byte alignment of its tensors, its epilogue's trace): a plan costs
+    hundreds of microseconds, as much as an fp8 block's GEMM."""
+    key = _signature((a, b, *sorted(arguments.items())))
+    if key is None or key not in _CHECKED:
+        explain(a, b, **arguments, file=None)
+        if key is not None:
+            if len(_CHECKED) >= 4096:
+                _CHECKED.clear()
+            _CHECKED.add(key)
+
+
+_CHECKED: set[tuple] = set()
+
+
+def _signature(value: Any) -> Any:
+    """What :func:`_check_before_sending`'s verdict on ``value`` depends on, hashable; None where unknown."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.stride(), value.dtype, value.device, value.data_ptr() % 16 == 0)
+    if isinstance(value, Pin):
+        inner = _signature(value.value)
+        return None if inner is None else (type(value).__name__, inner)
+    if isinstance(value, tuple):
+        parts = tuple(_signature(v) for v in value)
+        return None if any(p is None and v is not None for p, v in zip(parts, value, strict=True)) else parts
+    if value is None or isinstance(value, int | float | str | torch.dtype):
+        return value
+    if callable(value):
+        return trace_key(value)
+    return None
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a GEMM of ``dtype`` inputs gives by default: its own, bf16 for fp8."""
+    return torch.bfloat16 if dtype.itemsize == 1 else dtype
+
+
+def _row_scales(a_scale: float | torch.Tensor | None, a: torch.Tensor) -> torch.Tensor | None:
+    """An fp8 A's scale as one fp32 value per row of ``a``, ``(rows, 1)``: rowwise as given, tensorwise spread over
+    the rows (each rank's shard may have its own); blockwise refused."""
+    if a_scale is None:
+        return None
+    rows = a.shape[0]
+    scale = torch.as_tensor(a_scale, dtype=torch.float32, device=a.device)
+    if scale.numel() == 1:
+        return scale.reshape(1, 1).expand(rows, 1).contiguous()
+    if scale.shape in ((rows,), (rows, 1)):
+        return scale.reshape(rows, 1)
+    raise ConfigError(
+        f"a_scale has shape {tuple(scale.shape)}; the collective GEMMs take an fp8 A's scale tensorwise (one value) "
+        f"or rowwise ((rows,) or (rows, 1) = ({rows}, 1)): quantize A per row (epicute.quantize) for blockwise data"
+    )
 
 
 def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -163,10 +262,7 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _add_all(acc, *partials):
-    for partial in partials:
-        acc = acc + partial
-    return acc
+_ADD_RUNNING = with_leading_operands(None, ("running_sum",), ("tile",), operator.add, "gemm_reduce_scatter")
 
 
 class _RowBlocks:

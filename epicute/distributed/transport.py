@@ -4,24 +4,25 @@ Two transports with one interface, chosen by the group and the tensors' device:
 
 - :class:`Symmetric` (CUDA tensors, an NCCL group): torch's symmetric memory (``torch.distributed.
   _symmetric_memory``), one buffer per group mapped into every rank's address space. A peer's shard is pulled by the
-  copy engine on a side stream (no SM spent on it) while the GEMM runs on the caller's stream; a peer's partial sums
-  are read in place, from its buffer, by the GEMM that reduces them. Cross-rank order comes from the buffer's
-  barriers, stream-ordered kernels of torch's.
-- :class:`Collective` (any other group, e.g. ``gloo`` on CPU): the same schedule over plain collectives, with no
-  overlap. It runs the host logic where symmetric memory does not exist (CI's CPU gloo world).
+  copy engine on a side stream (no SM spent on it) while the GEMMs run; a neighbour's running sum is read in place,
+  from its buffer, by the GEMM that adds to it. Cross-rank order comes from the buffer's barriers and signals,
+  stream-ordered kernels of torch's.
+- :class:`Collective` (any other group, e.g. ``gloo`` on CPU): the same schedule over plain collectives and
+  point-to-point sends, with no overlap. It runs the host logic where symmetric memory does not exist (CI's CPU
+  gloo world).
 
-Both are stream-ordered on the caller's current stream: what they return is ready for work issued after them there.
+Both are stream-ordered: what they yield or return is ready for work issued after them on the stream current then.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
-#: Barrier channels of the symmetric buffer: 0 opens a call (peers are done with the buffer's previous contents),
-#: 1 says every rank's contents for this call are in place.
-_OPEN, _STAGED = 0, 1
+#: Signal channels of the symmetric buffer: 0 opens a call (a barrier: peers are done with the buffer's previous
+#: contents), 1 says every rank's shard is staged (a barrier), 2 passes a ring's running sum to the next rank.
+_OPEN, _STAGED, _RING = 0, 1, 2
 
 
 class Collective:
@@ -32,25 +33,55 @@ class Collective:
         self.group = group
         self.rank, self.world = group.rank(), group.size()
 
-    def gather(self, shard: torch.Tensor, gathered: torch.Tensor) -> Iterator[int]:
-        """Fill ``gathered`` (``world`` row blocks, rank order) with every rank's ``shard``, yielding each source
-        rank once its block may be read: the own rank first, then the next ranks in ring order."""
-        _all_gather(gathered, shard.contiguous(), self.group)
+    def gather(self, shards: list[torch.Tensor], gathered: list[torch.Tensor]) -> Iterator[int]:
+        """Fill each of ``gathered`` (``world`` row blocks, rank order) with every rank's shard of the same place in
+        ``shards`` (a GEMM's rows and their scales), yielding each source rank once its blocks may be read, the own
+        rank first, then the next ranks in ring order. The caller issues each block's work on the stream current
+        when it is yielded."""
+        for shard, out in zip(shards, gathered, strict=True):
+            _all_gather(out, shard.contiguous(), self.group)
         yield from ring(self.rank, self.world)
 
-    def exchange(self, produce: Callable[[int, torch.Tensor], None], shape: tuple[int, int],
-                 dtype: torch.dtype) -> list[torch.Tensor]:  # fmt: skip
-        """Call ``produce(dst, out)`` for every other rank ``dst`` (ring order), ``out`` a ``shape`` tensor, and
-        return the tensors the other ranks produced for this one."""
-        mine = torch.zeros((self.world, *shape), dtype=dtype, device=self._device())
-        for dst in ring(self.rank, self.world)[1:]:
-            produce(dst, mine[dst])
-        everyone = torch.empty((self.world * self.world, *shape), dtype=dtype, device=mine.device)
-        _all_gather(everyone, mine, self.group)
-        return [everyone[src * self.world + self.rank] for src in ring(self.rank, self.world)[1:]]
+    def reduce_ring(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> ReduceRing:
+        return _SentRing(self, shape, dtype, device)
 
-    def _device(self) -> torch.device:
-        return torch.device("cpu") if torch.distributed.get_backend(self.group) == "gloo" else torch.device("cuda")
+
+class ReduceRing:
+    """A ring reduction's data movement, one call's worth: at step ``t`` this rank writes its running sum into
+    :meth:`out` and passes it to the next rank (:meth:`send`); it reads the previous rank's running sum of step
+    ``t - 1`` from :meth:`received`."""
+
+    def out(self, step: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def send(self, step: int) -> None:
+        raise NotImplementedError
+
+    def received(self, step: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _SentRing(ReduceRing):
+    def __init__(self, transport: Collective, shape, dtype, device) -> None:
+        self.group, self.rank, self.world = transport.group, transport.rank, transport.world
+        self.slots = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.world - 1)]
+        self.pending: list = []
+
+    def out(self, step: int) -> torch.Tensor:
+        return self.slots[step]
+
+    def send(self, step: int) -> None:
+        right = torch.distributed.get_global_rank(self.group, (self.rank + 1) % self.world)
+        self.pending.append(torch.distributed.isend(self.slots[step], right, group=self.group))
+
+    def received(self, step: int) -> torch.Tensor:
+        left = torch.distributed.get_global_rank(self.group, (self.rank - 1) % self.world)
+        incoming = torch.empty_like(self.slots[step])
+        torch.distributed.recv(incoming, left, group=self.group)
+        if step == self.world - 2:  # the last one: every send of this call has been received by now
+            for work in self.pending:
+                work.wait()
+        return incoming
 
 
 class Symmetric:
@@ -61,52 +92,82 @@ class Symmetric:
         self.rank, self.world = group.rank(), group.size()
         self.device = device
 
-    def gather(self, shard: torch.Tensor, gathered: torch.Tensor) -> Iterator[int]:
-        """:meth:`Collective.gather`, overlapped: the own shard is staged in the symmetric buffer and read at once;
-        each peer's block is pulled by the copy engine on a side stream, and the caller's stream waits for that
-        block only when it reads it."""
-        handle = _buffer(self.group, self.device, shard.numel() * shard.element_size())
-        current, side = torch.cuda.current_stream(self.device), _side_stream(self.device)
+    def gather(self, shards: list[torch.Tensor], gathered: list[torch.Tensor]) -> Iterator[int]:
+        """:meth:`Collective.gather`, overlapped. The shards are staged in the symmetric buffer and the ranks meet
+        at two barriers (on the caller's stream: there a barrier's kernel runs before the GEMMs, which fill every SM
+        and would hold it back); then the own blocks are yielded at once while a side stream pulls each peer's
+        blocks with the copy engine. Each peer's blocks are yielded under a compute stream that waits for them
+        only, two streams in turn, so that one GEMM's last partial wave overlaps the next one's start."""
+        offsets, end = [], 0
+        for shard in shards:  # each shard at a 256-byte boundary of the buffer
+            offsets.append(end)
+            end += -(-shard.numel() * shard.element_size() // 256) * 256
+        handle = _buffer(self.group, self.device, end)
+
+        def staged(rank: int, i: int) -> torch.Tensor:
+            shard = shards[i]
+            return handle.get_buffer(rank, tuple(shard.shape), shard.dtype, offsets[i] // shard.element_size())
+
+        current, side = torch.cuda.current_stream(self.device), _stream(self.device, "copy")
+        computes = (current, _stream(self.device, "compute"))
         handle.barrier(channel=_OPEN)
-        handle.get_buffer(self.rank, tuple(shard.shape), shard.dtype).copy_(shard)
+        for i, shard in enumerate(shards):
+            staged(self.rank, i).copy_(shard)
         handle.barrier(channel=_STAGED)
         side.wait_stream(current)
-        rows = shard.shape[0]
+        computes[1].wait_stream(current)
         arrived = {}
         with torch.cuda.stream(side):
-            for src in ring(self.rank, self.world)[1:]:
-                gathered[src * rows : (src + 1) * rows].copy_(handle.get_buffer(src, tuple(shard.shape), shard.dtype))
+            for src in [*ring(self.rank, self.world)[1:], self.rank]:
+                for i, (shard, out) in enumerate(zip(shards, gathered, strict=True)):
+                    rows = shard.shape[0]
+                    out[src * rows : (src + 1) * rows].copy_(shard if src == self.rank else staged(src, i))
                 arrived[src] = torch.cuda.Event()
                 arrived[src].record(side)
-            gathered[self.rank * rows : (self.rank + 1) * rows].copy_(shard)
         try:
             yield self.rank
-            for src in ring(self.rank, self.world)[1:]:
-                current.wait_event(arrived[src])
-                yield src
+            for turn, src in enumerate(ring(self.rank, self.world)[1:], start=1):
+                stream = computes[turn % 2]
+                stream.wait_event(arrived[src])
+                with torch.cuda.stream(stream):
+                    yield src
         finally:
-            # The caller's stream owns everything after this call: the copies, and so the peers' buffers' reads.
+            # The caller's stream owns everything after this call: both streams' work, and so the peers' buffers'
+            # reads (the next call's opening barrier waits for them).
             current.wait_stream(side)
+            current.wait_stream(computes[1])
 
-    def exchange(self, produce: Callable[[int, torch.Tensor], None], shape: tuple[int, int],
-                 dtype: torch.dtype) -> list[torch.Tensor]:  # fmt: skip
-        """:meth:`Collective.exchange` in place: each ``out`` is a slot of this rank's symmetric buffer, and what
-        comes back are the peers' slots for this rank, views of their memory, readable once the barrier issued here
-        has passed on the caller's stream (they stay valid until the next call on this group's buffer)."""
-        slot = shape[0] * shape[1]
-        handle = _buffer(self.group, self.device, (self.world - 1) * slot * torch.empty((), dtype=dtype).element_size())
-        handle.barrier(channel=_OPEN)
-        for step, dst in enumerate(ring(self.rank, self.world)[1:]):
-            produce(dst, handle.get_buffer(self.rank, shape, dtype, storage_offset=step * slot))
-        handle.barrier(channel=_STAGED)
-        # The peer ``src`` produced this rank's rows at its step (rank - src) % world, in that slot of its buffer.
-        return [handle.get_buffer(src, shape, dtype, storage_offset=((self.rank - src) % self.world - 1) * slot)
-                for src in ring(self.rank, self.world)[1:]]  # fmt: skip
+    def reduce_ring(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> ReduceRing:
+        return _SymmetricRing(self, shape, dtype)
+
+
+class _SymmetricRing(ReduceRing):
+    """Running sums in the symmetric buffer, a slot per step; the next rank reads them in place, told by a signal."""
+
+    def __init__(self, transport: Symmetric, shape, dtype) -> None:
+        self.rank, self.world, self.shape, self.dtype = transport.rank, transport.world, shape, dtype
+        self.slot = shape[0] * shape[1]
+        nbytes = (self.world - 1) * self.slot * torch.empty((), dtype=dtype).element_size()
+        self.handle = _buffer(transport.group, transport.device, nbytes)
+        self.handle.barrier(channel=_OPEN)
+
+    def out(self, step: int) -> torch.Tensor:
+        return self.handle.get_buffer(self.rank, self.shape, self.dtype, storage_offset=step * self.slot)
+
+    def send(self, step: int) -> None:
+        self.handle.put_signal((self.rank + 1) % self.world, channel=_RING)
+
+    def received(self, step: int) -> torch.Tensor:
+        left = (self.rank - 1) % self.world
+        self.handle.wait_signal(left, channel=_RING)
+        return self.handle.get_buffer(left, self.shape, self.dtype, storage_offset=step * self.slot)
 
 
 def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
     # torch 2.13 renamed all_gather_into_tensor (deprecated there) all_gather_single.
     gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+    if tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1:  # fp8: bytes to gloo, which has no fp8 type
+        out, tensor = out.view(torch.uint8), tensor.view(torch.uint8)
     gather(out, tensor, group=group)
 
 
@@ -124,7 +185,7 @@ def transport(group, tensor: torch.Tensor) -> Collective | Symmetric:
 
 _BUFFERS: dict[tuple[str, int], tuple[torch.Tensor, object]] = {}
 _OUTGROWN: list[tuple[torch.Tensor, object]] = []
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 
 def _buffer(group, device: torch.device, nbytes: int):
@@ -142,8 +203,9 @@ def _buffer(group, device: torch.device, nbytes: int):
     return found[1]
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = _SIDE_STREAMS.get(device.index)
+def _stream(device: torch.device, role: str) -> torch.cuda.Stream:
+    """This module's own stream for ``role`` on ``device`` (made once)."""
+    stream = _STREAMS.get((device.index, role))
     if stream is None:
-        stream = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+        stream = _STREAMS[device.index, role] = torch.cuda.Stream(device)
     return stream

@@ -141,3 +141,35 @@ def column_then_row_parallel_trains(rank: int, world: int, rows: int, k: int, n:
     else:
         raise AssertionError("an epilogue under autograd was not refused")
     dist.barrier()
+
+
+def _rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` quantized to e4m3 per row, and the per-row fp32 scales that dequantize it."""
+    scale = t.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-6) / 448.0
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def fp8_rowwise_both_ways(rank: int, world: int, rows: int, k: int, n: int) -> None:
+    """fp8 e4m3 inputs with rowwise scales (A's gathered with its rows; cut by rows in the ring) through both
+    collective GEMMs, bf16 out, against float64 of the dequantized inputs."""
+    _fresh_seed()
+    dev = _device()
+    m = world * rows
+    a, w = _inputs(m, world * k, n)
+    a8, a_scale = _rowwise_fp8(a)
+    w8, w_scale = _rowwise_fp8(w)
+    want = (a8.double() * a_scale.double()) @ (w8.double() * w_scale.double()).T
+    own, cols = slice(rank * rows, (rank + 1) * rows), slice(rank * k, (rank + 1) * k)
+
+    got = ED.all_gather_gemm(a8[own].to(dev), w8.to(dev).t(), a_scale=a_scale[own].to(dev),
+                             b_scale=w_scale.reshape(1, n).to(dev))  # fmt: skip
+    assert got.shape == (m, n) and got.dtype == BF16
+    assert rel(got, want) < TOL, rel(got, want)
+
+    # The ring's shares of K: A's columns and W's, each share's product dequantized by the same row scales.
+    a8_k, w8_k = a8[:, cols].contiguous(), w8[:, cols].contiguous()
+    got = ED.gemm_reduce_scatter(a8_k.to(dev), w8_k.to(dev).t(), a_scale=a_scale.to(dev),
+                                 b_scale=w_scale.reshape(1, n).to(dev))  # fmt: skip
+    assert got.shape == (rows, n) and got.dtype == BF16
+    assert rel(got, want[own]) < TOL, rel(got, want[own])  # the shares' products summed: the whole product
+    dist.barrier()

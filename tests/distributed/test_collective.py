@@ -34,3 +34,7 @@ def test_no_process_group_is_refused():
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     with pytest.raises(epicute.ConfigError, match="init_process_group"):
         ED.all_gather_gemm(x, x.t())
+
+
+def test_fp8_rowwise_inputs_both_ways():
+    spawn(functools.partial(cases.fp8_rowwise_both_ways, rows=5, k=32, n=24), 2)

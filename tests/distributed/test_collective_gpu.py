@@ -34,3 +34,8 @@ def test_gemm_reduce_scatter_adds_the_peers_partials_before_the_epilogue(world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_column_then_row_parallel_projections_train(world):
     _spawn(cases.column_then_row_parallel_trains, world, rows=301, k=200, n=168)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_fp8_rowwise_inputs_both_ways(world):
+    _spawn(cases.fp8_rowwise_both_ways, world, rows=259, k=128, n=176)
