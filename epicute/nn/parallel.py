@@ -21,19 +21,24 @@ down projection by the same features, so each rank runs the whole fused MLP (one
 backward that fuses across them) on its features, and the outputs' partial sums are reduced once; a
 :class:`epicute.nn.MoEExperts` is split the same way, every expert by its features.
 
+Under sequence parallelism (tokens sharded among the ranks), :class:`SequenceColwiseParallel` and
+:class:`SequenceRowwiseParallel` keep a column-parallel layer's input and a row-parallel layer's output sharded by
+tokens, and the layer runs its collective inside its GEMMs (:mod:`epicute.distributed`: the all-gather overlapped
+with the GEMM, the reduce-scatter as a ring of GEMMs adding their neighbour's partial sums in the epilogue).
+
 FSDP2 (``fully_shard``) needs none of this: it gathers a layer's parameters into plain tensors before its forward.
-The GEMM fused with the collectives themselves (all-gather + GEMM, GEMM + reduce-scatter) is issue 62's next
-part and needs several GPUs; this module is its host side, which a CPU ``gloo`` world tests.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from epicute.epilogue.operands import Pin
+from epicute.epilogue.operands import Pin, RowVector
+from epicute.epilogue.tracer import with_leading_operands
 from epicute.errors import ConfigError, EpilogueError
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -70,6 +75,9 @@ def parallel_linear(
                         **_local_operands(operands, sharded=False))  # fmt: skip
         return _as_distributed(result, mesh, [Replicate()])
     if placement == Shard(0):  # column-parallel
+        fused = _gathered_linear(x, weight, bias, epilogue, operands)
+        if fused is not None:
+            return fused
         result = linear(_whole_input(x, mesh), weight.to_local(), _local(bias), epilogue=epilogue,
                         **_local_operands(operands, sharded=True))  # fmt: skip
         return _as_distributed(result, mesh, [Shard(x.dim() - 1)])
@@ -82,6 +90,9 @@ def parallel_linear(
                 "this layer's output"
             )
         x = x.redistribute(mesh, [Shard(x.dim() - 1)])
+        fused = _scattered_linear(x, weight, bias)
+        if fused is not None:
+            return fused
         partial = DTensor.from_local(linear(x.to_local(), weight.to_local(), None), mesh, [Partial()], run_check=False)
         if bias is None:
             return partial
@@ -130,6 +141,90 @@ def parallel_experts(experts: Callable, x: torch.Tensor, gate_up: torch.Tensor, 
     index = top_k_index.full_tensor() if isinstance(top_k_index, DTensor) else top_k_index
     out = experts(_whole_input(x, mesh), gate_up.to_local(), down.to_local(), index, _whole_input(top_k_weights, mesh))
     return DTensor.from_local(out, mesh, [Partial()], run_check=False)
+
+
+def _token_shard(x: torch.Tensor, mesh) -> int | None:
+    """The dimension along which ``x`` (a DTensor) is sharded by tokens such that each rank's rows, flattened, are
+    one contiguous block of the whole input's in rank order (every dimension before it of size 1, shards even):
+    where a GEMM fused with the collective can gather or scatter it. None otherwise."""
+    if not is_distributed(x) or x.dim() < 2:
+        return None
+    (placement,) = x.placements
+    if not placement.is_shard():
+        return None
+    dim = placement.dim % x.dim()
+    even = x.shape[dim] % mesh.size() == 0
+    return dim if dim < x.dim() - 1 and even and all(size == 1 for size in x.shape[:dim]) else None
+
+
+def _needs_grad(*tensors: Any) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _gathered_linear(x, weight, bias, epilogue, operands) -> torch.Tensor | None:
+    """A column-parallel linear whose input is sharded by tokens (:class:`SequenceColwiseParallel`), as one
+    :func:`epicute.distributed.all_gather_gemm`: each rank gathers the tokens inside its GEMM. None where that does
+    not apply (the caller gathers first): tokens not in contiguous shards, or an epilogue under autograd (its
+    derived backward runs on the gathered input)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from epicute.distributed import all_gather_gemm
+
+    mesh = weight.device_mesh
+    values = [v.value if isinstance(v, Pin) else v for v in operands.values()]
+    if _token_shard(x, mesh) is None or ((epilogue is not None or operands) and _needs_grad(x, weight, *values)):
+        return None
+    local, w = x.to_local(), weight.to_local()
+    rows = local.reshape(-1, local.shape[-1])
+    if _needs_grad(x, weight, bias):  # the plain projection's backward is fused with its collective; the bias after
+        y = all_gather_gemm(rows, w.t(), mesh.get_group())
+        y = y + _local(bias) if bias is not None else y
+    else:
+        fn, extra = _biased(epilogue, bias)
+        y = all_gather_gemm(rows, w.t(), mesh.get_group(), epilogue=fn, **extra, **_local_operands(operands, True))
+    if isinstance(y, dict):
+        raise EpilogueError("a column-parallel linear whose input is sharded by tokens returns D only; return the "
+                            "other outputs from an unsharded layer")  # fmt: skip
+    return DTensor.from_local(y.reshape(*x.shape[:-1], w.shape[0]), mesh, [Shard(x.dim() - 1)], run_check=False)
+
+
+def _scattered_linear(x, weight, bias) -> torch.Tensor | None:
+    """A row-parallel linear whose output goes to the ranks by tokens (:class:`SequenceRowwiseParallel`), as one
+    :func:`epicute.distributed.gemm_reduce_scatter`: the partial sums reduced inside the GEMMs. None where that
+    does not apply (the caller reduces after): no such output asked for, or tokens that don't split evenly into
+    contiguous shards."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    from epicute.distributed import gemm_reduce_scatter
+
+    wanted = getattr(weight, "_epicute_output_layout", None)
+    mesh = weight.device_mesh
+    if wanted is None or not wanted.is_shard():
+        return None
+    dim = wanted.dim % x.dim()
+    ranks = mesh.size()
+    if dim == x.dim() - 1 or x.shape[dim] % ranks or any(size != 1 for size in x.shape[:dim]):
+        return None
+    local, w = x.to_local(), weight.to_local()
+    rows = local.reshape(-1, local.shape[-1])
+    group = mesh.get_group()
+    if bias is not None and _needs_grad(x, weight, bias):
+        # The bias after the sum, on each rank's rows: its gradient on each rank covers those rows only (Partial).
+        y = gemm_reduce_scatter(rows, w.t(), group) + _distributed(bias, mesh).to_local(grad_placements=[Partial()])
+    else:
+        fn, extra = _biased(None, None if bias is None else _local(bias))
+        y = gemm_reduce_scatter(rows, w.t(), group, epilogue=fn, **extra)
+    shape = list(x.shape[:-1]) + [w.shape[0]]
+    shape[dim] //= ranks
+    return DTensor.from_local(y.reshape(shape), mesh, [Shard(dim)], run_check=False)
+
+
+def _biased(epilogue: Callable | None, bias: torch.Tensor | None) -> tuple[Callable | None, dict]:
+    """``epilogue`` after ``acc + bias`` and its bias operand (the epilogue alone without a bias)."""
+    if bias is None:
+        return epilogue, {}
+    fn = with_leading_operands(epilogue, ("bias",), ("row",), operator.add, "linear's bias=")
+    return fn, {"bias": RowVector(_local(bias))}
 
 
 def _distributed(t: torch.Tensor, mesh) -> torch.Tensor:
@@ -239,11 +334,52 @@ def _gated_mlp_style():
     return GatedMLPParallel
 
 
+def _sequence_styles() -> dict[str, type]:
+    """:class:`SequenceColwiseParallel` and :class:`SequenceRowwiseParallel`, defined on first use."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    class SequenceColwiseParallel(ColwiseParallel):
+        """``ColwiseParallel`` for an :class:`epicute.nn.Linear` under sequence parallelism: the input comes sharded
+        by tokens (``input_layouts``, default ``Shard(1)``) and stays so into the layer, whose GEMM gathers it
+        (:func:`epicute.distributed.all_gather_gemm`: the peers' tokens pulled while the own ones are multiplied)
+        instead of an all-gather before it. Tokens sharded another way than in contiguous blocks (``Shard(1)`` of a
+        batch of several sequences) are gathered first, as ``ColwiseParallel`` does."""
+
+        def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True) -> None:
+            super().__init__(input_layouts=input_layouts or Shard(1), output_layouts=output_layouts,
+                             use_local_output=use_local_output)  # fmt: skip
+            self.desired_input_layouts = self.input_layouts
+
+    class SequenceRowwiseParallel(RowwiseParallel):
+        """``RowwiseParallel`` for an :class:`epicute.nn.Linear` under sequence parallelism: the output goes back
+        sharded by tokens (``output_layouts``, default ``Shard(1)``), reduce-scattered inside the layer's GEMMs
+        (:func:`epicute.distributed.gemm_reduce_scatter`) instead of after them. Where the tokens don't split into
+        contiguous blocks the partial sums are reduced after, as ``RowwiseParallel`` does."""
+
+        def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True) -> None:
+            super().__init__(input_layouts=input_layouts, output_layouts=output_layouts or Shard(1),
+                             use_local_output=use_local_output)  # fmt: skip
+
+        def _apply(self, module, device_mesh):
+            module = super()._apply(module, device_mesh)
+            module.weight._epicute_output_layout = self.output_layouts[0]  # read by the layer (_scattered_linear)
+            return module
+
+    return {"SequenceColwiseParallel": SequenceColwiseParallel, "SequenceRowwiseParallel": SequenceRowwiseParallel}
+
+
 def __getattr__(name: str) -> Any:
     if name == "GatedMLPParallel":
         style = globals()["GatedMLPParallel"] = _gated_mlp_style()
         return style
+    if name in ("SequenceColwiseParallel", "SequenceRowwiseParallel"):
+        globals().update(_sequence_styles())
+        return globals()[name]
     raise AttributeError(name)
 
 
-__all__ = ["GatedMLPParallel", "is_distributed", "parallel_experts", "parallel_linear", "parallel_mlp"]  # noqa: F822 - GatedMLPParallel: __getattr__
+__all__ = [  # noqa: F822 - the styles: __getattr__
+    "GatedMLPParallel", "SequenceColwiseParallel", "SequenceRowwiseParallel", "is_distributed", "parallel_experts",
+    "parallel_linear", "parallel_mlp",
+]  # fmt: skip

@@ -57,8 +57,8 @@ def test_moe_experts_gradients():
     torch.manual_seed(0)
     tokens, hidden, inter, experts, top_k = 301, 512, 264, 8, 2
     x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16) / hidden**0.5)
-    down = (torch.randn(experts, hidden, inter, device=DEVICE, dtype=torch.bfloat16) / inter**0.5)
+    gate_up = torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, device=DEVICE, dtype=torch.bfloat16) / inter**0.5
     gate_up, down = gate_up.requires_grad_(), down.requires_grad_()
     popular = torch.tensor([0.4, 0.2, 0.15, 0.1, 0.08, 0.05, 0.02, 0.0])  # expert 7: never picked
     index = torch.stack([torch.multinomial(popular, top_k) for _ in range(tokens)]).to(DEVICE)

@@ -8,6 +8,8 @@ outputs and gradients, the reduction's bf16 all-reduce on top).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ HIDDEN, INNER, OUT, TOKENS = 40, 96, 24, 13  # INNER splits evenly over 2 and 4 
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm()).item()
+    return ((got.detach().cpu().double() - want).norm() / want.norm()).item()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -82,6 +84,69 @@ def test_colwise_then_rowwise_mlp_trains_like_the_whole_one(world):
     """Llama-style column-then-row split (the fused GELU on each rank's columns, the bias added after the partial
     sums are reduced)."""
     spawn(_tensor_parallel_mlp, world)
+
+
+def sequence_parallel_mlp(rank: int, world: int, batch: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import epicute
+    from epicute.distributed import collective
+    from epicute.nn import Linear
+    from epicute.nn.parallel import SequenceColwiseParallel, SequenceRowwiseParallel
+
+    calls = {"gather": 0, "scatter": 0}
+
+    def counting(key: str, inner):
+        def counted(*args, **kwargs):
+            calls[key] += 1
+            return inner(*args, **kwargs)
+
+        return counted
+
+    collective._all_gather_gemm = counting("gather", collective._all_gather_gemm)
+    collective._gemm_reduce_scatter = counting("scatter", collective._gemm_reduce_scatter)
+    dev = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"  # the GPU test runs this too
+    mesh = init_device_mesh(dev, (world,))
+    torch.manual_seed(2024)
+    model = torch.nn.Sequential(Linear(HIDDEN, INNER, dtype=BF16), Linear(INNER, OUT, dtype=BF16)).to(dev)
+    reference = {name: p.detach().cpu().double().requires_grad_() for name, p in model.named_parameters()}
+    parallelize_module(model, mesh, {"0": SequenceColwiseParallel(), "1": SequenceRowwiseParallel()})
+    tokens = 5 * world  # five (odd) per rank
+    own = slice(rank * 5, (rank + 1) * 5)
+    torch.manual_seed(11)
+    x = torch.randn(batch, tokens, HIDDEN, dtype=BF16)
+    grad = torch.randn(batch, tokens, OUT, dtype=BF16)
+    x_own = x[:, own].to(dev).requires_grad_()
+    y = model(x_own)  # this rank's tokens in, this rank's tokens out
+    y.backward(grad[:, own].to(dev))
+    x64 = x.double().requires_grad_()
+    p = reference
+    want = (x64 @ p["0.weight"].T + p["0.bias"]) @ p["1.weight"].T + p["1.bias"]
+    want.backward(grad.double())
+    errors = {"out": _rel(y, want[:, own].detach()), "x": _rel(x_own.grad, x64.grad[:, own])}
+    errors |= {name: _rel(_full(q.grad), reference[name].grad) for name, q in model.named_parameters()}
+    assert all(e < TOL for e in errors.values()), errors
+    # One sequence: each rank's tokens are one block of rows, and both layers' collectives run inside their GEMMs,
+    # forward and backward. Several: the tokens are gathered and scattered around plain GEMMs.
+    assert calls == ({"gather": 2, "scatter": 2} if batch == 1 else {"gather": 0, "scatter": 0}), calls
+
+    # Inference: the up projection's epilogue fused after the gathered GEMM.
+    up = Linear(HIDDEN, INNER, epilogue=lambda acc: epicute.ops.gelu(acc), dtype=BF16).to(dev)
+    w64, b64 = up.weight.detach().cpu().double(), up.bias.detach().cpu().double()
+    parallelize_module(up, mesh, SequenceColwiseParallel())
+    with torch.no_grad():
+        h = up(x[:, own].to(dev))  # every token, this rank's features
+    columns = slice(rank * (INNER // world), (rank + 1) * (INNER // world))
+    assert _rel(h, torch.nn.functional.gelu(x.double() @ w64.T + b64)[..., columns]) < TOL
+    assert calls["gather"] == (3 if batch == 1 else 0)
+
+
+@pytest.mark.parametrize(("world", "batch"), [(2, 1), (3, 1), (2, 2)])
+def test_sequence_parallel_layers_fuse_their_collectives_into_the_gemms(world, batch):
+    """SequenceColwiseParallel then SequenceRowwiseParallel train like the whole model; with one sequence the
+    all-gather and the reduce-scatter run inside the GEMMs (epicute.distributed), forward and backward."""
+    spawn(functools.partial(sequence_parallel_mlp, batch=batch), world)
 
 
 def _refusals(rank: int, world: int) -> None:
