@@ -10,9 +10,10 @@ heads of 128), each rank holding ``tokens / TP`` tokens:
 Each in bf16 and in fp8 (e4m3, rowwise scales: the tokens' per row, the weight's per output feature, bf16 out).
 Peers, every one on the same inputs in the same run, interleaved in balanced orders: ``nccl+cublas`` (the unfused
 NCCL collective and ``torch.matmul``) and ``async_tp`` (``torch.ops.symm_mem.fused_all_gather_matmul`` /
-``fused_matmul_reduce_scatter``, their ``scaled`` forms for fp8). Each rank times every contender (CUDA events,
-medians, warm-up excluded); a row gives the slowest rank's median as TFLOP/s per GPU. Every contender's output is
-checked against the unfused one first.
+``fused_matmul_reduce_scatter``, their ``scaled`` forms for fp8); ``epicute_unfused`` (the NCCL collective around
+epicute's GEMM: what the fusion itself gains) is a reference figure, not a peer. Each rank times every contender
+(CUDA events, medians, warm-up excluded); a row gives the slowest rank's median as TFLOP/s per GPU. Every
+contender's output is checked against the unfused one first.
 
     python bench/tp.py [--tp 2 4 8] [--tokens 8192] [--dtypes bf16 fp8] [--out bench/results/tp.json]
 """
@@ -49,11 +50,15 @@ def _contenders(style: str, x, w, group, scales=None):
     import torch
     import torch.distributed as dist
 
+    import epicute
     import epicute.distributed as ED
 
     world, name, bf16 = group.size(), group.group_name, torch.bfloat16
     xs, ws = scales or (None, None)
     ours_scales = {"a_scale": xs, "b_scale": ws} if scales else {}
+
+    def our_gemm(a, a_scale=None):
+        return epicute.gemm(a, w.t(), **({"a_scale": a_scale, "b_scale": ws} if scales else {}))
 
     def matmul(a, a_scale=None):
         if scales is None:
@@ -64,12 +69,19 @@ def _contenders(style: str, x, w, group, scales=None):
         gathered = x.new_empty((world * x.shape[0], x.shape[1]))
         gathered_scales = xs.new_empty((world * xs.shape[0], 1)) if scales else None
 
-        def unfused():
+        def gather():
             dist.all_gather_into_tensor(gathered.view(torch.uint8) if scales else gathered,
                                         x.view(torch.uint8) if scales else x, group=group)  # fmt: skip
             if scales:
                 dist.all_gather_into_tensor(gathered_scales, xs, group=group)
+
+        def unfused():
+            gather()
             return matmul(gathered, gathered_scales)
+
+        def ours_unfused():
+            gather()
+            return our_gemm(gathered, gathered_scales)
 
         def async_tp():
             if scales is None:
@@ -86,6 +98,10 @@ def _contenders(style: str, x, w, group, scales=None):
             dist.reduce_scatter_tensor(scattered, matmul(x, xs), group=group)
             return scattered
 
+        def ours_unfused():
+            dist.reduce_scatter_tensor(scattered, our_gemm(x, xs), group=group)
+            return scattered
+
         def async_tp():
             if scales is None:
                 return torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w.t(), "sum", scatter_dim=0, group_name=name)
@@ -95,7 +111,8 @@ def _contenders(style: str, x, w, group, scales=None):
         def ours():
             return ED.gemm_reduce_scatter(x, w.t(), group, **ours_scales)
 
-    return {"epicute": ours, "nccl+cublas": unfused, "async_tp": async_tp}
+    # epicute_unfused: the same NCCL collective around epicute's GEMM, what the fusion itself gains (not a peer).
+    return {"epicute": ours, "nccl+cublas": unfused, "async_tp": async_tp, "epicute_unfused": ours_unfused}
 
 
 def _rowwise_fp8(t):
