@@ -136,22 +136,29 @@ def _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands, scales=(N
     a_scale, b_scale = scales
     blocks = _RowBlocks(epilogue, operands, world * rows, n)
     d = new_output((world * rows, n), out_dtype or _wide(a_shard.dtype), a_shard.device)
-    _check_before_sending(a_shard, b, epilogue=epilogue, out=d[:rows], a_scale=a_scale, b_scale=b_scale,
-                          **blocks.rows(0, rows))  # fmt: skip
     gathered = new_output((world * rows, a_shard.shape[1]), a_shard.dtype, a_shard.device)
     shards, outs = [a_shard], [gathered]
     if a_scale is not None:
         shards.append(a_scale)
         outs.append(new_output((world * rows, 1), a_scale.dtype, a_scale.device))
+
+    def call(src: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Block ``src``'s GEMM: its rows (the own ones read from the shard itself), their scales, D's rows."""
+        lo, hi = src * rows, (src + 1) * rows
+        own = src == group.rank()
+        a_rows = shards if own else [out[lo:hi] for out in outs]
+        scale = {"a_scale": a_rows[1]} if a_scale is not None else {}
+        return a_rows[0], {"epilogue": epilogue, "out": d[lo:hi], "b_scale": b_scale, **scale, **blocks.rows(lo, hi)}
+
+    calls = [call(src) for src in range(world)]
+    for a_rows, arguments in calls:
+        _check_before_sending(a_rows, b, **arguments)
     others: dict[str, list] = {}
     # A block's aux outputs may be made on a side stream: they are read (concatenated) on the caller's.
     caller = torch.cuda.current_stream(a_shard.device) if a_shard.is_cuda else None
     for src in transport(group, a_shard).gather(shards, outs):
-        lo, hi = src * rows, (src + 1) * rows
-        own = src == group.rank()
-        result = gemm(a_shard if own else gathered[lo:hi], b, epilogue=epilogue, out=d[lo:hi],
-                      a_scale=a_scale if own or a_scale is None else outs[1][lo:hi], b_scale=b_scale,
-                      **blocks.rows(lo, hi))  # fmt: skip
+        a_rows, arguments = calls[src]
+        result = gemm(a_rows, b, **arguments)
         if isinstance(result, dict):
             for name, value in result.items():
                 if name != "D":
@@ -171,34 +178,35 @@ def _gemm_reduce_scatter(a, b, group, epilogue, out_dtype, operands, scales=(Non
     rows, n = a.shape[0] // world, b.shape[1]
     a_scale, b_scale = scales
 
-    def block(step: int) -> dict[str, Any]:
-        """Step ``step``'s rows of A (and their scales) as :func:`gemm`'s arguments."""
-        owner = slice((rank - 1 - step) % world * rows, ((rank - 1 - step) % world + 1) * rows)
-        return {"a": a[owner], "a_scale": None if a_scale is None else a_scale[owner], "b_scale": b_scale}
-
-    def step_gemm(step: int, **kwargs: Any) -> Any:
-        args = block(step)
-        return gemm(args.pop("a"), b, **args, **kwargs)
+    def rows_of(step: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Step ``step``'s rows of A, and their scales as :func:`gemm`'s arguments."""
+        owner = (rank - 1 - step) % world
+        cut = slice(owner * rows, (owner + 1) * rows)
+        return a[cut], {"a_scale": None if a_scale is None else a_scale[cut], "b_scale": b_scale}
 
     if world == 1:
-        return step_gemm(0, epilogue=epilogue, out_dtype=out_dtype, **operands)
+        a_rows, scaled = rows_of(0)
+        return gemm(a_rows, b, epilogue=epilogue, out_dtype=out_dtype, **scaled, **operands)
     running = new_output((rows, n), _wide(a.dtype), a.device)
     final = with_leading_operands(epilogue, ("running_sum",), ("tile",), operator.add, "gemm_reduce_scatter")
-    # Every step's call (the middle steps' and the last one's; the first is the middle one's GEMM).
-    first = block(0)
-    _check_before_sending(first.pop("a"), b, **first, epilogue=final, out_dtype=out_dtype,
-                          running_sum=Tile(running), **operands)  # fmt: skip
-    first = block(0)
-    _check_before_sending(first.pop("a"), b, **first, epilogue=_ADD_RUNNING, out=running, running_sum=Tile(running))
+    last = world - 1
+    # Every step's GEMM, checked with a stand-in for the running sum it reads (the same shape and dtype).
+    calls = [rows_of(step) for step in range(world)]
+    for step, (a_rows, scaled) in enumerate(calls):
+        if step == last:
+            extra = {"epilogue": final, "out_dtype": out_dtype, **operands}
+        else:
+            extra = {"out": running, **({"epilogue": _ADD_RUNNING} if step else {})}
+        _check_before_sending(a_rows, b, **scaled, **extra, **({"running_sum": Tile(running)} if step else {}))
 
-    steps = transport(group, a).reduce_ring((rows, n), running.dtype, a.device)
-    step_gemm(0, out=steps.out(0))
-    steps.send(0)
-    for step in range(1, world - 1):
-        step_gemm(step, epilogue=_ADD_RUNNING, out=steps.out(step), running_sum=Tile(steps.received(step - 1)))
-        steps.send(step)
-    return step_gemm(world - 1, epilogue=final, out_dtype=out_dtype, running_sum=Tile(steps.received(world - 2)),
-                     **operands)  # fmt: skip
+    ring = transport(group, a).reduce_ring((rows, n), running.dtype, a.device)
+    for step, (a_rows, scaled) in enumerate(calls[:last]):
+        added = {"epilogue": _ADD_RUNNING, "running_sum": Tile(ring.received(step - 1))} if step else {}
+        gemm(a_rows, b, out=ring.out(step), **scaled, **added)
+        ring.send(step)
+    a_rows, scaled = calls[last]
+    return gemm(a_rows, b, epilogue=final, out_dtype=out_dtype, running_sum=Tile(ring.received(last - 1)), **scaled,
+                **operands)  # fmt: skip
 
 
 def _check_before_sending(a: torch.Tensor, b: torch.Tensor, **arguments: Any) -> None:

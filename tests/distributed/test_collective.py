@@ -38,3 +38,40 @@ def test_no_process_group_is_refused():
 
 def test_fp8_rowwise_inputs_both_ways():
     spawn(functools.partial(cases.fp8_rowwise_both_ways, rows=5, k=32, n=24), 2)
+
+
+@pytest.fixture
+def world_of_one():
+    """An in-process gloo group of one rank (the refusals come before any collective)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with epicute.use_backend("reference"):
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bad_calls_are_refused_before_any_collective(world_of_one):
+    bf16 = torch.bfloat16
+    x, w = torch.randn(6, 16, dtype=bf16), torch.randn(24, 16, dtype=bf16)
+    with pytest.raises(epicute.ShapeError, match=r"\(rows, K\) and \(K, N\)"):
+        ED.all_gather_gemm(x, w)  # w, not w.t()
+    with pytest.raises(epicute.ShapeError, match="takes tensors"):
+        ED.gemm_reduce_scatter(x.tolist(), w.t())
+    with pytest.raises(epicute.EpilogueError, match="without an epilogue"):
+        ED.all_gather_gemm(x, w.t(), bias=torch.randn(24, dtype=bf16))
+    x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    blockwise = torch.ones(6, 1, 1)
+    with pytest.raises(epicute.ConfigError, match="tensorwise .* or rowwise"):
+        ED.all_gather_gemm(x8, w8.t(), a_scale=blockwise, b_scale=torch.ones(1, 24))
+    with pytest.raises(epicute.DtypeError):  # gemm's own check, made before the first collective
+        ED.gemm_reduce_scatter(x, w.t().float())
+
+
+def test_a_world_of_one_is_the_gemm(world_of_one):
+    x, w = torch.randn(6, 16, dtype=torch.bfloat16), torch.randn(24, 16, dtype=torch.bfloat16)
+    want = x.double() @ w.double().T
+    assert cases.rel(ED.all_gather_gemm(x, w.t()), want) < cases.TOL
+    assert cases.rel(ED.gemm_reduce_scatter(x, w.t(), epilogue=lambda acc, s: acc * s, s=2.0), 2 * want) < cases.TOL
