@@ -367,9 +367,9 @@ def _check_pair(a: torch.Tensor, b: torch.Tensor, op: str, a_name: str) -> None:
             f"{op}: {a_name} {tuple(a.shape)} and b {tuple(b.shape)} must be (rows, K) and (K, N): flatten the "
             "tokens' leading dimensions first"
         )
-    from epicute.nn.parallel import is_distributed
+    from torch.distributed.tensor import DTensor
 
-    if is_distributed(a) or is_distributed(b):
+    if isinstance(a, DTensor) or isinstance(b, DTensor):
         raise ShapeError(f"{op} takes each rank's local tensors (DTensor.to_local()), not DTensors")
 
 

@@ -66,6 +66,11 @@ def test_bad_calls_are_refused_before_any_collective(world_of_one):
     blockwise = torch.ones(6, 1, 1)
     with pytest.raises(epicute.ConfigError, match="tensorwise .* or rowwise"):
         ED.all_gather_gemm(x8, w8.t(), a_scale=blockwise, b_scale=torch.ones(1, 24))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    with pytest.raises(epicute.ShapeError, match="local tensors"):
+        ED.all_gather_gemm(distribute_tensor(x, init_device_mesh("cpu", (1,))), w.t())
     with pytest.raises(epicute.DtypeError):  # gemm's own check, made before the first collective
         ED.gemm_reduce_scatter(x, w.t().float())
 
