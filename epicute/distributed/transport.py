@@ -62,6 +62,8 @@ class ReduceRing:
 
 
 class _SentRing(ReduceRing):
+    """Running sums in this rank's own tensors, sent to the next rank point to point."""
+
     def __init__(self, transport: Collective, shape, dtype, device) -> None:
         self.group, self.rank, self.world = transport.group, transport.rank, transport.world
         self.slots = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.world - 1)]
@@ -78,7 +80,7 @@ class _SentRing(ReduceRing):
         left = torch.distributed.get_global_rank(self.group, (self.rank - 1) % self.world)
         incoming = torch.empty_like(self.slots[step])
         torch.distributed.recv(incoming, left, group=self.group)
-        if step == self.world - 2:  # the last one: every send of this call has been received by now
+        if step == self.world - 2:  # this call's last receive: its sends complete (the next rank's last takes one)
             for work in self.pending:
                 work.wait()
         return incoming

@@ -182,10 +182,11 @@ def _gathered_linear(x, weight, bias, epilogue, operands) -> torch.Tensor | None
     else:
         fn, extra = _biased(epilogue, bias)
         y = all_gather_gemm(rows, w.t(), mesh.get_group(), epilogue=fn, **extra, **_local_operands(operands, True))
-    if isinstance(y, dict):
-        raise EpilogueError("a column-parallel linear whose input is sharded by tokens returns D only; return the "
-                            "other outputs from an unsharded layer")  # fmt: skip
-    return DTensor.from_local(y.reshape(*x.shape[:-1], w.shape[0]), mesh, [Shard(x.dim() - 1)], run_check=False)
+    shape = (*x.shape[:-1], w.shape[0])
+    if isinstance(y, dict):  # aux tiles like D; a reduction holds this rank's columns' share: refused there
+        y = {name: t.reshape(shape) if t.shape == y["D"].shape else t for name, t in y.items()}
+        return _as_distributed(y, mesh, [Shard(x.dim() - 1)])
+    return DTensor.from_local(y.reshape(shape), mesh, [Shard(x.dim() - 1)], run_check=False)
 
 
 def _scattered_linear(x, weight, bias) -> torch.Tensor | None:
