@@ -273,6 +273,10 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 _ADD_RUNNING = with_leading_operands(None, ("running_sum",), ("tile",), operator.add, "gemm_reduce_scatter")
 
 
+#: Epilogue signatures whose outputs were found computable block by block (:class:`_RowBlocks`).
+_BLOCKWISE: set[tuple] = set()
+
+
 class _RowBlocks:
     """An epilogue's operands, resolved against the whole ``(M, N)`` output, cut to a block of its rows (tiles and
     per-row vectors by rows; per-column vectors and scalars whole); its outputs checked to be cut the same way."""
@@ -289,13 +293,21 @@ class _RowBlocks:
         specs = epi.operands(operands, m, n)
         self.kinds = {name: spec.kind for name, spec in specs.items()}
         self.views = {name: spec.value for name, spec in specs.items()}
-        graph = epi.trace(self.kinds, {name: spec.dtype for name, spec in specs.items()})
-        for name, _ in graph.outputs:
-            if graph.output_node(name).kind in ("row", "scalar"):
-                raise EpilogueError(
-                    f"epilogue output {name!r} reduces over the output's rows, which all_gather_gemm computes a "
-                    "rank's block at a time: return the tile and reduce it, or gemm the gathered input"
-                )
+        dtypes = {name: spec.dtype for name, spec in specs.items()}
+        key = trace_key(epilogue)
+        signature = None if key is None else (key, tuple(self.kinds.items()), tuple(dtypes.items()))
+        if signature not in _BLOCKWISE:  # traced once per epilogue and operand signature, not per call
+            graph = epi.trace(self.kinds, dtypes)
+            for name, _ in graph.outputs:
+                if graph.output_node(name).kind in ("row", "scalar"):
+                    raise EpilogueError(
+                        f"epilogue output {name!r} reduces over the output's rows, which all_gather_gemm computes a "
+                        "rank's block at a time: return the tile and reduce it, or gemm the gathered input"
+                    )
+            if signature is not None:
+                if len(_BLOCKWISE) >= 1024:
+                    _BLOCKWISE.clear()
+                _BLOCKWISE.add(signature)
 
     def rows(self, lo: int, hi: int) -> dict[str, Any]:
         """The operands for output rows ``lo:hi`` (views, never copies)."""

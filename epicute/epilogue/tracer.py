@@ -325,9 +325,10 @@ _COMPOSITES: dict[tuple, Callable] = {}
 
 def _compose(epilogue: Callable | None, names: tuple, kinds: tuple, combine: Callable, owner: str) -> Callable:
     epi = as_epilogue(epilogue) if epilogue is not None else None
-    for name in set(names) & set(epi.params if epi else ()):
-        raise EpilogueError(f"epilogue {epi.name!r} takes an operand named {name!r}; {owner} passes its own {name!r} "
-                            "before the epilogue: rename the epilogue's")  # fmt: skip
+    clash = sorted(set(names) & set(epi.params if epi else ()))
+    if clash:
+        raise EpilogueError(f"epilogue {epi.name!r} takes an operand named {clash[0]!r}; {owner} passes its own "
+                            f"{clash[0]!r} before the epilogue: rename the epilogue's")  # fmt: skip
     count = len(names)
 
     def composite(acc, *values):

@@ -31,14 +31,12 @@ FSDP2 (``fully_shard``) needs none of this: it gathers a layer's parameters into
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from epicute.epilogue.operands import Pin, RowVector
-from epicute.epilogue.tracer import with_leading_operands
 from epicute.errors import ConfigError, EpilogueError
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -221,11 +219,13 @@ def _scattered_linear(x, weight, bias) -> torch.Tensor | None:
 
 
 def _biased(epilogue: Callable | None, bias: torch.Tensor | None) -> tuple[Callable | None, dict]:
-    """``epilogue`` after ``acc + bias`` and its bias operand (the epilogue alone without a bias)."""
+    """``epilogue`` after ``acc + bias`` as :func:`epicute.nn.functional.linear` composes it, and its bias operand
+    (the epilogue alone without a bias)."""
+    from epicute.nn.functional import _with_bias  # imported here: functional imports this module
+
     if bias is None:
         return epilogue, {}
-    fn = with_leading_operands(epilogue, ("bias",), ("row",), operator.add, "linear's bias=")
-    return fn, {"bias": RowVector(_local(bias))}
+    return _with_bias(epilogue), {"bias": RowVector(_local(bias))}
 
 
 def _distributed(t: torch.Tensor, mesh) -> torch.Tensor:
