@@ -103,9 +103,11 @@ def _fake_epilogue_operands(fusion) -> tuple[tuple, tuple]:
             tensors.append(_fake_operand(dsl, tuple(cute.sym_int() for _ in range(3)), contiguous=-1))
         else:
             rank = 3 if role in ("workspace", "group_scales") else 2
+            stride = tuple(cute.sym_int64() for _ in range(rank))
+            if role == "workspace":  # allocated contiguous by the launch: a unit column stride, static
+                stride = (*stride[:-1], 1)
             tensors.append(cute.runtime.make_fake_tensor(
-                dsl, tuple(cute.sym_int() for _ in range(rank)),
-                stride=tuple(cute.sym_int64() for _ in range(rank)), assumed_align=max(dsl.width // 8, 1),
+                dsl, tuple(cute.sym_int() for _ in range(rank)), stride=stride, assumed_align=max(dsl.width // 8, 1),
             ))  # fmt: skip
     return tuple(tensors), tuple(cutlass.Float32(0.0) for _ in fusion.scalar_inputs)
 

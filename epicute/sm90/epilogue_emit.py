@@ -17,6 +17,7 @@ import cutlass
 import torch
 from cutlass import Float32, Int32, cute
 from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from epicute.epilogue import optable
 from epicute.epilogue.dtypes import FP8_MAX
@@ -197,6 +198,22 @@ def store_if(pred, tensor: cute.Tensor, coord, value):
         tensor[coord] = value
 
 
+@dsl_user_op
+def store_f32_if(pred, pointer, value, *, loc=None, ip=None) -> None:
+    """``*pointer = value`` (fp32, global) where ``pred`` holds, as one predicated ``st.global``: no branch, so
+    the address arithmetic the stores share stays outside them (a branch per store lets the compiler sink a
+    copy of it into each one)."""
+    llvm.inline_asm(
+        None,
+        [Int32(pred).ir_value(loc=loc, ip=ip), pointer.llvm_ptr, Float32(value).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $0, 0;\n@p st.global.f32 [$1], $2;\n}",
+        "r,l,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 class TileEpilogue:
     """Trace-time state of the fused epilogue over one output tile, for one thread.
 
@@ -261,17 +278,15 @@ class TileEpilogue:
             for visit in visitors:
                 visit((v, m0, n0, m, n), values)
 
-    def in_problem(self, m, n):
-        """Whether tile-local ``(m, n)`` lies inside the problem (past its edge the tile computes, never stores)."""
-        return (self.origin[0] + m < self.extent[0]) & (self.origin[1] + n < self.extent[1])
-
     def fold(self, r, at, x, col_partials: dict) -> None:
         """Fold element ``x`` (at ``(v, m0, n0, m, n)``) of reduction ``r`` into this thread's
         partials: row and whole-tensor partials live for the tile, column partials
         (``(name, static n) -> [partial, tile-local n, tile-local m]``) for the subtile (a subtile
         holds one 16-row band of each warp, so any of its rows names the band)."""
         _, m0, n0, m, n = at
-        valid = self.in_problem(m, n)
+        # A row's partial past N, or a column's past M, is never stored: only the other bound masks.
+        rows_in, cols_in = self.origin[0] + m < self.extent[0], self.origin[1] + n < self.extent[1]
+        valid = cols_in if r.axis == "row" else rows_in if r.axis == "col" else rows_in & cols_in
         if r.axis == "row":
             slot = self.row_partials.setdefault((r.name, m0), [identity(r.combine), m])
         elif r.axis == "col":
@@ -294,13 +309,24 @@ class TileEpilogue:
 
     def store_col_partials(self, r, col_partials: dict, ws, tl, lane) -> None:
         """One subtile's partials of column reduction ``r``: lanes sharing a column (they differ in
-        lane bits 2-4) combine, then lanes 0-3 hold their warp's 16-row partial and store it."""
-        for (_, _), (partial, n_local, m_local) in col_partials.items():
+        lane bits 2-4) combine, then lanes 0-3 hold their warp's 16-row partial and store it.
+
+        The partials share one band, so its row of ``ws`` is addressed once and each store adds its
+        column's static offset (``n0``: thread 0's column; every thread's differ by one constant).
+        Address arithmetic per store made the unrolled epilogue large enough to miss the instruction
+        cache under ping-pong (bench/NOTES.md, "The GELU MLP's dh GEMM")."""
+        if not col_partials:
+            return
+        (_, n0_first), (_, n_first, m_local) = next(iter(col_partials.items()))
+        band = self._band(m_local)
+        n_first = self.origin[1] + n_first
+        row = ws[(tl, band, None)]
+        first = row.iterator + row.layout(n_first)
+        row_ok = (lane < 4) & self._band_in_workspace(band)
+        for (_, n0), (partial, _, _) in col_partials.items():
             value = butterfly(r.combine, partial, (4, 8, 16))
-            band = self._band(m_local)
-            n = self.origin[1] + n_local
-            pred = (lane < 4) & (n < self.extent[1]) & self._band_in_workspace(band)
-            store_if(pred, ws, (tl, band, n), value)
+            offset = n0 - n0_first
+            store_f32_if(row_ok & (n_first + offset < self.extent[1]), first + row.layout(offset), value)
 
     def store_tile_partials(self, workspaces: tuple, tn, tl, lane) -> None:
         """The tile's row reductions (the 4 lanes of a quad share a row) and whole-tile ones (the
