@@ -25,7 +25,7 @@ HEADLINE_START, HEADLINE_END = "<!-- bench-headline:start -->", "<!-- bench-head
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 README_BENCHMARKS = (
     "gemm", "epilogue", "attention", "attention_bwd", "fp8", "fp8_swiglu", "grouped", "decode", "decode_gqa",
-    "quantize", "training", "models", "models_moe", "models_decode", "compile", "tp", "runtime",
+    "quantize", "training", "training_dense", "models", "models_moe", "models_decode", "compile", "tp", "runtime",
 )  # fmt: skip
 CHART_WIDTH = 40
 

@@ -29,7 +29,7 @@ import inspect
 from collections.abc import Callable
 
 from epicute.epilogue.derivative import ACCUMULATORS, is_undifferentiable, replay_with_tangents
-from epicute.epilogue.graph import REDUCTIONS, Graph, Node
+from epicute.epilogue.graph import REDUCTIONS, UP_OUTPUT, Graph, Node
 from epicute.epilogue.operands import PINS
 from epicute.epilogue.proxy import Recorder, Value
 from epicute.epilogue.tracer import _finish
@@ -38,7 +38,7 @@ from epicute.errors import GradientError
 #: fp8 storage: a tile stored this way carries no gradient (a quantized activation, as torch's float8 casts).
 FP8 = ("fp8e4m3", "fp8e5m2")
 #: The gradient graph's outputs: the accumulators' gradients, then ``d_<operand>``.
-DACC, DACC_UP = "D", "D_up"
+DACC, DACC_UP = "D", UP_OUTPUT
 #: The saved accumulators' operand names, when the graph reads them as tiles (``saved_acc=True``).
 SAVED = {"acc": "saved_acc", "acc_up": "saved_acc_up"}
 #: An operand's gradient, per element, reduced to its kind (a scalar's is summed by the caller).

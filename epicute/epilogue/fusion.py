@@ -26,7 +26,7 @@ import functools
 from dataclasses import dataclass, field
 
 from epicute.epilogue import optable
-from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, Graph
+from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, UP_OUTPUT, Graph
 from epicute.epilogue.group_quant import GROUP_N
 from epicute.epilogue.hashing import semantic_hash
 from epicute.epilogue.schedule import GEMM_SM90, ChainStyle, EpilogueBuffers, EpilogueSchedule, needed_nodes, schedule
@@ -111,10 +111,27 @@ class EpilogueFusion:
             if kind != "scalar" and dtype not in KERNEL_DTYPES:
                 raise EpilogueError(f"operand {name!r} has dtype {dtype}; the kernel loads {sorted(KERNEL_DTYPES)}")
         self._check_group_quant()
+        self._check_paired()
         if self.gated and self.style != GEMM_SM90:
             raise EpilogueError(
                 f"a gated epilogue pairs GEMM accumulator columns; the {self.style.name} kernel has none"
             )
+
+    def _check_paired(self) -> None:
+        """A ``D_up`` output shares D's tensor (:attr:`Graph.paired`): a tile of D's dtype, beside a plain D."""
+        if not self.paired:
+            return
+        up = self.graph.output_node(UP_OUTPUT)
+        if up.kind != "tile" or up.op in REDUCTIONS:
+            raise EpilogueError(f"output {UP_OUTPUT!r} is stored interleaved with D, so it must be a tile like D; "
+                                f"give a {up.op} result another name")  # fmt: skip
+        d_dtype, up_dtype = self.output_dtypes["D"], self.output_dtypes[UP_OUTPUT]
+        if d_dtype != up_dtype:
+            raise EpilogueError(f"output {UP_OUTPUT!r} is {up_dtype} but D is {d_dtype}: the two share one tensor "
+                                f"(Graph.paired); set out_dtypes[{UP_OUTPUT!r}] to D's dtype")  # fmt: skip
+        if self.graph.output_node("D").op == "group_quant" or self.style != GEMM_SM90:
+            raise EpilogueError(f"output {UP_OUTPUT!r} pairs with a plain D of a GEMM's tile (quantize_groups and "
+                                f"attention store D their own way)")  # fmt: skip
 
     def _check_group_quant(self) -> None:
         outputs = {name: self.graph.node(i) for name, i in self.graph.outputs}
@@ -168,6 +185,11 @@ class EpilogueFusion:
         return dict(self.graph.output_dtypes)
 
     @functools.cached_property
+    def returned_outputs(self) -> tuple[str, ...]:
+        """What a call hands back by name: every output but a paired ``D_up``, which is inside D."""
+        return tuple(name for name in self.output_dtypes if not (self.paired and name == UP_OUTPUT))
+
+    @functools.cached_property
     def tile_output_dtypes(self) -> dict[str, str]:
         """The stored dtype of each tile output (D first, then the aux tiles): what a kernel stages."""
         return {name: self.output_dtypes[name] for name in self.sched.tile_outputs}
@@ -213,6 +235,11 @@ class EpilogueFusion:
     def gated(self) -> bool:
         """Gate and up accumulator columns pair into one output column (:mod:`epicute.epilogue.gated`)."""
         return self.graph.gated
+
+    @property
+    def paired(self) -> bool:
+        """D and its ``D_up`` output interleave into one D of twice the columns (:attr:`Graph.paired`)."""
+        return self.graph.paired
 
     def buffers(self) -> EpilogueBuffers:
         """Shared memory this epilogue needs (the planner's and the kernel's single source)."""

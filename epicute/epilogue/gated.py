@@ -44,6 +44,12 @@ def output_columns(n: int, gated: bool) -> int:
     return n // 2 if gated else n
 
 
+def stored_columns(n: int, paired: bool) -> int:
+    """Columns D is stored with for ``n`` output columns: twice as many when it holds a paired ``D_up``
+    (:attr:`epicute.epilogue.graph.Graph.paired`), gate and up blocks interleaved as in a gated B."""
+    return 2 * n if paired else n
+
+
 class GatedEpilogue(Epilogue):
     """A gated epilogue ``f(gate, up, *operands)``: ``gate`` is the accumulator, ``up`` its partner column."""
 
@@ -136,4 +142,5 @@ __all__ = [
     "interleave_gate_up",
     "output_columns",
     "split_gate_up",
+    "stored_columns",
 ]

@@ -48,6 +48,9 @@ REDUCTION_IDENTITY = {"sum": 0.0, "max": float("-inf"), "amax": 0.0}
 #: epilogue's second accumulator (``acc_up``: the up projection's column beside the gate's ``acc``).
 LEAVES = ("acc", "input", "const", "index", "acc_up")
 
+#: The output that pairs with D (:attr:`Graph.paired`): a gated epilogue's gradient to its ``up`` column.
+UP_OUTPUT = "D_up"
+
 #: ``index`` leaves (score modifiers of attention): the position of a score in the
 #: ``(L, M, N) = (batch * heads, seqlen_q, seqlen_k)`` problem, by ``name`` attr,
 #: and the kind that follows from what each one varies along.
@@ -111,6 +114,13 @@ class Graph:
         """A gated epilogue's graph (:class:`~epicute.epilogue.tracer.GatedEpilogue`): its accumulator pairs
         gate and up columns, and D has half of B's columns."""
         return any(node.op == "acc_up" for node in self.nodes)
+
+    @property
+    def paired(self) -> bool:
+        """D pairs with :data:`UP_OUTPUT`, the dual of :attr:`gated`: the two are stored interleaved in blocks of
+        ``GATE_BLOCK`` columns into one D of twice the accumulator's columns, the layout of a gated B's columns (so a
+        gated epilogue's gradient, d gate and d up, is the ``dacc`` its GEMM's backward multiplies as it is)."""
+        return any(name == UP_OUTPUT for name, _ in self.outputs)
 
     def transposed(self) -> Graph:
         """The same epilogue over the transposed output (what a swap-AB kernel computes, D^T): row and column

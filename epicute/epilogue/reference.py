@@ -21,8 +21,8 @@ import torch
 
 from epicute.epilogue import optable
 from epicute.epilogue.dtypes import ir_dtype, round_to
-from epicute.epilogue.gated import gated_epilogue, output_columns, split_gate_up
-from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, Graph, Node
+from epicute.epilogue.gated import gated_epilogue, interleave_gate_up, output_columns, split_gate_up
+from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS, UP_OUTPUT, Graph, Node
 from epicute.epilogue.group_quant import group_quantize
 from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.tracer import Epilogue, as_epilogue
@@ -136,6 +136,8 @@ def evaluate(
             results[name] = value.to(torch.float32)
         else:
             results[name] = round_to(value.expand(*lmn), stored[name])
+    if graph.paired:  # D stores D_up beside it, blocks interleaved (Graph.paired)
+        results["D"] = interleave_gate_up(results["D"], results.pop(UP_OUTPUT), dim=-1)
     return results
 
 

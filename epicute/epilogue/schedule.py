@@ -122,6 +122,8 @@ class EpilogueBuffers:
     group_n: int = 0
     #: a gated epilogue (:mod:`epicute.epilogue.gated`): a tile's output has half its accumulator's columns
     gated: bool = False
+    #: D stores a ``D_up`` output beside it, blocks interleaved (:attr:`~epicute.epilogue.graph.Graph.paired`)
+    paired: bool = False
     #: the chain of the same epilogue over D^T (row and column vectors trading places), as a swap-AB GEMM
     #: runs it; empty where the epilogue has no transpose (see :meth:`transposed`)
     transposed_chain: tuple[str, ...] = ()
@@ -197,6 +199,7 @@ class EpilogueSchedule:
             instructions_per_element=self.instructions_per_element(),
             group_n=GROUP_N if self.quantizes_groups else 0,
             gated=g.gated,
+            paired=g.paired,
             transposed_chain=tuple(str(stage) for stage in schedule(g.transposed(), style=self.style).stages)
             if self.transposable
             else (),

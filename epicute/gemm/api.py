@@ -246,7 +246,7 @@ def gemm(
         return _run_and_record(_bind(call, specs, prepared, outs, a, b, out), fast)
     if prepared.epilogue is None:
         return _deliver(call, {"D": _reference_matmul(call)})
-    call = settle_d(call, prepared.d_torch_dtype)
+    call = settle_d(call, prepared.d_torch_dtype, prepared.fusion.paired)
     outs = dict(outs or {})
     p = call.problem
     check_outs(prepared.fusion, outs, (p.l, p.m, call.d_n), call.batched)  # as the kernel takes them
@@ -452,7 +452,7 @@ def _bind(call: GemmCall, specs, prepared: PreparedGemm, outs, a, b, out) -> Gem
     """The launch of a validated kernel call (``describe_call``'s ``call`` and ``specs``) as ``prepared`` says."""
     if prepared.epilogue is None:
         return bind_gemm(call, prepared.plan)
-    call = settle_d(call, prepared.d_torch_dtype)
+    call = settle_d(call, prepared.d_torch_dtype, prepared.fusion.paired)
     p, device = call.problem, call.a.device
     tensors, scalars = kernel_inputs(prepared.fusion, specs, device)
     aux = aux_outputs(prepared.fusion, dict(outs or {}), (p.l, p.m, call.d_n), call.batched, device)
@@ -700,7 +700,7 @@ def explain(
     prepared = prepare(replace(request, target=resolved))
     plan = prepared.plan
     if prepared.epilogue is not None:  # D's rows and the preallocated outputs, as gemm would take them
-        settle_d(call, prepared.d_torch_dtype)
+        settle_d(call, prepared.d_torch_dtype, prepared.fusion.paired)
         check_outs(prepared.fusion, dict(outs or {}), (call.problem.l, call.problem.m, call.d_n), call.batched)
     elif outs:
         check_outs_names(outs, ())

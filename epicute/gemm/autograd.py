@@ -45,8 +45,7 @@ from epicute.epilogue.backward import (
     replay_epilogue,
 )
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
-from epicute.epilogue.gated import interleave_gate_up
-from epicute.epilogue.graph import Graph
+from epicute.epilogue.graph import UP_OUTPUT, Graph
 from epicute.epilogue.operands import Pin
 from epicute.errors import GradientError
 from epicute.runtime.torch_ops import registered_outputs
@@ -111,6 +110,12 @@ def plan_backward(graph: Graph | None, k: int) -> BackwardPlan:
 def _plan_backward(graph: Graph | None, small_k: bool) -> BackwardPlan:
     if graph is None:
         return BackwardPlan("plain", None)
+    if graph.paired:
+        raise GradientError(
+            f"the epilogue returns {UP_OUTPUT!r}, stored interleaved with D (a gated epilogue's gradient): it has no "
+            "backward of its own; call it on tensors that need no gradient (under torch.no_grad()), or name that "
+            "output otherwise"
+        )
     outputs = differentiable_outputs(graph)
     operands = tuple(name for name, _ in graph.inputs)
     if not outputs:
@@ -257,8 +262,8 @@ def backward_of(
                           if name in (DACC, DACC_UP) or gb.output_node(name).kind == "tile"}  # fmt: skip
             needed = {name: value for name, value in given.items() if name in inputs}
             results |= kernels.gradient_pass(epilogue, plan.mode == "recompute", out_dtypes, needed)
-        # A gated accumulator's gradient in B's column order: gate and up interleaved in blocks, as B holds them.
-        dacc = interleave_gate_up(results[DACC], results[DACC_UP], dim=-1) if gated and any(needs) else results[DACC]
+        # A gated accumulator's gradient comes paired (Graph.paired): gate and up in B's column order already.
+        dacc = results[DACC]
         by_operand = {name: results[operand_grad_name(name)] for name in operands}
     da = kernels.data_grad(dacc) if needs[0] else None
     db = kernels.weight_grad(dacc) if needs[1] else None

@@ -113,10 +113,11 @@ def _fake_epilogue_operands(fusion) -> tuple[tuple, tuple]:
 
 
 def d_columns(fusion, n):
-    """D's symbolic N: B's, or its own under a gated epilogue (half of B's, which the DSL cannot state)."""
+    """D's symbolic N: B's, or its own under a gated epilogue (half of B's, which the DSL cannot state) or a paired
+    one (twice the output's)."""
     from cutlass import cute
 
-    return cute.sym_int() if fusion is not None and fusion.gated else n
+    return cute.sym_int() if fusion is not None and (fusion.gated or fusion.paired) else n
 
 
 def _fake_block_scales(a_tma: bool, b_bulk: bool) -> tuple:

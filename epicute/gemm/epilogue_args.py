@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from epicute.epilogue.dtypes import IR_TO_TORCH
+from epicute.epilogue.graph import UP_OUTPUT
 from epicute.epilogue.operands import OperandSpec
 from epicute.errors import DeviceError, OutputError
 from epicute.gemm.validate import _check_tma_strides
@@ -60,6 +61,8 @@ def check_outs(fusion, outs: Mapping[str, torch.Tensor], lmn: tuple[int, int, in
     """``outs`` as the kernel takes them (names, shapes, dtypes, TMA-storable layouts; not their device): each
     as an ``(L, M, N)`` tensor by name."""
     check_outs_names(outs, fusion.aux_outputs)
+    if fusion.paired and UP_OUTPUT in outs:
+        raise OutputError(f"outs[{UP_OUTPUT!r}]: D_up is stored interleaved with D, in D's tensor; leave it out")
     dtypes = fusion.output_dtypes
     checked = {}
     for name, t in outs.items():
@@ -86,6 +89,8 @@ def aux_outputs(
     dtypes = fusion.output_dtypes
     result = {}
     for name in fusion.aux_outputs:
+        if fusion.paired and name == UP_OUTPUT:  # D's own tensor (bind_gemm), which the caller cannot pass
+            continue
         t = checked.get(name)
         if t is None:  # prepare() checked that TMA can store its rows
             result[name] = torch.empty(lmn, dtype=IR_TO_TORCH[dtypes[name]], device=device)

@@ -62,6 +62,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from epicute.epilogue.fusion import EpilogueFusion
 from epicute.epilogue.gated import GATE_BLOCK
+from epicute.epilogue.graph import UP_OUTPUT
 from epicute.epilogue.scales import BLOCK_K
 from epicute.epilogue.schedule import plain_graph, schedule
 from epicute.errors import ConfigError
@@ -110,6 +111,18 @@ def _first_modes(t: cute.Tensor, modes: int) -> cute.Tensor:
 def _rotate(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
     """A view of ``tensor`` with its modes permuted (no data moves)."""
     return cute.make_tensor(tensor.iterator, cute.select(tensor.layout, mode=order))
+
+
+def _paired_half(tensor: cute.Tensor, half: int) -> cute.Tensor:
+    """The ``(M, N, L)`` view of one half of a paired D ``(M, 2N, L)`` (:attr:`Graph.paired`): its blocks of
+    ``GATE_BLOCK`` columns alternate, ``half`` 0 (D) first, then 1 (``D_up``). A TMA store through the view writes
+    each subtile's blocks straight into their places (a 3-D box), so nothing interleaves them after the kernel."""
+    blocks = cute.size(tensor, mode=[1]) // (2 * GATE_BLOCK)
+    layout = cute.make_layout(
+        (tensor.shape[0], (GATE_BLOCK, blocks), tensor.shape[2]),
+        stride=(tensor.stride[0], (1, 2 * GATE_BLOCK), tensor.stride[2]),
+    )
+    return cute.make_tensor(tensor.iterator + half * GATE_BLOCK, layout)
 
 
 def _batch_last(tensor: cute.Tensor, order: list[int]) -> cute.Tensor:
@@ -178,6 +191,9 @@ class EpilogueCopies:
 
 class GemmSm90:
     """Compile-time description of one GEMM kernel variant (see module docstring)."""
+
+    #: Whether a paired epilogue's D_up is stored through D's tensor (:func:`_paired_half`), or apart.
+    STORES_PAIRED = True
 
     #: Producer threads that gather A's rows with cp.async (:meth:`_gather_a`); 0: A arrives by TMA.
     gather_threads = 0
@@ -259,6 +275,8 @@ class GemmSm90:
         # A gated epilogue pairs each output column's gate and up accumulators: the output tile (what the
         # epilogue, its operands and the stores see) has half the accumulator tile's columns.
         self.gated = self.epi_buffers.gated
+        #: D and ``D_up`` store interleaved into one D of twice the output's columns (:func:`_paired_half`).
+        self.paired_d = self.STORES_PAIRED and fusion is not None and fusion.paired
         self.out_tile_n = self.epi_buffers.out_tile_n(cfg.tile_n)
         if self.out_tile_n % cfg.epi_tile[1]:
             raise ConfigError(
@@ -310,6 +328,8 @@ class GemmSm90:
         mA = _batch_last(mA_lmk, [1, 2, 0])  # (M, K, L)
         mB = _batch_last(mB_lkn, [2, 1, 0])  # (N, K, L)
         mD = _batch_last(mD_lmn, [1, 2, 0])  # (M, N, L)
+        if cutlass.const_expr(self.paired_d):  # D's half of the (M, 2N, L) tensor its D_up shares
+            mD = _paired_half(mD, 0)
         if cutlass.const_expr(self.cfg.swap_ab):  # D^T = B^T A^T: (N, K, L) x (M, K, L) -> (N, M, L), N contiguous
             mA, mB, mD = mB, mA, _rotate(mD, [1, 0, 2])
         tiles_m = cute.ceil_div(cute.size(mD, mode=[0]), self.cfg.tile_m)
@@ -332,7 +352,11 @@ class GemmSm90:
         tiled_mma = self._make_tiled_mma(cfg.tile_n)
         a_smem_staged = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_shape_mnk, self.ab_dtype, cfg.ab_stages)
         b_smem_staged = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_shape_mnk, self.b_dtype, cfg.ab_stages)
-        d_smem_staged = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, cfg.epi_tile, cfg.num_epi_stages)
+        d_smem_staged = (
+            self._epi_smem_layout(self.d_dtype_name, cfg.num_epi_stages, paired=True)
+            if self.paired_d
+            else sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, cfg.epi_tile, cfg.num_epi_stages)
+        )
 
         tma_a, tma_mA = self._make_tma_load(self._load_view(mA), a_smem_staged, (cfg.tile_m, cfg.tile_k),
                                             self.a_mcast_ctas, self.paired)  # fmt: skip
@@ -359,16 +383,20 @@ class GemmSm90:
         # their torch (batch-first) order.
         epi_loads, epi_stores, epi_vectors, epi_workspaces = (), (), (), ()
         if cutlass.const_expr(self.fusion is not None):
-            for (role, _, dtype), t in zip(self.fusion.tensor_args, epi_tensors):
+            for (role, name, dtype), t in zip(self.fusion.tensor_args, epi_tensors):
                 if cutlass.const_expr(role == "tile"):
                     layout = self._epi_smem_layout(dtype, cfg.num_c_stages)
                     epi_loads += (cute.nvgpu.cpasync.make_tiled_tma_atom(
                         cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), _rotate(t, [1, 2, 0]),
                         cute.slice_(layout, (None, None, 0)), cfg.epi_tile),)  # fmt: skip
                 elif cutlass.const_expr(role == "aux"):
-                    layout = self._epi_smem_layout(dtype, cfg.num_epi_stages)
+                    paired = self.paired_d and name == UP_OUTPUT
+                    layout = self._epi_smem_layout(dtype, cfg.num_epi_stages, paired)
+                    view = _rotate(t, [1, 2, 0])
+                    if cutlass.const_expr(paired):  # D's tensor, the other half
+                        view = _paired_half(view, 1)
                     epi_stores += (cute.nvgpu.cpasync.make_tiled_tma_atom(
-                        cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), self._store_view(_rotate(t, [1, 2, 0])),
+                        cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), self._store_view(view),
                         cute.slice_(layout, (None, None, 0)), cfg.epi_tile),)  # fmt: skip
                 elif cutlass.const_expr(role in ("workspace", "group_scales")):  # the scales last
                     epi_workspaces += (t,)
@@ -427,8 +455,17 @@ class GemmSm90:
         """The view of ``(rows, K, L)`` A or B that its TMA load descriptor is built over: the tensor itself."""
         return tensor
 
-    def _epi_smem_layout(self, dtype: str, stages: int):
-        """Staged, swizzled smem layout of one epilogue subtile of ``dtype`` (row-major, like D)."""
+    def _epi_smem_layout(self, dtype: str, stages: int, paired: bool = False):
+        """Staged, swizzled smem layout of one epilogue subtile of ``dtype`` (row-major, like D). A paired half's
+        (:func:`_paired_half`) is stored by column blocks of ``GATE_BLOCK``, not swizzled: its TMA box rows are one
+        16-byte block, and a swizzled box lays each row out at the swizzle's width (4x the buffer at 64 bytes).
+        Block by block, a subtile's rows of one block are 16-byte neighbours: the r2s copy's 8-row ``stmatrix``
+        writes meet no bank twice, and the box (block, row, block index) is dense."""
+        if paired:
+            m, n = self.cfg.epi_tile
+            blocks = cute.make_layout((m, (GATE_BLOCK, n // GATE_BLOCK), stages),
+                                      stride=(GATE_BLOCK, (1, GATE_BLOCK * m), m * n))  # fmt: skip
+            return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, blocks)
         return sm90_utils.make_smem_layout_epi(DSL_DTYPES[dtype], LayoutEnum.ROW_MAJOR, self.cfg.epi_tile, stages)
 
     def _scheduler(self, sched_args: tuple) -> ClusterTileScheduler:
@@ -665,8 +702,9 @@ class GemmSm90:
         for i, dtype in enumerate(self.epi_buffers.tile_inputs):
             layout = self._epi_smem_layout(dtype, cfg.num_c_stages)
             sC.append(getattr(storage, f"epi_tile_{i}").get_tensor(layout.outer, swizzle=layout.inner))
-        for i, dtype in enumerate(self.epi_buffers.aux_outputs):
-            layout = self._epi_smem_layout(dtype, cfg.num_epi_stages)
+        aux_names = self.fusion.aux_outputs if self.fusion is not None else ()
+        for i, (name, dtype) in enumerate(zip(aux_names, self.epi_buffers.aux_outputs)):
+            layout = self._epi_smem_layout(dtype, cfg.num_epi_stages, self.paired_d and name == UP_OUTPUT)
             sAux.append(getattr(storage, f"epi_aux_{i}").get_tensor(layout.outer, swizzle=layout.inner))
         for i, kind in enumerate(self.epi_buffers.vectors):
             length = self.out_tile_n if kind == "row" else cfg.tile_m

@@ -15,6 +15,8 @@ import functools
 
 import torch
 
+from epicute.epilogue.gated import stored_columns
+from epicute.epilogue.graph import UP_OUTPUT
 from epicute.gemm import GemmPlan, GemmProblem, plan_gemm
 from epicute.gemm.compile import GEMM_CACHE, GemmVariant
 from epicute.gemm.config import b_scale_chunks
@@ -191,11 +193,12 @@ class GemmLaunch:
     def results(self) -> torch.Tensor | dict[str, torch.Tensor]:
         """:meth:`run`'s results, once launched."""
         fusion, d = self.fusion, self.caller_d(self.d)
-        if fusion is None or set(fusion.output_dtypes) == {"D"}:
+        if fusion is None or set(fusion.returned_outputs) == {"D"}:
             return d
         results = {"D": d}
         for name, t in self.aux.items():
-            results[name] = t if self.batched else t[0]
+            if not (fusion.paired and name == UP_OUTPUT):  # inside D
+                results[name] = t if self.batched else t[0]
         for r in fusion.reductions:
             value = r.finalize(self.workspaces[r.name])
             results[r.name] = value if self.batched or r.axis == "all" else value[0]
@@ -244,12 +247,17 @@ def bind_gemm(
     fresh = set(fresh_aux)
     d_n = plan.d_n
     flat = p.l == 1
+    paired = fusion is not None and fusion.paired
     d = call.out
     if d is None:
-        d = torch.empty((p.m, d_n) if flat else (p.l, p.m, d_n), dtype=call.out_dtype, device=device)
+        stored_n = stored_columns(d_n, paired)
+        d = torch.empty((p.m, stored_n) if flat else (p.l, p.m, stored_n), dtype=call.out_dtype, device=device)
         fresh.add(id(d))
     elif flat:
         d = d[0]
+    if paired:  # the kernel stores D_up through its own view of D's tensor (kernel_sm90._paired_half)
+        d3 = d.unsqueeze(0) if d.dim() == 2 else d[:]  # a view, never D itself: a prepared call re-derives it
+        aux = {name: d3 if name == UP_OUTPUT else aux[name] for name in fusion.aux_outputs}
     workspaces, group_scales = {}, None
     if fusion is not None:
         tile_n = plan.out_tile_n

@@ -45,7 +45,7 @@ PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 #: then the ``outs`` tensors.
 FIXED_SOURCES = ("a", "b", "out", "a_scale", "b_scale")
 
-_SAME, _VIEW, _FRESH, _CONST = 0, 1, 2, 3
+_SAME, _VIEW, _FRESH, _CONST, _WITHIN = 0, 1, 2, 3, 4
 #: Stands for a tensor in the recorded launch, which keeps the launch's structure, not its memory.
 _VACANT = object()
 _FIX = "prepare a call for it (epicute.prepare_gemm), or call epicute.gemm, which prepares one per signature"
@@ -138,12 +138,19 @@ class PreparedGemmCall:
                     continue
                 by_storage[ptr] = i
         steps = []
+        fresh_at: dict[int, int] = {}  # a new tensor's storage -> its step
         for t in launch.tensors():
             if id(t) in launch.fresh:  # the device by index: torch.empty parses it faster than a device object
+                if t.untyped_storage().nbytes():
+                    fresh_at[t.untyped_storage().data_ptr()] = len(steps)
                 steps.append((_FRESH, tuple(t.shape), t.dtype, t.device.index if t.is_cuda else t.device))
                 continue
             if id(t) in launch.constant:
                 steps.append((_CONST, t))
+                continue
+            j = fresh_at.get(t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else None
+            if j is not None:  # a view of a new tensor (a paired D's D_up: D's own tensor)
+                steps.append((_WITHIN, j, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
                 continue
             i = by_storage.get(t.untyped_storage().data_ptr())
             if i is None:
@@ -215,6 +222,8 @@ class PreparedGemmCall:
                 tensors.append(s.as_strided(step[2], step[3], s.storage_offset() + step[4]))
             elif kind == _CONST:
                 tensors.append(step[1])
+            elif kind == _WITHIN:
+                tensors.append(tensors[step[1]].as_strided(step[2], step[3], step[4]))
             else:
                 tensors.append(torch.empty(*step[1], dtype=step[2], device=step[3]))
         scalars = tuple(_number(sources[i]) for i in self._scalar_sources)

@@ -22,8 +22,12 @@ def render_plan(plan: GemmPlan) -> str:
     product = f"A[{p.l}x{p.m}x{p.k}] @ B[{p.l}x{p.k}x{p.n}]"
     if plan.epilogue.gated:
         product = f"gated({product}): B interleaves gate and up in blocks of {GATE_BLOCK}"
+    d_desc = f"D[{p.l}x{p.m}x{plan.d_n}]"
+    if plan.epilogue.paired:
+        d_desc = (f"D[{p.l}x{p.m}x{2 * plan.d_n}] (D and D_up interleaved in blocks of {GATE_BLOCK}, as a gated B's "
+                  f"columns), each")  # fmt: skip
     lines = [
-        f"epicute GEMM plan: D[{p.l}x{p.m}x{plan.d_n}] = {product}",
+        f"epicute GEMM plan: {d_desc} = {product}",
         f"  A {p.ab_dtype} {a_desc}; B {p.b_elem} {b_desc}; D {p.d_dtype} row-major; accumulate fp32"
         + (
             " (fp8 WGMMA, promoted: each 128-wide k-tile's partial is scaled by its blockwise scales and added "

@@ -16,8 +16,8 @@ import torch
 
 from epicute.epilogue.backward import DACC
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
-from epicute.epilogue.gated import check_gated_call, gated_epilogue, output_columns
-from epicute.epilogue.graph import REDUCTIONS
+from epicute.epilogue.gated import check_gated_call, gated_epilogue, output_columns, stored_columns
+from epicute.epilogue.graph import REDUCTIONS, UP_OUTPUT
 from epicute.epilogue.group_quant import GROUP_N
 from epicute.epilogue.operands import PINS, Pin
 from epicute.epilogue.scales import SCALE_NAMES, fp8_scaling
@@ -136,13 +136,16 @@ def _forward_fake(a, b, operands, scalars, epilogue, spec: dict) -> list[torch.T
     outputs = []
     for name, node_id in graph.outputs:
         op = graph.node(node_id).op
+        if graph.paired and name == UP_OUTPUT:  # inside D, which stores both halves
+            continue
         if op in REDUCTIONS:
             outputs.append(a.new_empty(shapes[REDUCTIONS[op][0]], dtype=torch.float32))
         elif op == "group_scales":  # M-major (L, M, groups), as the kernel returns them
             groups = -(-n // GROUP_N)
             outputs.append(a.new_empty((*l_dims, groups, m), dtype=torch.float32).transpose(-1, -2))
         else:
-            outputs.append(a.new_empty((*l_dims, m, n), dtype=IR_TO_TORCH[stored[name]]))
+            width = stored_columns(n, graph.paired) if name == "D" else n
+            outputs.append(a.new_empty((*l_dims, m, width), dtype=IR_TO_TORCH[stored[name]]))
     return outputs
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from epicute.epilogue.dtypes import TORCH_TO_IR
-from epicute.epilogue.gated import check_gated_columns, output_columns
+from epicute.epilogue.gated import GATE_BLOCK, check_gated_columns, output_columns, stored_columns
 from epicute.errors import AlignmentError, DtypeError, OutputError, ShapeError
 from epicute.gemm.config import GemmProblem
 from epicute.runtime.checks import (
@@ -178,7 +178,9 @@ def check_gemm_args(
     d_n = check_gated_columns(n, "b", gated)
     out3 = None
     if out is not None:
-        expected = (l, m, d_n) if batched else (m, d_n)
+        # An epilogue returning D_up stores it in D, twice as wide (Graph.paired): settle_d checks which it is.
+        width = 2 * d_n if not d_settled and out.dim() and out.shape[-1] == 2 * d_n else d_n
+        expected = (l, m, width) if batched else (m, width)
         check_out_placement(out, expected, f"{'gated(a @ b)' if gated else 'a @ b'} has shape {expected}", a, b)
         out3 = _as_3d(out, "out")
 
@@ -196,12 +198,21 @@ def check_gemm_args(
     return GemmCall(problem, a3, b3, out3, out_dtype, batched, gated=gated)
 
 
-def settle_d(call: GemmCall, d_dtype: torch.dtype) -> GemmCall:
+def settle_d(call: GemmCall, d_dtype: torch.dtype, paired: bool = False) -> GemmCall:
     """``call`` with D stored in ``d_dtype``, as preparing its epilogue settled it, and a new D's rows checked for
-    that dtype (``check_gemm_args(..., d_settled=False)`` left them): the one place an epilogue call's D is checked."""
+    that dtype (``check_gemm_args(..., d_settled=False)`` left them): the one place an epilogue call's D is checked.
+    ``paired``: D holds ``D_up`` too (:attr:`~epicute.epilogue.graph.Graph.paired`), twice as wide."""
     p = call.problem
+    width = stored_columns(call.d_n, paired)
+    if paired and call.d_n % GATE_BLOCK:
+        raise ShapeError(f"the epilogue returns D_up, stored beside D in blocks of {GATE_BLOCK} columns: N={call.d_n} "
+                         f"must be a multiple of {GATE_BLOCK}")  # fmt: skip
+    if call.out is not None and call.out.shape[-1] != width:
+        given = tuple(call.out.shape if call.batched else call.out.shape[1:])
+        raise OutputError(f"out has shape {given}; the epilogue writes D of shape {(*given[:-1], width)}"
+                          + (" (D and D_up interleaved)" if paired else ""))  # fmt: skip
     if call.out is None and p.m and p.n and p.k:
-        check_d_rows(None, call.d_n, d_dtype)
+        check_d_rows(None, width, d_dtype)
     if d_dtype == call.out_dtype:
         return call
     return replace(call, problem=replace(p, d_dtype=TORCH_TO_IR[d_dtype]), out_dtype=d_dtype)

@@ -10,12 +10,13 @@ from typing import Any, TextIO
 import torch
 
 from epicute.epilogue.dtypes import IR_TO_TORCH
-from epicute.epilogue.gated import check_gated_call, gated_epilogue, split_gate_up
+from epicute.epilogue.gated import GATE_BLOCK, check_gated_call, gated_epilogue, split_gate_up, stored_columns
+from epicute.epilogue.graph import UP_OUTPUT
 from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import evaluate, round_to, training_scalars
 from epicute.epilogue.scales import dequantize_blockwise
 from epicute.epilogue.tracer import as_epilogue
-from epicute.errors import EpilogueError, OutputError
+from epicute.errors import EpilogueError, OutputError, ShapeError
 from epicute.gemm.autograd import explain_backward
 from epicute.gemm.config import GemmConfig
 from epicute.gemm.epilogue_args import aux_outputs, kernel_inputs
@@ -160,9 +161,16 @@ def grouped_gemm(
         (a_scale, b_scale), a_index,
     )  # fmt: skip
     prepared = prepare(request)
-    if prepared.d_torch_dtype != call.out_dtype:  # the epilogue's own final cast chose D's dtype (no out given)
+    paired = prepared.epilogue is not None and prepared.epilogue.fusion.paired
+    if paired and call.out is not None:
+        raise OutputError(f"the epilogue returns {UP_OUTPUT!r}, stored interleaved with D in a new (total_M, 2N) D; "
+                          "leave out= out (the call returns that D)")  # fmt: skip
+    if paired and call.problem.d_n % GATE_BLOCK:
+        raise ShapeError(f"the epilogue returns {UP_OUTPUT!r}, stored beside D in blocks of {GATE_BLOCK} columns: "
+                         f"N={call.problem.d_n} must be a multiple of {GATE_BLOCK}")  # fmt: skip
+    if prepared.d_torch_dtype != call.out_dtype or paired:  # the epilogue's own cast chose D's dtype (no out given)
         if call.problem.total_m and call.problem.n and call.problem.k:
-            check_d_rows(None, call.problem.d_n, prepared.d_torch_dtype)
+            check_d_rows(None, stored_columns(call.problem.d_n, paired), prepared.d_torch_dtype)
         call = replace(call, problem=prepared.plan.problem, out_dtype=prepared.d_torch_dtype)
     if backend == "reference":
         results = reference_grouped(call, prepared, training_scalars(specs, operands))
@@ -274,8 +282,11 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
             results["D"] = call.out
         return results
     if not pieces:  # no rows at all
-        stored = {"D": p.d_dtype} if prepared.epilogue is None else prepared.epilogue.fusion.output_dtypes
-        pieces = {name: [torch.empty(0, p.d_n, dtype=IR_TO_TORCH[d])] for name, d in stored.items()}
+        fusion = None if prepared.epilogue is None else prepared.epilogue.fusion
+        stored = {"D": p.d_dtype} if fusion is None else {n: fusion.output_dtypes[n] for n in fusion.returned_outputs}
+        width = stored_columns(p.d_n, fusion is not None and fusion.paired)
+        pieces = {name: [torch.empty(0, width if name == "D" else p.d_n, dtype=IR_TO_TORCH[d])]
+                  for name, d in stored.items()}  # fmt: skip
     results = {name: torch.stack(values) if name in per_group else torch.cat(values) for name, values in pieces.items()}
     if call.out is not None:
         call.out[0].copy_(results["D"])

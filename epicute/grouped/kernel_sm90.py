@@ -32,7 +32,7 @@ from cutlass import Int32, cute
 from cutlass.tensor_utils import LayoutEnum
 
 from epicute.errors import ConfigError
-from epicute.gemm.kernel_sm90 import GATHER_FIRST_WARP, GemmSm90, _rotate
+from epicute.gemm.kernel_sm90 import GATHER_FIRST_WARP, GemmSm90, _paired_half, _rotate
 from epicute.sm90.cp_async import CHUNK_BYTES, LINE_BYTES, arrive_when_copied, copy_chunk_zero_fill, swizzled_chunk
 from epicute.sm90.pipeline import RingState
 from epicute.sm90.ragged import ragged_load_view, ragged_rows
@@ -73,6 +73,8 @@ class GroupedGemmSm90(GemmSm90):
         mA = _rotate(mA_lmk, [1, 2, 0])  # (total_M, K, 1)
         mB = _rotate(mB_lkn, [2, 1, 0])  # (N, K, G)
         mD = _rotate(mD_lmn, [1, 2, 0])  # (total_M, N, 1)
+        if cutlass.const_expr(self.paired_d):  # D's half of the (total_M, 2N, 1) tensor its D_up shares
+            mD = _paired_half(mD, 0)
         total_rows = cute.size(mD, mode=[0])
         num_groups = cute.size(mB, mode=[2])
         clusters_n = ceil_div(ceil_div(cute.size(mD, mode=[1]), self.out_tile_n), cfg.cluster_n)
@@ -86,8 +88,9 @@ class GroupedGemmSm90(GemmSm90):
         rows = cute.size(tensor, mode=[0])
         row_stride = tensor.stride[0]
         base = cute.domain_offset((-rows, 0, 0), tensor).iterator
+        # The columns as the tensor lays them out: unit stride, or a paired half's blocks (_paired_half).
         return cute.make_tensor(
-            base, cute.make_layout((rows, cute.size(tensor, mode=[1]), rows + 1), stride=(row_stride, 1, row_stride))
+            base, cute.make_layout((rows, tensor.shape[1], rows + 1), stride=(row_stride, tensor.stride[1], row_stride))
         )
 
     def _scheduler(self, sched_args: tuple) -> GroupedTileScheduler:

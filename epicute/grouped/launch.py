@@ -9,8 +9,8 @@ import math
 import torch
 
 from epicute.epilogue.fusion import ROWS_PER_WARP
-from epicute.epilogue.gated import output_columns
-from epicute.epilogue.graph import REDUCTION_IDENTITY
+from epicute.epilogue.gated import output_columns, stored_columns
+from epicute.epilogue.graph import REDUCTION_IDENTITY, UP_OUTPUT
 from epicute.grouped.compile import GROUPED_CACHE, GroupedVariant
 from epicute.grouped.plan import GroupedPlan
 from epicute.grouped.validate import GroupedCall
@@ -114,10 +114,14 @@ def run_grouped(call: GroupedCall, plan: GroupedPlan, fusion=None, epi_inputs: t
     """Launch ``call`` with ``plan``; every output by name, ``(total_M, N)`` (``N / 2`` gated), D first, then the
     aux tiles and the reductions (see :func:`_finalize`)."""
     p = call.problem
+    paired = fusion is not None and fusion.paired
     out3 = call.out
     if out3 is None:
-        out3 = torch.empty(p.out_shape, dtype=call.out_dtype, device=call.a.device)
+        *lm, d_n = p.out_shape
+        out3 = torch.empty((*lm, stored_columns(d_n, paired)), dtype=call.out_dtype, device=call.a.device)
     aux = dict(aux or {})
+    if paired:  # the kernel stores D_up through its own view of D's tensor (kernel_sm90._paired_half)
+        aux = {name: out3[:] if name == UP_OUTPUT else aux[name] for name in fusion.aux_outputs}
     workspaces = {} if fusion is None else _workspaces(plan, fusion, call.a.device)
     if p.total_m and p.n:
         if p.k == 0 and fusion is None:
@@ -138,6 +142,7 @@ def run_grouped(call: GroupedCall, plan: GroupedPlan, fusion=None, epi_inputs: t
         by_group = p.ragged == "m" and any(r.axis != "row" for r in fusion.reductions)
         slots = _group_slots(plan, call.offsets) if by_group else None
         reductions = {r.name: _finalize(r, workspaces[r.name], plan, slots) for r in fusion.reductions}
+    aux.pop(UP_OUTPUT, None)  # inside D
     if p.ragged == "k":
         return {"D": out3, **aux, **reductions}
     return {"D": out3[0], **{name: t[0] for name, t in aux.items()}, **reductions}

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
-from epicute.epilogue.gated import gated_epilogue, output_columns
-from epicute.epilogue.graph import REDUCTIONS
+from epicute.epilogue.gated import gated_epilogue, output_columns, stored_columns
+from epicute.epilogue.graph import REDUCTIONS, UP_OUTPUT
 from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import ConfigError, EpilogueError, GradientError
 from epicute.gemm.autograd import (
@@ -129,12 +129,15 @@ def _epilogue_fakes(a, b, graph, groups: int, rows, shape) -> list[torch.Tensor]
     outputs = []
     for name, node_id in graph.outputs:
         op = graph.node(node_id).op
+        if graph.paired and name == UP_OUTPUT:  # inside D, which stores both halves
+            continue
         if op == "group_scales":
             raise EpilogueError("quantize_groups in a grouped GEMM's epilogue is not supported yet")
         if op in REDUCTIONS:
             outputs.append(a.new_empty(reduced[REDUCTIONS[op][0]], dtype=torch.float32))
         else:
-            outputs.append(a.new_empty(shape, dtype=IR_TO_TORCH[stored[name]]))
+            width = stored_columns(d_n, graph.paired) if name == "D" else d_n
+            outputs.append(a.new_empty((*shape[:-1], width), dtype=IR_TO_TORCH[stored[name]]))
     return outputs
 
 

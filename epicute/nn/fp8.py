@@ -77,7 +77,7 @@ class _Fp8Linear(torch.autograd.Function):
             x_t = torch.nn.functional.pad(x.t(), (0, pad)).contiguous()
             dw = _gemm_fp8(dy_t, x_t, ctx.recipe, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy.float().sum(0).to(dy.dtype)
+            db = dy.sum(0, dtype=torch.float32).to(dy.dtype)
         return dx, dw, db, None
 
 

@@ -207,12 +207,12 @@ class _MLP(torch.autograd.Function):
         grads = gemm(dy, w2, epilogue=backward_epi, out_dtypes={DACC: x.dtype, **({DACC_UP: x.dtype} if gated else {})},
                      **tiles)  # fmt: skip
         grads = grads if isinstance(grads, dict) else {DACC: grads}
-        dacc = interleave_gate_up(grads[DACC], grads[DACC_UP], dim=-1) if gated else grads[DACC]
+        dacc = grads[DACC]  # gated: d gate and d up interleaved as w1's rows are (a paired D, Graph.paired)
         dx = gemm(dacc, w1) if needs[2] else None
         dw1 = gemm(dacc.t(), x) if needs[3] else None
         db1 = grads["d_bias"].to(w1.dtype) if has_b1 and needs[4] else None
         dw2 = gemm(dy.t(), h) if needs[5] else None
-        db2 = dy.float().sum(0).to(dy.dtype) if has_b2 and needs[6] else None
+        db2 = dy.sum(0, dtype=torch.float32).to(dy.dtype) if has_b2 and needs[6] else None
         return None, None, dx, dw1, db1, dw2, db2
 
 

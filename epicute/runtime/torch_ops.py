@@ -36,6 +36,7 @@ import torch
 
 from epicute.epilogue.dtypes import ir_dtype
 from epicute.epilogue.gated import gated_epilogue
+from epicute.epilogue.graph import UP_OUTPUT
 from epicute.epilogue.hashing import semantic_hash
 from epicute.epilogue.operands import PINS, Pin
 from epicute.epilogue.score_mod import score_mod as as_score_mod
@@ -103,7 +104,8 @@ def _register(fn: Callable, hook: Callable[[Callable], Epilogue] = as_epilogue) 
     with _LOCK:
         # An earlier registration under this key traced to the same graph: keep it.
         _EPILOGUES.setdefault(key, epi)
-        _OUTPUTS[key] = tuple(name for name, _ in graph.outputs)
+        # A paired D_up is inside D (Graph.paired): never an output of its own.
+        _OUTPUTS[key] = tuple(name for name, _ in graph.outputs if not (graph.paired and name == UP_OUTPUT))
         _STORED[key] = dict(graph.output_dtypes)
         if memo is not None:
             if len(_REGISTERED) >= 4096:

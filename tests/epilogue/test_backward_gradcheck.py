@@ -18,18 +18,17 @@ import epicute
 from epicute import ops
 from epicute.epilogue.backward import (
     DACC,
-    DACC_UP,
     differentiable_outputs,
     grad_name,
     gradient_graph,
     operand_grad_name,
 )
-from epicute.epilogue.gated import gated_epilogue
+from epicute.epilogue.gated import gated_epilogue, split_gate_up
 from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import evaluate
 
 F64 = torch.float64
-L, M, N = 2, 3, 4
+L, M, N = 2, 3, 8  # N: whole blocks of gate and up columns (GATE_BLOCK), for the gated case
 
 EPILOGUES = {
     "gelu_bias_residual": (
@@ -70,8 +69,8 @@ class _Graphed(torch.autograd.Function):
         values = {n: OperandSpec(n, kinds[n], "fp32", v) for n, v in zip(names, operands)}
         values |= {grad_name(o): OperandSpec(grad_name(o), "tile", "fp32", g) for o, g in zip(outputs, grads)}
         derived = evaluate(backward, acc, {n: values[n] for n, _ in backward.inputs}, compute_dtype=F64, up=up)
-        d_acc = derived[DACC].to(F64)
-        d_up = derived[DACC_UP].to(F64) if DACC_UP in derived else None
+        # A gated graph's gradient comes paired: d gate and d up interleaved in one D (Graph.paired).
+        d_acc, d_up = split_gate_up(derived[DACC].to(F64)) if backward.paired else (derived[DACC].to(F64), None)
         return (None, None, None, d_up, d_acc, *(derived[operand_grad_name(n)].to(F64).reshape(v.shape)
                                                  for n, v in zip(names, operands)))  # fmt: skip
 

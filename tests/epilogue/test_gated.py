@@ -10,7 +10,10 @@ import torch.nn.functional as F
 import epicute
 from epicute import ConfigError, DtypeError, EpilogueError, OutputError, ShapeError, ops
 from epicute.epilogue.gated import GatedEpilogue, gated_epilogue, split_gate_up
+from epicute.epilogue.tracer import as_epilogue
+from epicute.gemm import render_plan
 from epicute.gemm.api import describe_call
+from epicute.gemm.autograd import plan_backward
 from epicute.gemm.compile import compile_gemm
 from epicute.gemm.prepare import prepare
 from epicute.grouped.api import describe_grouped_call
@@ -187,3 +190,88 @@ def test_interleave_gate_up_bad_arguments(gate, up, kwargs, error, match):
     # Before: AttributeError for a list; dim=5 wrapped around to dim 1 without a word; mixed dtypes promoted.
     with pytest.raises(error, match=match):
         epicute.interleave_gate_up(gate, up, **kwargs)
+
+
+# ------------------------------------------------------------------ paired outputs: the gated epilogue's dual
+def _paired(acc, res):
+    return {"D": acc * res, "D_up": ops.silu(acc) + res, "rs": ops.row_sum(acc)}
+
+
+@pytest.mark.parametrize("lead", [(), (2,)])
+def test_a_paired_epilogue_returns_d_and_d_up_interleaved_in_one_d(lead):
+    """An output named D_up is stored beside D in blocks of 8 columns, as a gated B holds gate and up: D comes back
+    2N wide, in the order a gated GEMM's backward multiplies it; reductions and other outputs are as before."""
+    m, k, n = 37, 24, 40
+    a, b = torch.randn(*lead, m, k).bfloat16(), torch.randn(*lead, k, n).bfloat16()
+    res = torch.randn(*lead, m, n).bfloat16()
+    out = torch.full((*lead, m, 2 * n), float("nan")).bfloat16()
+    got = epicute.gemm(a, b, epilogue=_paired, res=res, backend="reference", out=out)
+    assert set(got) == {"D", "rs"} and got["D"].data_ptr() == out.data_ptr()
+    acc = a.double() @ b.double()
+    d, d_up = split_gate_up(got["D"].double())
+    assert rel_err(d, acc * res.double()) < 1e-2
+    assert rel_err(d_up, F.silu(acc) + res.double()) < 1e-2
+    assert rel_err(got["rs"], acc.sum(-1)) < 1e-4
+
+
+def test_explain_plans_a_paired_d_at_twice_the_width():
+    meta = lambda *s: torch.empty(*s, dtype=torch.bfloat16, device="meta")
+    plan = epicute.explain(meta(512, 256), meta(256, 384), epilogue=lambda acc: {"D": acc, "D_up": -acc}, file=None)
+    assert plan.epilogue.paired and not plan.config.swap_ab
+    assert "D[1x512x768] (D and D_up interleaved in blocks of 8" in render_plan(plan)
+
+
+@pytest.mark.parametrize(("call", "error", "match"), [
+    (lambda a, b: epicute.gemm(a, b, epilogue=lambda acc: {"D": acc, "D_up": acc}, out_dtypes={"D_up": torch.float32},
+                               backend="reference"), EpilogueError, "D_up' is fp32 but D is bf16"),
+    (lambda a, b: epicute.gemm(a, b, epilogue=lambda acc: {"D": acc, "D_up": ops.col_sum(acc)}, backend="reference"),
+     EpilogueError, "must be a tile like D"),
+    (lambda a, b: epicute.gemm(a, b, epilogue=lambda acc: {"D": acc, "D_up": acc}, backend="reference",
+                               outs={"D_up": torch.empty(8, 16).bfloat16()}), OutputError, r"outs\['D_up'\]"),
+    (lambda a, b: epicute.gemm(a, b, epilogue=lambda acc: {"D": acc, "D_up": acc}, backend="reference",
+                               out=torch.empty(8, 16).bfloat16()), OutputError, r"writes D of shape \(8, 32\)"),
+    (lambda a, b: epicute.gemm(a, b.float(), epilogue=lambda acc: {"D": acc, "D_up": acc}, backend="reference"),
+     DtypeError, "b has dtype"),
+])  # fmt: skip
+def test_paired_misuse_gets_typed_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call(torch.randn(8, 32).bfloat16(), torch.randn(32, 16).bfloat16())
+
+
+def test_a_paired_epilogue_has_no_backward_plan():
+    """The kernel path's autograd refuses it by name (its D is no function the derivative pass knows)."""
+    graph = as_epilogue(lambda acc: {"D": acc, "D_up": 2 * acc}).trace({}, {}, None, d_dtype="bf16")
+    with pytest.raises(epicute.GradientError, match="D_up"):
+        plan_backward(graph, 4096)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("gated", [False, True])
+def test_paired_gemm_variants_compile_for_sm90a(gated):
+    """The dense kernel stores D and D_up through two views of one tensor (3-D TMA boxes); gated too (a gated
+    epilogue's recomputed gradient pass is both)."""
+    meta = lambda *s: torch.empty(*s, dtype=torch.bfloat16, device="meta")
+    if gated:
+        fn = lambda gate, up, g: {"D": g * ops.sigmoid(gate) * up, "D_up": g * ops.silu(gate)}
+    else:
+        fn = lambda acc, g: {"D": acc * g, "D_up": ops.silu(acc) + g}
+    request = describe_call(meta(1000, 256), meta(512, 256).t(), fn, None, None, None, None, None,
+                            {"g": meta(1000, 256 if gated else 512)}, False, gated=gated)[2]  # fmt: skip
+    prepared = prepare(request)
+    assert prepared.fusion.paired
+    assert callable(compile_gemm(prepared.variant()))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("gated", [False, True])
+def test_paired_grouped_gemm_compiles_for_sm90a(gated):
+    """The grouped kernel's ragged store view keeps a paired half's column blocks (an MoE backward's d gate, d up)."""
+    n = 272 if gated else 136
+    fn = (lambda gate, up, g: {"D": g * gate, "D_up": g * up}) if gated else (lambda acc, g: {"D": g, "D_up": acc})
+    request = describe_grouped_call(
+        meta(300, 64), meta(5, n, 64).transpose(-2, -1), meta(5, dtype=torch.int32), fn, None, None, None, None,
+        {"g": meta(300, 136)}, False, gated=gated,
+    )[2]  # fmt: skip
+    prepared = prepare_grouped(request)
+    assert prepared.epilogue.fusion.paired
+    assert callable(compile_grouped(prepared.variant()))

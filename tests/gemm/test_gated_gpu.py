@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import epicute
 from epicute import ops
+from epicute.epilogue.gated import split_gate_up
 from tests.conftest import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -124,3 +125,68 @@ def test_fp8_blockwise_gated():
     w_deq = w.double() * sw.double().repeat_interleave(128, dim=-1)[:, :k].repeat_interleave(128, dim=0)[: 2 * n]
     gate, up = (a_deq @ w_deq.t()).unflatten(-1, (n // 8, 2, 8)).unbind(-2)
     assert rel_err(got, F.silu(gate.flatten(-2)) * up.flatten(-2)) < 2e-2
+
+
+PAIRED_CONFIGS = {
+    "planned": {},
+    "pingpong64": {"schedule": "pingpong", "tile_m": 64},
+    "cooperative256": {"schedule": "cooperative", "tile_n": 256},
+    "one_tile": {"persistent": False},
+}
+
+
+@pytest.mark.parametrize("lead", [(), (2,)], ids=["flat", "batched"])
+@pytest.mark.parametrize("config", list(PAIRED_CONFIGS.values()), ids=list(PAIRED_CONFIGS))
+def test_a_paired_d_stores_d_up_in_its_odd_blocks(config, lead):
+    """An epilogue returning D_up: the kernel stores D and D_up straight into one (M, 2N) D, blocks of 8 columns
+    alternating (two views of one tensor), as a gated B's columns are; a row reduction beside them."""
+    m, n, k = 333, 200, 96
+    a = torch.randn(*lead, m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(*lead, k, n, device="cuda", dtype=torch.bfloat16) / k**0.5
+    g = torch.randn(*lead, m, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((*lead, m, 2 * n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = epicute.gemm(a, b, out=out, config=config, g=g, epilogue=lambda acc, g: {
+        "D": acc * g, "D_up": ops.silu(acc) + g, "rs": ops.row_sum(acc)})  # fmt: skip
+    assert got["D"].data_ptr() == out.data_ptr() and set(got) == {"D", "rs"}
+    acc = a.double() @ b.double()
+    d, d_up = split_gate_up(out.double())
+    assert rel_err(d, acc * g.double()) < BF16_TOL
+    assert rel_err(d_up, F.silu(acc) + g.double()) < BF16_TOL
+    assert rel_err(got["rs"], acc.sum(-1)) < 1e-3
+
+
+def test_a_gated_and_paired_call_is_the_recomputed_gradient_of_swiglu():
+    """Gated and paired at once (the backward of a SwiGLU GEMM recomputing gate and up): d gate and d up, stored
+    in the weight's interleaved order, against float64 autograd of the two projections."""
+    m, n, k = 515, 392, 200
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w_gate, w_up, w = projections(n, k)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def swiglu_grad(gate, up, dy):
+        sig = ops.sigmoid(gate)
+        return {"D": dy * up * sig * (1.0 + gate * (1.0 - sig)), "D_up": dy * gate * sig}
+
+    got = epicute.gemm(x, w.t(), gated=True, dy=dy, epilogue=swiglu_grad)
+    assert got.shape == (m, 2 * n)
+    gate, up = (t.requires_grad_() for t in gate_up64(x, w_gate, w_up))
+    (F.silu(gate) * up).backward(dy.double())
+    expected = epicute.interleave_gate_up(gate.grad, up.grad, dim=-1)
+    assert rel_err(got, expected) < BF16_TOL
+
+
+def test_a_paired_call_repeats_through_its_recorded_launch():
+    """The second call of a signature replays the first one's launch (epicute.gemm's prepared path): D_up must
+    land in the new call's D again, not in a tensor of its own."""
+    m, n, k = 129, 264, 64
+
+    def grads(acc, g):
+        return {"D": acc + g, "D_up": acc * g}
+
+    for _ in range(3):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k**0.5
+        g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        d, d_up = split_gate_up(epicute.gemm(a, b, g=g, epilogue=grads).double())
+        acc = a.double() @ b.double()
+        assert rel_err(d, acc + g.double()) < BF16_TOL and rel_err(d_up, acc * g.double()) < BF16_TOL

@@ -12,6 +12,7 @@ import torch
 
 import epicute
 from epicute import ops
+from epicute.epilogue.gated import split_gate_up
 from tests.conftest import rel_err
 from tests.grouped.test_grouped import reference_fp8
 
@@ -599,3 +600,33 @@ def test_gathered_fp8_rows_read_their_tokens_scales(config):
     rows = index.cpu()
     want = reference_fp8(x.cpu()[rows], w.transpose(-2, -1).cpu(), offsets.cpu(), sa.cpu()[rows], sb.cpu())
     assert rel_err(d.cpu(), want) < FP8_FP32_TOL
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("name", ["mixed", "skewed"])
+def test_a_paired_d_holds_d_up_in_its_odd_blocks(name, gated):
+    """An epilogue returning D_up (an MoE backward's d gate and d up): the kernel stores both halves of each
+    group's rows into one (total_M, 2N) D through the ragged view. D's memory is NaN before the call (the
+    allocator hands back the poisoned block freed just before)."""
+    sizes = SIZES[name]
+    k, n = 136, 200
+    offsets = offsets_of(sizes)
+    total = int(offsets[-1])
+    a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+    if gated:
+        w_gate, w_up = (torch.randn(len(sizes), n, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        b = epicute.interleave_gate_up(w_gate, w_up).transpose(-2, -1)
+        gate, up = reference(a, w_gate.transpose(-2, -1), offsets), reference(a, w_up.transpose(-2, -1), offsets)
+        want = (g.double() * up, g.double() * torch.sigmoid(gate))
+        fn = lambda gate, up, g: {"D": g * up, "D_up": g * ops.sigmoid(gate)}
+    else:
+        b = weights(len(sizes), n, k, "k")
+        acc = reference(a, b, offsets)
+        want = (acc + g.double(), acc * g.double())
+        fn = lambda acc, g: {"D": acc + g, "D_up": acc * g}
+    torch.full((total, 2 * n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed at once: D reuses it
+    d = epicute.grouped_gemm(a, b, offsets, gated=gated, g=g, epilogue=fn)
+    assert d.shape == (total, 2 * n)
+    d_half, up_half = split_gate_up(d.double())
+    assert rel_err(d_half, want[0]) < BF16_TOL and rel_err(up_half, want[1]) < BF16_TOL
