@@ -237,7 +237,6 @@ def backward_of(
     grads: dict[str, torch.Tensor],
     needs: tuple[bool, bool],
     operands: tuple[str, ...],
-    gated: bool,
     acc_dtype: torch.dtype,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
     """``(da, db, {operand: gradient as the kernel reduces it})`` for the outputs' gradients ``grads`` (by name).
@@ -356,7 +355,7 @@ class BackwardStep:
 
     def run(self, kernels: GradientKernels, needs: tuple[bool, bool], acc_dtype: torch.dtype):
         return backward_of(self.recorded.plan, kernels, self.values, self.saved, self.grads, needs, self.needing,
-                           self.gated, acc_dtype)  # fmt: skip
+                           acc_dtype)  # fmt: skip
 
     def operand_grads(self, by_operand: dict) -> list:
         """The op's operand list's gradients (None for those without one), each in its operand's shape."""
