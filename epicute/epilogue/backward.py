@@ -151,6 +151,23 @@ def gradient_graph(
     return _finish(rec, kept, outputs, {name: "fp32" for name in outputs})
 
 
+def reduced_gradients(graph: Graph) -> tuple[Graph, tuple[tuple[str, str, str], ...]]:
+    """``graph`` without the outputs that are a reduction of an incoming gradient as it is (a bias's gradient is
+    ``col_sum(dD)``), and those outputs as ``((output, reduction, gradient input), ...)``: a torch reduction reads
+    the gradient once, where a pass of the GEMM's kernel would read it and store a copy of it as ``dacc`` too."""
+    inputs = {node_id: name for name, node_id in graph.inputs}
+    reduced = {}
+    for name, i in graph.outputs:
+        node = graph.node(i)
+        source = inputs.get(node.args[0]) if node.op in REDUCTIONS else None
+        if source is not None and source.startswith(grad_name("")) and graph.node(node.args[0]).kind == "tile":
+            reduced[name] = (node.op, source)
+    if not reduced:
+        return graph, ()
+    outputs = [(name, i) for name, i in graph.outputs if name not in reduced]
+    return _pruned(graph, outputs), tuple((name, op, source) for name, (op, source) in reduced.items())
+
+
 def forwarded_gradients(graph: Graph) -> tuple[Graph, tuple[tuple[str, str], ...]]:
     """``graph`` without the outputs that are an incoming gradient as it is (a residual's gradient is D's: nothing
     to compute, and a kernel would copy it), and those outputs as ``((output, gradient input), ...)``. The
@@ -267,5 +284,6 @@ def replay_epilogue(graph: Graph, name: str = "backward") -> Callable:
 
 __all__ = [
     "DACC", "DACC_UP", "SAVED", "differentiable_outputs", "forwarded_gradients", "grad_name", "gradient_graph",
-    "operand_grad_name", "read_from_accumulator", "reads_accumulator", "reads_leaf", "replay_epilogue",
+    "operand_grad_name", "read_from_accumulator", "reads_accumulator", "reads_leaf", "reduced_gradients",
+    "replay_epilogue",
 ]  # fmt: skip

@@ -56,14 +56,22 @@ def _input(
     return value.unsqueeze(1) if spec.kind == "row" else value.unsqueeze(2) if spec.kind == "col" else value
 
 
-def _reduce(x: Tensor, op: str, lmn: tuple[int, int, int]) -> Tensor:
+def reduce_tile(x: Tensor, op: str) -> Tensor:
+    """Reduction ``op`` of a tile ``x`` (``(..., M, N)``): row reductions over N, column ones over M, ``amax`` over
+    everything, accumulated in at least fp32 (sums of a 16-bit tile without a 32-bit copy of it), as the kernel's
+    reductions are."""
     combine = REDUCTIONS[op][1]
-    x = x.expand(*lmn).abs() if combine == "amax" else x.expand(*lmn)
-    dims = (2,) if op.startswith("row_") else (1,) if op.startswith("col_") else (0, 1, 2)
+    x = x.abs() if combine == "amax" else x
+    dims = (-1,) if op.startswith("row_") else (-2,) if op.startswith("col_") else tuple(range(x.dim()))
+    wide = torch.promote_types(x.dtype, torch.float32)
     if x.numel() == 0:  # torch's max refuses empty extents; the identity is the answer
-        shape = [s for i, s in enumerate(x.shape) if i not in dims]
-        return x.new_full(shape, REDUCTION_IDENTITY[combine])
-    return x.sum(dim=dims) if combine == "sum" else x.amax(dim=dims)
+        shape = [s for i, s in enumerate(x.shape) if i - x.dim() not in dims and i not in dims]
+        return x.new_full(shape, REDUCTION_IDENTITY[combine], dtype=wide)
+    return x.sum(dim=dims, dtype=wide) if combine == "sum" else x.amax(dim=dims).to(wide)
+
+
+def _reduce(x: Tensor, op: str, lmn: tuple[int, int, int]) -> Tensor:
+    return reduce_tile(x.expand(*lmn), op)
 
 
 def _apply(node: Node, a: list[Tensor], lmn: tuple[int, int, int]) -> Tensor:

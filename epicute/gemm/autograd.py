@@ -42,11 +42,13 @@ from epicute.epilogue.backward import (
     gradient_graph,
     operand_grad_name,
     reads_accumulator,
+    reduced_gradients,
     replay_epilogue,
 )
 from epicute.epilogue.dtypes import IR_TO_TORCH, ir_dtype
 from epicute.epilogue.graph import UP_OUTPUT, Graph
 from epicute.epilogue.operands import Pin
+from epicute.epilogue.reference import reduce_tile
 from epicute.errors import GradientError
 from epicute.runtime.torch_ops import registered_outputs
 
@@ -67,9 +69,10 @@ class BackwardPlan:
     #: the accumulators the forward stores as extra outputs (``save``): names in :data:`SAVED`
     saved: tuple[str, ...] = ()
 
-    def explain(self, m: int, n: int, k: int, dtype_bytes: int = 2) -> str:
+    def explain(self, m: int, n: int, k: int, dtype_bytes: int = 2, torch_reductions: bool = True) -> str:
         """``explain``'s account: the plan, what the forward saves, and the backward's kernels with their
-        epilogues (the derived gradient graph's nodes, every operand needing a gradient)."""
+        epilogues (the derived gradient graph's nodes, every operand needing a gradient) or what stands in for
+        them (gradients forwarded as they are, torch reductions of a gradient)."""
         if self.mode == "plain":
             return "backward: plain\n  1. da = dD @ b^T\n  2. db = a^T @ dD"
         if self.mode == "none":
@@ -80,20 +83,29 @@ class BackwardPlan:
             f"K={k} >= {RECOMPUTE_BELOW_K}, cheaper than recomputing a @ b",
             "recompute": f"K={k} < {RECOMPUTE_BELOW_K}: recomputing a @ b costs less than saving acc; nothing saved",
         }[self.mode]
-        outputs = differentiable_outputs(self.graph)
+        grads = tuple((name, "bf16") for name in differentiable_outputs(self.graph))
         operands = tuple(name for name, _ in self.graph.inputs)
-        gb = gradient_graph(self.graph, dict.fromkeys(outputs, "bf16"), operands, saved_acc=self.mode == "save")
-        ops = ", ".join(f"%{node.id} {node.op}" for node in gb.nodes if node.op not in ("acc", "input", "const"))
-        results = ", ".join(name for name, _ in gb.outputs)
-        first = ("a GEMM recomputing a @ b" if self.mode == "recompute" else "a zero-K pass (the epilogue alone)")
-        return (f"backward: {self.mode} ({why})\n  1. {first}, epilogue derived from the forward's: {results} <- {ops}"
-                "\n  2. da = dacc @ b^T\n  3. db = a^T @ dacc")  # fmt: skip
+        step = gradient_pass_of(self.graph, grads, operands, self.mode == "save", torch_reductions)
+        lines = [f"backward: {self.mode} ({why})"]
+        if step.epilogue is not None:
+            gb = step.graph
+            ops = ", ".join(f"%{node.id} {node.op}" for node in gb.nodes if node.op not in ("acc", "input", "const"))
+            results = ", ".join(name for name, _ in gb.outputs)
+            first = "a GEMM recomputing a @ b" if self.mode == "recompute" else "a zero-K pass (the epilogue alone)"
+            lines.append(f"{first}, epilogue derived from the forward's: {results} <- {ops}")
+        lines += [f"{out} = {op}({name}) by torch: one read of the gradient, no pass of the kernel"
+                  for out, op, name in step.reduced]  # fmt: skip
+        lines += [f"{out} = {name} as it is" for out, name in step.forwarded]
+        dacc = "dacc" if step.epilogue is not None else "dD"
+        lines += [f"da = {dacc} @ b^T", f"db = a^T @ {dacc}"]
+        return lines[0] + "".join(f"\n  {i}. {line}" for i, line in enumerate(lines[1:], 1))
 
 
-def explain_backward(graph: Graph | None, m: int, n: int, k: int) -> str:
-    """``explain``'s "under autograd" paragraph for a call whose epilogue lowers to ``graph``."""
+def explain_backward(graph: Graph | None, m: int, n: int, k: int, torch_reductions: bool = True) -> str:
+    """``explain``'s "under autograd" paragraph for a call whose epilogue lowers to ``graph`` (``torch_reductions``:
+    as the family's :class:`GradientKernels` says)."""
     try:
-        line = plan_backward(graph, k).explain(m, n, k)
+        line = plan_backward(graph, k).explain(m, n, k, torch_reductions=torch_reductions)
     except GradientError as exc:
         line = f"backward: none ({exc})"
     return "under autograd\n  " + line
@@ -210,17 +222,36 @@ def saved_dtype(a_dtype: torch.dtype) -> torch.dtype:
     return a_dtype if a_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+@dataclass(frozen=True)
+class GradientPass:
+    """How a backward computes the gradient epilogue's outputs (:func:`gradient_pass_of`)."""
+
+    #: the graph of the kernel's pass (no outputs: no pass), and its epilogue
+    graph: Graph
+    epilogue: Callable | None
+    #: outputs that are an incoming gradient as it is: ``((output, gradient input), ...)``
+    forwarded: tuple
+    #: outputs that reduce an incoming gradient, by torch: ``((output, reduction, gradient input), ...)``
+    reduced: tuple
+
+
 @functools.lru_cache(maxsize=256)
-def _gradient_epilogue(graph: Graph, grads: tuple, operands: tuple, saved: bool):
-    """(the gradient pass's graph, its epilogue or None when nothing is left to compute, the outputs that are
-    an incoming gradient as it is: ``((output, input), ...)``)."""
-    gb, forwarded = forwarded_gradients(gradient_graph(graph, dict(grads), operands, saved_acc=saved))
-    return gb, (replay_epilogue(gb) if gb.outputs else None), forwarded
+def gradient_pass_of(graph: Graph, grads: tuple, operands: tuple, saved: bool, torch_reductions: bool) -> GradientPass:
+    """The backward's gradient epilogue for the forward ``graph`` (``grads``: ``((output, dtype), ...)``), split
+    into what a kernel pass computes, what is forwarded and (``torch_reductions``: a family whose reductions are
+    whole columns, not per group) what a torch reduction of a gradient gives."""
+    gb = gradient_graph(graph, dict(grads), operands, saved_acc=saved)
+    gb, reduced = reduced_gradients(gb) if torch_reductions else (gb, ())
+    gb, forwarded = forwarded_gradients(gb)
+    return GradientPass(gb, replay_epilogue(gb) if gb.outputs else None, forwarded, reduced)
 
 
 class GradientKernels(Protocol):
     """What a family runs for a backward (:func:`backward_of`): the gradient epilogue's pass, and the data and
-    weight gradients of ``dacc``."""
+    weight gradients of ``dacc``. ``TORCH_REDUCTIONS``: a reduction of an incoming gradient alone may be torch's
+    (whole rows or columns of the output, as the family's kernel reduces them)."""
+
+    TORCH_REDUCTIONS: bool
 
     def gradient_pass(self, epilogue: Callable, recompute: bool, out_dtypes: dict, operands: dict) -> dict: ...
 
@@ -249,9 +280,11 @@ def backward_of(
         dacc, by_operand = grads["D"], {}
     else:
         grad_dtypes = tuple((name, ir_dtype(t.dtype, name)) for name, t in grads.items())
-        gb, epilogue, forwarded = _gradient_epilogue(plan.graph, grad_dtypes, operands, plan.mode == "save")
+        step = gradient_pass_of(plan.graph, grad_dtypes, operands, plan.mode == "save", kernels.TORCH_REDUCTIONS)
+        gb, epilogue = step.graph, step.epilogue
         given = {**values, **saved, **{grad_name(name): t for name, t in grads.items()}}
-        results = {out: given[name] for out, name in forwarded}
+        results = {out: given[name] for out, name in step.forwarded}
+        results |= {out: reduce_tile(given[name], op) for out, op, name in step.reduced}
         if epilogue is not None:
             inputs = {name for name, _ in gb.inputs}
             shape = next(iter(grads.values())).shape

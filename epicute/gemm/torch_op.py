@@ -170,6 +170,9 @@ class DenseKernels:
     fp8 scales/gated flag. Each GEMM is a call of the op, which runs eagerly as well as under AOTAutograd's trace
     of a compiled backward."""
 
+    #: A gradient's column or row sums are the whole output's: torch's reduction of it serves.
+    TORCH_REDUCTIONS = True
+
     def __init__(self, a: torch.Tensor, b: torch.Tensor, gated: bool, scales: dict[str, Any]) -> None:
         self.a, self.b, self.gated, self.scales = a, b, gated, scales
 

@@ -345,7 +345,7 @@ def explain_grouped(
     if file is not None:
         p = plan.problem
         graph = prepared.epilogue.graph if prepared.epilogue is not None else None
-        backward = explain_backward(graph, p.total_m, p.d_n, p.k) if p.ragged == "m" else (
+        backward = explain_backward(graph, p.total_m, p.d_n, p.k, torch_reductions=False) if p.ragged == "m" else (
             "under autograd\n  backward: none (a variable-K call takes no gradient)")  # fmt: skip
         print(render_grouped_plan(plan) + "\n\n" + backward, file=sys.stdout if file == "stdout" else file)
     return plan

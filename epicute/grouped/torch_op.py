@@ -162,6 +162,9 @@ class GroupedKernels:
     the gradient epilogue per group, ``da`` a grouped GEMM with the transposed weights (scattered back to the
     tokens by ``a_index``), ``db`` the variable-K grouped GEMM. Each is a call of the op (eager, or traced)."""
 
+    #: Column reductions are per group (a per-expert bias's gradient): the kernel's pass computes them.
+    TORCH_REDUCTIONS = False
+
     def __init__(self, a, b, offsets, gated: bool, loaders: dict) -> None:
         self.a, self.b, self.offsets, self.gated, self.loaders = a, b, offsets, gated, loaders
 
