@@ -192,9 +192,6 @@ class EpilogueCopies:
 class GemmSm90:
     """Compile-time description of one GEMM kernel variant (see module docstring)."""
 
-    #: Whether a paired epilogue's D_up is stored through D's tensor (:func:`_paired_half`), or apart.
-    STORES_PAIRED = True
-
     #: Producer threads that gather A's rows with cp.async (:meth:`_gather_a`); 0: A arrives by TMA.
     gather_threads = 0
 
@@ -276,7 +273,7 @@ class GemmSm90:
         # epilogue, its operands and the stores see) has half the accumulator tile's columns.
         self.gated = self.epi_buffers.gated
         #: D and ``D_up`` store interleaved into one D of twice the output's columns (:func:`_paired_half`).
-        self.paired_d = self.STORES_PAIRED and fusion is not None and fusion.paired
+        self.paired_d = fusion is not None and fusion.paired
         self.out_tile_n = self.epi_buffers.out_tile_n(cfg.tile_n)
         if self.out_tile_n % cfg.epi_tile[1]:
             raise ConfigError(
