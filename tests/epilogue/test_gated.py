@@ -275,3 +275,17 @@ def test_paired_grouped_gemm_compiles_for_sm90a(gated):
     prepared = prepare_grouped(request)
     assert prepared.epilogue.fusion.paired
     assert callable(compile_grouped(prepared.variant()))
+
+
+def test_a_paired_grouped_call_refuses_out_and_returns_the_wide_d():
+    """grouped_gemm stores a paired D new, (total_M, 2N); an ``out=`` of either width is refused by name."""
+    a, b = torch.randn(12, 16).bfloat16(), torch.randn(3, 16, 24).bfloat16()
+    offsets = torch.tensor([5, 5, 12], dtype=torch.int32)
+    fn = lambda acc: {"D": acc, "D_up": 2 * acc}
+    d = epicute.grouped_gemm(a, b, offsets, epilogue=fn, backend="reference")
+    assert d.shape == (12, 48)
+    gate, up = split_gate_up(d.double())
+    acc = torch.cat([a[:5].double() @ b[0].double(), a[5:].double() @ b[2].double()])
+    assert rel_err(gate, acc) < 1e-2 and rel_err(up, 2 * acc) < 1e-2
+    with pytest.raises(OutputError, match="leave out= out"):
+        epicute.grouped_gemm(a, b, offsets, epilogue=fn, backend="reference", out=torch.empty(12, 24).bfloat16())
