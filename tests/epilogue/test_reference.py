@@ -289,3 +289,28 @@ def test_evaluate_checks_operands_against_the_graph_and_the_accumulator(gen):
         evaluate(graph, acc, epi.operands({"b": randn(gen, N + 1)}, M, N + 1, L))
     with pytest.raises(ShapeError, match="evaluate needs"):
         evaluate(graph, acc[0], {})
+
+
+@pytest.mark.parametrize("op", ["row_sum", "col_sum", "row_max", "col_amax", "amax"])
+@pytest.mark.parametrize("shape", [(7, 5), (3, 7, 5), (0, 5), (3, 7, 0)])
+def test_reduce_tile_reduces_as_the_kernel_does(op, shape):
+    """Row reductions over N, column ones over M, amax over all; a 16-bit tile's sums accumulate in fp32, a float64
+    one's in float64; an empty extent gives the reduction's identity (0 for sums and amax, -inf for max)."""
+    from epicute.epilogue.graph import REDUCTION_IDENTITY, REDUCTIONS
+    from epicute.epilogue.reference import reduce_tile
+
+    for dtype, wide in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        x = torch.randn(*shape, dtype=torch.float64).to(dtype)
+        got = reduce_tile(x, op)
+        assert got.dtype == wide
+        combine = REDUCTIONS[op][1]
+        x64 = x.double().abs() if combine == "amax" else x.double()
+        dims = (-1,) if op.startswith("row_") else (-2,) if op.startswith("col_") else tuple(range(x.dim()))
+        if x64.shape[dims[0]] == 0 or (x64.numel() == 0 and op == "amax"):
+            kept = [s for i, s in enumerate(x64.shape) if i not in dims and i - x64.dim() not in dims]
+            want = torch.full(kept, REDUCTION_IDENTITY[combine], dtype=torch.float64)
+        else:
+            want = x64.sum(dim=dims) if combine == "sum" else x64.amax(dim=dims)
+        assert got.shape == want.shape
+        if want.numel():
+            assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6 * float(want.abs().max().clamp(min=1)))
