@@ -21,15 +21,20 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from epicute.distributed.transport import transport
+from epicute.epilogue.backward import differentiable_outputs
 from epicute.epilogue.operands import Pin, Tile
 from epicute.epilogue.tracer import as_epilogue, trace_key, with_leading_operands
 from epicute.errors import ConfigError, EpilogueError, GradientError, ShapeError
-from epicute.gemm.api import explain, gemm
+from epicute.gemm.api import describe_call, explain, gemm
+from epicute.gemm.autograd import BackwardPlan, backward_of, plan_backward, saved_dtype, saving_call, to_operand_shape
+from epicute.gemm.prepare import lower_epilogue
+from epicute.gemm.torch_op import DenseKernels
 
 
 def all_gather_gemm(
@@ -72,8 +77,12 @@ def all_gather_gemm(
     _check_pair(a_shard, b, "all_gather_gemm", "a_shard")
     scales = (_row_scales(a_scale, a_shard), b_scale)
     if _needs_grad(a_shard, b, operands):
-        _no_epilogue_under_autograd(epilogue, operands, "all_gather_gemm")
-        d, gathered = _AllGatherGemm.apply(a_shard, b, group, out_dtype)
+        _no_scales_under_autograd(scales, "all_gather_gemm")
+        if epilogue is None and not operands:
+            d, gathered = _AllGatherGemm.apply(a_shard, b, group, out_dtype)
+        else:
+            lowered = _Lowered.of(group.size() * a_shard.shape[0], a_shard, b, epilogue, out_dtype, operands)
+            d, gathered = lowered.apply(_AllGatherGemmEpilogue, a_shard, b, group)
         return (d, gathered) if return_a else d
     result = _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands, scales)
     return result if return_a else result[0]
@@ -123,15 +132,19 @@ def gemm_reduce_scatter(
         )
     scales = (_row_scales(a_scale, a), b_scale)
     if _needs_grad(a, b, operands):
-        _no_epilogue_under_autograd(epilogue, operands, "gemm_reduce_scatter")
-        return _GemmReduceScatter.apply(a, b, group, out_dtype)
+        _no_scales_under_autograd(scales, "gemm_reduce_scatter")
+        if epilogue is None and not operands:
+            return _GemmReduceScatter.apply(a, b, group, out_dtype)
+        lowered = _Lowered.of(a.shape[0] // group.size(), a, b, epilogue, out_dtype, operands)
+        return lowered.apply(_GemmReduceScatterEpilogue, a, b, group)[0]
     return _gemm_reduce_scatter(a, b, group, epilogue, out_dtype, operands, scales)
 
 
 # --- the schedules ---------------------------------------------------------------------------------------------------
 
 
-def _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands, scales=(None, None)) -> tuple[Any, Any]:
+def _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands, scales=(None, None),
+                     out_dtypes=None) -> tuple[Any, Any]:  # fmt: skip
     world, rows, n = group.size(), a_shard.shape[0], b.shape[1]
     a_scale, b_scale = scales
     blocks = _RowBlocks(epilogue, operands, world * rows, n)
@@ -148,7 +161,9 @@ def _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands, scales=(N
         own = src == group.rank()
         a_rows = shards if own else [out[lo:hi] for out in outs]
         scale = {"a_scale": a_rows[1]} if a_scale is not None else {}
-        return a_rows[0], {"epilogue": epilogue, "out": d[lo:hi], "b_scale": b_scale, **scale, **blocks.rows(lo, hi)}
+        aux = {"out_dtypes": out_dtypes} if out_dtypes else {}
+        return a_rows[0], {"epilogue": epilogue, "out": d[lo:hi], "b_scale": b_scale, **scale, **aux,
+                           **blocks.rows(lo, hi)}  # fmt: skip
 
     calls = [call(src) for src in range(world)]
     for a_rows, arguments in calls:
@@ -170,7 +185,7 @@ def _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands, scales=(N
     return {"D": d, **{name: torch.cat(parts) for name, parts in others.items()}}, gathered
 
 
-def _gemm_reduce_scatter(a, b, group, epilogue, out_dtype, operands, scales=(None, None)) -> Any:
+def _gemm_reduce_scatter(a, b, group, epilogue, out_dtype, operands, scales=(None, None), out_dtypes=None) -> Any:
     """A ring: at step ``t`` rank ``r`` multiplies the rows of rank ``(r - 1 - t) mod w`` and adds the previous
     rank's running sum of those rows (its step ``t - 1``), read from that rank's buffer, in the GEMM's epilogue; the
     last step's rows are its own, every rank's partial in them, and the user's epilogue follows the sum."""
@@ -184,9 +199,10 @@ def _gemm_reduce_scatter(a, b, group, epilogue, out_dtype, operands, scales=(Non
         cut = slice(owner * rows, (owner + 1) * rows)
         return a[cut], {"a_scale": None if a_scale is None else a_scale[cut], "b_scale": b_scale}
 
+    aux = {"out_dtypes": out_dtypes} if out_dtypes else {}
     if world == 1:
         a_rows, scaled = rows_of(0)
-        return gemm(a_rows, b, epilogue=epilogue, out_dtype=out_dtype, **scaled, **operands)
+        return gemm(a_rows, b, epilogue=epilogue, out_dtype=out_dtype, **scaled, **aux, **operands)
     running = new_output((rows, n), _wide(a.dtype), a.device)
     final = with_leading_operands(epilogue, ("running_sum",), ("tile",), operator.add, "gemm_reduce_scatter")
     last = world - 1
@@ -194,7 +210,7 @@ def _gemm_reduce_scatter(a, b, group, epilogue, out_dtype, operands, scales=(Non
     calls = [rows_of(step) for step in range(world)]
     for step, (a_rows, scaled) in enumerate(calls):
         if step == last:
-            extra = {"epilogue": final, "out_dtype": out_dtype, **operands}
+            extra = {"epilogue": final, "out_dtype": out_dtype, **aux, **operands}
         else:
             extra = {"out": running, **({"epilogue": _ADD_RUNNING} if step else {})}
         _check_before_sending(a_rows, b, **scaled, **extra, **({"running_sum": Tile(running)} if step else {}))
@@ -206,7 +222,7 @@ def _gemm_reduce_scatter(a, b, group, epilogue, out_dtype, operands, scales=(Non
         ring.send(step)
     a_rows, scaled = calls[last]
     return gemm(a_rows, b, epilogue=final, out_dtype=out_dtype, running_sum=Tile(ring.received(last - 1)), **scaled,
-                **operands)  # fmt: skip
+                **aux, **operands)  # fmt: skip
 
 
 def _check_before_sending(a: torch.Tensor, b: torch.Tensor, **arguments: Any) -> None:
@@ -362,6 +378,190 @@ class _GemmReduceScatter(torch.autograd.Function):
         return (grad_a if ctx.needs_input_grad[0] else None), grad_b, None, None
 
 
+# --- autograd with an epilogue: the GEMM's own derived backward, its data gradient the other collective ------------
+
+
+@dataclass(frozen=True)
+class _Lowered:
+    """A collective GEMM's epilogue as autograd takes it: lowered over the rows one rank's fused call covers (its
+    backward plan, :func:`epicute.gemm.autograd.plan_backward`), and its operands split into the tensors autograd
+    tracks (``tensors``) and how each operand is rebuilt around them (``templates``: a Pin's type, None for a plain
+    tensor, or the value itself)."""
+
+    plan: BackwardPlan
+    names: tuple[str, ...]
+    epilogue: Callable
+    out_dtype: torch.dtype | None
+    operand_names: tuple[str, ...]
+    templates: tuple
+    tensors: tuple
+
+    @classmethod
+    def of(cls, rows: int, a: torch.Tensor, b: torch.Tensor, epilogue, out_dtype, operands: dict) -> _Lowered:
+        meta = torch.empty((rows, a.shape[1]), dtype=a.dtype, device="meta")
+        request = describe_call(meta, _on_meta(b), epilogue, None, out_dtype, None, None, None,
+                                {n: _on_meta(v) for n, v in operands.items()}, False)[2]  # fmt: skip
+        graph = lower_epilogue(request).graph
+        plan = plan_backward(graph, a.shape[1])
+        templates, tensors = [], []
+        for value in operands.values():
+            inner = value.value if isinstance(value, Pin) else value
+            if isinstance(inner, torch.Tensor):
+                templates.append(type(value) if isinstance(value, Pin) else None)
+                tensors.append(inner)
+            else:
+                templates.append(("value", value))
+        names = tuple(name for name, _ in graph.outputs)
+        return cls(plan, names, epilogue, out_dtype, tuple(operands), tuple(templates), tuple(tensors))
+
+    def operands(self, tensors) -> dict[str, Any]:
+        """The operands by name around ``tensors`` (the forward's, or the backward's saved ones)."""
+        found, values = iter(tensors), {}
+        for name, template in zip(self.operand_names, self.templates):
+            if isinstance(template, tuple):
+                values[name] = template[1]
+            else:
+                tensor = next(found)
+                values[name] = tensor if template is None else template(tensor)
+        return values
+
+    def forward_call(self, a_dtype: torch.dtype) -> tuple[Callable, dict | None]:
+        """The forward's epilogue and ``out_dtypes``: a ``save`` plan's stores the accumulator beside the outputs."""
+        if not self.plan.saved:
+            return self.epilogue, None
+        options, _ = saving_call(self.plan, self.names, a_dtype)
+        return options["epilogue"], {name: d for name, d in options["out_dtypes"].items() if name != "D"}
+
+    def apply(self, fn, a: torch.Tensor, b: torch.Tensor, group) -> tuple[Any, torch.Tensor]:
+        """``fn.apply``'s results by name (D alone where the epilogue returns nothing else), and its last output."""
+        *outputs, last = fn.apply(a, b, group, self, *self.tensors)
+        result = dict(zip(self.names, outputs))
+        return (result["D"] if len(result) == 1 else result), last
+
+    def setup(self, ctx, group, outputs: dict, saved_inputs: tuple, tensors: tuple, extra: torch.Tensor) -> tuple:
+        """Save what the backward reads (``saved_inputs``, the operands' ``tensors``, a ``save`` plan's
+        accumulator); the outputs in order, then ``extra`` (the gathered A, or nothing), those with no gradient
+        marked so."""
+        saved = tuple(outputs.pop(name) for name in self.plan.saved)
+        ordered = tuple(outputs[name] for name in self.names)
+        differentiable = differentiable_outputs(self.plan.graph)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*(t for name, t in zip(self.names, ordered) if name not in differentiable), extra)
+        ctx.save_for_backward(*saved_inputs, *tensors, *saved)
+        ctx.lowered, ctx.group, ctx.differentiable, ctx.inputs = self, group, differentiable, len(saved_inputs)
+        return (*ordered, extra)
+
+    @staticmethod
+    def backward(ctx, grads, kernels_of) -> tuple:
+        """``(da, db, *operand gradients)`` of an autograd Function whose forward went through :meth:`setup`."""
+        lowered: _Lowered = ctx.lowered
+        saved_tensors = ctx.saved_tensors
+        inputs, rest = saved_tensors[: ctx.inputs], saved_tensors[ctx.inputs :]
+        count = len(lowered.tensors)
+        tensors, saved = rest[:count], rest[count:]
+        by_name = {name: g.contiguous() for name, g in zip(lowered.names, grads)
+                   if g is not None and name in ctx.differentiable}  # fmt: skip
+        if not by_name:
+            return (None, None, *(None,) * count)
+        values = lowered.operands(tensors)
+        tracked = [n for n, t in zip(lowered.operand_names, lowered.templates) if not isinstance(t, tuple)]
+        needing = tuple(n for n, needs in zip(tracked, ctx.needs_input_grad[4:]) if needs)
+        saved_by_name = dict(zip(lowered.plan.saved, saved))
+        da, db, by_operand = backward_of(lowered.plan, kernels_of(*inputs), values, saved_by_name, by_name,
+                                         tuple(ctx.needs_input_grad[:2]), needing, saved_dtype(inputs[0].dtype))  # fmt: skip
+        graph = lowered.plan.graph
+        operand_grads = [to_operand_shape(by_operand[n], t, graph.input_node(n).kind) if n in by_operand else None
+                         for n, t in zip(tracked, tensors)]  # fmt: skip
+        return (da, db, *operand_grads)
+
+
+class _AllGatherGemmEpilogue(torch.autograd.Function):
+    """:func:`all_gather_gemm` with an epilogue: the gradient epilogue runs over the gathered rows (each rank has
+    all of D's rows, its columns), ``da`` is a :func:`gemm_reduce_scatter` of ``dacc``, ``db`` the gathered A's."""
+
+    @staticmethod
+    def forward(ctx, a_shard, b, group, lowered: _Lowered, *tensors):
+        epilogue, out_dtypes = lowered.forward_call(a_shard.dtype)
+        result, gathered = _all_gather_gemm(a_shard, b, group, epilogue, lowered.out_dtype,
+                                            lowered.operands(tensors), out_dtypes=out_dtypes)  # fmt: skip
+        outputs = dict(result) if isinstance(result, dict) else {"D": result}
+        return lowered.setup(ctx, group, outputs, (gathered, b), tensors, gathered)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        group = ctx.group
+        da, db, *operand_grads = _Lowered.backward(ctx, grads[:-1], lambda g, b: _GatheredKernels(g, b, group))
+        return (da, db, None, None, *operand_grads)
+
+
+class _GemmReduceScatterEpilogue(torch.autograd.Function):
+    """:func:`gemm_reduce_scatter` with an epilogue: the gradient epilogue runs over the rank's rows of the sum,
+    ``da`` is an :func:`all_gather_gemm` of ``dacc``, whose gathered rows give ``db`` too."""
+
+    @staticmethod
+    def forward(ctx, a, b, group, lowered: _Lowered, *tensors):
+        epilogue, out_dtypes = lowered.forward_call(a.dtype)
+        result = _gemm_reduce_scatter(a, b, group, epilogue, lowered.out_dtype, lowered.operands(tensors),
+                                      out_dtypes=out_dtypes)  # fmt: skip
+        outputs = dict(result) if isinstance(result, dict) else {"D": result}
+        return lowered.setup(ctx, group, outputs, (a, b), tensors, a.new_empty(0))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        group = ctx.group
+        da, db, *operand_grads = _Lowered.backward(ctx, grads[:-1], lambda a, b: _RingKernels(a, b, group))
+        return (da, db, None, None, *operand_grads)
+
+
+class _GatheredKernels(DenseKernels):
+    """The dense GEMM's backward kernels over the gathered rows, but for the data gradient: each rank's rows of
+    ``dacc @ b^T`` summed over the ranks, a :func:`gemm_reduce_scatter`."""
+
+    def __init__(self, gathered: torch.Tensor, b: torch.Tensor, group) -> None:
+        super().__init__(gathered, b, False, {})
+        self.group = group
+
+    def data_grad(self, dacc):
+        return _gemm_reduce_scatter(dacc, self.b.t(), self.group, None, None, {})
+
+
+class _RingKernels(DenseKernels):
+    """The backward of a ring's rows (``(M / world, N)`` of D): the gradient epilogue over them (a ``recompute``
+    plan runs the ring again with it), and ``dacc`` all-gathered once into both ``da`` and ``db``."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, group) -> None:
+        super().__init__(a, b, False, {})
+        self.group, self.gathered = group, None
+
+    def gradient_pass(self, epilogue, recompute, out_dtypes, operands):
+        if recompute:
+            result = _gemm_reduce_scatter(self.a, self.b, self.group, epilogue, None, operands, out_dtypes=out_dtypes)
+            return result if isinstance(result, dict) else {"D": result}
+        rows = self.a.shape[0] // self.group.size()
+        return DenseKernels(self.a[:rows], self.b, False, {}).gradient_pass(epilogue, False, out_dtypes, operands)
+
+    def _gather(self, dacc) -> torch.Tensor:
+        if self.gathered is None:
+            self.da, self.gathered = _all_gather_gemm(dacc, self.b.t(), self.group, None, None, {})
+        return self.gathered
+
+    def data_grad(self, dacc):
+        self._gather(dacc)
+        return self.da
+
+    def weight_grad(self, dacc):
+        return DenseKernels(self.a, self.b, False, {}).weight_grad(self._gather(dacc))
+
+
+def _on_meta(value: Any) -> Any:
+    """``value`` with its tensor on the meta device (what lowering an epilogue reads: shapes and dtypes)."""
+    if isinstance(value, Pin):
+        return type(value)(_on_meta(value.value))
+    return torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
+
+
 # --- checks ----------------------------------------------------------------------------------------------------------
 
 
@@ -392,9 +592,9 @@ def _needs_grad(a: torch.Tensor, b: torch.Tensor, operands: dict[str, Any]) -> b
     return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
 
 
-def _no_epilogue_under_autograd(epilogue: Callable | None, operands: dict[str, Any], op: str) -> None:
-    if epilogue is not None or operands:
+def _no_scales_under_autograd(scales: tuple, op: str) -> None:
+    if any(scale is not None for scale in scales):
         raise GradientError(
-            f"{op} with an epilogue has no backward yet: call it without one (the plain projection, whose backward "
-            "is fused with its collective) and apply the epilogue to its output, or run under torch.no_grad()"
+            f"{op} with fp8 inputs has no backward (fp8 tensors take no gradient): run it under torch.no_grad(), or "
+            "train in bf16"
         )

@@ -161,25 +161,20 @@ def _needs_grad(*tensors: Any) -> bool:
 
 def _gathered_linear(x, weight, bias, epilogue, operands) -> torch.Tensor | None:
     """A column-parallel linear whose input is sharded by tokens (:class:`SequenceColwiseParallel`), as one
-    :func:`epicute.distributed.all_gather_gemm`: each rank gathers the tokens inside its GEMM. None where that does
-    not apply (the caller gathers first): tokens not in contiguous shards, or an epilogue under autograd (its
-    derived backward runs on the gathered input)."""
+    :func:`epicute.distributed.all_gather_gemm`: each rank gathers the tokens inside its GEMM, and the bias and the
+    epilogue run in it (under autograd too: their derived backward runs over the gathered rows). None where that
+    does not apply (the caller gathers first): tokens not in contiguous shards."""
     from torch.distributed.tensor import DTensor, Shard
 
     from epicute.distributed import all_gather_gemm
 
     mesh = weight.device_mesh
-    values = [v.value if isinstance(v, Pin) else v for v in operands.values()]
-    if _token_shard(x, mesh) is None or ((epilogue is not None or operands) and _needs_grad(x, weight, *values)):
+    if _token_shard(x, mesh) is None:
         return None
     local, w = x.to_local(), weight.to_local()
     rows = local.reshape(-1, local.shape[-1])
-    if _needs_grad(x, weight, bias):  # the plain projection's backward is fused with its collective; the bias after
-        y = all_gather_gemm(rows, w.t(), mesh.get_group())
-        y = y + _local(bias) if bias is not None else y
-    else:
-        fn, extra = _biased(epilogue, bias)
-        y = all_gather_gemm(rows, w.t(), mesh.get_group(), epilogue=fn, **extra, **_local_operands(operands, True))
+    fn, extra = _biased(epilogue, bias)
+    y = all_gather_gemm(rows, w.t(), mesh.get_group(), epilogue=fn, **extra, **_local_operands(operands, True))
     shape = (*x.shape[:-1], w.shape[0])
     if isinstance(y, dict):  # aux tiles like D; a reduction holds this rank's columns' share: refused there
         y = {name: t.reshape(shape) if t.shape == y["D"].shape else t for name, t in y.items()}
@@ -206,13 +201,11 @@ def _scattered_linear(x, weight, bias) -> torch.Tensor | None:
         return None
     local, w = x.to_local(), weight.to_local()
     rows = local.reshape(-1, local.shape[-1])
-    group = mesh.get_group()
-    if bias is not None and _needs_grad(x, weight, bias):
-        # The bias after the sum, on each rank's rows: its gradient on each rank covers those rows only (Partial).
-        y = gemm_reduce_scatter(rows, w.t(), group) + _distributed(bias, mesh).to_local(grad_placements=[Partial()])
-    else:
-        fn, extra = _biased(None, None if bias is None else _local(bias))
-        y = gemm_reduce_scatter(rows, w.t(), group, epilogue=fn, **extra)
+    # The bias in the last GEMM of the ring, after the sum, on each rank's rows: its gradient on each rank covers
+    # those rows only (Partial).
+    bias = None if bias is None else _distributed(bias, mesh).to_local(grad_placements=[Partial()])
+    fn, extra = _biased(None, bias)
+    y = gemm_reduce_scatter(rows, w.t(), mesh.get_group(), epilogue=fn, **extra)
     shape = list(x.shape[:-1]) + [w.shape[0]]
     shape[dim] //= ranks
     return DTensor.from_local(y.reshape(shape), mesh, [Shard(dim)], run_check=False)

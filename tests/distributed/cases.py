@@ -111,7 +111,7 @@ def gemm_reduce_scatter_with_epilogue(rank: int, world: int, rows: int, k: int, 
 def column_then_row_parallel_trains(rank: int, world: int, rows: int, k: int, n: int) -> None:
     """A sequence-parallel MLP's two projections, ``reduce_scatter(all_gather(x) @ w1_r.T @ w2_r.T)``, through
     autograd: the output and the gradients of x's rows, w1's and w2's shares against float64 autograd of the whole;
-    an epilogue under autograd refused."""
+    fp8 inputs under autograd refused."""
     _fresh_seed()
     dev = _device()
     m, inner = world * rows, world * n
@@ -135,11 +135,52 @@ def column_then_row_parallel_trains(rank: int, world: int, rows: int, k: int, n:
         assert got is not None and rel(got, ref) < GRAD_TOL, (name, rel(got, ref) if got is not None else None)
 
     try:
-        ED.all_gather_gemm(x_r, w1_r.t(), epilogue=lambda acc: epicute.ops.silu(acc))
+        ED.all_gather_gemm(x_r, w1_r.t(), a_scale=1.0)
     except epicute.GradientError as exc:
-        assert "no backward yet" in str(exc)
+        assert "fp8 inputs has no backward" in str(exc)
     else:
-        raise AssertionError("an epilogue under autograd was not refused")
+        raise AssertionError("fp8 scales under autograd were not refused")
+    dist.barrier()
+
+
+def mlp_with_epilogues_trains(rank: int, world: int, rows: int, k: int, n: int) -> None:
+    """Both collectives with epilogues under autograd, ``gemm_reduce_scatter(gelu(all_gather(x) @ w1_r.T + b1_r)
+    @ w2_r.T) + b2 + residual``: each one's gradient epilogue derived from its forward's (``recompute`` where K is
+    small, ``save`` where it is large), its data gradient the other collective. The output and every gradient against
+    float64 autograd of the whole: x's rows, w1's and b1's features, w2's columns, the residual's rows, and b2's
+    (replicated: each rank's gradient is its rows' share, summed over the ranks here as a data-parallel step does)."""
+    _fresh_seed()
+    _poison_outputs()
+    dev = _device()
+    m, inner = world * rows, world * n
+    x, w1 = _inputs(m, k, inner)
+    w2 = (torch.randn(k, inner) / inner**0.5).to(BF16)
+    b1, b2, residual = torch.randn(inner).to(BF16), torch.randn(k).to(BF16), torch.randn(m, k).to(BF16)
+    grad = torch.randn(m, k).to(BF16)
+    own, feats = slice(rank * rows, (rank + 1) * rows), slice(rank * n, (rank + 1) * n)
+    leaves = {"x": x[own], "w1": w1[feats], "b1": b1[feats], "w2": w2[:, feats].contiguous(), "b2": b2,
+              "residual": residual[own]}  # fmt: skip
+    local = {name: t.to(dev, copy=True).requires_grad_() for name, t in leaves.items()}
+    h = ED.all_gather_gemm(local["x"], local["w1"].t(), b1=epicute.RowVector(local["b1"]),
+                           epilogue=lambda acc, b1: epicute.ops.gelu(acc + b1))  # fmt: skip
+    y = ED.gemm_reduce_scatter(h, local["w2"].t(), b2=epicute.RowVector(local["b2"]), residual=local["residual"],
+                               epilogue=lambda acc, b2, residual: acc + b2 + residual)  # fmt: skip
+    y.backward(grad[own].to(dev))
+
+    whole = {name: t.double().requires_grad_() for name, t in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2),
+                                                                 ("b2", b2), ("residual", residual))}  # fmt: skip
+    hidden = torch.nn.functional.gelu(whole["x"] @ whole["w1"].T + whole["b1"])
+    want = hidden @ whole["w2"].T + whole["b2"] + whole["residual"]
+    want.backward(grad.double())
+    assert rel(y, want[own]) < TOL, rel(y, want[own])
+    b2_grad = local["b2"].grad.float()
+    dist.all_reduce(b2_grad)
+    expected = {"x": whole["x"].grad[own], "w1": whole["w1"].grad[feats], "b1": whole["b1"].grad[feats],
+                "w2": whole["w2"].grad[:, feats], "residual": whole["residual"].grad[own]}  # fmt: skip
+    for name, ref in expected.items():
+        got = local[name].grad
+        assert got is not None and rel(got, ref) < GRAD_TOL, (name, rel(got, ref) if got is not None else None)
+    assert rel(b2_grad, whole["b2"].grad) < GRAD_TOL, rel(b2_grad, whole["b2"].grad)
     dist.barrier()
 
 

@@ -30,6 +30,11 @@ def test_column_then_row_parallel_projections_train():
     spawn(functools.partial(cases.column_then_row_parallel_trains, rows=9, k=32, n=16), 2)
 
 
+@pytest.mark.parametrize(("k", "n"), [(32, 16), (264, 272)], ids=["recompute", "save"])
+def test_both_collectives_train_with_their_epilogues(k, n):
+    spawn(functools.partial(cases.mlp_with_epilogues_trains, rows=9, k=k, n=n), 2)
+
+
 def test_no_process_group_is_refused():
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     with pytest.raises(epicute.ConfigError, match="init_process_group"):

@@ -39,3 +39,8 @@ def test_column_then_row_parallel_projections_train(world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_fp8_rowwise_inputs_both_ways(world):
     _spawn(cases.fp8_rowwise_both_ways, world, rows=259, k=128, n=176)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_both_collectives_train_with_their_epilogues(world):
+    _spawn(cases.mlp_with_epilogues_trains, world, rows=301, k=264, n=296)

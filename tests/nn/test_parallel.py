@@ -86,7 +86,7 @@ def test_colwise_then_rowwise_mlp_trains_like_the_whole_one(world):
     spawn(_tensor_parallel_mlp, world)
 
 
-def sequence_parallel_mlp(rank: int, world: int, batch: int) -> None:
+def sequence_parallel_mlp(rank: int, world: int, batch: int, gelu: bool = False) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -109,7 +109,9 @@ def sequence_parallel_mlp(rank: int, world: int, batch: int) -> None:
     dev = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"  # the GPU test runs this too
     mesh = init_device_mesh(dev, (world,))
     torch.manual_seed(2024)
-    model = torch.nn.Sequential(Linear(HIDDEN, INNER, dtype=BF16), Linear(INNER, OUT, dtype=BF16)).to(dev)
+    activation = (lambda acc: epicute.ops.gelu(acc)) if gelu else None  # under autograd: its backward derived
+    model = torch.nn.Sequential(Linear(HIDDEN, INNER, epilogue=activation, dtype=BF16),
+                                Linear(INNER, OUT, dtype=BF16)).to(dev)  # fmt: skip
     reference = {name: p.detach().cpu().double().requires_grad_() for name, p in model.named_parameters()}
     parallelize_module(model, mesh, {"0": SequenceColwiseParallel(), "1": SequenceRowwiseParallel()})
     tokens = 5 * world  # five (odd) per rank
@@ -122,7 +124,8 @@ def sequence_parallel_mlp(rank: int, world: int, batch: int) -> None:
     y.backward(grad[:, own].to(dev))
     x64 = x.double().requires_grad_()
     p = reference
-    want = (x64 @ p["0.weight"].T + p["0.bias"]) @ p["1.weight"].T + p["1.bias"]
+    hidden = x64 @ p["0.weight"].T + p["0.bias"]
+    want = (torch.nn.functional.gelu(hidden) if gelu else hidden) @ p["1.weight"].T + p["1.bias"]
     want.backward(grad.double())
     errors = {"out": _rel(y, want[:, own].detach()), "x": _rel(x_own.grad, x64.grad[:, own])}
     errors |= {name: _rel(_full(q.grad), reference[name].grad) for name, q in model.named_parameters()}
@@ -142,11 +145,12 @@ def sequence_parallel_mlp(rank: int, world: int, batch: int) -> None:
     assert calls["gather"] == (3 if batch == 1 else 0)
 
 
-@pytest.mark.parametrize(("world", "batch"), [(2, 1), (3, 1), (2, 2)])
-def test_sequence_parallel_layers_fuse_their_collectives_into_the_gemms(world, batch):
+@pytest.mark.parametrize(("world", "batch", "gelu"), [(2, 1, False), (3, 1, False), (2, 2, False), (2, 1, True)])
+def test_sequence_parallel_layers_fuse_their_collectives_into_the_gemms(world, batch, gelu):
     """SequenceColwiseParallel then SequenceRowwiseParallel train like the whole model; with one sequence the
-    all-gather and the reduce-scatter run inside the GEMMs (epicute.distributed), forward and backward."""
-    spawn(functools.partial(sequence_parallel_mlp, batch=batch), world)
+    all-gather and the reduce-scatter run inside the GEMMs (epicute.distributed), forward and backward, the up
+    projection's epilogue (a GELU) inside its gathered GEMM too."""
+    spawn(functools.partial(sequence_parallel_mlp, batch=batch, gelu=gelu), world)
 
 
 def _refusals(rank: int, world: int) -> None:
