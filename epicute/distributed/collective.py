@@ -10,8 +10,10 @@
   complete. The reduction is part of the GEMMs, with no pass and no copy of its own, and the user's epilogue applies
   to the full sum.
 
-Both take what :func:`epicute.gemm` takes for the GEMM and the epilogue, and are differentiable (without an epilogue:
-each one's backward is the other, ``all_gather_gemm``'s input gradient a ``gemm_reduce_scatter`` and vice versa).
+Both take what :func:`epicute.gemm` takes for the GEMM and the epilogue, and are differentiable: each one's input
+gradient is the other (``all_gather_gemm``'s a ``gemm_reduce_scatter`` of ``dacc`` and vice versa), and an
+epilogue's backward is the one :func:`epicute.gemm` derives for it (the gradient epilogue over the gathered rows, or
+over the ring's rows of the sum; the accumulator saved by the forward or recomputed, as the plan says).
 On a group without symmetric memory (``gloo``, CPU tensors) the same schedule runs over plain collectives
 (:mod:`epicute.distributed.transport`). Every rank makes the same calls with the same shapes, as with any
 collective; a call is validated in full before its first collective, so a refused call leaves no peer waiting.
@@ -398,11 +400,6 @@ class _Lowered:
 
     @classmethod
     def of(cls, rows: int, a: torch.Tensor, b: torch.Tensor, epilogue, out_dtype, operands: dict) -> _Lowered:
-        meta = torch.empty((rows, a.shape[1]), dtype=a.dtype, device="meta")
-        request = describe_call(meta, _on_meta(b), epilogue, None, out_dtype, None, None, None,
-                                {n: _on_meta(v) for n, v in operands.items()}, False)[2]  # fmt: skip
-        graph = lower_epilogue(request).graph
-        plan = plan_backward(graph, a.shape[1])
         templates, tensors = [], []
         for value in operands.values():
             inner = value.value if isinstance(value, Pin) else value
@@ -411,7 +408,19 @@ class _Lowered:
                 tensors.append(inner)
             else:
                 templates.append(("value", value))
-        names = tuple(name for name, _ in graph.outputs)
+        # Lowered once per signature (shapes, dtypes, the epilogue's trace), as the checks before sending are.
+        key = _signature((rows, a, b, epilogue, out_dtype, *sorted(operands.items())))
+        plan = _LOWERED.get(key) if key is not None else None
+        if plan is None:
+            meta = torch.empty((rows, a.shape[1]), dtype=a.dtype, device="meta")
+            request = describe_call(meta, _on_meta(b), epilogue, None, out_dtype, None, None, None,
+                                    {n: _on_meta(v) for n, v in operands.items()}, False)[2]  # fmt: skip
+            plan = plan_backward(lower_epilogue(request).graph, a.shape[1])
+            if key is not None:
+                if len(_LOWERED) >= 1024:
+                    _LOWERED.clear()
+                _LOWERED[key] = plan
+        names = tuple(name for name, _ in plan.graph.outputs)
         return cls(plan, names, epilogue, out_dtype, tuple(operands), tuple(templates), tuple(tensors))
 
     def operands(self, tensors) -> dict[str, Any]:
@@ -467,8 +476,9 @@ class _Lowered:
         tracked = [n for n, t in zip(lowered.operand_names, lowered.templates) if not isinstance(t, tuple)]
         needing = tuple(n for n, needs in zip(tracked, ctx.needs_input_grad[4:]) if needs)
         saved_by_name = dict(zip(lowered.plan.saved, saved))
-        da, db, by_operand = backward_of(lowered.plan, kernels_of(*inputs), values, saved_by_name, by_name,
-                                         tuple(ctx.needs_input_grad[:2]), needing, saved_dtype(inputs[0].dtype))  # fmt: skip
+        needs = tuple(ctx.needs_input_grad[:2])
+        da, db, by_operand = backward_of(lowered.plan, kernels_of(*inputs), values, saved_by_name, by_name, needs,
+                                         needing, saved_dtype(inputs[0].dtype))  # fmt: skip
         graph = lowered.plan.graph
         operand_grads = [to_operand_shape(by_operand[n], t, graph.input_node(n).kind) if n in by_operand else None
                          for n, t in zip(tracked, tensors)]  # fmt: skip
@@ -553,6 +563,10 @@ class _RingKernels(DenseKernels):
 
     def weight_grad(self, dacc):
         return DenseKernels(self.a, self.b, False, {}).weight_grad(self._gather(dacc))
+
+
+#: Backward plans of the collective GEMMs' epilogues by call signature (:meth:`_Lowered.of`).
+_LOWERED: dict[tuple, BackwardPlan] = {}
 
 
 def _on_meta(value: Any) -> Any:
