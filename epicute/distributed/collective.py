@@ -30,6 +30,7 @@ import torch
 
 from epicute.distributed.transport import transport
 from epicute.epilogue.backward import differentiable_outputs
+from epicute.epilogue.gated import check_gated_call, gated_epilogue, output_columns
 from epicute.epilogue.operands import Pin, Tile
 from epicute.epilogue.tracer import as_epilogue, trace_key, with_leading_operands
 from epicute.errors import ConfigError, EpilogueError, GradientError, ShapeError
@@ -50,6 +51,7 @@ def all_gather_gemm(
     a_scale: float | torch.Tensor | None = None,
     b_scale: float | torch.Tensor | None = None,
     return_a: bool = False,
+    gated: bool = False,
     **operands: Any,
 ) -> Any:
     """``epilogue(torch.cat(all_gather(a_shard)) @ b, **operands)``, the all-gather overlapped with the GEMM.
@@ -67,6 +69,9 @@ def all_gather_gemm(
         a_scale, b_scale: fp8 inputs' scales, as :func:`epicute.gemm` takes them, ``a_scale`` for this rank's rows:
             rowwise (``(m,)``/``(m, 1)``, gathered with the rows) or tensorwise (one value per rank).
         return_a: also return the gathered A (``world * m, K``), e.g. for a weight gradient.
+        gated: B holds gate and up columns interleaved and the epilogue is ``f(gate, up, **operands)``, as
+            :func:`epicute.gemm`'s ``gated=True`` (a SwiGLU MLP's column-parallel gate/up projection): D has half of
+            B's columns.
 
     Returns:
         D (a dict of the epilogue's outputs when it returns more than D), and A if ``return_a``.
@@ -77,16 +82,17 @@ def all_gather_gemm(
     """
     group = _group(group)
     _check_pair(a_shard, b, "all_gather_gemm", "a_shard")
+    check_gated_call(gated, epilogue)
     scales = (_row_scales(a_scale, a_shard), b_scale)
     if _needs_grad(a_shard, b, operands):
         _no_scales_under_autograd(scales, "all_gather_gemm")
         if epilogue is None and not operands:
             d, gathered = _AllGatherGemm.apply(a_shard, b, group, out_dtype)
         else:
-            lowered = _Lowered.of(group.size() * a_shard.shape[0], a_shard, b, epilogue, out_dtype, operands)
+            lowered = _Lowered.of(group.size() * a_shard.shape[0], a_shard, b, epilogue, out_dtype, operands, gated)
             d, gathered = lowered.apply(_AllGatherGemmEpilogue, a_shard, b, group)
         return (d, gathered) if return_a else d
-    result = _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands, scales)
+    result = _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands, scales, gated=gated)
     return result if return_a else result[0]
 
 
@@ -146,10 +152,10 @@ def gemm_reduce_scatter(
 
 
 def _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands, scales=(None, None),
-                     out_dtypes=None) -> tuple[Any, Any]:  # fmt: skip
-    world, rows, n = group.size(), a_shard.shape[0], b.shape[1]
+                     out_dtypes=None, gated: bool = False) -> tuple[Any, Any]:  # fmt: skip
+    world, rows, n = group.size(), a_shard.shape[0], output_columns(b.shape[1], gated)
     a_scale, b_scale = scales
-    blocks = _RowBlocks(epilogue, operands, world * rows, n)
+    blocks = _RowBlocks(epilogue, operands, world * rows, n, gated)
     d = new_output((world * rows, n), out_dtype or _wide(a_shard.dtype), a_shard.device)
     gathered = new_output((world * rows, a_shard.shape[1]), a_shard.dtype, a_shard.device)
     shards, outs = [a_shard], [gathered]
@@ -164,6 +170,7 @@ def _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands, scales=(N
         a_rows = shards if own else [out[lo:hi] for out in outs]
         scale = {"a_scale": a_rows[1]} if a_scale is not None else {}
         aux = {"out_dtypes": out_dtypes} if out_dtypes else {}
+        aux |= {"gated": True} if gated else {}
         return a_rows[0], {"epilogue": epilogue, "out": d[lo:hi], "b_scale": b_scale, **scale, **aux,
                            **blocks.rows(lo, hi)}  # fmt: skip
 
@@ -299,7 +306,7 @@ class _RowBlocks:
     """An epilogue's operands, resolved against the whole ``(M, N)`` output, cut to a block of its rows (tiles and
     per-row vectors by rows; per-column vectors and scalars whole); its outputs checked to be cut the same way."""
 
-    def __init__(self, epilogue: Callable | None, operands: dict[str, Any], m: int, n: int) -> None:
+    def __init__(self, epilogue: Callable | None, operands: dict[str, Any], m: int, n: int, gated: bool = False):
         self.operands = operands
         self.kinds: dict[str, str] = {}
         self.views: dict[str, Any] = {}
@@ -307,13 +314,13 @@ class _RowBlocks:
             if operands:
                 raise EpilogueError(f"operands {sorted(operands)} given without an epilogue to read them")
             return
-        epi = as_epilogue(epilogue)
+        epi = gated_epilogue(epilogue) if gated else as_epilogue(epilogue)
         specs = epi.operands(operands, m, n)
         self.kinds = {name: spec.kind for name, spec in specs.items()}
         self.views = {name: spec.value for name, spec in specs.items()}
         dtypes = {name: spec.dtype for name, spec in specs.items()}
         key = trace_key(epilogue)
-        signature = None if key is None else (key, tuple(self.kinds.items()), tuple(dtypes.items()))
+        signature = None if key is None else (key, gated, tuple(self.kinds.items()), tuple(dtypes.items()))
         if signature not in _BLOCKWISE:  # traced once per epilogue and operand signature, not per call
             graph = epi.trace(self.kinds, dtypes)
             for name, _ in graph.outputs:
@@ -397,9 +404,11 @@ class _Lowered:
     operand_names: tuple[str, ...]
     templates: tuple
     tensors: tuple
+    gated: bool = False
 
     @classmethod
-    def of(cls, rows: int, a: torch.Tensor, b: torch.Tensor, epilogue, out_dtype, operands: dict) -> _Lowered:
+    def of(cls, rows: int, a: torch.Tensor, b: torch.Tensor, epilogue, out_dtype, operands: dict,
+           gated: bool = False) -> _Lowered:  # fmt: skip
         templates, tensors = [], []
         for value in operands.values():
             inner = value.value if isinstance(value, Pin) else value
@@ -409,19 +418,19 @@ class _Lowered:
             else:
                 templates.append(("value", value))
         # Lowered once per signature (shapes, dtypes, the epilogue's trace), as the checks before sending are.
-        key = _signature((rows, a, b, epilogue, out_dtype, *sorted(operands.items())))
+        key = _signature((rows, a, b, epilogue, out_dtype, gated, *sorted(operands.items())))
         plan = _LOWERED.get(key) if key is not None else None
         if plan is None:
             meta = torch.empty((rows, a.shape[1]), dtype=a.dtype, device="meta")
             request = describe_call(meta, _on_meta(b), epilogue, None, out_dtype, None, None, None,
-                                    {n: _on_meta(v) for n, v in operands.items()}, False)[2]  # fmt: skip
+                                    {n: _on_meta(v) for n, v in operands.items()}, False, gated=gated)[2]  # fmt: skip
             plan = plan_backward(lower_epilogue(request).graph, a.shape[1])
             if key is not None:
                 if len(_LOWERED) >= 1024:
                     _LOWERED.clear()
                 _LOWERED[key] = plan
         names = tuple(name for name, _ in plan.graph.outputs)
-        return cls(plan, names, epilogue, out_dtype, tuple(operands), tuple(templates), tuple(tensors))
+        return cls(plan, names, epilogue, out_dtype, tuple(operands), tuple(templates), tuple(tensors), gated)
 
     def operands(self, tensors) -> dict[str, Any]:
         """The operands by name around ``tensors`` (the forward's, or the backward's saved ones)."""
@@ -492,16 +501,16 @@ class _AllGatherGemmEpilogue(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a_shard, b, group, lowered: _Lowered, *tensors):
         epilogue, out_dtypes = lowered.forward_call(a_shard.dtype)
-        result, gathered = _all_gather_gemm(a_shard, b, group, epilogue, lowered.out_dtype,
-                                            lowered.operands(tensors), out_dtypes=out_dtypes)  # fmt: skip
+        result, gathered = _all_gather_gemm(a_shard, b, group, epilogue, lowered.out_dtype, lowered.operands(tensors),
+                                            out_dtypes=out_dtypes, gated=lowered.gated)  # fmt: skip
         outputs = dict(result) if isinstance(result, dict) else {"D": result}
         return lowered.setup(ctx, group, outputs, (gathered, b), tensors, gathered)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        group = ctx.group
-        da, db, *operand_grads = _Lowered.backward(ctx, grads[:-1], lambda g, b: _GatheredKernels(g, b, group))
+        group, gated = ctx.group, ctx.lowered.gated
+        da, db, *operand_grads = _Lowered.backward(ctx, grads[:-1], lambda g, b: _GatheredKernels(g, b, group, gated))
         return (da, db, None, None, *operand_grads)
 
 
@@ -529,8 +538,8 @@ class _GatheredKernels(DenseKernels):
     """The dense GEMM's backward kernels over the gathered rows, but for the data gradient: each rank's rows of
     ``dacc @ b^T`` summed over the ranks, a :func:`gemm_reduce_scatter`."""
 
-    def __init__(self, gathered: torch.Tensor, b: torch.Tensor, group) -> None:
-        super().__init__(gathered, b, False, {})
+    def __init__(self, gathered: torch.Tensor, b: torch.Tensor, group, gated: bool) -> None:
+        super().__init__(gathered, b, gated, {})
         self.group = group
 
     def data_grad(self, dacc):

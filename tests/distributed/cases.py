@@ -214,3 +214,30 @@ def fp8_rowwise_both_ways(rank: int, world: int, rows: int, k: int, n: int) -> N
     assert got.shape == (rows, n) and got.dtype == BF16
     assert rel(got, want[own]) < TOL, rel(got, want[own])  # the shares' products summed: the whole product
     dist.barrier()
+
+
+def gated_all_gather_gemm_trains(rank: int, world: int, rows: int, k: int, n: int) -> None:
+    """A SwiGLU gate/up projection under sequence parallelism: ``silu(gate) * up`` over the gathered tokens, B
+    interleaving this rank's ``n`` features of the two projections (``gated=True``), trained: the output and the
+    gradients of x's rows (every rank's features' share, summed by the backward's reduce-scatter) and of this rank's
+    interleaved weight rows, against float64 autograd of the two whole projections apart."""
+    _fresh_seed()
+    _poison_outputs()
+    dev = _device()
+    m, own, feats = world * rows, slice(rank * rows, (rank + 1) * rows), slice(rank * n, (rank + 1) * n)
+    x = torch.randn(m, k).to(BF16)
+    w_gate, w_up = ((torch.randn(world * n, k) / k**0.5).to(BF16) for _ in range(2))
+    grad = torch.randn(m, world * n).to(BF16)
+    x_r = x[own].to(dev, copy=True).requires_grad_()
+    w_r = epicute.interleave_gate_up(w_gate[feats], w_up[feats]).to(dev).requires_grad_()
+    y = ED.all_gather_gemm(x_r, w_r.t(), gated=True, epilogue=lambda gate, up: epicute.ops.silu(gate) * up)
+    y.backward(grad[:, feats].to(dev))
+
+    x64, g64, u64 = (t.double().requires_grad_() for t in (x, w_gate, w_up))
+    want = torch.nn.functional.silu(x64 @ g64.T) * (x64 @ u64.T)
+    want.backward(grad.double())
+    assert y.shape == (m, n) and rel(y, want[:, feats]) < TOL, rel(y, want[:, feats])
+    assert rel(x_r.grad, x64.grad[own]) < GRAD_TOL, rel(x_r.grad, x64.grad[own])
+    w_want = epicute.interleave_gate_up(g64.grad[feats], u64.grad[feats])
+    assert rel(w_r.grad, w_want) < GRAD_TOL, rel(w_r.grad, w_want)
+    dist.barrier()

@@ -35,6 +35,11 @@ def test_both_collectives_train_with_their_epilogues(k, n):
     spawn(functools.partial(cases.mlp_with_epilogues_trains, rows=9, k=k, n=n), 2)
 
 
+@pytest.mark.parametrize("k", [40, 264], ids=["recompute", "save"])
+def test_a_gated_projection_over_the_gathered_tokens_trains(k):
+    spawn(functools.partial(cases.gated_all_gather_gemm_trains, rows=7, k=k, n=24), 2)
+
+
 def test_no_process_group_is_refused():
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     with pytest.raises(epicute.ConfigError, match="init_process_group"):

@@ -44,3 +44,8 @@ def test_fp8_rowwise_inputs_both_ways(world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_both_collectives_train_with_their_epilogues(world):
     _spawn(cases.mlp_with_epilogues_trains, world, rows=301, k=264, n=296)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_gated_projection_over_the_gathered_tokens_trains(world):
+    _spawn(cases.gated_all_gather_gemm_trains, world, rows=301, k=264, n=200)
