@@ -241,7 +241,7 @@ def gated_mlp(
     up and ``h``; the backward's ``dy @ w_down`` GEMM gives d gate and d up from the stored gate and up."""
     _check_weights(w_gate_up, w_down, x.shape[-1], gated=True)
     if is_distributed(w_gate_up):  # split by GatedMLPParallel: each rank its features (epicute.nn.parallel)
-        return parallel_mlp(functools.partial(gated_mlp, activation=activation), x, w_gate_up, w_down)
+        return parallel_mlp(functools.partial(gated_mlp, activation=activation), x, w_gate_up, w_down, activation)
     x2 = _rows(x, "x", w_gate_up.shape[1])
     y = _MLP.apply(activation, True, x2, w_gate_up, None, w_down, None)
     return y.reshape(*x.shape[:-1], w_down.shape[0])

@@ -31,6 +31,7 @@ FSDP2 (``fully_shard``) needs none of this: it gathers a layer's parameters into
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -104,10 +105,13 @@ def parallel_linear(
 
 
 def parallel_mlp(
-    mlp: Callable, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+    mlp: Callable, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: Any = None,
 ) -> torch.Tensor:  # fmt: skip
     """``mlp(x, w_gate_up, w_down)`` (:func:`epicute.nn.functional.gated_mlp` on plain tensors) for DTensor weights
-    split by :class:`GatedMLPParallel`: each rank's features, the outputs' partial sums reduced."""
+    split by :class:`GatedMLPParallel`: each rank's features, the outputs' partial sums reduced. An input sharded by
+    tokens (``GatedMLPParallel(input_layouts=Shard(1))``, sequence parallelism) in contiguous blocks goes through
+    the two collective GEMMs instead: the gate/up projection gathers the tokens inside its GEMM, with ``activation``
+    (of gate, times up) in its epilogue, and the down projection reduce-scatters its partial sums inside its own."""
     from torch.distributed.tensor import DTensor, Partial, Shard
 
     mesh = w_gate_up.device_mesh
@@ -118,8 +122,27 @@ def parallel_mlp(
             "projection Shard(1) on one 1-D mesh (epicute.nn.parallel.GatedMLPParallel does both); got "
             f"{getattr(w_gate_up, 'placements', None)} and {getattr(w_down, 'placements', None)}"
         )
+    dim = _token_shard(x, mesh) if activation is not None else None
+    if dim is not None:
+        from epicute.distributed import all_gather_gemm, gemm_reduce_scatter
+
+        local = x.to_local()
+        group = mesh.get_group()
+        h = all_gather_gemm(local.reshape(-1, local.shape[-1]), w_gate_up.to_local().t(), group, gated=True,
+                            epilogue=_gated_activation(activation))  # fmt: skip
+        y = gemm_reduce_scatter(h, w_down.to_local().t(), group)
+        return DTensor.from_local(y.reshape(*local.shape[:-1], y.shape[-1]), mesh, [Shard(dim)], run_check=False)
     y = mlp(_whole_input(x, mesh), w_gate_up.to_local(), w_down.to_local())
     return DTensor.from_local(y, mesh, [Partial()], run_check=False)
+
+
+@functools.lru_cache(maxsize=64)
+def _gated_activation(activation: Any) -> Callable:
+    """``act(gate) * up`` as a gated epilogue, one function per activation (so its trace is keyed once)."""
+    from epicute.nn.functional import _activation  # imported here: functional imports this module
+
+    act = _activation(activation)
+    return lambda gate, up: act(gate) * up
 
 
 def parallel_experts(experts: Callable, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -292,10 +315,14 @@ def _gated_mlp_style():
         interleaved gate/up weight by rows, the down projection by columns, over the same intermediate features
         (each rank every expert's share). Its output comes back as ``output_layouts`` (``Replicate()``: one
         all-reduce) and, with ``use_local_output``, as a plain tensor. Each rank's share of the intermediate
-        features must be a multiple of 8 (whole gate/up blocks)."""
+        features must be a multiple of 8 (whole gate/up blocks). Under sequence parallelism
+        (``input_layouts=Shard(1), output_layouts=Shard(1)``: each rank passes and gets back its tokens), a gated
+        MLP whose tokens are one block of rows per rank runs its two projections as the collective GEMMs of
+        :mod:`epicute.distributed` (the gather inside the gate/up GEMM, the reduce-scatter inside the down one)."""
 
-        def __init__(self, *, output_layouts=None, use_local_output: bool = True) -> None:
+        def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True) -> None:
             super().__init__()
+            self.input_layouts = input_layouts
             self.output_layouts = (output_layouts or Replicate(),)
             self.use_local_output = use_local_output
 
@@ -318,8 +345,18 @@ def _gated_mlp_style():
                 weight = getattr(holder, attr)
                 sharded = distribute_tensor(weight.data, device_mesh, [Shard(weight.dim() + dim)])
                 setattr(holder, attr, torch.nn.Parameter(sharded, weight.requires_grad))
+            if self.input_layouts is not None:  # each rank's tokens, as the sharded input they are
+                module.register_forward_pre_hook(functools.partial(self._input, device_mesh))
             module.register_forward_hook(self._output)
             return module
+
+        def _input(self, device_mesh, module, inputs):
+            from torch.distributed.tensor import DTensor
+
+            x, *rest = inputs
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [self.input_layouts], run_check=False)
+            return (x, *rest)
 
         def _output(self, module, inputs, output):
             output = output.redistribute(placements=self.output_layouts)

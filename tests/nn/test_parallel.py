@@ -86,15 +86,8 @@ def test_colwise_then_rowwise_mlp_trains_like_the_whole_one(world):
     spawn(_tensor_parallel_mlp, world)
 
 
-def sequence_parallel_mlp(rank: int, world: int, batch: int, gelu: bool = False) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    import epicute
-    from epicute.distributed import collective
-    from epicute.nn import Linear
-    from epicute.nn.parallel import SequenceColwiseParallel, SequenceRowwiseParallel
-
+def _counting_collectives(collective) -> dict[str, int]:
+    """Count this process's fused collective GEMMs (``collective``'s schedules), by kind, from now on."""
     calls = {"gather": 0, "scatter": 0}
 
     def counting(key: str, inner):
@@ -106,6 +99,19 @@ def sequence_parallel_mlp(rank: int, world: int, batch: int, gelu: bool = False)
 
     collective._all_gather_gemm = counting("gather", collective._all_gather_gemm)
     collective._gemm_reduce_scatter = counting("scatter", collective._gemm_reduce_scatter)
+    return calls
+
+
+def sequence_parallel_mlp(rank: int, world: int, batch: int, gelu: bool = False) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import epicute
+    from epicute.distributed import collective
+    from epicute.nn import Linear
+    from epicute.nn.parallel import SequenceColwiseParallel, SequenceRowwiseParallel
+
+    calls = _counting_collectives(collective)
     dev = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"  # the GPU test runs this too
     mesh = init_device_mesh(dev, (world,))
     torch.manual_seed(2024)
@@ -243,6 +249,49 @@ def _gated_mlp(rank: int, world: int) -> None:
     assert all(e < TOL for e in errors.values()), errors
     with pytest.raises(epicute.ConfigError, match="intermediate_size=40"):
         parallelize_module(GatedMLP(HIDDEN, 40, dtype=BF16), mesh, GatedMLPParallel())
+
+
+def _sequence_gated_mlp(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from epicute.distributed import collective
+    from epicute.nn import GatedMLP
+    from epicute.nn.parallel import GatedMLPParallel
+
+    calls = _counting_collectives(collective)
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(11)
+    mlp = GatedMLP(HIDDEN, INNER, activation="silu", dtype=BF16)
+    leaves = {name: t.detach().double().requires_grad_() for name, t in mlp.state_dict().items()}
+    parallelize_module(mlp, mesh, GatedMLPParallel(input_layouts=Shard(1), output_layouts=Shard(1)))
+    tokens = 5 * world  # five (odd) per rank
+    own = slice(rank * 5, (rank + 1) * 5)
+    torch.manual_seed(3)
+    x = torch.randn(1, tokens, HIDDEN, dtype=BF16)
+    grad = torch.randn(1, tokens, HIDDEN, dtype=BF16)
+    x_own = x[:, own].clone().requires_grad_()
+    y = mlp(x_own)  # this rank's tokens in, this rank's tokens out
+    y.backward(grad[:, own])
+    x64 = x.double().requires_grad_()
+    gate, up = x64 @ leaves["gate_proj.weight"].T, x64 @ leaves["up_proj.weight"].T
+    want = (torch.nn.functional.silu(gate) * up) @ leaves["down_proj.weight"].T
+    want.backward(grad.double())
+    grads = type(mlp)(HIDDEN, INNER, dtype=BF16, device="meta")
+    grads.gate_up = torch.nn.Parameter(mlp.gate_up.grad.full_tensor(), requires_grad=False)
+    grads.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.grad.full_tensor(), requires_grad=False)
+    errors = {"out": _rel(y, want[:, own].detach()), "x": _rel(x_own.grad, x64.grad[:, own])}
+    errors |= {name: _rel(g, leaves[name].grad) for name, g in grads.state_dict().items()}
+    assert all(e < TOL for e in errors.values()), errors
+    # Both projections' collectives inside their GEMMs, forward and backward (each one's data gradient the other).
+    assert calls == {"gather": 2, "scatter": 2}, calls
+
+
+def test_a_sequence_parallel_gated_mlp_gathers_and_scatters_inside_its_gemms():
+    """GatedMLPParallel(input_layouts=Shard(1), output_layouts=Shard(1)): each rank passes and gets back its tokens;
+    the gate/up GEMM gathers them (SwiGLU in its epilogue), the down GEMM reduce-scatters; trained like the whole."""
+    spawn(_sequence_gated_mlp, 2)
 
 
 @pytest.mark.parametrize("world", [2, 4])
