@@ -212,6 +212,22 @@ def test_fsdp2_trains_like_the_whole_model():
     spawn(_fsdp_mlp, 2)
 
 
+def _swiglu_mlp64(x64: torch.Tensor, leaves: dict, grad: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's float64 output from its checkpoint's weights (``leaves``), backward run with ``grad``."""
+    gate, up = x64 @ leaves["gate_proj.weight"].T, x64 @ leaves["up_proj.weight"].T
+    want = (torch.nn.functional.silu(gate) * up) @ leaves["down_proj.weight"].T
+    want.backward(grad.double())
+    return want
+
+
+def _checkpoint_grads(mlp) -> dict[str, torch.Tensor]:
+    """A sharded GatedMLP's gradients in its checkpoint's layout: gate_up's split as the state dict splits it."""
+    grads = type(mlp)(HIDDEN, INNER, dtype=BF16, device="meta")
+    grads.gate_up = torch.nn.Parameter(mlp.gate_up.grad.full_tensor(), requires_grad=False)
+    grads.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.grad.full_tensor(), requires_grad=False)
+    return grads.state_dict()
+
+
 def _gated_mlp(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
@@ -237,15 +253,9 @@ def _gated_mlp(rank: int, world: int) -> None:
     y = mlp(x)  # the reduced output, a plain tensor on every rank
     y.backward(grad)
     x64 = x.detach().double().requires_grad_()
-    gate, up = x64 @ leaves["gate_proj.weight"].T, x64 @ leaves["up_proj.weight"].T
-    want = (torch.nn.functional.silu(gate) * up) @ leaves["down_proj.weight"].T
-    want.backward(grad.double())
-    # The gradients in the checkpoint's layout: gate_up's gradient split as the state dict splits the weight.
-    grads = type(mlp)(HIDDEN, INNER, dtype=BF16, device="meta")
-    grads.gate_up = torch.nn.Parameter(mlp.gate_up.grad.full_tensor(), requires_grad=False)
-    grads.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.grad.full_tensor(), requires_grad=False)
+    want = _swiglu_mlp64(x64, leaves, grad)
     errors = {"out": _rel(y, want.detach()), "x": _rel(x.grad, x64.grad)}
-    errors |= {name: _rel(g, leaves[name].grad) for name, g in grads.state_dict().items()}
+    errors |= {name: _rel(g, leaves[name].grad) for name, g in _checkpoint_grads(mlp).items()}
     assert all(e < TOL for e in errors.values()), errors
     with pytest.raises(epicute.ConfigError, match="intermediate_size=40"):
         parallelize_module(GatedMLP(HIDDEN, 40, dtype=BF16), mesh, GatedMLPParallel())
@@ -275,14 +285,9 @@ def _sequence_gated_mlp(rank: int, world: int) -> None:
     y = mlp(x_own)  # this rank's tokens in, this rank's tokens out
     y.backward(grad[:, own])
     x64 = x.double().requires_grad_()
-    gate, up = x64 @ leaves["gate_proj.weight"].T, x64 @ leaves["up_proj.weight"].T
-    want = (torch.nn.functional.silu(gate) * up) @ leaves["down_proj.weight"].T
-    want.backward(grad.double())
-    grads = type(mlp)(HIDDEN, INNER, dtype=BF16, device="meta")
-    grads.gate_up = torch.nn.Parameter(mlp.gate_up.grad.full_tensor(), requires_grad=False)
-    grads.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.grad.full_tensor(), requires_grad=False)
+    want = _swiglu_mlp64(x64, leaves, grad)
     errors = {"out": _rel(y, want[:, own].detach()), "x": _rel(x_own.grad, x64.grad[:, own])}
-    errors |= {name: _rel(g, leaves[name].grad) for name, g in grads.state_dict().items()}
+    errors |= {name: _rel(g, leaves[name].grad) for name, g in _checkpoint_grads(mlp).items()}
     assert all(e < TOL for e in errors.values()), errors
     # Both projections' collectives inside their GEMMs, forward and backward (each one's data gradient the other).
     assert calls == {"gather": 2, "scatter": 2}, calls
