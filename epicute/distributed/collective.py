@@ -444,7 +444,7 @@ class _Lowered:
         return values
 
     def forward_call(self, a_dtype: torch.dtype) -> tuple[Callable, dict | None]:
-        """The forward's epilogue and ``out_dtypes``: a ``save`` plan's stores the accumulator beside the outputs."""
+        """The forward's epilogue and ``out_dtypes``: under a ``save`` plan it also stores the accumulator."""
         if not self.plan.saved:
             return self.epilogue, None
         options, _ = saving_call(self.plan, self.names, a_dtype)
