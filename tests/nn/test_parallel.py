@@ -261,7 +261,7 @@ def _gated_mlp(rank: int, world: int) -> None:
         parallelize_module(GatedMLP(HIDDEN, 40, dtype=BF16), mesh, GatedMLPParallel())
 
 
-def _sequence_gated_mlp(rank: int, world: int) -> None:
+def sequence_gated_mlp(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -271,19 +271,20 @@ def _sequence_gated_mlp(rank: int, world: int) -> None:
     from epicute.nn.parallel import GatedMLPParallel
 
     calls = _counting_collectives(collective)
-    mesh = init_device_mesh("cpu", (world,))
+    dev = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"  # the GPU test runs this too
+    mesh = init_device_mesh(dev, (world,))
     torch.manual_seed(11)
-    mlp = GatedMLP(HIDDEN, INNER, activation="silu", dtype=BF16)
-    leaves = {name: t.detach().double().requires_grad_() for name, t in mlp.state_dict().items()}
+    mlp = GatedMLP(HIDDEN, INNER, activation="silu", dtype=BF16).to(dev)
+    leaves = {name: t.detach().cpu().double().requires_grad_() for name, t in mlp.state_dict().items()}
     parallelize_module(mlp, mesh, GatedMLPParallel(input_layouts=Shard(1), output_layouts=Shard(1)))
     tokens = 5 * world  # five (odd) per rank
     own = slice(rank * 5, (rank + 1) * 5)
     torch.manual_seed(3)
     x = torch.randn(1, tokens, HIDDEN, dtype=BF16)
     grad = torch.randn(1, tokens, HIDDEN, dtype=BF16)
-    x_own = x[:, own].clone().requires_grad_()
+    x_own = x[:, own].to(dev, copy=True).requires_grad_()
     y = mlp(x_own)  # this rank's tokens in, this rank's tokens out
-    y.backward(grad[:, own])
+    y.backward(grad[:, own].to(dev))
     x64 = x.double().requires_grad_()
     want = _swiglu_mlp64(x64, leaves, grad)
     errors = {"out": _rel(y, want[:, own].detach()), "x": _rel(x_own.grad, x64.grad[:, own])}
@@ -296,7 +297,7 @@ def _sequence_gated_mlp(rank: int, world: int) -> None:
 def test_a_sequence_parallel_gated_mlp_gathers_and_scatters_inside_its_gemms():
     """GatedMLPParallel(input_layouts=Shard(1), output_layouts=Shard(1)): each rank passes and gets back its tokens;
     the gate/up GEMM gathers them (SwiGLU in its epilogue), the down GEMM reduce-scatters; trained like the whole."""
-    spawn(_sequence_gated_mlp, 2)
+    spawn(sequence_gated_mlp, 2)
 
 
 @pytest.mark.parametrize("world", [2, 4])
