@@ -46,7 +46,11 @@ def output_columns(n: int, gated: bool) -> int:
 
 def stored_columns(n: int, paired: bool) -> int:
     """Columns D is stored with for ``n`` output columns: twice as many when it holds a paired ``D_up``
-    (:attr:`epicute.epilogue.graph.Graph.paired`), gate and up blocks interleaved as in a gated B."""
+    (:attr:`epicute.epilogue.graph.Graph.paired`), gate and up blocks interleaved as in a gated B, which needs whole
+    blocks of ``GATE_BLOCK`` (:class:`~epicute.errors.ShapeError` otherwise)."""
+    if paired and n % GATE_BLOCK:
+        raise ShapeError(f"the epilogue returns D_up, stored beside D in blocks of {GATE_BLOCK} columns: N={n} must "
+                         f"be a multiple of {GATE_BLOCK}")  # fmt: skip
     return 2 * n if paired else n
 
 

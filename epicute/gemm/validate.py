@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from epicute.epilogue.dtypes import TORCH_TO_IR
-from epicute.epilogue.gated import GATE_BLOCK, check_gated_columns, output_columns, stored_columns
+from epicute.epilogue.gated import check_gated_columns, output_columns, stored_columns
 from epicute.errors import AlignmentError, DtypeError, OutputError, ShapeError
 from epicute.gemm.config import GemmProblem
 from epicute.runtime.checks import (
@@ -204,9 +204,6 @@ def settle_d(call: GemmCall, d_dtype: torch.dtype, paired: bool = False) -> Gemm
     ``paired``: D holds ``D_up`` too (:attr:`~epicute.epilogue.graph.Graph.paired`), twice as wide."""
     p = call.problem
     width = stored_columns(call.d_n, paired)
-    if paired and call.d_n % GATE_BLOCK:
-        raise ShapeError(f"the epilogue returns D_up, stored beside D in blocks of {GATE_BLOCK} columns: N={call.d_n} "
-                         f"must be a multiple of {GATE_BLOCK}")  # fmt: skip
     if call.out is not None and call.out.shape[-1] != width:
         given = tuple(call.out.shape if call.batched else call.out.shape[1:])
         raise OutputError(f"out has shape {given}; the epilogue writes D of shape {(*given[:-1], width)}"

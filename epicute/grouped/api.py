@@ -10,13 +10,13 @@ from typing import Any, TextIO
 import torch
 
 from epicute.epilogue.dtypes import IR_TO_TORCH
-from epicute.epilogue.gated import GATE_BLOCK, check_gated_call, gated_epilogue, split_gate_up, stored_columns
+from epicute.epilogue.gated import check_gated_call, gated_epilogue, split_gate_up, stored_columns
 from epicute.epilogue.graph import UP_OUTPUT
 from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import evaluate, round_to, training_scalars
 from epicute.epilogue.scales import dequantize_blockwise
 from epicute.epilogue.tracer import as_epilogue
-from epicute.errors import EpilogueError, OutputError, ShapeError
+from epicute.errors import EpilogueError, OutputError
 from epicute.gemm.autograd import explain_backward
 from epicute.gemm.config import GemmConfig
 from epicute.gemm.epilogue_args import aux_outputs, kernel_inputs
@@ -165,12 +165,10 @@ def grouped_gemm(
     if paired and call.out is not None:
         raise OutputError(f"the epilogue returns {UP_OUTPUT!r}, stored interleaved with D in a new (total_M, 2N) D; "
                           "leave out= out (the call returns that D)")  # fmt: skip
-    if paired and call.problem.d_n % GATE_BLOCK:
-        raise ShapeError(f"the epilogue returns {UP_OUTPUT!r}, stored beside D in blocks of {GATE_BLOCK} columns: "
-                         f"N={call.problem.d_n} must be a multiple of {GATE_BLOCK}")  # fmt: skip
+    width = stored_columns(call.problem.d_n, paired)
     if prepared.d_torch_dtype != call.out_dtype or paired:  # the epilogue's own cast chose D's dtype (no out given)
         if call.problem.total_m and call.problem.n and call.problem.k:
-            check_d_rows(None, stored_columns(call.problem.d_n, paired), prepared.d_torch_dtype)
+            check_d_rows(None, width, prepared.d_torch_dtype)
         call = replace(call, problem=prepared.plan.problem, out_dtype=prepared.d_torch_dtype)
     if backend == "reference":
         results = reference_grouped(call, prepared, training_scalars(specs, operands))

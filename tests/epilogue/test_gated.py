@@ -289,3 +289,11 @@ def test_a_paired_grouped_call_refuses_out_and_returns_the_wide_d():
     assert rel_err(gate, acc) < 1e-2 and rel_err(up, 2 * acc) < 1e-2
     with pytest.raises(OutputError, match="leave out= out"):
         epicute.grouped_gemm(a, b, offsets, epilogue=fn, backend="reference", out=torch.empty(12, 24).bfloat16())
+
+
+def test_a_paired_d_needs_whole_blocks_of_columns():
+    from epicute.epilogue.gated import stored_columns
+
+    assert stored_columns(24, True) == 48 and stored_columns(12, False) == 12
+    with pytest.raises(ShapeError, match="N=12 must be a multiple of 8"):
+        stored_columns(12, True)
