@@ -1,13 +1,13 @@
 """Whole transformers models on epicute against the ways they usually run (H200): tokens per second.
 
-Usage: python bench/models.py [--cases llama_train,llama_prefill,mixtral_train,qwen3_moe_train,
+Usage: python bench/models.py [--cases llama_train,llama_train_8x2048,llama_prefill,mixtral_train,qwen3_moe_train,
                                llama_decode_b32,llama_decode_b128] [--layers 2] [--out PATH]
 
 Models are built from configs (random weights, nothing downloaded), bf16, ``--layers`` decoder layers, the real
 vocabulary (its LM head and loss are part of every step):
 
 - ``llama_train``: Llama-3-8B-shaped (hidden 4096, MLP 14336, 32/8 heads, vocab 128256), a training step
-  (``model(input_ids, labels=...).loss.backward()``) on batch 2 x 4096;
+  (``model(input_ids, labels=...).loss.backward()``) on batch 2 x 4096 (``llama_train_8x2048``: 8 x 2048);
 - ``llama_prefill``: the same model's forward over batch 4 x 2048 (no labels; inference mode);
 - ``mixtral_train`` / ``qwen3_moe_train``: Mixtral-8x7B- and Qwen3-30B-A3B-shaped MoE models, a training step on
   batch 2 x 4096;
@@ -61,6 +61,7 @@ QWEN3_MOE = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size
 #: case -> (config class name, model class name, config, batch, sequence length, training)
 CASES = {
     "llama_train": ("LlamaConfig", "LlamaForCausalLM", LLAMA, 2, 4096, True),
+    "llama_train_8x2048": ("LlamaConfig", "LlamaForCausalLM", LLAMA, 8, 2048, True),
     "llama_prefill": ("LlamaConfig", "LlamaForCausalLM", LLAMA, 4, 2048, False),
     "mixtral_train": ("MixtralConfig", "MixtralForCausalLM", MIXTRAL, 2, 4096, True),
     "qwen3_moe_train": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE, 2, 4096, True),
@@ -136,7 +137,7 @@ def run_case(name: str, layers: int) -> tuple[Row, bool]:
     models["hf_sdpa"] = (sdpa, None)
     models["hf_eager"] = (with_weights(build(name, layers, "eager"), sdpa), None)
     models["hf_sdpa_compile"] = (torch.compile(copy.deepcopy(sdpa), dynamic=False), None)
-    if training and name == "llama_train":
+    if training and name.startswith("llama_train"):
         try:
             from transformers.models.llama import modeling_llama
 

@@ -14,7 +14,8 @@ with split-KV and its combine (ratio 4, and a padded ratio 3); `backward` the at
 (GQA, causal, ragged lengths); `linear_backward` a linear + bias + GELU + residual layer's forward and
 backward (the saved pre-activation, the K = 0 gradient pass with its bias-gradient reduction, the data
 and weight GEMMs); `moe_backward` a small MoE expert block's forward and backward (gathered rows,
-the gated epilogue's gradient, the variable-K weight gradients). Prints PASS/FAIL and exits 1 on failure.
+the gated epilogue's gradient, the variable-K weight gradients); `paired` a ragged GEMM storing a paired output
+(``D_up`` beside D, staged block-major) with a column sum (predicated partial stores). Prints PASS/FAIL and exits 1 on failure.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ FAMILIES = {
     "attention": "attention forward (epilogue)", "attention_gqa": "attention forward (GQA prefill)",
     "decode_paged": "attention decode (paged, split-KV)", "backward": "attention backward",
     "linear_backward": "gemm backward (K = 0 gradient pass)", "moe_backward": "grouped gemm backward",
-    "quantize": "group quantizer (epicute.quantize)",
+    "quantize": "group quantizer (epicute.quantize)", "paired": "gemm epilogue (paired D, column sums)",
 }  # fmt: skip
 CASES = tuple(FAMILIES)
 TOLERANCE = 1e-2
@@ -69,6 +70,22 @@ def gemm_case(name: str) -> dict[str, float]:
 
     got = epicute.gemm(a, b, epilogue=epi, out=out, config=config, bias=bias, residual=residual)
     ref = epicute.gemm(a, b, epilogue=epi, bias=bias, residual=residual, backend="reference")
+    return {name: rel_err(got[name], ref[name].to(got[name].device)) for name in ref}
+
+
+def paired_case() -> dict[str, float]:
+    import epicute
+    from epicute import ops
+
+    a = torch.randn(333, 96, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(96, 200, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(333, 200, device="cuda", dtype=torch.bfloat16)
+
+    def epi(acc, g):
+        return {"D": acc * g, "D_up": acc + g, "cs": ops.col_sum(acc)}
+
+    got = epicute.gemm(a, b, epilogue=epi, g=g)
+    ref = epicute.gemm(a, b, epilogue=epi, g=g, backend="reference")
     return {name: rel_err(got[name], ref[name].to(got[name].device)) for name in ref}
 
 
@@ -231,6 +248,7 @@ SPECIAL_CASES = {
     "attention": attention_case, "fp8_quantize": fp8_quantize_case, "grouped": grouped_case,
     "attention_gqa": attention_gqa_case, "decode_paged": decode_paged_case, "backward": backward_case,
     "linear_backward": linear_backward_case, "moe_backward": moe_backward_case, "quantize": quantize_case,
+    "paired": paired_case,
 }  # fmt: skip
 
 

@@ -349,13 +349,29 @@ def define_op(op: TorchOp) -> Any:
             # Calls through torch.ops come from compiled graphs, which CUDA graphs may record: their buffers are
             # allocated per call (epicute.runtime.buffers says why).
             schema = torch.library.infer_schema(op.impl, mutates_args=())
-            custom = torch.library.custom_op(op.name, per_call_buffers(op.impl), mutates_args=(), schema=schema)
+            impl = per_call_buffers(op.impl)
+            custom = torch.library.custom_op(op.name, impl, mutates_args=(), schema=schema)
+            register_cuda_kernel(op.name, impl)
             custom.register_fake(op.fake)
             register_meta(custom, op.fake)
             if op.backward is not None:
                 custom.register_autograd(op.backward, setup_context=op.setup_context)
             _DEFINED[op.name] = custom
         return _DEFINED[op.name]
+
+
+#: The ops' CUDA kernels, registered beside the custom ops' own (process lifetime, like them).
+_CUDA_KERNELS = torch.library.Library("epicute", "IMPL")
+
+
+def register_cuda_kernel(name: str, impl: Callable) -> None:
+    """Run ``impl`` for CUDA tensors straight from the dispatcher. ``custom_op`` registers its implementation
+    for every device behind a Python wrapper that checks the outputs alias no input (our outputs are always
+    fresh tensors) and disables dynamo: on the H200's host that wrapper cost tens of microseconds per call of
+    a compiled graph, more than the launch itself (bench/NOTES.md, issue 58's host time). A CUDA kernel takes
+    precedence over the custom op's CompositeExplicitAutograd one; the op's autograd, fake and other devices
+    stay the custom op's."""
+    _CUDA_KERNELS.impl(name.split("::")[1], impl, "CUDA")
 
 
 def register_meta(op, fake: Callable) -> None:
@@ -367,6 +383,7 @@ def register_meta(op, fake: Callable) -> None:
 
 __all__ = [
     "TorchOp", "assume_constant_result", "define_op", "define_ops", "dtype_name", "grad_slot", "operand_values",
-    "plain_fn", "plain_value", "register_epilogue", "register_meta", "register_score_mod", "registered_casts",
-    "registered_epilogue", "registered_outputs", "runs_eagerly", "spec_text", "split_operands", "traced",
+    "plain_fn", "plain_value", "register_cuda_kernel", "register_epilogue", "register_meta", "register_score_mod",
+    "registered_casts", "registered_epilogue", "registered_outputs", "runs_eagerly", "spec_text", "split_operands",
+    "traced",
 ]  # fmt: skip

@@ -241,3 +241,34 @@ def test_fp8_o_with_its_amax(d):
     # The scale saturates the largest values at 448: the reference saturates the same way.
     assert rel_err(got["D"].float(), (o_ref * 300.0).clamp(-448, 448)) <= 2.0**-4
     assert rel_err(got["amax"], (o_ref * 300.0).abs().amax()) <= TOL
+
+
+def test_repeat_calls_skip_validation_and_stay_right(monkeypatch):
+    """A plain call's second signature-equal call binds fresh tensors to the first call's validated problem and
+    plan (no check_attention_args): each result matches its own reference; a misaligned repeat, a different
+    layout and packed sequences whose longest lengths must be read are validated again."""
+    from epicute.attention import api
+
+    calls = []
+    checked = api.check_attention_args
+    monkeypatch.setattr(api, "check_attention_args", lambda *a, **kw: calls.append(1) or checked(*a, **kw))
+    api._VALIDATED.clear()
+    for causal in (True, True, True):
+        q, k, v = qkv(2, 129, 333, 8, 2, 128)
+        out, lse = epicute.attention(q, k, v, causal=causal, return_lse=True)
+        call = check_attention_args(q, k, v, causal=causal, softmax_scale=None)
+        ref, ref_lse = reference_attention(call, out_dtype=torch.float32, device="cuda")
+        assert_attention_close(out, lse, ref["D"], ref_lse, "repeat", TOL)
+    assert len(calls) == 1
+    base = torch.randn(2 * 129 * 8 * 128 + 1, device="cuda", dtype=torch.bfloat16)
+    shifted = base[1:].view(2, 129, 8, 128)  # the repeat's signature, 2 bytes past a 16-byte boundary
+    with pytest.raises(epicute.AlignmentError, match="q.data_ptr"):
+        epicute.attention(shifted, k, v, causal=True)
+    epicute.attention(q, k, v, causal=False)  # another signature
+    assert len(calls) == 3
+    lengths = torch.tensor([0, 100, 333], device="cuda", dtype=torch.int32)
+    qp = torch.randn(333, 8, 128, device="cuda", dtype=torch.bfloat16)
+    kp = torch.randn(333, 2, 128, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        epicute.attention(qp, kp, kp, causal=True, cu_seqlens_q=lengths, cu_seqlens_k=lengths)
+    assert len(calls) == 5  # the offsets are read (and checked) on every call without max_seqlen

@@ -263,3 +263,15 @@ def test_compiled_calls_check_config_and_operand_names():
     with pytest.raises(Exception) as info:
         torch.compile(named_out, fullgraph=True, backend="eager")(meta(16, 64), meta(64, 64), meta(16, 64))
     assert _refused(info.value, EpilogueError, "epicute.gemm's own parameter out=")
+
+
+def test_every_op_runs_its_cuda_kernel_straight_from_the_dispatcher():
+    """Each family's op has a CUDA kernel of its own (not only custom_op's wrapped composite one, whose output
+    aliasing check cost more host time than the launch), and keeps custom_op's autograd and meta kernels."""
+    from epicute.runtime.torch_ops import define_ops
+
+    ops = define_ops()
+    assert {"epicute::gemm", "epicute::attention", "epicute::grouped_gemm"} <= set(ops)
+    for name in ops:
+        for key in ("CUDA", "Autograd", "Meta", "CompositeExplicitAutograd"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(name, key), (name, key)
