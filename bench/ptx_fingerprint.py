@@ -81,12 +81,15 @@ def _variants(only: str | None):
     from epicute.attention.backward import BackwardVariant, compile_backward
     from epicute.attention.backward_plan import backward_config
     from epicute.attention.launch import AttentionVariant, compile_attention
-    from epicute.attention.plan import default_config
+    from epicute.attention.plan import AttentionProblem, default_config, plan_attention
+    from epicute.attention.prepare import hooks_of
     from epicute.gemm import GemmProblem, plan_gemm
     from epicute.gemm.compile import GemmVariant, compile_gemm
     from epicute.gemm.heuristics import choose_config
     from epicute.gemm.launch import variant_of
+    from epicute.runtime.target import H100_SXM
     from tests.attention import test_attention_compile as attention_tests
+    from tests.attention.test_backward_compile import meta_call
     from tests.gemm import test_epilogue_compile as epilogue_tests
     from tests.gemm import test_gemm_compile as gemm_tests
 
@@ -145,6 +148,22 @@ def _variants(only: str | None):
         for d, causal in ((64, False), (128, True)):
             out.append((f"attention backward d{d} causal={causal}", lambda d=d, c=causal:
                         compile_backward(BackwardVariant(backward_config(d), "bf16", c))))  # fmt: skip
+        # The key-range paths: packed GQA decode over a paged cache with split-KV (a padded group of 7 too),
+        # packed sequences forward and backward, a score_mod's backward.
+        for heads_q in (32, 56):
+            problem = AttentionProblem(1, 1, 65536, heads_q, 8, 128, causal=True, page_size=128, seqused_k=True)
+            decode = plan_attention(problem, H100_SXM).config
+            paged = AttentionVariant(decode, "bf16", True, page_size=128, seqused_k=True)
+            out.append((f"attention decode paged gqa{heads_q // 8}", lambda v=paged: compile_attention(v)))
+        varlen = AttentionVariant(default_config(128, True), "bf16", True, varlen=True)
+        out.append(("attention d128 varlen causal", lambda: compile_attention(varlen)))
+        out.append(("attention backward d128 varlen causal", lambda: compile_backward(
+            BackwardVariant(backward_config(128), "bf16", True, varlen=True))))  # fmt: skip
+        out.append(("attention backward d64 varlen deterministic", lambda: compile_backward(
+            BackwardVariant(backward_config(64), "bf16", False, varlen=True, deterministic=True))))  # fmt: skip
+        bwd_score = hooks_of(meta_call(), softcap, None, {"cap": 30.0})[0]
+        out.append(("attention backward d128 softcap causal", lambda: compile_backward(
+            BackwardVariant(backward_config(128, score_mod=True), "bf16", True, bwd_score.fusion))))  # fmt: skip
     return out
 
 

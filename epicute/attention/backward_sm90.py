@@ -84,6 +84,7 @@ from epicute.attention.backward_plan import (
     stat_rows_start,
 )
 from epicute.attention.key_blocks import packed_range, ragged_rows, ragged_tensor
+from epicute.attention.mask import Diagonal, crosses_diagonal, first_query_block
 from epicute.epilogue.derivative import value_and_derivative
 from epicute.epilogue.fusion import ScoreModFusion
 from epicute.sm90.cp_async import bulk_reduce_add_f32
@@ -424,8 +425,7 @@ class AttentionBackwardSm90:
         m_end = (seqlen_q + cfg.tile_m - 1) // cfg.tile_m
         m_first = 0
         if cutlass.const_expr(self.causal):
-            # Query q sees key j when j <= q + seqlen_k - seqlen_q.
-            m_first = cutlass.min(cutlass.max(n_block * cfg.tile_n - seqlen_k + seqlen_q, 0) // cfg.tile_m, m_end)
+            m_first = first_query_block(Diagonal(seqlen_q, seqlen_k), n_block, cfg.tile_n, cfg.tile_m, m_end)
         return m_first, m_end - m_first
 
     def _step_block(self, step, kv_head, group, m_first, m_count):
@@ -628,7 +628,7 @@ class AttentionBackwardSm90:
         if cutlass.const_expr(self.varlen):
             hidden = hidden | (query >= seqlen_q)
         if cutlass.const_expr(self.causal):
-            hidden = hidden | (key > query + seqlen_k - seqlen_q)
+            hidden = hidden | Diagonal(seqlen_q, seqlen_k).hides(key, query)
         return hidden
 
     def _score_mod(self, score, index: dict, operands: dict):
@@ -745,8 +745,8 @@ class AttentionBackwardSm90:
             if cutlass.const_expr(self.varlen):  # the block's queries run past the sequence's
                 masked = masked | ((m_block + 1) * cfg.tile_m > seqlen_q)
             if cutlass.const_expr(self.causal):
-                # The block's last key against its first query's diagonal.
-                masked = masked | ((n_block + 1) * cfg.tile_n - 1 > m_block * cfg.tile_m + seqlen_k - seqlen_q)
+                diagonal = Diagonal(seqlen_q, seqlen_k)
+                masked = masked | crosses_diagonal(diagonal, n_block, m_block, cfg.tile_n, cfg.tile_m)
             # The step's LSE and D (padded past seqlen_q: no bounds checks), in the ring stage.
             lse, dsum = sLSE[None, read.index], sD[None, read.index]
             step_args = (n_block, m_block, head, batch, lse, seqlen_q, seqlen_k, softmax_scale, operands)

@@ -34,7 +34,7 @@ Warp roles (as in the GEMM: producer warpgroup 0, consumers after it):
   causal diagonal) is peeled: its softmax is compile-time ``is_first`` and the
   first PV runs with the accumulate flag off. Causal masking runs only on blocks
   that cross the diagonal; blocks fully above it are never loaded. The causal
-  diagonal is aligned bottom-right (query i sees keys <= i + seqlen_k - seqlen_q).
+  diagonal is aligned bottom-right (query i sees keys <= i + seqlen_k - seqlen_q; :mod:`.mask`).
 - Epilogue: O normalized by the row sums, the user's epilogue per element, cast,
   ``stmatrix`` into Q's shared memory (the rows each warpgroup stages are the
   rows only it read), TMA store (:class:`TmaStoreEpilogue`, which clips the
@@ -65,6 +65,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from epicute.attention.key_blocks import KeyRange, QueryRange
+from epicute.attention.mask import Diagonal, first_diagonal_block, key_blocks, seen_key_blocks
 from epicute.attention.plan import WGMMA_M, AttentionConfig, attention_smem_layout, lpt_keys_per_band
 from epicute.epilogue.fusion import EpilogueFusion, ScoreModFusion
 from epicute.epilogue.schedule import ATTENTION_SM90, plain_graph, schedule
@@ -469,11 +470,10 @@ class AttentionSm90:
         seqused_k = 0) still runs one block, fully masked, and so writes O = 0 and LSE = -inf.
         """
         cfg = self.cfg
-        n = (seqlen_k + cfg.tile_n - 1) // cfg.tile_n
+        n = key_blocks(seqlen_k, cfg.tile_n)
         if cutlass.const_expr(self.causal):
-            # Exclusive key bound of the tile's last row (its query + 1), bottom-right aligned.
-            end = self._query((m_block + 1) * cfg.tile_m - 1) + 1 + seqlen_k - seqlen_q
-            n = cutlass.min(n, (cutlass.max(end, 1) + cfg.tile_n - 1) // cfg.tile_n)
+            last_query = self._query((m_block + 1) * cfg.tile_m - 1)
+            n = cutlass.min(n, seen_key_blocks(Diagonal(seqlen_q, seqlen_k), last_query, cfg.tile_n))
         if cutlass.const_expr(self.seqused_k or self.varlen):
             n = cutlass.max(n, 1)  # seqlen_k >= 1 otherwise (checked on the host)
         return n
@@ -581,7 +581,7 @@ class AttentionSm90:
                 limit = key_limit - n * cfg.tile_n
                 if cutlass.const_expr(mask_causal):
                     q = self._query(m_block * cfg.tile_m + cS[r, 0][0])
-                    limit = cutlass.min(limit, q + 1 + seqlen_k - seqlen_q - n * cfg.tile_n)
+                    limit = cutlass.min(limit, Diagonal(seqlen_q, seqlen_k).key_end(q) - n * cfg.tile_n)
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                     S[r, c] = cutlass.select_(cS[0, c][1] >= limit, -Float32.inf, S[r, c])
 
@@ -724,8 +724,8 @@ class AttentionSm90:
                 # ---- blocks crossing the causal diagonal, then blocks fully below it.
                 n_masked = 0
                 if cutlass.const_expr(self.causal):
-                    first_query = self._query(m_block * cfg.tile_m)
-                    first_masked = cutlass.max(first_query + seqlen_k - seqlen_q, 0) // cfg.tile_n
+                    diagonal = Diagonal(seqlen_q, seqlen_k)
+                    first_masked = first_diagonal_block(diagonal, self._query(m_block * cfg.tile_m), cfg.tile_n)
                     n_masked = cutlass.max(n_end - 1 - first_masked, 0)
                 for i in cutlass.range(n_count - 1, unroll=1):
                     n = n_end - 2 - i
