@@ -149,26 +149,41 @@ def _use_epicute_attention(model: nn.Module) -> int:
 ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), "o_proj")
 
 
-def tensor_parallel_plan(model: nn.Module, world_size: int) -> dict[str, Any]:
+def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel: bool = False) -> dict[str, Any]:
     """A ``parallelize_module`` plan for a model :func:`patch` switched to epicute (``linears=True``) over a 1-D mesh
     of ``world_size`` ranks, the Megatron split: each attention's ``q_proj``/``k_proj``/``v_proj`` column-parallel
     (each rank its own heads, which epicute's attention runs as on one GPU) and ``o_proj`` row-parallel, each
     :class:`~epicute.nn.GatedMLP` and every expert of each :class:`~epicute.nn.MoEExperts` by their features
     (:class:`~epicute.nn.parallel.GatedMLPParallel`). Embeddings, norms, routers and the LM head stay replicated.
+
+    ``sequence_parallel``: the residual stream between the layers is sharded by tokens too (each rank keeps its
+    ``seqlen / world_size`` tokens of every sequence), so the norms run on a rank's own tokens
+    (``SequenceParallel``) and each layer's collectives sit inside its GEMMs (:mod:`epicute.distributed`): a
+    gated MLP gathers its tokens inside the gate/up GEMM and reduce-scatters inside the down GEMM, and ``o_proj``
+    reduce-scatters inside its GEMM. An attention block's input is gathered before its q/k/v projections
+    (transformers reshapes them by the token count the block received). The first layer takes its tokens from
+    the replicated embeddings, and the LM head gathers them back. Dense models only: a router would see a rank's
+    tokens alone (its weight's gradient a share, not the sum), so an MoE model is refused; the sequence length
+    must split evenly over the ranks.
+
     Raises :class:`~epicute.errors.ConfigError` where the heads (query or key/value) do not split evenly (and
-    ``parallelize_module`` does where a gated MLP's features do not).
+    ``parallelize_module`` does where a gated MLP's features do not), and for attention with per-head norms
+    (``q_norm``/``k_norm``, Qwen3): their weights would get each rank's heads' share of the gradient.
 
     Example:
-        >>> plan = tensor_parallel_plan(model, mesh.size())               # doctest: +SKIP
+        >>> plan = tensor_parallel_plan(model, mesh.size(), sequence_parallel=True)   # doctest: +SKIP
         >>> parallelize_module(model, mesh, plan)
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torch.distributed.tensor.parallel import SequenceParallel as NormsByTokens
 
-    from epicute.nn.parallel import GatedMLPParallel
+    from epicute.nn.parallel import GatedMLPParallel, SequenceRowwiseParallel
 
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    tokens = Shard(1)  # (batch, seqlen, hidden): the residual stream's tokens
     plan: dict[str, Any] = {}
     (columns, rows) = ATTENTION_PROJECTIONS
     for name, module in model.named_modules():
@@ -176,11 +191,58 @@ def tensor_parallel_plan(model: nn.Module, world_size: int) -> dict[str, Any]:
             if heads is None or heads % world_size or kv_heads % world_size:
                 raise ConfigError(f"{name}: {heads} query and {kv_heads} key/value heads do not split over "
                                   f"{world_size} ranks; use a tensor-parallel size that divides both")  # fmt: skip
-            plan |= {f"{name}.{p}": ColwiseParallel() for p in columns} | {f"{name}.{rows}": RowwiseParallel()}
+            per_head_norms = [n for n in ("q_norm", "k_norm") if hasattr(module, n)]
+            if per_head_norms:
+                raise ConfigError(f"{name} normalizes each head ({', '.join(per_head_norms)}): split by heads, each "
+                                  "rank would get its own heads' share of those weights' gradients; keep this model "
+                                  "unsplit (or use FSDP2)")  # fmt: skip
+            plan |= {f"{name}.{p}": ColwiseParallel() for p in columns}
+            plan[f"{name}.{rows}"] = SequenceRowwiseParallel() if sequence_parallel else RowwiseParallel()
+            if sequence_parallel:
+                plan[name] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": tokens},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                                use_local_output=True)  # fmt: skip
+        elif isinstance(module, MoEExperts) and sequence_parallel:
+            raise ConfigError(f"{name}: sequence_parallel=True with MoE experts: the router would see one rank's "
+                              "tokens (its gradient a share); use sequence_parallel=False")  # fmt: skip
         elif isinstance(module, GatedMLP | MoEExperts):  # GatedMLPParallel checks that the features split
-            plan[name] = GatedMLPParallel()
+            plan[name] = GatedMLPParallel(input_layouts=tokens, output_layouts=tokens) if sequence_parallel else (
+                GatedMLPParallel())  # fmt: skip
     if not plan:
         raise ConfigError("no attention or GatedMLP to split: patch(model, linears=True) first")
+    if sequence_parallel:
+        plan |= _sequence_parallel_edges(model, tokens, Replicate(), PrepareModuleInput, NormsByTokens)
+    return plan
+
+
+#: The norms of a transformers decoder layer, and the stack's final one (by attribute name).
+LAYER_NORMS, FINAL_NORM = ("input_layernorm", "post_attention_layernorm"), "norm"
+
+
+def _sequence_parallel_edges(model: nn.Module, tokens, whole, prepare_input, norms_by_tokens) -> dict[str, Any]:
+    """The sequence-parallel plan's entries outside the attention blocks and MLPs: the layer stack takes its
+    first layer's input (the embeddings, replicated) as each rank's tokens, every norm runs on a rank's tokens
+    (its weight's gradient summed over the ranks), and the LM head gathers the tokens back."""
+    plan: dict[str, Any] = {}
+    stacks = [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)]
+    if len(stacks) != 1 or not len(stacks[0][1].layers):
+        raise ConfigError("sequence_parallel=True: the model has no single stack of decoder layers (a `layers` "
+                          "ModuleList) to shard the tokens of")  # fmt: skip
+    stack_name, stack = stacks[0]
+    prefix = f"{stack_name}." if stack_name else ""
+    plan[f"{prefix}layers.0"] = prepare_input(input_layouts=(whole,), desired_input_layouts=(tokens,),
+                                              use_local_output=True)  # fmt: skip
+    for i, layer in enumerate(stack.layers):
+        for norm in LAYER_NORMS:
+            if not isinstance(getattr(layer, norm, None), nn.Module):
+                raise ConfigError(f"sequence_parallel=True: {prefix}layers.{i} has no {norm}; only decoder layers "
+                                  f"with {' and '.join(LAYER_NORMS)} (Llama, Qwen2, Mistral) are planned")  # fmt: skip
+            plan[f"{prefix}layers.{i}.{norm}"] = norms_by_tokens(use_local_output=True)
+    if isinstance(getattr(stack, FINAL_NORM, None), nn.Module):
+        plan[f"{prefix}{FINAL_NORM}"] = norms_by_tokens(use_local_output=True)
+    head = "lm_head" if isinstance(getattr(model, "lm_head", None), nn.Module) else None
+    if head is not None:
+        plan[head] = prepare_input(input_layouts=(tokens,), desired_input_layouts=(whole,), use_local_output=True)
     return plan
 
 
@@ -214,6 +276,6 @@ def _check_version() -> None:
 
 
 __all__ = [
-    "ACTIVATIONS", "ATTENTION", "ATTENTION_PROJECTIONS", "SUPPORTED", "attention_forward", "patch",
-    "tensor_parallel_plan",
+    "ACTIVATIONS", "ATTENTION", "ATTENTION_PROJECTIONS", "FINAL_NORM", "LAYER_NORMS", "SUPPORTED",
+    "attention_forward", "patch", "tensor_parallel_plan",
 ]  # fmt: skip

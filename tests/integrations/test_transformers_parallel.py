@@ -9,6 +9,7 @@ bf16 on top), as tests/integrations/test_transformers.py.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -72,6 +73,53 @@ def test_a_patched_llama_split_by_heads_and_features_trains_like_the_whole_one()
     spawn(_llama_step, 2)
 
 
+def _llama_sequence_parallel_step(rank: int, world: int, batch: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from epicute.distributed import collective
+    from epicute.integrations.transformers import patch, tensor_parallel_plan
+    from tests.nn.test_parallel import _counting_collectives
+
+    calls = _counting_collectives(collective)
+    mesh = init_device_mesh("cpu", (world,))
+    model = _tiny_llama()
+    reference = copy.deepcopy(model).double()
+    patch(model, linears=True)
+    plan = tensor_parallel_plan(model, world, sequence_parallel=True)
+    assert {"model.layers.0", "model.layers.1.post_attention_layernorm", "model.norm", "lm_head"} <= set(plan)
+    parallelize_module(model, mesh, plan)
+    torch.manual_seed(1)  # the same tokens on every rank: each layer keeps this rank's share of them
+    ids = torch.randint(0, 96, (batch, 10 * world))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    want = reference(input_ids=ids, labels=ids).loss
+    want.backward()
+    layer, ref_layer = model.model.layers[1], reference.model.layers[1]
+    errors = {
+        "loss": _rel(loss.detach(), want.detach()),
+        "embed_tokens": _rel(model.model.embed_tokens.weight.grad, reference.model.embed_tokens.weight.grad),
+        "lm_head": _rel(model.lm_head.weight.grad, reference.lm_head.weight.grad),
+        "norm": _rel(_full(model.model.norm.weight.grad), reference.model.norm.weight.grad),
+    }
+    for norm in ("input_layernorm", "post_attention_layernorm"):  # each rank's tokens' share, summed over ranks
+        errors[norm] = _rel(_full(getattr(layer, norm).weight.grad), getattr(ref_layer, norm).weight.grad)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        errors[proj] = _rel(_full(getattr(layer.self_attn, proj).weight.grad),
+                            getattr(ref_layer.self_attn, proj).weight.grad)  # fmt: skip
+    errors["down_proj"] = _rel(_full(layer.mlp.down_proj.weight.grad), ref_layer.mlp.down_proj.weight.grad)
+    assert all(e < TOL for e in errors.values()), errors
+    if batch == 1:  # a rank's tokens are one block of rows: the MLPs' and o_proj's collectives run in their GEMMs
+        assert calls["gather"] >= 2 and calls["scatter"] >= 4, calls
+
+
+@pytest.mark.parametrize("batch", (1, 2))
+def test_a_patched_llama_trains_sequence_parallel_like_the_whole_one(batch):
+    """Tokens sharded between the layers (norms on each rank's tokens, the MLPs and o_proj with their collectives
+    inside the GEMMs; with two sequences a rank's tokens are no single block, and the layers gather first)."""
+    spawn(functools.partial(_llama_sequence_parallel_step, batch=batch), 2)
+
+
 def test_heads_that_do_not_split_are_refused():
     """One key/value head cannot go to two ranks: a typed error naming the layer, before anything is sharded."""
     import epicute
@@ -83,6 +131,27 @@ def test_heads_that_do_not_split_are_refused():
         tensor_parallel_plan(model, 2)
     with pytest.raises(epicute.ConfigError, match="patch\\(model, linears=True\\) first"):
         tensor_parallel_plan(_tiny_llama(), 2)
+
+
+def test_per_head_norms_and_sequence_parallel_experts_are_refused():
+    """Qwen3's q_norm/k_norm (one weight shared by the heads a split scatters) and a router under sequence
+    parallelism (it would see one rank's tokens): typed errors naming the layer, before anything is sharded."""
+    import epicute
+    from epicute.integrations.transformers import patch, tensor_parallel_plan
+
+    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        hidden_size=256, intermediate_size=144, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, vocab_size=96))  # fmt: skip
+    patch(qwen3, linears=True)
+    with pytest.raises(epicute.ConfigError, match="model.layers.0.self_attn normalizes each head \\(q_norm, k_norm\\)"):
+        tensor_parallel_plan(qwen3, 2)
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        hidden_size=256, intermediate_size=144, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=96, num_local_experts=4, num_experts_per_tok=2))  # fmt: skip
+    patch(mixtral, linears=True)
+    tensor_parallel_plan(mixtral, 2)  # split by features: fine
+    with pytest.raises(epicute.ConfigError, match="sequence_parallel=True with MoE experts"):
+        tensor_parallel_plan(mixtral, 2, sequence_parallel=True)
 
 
 def _mixtral_step(rank: int, world: int) -> None:
