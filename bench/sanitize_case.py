@@ -14,8 +14,9 @@ with split-KV and its combine (ratio 4, and a padded ratio 3); `backward` the at
 (GQA, causal, ragged lengths); `linear_backward` a linear + bias + GELU + residual layer's forward and
 backward (the saved pre-activation, the K = 0 gradient pass with its bias-gradient reduction, the data
 and weight GEMMs); `moe_backward` a small MoE expert block's forward and backward (gathered rows,
-the gated epilogue's gradient, the variable-K weight gradients); `paired` a ragged GEMM storing a paired output
-(``D_up`` beside D, staged block-major) with a column sum (predicated partial stores). Prints PASS/FAIL and exits 1 on failure.
+the gated epilogue's gradient, the variable-K weight gradients); `paired` a ragged GEMM storing a paired
+output (``D_up`` beside D, staged block-major) with a column sum (predicated partial stores).
+Prints PASS/FAIL and exits 1 on failure.
 """
 
 from __future__ import annotations
