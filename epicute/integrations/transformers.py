@@ -147,6 +147,10 @@ def _use_epicute_attention(model: nn.Module) -> int:
 
 #: The attention projections a tensor-parallel plan splits by heads (column-parallel), and the one it reduces.
 ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), "o_proj")
+#: Norms inside an attention block over each head's features (Qwen3), by attribute name.
+PER_HEAD_NORMS = ("q_norm", "k_norm")
+#: The norms of a transformers decoder layer, and the stack's final one (by attribute name).
+LAYER_NORMS, FINAL_NORM = ("input_layernorm", "post_attention_layernorm"), "norm"
 
 
 def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel: bool = False) -> dict[str, Any]:
@@ -167,8 +171,8 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
     must split evenly over the ranks.
 
     Raises :class:`~epicute.errors.ConfigError` where the heads (query or key/value) do not split evenly (and
-    ``parallelize_module`` does where a gated MLP's features do not), and for attention with per-head norms
-    (``q_norm``/``k_norm``, Qwen3): their weights would get each rank's heads' share of the gradient.
+    ``parallelize_module`` does where a gated MLP's features do not). Per-head norms inside the attention
+    (``q_norm``/``k_norm``, Qwen3) run on each rank's heads, their weights' gradients summed over the ranks.
 
     Example:
         >>> plan = tensor_parallel_plan(model, mesh.size(), sequence_parallel=True)   # doctest: +SKIP
@@ -191,12 +195,12 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
             if heads is None or heads % world_size or kv_heads % world_size:
                 raise ConfigError(f"{name}: {heads} query and {kv_heads} key/value heads do not split over "
                                   f"{world_size} ranks; use a tensor-parallel size that divides both")  # fmt: skip
-            per_head_norms = [n for n in ("q_norm", "k_norm") if hasattr(module, n)]
-            if per_head_norms:
-                raise ConfigError(f"{name} normalizes each head ({', '.join(per_head_norms)}): split by heads, each "
-                                  "rank would get its own heads' share of those weights' gradients; keep this model "
-                                  "unsplit (or use FSDP2)")  # fmt: skip
             plan |= {f"{name}.{p}": ColwiseParallel() for p in columns}
+            # Per-head norms (Qwen3's q_norm/k_norm) share one weight over the heads the split scatters: run on each
+            # rank's heads as a shard along them (dim 2 of (batch, seqlen, heads, head_dim)), so the weight's
+            # gradient is summed over the ranks.
+            plan |= {f"{name}.{n}": NormsByTokens(sequence_dim=2, use_local_output=True)
+                     for n in PER_HEAD_NORMS if isinstance(getattr(module, n, None), nn.Module)}  # fmt: skip
             plan[f"{name}.{rows}"] = SequenceRowwiseParallel() if sequence_parallel else RowwiseParallel()
             if sequence_parallel:
                 plan[name] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": tokens},
@@ -213,10 +217,6 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
     if sequence_parallel:
         plan |= _sequence_parallel_edges(model, tokens, Replicate(), PrepareModuleInput, NormsByTokens)
     return plan
-
-
-#: The norms of a transformers decoder layer, and the stack's final one (by attribute name).
-LAYER_NORMS, FINAL_NORM = ("input_layernorm", "post_attention_layernorm"), "norm"
 
 
 def _sequence_parallel_edges(model: nn.Module, tokens, whole, prepare_input, norms_by_tokens) -> dict[str, Any]:
@@ -276,6 +276,6 @@ def _check_version() -> None:
 
 
 __all__ = [
-    "ACTIVATIONS", "ATTENTION", "ATTENTION_PROJECTIONS", "FINAL_NORM", "LAYER_NORMS", "SUPPORTED",
+    "ACTIVATIONS", "ATTENTION", "ATTENTION_PROJECTIONS", "FINAL_NORM", "LAYER_NORMS", "PER_HEAD_NORMS", "SUPPORTED",
     "attention_forward", "patch", "tensor_parallel_plan",
 ]  # fmt: skip

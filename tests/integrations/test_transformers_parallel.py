@@ -133,24 +133,56 @@ def test_heads_that_do_not_split_are_refused():
         tensor_parallel_plan(_tiny_llama(), 2)
 
 
-def test_per_head_norms_and_sequence_parallel_experts_are_refused():
-    """Qwen3's q_norm/k_norm (one weight shared by the heads a split scatters) and a router under sequence
-    parallelism (it would see one rank's tokens): typed errors naming the layer, before anything is sharded."""
+def _qwen3_step(rank: int, world: int, sequence_parallel: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from epicute.integrations.transformers import patch, tensor_parallel_plan
+
+    mesh = init_device_mesh("cpu", (world,))
+    config = transformers.Qwen3Config(hidden_size=256, intermediate_size=144, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=96,
+                                      max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+    reference = copy.deepcopy(model).double()
+    patch(model, linears=True)
+    plan = tensor_parallel_plan(model, world, sequence_parallel=sequence_parallel)
+    assert "model.layers.1.self_attn.q_norm" in plan and "model.layers.1.self_attn.k_norm" in plan
+    parallelize_module(model, mesh, plan)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 96, (1, 10 * world))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    want = reference(input_ids=ids, labels=ids).loss
+    want.backward()
+    attn, ref_attn = model.model.layers[1].self_attn, reference.model.layers[1].self_attn
+    errors = {"loss": _rel(loss.detach(), want.detach())}
+    for norm in ("q_norm", "k_norm"):  # one weight over every head: each rank's heads' share, summed over ranks
+        errors[norm] = _rel(_full(getattr(attn, norm).weight.grad), getattr(ref_attn, norm).weight.grad)
+    for proj in ("q_proj", "k_proj", "o_proj"):
+        errors[proj] = _rel(_full(getattr(attn, proj).weight.grad), getattr(ref_attn, proj).weight.grad)
+    assert all(e < TOL for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("sequence_parallel", (False, True), ids=("heads", "sequence"))
+def test_a_patched_qwen3_with_per_head_norms_trains_split_like_the_whole_one(sequence_parallel):
+    """Qwen3 normalizes each head's q and k with one weight shared by the heads the split scatters."""
+    spawn(functools.partial(_qwen3_step, sequence_parallel=sequence_parallel), 2)
+
+
+def test_sequence_parallel_experts_are_refused():
+    """A router under sequence parallelism would see one rank's tokens: a typed error naming the layer, before
+    anything is sharded; split by features, the same model is planned."""
     import epicute
     from epicute.integrations.transformers import patch, tensor_parallel_plan
 
-    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        hidden_size=256, intermediate_size=144, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, vocab_size=96))  # fmt: skip
-    patch(qwen3, linears=True)
-    with pytest.raises(epicute.ConfigError, match="model.layers.0.self_attn normalizes each head \\(q_norm, k_norm\\)"):
-        tensor_parallel_plan(qwen3, 2)
     mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
         hidden_size=256, intermediate_size=144, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=96, num_local_experts=4, num_experts_per_tok=2))  # fmt: skip
     patch(mixtral, linears=True)
-    tensor_parallel_plan(mixtral, 2)  # split by features: fine
-    with pytest.raises(epicute.ConfigError, match="sequence_parallel=True with MoE experts"):
+    assert "model.layers.0.mlp.experts" in tensor_parallel_plan(mixtral, 2)
+    with pytest.raises(epicute.ConfigError, match="model.layers.0.mlp.experts: sequence_parallel=True with MoE"):
         tensor_parallel_plan(mixtral, 2, sequence_parallel=True)
 
 
