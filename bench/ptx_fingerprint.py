@@ -78,9 +78,9 @@ def _variants(only: str | None):
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from epicute.attention.backward import BackwardVariant, compile_backward
+    from epicute.attention.backward import BackwardVariant, PreprocessVariant, compile_backward, compile_preprocess
     from epicute.attention.backward_plan import backward_config
-    from epicute.attention.launch import AttentionVariant, compile_attention
+    from epicute.attention.launch import AttentionVariant, CombineVariant, compile_attention, compile_combine
     from epicute.attention.plan import AttentionProblem, default_config, plan_attention
     from epicute.attention.prepare import hooks_of
     from epicute.gemm import GemmProblem, plan_gemm
@@ -161,6 +161,11 @@ def _variants(only: str | None):
             BackwardVariant(backward_config(128), "bf16", True, varlen=True))))  # fmt: skip
         out.append(("attention backward d64 varlen deterministic", lambda: compile_backward(
             BackwardVariant(backward_config(64), "bf16", False, varlen=True, deterministic=True))))  # fmt: skip
+        # The softmax's helpers: split-KV's combine and the backward's preprocess (LSE into log2 units).
+        out.append(("attention combine d128", lambda: compile_combine(CombineVariant("bf16", 128))))
+        for packed in (False, True):
+            prep = PreprocessVariant("bf16", 128, 128, varlen=packed, has_dlse=packed)
+            out.append((f"attention backward preprocess d128 varlen={packed}", lambda p=prep: compile_preprocess(p)))
         bwd_score = hooks_of(meta_call(), softcap, None, {"cap": 30.0})[0]
         out.append(("attention backward d128 softcap causal", lambda: compile_backward(
             BackwardVariant(backward_config(128, score_mod=True), "bf16", True, bwd_score.fusion))))  # fmt: skip

@@ -31,8 +31,6 @@ the block's whole rows, clipped at the sequence's end.
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 from cutlass import Float32, cute
 from cutlass.cute.nvgpu import cpasync
@@ -41,11 +39,11 @@ from cutlass.memory import SmemAllocator
 from epicute.attention.backward_plan import MMA_WARPGROUPS, dq_split, stat_rows_start
 from epicute.attention.backward_sm90 import as_vectors, dq_fragment, dq_tiled_mma
 from epicute.attention.key_blocks import packed_range, ragged_rows, ragged_tensor
+from epicute.attention.softmax import LOG2_E
 from epicute.sm90.epilogue_emit import DSL_DTYPES
 from epicute.sm90.fragments import pack_16bit, row_major_smem_layout, select_modes, stmatrix_copy, transposed_view
 from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
 
-LOG2_E = math.log2(math.e)
 #: Warps per CTA; each walks the block's rows ``warp, warp + WARPS, ...``.
 WARPS = 4
 

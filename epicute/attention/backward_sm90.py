@@ -67,8 +67,6 @@ stored through ragged views that clip at the sequence's end
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, cute, pipeline
@@ -85,6 +83,7 @@ from epicute.attention.backward_plan import (
 )
 from epicute.attention.key_blocks import packed_range, ragged_rows, ragged_tensor
 from epicute.attention.mask import Diagonal, crosses_diagonal, first_query_block
+from epicute.attention.softmax import exp2_scale
 from epicute.epilogue.derivative import value_and_derivative
 from epicute.epilogue.fusion import ScoreModFusion
 from epicute.sm90.cp_async import bulk_reduce_add_f32
@@ -104,8 +103,6 @@ from epicute.sm90.pipeline import NamedBarriers, RingState, make_tma_load_pipeli
 from epicute.sm90.tile_scheduler import band_coord
 from epicute.sm90.turns import pass_turn, wait_turn
 from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
-
-LOG2_E = math.log2(math.e)
 
 
 class AttentionBackwardSm90:
@@ -570,9 +567,7 @@ class AttentionBackwardSm90:
         dP = dsum = parts = None
         if cutlass.const_expr(grads is not None):
             dP, dsum, parts = acc_rows_cols(grads[0]), grads[1], grads[2]
-        scale_log2 = softmax_scale * LOG2_E
-        if cutlass.const_expr(self.score_mod is not None):
-            scale_log2 = Float32(LOG2_E)  # the score_mod sees (and returns) scaled scores
+        scale_log2 = exp2_scale(softmax_scale, self.score_mod is not None)
         index = {"b": batch.to(Float32), "h": head.to(Float32)}
         # Column by column: one query's LSE is read from shared memory once for its rows.
         first, end = columns if cutlass.const_expr(columns is not None) else (0, cute.size(S, mode=[1]))

@@ -14,14 +14,13 @@ not depend on which split finished first (deterministic). A row no split saw a k
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 from cutlass import Float32, cute
 
+from epicute.attention.softmax import LOG2_E
+
 #: Query rows per CTA: one warp each.
 ROWS_PER_CTA = 4
-LOG2_E = math.log2(math.e)
 
 
 class SplitCombineSm90:

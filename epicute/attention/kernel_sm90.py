@@ -56,8 +56,6 @@ dtype, causal, the packed group, the page size and the fused graphs are compile-
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int16, Int32, cute
@@ -67,6 +65,7 @@ from cutlass.memory import SmemAllocator
 from epicute.attention.key_blocks import KeyRange, QueryRange
 from epicute.attention.mask import Diagonal, first_diagonal_block, key_blocks, seen_key_blocks
 from epicute.attention.plan import WGMMA_M, AttentionConfig, attention_smem_layout, lpt_keys_per_band
+from epicute.attention.softmax import LN_2, OnlineSoftmax, exp2_scale
 from epicute.epilogue.fusion import EpilogueFusion, ScoreModFusion
 from epicute.epilogue.schedule import ATTENTION_SM90, plain_graph, schedule
 from epicute.sm90.epilogue_chain import EpilogueRun, StagedOutput, run_chain
@@ -94,13 +93,6 @@ from epicute.sm90.pipeline import (
 )
 from epicute.sm90.tile_scheduler import TileQueue, band_coord
 from epicute.sm90.warp_roles import THREADS_PER_WARPGROUP
-
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-#: Lazy rescaling (AttentionConfig.lazy_rescale): a row's reference max moves only when a block
-#: raises it by more than this many powers of two, so unnormalized P stays <= 2**8 (exact enough
-#: in bf16/fp16, and far from overflow in the fp32 row sums).
-RESCALE_THRESHOLD = 8.0
 
 
 def _pack_heads(t: cute.Tensor, group: int, head_mode: int, rows: int | None = None) -> cute.Tensor:
@@ -172,6 +164,7 @@ class AttentionSm90:
         self.store_warp = THREADS_PER_WARPGROUP // 32
         #: Longest-processing-time-first order (causal only: otherwise every query block is as long).
         self.lpt = causal and cfg.lpt_order
+        self.softmax = OnlineSoftmax(cfg.lazy_rescale)
         #: Query heads per tile row block (packed GQA; 1: a tile holds one head's queries), and the
         #: rows each query takes (the group padded to a power of two that divides tile_m).
         self.pack = cfg.pack_gqa
@@ -266,10 +259,7 @@ class AttentionSm90:
         self.shared_storage = self.smem.struct()
         # Query heads per key/value head a tile's head index is divided by (GQA/MQA; 1 when packed).
         group = cute.size(tma_mQ, mode=[2]) // cute.size(mK, mode=[2])
-        scale_log2 = softmax_scale * LOG2_E
-        if cutlass.const_expr(self.score_mod is not None):
-            # score_mod sees scaled scores, so the scale is applied before it and exp2 only changes base.
-            scale_log2 = Float32(LOG2_E)
+        scale_log2 = exp2_scale(softmax_scale, self.score_mod is not None)
 
         _, num_tiles = self._tiles(QueryRange(tma_mQ, varlen), cute.size(tma_mQ, mode=[2]), self._num_splits(partials))
         num_ctas = TileQueue.grid(num_tiles, max_ctas, cfg.persistent, cutlass.min)
@@ -592,62 +582,6 @@ class AttentionSm90:
         return emit_score_mod(graph, score, index, operands)[dict(graph.outputs)["D"]]
 
     @cute.jit
-    def _online_softmax(self, acc_S, row_max, row_sum, row_scale, scale_log2, is_first: cutlass.Constexpr[bool]):
-        """Fold one S block into the running row max/sum; S becomes P (unnormalized); row_scale rescales O.
-
-        With ``cfg.lazy_rescale`` a row keeps its reference max until a block raises it by more than
-        ``RESCALE_THRESHOLD`` (log2 units): P stays below 2**RESCALE_THRESHOLD, the sum and O stay
-        consistent with the max actually used (which LSE reads), and row_scale is exactly 1 on every
-        other block, so :meth:`_rescale_lazy` can skip O's rescale.
-        """
-        S = acc_rows_cols(acc_S)
-        for r in cutlass.range_constexpr(cute.size(row_max)):
-            s_row = S[r, None].load()
-            init = -Float32.inf if cutlass.const_expr(is_first) else row_max[r]
-            # The 4 lanes of a quad hold the rest of the row (whole rows per warp: see plan.attention).
-            # Float32(): the shuffle reduction uses fmax only for Float32, else a compare/select pair.
-            m = cute.arch.warp_reduction_max(Float32(s_row.reduce(cute.ReductionOp.MAX, init, 0)), threads_in_group=4)
-            m_prev = row_max[r]
-            grows = True
-            if cutlass.const_expr(self.cfg.lazy_rescale and not is_first):
-                # NaN (both -inf: nothing unmasked yet) compares false: the row keeps -inf.
-                grows = (m - m_prev) * scale_log2 > Float32(RESCALE_THRESHOLD)
-                m = cutlass.select_(grows, m, m_prev)
-            row_max[r] = m
-            # A row that saw only masked scores keeps max -inf; exp2 must see 0 there, not NaN.
-            m_safe = cutlass.select_(m == -Float32.inf, Float32(0.0), m)
-            p = cute.math.exp2(s_row * scale_log2 - m_safe * scale_log2, fastmath=True)
-            S[r, None].store(p)
-            if cutlass.const_expr(is_first):
-                row_sum[r] = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                row_scale[r] = Float32(1.0)
-            else:
-                scale = cute.math.exp2((m_prev - m_safe) * scale_log2, fastmath=True)
-                if cutlass.const_expr(self.cfg.lazy_rescale):
-                    scale = cutlass.select_(grows, scale, Float32(1.0))
-                row_scale[r] = scale
-                # The reduction starts from the rescaled running sum (no separate add of a block sum).
-                row_sum[r] = p.reduce(cute.ReductionOp.ADD, row_sum[r] * scale, 0)
-
-    @cute.jit
-    def _rescale(self, acc_O, row_scale):
-        O = acc_rows_cols(acc_O)
-        for r in cutlass.range_constexpr(cute.size(row_scale)):
-            O[r, None].store(O[r, None].load() * row_scale[r])
-
-    @cute.jit
-    def _rescale_lazy(self, acc_O, row_scale):
-        """O's rescale in the loop: skipped by a warp none of whose rows changed its max (lazy_rescale)."""
-        if cutlass.const_expr(self.cfg.lazy_rescale):
-            changed = row_scale[0] != Float32(1.0)
-            for r in cutlass.range_constexpr(1, cute.size(row_scale)):
-                changed = changed | (row_scale[r] != Float32(1.0))
-            if cute.arch.vote_any_sync(changed):
-                self._rescale(acc_O, row_scale)
-        else:
-            self._rescale(acc_O, row_scale)
-
-    @cute.jit
     def _consume(
         self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, mO, mLSE, heads_per_band,
         softmax_scale, scale_log2, score_tensors, score_scalars, epi_args, staging, stores, mma_tidx, is_store_warp,
@@ -718,7 +652,7 @@ class AttentionSm90:
                 k_pipe.consumer_release(read)
                 self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh,
                              score_args, True, self.causal)  # fmt: skip
-                self._online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, True)
+                self.softmax.fold(acc_S, row_max, row_sum, row_scale, scale_log2, True)
                 pack_16bit(acc_as_operand_a(acc_S), tOrP)
 
                 # ---- blocks crossing the causal diagonal, then blocks fully below it.
@@ -739,7 +673,7 @@ class AttentionSm90:
                     warpgroup_gemm(tiled_mma_qk, acc_S_n, tSrQ, tSrK[None, None, None, read.index], False, -1)
                     if cutlass.const_expr(cfg.rescale_o_early):
                         # The previous softmax's scale, applied while QK^T runs (the last PV has retired).
-                        self._rescale_lazy(acc_O, row_scale)
+                        self.softmax.rescale_lazy(acc_O, row_scale)
                     wait_full(v_pipe, read_v)
                     # O's accumulate flag is off for the first PV: no zero-fill of O needed.
                     warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read_v.index], i > 0, -1)
@@ -753,7 +687,7 @@ class AttentionSm90:
                     else:
                         self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh,
                                      score_args, False, False)  # fmt: skip
-                    self._online_softmax(acc_S_n, row_max, row_sum, row_scale, scale_log2, False)
+                    self.softmax.fold(acc_S_n, row_max, row_sum, row_scale, scale_log2, False)
                     if cutlass.const_expr(cfg.release_k_late):
                         # K's stage is free since S landed; released after the softmax (whose last row sum
                         # it waits for) so the PV wait below stays after the softmax too: see release_after.
@@ -762,10 +696,10 @@ class AttentionSm90:
                     v_pipe.consumer_release(read_v)
                     pack_16bit(acc_as_operand_a(acc_S_n), tOrP)
                     if cutlass.const_expr(not cfg.rescale_o_early):
-                        self._rescale_lazy(acc_O, row_scale)
+                        self.softmax.rescale_lazy(acc_O, row_scale)
                 # ---- the last PV.
                 if cutlass.const_expr(cfg.rescale_o_early):
-                    self._rescale_lazy(acc_O, row_scale)
+                    self.softmax.rescale_lazy(acc_O, row_scale)
                 wait_full(v_pipe, read)
                 warpgroup_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, read.index], n_count > 1, 0)
                 v_pipe.consumer_release(read)
@@ -808,7 +742,7 @@ class AttentionSm90:
             lse[r] = cutlass.select_(
                 empty, -Float32.inf, (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
             )
-        self._rescale(acc_O, row_scale)
+        self.softmax.rescale(acc_O, row_scale)
 
         ident = cute.make_identity_tensor((cfg.tile_m, d))
         cO = thr_pv.partition_C(ident)
