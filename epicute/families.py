@@ -25,9 +25,11 @@ SHARED_CODEGEN = ("epicute.sm90", "epicute.epilogue", "epicute.runtime.compile",
 _GEMM_CODEGEN = ("epicute.gemm.kernel_sm90", "epicute.gemm.compile", "epicute.gemm.config", "epicute.gemm.smem")
 #: The forward's fake tensors (``_fake_bshd``...), which every attention compile function builds its arguments from.
 _ATTENTION_LAUNCH = "epicute.attention.launch"
+#: The causal mask and the softmax, which every attention kernel reads.
+_ATTENTION_SHARED = ("epicute.attention.mask", "epicute.attention.softmax")
 _BACKWARD_CODEGEN = (
     "epicute.attention.backward_sm90", "epicute.attention.backward_plan", "epicute.attention.key_blocks",
-    "epicute.attention.backward", _ATTENTION_LAUNCH,
+    "epicute.attention.backward", _ATTENTION_LAUNCH, *_ATTENTION_SHARED,
 )  # fmt: skip
 
 DECLARATIONS: tuple[FamilySpec, ...] = (
@@ -53,6 +55,7 @@ DECLARATIONS: tuple[FamilySpec, ...] = (
             "epicute.attention.plan",
             "epicute.attention.key_blocks",
             _ATTENTION_LAUNCH,
+            *_ATTENTION_SHARED,
         ),
         aot="epicute.attention.aot:attention_variants",
         torch_op="epicute.attention.torch_op:ATTENTION_OP",
@@ -61,7 +64,7 @@ DECLARATIONS: tuple[FamilySpec, ...] = (
     FamilySpec(
         "attention_combine",
         compilers={SM90A: "epicute.attention.launch:compile_combine"},
-        codegen=("epicute.attention.combine_sm90", _ATTENTION_LAUNCH),
+        codegen=("epicute.attention.combine_sm90", _ATTENTION_LAUNCH, *_ATTENTION_SHARED),
     ),
     # The backward's main kernel; its torch op runs the preprocess and postprocess around it.
     FamilySpec(
