@@ -167,8 +167,9 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
     reduce-scatters inside its GEMM. An attention block's input is gathered before its q/k/v projections
     (transformers reshapes them by the token count the block received). The first layer takes its tokens from
     the replicated embeddings, and the LM head gathers them back. Dense models only: a router would see a rank's
-    tokens alone (its weight's gradient a share, not the sum), so an MoE model is refused; the sequence length
-    must split evenly over the ranks.
+    tokens alone (its weight's gradient a share, not the sum), so an MoE model is refused. For training and
+    prefill: a call whose sequence length does not split evenly over the ranks (a decode step's one token) raises
+    :class:`~epicute.errors.ConfigError` on every rank.
 
     Raises :class:`~epicute.errors.ConfigError` where the heads (query or key/value) do not split evenly (and
     ``parallelize_module`` does where a gated MLP's features do not). Per-head norms inside the attention
@@ -230,8 +231,7 @@ def _sequence_parallel_edges(model: nn.Module, tokens, whole, prepare_input, nor
                           "ModuleList) to shard the tokens of")  # fmt: skip
     stack_name, stack = stacks[0]
     prefix = f"{stack_name}." if stack_name else ""
-    plan[f"{prefix}layers.0"] = prepare_input(input_layouts=(whole,), desired_input_layouts=(tokens,),
-                                              use_local_output=True)  # fmt: skip
+    plan[f"{prefix}layers.0"] = _token_shards()()
     for i, layer in enumerate(stack.layers):
         for norm in LAYER_NORMS:
             if not isinstance(getattr(layer, norm, None), nn.Module):
@@ -244,6 +244,36 @@ def _sequence_parallel_edges(model: nn.Module, tokens, whole, prepare_input, nor
     if head is not None:
         plan[head] = prepare_input(input_layouts=(tokens,), desired_input_layouts=(whole,), use_local_output=True)
     return plan
+
+
+@functools.cache
+def _token_shards() -> type:
+    """The style that hands the first decoder layer each rank's share of the tokens, defined on first use (torch's
+    tensor-parallel package loads only then)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class TokenShards(ParallelStyle):
+        """A layer's first input, ``(batch, seqlen, hidden)`` and the same on every rank, cut to this rank's
+        ``seqlen / ranks`` tokens (its gradient gathered back). torch's styles wrap a rank's tokens as even shards,
+        so an uneven split is refused here, on every rank alike, before any collective could disagree on sizes."""
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            module.register_forward_pre_hook(functools.partial(self._shard, device_mesh))
+            return module
+
+        @staticmethod
+        def _shard(device_mesh, module, inputs):
+            x, *rest = inputs
+            ranks = device_mesh.size()
+            if x.shape[1] % ranks:
+                raise ConfigError(f"sequence_parallel=True over {ranks} ranks: a sequence of {x.shape[1]} tokens does "
+                                  f"not split evenly; pad the sequences to a multiple of {ranks} tokens (or plan "
+                                  "with sequence_parallel=False)")  # fmt: skip
+            whole = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            return (whole.redistribute(device_mesh, [Shard(1)]).to_local(), *rest)
+
+    return TokenShards
 
 
 def _is_experts(module: nn.Module) -> bool:

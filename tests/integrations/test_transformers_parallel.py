@@ -77,6 +77,7 @@ def _llama_sequence_parallel_step(rank: int, world: int, batch: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
+    import epicute
     from epicute.distributed import collective
     from epicute.integrations.transformers import patch, tensor_parallel_plan
     from tests.nn.test_parallel import _counting_collectives
@@ -111,6 +112,9 @@ def _llama_sequence_parallel_step(rank: int, world: int, batch: int) -> None:
     assert all(e < TOL for e in errors.values()), errors
     if batch == 1:  # a rank's tokens are one block of rows: the MLPs' and o_proj's collectives run in their GEMMs
         assert calls["gather"] >= 2 and calls["scatter"] >= 4, calls
+    # A sequence that does not split evenly is refused on every rank alike, before any collective.
+    with pytest.raises(epicute.ConfigError, match=f"a sequence of {10 * world - 1} tokens does not split evenly"):
+        model(input_ids=ids[:, 1:])
 
 
 @pytest.mark.parametrize("batch", (1, 2))
