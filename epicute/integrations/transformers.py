@@ -166,8 +166,9 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
     gated MLP gathers its tokens inside the gate/up GEMM and reduce-scatters inside the down GEMM, and ``o_proj``
     reduce-scatters inside its GEMM. An attention block's input is gathered before its q/k/v projections
     (transformers reshapes them by the token count the block received). The first layer takes its tokens from
-    the replicated embeddings, and the LM head gathers them back. Dense models only: a router would see a rank's
-    tokens alone (its weight's gradient a share, not the sum), so an MoE model is refused. For training and
+    the replicated embeddings, and the LM head gathers them back. An MoE block runs on the gathered tokens (a
+    router on one rank's tokens would get that share of its gradient), its experts split by features as without
+    sequence parallelism, and hands each rank its tokens back. For training and
     prefill: a call whose sequence length does not split evenly over the ranks (a decode step's one token) raises
     :class:`~epicute.errors.ConfigError` on every rank.
 
@@ -180,7 +181,12 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
         >>> parallelize_module(model, mesh, plan)
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+    )
     from torch.distributed.tensor.parallel import SequenceParallel as NormsByTokens
 
     from epicute.nn.parallel import GatedMLPParallel, SequenceRowwiseParallel
@@ -191,6 +197,7 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
     tokens = Shard(1)  # (batch, seqlen, hidden): the residual stream's tokens
     plan: dict[str, Any] = {}
     (columns, rows) = ATTENTION_PROJECTIONS
+    moe_blocks = [name.rpartition(".")[0] for name, module in model.named_modules() if isinstance(module, MoEExperts)]
     for name, module in model.named_modules():
         if all(isinstance(getattr(module, p, None), Linear) for p in (*columns, rows)):
             if heads is None or heads % world_size or kv_heads % world_size:
@@ -208,10 +215,18 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
                                                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
                                                 use_local_output=True)  # fmt: skip
         elif isinstance(module, MoEExperts) and sequence_parallel:
-            raise ConfigError(f"{name}: sequence_parallel=True with MoE experts: the router would see one rank's "
-                              "tokens (its gradient a share); use sequence_parallel=False")  # fmt: skip
+            # The MoE block (router, experts, any shared expert) runs on the gathered tokens as without sequence
+            # parallelism (a router on one rank's tokens would get that share of its gradient), and hands each rank
+            # its tokens back: the experts' partial sums all-reduced, then cut.
+            block = name.rpartition(".")[0]
+            plan[block] = PrepareModuleInputOutput(input_layouts=(tokens,), desired_input_layouts=(Replicate(),),
+                                                   use_local_input=True, output_layouts=(Replicate(),),
+                                                   desired_output_layouts=(tokens,), use_local_output=True)  # fmt: skip
+            plan[name] = GatedMLPParallel()
         elif isinstance(module, GatedMLP | MoEExperts):  # GatedMLPParallel checks that the features split
-            plan[name] = GatedMLPParallel(input_layouts=tokens, output_layouts=tokens) if sequence_parallel else (
+            # A shared expert inside an MoE block sees the block's gathered tokens.
+            by_tokens = sequence_parallel and not any(name.startswith(f"{block}.") for block in moe_blocks)
+            plan[name] = GatedMLPParallel(input_layouts=tokens, output_layouts=tokens) if by_tokens else (
                 GatedMLPParallel())  # fmt: skip
     if not plan:
         raise ConfigError("no attention or GatedMLP to split: patch(model, linears=True) first")

@@ -175,22 +175,7 @@ def test_a_patched_qwen3_with_per_head_norms_trains_split_like_the_whole_one(seq
     spawn(functools.partial(_qwen3_step, sequence_parallel=sequence_parallel), 2)
 
 
-def test_sequence_parallel_experts_are_refused():
-    """A router under sequence parallelism would see one rank's tokens: a typed error naming the layer, before
-    anything is sharded; split by features, the same model is planned."""
-    import epicute
-    from epicute.integrations.transformers import patch, tensor_parallel_plan
-
-    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        hidden_size=256, intermediate_size=144, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=96, num_local_experts=4, num_experts_per_tok=2))  # fmt: skip
-    patch(mixtral, linears=True)
-    assert "model.layers.0.mlp.experts" in tensor_parallel_plan(mixtral, 2)
-    with pytest.raises(epicute.ConfigError, match="model.layers.0.mlp.experts: sequence_parallel=True with MoE"):
-        tensor_parallel_plan(mixtral, 2, sequence_parallel=True)
-
-
-def _mixtral_step(rank: int, world: int) -> None:
+def _mixtral_step(rank: int, world: int, sequence_parallel: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -207,12 +192,14 @@ def _mixtral_step(rank: int, world: int) -> None:
     reference = copy.deepcopy(model).double()
     reference.config._experts_implementation = "eager"  # the expert loop in float64 (torch._grouped_mm has none)
     patch(model, linears=True)
-    plan = tensor_parallel_plan(model, world)
+    plan = tensor_parallel_plan(model, world, sequence_parallel=sequence_parallel)
     experts = [name for name, module in model.named_modules() if isinstance(module, MoEExperts)]
     assert len(experts) == 2 and all(name in plan for name in experts)
+    # Sequence-parallel: each MoE block gathers its tokens (the router sees them all) and cuts them again.
+    assert all((name.rpartition(".")[0] in plan) == sequence_parallel for name in experts)
     parallelize_module(model, mesh, plan)
     torch.manual_seed(1)
-    ids = torch.randint(0, 96, (2, 19))
+    ids = torch.randint(0, 96, (2, 10 * world if sequence_parallel else 19))
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     want = reference(input_ids=ids, labels=ids).loss
@@ -220,7 +207,13 @@ def _mixtral_step(rank: int, world: int) -> None:
     # difference upstream (tests/integrations/test_transformers.py compares the experts' gradients on one block).
     assert _rel(loss.detach(), want.detach()) < TOL
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    # Every replicated weight (router, norms, embeddings) gets the whole gradient, the same on every rank.
+    router = model.model.layers[1].mlp.gate.weight.grad
+    gathered = [torch.empty_like(router) for _ in range(world)]
+    torch.distributed.all_gather(gathered, router)
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def test_a_patched_mixtral_trains_with_its_experts_split_by_features():
-    spawn(_mixtral_step, 2)
+@pytest.mark.parametrize("sequence_parallel", (False, True), ids=("features", "sequence"))
+def test_a_patched_mixtral_trains_with_its_experts_split_by_features(sequence_parallel):
+    spawn(functools.partial(_mixtral_step, sequence_parallel=sequence_parallel), 2)
