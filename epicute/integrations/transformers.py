@@ -168,8 +168,8 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
     (transformers reshapes them by the token count the block received). The first layer takes its tokens from
     the replicated embeddings, and the LM head gathers them back. An MoE block runs on the gathered tokens (a
     router on one rank's tokens would get that share of its gradient), its experts split by features as without
-    sequence parallelism, and hands each rank its tokens back. For training and
-    prefill: a call whose sequence length does not split evenly over the ranks (a decode step's one token) raises
+    sequence parallelism, and hands each rank its tokens back. For training and prefill: a call whose sequence
+    length does not split evenly over the ranks (a decode step's one token) raises
     :class:`~epicute.errors.ConfigError` on every rank.
 
     Raises :class:`~epicute.errors.ConfigError` where the heads (query or key/value) do not split evenly (and
@@ -186,8 +186,8 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
         PrepareModuleInput,
         PrepareModuleInputOutput,
         RowwiseParallel,
+        SequenceParallel,
     )
-    from torch.distributed.tensor.parallel import SequenceParallel as NormsByTokens
 
     from epicute.nn.parallel import GatedMLPParallel, SequenceRowwiseParallel
 
@@ -207,7 +207,7 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
             # Per-head norms (Qwen3's q_norm/k_norm) share one weight over the heads the split scatters: run on each
             # rank's heads as a shard along them (dim 2 of (batch, seqlen, heads, head_dim)), so the weight's
             # gradient is summed over the ranks.
-            plan |= {f"{name}.{n}": NormsByTokens(sequence_dim=2, use_local_output=True)
+            plan |= {f"{name}.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
                      for n in PER_HEAD_NORMS if isinstance(getattr(module, n, None), nn.Module)}  # fmt: skip
             plan[f"{name}.{rows}"] = SequenceRowwiseParallel() if sequence_parallel else RowwiseParallel()
             if sequence_parallel:
@@ -231,14 +231,17 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
     if not plan:
         raise ConfigError("no attention or GatedMLP to split: patch(model, linears=True) first")
     if sequence_parallel:
-        plan |= _sequence_parallel_edges(model, tokens, Replicate(), PrepareModuleInput, NormsByTokens)
+        plan |= _sequence_parallel_edges(model)
     return plan
 
 
-def _sequence_parallel_edges(model: nn.Module, tokens, whole, prepare_input, norms_by_tokens) -> dict[str, Any]:
+def _sequence_parallel_edges(model: nn.Module) -> dict[str, Any]:
     """The sequence-parallel plan's entries outside the attention blocks and MLPs: the layer stack takes its
     first layer's input (the embeddings, replicated) as each rank's tokens, every norm runs on a rank's tokens
     (its weight's gradient summed over the ranks), and the LM head gathers the tokens back."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
     plan: dict[str, Any] = {}
     stacks = [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)]
     if len(stacks) != 1 or not len(stacks[0][1].layers):
@@ -251,13 +254,14 @@ def _sequence_parallel_edges(model: nn.Module, tokens, whole, prepare_input, nor
         for norm in LAYER_NORMS:
             if not isinstance(getattr(layer, norm, None), nn.Module):
                 raise ConfigError(f"sequence_parallel=True: {prefix}layers.{i} has no {norm}; only decoder layers "
-                                  f"with {' and '.join(LAYER_NORMS)} (Llama, Qwen2, Mistral) are planned")  # fmt: skip
-            plan[f"{prefix}layers.{i}.{norm}"] = norms_by_tokens(use_local_output=True)
+                                  f"with {' and '.join(LAYER_NORMS)} (Llama, Qwen, Mistral, Mixtral) are "
+                                  "planned")  # fmt: skip
+            plan[f"{prefix}layers.{i}.{norm}"] = SequenceParallel(use_local_output=True)
     if isinstance(getattr(stack, FINAL_NORM, None), nn.Module):
-        plan[f"{prefix}{FINAL_NORM}"] = norms_by_tokens(use_local_output=True)
-    head = "lm_head" if isinstance(getattr(model, "lm_head", None), nn.Module) else None
-    if head is not None:
-        plan[head] = prepare_input(input_layouts=(tokens,), desired_input_layouts=(whole,), use_local_output=True)
+        plan[f"{prefix}{FINAL_NORM}"] = SequenceParallel(use_local_output=True)
+    if isinstance(getattr(model, "lm_head", None), nn.Module):
+        plan["lm_head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                             use_local_output=True)  # fmt: skip
     return plan
 
 
