@@ -38,42 +38,7 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _llama_step(rank: int, world: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from epicute.integrations.transformers import patch, tensor_parallel_plan
-
-    mesh = init_device_mesh("cpu", (world,))
-    model = _tiny_llama()
-    reference = copy.deepcopy(model).double()
-    patch(model, linears=True)
-    plan = tensor_parallel_plan(model, world)
-    assert sorted({key.rsplit(".", 1)[-1] for key in plan}) == ["k_proj", "mlp", "o_proj", "q_proj", "v_proj"]
-    parallelize_module(model, mesh, plan)
-    torch.manual_seed(1)  # the same tokens on every rank
-    ids = torch.randint(0, 96, (2, 19))
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    want = reference(input_ids=ids, labels=ids).loss
-    want.backward()
-    layer, ref_layer = model.model.layers[1], reference.model.layers[1]
-    errors = {
-        "loss": _rel(loss.detach(), want.detach()),
-        "embed_tokens": _rel(model.model.embed_tokens.weight.grad, reference.model.embed_tokens.weight.grad),
-    }
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        errors[proj] = _rel(_full(getattr(layer.self_attn, proj).weight.grad),
-                            getattr(ref_layer.self_attn, proj).weight.grad)  # fmt: skip
-    errors["down_proj"] = _rel(_full(layer.mlp.down_proj.weight.grad), ref_layer.mlp.down_proj.weight.grad)
-    assert all(e < TOL for e in errors.values()), errors
-
-
-def test_a_patched_llama_split_by_heads_and_features_trains_like_the_whole_one():
-    spawn(_llama_step, 2)
-
-
-def _llama_sequence_parallel_step(rank: int, world: int, batch: int) -> None:
+def _llama_step(rank: int, world: int, sequence_parallel: bool = False, batch: int = 2) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -87,11 +52,14 @@ def _llama_sequence_parallel_step(rank: int, world: int, batch: int) -> None:
     model = _tiny_llama()
     reference = copy.deepcopy(model).double()
     patch(model, linears=True)
-    plan = tensor_parallel_plan(model, world, sequence_parallel=True)
-    assert {"model.layers.0", "model.layers.1.post_attention_layernorm", "model.norm", "lm_head"} <= set(plan)
+    plan = tensor_parallel_plan(model, world, sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        assert {"model.layers.0", "model.layers.1.post_attention_layernorm", "model.norm", "lm_head"} <= set(plan)
+    else:
+        assert sorted({key.rsplit(".", 1)[-1] for key in plan}) == ["k_proj", "mlp", "o_proj", "q_proj", "v_proj"]
     parallelize_module(model, mesh, plan)
-    torch.manual_seed(1)  # the same tokens on every rank: each layer keeps this rank's share of them
-    ids = torch.randint(0, 96, (batch, 10 * world))
+    torch.manual_seed(1)  # the same tokens on every rank (sequence-parallel: each layer keeps this rank's share)
+    ids = torch.randint(0, 96, (batch, 10 * world if sequence_parallel else 19))
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     want = reference(input_ids=ids, labels=ids).loss
@@ -103,13 +71,15 @@ def _llama_sequence_parallel_step(rank: int, world: int, batch: int) -> None:
         "lm_head": _rel(model.lm_head.weight.grad, reference.lm_head.weight.grad),
         "norm": _rel(_full(model.model.norm.weight.grad), reference.model.norm.weight.grad),
     }
-    for norm in ("input_layernorm", "post_attention_layernorm"):  # each rank's tokens' share, summed over ranks
+    for norm in ("input_layernorm", "post_attention_layernorm"):  # sequence-parallel: each rank's tokens' share, summed
         errors[norm] = _rel(_full(getattr(layer, norm).weight.grad), getattr(ref_layer, norm).weight.grad)
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         errors[proj] = _rel(_full(getattr(layer.self_attn, proj).weight.grad),
                             getattr(ref_layer.self_attn, proj).weight.grad)  # fmt: skip
     errors["down_proj"] = _rel(_full(layer.mlp.down_proj.weight.grad), ref_layer.mlp.down_proj.weight.grad)
     assert all(e < TOL for e in errors.values()), errors
+    if not sequence_parallel:
+        return
     if batch == 1:  # a rank's tokens are one block of rows: the MLPs' and o_proj's collectives run in their GEMMs
         assert calls["gather"] >= 2 and calls["scatter"] >= 4, calls
     # A sequence that does not split evenly is refused on every rank alike, before any collective.
@@ -117,11 +87,15 @@ def _llama_sequence_parallel_step(rank: int, world: int, batch: int) -> None:
         model(input_ids=ids[:, 1:])
 
 
+def test_a_patched_llama_split_by_heads_and_features_trains_like_the_whole_one():
+    spawn(_llama_step, 2)
+
+
 @pytest.mark.parametrize("batch", (1, 2))
 def test_a_patched_llama_trains_sequence_parallel_like_the_whole_one(batch):
     """Tokens sharded between the layers (norms on each rank's tokens, the MLPs and o_proj with their collectives
     inside the GEMMs; with two sequences a rank's tokens are no single block, and the layers gather first)."""
-    spawn(functools.partial(_llama_sequence_parallel_step, batch=batch), 2)
+    spawn(functools.partial(_llama_step, sequence_parallel=True, batch=batch), 2)
 
 
 def test_heads_that_do_not_split_are_refused():
