@@ -25,8 +25,8 @@ Contenders, each built from the same weights (a deep copy of one model) and fed 
   it, the rest (norms, rotary, routing, the loss) fused by Inductor; ``epicute_eager``: the patched model as it is;
 - ``hf_sdpa``: transformers with ``attn_implementation="sdpa"`` (its default); ``hf_eager``: ``"eager"``;
 - ``hf_sdpa_compile``: ``hf_sdpa`` under ``torch.compile`` (default mode, static shapes);
-- ``liger`` (training, dense Llama only): ``apply_liger_kernel_to_llama(model=...)`` on an SDPA model (RMSNorm,
-  SwiGLU, RoPE and its fused linear cross-entropy). Liger patches ``modeling_llama``'s module globals (RoPE,
+- ``liger`` (training): Liger's ``apply_liger_kernel_to_<model>(model=...)`` (:data:`LIGER`) on an SDPA model
+  (RMSNorm, SwiGLU, RoPE and its fused linear cross-entropy). Liger patches the modeling module's globals (RoPE,
   the RMSNorm and MLP classes); those patches are undone for everyone else and applied only around its own
   steps, so no other contender runs Liger's code.
 
@@ -101,19 +101,31 @@ def module_globals(module, values: dict):
             setattr(module, name, value)
 
 
-def liger_model(base):
-    """An SDPA model with ``base``'s weights, patched by Liger; its module-level patches undone, returned apart."""
-    from liger_kernel.transformers import apply_liger_kernel_to_llama
-    from transformers.models.llama import modeling_llama
+#: model class -> (Liger's patch function, the transformers module whose globals it patches)
+LIGER = {
+    "LlamaForCausalLM": ("apply_liger_kernel_to_llama", "transformers.models.llama.modeling_llama"),
+    "MixtralForCausalLM": ("apply_liger_kernel_to_mixtral", "transformers.models.mixtral.modeling_mixtral"),
+    "Qwen3MoeForCausalLM": ("apply_liger_kernel_to_qwen3_moe", "transformers.models.qwen3_moe.modeling_qwen3_moe"),
+}
 
+
+def liger_model(base):
+    """An SDPA model with ``base``'s weights, patched by Liger; the modeling module and its globals that Liger
+    patched (undone, to be set only around Liger's own steps)."""
+    import importlib
+
+    import liger_kernel.transformers
+
+    apply_name, module_name = LIGER[type(base).__name__]
+    modeling = importlib.import_module(module_name)
     model = copy.deepcopy(base)
-    before = dict(vars(modeling_llama))
-    apply_liger_kernel_to_llama(model=model)
-    patched = {name: value for name, value in vars(modeling_llama).items() if before.get(name) is not value}
+    before = dict(vars(modeling))
+    getattr(liger_kernel.transformers, apply_name)(model=model)
+    patched = {name: value for name, value in vars(modeling).items() if before.get(name) is not value}
     for name in patched:
         if name in before:
-            setattr(modeling_llama, name, before[name])
-    return model, patched
+            setattr(modeling, name, before[name])
+    return model, modeling, patched
 
 
 def run_case(name: str, layers: int) -> tuple[Row, bool]:
@@ -137,13 +149,11 @@ def run_case(name: str, layers: int) -> tuple[Row, bool]:
     models["hf_sdpa"] = (sdpa, None)
     models["hf_eager"] = (with_weights(build(name, layers, "eager"), sdpa), None)
     models["hf_sdpa_compile"] = (torch.compile(copy.deepcopy(sdpa), dynamic=False), None)
-    if training and name.startswith("llama_train"):
+    if training and type(sdpa).__name__ in LIGER:
         try:
-            from transformers.models.llama import modeling_llama
-
-            liger, patched = liger_model(sdpa)
-            models["liger"] = (liger, functools.partial(module_globals, modeling_llama, patched))
-        except ImportError as exc:
+            liger, modeling, patched = liger_model(sdpa)
+            models["liger"] = (liger, functools.partial(module_globals, modeling, patched))
+        except (ImportError, AttributeError) as exc:  # no Liger wheel, or one without this model's patch
             print(f"  liger            not run: {exc}")
 
     def step(model, scope) -> Callable[[], object]:
