@@ -8,8 +8,9 @@ elementwise ops consuming it, into one :func:`epicute.gemm` whose epilogue is tr
 
 The backend rewrites Dynamo's graph (torch-level calls, before AOTAutograd), so a lifted layer trains through the
 epicute op's own autograd: its backward epilogue is derived from the lifted ops (:mod:`epicute.gemm.autograd`).
-Everything else stays Inductor's. Lifted: ``F.linear`` and ``x @ w`` with a 2-D ``w`` (any leading dimensions, a
-linear's bias too; bf16 or fp16, ``in`` and ``out`` multiples of 8) followed by single-use
+Everything else stays Inductor's. Lifted: ``F.linear``, ``x @ w``, ``torch.mm`` and ``torch.addmm(b, x, w)`` with a
+2-D ``w`` (any leading dimensions, a linear's or addmm's bias too; bf16 or fp16, ``in`` and ``out`` multiples of 8), and
+``torch.bmm`` (``a @ b`` of two 3-D tensors, as one batched GEMM), followed by single-use
 ``gelu``/``relu``/``silu``/``sigmoid``/``tanh`` and ``+ - * /`` with numbers, ``(out,)`` vectors, per-row
 ``(..., 1)`` columns or tensors of the output's shape, all in the layer's dtype; ``torch._grouped_mm(x, w, offs=offs)``
 (what ``F.grouped_mm`` and transformers' grouped experts record) with the same chains, as one
@@ -58,8 +59,11 @@ APPLY: dict[str, Callable] = {
     "add": operator.add, "mul": operator.mul, "sub": operator.sub, "div": operator.truediv,
 }  # fmt: skip
 LIFTED_DTYPES = (torch.bfloat16, torch.float16)
-#: the GEMM calls lifted: ``F.linear(x, w, b)`` (``w`` ``(out, in)``) and ``x @ w`` (``w`` ``(in, out)``)
-GEMMS = (F.linear, operator.matmul, torch.matmul)
+#: the GEMM calls lifted: ``F.linear(x, w, b)`` (``w`` ``(out, in)``), ``x @ w`` / ``torch.mm(x, w)`` (``w``
+#: ``(in, out)``), ``torch.addmm(b, x, w)`` (``x @ w + b``) and the batched ``torch.bmm(a, b)`` (or ``a @ b`` of two 3-D
+#: tensors); as Dynamo records them, functions or tensor methods
+GEMMS = (F.linear, operator.matmul, torch.matmul, torch.mm, torch.addmm, torch.bmm)
+GEMM_METHODS = {"matmul": torch.matmul, "mm": torch.mm, "bmm": torch.bmm}
 
 
 @dataclass
@@ -77,7 +81,8 @@ class Report:
         def kernel(steps: tuple[str, ...]) -> str:
             if steps == ("attention",):
                 return "attention"
-            head, rest = ("grouped gemm", steps[1:]) if steps[:1] == ("grouped",) else ("linear", steps)
+            head, rest = (f"{steps[0]} gemm", steps[1:]) if steps[:1] in (("grouped",), ("batched",)) else (
+                "linear", steps)  # fmt: skip
             return f"{head} -> {', '.join(rest) or '(no epilogue)'}"
 
         because = dict(self.measured)
@@ -330,7 +335,7 @@ def lift_linear_epilogues(gm: torch.fx.GraphModule, decide: Callable[[Candidate]
     Returns what was lifted and what was left, and why."""
     report = Report()
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.graph is not gm.graph:
+        if node.op not in ("call_function", "call_method") or node.graph is not gm.graph:
             continue
         if node.target is F.scaled_dot_product_attention:
             _lift_attention(gm, node, decide, report)
@@ -338,34 +343,69 @@ def lift_linear_epilogues(gm: torch.fx.GraphModule, decide: Callable[[Candidate]
             why = _why_not_grouped(node)
             offs = _grouped_options(node)["offs"]
             _lift_or_leave(gm, node, why, lifted_grouped_gemm, (*node.args[:2], offs), {}, [], decide, report)
-        elif node.target in GEMMS:
-            linear = node.target is F.linear
-            x, weight, bias = (list(node.args) + [node.kwargs.get("bias") if linear else None])[:3]
-            bias_list = [bias] if bias is not None else []
-            _lift_or_leave(gm, node, _why_not(node, linear), lifted_gemm, (x, weight), {"linear": linear}, bias_list,
-                           decide, report)  # fmt: skip
+        elif node.target in GEMMS or (node.op == "call_method" and node.target in GEMM_METHODS):
+            _lift_gemm(gm, node, decide, report)
     gm.graph.lint()
     gm.recompile()
     return report
 
 
+def _lift_gemm(gm: torch.fx.GraphModule, node: torch.fx.Node, decide, report: Report) -> None:
+    """A linear, matmul, mm, addmm or bmm node: lifted with its chain as :func:`lifted_gemm` (one weight for
+    every row of ``x``) or :func:`lifted_bmm` (a weight per batch entry), or left with the reason."""
+    target = GEMM_METHODS[node.target] if node.op == "call_method" else node.target
+    linear = target is F.linear
+    args, bias = list(node.args), None
+    if linear:
+        args, bias = args[:2], (args[2:] or [node.kwargs.get("bias")])[0]
+    elif target is torch.addmm:  # addmm(b, x, w): x @ w, then + b
+        bias, args = args[0], args[1:3]
+    x, weight = (_value(a) if isinstance(a, torch.fx.Node) else None for a in args[:2])
+    batched = isinstance(weight, torch.Tensor) and weight.dim() == 3 and target is not F.linear
+    why = _why_not(node, x, weight, linear) if not batched else _why_not_batched(x, weight)
+    if why is None and target is torch.addmm and (set(node.kwargs) - {"beta", "alpha"} or any(
+            node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha"))):  # fmt: skip
+        why = "addmm with beta or alpha other than 1"
+    bias_kind = _operand_kind(bias, (*x.shape[:-1], weight.shape[-1] if not linear else weight.shape[0])) if (
+        bias is not None and why is None) else None  # fmt: skip
+    if bias is not None and why is None and bias_kind is None:
+        why = "a bias that is no (out,) vector, (tokens, 1) column or tile of the output's shape, or not a tensor"
+    fn, options = (lifted_bmm, {}) if batched else (lifted_gemm, {"linear": linear})
+    # What the unlifted candidate calls (its chain adds the bias): addmm is matmul + add.
+    unlifted = torch.matmul if target in (torch.addmm, operator.matmul) else target
+    _lift_or_leave(gm, node, why, fn, tuple(args[:2]), options, [] if bias is None else [(bias, bias_kind)], decide,
+                   report, unlifted)  # fmt: skip
+
+
+def _operand_kind(arg: Any, out_shape: tuple) -> str | None:
+    """An epilogue operand's kind against the output's shape (``tile``, ``row``: ``(out,)``, ``col``: ``(..., 1)``),
+    None where it is none of them (or not a tensor of a lifted dtype)."""
+    t = _value(arg) if isinstance(arg, torch.fx.Node) else None
+    if not isinstance(t, torch.Tensor) or t.dtype not in (*LIFTED_DTYPES, torch.float32):
+        return None
+    out_shape = tuple(out_shape)
+    return ("tile" if tuple(t.shape) == out_shape else "row" if tuple(t.shape) == out_shape[-1:]
+            else "col" if tuple(t.shape) == (*out_shape[:-1], 1) else None)  # fmt: skip
+
+
 def _lift_or_leave(gm, node, why: str | None, fn: Callable, args: tuple, kwargs: dict, bias: list, decide,
-                   report: Report) -> None:  # fmt: skip
-    """Replace the GEMM ``node`` and the elementwise chain consuming it (a ``bias`` first, as a row operand) by one
-    call ``fn(*args, *operands, program=..., **kwargs)``, unless ``why`` says it cannot be or ``decide`` drops it."""
+                   report: Report, unlifted: Callable | None = None) -> None:  # fmt: skip
+    """Replace the GEMM ``node`` and the elementwise chain consuming it (``bias``, ``[(node, kind)]``, added first)
+    by one call ``fn(*args, *operands, program=..., **kwargs)``, unless ``why`` says it cannot be or ``decide`` drops
+    it. ``unlifted``: the torch call the candidate's unlifted form starts with (default: the node's)."""
     if why:
         report.left.append((node.name, why))
         return
-    operands: list = list(bias)
-    kinds: list[str] = ["row"] * len(bias)
+    operands: list = [arg for arg, _ in bias]
+    kinds: list[str] = [kind for _, kind in bias]
     steps: list = [("add", (("acc",), ("operand", 0)))] if bias else []
     chain = [node]
     while (step := _next_step(chain[-1], _value(node), operands, kinds)) is not None:
         steps.append(step[0])
         chain.append(step[1])
     program = (tuple(steps), tuple(kinds))
-    names = (("grouped",) if fn is lifted_grouped_gemm else ()) + tuple(op for op, _ in steps)
-    candidate = Candidate(node.target, fn, tuple(_value(a) for a in (*args, *operands)), len(args),
+    names = KERNEL_TAGS.get(fn, ()) + tuple(op for op, _ in steps)
+    candidate = Candidate(unlifted or node.target, fn, tuple(_value(a) for a in (*args, *operands)), len(args),
                           tuple(sorted({**kwargs, "program": program}.items())))  # fmt: skip
     if decide is not None and not _decided(candidate, node, decide, report):
         return
@@ -502,9 +542,9 @@ def _value(node: torch.fx.Node) -> Any:
     return node.meta.get("example_value")
 
 
-def _why_not(node: torch.fx.Node, linear: bool) -> str | None:
-    """Why this linear (or ``x @ w`` matmul) node is left to Inductor (None: it is lifted)."""
-    x, weight = (_value(a) if isinstance(a, torch.fx.Node) else None for a in node.args[:2])
+def _why_not(node: torch.fx.Node, x: Any, weight: Any, linear: bool) -> str | None:
+    """Why this linear (or ``x @ w``) node, of input ``x`` and ``weight`` (example values), is left to Inductor
+    (None: it is lifted)."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return "its input or weight is not a traced tensor"
     if x.dtype not in LIFTED_DTYPES or weight.dtype != x.dtype:
@@ -516,6 +556,22 @@ def _why_not(node: torch.fx.Node, linear: bool) -> str | None:
     n, k = weight.shape if linear else reversed(weight.shape)
     if n % 8 or k % 8:  # symbolic sizes: a guard of the compiled graph (it recompiles where it fails)
         return f"weight {tuple(weight.shape)}: in and out must be multiples of 8 (TMA's 16-byte rows)"
+    return None
+
+
+def _why_not_batched(a: Any, b: Any) -> str | None:
+    """Why a batched ``bmm(a, b)`` (``a @ b`` of two 3-D tensors) is left to Inductor (None: it is lifted)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return "its inputs are not traced tensors"
+    if a.dtype not in LIFTED_DTYPES or b.dtype != a.dtype:
+        return f"dtypes {a.dtype} x {b.dtype}: epicute lifts bf16 or fp16 GEMMs of one dtype"
+    if a.dim() != 3 or a.shape[0] != b.shape[0]:
+        return f"a {a.dim()}-D x 3-D matmul: epicute lifts (L, M, K) x (L, K, N) batches"
+    for name, t in (("a", a), ("b", b)):
+        if t.stride(-1) != 1 and t.stride(-2) != 1:
+            return f"{name} strides {tuple(t.stride())}: neither of its last two dimensions is contiguous"
+    if a.shape[-1] % 8 or b.shape[-1] % 8:  # symbolic sizes: a guard of the compiled graph
+        return f"K={a.shape[-1]}, N={b.shape[-1]}: both must be multiples of 8 (TMA's 16-byte rows)"
     return None
 
 
@@ -608,6 +664,27 @@ def _linear_operands(weight: torch.Tensor, operands: tuple, program: tuple, line
     return weight, values
 
 
+def lifted_bmm(a: torch.Tensor, b: torch.Tensor, *operands: torch.Tensor, program: tuple):
+    """``torch.bmm(a, b)`` and the lifted ops as one batched :func:`epicute.gemm` (operands pinned to the kinds the
+    chain gave them: tiles ``(L, M, N)``, rows ``(N,)``, columns ``(L, M, 1)``)."""
+    from epicute.gemm.api import gemm
+
+    return gemm(a, b, epilogue=lifted_epilogue(program), **_pinned(operands, program))
+
+
+def _pinned(operands: tuple, program: tuple) -> dict[str, Any]:
+    from epicute.epilogue.operands import ColVector, Tile
+
+    pins = {"row": RowVector, "col": ColVector, "tile": Tile}
+    return {f"t{i}": pins[kind](t) for i, (t, kind) in enumerate(zip(operands, program[1]))}
+
+
+def _explain_bmm(a, b, *operands, program: tuple, file: TextIO) -> None:
+    from epicute.gemm.api import explain
+
+    explain(a, b, epilogue=lifted_epilogue(program), file=file, **_pinned(operands, program))
+
+
 def _explain_gemm(x, weight, *operands, program: tuple, linear: bool, file: TextIO) -> None:
     from epicute.gemm.api import explain
 
@@ -615,10 +692,14 @@ def _explain_gemm(x, weight, *operands, program: tuple, linear: bool, file: Text
     explain(x.reshape(-1, x.shape[-1]), weight.t(), epilogue=lifted_epilogue(program), file=file, **values)
 
 
+#: the report's first step of a lifted call that is no linear GEMM
+KERNEL_TAGS: dict[Callable, tuple[str, ...]] = {lifted_grouped_gemm: ("grouped",), lifted_bmm: ("batched",)}
 #: each lifted call -> what prints its kernel's plan (the same arguments, and ``file``)
-EXPLAINERS: dict[Callable, Callable] = {lifted_gemm: _explain_gemm, lifted_grouped_gemm: _explain_grouped,
-                                        lifted_attention: _explain_attention}  # fmt: skip
+EXPLAINERS: dict[Callable, Callable] = {
+    lifted_gemm: _explain_gemm, lifted_bmm: _explain_bmm, lifted_grouped_gemm: _explain_grouped,
+    lifted_attention: _explain_attention,
+}  # fmt: skip
 
 
 __all__ = ["Candidate", "Measured", "Report", "always", "backend", "last_report", "lift_linear_epilogues",
-           "lifted_attention", "lifted_gemm", "lifted_grouped_gemm"]  # fmt: skip
+           "lifted_attention", "lifted_bmm", "lifted_gemm", "lifted_grouped_gemm"]  # fmt: skip

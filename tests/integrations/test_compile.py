@@ -237,3 +237,61 @@ def test_explain_plans_each_lifted_kernel_at_the_graphs_sizes(reference_layers):
     assert plans[2].startswith(attention) and plans[3].startswith(grouped), plans
     chains = [line for section in sections.values() for line in section.splitlines() if "subtile  compute" in line]
     assert any("gelu" in line for line in chains) and any("silu" in line for line in chains)
+
+
+def test_mm_addmm_and_bmm_are_lifted_with_their_chains(reference_layers):
+    """``torch.mm``/``Tensor.mm`` as ``x @ w``, ``torch.addmm(b, x, w)`` as ``x @ w + b`` (the bias its epilogue's
+    first step), ``torch.bmm`` and ``a @ b`` of two 3-D tensors as one batched GEMM each, every chain lifted with
+    them; each output against float64."""
+
+    def f(x, w, b, a3, b3, t3, col3):
+        return (torch.relu(torch.mm(x, w)), torch.tanh(torch.addmm(b, x, w)), x.mm(w) * 2.0,
+                torch.sigmoid(torch.bmm(a3, b3) + t3), (a3 @ b3) * col3)  # fmt: skip
+
+    torch._dynamo.reset()
+    bf = torch.bfloat16
+    x, w, b = torch.randn(21, 64, dtype=bf), (torch.randn(64, 40) / 8).to(bf), torch.randn(40, dtype=bf)
+    a3, b3 = torch.randn(3, 13, 32, dtype=bf), (torch.randn(3, 32, 24) / 6).to(bf)
+    t3, col3 = torch.randn(3, 13, 24, dtype=bf), torch.randn(3, 13, 1, dtype=bf)
+    args = (x, w, b, a3, b3, t3, col3)
+    got = torch.compile(f, backend=AOT_EAGER, fullgraph=True)(*args)
+    report = EC.last_report()
+    assert [steps for _, steps in report.lifted] == [
+        ("relu",), ("add", "tanh"), ("mul",), ("batched", "add", "sigmoid"), ("batched", "mul"),
+    ], report  # fmt: skip
+    assert "batched gemm -> add, sigmoid" in str(report)
+    want = f(*(t.double() for t in args))
+    for i, (g, r) in enumerate(zip(got, want)):
+        assert ((g.double() - r).norm() / r.norm()).item() < TOL, i
+
+
+def test_batched_gemms_train_through_their_lifted_chain(reference_layers):
+    def f(a3, b3, t3):
+        return torch.sigmoid(torch.bmm(a3, b3) + t3)
+
+    torch._dynamo.reset()
+    bf = torch.bfloat16
+    leaves = [torch.randn(2, 17, 32, dtype=bf), (torch.randn(2, 32, 16) / 6).to(bf), torch.randn(2, 17, 16, dtype=bf)]
+    grad = torch.randn(2, 17, 16, dtype=bf)
+    ours = [t.clone().requires_grad_() for t in leaves]
+    torch.compile(f, backend=AOT_EAGER, fullgraph=True)(*ours).backward(grad)
+    assert [steps for _, steps in EC.last_report().lifted] == [("batched", "add", "sigmoid")]
+    ref = [t.double().requires_grad_() for t in leaves]
+    f(*ref).backward(grad.double())
+    for name, g, r in zip(("a", "b", "t"), ours, ref):
+        assert ((g.grad.double() - r.grad).norm() / r.grad.norm()).item() < TOL, name
+
+
+def test_mm_shapes_epicute_cannot_take_are_left_with_the_reason():
+    def f(x, w, b, a3, b3):
+        return torch.addmm(b, x, w, beta=2.0), torch.bmm(a3, b3)
+
+    torch._dynamo.reset()
+    bf = torch.bfloat16
+    args = (torch.randn(8, 64, dtype=bf), torch.randn(64, 40, dtype=bf), torch.randn(40, dtype=bf),
+            torch.randn(2, 8, 20, dtype=bf), torch.randn(2, 20, 16, dtype=bf))  # fmt: skip
+    torch.compile(f, backend=AOT_EAGER, fullgraph=True)(*args)
+    report = EC.last_report()
+    assert report.lifted == []
+    reasons = [why for _, why in report.left]
+    assert "beta or alpha" in reasons[0] and "K=20" in reasons[1], reasons
