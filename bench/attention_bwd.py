@@ -6,7 +6,8 @@ peers: each contender's forward runs once with q, k, v requiring grad, then
 ``torch.autograd.grad(o, (q, k, v), do, retain_graph=True)`` is timed (the backward pass only).
 TFLOPS count 2.5x the forward's 4·b·h·sq·sk·d matmul FLOPs, halved when causal. Each contender's
 gradients are first checked against a float32 autograd reference of the first (batch, key/value
-head) and its query heads (the whole problem's float32 scores would not fit), then all are timed as
+head) and its query heads, 2048 queries at a time (the whole problem's float32 scores would not fit;
+GQA 8:1 and 16:1 rows, up to 32 K keys, are issue 60's), then all are timed as
 ``triton.testing.do_bench`` times them (L2 flushed before each call; :func:`epicute.benchmark.time_flushed`),
 medians of interleaved rounds. Writes bench/results/attention_bwd.json (and $OUT/attention_bwd.json).
 
@@ -36,6 +37,10 @@ CASES = {
     "b16_h16_s2048_d128": (16, 2048, 16, 16, 128, False),
     "b1_h16_s16384_d128": (1, 16384, 16, 16, 128, False),
     "b2_hq32_hkv8_s8192_d128_causal": (2, 8192, 32, 8, 128, True),
+    # GQA 8:1 and 16:1 (issue 60): Llama-3-70B's attention (64 / 8 heads), Qwen3-30B-A3B's at 32 K (32 / 4)
+    "b1_hq64_hkv8_s8192_d128_causal": (1, 8192, 64, 8, 128, True),
+    "b1_hq32_hkv4_s32768_d128_causal": (1, 32768, 32, 4, 128, True),
+    "b1_hq64_hkv4_s8192_d128_causal": (1, 8192, 64, 4, 128, True),
 }
 #: name -> (sequence lengths, heads_q, heads_kv, head_dim, causal): 16 sequences of 257-8000 tokens (65 K).
 VARLEN_CASES = {
@@ -53,22 +58,37 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "attention_bwd.json"
 TOLERANCE = 1e-2
 
 
+#: Query rows per float32 reference pass: its scores stay ~2 GB per 8 heads however long the keys run.
+REFERENCE_ROWS = 2048
+
+
 def reference_grads(q, k, v, do, causal: bool):
-    """float32 autograd of the first (batch, key/value head) and its query heads: (dq, dk, dv) slices."""
-    group = q.shape[2] // k.shape[2]
-    q1, k1, v1 = (t[:1, :, :n].detach().float().requires_grad_() for t, n in ((q, group), (k, 1), (v, 1)))
-    o = _first_group_attention(q1, k1, v1, causal)
-    return torch.autograd.grad(o, (q1, k1, v1), do[:1, :, :group].float())
+    """float32 autograd of the first (batch, key/value head) and its query heads: (dq, dk, dv) slices. The queries
+    go in blocks of :data:`REFERENCE_ROWS` (exact: each query's softmax is its own), dK and dV summed over them."""
+    group, seqlen_q = q.shape[2] // k.shape[2], q.shape[1]
+    k1, v1 = (t[:1, :, :1].detach().float().requires_grad_() for t in (k, v))
+    dq, dk, dv = [], torch.zeros_like(k1), torch.zeros_like(v1)
+    for first in range(0, seqlen_q, REFERENCE_ROWS):
+        rows = slice(first, first + REFERENCE_ROWS)
+        q1 = q[:1, rows, :group].detach().float().requires_grad_()
+        o = _first_group_attention(q1, k1, v1, causal, first, seqlen_q)
+        grads = torch.autograd.grad(o, (q1, k1, v1), do[:1, rows, :group].float())
+        dq.append(grads[0])
+        dk += grads[1]
+        dv += grads[2]
+    return torch.cat(dq, dim=1), dk, dv
 
 
-def _first_group_attention(q1, k1, v1, causal: bool) -> torch.Tensor:
-    """float32 O ``(1, seqlen_q, group, d)`` of one key/value head's query heads (q1 ``(1, sq, group, d)``,
-    k1 and v1 ``(1, sk, 1, d)``), causal bottom-right aligned."""
+def _first_group_attention(q1, k1, v1, causal: bool, first_query: int = 0, seqlen_q: int | None = None):
+    """float32 O ``(1, rows, group, d)`` of one key/value head's query heads (q1 ``(1, rows, group, d)``: queries
+    ``first_query`` on of ``seqlen_q``, all by default; k1 and v1 ``(1, sk, 1, d)``), causal bottom-right aligned."""
     group = q1.shape[2]
     s = torch.einsum("bqhd,bkhd->bhqk", q1, k1.expand(-1, -1, group, -1)) * q1.shape[-1] ** -0.5
     if causal:
-        sq, sk = q1.shape[1], k1.shape[1]
-        hidden = torch.arange(sk, device=q1.device)[None] > torch.arange(sq, device=q1.device)[:, None] + sk - sq
+        rows, sk = q1.shape[1], k1.shape[1]
+        sq = rows if seqlen_q is None else seqlen_q
+        queries = torch.arange(first_query, first_query + rows, device=q1.device)
+        hidden = torch.arange(sk, device=q1.device)[None] > queries[:, None] + sk - sq
         s = s.masked_fill(hidden, float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v1.expand(-1, -1, group, -1))
 

@@ -29,6 +29,7 @@ ALL_SHAPES: list[Shape] = [
     (4096, 14336, 4096),
     (8192, 4096, 14336),
     (2048, 8192, 8192),
+    (1000, 14336, 4096),  # a ragged M at Llama-3-8B's up projection (issue 60)
 ] + [  # small M (decode-like batches) over the (N, K) of common layers
     (m, n, k) for m in (256, 512, 1024) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192))
 ]

@@ -1,13 +1,14 @@
 """Grouped GEMM (mixture-of-experts) throughput: epicute.grouped_gemm vs torch._grouped_mm, quack's
 varlen-M GEMM and a loop of torch.mm, in TFLOPS (2 * total_M * N * K per call).
 
-Usage: python bench/grouped.py [--cases even8,skewed8,even64,skewed128,decode64,swiglu8,wgrad8,fp8block8,gather8]
-       [--out PATH]
+Usage: python bench/grouped.py [--cases even8,skewed8,even64,skewed128,decode64,swiglu8,wgrad8,fp8block8,gather8,
+                                wgrad32_dsv3,half8_down] [--out PATH]
 Inputs as ``../shared/bench/PEERS.md`` calls the peers: bf16 tokens ``x`` (total_M, K) sorted by
 expert, weights ``w`` (G, N, K) row-major passed as ``w.transpose(-2, -1)``, ``offs`` int32 group ends
 (quack takes ``cu_seqlens_m``, the same with a leading 0). Group sizes are multiples of 8 (as in
-PEERS.md): even splits, Zipf-skewed ones (expert i gets a share ~ 1/(i+1), shuffled), and the decode
-case's top-8 routing of 512 tokens over 64 experts rounded to multiples of 8. Every contender's first
+PEERS.md): even splits, Zipf-skewed ones (expert i gets a share ~ 1/(i+1), shuffled), one expert taking half
+the rows (``half8_down``, a Mixtral down projection), and the decode case's top-8 routing of 512 tokens over 64
+experts rounded to multiples of 8. Every contender's first
 call is checked against a float32 reference and not timed; then all are timed as
 ``triton.testing.do_bench`` times them (L2 flushed before each call), medians of interleaved rounds.
 The gated case (``swiglu8``) is an MoE up-projection with its activation: B holds each expert's gate
@@ -28,7 +29,8 @@ are: 8192 tokens, each routed to two experts (16384 grouped rows, Zipf-sized gro
 copy made beforehand (not checked), so the gather's own cost is its ratio to ``epicute``.
 The variable-K case (``wgrad8``) is an MoE weight gradient, dW_g = x_g^T dy_g over each expert's tokens
 (x (tokens, 4096), dy (tokens, 14336), Zipf routing): ``epicute.grouped_gemm(x.t(), dy, offs)``,
-``torch._grouped_mm`` of the same 2-D operands, quack with ``cu_seqlens_k`` and a loop of ``torch.mm``.
+``torch._grouped_mm`` of the same 2-D operands, quack with ``cu_seqlens_k`` and a loop of ``torch.mm``;
+``wgrad32_dsv3`` the same at DeepSeek-V3's expert-parallel shape (32 experts, D 32 x 7168 x 4096, even routing).
 Writes bench/results/grouped.json (and $OUT/grouped.json when OUT is set).
 """
 
@@ -53,9 +55,13 @@ CASES = {
     "wgrad8": (8, 16384, 4096, 14336, "zipf"),  # variable K: tokens are the reduction, D (G, 4096, 14336)
     "fp8block8": (8, 16384, 4096, 14336, "zipf"),  # fp8 e4m3 inputs, blockwise scales per group
     "gather8": (8, 16384, 4096, 14336, "zipf"),  # rows gathered from 8192 tokens, each routed to 2 experts
+    # DeepSeek-V3's expert-parallel weight gradient: 32 local experts, D (32, 7168, 4096) (issue 60)
+    "wgrad32_dsv3": (32, 16384, 7168, 4096, "even"),
+    # Mixtral's down projection with one expert taking half the tokens (issue 60)
+    "half8_down": (8, 16384, 14336, 4096, "half"),
 }
 GATED = {"swiglu8"}
-VARIABLE_K = {"wgrad8"}
+VARIABLE_K = {"wgrad8", "wgrad32_dsv3"}
 FP8 = {"fp8block8"}
 GATHER = {"gather8"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "grouped.json"
@@ -67,6 +73,9 @@ def group_sizes(experts: int, total: int, routing: str, gen: torch.Generator) ->
     units = total // 8
     if routing == "even":
         weights = torch.ones(experts)
+    elif routing == "half":  # one expert (at random) takes half the rows, the others share the rest evenly
+        weights = torch.full((experts,), 1.0 / (experts - 1), dtype=torch.float64)
+        weights[int(torch.randint(experts, (1,), generator=gen))] = 1.0
     elif routing == "zipf":
         weights = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64)
         weights = weights[torch.randperm(experts, generator=gen)]
