@@ -191,3 +191,21 @@ def _mixtral_step(rank: int, world: int, sequence_parallel: bool) -> None:
 @pytest.mark.parametrize("sequence_parallel", (False, True), ids=("features", "sequence"))
 def test_a_patched_mixtral_trains_with_its_experts_split_by_features(sequence_parallel):
     spawn(functools.partial(_mixtral_step, sequence_parallel=sequence_parallel), 2)
+
+
+def test_a_sequence_parallel_plan_needs_a_stack_of_decoder_layers():
+    """Sequence parallelism shards the tokens of one stack of decoder layers with their two norms: a model without
+    them is refused, naming what is missing, before anything is sharded."""
+    import epicute
+    from epicute.integrations.transformers import patch, tensor_parallel_plan
+    from epicute.nn import GatedMLP
+
+    mlp = torch.nn.Sequential(GatedMLP(64, 128))
+    assert "0" in tensor_parallel_plan(mlp, 2)  # split by features: no layers needed
+    with pytest.raises(epicute.ConfigError, match="no single stack of decoder layers"):
+        tensor_parallel_plan(mlp, 2, sequence_parallel=True)
+    model = _tiny_llama()
+    patch(model, linears=True)
+    del model.model.layers[1].post_attention_layernorm
+    with pytest.raises(epicute.ConfigError, match="model.layers.1 has no post_attention_layernorm"):
+        tensor_parallel_plan(model, 2, sequence_parallel=True)
