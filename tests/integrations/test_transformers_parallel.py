@@ -31,11 +31,18 @@ def _tiny_llama(kv_heads: int = 2):
 
 
 def _rel(got, want):
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+    got, want = got.double().cpu(), want.double().cpu()
+    return ((got - want).norm() / want.norm()).item()
 
 
 def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _device() -> str:
+    """The world's device: CPU tensors in a gloo world (the reference backend), each rank's GPU in an NCCL one (the
+    kernels; test_transformers_parallel_gpu.py). The float64 reference stays on the CPU."""
+    return "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
 
 
 def _llama_step(rank: int, world: int, sequence_parallel: bool = False, batch: int = 2) -> None:
@@ -48,9 +55,10 @@ def _llama_step(rank: int, world: int, sequence_parallel: bool = False, batch: i
     from tests.nn.test_parallel import _counting_collectives
 
     calls = _counting_collectives(collective)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(_device(), (world,))
     model = _tiny_llama()
     reference = copy.deepcopy(model).double()
+    model.to(_device())
     patch(model, linears=True)
     plan = tensor_parallel_plan(model, world, sequence_parallel=sequence_parallel)
     if sequence_parallel:
@@ -60,7 +68,7 @@ def _llama_step(rank: int, world: int, sequence_parallel: bool = False, batch: i
     parallelize_module(model, mesh, plan)
     torch.manual_seed(1)  # the same tokens on every rank (sequence-parallel: each layer keeps this rank's share)
     ids = torch.randint(0, 96, (batch, 10 * world if sequence_parallel else 19))
-    loss = model(input_ids=ids, labels=ids).loss
+    loss = model(input_ids=ids.to(_device()), labels=ids.to(_device())).loss
     loss.backward()
     want = reference(input_ids=ids, labels=ids).loss
     want.backward()
@@ -84,7 +92,7 @@ def _llama_step(rank: int, world: int, sequence_parallel: bool = False, batch: i
         assert calls["gather"] >= 2 and calls["scatter"] >= 4, calls
     # A sequence that does not split evenly is refused on every rank alike, before any collective.
     with pytest.raises(epicute.ConfigError, match=f"a sequence of {10 * world - 1} tokens does not split evenly"):
-        model(input_ids=ids[:, 1:])
+        model(input_ids=ids[:, 1:].to(_device()))
 
 
 def test_a_patched_llama_split_by_heads_and_features_trains_like_the_whole_one():
@@ -117,20 +125,21 @@ def _qwen3_step(rank: int, world: int, sequence_parallel: bool) -> None:
 
     from epicute.integrations.transformers import patch, tensor_parallel_plan
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(_device(), (world,))
     config = transformers.Qwen3Config(hidden_size=256, intermediate_size=144, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=96,
                                       max_position_embeddings=64)  # fmt: skip
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
     reference = copy.deepcopy(model).double()
+    model.to(_device())
     patch(model, linears=True)
     plan = tensor_parallel_plan(model, world, sequence_parallel=sequence_parallel)
     assert "model.layers.1.self_attn.q_norm" in plan and "model.layers.1.self_attn.k_norm" in plan
     parallelize_module(model, mesh, plan)
     torch.manual_seed(1)
     ids = torch.randint(0, 96, (1, 10 * world))
-    loss = model(input_ids=ids, labels=ids).loss
+    loss = model(input_ids=ids.to(_device()), labels=ids.to(_device())).loss
     loss.backward()
     want = reference(input_ids=ids, labels=ids).loss
     want.backward()
@@ -156,7 +165,7 @@ def _mixtral_step(rank: int, world: int, sequence_parallel: bool) -> None:
     from epicute.integrations.transformers import patch, tensor_parallel_plan
     from epicute.nn import MoEExperts
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(_device(), (world,))
     config = transformers.MixtralConfig(
         hidden_size=256, intermediate_size=144, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=96, num_local_experts=5, num_experts_per_tok=2, max_position_embeddings=64,
@@ -164,6 +173,7 @@ def _mixtral_step(rank: int, world: int, sequence_parallel: bool) -> None:
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
     reference = copy.deepcopy(model).double()
+    model.to(_device())
     reference.config._experts_implementation = "eager"  # the expert loop in float64 (torch._grouped_mm has none)
     patch(model, linears=True)
     plan = tensor_parallel_plan(model, world, sequence_parallel=sequence_parallel)
@@ -174,7 +184,7 @@ def _mixtral_step(rank: int, world: int, sequence_parallel: bool) -> None:
     parallelize_module(model, mesh, plan)
     torch.manual_seed(1)
     ids = torch.randint(0, 96, (2, 10 * world if sequence_parallel else 19))
-    loss = model(input_ids=ids, labels=ids).loss
+    loss = model(input_ids=ids.to(_device()), labels=ids.to(_device())).loss
     loss.backward()
     want = reference(input_ids=ids, labels=ids).loss
     # The loss only: a bf16 model may route a token to another expert than the float64 one after a last-bit
