@@ -20,7 +20,8 @@ unlifted call compiled by Inductor, forward and backward where the graph trains,
 sizes, once per call, sizes and GPU, remembered on disk); on a CPU every candidate is lifted. A lifted epilogue
 computes in fp32 without the intermediate roundings to bf16 that the unfused ops make. Attention is lifted without a
 mask or dropout, bf16 or fp16, head_dim 64, 128 or 256, any GQA ratio; causal only with as many queries as keys
-(torch aligns a causal mask top-left, epicute bottom-right: they agree only there).
+(torch aligns a causal mask top-left, epicute bottom-right: they agree only there); ``flex_attention`` likewise, with
+no block mask or a causal one, its score_mod read from Dynamo's graph of it (:func:`_score_program`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class Report:
         def kernel(steps: tuple[str, ...]) -> str:
             if steps == ("attention",):
                 return "attention"
+            if steps[:1] == ("flex attention",):
+                return f"flex attention -> {', '.join(steps[1:]) or '(no score_mod)'}"
             head, rest = (f"{steps[0]} gemm", steps[1:]) if steps[:1] in (("grouped",), ("batched",)) else (
                 "linear", steps)  # fmt: skip
             return f"{head} -> {', '.join(rest) or '(no epilogue)'}"
@@ -339,6 +342,8 @@ def lift_linear_epilogues(gm: torch.fx.GraphModule, decide: Callable[[Candidate]
             continue
         if node.target is F.scaled_dot_product_attention:
             _lift_attention(gm, node, decide, report)
+        elif FLEX_ATTENTION is not None and node.target is FLEX_ATTENTION:
+            _lift_flex_attention(gm, node, decide, report)
         elif node.target is torch._grouped_mm:
             why = _why_not_grouped(node)
             offs = _grouped_options(node)["offs"]
@@ -491,19 +496,9 @@ def _lift_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, decide, repor
     q, k, v = (_value(a) if isinstance(a, torch.fx.Node) else None for a in node.args[:3])
     given = dict(zip((name for name, _ in SDPA_PARAMETERS), node.args[3:])) | dict(node.kwargs)
     options = {name: given.get(name, default) for name, default in SDPA_PARAMETERS}
-    why = None
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
-        why = "q, k and v are not 4-D traced tensors"
-    elif q.dtype not in LIFTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        why = f"dtype {q.dtype}: epicute's attention takes bf16 or fp16"
-    elif options["attn_mask"] is not None or options["dropout_p"]:
+    why = _why_not_attention(q, k, v, bool(options["is_causal"]))
+    if why is None and (options["attn_mask"] is not None or options["dropout_p"]):
         why = "an attn_mask or dropout: epicute's attention has neither"
-    elif q.shape[-1] not in (64, 128, 256) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
-        why = f"head_dim {q.shape[-1]}: epicute's attention takes 64, 128 or 256"
-    elif q.shape[1] % k.shape[1]:
-        why = f"{q.shape[1]} query heads over {k.shape[1]} key/value heads"
-    elif options["is_causal"] and q.shape[2] != k.shape[2]:
-        why = "causal with fewer queries than keys: torch aligns the mask top-left, epicute bottom-right"
     if why:
         report.left.append((node.name, why))
         return
@@ -521,6 +516,192 @@ def _lift_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, decide, repor
     gm.graph.erase_node(node)
     report.lifted.append((node.name, ("attention",)))
     report.calls[node.name] = candidate.on_meta()
+
+
+def _why_not_attention(q: Any, k: Any, v: Any, causal: bool) -> str | None:
+    """Why an attention over q, k, v ``(batch, heads, seqlen, head_dim)`` (example values) is left to Inductor."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return "q, k and v are not 4-D traced tensors"
+    if q.dtype not in LIFTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype}: epicute's attention takes bf16 or fp16"
+    if q.shape[-1] not in (64, 128, 256) or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return f"head_dim {q.shape[-1]}: epicute's attention takes 64, 128 or 256"
+    if q.shape[1] % k.shape[1]:
+        return f"{q.shape[1]} query heads over {k.shape[1]} key/value heads"
+    if causal and q.shape[2] != k.shape[2]:
+        return "causal with fewer queries than keys: torch aligns the mask top-left, epicute bottom-right"
+    return None
+
+
+#: ``flex_attention``'s higher-order op as Dynamo records it (absent from torch builds without it)
+FLEX_ATTENTION = getattr(torch.ops.higher_order, "flex_attention", None)
+#: a score_mod's arguments, in flex_attention's order (``score`` the scaled score), then its captured buffers
+SCORE_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+
+
+def _lift_flex_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, decide, report: Report) -> None:
+    """``flex_attention(q, k, v, score_mod=..., block_mask=...)`` as :func:`epicute.attention` with the score_mod read
+    from its graph (:func:`_score_program`), where the block mask is none or causal and only O is read."""
+    q, k, v = (_value(a) if isinstance(a, torch.fx.Node) else None for a in node.args[:3])
+    score_node, block_mask, scale, _, score_buffers, mask_buffers = node.args[3:9]
+    causal = _mask_kind(gm, block_mask) if not mask_buffers else None
+    why = None
+    if causal is None:
+        why = "a block mask other than none or causal (q_idx >= kv_idx): epicute's attention has no other"
+    elif any(not (user.target is operator.getitem and user.args[1] == 0) for user in node.users):
+        why = "its log-sum-exp is read: the lifted call returns O alone"
+    else:
+        why = _why_not_attention(q, k, v, causal)
+    program = None
+    if why is None:
+        program, why = _score_program(getattr(gm, score_node.target), score_buffers, q.shape[1])
+    if why:
+        report.left.append((node.name, why))
+        return
+    options = {"causal": causal, "scale": scale, "score_program": program}
+    inputs = (q, k, v, *(_value(b) for b in score_buffers))
+    candidate = Candidate(flex_peer, lifted_flex_attention, inputs, len(inputs), tuple(sorted(options.items())),
+                          tuple(sorted(options.items())))  # fmt: skip
+    if decide is not None and not _decided(candidate, node, decide, report):
+        return
+    with gm.graph.inserting_before(node):
+        fused = gm.graph.call_function(lifted_flex_attention, (*node.args[:3], *score_buffers), options)
+    fused.meta.update(node.meta)
+    fused.meta["example_value"] = _value(node)[0]
+    for user in list(node.users):
+        user.replace_all_uses_with(fused)
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(node)
+    report.lifted.append((node.name, ("flex attention", *(op for op, _ in program[0]))))
+    report.calls[node.name] = candidate.on_meta()
+
+
+def _mask_kind(gm: torch.fx.GraphModule, block_mask: tuple) -> bool | None:
+    """A block mask's mask_mod read from its graph: False for none (flex's all-True), True for causal
+    (``q_idx >= kv_idx``), None for any other."""
+    mask_node = block_mask[-1] if isinstance(block_mask, tuple) and block_mask else None
+    graph = getattr(gm, mask_node.target, None) if isinstance(mask_node, torch.fx.Node) else None
+    if not isinstance(graph, torch.fx.GraphModule):
+        return None
+    args = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    (result,) = next(n for n in graph.graph.nodes if n.op == "output").args
+    result = result[0] if isinstance(result, (tuple, list)) else result
+    if result.op == "call_method" and result.target == "new_ones":
+        return False
+    if len(args) == 4 and result.op == "call_function":
+        if result.target is operator.ge and result.args == (args[2], args[3]):
+            return True
+        if result.target is operator.le and result.args == (args[3], args[2]):
+            return True
+    return None
+
+
+def _score_program(graph: torch.fx.GraphModule, buffers: tuple, heads: int) -> tuple[tuple | None, str | None]:
+    """A score_mod's graph as a program of epicute ops: ``(steps, output)``, each step ``(op, refs)``, a ref
+    ``("arg", i)`` (score, b, h, q_idx, kv_idx), ``("step", j)``, ``("operand", k)`` (captured buffer ``k`` read at
+    the query head: ``buffer[h]`` of a ``(heads,)`` vector) or ``("const", value)``; or the reason it is none."""
+    env: dict[torch.fx.Node, tuple] = {}
+    steps: list = []
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    for i, arg in enumerate(placeholders):
+        env[arg] = ("arg", i) if i < len(SCORE_ARGS) else ("buffer", i - len(SCORE_ARGS))
+    for n in graph.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.op == "call_function" and n.target is operator.getitem and env.get(n.args[0], ("",))[0] == "buffer":
+            k = env[n.args[0]][1]
+            t = _value(buffers[k]) if k < len(buffers) and isinstance(buffers[k], torch.fx.Node) else None
+            if n.args[1] is not placeholders[2] or not isinstance(t, torch.Tensor) or tuple(t.shape) != (heads,):
+                return None, "a captured tensor read other than per query head (buffer[h] of a (heads,) vector)"
+            env[n] = ("operand", k)
+            continue
+        op = _op_of(n)
+        if op is None or n.kwargs:
+            return None, f"a score_mod op epicute lacks ({n.target})"
+        refs = []
+        for a in n.args:
+            if isinstance(a, torch.fx.Node) and a in env and env[a][0] != "buffer":
+                refs.append(env[a])
+            elif isinstance(a, (int, float)) and not isinstance(a, bool):
+                refs.append(("const", float(a)))
+            else:
+                return None, f"a score_mod argument epicute cannot read ({a})"
+        env[n] = ("step", len(steps))
+        steps.append((op, tuple(refs)))
+    (result,) = next(n for n in graph.graph.nodes if n.op == "output").args
+    result = result[0] if isinstance(result, (tuple, list)) else result
+    if result not in env or env[result][0] not in ("arg", "step"):
+        return None, "a score_mod whose result epicute cannot read"
+    return (tuple(steps), env[result]), None
+
+
+def _program_values(program: tuple, args: tuple, operands: tuple, apply: dict) -> Any:
+    """A score program's result from its arguments (score, b, h, q_idx, kv_idx) and operands, ``apply`` giving each
+    op (epicute's traced ops, or torch's)."""
+    steps, output = program
+    values: list = []
+
+    def read(ref):
+        kind, at = ref
+        return {"arg": args, "step": values, "operand": operands}[kind][at] if kind != "const" else at
+
+    for op, refs in steps:
+        values.append(apply[op](*(read(r) for r in refs)))
+    return read(output)
+
+
+@functools.cache
+def lifted_score_mod(program: tuple) -> Callable | None:
+    """The epicute score_mod of a program (None for the identity): ``f(score, b, h, q_idx, kv_idx, t0, ...)``."""
+    steps, output = program
+    if output == ("arg", 0):
+        return None
+    count = len({r[1] for _, refs in steps for r in refs if r[0] == "operand"})
+
+    def score_mod(*args):
+        return _program_values(program, args[: len(SCORE_ARGS)], args[len(SCORE_ARGS) :], APPLY)
+
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in SCORE_ARGS]
+    params += [inspect.Parameter(f"t{i}", inspect.Parameter.POSITIONAL_OR_KEYWORD) for i in range(count)]
+    score_mod.__signature__ = inspect.Signature(params)
+    score_mod.__name__ = "lifted_" + "_".join(op for op, _ in steps)
+    return score_mod
+
+
+def lifted_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *buffers: torch.Tensor, causal: bool,
+                          scale: float | None, score_program: tuple) -> torch.Tensor:  # fmt: skip
+    """``flex_attention(q, k, v, score_mod=..., block_mask=None or causal)`` (``(batch, heads, seqlen, dim)``) as
+    :func:`epicute.attention` with the lifted score_mod (per-head buffers as its operands ``t0``, ``t1``...)."""
+    from epicute.attention.api import attention
+
+    out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=scale,
+                    score_mod=lifted_score_mod(score_program), **_named(buffers))  # fmt: skip
+    return out.transpose(1, 2)
+
+
+def flex_peer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *buffers: torch.Tensor, causal: bool,
+              scale: float | None, score_program: tuple) -> torch.Tensor:  # fmt: skip
+    """The unlifted call a GPU measures the lift against: torch's ``flex_attention`` with the same score_mod (the
+    program in torch's ops, each buffer read at the query head) and mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return _program_values(score_program, (score, b, h, q_idx, kv_idx), tuple(t[h] for t in buffers),
+                               TORCH_STEPS)  # fmt: skip
+
+    mask = None
+    if causal:
+        mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, q.shape[2], k.shape[2],
+                                 device=q.device)  # fmt: skip
+    gqa = q.shape[1] != k.shape[1]
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _explain_flex(q, k, v, *buffers, causal: bool, scale: float | None, score_program: tuple, file: TextIO) -> None:
+    from epicute.attention.api import explain_attention
+
+    explain_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, file=file,
+                      score_mod=lifted_score_mod(score_program), **_named(buffers))  # fmt: skip
 
 
 def lifted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None):
@@ -697,9 +878,10 @@ KERNEL_TAGS: dict[Callable, tuple[str, ...]] = {lifted_grouped_gemm: ("grouped",
 #: each lifted call -> what prints its kernel's plan (the same arguments, and ``file``)
 EXPLAINERS: dict[Callable, Callable] = {
     lifted_gemm: _explain_gemm, lifted_bmm: _explain_bmm, lifted_grouped_gemm: _explain_grouped,
-    lifted_attention: _explain_attention,
+    lifted_attention: _explain_attention, lifted_flex_attention: _explain_flex,
 }  # fmt: skip
 
 
-__all__ = ["Candidate", "Measured", "Report", "always", "backend", "last_report", "lift_linear_epilogues",
-           "lifted_attention", "lifted_bmm", "lifted_gemm", "lifted_grouped_gemm"]  # fmt: skip
+__all__ = ["Candidate", "Measured", "Report", "always", "backend", "flex_peer", "last_report", "lift_linear_epilogues",
+           "lifted_attention", "lifted_bmm", "lifted_flex_attention", "lifted_gemm", "lifted_grouped_gemm",
+           "lifted_score_mod"]  # fmt: skip

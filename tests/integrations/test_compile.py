@@ -295,3 +295,108 @@ def test_mm_shapes_epicute_cannot_take_are_left_with_the_reason():
     assert report.lifted == []
     reasons = [why for _, why in report.left]
     assert "beta or alpha" in reasons[0] and "K=20" in reasons[1], reasons
+
+
+SLOPES = torch.rand(4)  # a per-query-head ALiBi slope, captured by the score_mod below
+
+
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 30.0 * torch.tanh(score / 30.0)
+
+
+def _alibi(score, b, h, q_idx, kv_idx):
+    return score + SLOPES[h] * (kv_idx - q_idx)
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _flex_reference(q, k, v, score_mod: str | None, causal: bool) -> torch.Tensor:
+    """float64 attention with the score_mods above, GQA by repeated key/value heads."""
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    q_idx, kv_idx = torch.arange(s.shape[2])[:, None].double(), torch.arange(s.shape[3])[None].double()
+    if score_mod == "softcap":
+        s = 30.0 * torch.tanh(s / 30.0)
+    elif score_mod == "alibi":
+        s = s + SLOPES.double()[None, :, None, None] * (kv_idx - q_idx)
+    if causal:
+        s = s.masked_fill(kv_idx > q_idx, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize(("score_mod", "causal", "steps"), [
+    ("softcap", True, ("flex attention", "div", "tanh", "mul")),
+    ("alibi", False, ("flex attention", "sub", "mul", "add")),
+    (None, False, ("flex attention",)),
+])  # fmt: skip
+def test_flex_attention_is_lifted_with_its_score_mod(reference_layers, score_mod, causal, steps):
+    """``flex_attention``'s score_mod, read from its graph (a captured per-head vector as an operand), and a causal
+    block mask become one epicute.attention; GQA 2:1, odd length; O against float64."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    mod = {"softcap": _softcap, "alibi": _alibi, None: None}[score_mod]
+    mask = create_block_mask(_causal, None, None, 77, 77, device="cpu") if causal else None
+
+    def f(q, k, v):
+        return flex_attention(q, k, v, score_mod=mod, block_mask=mask, enable_gqa=True)
+
+    torch._dynamo.reset()
+    q = torch.randn(2, 4, 77, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 77, 64, dtype=torch.bfloat16) for _ in range(2))
+    out = torch.compile(f, backend=AOT_EAGER, fullgraph=True)(q, k, v)
+    assert [s for _, s in EC.last_report().lifted] == [steps]
+    want = _flex_reference(q, k, v, score_mod, causal)
+    assert ((out.double() - want).norm() / want.norm()).item() < TOL
+
+
+def test_flex_attention_epicute_cannot_take_is_left_with_the_reason():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    window = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() < 16, None, None, 64, 64,
+                               device="cpu")  # fmt: skip
+
+    def f(q, k, v):
+        windowed = flex_attention(q, k, v, block_mask=window)
+        with_lse, lse = flex_attention(q, k, v, return_lse=True)
+        clamped = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.clamp(s, max=5.0))
+        return windowed, with_lse, lse, clamped
+
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    torch.compile(f, backend=AOT_EAGER, fullgraph=True)(q, q, q)
+    report = EC.last_report()
+    reasons = [why for _, why in report.left]
+    assert report.lifted == [] and len(reasons) == 3, report
+    assert "block mask other than none or causal" in reasons[0]
+    assert "log-sum-exp is read" in reasons[1]
+    assert "score_mod op epicute lacks" in reasons[2]
+
+
+@pytest.mark.parametrize(("ours", "theirs", "lifted"), [(1.0, 2.0, True), (3.0, 2.0, False)])
+def test_flex_attention_is_kept_only_where_it_wins(reference_layers, monkeypatch, tmp_path, ours, theirs, lifted):
+    """Measured against torch's flex_attention with the same score_mod and mask (``flex_peer``), run here eagerly:
+    both sides' outputs agree (the timer checks), and the faster one stays."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    timer = _Timer(ours, theirs)
+    decide = EC.Measured(timer=timer, peer=lambda gm, inputs: gm)
+    mask = create_block_mask(_causal, None, None, 40, 40, device="cpu")
+
+    def f(q, k, v):
+        return flex_attention(q, k, v, score_mod=_alibi, block_mask=mask)
+
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 4, 40, 64, dtype=torch.bfloat16) for _ in range(3))
+    out = torch.compile(f, backend=functools.partial(EC.backend, inner="aot_eager", decide=decide),
+                        fullgraph=True)(q, k, v)  # fmt: skip
+    report = EC.last_report()
+    assert len(report.lifted) == (1 if lifted else 0)
+    assert [why for _, why in report.measured] == [f"measured: epicute {ours:.4g} ms, Inductor {theirs:.4g} ms"]
+    assert timer.calls == 2  # each side once; the timer checks that their outputs agree
+    want = _flex_reference(q, k, v, "alibi", True)
+    assert ((out.double() - want).norm() / want.norm()).item() < TOL

@@ -71,3 +71,37 @@ def test_a_measured_candidate_is_decided_once_and_remembered(monkeypatch, tmp_pa
         assert len(report.measured) == 2
         assert all(why.startswith("measured (forward and backward): epicute") for _, why in report.measured)
     assert (tmp_path / "lifted.json").exists()
+
+
+@pytest.mark.parametrize("score_mod", ["softcap", "alibi"])
+def test_flex_attention_trains_through_epicute(score_mod):
+    """flex_attention with a score_mod (softcap, or ALiBi's captured per-head slopes) and a causal block mask,
+    lifted to epicute.attention: O and q/k/v gradients against float64 autograd of the same math."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from tests.integrations.test_compile import SLOPES, _causal, _flex_reference, _softcap
+
+    torch._dynamo.reset()
+    slopes = SLOPES.cuda()
+
+    def alibi(score, b, h, q_idx, kv_idx):  # the CPU test's, on the GPU's copy of its slopes
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    mod = {"softcap": _softcap, "alibi": alibi}[score_mod]
+    mask = create_block_mask(_causal, None, None, 300, 300, device="cuda")
+
+    def f(q, k, v):
+        return flex_attention(q, k, v, score_mod=mod, block_mask=mask, enable_gqa=True)
+
+    q = torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    y = torch.compile(f, backend=LIFT_ALL, fullgraph=True)(q, k, v)
+    assert [steps[0] for _, steps in EC.last_report().lifted] == ["flex attention"]
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    want = _flex_reference(*ref, score_mod, True)
+    want.backward(dy.cpu().double())
+    assert ((y.detach().cpu().double() - want).norm() / want.norm()).item() < TOL
+    for name, got, r in zip("qkv", (q, k, v), ref):
+        assert ((got.grad.cpu().double() - r.grad).norm() / r.grad.norm()).item() < TOL, name
