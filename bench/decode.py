@@ -16,6 +16,13 @@ over a paged bf16 cache of 128-key pages in random order with
 ``seqused_k`` (flash-attn-4's ``flash_attn_varlen_func`` on the same tensors, as PEERS.md calls it);
 GB/s counts the K and V bytes read. The first call of each is checked against the float32 reference
 of two of the sequences. Writes bench/results/decode.json (and $OUT/decode.json when OUT is set).
+
+fp8 KV cache rows (``attn_fp8_b{batch}_k{keys}``, GQA 4, head_dim 128, 128-key pages): ``epicute`` is
+``attention_with_kvcache`` over an ``epicute.nn.PagedKVCache`` of e4m3 keys and values (per-head scales; q
+quantized per call, the fp8 kernel), ``epicute_bf16`` the same call over a bf16 cache of the same values. Both
+columns count the bf16 cache's K and V bytes, so their ratio is the tokens/s ratio (the fp8 column is an
+effective rate: the fp8 cache reads half those bytes). Checked against the float32 reference of the dequantized
+cache within 8e-2 (q and P rounded to e4m3).
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ ATTENTION_CASES = [(64, 8192), (8, 32768), (1, 131072)] + [
 HEADS_KV, HEAD_DIM, PAGE = 8, 128, 128
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "decode.json"
 TOLERANCE = 1e-2
+#: (batch, keys per sequence) of the fp8 KV cache rows: the issue's serving shapes.
+FP8_CACHE_CASES = [(1, 131072), (32, 16384)]
+FP8_TOLERANCE = 8e-2
 
 
 def run_case(shape) -> tuple[Row, bool]:
@@ -110,6 +120,53 @@ def run_attention_case(batch: int, keys: int, group: int | None = None) -> tuple
     return row, ok
 
 
+def run_fp8_cache_case(batch: int, keys: int) -> tuple[Row, bool]:
+    from epicute.attention.api import reference_attention
+    from epicute.attention.validate import check_attention_args
+    from epicute.benchmark import time_flushed
+    from epicute.attention.fp8 import values_of_slots
+    from epicute.nn import PagedKVCache, attention_with_kvcache
+
+    pages = keys // PAGE
+    table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32)
+    used = torch.full((batch,), keys, device="cuda", dtype=torch.int32)
+    caches = {}
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        scale = {"k_scale": 0.01, "v_scale": 0.01} if dtype != torch.bfloat16 else {}
+        caches[dtype] = PagedKVCache(batch, keys, HEADS_KV, HEAD_DIM, page_size=PAGE, page_table=table,
+                                     seqlens=used, device="cuda", dtype=dtype, **scale)  # fmt: skip
+    fp8, bf16 = caches[torch.float8_e4m3fn], caches[torch.bfloat16]
+    k = torch.randn(batch * pages, PAGE, HEADS_KV, HEAD_DIM, device="cuda")
+    v = torch.randn_like(k)
+    # the fp8 cache's contents, and the bf16 cache holding the same (dequantized) values
+    fp8.k_pages.copy_((k / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn))  # e4m3 has no inf: out of range is NaN
+    fp8.v_pages.copy_((v / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn))
+    bf16.k_pages.copy_(fp8.k_pages.float() * 0.01)
+    bf16.v_pages.copy_(values_of_slots(fp8.v_pages, PAGE).float() * 0.01)
+    q = torch.randn(batch, 1, HEADS_KV * 4, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    row: Row = {"case": f"attn_fp8_b{batch}_k{keys}"}
+    print(row["case"])
+    picks = sorted({0, batch - 1})
+    sub = check_attention_args(q[picks], bf16.k_pages, bf16.v_pages, causal=True, softmax_scale=None,
+                               page_table=table[picks], seqused_k=used[picks])  # fmt: skip
+    ref = reference_attention(sub, out_dtype=torch.float32, device="cuda")[0]["D"]
+
+    def error(o) -> float:
+        return ((o[picks].float() - ref).norm() / ref.norm()).item()
+
+    def ours():
+        return attention_with_kvcache(q, fp8)
+
+    def theirs():
+        return attention_with_kvcache(q, bf16)
+
+    timed, ok = check_contenders({"epicute": (ours, ours), "epicute_bf16": (theirs, theirs)}, error, FP8_TOLERANCE)
+    moved = 2 * 2 * batch * keys * HEADS_KV * HEAD_DIM  # the bf16 cache's bytes, for both columns
+    for name, ms in time_interleaved(timed, timer=time_flushed).items():
+        row[name] = round(moved / (ms * 1e-3) / 1e9, 1)
+    return row, ok
+
+
 def parse_attention(text: str) -> list[tuple[int, int]]:
     """``BATCHxKEYS`` or ``BATCHxKEYSxGROUP`` items, comma-separated, or 'none'."""
     return [] if text == "none" else [tuple(int(x) for x in item.split("x")) for item in text.split(",")]
@@ -125,6 +182,8 @@ def main() -> int:
                         help="comma-separated MxNxK list, or 'none' (default: the issue's set)")  # fmt: skip
     parser.add_argument("--attention", type=parse_attention, help="comma-separated BATCHxKEYS[xGROUP] list, or 'none'"
                         " (default: the issue's set)")  # fmt: skip
+    parser.add_argument("--fp8-cache", type=parse_attention, help="comma-separated BATCHxKEYS list of fp8 KV cache "
+                        "rows, or 'none' (default: the issue's set)")  # fmt: skip
     args = start_peer_run(parser, DEFAULT_OUT)
     if args is None:
         return 2
@@ -135,6 +194,10 @@ def main() -> int:
         all_ok = all_ok and ok
     for case in ATTENTION_CASES if args.attention is None else args.attention:
         row, ok = run_attention_case(*case)
+        rows.append(row)
+        all_ok = all_ok and ok
+    for case in FP8_CACHE_CASES if args.fp8_cache is None else args.fp8_cache:
+        row, ok = run_fp8_cache_case(*case)
         rows.append(row)
         all_ok = all_ok and ok
     return finish_peer_run(args.out, "decode", rows, all_ok, unit="GB/s")

@@ -24,7 +24,8 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 HEADLINE_START, HEADLINE_END = "<!-- bench-headline:start -->", "<!-- bench-headline:end -->"
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 README_BENCHMARKS = (
-    "gemm", "epilogue", "attention", "attention_bwd", "fp8", "fp8_swiglu", "grouped", "decode", "decode_gqa",
+    "gemm", "gemm_m1000", "epilogue", "attention", "attention_fp8", "attention_bwd", "attention_bwd_gqa", "fp8",
+    "fp8_swiglu", "grouped", "grouped_wgrad_half", "decode", "decode_gqa", "decode_fp8",
     "quantize", "training", "training_dense", "models", "models_moe", "models_decode", "compile", "tp", "runtime",
 )  # fmt: skip
 CHART_WIDTH = 40

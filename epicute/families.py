@@ -54,6 +54,7 @@ DECLARATIONS: tuple[FamilySpec, ...] = (
             "epicute.attention.kernel_sm90",
             "epicute.attention.plan",
             "epicute.attention.key_blocks",
+            "epicute.attention.fp8",  # fp8's value slot order and stored O dtype
             _ATTENTION_LAUNCH,
             *_ATTENTION_SHARED,
         ),
@@ -65,6 +66,13 @@ DECLARATIONS: tuple[FamilySpec, ...] = (
         "attention_combine",
         compilers={SM90A: "epicute.attention.launch:compile_combine"},
         codegen=("epicute.attention.combine_sm90", _ATTENTION_LAUNCH, *_ATTENTION_SHARED),
+    ),
+    # fp8 attention's value pass (V keys-contiguous in slot order), launched by the forward before an fp8 variant.
+    FamilySpec(
+        "attention_value_layout",
+        compilers={SM90A: "epicute.attention.launch:compile_value_layout"},
+        codegen=("epicute.attention.value_layout_sm90", "epicute.attention.fp8", _ATTENTION_LAUNCH,
+                 "epicute.attention.key_blocks"),
     ),
     # The backward's main kernel; its torch op runs the preprocess and postprocess around it.
     FamilySpec(

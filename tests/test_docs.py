@@ -45,7 +45,7 @@ MIN_RUN = {
     "docs/gemm.md": 5,
     "docs/fp8.md": 3,
     "docs/grouped.md": 7,
-    "docs/attention.md": 6,
+    "docs/attention.md": 8,
     "docs/training.md": 5,
     "docs/models.md": 4,
     "docs/runtime.md": 3,

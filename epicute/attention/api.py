@@ -29,6 +29,8 @@ from typing import Any, TextIO
 import torch
 
 from epicute.attention.backward_plan import render_backward_plan
+from epicute.attention.fp8 import descales as fp8_descales
+from epicute.attention.fp8 import stored_dtype, values_of_slots
 from epicute.attention.plan import AttentionPlan, render_attention_plan
 from epicute.attention.prepare import Hook, prepare
 from epicute.attention.torch_op import EagerAttention, attention_op_call
@@ -66,6 +68,7 @@ def reference_attention(
     compute_dtype: torch.dtype = torch.float32,
     out_dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    p_dtype: torch.dtype | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Every output (``"D"``: O ``(B, Sq, H, D)``, and the epilogue's others) and LSE ``(B, H, Sq)``,
     computed in ``compute_dtype`` on ``device`` (the CPU by default; GPU tests use the GPU with TF32
@@ -76,13 +79,15 @@ def reference_attention(
     as flash-attn does. A paged cache is gathered through the page table first; with seqused_k,
     sequence b's keys past seqused_k[b] are masked and its causal diagonal ends at its last used key.
     Packed sequences (varlen) are computed one by one: O ``(total_q, H, D)`` and LSE ``(H, total_q)``.
+    ``p_dtype``: round P (at each row's maximum) to it before ``P V``, the row sums kept unrounded: the
+    fp8 kernel's rounding of P, for tests that size its error.
     """
     if call.problem.varlen:
-        return _reference_packed(call, score, epi, compute_dtype, out_dtype, device)
-    return _reference_dense(call, score, epi, compute_dtype, out_dtype, device)
+        return _reference_packed(call, score, epi, compute_dtype, out_dtype, device, p_dtype)
+    return _reference_dense(call, score, epi, compute_dtype, out_dtype, device, p_dtype=p_dtype)
 
 
-def _reference_packed(call, score, epi, compute_dtype, out_dtype, device, first_batch: int = 0):
+def _reference_packed(call, score, epi, compute_dtype, out_dtype, device, p_dtype=None):
     """:func:`reference_attention` of packed sequences: each one a batch of one (its ``b`` index kept)."""
     p = call.problem
     # The kernels clamp offsets they do not read; the reference reads them, so it checks them.
@@ -99,27 +104,34 @@ def _reference_packed(call, score, epi, compute_dtype, out_dtype, device, first_
     for b in range(p.batch):
         q, k, v = call.q[cu_q[b] : cu_q[b + 1]], call.k[cu_k[b] : cu_k[b + 1]], call.v[cu_k[b] : cu_k[b + 1]]
         problem = replace(p, batch=1, seqlen_q=q.size(0), seqlen_k=k.size(0), varlen=False)
-        one = AttentionCall(problem, q[None], k[None], v[None], call.softmax_scale)
-        results, lse = _reference_dense(one, score, epi, compute_dtype, out_dtype, device, first_batch=b)
+        scales = None if call.descales is None else tuple(t[b : b + 1] for t in call.descales)
+        one = AttentionCall(problem, q[None], k[None], v[None], call.softmax_scale, descales=scales)
+        results, lse = _reference_dense(one, score, epi, compute_dtype, out_dtype, device, b, p_dtype)
         outs.append(results["D"][0])
         lses.append(lse[0])
     return {"D": torch.cat(outs)}, torch.cat(lses, dim=1)
 
 
-def _reference_dense(call, score, epi, compute_dtype, out_dtype, device, first_batch: int = 0):
+def _reference_dense(call, score, epi, compute_dtype, out_dtype, device, first_batch: int = 0, p_dtype=None):
     """:func:`reference_attention` of a ``(batch, seqlen, heads, head_dim)`` call; ``first_batch``: the
     ``b`` index of its first sequence (a packed sequence's own)."""
     p = call.problem
     B, Sq, Sk, H, D = p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.head_dim
     group = H // p.heads_kv
-    q = call.q.to(device, compute_dtype).permute(0, 2, 1, 3).reshape(B * H, Sq, D)
+    q = call.q.to(device, compute_dtype)
     k, v = call.k, call.v
+    if call.v_slots:  # fp8 values in the kernel's layout (pages, or padded sequences): back in key order
+        v = values_of_slots(v, v.size(1) if call.page_table is not None else Sk)
     if call.page_table is not None:  # (pages, page_size, Hkv, D) -> (B, pages per sequence x page_size, Hkv, D)
         check_page_table_values(call.page_table, k.size(0))  # the kernel does not read them on the host
         pages = call.page_table.to(k.device).long()
         k, v = (t[pages].reshape(B, Sk, p.heads_kv, D) for t in (k, v))
-    k, v = (t.to(device, compute_dtype).repeat_interleave(group, dim=2).permute(0, 2, 1, 3).reshape(B * H, Sk, D)
-            for t in (k, v))  # fmt: skip
+    k, v = k.to(device, compute_dtype), v.to(device, compute_dtype)
+    if call.descales is not None:  # fp8: the dequantized operands, one scale per (sequence, key/value head)
+        qs, ks, vs = (t.to(device, compute_dtype)[:, None, :, None] for t in call.descales)
+        q, k, v = q * qs.repeat_interleave(group, dim=2), k * ks, v * vs
+    q = q.permute(0, 2, 1, 3).reshape(B * H, Sq, D)
+    k, v = (t.repeat_interleave(group, dim=2).permute(0, 2, 1, 3).reshape(B * H, Sk, D) for t in (k, v))
     # Keys each sequence uses, per (batch, head) row block.
     used = torch.full((B,), Sk, device=device)
     if call.seqused_k is not None:
@@ -149,10 +161,11 @@ def _reference_dense(call, score, epi, compute_dtype, out_dtype, device, first_b
     e = torch.exp(s - row_max)
     total = e.sum(dim=-1, keepdim=True)
     lse = torch.where(total == 0, float("-inf"), row_max + torch.log(total)).squeeze(-1)
-    o = torch.matmul(e, v) / torch.where(total == 0, torch.ones_like(total), total)
+    p_v = e if p_dtype is None else e.to(p_dtype).to(compute_dtype)
+    o = torch.matmul(p_v, v) / torch.where(total == 0, torch.ones_like(total), total)
     lse = lse.reshape(B, H, Sq).to(torch.float32)
     if epi is None:
-        outputs, stored = {"D": o}, {"D": p.dtype}
+        outputs, stored = {"D": o}, {"D": stored_dtype(p.dtype)}
     else:
         outputs = evaluate(epi.graph, o, epi.reference_specs(p), compute_dtype=compute_dtype)
         stored = epi.fusion.tile_output_dtypes
@@ -188,12 +201,17 @@ def attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     deterministic: bool = False,
+    q_descale: torch.Tensor | float | None = None,
+    k_descale: torch.Tensor | float | None = None,
+    v_descale: torch.Tensor | float | None = None,
+    v_layout: str = "bshd",
     **operands: Any,
 ) -> torch.Tensor | dict[str, torch.Tensor] | tuple:
     """``softmax(q k^T * softmax_scale) v`` on a Hopper GPU (FlashAttention-3 style).
 
     Args:
-        q: ``(batch, seqlen_q, heads_q, head_dim)``, bf16 or fp16, head_dim 64, 128 or 256.
+        q: ``(batch, seqlen_q, heads_q, head_dim)``, bf16, fp16 or fp8 (``float8_e4m3fn``: see
+            ``q_descale``), head_dim 64, 128 or 256.
         k, v: ``(batch, seqlen_k, heads_kv, head_dim)``; ``heads_q`` a multiple of ``heads_kv`` (GQA/MQA):
             query head ``h`` reads KV head ``h // (heads_q // heads_kv)``, as flash-attn and SDPA do.
         causal: query i attends keys ``<= i + seqlen_k - seqlen_q`` (bottom-right aligned, as flash-attn);
@@ -236,6 +254,15 @@ def attention(
         deterministic: the backward adds each key block's part of dQ in a fixed order, so gradients are
             bitwise reproducible (as flash-attn's ``deterministic``; it costs some speed: the backward table
             of docs/performance.md has the deterministic rows). The forward is deterministic either way.
+        q_descale, k_descale, v_descale: with fp8 q, k and v (all ``float8_e4m3fn``), what each is multiplied
+            by to dequantize it: a number, a one-element fp32 tensor, or fp32 ``(batch, heads_kv)``, one per
+            sequence and key/value head (FlashAttention-3's ``descale_q/k/v``); default 1. O is then stored
+            bf16 (or through ``epilogue``: fp8 via ``ops.quantize``). The fp8 forward is FA3's: both GEMMs
+            fp8, P rounded to e4m3 in registers; V is rewritten keys-contiguous in one pass before the
+            kernel (:mod:`epicute.attention.fp8`). Inference only (no backward).
+        v_layout: ``"bshd"`` (v like k), or ``"slots"``: fp8 v already in the kernel's value layout
+            (:func:`epicute.attention.fp8.value_layout`'s result, or a paged cache's value pages as
+            ``epicute.nn.PagedKVCache(..., dtype=torch.float8_e4m3fn)`` keeps them), read without the pass.
         **operands: the hooks' operands by name.
 
     Training: when q, k or v require grad, autograd runs the backward kernel
@@ -285,7 +312,13 @@ def attention(
     """
     varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
               "max_seqlen_k": max_seqlen_k}  # fmt: skip
+    descale = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if v_layout != "bshd":
+        descale["v_layout"] = v_layout
     if traced(q):
+        if q.dtype == torch.float8_e4m3fn or any(x is not None for x in descale.values()):
+            raise ConfigError("fp8 attention under torch.compile: call it outside the compiled region "
+                              "(torch.compiler.disable); the compiled op takes bf16 and fp16")  # fmt: skip
         # torch.compile sees one custom op (epicute::attention), never this Python code.
         return attention_op_call(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,
@@ -299,11 +332,14 @@ def attention(
     signature = None
     if backend == "kernel" and score_mod is None and epilogue is None and out is None and not (
             operands or out_dtypes or config):  # fmt: skip
-        signature = _plain_signature(q, k, v, indices, causal, softmax_scale, max_seqlen_q, max_seqlen_k)
+        signature = _plain_signature(q, k, v, indices, causal, softmax_scale, max_seqlen_q, max_seqlen_k, descale)
     validated = _VALIDATED.get(signature) if signature is not None else None
     if validated is not None and not _misaligned(q, k, v, *indices):
         call, prepared = replace(validated[0], q=q, k=k, v=v, page_table=page_table, seqused_k=seqused_k,
                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k), validated[1]  # fmt: skip
+        if call.descales is not None:  # fp8: this call's descales, checked against the remembered problem
+            p = call.problem
+            call.descales = fp8_descales(q_descale, k_descale, v_descale, p.batch, p.heads_kv, q.device)
     else:
         if backend == "reference":
             check_has_values(("q", q), ("k", k), ("v", v), ("out", out), ("page_table", page_table),
@@ -311,7 +347,7 @@ def attention(
                              ("cu_seqlens_k", cu_seqlens_k), operands=operands)  # fmt: skip
         call = check_attention_args(
             q, k, v, causal=causal, softmax_scale=softmax_scale, require_cuda=backend == "kernel",
-            page_table=page_table, seqused_k=seqused_k, **varlen,
+            page_table=page_table, seqused_k=seqused_k, **varlen, **descale,
         )  # fmt: skip
         prepared = prepare(call, score_mod, epilogue, operands, out_dtypes, config)
         if signature is not None and not _misaligned(q, k, v, *indices):
@@ -358,9 +394,12 @@ def attention(
 _VALIDATED: dict[tuple, tuple[AttentionCall, Any]] = {}
 
 
-def _plain_signature(q, k, v, indices: tuple, causal, softmax_scale, max_seqlen_q, max_seqlen_k) -> tuple | None:
+def _plain_signature(
+    q, k, v, indices: tuple, causal, softmax_scale, max_seqlen_q, max_seqlen_k, fp8: dict
+) -> tuple | None:
     """What a plain call's validation depends on, or None for a call it must always see (a tensor subclass, or
-    packed sequences whose longest lengths are read from the offsets)."""
+    packed sequences whose longest lengths are read from the offsets). ``fp8``: the descales (their kinds: their
+    values are checked and bound per call) and ``v_layout``."""
     tensors = (q, k, v, *(t for t in indices if t is not None))
     if any(type(t) not in _PLAIN_TENSORS for t in tensors):
         return None
@@ -368,7 +407,8 @@ def _plain_signature(q, k, v, indices: tuple, causal, softmax_scale, max_seqlen_
         return None
     layouts = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v, *indices))
     numbers = tuple((type(x), x) for x in (softmax_scale, max_seqlen_q, max_seqlen_k))  # True is 1, not valid
-    return (layouts, k is v, causal, numbers)
+    kinds = tuple((name, x if isinstance(x, str) else type(x)) for name, x in fp8.items() if x is not None)
+    return (layouts, k is v, causal, numbers, kinds)
 
 
 def _misaligned(*tensors: torch.Tensor | None) -> int:
@@ -446,6 +486,10 @@ def explain_attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     deterministic: bool = False,
+    q_descale: torch.Tensor | float | None = None,
+    k_descale: torch.Tensor | float | None = None,
+    v_descale: torch.Tensor | float | None = None,
+    v_layout: str = "bshd",
     **operands: Any,
 ) -> AttentionPlan:
     """Print (to ``file``; ``None`` to stay quiet) and return the attention plan; works on ``"meta"`` tensors
@@ -475,6 +519,7 @@ def explain_attention(
     call = check_attention_args(
         q, k, v, causal=causal, softmax_scale=None, require_cuda=False, page_table=page_table, seqused_k=seqused_k,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, v_layout=v_layout,
     )  # fmt: skip
     prepared = prepare(call, score_mod, epilogue, operands, out_dtypes, config, resolve_target(target))
     if file is not None:

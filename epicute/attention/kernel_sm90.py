@@ -62,6 +62,7 @@ from cutlass import Float32, Int16, Int32, cute
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
+from epicute.attention.fp8 import FP8_INPUT_DTYPES, KEY_GROUP, stored_dtype
 from epicute.attention.key_blocks import KeyRange, QueryRange
 from epicute.attention.mask import Diagonal, first_diagonal_block, key_blocks, seen_key_blocks
 from epicute.attention.plan import WGMMA_M, AttentionConfig, attention_smem_layout, lpt_keys_per_band
@@ -72,6 +73,7 @@ from epicute.sm90.epilogue_chain import EpilogueRun, StagedOutput, run_chain
 from epicute.sm90.epilogue_emit import DSL_DTYPES, emit_score_mod
 from epicute.sm90.fragments import (
     acc_as_operand_a,
+    acc_as_operand_a_8bit,
     acc_rows_cols,
     pack_16bit,
     pack_pair,
@@ -149,14 +151,17 @@ class AttentionSm90:
         self.cfg = cfg
         self.dtype = DSL_DTYPES[dtype]
         self.dtype_name = dtype
+        #: fp8 inputs: V arrives keys-contiguous (epicute.attention.fp8), scales come with Q, K and V, and O is
+        #: stored in a wider dtype, staged in Q's buffer sized for it.
+        self.fp8 = dtype in FP8_INPUT_DTYPES
         self.causal = causal
         self.score_mod = score_mod
         self.epilogue = epilogue
         #: The output epilogue the kernel runs: the fusion's chain, or the plain one (cast and store O).
         self.chain = (epilogue.stages if epilogue is not None
-                      else schedule(plain_graph(dtype), style=ATTENTION_SM90).stages)  # fmt: skip
+                      else schedule(plain_graph(stored_dtype(dtype)), style=ATTENTION_SM90).stages)  # fmt: skip
         #: Each stored output's dtype (D first): all are staged in Q's buffer, one after the other.
-        self.output_dtypes = epilogue.tile_output_dtypes if epilogue is not None else {"D": dtype}
+        self.output_dtypes = epilogue.tile_output_dtypes if epilogue is not None else {"D": stored_dtype(dtype)}
         self.smem = attention_smem_layout(cfg, dtype)
         self.num_wg = cfg.num_mma_warpgroups
         self.load_warp = 0
@@ -195,6 +200,7 @@ class AttentionSm90:
         seqused: tuple,
         partials: tuple,
         varlen: tuple,
+        descales: tuple,
         stream,
     ):
         """``paged``: ``()``, or ``(page_table,)`` (int32 ``(batch, pages per sequence)``) when K and V
@@ -203,7 +209,9 @@ class AttentionSm90:
         split-KV the fp32 partial O ``(splits, batch, seqlen_q, heads_q, head_dim)`` and LSE
         ``(splits, batch, heads_q, seqlen_q)`` the combine kernel reads (O and LSE are then unwritten);
         ``varlen``: ``()``, or ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q)`` (int32 ``(batch + 1,)`` twice,
-        and an Int32) with Q, K, V, O and LSE packed: ``(1, total, heads, dim)`` and ``(1, heads, total_q)``."""
+        and an Int32) with Q, K, V, O and LSE packed: ``(1, total, heads, dim)`` and ``(1, heads, total_q)``;
+        ``descales``: ``()``, or with fp8 inputs Q's, K's and V's descales, fp32 ``(batch, heads_kv)`` each (one
+        per sequence and key/value head, read element by element). fp8 V is keys-contiguous (:mod:`epicute.attention.fp8`)."""
         cfg = self.cfg
         d = cfg.head_dim
         # (batch, seqlen, heads, dim) -> (seqlen, dim, heads, batch): TMA boxes are (rows, dim). A
@@ -224,13 +232,15 @@ class AttentionSm90:
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
             (self.num_wg, 1, 1), tiler_mn=(WGMMA_M, cfg.tile_n),
         )  # fmt: skip
+        # fp8 WGMMA reads B K-major only: V^T with the keys contiguous, as fp8 V arrives.
+        v_major = OperandMajorMode.K if self.fp8 else OperandMajorMode.MN
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            self.dtype, self.dtype, OperandMajorMode.K, v_major, Float32,
             (self.num_wg, 1, 1), tiler_mn=(WGMMA_M, d), a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
         sQ_layout = row_major_smem_layout(self.dtype, cfg.tile_m, d)
         sK_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d, cfg.stages)
-        sV_layout = row_major_smem_layout(self.dtype, cfg.tile_n, d, cfg.stages)
+        sV_layout, sV_buffer = self._value_layouts()
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = self._rows_tma_atom(g2s, mQ, sQ_layout)
@@ -254,7 +264,7 @@ class AttentionSm90:
                     epi_operands += (t,)
 
         # The storage struct and explain's table are one object (attention.plan.attention_smem_layout).
-        for field, layout in (("sQ", sQ_layout), ("sK", sK_layout), ("sV", sV_layout)):
+        for field, layout in (("sQ", sQ_layout), ("sK", sK_layout), ("sV", sV_buffer)):
             assert cute.cosize(layout) == self.smem.buffer(field).count, (field, cute.cosize(layout))
         self.shared_storage = self.smem.struct()
         # Query heads per key/value head a tile's head index is divided by (GQA/MQA; 1 when packed).
@@ -269,9 +279,9 @@ class AttentionSm90:
 
         self.kernel(
             tiled_mma_qk, tiled_mma_pv, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO, mLSE,
-            sQ_layout, sK_layout, sV_layout, group, heads_per_band, softmax_scale, scale_log2,
+            sQ_layout, sK_layout, sV_buffer, group, heads_per_band, softmax_scale, scale_log2,
             score_tensors, score_scalars, epi_operands, epi_stores, epi_workspaces, epi_scalars, tile_counter,
-            paged, seqused, partials, varlen,
+            paged, seqused, partials, varlen, descales,
         ).launch(
             grid=(num_ctas, 1, 1),
             block=[cfg.num_threads, 1, 1],
@@ -296,7 +306,7 @@ class AttentionSm90:
         mLSE: cute.Tensor,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
+        sV_buffer: cute.ComposedLayout,
         group: Int32,
         heads_per_band: Int32,
         softmax_scale: Float32,
@@ -312,6 +322,7 @@ class AttentionSm90:
         seqused: tuple,
         partials: tuple,
         varlen: tuple,
+        descales: tuple,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -337,9 +348,13 @@ class AttentionSm90:
             )
             for barriers in (storage.k_barriers, storage.v_barriers)
         )
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        if cutlass.const_expr(self.fp8):  # Q's buffer is sized for the wider staged outputs
+            sQ = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), sQ_layout.inner, dtype=self.dtype),
+                                  sQ_layout.outer)  # fmt: skip
+        else:
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sV, sVt = self._value_views(storage.sV.get_tensor(sV_buffer.outer, swizzle=sV_buffer.inner))
         num_splits = self._num_splits(partials)
         keys = KeyRange(self, self._capacity(mK, paged), num_splits, paged, seqused, varlen)
         queries = QueryRange(mQ, varlen)
@@ -368,16 +383,38 @@ class AttentionSm90:
             staging = {name: self._staging_view(storage, sQ, name) for name in self.output_dtypes}
             stores = {"D": (tma_o, mO), **dict(zip(self.output_dtypes_aux, epi_stores))}
             self._consume(
-                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, mO, mLSE, heads_per_band,
+                tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, mO, mLSE, group, heads_per_band,
                 softmax_scale, scale_log2, score_tensors, score_scalars, (epi_operands, epi_workspaces, epi_scalars),
                 staging, stores, tidx - THREADS_PER_WARPGROUP, warp_idx == self.store_warp, tiles,
-                queries, keys, partials,
+                queries, keys, partials, descales,
             )  # fmt: skip
 
     @property
     def output_dtypes_aux(self) -> tuple[str, ...]:
         """The aux outputs' names, in the order of the kernel's aux tensors."""
         return tuple(name for name in self.output_dtypes if name != "D")
+
+    def _value_layouts(self):
+        """V's ring as TMA fills it, ``(tile_n, head_dim, stages)``, and as it is allocated: row-major V (head_dim
+        contiguous) both, or with fp8 a view of the keys-contiguous V^T ring ``(head_dim, tile_n, stages)``."""
+        cfg = self.cfg
+        if cutlass.const_expr(self.fp8):
+            buffer = row_major_smem_layout(self.dtype, cfg.head_dim, cfg.tile_n, cfg.stages)
+            return cute.composition(buffer, self._swap_first_modes(cfg.tile_n, cfg.head_dim)), buffer
+        layout = row_major_smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.stages)
+        return layout, layout
+
+    def _value_views(self, ring: cute.Tensor):
+        """(V ``(tile_n, head_dim, stages)`` for the loads, V^T ``(head_dim, tile_n, stages)`` for PV's B operand)
+        of the allocated ring: V^T a view of row-major V, or (fp8) V a view of the keys-contiguous V^T."""
+        cfg = self.cfg
+        if cutlass.const_expr(self.fp8):
+            return cute.composition(ring, self._swap_first_modes(cfg.tile_n, cfg.head_dim)), ring
+        return ring, cute.composition(ring, self._swap_first_modes(cfg.head_dim, cfg.tile_n))
+
+    def _swap_first_modes(self, rows: int, cols: int):
+        """``(rows, cols, stages) -> `` the index of ``(cols, rows, stages)``: a tile read the other way round."""
+        return cute.make_ordered_layout((rows, cols, self.cfg.stages), order=(1, 0, 2))
 
     def _staging_layout(self, name: str):
         """Output ``name``'s staging layout: a row-major ``tile_m x head_dim`` tile of its dtype."""
@@ -501,7 +538,8 @@ class AttentionSm90:
                     tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
                 )
                 tKsK, tKgK = keys.partition(tma_k, sK, mK, kv_head, batch)
-                tVsV, tVgV = keys.partition(tma_v, sV, mV, kv_head, batch)
+                # fp8 V of packed sequences: each sequence's value slots start at a whole group (fp8.value_starts).
+                tVsV, tVgV = keys.partition(tma_v, sV, mV, kv_head, batch, KEY_GROUP if self.fp8 else 0)
 
                 # The first K block before Q: it only needs a free K stage, while Q waits for the
                 # previous tile's O to leave Q's buffer.
@@ -583,17 +621,15 @@ class AttentionSm90:
 
     @cute.jit
     def _consume(
-        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, q_pipe, k_pipe, v_pipe, mO, mLSE, heads_per_band,
+        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, q_pipe, k_pipe, v_pipe, mO, mLSE, group, heads_per_band,
         softmax_scale, scale_log2, score_tensors, score_scalars, epi_args, staging, stores, mma_tidx, is_store_warp,
-        tiles, queries, keys, partials,
+        tiles, queries, keys, partials, descales,
     ):  # fmt: skip
         cfg = self.cfg
         d = cfg.head_dim
         wg = cute.arch.make_warp_uniform(mma_tidx // THREADS_PER_WARPGROUP)
         thr_qk = tiled_mma_qk.get_slice(mma_tidx)
         thr_pv = tiled_mma_pv.get_slice(mma_tidx)
-        # V^T view (head_dim, tile_n, stages) for PV's B operand.
-        sVt = cute.composition(sV, cute.make_ordered_layout((d, cfg.tile_n, cfg.stages), order=(1, 0, 2)))
         # Shared-memory operands: see warpgroup_slice.
         wg_qk = warpgroup_slice(tiled_mma_qk, wg)
         tSrQ = tiled_mma_qk.make_fragment_A(wg_qk.partition_A(sQ))
@@ -639,6 +675,9 @@ class AttentionSm90:
                     for i, (name, _, _) in enumerate(self.score_mod.scalar_operands):
                         score_operands[name] = score_scalars[i]
                 score_args = (score_tensors, score_operands, head)
+                tile_scale, tile_scale_log2, v_descale = self._tile_scales(
+                    softmax_scale, scale_log2, descales, batch, head, group
+                )
 
                 # ---- first (right-most) block, peeled: its softmax is compile-time is_first.
                 n = n_end - 1
@@ -650,10 +689,10 @@ class AttentionSm90:
                 mma_turns.pass_on(wg)
                 warpgroup.wait_group(0)
                 k_pipe.consumer_release(read)
-                self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh,
+                self._scores(acc_S, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, tile_scale, index_bh,
                              score_args, True, self.causal)  # fmt: skip
-                self.softmax.fold(acc_S, row_max, row_sum, row_scale, scale_log2, True)
-                pack_16bit(acc_as_operand_a(acc_S), tOrP)
+                self.softmax.fold(acc_S, row_max, row_sum, row_scale, tile_scale_log2, True)
+                self._hand_over_p(acc_S, tOrP)
 
                 # ---- blocks crossing the causal diagonal, then blocks fully below it.
                 n_masked = 0
@@ -682,19 +721,19 @@ class AttentionSm90:
                     if cutlass.const_expr(not cfg.release_k_late):
                         k_pipe.consumer_release(read)
                     if i < n_masked:
-                        self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh,
+                        self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, tile_scale, index_bh,
                                      score_args, False, True)  # fmt: skip
                     else:
-                        self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, softmax_scale, index_bh,
+                        self._scores(acc_S_n, tScS, m_block, n, seqlen_q, seqlen_k, key_limit, tile_scale, index_bh,
                                      score_args, False, False)  # fmt: skip
-                    self.softmax.fold(acc_S_n, row_max, row_sum, row_scale, scale_log2, False)
+                    self.softmax.fold(acc_S_n, row_max, row_sum, row_scale, tile_scale_log2, False)
                     if cutlass.const_expr(cfg.release_k_late):
                         # K's stage is free since S landed; released after the softmax (whose last row sum
                         # it waits for) so the PV wait below stays after the softmax too: see release_after.
                         release_after(k_pipe, read, row_sum[cute.size(row_sum) - 1])
                     warpgroup.wait_group(0)
                     v_pipe.consumer_release(read_v)
-                    pack_16bit(acc_as_operand_a(acc_S_n), tOrP)
+                    self._hand_over_p(acc_S_n, tOrP)
                     if cutlass.const_expr(not cfg.rescale_o_early):
                         self.softmax.rescale_lazy(acc_O, row_scale)
                 # ---- the last PV.
@@ -706,7 +745,8 @@ class AttentionSm90:
                 read.advance()  # the next tile's first block, on the ring's next stage
 
                 self._epilogue(
-                    tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, mLSE, (m_block, head, batch),
+                    tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, tile_scale_log2, v_descale, mLSE,
+                    (m_block, head, batch),
                     queries, bounds, epi_args, staging, stores, mma_tidx, is_store_warp, store, (split, partials),
                 )  # fmt: skip
                 # The O store has read Q's buffer (publish waits for that): the next tile's Q may land.
@@ -716,10 +756,29 @@ class AttentionSm90:
             tile = tiles.follow(tile, q_pipe, q_read)
         store.drain(is_store_warp)
 
+    def _tile_scales(self, softmax_scale, scale_log2, descales, batch, head, group):
+        """(the scores' scale, exp2's factor, V's descale) of one tile: the launch's, or with fp8 inputs Q's and
+        K's descales of the tile's sequence and key/value head folded into the scale (V's is applied with the
+        final 1 / row sum). ``head``: the tile's query head, or its key/value head with packed GQA."""
+        if cutlass.const_expr(not self.fp8):
+            return softmax_scale, scale_log2, Float32(1.0)
+        q_descale, k_descale, v_descale = descales
+        kv_head = head if cutlass.const_expr(self.pack > 1) else head // group
+        scale = softmax_scale * q_descale[batch, kv_head] * k_descale[batch, kv_head]
+        return scale, exp2_scale(scale, self.score_mod is not None), v_descale[batch, kv_head]
+
+    def _hand_over_p(self, acc_S, tOrP):
+        """P (the softmax's S registers) as PV's A operand: 16-bit pairs where they lie, or fp8 in the order
+        the registers hold them, which the value tile's key order matches (:mod:`epicute.attention.fp8`)."""
+        if cutlass.const_expr(self.fp8):
+            pack_pairs(acc_as_operand_a_8bit(acc_S), tOrP)
+        else:
+            pack_16bit(acc_as_operand_a(acc_S), tOrP)
+
     @cute.jit
     def _epilogue(
-        self, tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, mLSE, tile, queries, bounds,
-        epi_args, staging, stores, mma_tidx, is_store_warp, store, split_args,
+        self, tiled_mma_pv, thr_pv, acc_O, row_max, row_sum, row_scale, scale_log2, v_descale, mLSE, tile, queries,
+        bounds, epi_args, staging, stores, mma_tidx, is_store_warp, store, split_args,
     ):  # fmt: skip
         """O normalized by the row sums and its LSE written, then the output epilogue's chain
         (:mod:`epicute.sm90.epilogue_chain`) over the tile as one subtile: every stored output is
@@ -739,6 +798,8 @@ class AttentionSm90:
             total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
             empty = total == Float32(0.0)  # every score of the row was masked
             row_scale[r] = cute.arch.rcp_approx(cutlass.select_(empty, Float32(1.0), total))
+            if cutlass.const_expr(self.fp8):
+                row_scale[r] = row_scale[r] * v_descale
             lse[r] = cutlass.select_(
                 empty, -Float32.inf, (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
             )

@@ -145,13 +145,17 @@ class KeyRange:
         # An empty split (hi <= lo) masks every key of its one block: key_limit <= its first key.
         return lo + count, count, cutlass.min(seqlen_k, cutlass.max(hi, 0) * tile_n)
 
-    def partition(self, tma, s_ring, m_kv, kv_head, batch):
+    def partition(self, tma, s_ring, m_kv, kv_head, batch, group: int = 0):
         """TMA partitions of a tile's K or V: ``(ring stages, the sequence's blocks)``; paged, the
-        blocks are found one at a time (:meth:`block`), and the second is None."""
+        blocks are found one at a time (:meth:`block`), and the second is None. ``group`` (fp8 V's
+        16-key groups): packed sequence ``b`` starts at its offset rounded up to a group, plus ``group * b``
+        (:func:`epicute.attention.fp8.value_starts`)."""
         if cutlass.const_expr(self.page_table is not None):
             return self._partition(tma, s_ring, m_kv[None, None, kv_head, 0])[0], None
         if cutlass.const_expr(self.cu_seqlens is not None):
             first = packed_range(self.cu_seqlens, batch, self.capacity)[0]
+            if cutlass.const_expr(group > 0):
+                first = (first + group - 1) // group * group + group * batch
             return self._partition(tma, s_ring, cute.domain_offset((first, 0), m_kv[None, None, kv_head, 0]))
         return self._partition(tma, s_ring, m_kv[None, None, kv_head, batch])
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from epicute.attention.fp8 import FP8_INPUT_DTYPES, padded_keys, stored_dtype, value_slots
 from epicute.attention.plan import AttentionConfig
 from epicute.epilogue.dtypes import IR_TO_TORCH
 from epicute.errors import CompileError
@@ -48,8 +49,8 @@ class AttentionVariant:
 
     @property
     def out_dtype(self) -> str:
-        """O's stored dtype: q's, unless the epilogue's own final cast says otherwise."""
-        return self.dtype if self.epilogue is None else self.epilogue.output_dtypes["D"]
+        """O's stored dtype: q's (bf16 for fp8 inputs), unless the epilogue's own final cast says otherwise."""
+        return stored_dtype(self.dtype) if self.epilogue is None else self.epilogue.output_dtypes["D"]
 
     def key(self) -> CacheKey:
         """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
@@ -77,6 +78,17 @@ def _fake_bshd(dtype, head_dim: int):
     div = 16 * 8 // dtype.width
     shape = (cute.sym_int(), cute.sym_int(), cute.sym_int(), head_dim)
     stride = (cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div), 1)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=OPERAND_ALIGN_BYTES)
+
+
+def _fake_keys_contiguous(dtype, head_dim: int):
+    """fp8 V as the kernel reads it: a ``(batch, slots, heads, head_dim)`` view whose slots are contiguous
+    (:func:`epicute.attention.fp8.value_layout`), other strides 16 B aligned."""
+    from cutlass import cute
+
+    div = 16 * 8 // dtype.width
+    shape = (cute.sym_int(), cute.sym_int(), cute.sym_int(), head_dim)
+    stride = (cute.sym_int64(divisibility=div), 1, cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div))
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=OPERAND_ALIGN_BYTES)
 
 
@@ -140,7 +152,8 @@ def _fake_partials(head_dim: int) -> tuple:
 
 def compile_attention(variant: AttentionVariant):
     """Compile one variant for sm_90a; returns ``f(q, k, v, o, lse, softmax_scale, score_tensors, score_scalars,
-    epi_tensors, epi_scalars, max_ctas, tile_counter, paged, seqused, partials, varlen)`` taking torch tensors
+    epi_tensors, epi_scalars, max_ctas, tile_counter, paged, seqused, partials, varlen, descales)`` taking torch
+    tensors
     (layout ``(batch, seqlen, heads, head_dim)``, LSE ``(batch, heads, seqlen_q)`` fp32 contiguous); a
     persistent variant launches at most ``max_ctas`` CTAs (one per SM); a dynamically scheduled one claims
     tiles from ``tile_counter`` (int32, one element, zero at launch), which the others never read.
@@ -154,7 +167,10 @@ def compile_attention(variant: AttentionVariant):
 
     dtype = DSL_DTYPES[variant.dtype]
     d = variant.config.head_dim
-    q, k, v = (_fake_bshd(dtype, d) for _ in range(3))
+    fp8 = variant.dtype in FP8_INPUT_DTYPES
+    q, k = (_fake_bshd(dtype, d) for _ in range(2))
+    v = _fake_keys_contiguous(dtype, d) if fp8 else _fake_bshd(dtype, d)
+    descales = tuple(_fake_elementwise(cutlass.Float32, 2) for _ in range(3)) if fp8 else ()
     o = _fake_bshd(DSL_DTYPES[variant.out_dtype], d)
     lse = cute.runtime.make_fake_tensor(
         cutlass.Float32,
@@ -181,11 +197,12 @@ def compile_attention(variant: AttentionVariant):
             # Empty operand tuples become compile-time constants, which is what we want.
             warnings.filterwarnings(
                 "ignore",
-                message=r"Argument ((score|epi)_(tensors|scalars)|paged|seqused|partials|varlen) .*cannot be converted",
+                message=r"Argument ((score|epi)_(tensors|scalars)|paged|seqused|partials|varlen|descales) .*cannot be "
+                r"converted",
             )
             return cute.compile(
                 kernel, q, k, v, o, lse, cutlass.Float32(1.0), score_tensors, score_scalars, epi_tensors, epi_scalars,
-                cutlass.Int32(1), counter, paged, seqused, partials, varlen, stream,
+                cutlass.Int32(1), counter, paged, seqused, partials, varlen, descales, stream,
                 options=compile_module.DSL_COMPILE_OPTIONS,
             )  # fmt: skip
     except Exception as exc:  # the DSL raises many types; report one
@@ -234,6 +251,70 @@ def compile_combine(variant: CombineVariant):
 
 
 COMBINE_CACHE = FAMILIES["attention_combine"]
+
+
+@dataclass(frozen=True)
+class ValueLayoutVariant:
+    """fp8 attention's value pass (:mod:`epicute.attention.value_layout_sm90`) for one head_dim, batched or packed."""
+
+    head_dim: int
+    varlen: bool = False
+    arch: str = DEFAULT_ARCH
+
+    def key(self) -> CacheKey:
+        return CacheKey(
+            "attention_value_layout", (self.head_dim, self.varlen), self.arch,
+            f"fp8 value layout d{self.head_dim}" + (" varlen" if self.varlen else ""),
+        )  # fmt: skip
+
+
+def compile_value_layout(variant: ValueLayoutVariant):
+    """Compile the value pass; returns ``f(v, out, varlen)`` taking uint8 views of torch tensors."""
+    import cutlass
+    from cutlass import cute
+
+    from epicute.attention.value_layout_sm90 import ValueLayoutSm90
+
+    d = variant.head_dim
+    v = _fake_bshd(cutlass.Uint8, d)
+    out = cute.runtime.make_fake_tensor(
+        cutlass.Uint8, (cute.sym_int(), cute.sym_int(), d, cute.sym_int()),
+        stride=(cute.sym_int64(divisibility=16), cute.sym_int64(divisibility=16), cute.sym_int64(divisibility=16), 1),
+        assumed_align=OPERAND_ALIGN_BYTES,
+    )  # fmt: skip
+    varlen = (_fake_elementwise(cutlass.Int32, 1), cutlass.Int32(1)) if variant.varlen else ()
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Argument varlen .*cannot be converted")
+            return cute.compile(ValueLayoutSm90(d, variant.varlen), v, out, varlen, stream,
+                                options=compile_module.DSL_COMPILE_OPTIONS)  # fmt: skip
+    except Exception as exc:  # the DSL raises many types; report one
+        raise CompileError(f"CuTe DSL failed to compile {variant}: {exc}") from exc
+
+
+VALUE_LAYOUT_CACHE = FAMILIES["attention_value_layout"]
+
+
+def lay_out_values(v: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None):
+    """:func:`epicute.attention.fp8.value_layout` on the GPU: one kernel pass; packed sequences into a zeroed
+    buffer (the slots between them are read, masked, by the last block of each sequence)."""
+    d = v.size(-1)
+    if cu_seqlens_k is None:
+        batch, seqlen, heads, _ = v.shape
+        physical = torch.empty((batch, heads, d, padded_keys(seqlen)), dtype=v.dtype, device=v.device)
+        packed, varlen = v, ()
+    else:
+        total, heads, _ = v.shape
+        batch = cu_seqlens_k.numel() - 1
+        if max_seqlen_k is None:  # one read of the offsets (a sync)
+            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if batch else 0
+        physical = torch.zeros((1, heads, d, value_slots(total, batch)), dtype=v.dtype, device=v.device)
+        packed, varlen = v.unsqueeze(0), (cu_seqlens_k, max_seqlen_k)
+    if v.numel() and physical.numel():
+        kernel = VALUE_LAYOUT_CACHE.get(ValueLayoutVariant(d, cu_seqlens_k is not None, current_target().arch))
+        kernel(packed.view(torch.uint8), physical.view(torch.uint8), varlen)
+    return physical.permute(0, 3, 1, 2)
 
 
 _TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
@@ -308,13 +389,18 @@ def launch_attention(
         partials = new_partials(cfg.num_splits, p, device) if cfg.split_kv else ()
         q, k, v, o, lse_bhs, varlen = call.q, call.k, call.v, out, lse, ()
         if p.varlen:  # packed: one batch entry of every row
-            q, k, v, o, lse_bhs = (t.unsqueeze(0) for t in (q, k, v, o, lse))
+            q, k, o, lse_bhs = (t.unsqueeze(0) for t in (q, k, o, lse))
+            v = v if p.dtype in FP8_INPUT_DTYPES else v.unsqueeze(0)
             varlen = (call.cu_seqlens_q, call.cu_seqlens_k, p.seqlen_q)
+        descales = ()
+        if p.dtype in FP8_INPUT_DTYPES:
+            v = v if call.v_slots else lay_out_values(call.v, call.cu_seqlens_k, p.seqlen_k if p.varlen else None)
+            descales = call.descales
         kernel(
             q, k, v, o, lse_bhs, call.softmax_scale, *score_operands, epi_tensors, scalars, max_ctas,
             tile_counter(call.q.device, cfg.dynamic_tiles),
             () if call.page_table is None else (call.page_table,), () if call.seqused_k is None else (call.seqused_k,),
-            partials, varlen,
+            partials, varlen, descales,
         )  # fmt: skip
         if partials:
             COMBINE_CACHE.get(CombineVariant(variant.out_dtype, p.head_dim, variant.arch))(*partials, out, lse)

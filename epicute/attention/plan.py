@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from epicute.attention.fp8 import FP8_INPUT_DTYPES, stored_dtype
 from epicute.epilogue.dtypes import DTYPE_BYTES
 from epicute.errors import ConfigError
 from epicute.runtime.target import Target, resolve_target
@@ -144,6 +145,11 @@ class AttentionConfig(WarpRoles):
             raise ConfigError(f"tile_n={self.tile_n}: must be a multiple of 16 in [16, 256] (WGMMA N and PV's K)")
         if self.stages < 1:
             raise ConfigError(f"stages={self.stages}: need at least 1")
+        if dtype in FP8_INPUT_DTYPES and self.tile_n % 32:
+            raise ConfigError(
+                f"tile_n={self.tile_n}: fp8 attention needs a multiple of 32 (the fp8 PV WGMMA's K, and the "
+                "keys-contiguous value tile's swizzle)"
+            )
         if self.mma_atoms_mn != (self.num_mma_warpgroups, 1):
             ownership = row_ownership(self)
             if not ownership.whole_rows:
@@ -228,14 +234,29 @@ def row_ownership(cfg: AttentionConfig) -> RowOwnership:
     return RowOwnership(True, warps)
 
 
-def default_config(head_dim: int, causal: bool, decode: dict | None = None, **overrides) -> AttentionConfig:
+def default_config(
+    head_dim: int, causal: bool, decode: dict | None = None, dtype: str = "bf16", **overrides
+) -> AttentionConfig:
     """The FA3 tile choices for H100, with every field overridable; ``decode``: the decode plan's
-    choices (:func:`decode_choices`), which replace the head_dim rules."""
+    choices (:func:`decode_choices`), which replace the head_dim rules; ``dtype``: the inputs'."""
     if head_dim not in HEAD_DIMS:
         raise ConfigError(f"head_dim={head_dim}: supported are {HEAD_DIMS}")
     if decode is not None:
         base = dict(decode)
         why = base.pop("why")
+    elif dtype in FP8_INPUT_DTYPES and head_dim == 128:
+        base = {"tile_m": 192, "tile_n": 96, "mma_atoms_mn": (3, 1)}
+        why = (
+            "fp8, head_dim 128: 192x96 tiles, 3 warpgroups taking turns at the tensor cores: fp8's GEMMs take half "
+            "bf16's time, so a warpgroup's softmax needs two others' GEMMs to hide behind (7-11 % above 128x128 "
+            "and 128x224 at 4k-16k keys, bench/NOTES.md); 96 keys keep 3 x 160 registers spill-free"
+        )
+    elif dtype in FP8_INPUT_DTYPES and head_dim == 256:
+        base = {"tile_m": 128, "tile_n": 128, "pingpong": False, "rescale_o_early": True}
+        why = (
+            "fp8, head_dim 256: 128x128 tiles (fp8 K and V stages take half the bytes, so 128 keys fit where bf16 "
+            "takes 80), no ping-pong, O rescaled under the QK^T WGMMA"
+        )
     elif head_dim == 64:
         base = {"tile_m": 192, "tile_n": 128}
         why = (
@@ -337,7 +358,9 @@ def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = T
     rows = packed_rows(p.group) * p.seqlen_q
     if not plain_output or p.varlen or rows > DECODE_ROWS or p.seqlen_q > DECODE_ROWS:
         return None
-    tile_n = DECODE_TILE_N[p.head_dim]
+    # Decode streams K and V: a stage holds as many bytes whatever the dtype, so fp8 blocks take twice the keys.
+    widen = 2 // DTYPE_BYTES[p.dtype]
+    tile_n = min(DECODE_TILE_N[p.head_dim] * widen, 256)
     if p.page_size:
         tile_n = page_tile_n(tile_n, p.page_size)
     pack = p.group if p.group > 1 else 1
@@ -350,7 +373,7 @@ def decode_choices(problem: AttentionProblem, hw: Target, plain_output: bool = T
     two_per_sm = TWO_PER_SM.get(p.head_dim) if 2 * tiles * splits >= hw.num_sms else None
     stages = two_per_sm["stages"] if two_per_sm else DECODE_STAGES[p.head_dim]
     if two_per_sm:
-        tile_n = min(tile_n, two_per_sm["tile_n"])
+        tile_n = min(tile_n, two_per_sm["tile_n"] * widen)
     why = (
         f"decode-shaped ({p.seqlen_q} quer{'y' if p.seqlen_q == 1 else 'ies'} x {p.group} head"
         f"{'s' if p.group > 1 else ''} per K/V head"
@@ -390,6 +413,13 @@ def attention_smem_layout(cfg: AttentionConfig, dtype: str = "bf16") -> SmemLayo
     """The kernel's shared storage (fields ``q_barriers``, ``k_barriers``, ``v_barriers``,
     ``tile_slot``, ``sQ``, ``sK``, ``sV``): the struct it allocates and the table explain prints."""
     barrier = MBARRIER_BYTES
+    fp8 = dtype in FP8_INPUT_DTYPES
+    staged = stored_dtype(dtype)
+    q_what = (f"{cfg.tile_m}x{cfg.head_dim} {dtype} in the first half; the epilogue stages each {staged} output "
+              "tile in the whole buffer for its TMA store" if fp8 else
+              f"{cfg.tile_m}x{cfg.head_dim} {dtype}; the epilogue stages each output tile here for its TMA store")
+    v_what = (f"{cfg.stages} x {cfg.head_dim}x{cfg.tile_n} {dtype}, keys contiguous (the fp8 WGMMA reads V^T K-major)"
+              if fp8 else f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}")
     return SmemLayout((
         SmemBuffer("q_barriers", "Q barriers", "int64", 2, "Q ring: 1 full + 1 empty mbarrier", align=barrier),
         SmemBuffer("k_barriers", "K barriers", "int64", 2 * cfg.stages,
@@ -399,12 +429,10 @@ def attention_smem_layout(cfg: AttentionConfig, dtype: str = "bf16") -> SmemLayo
         SmemBuffer("tile_slot", "tile slot", "int32", 10,
                    "int32 x 5 x 2: a dynamic tile and its coordinates (m-block, head, batch, split), announced with "
                    "its Q load, in the half of the Q ring's phase", align=4),
-        SmemBuffer("sQ", "Q (then outputs)", dtype, cfg.tile_m * cfg.head_dim,
-                   f"{cfg.tile_m}x{cfg.head_dim} {dtype}; the epilogue stages each output tile here for its TMA store"),
+        SmemBuffer("sQ", "Q (then outputs)", staged, cfg.tile_m * cfg.head_dim, q_what),
         SmemBuffer("sK", "K ring", dtype, cfg.tile_n * cfg.head_dim * cfg.stages,
                    f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}"),
-        SmemBuffer("sV", "V ring", dtype, cfg.tile_n * cfg.head_dim * cfg.stages,
-                   f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}"),
+        SmemBuffer("sV", "V ring", dtype, cfg.tile_n * cfg.head_dim * cfg.stages, v_what),
     ))  # fmt: skip
 
 
@@ -475,7 +503,7 @@ class AttentionPlan:
         """Q, K, V read once, O written once (and the fp32 LSE)."""
         p = self.problem
         elem = DTYPE_BYTES[p.dtype]
-        q_o = 2 * p.batch * p.seqlen_q * p.heads_q * p.head_dim * elem
+        q_o = p.batch * p.seqlen_q * p.heads_q * p.head_dim * (elem + DTYPE_BYTES[stored_dtype(p.dtype)])
         k_v = 2 * p.batch * p.seqlen_k * p.heads_kv * p.head_dim * elem
         return q_o + k_v + 4 * p.batch * p.heads_q * p.seqlen_q
 
@@ -488,7 +516,7 @@ def plan_attention(
     (decode plans need the kernel to store O itself: :func:`decode_choices`)."""
     hw = resolve_target(target)
     decode = decode_choices(problem, hw, plain_output)
-    cfg = default_config(problem.head_dim, problem.causal, decode, **overrides)
+    cfg = default_config(problem.head_dim, problem.causal, decode, problem.dtype, **overrides)
     if problem.page_size and problem.page_size % cfg.tile_n and "tile_n" not in overrides:
         tile_n = page_tile_n(cfg.tile_n, problem.page_size)
         why = f"{tile_n}-key blocks tile the {problem.page_size}-key pages"
@@ -555,6 +583,13 @@ def render_attention_plan(plan: AttentionPlan, chain: tuple = ()) -> str:
         lines.append(
             f"  paged KV        {p.page_size}-key pages through page_table: each {c.tile_n}-key block is one "
             "TMA box of one page"
+        )
+    if p.dtype in FP8_INPUT_DTYPES:
+        lines.append(
+            f"  fp8             e4m3 Q, K, V; S = Q K^T and O = P V as fp8 WGMMAs, O stored {stored_dtype(p.dtype)}; "
+            "q_descale * k_descale folded into the softmax scale, v_descale into the final 1 / row sum; P "
+            "rounded to e4m3 and handed to the PV WGMMA register for register, V read keys-contiguous with its keys "
+            "in the same order within each 16 (one pass over V before the kernel: epicute.attention.fp8)"
         )
     if p.seqused_k:
         lines.append("  seqused_k       each sequence reads its own first seqused_k[b] keys (masked past them)")

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from epicute.attention.fp8 import FP8_INPUT_DTYPES, stored_dtype
 from epicute.attention.plan import AttentionConfig, AttentionPlan, AttentionProblem, plan_attention
 from epicute.attention.validate import AttentionCall
 from epicute.epilogue.dtypes import DTYPE_BYTES, TORCH_TO_IR, ir_dtype
@@ -148,7 +149,7 @@ class Hook:
 
 def _check_staged_outputs(fusion: EpilogueFusion, q_dtype: str) -> None:
     """The kernel stages each stored output in Q's shared memory (one ``tile_m x head_dim`` tile of
-    q's dtype): outputs wider than q's elements do not fit."""
+    ``q_dtype``: q's, or bf16 for fp8 q, whose buffer is sized for bf16 O): wider outputs do not fit."""
     limit = DTYPE_BYTES[q_dtype]
     for name, dtype in fusion.tile_output_dtypes.items():
         if DTYPE_BYTES[dtype] > limit:
@@ -182,7 +183,7 @@ def hooks_of(
         raise ConfigError("epilogue= with cu_seqlens: packed sequences take no output epilogue yet; apply it to "
                           "the packed O after attention")  # fmt: skip
     score = None if sm is None else Hook("score_mod", sm, operands, p, "fp32")
-    out = None if epi is None else Hook("epilogue", epi, operands, p, p.dtype, out_dtypes)
+    out = None if epi is None else Hook("epilogue", epi, operands, p, stored_dtype(p.dtype), out_dtypes)
     return score, out
 
 
@@ -198,7 +199,7 @@ class PreparedAttention:
     def output_dtypes(self) -> dict[str, str]:
         """Each stored tile output's IR dtype, O (``"D"``) first."""
         if self.epilogue is None:
-            return {"D": self.plan.problem.dtype}
+            return {"D": stored_dtype(self.plan.problem.dtype)}
         return self.epilogue.fusion.tile_output_dtypes
 
     @property
@@ -206,7 +207,7 @@ class PreparedAttention:
         """The output epilogue the kernel runs: the epilogue's chain, or the plain one (store O)."""
         if self.epilogue is not None:
             return self.epilogue.fusion.stages
-        return schedule(plain_graph(self.plan.problem.dtype), style=ATTENTION_SM90).stages
+        return schedule(plain_graph(stored_dtype(self.plan.problem.dtype)), style=ATTENTION_SM90).stages
 
     def variant(self):
         """The compiled kernel this call runs (its cache key names it: the target's arch, not its SM count)."""
@@ -226,6 +227,7 @@ class PreparedAttention:
 
         p = self.plan.problem
         refusals = [
+            (p.dtype in FP8_INPUT_DTYPES, "fp8 q, k, v: the fp8 forward is for inference"),
             (p.head_dim not in BACKWARD_HEAD_DIMS,
              f"head_dim={p.head_dim}: the backward supports head_dim {BACKWARD_HEAD_DIMS}"),
             (self.epilogue is not None, "epilogue=: an output epilogue has no backward; apply it after attention"),

@@ -20,12 +20,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from epicute.attention.fp8 import check_no_descales, descales, stored_dtype
 from epicute.attention.plan import HEAD_DIMS, AttentionProblem
-from epicute.epilogue.dtypes import TORCH_TO_IR
+from epicute.epilogue.dtypes import IR_TO_TORCH, TORCH_TO_IR
 from epicute.errors import AlignmentError, ConfigError, DeviceError, DtypeError, OutputError, ShapeError
 from epicute.runtime.checks import TMA_ALIGN_BYTES, check_on_one_hopper_gpu, check_outputs_apart
 
-ATTN_DTYPES = (torch.bfloat16, torch.float16)
+ATTN_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 #: The softmax scales the kernels take: positive normal float32 values.
 FLOAT32_NORMAL_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
 
@@ -45,6 +46,10 @@ class AttentionCall:
     #: int32 ``(batch + 1,)`` each, packed variable-length sequences (``problem.varlen``)
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
+    #: fp8 inputs' descales, Q's, K's and V's, fp32 ``(batch, heads_kv)`` each (epicute.attention.fp8), else None
+    descales: tuple | None = None
+    #: fp8 v already in the kernel's value layout (``v_layout="slots"``), read as it is
+    v_slots: bool = False
 
 
 def tma_layout_problem(t: torch.Tensor, name: str) -> str | None:
@@ -90,6 +95,10 @@ def check_attention_args(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    v_layout: str = "bshd",
 ) -> AttentionCall:
     """Validate ``attention(q, k, v)`` and describe it as an :class:`AttentionProblem`.
 
@@ -99,11 +108,20 @@ def check_attention_args(
     read here (that would wait for the GPU): entries out of range read zeros, not other memory.
 
     Packed (``cu_seqlens_q``/``cu_seqlens_k``): see :func:`_check_packed`; the problem's batch is the
-    number of sequences and its seqlens are the longest ones."""
+    number of sequences and its seqlens are the longest ones. fp8 (float8_e4m3fn) q, k, v take descales
+    (:func:`epicute.attention.fp8.descales`), and v may come in the kernel's value layout (``v_layout="slots"``)."""
+    scales = (q_descale, k_descale, v_descale)
+    if v_layout not in ("bshd", "slots"):
+        raise ConfigError(f"v_layout={v_layout!r}: pass 'bshd' (v like k) or 'slots' (fp8 v in the value layout of "
+                          "epicute.attention.fp8.value_layout)")  # fmt: skip
+    slots = v_layout == "slots"
+    if slots and (cu_seqlens_q is not None or cu_seqlens_k is not None):
+        raise ConfigError("v_layout='slots' with cu_seqlens: pass packed v as it is (v_layout='bshd'); the call lays "
+                          "it out")  # fmt: skip
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _check_packed(
             q, k, v, causal, softmax_scale, out, require_cuda, page_table, seqused_k,
-            (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k),
+            (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k), scales,
         )  # fmt: skip
     if max_seqlen_q is not None or max_seqlen_k is not None:
         raise ConfigError("max_seqlen_q/max_seqlen_k go with cu_seqlens_q and cu_seqlens_k (packed sequences)")
@@ -117,16 +135,30 @@ def check_attention_args(
     if require_cuda:
         check_on_one_hopper_gpu(("q", q), ("k", k), ("v", v))
     if q.dtype not in ATTN_DTYPES:
-        raise DtypeError(f"q has dtype {q.dtype}; supported are torch.bfloat16 and torch.float16")
+        raise DtypeError(
+            f"q has dtype {q.dtype}; supported are torch.bfloat16, torch.float16 and torch.float8_e4m3fn (with "
+            "q_descale, k_descale, v_descale)"
+        )
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise DtypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; cast them to one dtype")
     batch, seqlen_q, heads_q, head_dim = q.shape
-    if k.shape != v.shape:
+    if slots:
+        _check_value_slots(v, k, page_table is not None)
+    elif k.shape != v.shape:
         raise ShapeError(_kv_mismatch(k, v, page_table is not None))
+    check_no_descales(TORCH_TO_IR[q.dtype], q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     page_size = 0
     if page_table is not None:
+        if q.dtype == torch.float8_e4m3fn and not slots:
+            raise ConfigError(
+                "page_table= with fp8 q, k, v: a paged fp8 cache keeps its values in the kernel's value layout; pass "
+                "them with v_layout='slots' (epicute.nn.PagedKVCache(..., dtype=torch.float8_e4m3fn) stores them so)"
+            )
         page_size = _check_page_table(page_table, q, k)
+        if q.dtype == torch.float8_e4m3fn and page_size % 32:
+            raise ShapeError(f"fp8 k and v have pages of {page_size} keys; fp8 attention reads whole pages of a "
+                             "multiple of 32 keys (its PV WGMMA's K): use page_size 32, 64, 128 or 256")  # fmt: skip
     elif k.size(0) != batch:
         raise ShapeError(f"k has batch {k.size(0)} but q has {batch}")
     if seqused_k is not None:
@@ -158,17 +190,39 @@ def check_attention_args(
             f"({FLOAT32_NORMAL_RANGE[0]:.3g} to {FLOAT32_NORMAL_RANGE[1]:.3g}; default head_dim ** -0.5)"
         )
     if q.numel():
-        for name, t in (("q", q), ("k", k), ("v", v)):
+        for name, t in (("q", q), ("k", k), ("v", v)) if not slots else (("q", q), ("k", k)):
             _check_strides(t, name)
     problem = AttentionProblem(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_kv=heads_kv,
         head_dim=head_dim, dtype=TORCH_TO_IR[q.dtype], causal=bool(causal), page_size=page_size,
         seqused_k=seqused_k is not None,
     )  # fmt: skip
-    call = AttentionCall(problem, q, k, v, float(softmax_scale), page_table=page_table, seqused_k=seqused_k)
+    call = AttentionCall(problem, q, k, v, float(softmax_scale), page_table=page_table, seqused_k=seqused_k,
+                         v_slots=slots)  # fmt: skip
+    if q.dtype == torch.float8_e4m3fn:
+        call.descales = descales(*scales, batch, heads_kv, q.device)
     if out is not None:
-        check_attention_out(call, out, q.dtype)
+        check_attention_out(call, out, IR_TO_TORCH[stored_dtype(problem.dtype)])
     return call
+
+
+def _check_value_slots(v, k: torch.Tensor, paged: bool) -> None:
+    """fp8 ``v`` in the kernel's value layout (``v_layout="slots"``): k's dtype, ``(batch, padded keys, heads_kv,
+    head_dim)`` (paged: k's page shape) with the slots contiguous and the other strides 16-byte aligned."""
+    from epicute.attention.fp8 import padded_keys
+
+    if not isinstance(v, torch.Tensor) or v.dim() != 4:
+        raise ShapeError("v_layout='slots': v must be a 4-D tensor (epicute.attention.fp8.value_layout's result)")
+    if k.dtype != torch.float8_e4m3fn:
+        raise ConfigError("v_layout='slots' is fp8 attention's value layout: pass float8_e4m3fn q, k, v")
+    want = tuple(k.shape) if paged else (k.size(0), padded_keys(k.size(1)), k.size(2), k.size(3))
+    if tuple(v.shape) != want:
+        raise ShapeError(f"v_layout='slots': v is {tuple(v.shape)}, but k {tuple(k.shape)} needs {want} (keys padded "
+                         "to a multiple of 16: epicute.attention.fp8.value_layout(v))")  # fmt: skip
+    aligned = all(v.stride(d) % TMA_ALIGN_BYTES == 0 or v.size(d) == 1 for d in (0, 2, 3))
+    if v.stride(1) != 1 or not aligned or v.data_ptr() % TMA_ALIGN_BYTES:
+        raise AlignmentError(f"v_layout='slots': v has strides {tuple(v.stride())}; its slots (dim 1) must be "
+                             "contiguous and the other strides multiples of 16 (epicute.attention.fp8.value_layout)")
 
 
 def _kv_mismatch(k: torch.Tensor, v: torch.Tensor, paged: bool, packed: bool = False) -> str:
@@ -190,7 +244,7 @@ def _kv_mismatch(k: torch.Tensor, v: torch.Tensor, paged: bool, packed: bool = F
     return f"{shapes}: they differ in {dims[d]} ({k.size(d)} != {v.size(d)}); {what}"
 
 
-def _check_packed(q, k, v, causal, softmax_scale, out, require_cuda, page_table, seqused_k, cu, max_seqlens):
+def _check_packed(q, k, v, causal, softmax_scale, out, require_cuda, page_table, seqused_k, cu, max_seqlens, scales):
     """Packed sequences: Q ``(total_q, heads_q, d)``, K and V ``(total_k, heads_kv, d)``, int32 ``cu_seqlens_q``
     and ``cu_seqlens_k`` ``(batch + 1,)``. Q, K and V are checked as the ``(1, total, heads, d)`` tensors the
     kernel reads. ``max_seqlen_q/k`` bound the sequences' lengths; when not given they are read from
@@ -222,6 +276,7 @@ def _check_packed(q, k, v, causal, softmax_scale, out, require_cuda, page_table,
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal=causal, softmax_scale=softmax_scale,
         require_cuda=require_cuda,
     )  # fmt: skip
+    check_no_descales(call.problem.dtype, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])
     lengths = []
     for name, t, total, given in zip(names, cu, (q.size(0), k.size(0)), max_seqlens):
         if given is None:
@@ -235,8 +290,10 @@ def _check_packed(q, k, v, causal, softmax_scale, out, require_cuda, page_table,
             lengths.append(given)
     problem = replace(call.problem, batch=batch, seqlen_q=lengths[0], seqlen_k=lengths[1], varlen=True)
     call = AttentionCall(problem, q, k, v, call.softmax_scale, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
+    if q.dtype == torch.float8_e4m3fn:
+        call.descales = descales(*scales, batch, k.size(1), q.device)
     if out is not None:
-        check_attention_out(call, out, q.dtype)
+        check_attention_out(call, out, IR_TO_TORCH[stored_dtype(problem.dtype)])
     return call
 
 

@@ -6,6 +6,10 @@
   attends can be captured in a CUDA graph and replayed, the lengths advancing on the GPU).
 - :func:`attention_with_kvcache`: append ``k_new``/``v_new`` (optional), then attend ``q`` (causal, bottom-right
   aligned: query ``i`` of ``s`` new ones sees the cache and the new keys up to its own) over each sequence's cache.
+- An fp8 cache (``dtype=torch.float8_e4m3fn``) stores keys and values in e4m3 with one scale per key/value head
+  (``k_scale``, ``v_scale``: what a stored value is multiplied by, vLLM's convention; calibrate them, or values past
+  448 x scale saturate), its value pages in the fp8 kernel's layout (:mod:`epicute.attention.fp8`); attention over
+  it quantizes ``q`` per (sequence, key/value head) and runs the fp8 kernel, reading half the bytes of bf16.
 
 Example:
     >>> import torch, epicute
@@ -26,7 +30,10 @@ from typing import Any
 import torch
 
 from epicute.attention.api import attention
+from epicute.attention.fp8 import slot_of_position
 from epicute.errors import ShapeError
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 class PagedKVCache:
@@ -51,9 +58,14 @@ class PagedKVCache:
         seqlens: torch.Tensor | None = None,
         device: Any = None,
         dtype: torch.dtype = torch.bfloat16,
+        k_scale: float | torch.Tensor = 1.0,
+        v_scale: float | torch.Tensor = 1.0,
     ) -> None:
         if page_size % 16 or not 16 <= page_size <= 256:
             raise ShapeError(f"page_size={page_size}: epicute's paged attention takes a multiple of 16 up to 256")
+        if dtype == torch.float8_e4m3fn and page_size % 32:
+            raise ShapeError(f"page_size={page_size}: an fp8 cache's pages hold a multiple of 32 keys (the fp8 "
+                             "kernel's PV step)")  # fmt: skip
         per_sequence = -(-max_seqlen // page_size)
         if page_table is None:
             page_table = torch.arange(batch * per_sequence, device=device, dtype=torch.int32).view(batch, -1)
@@ -62,8 +74,15 @@ class PagedKVCache:
                              "pages per sequence)")  # fmt: skip
         num_pages = num_pages or batch * per_sequence
         self.page_size, self.page_table = page_size, page_table
+        self.fp8 = dtype == torch.float8_e4m3fn
         self.k_pages = torch.zeros(num_pages, page_size, kv_heads, head_dim, device=device, dtype=dtype)
-        self.v_pages = torch.zeros_like(self.k_pages)
+        if self.fp8:  # value pages keys-contiguous in the fp8 kernel's slot order, seen (pages, page_size, heads, dim)
+            pages = torch.zeros(num_pages, kv_heads, head_dim, page_size, device=device, dtype=dtype)
+            self.v_pages = pages.permute(0, 3, 1, 2)
+            self.k_scale, self.v_scale = (self._head_scale(x, n, kv_heads) for x, n in ((k_scale, "k_scale"),
+                                                                                        (v_scale, "v_scale")))
+        else:
+            self.v_pages = torch.zeros_like(self.k_pages)
         self.seqlens = (torch.zeros(batch, device=device, dtype=torch.int32) if seqlens is None
                         else seqlens.to(device=self.k_pages.device, dtype=torch.int32).clone())  # fmt: skip
 
@@ -77,9 +96,25 @@ class PagedKVCache:
         positions = self.seqlens.long()[:, None] + torch.arange(s, device=self.seqlens.device)  # (batch, s)
         pages = self.page_table.long().gather(1, positions // self.page_size)
         slots = positions % self.page_size
-        self.k_pages[pages, slots] = k_new.to(self.k_pages.dtype)
-        self.v_pages[pages, slots] = v_new.to(self.v_pages.dtype)
+        if self.fp8:
+            self.k_pages[pages, slots] = _to_e4m3(k_new, self.k_scale)
+            self.v_pages[pages, slot_of_position(slots)] = _to_e4m3(v_new, self.v_scale)
+        else:
+            self.k_pages[pages, slots] = k_new.to(self.k_pages.dtype)
+            self.v_pages[pages, slots] = v_new.to(self.v_pages.dtype)
         self.seqlens += s
+
+    def _head_scale(self, value, name: str, kv_heads: int) -> torch.Tensor:
+        """A per-head fp32 scale ``(kv_heads,)`` from a number or a tensor of one or ``kv_heads`` values."""
+        device = self.k_pages.device
+        t = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1)
+        if t.numel() not in (1, kv_heads) or not bool(torch.isfinite(t).all() & (t > 0).all()):
+            raise ShapeError(f"{name}: pass a positive number or one per key/value head ({kv_heads},)")
+        return t.expand(kv_heads).clone()
+
+    def descales(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_descale, v_descale) ``(batch, kv_heads)`` as :func:`epicute.attention` takes them (fp8 caches)."""
+        return self.k_scale.expand(batch, -1), self.v_scale.expand(batch, -1)
 
     def reset(self) -> None:
         """Every sequence empty again (the pages are reused as they are)."""
@@ -103,8 +138,27 @@ def attention_with_kvcache(
         raise ShapeError("pass k_new and v_new together (or neither)")
     if k_new is not None:
         cache.append(k_new, v_new)
+    if cache.fp8:
+        # q quantized per (sequence, key/value head), the scale fp8 attention's q_descale.
+        batch, s, heads, dim = q.shape
+        kv_heads = cache.k_pages.size(2)
+        grouped = q.detach().view(batch, s, kv_heads, heads // kv_heads, dim)
+        amax = torch.linalg.vector_norm(grouped, float("inf"), dim=(1, 3, 4), dtype=torch.float32)  # one launch
+        q_scale = amax.div_(E4M3_MAX).clamp_min_(torch.finfo(torch.float32).tiny)
+        q8 = (grouped / q_scale[:, None, :, None, None]).to(torch.float8_e4m3fn).view(batch, s, heads, dim)
+        k_descale, v_descale = cache.descales(batch)
+        out = attention(q8, cache.k_pages, cache.v_pages, causal=causal, softmax_scale=softmax_scale,
+                        page_table=cache.page_table, seqused_k=cache.seqlens, q_descale=q_scale, k_descale=k_descale,
+                        v_descale=v_descale, v_layout="slots", **kwargs)  # fmt: skip
+        return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
     return attention(q, cache.k_pages, cache.v_pages, causal=causal, softmax_scale=softmax_scale,
                      page_table=cache.page_table, seqused_k=cache.seqlens, **kwargs)  # fmt: skip
+
+
+def _to_e4m3(x: torch.Tensor, head_scale: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(..., kv_heads, head_dim)`` divided by its head's scale, saturated and rounded to e4m3."""
+    scaled = x.float() / head_scale[:, None]
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 __all__ = ["PagedKVCache", "attention_with_kvcache"]

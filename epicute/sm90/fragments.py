@@ -18,7 +18,8 @@ to inject another fence there (its warning C7519).
 
 Views and layouts the attention kernels share: :func:`acc_rows_cols` (an
 accumulator as this thread's rows and columns), :func:`acc_as_operand_a` (an
-accumulator as the next WGMMA's register A operand), :func:`transposed_view` (a
+accumulator as the next WGMMA's register A operand; :func:`acc_as_operand_a_8bit` for an fp8 one),
+:func:`transposed_view` (a
 shared-memory tile read the other way round: V^T, dO^T, K^T, dS),
 :func:`row_major_smem_layout` (swizzle atoms no wider than a warpgroup's slice),
 :func:`select_modes`, :func:`stmatrix_copy` (an accumulator's 16-bit copy into such a tile); and
@@ -145,6 +146,22 @@ def acc_as_operand_a(t: cute.Tensor) -> cute.Tensor:
         stride=((l.stride[0][0], l.stride[0][1], l.stride[0][2][0]), l.stride[1], (l.stride[0][2][1], l.stride[2])),
     )
     return cute.make_tensor(t.iterator, view)
+
+
+def acc_as_operand_a_8bit(t: cute.Tensor) -> cute.Tensor:
+    """View an accumulator ``((2, 2, N/8), M, 1)`` as the 8-bit A fragment ``(((2, 2), 2, 2), M, N/32)`` of the
+    next WGMMA, register for register: slot ``(v0 + 2 j0, row half, j1)`` of k-block ``kb`` is column pair
+    element ``v0`` of 8-column chunk ``j0 + 2 j1 + 4 kb``. The slots then carry the columns in a fixed
+    permuted order within each 16 (:func:`epicute.attention.fp8.key_of_slot`), which the B operand's
+    rows must follow; no lane exchanges a value."""
+    c = cute.make_layout(t.layout.shape)  # compact col-major over the accumulator's modes
+    (s0, s1, s2), s_m = c.stride[0], c.stride[1]
+    n8 = c.shape[0][2]
+    view = cute.make_layout(
+        (((2, 2), 2, 2), c.shape[1], n8 // 4),
+        stride=(((s0, s2), s1, 2 * s2), s_m, 4 * s2),
+    )
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, view))
 
 
 @cute.jit

@@ -158,7 +158,7 @@ def bad(exc, match, *args, **kwargs):
 def test_validation_errors():
     q, k, v = qkv(2, 16, 16, 4, 2, 64)
     bad(epicute.ShapeError, "4-D", q[0], k, v)
-    bad(epicute.DtypeError, "bfloat16 and torch.float16", q.float(), k.float(), v.float())
+    bad(epicute.DtypeError, "torch.bfloat16, torch.float16 and torch.float8_e4m3fn", q.float(), k.float(), v.float())
     bad(epicute.DtypeError, "k has dtype", q, k.half(), v)
     bad(epicute.ShapeError, "head_dim=96", *qkv(1, 8, 8, 2, 2, 96))
     bad(epicute.ShapeError, "multiple of heads_kv", *qkv(1, 8, 8, 3, 2, 64))

@@ -136,3 +136,53 @@ def test_padded_gqa_groups_compile(heads_q, ptxas_report):
     assert callable(compile_attention(AttentionVariant(cfg, "bf16", True, page_size=256, seqused_k=True)))
     spills, injected_fences = ptxas_report()
     assert spills == [0] and injected_fences == []
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("d", (64, 128, 256))
+def test_fp8_planned_variants_compile(d, causal, ptxas_report):
+    # e4m3 Q, K, V: both GEMMs fp8, V keys-contiguous, P handed over register for register, bf16 O
+    cfg = default_config(d, causal, dtype="fp8e4m3")
+    assert callable(compile_attention(AttentionVariant(cfg, "fp8e4m3", causal)))
+    spills, injected_fences = ptxas_report()
+    assert spills == [0] and injected_fences == []
+
+
+def test_fp8_packed_decode_and_score_mod_variants_compile(ptxas_report):
+    from epicute.attention.plan import AttentionProblem, plan_attention
+
+    softcap, _ = fusions(lambda s, b, h, qi, ki: 30 * ops.tanh(s / 30))
+    decode = plan_attention(AttentionProblem(2, 1, 65536, 32, 4, 128, "fp8e4m3"), "h100-sxm").config
+    assert decode.pack_gqa == 8 and decode.split_kv
+    for variant in (
+        AttentionVariant(default_config(128, True, dtype="fp8e4m3"), "fp8e4m3", True, varlen=True),
+        AttentionVariant(default_config(128, False, dtype="fp8e4m3"), "fp8e4m3", False, score_mod=softcap),
+        AttentionVariant(decode, "fp8e4m3", False),
+    ):
+        assert callable(compile_attention(variant))
+    spills, injected_fences = ptxas_report()
+    assert spills == [0, 0, 0] and injected_fences == []
+
+
+def test_fp8_paged_cache_variants_compile(ptxas_report):
+    # an fp8 KV cache's decode: value pages keys-contiguous, blocks of one page (32 keys: the fp8 PV step's K)
+    from epicute.attention.plan import AttentionProblem, plan_attention
+
+    for page_size in (32, 128):
+        problem = AttentionProblem(4, 1, 8192, 32, 8, 128, "fp8e4m3", True, page_size=page_size, seqused_k=True)
+        plan = plan_attention(problem, "h100-sxm")
+        assert page_size % plan.config.tile_n == 0 and plan.config.tile_n % 32 == 0
+        variant = AttentionVariant(plan.config, "fp8e4m3", True, page_size=page_size, seqused_k=True)
+        assert callable(compile_attention(variant))
+    spills, injected_fences = ptxas_report()
+    assert spills == [0, 0] and injected_fences == []
+
+
+def test_fp8_value_pass_compiles(ptxas_report):
+    from epicute.attention.launch import ValueLayoutVariant, compile_value_layout
+
+    for d in (64, 128, 256):
+        for varlen in (False, True):
+            assert callable(compile_value_layout(ValueLayoutVariant(d, varlen)))
+    spills, _ = ptxas_report()
+    assert spills == [0] * 6

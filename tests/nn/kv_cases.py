@@ -6,9 +6,14 @@ import math
 
 import torch
 
+from epicute.attention.fp8 import slot_of_position
 from epicute.nn import Attention, PagedKVCache, attention_with_kvcache
 
 BF16 = torch.bfloat16
+E4M3 = torch.float8_e4m3fn
+#: An fp8 cache's outputs against float64 math of its (dequantized) contents: q is rounded to e4m3 per call and, in
+#: the kernel, P too; each rounding is <= 2**-4 relative (RMS ~3.6 % on random values), so ~5 % together.
+FP8_TOL = 8e-2
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -32,29 +37,40 @@ def cached_keys(cache: PagedKVCache, b: int) -> tuple[torch.Tensor, torch.Tensor
     positions = torch.arange(length, device=cache.seqlens.device)
     pages = cache.page_table[b].long()[positions // cache.page_size]
     slots = positions % cache.page_size
+    if cache.fp8:  # dequantized; values in the fp8 kernel's slot order within each page
+        k = cache.k_pages[pages, slots].float() * cache.k_scale[:, None]
+        return k, cache.v_pages[pages, slot_of_position(slots)].float() * cache.v_scale[:, None]
     return cache.k_pages[pages, slots], cache.v_pages[pages, slots]
 
 
-def paged_appends(device: str, steps: tuple[int, ...] = (5, 1, 1, 1)) -> dict[str, float]:
-    """Three sequences already holding 0, 17 and 40 tokens (pages of 16, shuffled over a shared pool), GQA 3:1:
-    each step appends ``s`` new keys and values and attends ``s`` queries. Returns the worst relative error of the
-    outputs, and whether the appended keys landed where the table says (read back through the pages)."""
-    batch, heads, kv_heads, d, page_size, max_len = 3, 6, 2, 64, 16, 80
+def paged_appends(device: str, steps: tuple[int, ...] = (5, 1, 1, 1), dtype: torch.dtype = BF16) -> dict[str, float]:
+    """Three sequences already holding 0, 17 and 40 tokens (pages of 16, or 32 for fp8, shuffled over a shared pool),
+    GQA 3:1: each step appends ``s`` new keys and values and attends ``s`` queries. Returns the worst relative error
+    of the outputs, and whether the appended keys landed where the table says (read back through the pages). An fp8
+    ``dtype``: per-head scales, keys and values compared after their rounding to e4m3."""
+    batch, heads, kv_heads, d, max_len = 3, 6, 2, 64, 96
+    page_size = 32 if dtype == E4M3 else 16  # fp8 pages hold a multiple of 32 keys
     pages_per_seq = max_len // page_size
     table = torch.randperm(batch * pages_per_seq + 3, device=device)[: batch * pages_per_seq]
+    scales = {"k_scale": torch.tensor([0.02, 0.01]), "v_scale": 0.015} if dtype == E4M3 else {}
     cache = PagedKVCache(batch, max_len, kv_heads, d, page_size=page_size, device=device,
                          page_table=table.view(batch, -1).to(torch.int32), num_pages=batch * pages_per_seq + 3,
-                         seqlens=torch.tensor([0, 17, 40]))  # fmt: skip
-    cache.k_pages.normal_()
-    cache.v_pages.normal_()
+                         seqlens=torch.tensor([0, 17, 40]), dtype=dtype, **scales)  # fmt: skip
+    for pages in (cache.k_pages, cache.v_pages):
+        pages.copy_(torch.randn(pages.shape, device=device) * (30 if dtype == E4M3 else 1))
     worst, landed = 0.0, True
     for s in steps:
         q = torch.randn(batch, s, heads, d, device=device, dtype=BF16)
         k_new, v_new = (torch.randn(batch, s, kv_heads, d, device=device, dtype=BF16) for _ in range(2))
         out = attention_with_kvcache(q, cache, k_new, v_new)
+        if cache.fp8:  # what the cache holds of them: rounded to e4m3 at their heads' scales
+            k_new, v_new = (
+                (t.float() / scale[:, None]).to(E4M3).float() * scale[:, None]
+                for t, scale in ((k_new, cache.k_scale), (v_new, cache.v_scale))
+            )
         for b in range(batch):
             k, v = cached_keys(cache, b)
-            landed &= torch.equal(k[-s:], k_new[b]) and torch.equal(v[-s:], v_new[b])
+            landed &= torch.equal(k[-s:], k_new[b].to(k.dtype)) and torch.equal(v[-s:], v_new[b].to(v.dtype))
             worst = max(worst, rel(out[b], attention64(q[b], k, v)))
     return {"worst": worst, "landed": landed, "seqlens": cache.seqlens.tolist()}
 

@@ -7,7 +7,7 @@ import torch
 
 import epicute
 from epicute.nn import PagedKVCache, attention_with_kvcache
-from tests.nn.kv_cases import attention_layer_step, paged_appends
+from tests.nn.kv_cases import E4M3, FP8_TOL, attention_layer_step, paged_appends
 
 TOL = 2e-2  # bf16 q, k, v and outputs
 
@@ -16,6 +16,12 @@ def test_appends_land_in_their_pages_and_attention_reads_them(reference_layers):
     result = paged_appends("cpu")
     assert result["landed"] and result["seqlens"] == [8, 25, 48]
     assert result["worst"] < TOL, result
+
+
+def test_an_fp8_cache_appends_rounded_values_and_attends_over_them(reference_layers):
+    result = paged_appends("cpu", dtype=E4M3)
+    assert result["landed"] and result["seqlens"] == [8, 25, 48]
+    assert result["worst"] < FP8_TOL, result
 
 
 def test_the_attention_layer_trains_and_serves_the_same_outputs(reference_layers):
@@ -29,5 +35,9 @@ def test_bad_caches_and_appends_are_refused():
     cache = PagedKVCache(2, 64, 2, 64, page_size=16)
     with pytest.raises(epicute.ShapeError, match=r"need \(batch=2, s, 2, 64\)"):
         cache.append(torch.randn(2, 1, 4, 64), torch.randn(2, 1, 4, 64))
+    with pytest.raises(epicute.ShapeError, match="k_scale: pass a positive number or one per key/value head"):
+        PagedKVCache(2, 64, 2, 64, page_size=32, dtype=E4M3, k_scale=torch.ones(3))
+    with pytest.raises(epicute.ShapeError, match="fp8 cache's pages hold a multiple of 32 keys"):
+        PagedKVCache(2, 64, 2, 64, page_size=16, dtype=E4M3)
     with pytest.raises(epicute.ShapeError, match="together"):
         attention_with_kvcache(torch.randn(2, 1, 4, 64), cache, torch.randn(2, 1, 2, 64))

@@ -7,7 +7,16 @@ import pytest
 import torch
 
 from epicute.nn import PagedKVCache, attention_with_kvcache
-from tests.nn.kv_cases import BF16, attention64, attention_layer_step, cached_keys, paged_appends, rel
+from tests.nn.kv_cases import (
+    BF16,
+    E4M3,
+    FP8_TOL,
+    attention64,
+    attention_layer_step,
+    cached_keys,
+    paged_appends,
+    rel,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -56,3 +65,9 @@ def test_a_decode_step_replays_in_a_cuda_graph():
             k, v = cached_keys(cache, b)
             assert torch.equal(k[-1], k_new[b, 0]) and torch.equal(v[-1], v_new[b, 0])
             assert rel(out[b], attention64(q[b], k, v)) < TOL, (step, b)
+
+
+def test_an_fp8_cache_appends_and_the_fp8_kernel_attends_over_it():
+    result = paged_appends("cuda", dtype=E4M3)
+    assert result["landed"] and result["seqlens"] == [8, 25, 48]
+    assert result["worst"] < FP8_TOL, result
