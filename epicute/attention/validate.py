@@ -219,10 +219,14 @@ def _check_value_slots(v, k: torch.Tensor, paged: bool) -> None:
     if tuple(v.shape) != want:
         raise ShapeError(f"v_layout='slots': v is {tuple(v.shape)}, but k {tuple(k.shape)} needs {want} (keys padded "
                          "to a multiple of 16: epicute.attention.fp8.value_layout(v))")  # fmt: skip
-    aligned = all(v.stride(d) % TMA_ALIGN_BYTES == 0 or v.size(d) == 1 for d in (0, 2, 3))
-    if v.stride(1) != 1 or not aligned or v.data_ptr() % TMA_ALIGN_BYTES:
-        raise AlignmentError(f"v_layout='slots': v has strides {tuple(v.stride())}; its slots (dim 1) must be "
-                             "contiguous and the other strides multiples of 16 (epicute.attention.fp8.value_layout)")
+    batch, slots, heads, dim = v.shape
+    # The layout value_layout and the cache make, strides of size-1 dimensions included: the TMA descriptor is built
+    # from every stride (a packed batch's stride equal to head_dim's made one that trapped).
+    canonical = (heads * dim * slots, 1, dim * slots, slots)
+    if tuple(v.stride()) != canonical or v.data_ptr() % TMA_ALIGN_BYTES:
+        raise AlignmentError(f"v_layout='slots': v has strides {tuple(v.stride())}; the value layout is a "
+                             f"(batch, heads_kv, head_dim, slots) tensor seen as (batch, slots, heads_kv, head_dim), "
+                             f"strides {canonical}, 16-byte aligned: pass epicute.attention.fp8.value_layout(v)")
 
 
 def _kv_mismatch(k: torch.Tensor, v: torch.Tensor, paged: bool, packed: bool = False) -> str:

@@ -115,3 +115,17 @@ def test_the_value_pass_kernel_places_keys_where_the_table_says():
     from epicute.attention.value_layout_sm90 import slot_of_key
 
     assert [slot_of_key(VALUE_SLOT_KEYS[s]) for s in range(KEY_GROUP)] == list(range(KEY_GROUP))
+
+
+def test_values_in_slots_must_be_the_canonical_layout():
+    q, k, v = fp8_qkv(sk=64)
+    slots = value_layout(v)
+    got = epicute.attention(q, k, slots, v_layout="slots", backend="reference")
+    want = epicute.attention(q, k, v, backend="reference")
+    assert torch.equal(got, want)  # the same values, read back in key order
+    with pytest.raises(epicute.AlignmentError, match="pass epicute.attention.fp8.value_layout"):
+        epicute.attention(q, k, slots.contiguous(), v_layout="slots", backend="reference")
+    with pytest.raises(ShapeError, match="keys padded"):
+        epicute.attention(q, k, value_layout(v[:, :40]), v_layout="slots", backend="reference")
+    with pytest.raises(ConfigError, match="v_layout='nope'"):
+        epicute.attention(q, k, v, v_layout="nope", backend="reference")
