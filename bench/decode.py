@@ -122,9 +122,9 @@ def run_attention_case(batch: int, keys: int, group: int | None = None) -> tuple
 
 def run_fp8_cache_case(batch: int, keys: int) -> tuple[Row, bool]:
     from epicute.attention.api import reference_attention
+    from epicute.attention.fp8 import values_of_slots
     from epicute.attention.validate import check_attention_args
     from epicute.benchmark import time_flushed
-    from epicute.attention.fp8 import values_of_slots
     from epicute.nn import PagedKVCache, attention_with_kvcache
 
     pages = keys // PAGE
