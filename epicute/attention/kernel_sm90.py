@@ -211,7 +211,8 @@ class AttentionSm90:
         ``varlen``: ``()``, or ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q)`` (int32 ``(batch + 1,)`` twice,
         and an Int32) with Q, K, V, O and LSE packed: ``(1, total, heads, dim)`` and ``(1, heads, total_q)``;
         ``descales``: ``()``, or with fp8 inputs Q's, K's and V's descales, fp32 ``(batch, heads_kv)`` each (one
-        per sequence and key/value head, read element by element). fp8 V is keys-contiguous (:mod:`epicute.attention.fp8`)."""
+        per sequence and key/value head, read element by element). fp8 V is keys-contiguous
+        (:mod:`epicute.attention.fp8`)."""
         cfg = self.cfg
         d = cfg.head_dim
         # (batch, seqlen, heads, dim) -> (seqlen, dim, heads, batch): TMA boxes are (rows, dim). A
