@@ -14,9 +14,10 @@ registers are not where the register A operand wants them:
 So V reaches the kernel as ``(batch, heads_kv, head_dim, keys)`` with keys contiguous, padded to a multiple of 16
 and permuted within each 16 (:data:`VALUE_SLOT_KEYS`); packed sequences (varlen) each start at a 16-aligned
 slot, :func:`value_starts`. On the GPU one kernel makes it (:mod:`epicute.attention.value_layout_sm90`).
-``epicute.attention(..., v_layout="slots")`` takes values already in this layout (:func:`value_layout`'s result, or a paged cache's pages
-``(num_pages, page_size, heads_kv, head_dim)`` with the page's slots contiguous), which is how an fp8 KV cache
-stores them from the start (``epicute.nn.PagedKVCache(..., dtype=torch.float8_e4m3fn)``: no pass per call).
+``epicute.attention(..., v_layout="slots")`` takes values already in this layout (:func:`value_layout`'s result,
+or a paged cache's pages ``(num_pages, page_size, heads_kv, head_dim)`` with the page's slots contiguous), which
+is how an fp8 KV cache stores them from the start (``epicute.nn.PagedKVCache(..., dtype=torch.float8_e4m3fn)``: no
+pass per call).
 
 Scales follow FlashAttention-3: ``q_descale``, ``k_descale``, ``v_descale`` multiply the dequantized operands,
 one per tensor or one per (sequence, key/value head); the kernel folds Q's and K's into the softmax scale and V's

@@ -219,7 +219,7 @@ def _check_value_slots(v, k: torch.Tensor, paged: bool) -> None:
     if tuple(v.shape) != want:
         raise ShapeError(f"v_layout='slots': v is {tuple(v.shape)}, but k {tuple(k.shape)} needs {want} (keys padded "
                          "to a multiple of 16: epicute.attention.fp8.value_layout(v))")  # fmt: skip
-    batch, slots, heads, dim = v.shape
+    _, slots, heads, dim = v.shape
     # The layout value_layout and the cache make, strides of size-1 dimensions included: the TMA descriptor is built
     # from every stride (a packed batch's stride equal to head_dim's made one that trapped).
     canonical = (heads * dim * slots, 1, dim * slots, slots)
