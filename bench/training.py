@@ -13,7 +13,14 @@ Cases (T tokens, bf16 on the GPU, weights in ``nn.Linear``'s (out, in) layout, n
 - ``linear_gelu_residual`` (T 8192): ``gelu(x @ W^T + b) + residual``, W (4096, 4096), residual (T, 4096);
 - ``mixtral_experts`` (T 8192): Mixtral-8x7B's expert block, hidden 4096, intermediate 14336, 8 experts, top-2;
 - ``qwen3_moe_experts`` (T 8192): Qwen3-30B-A3B's expert block, hidden 2048, MoE intermediate 768, 128 experts,
-  top-8.
+  top-8;
+- ``llama3_8b_mlp_fp8`` (T 8192 and 16384): the Llama MLP trained in fp8 (issue 59): ``epicute`` is
+  ``epicute.nn.fp8_gated_mlp`` (DeepSeek-V3's blockwise recipe, all six GEMMs fp8), ``epicute_bf16`` epicute's
+  bf16 ``gated_mlp`` on the same leaves, ``torchao_float8_rowwise`` torchao's float8 training
+  (``convert_to_float8_training`` with the ``"rowwise"`` recipe on a module of three ``nn.Linear`` holding the
+  weights, under ``torch.compile`` as torchao advises), left out with the reason where torchao does not import;
+  ``torch_eager`` bf16. Checked against float32 autograd within 2^-3 (fp8's inputs rounded to e4m3:
+  tests/nn/fp8_cases.py), not 1e-2.
 
 The MoE cases are the experts only (no router): ``out[t] = sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
 with ``e = top_k_index[t, j]``, weights in transformers 5's layout: ``gate_up_proj`` (E, 2I, H) holding
@@ -97,6 +104,7 @@ MOE = {
 #: name -> (default token counts, hidden size, FLOPs of one forward per token / hidden size: 6·I, 4·F, 2·N, 6·k·I)
 CASES = {
     "llama3_8b_mlp": ((8192, 16384), HIDDEN, 6 * 14336),
+    "llama3_8b_mlp_fp8": ((8192, 16384), HIDDEN, 6 * 14336),
     "gpt_mlp": ((8192, 16384), HIDDEN, 4 * 16384),
     "linear_gelu_residual": ((8192,), HIDDEN, 2 * HIDDEN),
     **{name: ((8192,), hidden, 6 * top_k * inter) for name, (hidden, inter, _, top_k) in MOE.items()},
@@ -131,6 +139,9 @@ class Setup:
     derived: Callable[[Tensors], Tensors] | None = None
     peers: dict[str, Callable[..., torch.Tensor]] | None = None
     compiled: dict[str, tuple[Callable[..., torch.Tensor], str | None]] | None = None
+    #: more contenders with leaves of their own: label -> (leaves, step forward)
+    others: dict[str, tuple[Tensors, Callable[[], torch.Tensor]]] | None = None
+    tolerance: float = TOLERANCE
 
 
 def _randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -184,6 +195,47 @@ def setup_llama3_8b_mlp(EF, tokens: int) -> Setup:
         liger_fn=liger_swiglu(),
         derived=lambda ref: {"w_gate_up": epicute.interleave_gate_up(ref["w_gate"], ref["w_up"])},
     )
+
+
+def setup_llama3_8b_mlp_fp8(EF, tokens: int) -> Setup:
+    from epicute.nn import fp8_gated_mlp
+
+    base = setup_llama3_8b_mlp(EF, tokens)
+    leaves = base.epicute_leaves
+    x, w_gate_up, w_down = leaves["x"], leaves["w_gate_up"], leaves["w_down"]
+    others = {"epicute_bf16": (leaves, lambda: EF.gated_mlp(x, w_gate_up, w_down, activation="silu"))}
+    try:
+        others["torchao_float8_rowwise"] = torchao_float8_mlp(base.inputs["x"], base.weights)
+    except Exception as exc:  # noqa: BLE001 - a peer that does not import or convert is reported and left out
+        print(f"  torchao_float8_rowwise not run: {type(exc).__name__}: {exc}")
+    return Setup(
+        inputs=base.inputs, weights=base.weights, torch_fn=swiglu_mlp, epicute_leaves=leaves,
+        epicute_call=lambda: fp8_gated_mlp(x, w_gate_up, w_down, recipe="blockwise"), derived=base.derived,
+        compiled={}, others=others, tolerance=2.0**-3,
+    )  # fmt: skip
+
+
+def torchao_float8_mlp(x: torch.Tensor, weights: Tensors) -> tuple[Tensors, Callable[[], torch.Tensor]]:
+    """torchao's float8 training of the SwiGLU MLP: three ``nn.Linear`` holding the weights (storage shared),
+    converted by ``convert_to_float8_training`` (rowwise recipe), compiled; (its leaves, its step forward)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    class SwiGLU(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            shapes = {name: w.shape for name, w in weights.items()}
+            for name, (out_f, in_f) in shapes.items():
+                linear = torch.nn.Linear(in_f, out_f, bias=False, device="cuda", dtype=torch.bfloat16)
+                linear.weight = torch.nn.Parameter(weights[name].detach())
+                setattr(self, name, linear)
+
+        def forward(self, x):
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+    module = convert_to_float8_training(SwiGLU(), config=Float8LinearConfig.from_recipe_name("rowwise"))
+    compiled = torch.compile(module, dynamic=False)
+    leaves = {"x": x, **{name: getattr(module, name).weight for name in weights}}
+    return leaves, lambda: compiled(x)
 
 
 def setup_gpt_mlp(EF, tokens: int) -> Setup:
@@ -321,6 +373,7 @@ def setup_moe_experts(EF, name: str, tokens: int) -> Setup:
 
 SETUPS = {
     "llama3_8b_mlp": setup_llama3_8b_mlp,
+    "llama3_8b_mlp_fp8": setup_llama3_8b_mlp_fp8,
     "gpt_mlp": setup_gpt_mlp,
     "linear_gelu_residual": setup_linear_gelu_residual,
     **{name: functools.partial(setup_moe_experts, name=name) for name in MOE},
@@ -399,7 +452,9 @@ def run_case(EF, name: str, tokens: int, max_autotune: bool, profile: bool = Fal
     calls = {"epicute": steps(setup.epicute_leaves, setup.epicute_call, grad)}
     for label, fn in (setup.peers or {"torch_eager": setup.torch_fn}).items():
         calls[label] = steps({**inputs, **weights}, lambda fn=fn: fn(*args), grad)
-    compiled_fns = setup.compiled or {
+    for label, (leaves, forward) in (setup.others or {}).items():
+        calls[label] = steps(leaves, forward, grad)
+    compiled_fns = setup.compiled if setup.compiled is not None else {
         "torch_compile": (setup.torch_fn, None),
         "torch_compile_max_autotune": (setup.torch_fn, "max-autotune"),
     }
@@ -424,7 +479,7 @@ def run_case(EF, name: str, tokens: int, max_autotune: bool, profile: bool = Fal
         print("    rel err by tensor: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
         return max(errors.values())
 
-    timed, ok = check_contenders(calls, error, TOLERANCE)
+    timed, ok = check_contenders(calls, error, setup.tolerance)
     if profile:
         print_kernels(timed["epicute"])
         print_host_profile(timed["epicute"], setup.epicute_call, grad)
@@ -494,6 +549,8 @@ def plan(cases: list[str], tokens: list[int] | None, max_autotune: bool) -> None
         for t in tokens or CASES[name][0]:
             if name in MOE:
                 peers_ = ["torch_grouped_mm", "torch_eager_loop", "torch_grouped_mm_compile (if it compiles)"]
+            elif name == "llama3_8b_mlp_fp8":
+                peers_ = ["torch_eager", "epicute_bf16", "torchao_float8_rowwise (if it imports)"]
             else:
                 peers_ = ["torch_eager", *compiled, *(["liger (if it imports)"] if name == "llama3_8b_mlp" else [])]
             gflop = 3 * t * CASES[name][1] * CASES[name][2] / 1e9

@@ -46,7 +46,7 @@ MIN_RUN = {
     "docs/fp8.md": 3,
     "docs/grouped.md": 7,
     "docs/attention.md": 8,
-    "docs/training.md": 5,
+    "docs/training.md": 6,
     "docs/models.md": 4,
     "docs/runtime.md": 3,
     "docs/performance.md": 0,

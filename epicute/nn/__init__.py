@@ -5,11 +5,11 @@
 They use the families' public entry points only."""
 
 from epicute.nn import functional
-from epicute.nn.fp8 import fp8_linear
+from epicute.nn.fp8 import fp8_gated_mlp, fp8_linear
 from epicute.nn.kv_cache import PagedKVCache, attention_with_kvcache
 from epicute.nn.modules import Attention, GatedMLP, Linear, MoEExperts, rotary, top_k_routing
 
 __all__ = [
-    "Attention", "GatedMLP", "Linear", "MoEExperts", "PagedKVCache", "attention_with_kvcache", "fp8_linear",
+    "Attention", "GatedMLP", "Linear", "MoEExperts", "PagedKVCache", "attention_with_kvcache", "fp8_gated_mlp", "fp8_linear",
     "functional", "rotary", "top_k_routing",
 ]  # fmt: skip

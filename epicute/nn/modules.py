@@ -36,7 +36,7 @@ from epicute.epilogue.gated import interleave_gate_up, split_gate_up
 from epicute.errors import ConfigError, EpilogueError, ShapeError
 from epicute.nn import functional as EF
 from epicute.nn.fp8 import RECIPES as FP8_RECIPES
-from epicute.nn.fp8 import fp8_linear
+from epicute.nn.fp8 import fp8_gated_mlp, fp8_linear
 from epicute.nn.kv_cache import PagedKVCache, attention_with_kvcache
 
 
@@ -95,6 +95,8 @@ class GatedMLP(nn.Module):
     (:func:`epicute.interleave_gate_up`), trained as one parameter; ``down_proj`` an ``nn.Linear``'s weight.
     ``state_dict()`` gives ``gate_proj.weight``, ``up_proj.weight`` and ``down_proj.weight`` (a Llama checkpoint's
     keys); ``load_state_dict`` takes those, or ``gate_up_proj.weight`` concatenated ``[gate; up]``.
+    ``fp8="blockwise"`` trains it in fp8: all six GEMMs of a step on fp8 inputs, the activation and its derivative
+    still in their epilogues (:func:`epicute.nn.fp8.fp8_gated_mlp`).
     """
 
     def __init__(
@@ -105,10 +107,14 @@ class GatedMLP(nn.Module):
         *,
         device: Any = None,
         dtype: torch.dtype | None = None,
+        fp8: str | None = None,
     ) -> None:
         super().__init__()
         _check_gated_width(intermediate_size)
+        if fp8 not in (None, "blockwise"):
+            raise ConfigError(f"fp8={fp8!r}: the gated MLP trains in fp8 with 'blockwise' scales (or None: bf16)")
         self.hidden_size, self.intermediate_size, self.activation = hidden_size, intermediate_size, activation
+        self.fp8 = fp8
         gate, up = (nn.Linear(hidden_size, intermediate_size, bias=False, device=device, dtype=dtype) for _ in "gu")
         self.gate_up = nn.Parameter(interleave_gate_up(gate.weight.detach(), up.weight.detach()))
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, device=device, dtype=dtype)
@@ -130,11 +136,13 @@ class GatedMLP(nn.Module):
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_gated_mlp(x, self.gate_up, self.down_proj.weight, self.activation, recipe=self.fp8)
         return EF.gated_mlp(x, self.gate_up, self.down_proj.weight, activation=self.activation)
 
     def extra_repr(self) -> str:
         sizes = f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}"
-        return f"{sizes}, activation={self.activation}"
+        return f"{sizes}, activation={self.activation}" + (f", fp8={self.fp8!r}" if self.fp8 else "")
 
 
 class MoEExperts(nn.Module):

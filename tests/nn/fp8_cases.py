@@ -33,3 +33,26 @@ def errors(recipe: str, lead: tuple[int, ...], in_features: int, out_features: i
         found["db"] = rel(b.grad, leaves[2].grad)
     assert y.dtype == x.dtype and x.grad.dtype == x.dtype and w.grad.dtype == w.dtype
     return found
+
+
+def gated_errors(recipe: str, tokens: int, d: int, hidden: int, device: str) -> dict[str, float]:
+    """Relative errors of y, dx and both weights' gradients of :func:`epicute.nn.fp8_gated_mlp` (SwiGLU) against
+    float64 autograd of ``(silu(x w_gate^T) * (x w_up^T)) w_down^T``. Each GEMM rounds its inputs to e4m3 as
+    fp8_linear's do, and h and the gradients between the GEMMs are bf16: :data:`TOL` bounds it as it does there."""
+    from epicute import interleave_gate_up
+    from epicute.nn import fp8_gated_mlp
+
+    x = torch.randn(tokens, d, device=device).to(torch.bfloat16).requires_grad_()
+    w_gate, w_up = ((torch.randn(hidden, d, device=device) * d**-0.5).to(torch.bfloat16) for _ in range(2))
+    w_down = (torch.randn(d, hidden, device=device) * hidden**-0.5).to(torch.bfloat16).requires_grad_()
+    w_gate_up = interleave_gate_up(w_gate, w_up).requires_grad_()
+    upstream = torch.randn(tokens, d, device=device, dtype=torch.bfloat16)
+    y = fp8_gated_mlp(x, w_gate_up, w_down, recipe=recipe)
+    y.backward(upstream)
+    x64, g64, u64, d64 = (t.detach().double().requires_grad_() for t in (x, w_gate, w_up, w_down))
+    want = (torch.nn.functional.silu(x64 @ g64.t()) * (x64 @ u64.t())) @ d64.t()
+    want.backward(upstream.double())
+    want_gate_up = interleave_gate_up(g64.grad, u64.grad)
+    assert y.dtype == x.dtype and w_gate_up.grad.dtype == w_gate_up.dtype
+    return {"y": rel(y.detach(), want.detach()), "dx": rel(x.grad, x64.grad),
+            "dw_gate_up": rel(w_gate_up.grad, want_gate_up), "dw_down": rel(w_down.grad, d64.grad)}  # fmt: skip

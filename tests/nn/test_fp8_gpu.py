@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.nn.fp8_cases import TOL, errors
+from tests.nn.fp8_cases import TOL, errors, gated_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -14,4 +14,9 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize(("lead", "bias"), [((1001,), True), ((3, 131), False)])
 def test_gradients_against_float64(recipe, lead, bias):
     found = errors(recipe, lead, 1040, 528, bias, "cuda")
+    assert all(e < TOL for e in found.values()), found
+
+
+def test_the_gated_mlp_gradients_against_float64():
+    found = gated_errors("blockwise", 1001, 1040, 528, "cuda")
     assert all(e < TOL for e in found.values()), found
