@@ -82,8 +82,8 @@ def attention_variants(entry: dict, target: Target | None = None) -> list:
     if unknown:
         raise ConfigError(f"unknown fields {unknown}; known are {sorted(allowed)}")
     dtype = entry.get("dtype", "bf16")
-    if dtype not in ("bf16", "fp16"):
-        raise ConfigError(f"dtype {dtype!r} must be 'bf16' or 'fp16'")
+    if dtype not in ("bf16", "fp16", "fp8e4m3"):
+        raise ConfigError(f"dtype {dtype!r} must be 'bf16', 'fp16' or 'fp8e4m3'")
     heads = entry.get("heads", [1, 1])
     if not (isinstance(heads, list) and len(heads) == 2 and all(is_size(h) and h > 0 for h in heads)):
         raise ConfigError(f"heads = {heads!r}; give [heads_q, heads_kv], e.g. [32, 8]")
@@ -109,6 +109,11 @@ def attention_variants(entry: dict, target: Target | None = None) -> list:
         variant = prepared.variant()
         what = f"d{head_dim} {dtype}" + (" causal" if causal else "") + kind
         variants.setdefault(variant.key(), (variant, what))
+        if dtype == "fp8e4m3":  # the pass that lays V out before every fp8 call
+            from epicute.attention.launch import ValueLayoutVariant
+
+            value_pass = ValueLayoutVariant(head_dim, False, variant.arch)
+            variants.setdefault(value_pass.key(), (value_pass, f"d{head_dim} fp8 value layout"))
     return list(variants.values())
 
 

@@ -301,12 +301,13 @@ def compile_spec(
                     raise type(exc)(f"{path}, [[{kind}]] entry {i}: {exc}") from exc
     finally:
         _SEARCH_DIRS.reset(token)
-    for kind, variant, _ in jobs:
-        FAMILIES[kind].compiler(variant.arch)  # no kernel for the target's arch: say so before compiling any
+    # A job's variant names its own family: an entry may need kernels of several (fp8 attention: its value pass).
+    for _, variant, _ in jobs:
+        FAMILIES[variant.key().kind].compiler(variant.arch)  # no kernel for the arch: say so before compiling any
     results = []
     for kind, variant, what in jobs:
         start = time.perf_counter()
-        status = "planned" if dry_run else FAMILIES[kind].ensure_on_disk(variant)[0]
+        status = "planned" if dry_run else FAMILIES[variant.key().kind].ensure_on_disk(variant)[0]
         result = AotResult(kind, what, variant.key().digest, status, time.perf_counter() - start)
         results.append(result)
         if on_result is not None:

@@ -70,7 +70,7 @@ def test_dry_run_lists_attention_next_to_gemm(tmp_path):
     "text, error, match",
     [
         ("[[attention]]\nhead_dims = 64\n", ConfigError, "unknown fields"),
-        ("[[attention]]\ndtype = 'fp32'\n", ConfigError, "'bf16' or 'fp16'"),
+        ("[[attention]]\ndtype = 'fp32'\n", ConfigError, "'bf16', 'fp16' or 'fp8e4m3'"),
         ("[[attention]]\nheads = [8]\n", ConfigError, r"\[heads_q, heads_kv\]"),
         ("[[attention]]\nheads = [8, 3]\n", ShapeError, "multiple of heads_kv"),
         ("[[attention]]\ncausal = 'yes'\n", ConfigError, "true, false"),
@@ -136,3 +136,18 @@ def test_decode_entries_compile_the_variants_decode_calls_launch(monkeypatch, tm
     spec.write_text('[[attention]]\ndecode = "yes"\n')
     with pytest.raises(ConfigError, match="true or false"):
         attention_variants(read_spec(spec)["attention"][0])
+
+
+def test_fp8_entries_compile_the_kernel_calls_launch_and_its_value_pass(monkeypatch, tmp_path):
+    from epicute.attention.launch import ValueLayoutVariant
+
+    spec = tmp_path / "k.toml"
+    spec.write_text('[[attention]]\ndtype = "fp8e4m3"\nhead_dim = [128, 256]\ncausal = true\n')
+    (entry,) = read_spec(spec)["attention"]
+    jobs = attention_variants(entry)
+    assert [w for _, w in jobs] == ["d128 fp8e4m3 causal", "d128 fp8 value layout", "d256 fp8e4m3 causal",
+                                    "d256 fp8 value layout"]  # fmt: skip
+    assert [type(v) for v, _ in jobs][1::2] == [ValueLayoutVariant] * 2
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in qkv(1, 300, 77, 8, 2, 128))
+    assert launched_key(monkeypatch, q, k, v, causal=True, q_descale=0.5) == jobs[0][0].key()
+    assert [r.status for r in compile_spec(spec, dry_run=True)] == ["planned"] * 4
