@@ -313,18 +313,16 @@ def attention(
     varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
               "max_seqlen_k": max_seqlen_k}  # fmt: skip
     descale = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-    if v_layout != "bshd":
-        descale["v_layout"] = v_layout
     if traced(q):
-        if q.dtype == torch.float8_e4m3fn or any(x is not None for x in descale.values()):
-            raise ConfigError("fp8 attention under torch.compile: call it outside the compiled region "
-                              "(torch.compiler.disable); the compiled op takes bf16 and fp16")  # fmt: skip
         # torch.compile sees one custom op (epicute::attention), never this Python code.
         return attention_op_call(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,
             epilogue=epilogue, out=out, out_dtypes=out_dtypes, backend=backend, config=config, operands=operands,
-            page_table=page_table, seqused_k=seqused_k, deterministic=deterministic, **varlen,
+            page_table=page_table, seqused_k=seqused_k, deterministic=deterministic, descales=descale,
+            v_layout=v_layout, **varlen,
         )  # fmt: skip
+    if v_layout != "bshd":
+        descale["v_layout"] = v_layout
     backend = resolve_backend(backend)
     score_mod, epilogue = _named_hooks(score_mod, epilogue)
     check_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)

@@ -6,8 +6,9 @@ none; a score_mod is registered with its indices traced as index leaves,
 :func:`~epicute.runtime.torch_ops.register_score_mod`), the hooks' operands travel by name in
 ``spec`` together with ``causal``, ``softmax_scale``, ``deterministic`` (the backward's) and
 ``config``. LSE is always computed (the kernel writes it anyway); :func:`epicute.attention` drops
-it unless ``return_lse=True``. O is contiguous in q's dtype, LSE fp32 ``(batch, heads_q,
-seqlen_q)``, whatever the hooks are.
+it unless ``return_lse=True``. O is contiguous in q's dtype (bf16 for fp8 q), LSE fp32 ``(batch, heads_q,
+seqlen_q)``, whatever the hooks are. fp8 calls' descales travel as operands named ``q_descale``,
+``k_descale``, ``v_descale`` (tensors or numbers), ``v_layout`` in ``spec``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any
 
 import torch
 
+from epicute.attention.fp8 import stored_dtype
 from epicute.attention.plan import AttentionConfig
-from epicute.epilogue.dtypes import ir_dtype
+from epicute.epilogue.dtypes import IR_TO_TORCH, TORCH_TO_IR, ir_dtype
 from epicute.errors import ConfigError, EpilogueError, ShapeError
 from epicute.runtime.backend import check_traced_backend, resolve_backend
 from epicute.runtime.checks import config_pins as checked_pins
@@ -64,6 +66,7 @@ def attention_op(
             score_mod=registered_epilogue(score_mod) if score_mod else None,
             epilogue=registered_epilogue(epilogue) if epilogue else None,
             config=config_of(spec), page_table=page_table, seqused_k=seqused_k,
+            v_layout=spec.get("v_layout", "bshd"),
             **_packed(cu_seqlens_q, cu_seqlens_k, spec), **operand_values(operands, scalars, spec),
         )  # fmt: skip
 
@@ -79,14 +82,15 @@ def _packed(cu_seqlens_q, cu_seqlens_k, spec: dict) -> dict:
 def _attention_fake(
     q, k, v, operands, scalars, score_mod, epilogue, spec, page_table, seqused_k, cu_seqlens_q, cu_seqlens_k
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # Output metadata never depends on the hooks: O is stored in q's dtype (the kernel's
-    # O tile is q's type), contiguous like eager's torch.empty_like(q, contiguous_format).
+    # Output metadata never depends on the hooks: O is stored in q's dtype (the kernel's O tile is q's type; bf16
+    # for fp8 q), contiguous like eager's torch.empty_like(q, contiguous_format).
+    o_dtype = IR_TO_TORCH[stored_dtype(TORCH_TO_IR.get(q.dtype, "bf16"))]
     if cu_seqlens_q is not None and q.dim() == 3:  # packed: LSE (heads_q, total_q)
-        return q.new_empty(q.shape), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32)
+        return q.new_empty(q.shape, dtype=o_dtype), q.new_empty((q.size(1), q.size(0)), dtype=torch.float32)
     if q.dim() != 4:
         raise ShapeError(f"q has shape {tuple(q.shape)}; attention takes 4-D (batch, seqlen, heads, head_dim) tensors")
     batch, seqlen_q, heads_q, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    return q.new_empty(q.shape, dtype=o_dtype), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
 def attention_backward_op(
@@ -249,9 +253,11 @@ def _check_names_traced(score_mod: Callable | None, epilogue: Callable | None) -
 
 @assume_constant_result
 def _uncompilable(epi_key: str, q_dtype: torch.dtype, has_out_dtypes: bool) -> str:
-    """Why the op cannot stand for this epilogue ("" if it can): its outputs are O in q's dtype and LSE."""
-    outputs, o_dtype = registered_outputs(epi_key), registered_casts(epi_key).get("D", ir_dtype(q_dtype, "q"))
-    if outputs == ("D",) and not has_out_dtypes and o_dtype == ir_dtype(q_dtype, "q"):
+    """Why the op cannot stand for this epilogue ("" if it can): its outputs are O in q's dtype (bf16 for fp8 q)
+    and LSE."""
+    stored = stored_dtype(ir_dtype(q_dtype, "q"))
+    outputs, o_dtype = registered_outputs(epi_key), registered_casts(epi_key).get("D", stored)
+    if outputs == ("D",) and not has_out_dtypes and o_dtype == stored:
         return ""
     return (
         "under torch.compile, epicute.attention's epilogue may only rewrite O, stored in q's dtype "
@@ -282,6 +288,8 @@ def attention_op_call(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     deterministic: bool = False,
+    descales: dict[str, Any] | None = None,
+    v_layout: str = "bshd",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`epicute.attention` while ``torch.compile`` traces it: one ``epicute::attention`` op.
 
@@ -297,8 +305,14 @@ def attention_op_call(
         refusal = _uncompilable(epi_key, q.dtype, bool(out_dtypes))
         if refusal:
             raise EpilogueError(refusal)
-    tensor_names, tensors, scalar_names, scalars, pins = split_operands(operands)
+    given = {name: x for name, x in (descales or {}).items() if x is not None}  # fp8's, as operands of their name
+    if q.dtype == torch.float8_e4m3fn and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ConfigError("attention backward: fp8 q, k, v: the fp8 forward is for inference; call it under "
+                          "torch.no_grad() or detach them")  # fmt: skip
+    tensor_names, tensors, scalar_names, scalars, pins = split_operands({**operands, **given})
     extra = (("causal", bool(causal)), ("softmax_scale", None if softmax_scale is None else float(softmax_scale)))
+    if v_layout != "bshd":
+        extra += (("v_layout", v_layout),)
     if deterministic:
         extra += (("deterministic", True),)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:

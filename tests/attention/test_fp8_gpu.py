@@ -186,3 +186,17 @@ def test_repeat_fp8_calls_skip_validation_and_bind_their_own_descales(monkeypatc
     assert len(calls) == 1
     with pytest.raises(epicute.ShapeError, match="q_descale has shape"):
         epicute.attention(q, k, v, causal=True, q_descale=torch.ones(3, 2, device="cuda"), k_descale=ks, v_descale=vs)
+
+
+def test_fp8_attention_under_torch_compile_runs_the_eager_kernel():
+    torch._dynamo.reset()
+    q, qs = quantized((2, 300, 8, 128), per_head=(2, 2))
+    k, ks = quantized((2, 333, 2, 128))
+    v, vs = quantized((2, 333, 2, 128))
+
+    def f(q, k, v, qs, ks, vs):
+        return epicute.attention(q, k, v, causal=True, q_descale=qs, k_descale=ks, v_descale=vs)
+
+    compiled = torch.compile(f, fullgraph=True)(q, k, v, qs, ks, vs)
+    eager = f(q, k, v, qs, ks, vs)
+    assert compiled.dtype == torch.bfloat16 and torch.equal(compiled, eager)  # one kernel, the same launch

@@ -322,3 +322,26 @@ def test_packed_sequences_fake_and_autograd():
     assert o.shape == q.shape and lse.shape == (4, 300) and lse.dtype == torch.float32
     dq, dk, dv = torch.autograd.grad((o, lse), (q, k, v), (torch.empty_like(o), torch.empty_like(lse)))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_fp8_attention_compiles_to_the_op_with_its_descales(reference_op):
+    torch._dynamo.reset()
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in qkv(2, 33, 70, 8, 2, 128))
+    q_scale = torch.rand(2, 2) + 0.5
+
+    def f(q, k, v, q_scale):
+        return epicute.attention(q, k, v, causal=True, q_descale=q_scale, k_descale=0.25, return_lse=True)
+
+    o, lse = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, q_scale)
+    (kwargs,) = reference_op  # one op, the descales rebuilt from the graph by name (a tensor and a number)
+    assert torch.equal(kwargs["q_descale"], q_scale) and kwargs["k_descale"] == 0.25 and kwargs["v_layout"] == "bshd"
+    ref_o, ref_lse = attention_api.attention(q, k, v, causal=True, q_descale=q_scale, k_descale=0.25,
+                                             return_lse=True)  # fmt: skip
+    assert o.dtype == torch.bfloat16 and torch.equal(o, ref_o) and torch.equal(lse, ref_lse)
+    # Honest: other descales give other numbers.
+    assert rel_err(attention_api.attention(q, k, v, causal=True, q_descale=q_scale, return_lse=True)[1], lse) > 1e-3
+    fake_o, _ = torch.ops.epicute.attention(*op_args(2, 17, 17, 4, 4, 64, dtype=torch.float8_e4m3fn))
+    assert fake_o.dtype == torch.bfloat16  # the fake's O is stored bf16 for fp8 q, as the kernel's
+    with pytest.raises(Exception) as info:  # refused while tracing (dynamo wraps the typed error)
+        torch.compile(f, fullgraph=True, backend="aot_eager")(q.requires_grad_(), k, v, q_scale)
+    assert isinstance(info.value, ConfigError) or "fp8 forward is for inference" in str(info.value)
