@@ -168,7 +168,7 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
     (transformers reshapes them by the token count the block received). The first layer takes its tokens from
     the replicated embeddings, and the LM head gathers them back. An MoE block runs on the gathered tokens (a
     router on one rank's tokens would get that share of its gradient), its experts split by features as without
-    sequence parallelism, and hands each rank its tokens back. For training and prefill: a call whose sequence
+    sequence parallelism, and hands each rank its tokens back by reduce-scattering the experts' partial sums. For training and prefill: a call whose sequence
     length does not split evenly over the ranks (a decode step's one token) raises
     :class:`~epicute.errors.ConfigError` on every rank.
 
@@ -180,7 +180,7 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
         >>> plan = tensor_parallel_plan(model, mesh.size(), sequence_parallel=True)   # doctest: +SKIP
         >>> parallelize_module(model, mesh, plan)
     """
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
@@ -217,17 +217,23 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
         elif isinstance(module, MoEExperts) and sequence_parallel:
             # The MoE block (router, experts, any shared expert) runs on the gathered tokens as without sequence
             # parallelism (a router on one rank's tokens would get that share of its gradient), and hands each rank
-            # its tokens back: the experts' partial sums all-reduced, then cut.
+            # its tokens back: the experts' partial sums (each rank its share of the features) reduce-scattered by
+            # tokens, half an all-reduce's traffic, with no cut after it.
             block = name.rpartition(".")[0]
             plan[block] = PrepareModuleInputOutput(input_layouts=(tokens,), desired_input_layouts=(Replicate(),),
-                                                   use_local_input=True, output_layouts=(Replicate(),),
+                                                   use_local_input=True, output_layouts=(Partial(),),
                                                    desired_output_layouts=(tokens,), use_local_output=True)  # fmt: skip
-            plan[name] = GatedMLPParallel()
+            plan[name] = GatedMLPParallel(output_layouts=Partial())
         elif isinstance(module, GatedMLP | MoEExperts):  # GatedMLPParallel checks that the features split
-            # A shared expert inside an MoE block sees the block's gathered tokens.
-            by_tokens = sequence_parallel and not any(name.startswith(f"{block}.") for block in moe_blocks)
-            plan[name] = GatedMLPParallel(input_layouts=tokens, output_layouts=tokens) if by_tokens else (
-                GatedMLPParallel())  # fmt: skip
+            # A shared expert inside a sequence-parallel MoE block sees the block's gathered tokens and leaves its
+            # partial sum to the block's reduce-scatter (a gate on it, a per-token factor, keeps it a partial sum).
+            in_moe_block = sequence_parallel and any(name.startswith(f"{block}.") for block in moe_blocks)
+            if in_moe_block:
+                plan[name] = GatedMLPParallel(output_layouts=Partial())
+            elif sequence_parallel:
+                plan[name] = GatedMLPParallel(input_layouts=tokens, output_layouts=tokens)
+            else:
+                plan[name] = GatedMLPParallel()
     if not plan:
         raise ConfigError("no attention or GatedMLP to split: patch(model, linears=True) first")
     if sequence_parallel:

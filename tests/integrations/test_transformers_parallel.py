@@ -160,6 +160,7 @@ def test_a_patched_qwen3_with_per_head_norms_trains_split_like_the_whole_one(seq
 
 def _mixtral_step(rank: int, world: int, sequence_parallel: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import parallelize_module
 
     from epicute.integrations.transformers import patch, tensor_parallel_plan
@@ -184,7 +185,11 @@ def _mixtral_step(rank: int, world: int, sequence_parallel: bool) -> None:
     parallelize_module(model, mesh, plan)
     torch.manual_seed(1)
     ids = torch.randint(0, 96, (2, 10 * world if sequence_parallel else 19))
-    loss = model(input_ids=ids.to(_device()), labels=ids.to(_device())).loss
+    with CommDebugMode() as comms:
+        loss = model(input_ids=ids.to(_device()), labels=ids.to(_device())).loss
+    counts = {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}
+    if sequence_parallel:  # each block's partial sums reduce-scattered by tokens, never all-reduced and cut
+        assert counts.get("reduce_scatter_tensor", 0) >= 2 and not counts.get("all_reduce", 0), counts
     loss.backward()
     want = reference(input_ids=ids, labels=ids).loss
     # The loss only: a bf16 model may route a token to another expert than the float64 one after a last-bit
