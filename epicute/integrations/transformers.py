@@ -168,9 +168,9 @@ def tensor_parallel_plan(model: nn.Module, world_size: int, *, sequence_parallel
     (transformers reshapes them by the token count the block received). The first layer takes its tokens from
     the replicated embeddings, and the LM head gathers them back. An MoE block runs on the gathered tokens (a
     router on one rank's tokens would get that share of its gradient), its experts split by features as without
-    sequence parallelism, and hands each rank its tokens back by reduce-scattering the experts' partial sums. For training and prefill: a call whose sequence
-    length does not split evenly over the ranks (a decode step's one token) raises
-    :class:`~epicute.errors.ConfigError` on every rank.
+    sequence parallelism, and hands each rank its tokens back by reduce-scattering the experts' partial sums.
+    For training and prefill: a call whose sequence length does not split evenly over the ranks (a decode step's
+    one token) raises :class:`~epicute.errors.ConfigError` on every rank.
 
     Raises :class:`~epicute.errors.ConfigError` where the heads (query or key/value) do not split evenly (and
     ``parallelize_module`` does where a gated MLP's features do not). Per-head norms inside the attention
