@@ -312,17 +312,17 @@ def attention(
     """
     varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
               "max_seqlen_k": max_seqlen_k}  # fmt: skip
-    descale = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    fp8_args = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
     if traced(q):
         # torch.compile sees one custom op (epicute::attention), never this Python code.
         return attention_op_call(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, score_mod=score_mod,
             epilogue=epilogue, out=out, out_dtypes=out_dtypes, backend=backend, config=config, operands=operands,
-            page_table=page_table, seqused_k=seqused_k, deterministic=deterministic, descales=descale,
+            page_table=page_table, seqused_k=seqused_k, deterministic=deterministic, descales=fp8_args,
             v_layout=v_layout, **varlen,
         )  # fmt: skip
     if v_layout != "bshd":
-        descale["v_layout"] = v_layout
+        fp8_args["v_layout"] = v_layout
     backend = resolve_backend(backend)
     score_mod, epilogue = _named_hooks(score_mod, epilogue)
     check_flags(causal=causal, return_lse=return_lse, deterministic=deterministic)
@@ -330,7 +330,7 @@ def attention(
     signature = None
     if backend == "kernel" and score_mod is None and epilogue is None and out is None and not (
             operands or out_dtypes or config):  # fmt: skip
-        signature = _plain_signature(q, k, v, indices, causal, softmax_scale, max_seqlen_q, max_seqlen_k, descale)
+        signature = _plain_signature(q, k, v, indices, causal, softmax_scale, max_seqlen_q, max_seqlen_k, fp8_args)
     validated = _VALIDATED.get(signature) if signature is not None else None
     if validated is not None and not _misaligned(q, k, v, *indices):
         call, prepared = replace(validated[0], q=q, k=k, v=v, page_table=page_table, seqused_k=seqused_k,
@@ -345,7 +345,7 @@ def attention(
                              ("cu_seqlens_k", cu_seqlens_k), operands=operands)  # fmt: skip
         call = check_attention_args(
             q, k, v, causal=causal, softmax_scale=softmax_scale, require_cuda=backend == "kernel",
-            page_table=page_table, seqused_k=seqused_k, **varlen, **descale,
+            page_table=page_table, seqused_k=seqused_k, **varlen, **fp8_args,
         )  # fmt: skip
         prepared = prepare(call, score_mod, epilogue, operands, out_dtypes, config)
         if signature is not None and not _misaligned(q, k, v, *indices):

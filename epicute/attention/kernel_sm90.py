@@ -50,6 +50,12 @@ run by different CTAs, which store fp32 partial O and LSE for
 :mod:`epicute.attention.combine_sm90`; a paged cache is read block by block through
 the page table, and ``seqused_k`` bounds each sequence (:class:`KeyRange`).
 
+fp8 (e4m3) Q, K, V (:mod:`epicute.attention.fp8`): both GEMMs are fp8 WGMMAs, which read their operands
+K-major, so V arrives keys-contiguous (the V ring is ``(head_dim, tile_n)`` per stage, V^T for PV) in an order
+that lets P go to the PV WGMMA register for register (:func:`~epicute.sm90.fragments.acc_as_operand_a_8bit`);
+Q's and K's descales join the tile's softmax scale, V's the final ``1 / row sum``, and Q's buffer is sized for
+the bf16 O staged in it.
+
 Sizes, strides, head counts and the split count are dynamic; head_dim, tiles,
 dtype, causal, the packed group, the page size and the fused graphs are compile-time.
 """
@@ -414,7 +420,8 @@ class AttentionSm90:
         return ring, cute.composition(ring, self._swap_first_modes(cfg.head_dim, cfg.tile_n))
 
     def _swap_first_modes(self, rows: int, cols: int):
-        """``(rows, cols, stages) -> `` the index of ``(cols, rows, stages)``: a tile read the other way round."""
+        """The layout that reads a ``(cols, rows, stages)`` tile as ``(rows, cols, stages)`` (compose it with the
+        tile): the same bytes, the first two modes swapped."""
         return cute.make_ordered_layout((rows, cols, self.cfg.stages), order=(1, 0, 2))
 
     def _staging_layout(self, name: str):

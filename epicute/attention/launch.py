@@ -153,8 +153,7 @@ def _fake_partials(head_dim: int) -> tuple:
 def compile_attention(variant: AttentionVariant):
     """Compile one variant for sm_90a; returns ``f(q, k, v, o, lse, softmax_scale, score_tensors, score_scalars,
     epi_tensors, epi_scalars, max_ctas, tile_counter, paged, seqused, partials, varlen, descales)`` taking torch
-    tensors
-    (layout ``(batch, seqlen, heads, head_dim)``, LSE ``(batch, heads, seqlen_q)`` fp32 contiguous); a
+    tensors (layout ``(batch, seqlen, heads, head_dim)``, LSE ``(batch, heads, seqlen_q)`` fp32 contiguous); a
     persistent variant launches at most ``max_ctas`` CTAs (one per SM); a dynamically scheduled one claims
     tiles from ``tile_counter`` (int32, one element, zero at launch), which the others never read.
     ``paged``, ``seqused``, ``partials``, ``varlen``: ``()`` unless the variant takes them (see
