@@ -7,7 +7,7 @@ import torch
 
 import epicute
 from epicute.nn import PagedKVCache, attention_with_kvcache
-from tests.nn.kv_cases import E4M3, FP8_TOL, attention_layer_step, paged_appends
+from tests.nn.kv_cases import E4M3, FP8_TOL, attention_layer_step, fp8_cache_serving, paged_appends
 
 TOL = 2e-2  # bf16 q, k, v and outputs
 
@@ -22,6 +22,10 @@ def test_an_fp8_cache_appends_rounded_values_and_attends_over_them(reference_lay
     result = paged_appends("cpu", dtype=E4M3)
     assert result["landed"] and result["seqlens"] == [8, 25, 48]
     assert result["worst"] < FP8_TOL, result
+
+
+def test_the_attention_layer_serves_through_an_fp8_cache(reference_layers):
+    assert fp8_cache_serving("cpu") < FP8_TOL
 
 
 def test_the_attention_layer_trains_and_serves_the_same_outputs(reference_layers):

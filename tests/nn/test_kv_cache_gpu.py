@@ -14,6 +14,7 @@ from tests.nn.kv_cases import (
     attention64,
     attention_layer_step,
     cached_keys,
+    fp8_cache_serving,
     paged_appends,
     rel,
 )
@@ -71,3 +72,7 @@ def test_an_fp8_cache_appends_and_the_fp8_kernel_attends_over_it():
     result = paged_appends("cuda", dtype=E4M3)
     assert result["landed"] and result["seqlens"] == [8, 25, 48]
     assert result["worst"] < FP8_TOL, result
+
+
+def test_the_attention_layer_serves_through_an_fp8_cache():
+    assert fp8_cache_serving("cuda") < FP8_TOL
