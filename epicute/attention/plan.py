@@ -235,10 +235,12 @@ def row_ownership(cfg: AttentionConfig) -> RowOwnership:
 
 
 def default_config(
-    head_dim: int, causal: bool, decode: dict | None = None, dtype: str = "bf16", **overrides
+    head_dim: int, causal: bool, decode: dict | None = None, dtype: str = "bf16", score_mod: bool = False,
+    **overrides,
 ) -> AttentionConfig:
     """The FA3 tile choices for H100, with every field overridable; ``decode``: the decode plan's
-    choices (:func:`decode_choices`), which replace the head_dim rules; ``dtype``: the inputs'."""
+    choices (:func:`decode_choices`), which replace the head_dim rules; ``dtype``: the inputs'; ``score_mod``:
+    whether a score_mod runs (its registers count at fp8 head_dim 256)."""
     if head_dim not in HEAD_DIMS:
         raise ConfigError(f"head_dim={head_dim}: supported are {HEAD_DIMS}")
     if decode is not None:
@@ -252,10 +254,12 @@ def default_config(
             "and 128x224 at 4k-16k keys, bench/NOTES.md); 96 keys keep 3 x 160 registers spill-free"
         )
     elif dtype in FP8_INPUT_DTYPES and head_dim == 256:
-        base = {"tile_m": 128, "tile_n": 128, "pingpong": False, "rescale_o_early": True}
+        tile_n = 96 if score_mod else 128
+        base = {"tile_m": 128, "tile_n": tile_n, "pingpong": False, "rescale_o_early": True}
         why = (
-            "fp8, head_dim 256: 128x128 tiles (fp8 K and V stages take half the bytes, so 128 keys fit where bf16 "
-            "takes 80), no ping-pong, O rescaled under the QK^T WGMMA"
+            f"fp8, head_dim 256: 128x{tile_n} tiles (fp8 K and V stages take half the bytes, so more keys fit than "
+            "bf16's 80), no ping-pong, O rescaled under the QK^T WGMMA"
+            + ("; 96 keys with a score_mod, whose registers make 128 spill" if score_mod else "")
         )
     elif head_dim == 64:
         base = {"tile_m": 192, "tile_n": 128}
@@ -509,14 +513,15 @@ class AttentionPlan:
 
 
 def plan_attention(
-    problem: AttentionProblem, target: Target | str | None = None, plain_output: bool = True, **overrides
+    problem: AttentionProblem, target: Target | str | None = None, plain_output: bool = True,
+    score_mod: bool = False, **overrides,
 ) -> AttentionPlan:
     """Choose and validate the kernel configuration for ``problem`` on ``target`` (a :class:`Target`
     or its name; default: the visible GPU, else an H100 SXM); ``plain_output``: no output epilogue
-    (decode plans need the kernel to store O itself: :func:`decode_choices`)."""
+    (decode plans need the kernel to store O itself: :func:`decode_choices`); ``score_mod``: one runs."""
     hw = resolve_target(target)
     decode = decode_choices(problem, hw, plain_output)
-    cfg = default_config(problem.head_dim, problem.causal, decode, problem.dtype, **overrides)
+    cfg = default_config(problem.head_dim, problem.causal, decode, problem.dtype, score_mod, **overrides)
     if problem.page_size and problem.page_size % cfg.tile_n and "tile_n" not in overrides:
         tile_n = page_tile_n(cfg.tile_n, problem.page_size)
         why = f"{tile_n}-key blocks tile the {problem.page_size}-key pages"

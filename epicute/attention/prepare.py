@@ -48,10 +48,11 @@ _IR_KIND = {"scalar": "scalar", "head": "col", "row": "row", "tile": "tile"}
 
 @functools.lru_cache(maxsize=1024)
 def cached_plan(
-    problem: AttentionProblem, overrides: tuple, target: Target | None = None, plain_output: bool = True
+    problem: AttentionProblem, overrides: tuple, target: Target | None = None, plain_output: bool = True,
+    score_mod: bool = False,
 ) -> AttentionPlan:
     """:func:`plan_attention` for ``target`` (None: the current one), once per argument set."""
-    return plan_attention(problem, target, plain_output, **dict(overrides))
+    return plan_attention(problem, target, plain_output, score_mod, **dict(overrides))
 
 
 def _operand_kind(hook: str, name: str, value: Any, p: AttentionProblem) -> tuple[str, Any]:
@@ -279,7 +280,7 @@ def prepare(
     GPU, else an H100 SXM) with ``config``'s pins."""
     pins = attention_pins(config, call.problem)
     score, epi = hooks_of(call, score_mod, epilogue, operands or {}, ir_dtypes(out_dtypes))
-    plan = cached_plan(call.problem, pins, target, epi is None)
+    plan = cached_plan(call.problem, pins, target, epi is None, score is not None)
     return PreparedAttention(plan, score, epi)
 
 

@@ -109,6 +109,10 @@ def test_fp8_explain_names_the_recipe(capsys):
     assert "fp8             e4m3 Q, K, V" in text and "O stored bf16" in text
     assert "keys contiguous" in text  # the V ring's row in the shared-memory table
     assert "not available: attention backward: fp8" in text
+    softcap = lambda s, b, h, qi, ki: 30 * epicute.ops.tanh(s / 30)
+    q, k, v = (torch.empty(2, 4096, h, 256, dtype=E4M3, device="meta") for h in (16, 8, 8))
+    assert epicute.explain_attention(q, k, v, file=None).config.tile_n == 128
+    assert epicute.explain_attention(q, k, v, score_mod=softcap, file=None).config.tile_n == 96  # 128 spills
 
 
 def test_the_value_pass_kernel_places_keys_where_the_table_says():
