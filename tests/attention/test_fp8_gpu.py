@@ -114,10 +114,11 @@ def test_fp8_decode_packs_gqa_and_splits_keys(d):
     check(q, k, v, descales=(qs, ks, vs))
 
 
-def test_fp8_score_mod_softcap():
-    q, qs = quantized((2, 500, 4, 128))
-    k, ks = quantized((2, 700, 4, 128))
-    v, vs = quantized((2, 700, 4, 128))
+@pytest.mark.parametrize("d", (128, 256))  # d256 with a score_mod plans 96-key blocks
+def test_fp8_score_mod_softcap(d):
+    q, qs = quantized((2, 500, 4, d))
+    k, ks = quantized((2, 700, 4, d))
+    v, vs = quantized((2, 700, 4, d))
     softcap = lambda s, b, h, qi, ki: 30 * ops.tanh(s / 30)
     check(q, k, v, True, score_mod=softcap, descales=(qs, ks, vs))
 
