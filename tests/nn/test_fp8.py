@@ -24,25 +24,20 @@ def test_the_gated_mlp_gradients_against_float64():
     assert all(e < TOL for e in found.values()), found
 
 
-def test_the_gated_mlp_switch_trains_and_keeps_its_state_dict():
-    mlp = GatedMLP(128, 256, fp8="blockwise", dtype=torch.bfloat16)
-    keys = set(mlp.state_dict())
-    x = torch.randn(2, 9, 128, dtype=torch.bfloat16)
-    with epicute.use_backend("reference"):
-        y = mlp(x)
-        y.float().square().mean().backward()
-    assert y.shape == (2, 9, 128) and mlp.gate_up.grad is not None and mlp.down_proj.weight.grad is not None
-    assert set(mlp.state_dict()) == keys and "fp8='blockwise'" in repr(mlp)
-
-
-def test_the_layer_switch_trains_and_keeps_its_state_dict():
-    layer = Linear(256, 144, fp8="blockwise", dtype=torch.bfloat16)
+@pytest.mark.parametrize(
+    ("make", "features"),
+    [(lambda: Linear(256, 144, fp8="blockwise", dtype=torch.bfloat16), (256, 144)),
+     (lambda: GatedMLP(128, 256, fp8="blockwise", dtype=torch.bfloat16), (128, 128))],
+    ids=["linear", "gated_mlp"],
+)  # fmt: skip
+def test_the_layer_switch_trains_and_keeps_its_state_dict(make, features):
+    layer = make()
     keys = set(layer.state_dict())
-    x = torch.randn(2, 17, 256, dtype=torch.bfloat16)
+    x = torch.randn(2, 17, features[0], dtype=torch.bfloat16)
     with epicute.use_backend("reference"):
         y = layer(x)
         y.float().square().mean().backward()
-    assert y.shape == (2, 17, 144) and layer.weight.grad is not None and layer.bias.grad is not None
+    assert y.shape == (2, 17, features[1]) and all(p.grad is not None for p in layer.parameters())
     assert set(layer.state_dict()) == keys and "fp8='blockwise'" in repr(layer)
 
 
