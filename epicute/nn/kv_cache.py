@@ -31,9 +31,10 @@ import torch
 
 from epicute.attention.api import attention
 from epicute.attention.fp8 import slot_of_position
+from epicute.epilogue.dtypes import FP8_MAX
 from epicute.errors import ShapeError
 
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+E4M3_MAX = FP8_MAX["fp8e4m3"]
 
 
 class PagedKVCache:
