@@ -95,7 +95,7 @@ console = Console(highlight=False, soft_wrap=True, markup=False)
 #: The dtype names of A/B and of D (epicute.gemm.config.AB_DTYPES, D_DTYPES).
 AB_DTYPES = ("bf16", "fp16", "fp8e4m3", "fp8e5m2")
 #: q, k and v's dtypes (epicute.attention.validate.ATTN_DTYPES).
-ATTENTION_DTYPES = ("bf16", "fp16")
+ATTENTION_DTYPES = ("bf16", "fp16", "fp8e4m3")
 D_DTYPES = ("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2")
 #: epicute.epilogue.library.__all__
 READY_EPILOGUES = "row_col_quant, tensor_quant, plain"

@@ -416,7 +416,11 @@ def test_cli_spells_dtypes_and_ready_epilogues_as_the_library_does():
     from epicute import cli
     from epicute.gemm import config
 
+    from epicute.attention.validate import ATTN_DTYPES
+    from epicute.epilogue.dtypes import TORCH_TO_IR
+
     assert (cli.AB_DTYPES, cli.D_DTYPES) == (config.AB_DTYPES, config.D_DTYPES)
+    assert cli.ATTENTION_DTYPES == tuple(TORCH_TO_IR[d] for d in ATTN_DTYPES)
     assert sorted(cli.READY_EPILOGUES.split(", ")) == sorted(epicute.epilogues.__all__)
 
 
