@@ -414,13 +414,12 @@ def test_explain_attention_prints_the_plan(tmp_path):
 def test_cli_spells_dtypes_and_ready_epilogues_as_the_library_does():
     import epicute
     from epicute import cli
-    from epicute.gemm import config
-
     from epicute.attention.validate import ATTN_DTYPES
     from epicute.epilogue.dtypes import TORCH_TO_IR
+    from epicute.gemm import config
 
     assert (cli.AB_DTYPES, cli.D_DTYPES) == (config.AB_DTYPES, config.D_DTYPES)
-    assert cli.ATTENTION_DTYPES == tuple(TORCH_TO_IR[d] for d in ATTN_DTYPES)
+    assert tuple(TORCH_TO_IR[d] for d in ATTN_DTYPES) == cli.ATTENTION_DTYPES
     assert sorted(cli.READY_EPILOGUES.split(", ")) == sorted(epicute.epilogues.__all__)
 
 
