@@ -118,12 +118,16 @@ def values_of_slots(v_slots: torch.Tensor, seqlen: int) -> torch.Tensor:
     return v_slots[:, slot_of_position(torch.arange(seqlen, device=v_slots.device))]
 
 
+def slot_of_key(key):
+    """The slot of key ``key`` within its group of 16, :func:`key_of_slot` inverted: key ``v0 + 2 q + 8 j0`` sits
+    in slot ``v0 + 2 j0 + 4 q``. Bit operations only, so the same function serves Python ints, torch integer
+    tensors and the value pass kernel's device integers."""
+    return (key & 1) | (((key >> 3) & 1) << 1) | (((key >> 1) & 3) << 2)
+
+
 def slot_of_position(position: torch.Tensor) -> torch.Tensor:
     """The value-layout slot of key ``position`` (counted from a 16-aligned start: a sequence's or a page's)."""
-    keys_of = torch.tensor(VALUE_SLOT_KEYS, device=position.device)
-    slot_of_key = torch.empty_like(keys_of)
-    slot_of_key[keys_of] = torch.arange(KEY_GROUP, device=position.device)
-    return position // KEY_GROUP * KEY_GROUP + slot_of_key[position % KEY_GROUP]
+    return position // KEY_GROUP * KEY_GROUP + slot_of_key(position % KEY_GROUP)
 
 
 _ONES: dict[torch.device, torch.Tensor] = {}
@@ -183,6 +187,7 @@ __all__ = [
     "descales",
     "key_of_slot",
     "padded_keys",
+    "slot_of_key",
     "slot_of_position",
     "stored_dtype",
     "value_layout",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from epicute.attention.fp8 import check_no_descales, descales, stored_dtype
+from epicute.attention.fp8 import check_no_descales, descales, padded_keys, stored_dtype
 from epicute.attention.plan import HEAD_DIMS, AttentionProblem
 from epicute.epilogue.dtypes import IR_TO_TORCH, TORCH_TO_IR
 from epicute.errors import AlignmentError, ConfigError, DeviceError, DtypeError, OutputError, ShapeError
@@ -209,8 +209,6 @@ def check_attention_args(
 def _check_value_slots(v, k: torch.Tensor, paged: bool) -> None:
     """fp8 ``v`` in the kernel's value layout (``v_layout="slots"``): k's dtype, ``(batch, padded keys, heads_kv,
     head_dim)`` (paged: k's page shape) with the slots contiguous and the other strides 16-byte aligned."""
-    from epicute.attention.fp8 import padded_keys
-
     if not isinstance(v, torch.Tensor) or v.dim() != 4:
         raise ShapeError("v_layout='slots': v must be a 4-D tensor (epicute.attention.fp8.value_layout's result)")
     if k.dtype != torch.float8_e4m3fn:

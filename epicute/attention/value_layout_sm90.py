@@ -18,18 +18,12 @@ import cutlass
 from cutlass import Int32, Uint8, cute
 from cutlass.utils import SmemAllocator
 
-from epicute.attention.fp8 import KEY_GROUP
+from epicute.attention.fp8 import KEY_GROUP, slot_of_key
 from epicute.attention.key_blocks import packed_range
 
 #: Keys per CTA (one per thread), and the bytes a store moves.
 KEYS_PER_CTA = 128
 VECTOR = 16
-
-
-def slot_of_key(key):
-    """The slot of key ``key`` within its group of 16: key ``v0 + 2 q + 8 j0`` sits in slot ``v0 + 2 j0 + 4 q``
-    (:func:`epicute.attention.fp8.key_of_slot` inverted), on the device's integers."""
-    return (key & 1) | (((key >> 3) & 1) << 1) | (((key >> 1) & 3) << 2)
 
 
 class ValueLayoutSm90:
@@ -89,4 +83,4 @@ class ValueLayoutSm90:
                     out.store(run)
 
 
-__all__ = ["KEYS_PER_CTA", "ValueLayoutSm90", "slot_of_key"]
+__all__ = ["KEYS_PER_CTA", "ValueLayoutSm90"]

@@ -115,10 +115,13 @@ def test_fp8_explain_names_the_recipe(capsys):
     assert epicute.explain_attention(q, k, v, score_mod=softcap, file=None).config.tile_n == 96  # 128 spills
 
 
-def test_the_value_pass_kernel_places_keys_where_the_table_says():
-    from epicute.attention.value_layout_sm90 import slot_of_key
+def test_the_slot_of_each_key_inverts_the_table():
+    # the formula the value pass kernel and the cache's appends use, on ints and on tensors alike
+    from epicute.attention.fp8 import slot_of_key, slot_of_position
 
     assert [slot_of_key(VALUE_SLOT_KEYS[s]) for s in range(KEY_GROUP)] == list(range(KEY_GROUP))
+    positions = torch.arange(48)
+    assert [VALUE_SLOT_KEYS[int(s) % 16] + int(s) // 16 * 16 for s in slot_of_position(positions)] == list(range(48))
 
 
 def test_values_in_slots_must_be_the_canonical_layout():
