@@ -142,7 +142,20 @@ def quantize_case() -> dict[str, float]:
     got = epicute.quantize(x, ue8m0=True)
     ref = epicute.quantize(x, ue8m0=True, backend="reference")
     dequant = [(q.float().cpu() * s.cpu().repeat_interleave(128, -1)[:, :400]) for q, s in (got, ref)]
-    return {"D": rel_err(*dequant), "scales": rel_err(got[1].cpu(), ref[1].cpu())}
+    errors = {"D": rel_err(*dequant), "scales": rel_err(got[1].cpu(), ref[1].cpu())}
+    # The tile quantizer: part-filled tiles both ways, rows and the zero-padded transpose from one read.
+    from epicute.quantize.api import quantize_pair
+
+    y = torch.randn(131, 272, device="cuda", dtype=torch.bfloat16) * 10
+    for rows, columns in (("groups", "blocks"), ("blocks", "groups")):
+        made = quantize_pair(y, rows, columns, ue8m0=True)
+        want = quantize_pair(y, rows, columns, ue8m0=True, backend="reference")
+        for side, recipe, got_pair, want_pair in zip(("rows", "columns"), (rows, columns), made, want):
+            errors[f"{side} {recipe}"] = max(
+                rel_err(got_pair[0].float().cpu(), want_pair[0].float().cpu()),
+                rel_err(got_pair[1].cpu(), want_pair[1].cpu()),
+            )
+    return errors
 
 
 def grouped_case() -> dict[str, float]:

@@ -97,6 +97,12 @@ DECLARATIONS: tuple[FamilySpec, ...] = (
         compilers={SM90A: "epicute.quantize.launch:compile_quantize"},
         codegen=("epicute.quantize.kernel_sm90", "epicute.quantize.launch"),
     ),
+    # The tile quantizer: rows and columns (transposed) of an fp8 GEMM's operand from one read (fp8 training).
+    FamilySpec(
+        "quantize_tiles",
+        compilers={SM90A: "epicute.quantize.launch:compile_tile_quantize"},
+        codegen=("epicute.quantize.tile_sm90", "epicute.quantize.kernel_sm90", "epicute.quantize.launch"),
+    ),
 )
 
 __all__ = ["DECLARATIONS", "SHARED_CODEGEN"]

@@ -11,8 +11,10 @@ Each GEMM quantizes its two inputs along its own K, as the fp8 GEMMs take them (
   nothing to ``dw``).
 
 ``recipe="rowwise"`` takes one scale per row of each operand instead (``torch._scaled_mm``'s rowwise recipe).
-Master weights stay in their own dtype; activations are saved in theirs and quantized again in the backward
-(the forward's fp8 copies are per-row along ``in``, the weight gradient needs them along the tokens).
+Master weights stay in their own dtype. Each operand is quantized once, along the K of each GEMM that takes it:
+one read of x gives its forward rows and (when ``dw`` is needed) its transpose along the tokens, one read of w its
+blocks and their transpose (the tile quantizer, :func:`epicute.quantize.api.quantize_pair`), and the backward's
+fp8 copies are saved instead of the 16-bit tensors.
 
 :func:`fp8_gated_mlp` is :func:`epicute.nn.functional.gated_mlp` with its six GEMMs so: the gated up projection
 runs the activation in its epilogue (storing gate and up, as in bf16), and the down projection's data gradient
@@ -49,50 +51,69 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def _gemm_fp8(a: torch.Tensor, b_weight: torch.Tensor, recipe: str, dtype: torch.dtype, **fused):
-    """``a @ b_weight.T`` with both quantized along their last dimension (this GEMM's K): ``b_weight`` is the
-    ``(N, K)`` "weight" of the product, read K-major as the fp8 GEMM takes it. ``fused``: the GEMM's epilogue
-    arguments (``gated``, ``epilogue``, its operands and ``out_dtypes``), D then stored in ``dtype``."""
-    from epicute import gemm, quantize
+def _quantized(x: torch.Tensor, rows: str | None, columns: str | None):
+    """``x`` quantized along its rows by recipe ``rows`` and ``x.t()`` (its K padded with zero rows to a multiple
+    of 16) by recipe ``columns``, each ``(q, scales)`` or ``None`` where not asked: one read of ``x``
+    (:func:`epicute.quantize.api.quantize_pair`) for the blockwise recipes, torch operations for rowwise ones."""
+    from epicute.quantize.api import TILE_RECIPES, quantize, quantize_pair
 
-    a_recipe, b_recipe = RECIPES[recipe]
-    qa, sa = quantize(a, recipe=a_recipe)
-    qb, sb = quantize(b_weight, recipe=b_recipe)
-    b_scale = sb.t() if b_recipe == "rowwise" else sb
-    if fused:
-        return gemm(qa, qb.t(), a_scale=sa, b_scale=b_scale, **fused)
-    return gemm(qa, qb.t(), a_scale=sa, b_scale=b_scale, out_dtype=dtype)
-
-
-def _weight_grad_fp8(dy: torch.Tensor, x: torch.Tensor, recipe: str, dtype: torch.dtype) -> torch.Tensor:
-    """``dy.T @ x``: the tokens are the K of this GEMM, padded with zero rows to a multiple of 16 (they add
-    nothing), ``dy``'s transpose quantized along them and ``x``'s transpose as the weight."""
+    if {rows, columns} <= {None, *TILE_RECIPES}:
+        return quantize_pair(x, rows, columns)
     pad = -x.shape[0] % 16
-    dy_t = torch.nn.functional.pad(dy.t(), (0, pad)).contiguous()
-    x_t = torch.nn.functional.pad(x.t(), (0, pad)).contiguous()
-    return _gemm_fp8(dy_t, x_t, recipe, dtype)
+    made_rows = quantize(x, recipe=rows) if rows else None
+    made_columns = quantize(torch.nn.functional.pad(x.t(), (0, pad)).contiguous(), recipe=columns) if columns else None
+    return made_rows, made_columns
+
+
+def _product(a, b, recipe: str, **gemm_args):
+    """``a @ b.T`` of two quantized ``(q, scales)`` operands, ``a`` ``(M, K)`` and ``b`` ``(N, K)`` both along
+    their K (B is read K-major, as the fp8 GEMM takes it); ``gemm_args``: the GEMM's output dtype or epilogue."""
+    from epicute import gemm
+
+    (qa, sa), (qb, sb) = a, b
+    return gemm(qa, qb.t(), a_scale=sa, b_scale=sb.t() if recipe == "rowwise" else sb, **gemm_args)
+
+
+def _flat(*pairs):
+    """Quantized operands (or ``None``) as the flat tensors ``save_for_backward`` takes; :func:`_pairs` undoes it."""
+    return [t for pair in pairs for t in (pair if pair is not None else (None, None))]
+
+
+def _pairs(tensors):
+    return [None if tensors[i] is None else (tensors[i], tensors[i + 1]) for i in range(0, len(tensors), 2)]
 
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: str):
-        y = _gemm_fp8(x, weight, recipe, x.dtype)
+        activations, weights = RECIPES[recipe]
+        needs = ctx.needs_input_grad
+        # Each operand once, along the K of every GEMM that takes it: x along ``in`` (forward) and along the tokens
+        # (the weight gradient's B); the weight along ``in`` (forward) and ``out`` (the data gradient's B).
+        x_rows, x_columns = _quantized(x, activations, weights if needs[1] else None)
+        w_rows, w_columns = _quantized(weight, weights, weights if needs[0] else None)
+        y = _product(x_rows, w_rows, recipe, out_dtype=x.dtype)
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.has_bias = recipe, bias is not None
+        ctx.save_for_backward(*_flat(x_columns, w_columns))
+        ctx.recipe, ctx.has_bias, ctx.dtypes = recipe, bias is not None, (x.dtype, weight.dtype)
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        x_columns, w_columns = _pairs(ctx.saved_tensors)
+        activations, _ = RECIPES[ctx.recipe]
+        needs = ctx.needs_input_grad
         dy = dy.contiguous()
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = _gemm_fp8(dy, weight.t().contiguous(), ctx.recipe, x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = _weight_grad_fp8(dy, x, ctx.recipe, weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if needs[0] or needs[1]:
+            dy_rows, dy_columns = _quantized(dy, activations if needs[0] else None, activations if needs[1] else None)
+            if needs[0]:
+                dx = _product(dy_rows, w_columns, ctx.recipe, out_dtype=ctx.dtypes[0])
+            if needs[1]:
+                dw = _product(dy_columns, x_columns, ctx.recipe, out_dtype=ctx.dtypes[1])
+        if ctx.has_bias and needs[2]:
             db = dy.sum(0, dtype=torch.float32).to(dy.dtype)
         return dx, dw, db, None
 
@@ -127,12 +148,19 @@ class _Fp8GatedMLP(torch.autograd.Function):
         from epicute.epilogue.backward import SAVED
         from epicute.nn.functional import _programs
 
+        activations, weights = RECIPES[recipe]
+        needs = ctx.needs_input_grad
         forward_epi, backward_epi = _programs(activation, True, False)
-        up = _gemm_fp8(x, w_gate_up, recipe, x.dtype, gated=True, epilogue=forward_epi)
-        h = up["D"]
-        y = _gemm_fp8(h, w_down, recipe, x.dtype)
-        ctx.save_for_backward(x, w_gate_up, w_down, h, up[SAVED["acc"]], up[SAVED["acc_up"]])
-        ctx.backward_epi, ctx.recipe = backward_epi, recipe
+        # As fp8_linear's: each operand once, along the K of every GEMM that takes it (see the module docstring).
+        x_rows, x_columns = _quantized(x, activations, weights if needs[1] else None)
+        w_rows, w_columns = _quantized(w_gate_up, weights, weights if needs[0] else None)
+        up = _product(x_rows, w_rows, recipe, gated=True, epilogue=forward_epi)
+        h_rows, h_columns = _quantized(up["D"], activations, weights if needs[2] else None)
+        wd_rows, wd_columns = _quantized(w_down, weights, weights if needs[0] or needs[1] else None)
+        y = _product(h_rows, wd_rows, recipe, out_dtype=x.dtype)
+        ctx.save_for_backward(*_flat(x_columns, w_columns, h_columns, wd_columns), up[SAVED["acc"]],
+                              up[SAVED["acc_up"]])  # fmt: skip
+        ctx.backward_epi, ctx.recipe, ctx.dtypes = backward_epi, recipe, (x.dtype, w_gate_up.dtype, w_down.dtype)
         return y
 
     @staticmethod
@@ -140,16 +168,28 @@ class _Fp8GatedMLP(torch.autograd.Function):
     def backward(ctx, dy):
         from epicute.epilogue.backward import DACC, DACC_UP, SAVED
 
-        x, w_gate_up, w_down, h, gate, up = ctx.saved_tensors
+        *saved, gate, up = ctx.saved_tensors
+        x_columns, w_columns, h_columns, wd_columns = _pairs(saved)
+        activations, _ = RECIPES[ctx.recipe]
+        needs = ctx.needs_input_grad
         dy = dy.contiguous()
-        needs, recipe = ctx.needs_input_grad, ctx.recipe
-        # dh = dy @ w_down with the activation's derivative in its epilogue: d gate and d up, interleaved.
-        grads = _gemm_fp8(dy, w_down.t().contiguous(), recipe, x.dtype, epilogue=ctx.backward_epi,
-                          out_dtypes={DACC: x.dtype, DACC_UP: x.dtype}, **{SAVED["acc"]: gate, SAVED["acc_up"]: up})
-        dacc = grads[DACC] if isinstance(grads, dict) else grads  # D alone: the paired d gate and d up
-        dx = _gemm_fp8(dacc, w_gate_up.t().contiguous(), recipe, x.dtype) if needs[0] else None
-        dw_gate_up = _weight_grad_fp8(dacc, x, recipe, w_gate_up.dtype) if needs[1] else None
-        dw_down = _weight_grad_fp8(dy, h, recipe, w_down.dtype) if needs[2] else None
+        dy_rows, dy_columns = _quantized(dy, activations if needs[0] or needs[1] else None,
+                                         activations if needs[2] else None)  # fmt: skip
+        dx = dw_gate_up = dw_down = None
+        if needs[0] or needs[1]:
+            # dh = dy @ w_down with the activation's derivative in its epilogue: d gate and d up, interleaved.
+            grads = _product(dy_rows, wd_columns, ctx.recipe, epilogue=ctx.backward_epi,
+                             out_dtypes={DACC: ctx.dtypes[0], DACC_UP: ctx.dtypes[0]},
+                             **{SAVED["acc"]: gate, SAVED["acc_up"]: up})  # fmt: skip
+            dacc = grads[DACC] if isinstance(grads, dict) else grads  # D alone: the paired d gate and d up
+            dacc_rows, dacc_columns = _quantized(dacc, activations if needs[0] else None,
+                                                 activations if needs[1] else None)  # fmt: skip
+            if needs[0]:
+                dx = _product(dacc_rows, w_columns, ctx.recipe, out_dtype=ctx.dtypes[0])
+            if needs[1]:
+                dw_gate_up = _product(dacc_columns, x_columns, ctx.recipe, out_dtype=ctx.dtypes[1])
+        if needs[2]:
+            dw_down = _product(dy_columns, h_columns, ctx.recipe, out_dtype=ctx.dtypes[2])
         return dx, dw_gate_up, dw_down, None, None
 
 

@@ -27,6 +27,7 @@ def quantize(
     recipe: str = "groups",
     dtype: torch.dtype = torch.float8_e4m3fn,
     ue8m0: bool = False,
+    transpose: bool = False,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` in fp8 and its scales: ``x ≈ q * scale`` (each scale broadcast over the values it covers).
@@ -42,6 +43,11 @@ def quantize(
     - ``"rowwise"``: ``(*leading, 1)``; ``"tensorwise"``: a 0-d scale; ``"blocks"``: a 2-D ``(N, K)`` weight in
       128 x 128 blocks, scales ``(ceil(N / 128), ceil(K / 128))`` (the blockwise ``b_scale`` of ``w.t()``).
 
+    ``transpose=True`` quantizes ``x.t()`` of a 2-D ``x`` without materializing it (``"groups"`` or ``"blocks"``;
+    ``x``'s row count is then the K, a multiple of 16): what a weight gradient ``dy.t() @ x`` takes of ``dy`` and
+    ``x``, whose K is the tokens. On the GPU the blocks recipe and the transposes are one memory-bound kernel
+    (:mod:`epicute.quantize.tile_sm90`).
+
     Example:
         >>> import torch, epicute
         >>> x = torch.randn(4, 256, dtype=torch.bfloat16)
@@ -51,9 +57,22 @@ def quantize(
         (torch.float8_e4m3fn, (4, 2), (1, 4))
     """
     backend = resolve_backend(backend)
+    if transpose:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or recipe not in TILE_RECIPES:
+            got = f"x of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ShapeError(f"transpose=True takes a 2-D x and recipe 'groups' or 'blocks'; got {got}, "
+                             f"recipe={recipe!r}")  # fmt: skip
+        if x.shape[0] % 16:
+            raise AlignmentError(f"x has {x.shape[0]} rows, the K of x.t(): fp8 rows must be 16-byte aligned for the "
+                                 f"GEMM that reads them: pad x's rows to {-(-x.shape[0] // 16) * 16}")  # fmt: skip
+        _, columns = quantize_pair(x, None, recipe, dtype=dtype, ue8m0=ue8m0, backend=backend)
+        return columns
     fp8, shape = _check(x, recipe, dtype, ue8m0)
     if backend == "kernel":
         check_on_one_hopper_gpu(("x", x))
+        if recipe == "blocks" and x.dtype != torch.float32 and x.numel():
+            (q, scales), _ = quantize_pair(x, "blocks", None, dtype=dtype, ue8m0=ue8m0, backend=backend)
+            return q, scales
         if recipe == "groups" and x.dtype != torch.float32 and x.numel():
             from epicute.quantize.launch import QuantizeVariant, launch_group_quantize
 
@@ -66,6 +85,52 @@ def quantize(
         return _quantize(x, recipe, fp8, ue8m0)
     q, scales = _quantize(x.detach().cpu(), recipe, fp8, ue8m0)
     return q.to(x.device), scales.to(x.device)
+
+
+#: The recipes the tile quantizer writes, along rows or columns.
+TILE_RECIPES = ("groups", "blocks")
+Quantized = tuple[torch.Tensor, torch.Tensor]
+
+
+def quantize_pair(
+    x: torch.Tensor,
+    rows: str | None,
+    columns: str | None,
+    *,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    ue8m0: bool = False,
+    backend: str | None = None,
+) -> tuple[Quantized | None, Quantized | None]:
+    """A 2-D ``x`` ``(R, C)`` quantized by recipe ``rows`` (as :func:`quantize` would) and ``x.t()`` by recipe
+    ``columns``, its K (``x``'s rows) padded with zero rows to a multiple of 16 (they add nothing to a product),
+    from one read of ``x`` on the GPU; either recipe ``None`` (that one not made). The recipes are ``"groups"``
+    and ``"blocks"``; each result ``(q, scales)`` in the layout :func:`quantize` gives. Used by fp8 training,
+    where a forward's operand is also its weight gradient's (along the tokens)."""
+    backend = resolve_backend(backend)
+    if any(r not in (None, *TILE_RECIPES) for r in (rows, columns)) or (rows, columns) == (None, None):
+        raise ConfigError(f"rows={rows!r}, columns={columns!r}: each takes {TILE_RECIPES} or None, one at least")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ShapeError(f"x has shape {tuple(getattr(x, 'shape', ()))}; quantizing rows and columns takes 2-D x")
+    fp8, _ = _check(x, rows or columns, dtype, ue8m0)  # x's own rows: both outputs read them
+    pad = -x.shape[0] % 16
+    if backend == "kernel":
+        check_on_one_hopper_gpu(("x", x))
+        if x.dtype != torch.float32:
+            from epicute.quantize.launch import TileQuantizeVariant, launch_tile_quantize
+
+            if x.data_ptr() % 16:
+                raise AlignmentError("x.data_ptr() is not 16-byte aligned (a view with an element offset?); pass "
+                                     "x.clone()")  # fmt: skip
+            variant = TileQuantizeVariant(TORCH_TO_IR[x.dtype], fp8, ue8m0, rows, columns)
+            return launch_tile_quantize(x, variant, dtype)
+    source = x if backend == "kernel" else x.detach().cpu()
+    made_rows = _quantize(source, rows, fp8, ue8m0) if rows else None
+    made_columns = None
+    if columns:
+        made_columns = _quantize(torch.nn.functional.pad(source.t(), (0, pad)).contiguous(), columns, fp8, ue8m0)
+    if backend != "kernel":
+        made_rows, made_columns = (tuple(t.to(x.device) for t in m) if m else None for m in (made_rows, made_columns))
+    return made_rows, made_columns
 
 
 def _check(x, recipe: str, dtype, ue8m0) -> tuple[str, tuple[int, ...]]:
@@ -132,4 +197,4 @@ def _quantize(x: torch.Tensor, recipe: str, fp8: str, ue8m0: bool) -> tuple[torc
     return q, scales
 
 
-__all__ = ["RECIPES", "quantize"]
+__all__ = ["RECIPES", "TILE_RECIPES", "quantize", "quantize_pair"]

@@ -23,11 +23,30 @@ from epicute.sm90.fragments import pack_pairs
 THREADS = 256
 
 
+@cute.jit
+def scale_of(amax, fp8_max: float, ue8m0: bool):
+    """The scale of values whose largest magnitude is ``amax``: ``max(amax, AMAX_FLOOR) / fp8_max``, rounded up to
+    a power of two for UE8M0 (``group_quant.group_scales``, operation for operation)."""
+    scale = cutlass.max(amax, Float32(AMAX_FLOOR)) / Float32(fp8_max)
+    if cutlass.const_expr(ue8m0):
+        scale = emit.ceil_pow2(scale)
+    return scale
+
+
+@cute.jit
+def store_scaled(values: cute.Tensor, scale, dst: cute.Tensor):
+    """``dst = values * (1 / scale)`` in ``dst``'s fp8 type (saturating, two values a ``cvt``), one vector store:
+    ``values`` a compact fp32 register fragment of ``dst``'s size, overwritten."""
+    values.store(values.load() * (Float32(1.0) / scale))
+    packed = cute.make_rmem_tensor(cute.size(values), dst.element_type)
+    pack_pairs(values, packed)
+    dst.store(packed.load())
+
+
 class GroupQuantizeSm90:
     """The kernel for one (input dtype, fp8 dtype, UE8M0 or not) and one split of the work among lanes."""
 
-    def __init__(self, out_dtype, fp8_name: str, ue8m0: bool, groups_per_lane: int, values_per_lane: int):
-        self.out_dtype = out_dtype
+    def __init__(self, fp8_name: str, ue8m0: bool, groups_per_lane: int, values_per_lane: int):
         self.groups_per_lane = groups_per_lane
         self.values_per_lane = values_per_lane
         # A group's lanes are consecutive lanes of one warp: butterfly masks 1, 2, ... lanes_per_group / 2.
@@ -72,17 +91,11 @@ class GroupQuantizeSm90:
                 amax = emit.fold_element("amax", amax, values[i], valid)
             # Every lane takes part in the shuffles (lanes past the problem bring the identity).
             amax = emit.butterfly("amax", amax, self.lane_masks)
-            scale = cutlass.max(amax, Float32(AMAX_FLOOR)) / Float32(self.fp8_max)
-            if cutlass.const_expr(self.ue8m0):
-                scale = emit.ceil_pow2(scale)
-            reciprocal = Float32(1.0) / scale
+            scale = scale_of(amax, self.fp8_max, self.ue8m0)
             if valid:
-                values.store(values.load() * reciprocal)
-                packed = cute.make_rmem_tensor((self.values_per_lane,), self.out_dtype)
-                pack_pairs(values, packed)
-                cute.local_tile(mQ[row, None], (self.values_per_lane,), (chunk,)).store(packed.load())
+                store_scaled(values, scale, cute.local_tile(mQ[row, None], (self.values_per_lane,), (chunk,)))
             if leads & (row < m):
                 mScales[group, row] = scale
 
 
-__all__ = ["THREADS", "GroupQuantizeSm90"]
+__all__ = ["THREADS", "GroupQuantizeSm90", "scale_of", "store_scaled"]

@@ -48,3 +48,35 @@ def check_group_quantization(x: torch.Tensor, q: torch.Tensor, scales: torch.Ten
     err = (q.reshape(-1, k).double().cpu() - value).abs()
     bound = REL_STEP[fp8] * value.abs() + SUBNORMAL[fp8] + 1e-6 * FP8_MAX[fp8]
     assert (err <= bound).all(), (err - bound).max().item()
+
+
+def check_block_quantization(w: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, fp8: torch.dtype, ue8m0: bool):
+    """A 2-D ``w`` in 128 x 128 blocks: scales ``(ceil(N / 128), ceil(K / 128))`` within float32 rounding of the
+    float64 ones, every value within one fp8 rounding of ``w / scale``."""
+    n, k = w.shape
+    nb, kb = -(-n // 128), -(-k // 128)
+    assert q.dtype == fp8 and q.shape == w.shape and q.is_contiguous()
+    assert scales.shape == (nb, kb) and scales.dtype == torch.float32
+    w64, got = w.double().cpu(), scales.double().cpu()
+    amax = torch.tensor([[w64[i:i + 128, j:j + 128].abs().max().item() for j in range(0, k, 128)]
+                         for i in range(0, n, 128)], dtype=torch.float64)  # fmt: skip
+    check_scales(got, amax.clamp(min=1e-4) / FP8_MAX[fp8], ue8m0)
+    value = w64 / got.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    err = (q.double().cpu() - value).abs()
+    bound = REL_STEP[fp8] * value.abs() + SUBNORMAL[fp8] + 1e-6 * FP8_MAX[fp8]
+    assert (err <= bound).all(), (err - bound).max().item()
+
+
+def check_pair(x: torch.Tensor, rows, columns, made, fp8: torch.dtype, ue8m0: bool):
+    """``quantize_pair``'s outputs: rows of ``x`` and ``x.t()`` padded with zero rows to a multiple of 16 (the
+    padding's fp8 values exactly zero), each by its recipe, or absent where not asked."""
+    check = {"groups": check_group_quantization, "blocks": check_block_quantization}
+    made_rows, made_columns = made
+    assert (made_rows is None) == (rows is None) and (made_columns is None) == (columns is None)
+    if rows:
+        check[rows](x, *made_rows, fp8, ue8m0)
+    if columns:
+        pad = -x.shape[0] % 16
+        x_t = torch.nn.functional.pad(x.t().float(), (0, pad))
+        check[columns](x_t, *made_columns, fp8, ue8m0)
+        assert (made_columns[0][:, x.shape[0]:].float().cpu() == 0).all()

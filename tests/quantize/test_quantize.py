@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import epicute
-from tests.quantize.checks import FP8_MAX, REL_STEP, SUBNORMAL, check_group_quantization
+from epicute.quantize.api import quantize_pair
+from tests.quantize.checks import FP8_MAX, REL_STEP, SUBNORMAL, check_group_quantization, check_pair
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -57,6 +58,25 @@ def test_the_scales_feed_a_blockwise_gemm():
     assert ((d.double() - want).norm() / want.norm()).item() < 0.1  # two fp8 roundings of the inputs
 
 
+@pytest.mark.parametrize(("rows", "columns"), [("groups", "blocks"), ("blocks", "blocks"), ("groups", "groups"),
+                                               (None, "groups"), ("blocks", None)])  # fmt: skip
+@pytest.mark.parametrize("shape", [(37, 272), (300, 128), (1, 16)])
+def test_rows_and_columns_against_float64(shape, rows, columns):
+    """A weight gradient's operands: x along its rows and x.t() along the tokens, padded to 16 rows."""
+    x = (torch.randn(shape) * torch.rand(shape[-1]) * 30).to(torch.bfloat16)
+    with epicute.use_backend("reference"):
+        made = quantize_pair(x, rows, columns, ue8m0=True)
+    check_pair(x, rows, columns, made, torch.float8_e4m3fn, True)
+
+
+def test_transpose_quantizes_x_t():
+    x = torch.randn(48, 272, dtype=torch.bfloat16)
+    with epicute.use_backend("reference"):
+        q, scales = epicute.quantize(x, recipe="blocks", transpose=True)
+        q_t, scales_t = epicute.quantize(x.t().contiguous(), recipe="blocks")
+    assert torch.equal(q.view(torch.uint8), q_t.view(torch.uint8)) and torch.equal(scales, scales_t)
+
+
 def test_nan_propagates_to_its_group_only():
     x = torch.randn(2, 256, dtype=torch.bfloat16)
     x[0, 3] = float("nan")
@@ -84,6 +104,13 @@ def test_empty_inputs():
         (lambda: epicute.quantize(torch.ones(4, 32), ue8m0=1), epicute.ConfigError, "ue8m0"),
         (lambda: epicute.quantize(torch.ones(())), epicute.ShapeError, "at least one dimension"),
         (lambda: epicute.quantize(torch.ones(4, 32, requires_grad=True)), epicute.GradientError, "x.detach"),
+        (lambda: epicute.quantize(torch.ones(40, 32), transpose=True), epicute.AlignmentError, "pad x's rows to 48"),
+        (lambda: epicute.quantize(torch.ones(2, 16, 32), transpose=True), epicute.ShapeError, "2-D x"),
+        (lambda: epicute.quantize(torch.ones(16, 32), recipe="rowwise", transpose=True), epicute.ShapeError,
+         "'groups' or 'blocks'"),
+        (lambda: quantize_pair(torch.ones(4, 32), "rowwise", None), epicute.ConfigError, "rows='rowwise'"),
+        (lambda: quantize_pair(torch.ones(4, 32), None, None), epicute.ConfigError, "one at least"),
+        (lambda: quantize_pair(torch.ones(4, 40), "groups", "groups"), epicute.AlignmentError, "pad K to 48"),
     ],
 )
 def test_bad_arguments_are_refused(call, error, match):

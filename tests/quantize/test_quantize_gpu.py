@@ -8,8 +8,9 @@ import torch
 
 import epicute
 from epicute.quantize import launch
+from epicute.quantize.api import quantize_pair
 from tests.conftest import nan_tensor
-from tests.quantize.checks import check_group_quantization
+from tests.quantize.checks import check_group_quantization, check_pair
 
 pytestmark = pytest.mark.gpu
 
@@ -56,3 +57,33 @@ def test_every_split_of_the_work_among_lanes(groups_per_lane, values_per_lane):
     q, scales = launch.launch_group_quantize(x, variant, torch.float8_e4m3fn)
     torch.cuda.synchronize()
     check_group_quantization(x, q, scales, torch.float8_e4m3fn, True)
+
+
+@pytest.mark.parametrize(("rows", "columns"), [("groups", "blocks"), ("blocks", "blocks"), ("groups", "groups"),
+                                               (None, "groups"), ("blocks", None)])  # fmt: skip
+@pytest.mark.parametrize(("shape", "dtype", "fp8", "ue8m0"), [
+    ((1001, 4112), torch.bfloat16, torch.float8_e4m3fn, False),  # a part-filled tile each way, a short group
+    ((129, 400), torch.float16, torch.float8_e5m2, True),
+    ((7, 16), torch.bfloat16, torch.float8_e4m3fn, True),
+])  # fmt: skip
+def test_rows_and_columns_against_float64(shape, dtype, fp8, ue8m0, rows, columns):
+    """The tile kernel: x along its rows and x.t() along its rows padded with zeros to 16, against float64."""
+    x = (torch.randn(shape, device="cuda") * torch.rand(shape[-1], device="cuda") * 30).to(dtype)
+    made = quantize_pair(x, rows, columns, dtype=fp8, ue8m0=ue8m0)
+    torch.cuda.synchronize()
+    check_pair(x, rows, columns, made, fp8, ue8m0)
+
+
+def test_blocks_and_transpose_through_quantize():
+    x = torch.randn(2000, 1040, device="cuda", dtype=torch.bfloat16)
+    q, scales = epicute.quantize(x, recipe="blocks")
+    q_t, scales_t = epicute.quantize(x, recipe="groups", transpose=True)
+    torch.cuda.synchronize()
+    check_pair(x, "blocks", "groups", ((q, scales), (q_t, scales_t)), torch.float8_e4m3fn, False)
+
+
+def test_nan_stays_in_its_column_group():
+    x = torch.randn(256, 32, device="cuda", dtype=torch.bfloat16)
+    x[200, 5] = float("nan")
+    _, (_, scales_t) = quantize_pair(x, None, "groups")
+    assert torch.isnan(scales_t[5, 1]) and torch.isfinite(scales_t[5, 0]) and torch.isfinite(scales_t[:5]).all()
