@@ -53,6 +53,8 @@ STAGE_KINDS = {
     "fence_barrier": ("subtile", "fence.proxy.async.shared::cta, then named barrier over the epilogue's threads"),
     "tma_store": ("subtile", "one thread issues TMA stores smem -> global as one bulk group"),
     "advance": ("subtile", "next subtile: accumulator slice and staging buffers"),
+    "delayed_store": ("subtile", ("the previous subtile's fence, barrier, TMA store and staging advance (the last "
+                                  "subtile's after the loop): the store issued one subtile later")),
     "group_amax": ("subtile", "quantize_groups, first pass: fold |x| into per-row, per-128-column partials; keep x"),
     "group_scales": ("tile", "quantize_groups: the groups' amax across lanes, their scales stored, reciprocals kept"),
     "group_quantize": ("subtile", "quantize_groups, second pass: the kept x times its group's reciprocal scale"),
@@ -127,6 +129,11 @@ class EpilogueBuffers:
     #: the chain of the same epilogue over D^T (row and column vectors trading places), as a swap-AB GEMM
     #: runs it; empty where the epilogue has no transpose (see :meth:`transposed`)
     transposed_chain: tuple[str, ...] = ()
+    #: the chain with its TMA store issued one subtile later (:func:`delay_stores`), as a GEMM planned with
+    #: ``delay_tma_store`` runs it; empty where the chain cannot be delayed (:func:`delayable`)
+    delayed_chain: tuple[str, ...] = ()
+    #: the same of :attr:`transposed_chain`
+    transposed_delayed_chain: tuple[str, ...] = ()
 
     @property
     def loads_tiles(self) -> bool:
@@ -142,7 +149,8 @@ class EpilogueBuffers:
         if not self.transposed_chain:
             return None
         vectors = tuple("row" for k in self.vectors if k == "col") + tuple("col" for k in self.vectors if k == "row")
-        return replace(self, vectors=vectors, chain=self.transposed_chain, transposed_chain=self.chain)
+        return replace(self, vectors=vectors, chain=self.transposed_chain, transposed_chain=self.chain,
+                       delayed_chain=self.transposed_delayed_chain, transposed_delayed_chain=self.delayed_chain)
 
     def out_tile_n(self, tile_n: int) -> int:
         """Output columns of an accumulator tile ``tile_n`` wide (half of them when gated)."""
@@ -190,6 +198,7 @@ class EpilogueSchedule:
         """Shared memory the kernel gives this epilogue (what the planner budgets and ``explain`` prints)."""
         g = self.graph
         inputs, stored = dict(g.inputs), dict(g.output_dtypes)
+        transposed = schedule(g.transposed(), style=self.style).stages if self.transposable else ()
         kinds = [g.node(inputs[name]).kind for name in self.vector_operands]
         return EpilogueBuffers(
             tile_inputs=tuple(g.node(inputs[name]).dtype for name in self.tile_operands),
@@ -200,9 +209,9 @@ class EpilogueSchedule:
             group_n=GROUP_N if self.quantizes_groups else 0,
             gated=g.gated,
             paired=g.paired,
-            transposed_chain=tuple(str(stage) for stage in schedule(g.transposed(), style=self.style).stages)
-            if self.transposable
-            else (),
+            transposed_chain=tuple(str(stage) for stage in transposed) if self.transposable else (),
+            delayed_chain=_delayed(self.stages),
+            transposed_delayed_chain=_delayed(transposed) if self.transposable else (),
         )
 
     @property
@@ -234,6 +243,45 @@ class EpilogueSchedule:
 
     def __str__(self) -> str:
         return "\n".join(f"{i:>2}  {stage}" for i, stage in enumerate(self.stages))
+
+
+def delayable(stages: tuple[Stage, ...]) -> bool:
+    """Whether :func:`delay_stores` applies: one pass over the subtiles, one store group staged in its own
+    buffers, and no operand tiles streaming in through the TMA ring. With them, a delayed store gave wrong values
+    in the subtiles of the ring's second slot on the H200 (bench/NOTES.md, issue 60): the ring's consumers
+    release a slot right after reading it, and only the per-subtile barrier a delayed store moves away kept the
+    refill behind every warp's reads. CUTLASS likewise delays only epilogues without a source C."""
+    kinds = [stage.kind for stage in stages]
+    return ("group_scales" not in kinds and kinds.count("tma_store") == 1 and "advance" in kinds
+            and "load_tiles" not in kinds)  # fmt: skip
+
+
+def delay_stores(stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
+    """The chain with each subtile's store issued one subtile later (CUTLASS's ``DelayTmaStore``): the fence,
+    barrier, TMA store and staging advance of subtile ``i`` run in subtile ``i + 1``, after its math and just
+    before its registers are staged (the latest they can: the store must be committed before the next buffer is
+    acquired), and the last subtile's after the loop. The barrier then waits for the slowest thread's staging
+    writes while every thread has had a subtile's arithmetic to do, and the store warp's issue and wait sit after
+    that arithmetic, not before it."""
+    if not delayable(stages):
+        raise EpilogueError("delay_stores: the chain makes two passes over the subtiles, stores in several groups or "
+                            "loads operand tiles")
+    store = next(stage for stage in stages if stage.kind == "tma_store")
+    delayed = Stage("delayed_store", f"{', '.join(store.names)}: the previous subtile's fence.proxy.async.shared::"
+                    "cta, named barrier and TMA store (one bulk group; commit, wait until the staging buffer about to "
+                    "be reused has been read), then the next staging buffer; the last subtile's after the loop",
+                    store.nodes, store.names)  # fmt: skip
+    out: list[Stage] = []
+    for stage in stages:
+        if stage.kind == "store_smem" and delayed not in out:
+            out.append(delayed)
+        if stage.kind not in ("fence_barrier", "tma_store", "advance"):
+            out.append(stage)
+    return tuple(out)
+
+
+def _delayed(stages: tuple[Stage, ...]) -> tuple[str, ...]:
+    return tuple(str(stage) for stage in delay_stores(stages)) if delayable(stages) else ()
 
 
 def needed_nodes(graph: Graph) -> set[int]:

@@ -194,6 +194,9 @@ class GemmConfig(WarpRoles):
     num_c_stages: int = 2
     #: Non-persistent only: D's staging buffers alias the A ring after the mainloop.
     epi_reuses_ab_smem: bool = False
+    #: Each epilogue subtile's TMA store issued one subtile later, after the next subtile's math (CUTLASS's
+    #: ``DelayTmaStore``; ``epicute.epilogue.schedule.delay_stores``): the chain ``explain`` prints.
+    delay_tma_store: bool = False
     raster_along_m: bool = True
     #: Tiles are visited in groups of this many clusters along the raster's minor
     #: axis, so concurrently running CTAs share A/B panels in L2.

@@ -64,7 +64,7 @@ from epicute.epilogue.fusion import EpilogueFusion
 from epicute.epilogue.gated import GATE_BLOCK
 from epicute.epilogue.graph import UP_OUTPUT
 from epicute.epilogue.scales import BLOCK_K
-from epicute.epilogue.schedule import plain_graph, schedule
+from epicute.epilogue.schedule import delay_stores, plain_graph, schedule
 from epicute.errors import ConfigError
 from epicute.gemm.config import (
     B_SCALE_SLOT,
@@ -283,6 +283,8 @@ class GemmSm90:
         self.num_epi_subtiles = (cfg.tile_m // cfg.epi_tile[0]) * (self.out_tile_n // cfg.epi_tile[1])
         #: The epilogue the kernel runs: the fusion's chain, or the plain one (cast and store D).
         self.chain = fusion.stages if fusion is not None else schedule(plain_graph(d_dtype)).stages
+        if cfg.delay_tma_store:
+            self.chain = delay_stores(self.chain)
         self.smem = gemm_smem_layout(cfg, ab_dtype, d_dtype, self.epi_buffers, b_dtype, block_scaled)
         # Blockwise scales ride in the A/B ring: the load warp copies each k-tile's into the stage, A's by one TMA
         # copy and B's by one bulk copy where their layouts allow, else A's a word per row per lane and B's by

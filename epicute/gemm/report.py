@@ -95,7 +95,8 @@ def render_plan(plan: GemmPlan) -> str:
         ),
         f"  D store         PipelineTmaStore, {c.num_epi_stages} buffers, one elected thread "
         f"commits and waits until <= {c.num_epi_stages - 1} stores are in flight"
-        + (f" (D and {len(e.aux_outputs)} aux output(s) per commit group)" if e.aux_outputs else ""),
+        + (f" (D and {len(e.aux_outputs)} aux output(s) per commit group)" if e.aux_outputs else "")
+        + ("; each subtile's store issued after the next subtile's math" if c.delay_tma_store else ""),
     ]
     if e.loads_tiles:
         lines.append(
@@ -155,5 +156,5 @@ def render_plan(plan: GemmPlan) -> str:
     if e.chain:
         over = " over D^T: row and column vectors swapped" if c.swap_ab else ""
         lines += ["", f"epilogue chain{over} (tile: once per tile; subtile: once per epilogue subtile)"]
-        lines += [f"  {stage}" for stage in e.chain]
+        lines += [f"  {stage}" for stage in (e.delayed_chain if c.delay_tma_store else e.chain)]
     return "\n".join(lines)

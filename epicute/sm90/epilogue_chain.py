@@ -302,6 +302,26 @@ class Advance(StageEmitter):
         run.advance()
 
 
+@_emitter("delayed_store")
+class DelayedStore(StageEmitter):
+    """``fence_barrier``, ``tma_store`` and ``advance`` of the previous subtile (``schedule.delay_stores``)."""
+
+    def subtile(self, run, stage) -> None:
+        if run.subtile > 0:
+            self._store(run, stage, run.subtile - 1)
+
+    def end(self, run, stage) -> None:
+        self._store(run, stage, run.subtile)  # the last subtile's
+
+    @staticmethod
+    def _store(run, stage, subtile: int) -> None:
+        current, run.subtile = run.subtile, subtile  # the TMA copy's destination is that subtile's
+        run.store.fence_and_sync()
+        run.store.issue(run.is_store_warp, [run.outputs[name].tma_copy(run) for name in stage.names])
+        run.advance()
+        run.subtile = current
+
+
 @_emitter("group_amax")
 class GroupAmax(StageEmitter):
     """quantize_groups' first pass: fold each value's magnitude into its (row, group) partial (columns past N

@@ -149,3 +149,27 @@ def test_instructions_per_element_counts_ops_and_io():
     from epicute.epilogue.graph import ELEMENTWISE
 
     assert set(OP_INSTRUCTIONS) == set(ELEMENTWISE)
+
+
+def test_delayed_stores_move_the_store_after_the_next_subtiles_math():
+    from epicute.epilogue.schedule import delay_stores, delayable, plain_graph
+
+    def fn(acc, bias):
+        return {"D": ops.gelu(acc + bias), "pre": acc + bias, "rs": ops.row_sum(acc)}
+
+    sched = schedule(as_epilogue(fn).trace({"bias": "row"}, {"bias": "bf16"}))
+    delayed = delay_stores(sched.stages)
+    assert [s.kind for s in delayed] == [
+        "load_vectors", "slice_acc", "compute", "reduce", "cast", "cast", "delayed_store", "store_smem", "store_smem",
+        "finalize_reductions",
+    ]  # fmt: skip
+    assert next(s for s in delayed if s.kind == "delayed_store").names == ("D", "pre")
+    assert sched.buffers().delayed_chain == tuple(str(s) for s in delayed)
+    assert delayable(schedule(plain_graph("bf16")).stages)
+    # Operand tiles through the TMA ring, and quantize_groups' two passes, keep the store where it is.
+    assert not delayable(schedule(traced()).stages) and schedule(traced()).buffers().delayed_chain == ()
+    quantized = as_epilogue(lambda acc: dict(zip(("D", "scales"), ops.quantize_groups(acc))))
+    stages = schedule(quantized.trace({}, out_dtypes={"D": torch.float8_e4m3fn})).stages
+    assert not delayable(stages)
+    with pytest.raises(EpilogueError, match="two passes"):
+        delay_stores(stages)

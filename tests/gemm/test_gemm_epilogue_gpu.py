@@ -241,3 +241,30 @@ def test_a_clusters_spare_tile_past_n_writes_no_reduction_partials():
     assert rel_err(got["rs"], y.sum(1)) < 1e-5 and rel_err(got["cs"], y.sum(0)) < 1e-5
     assert rel_err(got["rm"], y.amax(1)) < 1e-6 and rel_err(got["cm"], y.amax(0)) < 1e-6
     assert rel_err(got["am"], y.abs().amax()) < 1e-6
+
+
+@pytest.mark.parametrize("delay", [True, False])
+@pytest.mark.parametrize(
+    "config",
+    [{"schedule": "cooperative"}, {"schedule": "pingpong", "tile_n": 192},
+     {"persistent": False, "epi_reuses_ab_smem": True, "ab_stages": 3}, {"split_k": 3}],
+    ids=["cooperative", "pingpong", "one_tile_per_cta", "split_k"],
+)  # fmt: skip
+def test_the_store_issued_now_or_one_subtile_later(config, delay):
+    """``delay_tma_store`` both ways on every kernel path, with an aux output and a vector, several tiles per CTA
+    where persistent: the same D and aux as the reference, every subtile stored once (NaN-poisoned outputs)."""
+    m, n, k = (515, 1000, 1032) if "split_k" in config or "persistent" in config else (2055, 4104, 1032)
+    a, b, bias = rand(m, k), rand(k, n) / k**0.5, rand(n)
+
+    def fn(acc, bias):
+        return {"D": ops.gelu(acc + bias), "pre": acc + bias}
+
+    outs = {"pre": torch.full((m, n), float("nan"), device="cuda")}
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    pinned = {**config, "delay_tma_store": delay}
+    plan = epicute.explain(a, b, epilogue=fn, out=out, outs=outs, config=pinned, file=None, bias=bias)
+    assert plan.config.delay_tma_store is delay
+    got = epicute.gemm(a, b, epilogue=fn, out=out, outs=outs, config=pinned, bias=bias)
+    ref = epicute.gemm(a, b, epilogue=fn, out_dtypes={"pre": torch.float32}, backend="reference", bias=bias)
+    assert not torch.isnan(out).any() and not torch.isnan(outs["pre"]).any()
+    assert rel_err(got["D"].cpu(), ref["D"]) < 1e-2 and rel_err(outs["pre"].cpu(), ref["pre"]) < 1e-4

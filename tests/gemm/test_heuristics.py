@@ -363,3 +363,30 @@ def test_plans_of_different_epilogues_with_equal_buffers_are_not_shared():
     gelu = epicute.explain(a, b, epilogue=lambda acc, bias: ops.gelu(acc + bias), bias=bias)
     assert "relu" in " ".join(relu.epilogue.chain) and "gelu_erf" in " ".join(gelu.epilogue.chain)
     assert gelu.epilogue.instructions_per_element > relu.epilogue.instructions_per_element
+
+
+def test_the_store_is_delayed_where_the_chain_allows_it():
+    """The planner delays each subtile's TMA store (CUTLASS's DelayTmaStore) for a fused epilogue without operand
+    tiles, not for a plain GEMM (measured the same) nor one that streams operand tiles through the TMA ring; a pin
+    that cannot run is refused; explain prints the chain the kernel runs."""
+    import epicute
+    from epicute import ops
+
+    a = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(4096, 14336, dtype=torch.bfloat16, device="meta")
+    bias = torch.empty(14336, dtype=torch.bfloat16, device="meta")
+    residual = torch.empty(4096, 14336, dtype=torch.bfloat16, device="meta")
+    plain = epicute.explain(a, b, file=None)
+    with_vector = epicute.explain(a, b, epilogue=lambda acc, bias: ops.gelu(acc + bias), bias=bias, file=None)
+    with_tile = epicute.explain(a, b, epilogue=lambda acc, residual: acc + residual, residual=residual, file=None)
+    assert with_vector.config.delay_tma_store and not plain.config.delay_tma_store
+    assert not with_tile.config.delay_tma_store
+    assert any("TMA store delayed one subtile" in why for why in with_vector.config.reasons)
+    assert epicute.explain(a, b, config={"delay_tma_store": True}, file=None).config.delay_tma_store
+    assert any("loads operand tiles" in why for why in with_tile.config.reasons)
+    chain = [line.split()[1] for line in render_plan(with_vector).split("epilogue chain")[1].splitlines()[1:]
+             if line.startswith("  ") and len(line.split()) > 1 and line.split()[0] in ("tile", "subtile")]  # fmt: skip
+    assert chain[-2:] == ["delayed_store", "store_smem"] and "fence_barrier" not in chain
+    with pytest.raises(ConfigError, match="loads operand tiles through the TMA ring"):
+        epicute.explain(a, b, epilogue=lambda acc, residual: acc + residual, residual=residual,
+                        config={"delay_tma_store": True}, file=None)  # fmt: skip
