@@ -300,7 +300,7 @@ def start_peer_run(parser: argparse.ArgumentParser, default_out: Path) -> argpar
 def finish_peer_run(out: str | Path, benchmark: str, rows: Sequence[Row], all_ok: bool, unit: str = "TFLOPS") -> int:
     """The end of a run against peers (higher is better, in ``unit``): write the result (its command is this
     process's argv), print the table, and the exit status (1 when epicute failed or was wrong anywhere)."""
-    command = shlex.join(["python", f"bench/{benchmark}.py", *sys.argv[1:]])
+    command = shlex.join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     print(f"wrote {write_result(out, benchmark, command, unit, True, rows)}")
     print_table(rows, unit)
     if not all_ok:

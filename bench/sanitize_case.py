@@ -32,10 +32,13 @@ GEMM_CASES: dict[str, tuple[int, int, int, dict]] = {
     "ragged": (129, 136, 72, {}),
     "pingpong": (2049, 2056, 72, {"schedule": "pingpong", "tile_n": 128}),
     "epilogue": (2049, 2056, 72, {"schedule": "pingpong", "tile_n": 128}),
+    # ReuseSmemC: D staged in the residual's ring, the slot given back once its store is read; 2 tiles per CTA.
+    "reuse_smem_c": (2049, 3080, 72, {"schedule": "cooperative", "tile_n": 192, "reuse_smem_c": True}),
 }
 #: case -> the kernel family it watches (rows of bench/results/sanitize.json)
 FAMILIES = {
     "small": "gemm", "ragged": "gemm", "pingpong": "gemm", "epilogue": "gemm epilogue",
+    "reuse_smem_c": "gemm epilogue (D staged in the operand ring)",
     "fp8_quantize": "fp8 blockwise + quantize_groups", "grouped": "grouped gemm",
     "attention": "attention forward (epilogue)", "attention_gqa": "attention forward (GQA prefill)",
     "decode_paged": "attention decode (paged, split-KV)", "backward": "attention backward",
@@ -63,11 +66,16 @@ def gemm_case(name: str) -> dict[str, float]:
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     # NaN poison: any element the kernel fails to write makes the error NaN, hence FAIL.
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    if name == "reuse_smem_c":
+        epicute.gemm(a, b, epilogue=lambda acc, bias, residual: ops.gelu(acc + bias) + residual, out=out,
+                     config=config, bias=bias, residual=residual)  # fmt: skip
+        want = torch.nn.functional.gelu(a.float() @ b.float() + bias.float()) + residual.float()
+        return {"D": rel_err(out, want)}
     if name != "epilogue":
         epicute.gemm(a, b, out=out, config=config)
         return {"D": rel_err(out, a.float() @ b.float())}
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
 
     def epi(acc, bias, residual):
         y = acc + bias

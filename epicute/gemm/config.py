@@ -197,6 +197,11 @@ class GemmConfig(WarpRoles):
     #: Each epilogue subtile's TMA store issued one subtile later, after the next subtile's math (CUTLASS's
     #: ``DelayTmaStore``; ``epicute.epilogue.schedule.delay_stores``): the chain ``explain`` prints.
     delay_tma_store: bool = False
+    #: D staged in the first operand tile's ring slot, where that subtile's operand arrived (CUTLASS's
+    #: ``ReuseSmemC``: C and D of one dtype): D needs no staging buffers of its own, and the slot is released to
+    #: the operand loads once the TMA store has read it (``num_epi_stages - 1`` stores in flight, so the ring
+    #: needs more stages than that). Cooperative, D the only stored tile.
+    reuse_smem_c: bool = False
     raster_along_m: bool = True
     #: Tiles are visited in groups of this many clusters along the raster's minor
     #: axis, so concurrently running CTAs share A/B panels in L2.
@@ -326,6 +331,20 @@ class GemmConfig(WarpRoles):
                 f"epi_tile={self.epi_tile}: its N must be a multiple of 16 (one stmatrix "
                 f"atom) that divides tile_n={self.tile_n}"
             )
+        if self.reuse_smem_c:
+            blockers = (
+                (self.delay_tma_store, "the delayed store (CUTLASS forbids the two together)"),
+                (self.schedule != "cooperative", "the ping-pong schedule (its teams interleave the ring's subtiles)"),
+                (self.split_k > 1, "split-K"),
+                (self.swap_ab, "swap-AB"),
+                (self.epi_reuses_ab_smem, "epi_reuses_ab_smem (D already aliases the A ring)"),
+                (self.num_c_stages <= self.num_epi_stages, (f"num_c_stages={self.num_c_stages} (the ring needs more "
+                                                            f"stages than num_epi_stages={self.num_epi_stages})")),
+            )  # fmt: skip
+            why = next((reason for blocked, reason in blockers if blocked), "")
+            if why:
+                raise ConfigError(f"reuse_smem_c=True with {why}: D cannot be staged in the operand ring; use "
+                                  "reuse_smem_c=False")  # fmt: skip
         if self.epi_reuses_ab_smem and self.persistent:
             raise ConfigError(
                 "epi_reuses_ab_smem=True needs persistent=False: a persistent CTA's "

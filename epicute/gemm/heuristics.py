@@ -250,6 +250,8 @@ def check_config(
         raise ConfigError("delay_tma_store=True with this epilogue: its chain loads operand tiles through the TMA "
                           "ring (whose slot release the per-subtile barrier guards) or makes two passes over the "
                           "subtiles (quantize_groups); use delay_tma_store=False")  # fmt: skip
+    if cfg.reuse_smem_c and (why := reuse_smem_c_blocker(problem, epilogue)):
+        raise ConfigError(f"reuse_smem_c=True: {why}; use reuse_smem_c=False")
     if cfg.epi_reuses_ab_smem and not epi_fits_in_a_ring(cfg, problem.ab_dtype, problem.d_dtype):
         raise ConfigError(
             f"{cfg.num_epi_stages} D staging buffers of {epi_stage_bytes(cfg, problem.d_dtype)} B do not fit in "
@@ -836,10 +838,72 @@ def choose_config(
     return _fit_and_check(cfg, problem, hw, epilogue, overrides, reasons, raster_why)
 
 
+#: The operand ring's depths tried when D is staged in it (ReuseSmemC), deepest first: one stage more than the
+#: stores in flight (CUTLASS's builder takes ``max(min(subtiles, 4), stages_d + 1)``).
+REUSE_C_STAGES = (4, 3)
+
+
+def reuse_smem_c_blocker(problem: GemmProblem, epilogue: EpilogueBuffers) -> str:
+    """Why this epilogue cannot stage D in its first operand tile's ring ('' where it can)."""
+    if not epilogue.tile_inputs:
+        return "the epilogue loads no operand tile to stage D in"
+    if epilogue.tile_inputs[0] != problem.d_dtype:
+        return f"operand tile 0 is {epilogue.tile_inputs[0]} and D {problem.d_dtype}: their subtiles must match"
+    if epilogue.aux_outputs:
+        return "the epilogue stores aux tiles, whose staging ring D shares its position with"
+    if epilogue.gated or epilogue.paired or epilogue.group_n:
+        return "a gated, paired or group-quantized D is staged in its own layout"
+    return ""
+
+
+def fit_reuse_smem_c(cfg: GemmConfig, problem: GemmProblem, budget: int, epilogue: EpilogueBuffers) -> GemmConfig:
+    """``cfg`` with D staged in operand tile 0's ring: the ring one of :data:`REUSE_C_STAGES` deep and
+    ``num_epi_stages`` one fewer (``num_c_stages - 2`` stores in flight), then the most A/B stages that fit (the
+    deepest ring among equals)."""
+    ab, d, scaled = problem.ab_dtype, problem.d_dtype, problem.block_scaled
+    best = None
+    for c_stages in REUSE_C_STAGES:
+        # D lives in the ring, not in the A ring a CTA of one tile would lend it.
+        reused = replace(cfg, reuse_smem_c=True, num_c_stages=c_stages, num_epi_stages=c_stages - 1,
+                         epi_reuses_ab_smem=False)  # fmt: skip
+        fits = [s for s in range(MAX_AB_STAGES, 1, -1) if smem_total(replace(reused, ab_stages=s), ab, d, epilogue,
+                                                                     scaled) <= budget]  # fmt: skip
+        if fits and (best is None or fits[0] > best.ab_stages):
+            best = replace(reused, ab_stages=fits[0])
+    if best is None:
+        raise ConfigError(f"reuse_smem_c=True: tile {cfg.tile_m}x{cfg.tile_n} fits no 2 A/B stages beside the "
+                          "epilogue's buffers; use a smaller tile")  # fmt: skip
+    return best
+
+
+def choose_reuse_smem_c(
+    cfg: GemmConfig, problem: GemmProblem, budget: int, epilogue: EpilogueBuffers
+) -> tuple[GemmConfig, str]:
+    """``cfg`` with D staged in the operand ring where that buys an A/B stage (CUTLASS's ``ReuseSmemC``), and why
+    (``""``: not applicable): D's own staging buffers are freed (:func:`fit_reuse_smem_c`). Measured on the H200
+    (``bench/results/configs_reuse_smem_c.json``, gelu(acc + bias) + residual on cooperative 128x192 tiles, 5 A/B
+    stages against 4): 0.99-1.01x, geomean 1.002x: the stage costs nothing and buys little there."""
+    if (reuse_smem_c_blocker(problem, epilogue) or cfg.schedule != "cooperative" or cfg.split_k > 1 or cfg.swap_ab
+            or cfg.epi_reuses_ab_smem or problem.k == 0):  # fmt: skip
+        return cfg, ""
+    reused = fit_reuse_smem_c(cfg, problem, budget, epilogue)
+    if reused.ab_stages <= cfg.ab_stages:
+        return cfg, (f"D keeps its own staging buffers: staging it in operand tile 0's ring (ReuseSmemC) buys no "
+                     f"A/B stage beyond {cfg.ab_stages}")  # fmt: skip
+    ab, d, scaled = problem.ab_dtype, problem.d_dtype, problem.block_scaled
+    freed = smem_total(cfg, ab, d, epilogue, scaled) - smem_total(replace(reused, ab_stages=cfg.ab_stages), ab, d,
+                                                                  epilogue, scaled)  # fmt: skip
+    return reused, (f"ReuseSmemC: D staged in operand tile 0's ring ({reused.num_c_stages} stages, "
+                    f"{reused.num_epi_stages - 1} store(s) in flight) frees {freed} B: {reused.ab_stages} A/B stages "
+                    f"instead of {cfg.ab_stages}")  # fmt: skip
+
+
 def choose_delay_tma_store(cfg: GemmConfig, epilogue: EpilogueBuffers) -> tuple[bool, str]:
     """Whether each epilogue subtile's TMA store waits for the next subtile's math (``delay_tma_store``), and why.
     Measured on the H200 (``bench/results/configs_store_delay.json``): fused epilogues 0.99-1.03x, geomean 1.007x;
     a plain GEMM 0.98-1.03x, geomean 1.000x, so it keeps the store per subtile."""
+    if cfg.reuse_smem_c:
+        return False, "TMA store per subtile: D is staged in the operand ring (ReuseSmemC; CUTLASS forbids both)"
     if not epilogue.chain:
         return False, ("TMA store per subtile: a plain GEMM measured the same delayed (0.98-1.03x, geomean 1.00x on "
                        "the H200)")  # fmt: skip
@@ -926,6 +990,17 @@ def _fit_and_check(
                 else f" fill the {hw.smem_per_cta_bytes} B budget"
             )
         )
+    if overrides.get("reuse_smem_c") and not {"ab_stages", "num_epi_stages", "num_c_stages"} & set(overrides):
+        if why := reuse_smem_c_blocker(problem, epilogue):
+            raise ConfigError(f"reuse_smem_c=True: {why}; use reuse_smem_c=False")
+        cfg = fit_reuse_smem_c(cfg, problem, hw.smem_per_cta_bytes, epilogue)
+        reasons.append(f"ReuseSmemC: requested; {cfg.num_c_stages} ring stages, {cfg.ab_stages} A/B stages")
+    elif "reuse_smem_c" in overrides:
+        cfg = replace(cfg, reuse_smem_c=overrides["reuse_smem_c"])
+    elif not {"ab_stages", "num_epi_stages", "num_c_stages"} & set(overrides):
+        cfg, why = choose_reuse_smem_c(cfg, problem, hw.smem_per_cta_bytes, epilogue)
+        if why:
+            reasons.append(why)
     if "delay_tma_store" in overrides:
         cfg = replace(cfg, delay_tma_store=overrides["delay_tma_store"])
     else:

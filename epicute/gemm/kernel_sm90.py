@@ -88,6 +88,7 @@ from epicute.sm90.pipeline import (
     WarpgroupTurns,
     make_local_tma_load_pipeline,
     make_tma_load_pipeline,
+    release_if,
 )
 from epicute.sm90.tile_grid import cluster_counts
 from epicute.sm90.tile_scheduler import ClusterTileScheduler, SplitKTileScheduler
@@ -285,6 +286,9 @@ class GemmSm90:
         self.chain = fusion.stages if fusion is not None else schedule(plain_graph(d_dtype)).stages
         if cfg.delay_tma_store:
             self.chain = delay_stores(self.chain)
+        #: D's staging slots: its own ring's, or (ReuseSmemC) the operand ring's, whose slot a subtile's operand
+        #: arrived in and its D leaves from
+        self.d_stages = cfg.num_c_stages if cfg.reuse_smem_c else cfg.num_epi_stages
         self.smem = gemm_smem_layout(cfg, ab_dtype, d_dtype, self.epi_buffers, b_dtype, block_scaled)
         # Blockwise scales ride in the A/B ring: the load warp copies each k-tile's into the stage, A's by one TMA
         # copy and B's by one bulk copy where their layouts allow, else A's a word per row per lane and B's by
@@ -354,7 +358,7 @@ class GemmSm90:
         d_smem_staged = (
             self._epi_smem_layout(self.d_dtype_name, cfg.num_epi_stages, paired=True)
             if self.paired_d
-            else sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, cfg.epi_tile, cfg.num_epi_stages)
+            else sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, cfg.epi_tile, self.d_stages)
         )
 
         tma_a, tma_mA = self._make_tma_load(self._load_view(mA), a_smem_staged, (cfg.tile_m, cfg.tile_k),
@@ -694,6 +698,10 @@ class GemmSm90:
             # Non-persistent: the A ring is idle once the only mainloop is done.
             d_ptr = cute.recast_ptr(storage.sA.data_ptr(), d_smem_staged.inner, dtype=self.d_dtype)
             sD = cute.make_tensor(d_ptr, d_smem_staged.outer)
+        elif cutlass.const_expr(cfg.reuse_smem_c):
+            # ReuseSmemC: the first operand tile's ring, the same subtile layout and dtype as D's.
+            d_ptr = cute.recast_ptr(storage.epi_tile_0.data_ptr(), d_smem_staged.inner, dtype=self.d_dtype)
+            sD = cute.make_tensor(d_ptr, d_smem_staged.outer)
         else:
             sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
         # The fused epilogue's buffers: fields of the same struct (epicute.gemm.smem).
@@ -953,9 +961,12 @@ class GemmSm90:
             scale_regs = cute.make_rmem_tensor((partials, len(row_values) + self.b_scale_chunks), Float32)
         copies = self._epilogue_copies(cta, tiled_mma, thr_mma, acc, mma_tidx, mD, tma_d, epi_stores)
         store, is_store_warp = copies.store, copies.is_store_warp
-        c_state = None
+        c_state = c_release = None
         if cutlass.const_expr(self.epi_buffers.loads_tiles):
             c_state = RingState.consumer(cfg.num_c_stages, tracked=True)
+        if cutlass.const_expr(cfg.reuse_smem_c):
+            # The operand ring's slots go back to its loads only once D's store from them has been read.
+            c_release = RingState.consumer(cfg.num_c_stages)
 
         scheduler = self._scheduler(sched_args)
         read_state = RingState.consumer(cfg.ab_stages, tracked=True)
@@ -977,7 +988,7 @@ class GemmSm90:
             k_first = self._k_first(cta, tile_coord)  # where the tile's k-tiles start (a split's share)
             run = GemmEpilogueRun(
                 self, cta, copies, tile_coord, tiles_done, mma_tidx, c_state, epi_vectors, epi_workspaces,
-                epi_scalars,
+                epi_scalars, c_release,
             )  # fmt: skip
             run_chain("prologue", run)
 
@@ -1106,6 +1117,8 @@ class GemmSm90:
                 epilogue_turns.wait(team)
                 self._epilogue(run)
                 c_state = run.c_state  # reassigned here, so the tile loop carries it
+                if cutlass.const_expr(cfg.reuse_smem_c):
+                    c_release = run.c_release
             if cutlass.const_expr(ping_pong):
                 # The other team overwrites the staging buffers next: our last
                 # stores must have read them before we pass the turn.
@@ -1116,6 +1129,11 @@ class GemmSm90:
             tiles_done += 1
             work = scheduler.next(work, cfg.num_teams)
         store.drain(is_store_warp)
+        if cutlass.const_expr(cfg.reuse_smem_c):
+            # Every store has been read: the slots still held go back, so the load warp's tail returns.
+            store.sync()
+            for i in cutlass.range(tiles_done * self.num_epi_subtiles - c_release.count, unroll=1):
+                cta.c_pipeline.consumer_release(RingState(cfg.num_c_stages, c_release.count + i))
 
     @cute.jit
     def _reduce_splits(self, cta, acc, coord, slot, tiled_mma, thr_mma, mma_tidx, copies, sched_args, m_extent):
@@ -1408,11 +1426,12 @@ class GemmEpilogueRun(EpilogueRun):
     the staging ring advances once per subtile across the team's tiles (``tiles_done``)."""
 
     def __init__(self, kernel, cta, copies, tile_coord, tiles_done, mma_tidx, c_state, epi_vectors, epi_workspaces,
-                 epi_scalars):  # fmt: skip
+                 epi_scalars, c_release=None):  # fmt: skip
         super().__init__()
         cfg, fusion = kernel.cfg, kernel.fusion
         self.kernel, self.cta, self.copies, self.fusion, self.stages = kernel, cta, copies, fusion, kernel.chain
         self.tile_coord, self.tiles_done, self.c_state = tile_coord, tiles_done, c_state
+        self.c_release = c_release  # ReuseSmemC: the operand ring's next slot to give back
         self.outputs, self.store, self.is_store_warp = copies.outputs, copies.store, copies.is_store_warp
         self.subtile_size = copies.subtile_size
         self.staging = None
@@ -1430,9 +1449,8 @@ class GemmEpilogueRun(EpilogueRun):
             self.batch, self.thread, self.threads = batch, mma_tidx, cfg.tile_threads
 
     def slice_acc(self) -> None:
-        cfg = self.kernel.cfg
         if cutlass.const_expr(self.subtile == 0):
-            self.staging = RingState(cfg.num_epi_stages, self.tiles_done * self.kernel.num_epi_subtiles)
+            self.staging = RingState(self.kernel.d_stages, self.tiles_done * self.kernel.num_epi_subtiles)
         values = self.outputs["D"].values
         for v in range(self.subtile_size):
             values[v] = self.copies.tRS_rAcc[self.copies.acc_position(self.base + v)]
@@ -1442,7 +1460,8 @@ class GemmEpilogueRun(EpilogueRun):
         ring.consumer_wait(self.c_state)
         for tiled_s2r, tSR_sC, _, tSR_rC in self.copies.c_s2r.values():
             cute.copy(tiled_s2r, tSR_sC[(None, None, None, self.c_state.index)], tSR_rC)
-        ring.consumer_release(self.c_state)
+        if cutlass.const_expr(not self.kernel.cfg.reuse_smem_c):  # else D leaves from this slot: see advance
+            ring.consumer_release(self.c_state)
         self.c_state.advance()
 
     def tile_value(self, name, v, m, n):
@@ -1452,6 +1471,14 @@ class GemmEpilogueRun(EpilogueRun):
 
     def advance(self) -> None:
         self.staging.advance()
+        cfg = self.kernel.cfg
+        if cutlass.const_expr(cfg.reuse_smem_c):
+            # After this subtile's store and the barrier behind its wait: at most num_epi_stages - 1 stores are
+            # unread, so every slot older than those is free for the operand loads again.
+            stored = self.tiles_done * self.kernel.num_epi_subtiles + self.subtile + 1
+            due = self.c_release.count < stored - (cfg.num_epi_stages - 1)
+            release_if(self.cta.c_pipeline, self.c_release, due)
+            self.c_release.advance(Int32(cutlass.select_(due, Int32(1), Int32(0))))
 
     def park(self) -> None:
         # This subtile's accumulators are spent: their registers keep the values.

@@ -93,16 +93,20 @@ def render_plan(plan: GemmPlan) -> str:
             f"  A/B load ring   PipelineTmaAsync, {c.ab_stages} stages, full+empty mbarriers, "
             f"{ab_stage_bytes(c, p.ab_dtype)} B per stage"
         ),
-        f"  D store         PipelineTmaStore, {c.num_epi_stages} buffers, one elected thread "
-        f"commits and waits until <= {c.num_epi_stages - 1} stores are in flight"
+        "  D store         PipelineTmaStore, "
+        + (f"D staged in operand tile 0's ring slot (ReuseSmemC, {c.num_c_stages} slots)" if c.reuse_smem_c
+           else f"{c.num_epi_stages} buffers")
+        + f", one elected thread commits and waits until <= {c.num_epi_stages - 1} stores are in flight"
         + (f" (D and {len(e.aux_outputs)} aux output(s) per commit group)" if e.aux_outputs else "")
         + ("; each subtile's store issued after the next subtile's math" if c.delay_tma_store else ""),
     ]
     if e.loads_tiles:
         lines.append(
             f"  epilogue loads  PipelineTmaAsync, {c.num_c_stages} stages of one {c.epi_tile[0]}x{c.epi_tile[1]} "
-            "subtile per tile operand, released by each consumer warp after its smem -> register copy"
-        )
+            "subtile per tile operand, released by each consumer warp "
+            + ("once D's store from the slot has been read" if c.reuse_smem_c
+               else "after its smem -> register copy")
+        )  # fmt: skip
     lines += [
         f"  epilogue sync   named barrier 1 over the {c.tile_threads} threads of a tile, "
         "fence.proxy.async.shared::cta before each store"

@@ -42,16 +42,20 @@ def gemm_smem_layout(
         c = cfg.num_c_stages
         buffers.append(SmemBuffer("epi_barriers", "epilogue-load barriers", "int64", 2 * c,
                                   f"{c} full + {c} empty mbarriers", align=barrier))  # fmt: skip
-    d_shape = f"{cfg.num_epi_stages} x {subtile} {d_dtype}"
-    d_count = epi_elems * cfg.num_epi_stages
+    d_stages = cfg.num_c_stages if cfg.reuse_smem_c else cfg.num_epi_stages
+    d_shape = f"{d_stages} x {subtile} {d_dtype}"
+    d_count = epi_elems * d_stages
+    d_what, d_alias = d_shape, ""
+    if cfg.epi_reuses_ab_smem:
+        d_what, d_alias = f"{d_shape}, aliases the A ring ({d_count * DTYPE_BYTES[d_dtype]} B)", "sA"
+    elif cfg.reuse_smem_c:
+        d_what, d_alias = f"{d_shape}, in operand tile 0's ring (ReuseSmemC)", "epi_tile_0"
     buffers += [
         SmemBuffer("sA", "A ring", ab_dtype, cfg.tile_m * cfg.tile_k * cfg.ab_stages,
                    f"{cfg.ab_stages} x {cfg.tile_m}x{cfg.tile_k} {ab_dtype}"),
         SmemBuffer("sB", "B ring", b_dtype, cfg.tile_n * cfg.tile_k * cfg.ab_stages,
                    f"{cfg.ab_stages} x {cfg.tile_n}x{cfg.tile_k} {b_dtype}"),
-        SmemBuffer("sD", "D staging", d_dtype, d_count,
-                   f"{d_shape}, aliases the A ring ({d_count * DTYPE_BYTES[d_dtype]} B)" if cfg.epi_reuses_ab_smem
-                   else d_shape, alias_of="sA" if cfg.epi_reuses_ab_smem else ""),
+        SmemBuffer("sD", "D staging", d_dtype, d_count, d_what, alias_of=d_alias),
     ]  # fmt: skip
     if block_scaled:  # each A/B stage's k-tile of scales rides in the same ring (GemmSm90._copy_block_scales)
         s, chunks = cfg.ab_stages, b_scale_chunks(cfg.tile_n)

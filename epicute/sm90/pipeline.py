@@ -248,6 +248,14 @@ def release_after(ring: pipeline.PipelineTmaAsync, state, anchor):
         ring.sync_object_empty.arrive(state.index, ring.consumer_mask)
 
 
+@cute.jit
+def release_if(ring: pipeline.PipelineTmaAsync, state, due):
+    """``ring.consumer_release(state)`` where the runtime predicate ``due`` holds (a slot given back only once
+    what still reads it is done)."""
+    if ring.is_signaling_thread and due:
+        ring.sync_object_empty.arrive(state.index, ring.consumer_mask)
+
+
 class RingState:
     """A position in a ring of ``stages`` buffers: the ring state of every epicute kernel.
 

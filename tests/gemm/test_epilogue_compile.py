@@ -47,6 +47,10 @@ EPILOGUES = {
     "ffn_out_one_tile_per_cta": (lambda acc, bias, residual, alpha: ops.gelu(alpha * acc + bias) + residual,
                                  {"bias": "row", "residual": "tile", "alpha": "scalar"}, None,
                                  {"persistent": False, "epi_reuses_ab_smem": True, "ab_stages": 3}),
+    "ffn_out_staged_in_the_residual_ring": (lambda acc, bias, residual: ops.gelu(acc + bias) + residual,
+                                            {"bias": "row", "residual": "tile"}, None,
+                                            {"schedule": "cooperative", "tile_n": 192, "reuse_smem_c": True,
+                                             "num_c_stages": 3, "num_epi_stages": 2, "ab_stages": 5}),
     "where_compare_fp16": (lambda acc, thr: ops.where(acc > thr, acc, ops.softplus(acc)), {"thr": "col"},
                            {"D": torch.float16}, {}),
     "pingpong_everything": (lambda acc, bias, scale_m, residual: {

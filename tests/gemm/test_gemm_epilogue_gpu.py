@@ -268,3 +268,24 @@ def test_the_store_issued_now_or_one_subtile_later(config, delay):
     ref = epicute.gemm(a, b, epilogue=fn, out_dtypes={"pre": torch.float32}, backend="reference", bias=bias)
     assert not torch.isnan(out).any() and not torch.isnan(outs["pre"]).any()
     assert rel_err(got["D"].cpu(), ref["D"]) < 1e-2 and rel_err(outs["pre"].cpu(), ref["pre"]) < 1e-4
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.parametrize("shape", [(2055, 4104, 1032), (129, 200, 64)], ids=["tiles_per_cta", "one_tile"])
+def test_d_staged_in_the_operand_ring(shape, reuse):
+    """``reuse_smem_c`` (ReuseSmemC) both ways: D staged in the residual's ring slot, the slot given back once
+    its store has been read, over several tiles per CTA and a ragged edge (NaN-poisoned D)."""
+    m, n, k = shape
+    a, b, bias, residual = rand(m, k), rand(k, n) / k**0.5, rand(n), rand(m, n)
+
+    def ffn(acc, bias, residual):
+        return ops.gelu(acc + bias) + residual
+
+    config = {"schedule": "cooperative", "tile_n": 192, "reuse_smem_c": reuse}
+    plan = epicute.explain(a, b, epilogue=ffn, config=config, file=None, bias=bias, residual=residual)
+    assert plan.config.reuse_smem_c is reuse
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # a second call finds the ring's barriers as the first left them
+        got = epicute.gemm(a, b, epilogue=ffn, out=out, config=config, bias=bias, residual=residual)
+    ref = epicute.gemm(a, b, epilogue=ffn, backend="reference", bias=bias, residual=residual)
+    assert not torch.isnan(got).any() and rel_err(got.cpu(), ref) < 1e-2

@@ -390,3 +390,43 @@ def test_the_store_is_delayed_where_the_chain_allows_it():
     with pytest.raises(ConfigError, match="loads operand tiles through the TMA ring"):
         epicute.explain(a, b, epilogue=lambda acc, residual: acc + residual, residual=residual,
                         config={"delay_tma_store": True}, file=None)  # fmt: skip
+
+
+def test_d_is_staged_in_the_operand_ring_where_that_buys_a_stage():
+    """ReuseSmemC: chosen where freeing D's staging buys an A/B stage (cooperative 128x192 with a residual),
+    explained; refused where D cannot live in the ring."""
+    import epicute
+    from epicute import ops
+
+    a = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(4096, 14336, dtype=torch.bfloat16, device="meta")
+    bias = torch.empty(14336, dtype=torch.bfloat16, device="meta")
+    residual = torch.empty(4096, 14336, dtype=torch.bfloat16, device="meta")
+
+    def ffn(acc, bias, residual):
+        return ops.gelu(acc + bias) + residual
+
+    coop = {"schedule": "cooperative", "tile_n": 192}
+    reused = epicute.explain(a, b, epilogue=ffn, bias=bias, residual=residual, config=coop, file=None)
+    own = epicute.explain(a, b, epilogue=ffn, bias=bias, residual=residual, config={**coop, "reuse_smem_c": False},
+                          file=None)  # fmt: skip
+    assert reused.config.reuse_smem_c and not own.config.reuse_smem_c
+    assert reused.config.ab_stages == own.config.ab_stages + 1
+    assert reused.config.num_c_stages > reused.config.num_epi_stages and not reused.config.delay_tma_store
+    text = render_plan(reused)
+    assert "ReuseSmemC: D staged in operand tile 0's ring" in text and "in operand tile 0's ring (ReuseSmemC)" in text
+    assert "D staging                     0 B" in text  # an alias: its bytes are the ring's
+    wide = epicute.explain(a, b, epilogue=ffn, bias=bias, residual=residual,
+                           config={"schedule": "cooperative", "tile_n": 256}, file=None)  # fmt: skip
+    assert not wide.config.reuse_smem_c and any("buys no A/B stage" in why for why in wide.config.reasons)
+    for config, match in [
+        ({"schedule": "pingpong", "tile_n": 192, "reuse_smem_c": True}, "ping-pong"),
+        ({**coop, "reuse_smem_c": True, "num_c_stages": 2, "num_epi_stages": 2}, "num_c_stages=2"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            epicute.explain(a, b, epilogue=ffn, bias=bias, residual=residual, config=config, file=None)
+    with pytest.raises(ConfigError, match="aux tiles"):
+        epicute.explain(a, b, epilogue=lambda acc, residual: {"D": acc + residual, "pre": acc}, residual=residual,
+                        config={**coop, "reuse_smem_c": True}, file=None)  # fmt: skip
+    with pytest.raises(ConfigError, match="loads no operand tile"):
+        epicute.explain(a, b, config={**coop, "reuse_smem_c": True}, file=None)
