@@ -98,7 +98,6 @@ def run_case(m: int, k: int, compiled) -> tuple[Row, bool]:
     import torch
 
     import epicute
-    from epicute.benchmark import time_flushed
 
     x = (torch.randn(m, k, device="cuda") * torch.rand(k, device="cuda") * 30).to(torch.bfloat16)
     with epicute.use_backend("reference"):
@@ -111,15 +110,22 @@ def run_case(m: int, k: int, compiled) -> tuple[Row, bool]:
         return ((got - want).norm() / want.norm()).item()
 
     calls = {"epicute": lambda: epicute.quantize(x, ue8m0=True), "torch_compile": lambda: compiled(x)}
+    return timed_row(f"bf16 -> e4m3 1x128 ue8m0 {m}x{k}", calls, error, m * k * 3 + m * (k // 128) * 4)
+
+
+def timed_row(case: str, calls: dict, error, moved: int) -> tuple[Row, bool]:
+    """Each contender checked (``error`` of its result under :data:`TOLERANCE`), timed in interleaved rounds with
+    L2 flushed, and reported in GB/s of the ``moved`` bytes."""
+    from epicute.benchmark import time_flushed
+
     # Both approximate x within an fp8 rounding; a peer whose fp32 log2 puts a scale on the other power of two
     # differs by about that much.
     timed, ok = check_contenders({name: (fn, fn) for name, fn in calls.items()}, error, TOLERANCE)
     times = time_interleaved(timed, timer=time_flushed)
-    moved = m * k * 3 + m * (k // 128) * 4
-    row: Row = {"case": f"bf16 -> e4m3 1x128 ue8m0 {m}x{k}"}
+    row: Row = {"case": case}
     for name, ms in times.items():
         row[name] = round(moved / (ms * 1e-3) / 1e9, 1)
-    print(f"{row['case']}: " + ", ".join(f"{n} {ms * 1e3:.1f} us ({row[n]} GB/s)" for n, ms in times.items())
+    print(f"{case}: " + ", ".join(f"{n} {ms * 1e3:.1f} us ({row[n]} GB/s)" for n, ms in times.items())
           + f"; epicute at {row.get('epicute', 0) / HBM_GBS:.0%} of {HBM_GBS:.0f} GB/s")  # fmt: skip
     return row, ok
 
@@ -127,7 +133,6 @@ def run_case(m: int, k: int, compiled) -> tuple[Row, bool]:
 def run_pair(m: int, k: int, rows: str, columns: str, compiled) -> tuple[Row, bool]:
     import torch
 
-    from epicute.benchmark import time_flushed
     from epicute.quantize.api import quantize_pair
 
     x = (torch.randn(m, k, device="cuda") * torch.rand(k, device="cuda") * 30).to(torch.bfloat16)
@@ -148,16 +153,8 @@ def run_pair(m: int, k: int, rows: str, columns: str, compiled) -> tuple[Row, bo
 
     calls = {"epicute": lambda: quantize_pair(x, rows, columns, ue8m0=True),
              "torch_compile": lambda: compiled(x, rows, columns)}  # fmt: skip
-    timed, ok = check_contenders({name: (fn, fn) for name, fn in calls.items()}, error, TOLERANCE)
-    times = time_interleaved(timed, timer=time_flushed)
     scales = sum(m * k // 128 * 4 // (128 if r == "blocks" else 1) for r in (rows, columns))
-    moved = m * k * 4 + scales
-    row: Row = {"case": f"bf16 -> e4m3 rows {rows}, columns {columns} ue8m0 {m}x{k}"}
-    for name, ms in times.items():
-        row[name] = round(moved / (ms * 1e-3) / 1e9, 1)
-    print(f"{row['case']}: " + ", ".join(f"{n} {ms * 1e3:.1f} us ({row[n]} GB/s)" for n, ms in times.items())
-          + f"; epicute at {row.get('epicute', 0) / HBM_GBS:.0%} of {HBM_GBS:.0f} GB/s")  # fmt: skip
-    return row, ok
+    return timed_row(f"bf16 -> e4m3 rows {rows}, columns {columns} ue8m0 {m}x{k}", calls, error, m * k * 4 + scales)
 
 
 if __name__ == "__main__":

@@ -58,10 +58,11 @@ def quantize(
     """
     backend = resolve_backend(backend)
     if transpose:
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or recipe not in TILE_RECIPES:
-            got = f"x of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ShapeError(f"transpose=True takes a 2-D x and recipe 'groups' or 'blocks'; got {got}, "
-                             f"recipe={recipe!r}")  # fmt: skip
+        if recipe not in TILE_RECIPES:
+            raise ConfigError(f"recipe={recipe!r} with transpose=True; x.t() is quantized by {TILE_RECIPES}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"type {type(x).__name__}"
+            raise ShapeError(f"x has {got}; transpose=True takes a 2-D x")
         if x.shape[0] % 16:
             raise AlignmentError(f"x has {x.shape[0]} rows, the K of x.t(): fp8 rows must be 16-byte aligned for the "
                                  f"GEMM that reads them: pad x's rows to {-(-x.shape[0] // 16) * 16}")  # fmt: skip
@@ -77,9 +78,7 @@ def quantize(
             from epicute.quantize.launch import QuantizeVariant, launch_group_quantize
 
             rows = x.view(-1, shape[-1])
-            if rows.data_ptr() % 16:
-                raise AlignmentError("x.data_ptr() is not 16-byte aligned (a view with an element offset?); pass "
-                                     "x.clone()")  # fmt: skip
+            _check_aligned(x)
             q, scales = launch_group_quantize(rows, QuantizeVariant(TORCH_TO_IR[x.dtype], fp8, ue8m0), dtype)
             return q.view(shape), scales.view(*shape[:-1], scales.shape[-1])
         return _quantize(x, recipe, fp8, ue8m0)
@@ -118,9 +117,7 @@ def quantize_pair(
         if x.dtype != torch.float32:
             from epicute.quantize.launch import TileQuantizeVariant, launch_tile_quantize
 
-            if x.data_ptr() % 16:
-                raise AlignmentError("x.data_ptr() is not 16-byte aligned (a view with an element offset?); pass "
-                                     "x.clone()")  # fmt: skip
+            _check_aligned(x)
             variant = TileQuantizeVariant(TORCH_TO_IR[x.dtype], fp8, ue8m0, rows, columns)
             return launch_tile_quantize(x, variant, dtype)
     source = x if backend == "kernel" else x.detach().cpu()
@@ -164,6 +161,12 @@ def _check(x, recipe: str, dtype, ue8m0) -> tuple[str, tuple[int, ...]]:
         raise AlignmentError(f"x has strides {tuple(x.stride())}: its leading dimensions do not flatten into rows "
                              "without a copy; pass x.contiguous()") from None  # fmt: skip
     return FP8_DTYPES[dtype], tuple(x.shape)
+
+
+def _check_aligned(x: torch.Tensor) -> None:
+    """The kernels' 16-byte loads start at ``x``'s first element."""
+    if x.data_ptr() % 16:
+        raise AlignmentError("x.data_ptr() is not 16-byte aligned (a view with an element offset?); pass x.clone()")
 
 
 def _scale(amax: torch.Tensor, fp8: str, ue8m0: bool) -> torch.Tensor:
