@@ -149,8 +149,9 @@ def plan_grouped(
     # evict-first hint, judged on the mean group, cost up to 17 % where groups span several tiles (bench/NOTES.md).
     # The grouped kernels schedule their own tiles: the dense planner's split-K and swap-AB for small mean groups
     # are theirs to refuse (GemmSm90's constructor), so they are not planned.
+    # D staged in an operand ring (ReuseSmemC) has run on the GPU for dense tiles only: not planned here.
     split_pinned = "split_k" in overrides
-    overrides = {"evict_first": "", "split_k": 1, "swap_ab": False, **overrides}
+    overrides = {"evict_first": "", "split_k": 1, "swap_ab": False, "reuse_smem_c": False, **overrides}
     if overrides.get("pair_tiles") and problem.ragged == "k":
         raise ConfigError("pair_tiles=True with variable K: paired tiles split groups of rows; use pair_tiles=False")
     if problem.ragged == "k":
