@@ -35,6 +35,8 @@ from epicute.errors import ConfigError, DeviceError, DtypeError, ShapeError
 #: Input dtypes the fp8 forward takes, and O's default stored dtype for them (FlashAttention-3's).
 FP8_INPUT_DTYPES = ("fp8e4m3",)
 FP8_OUT_DTYPE = "bf16"
+#: Why an fp8 call has no backward (eager and traced calls refuse one with it).
+NO_BACKWARD = "fp8 q, k, v: the fp8 forward is for inference"
 #: Keys per group of the value permutation (two 8-column chunks of the accumulator, the 16 keys of a
 #: quad's operand slots).
 KEY_GROUP = 16
@@ -182,6 +184,7 @@ __all__ = [
     "FP8_INPUT_DTYPES",
     "FP8_OUT_DTYPE",
     "KEY_GROUP",
+    "NO_BACKWARD",
     "VALUE_SLOT_KEYS",
     "check_no_descales",
     "descales",

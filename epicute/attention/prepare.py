@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from epicute.attention.fp8 import FP8_INPUT_DTYPES, stored_dtype
+from epicute.attention.fp8 import FP8_INPUT_DTYPES, NO_BACKWARD, stored_dtype
 from epicute.attention.plan import AttentionConfig, AttentionPlan, AttentionProblem, plan_attention
 from epicute.attention.validate import AttentionCall
 from epicute.epilogue.dtypes import DTYPE_BYTES, TORCH_TO_IR, ir_dtype
@@ -228,7 +228,7 @@ class PreparedAttention:
 
         p = self.plan.problem
         refusals = [
-            (p.dtype in FP8_INPUT_DTYPES, "fp8 q, k, v: the fp8 forward is for inference"),
+            (p.dtype in FP8_INPUT_DTYPES, NO_BACKWARD),
             (p.head_dim not in BACKWARD_HEAD_DIMS,
              f"head_dim={p.head_dim}: the backward supports head_dim {BACKWARD_HEAD_DIMS}"),
             (self.epilogue is not None, "epilogue=: an output epilogue has no backward; apply it after attention"),

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from epicute.attention.fp8 import stored_dtype
+from epicute.attention.fp8 import NO_BACKWARD, stored_dtype
 from epicute.attention.plan import AttentionConfig
 from epicute.epilogue.dtypes import IR_TO_TORCH, TORCH_TO_IR, ir_dtype
 from epicute.errors import ConfigError, EpilogueError, ShapeError
@@ -307,8 +307,7 @@ def attention_op_call(
             raise EpilogueError(refusal)
     given = {name: x for name, x in (descales or {}).items() if x is not None}  # fp8's, as operands of their name
     if q.dtype == torch.float8_e4m3fn and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ConfigError("attention backward: fp8 q, k, v: the fp8 forward is for inference; call it under "
-                          "torch.no_grad() or detach them")  # fmt: skip
+        raise ConfigError(f"attention backward: {NO_BACKWARD}; call it under torch.no_grad() or detach them")
     tensor_names, tensors, scalar_names, scalars, pins = split_operands({**operands, **given})
     extra = (("causal", bool(causal)), ("softmax_scale", None if softmax_scale is None else float(softmax_scale)))
     if v_layout != "bshd":

@@ -32,7 +32,7 @@ import torch
 from epicute.attention.api import attention
 from epicute.attention.fp8 import slot_of_position
 from epicute.epilogue.dtypes import FP8_MAX
-from epicute.errors import ShapeError
+from epicute.errors import GradientError, ShapeError
 
 E4M3_MAX = FP8_MAX["fp8e4m3"]
 
@@ -140,10 +140,13 @@ def attention_with_kvcache(
     if k_new is not None:
         cache.append(k_new, v_new)
     if cache.fp8:
+        if q.requires_grad and torch.is_grad_enabled():
+            raise GradientError("q requires grad, and attention over an fp8 cache has no backward (it serves "
+                                "inference): call it under torch.no_grad() or pass q.detach()")  # fmt: skip
         # q quantized per (sequence, key/value head), the scale fp8 attention's q_descale.
         batch, s, heads, dim = q.shape
         kv_heads = cache.k_pages.size(2)
-        grouped = q.detach().view(batch, s, kv_heads, heads // kv_heads, dim)
+        grouped = q.view(batch, s, kv_heads, heads // kv_heads, dim)
         amax = torch.linalg.vector_norm(grouped, float("inf"), dim=(1, 3, 4), dtype=torch.float32)  # one launch
         q_scale = amax.div_(E4M3_MAX).clamp_min_(torch.finfo(torch.float32).tiny)
         q8 = (grouped / q_scale[:, None, :, None, None]).to(torch.float8_e4m3fn).view(batch, s, heads, dim)

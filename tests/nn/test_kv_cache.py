@@ -45,3 +45,6 @@ def test_bad_caches_and_appends_are_refused():
         PagedKVCache(2, 64, 2, 64, page_size=16, dtype=E4M3)
     with pytest.raises(epicute.ShapeError, match="together"):
         attention_with_kvcache(torch.randn(2, 1, 4, 64), cache, torch.randn(2, 1, 2, 64))
+    fp8_cache = PagedKVCache(2, 64, 2, 64, page_size=32, dtype=E4M3)
+    with pytest.raises(epicute.GradientError, match="fp8 cache has no backward"):
+        attention_with_kvcache(torch.randn(2, 1, 4, 64, dtype=torch.bfloat16, requires_grad=True), fp8_cache)
