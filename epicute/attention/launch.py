@@ -352,6 +352,26 @@ def new_partials(splits: int, p, device: torch.device) -> tuple[torch.Tensor, to
     return o, torch.empty((splits, p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=device)
 
 
+#: Split-KV partials kept per (device, stream, shape): two allocations a decode step does not repeat.
+_PARTIALS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_KEPT_PARTIALS = 64
+
+
+def split_partials(splits: int, p, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`new_partials` of ``device``'s current stream, kept between eager launches of one shape (every launch
+    writes each row the combine then reads, empty splits included; a CUDA graph's own are not kept:
+    :mod:`epicute.runtime.buffers`)."""
+    # The raw stream: torch.cuda.current_stream() builds a Stream object, a microsecond per call.
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index), splits, p.batch, p.seqlen_q, p.heads_q,
+           p.head_dim)  # fmt: skip
+    kept = _PARTIALS.get(key)
+    if kept is None:
+        if len(_PARTIALS) >= _KEPT_PARTIALS:
+            _PARTIALS.clear()
+        kept = keep(_PARTIALS, key, new_partials(splits, p, device))
+    return kept
+
+
 def launch_attention(
     call,
     variant: AttentionVariant,
@@ -385,7 +405,7 @@ def launch_attention(
         tensors, scalars = epi_operands
         epi_tensors = tensors + tuple(aux.values()) + tuple(workspaces.values())
         cfg = variant.config
-        partials = new_partials(cfg.num_splits, p, device) if cfg.split_kv else ()
+        partials = split_partials(cfg.num_splits, p, device) if cfg.split_kv else ()
         q, k, v, o, lse_bhs, varlen = call.q, call.k, call.v, out, lse, ()
         if p.varlen:  # packed: one batch entry of every row
             q, k, o, lse_bhs = (t.unsqueeze(0) for t in (q, k, o, lse))

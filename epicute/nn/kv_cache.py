@@ -33,6 +33,7 @@ from epicute.attention.api import attention
 from epicute.attention.fp8 import slot_of_position
 from epicute.epilogue.dtypes import FP8_MAX
 from epicute.errors import GradientError, ShapeError
+from epicute.quantize.api import quantize
 
 E4M3_MAX = FP8_MAX["fp8e4m3"]
 
@@ -143,20 +144,30 @@ def attention_with_kvcache(
         if q.requires_grad and torch.is_grad_enabled():
             raise GradientError("q requires grad, and attention over an fp8 cache has no backward (it serves "
                                 "inference): call it under torch.no_grad() or pass q.detach()")  # fmt: skip
-        # q quantized per (sequence, key/value head), the scale fp8 attention's q_descale.
-        batch, s, heads, dim = q.shape
-        kv_heads = cache.k_pages.size(2)
-        grouped = q.view(batch, s, kv_heads, heads // kv_heads, dim)
-        amax = torch.linalg.vector_norm(grouped, float("inf"), dim=(1, 3, 4), dtype=torch.float32)  # one launch
-        q_scale = amax.div_(E4M3_MAX).clamp_min_(torch.finfo(torch.float32).tiny)
-        q8 = (grouped / q_scale[:, None, :, None, None]).to(torch.float8_e4m3fn).view(batch, s, heads, dim)
-        k_descale, v_descale = cache.descales(batch)
+        q8, q_scale = _quantized_query(q, cache.k_pages.size(2))
+        k_descale, v_descale = cache.descales(q.size(0))
         out = attention(q8, cache.k_pages, cache.v_pages, causal=causal, softmax_scale=softmax_scale,
                         page_table=cache.page_table, seqused_k=cache.seqlens, q_descale=q_scale, k_descale=k_descale,
                         v_descale=v_descale, v_layout="slots", **kwargs)  # fmt: skip
         return out if q.dtype == torch.bfloat16 else out.to(q.dtype)
     return attention(q, cache.k_pages, cache.v_pages, causal=causal, softmax_scale=softmax_scale,
                      page_table=cache.page_table, seqused_k=cache.seqlens, **kwargs)  # fmt: skip
+
+
+def _quantized_query(q: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` ``(batch, s, heads, head_dim)`` in e4m3 with one scale per (sequence, key/value head): fp8 attention's
+    ``q_descale`` ``(batch, kv_heads)``. A one-query step's group is one contiguous row of group x head_dim values,
+    which :func:`epicute.quantize`'s rowwise recipe takes whole (one kernel); longer steps take torch operations."""
+    batch, s, heads, dim = q.shape
+    group = heads // kv_heads
+    if s == 1 and q.is_contiguous() and q.dtype != torch.float32:
+        q8, scales = quantize(q.view(batch * kv_heads, group * dim), recipe="rowwise")
+        return q8.view(batch, s, heads, dim), scales.view(batch, kv_heads)
+    grouped = q.view(batch, s, kv_heads, group, dim)
+    amax = torch.linalg.vector_norm(grouped, float("inf"), dim=(1, 3, 4), dtype=torch.float32)  # one launch
+    q_scale = amax.div_(E4M3_MAX).clamp_min_(torch.finfo(torch.float32).tiny)
+    q8 = (grouped / q_scale[:, None, :, None, None]).to(torch.float8_e4m3fn).view(batch, s, heads, dim)
+    return q8, q_scale
 
 
 def _to_e4m3(x: torch.Tensor, head_scale: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,8 @@ def quantize(
     - ``"groups"``: one scale per row and 128 columns, ``(*leading, ceil(K / 128))`` fp32, M-major (rows
       contiguous): ``epicute.gemm``'s and ``torch._scaled_mm``'s blockwise ``a_scale``. On the GPU one
       memory-bound kernel (bf16 or fp16 ``x``); the rest are torch operations on ``x``'s device.
-    - ``"rowwise"``: ``(*leading, 1)``; ``"tensorwise"``: a 0-d scale; ``"blocks"``: a 2-D ``(N, K)`` weight in
+    - ``"rowwise"``: ``(*leading, 1)`` (on the GPU one kernel for rows of 128, 256, 512 or 1024 values, a warp's
+      each: a decode step's query heads); ``"tensorwise"``: a 0-d scale; ``"blocks"``: a 2-D ``(N, K)`` weight in
       128 x 128 blocks, scales ``(ceil(N / 128), ceil(K / 128))`` (the blockwise ``b_scale`` of ``w.t()``).
 
     ``transpose=True`` quantizes ``x.t()`` of a 2-D ``x`` without materializing it (``"groups"`` or ``"blocks"``;
@@ -74,13 +75,17 @@ def quantize(
         if recipe == "blocks" and x.dtype != torch.float32 and x.numel():
             (q, scales), _ = quantize_pair(x, "blocks", None, dtype=dtype, ue8m0=ue8m0, backend=backend)
             return q, scales
-        if recipe == "groups" and x.dtype != torch.float32 and x.numel():
-            from epicute.quantize.launch import QuantizeVariant, launch_group_quantize
+        if recipe in ("groups", "rowwise") and x.dtype != torch.float32 and x.numel():
+            from epicute.quantize.launch import ROWWISE_KERNEL_K, QuantizeVariant, launch_group_quantize
 
-            rows = x.view(-1, shape[-1])
-            _check_aligned(x)
-            q, scales = launch_group_quantize(rows, QuantizeVariant(TORCH_TO_IR[x.dtype], fp8, ue8m0), dtype)
-            return q.view(shape), scales.view(*shape[:-1], scales.shape[-1])
+            if recipe == "groups" or shape[-1] in ROWWISE_KERNEL_K:
+                rows = x.view(-1, shape[-1])
+                _check_aligned(x)
+                variant = QuantizeVariant(TORCH_TO_IR[x.dtype], fp8, ue8m0)
+                if recipe == "rowwise":
+                    variant = QuantizeVariant.rowwise(TORCH_TO_IR[x.dtype], fp8, ue8m0, shape[-1])
+                q, scales = launch_group_quantize(rows, variant, dtype)
+                return q.view(shape), scales.view(*shape[:-1], scales.shape[-1])
         return _quantize(x, recipe, fp8, ue8m0)
     q, scales = _quantize(x.detach().cpu(), recipe, fp8, ue8m0)
     return q.to(x.device), scales.to(x.device)

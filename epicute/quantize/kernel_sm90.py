@@ -1,4 +1,5 @@
-"""The group quantizer: each row of ``x`` cut into groups of 128 columns, each group's fp8 values and scale.
+"""The group quantizer: each row of ``x`` cut into groups of 128 columns (or of a whole row of up to 1024: the
+``rowwise`` recipe of short rows), each group's fp8 values and scale.
 
 A memory-bound kernel with no shared memory. A group's lanes (``128 / values_per_lane`` consecutive lanes of a
 warp) each take ``values_per_lane`` consecutive values (16-byte loads), fold their magnitudes, combine them by
@@ -46,20 +47,23 @@ def store_scaled(values: cute.Tensor, scale, dst: cute.Tensor):
 class GroupQuantizeSm90:
     """The kernel for one (input dtype, fp8 dtype, UE8M0 or not) and one split of the work among lanes."""
 
-    def __init__(self, fp8_name: str, ue8m0: bool, groups_per_lane: int, values_per_lane: int):
+    def __init__(self, fp8_name: str, ue8m0: bool, groups_per_lane: int, values_per_lane: int,
+                 group_n: int = GROUP_N):  # fmt: skip
         self.groups_per_lane = groups_per_lane
         self.values_per_lane = values_per_lane
+        #: values one scale covers along a row: 128, or a whole short row (``rowwise``: up to a warp's lanes)
+        self.group_n = group_n
         # A group's lanes are consecutive lanes of one warp: butterfly masks 1, 2, ... lanes_per_group / 2.
-        self.lanes_per_group = GROUP_N // values_per_lane
+        self.lanes_per_group = group_n // values_per_lane
         self.lane_masks = tuple(1 << i for i in range(self.lanes_per_group.bit_length() - 1))
         self.fp8_max = FP8_MAX[fp8_name]
         self.ue8m0 = ue8m0
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mScales: cute.Tensor, stream):
-        """``mX`` ``(M, K)`` row-major 16-bit, ``mQ`` ``(M, K)`` fp8 row-major, ``mScales`` fp32 ``(K / 128, M)``
+        """``mX`` ``(M, K)`` row-major 16-bit, ``mQ`` ``(M, K)`` fp8 row-major, ``mScales`` fp32 ``(K / group_n, M)``
         (M contiguous: the ``(M, K / 128)`` M-major scales a blockwise GEMM takes, transposed)."""
-        lanes = cute.size(mX, mode=[0]) * cute.ceil_div(cute.size(mX, mode=[1]), GROUP_N) * self.lanes_per_group
+        lanes = cute.size(mX, mode=[0]) * cute.ceil_div(cute.size(mX, mode=[1]), self.group_n) * self.lanes_per_group
         ctas = cute.ceil_div(lanes, THREADS * self.groups_per_lane)
         self.kernel(mX, mQ, mScales).launch(grid=(ctas, 1, 1), block=[THREADS, 1, 1], stream=stream)
 
@@ -68,7 +72,7 @@ class GroupQuantizeSm90:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         m, k = cute.size(mX, mode=[0]), cute.size(mX, mode=[1])
-        groups, chunks = cute.ceil_div(k, GROUP_N), k // self.values_per_lane
+        groups, chunks = cute.ceil_div(k, self.group_n), k // self.values_per_lane
         places, loaded = [], []
         for j in cutlass.range_constexpr(self.groups_per_lane):
             lane = (bidx * self.groups_per_lane + j) * THREADS + tidx

@@ -16,6 +16,8 @@ from epicute.runtime.target import DEFAULT_ARCH
 #: fastest on the H200 (bench/NOTES.md, issue 59: the sweep).
 GROUPS_PER_LANE = 1
 VALUES_PER_LANE = 16
+#: Rows the group kernel quantizes whole (``rowwise``): a group's lanes are one warp's at most, 16 or 32 values each.
+ROWWISE_KERNEL_K = (128, 256, 512, 1024)
 
 
 @dataclass(frozen=True)
@@ -27,11 +29,18 @@ class QuantizeVariant:
     ue8m0: bool
     groups_per_lane: int = GROUPS_PER_LANE
     values_per_lane: int = VALUES_PER_LANE
+    #: values per scale along a row: 128, or one of ROWWISE_KERNEL_K for whole rows
+    group_n: int = 128
     arch: str = DEFAULT_ARCH
 
+    @classmethod
+    def rowwise(cls, in_dtype: str, out_dtype: str, ue8m0: bool, k: int) -> QuantizeVariant:
+        """The variant that quantizes rows of ``k`` (one of ROWWISE_KERNEL_K) values whole, one scale each."""
+        return cls(in_dtype, out_dtype, ue8m0, values_per_lane=max(VALUES_PER_LANE, k // 32), group_n=k)
+
     def key(self) -> CacheKey:
-        label = f"quantize 1x128 {self.in_dtype} -> {self.out_dtype}" + (" ue8m0" if self.ue8m0 else "")
-        fields = (self.in_dtype, self.out_dtype, self.ue8m0, self.groups_per_lane, self.values_per_lane)
+        label = f"quantize 1x{self.group_n} {self.in_dtype} -> {self.out_dtype}" + (" ue8m0" if self.ue8m0 else "")
+        fields = (self.in_dtype, self.out_dtype, self.ue8m0, self.groups_per_lane, self.values_per_lane, self.group_n)
         lanes = f"{self.groups_per_lane} groups x {self.values_per_lane} values a lane"
         return CacheKey("quantize", fields, self.arch, f"{label}, {lanes}")
 
@@ -45,7 +54,8 @@ def compile_quantize(variant: QuantizeVariant):
 
     x, q = _rows(DSL_DTYPES[variant.in_dtype]), _rows(DSL_DTYPES[variant.out_dtype])
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = GroupQuantizeSm90(variant.out_dtype, variant.ue8m0, variant.groups_per_lane, variant.values_per_lane)
+    kernel = GroupQuantizeSm90(variant.out_dtype, variant.ue8m0, variant.groups_per_lane, variant.values_per_lane,
+                               variant.group_n)  # fmt: skip
     return dsl_compile(variant, kernel, x, q, _scales(), stream)
 
 
@@ -113,9 +123,11 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 
 
 def launch_group_quantize(x: torch.Tensor, variant: QuantizeVariant, out_dtype: torch.dtype):
-    """``(q, scales)`` of a validated ``(M, K)`` row-major ``x``: q ``(M, K)``, scales ``(M, K / 128)`` M-major."""
+    """``(q, scales)`` of a validated ``(M, K)`` row-major ``x``: q ``(M, K)``, scales ``(M, K / group_n)``
+    M-major."""
     m, k = x.shape
-    q, scales = new_output((m, k), out_dtype, x.device), new_output((-(-k // 128), m), torch.float32, x.device)
+    groups = -(-k // variant.group_n)
+    q, scales = new_output((m, k), out_dtype, x.device), new_output((groups, m), torch.float32, x.device)
     if m and k:
         QUANTIZE_CACHE.get(variant)(x, q, scales)
     return q, scales.t()
@@ -144,6 +156,6 @@ def launch_tile_quantize(x: torch.Tensor, variant: TileQuantizeVariant, out_dtyp
 
 
 __all__ = [
-    "QUANTIZE_CACHE", "TILE_QUANTIZE_CACHE", "QuantizeVariant", "TileQuantizeVariant", "compile_quantize",
-    "compile_tile_quantize", "launch_group_quantize", "launch_tile_quantize",
+    "QUANTIZE_CACHE", "ROWWISE_KERNEL_K", "TILE_QUANTIZE_CACHE", "QuantizeVariant", "TileQuantizeVariant",
+    "compile_quantize", "compile_tile_quantize", "launch_group_quantize", "launch_tile_quantize",
 ]  # fmt: skip

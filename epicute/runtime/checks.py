@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 import numbers
 from collections.abc import Callable, Iterable, Mapping
@@ -228,6 +229,12 @@ def check_one_device(*named: tuple[str, Any], where: str = "one device") -> None
         raise DeviceError(f"{listing}; move them to {where}")
 
 
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked once (torch asks the driver every time: microseconds per call)."""
+    return torch.cuda.get_device_capability(index)
+
+
 def check_on_one_hopper_gpu(*named: tuple[str, torch.Tensor]) -> None:
     """Raise :class:`DeviceError` unless every ``(name, tensor)`` lives on one CUDA device, a Hopper GPU."""
     for name, t in named:
@@ -235,7 +242,7 @@ def check_on_one_hopper_gpu(*named: tuple[str, torch.Tensor]) -> None:
             raise DeviceError(f"{name} is on {t.device}; epicute kernels run on a CUDA device: pass {name}.cuda()")
     check_one_device(*named, where="one GPU")
     device = named[0][1].device
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _capability(device.index)
     if (major, minor) != (9, 0):
         raise DeviceError(
             f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}; epicute's kernels need a Hopper GPU (sm_90)"

@@ -25,15 +25,32 @@ pytestmark = pytest.mark.gpu
 TOL = 1e-2
 
 
+KEPT_PARTIALS = rt_attention.split_partials
+
+
 @pytest.fixture(autouse=True)
 def _poisoned_partials(monkeypatch):
-    """O, LSE and the rest as the forward's tests poison them, and split-KV's partials too."""
-    real = rt_attention.new_partials
+    """O, LSE and the rest as the forward's tests poison them, and split-KV's partials too, fresh for every call
+    (not the kept ones: :func:`test_kept_partials_serve_repeat_calls` runs those)."""
 
     def poisoned_partials(splits, p, device):
-        return tuple(t.fill_(float("nan")) for t in real(splits, p, device))
+        return tuple(t.fill_(float("nan")) for t in rt_attention.new_partials(splits, p, device))
 
-    monkeypatch.setattr(rt_attention, "new_partials", poisoned_partials)
+    monkeypatch.setattr(rt_attention, "split_partials", poisoned_partials)
+
+
+def test_kept_partials_serve_repeat_calls(monkeypatch):
+    # the kept split-KV partials: a second call of the same shape reuses the first's (NaN-poisoned) buffers and must
+    # overwrite every row it reads, including an empty split's (7 splits of 8 blocks)
+    monkeypatch.setattr(rt_attention, "_PARTIALS", {})
+    monkeypatch.setattr(rt_attention, "split_partials", KEPT_PARTIALS)
+    real = rt_attention.new_partials
+    monkeypatch.setattr(rt_attention, "new_partials",
+                        lambda splits, p, device: tuple(t.fill_(float("nan")) for t in real(splits, p, device)))
+    for _ in range(3):
+        q, k, v = dense(2, 1, 1000, 8, 2, 128)
+        check(q, k, v, causal=True, config={"num_splits": 7}, expect={"num_splits": 7})
+    assert len(rt_attention._PARTIALS) == 1  # one kept pair served every call
 
 
 def paged_cache(batch, pages, page_size, hkv, d, dtype=torch.bfloat16, spare=3):
@@ -126,7 +143,7 @@ def test_model_gqa_ratios_dense_and_paged(hq, hkv):
           expect={"pack_gqa": hq // hkv})  # fmt: skip
 
 
-@pytest.mark.parametrize("splits", (1, 3, 7, 64))
+@pytest.mark.parametrize("splits", (1, 3, 7, 33, 64))
 def test_pinned_splits_including_empty_ones(splits):
     # 1000 keys are 8 blocks of 128: with 7 splits of 2 blocks, splits 4-6 get none; with 64, most.
     q, k, v = dense(2, 1, 1000, 8, 2, 128)

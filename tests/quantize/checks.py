@@ -11,12 +11,12 @@ REL_STEP = {torch.float8_e4m3fn: 2.0**-4, torch.float8_e5m2: 2.0**-3}
 SUBNORMAL = {torch.float8_e4m3fn: 2.0**-9, torch.float8_e5m2: 2.0**-16}
 
 
-def group_scales64(x: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
-    """float64 ``max(amax, 1e-4) / fp8_max`` per row and 128 columns."""
+def group_scales64(x: torch.Tensor, fp8: torch.dtype, group: int = 128) -> torch.Tensor:
+    """float64 ``max(amax, 1e-4) / fp8_max`` per row and ``group`` columns."""
     rows = x.double().reshape(-1, x.shape[-1])
     k = rows.shape[-1]
-    groups = -(-k // 128)
-    amax = torch.stack([rows[:, g * 128 : (g + 1) * 128].abs().amax(-1) for g in range(groups)], -1)
+    groups = -(-k // group)
+    amax = torch.stack([rows[:, g * group : (g + 1) * group].abs().amax(-1) for g in range(groups)], -1)
     return amax.clamp(min=1e-4) / FP8_MAX[fp8]
 
 
@@ -32,18 +32,20 @@ def check_scales(got: torch.Tensor, want: torch.Tensor, ue8m0: bool) -> None:
     assert (got >= want * (1 - rel)).all() and (got < 2 * want * (1 + rel)).all()
 
 
-def check_group_quantization(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, fp8: torch.dtype, ue8m0: bool):
-    """Scales within float32 rounding of the float64 ones (exact powers of two with UE8M0); every value within one
-    fp8 rounding of x / scale; layouts as the blockwise GEMM takes them."""
+def check_group_quantization(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, fp8: torch.dtype, ue8m0: bool,
+                             group: int = 128):  # fmt: skip
+    """Scales (one per ``group`` values of a row: 128, or a whole row) within float32 rounding of the float64 ones
+    (exact powers of two with UE8M0); every value within one fp8 rounding of x / scale; layouts as the blockwise GEMM
+    takes them."""
     k = x.shape[-1]
     assert q.dtype == fp8 and q.shape == x.shape and q.is_contiguous()
-    assert scales.shape == (*x.shape[:-1], -(-k // 128)) and scales.dtype == torch.float32
+    assert scales.shape == (*x.shape[:-1], -(-k // group)) and scales.dtype == torch.float32
     flat = scales.reshape(-1, scales.shape[-1])
     assert flat.stride(0) == 1 or flat.shape[0] <= 1  # M-major
     got, x64 = flat.double().cpu(), x.double().cpu()
     assert torch.isfinite(got).all()
-    check_scales(got, group_scales64(x64, fp8), ue8m0)
-    per_value = got.repeat_interleave(128, dim=-1)[:, :k]
+    check_scales(got, group_scales64(x64, fp8, group), ue8m0)
+    per_value = got.repeat_interleave(group, dim=-1)[:, :k]
     value = x64.reshape(-1, k) / per_value  # what q approximates, within [-fp8_max, fp8_max]
     err = (q.reshape(-1, k).double().cpu() - value).abs()
     bound = REL_STEP[fp8] * value.abs() + SUBNORMAL[fp8] + 1e-6 * FP8_MAX[fp8]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import epicute
-from epicute.quantize import launch
+from epicute.quantize import api, launch
 from epicute.quantize.api import quantize_pair
 from tests.conftest import nan_tensor
 from tests.quantize.checks import check_group_quantization, check_pair
@@ -32,6 +32,23 @@ def test_groups_against_float64(shape, dtype, fp8, ue8m0):
     q, scales = epicute.quantize(x, dtype=fp8, ue8m0=ue8m0)
     torch.cuda.synchronize()
     check_group_quantization(x, q, scales, fp8, ue8m0)
+
+
+@pytest.mark.parametrize("k", launch.ROWWISE_KERNEL_K)
+@pytest.mark.parametrize(("fp8", "ue8m0"), [(torch.float8_e4m3fn, False), (torch.float8_e5m2, True)])
+def test_rowwise_short_rows_in_one_kernel(k, fp8, ue8m0, monkeypatch):
+    """Rows of up to 1024 values quantized whole by the group kernel (a decode step's query heads), a part-filled
+    CTA; the torch path is switched off, so the kernel is what answers."""
+    monkeypatch.setattr(api, "_quantize", _refused)
+    x = (torch.randn(3, 13, k, device="cuda") * torch.rand(k, device="cuda") * 30).to(torch.bfloat16)
+    q, scales = epicute.quantize(x, recipe="rowwise", dtype=fp8, ue8m0=ue8m0)
+    torch.cuda.synchronize()
+    assert scales.shape == (3, 13, 1)
+    check_group_quantization(x, q, scales, fp8, ue8m0, group=k)
+
+
+def _refused(*args, **kwargs):
+    raise AssertionError("the torch path ran")
 
 
 def test_nan_stays_in_its_group():
