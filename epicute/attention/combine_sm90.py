@@ -5,11 +5,12 @@ LSE_i. Over all keys::
 
     LSE = log(sum_i exp(LSE_i)),    O = sum_i exp(LSE_i - LSE) * O_i
 
-One warp per query row: lane ``l`` reads LSE_l and LSE_{l+32} (at most 64 splits), the
-row's maximum and sum come from shuffles, and each lane owns ``head_dim / 32`` consecutive
-columns of O, which it reads from each split as one vector. Splits are added in index order, so the result does
-not depend on which split finished first (deterministic). A row no split saw a key of
-(all LSE_i = -inf) gets O = 0 and LSE = -inf, as the one-kernel path writes it.
+One warp per query row: lane ``l`` reads LSE_l and LSE_{l+32} (at most 64 splits) at once,
+the row's maximum and sum come from shuffles, and each lane owns ``head_dim / 32``
+consecutive columns of O, which it reads from each split as one vector. Splits are added
+in index order, so the result does not depend on which split finished first
+(deterministic). A row no split saw a key of (all LSE_i = -inf) gets O = 0 and
+LSE = -inf, as the one-kernel path writes it.
 """
 
 from __future__ import annotations

@@ -81,9 +81,8 @@ def quantize(
             if recipe == "groups" or shape[-1] in ROWWISE_KERNEL_K:
                 rows = x.view(-1, shape[-1])
                 _check_aligned(x)
-                variant = QuantizeVariant(TORCH_TO_IR[x.dtype], fp8, ue8m0)
-                if recipe == "rowwise":
-                    variant = QuantizeVariant.rowwise(TORCH_TO_IR[x.dtype], fp8, ue8m0, shape[-1])
+                variant = (QuantizeVariant.rowwise(TORCH_TO_IR[x.dtype], fp8, ue8m0, shape[-1]) if recipe == "rowwise"
+                           else QuantizeVariant(TORCH_TO_IR[x.dtype], fp8, ue8m0))  # fmt: skip
                 q, scales = launch_group_quantize(rows, variant, dtype)
                 return q.view(shape), scales.view(*shape[:-1], scales.shape[-1])
         return _quantize(x, recipe, fp8, ue8m0)

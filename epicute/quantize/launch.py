@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from epicute.epilogue.group_quant import GROUP_N
 from epicute.runtime.cache import CacheKey
 from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES, dsl_compile
 from epicute.runtime.target import DEFAULT_ARCH
@@ -17,7 +18,7 @@ from epicute.runtime.target import DEFAULT_ARCH
 GROUPS_PER_LANE = 1
 VALUES_PER_LANE = 16
 #: Rows the group kernel quantizes whole (``rowwise``): a group's lanes are one warp's at most, 16 or 32 values each.
-ROWWISE_KERNEL_K = (128, 256, 512, 1024)
+ROWWISE_KERNEL_K = (GROUP_N, 2 * GROUP_N, 4 * GROUP_N, 8 * GROUP_N)
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class QuantizeVariant:
     groups_per_lane: int = GROUPS_PER_LANE
     values_per_lane: int = VALUES_PER_LANE
     #: values per scale along a row: 128, or one of ROWWISE_KERNEL_K for whole rows
-    group_n: int = 128
+    group_n: int = GROUP_N
     arch: str = DEFAULT_ARCH
 
     @classmethod
