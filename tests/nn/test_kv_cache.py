@@ -33,6 +33,22 @@ def test_the_attention_layer_trains_and_serves_the_same_outputs(reference_layers
     assert all(e < TOL for e in errors.values()), errors
 
 
+@pytest.mark.parametrize("steps", (1, 3))
+def test_q_is_quantized_per_sequence_and_kv_head(reference_layers, steps):
+    # one query a step takes epicute.quantize's rowwise recipe (a GPU kernel), longer steps torch operations: both give
+    # q_descale = amax / 448 per (sequence, K/V head) and q within one e4m3 rounding of q8 * q_descale
+    from epicute.nn.kv_cache import _quantized_query
+
+    q = (torch.randn(3, steps, 8, 64) * torch.rand(3, 1, 8, 1) * 9).to(torch.bfloat16)
+    q8, scale = _quantized_query(q, 2)
+    assert q8.dtype == E4M3 and q8.shape == q.shape and scale.shape == (3, 2)
+    amax = q.double().view(3, steps, 2, 4, 64).abs().amax(dim=(1, 3, 4))
+    assert ((scale.double() - amax / 448).abs() / (amax / 448)).max() < 1e-6
+    per_head = scale.double().repeat_interleave(4, dim=1)[:, None, :, None]
+    err = (q8.double() * per_head - q.double()).abs()
+    assert (err <= 2.0**-4 * q.double().abs() + 2.0**-9 * per_head).all()
+
+
 def test_bad_caches_and_appends_are_refused():
     with pytest.raises(epicute.ShapeError, match="page_size=24"):
         PagedKVCache(2, 64, 2, 64, page_size=24)
