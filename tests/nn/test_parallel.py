@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not AVAILABLE, reason="needs torch.distributed w
 
 BF16 = torch.bfloat16
 TOL = 2e-2
-HIDDEN, INNER, OUT, TOKENS = 40, 96, 24, 13  # INNER splits evenly over 2 and 4 ranks
+HIDDEN, INNER, OUT, TOKENS = 40, 192, 24, 13  # INNER splits over 2, 3, 4 and 8 ranks into multiples of 8 (TMA rows)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -79,7 +79,7 @@ def _tensor_parallel_mlp(rank: int, world: int) -> None:
     _check_mlp_step(model, reference, seed=99)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_colwise_then_rowwise_mlp_trains_like_the_whole_one(world):
     """Llama-style column-then-row split (the fused GELU on each rank's columns, the bias added after the partial
     sums are reduced)."""
@@ -151,7 +151,8 @@ def sequence_parallel_mlp(rank: int, world: int, batch: int, gelu: bool = False)
     assert calls["gather"] == (3 if batch == 1 else 0)
 
 
-@pytest.mark.parametrize(("world", "batch", "gelu"), [(2, 1, False), (3, 1, False), (2, 2, False), (2, 1, True)])
+@pytest.mark.parametrize(("world", "batch", "gelu"),
+                         [(2, 1, False), (3, 1, False), (8, 1, False), (2, 2, False), (2, 1, True)])  # fmt: skip
 def test_sequence_parallel_layers_fuse_their_collectives_into_the_gemms(world, batch, gelu):
     """SequenceColwiseParallel then SequenceRowwiseParallel train like the whole model; with one sequence the
     all-gather and the reduce-scatter run inside the GEMMs (epicute.distributed), forward and backward, the up
@@ -294,13 +295,14 @@ def sequence_gated_mlp(rank: int, world: int) -> None:
     assert calls == {"gather": 2, "scatter": 2}, calls
 
 
-def test_a_sequence_parallel_gated_mlp_gathers_and_scatters_inside_its_gemms():
+@pytest.mark.parametrize("world", [2, 8])
+def test_a_sequence_parallel_gated_mlp_gathers_and_scatters_inside_its_gemms(world):
     """GatedMLPParallel(input_layouts=Shard(1), output_layouts=Shard(1)): each rank passes and gets back its tokens;
     the gate/up GEMM gathers them (SwiGLU in its epilogue), the down GEMM reduce-scatters; trained like the whole."""
-    spawn(sequence_gated_mlp, 2)
+    spawn(sequence_gated_mlp, world)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_a_gated_mlp_split_by_features_trains_like_the_whole_one(world):
     """GatedMLPParallel: gate/up by rows and down by columns over the same features; the fused MLP (its backward
     across the two GEMMs included) on each rank, one reduction of the outputs."""
