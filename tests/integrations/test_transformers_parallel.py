@@ -22,10 +22,16 @@ transformers = pytest.importorskip("transformers")
 TOL = 2e-2
 
 
-def _tiny_llama(kv_heads: int = 2):
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=144, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=kv_heads, vocab_size=96,
-                                      max_position_embeddings=64)  # fmt: skip
+def _tiny_sizes(world: int = 2) -> dict:
+    """A tiny model's sizes that split over ``world`` ranks: one key/value head and two query heads of 64 per rank,
+    72 MLP features per rank (a multiple of 8: TMA's 16-byte rows); at two ranks 256 hidden, 4/2 heads, 144."""
+    return {"hidden_size": 128 * world, "intermediate_size": 72 * world, "num_attention_heads": 2 * world,
+            "num_key_value_heads": world}  # fmt: skip
+
+
+def _tiny_llama(kv_heads: int | None = None, world: int = 2):
+    sizes = _tiny_sizes(world) | ({"num_key_value_heads": kv_heads} if kv_heads else {})
+    config = transformers.LlamaConfig(num_hidden_layers=2, vocab_size=96, max_position_embeddings=64, **sizes)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 
@@ -56,7 +62,7 @@ def _llama_step(rank: int, world: int, sequence_parallel: bool = False, batch: i
 
     calls = _counting_collectives(collective)
     mesh = init_device_mesh(_device(), (world,))
-    model = _tiny_llama()
+    model = _tiny_llama(world=world)
     reference = copy.deepcopy(model).double()
     model.to(_device())
     patch(model, linears=True)
@@ -106,6 +112,19 @@ def test_a_patched_llama_trains_sequence_parallel_like_the_whole_one(batch):
     spawn(functools.partial(_llama_step, sequence_parallel=True, batch=batch), 2)
 
 
+def test_patched_models_train_split_over_four_ranks():
+    """The same steps in a world of 4 ranks (tiny models sized so one key/value head goes to each rank): Llama by heads
+    and features, then sequence-parallel with one sequence; Qwen3 and Mixtral sequence-parallel."""
+    for step in (_llama_step, functools.partial(_llama_step, sequence_parallel=True, batch=1),
+                 functools.partial(_qwen3_step, sequence_parallel=True),
+                 functools.partial(_mixtral_step, sequence_parallel=True)):  # fmt: skip
+        spawn(step, 4)
+
+
+def test_a_patched_llama_trains_sequence_parallel_over_eight_ranks():
+    spawn(functools.partial(_llama_step, sequence_parallel=True, batch=1), 8)
+
+
 def test_heads_that_do_not_split_are_refused():
     """One key/value head cannot go to two ranks: a typed error naming the layer, before anything is sharded."""
     import epicute
@@ -126,9 +145,8 @@ def _qwen3_step(rank: int, world: int, sequence_parallel: bool) -> None:
     from epicute.integrations.transformers import patch, tensor_parallel_plan
 
     mesh = init_device_mesh(_device(), (world,))
-    config = transformers.Qwen3Config(hidden_size=256, intermediate_size=144, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=96,
-                                      max_position_embeddings=64)  # fmt: skip
+    config = transformers.Qwen3Config(num_hidden_layers=2, head_dim=64, vocab_size=96, max_position_embeddings=64,
+                                      **_tiny_sizes(world))  # fmt: skip
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
     reference = copy.deepcopy(model).double()
@@ -167,10 +185,8 @@ def _mixtral_step(rank: int, world: int, sequence_parallel: bool) -> None:
     from epicute.nn import MoEExperts
 
     mesh = init_device_mesh(_device(), (world,))
-    config = transformers.MixtralConfig(
-        hidden_size=256, intermediate_size=144, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=96, num_local_experts=5, num_experts_per_tok=2, max_position_embeddings=64,
-    )  # fmt: skip
+    config = transformers.MixtralConfig(num_hidden_layers=2, vocab_size=96, num_local_experts=5, num_experts_per_tok=2,
+                                        max_position_embeddings=64, **_tiny_sizes(world))  # fmt: skip
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
     reference = copy.deepcopy(model).double()

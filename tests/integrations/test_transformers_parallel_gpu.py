@@ -26,8 +26,9 @@ STEPS = {
 
 
 @pytest.mark.parametrize("step", sorted(STEPS))
-def test_a_patched_model_trains_split_over_gpus_like_the_whole_one(step):
-    world = 2  # the tiny models' 2 key/value heads and 144 features split over 2 ranks
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_a_patched_model_trains_split_over_gpus_like_the_whole_one(step, world):
+    # the tiny models are sized by the world: a key/value head and 72 MLP features per rank (_tiny_sizes)
     if torch.cuda.device_count() < world:
         pytest.skip(f"a world of {world} ranks needs {world} GPUs; this machine has {torch.cuda.device_count()}")
     spawn(STEPS[step], world, backend="nccl")
