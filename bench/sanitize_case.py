@@ -151,6 +151,10 @@ def quantize_case() -> dict[str, float]:
     ref = epicute.quantize(x, ue8m0=True, backend="reference")
     dequant = [(q.float().cpu() * s.cpu().repeat_interleave(128, -1)[:, :400]) for q, s in (got, ref)]
     errors = {"D": rel_err(*dequant), "scales": rel_err(got[1].cpu(), ref[1].cpu())}
+    # Whole rows of 1024 (rowwise: 32 values a lane, one warp a row), a part-filled CTA: an fp8 cache step's q.
+    z = torch.randn(13, 1024, device="cuda", dtype=torch.bfloat16) * 10
+    got, ref = (epicute.quantize(z, recipe="rowwise", backend=b) for b in ("kernel", "reference"))
+    errors["rowwise"] = max(rel_err(got[0].float().cpu(), ref[0].float().cpu()), rel_err(got[1].cpu(), ref[1].cpu()))
     # The tile quantizer: part-filled tiles both ways, rows and the zero-padded transpose from one read.
     from epicute.quantize.api import quantize_pair
 
