@@ -90,3 +90,18 @@ def test_a_world_of_one_is_the_gemm(world_of_one):
     want = x.double() @ w.double().T
     assert cases.rel(ED.all_gather_gemm(x, w.t()), want) < cases.TOL
     assert cases.rel(ED.gemm_reduce_scatter(x, w.t(), epilogue=lambda acc, s: acc * s, s=2.0), 2 * want) < cases.TOL
+
+
+def _every_gpu_case(rank: int, world: int) -> None:
+    """The GPU test's cases (tests/distributed/test_collective_gpu.py), with its sizes, one after the other."""
+    from tests.distributed.test_collective_gpu import CASES
+
+    for _, (fn, sizes) in sorted(CASES.items()):
+        fn(rank, world, **sizes)
+
+
+def test_the_gpu_cases_sizes_hold_in_a_world_of_eight():
+    # The 8-GPU run has had no machine yet: its cases' host logic and sizes (features split eight ways into TMA-aligned
+    # rows) in a gloo world of 8 ranks, so that run meets the code, not a size its GEMMs refuse.
+    spawn(_every_gpu_case, 8)
+
