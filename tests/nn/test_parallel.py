@@ -207,10 +207,11 @@ def _fsdp_mlp(rank: int, world: int) -> None:
     _check_mlp_step(model, reference, seed=5)
 
 
-def test_fsdp2_trains_like_the_whole_model():
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_trains_like_the_whole_model(world):
     """fully_shard gathers each layer's parameters into plain tensors before its forward: epicute's layers run
     unchanged, and the reduce-scattered gradients match the whole model's."""
-    spawn(_fsdp_mlp, 2)
+    spawn(_fsdp_mlp, world)
 
 
 def _swiglu_mlp64(x64: torch.Tensor, leaves: dict, grad: torch.Tensor) -> torch.Tensor:
@@ -351,10 +352,11 @@ def _experts(rank: int, world: int) -> None:
     assert all(e < TOL for e in errors.values()), errors
 
 
-def test_moe_experts_split_by_features_train_like_the_whole_layer():
+@pytest.mark.parametrize("world", [2, 8])
+def test_moe_experts_split_by_features_train_like_the_whole_layer(world):
     """GatedMLPParallel on MoEExperts: every expert's gate/up rows and down columns split over the same features,
     each rank routing every token through its share, one reduction; the router weights' gradient sums the ranks'."""
-    spawn(_experts, 2)
+    spawn(_experts, world)
 
 
 def _more_refusals(rank: int, world: int) -> None:
