@@ -25,7 +25,7 @@ from epicute.attention.plan import AttentionConfig
 from epicute.epilogue.dtypes import IR_TO_TORCH
 from epicute.errors import CompileError
 from epicute.runtime import compile as compile_module
-from epicute.runtime.buffers import keep
+from epicute.runtime.buffers import keep, stream_key
 from epicute.runtime.cache import CacheKey
 from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES
 from epicute.runtime.target import DEFAULT_ARCH, current_target
@@ -323,11 +323,7 @@ def tile_counter(device: torch.device, dynamic: bool = True) -> torch.Tensor:
     """The work counter of dynamically scheduled launches on ``device``'s current stream
     (see the module docstring): allocated zeroed on first use, then left at zero by every launch.
     With ``dynamic=False``, one placeholder per device that the kernel never reads (no stream query)."""
-    if dynamic:
-        stream = torch.cuda.current_stream(device)
-        key = (stream.device_index, stream.cuda_stream)
-    else:
-        key = (device.index, None)
+    key = stream_key(device) if dynamic else (device, None)
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
         counter = keep(_TILE_COUNTERS, key, torch.zeros(1, dtype=torch.int32, device=device))
@@ -361,9 +357,7 @@ def split_partials(splits: int, p, device: torch.device) -> tuple[torch.Tensor, 
     """:func:`new_partials` of ``device``'s current stream, kept between eager launches of one shape (every launch
     writes each row the combine then reads, empty splits included; a CUDA graph's own are not kept:
     :mod:`epicute.runtime.buffers`)."""
-    # The raw stream: torch.cuda.current_stream() builds a Stream object, a microsecond per call.
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index), splits, p.batch, p.seqlen_q, p.heads_q,
-           p.head_dim)  # fmt: skip
+    key = (*stream_key(device), splits, p.batch, p.seqlen_q, p.heads_q, p.head_dim)
     kept = _PARTIALS.get(key)
     if kept is None:
         if len(_PARTIALS) >= _KEPT_PARTIALS:

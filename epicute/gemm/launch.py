@@ -22,7 +22,7 @@ from epicute.gemm.compile import GEMM_CACHE, GemmVariant
 from epicute.gemm.config import b_scale_chunks
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.gemm.validate import GemmCall
-from epicute.runtime.buffers import keep, keeping
+from epicute.runtime.buffers import keep, keeping, stream_key
 from epicute.runtime.checks import with_aligned_unit_dims
 from epicute.runtime.target import Target
 
@@ -219,8 +219,7 @@ def split_workspace(plan, device: torch.device) -> tuple:
     if plan.config.split_k == 1:
         return ()
     partial_count, counter_count = plan.split_workspace_shape
-    # The raw stream: torch.cuda.current_stream() builds a Stream object, a microsecond per call.
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index))
+    key = stream_key(device)
     partials, counters = _SPLIT_WORKSPACES.get(key, (None, None))
     if partials is not None and partials.numel() >= partial_count and counters.numel() >= counter_count:
         return partials, counters

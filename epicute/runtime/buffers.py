@@ -29,6 +29,12 @@ def keeping() -> bool:
     return not _PER_CALL.get() and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+def stream_key(device: torch.device) -> tuple:
+    """``(device, its current stream's raw handle)``: the key of a buffer kept per stream. The raw handle, not
+    ``torch.cuda.current_stream()``, which builds a Stream object (a microsecond per call on the launch path)."""
+    return device, torch._C._cuda_getCurrentRawStream(device.index)
+
+
 def keep(cache: MutableMapping[Hashable, T], key: Hashable, value: T) -> T:
     """``value``, stored in ``cache`` under ``key`` where :func:`keeping`."""
     if keeping():

@@ -35,8 +35,8 @@ def test_the_attention_layer_trains_and_serves_the_same_outputs(reference_layers
 
 @pytest.mark.parametrize("steps", (1, 3))
 def test_q_is_quantized_per_sequence_and_kv_head(reference_layers, steps):
-    # one query a step takes epicute.quantize's rowwise recipe (a GPU kernel), longer steps torch operations: both give
-    # q_descale = amax / 448 per (sequence, K/V head) and q within one e4m3 rounding of q8 * q_descale
+    # each (sequence, K/V head)'s rows by epicute.quantize's rowwise recipe (one query a step: q's own memory, the GPU
+    # kernel; longer steps a transposed copy): q_descale = amax / 448 and q within one e4m3 rounding of q8 * q_descale
     from epicute.nn.kv_cache import _quantized_query
 
     q = (torch.randn(3, steps, 8, 64) * torch.rand(3, 1, 8, 1) * 9).to(torch.bfloat16)
