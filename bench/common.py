@@ -39,7 +39,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], **timing) -> dict[str
 
 
 # Distribution names whose versions are recorded when installed; epicute and the DSL always appear.
-_OPTIONAL_DISTS = ("quack-kernels", "flash-attn-4", "liger-kernel")
+_OPTIONAL_DISTS = ("quack-kernels", "flash-attn-4", "liger-kernel", "torchao")
 
 
 def host_ms(fn: Callable[[], object], repeats: int) -> float:

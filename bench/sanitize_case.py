@@ -15,7 +15,9 @@ with split-KV and its combine (ratio 4, and a padded ratio 3); `backward` the at
 backward (the saved pre-activation, the K = 0 gradient pass with its bias-gradient reduction, the data
 and weight GEMMs); `moe_backward` a small MoE expert block's forward and backward (gathered rows,
 the gated epilogue's gradient, the variable-K weight gradients); `paired` a ragged GEMM storing a paired
-output (``D_up`` beside D, staged block-major) with a column sum (predicated partial stores).
+output (``D_up`` beside D, staged block-major) with a column sum (predicated partial stores); `moe_fp8_backward`
+the same expert block trained in fp8 (gathered fp8 rows, the derivative's epilogue with the routing weight's row
+sum, variable-K fp8 weight gradients over padded experts).
 Prints PASS/FAIL and exits 1 on failure.
 """
 
@@ -45,12 +47,13 @@ FAMILIES = {
     "linear_backward": "gemm backward (K = 0 gradient pass)", "moe_backward": "grouped gemm backward",
     "quantize": "group quantizer (epicute.quantize)", "paired": "gemm epilogue (paired D, column sums)",
     "attention_fp8": "fp8 attention forward (prefill, packed, paged decode)",
+    "moe_fp8_backward": "grouped gemm fp8 (gathered, gated, variable K)",
 }  # fmt: skip
 CASES = tuple(FAMILIES)
 TOLERANCE = 1e-2
-#: fp8 attention rounds P to e4m3 (~4 % RMS on O; tests/attention/test_fp8_gpu.py bounds it precisely): a wrong
-#: or unwritten value still reads as an error of order 1.
-CASE_TOLERANCE = {"attention_fp8": 0.1}
+#: fp8 attention rounds P to e4m3 (~4 % RMS on O; tests/attention/test_fp8_gpu.py bounds it precisely), fp8 experts
+#: their GEMMs' inputs (tests/nn/fp8_cases.py): a wrong or unwritten value still reads as an error of order 1.
+CASE_TOLERANCE = {"attention_fp8": 0.1, "moe_fp8_backward": 2.0**-3}
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -272,7 +275,9 @@ def linear_backward_case() -> dict[str, float]:
     return {name: rel_err(g, r) for name, g, r in zip(("dx", "dw", "db", "dresidual"), got, ref)}
 
 
-def moe_backward_case() -> dict[str, float]:
+def moe_backward_case(fp8: bool = False) -> dict[str, float]:
+    from epicute import interleave_gate_up
+    from epicute.nn import fp8_moe_experts
     from epicute.nn import functional as EF
 
     tokens, hidden, inter, experts, top_k = 67, 128, 192, 4, 2
@@ -283,7 +288,11 @@ def moe_backward_case() -> dict[str, float]:
     weights = torch.rand(tokens, top_k, device="cuda").softmax(-1)
     tensors = tuple(t.bfloat16().requires_grad_() for t in (x, gate_up, down, weights))
     dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    y = EF.moe_experts(tensors[0], tensors[1], tensors[2], index, tensors[3])
+    if fp8:  # the interleaved weight fp8 experts train, built differentiably from [gate; up]
+        gate_up_i = interleave_gate_up(*tensors[1].chunk(2, dim=-2))
+        y = fp8_moe_experts(tensors[0], gate_up_i, tensors[2], index, tensors[3])
+    else:
+        y = EF.moe_experts(tensors[0], tensors[1], tensors[2], index, tensors[3])
     got = torch.autograd.grad(y, tensors, dy)
 
     def reference(x, gate_up, down, weights):
@@ -303,7 +312,7 @@ SPECIAL_CASES = {
     "attention": attention_case, "fp8_quantize": fp8_quantize_case, "grouped": grouped_case,
     "attention_gqa": attention_gqa_case, "decode_paged": decode_paged_case, "backward": backward_case,
     "linear_backward": linear_backward_case, "moe_backward": moe_backward_case, "quantize": quantize_case,
-    "paired": paired_case, "attention_fp8": attention_fp8_case,
+    "paired": paired_case, "attention_fp8": attention_fp8_case, "moe_fp8_backward": lambda: moe_backward_case(fp8=True),
 }  # fmt: skip
 
 

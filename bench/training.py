@@ -2,7 +2,8 @@
 
 TFLOPS of the step (see Unit below).
 
-Usage: python bench/training.py [--cases llama3_8b_mlp,gpt_mlp,linear_gelu_residual,mixtral_experts,qwen3_moe_experts]
+Usage: python bench/training.py [--cases llama3_8b_mlp,gpt_mlp,linear_gelu_residual,mixtral_experts,qwen3_moe_experts,
+       mixtral_experts_fp8,qwen3_moe_experts_fp8]
        [--tokens 8192,16384] [--no-max-autotune] [--profile] [--dry] [--out PATH]
 Cases (T tokens, bf16 on the GPU, weights in ``nn.Linear``'s (out, in) layout, no dropout):
 
@@ -14,6 +15,9 @@ Cases (T tokens, bf16 on the GPU, weights in ``nn.Linear``'s (out, in) layout, n
 - ``mixtral_experts`` (T 8192): Mixtral-8x7B's expert block, hidden 4096, intermediate 14336, 8 experts, top-2;
 - ``qwen3_moe_experts`` (T 8192): Qwen3-30B-A3B's expert block, hidden 2048, MoE intermediate 768, 128 experts,
   top-8;
+- ``mixtral_experts_fp8``, ``qwen3_moe_experts_fp8`` (T 8192 and 16384): those expert blocks trained in fp8
+  (:func:`setup_moe_experts_fp8`: epicute's fp8 and bf16 experts, ``torch._grouped_mm`` bf16, torchao's fp8 rowwise
+  grouped GEMM), checked within 2^-3 as below;
 - ``llama3_8b_mlp_fp8`` (T 8192 and 16384): the Llama MLP trained in fp8 (issue 59): ``epicute`` is
   ``epicute.nn.fp8_gated_mlp`` (DeepSeek-V3's blockwise recipe, all six GEMMs fp8), ``epicute_bf16`` epicute's
   bf16 ``gated_mlp`` on the same leaves, ``torchao_float8_rowwise`` torchao's float8 training
@@ -108,6 +112,7 @@ CASES = {
     "gpt_mlp": ((8192, 16384), HIDDEN, 4 * 16384),
     "linear_gelu_residual": ((8192,), HIDDEN, 2 * HIDDEN),
     **{name: ((8192,), hidden, 6 * top_k * inter) for name, (hidden, inter, _, top_k) in MOE.items()},
+    **{f"{name}_fp8": ((8192, 16384), hidden, 6 * top_k * inter) for name, (hidden, inter, _, top_k) in MOE.items()},
 }
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "training.json"
 TOLERANCE = 1e-2
@@ -314,6 +319,38 @@ def grouped_mm_experts(x, gate_up_proj, down_proj, *, top_k_index, top_k_weights
     return weighted[inverse].view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
+def torchao_fp8_experts(x, gate_up_proj, down_proj, *, top_k_index, top_k_weights):
+    """:func:`grouped_mm_experts` on torchao's fp8 rowwise grouped GEMM for training
+    (``torchao.prototype.moe_training._to_fp8_rowwise_then_scaled_grouped_mm``: both operands quantized per row,
+    forward and backward in fp8). It takes groups of multiples of 16 rows only (its own padding asserts "not yet
+    supported"), so each expert's rows are placed on a multiple of 16 in a buffer with room for any routing (zero
+    rows between experts), as a user of it must."""
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm as fp8_grouped_mm
+
+    def mm(a, b, offsets):
+        return fp8_grouped_mm(a, b, offsets, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False)
+
+    tokens, top_k = top_k_index.shape
+    experts = gate_up_proj.shape[0]
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    counts = torch.histc(expert_ids.int(), bins=experts, min=0, max=experts - 1).long()
+    padded = (counts + 15) // 16 * 16
+    ends = torch.cumsum(padded, 0)
+    starts = torch.cumsum(counts, 0) - counts
+    rows_total = perm.numel()
+    dest = torch.arange(rows_total, device=x.device) + (ends - padded - starts)[expert_ids]
+    capacity = -(-(rows_total + 15 * experts) // 16) * 16
+    rows = x.new_zeros(capacity, x.shape[1]).index_copy(0, dest, x[perm // top_k])
+    offsets = ends.to(torch.int32)
+    h = mm(rows, gate_up_proj.transpose(-2, -1), offsets)
+    gate, up = h.chunk(2, dim=-1)
+    h = mm((F.silu(gate) * up).contiguous(), down_proj.transpose(-2, -1), offsets)[dest]
+    weighted = h * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return weighted[inverse].view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
 def eager_expert_loop(x, gate_up_proj, down_proj, *, top_k_index, top_k_weights):
     """transformers 5's ``MixtralExperts.forward`` (``Qwen3MoeExperts.forward`` is the same)."""
     experts = gate_up_proj.shape[0]
@@ -371,12 +408,40 @@ def setup_moe_experts(EF, name: str, tokens: int) -> Setup:
     )
 
 
+def setup_moe_experts_fp8(EF, name: str, tokens: int) -> Setup:
+    """The expert block trained in fp8 (issue 59): ``epicute`` is ``epicute.nn.fp8_moe_experts`` (blockwise recipe,
+    the six grouped GEMMs fp8), ``epicute_bf16`` epicute's bf16 ``moe_experts`` on the same leaves,
+    ``torch_grouped_mm`` bf16, ``torchao_fp8_rowwise`` torchao's fp8 grouped GEMM for training
+    (:func:`torchao_fp8_experts`), left out with the reason where it does not run."""
+    from epicute.nn import fp8_moe_experts
+
+    base = setup_moe_experts(EF, name.removesuffix("_fp8"), tokens)
+    leaves = base.epicute_leaves
+    x, gate_up, down = leaves["x"], leaves["gate_up_interleaved"], leaves["down_proj"]
+    route = base.peers["torch_grouped_mm"].keywords
+    index, weights = route["top_k_index"], route["top_k_weights"]
+    others = {"epicute_bf16": (leaves, base.epicute_call)}
+    peers = {"torch_grouped_mm": base.peers["torch_grouped_mm"]}
+    try:
+        import torchao.prototype.moe_training  # noqa: F401 - a peer that does not import is reported and left out
+
+        peers["torchao_fp8_rowwise"] = functools.partial(torchao_fp8_experts, **route)
+    except Exception as exc:  # noqa: BLE001
+        print(f"  torchao_fp8_rowwise not run: {type(exc).__name__}: {exc}")
+    return Setup(
+        inputs=base.inputs, weights=base.weights, torch_fn=base.torch_fn, epicute_leaves=leaves,
+        epicute_call=lambda: fp8_moe_experts(x, gate_up, down, index, weights), derived=base.derived,
+        peers=peers, compiled={}, others=others, tolerance=2.0**-3,
+    )  # fmt: skip
+
+
 SETUPS = {
     "llama3_8b_mlp": setup_llama3_8b_mlp,
     "llama3_8b_mlp_fp8": setup_llama3_8b_mlp_fp8,
     "gpt_mlp": setup_gpt_mlp,
     "linear_gelu_residual": setup_linear_gelu_residual,
     **{name: functools.partial(setup_moe_experts, name=name) for name in MOE},
+    **{f"{name}_fp8": functools.partial(setup_moe_experts_fp8, name=f"{name}_fp8") for name in MOE},
 }
 
 

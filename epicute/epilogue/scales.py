@@ -210,6 +210,29 @@ def grouped_block_scales(
     return BlockScales(a_block.unsqueeze(0), b_block)
 
 
+def ragged_k_block_scales(a_scale: Any, b_scale: Any, m: int, n: int, total_k: int,
+                          device: torch.device | None = None) -> BlockScales:  # fmt: skip
+    """A variable-K grouped fp8 GEMM's blockwise scales, over the whole K (each group's k-tiles are whole blocks
+    of it): ``a_scale`` ``(M, KB)`` one per row and 128-wide block of K, ``b_scale`` one per 128x128 block of the
+    ``(N, total_K)`` B, ``(NB, KB)`` (or ``(KB, NB)``). As the mainloop reads them: ``(1, M, KB)`` and
+    ``(1, NB, KB)``."""
+    for name, value in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if value is None:
+            raise DtypeError(f"{name} is missing: a variable-K grouped GEMM of fp8 inputs needs blockwise a_scale and "
+                             "b_scale (fp32, one per 128-wide block of K; see epicute.grouped_gemm)")  # fmt: skip
+    blocks_n, blocks_k = -(-n // BLOCK_K), -(-total_k // BLOCK_K)
+    b_block = _block_b(b_scale, (), n, blocks_n, blocks_k)
+    if b_block is None:
+        got = _describe(b_scale) if not isinstance(b_scale, torch.Tensor) else f"shape {tuple(b_scale.shape)}"
+        raise ShapeError(
+            f"b_scale has {got}; a variable-K grouped fp8 GEMM takes one scale per 128x128 block of the (N, total_K) "
+            f"B: ({blocks_n}, {blocks_k}) fp32"
+        )
+    a_block = _block_a(a_scale, (), m, blocks_k)
+    _check_block_devices(a_block, b_block, device)
+    return BlockScales(a_block.unsqueeze(0), b_block.unsqueeze(0))
+
+
 def _check_block_devices(a_block: torch.Tensor, b_block: torch.Tensor, device: torch.device | None) -> None:
     for name, t in (("a_scale", a_block), ("b_scale", b_block)):
         if device is not None and t.device != device:

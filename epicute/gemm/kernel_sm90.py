@@ -195,6 +195,8 @@ class GemmSm90:
 
     #: Producer threads that gather A's rows with cp.async (:meth:`_gather_a`); 0: A arrives by TMA.
     gather_threads = 0
+    #: Whether a tile may have no k-tiles where K is not zero (a variable-K grouped GEMM's empty group).
+    k_tiles_may_be_zero = False
 
     def __init__(
         self,
@@ -553,6 +555,10 @@ class GemmSm90:
     def _a_scale_rows(self, rows: list, sched_args: tuple) -> list:
         """The rows of the blockwise A scales the thread's accumulator rows read (the rows themselves here)."""
         return rows
+
+    def _check_accumulator(self, acc: cute.Tensor, coord: tuple) -> None:
+        """A consumer's last word on a tile's accumulator before its epilogue: a kernel that can tell, on the
+        device, that a tile's inputs break its contract poisons the tile here (nothing to check here)."""
 
     def _skip_tiles(self, cta, scheduler, work, tiles, read_state, release_state, c_state):
         """Step a consumer's ring positions over ``tiles`` tiles of other teams, the schedule's from ``work`` on."""
@@ -1017,8 +1023,8 @@ class GemmSm90:
                 # so that each partial is a fixed set of registers: k-tile j's partial and scales are
                 # slot j % 2. Its scales arrived in its stage (:meth:`_copy_block_scales`) and are read
                 # as soon as the stage is full, an iteration before their use.
-                has_k_tiles = True  # a split of K may have none: its partial sum stays zero
-                if cutlass.const_expr(cfg.split_k > 1):
+                has_k_tiles = True  # a split of K (or an empty group's) may have none: its partial sum stays zero
+                if cutlass.const_expr(cfg.split_k > 1 or self.k_tiles_may_be_zero):
                     has_k_tiles = tile_k_tiles > 0
                 if has_k_tiles:
                     last = tile_k_tiles - 1
@@ -1108,6 +1114,7 @@ class GemmSm90:
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
 
+            self._check_accumulator(acc, tile_coord)
             if cutlass.const_expr(cfg.split_k > 1):
                 # Only the split that finishes last holds the tile's sum: it alone runs the epilogue.
                 if self._reduce_splits(cta, acc, tile_coord, scheduler.tile_slot(work), tiled_mma, thr_mma, mma_tidx,

@@ -14,7 +14,7 @@ from epicute.epilogue.gated import check_gated_call, gated_epilogue, split_gate_
 from epicute.epilogue.graph import UP_OUTPUT
 from epicute.epilogue.operands import OperandSpec
 from epicute.epilogue.reference import evaluate, round_to, training_scalars
-from epicute.epilogue.scales import dequantize_blockwise
+from epicute.epilogue.scales import BLOCK_K, dequantize_blockwise
 from epicute.epilogue.tracer import as_epilogue
 from epicute.errors import EpilogueError, OutputError
 from epicute.gemm.autograd import explain_backward
@@ -67,17 +67,22 @@ def grouped_gemm(
     Args:
         a: ``(total_M, K)`` bf16 or fp16, rows sorted by group, row- or column-major; or fp8
             (``torch.float8_e4m3fn``/``float8_e5m2``) row-major, with blockwise ``a_scale``/``b_scale``. Variable K:
-            ``(M, total_K)`` M-major, ``x.t()`` of the row-major ``(total_K, M)`` tokens ``x``.
+            ``(M, total_K)`` M-major, ``x.t()`` of the row-major ``(total_K, M)`` tokens ``x``; fp8: K-major (the
+            tokens' quantized transpose, ``(M, total_K)`` row-major), with blockwise scales over the whole K.
         b: ``(G, K, N)``, ``a``'s dtype, one ``(K, N)`` per group, row- or column-major
             (``w.transpose(-2, -1)`` of a ``(G, N, K)`` weight works without a copy). Variable K:
             a row-major ``(total_K, N)`` (e.g. the output gradients ``dy``), its rows split by ``offsets``
             like ``a``'s columns, and D is ``(G, M, N)``: ``D[g] = x[rows of g].T @ dy[rows of g]``,
             zeros for an empty group (``torch._grouped_mm(x.t(), dy, offs)`` computes the same). fp8: K-major,
-            ``w.transpose(-2, -1)`` of a row-major ``(G, N, K)`` weight.
+            ``w.transpose(-2, -1)`` of a row-major ``(G, N, K)`` weight (variable K: ``t.t()`` of a row-major
+            ``(N, total_K)`` ``t``).
         offsets: int32 ``(G,)``: each group's end row in ``a``, as ``torch._grouped_mm`` takes
             ``offs`` (``torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)``; quack's
             ``(G + 1,)`` ``cu_seqlens_m`` is ``offsets[1:]`` of this). Groups may be empty or of
-            any size. Read on the GPU: no sync, CUDA-graph safe.
+            any size; the last may end before ``total_M`` (``total_K``): the rows past it belong to no group (D's
+            are not written; a buffer with room for padded groups). Read on the GPU: no sync, CUDA-graph safe.
+            fp8 variable K: every group starts and ends on a 128-row block of K (pad each with zero rows), checked
+            where the offsets are read; the kernel gives NaN for a group that does not.
         epilogue: a function ``f(acc, *operands) -> {"D": ...}`` as for :func:`epicute.gemm`. Its
             operands, by name: scalars; per-group row vectors ``(G, N)`` (an expert's bias or
             scales) or one ``(N,)`` for all groups; per-row column vectors ``(total_M, 1)`` or
@@ -101,8 +106,9 @@ def grouped_gemm(
         a_scale, b_scale: fp8 inputs' blockwise scales (DeepSeek-V3's recipe, as DeepGEMM's grouped GEMMs
             take them), fp32: ``a_scale`` ``(total_M, ceil(K/128))`` one per row and 128-wide block of K, any
             strides; ``b_scale`` ``(G, ceil(N/128), ceil(K/128))`` one per 128x128 block of each group's
-            ``(N, K)`` weight (or ``(G, KB, NB)``). Applied in the mainloop with fp32 promotion, as for
-            :func:`epicute.gemm`. D is bf16 unless ``out``/``out_dtype`` say otherwise.
+            ``(N, K)`` weight (or ``(G, KB, NB)``); variable K: ``(M, KB)`` and ``(ceil(N/128), KB)`` over the
+            whole K. Applied in the mainloop with fp32 promotion, as for :func:`epicute.gemm`. D is bf16 unless
+            ``out``/``out_dtype`` say otherwise.
         a_index: gathered rows: int32 (or int64) ``(total_M,)``, grouped row ``r`` reads ``a[a_index[r]]``, so ``a``
             is the ``(T, K)`` tokens as they are (row-major, K a multiple of 8) and routed tokens need no
             permuted copy (top-k routing: ``a_index = sorted_slot // k``). D has ``total_M`` rows, in group order.
@@ -113,7 +119,8 @@ def grouped_gemm(
     Differentiable (rows, gathered or not, and gated): under autograd, ``a``, ``b`` and every floating-point
     epilogue operand get gradients, derived from the epilogue (:mod:`epicute.gemm.autograd`); ``da`` of gathered
     rows is summed back into each token, ``db`` runs on the variable-K kernel. fp8 inputs and scales, ``out`` and
-    variable-K calls take none (:class:`~epicute.errors.GradientError`).
+    variable-K calls take none (:class:`~epicute.errors.GradientError`; fp8 training of experts:
+    :func:`epicute.nn.fp8_moe_experts`).
     ``a``, ``b`` and ``offsets`` are positional-only: epilogue operands may take those names.
 
     Returns:
@@ -238,7 +245,10 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
     """The grouped GEMM in float32 on the CPU, group by group (reads the offsets; checks them)."""
     p = call.problem
     offsets = call.offsets.cpu()
-    check_offsets_values(offsets, p.k if p.ragged == "k" else p.total_m, "K row" if p.ragged == "k" else "row")
+    if p.ragged == "k":  # fp8: groups on whole 128-row blocks of K, as the kernel sums them
+        check_offsets_values(offsets, p.k, "K row", BLOCK_K if p.block_scaled else 1)
+    else:
+        check_offsets_values(offsets, p.total_m, "row")
     if call.block_scales is None:
         a, b = call.a[0].cpu().float(), call.b.cpu().float()
     else:  # fp8: dequantized (gathered rows: per token, before the gather), then float32 math
@@ -285,9 +295,13 @@ def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mappi
         width = stored_columns(p.d_n, fusion is not None and fusion.paired)
         pieces = {name: [torch.empty(0, width if name == "D" else p.d_n, dtype=IR_TO_TORCH[d])]
                   for name, d in stored.items()}  # fmt: skip
+    if start < p.total_m:  # rows past the last group belong to none: the kernel never writes them (NaN here)
+        for name, values in pieces.items():
+            if name not in per_group:
+                values.append(values[0].new_full((p.total_m - start, *values[0].shape[1:]), float("nan")))
     results = {name: torch.stack(values) if name in per_group else torch.cat(values) for name, values in pieces.items()}
     if call.out is not None:
-        call.out[0].copy_(results["D"])
+        call.out[0, :start].copy_(results["D"][:start])
         results["D"] = call.out[0]
     return results
 

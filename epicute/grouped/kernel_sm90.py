@@ -263,15 +263,23 @@ class RaggedKGemmSm90(GemmSm90):
     """The grouped GEMM's variable-K mode: ``D[g] = A[:, rows of g] @ B[rows of g, :]`` (a weight gradient
     ``dW_g = X_g^T dY_g`` over each group's tokens), one ``(M, N)`` output per group.
 
-    The dense GEMM with the groups as its batch, except the reduction. A ``(M, R)`` and B ``(R, N)`` are loaded
-    through ragged TMA views along K (:func:`~epicute.sm90.ragged.ragged_load_view`, one descriptor each):
-    each tile's loads start at its group's first K row (:meth:`_group_k_tiles`; K is the strided dimension of
-    both, where a TMA box may start anywhere), a tile runs ``ceil(len_g / tile_k)`` k-tiles (:meth:`_k_tiles`;
-    none for an empty group, whose D is the epilogue of zeros), and the last k-tile's rows past the group's end,
-    which would be the next group's, arrive as zeros. (Zeroing them in shared memory instead cost 1.5-2 % at
-    the benchmark's sizes, bench/NOTES.md.) Ping-pong: a warpgroup steps its ring over the other's tiles by
-    their own groups' k-tiles (:meth:`_k_tiles_over`).
+    The dense GEMM with the groups as its batch, except the reduction. 16-bit inputs: A ``(M, R)`` and B
+    ``(R, N)`` are loaded through ragged TMA views along K (:func:`~epicute.sm90.ragged.ragged_load_view`, one
+    descriptor each): each tile's loads start at its group's first K row (:meth:`_group_k_tiles`; K is the
+    strided dimension of both, where a TMA box may start anywhere), a tile runs ``ceil(len_g / tile_k)`` k-tiles
+    (:meth:`_k_tiles`; none for an empty group, whose D is the epilogue of zeros), and the last k-tile's rows past
+    the group's end, which would be the next group's, arrive as zeros. (Zeroing them in shared memory instead
+    cost 1.5-2 % at the benchmark's sizes, bench/NOTES.md.) Ping-pong: a warpgroup steps its ring over the
+    other's tiles by their own groups' k-tiles (:meth:`_k_tiles_over`).
+
+    fp8 inputs (``block_scaled``) are K-major, where no ragged view can clip K (the contiguous dimension), and
+    their scales cover 128-wide blocks of K: every group starts and ends on a k-tile (``tile_k`` = 128 = a scale
+    block), so a group's k-tiles are the whole descriptor's tiles ``start / 128 ..`` (:meth:`_k_first`), its
+    scales the blocks of the same index, and nothing needs clipping. A group that does not (offsets the host
+    could not check) gets NaN for its D (:meth:`_check_accumulator`), never another group's rows.
     """
+
+    k_tiles_may_be_zero = True
 
     @cute.jit
     def __call__(
@@ -287,11 +295,12 @@ class RaggedKGemmSm90(GemmSm90):
         stream,
     ):
         """A ``(1, M, R)``, B ``(1, R, N)``, D ``(G, M, N)``; ``offsets`` int32 ``(G,)``: each group's end K
-        row; ``block_scales`` ``()`` (16-bit inputs only). The groups are D's batch: the dense launch, with the
+        row; ``block_scales`` ``()``, or fp8's ``(A (G, M, KB), B (G, NB, KB))`` with zero group strides (blocks
+        of the whole K, which every group's k-tiles index). The groups are D's batch: the dense launch, with the
         offsets and ``R`` for the scheduler."""
         total_k = cute.size(mA_lmk, mode=[2])
-        self._launch_batched(mA_lmk, mB_lkn, mD_lmn, epi_tensors, epi_scalars, (), max_active_clusters, stream,
-                             (offsets, total_k))  # fmt: skip
+        self._launch_batched(mA_lmk, mB_lkn, mD_lmn, epi_tensors, epi_scalars, block_scales, max_active_clusters,
+                             stream, (offsets, total_k))  # fmt: skip
 
     def _scheduler(self, sched_args: tuple) -> RaggedKTileScheduler:
         offsets, total_k, clusters_m, clusters_n, num_groups = sched_args
@@ -302,7 +311,10 @@ class RaggedKGemmSm90(GemmSm90):
 
     def _load_view(self, tensor: cute.Tensor) -> cute.Tensor:
         """A and B ``(rows, R, 1)`` as ragged along K (:func:`~epicute.sm90.ragged.ragged_load_view`): a group's
-        last k-tile reads zeros past its end, where the next group's rows lie."""
+        last k-tile reads zeros past its end, where the next group's rows lie. fp8: the tensor itself (groups
+        end on k-tiles)."""
+        if cutlass.const_expr(self.block_scaled):
+            return tensor
         return ragged_load_view(tensor, 1)
 
     def _group_k_tiles(self, tensor, tma, smem, peer, peers: int, tile_rows: int, tile_index, coord) -> cute.Tensor:
@@ -316,15 +328,34 @@ class RaggedKGemmSm90(GemmSm90):
         return partition[(None, tile_index, None)]
 
     def _a_k_tiles(self, cta, tma_a, coord: tuple) -> cute.Tensor:
+        if cutlass.const_expr(self.block_scaled):  # the whole K: the group's k-tiles from _k_first on
+            return cta.tAgA[(None, coord[0], None, 0)]
         return self._group_k_tiles(cta.mA, tma_a, cta.sA, cta.cluster_coord[1], self.cfg.cluster_n, self.cfg.tile_m,
                                    coord[0], coord)  # fmt: skip
 
     def _b_k_tiles(self, cta, tma_b, coord: tuple) -> cute.Tensor:
+        if cutlass.const_expr(self.block_scaled):
+            return cta.tBgB[(None, coord[1], None, 0)]
         return self._group_k_tiles(cta.mB, tma_b, cta.sB, cta.cluster_coord[0], self.cfg.cluster_m, self.cfg.tile_n,
                                    coord[1], coord)  # fmt: skip
 
     def _k_tiles(self, cta, coord: tuple):
         return (coord[4] - coord[3] + self.cfg.tile_k - 1) // self.cfg.tile_k
+
+    def _k_first(self, cta, coord: tuple):
+        """fp8: the group's first k-tile of the whole K (its loads and its scales' blocks); 16-bit: its views start
+        at the group's first row."""
+        if cutlass.const_expr(self.block_scaled):
+            return coord[3] // self.cfg.tile_k
+        return 0
+
+    @cute.jit
+    def _check_accumulator(self, acc: cute.Tensor, coord: tuple) -> None:
+        """fp8: a group that does not start and end on a k-tile was summed over whole k-tiles, its neighbours'
+        rows among them: its D is NaN, not a plausible wrong value."""
+        if cutlass.const_expr(self.block_scaled):  # noqa: SIM102 - compile-time guard, dynamic if
+            if (coord[3] % self.cfg.tile_k != 0) | (coord[4] % self.cfg.tile_k != 0):
+                acc.fill(cutlass.Float32(float("nan")))
 
     @cute.jit
     def _k_tiles_over(self, cta, scheduler, work, tiles):

@@ -34,6 +34,8 @@ def _zero_k(call: GroupedCall) -> tuple[torch.Tensor, torch.Tensor]:
     epilogue sees a zero accumulator (variable K: in its majors; every group is empty, so nothing is read)."""
     p, a = call.problem, call.a
     k = 16 // a.element_size()
+    if p.ragged == "k" and p.block_scaled:  # fp8: K-major both
+        return a.new_zeros(1, p.total_m, k), call.b.new_zeros(1, p.n, k).transpose(1, 2)
     if p.ragged == "k":
         return a.new_zeros(1, k, p.total_m).transpose(1, 2), a.new_zeros(1, k, p.n)
     b = call.b.new_zeros(p.groups, p.n, k).transpose(1, 2) if p.b_major == "k" else call.b.new_zeros(p.groups, k, p.n)
@@ -42,15 +44,15 @@ def _zero_k(call: GroupedCall) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _block_scales(call: GroupedCall) -> tuple:
     """The mainloop's blockwise scales as the kernel reads them, A's ``(G, total_M, KB)`` (one tensor over every
-    group's rows: a zero group stride) and B's ``(G, NB, KB)``, or ``()``. K = 0: one block of ones each, for
-    the one zero k-tile of :func:`_zero_k`."""
+    group's rows: a zero group stride) and B's ``(G, NB, KB)`` (variable K: one over the whole K, a zero group
+    stride too), or ``()``. K = 0: one block of ones each, for the one zero k-tile of :func:`_zero_k`."""
     scales = call.block_scales
     if scales is None:
         return ()
     a, b = scales.a, scales.b
     if call.problem.k == 0:
         a, b = a.new_ones(1, a.shape[1], 1), b.new_ones(b.shape[0], b.shape[1], 1)
-    return a.expand(call.problem.groups, -1, -1), b
+    return a.expand(call.problem.groups, -1, -1), b.expand(call.problem.groups, -1, -1)
 
 
 def tile_row_slots(plan: GroupedPlan) -> tuple[int, int]:

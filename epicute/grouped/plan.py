@@ -32,7 +32,8 @@ class GroupedProblem:
     (``total_m`` is then M, every group's), B ``(K, N)``, D ``(G, M, N)``, the ``K`` rows split into groups.
 
     fp8 inputs (``ab_dtype``/``b_dtype`` as for the GEMM) come with blockwise scales (``block_scaled``):
-    A's per row and 128-wide block of K over all rows, B's per 128x128 block of each group's weight.
+    A's per row and 128-wide block of K over all rows, B's per 128x128 block of each group's weight (variable
+    K: of the whole ``(N, K)`` B, both operands K-major, every group on whole 128-row blocks of K).
 
     ``gathered``: A's rows are read through an index, row ``r`` being ``x[a_index[r]]`` (row-major ``x``; groups
     split M; fp8 A scales per token of ``x``)."""
@@ -61,9 +62,9 @@ class GroupedProblem:
                 f"grouped GEMM with ab_dtype={self.ab_dtype!r}: supported are 'bf16', 'fp16' and fp8 with blockwise "
                 "scales (block_scaled=True)"
             )
-        if self.block_scaled and self.ragged == "k":
-            raise ConfigError("variable K with fp8 inputs: WGMMA reads 8-bit operands K-major, variable K reads them "
-                              "M- and N-major")  # fmt: skip
+        if self.block_scaled and self.ragged == "k" and (self.a_major, self.b_major) != ("k", "k"):
+            raise ConfigError("variable K with fp8 inputs: WGMMA reads 8-bit operands K-major only (a_major and "
+                              "b_major 'k')")  # fmt: skip
         if self.groups < 1:
             raise ConfigError(f"groups={self.groups}: a grouped GEMM has at least one group")
         if self.ragged not in ("m", "k"):
@@ -237,7 +238,12 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
         "gate and up accumulators (same thread's registers)"
     )
     inputs = [gated_line] if p.gated else []  # what the header's product does not say
-    if p.block_scaled:  # the grouped part of blockwise scaling; the dense plan below says how it promotes
+    if p.block_scaled and p.ragged == "k":
+        inputs.append(
+            "  fp8 scales      blockwise over the whole K: A's per row and 128 K rows, B's per 128x128 block; a "
+            "group's k-tiles read the blocks they load"
+        )
+    elif p.block_scaled:  # the grouped part of blockwise scaling; the dense plan below says how it promotes
         inputs.append(
             "  fp8 scales      blockwise: A's per row (read at the tile's global rows) and 128 of K, B's per 128x128 "
             "block of the tile's group's weight"
@@ -265,8 +271,8 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
             ),
             grid,
             (
-                f"  k-loop          ceil(rows_g / {c.tile_k}) k-tiles per tile, from the group's first K row (none for "
-                "an empty group: D is the epilogue of zeros)"
+                f"  k-loop          {'' if p.block_scaled else 'ceil'}(rows_g / {c.tile_k}) k-tiles per tile, from "
+                "the group's first K row (none for an empty group: D is the epilogue of zeros)"
                 + (
                     "; each ping-pong warpgroup steps its ring over the other's tiles by their groups' k-tiles"
                     if c.schedule == "pingpong"
@@ -274,7 +280,11 @@ def render_grouped_plan(plan: GroupedPlan) -> str:
                 )
             ),
             (
-                "  A, B            one ragged TMA descriptor each (K's extent ends at each group's end): a tile's "
+                "  A, B            one TMA descriptor each over the whole K, K-major: every group starts and ends on "
+                f"a {c.tile_k}-row k-tile (offsets checked where read; a group that does not gets NaN), so nothing is "
+                "clipped"
+                if p.block_scaled
+                else "  A, B            one ragged TMA descriptor each (K's extent ends at each group's end): a tile's "
                 "loads start at its group's first K row, and its last k-tile's rows past the group's end arrive as "
                 "zeros"
             ),

@@ -18,7 +18,7 @@ import torch
 
 from epicute.epilogue.dtypes import TORCH_TO_IR
 from epicute.epilogue.gated import check_gated_columns
-from epicute.epilogue.scales import BlockScales, grouped_block_scales
+from epicute.epilogue.scales import BLOCK_K, BlockScales, grouped_block_scales, ragged_k_block_scales
 from epicute.errors import AlignmentError, DeviceError, DtypeError, EpilogueError, ShapeError
 from epicute.gemm.validate import (
     FP8_TORCH_DTYPES,
@@ -53,10 +53,18 @@ class GroupedCall:
     a_index: torch.Tensor | None = None
 
 
-def check_offsets_values(offsets: torch.Tensor, total: int, what: str = "row") -> None:
-    """Offsets must be group ends: non-decreasing, non-negative, the last one ``total`` (``total_M`` rows, or
-    ``total_K`` K rows: ``what``); reads them, a sync when they are on the GPU."""
+def check_offsets_values(offsets: torch.Tensor, total: int, what: str = "row", multiple_of: int = 1) -> None:
+    """Offsets must be group ends: non-decreasing, non-negative, the last one at most ``total`` (``total_M`` rows or
+    ``total_K`` K rows: ``what``; the rows past it belong to no group), each a multiple of ``multiple_of``; reads
+    them, a sync when they are on the GPU."""
     values = offsets.tolist()
+    for g, value in enumerate(values):
+        if value % multiple_of:
+            raise ShapeError(
+                f"offsets[{g}] = {value} is not a multiple of {multiple_of}: fp8 variable K sums whole 128-wide "
+                "blocks of K, so every group must start and end on one; pad each group's rows with zeros to a "
+                "multiple of 128 (zero rows add nothing to its D)"
+            )
     if values and values[0] < 0:
         raise ShapeError(f"offsets[0] = {values[0]} is negative; offsets are each group's end {what}")
     for g in range(1, len(values)):
@@ -65,15 +73,17 @@ def check_offsets_values(offsets: torch.Tensor, total: int, what: str = "row") -
                 f"offsets decrease at group {g} ({values[g - 1]} -> {values[g]}); they are cumulative group ends, "
                 f"e.g. torch.cumsum(group_sizes, 0, dtype=torch.int32), with the {what}s sorted by group"
             )
-    if values and values[-1] != total:
+    # Rows (or K rows) past the last group belong to none: a buffer with room for padded groups.
+    if values and values[-1] > total:
         name = "total_M" if what == "row" else "total_K"
         raise ShapeError(
-            f"offsets[-1] = {values[-1]} but there are {name} = {total} {what}s; the last group must end at {name} "
-            f"(slice the {what}s you leave out away)"
+            f"offsets[-1] = {values[-1]} but there are {name} = {total} {what}s; the last group must end at or before "
+            f"{name} (offsets are cumulative group ends: torch.cumsum(group_sizes, 0, dtype=torch.int32))"
         )
 
 
-def _checked_offsets(offsets, groups: int, total: int, device, check_offsets: bool, what: str) -> torch.Tensor:
+def _checked_offsets(offsets, groups: int, total: int, device, check_offsets: bool, what: str,
+                     multiple_of: int = 1) -> torch.Tensor:  # fmt: skip
     """``offsets`` checked (dtype, shape; values where cheap) and on ``device``, contiguous."""
     if offsets.dtype != torch.int32:
         raise DtypeError(f"offsets has dtype {offsets.dtype}; pass int32 group ends (offsets.to(torch.int32))")
@@ -89,7 +99,7 @@ def _checked_offsets(offsets, groups: int, total: int, device, check_offsets: bo
         raise ShapeError(f"offsets has shape {tuple(offsets.shape)}; it must be ({groups},), each group's end {what}, "
                          f"as torch._grouped_mm takes it{hint}")  # fmt: skip
     if offsets.device.type == "cpu" or check_offsets:
-        check_offsets_values(offsets, total, what)
+        check_offsets_values(offsets, total, what, multiple_of)
     if offsets.device != device:
         if offsets.device.type != "cpu":
             raise DeviceError(f"offsets is on {offsets.device} but a is on {device}; move it there")
@@ -99,10 +109,11 @@ def _checked_offsets(offsets, groups: int, total: int, device, check_offsets: bo
     return offsets
 
 
-def _check_ragged_k(a, b, offsets, out, out_dtype, check_offsets: bool, gated: bool) -> GroupedCall:
+def _check_ragged_k(a, b, offsets, out, out_dtype, check_offsets: bool, gated: bool, scales: tuple) -> GroupedCall:
     """Variable K: ``D[g] = a[:, rows of g] @ b[rows of g, :]`` with a ``(M, total_K)``, b ``(total_K, N)``. Groups
     start at any K row, and a TMA box may start there only along a strided dimension: a is M-major (``x.t()`` of a
-    row-major ``(total_K, M)`` x), b row-major."""
+    row-major ``(total_K, M)`` x), b row-major. fp8 (:func:`_check_ragged_k_fp8`): both K-major, groups on 128-row
+    blocks of K."""
     m, total_k = a.shape
     kb, n = b.shape
     if kb != total_k:
@@ -112,7 +123,13 @@ def _check_ragged_k(a, b, offsets, out, out_dtype, check_offsets: bool, gated: b
     groups = offsets.shape[0] if offsets.dim() == 1 else 0
     if groups == 0:
         raise ShapeError(f"offsets has shape {tuple(offsets.shape)}; variable K takes (G,) group ends, G >= 1")
-    offsets = _checked_offsets(offsets, groups, total_k, a.device, check_offsets, "K row")
+    if gated:  # a weight gradient's columns are one projection's: nothing pairs gate and up there
+        raise EpilogueError("gated=True with a 2-D b (variable K): gated epilogues pair the columns of grouped "
+                            "projections (b (G, K, 2N)); compute weight gradients without gated")  # fmt: skip
+    fp8 = a.dtype in FP8_TORCH_DTYPES
+    offsets = _checked_offsets(offsets, groups, total_k, a.device, check_offsets, "K row", BLOCK_K if fp8 else 1)
+    if fp8:
+        return _check_ragged_k_fp8(a, b, offsets, out, out_dtype, scales)
     out_dtype = resolve_out_dtype(out, out_dtype, a.dtype)
     a3, b3 = a.unsqueeze(0), b.unsqueeze(0)
     if total_k > 1 and m > 1 and _major(a3, "a", "k", "m") != "m":
@@ -125,21 +142,55 @@ def _check_ragged_k(a, b, offsets, out, out_dtype, check_offsets: bool, gated: b
             f"b has strides {tuple(b.stride())}: with variable K each group's K rows start anywhere, which TMA can "
             "read only along a strided dimension: pass a row-major (total_K, N) b (b.contiguous())"
         )
-    if gated:  # a weight gradient's columns are one projection's: nothing pairs gate and up there
-        raise EpilogueError("gated=True with a 2-D b (variable K): gated epilogues pair the columns of grouped "
-                            "projections (b (G, K, 2N)); compute weight gradients without gated")  # fmt: skip
-    d_n = n
-    out3 = None
-    if out is not None:
-        check_out_placement(out, (groups, m, d_n), f"the variable-K grouped GEMM writes {(groups, m, d_n)}", a, b)
-        out3 = out
-    problem = GroupedProblem(m, n, total_k, groups, TORCH_TO_IR[a.dtype], TORCH_TO_IR[out_dtype], "m", "n", gated, "k")
+    out3 = _ragged_k_out(out, groups, m, n, a, b)
+    problem = GroupedProblem(m, n, total_k, groups, TORCH_TO_IR[a.dtype], TORCH_TO_IR[out_dtype], "m", "n", False, "k")
     if m and n and total_k:
         a3 = _check_tma_strides(a3, "a", 1, "LMK")
         b3 = _check_tma_strides(b3, "b", 2, "LKN")
     if m and n:
-        out3 = check_d_rows(out3, d_n, out_dtype)
+        out3 = check_d_rows(out3, n, out_dtype)
     return GroupedCall(problem, a3, b3, offsets, out3, out_dtype)
+
+
+def _ragged_k_out(out, groups: int, m: int, n: int, a, b):
+    if out is not None:
+        check_out_placement(out, (groups, m, n), f"the variable-K grouped GEMM writes {(groups, m, n)}", a, b)
+    return out
+
+
+def _check_ragged_k_fp8(a, b, offsets, out, out_dtype, scales: tuple) -> GroupedCall:
+    """fp8 variable K: WGMMA reads 8-bit operands K-major, so a is a row-major ``(M, total_K)`` (the tile
+    quantizer's transposed tokens) and b ``(total_K, N)`` K-major (``t.t()`` of a row-major ``(N, total_K)``
+    ``t``), with blockwise scales over the whole K; every group starts and ends on a 128-row block of K
+    (checked where the offsets are read; the kernel gives NaN for a group that does not)."""
+    m, total_k = a.shape
+    n = b.shape[1]
+    groups = offsets.shape[0]
+    if total_k % TMA_ALIGN_BYTES:
+        raise AlignmentError(f"K = {total_k} with fp8 inputs: TMA moves 16-byte rows of A and B, so the total K must "
+                             "be a multiple of 16 (groups of 128-row blocks make it one)")  # fmt: skip
+    a3, b3 = a.unsqueeze(0), b.unsqueeze(0)
+    if total_k > 1 and m > 1 and _major(a3, "a", "k", "m") != "k":
+        raise AlignmentError(
+            f"fp8 a has strides {tuple(a.stride())}: WGMMA reads 8-bit operands K-major only; pass a row-major "
+            "(M, total_K) a (the transposed tokens, e.g. epicute.quantize(x, transpose=True))"
+        )
+    if total_k > 1 and n > 1 and _major(b3, "b", "n", "k") != "k":
+        raise AlignmentError(
+            f"fp8 b has strides {tuple(b.stride())}: WGMMA reads 8-bit operands K-major only; pass b as t.t() of a "
+            "row-major (N, total_K) t"
+        )
+    block_scales = ragged_k_block_scales(scales[0], scales[1], m, n, total_k, a.device)
+    out_dtype = resolve_out_dtype(out, out_dtype, torch.bfloat16)  # an fp8 D would drop what the scales carry
+    out3 = _ragged_k_out(out, groups, m, n, a, b)
+    b_dtype = TORCH_TO_IR[b.dtype] if b.dtype != a.dtype else ""
+    problem = GroupedProblem(m, n, total_k, groups, TORCH_TO_IR[a.dtype], TORCH_TO_IR[out_dtype], "k", "k", False,
+                             "k", b_dtype=b_dtype, block_scaled=True)  # fmt: skip
+    if m and n and total_k:
+        a3 = _check_tma_strides(a3, "a", 2, "LMK")
+        b3 = _check_tma_strides(b3, "b", 1, "LKN")
+        out3 = check_d_rows(out3, n, out_dtype)
+    return GroupedCall(problem, a3, b3, offsets, out3, out_dtype, block_scales)
 
 
 def check_grouped_args(
@@ -258,12 +309,7 @@ def _check_grouped_args(
                 "that a 3-D b's groups multiply; with variable K the groups split a's K columns, which a_index "
                 "cannot gather: drop it, and gather the tokens first (a = x[a_index].t() for a = x.t())"
             )
-        if fp8:
-            raise DtypeError(
-                f"a has dtype {a.dtype} with a 2-D b (variable K): variable K reads A M-major and B N-major, and "
-                "WGMMA reads 8-bit operands K-major only; use bf16 or fp16 inputs"
-            )
-        return _check_ragged_k(a, b, offsets, out, out_dtype, check_offsets, gated)
+        return _check_ragged_k(a, b, offsets, out, out_dtype, check_offsets, gated, (a_scale, b_scale))
     if b.dim() != 3:
         raise ShapeError(f"b has shape {tuple(b.shape)}; a grouped GEMM takes a 3-D (G, K, N), one (K, N) per group "
                          "(w.transpose(-2, -1) of a (G, N, K) weight works without a copy), or a 2-D (total_K, N) "

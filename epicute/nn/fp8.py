@@ -193,4 +193,140 @@ class _Fp8GatedMLP(torch.autograd.Function):
         return dx, dw_gate_up, dw_down, None, None
 
 
-__all__ = ["RECIPES", "fp8_gated_mlp", "fp8_linear"]
+def fp8_moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down_proj: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, activation: str = "silu", *,
+                    recipe: str = "blockwise") -> torch.Tensor:  # fmt: skip
+    """:func:`epicute.nn.functional.moe_experts` trained in fp8 (``interleaved=True``: ``gate_up`` ``(E, 2I, H)`` is
+    ``epicute.interleave_gate_up(gate, up)``, as :class:`~epicute.nn.MoEExperts` holds it; ``down_proj`` ``(E, H,
+    I)``), DeepSeek-V3's blockwise recipe: the six grouped GEMMs of a step on fp8 inputs, output and gradients in
+    ``x``'s dtype, master weights in theirs.
+
+    The routed rows are laid out with each expert's starting on a multiple of 128 (:meth:`Routing.padded`: zero-
+    weight rows between experts, within a capacity that holds any routing, so nothing is read back to the host),
+    so that a 1 x 128 group or a 128 x 128 block of tokens never straddles two experts in the weight gradients,
+    and every GEMM reads and writes that layout as it is (no copy into it).
+
+    - forward: the tokens quantized once per row (1 x 128) and gathered by the gated GEMM through ``a_index``;
+      the weights in 128 x 128 blocks of all experts at once (an expert's blocks never straddle the next's);
+      the gated GEMM runs ``act(gate) * up * weight`` (zero on padding rows) and stores gate and up, as in bf16.
+    - data gradients: the routed rows' gradient per row, the weights' transposed blocks (one read of each weight
+      gives both); ``dh``'s GEMM carries the activation's derivative and the routing weight's gradient (a row sum).
+    - weight gradients: variable-K fp8 grouped GEMMs over each expert's padded tokens (zero rows add nothing).
+
+    ``H`` must be a multiple of 128 and ``I`` of 64 (each expert's weight rows whole 128-row blocks)."""
+    from epicute.nn.functional import Routing, _Combine
+
+    if recipe != "blockwise":
+        raise ConfigError(f"recipe={recipe!r}: the fp8 experts take the blockwise recipe (DeepSeek-V3's), whose "
+                          "scales the grouped GEMMs apply in their mainloops")  # fmt: skip
+    if gate_up.dim() != 3 or down_proj.dim() != 3 or x.dim() != 2:
+        raise ShapeError(f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down_proj {tuple(down_proj.shape)}: "
+                         "need (T, H), (E, 2I, H) and (E, H, I)")  # fmt: skip
+    experts, two_i, hidden = gate_up.shape
+    if tuple(down_proj.shape) != (experts, hidden, two_i // 2) or x.shape[1] != hidden:
+        raise ShapeError(f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)} and down_proj "
+                         f"{tuple(down_proj.shape)} do not chain: need down_proj ({experts}, {hidden}, {two_i // 2}) "
+                         f"and x (T, {hidden})")  # fmt: skip
+    if hidden % 128 or two_i % 128:
+        raise ShapeError(f"hidden size {hidden} and intermediate size {two_i // 2}: fp8 experts need the hidden size "
+                         "a multiple of 128 and the intermediate size of 64 (each expert's weight rows are whole "
+                         "128 x 128 blocks)")  # fmt: skip
+    route = Routing.of(top_k_index, top_k_weights, experts).padded(EXPERT_ROWS_ALIGN)
+    rows = _Fp8Experts.apply(x, gate_up, down_proj, route.weight, route, activation)
+    return _Combine.apply(rows, *route.pairs)
+
+
+#: Each expert's routed rows start on a multiple of this (the blockwise recipe's 128 tokens).
+EXPERT_ROWS_ALIGN = 128
+
+
+def _expert_blocks(weight: torch.Tensor, transposed: bool):
+    """An ``(E, R, C)`` weight's 128 x 128 blocks (all experts in one pass) as the grouped GEMM's ``(G, K, N)`` B and
+    its ``(G, NB, KB)`` scales: the forward's ``weight[e].T`` and, when ``transposed``, the data gradient's
+    ``weight[e]`` (the same blocks transposed, from the same read)."""
+    experts, r, c = weight.shape
+    rows, columns = _quantized(weight.reshape(experts * r, c), "blocks", "blocks" if transposed else None)
+    forward = (rows[0].view(experts, r, c).transpose(-2, -1), rows[1].view(experts, r // 128, -1))
+    if columns is None:
+        return forward, None
+    # x.t() of all experts: (C, E * R), expert e's columns [e R, (e + 1) R) being weight[e].T.
+    q, scales = columns
+    backward = (q.view(c, experts, r).permute(1, 2, 0), scales.view(-1, experts, r // 128).permute(1, 0, 2))
+    return forward, backward
+
+
+class _Fp8Experts(torch.autograd.Function):
+    """The experts' routed rows, padded per expert (before each token sums its ``k``): see :func:`fp8_moe_experts`.
+    Rows past the last expert's end belong to no GEMM's group: they are never written, and nothing reads them (a
+    weight gradient's K stops at the last end; the token sum reads routed rows only)."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up, down_proj, weight, route, activation: str):
+        from epicute import grouped_gemm
+        from epicute.epilogue.backward import SAVED
+        from epicute.nn.functional import _expert_programs
+        from epicute.quantize import quantize
+
+        needs = ctx.needs_input_grad
+        forward_epi, backward_epi = _expert_programs(activation, weight_grad=needs[3])
+        x_q, x_s = quantize(x, recipe="groups")
+        gu_forward, gu_backward = _expert_blocks(gate_up, needs[0])
+        up = grouped_gemm(x_q, gu_forward[0], route.offsets, a_index=route.token_of_row, a_scale=x_s,
+                          b_scale=gu_forward[1], gated=True, epilogue=forward_epi, weight=weight)  # fmt: skip
+        # h along I for the down projection, and along the tokens for down_proj's gradient: one read.
+        h_rows, h_columns = _quantized(up["D"], "groups", "blocks" if needs[2] else None)
+        down_forward, down_backward = _expert_blocks(down_proj, needs[0] or needs[1] or needs[3])
+        y = grouped_gemm(h_rows[0], down_forward[0], route.offsets, a_scale=h_rows[1], b_scale=down_forward[1],
+                         out_dtype=x.dtype)  # fmt: skip
+        ctx.save_for_backward(x, up[SAVED["acc"]], up[SAVED["acc_up"]], weight,
+                              *_flat(h_columns, gu_backward, down_backward))  # fmt: skip
+        ctx.route, ctx.backward_epi = route, backward_epi
+        ctx.dtypes = (x.dtype, gate_up.dtype, down_proj.dtype)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_rows):
+        from epicute import grouped_gemm
+        from epicute.epilogue.backward import DACC, DACC_UP, SAVED, operand_grad_name
+        from epicute.nn.functional import _sum_slots
+
+        x, gate, up, weight, *saved = ctx.saved_tensors
+        h_columns, gu_backward, down_backward = _pairs(saved)
+        route, needs = ctx.route, ctx.needs_input_grad
+        dx = d_gate_up = d_down = d_weight = None
+        # d_rows along H (dh's GEMM) and along the tokens (down_proj's gradient): one read.
+        dd_rows, dd_columns = _quantized(d_rows.contiguous(), "groups" if needs[0] or needs[1] or needs[3] else None,
+                                         "groups" if needs[2] else None)  # fmt: skip
+        if needs[2]:  # dW_down[e] = d_rows[e]^T @ h[e], over the expert's padded tokens
+            d_down = _ragged_product(dd_columns, h_columns, route.offsets, ctx.dtypes[2])
+        if needs[0] or needs[1] or needs[3]:
+            # dh = d_rows @ w_down with the activation's derivative in its epilogue: d gate and d up interleaved (as
+            # gate_up's rows), and the routing weight's gradient.
+            grads = grouped_gemm(dd_rows[0], down_backward[0], route.offsets, a_scale=dd_rows[1],
+                                 b_scale=down_backward[1], epilogue=ctx.backward_epi,
+                                 out_dtypes={DACC: ctx.dtypes[0], DACC_UP: ctx.dtypes[0]}, weight=weight,
+                                 **{SAVED["acc"]: gate, SAVED["acc_up"]: up})  # fmt: skip
+            dacc = grads[DACC] if needs[3] else grads  # D alone (the paired d gate and d up) without d_weight
+            d_weight = grads[operand_grad_name("weight")].unsqueeze(-1) if needs[3] else None
+            dacc_rows, dacc_columns = _quantized(dacc, "groups" if needs[0] else None, "groups" if needs[1] else None)
+            if needs[0]:
+                dx_rows = grouped_gemm(dacc_rows[0], gu_backward[0], route.offsets, a_scale=dacc_rows[1],
+                                       b_scale=gu_backward[1], out_dtype=ctx.dtypes[0])  # fmt: skip
+                dx = _sum_slots(dx_rows, route.slot_of, route.top_k)
+            if needs[1]:  # dW_gate_up[e] = dacc[e]^T @ x[tokens of e]
+                x_columns = _quantized(x[route.token_of_row], None, "blocks")[1]
+                d_gate_up = _ragged_product(dacc_columns, x_columns, route.offsets, ctx.dtypes[1])
+        return dx, d_gate_up, d_down, d_weight, None, None
+
+
+def _ragged_product(a, b, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``D[e] = a[:, tokens of e] @ b[:, tokens of e].T`` of two operands quantized along the padded tokens
+    (``(q, scales)``, K-major): the variable-K fp8 grouped GEMM of a weight gradient."""
+    from epicute import grouped_gemm
+
+    (qa, sa), (qb, sb) = a, b
+    return grouped_gemm(qa, qb.t(), offsets, a_scale=sa, b_scale=sb, out_dtype=out_dtype)
+
+
+__all__ = ["EXPERT_ROWS_ALIGN", "RECIPES", "fp8_gated_mlp", "fp8_linear", "fp8_moe_experts"]

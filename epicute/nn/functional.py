@@ -29,6 +29,7 @@ import functools
 import operator
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ import torch
 from epicute.epilogue import ops
 from epicute.epilogue.backward import DACC, DACC_UP, SAVED, gradient_graph, read_from_accumulator, replay_epilogue
 from epicute.epilogue.gated import gated_epilogue, interleave_gate_up
-from epicute.epilogue.operands import RowVector
+from epicute.epilogue.operands import ColVector, RowVector
 from epicute.epilogue.tracer import as_epilogue, with_leading_operands
 from epicute.errors import ConfigError, EpilogueError, ShapeError
 from epicute.gemm.api import gemm
@@ -361,23 +362,63 @@ def moe_experts(
                               "(epicute.nn.MoEExperts holds it)")  # fmt: skip
         run = functools.partial(moe_experts, activation=activation, interleaved=True)
         return parallel_experts(run, x, gate_up_proj, down_proj, top_k_index, top_k_weights)
-    top_k = top_k_index.shape[1]
-    experts = gate_up_proj.shape[0]
-    expert_ids = top_k_index.reshape(-1).long()
-    order = torch.argsort(expert_ids, stable=True)  # routed row -> its (token, slot), rows sorted by expert
-    token_of_row = order // top_k
-    slot_of = torch.empty_like(order).index_put_((order,), torch.arange(order.numel(), device=order.device))
-    routing = (token_of_row, slot_of, top_k)  # (token, slot) pair i * k + j is routed row slot_of[i * k + j]
-    # A scatter-add count, not bincount: bincount reads its maximum back (a sync no CUDA graph can capture).
-    counts = expert_ids.new_zeros(experts).scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    weight = top_k_weights.reshape(-1)[order].to(torch.float32).unsqueeze(-1)
+    route = Routing.of(top_k_index, top_k_weights, gate_up_proj.shape[0])
     gate_up = gate_up_proj if interleaved else interleave_gate_up(*gate_up_proj.chunk(2, dim=-2))
-    rows = _Dispatch.apply(x, *routing)
-    h = grouped_gemm(rows, gate_up.transpose(-2, -1), offsets, gated=True, epilogue=_WEIGHTED_GATED[activation],
-                     weight=weight)  # fmt: skip
-    down = grouped_gemm(h, down_proj.transpose(-2, -1), offsets)
-    return _Combine.apply(down, *routing)
+    rows = _Dispatch.apply(x, *route.pairs)
+    h = grouped_gemm(rows, gate_up.transpose(-2, -1), route.offsets, gated=True, epilogue=_WEIGHTED_GATED[activation],
+                     weight=route.weight)  # fmt: skip
+    down = grouped_gemm(h, down_proj.transpose(-2, -1), route.offsets)
+    return _Combine.apply(down, *route.pairs)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Top-k routing as the experts' grouped GEMMs take it: the ``(token, slot)`` pairs sorted by expert (routed
+    rows), every tensor on the GPU (no sync, CUDA-graph safe)."""
+
+    #: routed row -> its token
+    token_of_row: torch.Tensor
+    #: ``(token, slot)`` pair ``i * k + j`` -> its routed row
+    slot_of: torch.Tensor
+    top_k: int
+    #: rows per expert ``(E,)`` int64, and their ends, int32 (the grouped GEMMs' offsets)
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    #: each routed row's routing weight, fp32 ``(rows, 1)`` (differentiable in ``top_k_weights``)
+    weight: torch.Tensor
+
+    @staticmethod
+    def of(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int) -> Routing:
+        top_k = top_k_index.shape[1]
+        expert_ids = top_k_index.reshape(-1).long()
+        order = torch.argsort(expert_ids, stable=True)  # routed row -> its (token, slot), rows sorted by expert
+        slot_of = torch.empty_like(order).index_put_((order,), torch.arange(order.numel(), device=order.device))
+        # A scatter-add count, not bincount: bincount reads its maximum back (a sync no CUDA graph can capture).
+        counts = expert_ids.new_zeros(experts).scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
+        weight = top_k_weights.reshape(-1)[order].to(torch.float32).unsqueeze(-1)
+        return Routing(order // top_k, slot_of, top_k, counts, torch.cumsum(counts, 0, dtype=torch.int32), weight)
+
+    @property
+    def pairs(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """What the gather and the sum of the routed rows take (:class:`_Dispatch`, :class:`_Combine`)."""
+        return self.token_of_row, self.slot_of, self.top_k
+
+    def padded(self, align: int) -> Routing:
+        """The same routing with each expert's rows starting on a multiple of ``align`` (zero-weight padding rows of
+        token 0 between experts; ``counts`` and ``offsets`` the padded ones), in ``capacity`` rows, which hold any
+        routing of as many rows (``rows + (align - 1) E``, rounded up): the sizes stay on the GPU. Rows past the
+        last expert's end belong to no group. ``weight`` stays differentiable in the unpadded one's."""
+        rows, experts = self.token_of_row.numel(), self.counts.numel()
+        device = self.counts.device
+        counts = (self.counts + align - 1) // align * align
+        ends = torch.cumsum(counts, 0)
+        shift = (ends - counts) - (self.offsets.long() - self.counts)  # each expert's rows move by its padding so far
+        expert_of_row = torch.repeat_interleave(torch.arange(experts, device=device), self.counts, output_size=rows)
+        padded_row = torch.arange(rows, device=device) + shift[expert_of_row]
+        capacity = -(-(rows + (align - 1) * experts) // align) * align
+        token = self.token_of_row.new_zeros(capacity).index_copy_(0, padded_row, self.token_of_row)
+        weight = self.weight.new_zeros(capacity, 1).index_copy(0, padded_row, self.weight)
+        return Routing(token, padded_row[self.slot_of], self.top_k, counts, ends.to(torch.int32), weight)
 
 
 def _gather_tokens(t: torch.Tensor, token_of_row: torch.Tensor) -> torch.Tensor:
@@ -428,6 +469,25 @@ def _weighted_gated(act: Callable) -> Callable:
 
 #: The experts' gate/up epilogue per named activation: one function each, so a call's trace is remembered.
 _WEIGHTED_GATED = {name: _weighted_gated(act) for name, act in ACTIVATIONS.items()}
+
+
+def _expert_programs(activation: str, weight_grad: bool = True) -> tuple[Callable, Callable]:
+    """The experts' :func:`_programs`: (the gate/up projection's forward epilogue ``act(gate) * up * weight``
+    storing gate and up, the backward epilogue of ``dh = d_rows @ w_down``: d gate and d up, and with
+    ``weight_grad`` the routing weight's gradient as a row sum, ``d_weight``)."""
+    key = ("experts", activation, weight_grad)
+    programs = _PROGRAMS.get(key)
+    if programs is None:
+        weighted = _WEIGHTED_GATED[activation]
+        graph = gated_epilogue(weighted).trace({"weight": "col"})
+        operands = ("weight",) if weight_grad else ()
+        backward = read_from_accumulator(gradient_graph(graph, {"D": "bf16"}, operands, saved_acc=True), "D")
+
+        def forward(gate, up, weight: ColVector):
+            return {"D": weighted(gate, up, weight), SAVED["acc"]: gate, SAVED["acc_up"]: up}
+
+        programs = _PROGRAMS[key] = (forward, replay_epilogue(backward, "experts_backward"))
+    return programs
 
 
 def _check_weights(w1: torch.Tensor, w2: torch.Tensor, d: int, gated: bool = False) -> None:

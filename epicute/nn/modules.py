@@ -36,7 +36,7 @@ from epicute.epilogue.gated import interleave_gate_up, split_gate_up
 from epicute.errors import ConfigError, EpilogueError, ShapeError
 from epicute.nn import functional as EF
 from epicute.nn.fp8 import RECIPES as FP8_RECIPES
-from epicute.nn.fp8 import fp8_gated_mlp, fp8_linear
+from epicute.nn.fp8 import fp8_gated_mlp, fp8_linear, fp8_moe_experts
 from epicute.nn.kv_cache import PagedKVCache, attention_with_kvcache
 
 
@@ -150,8 +150,10 @@ class MoEExperts(nn.Module):
     ``e = top_k_index[t, j]``, ``w = top_k_weights`` (:func:`epicute.nn.functional.moe_experts`).
 
     ``gate_up`` ``(E, 2I, H)`` holds each expert's gate and up weights interleaved in blocks of 8, built once at load
-    and trained as such (no copy per call); ``down_proj`` ``(E, H, I)``. ``state_dict()`` gives transformers' keys and
-    layout (``gate_up_proj`` ``[gate; up]``, ``down_proj``); ``load_state_dict`` takes them.
+    and trained as such (no copy per call); ``down_proj`` ``(E, H, I)``. ``fp8="blockwise"`` trains them in fp8:
+    the six grouped GEMMs of a step on fp8 inputs, the weights kept in their dtype
+    (:func:`epicute.nn.fp8_moe_experts`). ``state_dict()`` gives transformers' keys and layout (``gate_up_proj``
+    ``[gate; up]``, ``down_proj``); ``load_state_dict`` takes them.
 
     Example:
         >>> import torch
@@ -171,6 +173,7 @@ class MoEExperts(nn.Module):
         intermediate_size: int,
         activation: str = "silu",
         *,
+        fp8: str | None = None,
         device: Any = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -178,6 +181,13 @@ class MoEExperts(nn.Module):
         _check_gated_width(intermediate_size)
         if activation not in EF.ACTIVATIONS:
             raise EpilogueError(f"activation={activation!r}: MoEExperts takes one of {sorted(EF.ACTIVATIONS)}")
+        if fp8 not in (None, "blockwise"):
+            raise ConfigError(f"fp8={fp8!r}: the experts train in fp8 with 'blockwise' scales (or None: bf16)")
+        if fp8 and (hidden_size % 128 or intermediate_size % 64):
+            raise ShapeError(f"hidden_size={hidden_size}, intermediate_size={intermediate_size}: fp8 experts need "
+                             "multiples of 128 and 64 (each expert's weight rows are whole 128 x 128 "
+                             "blocks)")  # fmt: skip
+        self.fp8 = fp8
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.activation = activation
         bound_in, bound_mid = hidden_size**-0.5, intermediate_size**-0.5  # nn.Linear's default bounds, per expert
@@ -203,12 +213,16 @@ class MoEExperts(nn.Module):
         return layer
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.fp8 is not None:
+            return fp8_moe_experts(hidden_states, self.gate_up, self.down_proj, top_k_index, top_k_weights,
+                                   self.activation, recipe=self.fp8)  # fmt: skip
         return EF.moe_experts(hidden_states, self.gate_up, self.down_proj, top_k_index, top_k_weights,
                               activation=self.activation, interleaved=True)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, activation={self.activation}")  # fmt: skip
+                f"intermediate_size={self.intermediate_size}, activation={self.activation}"
+                + (f", fp8={self.fp8!r}" if self.fp8 else ""))  # fmt: skip
 
 
 def top_k_routing(router_logits: torch.Tensor, top_k: int, normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

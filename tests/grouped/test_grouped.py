@@ -50,6 +50,21 @@ def test_reference_is_the_per_group_product():
     assert rel_err(d, per_group(a, b, offsets)) < 1e-2
 
 
+def test_rows_past_the_last_group_belong_to_none():
+    """A buffer with room (the last group ending before total_M): its rows past the groups are not written (NaN from
+    the reference without ``out``; ``out``'s own values with it), row reductions too."""
+    a, b, offsets = operands([3, 0, 5])
+    a = torch.cat([a, torch.randn(6, 40, dtype=torch.bfloat16)])
+    d = epicute.grouped_gemm(a, b, offsets, backend="reference")
+    assert d.shape == (14, 24) and d[8:].isnan().all() and rel_err(d[:8], per_group(a[:8], b, offsets)) < 1e-2
+    out = torch.full((14, 24), 7.0, dtype=torch.bfloat16)
+    epicute.grouped_gemm(a, b, offsets, out=out, backend="reference")
+    assert (out[8:] == 7.0).all() and rel_err(out[:8], per_group(a[:8], b, offsets)) < 1e-2
+    sums = epicute.grouped_gemm(a, b, offsets, epilogue=lambda acc: {"D": acc, "s": ops.row_sum(acc)},
+                                backend="reference")["s"]  # fmt: skip
+    assert sums.shape == (14,) and sums[8:].isnan().all()
+
+
 def test_reference_epilogue_sees_each_rows_group():
     sizes = [3, 0, 5, 2]
     a, b, offsets = operands(sizes)
@@ -78,7 +93,7 @@ BAD = {
         "offsets[1:]",
     ),
     "offsets_decrease": (lambda a, b, o: (a, b, torch.tensor([5, 3, 10], dtype=torch.int32)), ShapeError, "decrease"),
-    "offsets_short": (lambda a, b, o: (a, b, torch.tensor([2, 4, 9], dtype=torch.int32)), ShapeError, "total_M"),
+    "offsets_past_m": (lambda a, b, o: (a, b, torch.tensor([2, 4, 11], dtype=torch.int32)), ShapeError, "total_M"),
     "offsets_negative": (lambda a, b, o: (a, b, torch.tensor([-1, 4, 10], dtype=torch.int32)), ShapeError, "negative"),
     "a_3d": (lambda a, b, o: (a[None], b, o), ShapeError, "2-D"),
     "b_4d": (lambda a, b, o: (a, b[None], o), ShapeError, "(G, K, N)"),
@@ -303,7 +318,7 @@ VARIABLE_K_BAD = {
     "a_row_major": (lambda x, dy, o: (x.t().contiguous(), dy, o), AlignmentError, "x.t()"),
     "b_column_major": (lambda x, dy, o: (x.t(), dy.t().contiguous().t(), o), AlignmentError, "row-major (total_K, N)"),
     "k_mismatch": (lambda x, dy, o: (x.t(), dy[:-1], o), ShapeError, "K="),
-    "offsets_short": (lambda x, dy, o: (x.t(), dy, torch.tensor([2, 4], dtype=torch.int32)), ShapeError, "total_K"),
+    "offsets_past_k": (lambda x, dy, o: (x.t(), dy, torch.tensor([4, 12], dtype=torch.int32)), ShapeError, "total_K"),
     "gated": (lambda x, dy, o: (x.t(), dy, o), EpilogueError, "variable K"),
 }
 
@@ -407,7 +422,6 @@ FP8_BAD = {
         DtypeError,
         "dequantize fp8 inputs",
     ),  # fmt: skip
-    "variable_k": (lambda x, b, o, sa, sb: ((x.t(), x, o), {"a_scale": sa, "b_scale": sb}), DtypeError, "variable K"),
 }
 
 
@@ -435,6 +449,78 @@ def test_fp8_blockwise_variants_compile_for_sm90a(case):
     )[2]  # fmt: skip
     variant = prepare(request).variant()
     assert variant.block_scaled and variant.config.tile_k == 128
+    compile_grouped(variant)
+
+
+# ---- fp8 variable K (weight gradients over groups of 128-row blocks of K)
+
+
+def fp8_variable_k_operands(sizes, m=200, n=136, room=0):
+    """K-major fp8 A (M, total_K) and B = t.t() of a row-major (N, total_K) t, their blockwise scales over the whole
+    K (``room`` K rows past the last group), and the group ends."""
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    total = int(offsets[-1]) + room
+    a = torch.randn(m, total).to(torch.float8_e4m3fn)
+    t = torch.randn(n, total).to(torch.float8_e4m3fn)
+    return a, t.t(), offsets, torch.rand(m, total // 128) + 0.5, torch.rand(-(-n // 128), total // 128) + 0.5
+
+
+def reference_fp8_variable_k(a, b, offsets, sa, sb) -> torch.Tensor:
+    """D[g] = (a * its 1x128 scales)[:, rows of g] @ (b * its 128x128 scales)[rows of g, :] in float64."""
+    n = b.shape[1]
+    a64 = a.double() * sa.double().repeat_interleave(128, 1)
+    t64 = b.t().double() * sb.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
+    ends = offsets.tolist()
+    return torch.stack([a64[:, s:e] @ t64[:, s:e].t() for s, e in zip([0, *ends[:-1]], ends)])
+
+
+def test_fp8_variable_k_reference_and_explain():
+    """Groups on 128-row blocks of K (one empty), K rows past the last group read by none."""
+    a, b, offsets, sa, sb = fp8_variable_k_operands([256, 0, 128, 384], room=256)
+    d = epicute.grouped_gemm(a, b, offsets, a_scale=sa, b_scale=sb, out_dtype=torch.float32, backend="reference")
+    want = reference_fp8_variable_k(a, b, offsets, sa, sb)
+    assert d.shape == (4, 200, 136) and (d.double() - want).norm() / want.norm() < 1e-6 and not d[1].any()
+    assert epicute.grouped_gemm(a, b, offsets, a_scale=sa, b_scale=sb, backend="reference").dtype == torch.bfloat16
+    text = io.StringIO()
+    plan = epicute.explain_grouped(a, b, offsets, a_scale=sa, b_scale=sb, file=text)
+    assert plan.problem.ragged == "k" and plan.problem.block_scaled and plan.config.tile_k == 128
+    assert "one TMA descriptor each over the whole K" in text.getvalue() and "gets NaN" in text.getvalue()
+
+
+FP8_VARIABLE_K_BAD = {
+    "offsets_unaligned": (lambda a, b, o, sa, sb: ((a, b, o - 1), {"a_scale": sa, "b_scale": sb}), ShapeError,
+                          "not a multiple of 128"),  # fmt: skip
+    "a_m_major": (lambda a, b, o, sa, sb: ((a.t().contiguous().t(), b, o), {"a_scale": sa, "b_scale": sb}),
+                  AlignmentError, "K-major"),  # fmt: skip
+    "b_n_major": (lambda a, b, o, sa, sb: ((a, b.contiguous(), o), {"a_scale": sa, "b_scale": sb}), AlignmentError,
+                  "row-major \\(N, total_K\\)"),  # fmt: skip
+    "no_scales": (lambda a, b, o, sa, sb: ((a, b, o), {}), DtypeError, "a_scale is missing"),
+    "b_scale_per_group": (lambda a, b, o, sa, sb: ((a, b, o), {"a_scale": sa, "b_scale": sb.expand(3, -1, -1)}),
+                          ShapeError, "whole K|128x128 block"),  # fmt: skip
+    "a_scale_short": (lambda a, b, o, sa, sb: ((a, b, o), {"a_scale": sa[:, :-1], "b_scale": sb}), ShapeError,
+                      "a_scale"),  # fmt: skip
+    "bf16_b": (lambda a, b, o, sa, sb: ((a, b.bfloat16(), o), {"a_scale": sa, "b_scale": sb}), DtypeError, "fp8 b"),
+}
+
+
+@pytest.mark.parametrize("case", list(FP8_VARIABLE_K_BAD))
+def test_fp8_variable_k_bad_arguments_get_typed_errors(case):
+    make, error, words = FP8_VARIABLE_K_BAD[case]
+    args, kwargs = make(*fp8_variable_k_operands([128, 256, 128]))
+    with pytest.raises(error, match=words):
+        epicute.grouped_gemm(*args, **kwargs, backend="reference")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("config", [None, {"cluster_m": 1, "cluster_n": 2}, {"tile_n": 256, "cluster_m": 1}])
+def test_fp8_variable_k_variants_compile_for_sm90a(config):
+    meta = lambda *s, dtype=torch.float8_e4m3fn: torch.empty(*s, dtype=dtype, device="meta")
+    request = describe_grouped_call(
+        meta(4096, 8192), meta(1024, 8192).t(), meta(8, dtype=torch.int32), None, None, None, None, config, {}, False,
+        scales=(meta(4096, 64, dtype=torch.float32), meta(8, 64, dtype=torch.float32)),
+    )[2]  # fmt: skip
+    variant = prepare(request).variant()
+    assert variant.ragged_k and variant.block_scaled and (variant.a_major, variant.b_major) == ("k", "k")
     compile_grouped(variant)
 
 

@@ -14,7 +14,7 @@ import epicute
 from epicute import ops
 from epicute.epilogue.gated import split_gate_up
 from tests.conftest import rel_err
-from tests.grouped.test_grouped import reference_fp8
+from tests.grouped.test_grouped import fp8_variable_k_operands, reference_fp8, reference_fp8_variable_k
 
 pytestmark = pytest.mark.gpu
 
@@ -630,3 +630,52 @@ def test_a_paired_d_holds_d_up_in_its_odd_blocks(name, gated):
     assert d.shape == (total, 2 * n)
     d_half, up_half = split_gate_up(d.double())
     assert rel_err(d_half, want[0]) < BF16_TOL and rel_err(up_half, want[1]) < BF16_TOL
+
+
+# ---- fp8 variable K: weight gradients over groups of 128-row blocks of K
+
+FP8_VARIABLE_K_CONFIGS = {
+    "planned": None,
+    "cluster_1x2": {"cluster_m": 1, "cluster_n": 2},
+    "persistent_2x1": {"cluster_m": 2, "cluster_n": 1, "persistent": True, "tile_n": 128},
+    "tile_n_256": {"cluster_m": 1, "cluster_n": 1, "tile_n": 256},
+}
+
+
+@pytest.mark.parametrize("config", list(FP8_VARIABLE_K_CONFIGS))
+def test_fp8_variable_k_weight_gradient(config):
+    """dW[g] over each group's 128-row blocks of K (empty groups give zeros; K rows past the last group, NaN in
+    both operands' values, are read by none); fp32 D NaN-poisoned; M and N not tile multiples."""
+    sizes = [256, 0, 128, 1024, 0, 384]
+    a, b, offsets, sa, sb = fp8_variable_k_operands(sizes, m=328, n=200, room=256)
+    a[:, -200:] = float("nan")  # past the last group
+    b[-200:] = float("nan")
+    want = reference_fp8_variable_k(a, b, offsets, sa, sb)
+    a, b, offsets, sa, sb = (t.cuda() for t in (a, b, offsets, sa, sb))
+    out = torch.full((len(sizes), 328, 200), float("nan"), device="cuda")
+    d = epicute.grouped_gemm(a, b, offsets, a_scale=sa, b_scale=sb, out=out, config=FP8_VARIABLE_K_CONFIGS[config])
+    assert d.data_ptr() == out.data_ptr() and rel_err(d.cpu(), want) < FP8_FP32_TOL
+    assert not d[1].any() and not d[4].any()
+
+
+def test_fp8_variable_k_unaligned_groups_get_nan():
+    """Offsets the host never read (on the GPU, unchecked) that split a 128-row block: that group's D is NaN, the
+    aligned groups' are right."""
+    a, b, offsets, sa, sb = fp8_variable_k_operands([256, 256, 128])
+    want = reference_fp8_variable_k(a, b, offsets, sa, sb)
+    bad = torch.tensor([256, 300, 640], dtype=torch.int32)  # group 1 ends, and group 2 starts, inside a block
+    d = epicute.grouped_gemm(a.cuda(), b.cuda(), bad.cuda(), a_scale=sa.cuda(), b_scale=sb.cuda(),
+                             out_dtype=torch.float32)  # fmt: skip
+    assert d[1].isnan().all() and d[2].isnan().all() and rel_err(d[0].cpu(), want[0]) < FP8_FP32_TOL
+
+
+def test_rows_past_the_last_group_keep_their_values():
+    """A buffer with room: groups end before total_M; D's rows past them keep their poison, the rest is right."""
+    sizes = [129, 0, 300, 17]
+    offsets = offsets_of(sizes)
+    total = int(offsets[-1])
+    a = torch.randn(total + 200, 136, device="cuda", dtype=torch.bfloat16)
+    b = weights(len(sizes), 264, 136, "k")
+    out = torch.full((total + 200, 264), float("nan"), device="cuda", dtype=torch.bfloat16)
+    epicute.grouped_gemm(a, b, offsets, out=out)
+    assert rel_err(out[:total], reference(a[:total], b, offsets)) < BF16_TOL and out[total:].isnan().all()

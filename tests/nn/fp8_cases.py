@@ -56,3 +56,38 @@ def gated_errors(recipe: str, tokens: int, d: int, hidden: int, device: str) -> 
     assert y.dtype == x.dtype and w_gate_up.grad.dtype == w_gate_up.dtype
     return {"y": rel(y.detach(), want.detach()), "dx": rel(x.grad, x64.grad),
             "dw_gate_up": rel(w_gate_up.grad, want_gate_up), "dw_down": rel(w_down.grad, d64.grad)}  # fmt: skip
+
+
+def moe_errors(tokens: int, experts: int, hidden: int, intermediate: int, top_k: int, device: str,
+               skip_expert: bool = True) -> dict[str, float]:  # fmt: skip
+    """Relative errors of the output and every gradient (x, gate_up, down_proj, top_k_weights) of
+    :func:`epicute.nn.fp8_moe_experts` (SwiGLU experts, top-k routing) against float64 autograd of
+    ``sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``. ``skip_expert``: no token routes to the last expert
+    (an empty group in every GEMM). Each GEMM rounds its inputs to e4m3: :data:`TOL` bounds it as for the MLP."""
+    from epicute import interleave_gate_up
+    from epicute.nn import fp8_moe_experts
+
+    x = torch.randn(tokens, hidden, device=device).to(torch.bfloat16).requires_grad_()
+    gate, up = ((torch.randn(experts, intermediate, hidden, device=device) * hidden**-0.5).to(torch.bfloat16)
+                for _ in range(2))  # fmt: skip
+    down = (torch.randn(experts, hidden, intermediate, device=device) * intermediate**-0.5).to(torch.bfloat16)
+    down.requires_grad_()
+    gate_up = interleave_gate_up(gate, up).requires_grad_()
+    used = experts - 1 if skip_expert else experts
+    logits = torch.randn(tokens, used, device=device)
+    weights, index = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    weights = weights.requires_grad_()
+    upstream = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    y = fp8_moe_experts(x, gate_up, down, index, weights)
+    y.backward(upstream)
+    x64, g64, u64, d64, w64 = (t.detach().double().requires_grad_() for t in (x, gate, up, down, weights))
+    want = torch.zeros(tokens, hidden, dtype=torch.float64, device=device)
+    for j in range(top_k):
+        e = index[:, j]
+        h = torch.nn.functional.silu(torch.einsum("th,tih->ti", x64, g64[e])) * torch.einsum("th,tih->ti", x64, u64[e])
+        want = want + w64[:, j : j + 1] * torch.einsum("ti,thi->th", h, d64[e])
+    want.backward(upstream.double())
+    assert y.dtype == x.dtype and gate_up.grad.dtype == gate_up.dtype and down.grad.dtype == down.dtype
+    return {"y": rel(y.detach(), want.detach()), "dx": rel(x.grad, x64.grad),
+            "d_gate_up": rel(gate_up.grad, interleave_gate_up(g64.grad, u64.grad)), "d_down": rel(down.grad, d64.grad),
+            "d_weights": rel(weights.grad, w64.grad)}  # fmt: skip
