@@ -109,11 +109,26 @@ def _checked_offsets(offsets, groups: int, total: int, device, check_offsets: bo
     return offsets
 
 
+#: Variable K's operand majors, 16-bit and fp8: (a's, b's, why, a's fix, b's fix). 16-bit: groups start at any K row,
+#: and a TMA box may start there only along a strided dimension. fp8: WGMMA reads 8-bit operands K-major only, so
+#: groups lie on 128-row blocks of K instead (the offsets' check), where no clipping is needed.
+_RAGGED_K_MAJORS = {
+    False: ("m", "n",
+            ("with variable K each group's K rows start anywhere, which TMA can read only along a strided "
+             "dimension"),
+            "pass a as x.t() of a row-major (total_K, M) x", "pass a row-major (total_K, N) b (b.contiguous())"),
+    True: ("k", "k", "WGMMA reads 8-bit operands K-major only",
+           "pass a row-major (M, total_K) a (the transposed tokens, e.g. epicute.quantize(x, transpose=True))",
+           "pass b as t.t() of a row-major (N, total_K) t"),
+}  # fmt: skip
+
+
 def _check_ragged_k(a, b, offsets, out, out_dtype, check_offsets: bool, gated: bool, scales: tuple) -> GroupedCall:
-    """Variable K: ``D[g] = a[:, rows of g] @ b[rows of g, :]`` with a ``(M, total_K)``, b ``(total_K, N)``. Groups
-    start at any K row, and a TMA box may start there only along a strided dimension: a is M-major (``x.t()`` of a
-    row-major ``(total_K, M)`` x), b row-major. fp8 (:func:`_check_ragged_k_fp8`): both K-major, groups on 128-row
-    blocks of K."""
+    """Variable K: ``D[g] = a[:, rows of g] @ b[rows of g, :]`` with a ``(M, total_K)``, b ``(total_K, N)``, majors
+    as :data:`_RAGGED_K_MAJORS` says: 16-bit a M-major (``x.t()`` of a row-major ``(total_K, M)`` x) and b
+    row-major; fp8 both K-major (the tile quantizer's transposed tokens, and ``t.t()`` of a row-major
+    ``(N, total_K)`` t) with blockwise scales over the whole K, every group starting and ending on a 128-row block
+    of K (checked where the offsets are read; the kernel gives NaN for a group that does not)."""
     m, total_k = a.shape
     kb, n = b.shape
     if kb != total_k:
@@ -128,69 +143,29 @@ def _check_ragged_k(a, b, offsets, out, out_dtype, check_offsets: bool, gated: b
                             "projections (b (G, K, 2N)); compute weight gradients without gated")  # fmt: skip
     fp8 = a.dtype in FP8_TORCH_DTYPES
     offsets = _checked_offsets(offsets, groups, total_k, a.device, check_offsets, "K row", BLOCK_K if fp8 else 1)
-    if fp8:
-        return _check_ragged_k_fp8(a, b, offsets, out, out_dtype, scales)
-    out_dtype = resolve_out_dtype(out, out_dtype, a.dtype)
-    a3, b3 = a.unsqueeze(0), b.unsqueeze(0)
-    if total_k > 1 and m > 1 and _major(a3, "a", "k", "m") != "m":
-        raise AlignmentError(
-            f"a has strides {tuple(a.stride())}: with variable K each group's K rows start anywhere, which TMA can "
-            "read only along a strided dimension: pass a as x.t() of a row-major (total_K, M) x"
-        )
-    if total_k > 1 and n > 1 and _major(b3, "b", "n", "k") != "n":
-        raise AlignmentError(
-            f"b has strides {tuple(b.stride())}: with variable K each group's K rows start anywhere, which TMA can "
-            "read only along a strided dimension: pass a row-major (total_K, N) b (b.contiguous())"
-        )
-    out3 = _ragged_k_out(out, groups, m, n, a, b)
-    problem = GroupedProblem(m, n, total_k, groups, TORCH_TO_IR[a.dtype], TORCH_TO_IR[out_dtype], "m", "n", False, "k")
-    if m and n and total_k:
-        a3 = _check_tma_strides(a3, "a", 1, "LMK")
-        b3 = _check_tma_strides(b3, "b", 2, "LKN")
-    if m and n:
-        out3 = check_d_rows(out3, n, out_dtype)
-    return GroupedCall(problem, a3, b3, offsets, out3, out_dtype)
-
-
-def _ragged_k_out(out, groups: int, m: int, n: int, a, b):
-    if out is not None:
-        check_out_placement(out, (groups, m, n), f"the variable-K grouped GEMM writes {(groups, m, n)}", a, b)
-    return out
-
-
-def _check_ragged_k_fp8(a, b, offsets, out, out_dtype, scales: tuple) -> GroupedCall:
-    """fp8 variable K: WGMMA reads 8-bit operands K-major, so a is a row-major ``(M, total_K)`` (the tile
-    quantizer's transposed tokens) and b ``(total_K, N)`` K-major (``t.t()`` of a row-major ``(N, total_K)``
-    ``t``), with blockwise scales over the whole K; every group starts and ends on a 128-row block of K
-    (checked where the offsets are read; the kernel gives NaN for a group that does not)."""
-    m, total_k = a.shape
-    n = b.shape[1]
-    groups = offsets.shape[0]
-    if total_k % TMA_ALIGN_BYTES:
+    if fp8 and total_k % TMA_ALIGN_BYTES:
         raise AlignmentError(f"K = {total_k} with fp8 inputs: TMA moves 16-byte rows of A and B, so the total K must "
                              "be a multiple of 16 (groups of 128-row blocks make it one)")  # fmt: skip
+    a_major, b_major, why, a_fix, b_fix = _RAGGED_K_MAJORS[fp8]
     a3, b3 = a.unsqueeze(0), b.unsqueeze(0)
-    if total_k > 1 and m > 1 and _major(a3, "a", "k", "m") != "k":
-        raise AlignmentError(
-            f"fp8 a has strides {tuple(a.stride())}: WGMMA reads 8-bit operands K-major only; pass a row-major "
-            "(M, total_K) a (the transposed tokens, e.g. epicute.quantize(x, transpose=True))"
-        )
-    if total_k > 1 and n > 1 and _major(b3, "b", "n", "k") != "k":
-        raise AlignmentError(
-            f"fp8 b has strides {tuple(b.stride())}: WGMMA reads 8-bit operands K-major only; pass b as t.t() of a "
-            "row-major (N, total_K) t"
-        )
-    block_scales = ragged_k_block_scales(scales[0], scales[1], m, n, total_k, a.device)
-    out_dtype = resolve_out_dtype(out, out_dtype, torch.bfloat16)  # an fp8 D would drop what the scales carry
-    out3 = _ragged_k_out(out, groups, m, n, a, b)
+    if total_k > 1 and m > 1 and _major(a3, "a", "k", "m") != a_major:
+        raise AlignmentError(f"a has strides {tuple(a.stride())}: {why}: {a_fix}")
+    if total_k > 1 and n > 1 and _major(b3, "b", "n", "k") != b_major:
+        raise AlignmentError(f"b has strides {tuple(b.stride())}: {why}: {b_fix}")
+    block_scales = ragged_k_block_scales(scales[0], scales[1], m, n, total_k, a.device) if fp8 else None
+    # fp8 inputs give bf16 by default: an fp8 D would drop what the scales carry.
+    out_dtype = resolve_out_dtype(out, out_dtype, torch.bfloat16 if fp8 else a.dtype)
+    if out is not None:
+        check_out_placement(out, (groups, m, n), f"the variable-K grouped GEMM writes {(groups, m, n)}", a, b)
     b_dtype = TORCH_TO_IR[b.dtype] if b.dtype != a.dtype else ""
-    problem = GroupedProblem(m, n, total_k, groups, TORCH_TO_IR[a.dtype], TORCH_TO_IR[out_dtype], "k", "k", False,
-                             "k", b_dtype=b_dtype, block_scaled=True)  # fmt: skip
+    problem = GroupedProblem(m, n, total_k, groups, TORCH_TO_IR[a.dtype], TORCH_TO_IR[out_dtype], a_major, b_major,
+                             False, "k", b_dtype=b_dtype, block_scaled=fp8)  # fmt: skip
     if m and n and total_k:
-        a3 = _check_tma_strides(a3, "a", 2, "LMK")
-        b3 = _check_tma_strides(b3, "b", 1, "LKN")
-        out3 = check_d_rows(out3, n, out_dtype)
-    return GroupedCall(problem, a3, b3, offsets, out3, out_dtype, block_scales)
+        a3 = _check_tma_strides(a3, "a", 2 if a_major == "k" else 1, "LMK")
+        b3 = _check_tma_strides(b3, "b", 2 if b_major == "n" else 1, "LKN")
+    if m and n:
+        out = check_d_rows(out, n, out_dtype)
+    return GroupedCall(problem, a3, b3, offsets, out, out_dtype, block_scales)
 
 
 def check_grouped_args(

@@ -65,13 +65,17 @@ def _quantized(x: torch.Tensor, rows: str | None, columns: str | None):
     return made_rows, made_columns
 
 
-def _product(a, b, recipe: str, **gemm_args):
+def _product(a, b, recipe: str, offsets: torch.Tensor | None = None, **gemm_args):
     """``a @ b.T`` of two quantized ``(q, scales)`` operands, ``a`` ``(M, K)`` and ``b`` ``(N, K)`` both along
-    their K (B is read K-major, as the fp8 GEMM takes it); ``gemm_args``: the GEMM's output dtype or epilogue."""
-    from epicute import gemm
+    their K (B is read K-major, as the fp8 GEMM takes it); ``gemm_args``: the GEMM's output dtype or epilogue.
+    With ``offsets``, the variable-K grouped GEMM of a weight gradient: ``D[e] = a[:, K of e] @ b[:, K of e].T``."""
+    from epicute import gemm, grouped_gemm
 
     (qa, sa), (qb, sb) = a, b
-    return gemm(qa, qb.t(), a_scale=sa, b_scale=sb.t() if recipe == "rowwise" else sb, **gemm_args)
+    sb = sb.t() if recipe == "rowwise" else sb
+    if offsets is not None:
+        return grouped_gemm(qa, qb.t(), offsets, a_scale=sa, b_scale=sb, **gemm_args)
+    return gemm(qa, qb.t(), a_scale=sa, b_scale=sb, **gemm_args)
 
 
 def _flat(*pairs):
@@ -214,12 +218,17 @@ def fp8_moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down_proj: torch.Ten
     - weight gradients: variable-K fp8 grouped GEMMs over each expert's padded tokens (zero rows add nothing).
 
     ``H`` must be a multiple of 128 and ``I`` of 64 (each expert's weight rows whole 128-row blocks)."""
-    from epicute.nn.functional import Routing, _Combine
+    from epicute.nn.functional import Routing, _Combine, check_routing
+    from epicute.nn.parallel import is_distributed
 
     if recipe != "blockwise":
         raise ConfigError(f"recipe={recipe!r}: the fp8 experts take the blockwise recipe (DeepSeek-V3's), whose "
                           "scales the grouped GEMMs apply in their mainloops")  # fmt: skip
-    if gate_up.dim() != 3 or down_proj.dim() != 3 or x.dim() != 2:
+    if is_distributed(gate_up) or is_distributed(down_proj):
+        raise ConfigError("fp8 experts with DTensor weights (a tensor-parallel plan): not built; train sharded "
+                          "experts in bf16 (MoEExperts without fp8)")  # fmt: skip
+    check_routing(x, top_k_index, top_k_weights)
+    if gate_up.dim() != 3 or down_proj.dim() != 3:
         raise ShapeError(f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down_proj {tuple(down_proj.shape)}: "
                          "need (T, H), (E, 2I, H) and (E, H, I)")  # fmt: skip
     experts, two_i, hidden = gate_up.shape
@@ -299,7 +308,7 @@ class _Fp8Experts(torch.autograd.Function):
         dd_rows, dd_columns = _quantized(d_rows.contiguous(), "groups" if needs[0] or needs[1] or needs[3] else None,
                                          "groups" if needs[2] else None)  # fmt: skip
         if needs[2]:  # dW_down[e] = d_rows[e]^T @ h[e], over the expert's padded tokens
-            d_down = _ragged_product(dd_columns, h_columns, route.offsets, ctx.dtypes[2])
+            d_down = _product(dd_columns, h_columns, "blockwise", route.offsets, out_dtype=ctx.dtypes[2])
         if needs[0] or needs[1] or needs[3]:
             # dh = d_rows @ w_down with the activation's derivative in its epilogue: d gate and d up interleaved (as
             # gate_up's rows), and the routing weight's gradient.
@@ -316,17 +325,9 @@ class _Fp8Experts(torch.autograd.Function):
                 dx = _sum_slots(dx_rows, route.slot_of, route.top_k)
             if needs[1]:  # dW_gate_up[e] = dacc[e]^T @ x[tokens of e]
                 x_columns = _quantized(x[route.token_of_row], None, "blocks")[1]
-                d_gate_up = _ragged_product(dacc_columns, x_columns, route.offsets, ctx.dtypes[1])
+                d_gate_up = _product(dacc_columns, x_columns, "blockwise", route.offsets, out_dtype=ctx.dtypes[1])
         return dx, d_gate_up, d_down, d_weight, None, None
 
-
-def _ragged_product(a, b, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``D[e] = a[:, tokens of e] @ b[:, tokens of e].T`` of two operands quantized along the padded tokens
-    (``(q, scales)``, K-major): the variable-K fp8 grouped GEMM of a weight gradient."""
-    from epicute import grouped_gemm
-
-    (qa, sa), (qb, sb) = a, b
-    return grouped_gemm(qa, qb.t(), offsets, a_scale=sa, b_scale=sb, out_dtype=out_dtype)
 
 
 __all__ = ["EXPERT_ROWS_ALIGN", "RECIPES", "fp8_gated_mlp", "fp8_linear", "fp8_moe_experts"]

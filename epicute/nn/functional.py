@@ -352,9 +352,7 @@ def moe_experts(
     ``epicute.interleave_gate_up(gate, up)`` ``(E, 2I, H)``, built once by a layer that owns and trains it (no copy
     per call, none of its gradient).
     """
-    if x.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != x.shape[0]:
-        raise ShapeError(f"x {tuple(x.shape)}, top_k_index {tuple(top_k_index.shape)} and top_k_weights "
-                         f"{tuple(top_k_weights.shape)}: need (T, H), (T, k) and (T, k)")  # fmt: skip
+    check_routing(x, top_k_index, top_k_weights)
     if is_distributed(gate_up_proj):  # every expert split by features (epicute.nn.parallel.GatedMLPParallel)
         if not interleaved:
             raise ConfigError("gate_up_proj is a DTensor with interleaved=False: its [gate; up] halves split by rows "
@@ -369,6 +367,14 @@ def moe_experts(
                      weight=route.weight)  # fmt: skip
     down = grouped_gemm(h, down_proj.transpose(-2, -1), route.offsets)
     return _Combine.apply(down, *route.pairs)
+
+
+def check_routing(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+    """The experts' tokens and routing: ``x`` ``(T, H)``, ``top_k_index`` and ``top_k_weights`` ``(T, k)``."""
+    if x.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2 or \
+            top_k_index.shape[0] != x.shape[0]:  # fmt: skip
+        raise ShapeError(f"x {tuple(x.shape)}, top_k_index {tuple(top_k_index.shape)} and top_k_weights "
+                         f"{tuple(top_k_weights.shape)}: need (T, H), (T, k) and (T, k)")  # fmt: skip
 
 
 @dataclass(frozen=True)

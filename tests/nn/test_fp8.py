@@ -100,6 +100,9 @@ def test_the_layer_switch_trains_and_keeps_its_state_dict(make, features):
         (lambda: fp8_moe_experts(torch.ones(3, 128), torch.ones(2, 128, 128), torch.ones(2, 128, 64),
                                  torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1), recipe="rowwise"),
          epicute.ConfigError, "blockwise recipe"),
+        (lambda: fp8_moe_experts(torch.ones(3, 128), torch.ones(2, 128, 128), torch.ones(2, 128, 64),
+                                 torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2)), epicute.ShapeError,
+         r"need \(T, H\), \(T, k\)"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_refused(call, error, match):

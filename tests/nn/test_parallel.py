@@ -190,6 +190,13 @@ def _refusals(rank: int, world: int) -> None:
     assert _rel(y, want[:, rank * columns : (rank + 1) * columns]) < TOL
     assert torch.equal(_full(sharded.grad), torch.ones_like(residual))
 
+    from epicute.nn import fp8_moe_experts
+
+    gate_up = distribute_tensor(torch.randn(2, 256, 128, dtype=BF16), mesh, [Shard(1)])
+    with pytest.raises(epicute.ConfigError, match="fp8 experts with DTensor weights"):
+        fp8_moe_experts(torch.randn(4, 128, dtype=BF16), gate_up, torch.randn(2, 128, 128, dtype=BF16),
+                        torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1))  # fmt: skip
+
 
 def test_what_a_sharded_layer_cannot_fuse_is_refused_and_a_sharded_operand_fuses():
     spawn(_refusals, 2)
