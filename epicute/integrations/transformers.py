@@ -40,41 +40,58 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_ta
 
 
 def patch(
-    model: nn.Module, *, mlps: bool = True, linears: bool = False, experts: bool = True, attention: bool = True
-) -> dict[str, int]:
+    model: nn.Module, *, mlps: bool = True, linears: bool = False, experts: bool = True, attention: bool = True,
+    fp8: str | None = None,
+) -> dict[str, int]:  # fmt: skip
     """Swap ``model``'s gated MLPs (and, with ``linears``, its other ``nn.Linear`` layers) and its MoE experts
     (Mixtral, Qwen3-MoE) for epicute's layers, in place, and run its attention on :func:`epicute.attention`
     (:func:`attention_forward`, ``attn_implementation="epicute"``). Patch before building the optimizer: the
     experts' gate/up weight becomes a new (interleaved) parameter.
 
-    Returns how many modules of each kind were swapped or switched. A gated MLP with biases or an activation epicute
-    lacks is left as it is (and not counted). Raises :class:`~epicute.errors.ConfigError` for a transformers version
-    outside :data:`SUPPORTED`.
+    ``fp8="blockwise"`` trains every swapped layer in fp8 (DeepSeek-V3's recipe: :mod:`epicute.nn.fp8`) but the
+    output embedding (``lm_head``: its logits stay in the model's dtype, as fp8 training recipes keep them); the
+    master weights stay in their dtype. A layer fp8 cannot take (sizes: multiples of 16; experts' hidden size of
+    128 and intermediate size of 64) raises the layer's :class:`~epicute.errors.ShapeError`.
+
+    Returns how many modules of each kind were swapped or switched (``"fp8"``: how many of them train in fp8). A
+    gated MLP with biases or an activation epicute lacks is left as it is (and not counted). Raises
+    :class:`~epicute.errors.ConfigError` for a transformers version outside :data:`SUPPORTED`, or an ``fp8``
+    recipe other than ``"blockwise"``.
     """
     _check_version()
-    swapped = {"GatedMLP": 0, "Linear": 0, "MoEExperts": 0, "attention": 0}
+    if fp8 not in (None, "blockwise"):
+        raise ConfigError(f"fp8={fp8!r}: patch trains in fp8 with 'blockwise' scales, the recipe every epicute layer "
+                          "takes (or None: the model's dtype)")  # fmt: skip
+    swapped = {"GatedMLP": 0, "Linear": 0, "MoEExperts": 0, "attention": 0, "fp8": 0}
     if attention:
         swapped["attention"] = _use_epicute_attention(model)
-    for parent in list(model.modules()):
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def swap_children(parent: nn.Module) -> None:  # a swapped module's own children stay as they were
         for name, child in list(parent.named_children()):
-            replacement = _replacement(child, mlps, linears, experts)
-            if replacement is not None:
-                setattr(parent, name, replacement)
-                swapped[type(replacement).__name__] += 1
+            replacement = _replacement(child, mlps, linears, experts, None if child is head else fp8)
+            if replacement is None:
+                swap_children(child)
+                continue
+            setattr(parent, name, replacement)
+            swapped[type(replacement).__name__] += 1
+            swapped["fp8"] += replacement.fp8 is not None
+
+    swap_children(model)
     return swapped
 
 
-def _replacement(module: nn.Module, mlps: bool, linears: bool, experts: bool) -> nn.Module | None:
+def _replacement(module: nn.Module, mlps: bool, linears: bool, experts: bool, fp8: str | None) -> nn.Module | None:
     if experts and _is_experts(module):
         activation = ACTIVATIONS.get(_hidden_act(module))
         if activation is not None:
-            return MoEExperts.from_experts(module, activation)
+            return MoEExperts.from_experts(module, activation, fp8=fp8)
     if mlps and _is_gated_mlp(module):
         activation = ACTIVATIONS.get(_hidden_act(module))
         if activation is not None:
-            return GatedMLP.from_projections(module.gate_proj, module.up_proj, module.down_proj, activation)
+            return GatedMLP.from_projections(module.gate_proj, module.up_proj, module.down_proj, activation, fp8=fp8)
     if linears and type(module) is nn.Linear:
-        return Linear.from_linear(module)
+        return Linear.from_linear(module, fp8=fp8)
     return None
 
 

@@ -69,9 +69,9 @@ class Linear(nn.Linear):
         self.epilogue, self.fp8 = epilogue, fp8
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, epilogue: Callable | None = None) -> Linear:
-        """The same layer (its parameters shared, not copied) on epicute's GEMM."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, epilogue=epilogue,
+    def from_linear(cls, linear: nn.Linear, epilogue: Callable | None = None, *, fp8: str | None = None) -> Linear:
+        """The same layer (its parameters shared, not copied) on epicute's GEMM (``fp8``: trained in fp8)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, epilogue=epilogue, fp8=fp8,
                     device="meta", dtype=linear.weight.dtype)  # fmt: skip
         layer.weight = linear.weight
         layer.bias = linear.bias
@@ -123,14 +123,17 @@ class GatedMLP(nn.Module):
 
     @classmethod
     def from_projections(
-        cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, activation: str | Callable = "silu"
-    ) -> GatedMLP:
-        """A GatedMLP holding these projections' weights (copied once into the interleaved layout)."""
+        cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, activation: str | Callable = "silu", *,
+        fp8: str | None = None,
+    ) -> GatedMLP:  # fmt: skip
+        """A GatedMLP holding these projections' weights (copied once into the interleaved layout; ``fp8``: trained
+        in fp8)."""
         for name, proj in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
             if proj.bias is not None:
                 raise ShapeError(f"{name} has a bias; GatedMLP's projections have none (mlp_bias=False)")
         weight = gate_proj.weight
-        mlp = cls(gate_proj.in_features, gate_proj.out_features, activation, device="meta", dtype=weight.dtype)
+        mlp = cls(gate_proj.in_features, gate_proj.out_features, activation, device="meta", dtype=weight.dtype,
+                  fp8=fp8)  # fmt: skip
         mlp.load_state_dict({"gate_proj.weight": weight.detach(), "up_proj.weight": up_proj.weight.detach(),
                              "down_proj.weight": down_proj.weight.detach()}, assign=True)  # fmt: skip
         return mlp
@@ -202,11 +205,12 @@ class MoEExperts(nn.Module):
         self._register_load_state_dict_pre_hook(_checkpoint_to_experts)
 
     @classmethod
-    def from_experts(cls, experts: nn.Module, activation: str = "silu") -> MoEExperts:
+    def from_experts(cls, experts: nn.Module, activation: str = "silu", *, fp8: str | None = None) -> MoEExperts:
         """The experts of a transformers module holding ``gate_up_proj`` ``(E, 2I, H)`` and ``down_proj``
-        ``(E, H, I)`` (gate/up copied once into the interleaved layout; ``down_proj`` shared)."""
+        ``(E, H, I)`` (gate/up copied once into the interleaved layout; ``down_proj`` shared; ``fp8``: trained in
+        fp8)."""
         gate_up, down = experts.gate_up_proj, experts.down_proj
-        layer = cls(gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2, activation, device="meta",
+        layer = cls(gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2, activation, fp8=fp8, device="meta",
                     dtype=gate_up.dtype)  # fmt: skip
         layer.load_state_dict({"gate_up_proj": gate_up.detach(), "down_proj": down.detach()}, assign=True)
         layer.down_proj = down

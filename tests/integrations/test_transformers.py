@@ -42,7 +42,7 @@ def test_patched_model_trains_like_the_original(reference_layers, kind, linears)
     original = _tiny(kind)
     patched = copy.deepcopy(original)
     report = patch(patched, linears=linears)
-    assert report["GatedMLP"] == 2 and (report["Linear"] > 0) == linears and report["attention"] == 2
+    assert report["GatedMLP"] == 2 and report["Linear"] == (9 if linears else 0) and report["attention"] == 2
     assert patched.config._attn_implementation == "epicute"
     assert sum(isinstance(m, GatedMLP) for m in patched.modules()) == 2
     assert sorted(patched.state_dict()) == sorted(original.state_dict())
@@ -181,3 +181,63 @@ def test_the_pinned_transformers_range_is_the_supported_one():
     pin = f"transformers>={low_major}.{low_minor},<{high_major}"
     assert project["optional-dependencies"]["transformers"] == [pin]
     assert pin in project["optional-dependencies"]["test"]
+
+
+#: fp8 training's inputs rounded to e4m3 (tests/nn/fp8_cases.py): the loss, and one block's output and gradients
+FP8_TOL = 2.0**-3
+
+
+def test_fp8_patch_trains_every_layer_but_the_head_in_fp8(reference_layers):
+    """``patch(fp8="blockwise", linears=True)``: the MLPs and every linear but ``lm_head`` train in fp8; the loss and
+    the embedding's gradient follow the original model's within fp8's rounding, the state dict is the original's."""
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=144, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                      max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    original = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    patched = copy.deepcopy(original)
+    report = patch(patched, linears=True, fp8="blockwise")
+    assert report["GatedMLP"] == 2 and report["Linear"] == 9 and report["fp8"] == 10  # 8 projections, 2 MLPs
+    assert patched.lm_head.fp8 is None and patched.model.layers[0].self_attn.q_proj.fp8 == "blockwise"
+    assert sorted(patched.state_dict()) == sorted(original.state_dict())
+    ids = torch.randint(0, 96, (2, 11))
+    losses, grads = [], []
+    for model in (original, patched):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        grads.append(model.model.embed_tokens.weight.grad)
+    assert _rel(losses[1], losses[0]) < FP8_TOL and _rel(grads[1], grads[0]) < FP8_TOL
+    assert all(p.grad is not None for p in patched.parameters())
+
+
+def test_fp8_patch_trains_moe_experts_in_fp8(reference_layers):
+    """Mixtral's experts under ``patch(fp8="blockwise")``: one MoE block against the original's (the same routing),
+    output, input gradient and every weight's gradient within fp8's rounding."""
+    config = transformers.MixtralConfig(hidden_size=256, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                        num_local_experts=5, num_experts_per_tok=2,
+                                        max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    original = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
+    patched = copy.deepcopy(original)
+    report = patch(patched, fp8="blockwise")
+    assert report["MoEExperts"] == 2 and report["fp8"] == 2
+    hidden = torch.randn(2, 37, 256, dtype=torch.bfloat16)
+    upstream = torch.randn(2, 37, 256, dtype=torch.bfloat16)
+    (out0, dx0, grads0), (out1, dx1, grads1) = (mlp_block_step(m, hidden, upstream) for m in (original, patched))
+    assert _rel(out1, out0) < FP8_TOL and _rel(dx1, dx0) < FP8_TOL
+    want = epicute.interleave_gate_up(*grads0.pop("experts.gate_up_proj").chunk(2, dim=-2))
+    assert _rel(grads1.pop("experts.gate_up"), want) < FP8_TOL
+    for name, want in grads0.items():
+        assert _rel(grads1[name], want) < FP8_TOL, name
+
+
+@pytest.mark.parametrize(("fp8", "error", "match"), [
+    ("rowwise", epicute.ConfigError, "fp8='rowwise': patch trains in fp8 with 'blockwise'"),
+    ("blockwise", epicute.ShapeError, "intermediate_size=136: fp8 experts need"),
+])  # fmt: skip
+def test_fp8_patch_refuses_what_it_cannot_train(fp8, error, match):
+    model = _tiny_moe("mixtral")  # intermediate 136: not a multiple of 64
+    with pytest.raises(error, match=match):
+        patch(model, fp8=fp8)
