@@ -421,7 +421,7 @@ class Routing:
         shift = (ends - counts) - (self.offsets.long() - self.counts)  # each expert's rows move by its padding so far
         expert_of_row = torch.repeat_interleave(torch.arange(experts, device=device), self.counts, output_size=rows)
         padded_row = torch.arange(rows, device=device) + shift[expert_of_row]
-        capacity = -(-(rows + (align - 1) * experts) // align) * align
+        capacity = -(-(rows + (align - 1) * experts) // align) * align if rows else 0
         token = self.token_of_row.new_zeros(capacity).index_copy_(0, padded_row, self.token_of_row)
         weight = self.weight.new_zeros(capacity, 1).index_copy(0, padded_row, self.weight)
         return Routing(token, padded_row[self.slot_of], self.top_k, counts, ends.to(torch.int32), weight)

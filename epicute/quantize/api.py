@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from epicute.epilogue.dtypes import FP8_MAX, TORCH_TO_IR, round_to
@@ -183,9 +185,9 @@ def _quantize(x: torch.Tensor, recipe: str, fp8: str, ue8m0: bool) -> tuple[torc
     shape, k = x.shape, x.shape[-1]
     v = x.float()
     if recipe == "groups":
-        groups = -(-k // GROUP_N)
-        padded = torch.nn.functional.pad(v.reshape(-1, k).abs(), (0, groups * GROUP_N - k))
-        scales = _scale(padded.view(-1, groups, GROUP_N).amax(-1), fp8, ue8m0)  # (M, groups)
+        groups, m = -(-k // GROUP_N), math.prod(shape[:-1])  # m, not -1: K may be 0 (no tokens to transpose)
+        padded = torch.nn.functional.pad(v.reshape(m, k).abs(), (0, groups * GROUP_N - k))
+        scales = _scale(padded.view(m, groups, GROUP_N).amax(-1), fp8, ue8m0)  # (M, groups)
         expanded = scales.repeat_interleave(GROUP_N, dim=-1)[:, :k].reshape(shape)
         scales = scales.t().contiguous().t().view(*shape[:-1], groups)  # M-major
     elif recipe == "rowwise":

@@ -143,3 +143,19 @@ def test_fp8_training_follows_the_bf16_loss_curve():
     assert fp8[-1] < fp8[0] / 5 and bf16[-1] < bf16[0] / 5
     assert max(abs(a - b) / b for a, b in zip(fp8, bf16)) < 0.1
     assert fp8 != bf16
+
+
+def test_no_tokens_give_empty_outputs_and_zero_weight_gradients():
+    """A batch of no tokens (an empty microbatch, an expert block routed nothing): empty outputs and input
+    gradients, zero weight gradients, for the linear and the experts alike."""
+    x = torch.randn(0, 128, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
+    gate_up = epicute.interleave_gate_up(torch.randn(3, 64, 128), torch.randn(3, 64, 128)).bfloat16()
+    gate_up.requires_grad_()
+    down = torch.randn(3, 128, 64, dtype=torch.bfloat16, requires_grad=True)
+    with epicute.use_backend("reference"):
+        y = fp8_linear(x, w)
+        z = fp8_moe_experts(x, gate_up, down, torch.zeros(0, 2, dtype=torch.long), torch.rand(0, 2))
+        (y.float().sum() + z.float().sum()).backward()
+    assert y.shape == (0, 64) and z.shape == (0, 128) and x.grad.shape == (0, 128)
+    assert not w.grad.any() and not gate_up.grad.any() and not down.grad.any()
