@@ -388,7 +388,7 @@ def trace_key(fn: Callable) -> tuple | None:
     if code is None:
         return None
     cells = tuple(cell.cell_contents for cell in fn.__closure__ or ())
-    names = tuple((name, fn.__globals__[name]) for name in code.co_names if name in fn.__globals__)
+    names = tuple((name, _contents(fn.__globals__[name])) for name in code.co_names if name in fn.__globals__)
     annotations = tuple(getattr(fn, "__annotations__", {}).items())
     key = (kind, code, cells, fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items())), annotations, names)
     try:
@@ -396,6 +396,16 @@ def trace_key(fn: Callable) -> tuple | None:
     except TypeError:
         return None
     return key
+
+
+def _contents(value: Any) -> Any:
+    """A module global as a trace key holds it: a dict, list or set by its contents (a module's table of names,
+    read at trace time, keys the trace by what it holds then), anything else as it is."""
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _contents(v)) for k, v in value.items()))
+    if isinstance(value, (list, set)):
+        return (type(value).__name__, tuple(_contents(v) for v in value))
+    return value
 
 
 class TraceMemo:

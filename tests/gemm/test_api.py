@@ -59,6 +59,7 @@ def test_unknown_backend_is_an_error():
 
 
 SCALE = 2.0
+NAMES = {"out": "D"}
 
 
 def test_trace_memo_key_follows_what_the_trace_depends_on():
@@ -82,6 +83,17 @@ def test_trace_memo_key_follows_what_the_trace_depends_on():
 
     assert _capture_key(closing_over(1.0)) != _capture_key(closing_over(2.0))
     assert _capture_key(closing_over([1.0])) is None  # unhashable capture: always trace
+
+    def named(acc):  # a module table read at trace time: the key holds its contents
+        return {NAMES["out"]: acc}
+
+    keyed = _capture_key(named)
+    assert keyed is not None and keyed == _capture_key(named)
+    NAMES["out"] = "aux"
+    try:
+        assert _capture_key(named) != keyed
+    finally:
+        NAMES["out"] = "D"
     assert _capture_key(epicute.epilogues.plain) == _capture_key(epicute.epilogues.plain.fn)
 
 

@@ -110,3 +110,49 @@ def test_explain_mlp_shows_the_step_s_gemms_and_where_the_derivative_runs(gated)
     assert ("D_up" in dh) == gated
     with pytest.raises(epicute.ShapeError, match="gated MLP has no biases"):
         EF.explain_mlp(x, w1, w2, torch.empty(1048, **meta), None, gated=True, file=None)
+
+
+
+def test_the_mlp_programs_are_traced_once(monkeypatch):
+    """The MLPs' saving epilogues name a module table (SAVED): their trace keys hold its contents, so a repeat call
+    reuses the trace and plan of the first (a key of None would trace, lower and plan them on every call)."""
+    from epicute.epilogue.tracer import Epilogue, trace_key
+    from epicute.gemm import api as gemm_api
+
+    programs = [EF._programs(act, gated, bias) for act, gated, bias in
+                (("silu", True, False), ("gelu", False, True), ("gelu", False, False))]  # fmt: skip
+    programs.append(EF._expert_programs("silu"))
+    assert all(trace_key(fn) is not None for pair in programs for fn in pair)
+    traces = []
+    trace = Epilogue.trace
+    monkeypatch.setattr(Epilogue, "trace", lambda self, *a, **k: traces.append(self.name) or trace(self, *a, **k))
+    forward, _ = EF._programs("silu", True, False)
+    a, b = (torch.empty(*s, dtype=torch.bfloat16, device="meta") for s in ((64, 128), (128, 256)))
+
+    def prepare_call():  # the kernel path's preparation of gated_mlp's forward GEMM (no GPU needed to prepare)
+        request = gemm_api.describe_call(a, b, forward, None, None, None, None, None, {}, False, (None, None), True)[2]
+        return gemm_api._prepare_memo(request)
+
+    first = prepare_call()
+    assert traces
+    traces.clear()
+    assert prepare_call() is first and traces == []
+
+
+def test_a_repeated_experts_step_traces_no_epilogue(reference_layers, monkeypatch):
+    """The fp8 experts' grouped GEMMs (forward and derivative epilogues) prepare once: a second step traces none."""
+    from epicute.epilogue.tracer import Epilogue
+    from epicute.nn import fp8_moe_experts
+
+    x = torch.randn(37, 128, dtype=torch.bfloat16, requires_grad=True)
+    experts = ((torch.randn(3, 128, 128) * 0.1).bfloat16().requires_grad_(),
+               (torch.randn(3, 128, 64) * 0.1).bfloat16().requires_grad_())  # fmt: skip
+    route = torch.randint(0, 3, (37, 2)), torch.rand(37, 2, requires_grad=True)
+    traces = []
+    trace = Epilogue.trace
+    monkeypatch.setattr(Epilogue, "trace", lambda self, *a, **k: traces.append(self.name) or trace(self, *a, **k))
+    fp8_moe_experts(x, *experts, *route).float().sum().backward()
+    assert traces
+    traces.clear()
+    fp8_moe_experts(x, *experts, *route).float().sum().backward()
+    assert traces == []
