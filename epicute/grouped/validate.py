@@ -186,14 +186,15 @@ def check_grouped_args(
     up columns, D has half of them; ``a_scale``/``b_scale``: fp8 inputs' blockwise scales; ``a_index``: the rows
     of ``a`` each grouped row reads). A call like one already validated (:func:`_signature`) is not checked again."""
     signature = _signature(a, b, offsets, out, out_dtype, check_offsets, require_cuda, gated, a_scale, b_scale, a_index)
+    scales = (a_scale, b_scale)
     if signature is not None:
         checked = _CHECKED.get(signature)
         if checked is not None:
-            return checked.bind(a, b, offsets, a_index)
+            return checked.bind(a, b, offsets, a_index, scales)
     call = _check_grouped_args(a, b, offsets, out, out_dtype, check_offsets=check_offsets, require_cuda=require_cuda,
                                gated=gated, a_scale=a_scale, b_scale=b_scale, a_index=a_index)  # fmt: skip
     if signature is not None:
-        checked = _Checked.of(call, a, b, offsets, a_index)
+        checked = _Checked.of(call, a, b, offsets, a_index, scales)
         if checked is not None:
             if len(_CHECKED) >= 1024:  # a model makes a few dozen kinds of calls: forget the oldest
                 del _CHECKED[next(iter(_CHECKED))]
@@ -202,42 +203,51 @@ def check_grouped_args(
 
 
 def _signature(a, b, offsets, out, out_dtype, check_offsets, require_cuda, gated, a_scale, b_scale, a_index):
-    """What every check of a plain GPU call (no ``out``, no fp8 scales, offsets and ``a_index`` as the kernel
-    reads them) depends on: each tensor's shape, strides, dtype, device and base alignment; None for any other call
+    """What every check of a GPU call without ``out`` (offsets and ``a_index`` as the kernel reads them; fp8 scales as
+    tensors) depends on: each tensor's shape, strides, dtype, device and base alignment; None for any other call
     (each is checked in full)."""
-    if out is not None or a_scale is not None or b_scale is not None or check_offsets or not require_cuda:
+    if out is not None or check_offsets or not require_cuda:
         return None
-    tensors = (a, b, offsets) if a_index is None else (a, b, offsets, a_index)
+    scales = () if a_scale is None and b_scale is None else (a_scale, b_scale)
+    tensors = (a, b, offsets, *((a_index,) if a_index is not None else ()), *scales)
     if not all(type(t) is torch.Tensor for t in tensors):
         return None
-    return (out_dtype, gated, a_index is None) + tuple(
+    return (out_dtype, gated, a_index is None, bool(scales)) + tuple(
         (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % TMA_ALIGN_BYTES) for t in tensors
     )
 
 
+def _same_storage(view: torch.Tensor, given: torch.Tensor) -> bool:
+    return (view.storage_offset() == given.storage_offset()
+            and view.untyped_storage().data_ptr() == given.untyped_storage().data_ptr())  # fmt: skip
+
+
 @dataclass(frozen=True)
 class _Checked:
-    """A validated call's problem and its operands' layouts as the kernel reads them, for new tensors of the same
-    signature: views of them with the same storage offsets (offsets and ``a_index`` themselves)."""
+    """A validated call's problem and its operands' layouts as the kernel reads them (fp8 scales' too), for new
+    tensors of the same signature: views of them with the same storage offsets (offsets and ``a_index``
+    themselves)."""
 
     problem: GroupedProblem
     out_dtype: torch.dtype
-    a_layout: tuple
-    b_layout: tuple
+    #: (shape, stride) of A, B, and A's and B's blockwise scales (fp8) as the kernel reads them
+    layouts: tuple
 
     @staticmethod
-    def of(call: GroupedCall, a, b, offsets, a_index) -> _Checked | None:
+    def of(call: GroupedCall, a, b, offsets, a_index, scales: tuple) -> _Checked | None:
         """None where the call's operands are not views of the arguments as given (a copy was made)."""
-        same = call.offsets is offsets and call.a_index is a_index and call.block_scales is None
-        views = all(v.storage_offset() == t.storage_offset() and v.untyped_storage().data_ptr() ==
-                    t.untyped_storage().data_ptr() for v, t in ((call.a, a), (call.b, b)))  # fmt: skip
-        if not (same and views) or call.out is not None:
+        views = [(call.a, a), (call.b, b)]
+        if call.block_scales is not None:
+            views += [(call.block_scales.a, scales[0]), (call.block_scales.b, scales[1])]
+        same = call.offsets is offsets and call.a_index is a_index
+        if not same or call.out is not None or not all(_same_storage(v, t) for v, t in views):
             return None
-        return _Checked(call.problem, call.out_dtype, (call.a.shape, call.a.stride()), (call.b.shape, call.b.stride()))
+        return _Checked(call.problem, call.out_dtype, tuple((v.shape, v.stride()) for v, _ in views))
 
-    def bind(self, a, b, offsets, a_index) -> GroupedCall:
-        return GroupedCall(self.problem, a.as_strided(*self.a_layout), b.as_strided(*self.b_layout), offsets, None,
-                           self.out_dtype, None, a_index)  # fmt: skip
+    def bind(self, a, b, offsets, a_index, scales: tuple) -> GroupedCall:
+        bound = [t.as_strided(*layout) for t, layout in zip((a, b, *scales), self.layouts)]
+        block_scales = BlockScales(*bound[2:]) if len(bound) == 4 else None
+        return GroupedCall(self.problem, bound[0], bound[1], offsets, None, self.out_dtype, block_scales, a_index)
 
 
 _CHECKED: dict[tuple, _Checked] = {}

@@ -55,3 +55,37 @@ def test_what_the_checks_depend_on_is_checked_again(on_a_gpu):
     index64 = torch.randint(0, 301, (301,))
     call = validate.check_grouped_args(a, b, offsets, a_index=index64)
     assert call.a_index.dtype == torch.int32 and len(validate._CHECKED) == 1
+
+
+def _fp8_args(ragged_k: bool):
+    """fp8 operands with blockwise scales: groups of rows (b_scale (G, KB, NB) transposed, a view) or variable K."""
+    if ragged_k:
+        offsets = torch.tensor([128, 128, 384], dtype=torch.int32)
+        a, t = torch.randn(200, 384).to(torch.float8_e4m3fn), torch.randn(136, 384).to(torch.float8_e4m3fn)
+        return a, t.t(), offsets, torch.rand(200, 3), torch.rand(2, 3)
+    offsets = torch.tensor([100, 100, 301], dtype=torch.int32)
+    a, w = torch.randn(301, 256).to(torch.float8_e4m3fn), torch.randn(3, 200, 256).to(torch.float8_e4m3fn)
+    return a, w.transpose(-2, -1), offsets, torch.rand(2, 301).t(), torch.rand(3, 2, 2).transpose(-2, -1)
+
+
+@pytest.mark.parametrize("ragged_k", [False, True])
+def test_a_repeated_fp8_signature_binds_the_new_scales(on_a_gpu, ragged_k):
+    """fp8 calls are remembered too: a second call binds its own tensors and scales (the same layouts as the first's
+    views of them), never the first call's."""
+    first = _fp8_args(ragged_k)
+    want = validate.check_grouped_args(*first[:3], a_scale=first[3], b_scale=first[4])
+    assert len(validate._CHECKED) == 1
+    second = _fp8_args(ragged_k)
+    got = validate.check_grouped_args(*second[:3], a_scale=second[3], b_scale=second[4])
+    assert got.problem == want.problem and len(validate._CHECKED) == 1
+    for bound, given, first_bound in ((got.block_scales.a, second[3], want.block_scales.a),
+                                      (got.block_scales.b, second[4], want.block_scales.b), (got.a, second[0], want.a),
+                                      (got.b, second[1], want.b)):  # fmt: skip
+        assert bound.data_ptr() == given.data_ptr()
+        assert (bound.shape, bound.stride()) == (first_bound.shape, first_bound.stride())
+    assert torch.equal(got.block_scales.a[0], second[3])
+    b_blocks = second[4].unsqueeze(0) if ragged_k else second[4].transpose(-2, -1)  # (G or 1, NB, KB)
+    assert torch.equal(got.block_scales.b, b_blocks)
+    # A call whose scales change shape is checked in full again (and refused here: a_scale one block short).
+    with pytest.raises(epicute.ShapeError, match="a_scale"):
+        validate.check_grouped_args(*second[:3], a_scale=second[3][:, :1].contiguous(), b_scale=second[4])
