@@ -17,7 +17,8 @@ and weight GEMMs); `moe_backward` a small MoE expert block's forward and backwar
 the gated epilogue's gradient, the variable-K weight gradients); `paired` a ragged GEMM storing a paired
 output (``D_up`` beside D, staged block-major) with a column sum (predicated partial stores); `moe_fp8_backward`
 the same expert block trained in fp8 (gathered fp8 rows, the derivative's epilogue with the routing weight's row
-sum, variable-K fp8 weight gradients over padded experts).
+sum, variable-K fp8 weight gradients over padded experts); `backward_head_split` the `backward` case with its GQA
+group split over CTAs (dK and dV reduce-added in fp32, cast by the postprocess).
 Prints PASS/FAIL and exits 1 on failure.
 """
 
@@ -48,6 +49,7 @@ FAMILIES = {
     "quantize": "group quantizer (epicute.quantize)", "paired": "gemm epilogue (paired D, column sums)",
     "attention_fp8": "fp8 attention forward (prefill, packed, paged decode)",
     "moe_fp8_backward": "grouped gemm fp8 (gathered, gated, variable K)",
+    "backward_head_split": "attention backward (GQA group split over CTAs, dK and dV reduce-added)",
 }  # fmt: skip
 CASES = tuple(FAMILIES)
 TOLERANCE = 1e-2
@@ -236,8 +238,14 @@ def attention_fp8_case() -> dict[str, float]:
     return errors
 
 
-def backward_case() -> dict[str, float]:
+def backward_case(heads: int | None = None) -> dict[str, float]:
+    """``heads``: query heads per CTA forced (the group of 4 split over CTAs, dK and dV reduce-added in fp32: the
+    planner does so only at long causal sequences, too slow for the sanitizer)."""
     import epicute
+    from epicute.attention import backward_plan
+
+    if heads is not None:
+        backward_plan.heads_per_cta = lambda *args: heads
 
     q = torch.randn(2, 300, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(2, 257, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
@@ -313,6 +321,7 @@ SPECIAL_CASES = {
     "attention_gqa": attention_gqa_case, "decode_paged": decode_paged_case, "backward": backward_case,
     "linear_backward": linear_backward_case, "moe_backward": moe_backward_case, "quantize": quantize_case,
     "paired": paired_case, "attention_fp8": attention_fp8_case, "moe_fp8_backward": lambda: moe_backward_case(fp8=True),
+    "backward_head_split": lambda: backward_case(heads=1),
 }  # fmt: skip
 
 

@@ -7,11 +7,12 @@
    from a block boundary, see :func:`stat_rows_start`), with LSE = +inf on the padding and on rows
    the forward saw no key of (their P is then exactly 0, as their O was), and dQ's fp32
    accumulator zeroed (:func:`preprocess_reference` is the same math in torch);
-2. the main kernel (:mod:`epicute.attention.backward_sm90`): dK and dV stored in the input dtype,
-   dQ added into the accumulator (``deterministic``: in a fixed order, through zeroed turn
+2. the main kernel (:mod:`epicute.attention.backward_sm90`): dK and dV stored in the input dtype
+   (``head_split``: added into zeroed fp32 accumulators, :func:`key_accumulators`), dQ added into the
+   accumulator (``deterministic``: in a fixed order, through zeroed turn
    counters, one per query block and head);
 3. the postprocess kernel: ``dQ = accumulator * softmax_scale`` cast to the input dtype, un-permuted
-   from the order the main kernel adds it in.
+   from the order the main kernel adds it in (``head_split``: dK and dV too, key blocks for query blocks).
 
 A :class:`BackwardVariant` (config, dtype, causal...), a :class:`PreprocessVariant` and a
 :class:`PostprocessVariant` are what change the generated code; they compile against fake tensors
@@ -21,7 +22,7 @@ with symbolic sizes, like the forward, so CI compiles every variant without a GP
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +49,11 @@ class BackwardVariant:
     deterministic: bool = False
     #: the score_mod's per-head vectors get gradients (summed in the kernel, see ``operand_grads``)
     operand_grads: bool = False
+    #: query heads a CTA walks (:func:`~epicute.attention.backward_plan.heads_per_cta`; 0: the whole group). A
+    #: runtime argument: only whether it splits the group (``head_split``) changes the code.
+    heads_per_cta: int = field(default=0, compare=False)
+    #: the group's query heads split over CTAs: dK and dV reduce-added in fp32, then cast by the postprocess
+    head_split: bool = False
 
     def key(self) -> CacheKey:
         """The compile cache's key (see :mod:`epicute.runtime.cache`)."""
@@ -55,7 +61,8 @@ class BackwardVariant:
         label = (f"attention backward d{c.head_dim} {c.tile_m}x{c.tile_n} {self.dtype}"
                  + (" causal" if self.causal else "") + ("" if self.score_mod is None else " +score_mod")
                  + (" varlen" if self.varlen else "") + (" deterministic" if self.deterministic else "")
-                 + (" +operand grads" if self.operand_grads else ""))  # fmt: skip
+                 + (" +operand grads" if self.operand_grads else "")
+                 + (" head split" if self.head_split else ""))  # fmt: skip
         score_key = None if self.score_mod is None else self.score_mod.key()
         parts = (c.key(), self.dtype, self.causal, score_key, ("align", OPERAND_ALIGN_BYTES))
         if self.varlen:
@@ -64,12 +71,14 @@ class BackwardVariant:
             parts += (("deterministic", True),)
         if self.operand_grads:
             parts += (("operand_grads", True),)
+        if self.head_split:
+            parts += (("head_split", True),)
         return CacheKey("attention_backward", parts, self.arch, label)
 
 
 def compile_backward(variant: BackwardVariant):
     """Compile one variant for sm_90a; returns ``f(q, k, v, do, lse_log2, d, dq_accum, dk, dv, softmax_scale,
-    band, score_tensors, score_scalars, varlen, dq_turns, operand_grads)``
+    band, heads, score_tensors, score_scalars, varlen, dq_turns, operand_grads, dkv_accum)``
     taking torch tensors (see :meth:`~epicute.attention.backward_sm90.AttentionBackwardSm90.__call__`)."""
     import cutlass
     from cutlass import cute
@@ -104,6 +113,7 @@ def compile_backward(variant: BackwardVariant):
         variant.varlen,
         variant.deterministic,
         variant.operand_grads,
+        variant.head_split,
     )
     partials = tuple(
         cute.runtime.make_fake_tensor(
@@ -126,13 +136,15 @@ def compile_backward(variant: BackwardVariant):
         dv,
         cutlass.Float32(1.0),
         cutlass.Int32(1),
+        cutlass.Int32(1),
         score_tensors,
         score_scalars,
         varlen,
         (turns,) if variant.deterministic else (),
         partials,
+        tuple(_fake_bshd(cutlass.Float32, d) for _ in range(2)) if variant.head_split else (),
         stream,
-        constant_args=("score_tensors", "score_scalars", "varlen", "dq_turns", "operand_grads"),
+        constant_args=("score_tensors", "score_scalars", "varlen", "dq_turns", "operand_grads", "dkv_accum"),
     )
 
 
@@ -299,6 +311,17 @@ def preprocess_reference(
     return lse_log2, dsum
 
 
+def key_accumulators(k: torch.Tensor, tile_n: int, packed_k: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK's and dV's zeroed fp32 accumulators for a ``head_split`` backward: ``(batch, heads_kv, rows, head_dim)``,
+    rows padded to whole key blocks (packed, ``packed_k`` = ``(cu_seqlens_k, max_seqlen_k)``: one batch entry,
+    each sequence's rows from :func:`stat_rows_start` of its first key), as dQ's accumulator lays out queries."""
+    if packed_k:
+        shape = (1, k.shape[-2], stat_rows_start(k.shape[0], packed_k[0].numel() - 1, tile_n), k.shape[-1])
+    else:
+        shape = (k.shape[0], k.shape[2], -(-k.shape[1] // tile_n) * tile_n, k.shape[-1])
+    return tuple(torch.zeros(shape, dtype=torch.float32, device=k.device) for _ in range(2))
+
+
 def new_grad(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """dK or dV before the kernel writes it (a seam for tests, which poison it with NaN)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -346,17 +369,24 @@ def attention_backward(
         if variant.deterministic:  # a counter per query block and head (LSE's rows are whole blocks)
             rows = lse_log2.shape
             dq_turns = (torch.zeros(*rows[:2], rows[2] // variant.config.tile_m, dtype=torch.int32, device=q.device),)
-        band = grid_band(cfg, variant.causal, p.group, p.seqlen_q, p.heads_kv * p.batch,
-                               current_target().l2_bytes, q.element_size())  # fmt: skip
+        heads = variant.heads_per_cta or p.group
+        band = grid_band(cfg, variant.causal, heads, p.seqlen_q, p.heads_kv * (p.group // heads) * p.batch,
+                         current_target().l2_bytes, q.element_size())  # fmt: skip
+        packed_k = (call.cu_seqlens_k, p.seqlen_k) if p.varlen else ()
+        dkv_accum = key_accumulators(k, cfg.tile_n, packed_k) if variant.head_split else ()
         BACKWARD_CACHE.get(variant)(
-            q4, k4, v4, do4, lse_log2, dsum, dq_accum, dk4, dv4, call.softmax_scale, band, *score_operands,
-            varlen, dq_turns, partials,
+            q4, k4, v4, do4, lse_log2, dsum, dq_accum, dk4, dv4, call.softmax_scale, band, heads, *score_operands,
+            varlen, dq_turns, partials, dkv_accum,
         )  # fmt: skip
         if cfg.dq_fragment_order:
             post = PostprocessVariant(variant.dtype, cfg.head_dim, cfg.tile_m, p.varlen)
             POSTPROCESS_CACHE.get(post)(dq_accum, dq[None] if p.varlen else dq, call.softmax_scale, packed)
         else:
             torch.mul(dq_accum.view(q.shape), call.softmax_scale, out=dq)  # scaled and cast in one pass
+        if variant.head_split:  # dK (scaled in the kernel) and dV in the key blocks' fragment order
+            post = PostprocessVariant(variant.dtype, cfg.head_dim, cfg.tile_n, p.varlen)
+            for accum, grad in zip(dkv_accum, (dk, dv)):
+                POSTPROCESS_CACHE.get(post)(accum, grad[None] if p.varlen else grad, 1.0, packed_k)
     else:  # no queries: nothing flows back to the keys; no keys: none to the queries
         dq.zero_()
         dk.zero_()
@@ -376,6 +406,7 @@ __all__ = [
     "compile_backward",
     "compile_postprocess",
     "compile_preprocess",
+    "key_accumulators",
     "preprocess",
     "preprocess_reference",
 ]

@@ -197,6 +197,32 @@ def backward_config(head_dim: int, score_mod: bool = False) -> BackwardConfig:
 MAX_GRID_BAND = 8
 
 
+def streamed_bytes(cfg: BackwardConfig, heads: int, seqlen_q: int, elem_bytes: int = 2) -> int:
+    """What the CTAs of one (key/value head, batch) pair stream over their walk, for ``heads`` query heads: Q,
+    dO, dQ's fp32 sum, LSE and D. A causal pair's key blocks read each query block at different moments
+    (each from its own diagonal on), so it stays in L2 between them only if all of it fits."""
+    return heads * seqlen_q * (cfg.head_dim * (2 * elem_bytes + 4) + 8)
+
+
+def heads_per_cta(cfg: BackwardConfig, causal: bool, deterministic: bool, group: int, seqlen_q: int,
+                  l2_bytes: int, elem_bytes: int = 2) -> int:  # fmt: skip
+    """Query heads of the GQA group one CTA walks: the whole group, unless (causal) two pairs' streams would not
+    fit L2 together; then the most heads (the group halved) whose stream fits twice, so :func:`grid_band` starts
+    the long key blocks of two pairs at once and both stay in L2; at least one. The group's CTAs are then split
+    ``group / heads`` ways and sum dK and dV in fp32 (``head_split``): a reduce-add of each CTA's dK and dV and a
+    postprocess pass, against (whole) every step's Q and dO read from HBM and, with few pairs, a ragged tail.
+    Measured (H200, Llama-3-70B's 8:1 and a 16:1 group at 8 K, Qwen3-30B-A3B's at 32 K, bench/NOTES.md): 1.04-1.31x
+    the whole group. Without a causal mask the group's CTAs walk the queries in step (one stream, L2-resident);
+    deterministic sums keep the group in one CTA; so does head_dim 256, whose split kernel spills (its dK and dV
+    take 128 registers a thread)."""
+    if not causal or deterministic or group == 1 or cfg.split_head_dim:
+        return group
+    heads = group
+    while heads > 1 and heads % 2 == 0 and 2 * streamed_bytes(cfg, heads, seqlen_q, elem_bytes) > l2_bytes:
+        heads //= 2
+    return heads
+
+
 def grid_band(cfg: BackwardConfig, causal: bool, group: int, seqlen_q: int, pairs: int, l2_bytes: int,
                  elem_bytes: int = 2) -> int:  # fmt: skip
     """How many (key/value head, batch) pairs the backward's grid visits at a time, key block by key block
@@ -204,12 +230,11 @@ def grid_band(cfg: BackwardConfig, causal: bool, group: int, seqlen_q: int, pair
     the queries from its diagonal on), so the plain order -- every block of one head, then the next head's --
     runs each head's long blocks together and ends on a ragged tail; a band starts the long blocks of
     several heads at once and ends on short ones. It is as wide as L2 holds what its CTAs stream (each pair:
-    Q, dO, dQ's fp32 sum, LSE and D of its ``group`` query heads), a power of two, at most
+    Q, dO, dQ's fp32 sum, LSE and D of its ``group`` query heads, :func:`streamed_bytes`), a power of two, at most
     :data:`MAX_GRID_BAND`. Without a causal mask the blocks are equal: one pair at a time."""
     if not causal:
         return 1
-    streamed = group * seqlen_q * (cfg.head_dim * (2 * elem_bytes + 4) + 8)
-    fits = max(1, l2_bytes // max(streamed, 1))
+    fits = max(1, l2_bytes // max(streamed_bytes(cfg, group, seqlen_q, elem_bytes), 1))
     return min(1 << (fits.bit_length() - 1), MAX_GRID_BAND, max(pairs, 1))
 
 
@@ -276,9 +301,11 @@ def render_backward_plan(variant, problem, target) -> list[str]:
     :class:`~epicute.runtime.target.Target`): grid, steps, warp roles, dQ's order, shared memory, why."""
     cfg, dtype, p = variant.config, variant.dtype, problem
     key_blocks = -(-p.seqlen_k // cfg.tile_n)
-    band = grid_band(cfg, p.causal, p.group, p.seqlen_q, p.heads_kv * p.batch, target.l2_bytes,
-                           DTYPE_BYTES[dtype])  # fmt: skip
+    heads = variant.heads_per_cta or p.group
+    shares = p.heads_kv * (p.group // heads)
+    band = grid_band(cfg, p.causal, heads, p.seqlen_q, shares * p.batch, target.l2_bytes, DTYPE_BYTES[dtype])
     dq_share = "rows" if cfg.dq_split_rows else "head_dim columns" + (" (dQ^T = K^T dS^T)" if cfg.dq_swap_ab else "")
+    walked = f"{heads} of its {p.group} query heads" if variant.head_split else f"{p.group} query head(s)"
     lines = [
         "backward (training: dQ, dK, dV, after a preprocess kernel: D = rowsum(dO * O), LSE, dQ's fp32 sum zeroed; "
         + (
@@ -287,11 +314,11 @@ def render_backward_plan(variant, problem, target) -> list[str]:
             else "then one torch pass scales and casts dQ)"
         ),
         (
-            f"  grid            ({key_blocks}, {p.heads_kv}, {p.batch}): a CTA per {cfg.tile_n} keys of a (key/value "
-            f"head, {'sequence' if p.varlen else 'batch'}), walking {p.group} query head(s) x every query block "
+            f"  grid            ({key_blocks}, {shares}, {p.batch}): a CTA per {cfg.tile_n} keys of a (key/value "
+            f"head, {'sequence' if p.varlen else 'batch'}), walking {walked} x every query block "
             "that sees its keys" + (" (from the diagonal)" if p.causal else "")
         ),
-        "  grid order      " + _grid_order(band, p.causal, p.heads_kv * p.batch, p.varlen),
+        "  grid order      " + _grid_order(band, p.causal, shares * p.batch, p.varlen),
         f"  steps           {cfg.tile_m} queries per step; Q, dO, LSE and D in a {cfg.stages}-stage TMA ring",
         f"  warpgroup 0     producer: warp 0 TMA loads, warp 1 reduce-adds dQ   setmaxnreg {cfg.producer_regs}",
     ]
@@ -316,6 +343,14 @@ def render_backward_plan(variant, problem, target) -> list[str]:
         )
     else:
         lines.append("  dQ order        as the reduce-adds land (deterministic=True fixes it)")
+    if variant.head_split:
+        streamed = streamed_bytes(cfg, p.group, p.seqlen_q, DTYPE_BYTES[dtype]) / 2**20
+        lines.append(
+            f"  dK, dV          split: the group's {p.group} query heads over {p.group // heads} CTAs per key block, "
+            f"as a whole group's CTAs would stream {streamed:.0f} MiB of queries, more than L2 "
+            f"({target.l2_bytes / 2**20:.0f} MiB); each CTA reduce-adds its fp32 dK and dV (staged in K's and V's "
+            "buffers, fragment order), a postprocess kernel casts them"
+        )
     layout = backward_smem_layout(cfg, dtype)
     table = layout.table()
     width = max(len(item.name) for item in table)
@@ -334,6 +369,8 @@ __all__ = [
     "backward_smem_layout",
     "dq_split",
     "grid_band",
+    "heads_per_cta",
     "render_backward_plan",
     "stat_rows_start",
+    "streamed_bytes",
 ]

@@ -7,8 +7,12 @@ preprocess), with ``P = exp(S - LSE)`` recomputed from ``S = Q K^T * scale``::
     dK = dS^T Q * scale                    dQ = dS K * scale
 
 A CTA owns ``tile_n`` keys of one (batch, key/value head) and walks every query block that
-sees them (causal: from the diagonal down), for each query head of the GQA group, so dK and
-dV accumulate in registers and are stored once (the group's sum, no atomics). Warp roles:
+sees them (causal: from the diagonal down), for each query head of its share of the GQA group, so
+dK and dV accumulate in registers. With the whole group (``heads`` = the group) they are stored
+once, the group's sum; split over ``group / heads`` CTAs (``head_split``: the planner's choice for
+causal GQA, whose CTAs of one key/value head otherwise stream more queries than L2 holds), each CTA
+adds its fp32 part into a zeroed accumulator with a bulk reduce-add, in fragment order as dQ, and
+the postprocess casts it. Warp roles:
 
 - producer warp 0: K and V once, then each step's Q and dO tiles and its queries' LSE and D
   through a ``stages``-deep ring (one full barrier covers all four).
@@ -49,7 +53,8 @@ dV accumulate in registers and are stored once (the group's sum, no atomics). Wa
   every step: 27 % of the causal main kernel's time, bench/NOTES.md.)
 - epilogue: dK scaled, dV and dK cast and staged in K's and V's buffers once both warpgroups
   are past their last dQ (which reads all of K), TMA-stored (the store clips the ragged
-  seqlen_k edge).
+  seqlen_k edge); ``head_split``: each staged in fp32 fragment order across both buffers (they
+  are adjacent) and reduce-added, dK then dV.
 
 The preprocess pads LSE and D to whole query blocks (LSE = +inf there and on rows the forward
 saw no key: P = 0), so the consumers read them without bounds checks; Q and dO rows past
@@ -86,6 +91,7 @@ from epicute.attention.mask import Diagonal, crosses_diagonal, first_query_block
 from epicute.attention.softmax import exp2_scale
 from epicute.epilogue.derivative import value_and_derivative
 from epicute.epilogue.fusion import ScoreModFusion
+from epicute.errors import ConfigError
 from epicute.sm90.cp_async import bulk_reduce_add_f32
 from epicute.sm90.epilogue_emit import DSL_DTYPES, emit_graph, emit_score_mod
 from epicute.sm90.fragments import (
@@ -110,11 +116,16 @@ class AttentionBackwardSm90:
 
     def __init__(
         self, cfg: BackwardConfig, dtype: str, causal: bool, score_mod: ScoreModFusion | None = None,
-        varlen: bool = False, deterministic: bool = False, operand_grads: bool = False,
+        varlen: bool = False, deterministic: bool = False, operand_grads: bool = False, head_split: bool = False,
     ):  # fmt: skip
         cfg.validate()
+        if head_split and cfg.split_head_dim:
+            raise ConfigError("head_split: at head_dim 256 the backward keeps the GQA group in one CTA (its split "
+                              "kernel spills registers)")  # fmt: skip
         self.varlen = varlen
         self.deterministic = deterministic
+        #: dK and dV reduce-added in fp32 (the group's query heads split over several CTAs): module docstring.
+        self.head_split = head_split
         self.cfg = cfg
         self.dtype = DSL_DTYPES[dtype]
         self.causal = causal
@@ -138,6 +149,9 @@ class AttentionBackwardSm90:
             self.grad_nodes = frozenset(_ancestors(self.score_graph, {outputs[f"d_{n}"] for n in self.grad_operands}))
         self.fused_grads = any(self.score_graph.node(i).op == "acc" for i in self.grad_nodes)
         self.smem = backward_smem_layout(cfg, dtype)
+        offsets = self.smem.offsets()
+        # head_split stages a key block's fp32 dK (then dV) across K's and V's buffers, one region.
+        assert offsets["sV"] == offsets["sK"] + self.smem.buffer("sK").bytes, offsets
         self.num_wg = cfg.num_mma_warpgroups
         #: head_dim 256: the warpgroups split head_dim and the step's queries, not the keys (backward_plan).
         self.split_dims = cfg.split_head_dim
@@ -175,11 +189,13 @@ class AttentionBackwardSm90:
         mdV_bshd: cute.Tensor,
         softmax_scale: Float32,
         band: cutlass.Int32,
+        heads: cutlass.Int32,
         score_tensors: tuple,
         score_scalars: tuple,
         varlen: tuple,
         dq_turns: tuple,
         operand_grads: tuple,
+        dkv_accum: tuple,
         stream,
     ):
         """Tensors ``(batch, seqlen, heads, head_dim)``; ``mLSE_bhs`` (LSE in log2 units) and
@@ -196,7 +212,11 @@ class AttentionBackwardSm90:
         in step order (no two writers share one: the sums are reproducible). ``band``: the grid visits
         its (key/value head, batch) pairs this many at a time, key block by key block
         (:func:`~epicute.sm90.tile_scheduler.band_coord`; :func:`~epicute.attention.backward_plan.grid_band`
-        chooses it)."""
+        chooses it). ``heads``: the query heads a CTA walks, the group or (``head_split``) a divisor of it;
+        ``dkv_accum``: ``()``, or (``head_split``) the zeroed fp32 dK and dV accumulators ``(batch, heads_kv, key
+        rows, head_dim)`` in fragment order, key rows padded to whole key blocks (packed: each sequence's
+        from :func:`~epicute.attention.backward_plan.stat_rows_start` of its first key on); dK and dV are then
+        left to the postprocess."""
         cfg = self.cfg
         d = cfg.head_dim
         # (seqlen, dim, heads, batch): TMA boxes are (rows, dim).
@@ -274,10 +294,10 @@ class AttentionBackwardSm90:
         self.kernel(
             tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
             dq_store, tma_dk, tma_mdK, tma_dv, tma_mdV, tma_lse, tma_mLSE, tma_dsum, tma_mD, sQ_layout,
-            sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout, group, softmax_scale, band,
-            score_tensors, score_scalars, varlen, dq_turns, operand_grads,
+            sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout, group, softmax_scale, band, heads,
+            score_tensors, score_scalars, varlen, dq_turns, operand_grads, dkv_accum,
         ).launch(
-            grid=(n_blocks, cute.size(mK, mode=[2]), batches),
+            grid=(n_blocks, cute.size(mK, mode=[2]) * (group // heads), batches),
             block=[cfg.num_threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
@@ -316,22 +336,28 @@ class AttentionBackwardSm90:
         group: cutlass.Int32,
         softmax_scale: Float32,
         band: cutlass.Int32,
+        heads: cutlass.Int32,
         score_tensors: tuple,
         score_scalars: tuple,
         varlen: tuple,
         dq_turns: tuple,
         operand_grads: tuple,
+        dkv_accum: tuple,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         # Key blocks in bands of `band` (head, batch) pairs: causal key blocks shorten as n_block grows,
         # so this starts the long ones of several heads together and ends the launch on short ones. Every
         # CTA is still launched after its pair's previous key block (deterministic turns rely on it).
+        # A pair's CTAs share a key/value head and (head_split) one share of its query heads.
         block_x, block_y, block_z = cute.arch.block_idx()
-        n_blocks, kv_heads, batches = cute.arch.grid_dim()
-        linear = block_x + n_blocks * (block_y + kv_heads * block_z)
-        n_block, pair = band_coord(linear, n_blocks, kv_heads * batches, band)
-        kv_head, batch = pair % kv_heads, pair // kv_heads
+        n_blocks, shares, batches = cute.arch.grid_dim()
+        linear = block_x + n_blocks * (block_y + shares * block_z)
+        n_block, pair = band_coord(linear, n_blocks, shares * batches, band)
+        share, batch = pair % shares, pair // shares
+        splits = group // heads
+        kv_head = share // splits
+        cta_heads = (kv_head * group + share % splits * heads, heads)  # (first query head, count)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         if warp_idx == self.load_warp:
@@ -401,18 +427,18 @@ class AttentionBackwardSm90:
                 if warp_idx == self.load_warp:
                     self._load(
                         (tma_q, mQ, sQ), (tma_do, mdO, sdO), (tma_k, mK, sK), (tma_v, mV, sV), (tma_lse, mLSE, sLSE),
-                        (tma_dsum, mD, sD), kv_pipe, rings, (n_block, kv_head, batch), seq, group, m_first,
+                        (tma_dsum, mD, sD), kv_pipe, rings, (n_block, kv_head, batch), seq, cta_heads, m_first,
                         m_count,
                     )  # fmt: skip
                 if warp_idx == self.dq_warp:
-                    self._write_dq(dq_store, dq_parts, (n_block, kv_head), seq, group, m_first, m_count, dq_turns)
+                    self._write_dq(dq_store, dq_parts, n_block, seq, cta_heads, m_first, m_count, dq_turns)
             else:
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
                 self._consume(
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, (sdS, sP), sdQ, sLSE, sD, kv_pipe,
-                    rings, tma_dk, mdK, tma_dv, mdV, (n_block, kv_head, batch), seq, group, m_first, m_count,
-                    seqlen_q, seqlen_k, softmax_scale, (score_tensors, score_scalars, operand_grads),
-                    tidx - THREADS_PER_WARPGROUP,
+                    rings, (tma_dk, mdK, tma_dv, mdV, dkv_accum, storage.sK.data_ptr()), (n_block, kv_head, batch),
+                    seq, cta_heads, m_first, m_count, seqlen_q, seqlen_k, softmax_scale,
+                    (score_tensors, score_scalars, operand_grads), tidx - THREADS_PER_WARPGROUP,
                 )  # fmt: skip
 
     def _query_blocks(self, n_block, seqlen_q, seqlen_k):
@@ -425,16 +451,17 @@ class AttentionBackwardSm90:
             m_first = first_query_block(Diagonal(seqlen_q, seqlen_k), n_block, cfg.tile_n, cfg.tile_m, m_end)
         return m_first, m_end - m_first
 
-    def _step_block(self, step, kv_head, group, m_first, m_count):
-        """(query head, query block) of a CTA's step: every query block of the group's first head, then
-        of the next; deterministic, the query blocks from the last down, each for every head (module
-        docstring)."""
+    def _step_block(self, step, cta_heads, m_first, m_count):
+        """(query head, query block) of a CTA's step: every query block of its first head (``cta_heads``: the
+        first and how many), then of the next; deterministic, the query blocks from the last down, each for
+        every head (module docstring)."""
+        first, heads = cta_heads
         if cutlass.const_expr(self.deterministic):
-            return kv_head * group + step % group, m_first + m_count - 1 - step // group
-        return kv_head * group + step // m_count, m_first + step % m_count
+            return first + step % heads, m_first + m_count - 1 - step // heads
+        return first + step // m_count, m_first + step % m_count
 
     @cute.jit
-    def _load(self, q, do, k, v, lse, dsum, kv_pipe, rings, tile, seq, group, m_first, m_count):
+    def _load(self, q, do, k, v, lse, dsum, kv_pipe, rings, tile, seq, cta_heads, m_first, m_count):
         """Producer warp 0. ``q`` ... ``dsum``: (TMA atom, its global coordinate tensor, smem) of each
         operand; K and V once, then per step the query block's Q, dO, LSE and D into one ring stage
         (``rings``: one pipeline, or Q and LSE's then dO and D's)."""
@@ -452,8 +479,8 @@ class AttentionBackwardSm90:
             cute.copy(tma, kv_gmem, kv_smem, tma_bar_ptr=kv_pipe.producer_get_barrier(kv_state))
 
         state = RingState.producer(cfg.stages)
-        for step in cutlass.range(group * m_count, unroll=1):
-            head, m_block = self._step_block(step, kv_head, group, m_first, m_count)
+        for step in cutlass.range(cta_heads[1] * m_count, unroll=1):
+            head, m_block = self._step_block(step, cta_heads, m_first, m_count)
             ring_loads = (((q, do), (lse, dsum)),)
             if cutlass.const_expr(len(rings) > 1):
                 ring_loads = (((q,), (lse,)), ((do,), (dsum,)))
@@ -475,7 +502,7 @@ class AttentionBackwardSm90:
             state.advance()
 
     @cute.jit
-    def _write_dq(self, dq_store, dq_parts, tile, seq, group, m_first, m_count, dq_turns):
+    def _write_dq(self, dq_store, dq_parts, n_block, seq, cta_heads, m_first, m_count, dq_turns):
         """Producer warp 1: per step, once consumer warpgroup ``w`` has staged its part of dQ
         (``DQ_FULL``), reduce-add it into the fp32 accumulator: one bulk copy in fragment order (the
         part is contiguous there as in shared memory), else a TMA box; once the previous step's
@@ -483,10 +510,9 @@ class AttentionBackwardSm90:
         wait for the key block's turn at the query block (the key blocks before it have added
         theirs) and pass it on once they are complete."""
         pair = THREADS_PER_WARPGROUP + 32  # a consumer warpgroup and this warp
-        n_block, kv_head = tile
         lane = cute.arch.lane_idx()
-        for step in cutlass.range(group * m_count, unroll=1):
-            head, m_block = self._step_block(step, kv_head, group, m_first, m_count)
+        for step in cutlass.range(cta_heads[1] * m_count, unroll=1):
+            head, m_block = self._step_block(step, cta_heads, m_first, m_count)
             for w in cutlass.range_constexpr(self.num_wg):
                 # Buffer w was the (num_wg - w)-th last reduce-add committed (deterministic: all complete).
                 cute.arch.cp_async_bulk_wait_group(self.num_wg - 1 - w, read=True)
@@ -520,9 +546,14 @@ class AttentionBackwardSm90:
     def _dq_block(self, mdQ: cute.Tensor, head, seq: tuple, m_block):
         """Where query block ``m_block`` of one head starts in the ``(batch, heads, rows, head_dim)`` dQ
         accumulator, whose rows are LSE's (packed: the sequence's from ``seq[3]``, block-aligned)."""
+        return self._block_start(mdQ, head, seq, m_block, self.cfg.tile_m, seq[3] if self.varlen else 0)
+
+    def _block_start(self, m_acc: cute.Tensor, head, seq: tuple, block, rows: int, packed_start):
+        """Where block ``block`` of ``rows`` rows of one head starts in a ``(batch, heads, rows, head_dim)``
+        fp32 accumulator (packed: the sequence's rows from ``packed_start`` on)."""
         if cutlass.const_expr(self.varlen):
-            return cute.domain_offset((seq[3] + m_block * self.cfg.tile_m, 0), mdQ[0, head, None, None]).iterator
-        return cute.domain_offset((m_block * self.cfg.tile_m, 0), mdQ[seq[2], head, None, None]).iterator
+            return cute.domain_offset((packed_start + block * rows, 0), m_acc[0, head, None, None]).iterator
+        return cute.domain_offset((block * rows, 0), m_acc[seq[2], head, None, None]).iterator
 
     def _rows(self, t: cute.Tensor, head, seq: tuple, side: int) -> cute.Tensor:
         """One head's ``(rows, dim)`` of a ``(rows, dim, heads, batch)`` tensor for the CTA's sequence
@@ -647,15 +678,14 @@ class AttentionBackwardSm90:
     @cute.jit
     def _consume(
         self, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, scores, sdQ, sLSE, sD, kv_pipe, rings,
-        tma_dk, mdK, tma_dv, mdV, tile, seq, group, m_first, m_count, seqlen_q, seqlen_k, softmax_scale, score_args,
-        mma_tidx,
+        dkv_out, tile, seq, cta_heads, m_first, m_count, seqlen_q, seqlen_k, softmax_scale, score_args, mma_tidx,
     ):  # fmt: skip
         """Consumer warpgroups: per step S^T, dP^T, P^T, dS^T, then dV, dK and this warpgroup's part of dQ
-        (module docstring); at the end, dK and dV stored. ``scores``: the staged (dS^T, P^T) buffers
-        (P^T only when splitting head_dim, else None)."""
+        (module docstring); at the end, dK and dV stored (``dkv_out``: :meth:`_store_dkv`'s outputs). ``scores``:
+        the staged (dS^T, P^T) buffers (P^T only when splitting head_dim, else None)."""
         cfg = self.cfg
         d = cfg.head_dim
-        n_block, kv_head, batch = tile
+        n_block, _, batch = tile
         sdS, sP = scores
         wg = cute.arch.make_warp_uniform(mma_tidx // THREADS_PER_WARPGROUP)
         # Shared-memory operands (partitioned per warpgroup: see warpgroup_slice).
@@ -720,8 +750,8 @@ class AttentionBackwardSm90:
         ragged_keys = (n_block + 1) * cfg.tile_n > seqlen_k
         wait_full(kv_pipe, RingState.consumer(1))
         read = RingState.consumer(cfg.stages)
-        for step in cutlass.range(group * m_count, unroll=1):
-            head, m_block = self._step_block(step, kv_head, group, m_first, m_count)
+        for step in cutlass.range(cta_heads[1] * m_count, unroll=1):
+            head, m_block = self._step_block(step, cta_heads, m_first, m_count)
             wait_full(rings[0], read)
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             acc_dP = cute.make_rmem_tensor(s_shape, Float32)
@@ -836,10 +866,7 @@ class AttentionBackwardSm90:
                 rings[-1].consumer_release(read)  # dV, dK and dQ have read Q, dO and dS
             read.advance()
 
-        self._store_dkv(
-            tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, tile, (seq, seqlen_k), softmax_scale,
-            mma_tidx,
-        )  # fmt: skip
+        self._store_dkv(tiled_mma_dkv, acc_dK, acc_dV, sK, sV, dkv_out, tile, (seq, seqlen_k), softmax_scale, mma_tidx)
 
     @cute.jit
     def _add_operand_part(self, partials: cute.Tensor, part: Float32, where: tuple, mma_tidx):
@@ -853,21 +880,60 @@ class AttentionBackwardSm90:
             cute.arch.atomic_add(slot, part, sem="relaxed", scope="gpu")
 
     @cute.jit
-    def _store_dkv(
-        self, tiled_mma_dkv, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, tile, keys, softmax_scale, mma_tidx
-    ):
+    def _store_dkv(self, tiled_mma_dkv, acc_dK, acc_dV, sK, sV, dkv_out, tile, keys, softmax_scale, mma_tidx):
         """dK (scaled) and dV cast, staged in K's and V's buffers and TMA-stored; the store clips
-        rows past seqlen_k (``keys``: the sequence and its seqlen_k; packed, through the ragged view)."""
+        rows past seqlen_k (``keys``: the sequence and its seqlen_k; packed, through the ragged view).
+        ``dkv_out``: (dK's TMA atom and tensor, dV's, the ``dkv_accum`` operand, K's buffer's address);
+        ``head_split``: reduce-added instead (:meth:`_add_dkv`)."""
         cfg = self.cfg
-        n_block, kv_head, batch = tile
-        one = cute.make_layout(1)
-        r2s = stmatrix_copy(tiled_mma_dkv, self.dtype)
-        thr_r2s = r2s.get_slice(mma_tidx)
+        tma_dk, mdK, tma_dv, mdV, dkv_accum, stage = dkv_out
         acc_dK.store(acc_dK.load() * softmax_scale)
         epilogue = pipeline.NamedBarrier(barrier_id=int(NamedBarriers.EPILOGUE), num_threads=cfg.num_mma_threads)
         # The other warpgroup's last dQ = dS K may still read all of K.
         epilogue.arrive_and_wait()
-        for acc, s_buf in ((acc_dK, sK), (acc_dV, sV)):
+        if cutlass.const_expr(self.head_split):
+            self._add_dkv((acc_dK, acc_dV), dkv_accum, cute.recast_ptr(stage, dtype=Float32), tile, keys, epilogue,
+                          mma_tidx)  # fmt: skip
+        else:
+            self._cast_store_dkv(tiled_mma_dkv, (acc_dK, acc_dV), (sK, sV), (tma_dk, mdK, tma_dv, mdV), tile, keys,
+                                 epilogue, mma_tidx)  # fmt: skip
+
+    @cute.jit
+    def _add_dkv(self, accs, dkv_accum, stage, tile, keys, epilogue, mma_tidx):
+        """head_split: this CTA's fp32 dK and dV (its query heads' part of the group's sum) reduce-added into
+        the accumulators, one after the other through K's and V's buffers (free now, and adjacent) in fragment
+        order (:func:`dq_fragment`, as dQ: 16-byte stores free of bank conflicts, each warpgroup's part one
+        bulk reduce-add), which the postprocess un-permutes as it casts."""
+        cfg = self.cfg
+        n_block, kv_head, batch = tile
+        seq, _ = keys
+        part = cfg.tile_n * cfg.head_dim // self.num_wg
+        staged = dq_fragment(stage, cfg.tile_n, cfg.head_dim, mma_tidx)
+        packed_start = stat_rows_start(seq[1], batch, cfg.tile_n) if self.varlen else 0
+        for acc, m_acc in zip(accs, dkv_accum):
+            cute.autovec_copy(as_vectors(acc), staged)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epilogue.arrive_and_wait()
+            if mma_tidx // 32 == 0:
+                block = self._block_start(m_acc, kv_head, seq, n_block, cfg.tile_n, packed_start)
+                with cute.arch.elect_one():
+                    for w in cutlass.range_constexpr(self.num_wg):
+                        bulk_reduce_add_f32(block + w * part, stage + w * part, part * 4)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            epilogue.arrive_and_wait()  # the staging is read: the next may overwrite it
+
+    @cute.jit
+    def _cast_store_dkv(self, tiled_mma_dkv, accs, buffers, outputs, tile, keys, epilogue, mma_tidx):
+        """dK and dV cast, staged in K's and V's buffers and TMA-stored (see :meth:`_store_dkv`)."""
+        cfg = self.cfg
+        n_block, kv_head, batch = tile
+        sK, sV = buffers
+        tma_dk, mdK, tma_dv, mdV = outputs
+        one = cute.make_layout(1)
+        r2s = stmatrix_copy(tiled_mma_dkv, self.dtype)
+        thr_r2s = r2s.get_slice(mma_tidx)
+        for acc, s_buf in zip(accs, buffers):
             converted = cute.make_rmem_tensor(acc.shape, self.dtype)
             pack_16bit(acc, converted)
             cute.copy(r2s, thr_r2s.retile(converted), thr_r2s.partition_D(s_buf))

@@ -243,16 +243,19 @@ class PreparedAttention:
         """The backward kernel of this call (:mod:`epicute.attention.backward`), adding dQ's parts in a fixed
         order if ``deterministic`` and summing the score_mod's per-head vectors' gradients if ``operand_grads``;
         raises :class:`~epicute.errors.ConfigError` naming what the backward does not cover."""
+        from epicute.attention import backward_plan
         from epicute.attention.backward import BackwardVariant
-        from epicute.attention.backward_plan import backward_config
 
         self.check_backward()
-        p = self.plan.problem
+        p, target = self.plan.problem, self.plan.target
         score = None if self.score is None else self.score.fusion
+        cfg = backward_plan.backward_config(p.head_dim, score is not None)
+        heads = backward_plan.heads_per_cta(cfg, p.causal, deterministic, p.group, p.seqlen_q, target.l2_bytes,
+                                            DTYPE_BYTES[p.dtype])  # fmt: skip
         return BackwardVariant(
-            backward_config(p.head_dim, score is not None), p.dtype, p.causal, score,
-            self.plan.target.arch, p.varlen, deterministic,
+            cfg, p.dtype, p.causal, score, target.arch, p.varlen, deterministic,
             operand_grads and self.score is not None and bool(self.score.fusion.tensor_operands),
+            heads_per_cta=heads, head_split=heads < p.group,
         )  # fmt: skip
 
 

@@ -142,6 +142,14 @@ def test_explain_shows_the_backward_kernel_autograd_runs(capsys):
     epicute.explain_attention(q, kv, kv, causal=True, deterministic=True)
     backward = capsys.readouterr().out.split("backward (training")[1]
     assert "deterministic: the key blocks take turns adding into each query block, first to last" in backward
+    # Llama-3-70B's GQA 8:1 at 8 K, causal: a whole group's CTAs would stream 64 MiB of queries, so 4 CTAs per
+    # key block each walk 2 query heads (what two pairs stream fits the H100's 50 MB L2) and reduce-add dK, dV.
+    q70, kv70 = (torch.empty(1, 8192, h, 128, dtype=torch.bfloat16, device="meta") for h in (64, 8))
+    epicute.explain_attention(q70, kv70, kv70, causal=True)
+    backward = capsys.readouterr().out.split("backward (training")[1]
+    assert "grid            (64, 32, 1)" in backward and "walking 2 of its 8 query heads" in backward
+    assert "dK, dV          split: the group's 8 query heads over 4 CTAs per key block" in backward
+    assert "stream 64 MiB of queries, more than L2" in backward
     # head_dim 256: 64 keys per CTA, the warpgroups split the step's queries and head_dim.
     q256 = torch.empty(1, 1000, 2, 256, dtype=torch.bfloat16, device="meta")
     epicute.explain_attention(q256, q256, q256)

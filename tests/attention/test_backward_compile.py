@@ -22,7 +22,9 @@ from epicute.attention.backward_plan import (
     backward_config,
     backward_smem_layout,
     grid_band,
+    heads_per_cta,
 )
+from epicute.attention.backward_sm90 import AttentionBackwardSm90
 from epicute.attention.prepare import hooks_of, prepare
 from epicute.attention.validate import check_attention_args
 from epicute.errors import ConfigError
@@ -66,6 +68,16 @@ def test_deterministic_variants_compile_without_spills(d, causal, varlen, ptxas_
     assert spills == [0] and injected_fences == []
 
 
+@pytest.mark.parametrize("d,varlen", [(64, False), (128, False), (128, True)])
+def test_head_split_variants_and_their_key_postprocess_compile_without_spills(d, varlen, ptxas_report):
+    # dK and dV reduce-added in fp32 fragment order; the postprocess un-permutes key blocks (tile_n rows).
+    cfg = backward_config(d)
+    compile_backward(BackwardVariant(cfg, "bf16", True, varlen=varlen, heads_per_cta=1, head_split=True))
+    compile_postprocess(PostprocessVariant("bf16", d, cfg.tile_n, varlen))
+    spills, injected_fences = ptxas_report()
+    assert spills == [0, 0] and injected_fences == []
+
+
 @pytest.mark.parametrize(
     "d,tile_m,varlen,has_dlse,fragments", [(128, 64, False, False, True), (64, 128, True, True, True),
                                            (256, 64, False, True, False)]
@@ -103,6 +115,24 @@ def test_causal_grids_walk_bands_of_heads_that_fit_l2():
     assert grid_band(cfg, True, 1, 1000, 3, 50 * mib) == 3  # never wider than the pairs
     assert grid_band(cfg, True, 1, 1 << 20, 8, 50 * mib) == 1  # nothing fits: one pair
     assert grid_band(backward_config(64), True, 1, 16384, 64, 50 * mib) == 4  # 16384 x (64 x 8 + 8) B
+
+
+def test_causal_gqa_groups_split_over_ctas_until_two_pairs_fit_l2():
+    mib = 1 << 20
+    cfg = backward_config(128)
+    # Per query head at 8 K: 8.06 MiB streamed. Two pairs of 8 heads (129 MiB) or 4 (64.5) do not fit 50 MiB;
+    # of 2 (32.3) they do.
+    assert heads_per_cta(cfg, True, False, 8, 8192, 50 * mib) == 2
+    assert heads_per_cta(cfg, True, False, 16, 8192, 50 * mib) == 2
+    assert heads_per_cta(cfg, True, False, 2, 8192, 50 * mib) == 2  # fits: the whole group
+    assert heads_per_cta(cfg, True, False, 8, 32768, 50 * mib) == 1  # at least one head
+    assert heads_per_cta(cfg, True, False, 6, 8192, 50 * mib) == 3  # halved while even
+    # Without a causal mask, deterministic, or at head_dim 256 (the split kernel spills): the whole group.
+    assert heads_per_cta(cfg, False, False, 8, 32768, 50 * mib) == 8
+    assert heads_per_cta(cfg, True, True, 8, 32768, 50 * mib) == 8
+    assert heads_per_cta(backward_config(256), True, False, 8, 32768, 50 * mib) == 8
+    with pytest.raises(ConfigError, match="head_dim 256"):
+        AttentionBackwardSm90(backward_config(256), "bf16", True, head_split=True)
 
 
 def test_head_dim_128_takes_80_query_steps_with_dq_transposed_unless_a_score_mod_would_spill():

@@ -22,9 +22,10 @@ import torch
 import epicute
 from epicute import ops
 from epicute.attention import backward as rt_backward
+from epicute.attention import backward_plan
 from epicute.attention.api import reference_attention
 from epicute.attention.backward_plan import backward_config
-from epicute.attention.prepare import hooks_of
+from epicute.attention.prepare import hooks_of, prepare
 from epicute.attention.validate import check_attention_args
 from epicute.errors import ConfigError
 from tests.conftest import poison_attention_outputs, rel_err
@@ -288,6 +289,20 @@ def test_grid_bands_of_heads_leave_the_gradients_unchanged(d, monkeypatch):
             assert rel_err(g, r) <= TOL, f"{name} rel err {rel_err(g, r):.2e} (deterministic={deterministic})"
     for name, a, b in zip(("dq", "dk", "dv"), banded, grads(1, True)):
         assert torch.equal(a, b), f"{name}: bands of 3 pairs and of 1 sum dQ differently"
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_group_split_over_ctas_sums_dk_dv_in_fp32(d, heads, monkeypatch):
+    # The planner splits a causal group only past L2's size (bench shapes); forced here at small ones: each CTA
+    # walks `heads` of the 4 query heads and reduce-adds its fp32 dK and dV, the postprocess casts them.
+    monkeypatch.setattr(backward_plan, "heads_per_cta", lambda *args: heads)
+    call = check_attention_args(*leaves(1, 17, 17, 4, 1, d), causal=True, softmax_scale=None)
+    variant = prepare(call).backward_variant()
+    assert variant.head_split and variant.heads_per_cta == heads
+    check(*leaves(2, 1000, 777, 8, 2, d), causal=True)
+    check(*leaves(1, 4097, 129, 12, 3, d), causal=True)  # 129 keys: a ragged second key block
+    check(*leaves(2, 129, 1000, 8, 2, d), causal=False)
 
 
 def test_deterministic_mode_trains_under_torch_compile():

@@ -135,6 +135,17 @@ def test_backward_matches_reference(lengths, causal, d):
     check_backward(*packed(*lengths, 8, 2, d, requires_grad=True), causal=causal)
 
 
+@pytest.mark.parametrize("d", (64, 128))
+def test_backward_with_the_group_split_over_ctas(d, monkeypatch):
+    # Each CTA walks one of the group's query heads and reduce-adds its dK and dV into fp32 key rows laid out
+    # per sequence from a key block's boundary (as dQ's rows); the postprocess casts them per sequence.
+    from epicute.attention import backward_plan
+
+    monkeypatch.setattr(backward_plan, "heads_per_cta", lambda *args: 1)
+    for lengths in BATCHES:
+        check_backward(*packed(*lengths, 8, 2, d, requires_grad=True), causal=True)
+
+
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (10, 2), (14, 2)], ids=("gqa3", "gqa5", "gqa7"))
 def test_backward_gqa_ratios_that_do_not_divide_the_tile(hq, hkv):
     check_backward(*packed(*BATCHES[3], hq, hkv, 128, requires_grad=True), causal=True)
