@@ -227,10 +227,10 @@ def fp8_moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down_proj: torch.Ten
     if is_distributed(gate_up) or is_distributed(down_proj):
         raise ConfigError("fp8 experts with DTensor weights (a tensor-parallel plan): not built; train sharded "
                           "experts in bf16 (MoEExperts without fp8)")  # fmt: skip
-    check_routing(x, top_k_index, top_k_weights)
     if gate_up.dim() != 3 or down_proj.dim() != 3:
         raise ShapeError(f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, down_proj {tuple(down_proj.shape)}: "
                          "need (T, H), (E, 2I, H) and (E, H, I)")  # fmt: skip
+    check_routing(x, top_k_index, top_k_weights, gate_up.shape[0], activation)
     experts, two_i, hidden = gate_up.shape
     if tuple(down_proj.shape) != (experts, hidden, two_i // 2) or x.shape[1] != hidden:
         raise ShapeError(f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)} and down_proj "

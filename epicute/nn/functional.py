@@ -39,7 +39,7 @@ from epicute.epilogue.backward import DACC, DACC_UP, SAVED, gradient_graph, read
 from epicute.epilogue.gated import gated_epilogue, interleave_gate_up
 from epicute.epilogue.operands import ColVector, RowVector
 from epicute.epilogue.tracer import as_epilogue, with_leading_operands
-from epicute.errors import ConfigError, EpilogueError, ShapeError
+from epicute.errors import ConfigError, DtypeError, EpilogueError, ShapeError
 from epicute.gemm.api import gemm
 from epicute.grouped.api import grouped_gemm
 from epicute.nn.parallel import is_distributed, parallel_experts, parallel_linear, parallel_mlp
@@ -352,7 +352,7 @@ def moe_experts(
     ``epicute.interleave_gate_up(gate, up)`` ``(E, 2I, H)``, built once by a layer that owns and trains it (no copy
     per call, none of its gradient).
     """
-    check_routing(x, top_k_index, top_k_weights)
+    check_routing(x, top_k_index, top_k_weights, gate_up_proj.shape[0], activation)
     if is_distributed(gate_up_proj):  # every expert split by features (epicute.nn.parallel.GatedMLPParallel)
         if not interleaved:
             raise ConfigError("gate_up_proj is a DTensor with interleaved=False: its [gate; up] halves split by rows "
@@ -369,12 +369,29 @@ def moe_experts(
     return _Combine.apply(down, *route.pairs)
 
 
-def check_routing(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
-    """The experts' tokens and routing: ``x`` ``(T, H)``, ``top_k_index`` and ``top_k_weights`` ``(T, k)``."""
+def check_routing(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int,
+                  activation: str) -> None:  # fmt: skip
+    """The experts' tokens and routing: ``x`` ``(T, H)``, ``top_k_index`` (integer expert ids) and ``top_k_weights``
+    (floating) ``(T, k)``, and a named ``activation``. Ids in ``[0, experts)`` are checked where they are on the CPU
+    (eagerly); on the GPU that would read them back (a sync no CUDA graph can capture), and an id out of range
+    there stops at torch's device-side index assert, as ``torch.topk``'s ids never are."""
     if x.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2 or \
             top_k_index.shape[0] != x.shape[0]:  # fmt: skip
         raise ShapeError(f"x {tuple(x.shape)}, top_k_index {tuple(top_k_index.shape)} and top_k_weights "
                          f"{tuple(top_k_weights.shape)}: need (T, H), (T, k) and (T, k)")  # fmt: skip
+    if top_k_index.dtype == torch.bool or top_k_index.is_floating_point() or top_k_index.is_complex():
+        raise DtypeError(f"top_k_index has dtype {top_k_index.dtype}: pass the integer expert ids torch.topk returns "
+                         "(top_k_index.long())")  # fmt: skip
+    if not top_k_weights.is_floating_point():
+        raise DtypeError(f"top_k_weights has dtype {top_k_weights.dtype}: pass floating routing weights (the softmax "
+                         "of the router's logits)")  # fmt: skip
+    if activation not in _WEIGHTED_GATED:
+        raise EpilogueError(f"activation={activation!r}: the experts take one of {sorted(_WEIGHTED_GATED)}")
+    if top_k_index.device.type == "cpu" and top_k_index.numel() and not torch.compiler.is_compiling():
+        low, high = int(top_k_index.min()), int(top_k_index.max())
+        if low < 0 or high >= experts:
+            raise ShapeError(f"top_k_index holds expert ids {low}..{high}: the layer has {experts} experts "
+                             f"(ids 0..{experts - 1})")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,27 @@ def test_bad_shapes_are_shape_errors():
         EF.mlp(x, w1, None, torch.randn(16, 32), None, activation="swish")
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_bad_routing_is_refused_with_the_fix(reference_layers, fp8):
+    from epicute.nn import fp8_moe_experts
+
+    experts = fp8_moe_experts if fp8 else EF.moe_experts
+    x = torch.randn(6, 128, dtype=torch.bfloat16)
+    gate_up, down = torch.randn(4, 128, 128, dtype=torch.bfloat16), torch.randn(4, 128, 64, dtype=torch.bfloat16)
+    index, weights = torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
+    cases = [
+        ((index.float(), weights, "silu"), epicute.DtypeError, r"top_k_index has dtype torch.float32: pass"),
+        ((index.bool(), weights, "silu"), epicute.DtypeError, r"top_k_index has dtype torch.bool"),
+        ((index, weights.long(), "silu"), epicute.DtypeError, r"top_k_weights has dtype torch.int64"),
+        ((index, weights, "swish"), epicute.EpilogueError, r"activation='swish': the experts take one of"),
+        ((index + 3, weights, "silu"), epicute.ShapeError, r"expert ids 3\.\.6: the layer has 4 experts"),
+        ((index - 1, weights, "silu"), epicute.ShapeError, r"expert ids -1\.\.2"),
+    ]
+    for (idx, w, activation), error, message in cases:
+        with pytest.raises(error, match=message):
+            experts(x, gate_up, down, idx, w, activation)
+
+
 @pytest.mark.parametrize("interleaved", [False, True], ids=["transformers_layout", "interleaved"])
 def test_moe_experts_gradients(reference_layers, interleaved):
     """Against float64 autograd of the HF expert loop's math; every input gets its gradient (the routing weights
