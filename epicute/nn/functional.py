@@ -83,8 +83,9 @@ def linear(
     flattened ``(tokens, out)`` problem (a residual ``(..., out)`` may be passed as ``residual.reshape(-1, out)``).
     Tile outputs come back ``(..., out)``; per-row reductions ``(...)``; per-column ones ``(out,)``.
     """
-    if weight.dim() != 2:
-        raise ShapeError(f"weight has shape {tuple(weight.shape)}; linear takes a 2-D (out, in) weight")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ShapeError(f"weight is {got}; linear takes a 2-D (out, in) weight tensor")
     if is_distributed(weight):  # sharded by a tensor-parallel plan: each rank runs its shard (epicute.nn.parallel)
         return parallel_linear(linear, x, weight, bias, epilogue, operands)
     lead, out_features = x.shape[:-1], weight.shape[0]

@@ -298,6 +298,10 @@ def rotary(t: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> 
     """Rotary position embedding of ``t`` ``(batch, s, heads, head_dim)`` at ``positions`` ``(batch or 1, s)``, as
     Llama applies it (``t * cos + rotate_half(t) * sin``, the frequencies repeated over the two halves), computed in
     fp32 and returned in ``t``'s dtype."""
+    if t.dim() != 4 or t.shape[-1] % 2 or positions.dim() != 2 or positions.shape[0] not in (1, t.shape[0]) or \
+            positions.shape[1] != t.shape[1]:  # fmt: skip
+        raise ShapeError(f"t {tuple(t.shape)} and positions {tuple(positions.shape)}: rotary takes t (batch, s, heads, "
+                         "head_dim) with an even head_dim and positions (batch or 1, s)")  # fmt: skip
     half = t.shape[-1] // 2
     inv_freq = theta ** (-torch.arange(half, device=t.device, dtype=torch.float32) / half)
     angles = positions.to(torch.float32)[..., None] * inv_freq  # (batch, s, half)

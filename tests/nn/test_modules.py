@@ -83,6 +83,16 @@ def test_bad_layer_arguments_are_refused_with_the_fix():
         top_k_routing(torch.randn(5, 8), 9)
     with pytest.raises(epicute.ShapeError, match="num_heads=6 is not a multiple of num_kv_heads=4"):
         Attention(384, 6, 4)
+    from epicute.nn import rotary
+    from epicute.nn.functional import linear
+
+    for t, positions in ((torch.randn(1, 4, 2, 63), torch.arange(4)[None]),  # odd head_dim
+                         (torch.randn(2, 4, 2, 64), torch.arange(5)[None]),  # positions of another length
+                         (torch.randn(4, 2, 64), torch.arange(4)[None])):  # no batch  # fmt: skip
+        with pytest.raises(epicute.ShapeError, match="rotary takes t .batch, s, heads, head_dim. with an even"):
+            rotary(t, positions)
+    with pytest.raises(epicute.ShapeError, match="weight is NoneType; linear takes a 2-D"):
+        linear(torch.randn(4, 16), None)
 
 
 @pytest.mark.parametrize("normalize", [True, False])
