@@ -59,6 +59,10 @@ def patch(
     recipe other than ``"blockwise"``.
     """
     _check_version()
+    if not isinstance(model, nn.Module) or (attention and not hasattr(model, "set_attn_implementation")):
+        raise ConfigError(f"model is a {type(model).__name__}: patch takes a transformers model (a PreTrainedModel); "
+                          "for a plain torch module use epicute.nn's layers, or pass attention=False to swap its "
+                          "MLPs and linears only")  # fmt: skip
     if fp8 not in (None, "blockwise"):
         raise ConfigError(f"fp8={fp8!r}: patch trains in fp8 with 'blockwise' scales, the recipe every epicute layer "
                           "takes (or None: the model's dtype)")  # fmt: skip

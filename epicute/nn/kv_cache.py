@@ -95,6 +95,14 @@ class PagedKVCache:
         if k_new.shape != v_new.shape or k_new.shape[2:] != self.k_pages.shape[2:] or batch != self.seqlens.shape[0]:
             want = f"(batch={self.seqlens.shape[0]}, s, {self.k_pages.shape[2]}, {self.k_pages.shape[3]})"
             raise ShapeError(f"k_new {tuple(k_new.shape)} and v_new {tuple(v_new.shape)}: need {want} each")
+        room = self.page_table.shape[1] * self.page_size
+        # The lengths live on the device: checked where that reads nothing back (a GPU index past the page table
+        # stops at torch's device-side assert in the gather below).
+        eager_cpu = self.seqlens.device.type == "cpu" and batch and not torch.compiler.is_compiling()
+        longest = s + (int(self.seqlens.max()) if eager_cpu else 0)
+        if longest > room:
+            raise ShapeError(f"appending {s} tokens would fill a sequence to {longest}: the cache holds {room} a "
+                             "sequence (max_seqlen in whole pages); build it with a larger max_seqlen")  # fmt: skip
         positions = self.seqlens.long()[:, None] + torch.arange(s, device=self.seqlens.device)  # (batch, s)
         pages = self.page_table.long().gather(1, positions // self.page_size)
         slots = positions % self.page_size

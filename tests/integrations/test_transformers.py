@@ -125,6 +125,16 @@ def test_linears_share_the_original_parameters():
     assert model.model.layers[0].self_attn.q_proj.weight is q_proj.weight
 
 
+def test_a_model_that_is_not_a_transformers_model_is_refused_with_the_fix():
+    with pytest.raises(epicute.ConfigError, match="model is a Sequential: patch takes a transformers model"):
+        patch(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+    with pytest.raises(epicute.ConfigError, match="model is a int"):
+        patch(3, attention=False)
+    # Without attention, a plain module's linears swap as in a transformers model.
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    assert patch(plain, attention=False, linears=True)["Linear"] == 1
+
+
 def test_unsupported_transformers_versions_are_refused(monkeypatch):
     model = _tiny("llama")  # before the version is faked: building a model reads transformers' modules
     # The module as patch() imports it (transformers' lazy module may have replaced the one imported above).

@@ -55,6 +55,14 @@ def test_bad_caches_and_appends_are_refused():
     cache = PagedKVCache(2, 64, 2, 64, page_size=16)
     with pytest.raises(epicute.ShapeError, match=r"need \(batch=2, s, 2, 64\)"):
         cache.append(torch.randn(2, 1, 4, 64), torch.randn(2, 1, 4, 64))
+    # 64 positions a sequence: 65 new tokens never fit; 40 after 40 do not either (checked where the lengths are
+    # on the CPU), and the refused append leaves the cache as it was.
+    with pytest.raises(epicute.ShapeError, match="appending 65 tokens would fill a sequence to 65: the cache holds 64"):
+        cache.append(torch.randn(2, 65, 2, 64), torch.randn(2, 65, 2, 64))
+    cache.append(torch.randn(2, 40, 2, 64), torch.randn(2, 40, 2, 64))
+    with pytest.raises(epicute.ShapeError, match="appending 40 tokens would fill a sequence to 80"):
+        cache.append(torch.randn(2, 40, 2, 64), torch.randn(2, 40, 2, 64))
+    assert cache.seqlens.tolist() == [40, 40]
     with pytest.raises(epicute.ShapeError, match="k_scale: pass a positive number or one per key/value head"):
         PagedKVCache(2, 64, 2, 64, page_size=32, dtype=E4M3, k_scale=torch.ones(3))
     with pytest.raises(epicute.ShapeError, match="fp8 cache's pages hold a multiple of 32 keys"):
