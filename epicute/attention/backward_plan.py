@@ -278,13 +278,13 @@ def backward_smem_layout(cfg: BackwardConfig, dtype: str = "bf16") -> SmemLayout
     ))  # fmt: skip
 
 
-def _grid_order(band: int, causal: bool, pairs: int, varlen: bool) -> str:
-    """explain's account of :func:`grid_band`'s choice."""
-    pair = f"(head, {'sequence' if varlen else 'batch'})"
+def _grid_order(band: int, causal: bool, pairs: int, varlen: bool, split: bool = False) -> str:
+    """explain's account of :func:`grid_band`'s choice (``split``: a pair is a share of a head's query heads)."""
+    pair = f"({'head share' if split else 'head'}, {'sequence' if varlen else 'batch'})"
     if band > 1:
         return (f"key block by key block over {band} {pair} pairs at a time: causal key blocks shorten as they "
-                f"go, so the long ones of {band} heads start together and the launch ends on short ones "
-                f"(what {band} heads' CTAs stream fits L2)")  # fmt: skip
+                f"go, so the long ones of {band} pairs start together and the launch ends on short ones "
+                f"(what {band} pairs' CTAs stream fits L2)")  # fmt: skip
     why = (
         "without a causal mask every key block sees every query"
         if not causal
@@ -318,7 +318,7 @@ def render_backward_plan(variant, problem, target) -> list[str]:
             f"head, {'sequence' if p.varlen else 'batch'}), walking {walked} x every query block "
             "that sees its keys" + (" (from the diagonal)" if p.causal else "")
         ),
-        "  grid order      " + _grid_order(band, p.causal, shares * p.batch, p.varlen),
+        "  grid order      " + _grid_order(band, p.causal, shares * p.batch, p.varlen, variant.head_split),
         f"  steps           {cfg.tile_m} queries per step; Q, dO, LSE and D in a {cfg.stages}-stage TMA ring",
         f"  warpgroup 0     producer: warp 0 TMA loads, warp 1 reduce-adds dQ   setmaxnreg {cfg.producer_regs}",
     ]
