@@ -162,6 +162,19 @@ def _check_staged_outputs(fusion: EpilogueFusion, q_dtype: str) -> None:
             )
 
 
+#: flash-attn keywords epicute.attention spells otherwise (or lacks), and what to pass instead.
+FLASH_ATTN_KEYWORDS = {
+    "dropout_p": "epicute.attention has no attention dropout; train without it (leave it out for 0)",
+    "window_size": ("a sliding window is a score_mod that hides the keys outside it, e.g. score_mod=lambda s, b, h, "
+                    "q_idx, kv_idx: ops.where(q_idx - kv_idx < 4096, s, float('-inf')); leave it out for (-1, -1)"),
+    "softcap": ("pass score_mod=lambda s, b, h, q_idx, kv_idx: cap * ops.tanh(s / cap) (epicute.ops); leave it out "
+                "for 0"),
+    "alibi_slopes": ("pass score_mod=lambda s, b, h, q_idx, kv_idx, slopes: s + slopes * (kv_idx - q_idx), "
+                     "slopes=alibi_slopes (a per-head vector operand, learnable too)"),
+    "return_attn_probs": "the probabilities are never stored; return_lse=True returns the log-sum-exp of each row",
+}  # fmt: skip
+
+
 def hooks_of(
     call: AttentionCall, score_mod, epilogue, operands: dict, out_dtypes: dict | None = None
 ) -> tuple[Hook | None, Hook | None]:
@@ -174,6 +187,9 @@ def hooks_of(
         raise EpilogueError("score_mod must be a function f(score, b, h, q_idx, kv_idx, *operands)")
     declared = set(sm.params if sm else ()) | set(epi.params if epi else ())
     unknown = sorted(set(operands) - declared)
+    for name in unknown:
+        if name in FLASH_ATTN_KEYWORDS:
+            raise ConfigError(f"{name}= (flash-attn's keyword): {FLASH_ATTN_KEYWORDS[name]}")
     if unknown:
         raise EpilogueError(
             f"operands {unknown} are not parameters of the score_mod or the epilogue (they take {sorted(declared)})"

@@ -195,6 +195,14 @@ def test_hook_operand_errors():
     bad(epicute.EpilogueError, "not parameters", q, k, v, score_mod=alibi, slopes=torch.rand(4), typo=1.0)
     bad(epicute.EpilogueError, "tile", q, k, v, epilogue=lambda o, g: o * g, g=torch.rand(2, 16, 4))
     bad(epicute.EpilogueError, "positional indices", q, k, v, score_mod=lambda s, b: s)
+    # flash-attn's keywords epicute spells otherwise: the fix, not "not parameters"
+    bad(epicute.ConfigError, r"dropout_p= \(flash-attn's keyword\): epicute.attention has no attention dropout", q, k,
+        v, dropout_p=0.1)  # fmt: skip
+    bad(epicute.ConfigError, r"window_size= .*a sliding window is a score_mod", q, k, v, window_size=(8, 0))
+    bad(epicute.ConfigError, r"alibi_slopes= .*slopes=alibi_slopes", q, k, v, alibi_slopes=torch.rand(4))
+    # ... unless a hook declares it: then it is that hook's operand
+    capped = lambda s, b, h, qi, ki, softcap: softcap * ops.tanh(s / softcap)
+    assert math.isfinite(float(epicute.attention(q, k, v, score_mod=capped, softcap=30.0, backend="reference").sum()))
     assert math.isfinite(
         float(epicute.attention(q, k, v, score_mod=alibi, slopes=torch.rand(4), backend="reference").float().sum())
     )
