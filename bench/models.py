@@ -1,7 +1,7 @@
 """Whole transformers models on epicute against the ways they usually run (H200): tokens per second.
 
 Usage: python bench/models.py [--cases llama_train,llama_train_8x2048,llama_prefill,mixtral_train,qwen3_moe_train,
-                               llama_decode_b32,llama_decode_b128] [--layers 2] [--out PATH]
+                               llama_decode_b32,llama_decode_b128] [--layers 2] [--fp8] [--out PATH]
 
 Models are built from configs (random weights, nothing downloaded), bf16, ``--layers`` decoder layers, the real
 vocabulary (its LM head and loss are part of every step):
@@ -23,6 +23,9 @@ Contenders, each built from the same weights (a deep copy of one model) and fed 
 - ``epicute``: ``epicute.integrations.transformers.patch(model, linears=True)`` (MLPs, MoE experts, every linear
   layer and the attention on epicute) under ``torch.compile`` (default mode, static shapes): epicute's ops opaque to
   it, the rest (norms, rotary, routing, the loss) fused by Inductor; ``epicute_eager``: the patched model as it is;
+  with ``--fp8`` (training cases), ``epicute_fp8``: ``patch(model, linears=True, fp8="blockwise")`` under the same
+  compile (every swapped layer but the LM head trained in fp8, DeepSeek-V3's recipe), epicute's own figure beside
+  the bf16 one (not a peer);
 - ``hf_sdpa``: transformers with ``attn_implementation="sdpa"`` (its default); ``hf_eager``: ``"eager"``;
 - ``hf_sdpa_compile``: ``hf_sdpa`` under ``torch.compile`` (default mode, static shapes);
 - ``liger`` (training): Liger's ``apply_liger_kernel_to_<model>(model=...)`` (:data:`LIGER`) on an SDPA model
@@ -128,7 +131,7 @@ def liger_model(base):
     return model, modeling, patched
 
 
-def run_case(name: str, layers: int) -> tuple[Row, bool]:
+def run_case(name: str, layers: int, fp8: bool = False) -> tuple[Row, bool]:
     import torch
 
     from epicute.integrations.transformers import patch
@@ -146,6 +149,10 @@ def run_case(name: str, layers: int) -> tuple[Row, bool]:
     # The patched model under torch.compile: epicute's ops stay opaque, Inductor fuses what lies between them.
     models["epicute"] = (torch.compile(epicute_model, dynamic=False), None)
     models["epicute_eager"] = (epicute_model, None)
+    if fp8 and training:
+        fp8_model = copy.deepcopy(sdpa)
+        print(f"  epicute_fp8 patched: {patch(fp8_model, linears=True, fp8='blockwise')}")
+        models["epicute_fp8"] = (torch.compile(fp8_model, dynamic=False), None)
     models["hf_sdpa"] = (sdpa, None)
     models["hf_eager"] = (with_weights(build(name, layers, "eager"), sdpa), None)
     models["hf_sdpa_compile"] = (torch.compile(copy.deepcopy(sdpa), dynamic=False), None)
@@ -238,12 +245,13 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join([*CASES, *DECODE_CASES]),
                         help=f"comma-separated subset of {[*CASES, *DECODE_CASES]}")  # fmt: skip
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--fp8", action="store_true", help="training cases: an epicute_fp8 contender too")
     args = start_peer_run(parser, DEFAULT_OUT)
     if args is None:
         return 2
     rows, all_ok = [], True
     for name in args.cases.split(","):
-        row, ok = (run_decode if name in DECODE_CASES else run_case)(name, args.layers)
+        row, ok = run_decode(name, args.layers) if name in DECODE_CASES else run_case(name, args.layers, args.fp8)
         rows.append(row)
         all_ok = all_ok and ok
     return finish_peer_run(args.out, "models", rows, all_ok, unit="ktokens/s")

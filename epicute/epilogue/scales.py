@@ -302,7 +302,8 @@ def _scale(name: str, value: Any, m: int, n: int, k: int, l: int, batched: bool,
     if value.numel() == 1 and value.dim() <= 1:
         # Tensorwise, read on the GPU: one value repeated along N by a zero stride.
         return RowVector(value.reshape((1,) * (len(lead) + 1)).expand(*lead, n))
-    rowwise = {lead + (extent,), lead + ((extent, 1) if per == "row" else (1, extent))}
+    # A tuple, not a set: traced with dynamic shapes the sizes are SymInts, which do not hash.
+    rowwise = (lead + (extent,), lead + ((extent, 1) if per == "row" else (1, extent)))
     if tuple(value.shape) in rowwise:
         t = value.reshape(*lead, extent)
         return ColVector(t) if per == "row" else RowVector(t)

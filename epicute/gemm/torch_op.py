@@ -127,7 +127,8 @@ def _forward_fake(a, b, operands, scalars, epilogue, spec: dict) -> list[torch.T
     l = a.shape[0] if a.dim() == 3 else 1
     if fp8:  # the scales: operands of the scaled epilogue, or the mainloop's (blockwise), as epicute.gemm takes them
         scales = [values.pop(name, None) for name in SCALE_NAMES]
-        epi, values = fp8_scaling(*scales, m, n, a.shape[-1], l, a.dim() == 3).apply(epi, values)
+        # Of the problem's N: b's columns (gated, D holds half of them; the blockwise scales cover all).
+        epi, values = fp8_scaling(*scales, m, b.shape[-1], a.shape[-1], l, a.dim() == 3).apply(epi, values)
         if epi is None:
             return [a.new_empty((*l_dims, m, n), dtype=d_dtype)]
     graph = fake_lowered_graph(a, ir_dtype(d_dtype, "out_dtype"), epi, epi.operands(values, m, n, l), spec)

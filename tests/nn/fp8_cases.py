@@ -35,10 +35,13 @@ def errors(recipe: str, lead: tuple[int, ...], in_features: int, out_features: i
     return found
 
 
-def gated_errors(recipe: str, tokens: int, d: int, hidden: int, device: str) -> dict[str, float]:
+def gated_errors(recipe: str, tokens: int, d: int, hidden: int, device: str,
+                 compiled: bool = False) -> dict[str, float]:  # fmt: skip
     """Relative errors of y, dx and both weights' gradients of :func:`epicute.nn.fp8_gated_mlp` (SwiGLU) against
     float64 autograd of ``(silu(x w_gate^T) * (x w_up^T)) w_down^T``. Each GEMM rounds its inputs to e4m3 as
-    fp8_linear's do, and h and the gradients between the GEMMs are bf16: :data:`TOL` bounds it as it does there."""
+    fp8_linear's do, and h and the gradients between the GEMMs are bf16: :data:`TOL` bounds it as it does there.
+    ``compiled``: the call under ``torch.compile(dynamic=True)`` (the ops' fake implementations trace it, sizes
+    symbolic)."""
     from epicute import interleave_gate_up
     from epicute.nn import fp8_gated_mlp
 
@@ -47,7 +50,8 @@ def gated_errors(recipe: str, tokens: int, d: int, hidden: int, device: str) -> 
     w_down = (torch.randn(d, hidden, device=device) * hidden**-0.5).to(torch.bfloat16).requires_grad_()
     w_gate_up = interleave_gate_up(w_gate, w_up).requires_grad_()
     upstream = torch.randn(tokens, d, device=device, dtype=torch.bfloat16)
-    y = fp8_gated_mlp(x, w_gate_up, w_down, recipe=recipe)
+    mlp = torch.compile(fp8_gated_mlp, dynamic=True) if compiled else fp8_gated_mlp
+    y = mlp(x, w_gate_up, w_down, recipe=recipe)
     y.backward(upstream)
     x64, g64, u64, d64 = (t.detach().double().requires_grad_() for t in (x, w_gate, w_up, w_down))
     want = (torch.nn.functional.silu(x64 @ g64.t()) * (x64 @ u64.t())) @ d64.t()
@@ -59,11 +63,12 @@ def gated_errors(recipe: str, tokens: int, d: int, hidden: int, device: str) -> 
 
 
 def moe_errors(tokens: int, experts: int, hidden: int, intermediate: int, top_k: int, device: str,
-               skip_expert: bool = True) -> dict[str, float]:  # fmt: skip
+               skip_expert: bool = True, compiled: bool = False) -> dict[str, float]:  # fmt: skip
     """Relative errors of the output and every gradient (x, gate_up, down_proj, top_k_weights) of
     :func:`epicute.nn.fp8_moe_experts` (SwiGLU experts, top-k routing) against float64 autograd of
     ``sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)``. ``skip_expert``: no token routes to the last expert
-    (an empty group in every GEMM). Each GEMM rounds its inputs to e4m3: :data:`TOL` bounds it as for the MLP."""
+    (an empty group in every GEMM). Each GEMM rounds its inputs to e4m3: :data:`TOL` bounds it as for the MLP.
+    ``compiled``: under ``torch.compile(dynamic=True)``."""
     from epicute import interleave_gate_up
     from epicute.nn import fp8_moe_experts
 
@@ -78,7 +83,8 @@ def moe_errors(tokens: int, experts: int, hidden: int, intermediate: int, top_k:
     weights, index = torch.softmax(logits, -1).topk(top_k, dim=-1)
     weights = weights.requires_grad_()
     upstream = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
-    y = fp8_moe_experts(x, gate_up, down, index, weights)
+    experts_fn = torch.compile(fp8_moe_experts, dynamic=True) if compiled else fp8_moe_experts
+    y = experts_fn(x, gate_up, down, index, weights)
     y.backward(upstream)
     x64, g64, u64, d64, w64 = (t.detach().double().requires_grad_() for t in (x, gate, up, down, weights))
     want = torch.zeros(tokens, hidden, dtype=torch.float64, device=device)
