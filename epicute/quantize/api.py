@@ -180,11 +180,17 @@ def _scale(amax: torch.Tensor, fp8: str, ue8m0: bool) -> torch.Tensor:
     return ceil_pow2(scale) if ue8m0 else scale
 
 
-# Run as written under torch.compile: Inductor's CPU code (torch 2.13) turned the product cut to a partial last
-# group or block into NaN values (a 37 x 144 input: 74-127 of them, a different count each run).
-@torch.compiler.disable
 def _quantize(x: torch.Tensor, recipe: str, fp8: str, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recipes in torch operations (fp32 math; the group kernel's, operation for operation)."""
+    """The recipes in torch operations (fp32 math; the group kernel's, operation for operation), run as written
+    under torch.compile too: Inductor's CPU code (torch 2.13) turned their product cut to a partial last group or
+    block into NaN values (a 37 x 144 input: 74-127 of them, a different count each run). Disabled per call, as the
+    decorator would import dynamo with epicute."""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(_quantize_in_torch)(x, recipe, fp8, ue8m0)
+    return _quantize_in_torch(x, recipe, fp8, ue8m0)
+
+
+def _quantize_in_torch(x: torch.Tensor, recipe: str, fp8: str, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     shape, k = x.shape, x.shape[-1]
     v = x.float()
     if recipe == "groups":
