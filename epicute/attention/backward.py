@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from epicute.attention.backward_plan import BackwardConfig, grid_band, stat_rows_start
+from epicute.attention.backward_plan import BackwardConfig, backward_grid, stat_rows_start
 from epicute.epilogue.dtypes import TORCH_TO_IR
 from epicute.runtime.cache import CacheKey
 from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES, dsl_compile
@@ -369,9 +369,7 @@ def attention_backward(
         if variant.deterministic:  # a counter per query block and head (LSE's rows are whole blocks)
             rows = lse_log2.shape
             dq_turns = (torch.zeros(*rows[:2], rows[2] // variant.config.tile_m, dtype=torch.int32, device=q.device),)
-        heads = variant.heads_per_cta or p.group
-        band = grid_band(cfg, variant.causal, heads, p.seqlen_q, p.heads_kv * (p.group // heads) * p.batch,
-                         current_target().l2_bytes, q.element_size())  # fmt: skip
+        heads, _, band = backward_grid(variant, p, current_target().l2_bytes)
         packed_k = (call.cu_seqlens_k, p.seqlen_k) if p.varlen else ()
         dkv_accum = key_accumulators(k, cfg.tile_n, packed_k) if variant.head_split else ()
         BACKWARD_CACHE.get(variant)(

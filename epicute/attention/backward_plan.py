@@ -211,10 +211,10 @@ def heads_per_cta(cfg: BackwardConfig, causal: bool, deterministic: bool, group:
     the long key blocks of two pairs at once and both stay in L2; at least one. The group's CTAs are then split
     ``group / heads`` ways and sum dK and dV in fp32 (``head_split``): a reduce-add of each CTA's dK and dV and a
     postprocess pass, against (whole) every step's Q and dO read from HBM and, with few pairs, a ragged tail.
-    Measured (H200, Llama-3-70B's 8:1 and a 16:1 group at 8 K, Qwen3-30B-A3B's at 32 K, bench/NOTES.md): 1.04-1.31x
-    the whole group. Without a causal mask the group's CTAs walk the queries in step (one stream, L2-resident);
-    deterministic sums keep the group in one CTA; so does head_dim 256, whose split kernel spills (its dK and dV
-    take 128 registers a thread)."""
+    Measured (H200, Llama-3-70B's 8:1, a 4:1 and a 16:1 group at 8 K, Qwen3-30B-A3B's at 32 K, bench/NOTES.md):
+    1.02-1.31x the whole group as planned before. Without a causal mask the group's CTAs walk the queries in step
+    (one stream, L2-resident); deterministic sums keep the group in one CTA; so does head_dim 256, whose split
+    kernel spills (its dK and dV take 128 registers a thread)."""
     if not causal or deterministic or group == 1 or cfg.split_head_dim:
         return group
     heads = group
@@ -278,6 +278,18 @@ def backward_smem_layout(cfg: BackwardConfig, dtype: str = "bf16") -> SmemLayout
     ))  # fmt: skip
 
 
+def backward_grid(variant, problem, l2_bytes: int) -> tuple[int, int, int]:
+    """The backward kernel's launch as the call runs it and explain shows it: (query heads a CTA walks, CTAs per key
+    block and batch -- each key/value head's shares of its group --, the grid's band of pairs, :func:`grid_band`)
+    of ``variant`` (a :class:`~epicute.attention.backward.BackwardVariant`) for ``problem``."""
+    p = problem
+    heads = variant.heads_per_cta or p.group
+    shares = p.heads_kv * (p.group // heads)
+    band = grid_band(variant.config, p.causal, heads, p.seqlen_q, shares * p.batch, l2_bytes,
+                     DTYPE_BYTES[variant.dtype])  # fmt: skip
+    return heads, shares, band
+
+
 def _grid_order(band: int, causal: bool, pairs: int, varlen: bool, split: bool = False) -> str:
     """explain's account of :func:`grid_band`'s choice (``split``: a pair is a share of a head's query heads)."""
     pair = f"({'head share' if split else 'head'}, {'sequence' if varlen else 'batch'})"
@@ -301,9 +313,7 @@ def render_backward_plan(variant, problem, target) -> list[str]:
     :class:`~epicute.runtime.target.Target`): grid, steps, warp roles, dQ's order, shared memory, why."""
     cfg, dtype, p = variant.config, variant.dtype, problem
     key_blocks = -(-p.seqlen_k // cfg.tile_n)
-    heads = variant.heads_per_cta or p.group
-    shares = p.heads_kv * (p.group // heads)
-    band = grid_band(cfg, p.causal, heads, p.seqlen_q, shares * p.batch, target.l2_bytes, DTYPE_BYTES[dtype])
+    heads, shares, band = backward_grid(variant, p, target.l2_bytes)
     dq_share = "rows" if cfg.dq_split_rows else "head_dim columns" + (" (dQ^T = K^T dS^T)" if cfg.dq_swap_ab else "")
     walked = f"{heads} of its {p.group} query heads" if variant.head_split else f"{p.group} query head(s)"
     lines = [
@@ -366,6 +376,7 @@ __all__ = [
     "MAX_GRID_BAND",
     "BackwardConfig",
     "backward_config",
+    "backward_grid",
     "backward_smem_layout",
     "dq_split",
     "grid_band",

@@ -20,6 +20,7 @@ from epicute.attention.backward_plan import (
     MAX_GRID_BAND,
     BackwardConfig,
     backward_config,
+    backward_grid,
     backward_smem_layout,
     grid_band,
     heads_per_cta,
@@ -133,6 +134,13 @@ def test_causal_gqa_groups_split_over_ctas_until_two_pairs_fit_l2():
     assert heads_per_cta(backward_config(256), True, False, 8, 32768, 50 * mib) == 8
     with pytest.raises(ConfigError, match="head_dim 256"):
         AttentionBackwardSm90(backward_config(256), "bf16", True, head_split=True)
+    # The launch (and explain) of Llama-3-70B's 8:1 at 8 K: 2 heads a CTA, 4 CTAs per key/value head and key block,
+    # two (head share, batch) pairs at a time.
+    q, kv = (torch.empty(1, 8192, h, 128, dtype=torch.bfloat16, device="meta") for h in (64, 8))
+    call = check_attention_args(q, kv, kv, causal=True, softmax_scale=None, require_cuda=False)
+    variant = prepare(call).backward_variant()
+    assert backward_grid(variant, call.problem, 50 * mib) == (2, 32, 2)
+    assert backward_grid(prepare(call).backward_variant(deterministic=True), call.problem, 50 * mib) == (8, 8, 1)
 
 
 def test_head_dim_128_takes_80_query_steps_with_dq_transposed_unless_a_score_mod_would_spill():

@@ -278,7 +278,7 @@ def test_grid_bands_of_heads_leave_the_gradients_unchanged(d, monkeypatch):
     do = torch.randn_like(q)
 
     def grads(band, deterministic):
-        monkeypatch.setattr(rt_backward, "grid_band", lambda *args: band)
+        monkeypatch.setattr(backward_plan, "grid_band", lambda *args: band)
         out = epicute.attention(q, k, v, causal=True, deterministic=deterministic)
         return torch.autograd.grad(out, (q, k, v), do)
 
