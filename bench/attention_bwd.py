@@ -41,6 +41,9 @@ CASES = {
     "b1_hq64_hkv8_s8192_d128_causal": (1, 8192, 64, 8, 128, True),
     "b1_hq32_hkv4_s32768_d128_causal": (1, 32768, 32, 4, 128, True),
     "b1_hq64_hkv4_s8192_d128_causal": (1, 8192, 64, 4, 128, True),
+    # head_dim 256 at 8:1 (Qwen3-Next's gated attention: 16 / 2 heads) and 2:1 (Gemma-3-12B's: 16 / 8)
+    "b1_hq16_hkv2_s8192_d256_causal": (1, 8192, 16, 2, 256, True),
+    "b1_hq16_hkv8_s16384_d256_causal": (1, 16384, 16, 8, 256, True),
 }
 #: name -> (sequence lengths, heads_q, heads_kv, head_dim, causal): 16 sequences of 257-8000 tokens (65 K).
 VARLEN_CASES = {

@@ -142,7 +142,7 @@ def compile_backward(variant: BackwardVariant):
         varlen,
         (turns,) if variant.deterministic else (),
         partials,
-        tuple(_fake_bshd(cutlass.Float32, d) for _ in range(2)) if variant.head_split else (),
+        (_fake_bshd(cutlass.Float32, d),) if variant.head_split else (),
         stream,
         constant_args=("score_tensors", "score_scalars", "varlen", "dq_turns", "operand_grads", "dkv_accum"),
     )
@@ -311,15 +311,17 @@ def preprocess_reference(
     return lse_log2, dsum
 
 
-def key_accumulators(k: torch.Tensor, tile_n: int, packed_k: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """dK's and dV's zeroed fp32 accumulators for a ``head_split`` backward: ``(batch, heads_kv, rows, head_dim)``,
-    rows padded to whole key blocks (packed, ``packed_k`` = ``(cu_seqlens_k, max_seqlen_k)``: one batch entry,
-    each sequence's rows from :func:`stat_rows_start` of its first key), as dQ's accumulator lays out queries."""
+def key_accumulators(k: torch.Tensor, tile_n: int, packed_k: tuple = ()) -> torch.Tensor:
+    """dK's and dV's zeroed fp32 accumulators for a ``head_split`` backward, one tensor ``(2 batch, heads_kv, rows,
+    head_dim)``: each batch's dK then dV (entries ``2 b`` and ``2 b + 1``: one set of strides and a constant offset
+    for the kernel, whose split epilogue at head_dim 256 has no register to spare). Rows padded to whole key blocks
+    (packed, ``packed_k`` = ``(cu_seqlens_k, max_seqlen_k)``: one batch's pair of entries, each sequence's rows
+    from :func:`stat_rows_start` of its first key), as dQ's accumulator lays out queries."""
     if packed_k:
-        shape = (1, k.shape[-2], stat_rows_start(k.shape[0], packed_k[0].numel() - 1, tile_n), k.shape[-1])
+        shape = (2, k.shape[-2], stat_rows_start(k.shape[0], packed_k[0].numel() - 1, tile_n), k.shape[-1])
     else:
-        shape = (k.shape[0], k.shape[2], -(-k.shape[1] // tile_n) * tile_n, k.shape[-1])
-    return tuple(torch.zeros(shape, dtype=torch.float32, device=k.device) for _ in range(2))
+        shape = (2 * k.shape[0], k.shape[2], -(-k.shape[1] // tile_n) * tile_n, k.shape[-1])
+    return torch.zeros(shape, dtype=torch.float32, device=k.device)
 
 
 def new_grad(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -371,7 +373,7 @@ def attention_backward(
             dq_turns = (torch.zeros(*rows[:2], rows[2] // variant.config.tile_m, dtype=torch.int32, device=q.device),)
         heads, _, band = backward_grid(variant, p, current_target().l2_bytes)
         packed_k = (call.cu_seqlens_k, p.seqlen_k) if p.varlen else ()
-        dkv_accum = key_accumulators(k, cfg.tile_n, packed_k) if variant.head_split else ()
+        dkv_accum = (key_accumulators(k, cfg.tile_n, packed_k),) if variant.head_split else ()
         BACKWARD_CACHE.get(variant)(
             q4, k4, v4, do4, lse_log2, dsum, dq_accum, dk4, dv4, call.softmax_scale, band, heads, *score_operands,
             varlen, dq_turns, partials, dkv_accum,
@@ -383,7 +385,7 @@ def attention_backward(
             torch.mul(dq_accum.view(q.shape), call.softmax_scale, out=dq)  # scaled and cast in one pass
         if variant.head_split:  # dK (scaled in the kernel) and dV in the key blocks' fragment order
             post = PostprocessVariant(variant.dtype, cfg.head_dim, cfg.tile_n, p.varlen)
-            for accum, grad in zip(dkv_accum, (dk, dv)):
+            for accum, grad in zip((dkv_accum[0][0::2], dkv_accum[0][1::2]), (dk, dv)):
                 POSTPROCESS_CACHE.get(post)(accum, grad[None] if p.varlen else grad, 1.0, packed_k)
     else:  # no queries: nothing flows back to the keys; no keys: none to the queries
         dq.zero_()

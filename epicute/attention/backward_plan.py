@@ -212,10 +212,10 @@ def heads_per_cta(cfg: BackwardConfig, causal: bool, deterministic: bool, group:
     ``group / heads`` ways and sum dK and dV in fp32 (``head_split``): a reduce-add of each CTA's dK and dV and a
     postprocess pass, against (whole) every step's Q and dO read from HBM and, with few pairs, a ragged tail.
     Measured (H200, Llama-3-70B's 8:1, a 4:1 and a 16:1 group at 8 K, Qwen3-30B-A3B's at 32 K, bench/NOTES.md):
-    1.02-1.31x the whole group as planned before. Without a causal mask the group's CTAs walk the queries in step
-    (one stream, L2-resident); deterministic sums keep the group in one CTA; so does head_dim 256, whose split
-    kernel spills (its dK and dV take 128 registers a thread)."""
-    if not causal or deterministic or group == 1 or cfg.split_head_dim:
+    1.02-1.31x the whole group as planned before; head_dim 256 at 8:1 1.04-1.10x (at 2:1 the same within the
+    spread). Without a causal mask the group's CTAs walk the queries in step (one stream, L2-resident);
+    deterministic sums keep the group in one CTA."""
+    if not causal or deterministic or group == 1:
         return group
     heads = group
     while heads > 1 and heads % 2 == 0 and 2 * streamed_bytes(cfg, heads, seqlen_q, elem_bytes) > l2_bytes:

@@ -91,7 +91,6 @@ from epicute.attention.mask import Diagonal, crosses_diagonal, first_query_block
 from epicute.attention.softmax import exp2_scale
 from epicute.epilogue.derivative import value_and_derivative
 from epicute.epilogue.fusion import ScoreModFusion
-from epicute.errors import ConfigError
 from epicute.sm90.cp_async import bulk_reduce_add_f32
 from epicute.sm90.epilogue_emit import DSL_DTYPES, emit_graph, emit_score_mod
 from epicute.sm90.fragments import (
@@ -119,9 +118,6 @@ class AttentionBackwardSm90:
         varlen: bool = False, deterministic: bool = False, operand_grads: bool = False, head_split: bool = False,
     ):  # fmt: skip
         cfg.validate()
-        if head_split and cfg.split_head_dim:
-            raise ConfigError("head_split: at head_dim 256 the backward keeps the GQA group in one CTA (its split "
-                              "kernel spills registers)")  # fmt: skip
         self.varlen = varlen
         self.deterministic = deterministic
         #: dK and dV reduce-added in fp32 (the group's query heads split over several CTAs): module docstring.
@@ -213,10 +209,10 @@ class AttentionBackwardSm90:
         its (key/value head, batch) pairs this many at a time, key block by key block
         (:func:`~epicute.sm90.tile_scheduler.band_coord`; :func:`~epicute.attention.backward_plan.grid_band`
         chooses it). ``heads``: the query heads a CTA walks, the group or (``head_split``) a divisor of it;
-        ``dkv_accum``: ``()``, or (``head_split``) the zeroed fp32 dK and dV accumulators ``(batch, heads_kv, key
-        rows, head_dim)`` in fragment order, key rows padded to whole key blocks (packed: each sequence's
-        from :func:`~epicute.attention.backward_plan.stat_rows_start` of its first key on); dK and dV are then
-        left to the postprocess."""
+        ``dkv_accum``: ``()``, or (``head_split``) one zeroed fp32 tensor of dK's and dV's accumulators ``(2 batch,
+        heads_kv, key rows, head_dim)`` in fragment order (each batch's dK, then its dV), key rows padded to whole
+        key blocks (packed: each sequence's from :func:`~epicute.attention.backward_plan.stat_rows_start` of its
+        first key on); dK and dV are then left to the postprocess."""
         cfg = self.cfg
         d = cfg.head_dim
         # (seqlen, dim, heads, batch): TMA boxes are (rows, dim).
@@ -436,7 +432,7 @@ class AttentionBackwardSm90:
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
                 self._consume(
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, sQ, sdO, sK, sV, (sdS, sP), sdQ, sLSE, sD, kv_pipe,
-                    rings, (tma_dk, mdK, tma_dv, mdV, dkv_accum, storage.sK.data_ptr()), (n_block, kv_head, batch),
+                    rings, (tma_dk, mdK, tma_dv, mdV, dkv_accum), (n_block, kv_head, batch),
                     seq, cta_heads, m_first, m_count, seqlen_q, seqlen_k, softmax_scale,
                     (score_tensors, score_scalars, operand_grads), tidx - THREADS_PER_WARPGROUP,
                 )  # fmt: skip
@@ -548,12 +544,16 @@ class AttentionBackwardSm90:
         accumulator, whose rows are LSE's (packed: the sequence's from ``seq[3]``, block-aligned)."""
         return self._block_start(mdQ, head, seq, m_block, self.cfg.tile_m, seq[3] if self.varlen else 0)
 
-    def _block_start(self, m_acc: cute.Tensor, head, seq: tuple, block, rows: int, packed_start):
+    def _block_start(self, m_acc: cute.Tensor, head, seq: tuple, block, rows: int, packed_start, pair: int = -1):
         """Where block ``block`` of ``rows`` rows of one head starts in a ``(batch, heads, rows, head_dim)``
-        fp32 accumulator (packed: the sequence's rows from ``packed_start`` on)."""
+        fp32 accumulator (packed: the sequence's rows from ``packed_start`` on). ``pair``: of a ``(2 batch, ...)``
+        one, each batch's two entries side by side (dK's and dV's), the batch's ``pair``-th (a constant offset)."""
+        entry = 0 if cutlass.const_expr(self.varlen) else seq[2]
+        if cutlass.const_expr(pair >= 0):
+            entry = 2 * entry + pair
         if cutlass.const_expr(self.varlen):
-            return cute.domain_offset((packed_start + block * rows, 0), m_acc[0, head, None, None]).iterator
-        return cute.domain_offset((block * rows, 0), m_acc[seq[2], head, None, None]).iterator
+            return cute.domain_offset((packed_start + block * rows, 0), m_acc[entry, head, None, None]).iterator
+        return cute.domain_offset((block * rows, 0), m_acc[entry, head, None, None]).iterator
 
     def _rows(self, t: cute.Tensor, head, seq: tuple, side: int) -> cute.Tensor:
         """One head's ``(rows, dim)`` of a ``(rows, dim, heads, batch)`` tensor for the CTA's sequence
@@ -883,39 +883,41 @@ class AttentionBackwardSm90:
     def _store_dkv(self, tiled_mma_dkv, acc_dK, acc_dV, sK, sV, dkv_out, tile, keys, softmax_scale, mma_tidx):
         """dK (scaled) and dV cast, staged in K's and V's buffers and TMA-stored; the store clips
         rows past seqlen_k (``keys``: the sequence and its seqlen_k; packed, through the ragged view).
-        ``dkv_out``: (dK's TMA atom and tensor, dV's, the ``dkv_accum`` operand, K's buffer's address);
+        ``dkv_out``: (dK's TMA atom and tensor, dV's, the ``dkv_accum`` operand);
         ``head_split``: reduce-added instead (:meth:`_add_dkv`)."""
         cfg = self.cfg
-        tma_dk, mdK, tma_dv, mdV, dkv_accum, stage = dkv_out
+        tma_dk, mdK, tma_dv, mdV, dkv_accum = dkv_out
         acc_dK.store(acc_dK.load() * softmax_scale)
         epilogue = pipeline.NamedBarrier(barrier_id=int(NamedBarriers.EPILOGUE), num_threads=cfg.num_mma_threads)
         # The other warpgroup's last dQ = dS K may still read all of K.
         epilogue.arrive_and_wait()
         if cutlass.const_expr(self.head_split):
-            self._add_dkv((acc_dK, acc_dV), dkv_accum, cute.recast_ptr(stage, dtype=Float32), tile, keys, epilogue,
-                          mma_tidx)  # fmt: skip
+            # K's buffer's address taken here, unswizzled, not carried through the loop (a live register there).
+            stage = cute.recast_ptr(sK.iterator, dtype=Float32)
+            self._add_dkv((acc_dK, acc_dV), dkv_accum[0], stage, tile, keys, epilogue, mma_tidx)
         else:
             self._cast_store_dkv(tiled_mma_dkv, (acc_dK, acc_dV), (sK, sV), (tma_dk, mdK, tma_dv, mdV), tile, keys,
                                  epilogue, mma_tidx)  # fmt: skip
 
     @cute.jit
-    def _add_dkv(self, accs, dkv_accum, stage, tile, keys, epilogue, mma_tidx):
+    def _add_dkv(self, accs, m_acc, stage, tile, keys, epilogue, mma_tidx):
         """head_split: this CTA's fp32 dK and dV (its query heads' part of the group's sum) reduce-added into
-        the accumulators, one after the other through K's and V's buffers (free now, and adjacent) in fragment
-        order (:func:`dq_fragment`, as dQ: 16-byte stores free of bank conflicts, each warpgroup's part one
-        bulk reduce-add), which the postprocess un-permutes as it casts."""
+        ``m_acc`` (a batch's dK and dV entries side by side: :func:`~epicute.attention.backward.key_accumulators`),
+        one after the other through K's and V's buffers (free now, and adjacent) in fragment order
+        (:func:`dq_fragment`, as dQ: 16-byte stores free of bank conflicts, each warpgroup's part one bulk
+        reduce-add), which the postprocess un-permutes as it casts."""
         cfg = self.cfg
         n_block, kv_head, batch = tile
         seq, _ = keys
         part = cfg.tile_n * cfg.head_dim // self.num_wg
         staged = dq_fragment(stage, cfg.tile_n, cfg.head_dim, mma_tidx)
         packed_start = stat_rows_start(seq[1], batch, cfg.tile_n) if self.varlen else 0
-        for acc, m_acc in zip(accs, dkv_accum):
+        for i, acc in enumerate(accs):
             cute.autovec_copy(as_vectors(acc), staged)
             cute.arch.fence_proxy("async.shared", space="cta")
             epilogue.arrive_and_wait()
             if mma_tidx // 32 == 0:
-                block = self._block_start(m_acc, kv_head, seq, n_block, cfg.tile_n, packed_start)
+                block = self._block_start(m_acc, kv_head, seq, n_block, cfg.tile_n, packed_start, i)
                 with cute.arch.elect_one():
                     for w in cutlass.range_constexpr(self.num_wg):
                         bulk_reduce_add_f32(block + w * part, stage + w * part, part * 4)

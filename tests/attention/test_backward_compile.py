@@ -25,7 +25,6 @@ from epicute.attention.backward_plan import (
     grid_band,
     heads_per_cta,
 )
-from epicute.attention.backward_sm90 import AttentionBackwardSm90
 from epicute.attention.prepare import hooks_of, prepare
 from epicute.attention.validate import check_attention_args
 from epicute.errors import ConfigError
@@ -69,14 +68,18 @@ def test_deterministic_variants_compile_without_spills(d, causal, varlen, ptxas_
     assert spills == [0] and injected_fences == []
 
 
-@pytest.mark.parametrize("d,varlen", [(64, False), (128, False), (128, True)])
+@pytest.mark.parametrize("d,varlen", [(64, False), (128, False), (128, True), (256, False), (256, True)])
 def test_head_split_variants_and_their_key_postprocess_compile_without_spills(d, varlen, ptxas_report):
     # dK and dV reduce-added in fp32 fragment order; the postprocess un-permutes key blocks (tile_n rows).
     cfg = backward_config(d)
     compile_backward(BackwardVariant(cfg, "bf16", True, varlen=varlen, heads_per_cta=1, head_split=True))
     compile_postprocess(PostprocessVariant("bf16", d, cfg.tile_n, varlen))
     spills, injected_fences = ptxas_report()
-    assert spills == [0, 0] and injected_fences == []
+    # At head_dim 256 (dK and dV: 128 fp32 registers a thread) ptxas parks prologue values in local memory until
+    # the epilogue: one word (packed: two), each stored once before the query loop and loaded after it (the SASS
+    # has no local access inside a loop: bench/NOTES.md); a spill inside the loop would show as more.
+    parked = {(256, False): 4, (256, True): 8}.get((d, varlen), 0)
+    assert spills == [parked, 0] and injected_fences == []
 
 
 @pytest.mark.parametrize(
@@ -128,12 +131,11 @@ def test_causal_gqa_groups_split_over_ctas_until_two_pairs_fit_l2():
     assert heads_per_cta(cfg, True, False, 2, 8192, 50 * mib) == 2  # fits: the whole group
     assert heads_per_cta(cfg, True, False, 8, 32768, 50 * mib) == 1  # at least one head
     assert heads_per_cta(cfg, True, False, 6, 8192, 50 * mib) == 3  # halved while even
-    # Without a causal mask, deterministic, or at head_dim 256 (the split kernel spills): the whole group.
+    # Without a causal mask or deterministic: the whole group.
     assert heads_per_cta(cfg, False, False, 8, 32768, 50 * mib) == 8
     assert heads_per_cta(cfg, True, True, 8, 32768, 50 * mib) == 8
-    assert heads_per_cta(backward_config(256), True, False, 8, 32768, 50 * mib) == 8
-    with pytest.raises(ConfigError, match="head_dim 256"):
-        AttentionBackwardSm90(backward_config(256), "bf16", True, head_split=True)
+    # head_dim 256 (Qwen3-Next's 8:1 at 8 K): 16.1 MiB a head, so one head a CTA.
+    assert heads_per_cta(backward_config(256), True, False, 8, 8192, 50 * mib) == 1
     # The launch (and explain) of Llama-3-70B's 8:1 at 8 K: 2 heads a CTA, 4 CTAs per key/value head and key block,
     # two (head share, batch) pairs at a time.
     q, kv = (torch.empty(1, 8192, h, 128, dtype=torch.bfloat16, device="meta") for h in (64, 8))

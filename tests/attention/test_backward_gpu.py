@@ -292,7 +292,7 @@ def test_grid_bands_of_heads_leave_the_gradients_unchanged(d, monkeypatch):
 
 
 @pytest.mark.parametrize("heads", [1, 2])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_a_group_split_over_ctas_sums_dk_dv_in_fp32(d, heads, monkeypatch):
     # The planner splits a causal group only past L2's size (bench shapes); forced here at small ones: each CTA
     # walks `heads` of the 4 query heads and reduce-adds its fp32 dK and dV, the postprocess casts them.

@@ -135,7 +135,7 @@ def test_backward_matches_reference(lengths, causal, d):
     check_backward(*packed(*lengths, 8, 2, d, requires_grad=True), causal=causal)
 
 
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 128, 256))
 def test_backward_with_the_group_split_over_ctas(d, monkeypatch):
     # Each CTA walks one of the group's query heads and reduce-adds its dK and dV into fp32 key rows laid out
     # per sequence from a key block's boundary (as dQ's rows); the postprocess casts them per sequence.
