@@ -23,6 +23,7 @@ from gemm import ALL_SHAPES, make_sets, parse_shapes, rel_error, rotating
 RESULTS = Path(__file__).resolve().parent / "results"
 CANDIDATES: dict[str, dict] = {
     "coop_128x256_c2x1": {"tile_n": 256, "cluster_m": 2, "persistent": True},
+    "coop_128x224_c2x1": {"tile_n": 224, "cluster_m": 2, "persistent": True},
     "coop_128x192_c2x1": {"tile_n": 192, "cluster_m": 2, "persistent": True},
     "coop_128x128_c2x1": {"tile_n": 128, "cluster_m": 2, "persistent": True},
     "pp_128x128_c1x1": {"schedule": "pingpong", "tile_n": 128},

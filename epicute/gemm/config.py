@@ -23,7 +23,7 @@ K_TILE_BYTES = 128
 D_DTYPES = ("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2")
 
 SCHEDULES = ("cooperative", "pingpong")
-TILE_N = (64, 128, 192, 256)
+TILE_N = (64, 128, 192, 224, 256)
 #: Tile N of a swap-AB kernel, whose N is the problem's small M: WGMMA N in steps of 16 (one stmatrix atom of
 #: the transposed D store), up to 128.
 SWAP_AB_TILE_N = (16, 32, 48, 64, 80, 96, 112, 128)

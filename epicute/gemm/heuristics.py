@@ -86,6 +86,8 @@ MAX_AB_STAGES = 8
 MAX_EPI_STAGES = 4
 MIN_EPI_STAGES = 2
 EPI_TILE_N = 32
+#: A cooperative tile width between 192 and 256, a candidate where it divides N (:func:`tile_widths`).
+WAVE_FIT_TILE_N = 224
 #: Unrolled epilogue instructions per consumer thread that leave the mainloop's code in
 #: the SM's instruction cache. Past that (the cliff lies at 8-9k) the epilogue's code evicts
 #: the mainloop's, whose warps then stall for instructions and the kernel slows several-fold
@@ -319,6 +321,14 @@ def schedule_refusal(
     return "; ".join(f"128x{w}: {_short(refusal)}" for w, refusal in refusals.items())
 
 
+def wave_fit_widths(problem: GemmProblem) -> tuple[int, ...]:
+    """:data:`WAVE_FIT_TILE_N` where it tiles N exactly (14336, 28672: 64 and 128 tiles) and the inputs are 16-bit
+    (as measured), else nothing: there its tile counts can end on a fuller last wave than 256's (bench/NOTES.md,
+    'Cooperative 128x224 tiles')."""
+    fits = problem.n % WAVE_FIT_TILE_N == 0 and problem.ab_dtype in ("bf16", "fp16")
+    return (WAVE_FIT_TILE_N,) if fits else ()
+
+
 def tile_widths(problem: GemmProblem, schedule: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(preferred, fallback)`` tile widths for ``problem`` under ``schedule``: the planner chooses among the
     preferred ones that can run the problem, and only where none can among the fallback ones (narrowest first)."""
@@ -329,7 +339,7 @@ def tile_widths(problem: GemmProblem, schedule: str) -> tuple[tuple[int, ...], t
     elif problem.block_scaled:
         preferred = (192, 128, 64)
     else:
-        preferred = (192 if schedule == "pingpong" else 256, 128, 64)
+        preferred = (192, 128, 64) if schedule == "pingpong" else (256, *wave_fit_widths(problem), 128, 64)
     return preferred, tuple(w for w in TILE_N if w not in preferred)
 
 
@@ -386,7 +396,8 @@ def choose_tile_n(
     if problem.block_scaled:
         estimate = f"128x{best} estimated {times[best] * 1e6:.0f} us{others}"
         return best, f"blockwise scales: promotion holds {_block_scaled_partials(best)}; {estimate}{excluded}"
-    why = {preferred[0]: "", 128: " (wave quantization)", 64: " (too few wider tiles to fill the SMs)"}.get(best, "")
+    why = {preferred[0]: "", WAVE_FIT_TILE_N: f" (wave quantization: N in whole {WAVE_FIT_TILE_N}-wide tiles)",
+           128: " (wave quantization)", 64: " (too few wider tiles to fill the SMs)"}.get(best, "")  # fmt: skip
     return best, f"128x{best} tiles estimated {times[best] * 1e6:.0f} us{others}{why}{excluded}"
 
 

@@ -33,7 +33,7 @@ from epicute.sm90.tile_grid import ceil_div
 #: TFLOPS over the useful share of the waves' tiles, calibrated on H100 SXM, bf16
 #: (bench/results/configs.json, configs_pingpong.json; bench/NOTES.md, 'Ping-pong 128x192 for
 #: plain GEMMs' and 'Ping-pong 128x192 for plain 8192³').
-MAINLOOP_EFFICIENCY = {256: 0.82, 192: 0.81, 128: 0.70, 64: 0.55}
+MAINLOOP_EFFICIENCY = {256: 0.82, 224: 0.82, 192: 0.81, 128: 0.70, 64: 0.55}
 #: The same for fp8 with blockwise scales, whose mainloop promotes every k-tile: 128x128 (two partials) and
 #: 128x192 (one partial) calibrated at full waves on the do_bench method with A's scales TMA-loaded
 #: (bench/NOTES.md, 'Blockwise fp8: A scales by TMA'); 64 keeps the bf16 table's ratio to 128.

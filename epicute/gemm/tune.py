@@ -21,13 +21,13 @@ from dataclasses import asdict, dataclass
 
 from epicute.errors import ConfigError
 from epicute.gemm import GemmProblem
-from epicute.gemm.heuristics import choose_config
+from epicute.gemm.heuristics import WAVE_FIT_TILE_N, choose_config, wave_fit_widths
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.runtime.cache import JsonTable, code_versions
 from epicute.runtime.target import Target
 
 #: The axes tuning explores; stages are fitted by the planner for each point.
-SCHEDULE_TILE_N = (("cooperative", (64, 128, 192, 256)), ("pingpong", (64, 128, 192)))
+SCHEDULE_TILE_N = (("cooperative", (64, 128, 192, 224, 256)), ("pingpong", (64, 128, 192)))
 CLUSTERS = ((1, 1), (2, 1), (1, 2))
 PERSISTENT = (True, False)
 
@@ -57,6 +57,8 @@ def candidates(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers = NO_
     points = [(schedule, n) for schedule, widths in SCHEDULE_TILE_N for n in widths]
     for (schedule, tile_n), (cm, cn), persistent in itertools.product(points, CLUSTERS, PERSISTENT):
         if tile_n == 64 and problem.n > 128:  # a 64-wide tile only pays off on narrow N
+            continue
+        if tile_n == WAVE_FIT_TILE_N and not wave_fit_widths(problem):  # the planner's rule
             continue
         if schedule == "pingpong" and not persistent:  # its warpgroups take alternate tiles of a CTA
             continue

@@ -26,6 +26,7 @@ VARIANTS = [
     (GemmConfig(tile_n=256, epi_tile=(128, 128), num_epi_stages=1, raster_along_m=False, swizzle=1),
      "bf16", "fp16", "m", "k"),
     (GemmConfig(tile_n=192, cluster_m=2, ab_stages=5, num_epi_stages=2), "bf16", "bf16", "k", "n"),
+    (GemmConfig(tile_n=224, cluster_m=2, ab_stages=4, num_epi_stages=4), "bf16", "bf16", "k", "k"),
     (GemmConfig(schedule="pingpong", tile_n=128, epi_tile=(64, 32), cluster_m=2, ab_stages=6),
      "bf16", "bf16", "k", "n"),
     (GemmConfig(schedule="pingpong", tile_n=192, epi_tile=(64, 64), ab_stages=5), "fp16", "fp32", "m", "k"),

@@ -95,6 +95,7 @@ def test_fused_epilogue_in_every_kernel_path():
         {"cluster_m": 2, "persistent": True},
         {"persistent": False, "tile_n": 128},
         {"tile_n": 64},
+        {"tile_n": 224, "cluster_m": 2},
         {"schedule": "pingpong", "tile_n": 128, "cluster_m": 2},
         {"schedule": "pingpong", "tile_n": 192},
     ):

@@ -82,6 +82,7 @@ CONFIGS = [
     {"tile_n": 256, "epi_tile": (128, 64), "persistent": True, "raster_along_m": False, "swizzle": 3},
     {"tile_n": 128, "epi_tile": (128, 128), "persistent": True},
     {"tile_n": 192, "persistent": True},
+    {"tile_n": 224, "cluster_m": 2, "persistent": True},
     # ping-pong: alternate tiles per warpgroup; odd tile counts leave one warpgroup a tile short
     {"schedule": "pingpong", "tile_n": 128},
     {"schedule": "pingpong", "tile_n": 192, "cluster_m": 2},

@@ -138,10 +138,10 @@ def test_wave_quantization_prefers_128_wide_tiles():
 
 
 def test_plain_gemm_takes_pingpong_where_its_tile_fills_the_waves_best():
-    # 1024x14336: 448 tiles of 128x256 are 3.4 waves, 896 of 128x128 need the less efficient
-    # tile; ping-pong's 600 tiles of 128x192 sit between (bench/results/configs_pingpong.json;
-    # bench/NOTES.md, 'Ping-pong 128x192 for plain GEMMs').
-    cfg = choose_config(GemmProblem(1024, 14336, 4096), H100_SXM)
+    # 8192^3: 2048 tiles of 128x256 are 15.5 waves, ping-pong's 2752 of 128x192 20.8 with the store under the
+    # other warpgroup's mainloop (bench/results/configs_pingpong.json; bench/NOTES.md, 'Ping-pong 128x192 for
+    # plain GEMMs').
+    cfg = choose_config(GemmProblem(8192, 8192, 8192), H100_SXM)
     assert (cfg.schedule, cfg.tile_n) == ("pingpong", 192)
     assert "ping-pong 128x192 tiles estimated" in cfg.reasons[0]
     for m, n, k in ((4096, 4096, 4096), (1024, 4096, 4096), (512, 14336, 4096), (16384, 4096, 4096)):
@@ -150,6 +150,20 @@ def test_plain_gemm_takes_pingpong_where_its_tile_fills_the_waves_best():
     pinned = choose_config(GemmProblem(1024, 14336, 4096), H100_SXM, tile_n=128, epi_tile=(128, 128))
     assert pinned.schedule == "cooperative" and "pinned tile" in pinned.reasons[0]
     pinned.validate()
+
+
+def test_224_wide_tiles_where_they_tile_n_exactly():
+    # 1024x14336: 448 tiles of 128x256 are 3.4 waves (four waves' time), 600 of ping-pong's 128x192 4.5; 512 of
+    # 128x224 (N in 64 whole tiles) 3.9: measured 750 TFLOPS against 728 (ping-pong 128x192, planned before) and 679
+    # (128x256; bench/results/configs_wide224.json).
+    for target in (H100_SXM, TARGETS["h200"]):
+        cfg = choose_config(GemmProblem(1024, 14336, 4096), target)
+        assert (cfg.schedule, cfg.tile_n) == ("cooperative", 224)
+        assert cfg.reasons[1].startswith("tile 128x224x64: 128x224 tiles estimated")
+        assert "N in whole 224-wide tiles" in cfg.reasons[1]
+    # Not where 224 leaves a partial tile (12288 = 54.9 x 224), nor for fp8 inputs (not measured).
+    assert choose_config(GemmProblem(1024, 12288, 4096), H100_SXM).tile_n == 256
+    assert choose_config(GemmProblem(2048, 7168, 7168, ab_dtype="fp8e4m3", b_major="k"), TARGETS["h200"]).tile_n != 224
 
 
 @pytest.mark.parametrize("k", [4096, 14336])
@@ -170,7 +184,7 @@ def test_fused_epilogue_schedule_follows_the_wave_count():
     for m, n in ((512, 4096), (1024, 4096), (1024, 8192)):
         cfg = choose_config(GemmProblem(m, n, 4096), H100_SXM, epi)
         assert cfg.schedule == "cooperative" and "too few for ping-pong's overlap to pay" in cfg.reasons[0]
-    assert choose_config(GemmProblem(1024, 14336, 4096), H100_SXM, epi).schedule == "pingpong"
+    assert choose_config(GemmProblem(1024, 9216, 4096), H100_SXM, epi).schedule == "pingpong"
 
 
 @pytest.mark.parametrize(
@@ -207,7 +221,9 @@ def test_plain_schedule_counts_the_cooperative_store(m, n, k, schedule):
         (16384, 4096, 4096, "cooperative", 256),
         (4096, 14336, 4096, "pingpong", 192),
         (8192, 8192, 8192, "pingpong", 192),
-        (1024, 14336, 4096, "pingpong", 192),
+        (1024, 9216, 4096, "pingpong", 192),
+        # 64 whole tiles of 224 along N: 694 TFLOPS fused against 686 for ping-pong 128x192 (configs_epilogue_wide224)
+        (1024, 14336, 4096, "cooperative", 224),
     ],
 )
 def test_fused_epilogue_schedule_by_estimate(m, n, k, schedule, tile_n):
