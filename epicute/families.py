@@ -96,6 +96,7 @@ DECLARATIONS: tuple[FamilySpec, ...] = (
         "quantize",
         compilers={SM90A: "epicute.quantize.launch:compile_quantize"},
         codegen=("epicute.quantize.kernel_sm90", "epicute.quantize.launch"),
+        torch_op="epicute.quantize.torch_op:QUANTIZE_OP",  # the tile quantizer's calls too
     ),
     # The tile quantizer: rows and columns (transposed) of an fp8 GEMM's operand from one read (fp8 training).
     FamilySpec(

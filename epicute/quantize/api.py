@@ -9,8 +9,10 @@ import torch
 from epicute.epilogue.dtypes import FP8_MAX, TORCH_TO_IR, round_to
 from epicute.epilogue.group_quant import AMAX_FLOOR, GROUP_N, ceil_pow2
 from epicute.errors import AlignmentError, ConfigError, DtypeError, GradientError, ShapeError
-from epicute.runtime.backend import resolve_backend
+from epicute.quantize.torch_op import quantize_op_call
+from epicute.runtime.backend import check_traced_backend, resolve_backend
 from epicute.runtime.checks import check_on_one_hopper_gpu
+from epicute.runtime.torch_ops import traced
 
 #: recipe -> what one scale covers
 RECIPES = {
@@ -59,7 +61,7 @@ def quantize(
         >>> q.dtype, tuple(scales.shape), scales.stride()
         (torch.float8_e4m3fn, (4, 2), (1, 4))
     """
-    backend = resolve_backend(backend)
+    backend = backend if traced(x) else resolve_backend(backend)  # traced: the op runs the default backend
     if transpose:
         if recipe not in TILE_RECIPES:
             raise ConfigError(f"recipe={recipe!r} with transpose=True; x.t() is quantized by {TILE_RECIPES}")
@@ -72,6 +74,9 @@ def quantize(
         _, columns = quantize_pair(x, None, recipe, dtype=dtype, ue8m0=ue8m0, backend=backend)
         return columns
     fp8, shape = _check(x, recipe, dtype, ue8m0)
+    if traced(x):
+        check_traced_backend(backend)
+        return quantize_op_call(x, recipe, None, dtype, ue8m0)[0]
     if backend == "kernel":
         check_on_one_hopper_gpu(("x", x))
         if recipe == "blocks" and x.dtype != torch.float32 and x.numel():
@@ -111,13 +116,15 @@ def quantize_pair(
     from one read of ``x`` on the GPU; either recipe ``None`` (that one not made). The recipes are ``"groups"``
     and ``"blocks"``; each result ``(q, scales)`` in the layout :func:`quantize` gives. Used by fp8 training,
     where a forward's operand is also its weight gradient's (along the tokens)."""
-    backend = resolve_backend(backend)
     if any(r not in (None, *TILE_RECIPES) for r in (rows, columns)) or (rows, columns) == (None, None):
         raise ConfigError(f"rows={rows!r}, columns={columns!r}: each takes {TILE_RECIPES} or None, one at least")
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ShapeError(f"x has shape {tuple(getattr(x, 'shape', ()))}; quantizing rows and columns takes 2-D x")
+    backend = backend if traced(x) else resolve_backend(backend)
     fp8, _ = _check(x, rows or columns, dtype, ue8m0)  # x's own rows: both outputs read them
-    pad = -x.shape[0] % 16
+    if traced(x):
+        check_traced_backend(backend)
+        return quantize_op_call(x, rows, columns, dtype, ue8m0)
     if backend == "kernel":
         check_on_one_hopper_gpu(("x", x))
         if x.dtype != torch.float32:
@@ -126,11 +133,7 @@ def quantize_pair(
             _check_aligned(x)
             variant = TileQuantizeVariant(TORCH_TO_IR[x.dtype], fp8, ue8m0, rows, columns)
             return launch_tile_quantize(x, variant, dtype)
-    source = x if backend == "kernel" else x.detach().cpu()
-    made_rows = _quantize(source, rows, fp8, ue8m0) if rows else None
-    made_columns = None
-    if columns:
-        made_columns = _quantize(torch.nn.functional.pad(source.t(), (0, pad)).contiguous(), columns, fp8, ue8m0)
+    made_rows, made_columns = reference_pair(x if backend == "kernel" else x.detach().cpu(), rows, columns, fp8, ue8m0)
     if backend != "kernel":
         made_rows, made_columns = (tuple(t.to(x.device) for t in m) if m else None for m in (made_rows, made_columns))
     return made_rows, made_columns
@@ -180,17 +183,22 @@ def _scale(amax: torch.Tensor, fp8: str, ue8m0: bool) -> torch.Tensor:
     return ceil_pow2(scale) if ue8m0 else scale
 
 
+def reference_pair(x: torch.Tensor, rows: str | None, columns: str | None, fp8: str,
+                   ue8m0: bool) -> tuple[Quantized | None, Quantized | None]:  # fmt: skip
+    """What :func:`quantize_pair` makes (``columns`` None: :func:`quantize`'s ``(q, scales)`` of recipe ``rows``, any
+    recipe), in torch operations on ``x``'s device: the reference backend, and the op's fake implementation
+    (:mod:`epicute.quantize.torch_op`), whose shapes and strides these are."""
+    made_rows = _quantize(x, rows, fp8, ue8m0) if rows else None
+    made_columns = None
+    if columns:
+        pad = -x.shape[0] % 16
+        made_columns = _quantize(torch.nn.functional.pad(x.t(), (0, pad)).contiguous(), columns, fp8, ue8m0)
+    return made_rows, made_columns
+
+
 def _quantize(x: torch.Tensor, recipe: str, fp8: str, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recipes in torch operations (fp32 math; the group kernel's, operation for operation), run as written
-    under torch.compile too: Inductor's CPU code (torch 2.13) turned their product cut to a partial last group or
-    block into NaN values (a 37 x 144 input: 74-127 of them, a different count each run). Disabled per call, as the
-    decorator would import dynamo with epicute."""
-    if torch.compiler.is_compiling():
-        return torch.compiler.disable(_quantize_in_torch)(x, recipe, fp8, ue8m0)
-    return _quantize_in_torch(x, recipe, fp8, ue8m0)
-
-
-def _quantize_in_torch(x: torch.Tensor, recipe: str, fp8: str, ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One recipe in torch operations (fp32 math; the group kernel's, operation for operation). Never traced by
+    torch.compile, which sees the op (:mod:`epicute.quantize.torch_op`)."""
     shape, k = x.shape, x.shape[-1]
     v = x.float()
     if recipe == "groups":
@@ -215,4 +223,4 @@ def _quantize_in_torch(x: torch.Tensor, recipe: str, fp8: str, ue8m0: bool) -> t
     return q, scales
 
 
-__all__ = ["RECIPES", "TILE_RECIPES", "quantize", "quantize_pair"]
+__all__ = ["RECIPES", "TILE_RECIPES", "quantize", "quantize_pair", "reference_pair"]

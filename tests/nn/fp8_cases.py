@@ -50,7 +50,7 @@ def gated_errors(recipe: str, tokens: int, d: int, hidden: int, device: str,
     w_down = (torch.randn(d, hidden, device=device) * hidden**-0.5).to(torch.bfloat16).requires_grad_()
     w_gate_up = interleave_gate_up(w_gate, w_up).requires_grad_()
     upstream = torch.randn(tokens, d, device=device, dtype=torch.bfloat16)
-    mlp = torch.compile(fp8_gated_mlp, dynamic=True) if compiled else fp8_gated_mlp
+    mlp = torch.compile(fp8_gated_mlp, dynamic=True, fullgraph=True) if compiled else fp8_gated_mlp
     y = mlp(x, w_gate_up, w_down, recipe=recipe)
     y.backward(upstream)
     x64, g64, u64, d64 = (t.detach().double().requires_grad_() for t in (x, w_gate, w_up, w_down))
@@ -83,7 +83,7 @@ def moe_errors(tokens: int, experts: int, hidden: int, intermediate: int, top_k:
     weights, index = torch.softmax(logits, -1).topk(top_k, dim=-1)
     weights = weights.requires_grad_()
     upstream = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
-    experts_fn = torch.compile(fp8_moe_experts, dynamic=True) if compiled else fp8_moe_experts
+    experts_fn = torch.compile(fp8_moe_experts, dynamic=True, fullgraph=True) if compiled else fp8_moe_experts
     y = experts_fn(x, gate_up, down, index, weights)
     y.backward(upstream)
     x64, g64, u64, d64, w64 = (t.detach().double().requires_grad_() for t in (x, gate, up, down, weights))

@@ -104,3 +104,21 @@ def test_nan_stays_in_its_column_group():
     x[200, 5] = float("nan")
     _, (_, scales_t) = quantize_pair(x, None, "groups")
     assert torch.isnan(scales_t[5, 1]) and torch.isfinite(scales_t[5, 0]) and torch.isfinite(scales_t[:5]).all()
+
+
+def test_torch_compile_runs_the_kernels_through_the_op():
+    """Compiled (fullgraph, dynamic sizes): the group and tile kernels run inside ``epicute::quantize``, their
+    outputs in the fake's layouts, values against float64."""
+    from tests.quantize.checks import check_block_quantization
+
+    x = (torch.randn(3, 37, 400, device="cuda") * 30).to(torch.bfloat16)
+    w = (torch.randn(300, 272, device="cuda") * 30).to(torch.bfloat16)
+
+    def step(x, w):
+        return epicute.quantize(x), quantize_pair(w, "groups", "blocks"), epicute.quantize(w, recipe="blocks")
+
+    (q, scales), made, (qw, sw) = torch.compile(step, fullgraph=True, dynamic=True)(x, w)
+    torch.cuda.synchronize()
+    check_group_quantization(x, q, scales, torch.float8_e4m3fn, False)
+    check_pair(w, "groups", "blocks", made, torch.float8_e4m3fn, False)
+    check_block_quantization(w, qw, sw, torch.float8_e4m3fn, False)

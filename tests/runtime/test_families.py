@@ -179,7 +179,7 @@ def test_declarations_name_real_functions_and_each_kind_once():
     ops = define_ops()
     declared = [spec.torch_op for spec in declarations() if spec.torch_op]
     assert sorted(ops) == sorted(
-        f"epicute::{name}" for name in ("gemm", "grouped_gemm", "attention", "attention_backward")
+        f"epicute::{name}" for name in ("gemm", "grouped_gemm", "attention", "attention_backward", "quantize")
     ) and len(declared) == len(ops)
     for name in ops:
         assert hasattr(torch.ops.epicute, name.partition("::")[2])
