@@ -24,10 +24,10 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 HEADLINE_START, HEADLINE_END = "<!-- bench-headline:start -->", "<!-- bench-headline:end -->"
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 README_BENCHMARKS = (
-    "gemm", "gemm_m1000", "epilogue", "attention", "attention_fp8", "attention_bwd", "fp8", "fp8_swiglu", "grouped",
-    "grouped_wgrad_half", "decode", "decode_gqa", "decode_fp8", "quantize", "quantize_pairs", "training",
-    "training_dense", "training_fp8", "training_moe_fp8", "models", "models_moe", "models_qwen3_moe", "models_decode",
-    "compile", "tp", "runtime",
+    "gemm", "gemm_m1000", "gemm_wide224", "epilogue", "epilogue_wide224", "attention", "attention_fp8",
+    "attention_bwd", "fp8", "fp8_swiglu", "grouped", "grouped_wgrad_half", "decode", "decode_gqa", "decode_fp8",
+    "quantize", "quantize_pairs", "training", "training_dense", "training_fp8", "training_moe_fp8", "models",
+    "models_moe", "models_qwen3_moe", "models_fp8", "models_decode", "compile", "tp", "runtime",
 )  # fmt: skip
 CHART_WIDTH = 40
 

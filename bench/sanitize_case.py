@@ -18,7 +18,8 @@ the gated epilogue's gradient, the variable-K weight gradients); `paired` a ragg
 output (``D_up`` beside D, staged block-major) with a column sum (predicated partial stores); `moe_fp8_backward`
 the same expert block trained in fp8 (gathered fp8 rows, the derivative's epilogue with the routing weight's row
 sum, variable-K fp8 weight gradients over padded experts); `backward_head_split` the `backward` case with its GQA
-group split over CTAs (dK and dV reduce-added in fp32, cast by the postprocess).
+group split over CTAs (dK and dV reduce-added in fp32, cast by the postprocess), `backward_head_split_d256` at
+head_dim 256.
 Prints PASS/FAIL and exits 1 on failure.
 """
 
@@ -37,10 +38,13 @@ GEMM_CASES: dict[str, tuple[int, int, int, dict]] = {
     "epilogue": (2049, 2056, 72, {"schedule": "pingpong", "tile_n": 128}),
     # ReuseSmemC: D staged in the residual's ring, the slot given back once its store is read; 2 tiles per CTA.
     "reuse_smem_c": (2049, 3080, 72, {"schedule": "cooperative", "tile_n": 192, "reuse_smem_c": True}),
+    # 224 columns: seven 32-column store subtiles; a ragged last tile (472 = 2 x 224 + 24) in a 2x1 cluster.
+    "wide224": (257, 472, 72, {"schedule": "cooperative", "tile_n": 224, "cluster_m": 2}),
 }
 #: case -> the kernel family it watches (rows of bench/results/sanitize.json)
 FAMILIES = {
     "small": "gemm", "ragged": "gemm", "pingpong": "gemm", "epilogue": "gemm epilogue",
+    "wide224": "gemm (128x224 tiles)",
     "reuse_smem_c": "gemm epilogue (D staged in the operand ring)",
     "fp8_quantize": "fp8 blockwise + quantize_groups", "grouped": "grouped gemm",
     "attention": "attention forward (epilogue)", "attention_gqa": "attention forward (GQA prefill)",
@@ -50,6 +54,7 @@ FAMILIES = {
     "attention_fp8": "fp8 attention forward (prefill, packed, paged decode)",
     "moe_fp8_backward": "grouped gemm fp8 (gathered, gated, variable K)",
     "backward_head_split": "attention backward (GQA group split over CTAs, dK and dV reduce-added)",
+    "backward_head_split_d256": "attention backward at head_dim 256 (the group split over CTAs)",
 }  # fmt: skip
 CASES = tuple(FAMILIES)
 TOLERANCE = 1e-2
@@ -238,7 +243,7 @@ def attention_fp8_case() -> dict[str, float]:
     return errors
 
 
-def backward_case(heads: int | None = None) -> dict[str, float]:
+def backward_case(heads: int | None = None, head_dim: int = 128) -> dict[str, float]:
     """``heads``: query heads per CTA forced (the group of 4 split over CTAs, dK and dV reduce-added in fp32: the
     planner does so only at long causal sequences, too slow for the sanitizer)."""
     import epicute
@@ -247,8 +252,9 @@ def backward_case(heads: int | None = None) -> dict[str, float]:
     if heads is not None:
         backward_plan.heads_per_cta = lambda *args: heads
 
-    q = torch.randn(2, 300, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(2, 257, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    q = torch.randn(2, 300, 8, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 257, 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))  # fmt: skip
     from epicute.attention.api import reference_attention
     from epicute.attention.validate import check_attention_args
 
@@ -322,6 +328,7 @@ SPECIAL_CASES = {
     "linear_backward": linear_backward_case, "moe_backward": moe_backward_case, "quantize": quantize_case,
     "paired": paired_case, "attention_fp8": attention_fp8_case, "moe_fp8_backward": lambda: moe_backward_case(fp8=True),
     "backward_head_split": lambda: backward_case(heads=1),
+    "backward_head_split_d256": lambda: backward_case(heads=1, head_dim=256),
 }  # fmt: skip
 
 
