@@ -53,7 +53,7 @@ def test_swiglu_matches_the_two_projections(m, n, k, b_major):
 
 
 CONFIGS = {"planned": {}, "pingpong": {"schedule": "pingpong", "tile_m": 64}, "tile_n128": {"tile_n": 128},
-           "one_tile": {"persistent": False}}  # fmt: skip
+           "tile_n224": {"tile_n": 224}, "one_tile": {"persistent": False}}  # fmt: skip
 
 
 @pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
@@ -131,6 +131,7 @@ PAIRED_CONFIGS = {
     "planned": {},
     "pingpong64": {"schedule": "pingpong", "tile_m": 64},
     "cooperative256": {"schedule": "cooperative", "tile_n": 256},
+    "cooperative224": {"schedule": "cooperative", "tile_n": 224},
     "one_tile": {"persistent": False},
 }
 
