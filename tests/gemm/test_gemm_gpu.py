@@ -83,6 +83,7 @@ CONFIGS = [
     {"tile_n": 128, "epi_tile": (128, 128), "persistent": True},
     {"tile_n": 192, "persistent": True},
     {"tile_n": 224, "cluster_m": 2, "persistent": True},
+    {"tile_n": 224, "cluster_m": 2, "persistent": False},  # planned at 129-256 rows of 14336 columns: one wave
     # ping-pong: alternate tiles per warpgroup; odd tile counts leave one warpgroup a tile short
     {"schedule": "pingpong", "tile_n": 128},
     {"schedule": "pingpong", "tile_n": 192, "cluster_m": 2},
