@@ -49,7 +49,9 @@ def test_variant_compiles(variant, ptxas_report):
     assert max(spills) == 0, f"{cfg}: ptxas spilled {spills} bytes"
 
 
-@pytest.mark.parametrize("mnk", [(8192, 8192, 8192), (1, 8, 8), (1000, 4104, 136), (256, 4096, 4096)])
+@pytest.mark.parametrize(
+    "mnk", [(8192, 8192, 8192), (1, 8, 8), (1000, 4104, 136), (256, 4096, 4096), (256, 14336, 4096)]
+)
 def test_planned_variants_compile(mnk, ptxas_report):
     plan = plan_gemm(GemmProblem(*mnk))
     assert callable(compile_gemm(variant_of(plan)))
