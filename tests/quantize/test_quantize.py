@@ -72,6 +72,8 @@ def test_rows_and_columns_against_float64(shape, rows, columns):
 def test_torch_compile_sees_one_op_per_call_without_a_graph_break():
     """Under torch.compile (fullgraph, dynamic sizes) each quantization is one ``epicute::quantize`` call whose
     fake gives the eager call's shapes and strides; its values still meet the float64 checks."""
+    from torch.utils._pytree import tree_leaves
+
     from tests.quantize.checks import check_block_quantization
 
     x = (torch.randn(2, 37, 144) * torch.rand(144) * 30).to(torch.bfloat16)
@@ -91,19 +93,14 @@ def test_torch_compile_sees_one_op_per_call_without_a_graph_break():
         eager = step(x, w)
     calls = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert len(graphs) == 1 and calls.count(torch.ops.epicute.quantize) == 3, calls
-    for g, e in zip(tensor_leaves(got), tensor_leaves(eager)):
+    got_leaves, eager_leaves = tree_leaves(got), tree_leaves(eager)
+    assert len(got_leaves) == len(eager_leaves) == 8
+    for g, e in zip(got_leaves, eager_leaves):
         assert (g.shape, g.stride(), g.dtype) == (e.shape, e.stride(), e.dtype)
     (q, scales), made, (qw, sw) = got
     check_group_quantization(x, q, scales, torch.float8_e4m3fn, False)
     check_pair(w, "groups", "blocks", made, torch.float8_e4m3fn, False)
     check_block_quantization(w, qw, sw, torch.float8_e4m3fn, False)
-
-
-def tensor_leaves(tree) -> list[torch.Tensor]:
-    """The tensors of nested tuples, depth first."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    return [t for item in tree for t in tensor_leaves(item)]
 
 
 def test_transpose_quantizes_x_t():
