@@ -20,7 +20,11 @@ unlifted call compiled by Inductor, forward and backward where the graph trains,
 sizes, once per call, sizes and GPU, remembered on disk); on a CPU every candidate is lifted. A lifted epilogue
 computes in fp32 without the intermediate roundings to bf16 that the unfused ops make. Attention is lifted without a
 mask or dropout, bf16 or fp16, head_dim 64, 128 or 256, any GQA ratio; causal only with as many queries as keys
-(torch aligns a causal mask top-left, epicute bottom-right: they agree only there); ``flex_attention`` likewise, with
+(torch aligns a causal mask top-left, epicute bottom-right: they agree only there). What models do around SDPA under
+torch.compile is read through: keys and values repeated to the query heads (transformers' ``repeat_kv``) are taken
+unrepeated, and an ``attn_mask`` the graph builds from its static sizes alone (transformers' causal mask, explicit
+while compiling) is evaluated while compiling and lifted as ``causal`` where it is the causal mask (dropped where it
+masks nothing); any other mask stays SDPA's. ``flex_attention`` likewise, with
 no block mask or a causal one, its score_mod read from Dynamo's graph of it (:func:`_score_program`).
 """
 
@@ -80,8 +84,8 @@ class Report:
 
     def __str__(self) -> str:
         def kernel(steps: tuple[str, ...]) -> str:
-            if steps == ("attention",):
-                return "attention"
+            if steps[:1] == ("attention",):
+                return "attention" + (f" ({', '.join(steps[1:])})" if steps[1:] else "")
             if steps[:1] == ("flex attention",):
                 return f"flex attention -> {', '.join(steps[1:]) or '(no score_mod)'}"
             head, rest = (f"{steps[0]} gemm", steps[1:]) if steps[:1] in (("grouped",), ("batched",)) else (
@@ -149,6 +153,8 @@ class Candidate:
     arity: int
     options: tuple
     torch_options: tuple = ()
+    #: whether the graph runs with gradients enabled (under ``no_grad`` or ``inference_mode`` nothing trains)
+    grad_enabled: bool = True
 
     def key(self) -> str:
         """What the decision depends on: the call, its inputs' sizes, strides, dtypes and whether they need gradients,
@@ -157,7 +163,8 @@ class Candidate:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         metas = [(_hints(t.shape), _hints(t.stride()), str(t.dtype), t.requires_grad) for t in self.inputs]
         text = json.dumps([getattr(self.target, "__name__", str(self.target)), self.lifted.__name__, repr(self.options),
-                           repr(self.torch_options), metas, name, torch.__version__, code_versions()])  # fmt: skip
+                           repr(self.torch_options), metas, self.trains(), name, torch.__version__,
+                           code_versions()])  # fmt: skip
         return hashlib.sha256(text.encode()).hexdigest()
 
     def on_meta(self) -> Candidate:
@@ -172,8 +179,8 @@ class Candidate:
         EXPLAINERS[self.lifted](*self.inputs, **dict(self.options), file=file)
 
     def trains(self) -> bool:
-        """Whether the graph differentiates through the call (an input requires grad)."""
-        return any(t.requires_grad for t in self.inputs)
+        """Whether the graph differentiates through the call (an input requires grad, with gradients enabled)."""
+        return self.grad_enabled and any(t.requires_grad for t in self.inputs)
 
     def real_inputs(self) -> list[torch.Tensor]:
         """Random tensors like the example values (group ends split the rows evenly)."""
@@ -425,8 +432,9 @@ def _lift_or_leave(gm, node, why: str | None, fn: Callable, args: tuple, kwargs:
 
 
 def _decided(candidate: Candidate, node: torch.fx.Node, decide, report: Report) -> bool:
-    """Whether ``decide`` keeps ``candidate`` (recorded in ``report``; left with the reason where it does not)."""
-    lift, because = decide(candidate)
+    """Whether ``decide`` keeps ``candidate`` (recorded in ``report``; left with the reason where it does not). The
+    grad mode is the graph's: the backend runs in the mode the compiled function was called in."""
+    lift, because = decide(replace(candidate, grad_enabled=torch.is_grad_enabled()))
     report.measured.append((node.name, because))
     if not lift:
         report.left.append((node.name, because))
@@ -493,29 +501,146 @@ SDPA_PARAMETERS = (("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False)
 
 
 def _lift_attention(gm: torch.fx.GraphModule, node: torch.fx.Node, decide, report: Report) -> None:
-    q, k, v = (_value(a) if isinstance(a, torch.fx.Node) else None for a in node.args[:3])
+    """An SDPA node as :func:`lifted_attention`. Two things models do before SDPA are read through: key and value
+    heads repeated for GQA (transformers' ``repeat_kv``, ``repeat_interleave``) are taken unrepeated, and a mask the
+    graph builds from its sizes alone (transformers' causal mask under torch.compile) is evaluated here and lifted
+    as ``causal`` (or dropped) where it equals one (:func:`_constant_mask_kind`)."""
     given = dict(zip((name for name, _ in SDPA_PARAMETERS), node.args[3:])) | dict(node.kwargs)
     options = {name: given.get(name, default) for name, default in SDPA_PARAMETERS}
-    why = _why_not_attention(q, k, v, bool(options["is_causal"]))
-    if why is None and (options["attn_mask"] is not None or options["dropout_p"]):
-        why = "an attn_mask or dropout: epicute's attention has neither"
+    q_node, k_node, v_node = node.args[:3]
+    notes: list[str] = []
+    (k_node, k_repeats), (v_node, v_repeats) = _unrepeated_heads(k_node), _unrepeated_heads(v_node)
+    if k_repeats != v_repeats:  # read through both or neither
+        k_node, v_node = node.args[1:3]
+    elif k_repeats > 1:
+        notes.append(f"key/value heads unrepeated ({k_repeats}x)")
+    q, k, v = (_value(a) if isinstance(a, torch.fx.Node) else None for a in (q_node, k_node, v_node))
+    causal, why = bool(options["is_causal"]), None
+    if options["dropout_p"]:
+        why = "dropout: epicute's attention has none"
+    elif options["attn_mask"] is not None:
+        causal, why = _constant_mask_kind(gm, options["attn_mask"], q, k)
+        if why is None:
+            notes.append("the causal attn_mask as causal" if causal else "an attn_mask masking nothing, dropped")
+    why = why or _why_not_attention(q, k, v, causal)
     if why:
         report.left.append((node.name, why))
         return
-    lifted_options = {"causal": bool(options["is_causal"]), "scale": options["scale"]}
-    torch_options = {"is_causal": lifted_options["causal"], "scale": options["scale"],
-                     "enable_gqa": q.shape[1] != k.shape[1]}  # fmt: skip
+    lifted_options = {"causal": causal, "scale": options["scale"]}
+    torch_options = {"is_causal": causal, "scale": options["scale"], "enable_gqa": q.shape[1] != k.shape[1]}
     candidate = Candidate(F.scaled_dot_product_attention, lifted_attention, (q, k, v), 3,
                           tuple(sorted(lifted_options.items())), tuple(sorted(torch_options.items())))  # fmt: skip
     if decide is not None and not _decided(candidate, node, decide, report):
         return
     with gm.graph.inserting_before(node):
-        fused = gm.graph.call_function(lifted_attention, tuple(node.args[:3]), lifted_options)
+        fused = gm.graph.call_function(lifted_attention, (q_node, k_node, v_node), lifted_options)
     fused.meta.update(node.meta)
     node.replace_all_uses_with(fused)
     gm.graph.erase_node(node)
-    report.lifted.append((node.name, ("attention",)))
+    report.lifted.append((node.name, ("attention", *notes)))
     report.calls[node.name] = candidate.on_meta()
+
+
+def _unrepeated_heads(node: Any) -> tuple[Any, int]:
+    """``(source, n)`` where ``node`` is ``source`` ``(batch, heads, seqlen, dim)`` with each head repeated ``n``
+    times in place, as GQA models widen keys and values for SDPA (a new axis expanded then merged: transformers'
+    ``repeat_kv``; or ``repeat_interleave(n, dim=1)``); ``(node, 1)`` otherwise. Shapes are checked, not names."""
+    if not isinstance(node, torch.fx.Node) or not isinstance(out := _value(node), torch.Tensor) or out.dim() != 4:
+        return node, 1
+    name = _name(node)
+    if name == "repeat_interleave" and len(node.args) >= 2 and isinstance(node.args[1], int):
+        source, repeats = node.args[0], node.args[1]
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        src = _value(source) if isinstance(source, torch.fx.Node) else None
+        if dim == 1 and isinstance(src, torch.Tensor) and src.dim() == 4 and src.shape[1] * repeats == out.shape[1]:
+            return source, repeats
+        return node, 1
+    if name != "reshape" or not isinstance(expand := node.args[0], torch.fx.Node):
+        return node, 1
+    if _name(expand) != "expand" or not isinstance(
+            new_axis := expand.args[0], torch.fx.Node):  # fmt: skip
+        return node, 1
+    source = new_axis.args[0] if new_axis.args else None
+    src, wide = (_value(source) if isinstance(source, torch.fx.Node) else None), _value(expand)
+    if not (isinstance(src, torch.Tensor) and isinstance(wide, torch.Tensor) and src.dim() == 4 and wide.dim() == 5):
+        return node, 1
+    unsqueezed = (_name(new_axis) == "unsqueeze" and new_axis.args[1:] == (2,)) or (
+        new_axis.target is operator.getitem and _inserts_axis_2(new_axis.args[1]))  # fmt: skip
+    (b, h, s, d), repeats = src.shape, wide.shape[2]
+    if unsqueezed and tuple(wide.shape) == (b, h, repeats, s, d) and tuple(out.shape) == (b, h * repeats, s, d):
+        return source, int(repeats)
+    return node, 1
+
+
+def _name(node: torch.fx.Node) -> str:
+    """A call node's function or method name, as Dynamo records it (``"reshape"``, ``"getitem"``)."""
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _inserts_axis_2(index: Any) -> bool:
+    """Whether ``t[index]`` of a 4-D ``t`` is ``t[:, :, None]`` (trailing full slices allowed)."""
+    full = slice(None, None, None)
+    return (isinstance(index, tuple) and len(index) >= 3 and index[:3] == (full, full, None)
+            and all(i == full or i is Ellipsis for i in index[3:]))  # fmt: skip
+
+
+#: ops a mask may be built from to be evaluated while compiling (pure, deterministic; by name, as Dynamo records
+#: torch functions, tensor methods or operators)
+MASK_OPS = frozenset({
+    "arange", "add", "sub", "mul", "le", "lt", "ge", "gt", "eq", "ne", "getitem", "expand", "expand_as", "unsqueeze",
+    "view", "reshape", "to", "bool", "float", "logical_and", "logical_or", "logical_not", "and_", "or_", "invert",
+    "__and__", "__or__", "__invert__", "where", "full", "ones", "zeros", "tril", "triu", "masked_fill", "transpose",
+    "contiguous", "clone", "type_as", "neg",
+})  # fmt: skip
+
+
+def _constant_mask_kind(gm: torch.fx.GraphModule, mask: Any, q: Any, k: Any) -> tuple[bool, str | None]:
+    """``(causal, None)`` where ``mask`` (an SDPA ``attn_mask``) is built by the graph from constants and static
+    sizes alone and, evaluated, equals the causal mask (``True``) or masks nothing (``False``); ``(False, why)``
+    otherwise. Bool masks and additive ones of 0 and -inf (or the dtype's lowest value) are read."""
+    if not isinstance(mask, torch.fx.Node):
+        return False, "an attn_mask that is not a traced tensor"
+    built, stack = {}, [mask]
+    while stack:
+        node = stack.pop()
+        if node in built:
+            continue
+        built[node] = None
+        name = _name(node)
+        if node.op == "placeholder":
+            return False, "an attn_mask read from the graph's inputs (padding?): epicute's attention takes no mask"
+        if node.op != "get_attr" and (node.op not in ("call_function", "call_method") or name not in MASK_OPS):
+            return False, f"an attn_mask built with {name}: only masks of sizes alone are read as causal"
+        stack.extend(node.all_input_nodes)
+    value = _value(mask)
+    if not isinstance(value, torch.Tensor) or not all(isinstance(n, int) for n in value.shape) or not isinstance(
+            q, torch.Tensor) or not isinstance(k, torch.Tensor):  # fmt: skip
+        return False, "an attn_mask of symbolic size: read as causal only under static shapes"
+    graph, env = torch.fx.Graph(), {}
+    for node in gm.graph.nodes:  # topological order
+        if node in built:
+            env[node] = graph.node_copy(node, lambda arg: env[arg])
+    graph.output(env[mask])
+    evaluate = torch.fx.GraphModule(gm, graph)
+    with torch.no_grad():
+        values = _outside_the_compile(evaluate)
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if tuple(torch.broadcast_shapes(values.shape, full)) != full:
+        return False, f"an attn_mask of shape {tuple(values.shape)} that does not broadcast to {full}"
+    if values.dtype == torch.bool:
+        allowed = values
+    elif values.is_floating_point():
+        allowed = values == 0
+        if not (allowed | (values <= torch.finfo(values.dtype).min)).all():
+            return False, "an additive attn_mask with values besides 0 and -inf (a bias): epicute's attention has none"
+    else:
+        return False, f"an attn_mask of dtype {values.dtype}"
+    if allowed.all():
+        return False, None
+    causal = torch.ones(full[2:], dtype=torch.bool, device=values.device).tril()
+    if full[2] == full[3] and (allowed == causal).all():
+        return True, None
+    return False, "an attn_mask other than the causal one (padding, a window): epicute's attention takes no mask"
 
 
 def _why_not_attention(q: Any, k: Any, v: Any, causal: bool) -> str | None:

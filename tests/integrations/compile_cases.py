@@ -67,3 +67,20 @@ def experts_errors(compiled, ends: list[int], device: str, k: int = 64, n: int =
         return ((got.double() - expected).norm() / expected.norm()).item()
 
     return {"out": rel(y, want.detach())} | {name: rel(t.grad, ref[name].grad) for name, t in leaves.items()}
+
+
+def masked_sdpa(q, k, v, mask: str, repeat: str):
+    """SDPA as GQA models feed it under torch.compile: keys and values widened to the query heads, a mask built
+    from the sizes (transformers' causal mask, made explicit while compiling)."""
+    b, h, n, d = k.shape
+    rep = q.shape[1] // h
+    if repeat == "repeat_kv":
+        k, v = (t[:, :, None, :, :].expand(b, h, rep, n, d).reshape(b, h * rep, n, d) for t in (k, v))
+    elif repeat == "repeat_interleave":
+        k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
+    rows, cols = torch.arange(n, device=q.device)[:, None], torch.arange(n, device=q.device)[None, :]
+    allowed = {"causal": cols <= rows, "everything": cols >= 0, "window": (cols <= rows) & (cols > rows - 8),
+               "additive": cols <= rows}[mask]  # fmt: skip
+    if mask == "additive":
+        allowed = torch.zeros(n, n, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None].expand(b, 1, n, n)) * 2

@@ -10,7 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from epicute.integrations import compile as EC
-from tests.integrations.compile_cases import block, block_leaves, experts, experts_errors, step_errors
+from tests.integrations.compile_cases import (
+    block,
+    block_leaves,
+    experts,
+    experts_errors,
+    masked_sdpa,
+    step_errors,
+)
 
 TOL = 1e-2  # bf16 inputs, weights and outputs
 
@@ -88,7 +95,47 @@ def test_attention_torch_and_epicute_would_align_differently_is_left():
     torch.compile(f, backend=AOT_EAGER)(q, k, k, torch.ones(5, 37, dtype=torch.bool))
     reasons = [why for _, why in EC.last_report().left]
     assert EC.last_report().lifted == [] and len(reasons) == 2
-    assert "top-left" in reasons[0] and "attn_mask" in reasons[1]
+    assert "top-left" in reasons[0] and "attn_mask read from the graph's inputs" in reasons[1]
+
+
+@pytest.mark.parametrize(("mask", "repeat", "notes"), [
+    ("causal", "repeat_kv", ("key/value heads unrepeated (4x)", "the causal attn_mask as causal")),
+    ("additive", "repeat_interleave", ("key/value heads unrepeated (4x)", "the causal attn_mask as causal")),
+    ("everything", "none", ("an attn_mask masking nothing, dropped",)),
+])  # fmt: skip
+def test_a_causal_mask_built_from_sizes_and_repeated_heads_are_read_through(reference_layers, mask, repeat, notes):
+    """transformers under torch.compile hands SDPA an explicit causal mask and keys/values repeated to the query
+    heads: the lift evaluates the mask (built from sizes alone), takes the unrepeated heads (GQA), and computes the
+    same attention; odd length, O against float64."""
+    torch._dynamo.reset()
+    q = torch.randn(2, 8 if repeat != "none" else 2, 37, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 37, 64, dtype=torch.bfloat16) for _ in range(2))
+    f = functools.partial(masked_sdpa, mask=mask, repeat=repeat)
+    out = torch.compile(f, backend=AOT_EAGER, fullgraph=True, dynamic=False)(q, k, v)
+    assert EC.last_report().lifted == [("scaled_dot_product_attention", ("attention", *notes))]
+    assert "attention (" in str(EC.last_report())
+    want = f(q.double(), k.double(), v.double())
+    assert ((out.double() - want).norm() / want.norm()).item() < TOL
+
+
+def test_masks_other_than_causal_are_left_with_the_reason():
+    def f(q, k, padding):
+        n = q.shape[2]
+        rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        return (
+            masked_sdpa(q, k, k, "window", "repeat_kv"),
+            F.scaled_dot_product_attention(q, k, k, attn_mask=(cols - rows).to(q.dtype)),  # a bias
+            F.scaled_dot_product_attention(q, k, k, attn_mask=padding),
+            F.scaled_dot_product_attention(q, k, k, attn_mask=torch.rand(n, n) > 0.5),
+        )
+
+    torch._dynamo.reset()
+    q, k = torch.randn(1, 4, 24, 64, dtype=torch.bfloat16), torch.randn(1, 4, 24, 64, dtype=torch.bfloat16)
+    torch.compile(f, backend=AOT_EAGER, dynamic=False)(q, k, torch.ones(24, 24, dtype=torch.bool))
+    reasons = [why for _, why in EC.last_report().left]
+    assert EC.last_report().lifted == [] and len(reasons) == 4, reasons
+    assert "other than the causal" in reasons[0] and "besides 0 and -inf" in reasons[1]
+    assert "graph's inputs" in reasons[2] and "built with rand" in reasons[3]
 
 
 def test_a_matmul_with_a_transposed_weight_is_lifted_like_a_linear(reference_layers):
@@ -187,6 +234,25 @@ def test_attention_is_kept_only_where_it_wins(reference_layers, monkeypatch, tmp
     assert [why for _, why in report.measured] == [expected]
     want = f(*(t.detach().double() for t in (q, k, v)))
     assert ((y.double() - want).norm() / want.norm()).item() < TOL
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_graph_without_gradients_is_measured_forward_only(reference_layers, monkeypatch, tmp_path, mode):
+    """Weights keep ``requires_grad`` under ``no_grad``/``inference_mode`` (a prefill): nothing trains there, so the
+    candidate is timed forward only, and remembered apart from the same call in a training graph."""
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    decide = EC.Measured(timer=_Timer(1.0, 2.0), peer=lambda gm, inputs: gm)
+    w = torch.nn.Parameter((torch.randn(40, 64) / 8).to(torch.bfloat16))
+
+    def f(x):
+        return torch.tanh(F.linear(x, w))
+
+    x = torch.randn(3, 29, 64, dtype=torch.bfloat16)
+    for context, what in ((mode, "measured: "), (torch.enable_grad, "measured (forward and backward): ")):
+        torch._dynamo.reset()
+        with context():
+            torch.compile(f, backend=functools.partial(EC.backend, inner="aot_eager", decide=decide))(x)
+        assert [why[: len(what)] for _, why in EC.last_report().measured] == [what]
 
 
 def test_the_peer_compiles_inside_the_compile(reference_layers, monkeypatch, tmp_path):

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from epicute.integrations import compile as EC
-from tests.integrations.compile_cases import block, block_leaves, experts, experts_errors, step_errors
+from tests.integrations.compile_cases import (
+    block,
+    block_leaves,
+    experts,
+    experts_errors,
+    masked_sdpa,
+    step_errors,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -39,6 +46,26 @@ def test_attention_trains_through_epicute():
     k, v = (torch.randn(2, 2, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     y = torch.compile(f, backend=LIFT_ALL, fullgraph=True)(q, k, v)
     assert EC.last_report().lifted == [("scaled_dot_product_attention", ("attention",))]
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = f(*ref)
+    want.backward(grad.double())
+    for got, expected in ((y, want.detach()), *((t.grad, r.grad) for t, r in zip((q, k, v), ref))):
+        assert ((got.double() - expected).norm() / expected.norm()).item() < TOL
+
+
+@pytest.mark.parametrize("repeat", ["repeat_kv", "repeat_interleave"])
+def test_a_causal_mask_and_repeated_heads_train_through_epicute(repeat):
+    """SDPA as transformers calls it under torch.compile (an explicit causal mask built from sizes, key/value heads
+    repeated 4x) lifted to one GQA causal epicute.attention: O and q/k/v gradients against float64 autograd."""
+    torch._dynamo.reset()
+    f = functools.partial(masked_sdpa, mask="causal", repeat=repeat)
+    q = torch.randn(2, 8, 301, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 301, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    y = torch.compile(f, backend=LIFT_ALL, fullgraph=True, dynamic=False)(q, k, v)
+    notes = ("key/value heads unrepeated (4x)", "the causal attn_mask as causal")
+    assert EC.last_report().lifted == [("scaled_dot_product_attention", ("attention", *notes))]
     grad = torch.randn_like(y)
     y.backward(grad)
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
