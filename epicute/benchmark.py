@@ -78,11 +78,14 @@ def contenders() -> dict[str, Gemm]:
 HOST_AHEAD_CYCLES = 1_000_000
 
 
-def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) -> float:
+def time_cuda(
+    fn: Callable[[], object], *, warmup: int = 10, iters: int = 50, host_ahead_cycles: int = HOST_AHEAD_CYCLES
+) -> float:
     """Median milliseconds of GPU work of ``fn()`` over ``iters`` calls, each bracketed by its own CUDA events.
 
     Before each call the stream sleeps (``torch.cuda._sleep``) long enough for
-    the host to enqueue the call's kernels, so the start event fires right
+    the host to enqueue the call's kernels (``host_ahead_cycles``: raise it for
+    calls whose host cost passes ~0.5 ms), so the start event fires right
     before them and the figure is kernel time: without it, a kernel shorter
     than its host-side cost (a few tens of microseconds at small M) would be
     timed as host overhead, and each library's Python cost (measured apart by
@@ -95,7 +98,7 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 10, iters: int = 50) ->
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, stop in events:
-        torch.cuda._sleep(HOST_AHEAD_CYCLES)
+        torch.cuda._sleep(host_ahead_cycles)
         start.record()
         fn()
         stop.record()
