@@ -14,23 +14,28 @@ against Inductor's own chain and kept where it wins), against ``torch.compile(mo
 - ``gpt2_mlp_train``: a GPT-2-style MLP block, ``x + fc2(gelu(fc1(ln(x))))``, hidden 4096, 4x, biases, 8192 tokens;
 - ``vit_block_train``: one ViT-L/16-shaped ``ViTLayer`` (1024 hidden, 16 heads, MLP 4096) on 64 images x 197 tokens.
 
-Each contender's first call compiles (its wall time is printed and recorded as ``<name>_compile_s`` rows' companion
-figure in the printout, cold: caches reset per case) and is checked against the eager model (loss, logits or
-output, relative error); then all are timed in interleaved rounds (``time_flushed``, L2 flushed, medians). Writes
-bench/results/compile.json (unit: thousand tokens per second). Also prints, per case, what epicute's backend
-lifted and left (``last_report``).
+Each contender's first call compiles, cold (:func:`cold_caches`: Inductor's and Triton's caches fresh, epicute's
+kernels and lift decisions in an empty directory and none in memory); its wall time is printed. Each is checked
+against the eager model (loss, logits or output, relative error); then all are timed in interleaved rounds
+(``time_flushed``, L2 flushed, medians). Writes bench/results/compile.json (unit: thousand tokens per second), and
+the first calls' seconds to compile_time.json beside it. Also prints, per case, what epicute's backend lifted and
+left (``last_report``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import os
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import Row, announced, finish_peer_run, measure_rates, start_peer_run
+from common import Row, announced, finish_peer_run, measure_rates, start_peer_run, write_result
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "compile.json"
 TOLERANCE = 2e-2  # bf16 end to end; the eager model is the reference
@@ -75,6 +80,27 @@ class ResidualMLP(torch.nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
 
 
+@contextlib.contextmanager
+def cold_caches():
+    """A first call compiling from nothing: Inductor's and Triton's caches fresh (``fresh_cache``), epicute's disk
+    cache (kernels, lift decisions) an empty directory and its in-process kernels forgotten."""
+    from torch._inductor.utils import fresh_cache
+
+    from epicute.runtime.cache import KERNEL_CACHE
+
+    saved = os.environ.get("EPICUTE_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as empty, fresh_cache():
+        os.environ["EPICUTE_CACHE_DIR"] = empty
+        KERNEL_CACHE.clear_memory()
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop("EPICUTE_CACHE_DIR", None)
+            else:
+                os.environ["EPICUTE_CACHE_DIR"] = saved
+
+
 def _output(result):
     """The tensor a step is judged by: a model's loss or last logits, a layer's output."""
     if hasattr(result, "loss") and result.loss is not None:
@@ -84,7 +110,9 @@ def _output(result):
     return result[0] if isinstance(result, tuple) else result
 
 
-def run_case(name: str, max_autotune: bool) -> tuple[Row, bool]:
+def run_case(name: str, max_autotune: bool) -> tuple[Row, bool, Row]:
+    """The case's rates (thousand tokens a second), whether epicute ran right, and each contender's cold compile
+    (seconds of its first call)."""
     from epicute.integrations import compile as EC
 
     torch._dynamo.reset()
@@ -121,9 +149,22 @@ def run_case(name: str, max_autotune: bool) -> tuple[Row, bool]:
     def report() -> None:
         print("    " + str(EC.last_report()).replace("\n", "\n    "))
 
-    runs = {label: (announced(label, step(module), report if label == "epicute" else None), step(module))
-            for label, module in models.items()}  # fmt: skip
-    return row, measure_rates(row, runs, error, TOLERANCE, tokens)
+    compile_seconds: Row = {"case": name}
+
+    def first_call(label: str, module) -> Callable[[], object]:
+        announce = announced(label, step(module), report if label == "epicute" else None)
+
+        def run():
+            start = time.perf_counter()
+            with cold_caches():
+                result = announce()
+            compile_seconds[label] = round(time.perf_counter() - start, 1)
+            return result
+
+        return run
+
+    runs = {label: (first_call(label, module), step(module)) for label, module in models.items()}
+    return row, measure_rates(row, runs, error, TOLERANCE, tokens), compile_seconds
 
 
 def main() -> int:
@@ -133,11 +174,16 @@ def main() -> int:
     args = start_peer_run(parser, DEFAULT_OUT)
     if args is None:
         return 2
-    rows, oks = [], []
+    rows, oks, compile_rows = [], [], []
     for name in args.cases.split(","):
-        row, ok = run_case(name, args.max_autotune)
+        row, ok, seconds = run_case(name, args.max_autotune)
         rows.append(row)
         oks.append(ok)
+        compile_rows.append(seconds)
+    command = " ".join(["python", "bench/compile.py", *sys.argv[1:]])
+    times_path = Path(args.out).with_name("compile_time.json")
+    times = write_result(times_path, "compile_time", command, "s", False, compile_rows)
+    print(f"wrote {times} (cold first calls, s): {compile_rows}")
     return finish_peer_run(args.out, "compile", rows, all(oks), unit="ktokens/s")
 
 
