@@ -622,15 +622,28 @@ def _constant_mask_kind(gm: torch.fx.GraphModule, mask: Any, q: Any, k: Any) -> 
     if not isinstance(value, torch.Tensor) or not all(isinstance(n, int) for n in value.shape) or not isinstance(
             q, torch.Tensor) or not isinstance(k, torch.Tensor):  # fmt: skip
         return False, "an attn_mask of symbolic size: read as causal only under static shapes"
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    known = gm.meta.setdefault("epicute_masks", {})  # one evaluation per mask and shape: every layer shares one
+    if (mask, full) not in known:
+        known[mask, full] = _evaluated_mask_kind(gm, built, mask, full)
+    return known[mask, full]
+
+
+#: query rows of an evaluated mask compared with the causal pattern at a time (bounds the comparison's memory)
+MASK_ROWS = 1024
+
+
+def _evaluated_mask_kind(gm: torch.fx.GraphModule, built: dict, mask: torch.fx.Node, full: tuple,
+                         ) -> tuple[bool, str | None]:  # fmt: skip
+    """:func:`_constant_mask_kind`'s verdict on the mask ``built`` computes, evaluated for attention sizes ``full``
+    ``(batch, heads, queries, keys)``."""
     graph, env = torch.fx.Graph(), {}
     for node in gm.graph.nodes:  # topological order
         if node in built:
             env[node] = graph.node_copy(node, lambda arg: env[arg])
     graph.output(env[mask])
-    evaluate = torch.fx.GraphModule(gm, graph)
     with torch.no_grad():
-        values = _outside_the_compile(evaluate)
-    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        values = _outside_the_compile(torch.fx.GraphModule(gm, graph))
     if tuple(torch.broadcast_shapes(values.shape, full)) != full:
         return False, f"an attn_mask of shape {tuple(values.shape)} that does not broadcast to {full}"
     if values.dtype == torch.bool:
@@ -643,10 +656,15 @@ def _constant_mask_kind(gm: torch.fx.GraphModule, mask: Any, q: Any, k: Any) -> 
         return False, f"an attn_mask of dtype {values.dtype}"
     if allowed.all():
         return False, None
-    causal = torch.ones(full[2:], dtype=torch.bool, device=values.device).tril()
-    if full[2] == full[3] and (allowed == causal).all():
-        return True, None
-    return False, "an attn_mask other than the causal one (padding, a window): epicute's attention takes no mask"
+    other = False, "an attn_mask other than the causal one (padding, a window): epicute's attention takes no mask"
+    if full[2] != full[3]:
+        return other
+    columns = torch.arange(full[3], device=values.device)
+    for start in range(0, full[2], MASK_ROWS):
+        rows = torch.arange(start, min(start + MASK_ROWS, full[2]), device=values.device)[:, None]
+        if not (allowed[..., start : start + MASK_ROWS, :] == (columns <= rows)).all():
+            return other
+    return True, None
 
 
 def _why_not_attention(q: Any, k: Any, v: Any, causal: bool) -> str | None:

@@ -118,6 +118,28 @@ def test_a_causal_mask_built_from_sizes_and_repeated_heads_are_read_through(refe
     assert ((out.double() - want).norm() / want.norm()).item() < TOL
 
 
+def test_a_shared_mask_is_evaluated_once_and_compared_in_row_blocks(reference_layers, monkeypatch):
+    """Every layer's SDPA reads the one mask node: evaluated once. Compared with the causal pattern 8 query rows at a
+    time here (37 rows: a ragged last block), a mask wrong only in its last row is still found."""
+    monkeypatch.setattr(EC, "MASK_ROWS", 8)
+    evaluated, evaluate = [], EC._evaluated_mask_kind
+    monkeypatch.setattr(EC, "_evaluated_mask_kind", lambda *args: evaluated.append(1) or evaluate(*args))
+
+    def f(q, k, v, wrong_last_row: bool):
+        n = q.shape[2]
+        rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        mask = (cols <= rows) & ~((rows == n - 1) & (cols == 0) & wrong_last_row)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(out, k, v, attn_mask=mask)
+
+    q = torch.randn(1, 2, 37, 64, dtype=torch.bfloat16)
+    for wrong, lifted in ((False, 2), (True, 0)):
+        torch._dynamo.reset()
+        evaluated.clear()
+        torch.compile(functools.partial(f, wrong_last_row=wrong), backend=AOT_EAGER, dynamic=False)(q, q, q)
+        assert len(EC.last_report().lifted) == lifted and len(evaluated) == 1, (wrong, EC.last_report())
+
+
 def test_masks_other_than_causal_are_left_with_the_reason():
     def f(q, k, padding):
         n = q.shape[2]

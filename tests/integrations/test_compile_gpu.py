@@ -35,17 +35,14 @@ def test_a_block_trains_through_its_lifted_kernels(dynamic):
     assert [steps for _, steps in EC.last_report().lifted] == [("add", "gelu", "mul", "add"), ("silu", "add")]
 
 
-def test_attention_trains_through_epicute():
-    """F.scaled_dot_product_attention (causal, GQA 4:1) lifted to epicute.attention, forward and backward."""
+def _attention_trains(f, seqlen: int, steps: tuple[str, ...], **compile_options) -> None:
+    """``f(q, k, v)`` (GQA 4:1, head_dim 128) compiled with every candidate lifted: one attention lifted with
+    ``steps``, O and the q/k/v gradients against float64 autograd of ``f``."""
     torch._dynamo.reset()
-
-    def f(q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-    q = torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(2, 2, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    y = torch.compile(f, backend=LIFT_ALL, fullgraph=True)(q, k, v)
-    assert EC.last_report().lifted == [("scaled_dot_product_attention", ("attention",))]
+    q = torch.randn(2, 8, seqlen, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, seqlen, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    y = torch.compile(f, backend=LIFT_ALL, fullgraph=True, **compile_options)(q, k, v)
+    assert EC.last_report().lifted == [("scaled_dot_product_attention", steps)]
     grad = torch.randn_like(y)
     y.backward(grad)
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -53,26 +50,24 @@ def test_attention_trains_through_epicute():
     want.backward(grad.double())
     for got, expected in ((y, want.detach()), *((t.grad, r.grad) for t, r in zip((q, k, v), ref))):
         assert ((got.double() - expected).norm() / expected.norm()).item() < TOL
+
+
+def test_attention_trains_through_epicute():
+    """F.scaled_dot_product_attention (causal, GQA 4:1) lifted to epicute.attention, forward and backward."""
+
+    def f(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    _attention_trains(f, 300, ("attention",))
 
 
 @pytest.mark.parametrize("repeat", ["repeat_kv", "repeat_interleave"])
 def test_a_causal_mask_and_repeated_heads_train_through_epicute(repeat):
     """SDPA as transformers calls it under torch.compile (an explicit causal mask built from sizes, key/value heads
     repeated 4x) lifted to one GQA causal epicute.attention: O and q/k/v gradients against float64 autograd."""
-    torch._dynamo.reset()
     f = functools.partial(masked_sdpa, mask="causal", repeat=repeat)
-    q = torch.randn(2, 8, 301, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(2, 2, 301, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    y = torch.compile(f, backend=LIFT_ALL, fullgraph=True, dynamic=False)(q, k, v)
     notes = ("key/value heads unrepeated (4x)", "the causal attn_mask as causal")
-    assert EC.last_report().lifted == [("scaled_dot_product_attention", ("attention", *notes))]
-    grad = torch.randn_like(y)
-    y.backward(grad)
-    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    want = f(*ref)
-    want.backward(grad.double())
-    for got, expected in ((y, want.detach()), *((t.grad, r.grad) for t, r in zip((q, k, v), ref))):
-        assert ((got.double() - expected).norm() / expected.norm()).item() < TOL
+    _attention_trains(f, 301, ("attention", *notes), dynamic=False)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
