@@ -46,6 +46,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from epicute.epilogue import ops
 from epicute.epilogue.operands import RowVector
+from epicute.errors import ConfigError
 from epicute.nn import functional as EF
 from epicute.runtime.cache import JsonTable, code_versions
 
@@ -325,11 +326,19 @@ def last_report() -> Report | None:
 
 
 def backend(gm: torch.fx.GraphModule, example_inputs: list, inner: str = "inductor",
-            decide: Callable[[Candidate], tuple[bool, str]] | None = None) -> Callable:  # fmt: skip
+            decide: Callable[[Candidate], tuple[bool, str]] | None = None, *, mode: str | None = None,
+            options: dict[str, Any] | None = None) -> Callable:  # fmt: skip
     """A ``torch.compile`` backend: :func:`lift_linear_epilogues` on Dynamo's graph, then ``inner`` (Inductor, or
     ``"aot_eager"``: AOTAutograd without Inductor's code generation) compiles the result. ``decide`` keeps or drops
     each candidate: by default :class:`Measured` where the graph runs on a GPU, every candidate on a CPU (whose
-    epicute calls compute on the reference backend: nothing there to measure)."""
+    epicute calls compute on the reference backend: nothing there to measure). ``mode`` and ``options`` are
+    ``torch.compile``'s own, which it hands to its backend: Inductor's settings for the graph around the lifted calls
+    (``mode="reduce-overhead"`` runs the step as CUDA graphs, epicute's calls recorded in them like any op).
+
+    Example:
+        >>> compiled = torch.compile(torch.nn.Linear(64, 64), backend=backend, mode="reduce-overhead")  # doctest: +SKIP
+    """
+    patches = _inductor_settings(inner, mode, options)
     if decide is None and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
         decide = Measured()
     report = lift_linear_epilogues(gm, decide)
@@ -337,10 +346,22 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, inner: str = "induct
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=patches)
     from torch._dynamo.backends.registry import lookup_backend
 
     return lookup_backend(inner)(gm, example_inputs)
+
+
+def _inductor_settings(inner: str, mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
+    """Inductor's config for ``torch.compile``'s ``mode`` and ``options`` (``options`` win where both set one)."""
+    from torch._inductor import list_mode_options
+
+    modes = list_mode_options()
+    if mode is not None and mode not in modes:
+        raise ConfigError(f"mode={mode!r}: torch.compile's modes are {', '.join(modes)}")
+    if inner != "inductor" and (mode not in (None, "default") or options):
+        raise ConfigError(f"mode and options are Inductor's; inner={inner!r} takes neither: drop them, or use Inductor")
+    return {**list_mode_options(mode or "default"), **(options or {})}
 
 
 def lift_linear_epilogues(gm: torch.fx.GraphModule, decide: Callable[[Candidate], tuple[bool, str]] | None = None,

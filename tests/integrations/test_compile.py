@@ -33,6 +33,32 @@ def test_a_block_trains_through_its_lifted_gemms(reference_layers, inner):
     assert [steps for _, steps in EC.last_report().lifted] == [("add", "gelu", "mul", "add"), ("silu", "add")]
 
 
+@pytest.mark.parametrize(("mode", "options"), [("reduce-overhead", None), (None, {"epilogue_fusion": False})])
+def test_torch_compiles_mode_and_options_reach_inductor(reference_layers, mode, options):
+    """``torch.compile(..., backend=EC.backend, mode=..., options=...)`` hands both to the backend: the lifts are
+    the same and Inductor compiles the rest with them (CUDA graphs where the step runs on a GPU)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=EC.backend, mode=mode, options=options, fullgraph=True)
+    errors = step_errors(compiled, block_leaves((3, 37), "cpu"))
+    assert all(e < TOL for e in errors.values()), errors
+    assert [steps for _, steps in EC.last_report().lifted] == [("add", "gelu", "mul", "add"), ("silu", "add")]
+
+
+@pytest.mark.parametrize(("backend", "mode", "names"), [
+    (EC.backend, "fastest", "torch.compile's modes are"),
+    (AOT_EAGER, "reduce-overhead", "inner='aot_eager' takes neither"),
+])  # fmt: skip
+def test_a_mode_the_backend_cannot_honour_is_refused(backend, mode, names):
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from epicute import ConfigError
+
+    torch._dynamo.reset()
+    with pytest.raises(BackendCompilerFailed) as failed:
+        torch.compile(block, backend=backend, mode=mode)(**block_leaves((3, 37), "cpu"))
+    assert isinstance(failed.value.inner_exception, ConfigError) and names in str(failed.value.inner_exception)
+
+
 def test_dynamic_shapes_keep_one_graph(reference_layers):
     torch._dynamo.reset()
     compiled = torch.compile(block, backend=AOT_EAGER, fullgraph=True, dynamic=True)

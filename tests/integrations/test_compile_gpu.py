@@ -35,6 +35,17 @@ def test_a_block_trains_through_its_lifted_kernels(dynamic):
     assert [steps for _, steps in EC.last_report().lifted] == [("add", "gelu", "mul", "add"), ("silu", "add")]
 
 
+def test_a_block_trains_through_its_lifted_kernels_in_cuda_graphs():
+    """``mode="reduce-overhead"`` through the backend: Inductor runs the step as CUDA graphs with epicute's lifted
+    calls recorded in them; replays on fresh inputs (copied into the graphs' static buffers) stay right."""
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=LIFT_ALL, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, record, replay
+        errors = step_errors(compiled, block_leaves((3, 333), "cuda"))
+        assert all(e < TOL for e in errors.values()), errors
+    assert [steps for _, steps in EC.last_report().lifted] == [("add", "gelu", "mul", "add"), ("silu", "add")]
+
+
 def _attention_trains(f, seqlen: int, steps: tuple[str, ...], **compile_options) -> None:
     """``f(q, k, v)`` (GQA 4:1, head_dim 128) compiled with every candidate lifted: one attention lifted with
     ``steps``, O and the q/k/v gradients against float64 autograd of ``f``."""
