@@ -634,6 +634,8 @@ def _constant_mask_kind(gm: torch.fx.GraphModule, mask: Any, q: Any, k: Any) -> 
             continue
         built[node] = None
         name = _name(node)
+        if node.op == "placeholder" and isinstance(_value(node), (torch.SymInt, int)):
+            return False, "an attn_mask built from symbolic sizes: read as causal under static shapes only"
         if node.op == "placeholder":
             return False, "an attn_mask read from the graph's inputs (padding?): epicute's attention takes no mask"
         if node.op != "get_attr" and (node.op not in ("call_function", "call_method") or name not in MASK_OPS):

@@ -166,6 +166,20 @@ def test_a_shared_mask_is_evaluated_once_and_compared_in_row_blocks(reference_la
         assert len(EC.last_report().lifted) == lifted and len(evaluated) == 1, (wrong, EC.last_report())
 
 
+def test_a_mask_of_symbolic_sizes_is_left_and_still_computes(reference_layers):
+    """Under dynamic shapes the mask's aranges take the graph's symbolic sizes: whether it is causal for every size
+    is not read from one evaluation, so SDPA keeps it (and the graph still computes it right at two lengths)."""
+    torch._dynamo.reset()
+    f = functools.partial(masked_sdpa, mask="causal", repeat="repeat_kv")
+    compiled = torch.compile(f, backend=AOT_EAGER, dynamic=True)
+    for n in (37, 45):
+        q, k = torch.randn(2, 8, n, 64, dtype=torch.bfloat16), torch.randn(2, 2, n, 64, dtype=torch.bfloat16)
+        out, want = compiled(q, k, k), f(q.double(), k.double(), k.double())
+        assert ((out.double() - want).norm() / want.norm()).item() < TOL
+    report = EC.last_report()
+    assert report.lifted == [] and "symbolic sizes" in report.left[0][1], report
+
+
 def test_masks_other_than_causal_are_left_with_the_reason():
     def f(q, k, padding):
         n = q.shape[2]
