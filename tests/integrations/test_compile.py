@@ -528,3 +528,23 @@ def test_flex_attention_is_kept_only_where_it_wins(reference_layers, monkeypatch
     assert timer.calls == 2  # each side once; the timer checks that their outputs agree
     want = _flex_reference(q, k, v, "alibi", True)
     assert ((out.double() - want).norm() / want.norm()).item() < TOL
+
+
+def test_an_unmodified_transformers_model_runs_on_epicutes_attention(reference_layers):
+    """An unmodified transformers Llama (GQA 2:1, 11 tokens) under the backend: whatever transformers hands SDPA
+    while compiling (an explicit causal mask and repeated key/value heads in some versions, ``is_causal`` in
+    others), each layer's attention is lifted, and the logits agree with the eager model's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=136, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                      max_position_embeddings=64, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.randint(0, 96, (2, 11))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend=AOT_EAGER, dynamic=False)(input_ids=ids).logits
+        want = model.double()(input_ids=ids).logits
+    attentions = [steps for _, steps in EC.last_report().lifted if steps[:1] == ("attention",)]
+    assert len(attentions) == 2, EC.last_report()
+    assert ((got.double() - want).norm() / want.norm()).item() < TOL
