@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import os
 import sys
 import tempfile
@@ -42,15 +43,16 @@ TOLERANCE = 2e-2  # bf16 end to end; the eager model is the reference
 CASES = ("llama_train", "llama_prefill", "mixtral_train", "gpt2_mlp_train", "vit_block_train")
 
 
-def _model(name: str):
-    """(module, its inputs, tokens per step, training)."""
+def case_model(name: str):
+    """(module, its inputs, tokens per step, training); a training case's language model gets labels."""
     if name in ("llama_train", "llama_prefill", "mixtral_train"):
         from models import build
 
         model = build({"mixtral_train": "mixtral_train"}.get(name, "llama_train"), 2, "sdpa")
         batch, seqlen = (4, 2048) if name == "llama_prefill" else (2, 4096)
         ids = torch.randint(0, model.config.vocab_size, (batch, seqlen), device="cuda")
-        return model, {"input_ids": ids}, batch * seqlen, name != "llama_prefill"
+        training = name != "llama_prefill"
+        return model, {"input_ids": ids, **({"labels": ids} if training else {})}, batch * seqlen, training
     torch.manual_seed(0)
     if name == "gpt2_mlp_train":
         model = ResidualMLP(4096).to(device="cuda", dtype=torch.bfloat16)
@@ -110,15 +112,31 @@ def _output(result):
     return result[0] if isinstance(result, tuple) else result
 
 
+def step_of(module, inputs: dict, training: bool) -> Callable[[], object]:
+    """One step of ``module`` on ``inputs``: the output (a loss, last logits or a layer's output), with its backward
+    where the case trains (the output summed; the inputs' gradients dropped after)."""
+    leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def run():
+        if training:
+            out = _output(module(**inputs))
+            out.float().sum().backward()
+            for leaf in leaves:
+                leaf.grad = None
+            return out.detach()
+        with torch.inference_mode():
+            return _output(module(**inputs)).float()
+
+    return run
+
+
 def run_case(name: str, max_autotune: bool) -> tuple[Row, bool, Row]:
     """The case's rates (thousand tokens a second), whether epicute ran right, and each contender's cold compile
     (seconds of its first call)."""
     from epicute.integrations import compile as EC
 
     torch._dynamo.reset()
-    model, inputs, tokens, training = _model(name)
-    if name.endswith("_train") and "input_ids" in inputs:
-        inputs = {**inputs, "labels": inputs["input_ids"]}
+    model, inputs, tokens, training = case_model(name)
     row: Row = {"case": name}
     print(name)
     contenders = {"epicute": dict(backend=EC.backend), "torch_compile": {}}
@@ -126,21 +144,7 @@ def run_case(name: str, max_autotune: bool) -> tuple[Row, bool, Row]:
         contenders["torch_compile_max_autotune"] = {"mode": "max-autotune"}
     models = {label: torch.compile(copy.deepcopy(model), dynamic=False, **options)
               for label, options in contenders.items()}  # fmt: skip
-    leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-
-    def step(module) -> Callable[[], object]:
-        def run():
-            if training:
-                out = _output(module(**inputs))
-                out.float().sum().backward()  # a loss, or a layer's output summed
-                for leaf in leaves:
-                    leaf.grad = None
-                return out.detach()
-            with torch.inference_mode():
-                return _output(module(**inputs)).float()
-
-        return run
-
+    step = functools.partial(step_of, inputs=inputs, training=training)
     want = step(model)()
 
     def error(got) -> float:

@@ -2,6 +2,10 @@
 model, both under ``torch.compile``, kernel by kernel and by kind (H200).
 
 Usage: python bench/models_profile.py [--case llama_train] [--layers 2] [--accumulate] [--gaps] [--top 28]
+       python bench/models_profile.py --compile-case gpt2_mlp_train [--gaps] [--top 28]
+
+``--compile-case`` profiles one of bench/compile.py's cases instead: the unmodified model under ``torch.compile`` with
+epicute's backend against plain ``torch.compile``, each step as bench/compile.py runs it.
 
 Each contender runs three warm steps, then three steps timed by CUDA events around the step's call after an L2
 flush (as ``bench/models.py`` times them, with the host time of the call beside), then one step under
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import functools
 import itertools
 import re
 import time
@@ -44,33 +49,16 @@ def main() -> None:
     parser.add_argument("--accumulate", action="store_true", help="keep the gradients between training steps")
     parser.add_argument("--gaps", action="store_true", help="where the GPU waited between the step's kernels")
     parser.add_argument("--top", type=int, default=28, help="kernels listed per contender")
+    parser.add_argument("--compile-case", help="a bench/compile.py case: epicute's compile backend against plain "
+                        "torch.compile on the unmodified model")  # fmt: skip
     args = parser.parse_args()
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from epicute.integrations.transformers import patch
-
-    *_, batch, seqlen, training = CASES[args.case]
-    sdpa = build(args.case, args.layers, "sdpa")
-    ids = torch.randint(0, sdpa.config.vocab_size, (batch, seqlen), device="cuda")
-    patched = copy.deepcopy(sdpa)
-    patch(patched, linears=True)
-    contenders = {"epicute": torch.compile(patched, dynamic=False),
-                  "hf_sdpa_compile": torch.compile(copy.deepcopy(sdpa), dynamic=False)}  # fmt: skip
-    del sdpa
+    steps = _compile_case_steps(args.compile_case) if args.compile_case else _model_steps(args)
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    for label, model in contenders.items():
-
-        def step(model=model):
-            if training:
-                model(input_ids=ids, labels=ids).loss.backward()
-                if not args.accumulate:
-                    model.zero_grad(set_to_none=True)
-            else:
-                with torch.inference_mode():
-                    model(input_ids=ids)
-
+    for label, step in steps.items():
         for _ in range(3):
             step()
         for _ in range(3):
@@ -107,6 +95,44 @@ def main() -> None:
               + ", ".join(f"{k} {v / 1e3:.2f}" for k, v in by_kind.most_common()))  # fmt: skip
         for name, us in by_name.most_common(args.top):
             print(f"   {us / 1e3:8.3f} ms x{calls[name]:3d}  [{kind(name)}] {name}")
+
+
+def _model_steps(args) -> dict:
+    """bench/models.py's case: a step of epicute's patched model and of HF's SDPA model, both compiled."""
+    import torch
+
+    from epicute.integrations.transformers import patch
+
+    *_, batch, seqlen, training = CASES[args.case]
+    sdpa = build(args.case, args.layers, "sdpa")
+    ids = torch.randint(0, sdpa.config.vocab_size, (batch, seqlen), device="cuda")
+    patched = copy.deepcopy(sdpa)
+    patch(patched, linears=True)
+    contenders = {"epicute": torch.compile(patched, dynamic=False),
+                  "hf_sdpa_compile": torch.compile(copy.deepcopy(sdpa), dynamic=False)}  # fmt: skip
+
+    def step(model):
+        if training:
+            model(input_ids=ids, labels=ids).loss.backward()
+            if not args.accumulate:
+                model.zero_grad(set_to_none=True)
+        else:
+            with torch.inference_mode():
+                model(input_ids=ids)
+
+    return {label: functools.partial(step, model) for label, model in contenders.items()}
+
+
+def _compile_case_steps(name: str) -> dict:
+    """bench/compile.py's case: the unmodified model's step under epicute's backend and under plain torch.compile."""
+    import torch
+    from compile import case_model, step_of
+
+    from epicute.integrations import compile as EC
+
+    model, inputs, _, training = case_model(name)
+    return {label: step_of(torch.compile(copy.deepcopy(model), dynamic=False, **options), inputs, training)
+            for label, options in (("epicute_backend", {"backend": EC.backend}), ("torch_compile", {}))}  # fmt: skip
 
 
 def _print_gaps(label: str, events, kernels: list) -> list:
