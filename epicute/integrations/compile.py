@@ -12,7 +12,9 @@ Everything else stays Inductor's. Lifted: ``F.linear``, ``x @ w``, ``torch.mm`` 
 2-D ``w`` (any leading dimensions, a linear's or addmm's bias too; bf16 or fp16, ``in`` and ``out`` multiples of 8), and
 ``torch.bmm`` (``a @ b`` of two 3-D tensors, as one batched GEMM), followed by single-use
 ``gelu``/``relu``/``silu``/``sigmoid``/``tanh`` and ``+ - * /`` with numbers, ``(out,)`` vectors, per-row
-``(..., 1)`` columns or tensors of the output's shape, all in the layer's dtype; ``torch._grouped_mm(x, w, offs=offs)``
+``(..., 1)`` columns or tensors of the output's shape (in the dtype of the value they meet), and float casts
+(``.float()``, ``.to(dtype)``: the fp32 epilogue goes on, the last cast sets the output's dtype);
+``torch._grouped_mm(x, w, offs=offs)``
 (what ``F.grouped_mm`` and transformers' grouped experts record) with the same chains, as one
 :func:`epicute.grouped_gemm` (an MoE layer's SiLU and router weights ride in its epilogue). On a GPU
 each candidate, GEMM chain or attention, is kept only where it wins (:class:`Measured`: epicute's call against the
@@ -63,6 +65,7 @@ METHODS = {"add": "add", "mul": "mul", "sub": "sub", "div": "div", "relu": "relu
 APPLY: dict[str, Callable] = {
     **EF.ACTIVATIONS, "sigmoid": ops.sigmoid, "tanh": ops.tanh,
     "add": operator.add, "mul": operator.mul, "sub": operator.sub, "div": operator.truediv,
+    "to_float32": operator.pos, "to_bfloat16": operator.pos, "to_float16": operator.pos,
 }  # fmt: skip
 LIFTED_DTYPES = (torch.bfloat16, torch.float16)
 #: the GEMM calls lifted: ``F.linear(x, w, b)`` (``w`` ``(out, in)``), ``x @ w`` / ``torch.mm(x, w)`` (``w``
@@ -136,8 +139,24 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+#: a chain's casts, by the dtype cast to: identity steps of the fp32 epilogue; the last one sets the output's dtype
+CASTS: dict[torch.dtype, str] = {torch.float32: "to_float32", torch.bfloat16: "to_bfloat16",
+                                 torch.float16: "to_float16"}  # fmt: skip
+#: tensor methods that cast to one dtype (``.to(dtype)`` and ``.type(dtype)`` name theirs)
+CAST_METHODS = {"float": torch.float32, "bfloat16": torch.bfloat16, "half": torch.float16}
+
+
+def _cast_to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype)
+
+    cast.__name__ = CASTS[dtype]
+    return cast
+
+
 #: epicute op -> a torch call that makes it (FUNCTIONS read backwards): what a candidate's unlifted chain calls
-TORCH_STEPS: dict[str, Callable] = {op: fn for fn, op in FUNCTIONS.items()} | {"gelu_tanh": _gelu_tanh}
+TORCH_STEPS: dict[str, Callable] = {op: fn for fn, op in FUNCTIONS.items()} | {"gelu_tanh": _gelu_tanh} | {
+    op: _cast_to(dtype) for dtype, op in CASTS.items()}  # fmt: skip
 #: Lift decisions measured on this machine, kept beside the kernels (``lifted.json``).
 LIFTED = JsonTable("lifted.json")
 
@@ -508,7 +527,9 @@ def lifted_grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, *o
     ``(tokens, N)``, per-token columns ``(tokens, 1)``)."""
     from epicute.grouped.api import grouped_gemm
 
-    return grouped_gemm(x, w, offs, epilogue=lifted_epilogue(program), **_named(operands))
+    return grouped_gemm(
+        x, w, offs, epilogue=lifted_epilogue(program), out_dtype=_output_dtype(program), **_named(operands)
+    )
 
 
 def _named(operands: tuple) -> dict[str, torch.Tensor]:
@@ -519,7 +540,9 @@ def _named(operands: tuple) -> dict[str, torch.Tensor]:
 def _explain_grouped(x, w, offs, *operands, program: tuple, file: TextIO) -> None:
     from epicute.grouped.api import explain_grouped
 
-    explain_grouped(x, w, offs, epilogue=lifted_epilogue(program), file=file, **_named(operands))
+    explain_grouped(
+        x, w, offs, epilogue=lifted_epilogue(program), out_dtype=_output_dtype(program), file=file, **_named(operands)
+    )
 
 
 #: F.scaled_dot_product_attention's parameters after q, k, v, with their defaults
@@ -935,9 +958,14 @@ def _next_step(last: torch.fx.Node, out: torch.Tensor, operands: list, kinds: li
     if len(users) != 1:
         return None
     user = users[0]
-    op = _op_of(user)
     value = _value(user)
-    if op is None or not isinstance(value, torch.Tensor) or value.shape != out.shape or value.dtype != out.dtype:
+    if not isinstance(value, torch.Tensor) or value.shape != out.shape:
+        return None
+    cast = _cast_dtype(user)
+    if cast is not None:
+        return ((CASTS[cast], (("acc",),)), user) if value.dtype == cast and user.args[0] is last else None
+    op = _op_of(user)
+    if op is None or value.dtype != _value(last).dtype:
         return None
     if op == "gelu":
         approximate = user.kwargs.get("approximate", "none")
@@ -968,6 +996,25 @@ def _next_step(last: torch.fx.Node, out: torch.Tensor, operands: list, kinds: li
         operands.append(arg)
         kinds.append(kind)
     return (op, tuple(refs)), user
+
+
+def _cast_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The float dtype ``node`` casts its tensor to (``.float()``, ``.to(torch.bfloat16)``, ``.type(dtype)``...),
+    None where it is no such cast (another method, a device move, ``copy``/``non_blocking``/``memory_format``)."""
+    if node.op != "call_method" or not node.args:
+        return None
+    if node.target in CAST_METHODS and len(node.args) == 1 and not node.kwargs:
+        return CAST_METHODS[node.target]
+    if node.target not in ("to", "type") or set(node.kwargs) - {"dtype"}:
+        return None
+    given = [*node.args[1:], *node.kwargs.values()]
+    return given[0] if len(given) == 1 and given[0] in CASTS else None
+
+
+def _output_dtype(program: tuple) -> torch.dtype | None:
+    """The dtype a lifted chain's last cast sets (None: the GEMM's own)."""
+    cast_to = {op: dtype for dtype, op in CASTS.items()}
+    return next((cast_to[op] for op, _ in reversed(program[0]) if op in cast_to), None)
 
 
 def _op_of(node: torch.fx.Node) -> str | None:
@@ -1003,7 +1050,7 @@ def lifted_gemm(x: torch.Tensor, weight: torch.Tensor, *operands: torch.Tensor, 
     rewritten graph calls), through :func:`epicute.nn.functional.linear`: row operands as ``RowVector``, tiles as
     ``(tokens, out)``."""
     weight, values = _linear_operands(weight, operands, program, linear)
-    return EF.linear(x, weight, epilogue=lifted_epilogue(program), **values)
+    return EF.linear(x, weight, epilogue=lifted_epilogue(program), out_dtype=_output_dtype(program), **values)
 
 
 def _linear_operands(weight: torch.Tensor, operands: tuple, program: tuple, linear: bool) -> tuple:
@@ -1022,7 +1069,7 @@ def lifted_bmm(a: torch.Tensor, b: torch.Tensor, *operands: torch.Tensor, progra
     chain gave them: tiles ``(L, M, N)``, rows ``(N,)``, columns ``(L, M, 1)``)."""
     from epicute.gemm.api import gemm
 
-    return gemm(a, b, epilogue=lifted_epilogue(program), **_pinned(operands, program))
+    return gemm(a, b, epilogue=lifted_epilogue(program), out_dtype=_output_dtype(program), **_pinned(operands, program))
 
 
 def _pinned(operands: tuple, program: tuple) -> dict[str, Any]:
@@ -1035,14 +1082,28 @@ def _pinned(operands: tuple, program: tuple) -> dict[str, Any]:
 def _explain_bmm(a, b, *operands, program: tuple, file: TextIO) -> None:
     from epicute.gemm.api import explain
 
-    explain(a, b, epilogue=lifted_epilogue(program), file=file, **_pinned(operands, program))
+    explain(
+        a,
+        b,
+        epilogue=lifted_epilogue(program),
+        out_dtype=_output_dtype(program),
+        file=file,
+        **_pinned(operands, program),
+    )
 
 
 def _explain_gemm(x, weight, *operands, program: tuple, linear: bool, file: TextIO) -> None:
     from epicute.gemm.api import explain
 
     weight, values = _linear_operands(weight, operands, program, linear)
-    explain(x.reshape(-1, x.shape[-1]), weight.t(), epilogue=lifted_epilogue(program), file=file, **values)
+    explain(
+        x.reshape(-1, x.shape[-1]),
+        weight.t(),
+        epilogue=lifted_epilogue(program),
+        out_dtype=_output_dtype(program),
+        file=file,
+        **values,
+    )
 
 
 #: the report's first step of a lifted call that is no linear GEMM

@@ -75,18 +75,22 @@ def linear(
     bias: torch.Tensor | None = None,
     *,
     epilogue: Callable | None = None,
+    out_dtype: torch.dtype | None = None,
     **operands: Any,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """``epilogue(x @ weight.T + bias, **operands)``, as ``F.linear`` takes ``x``, ``weight`` and ``bias``.
 
     ``x`` ``(..., in)``; ``weight`` ``(out, in)``; ``bias`` ``(out,)``. The epilogue's operands are shaped against the
     flattened ``(tokens, out)`` problem (a residual ``(..., out)`` may be passed as ``residual.reshape(-1, out)``).
-    Tile outputs come back ``(..., out)``; per-row reductions ``(...)``; per-column ones ``(out,)``.
+    Tile outputs come back ``(..., out)``; per-row reductions ``(...)``; per-column ones ``(out,)``. ``out_dtype``:
+    the output's dtype, as :func:`epicute.gemm` takes it (default: the inputs').
     """
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise ShapeError(f"weight is {got}; linear takes a 2-D (out, in) weight tensor")
     if is_distributed(weight):  # sharded by a tensor-parallel plan: each rank runs its shard (epicute.nn.parallel)
+        if out_dtype is not None:
+            raise ConfigError("out_dtype with a tensor-parallel (DTensor) weight: not supported; cast the result")
         return parallel_linear(linear, x, weight, bias, epilogue, operands)
     lead, out_features = x.shape[:-1], weight.shape[0]
     x2 = _rows(x, "x", weight.shape[1])
@@ -97,7 +101,7 @@ def linear(
     else:
         fn = epilogue
     extra = {"bias": RowVector(bias)} if bias is not None else {}
-    result = gemm(x2, weight.t(), epilogue=fn, **extra, **operands)
+    result = gemm(x2, weight.t(), epilogue=fn, out_dtype=out_dtype, **extra, **operands)
     if isinstance(result, torch.Tensor):
         # A 2-D x's result as it is, not a view of it (FSDP2 warns of a module returning a view).
         return result if x.dim() == 2 else result.reshape(*lead, out_features)

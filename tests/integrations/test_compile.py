@@ -200,6 +200,68 @@ def test_masks_other_than_causal_are_left_with_the_reason():
     assert "graph's inputs" in reasons[2] and "built with rand" in reasons[3]
 
 
+def _cast_chain(x, w, b, r):
+    """A linear whose chain casts: GELU in the layer's dtype, then fp32 math with an fp32 tile."""
+    return F.gelu(F.linear(x, w, b)).float() * 2.0 + r
+
+
+def _cast_leaves() -> list[torch.Tensor]:
+    x = torch.randn(3, 29, 64, dtype=torch.bfloat16)
+    w, b = (torch.randn(40, 64) / 8).to(torch.bfloat16), torch.randn(40, dtype=torch.bfloat16)
+    return [t.requires_grad_() for t in (x, w, b, torch.randn(3, 29, 40))]
+
+
+def test_casts_in_a_chain_are_lifted_and_set_the_output_dtype(reference_layers):
+    """``.float()`` inside the chain: one GEMM whose epilogue goes on in fp32 and stores fp32; forward and every
+    gradient (the fp32 tile's too) against float64 autograd."""
+    torch._dynamo.reset()
+    leaves = _cast_leaves()
+    y = torch.compile(_cast_chain, backend=AOT_EAGER, fullgraph=True)(*leaves)
+    assert [steps for _, steps in EC.last_report().lifted] == [("add", "gelu", "to_float32", "mul", "add")]
+    assert y.dtype == torch.float32
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    want = _cast_chain(*ref)
+    want.backward(grad.double())
+    for got, expected in ((y, want.detach()), *((t.grad, r.grad) for t, r in zip(leaves, ref))):
+        assert ((got.double() - expected).norm() / expected.norm()).item() < TOL
+
+
+def test_a_cast_between_half_types_sets_the_output_dtype(reference_layers):
+    def f(x, w):
+        return torch.tanh(F.linear(x, w)).to(torch.bfloat16)
+
+    torch._dynamo.reset()
+    x, w = torch.randn(5, 64, dtype=torch.float16), (torch.randn(24, 64) / 8).to(torch.float16)
+    out = torch.compile(f, backend=AOT_EAGER, fullgraph=True)(x, w)
+    assert [steps for _, steps in EC.last_report().lifted] == [("tanh", "to_bfloat16")] and out.dtype == torch.bfloat16
+    want = f(x.double(), w.double())
+    assert ((out.double() - want).norm() / want.norm()).item() < TOL
+
+
+def test_what_is_no_float_cast_ends_the_chain(reference_layers):
+    def f(x, w):
+        return (torch.tanh(F.linear(x, w)).to(torch.int32), F.linear(x, w).to("cpu") * 2,
+                F.linear(x, w).to(torch.float32, copy=True))  # fmt: skip
+
+    torch._dynamo.reset()
+    x, w = torch.randn(5, 64, dtype=torch.bfloat16), (torch.randn(24, 64) / 8).to(torch.bfloat16)
+    torch.compile(f, backend=AOT_EAGER, fullgraph=True)(x, w)
+    assert sorted(steps for _, steps in EC.last_report().lifted) == [(), (), ("tanh",)]
+
+
+def test_a_cast_chain_is_measured_against_the_same_casts(reference_layers, monkeypatch, tmp_path):
+    """The unlifted side replays the casts: the timer checks both sides' outputs and gradients agree."""
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    timer = _Timer(1.0, 2.0)
+    backend = functools.partial(EC.backend, inner="aot_eager", decide=EC.Measured(timer=timer, peer=lambda gm, _: gm))
+    torch._dynamo.reset()
+    y = torch.compile(_cast_chain, backend=backend, fullgraph=True)(*_cast_leaves())
+    assert timer.calls == 2 and y.dtype == torch.float32
+    assert [steps for _, steps in EC.last_report().lifted] == [("add", "gelu", "to_float32", "mul", "add")]
+
+
 def test_a_matmul_with_a_transposed_weight_is_lifted_like_a_linear(reference_layers):
     def f(x, w, b):
         return torch.tanh(x @ w.t() + b)

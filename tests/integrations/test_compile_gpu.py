@@ -46,6 +46,29 @@ def test_a_block_trains_through_its_lifted_kernels_in_cuda_graphs():
     assert [steps for _, steps in EC.last_report().lifted] == [("add", "gelu", "mul", "add"), ("silu", "add")]
 
 
+def test_a_chain_with_a_cast_trains_through_its_lifted_kernel():
+    """``gelu(x @ w.T + b).float() * 2 + r`` (an fp32 tile ``r``): one GEMM storing fp32, its backward reading the
+    fp32 gradient; forward and every gradient against float64 autograd (ragged 333 tokens, 136 outputs)."""
+
+    def f(x, w, b, r):
+        return torch.nn.functional.gelu(torch.nn.functional.linear(x, w, b)).float() * 2.0 + r
+
+    torch._dynamo.reset()
+    x = torch.randn(3, 333, 64, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(136, 64, device="cuda") / 8).to(torch.bfloat16)
+    b = torch.randn(136, device="cuda", dtype=torch.bfloat16)
+    leaves = [t.requires_grad_() for t in (x, w, b, torch.randn(3, 333, 136, device="cuda"))]
+    y = torch.compile(f, backend=LIFT_ALL, fullgraph=True)(*leaves)
+    assert [steps for _, steps in EC.last_report().lifted] == [("add", "gelu", "to_float32", "mul", "add")]
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    want = f(*ref)
+    want.backward(grad.double())
+    for got, expected in ((y, want.detach()), *((t.grad, r.grad) for t, r in zip(leaves, ref))):
+        assert ((got.double() - expected).norm() / expected.norm()).item() < TOL
+
+
 def _attention_trains(f, seqlen: int, steps: tuple[str, ...], **compile_options) -> None:
     """``f(q, k, v)`` (GQA 4:1, head_dim 128) compiled with every candidate lifted: one attention lifted with
     ``steps``, O and the q/k/v gradients against float64 autograd of ``f``."""

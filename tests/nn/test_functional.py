@@ -34,6 +34,23 @@ def test_linear_with_bias_and_an_epilogue(reference_layers):
     assert all(e < TOL for e in errors.values()), errors
 
 
+def test_linear_stores_the_out_dtype_asked_for(reference_layers):
+    """``out_dtype=torch.float32`` on bf16 inputs: an fp32 output (no rounding to bf16 first) whose gradients reach
+    the bf16 inputs; against float64 autograd."""
+    x = torch.randn(3, 17, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(40, 64) / 8).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(40, dtype=torch.bfloat16, requires_grad=True)
+    y = EF.linear(x, w, b, epilogue=lambda acc: epicute.ops.gelu(acc), out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and y.shape == (3, 17, 40)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    ref = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    want = F.gelu(F.linear(*ref))
+    want.backward(grad.double())
+    for got, expected in ((y, want.detach()), *((t.grad, r.grad) for t, r in zip((x, w, b), ref))):
+        assert ((got.double() - expected).norm() / expected.norm()).item() < 1e-2
+
+
 def test_the_down_projections_backward_epilogue_reads_its_accumulator_as_dh():
     """The fused backward's epilogue: no grad_D operand (dh is the accumulator), the saved pre-activation, and the
     bias gradient as a col_sum of dacc."""
@@ -131,7 +148,6 @@ def test_explain_mlp_shows_the_step_s_gemms_and_where_the_derivative_runs(gated)
     assert ("D_up" in dh) == gated
     with pytest.raises(epicute.ShapeError, match="gated MLP has no biases"):
         EF.explain_mlp(x, w1, w2, torch.empty(1048, **meta), None, gated=True, file=None)
-
 
 
 def test_the_mlp_programs_are_traced_once(monkeypatch):
