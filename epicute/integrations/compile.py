@@ -65,7 +65,8 @@ METHODS = {"add": "add", "mul": "mul", "sub": "sub", "div": "div", "relu": "relu
 APPLY: dict[str, Callable] = {
     **EF.ACTIVATIONS, "sigmoid": ops.sigmoid, "tanh": ops.tanh,
     "add": operator.add, "mul": operator.mul, "sub": operator.sub, "div": operator.truediv,
-    "to_float32": operator.pos, "to_bfloat16": operator.pos, "to_float16": operator.pos,
+    # a cast is no step of the fp32 epilogue: the chain's last one sets the stored dtype (``_output_dtype``)
+    "to_float32": lambda value: value, "to_bfloat16": lambda value: value, "to_float16": lambda value: value,
 }  # fmt: skip
 LIFTED_DTYPES = (torch.bfloat16, torch.float16)
 #: the GEMM calls lifted: ``F.linear(x, w, b)`` (``w`` ``(out, in)``), ``x @ w`` / ``torch.mm(x, w)`` (``w``
