@@ -24,13 +24,14 @@ def block_leaves(tokens: tuple, device: str) -> dict[str, torch.Tensor]:
             "r": param(*tokens, hidden), "w2": param(out, hidden, scale=hidden**-0.5), "v": param(out)}  # fmt: skip
 
 
-def step_errors(compiled, leaves: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Forward and backward of ``compiled`` against float64 autograd of :func:`block`: relative errors."""
+def step_errors(compiled, leaves: dict[str, torch.Tensor], math=None) -> dict[str, float]:
+    """Forward and backward of ``compiled`` on ``leaves`` (by parameter name) against float64 autograd of ``math``
+    (default :func:`block`), from one random gradient of the output: relative errors, the output's and each leaf's."""
     y = compiled(**leaves)
     grad = torch.randn_like(y)
     y.backward(grad)
     ref = {name: t.detach().double().requires_grad_() for name, t in leaves.items()}
-    want = block(**ref)
+    want = (math or block)(**ref)
     want.backward(grad.double())
 
     def rel(got, expected):
