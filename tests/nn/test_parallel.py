@@ -390,6 +390,10 @@ def _more_refusals(rank: int, world: int) -> None:
     w = distribute_tensor(torch.randn(INNER, HIDDEN, dtype=BF16), square, [Replicate(), Shard(0)])
     with pytest.raises(epicute.ConfigError, match="2-D device mesh"):
         EF.linear(x, w)
+    # A sharded weight's shards run their own paths (gathered, scattered): an output dtype is not carried through.
+    rows = distribute_tensor(torch.randn(INNER, HIDDEN, dtype=BF16), mesh, [Shard(0)])
+    with pytest.raises(epicute.ConfigError, match="out_dtype with a tensor-parallel"):
+        EF.linear(x, rows, out_dtype=torch.float32)
     # A gated MLP's two weights split together, and only the interleaved gate/up weight of experts splits.
     gate_up = distribute_tensor(torch.randn(2 * INNER, HIDDEN, dtype=BF16), mesh, [Shard(0)])
     down = distribute_tensor(torch.randn(HIDDEN, INNER, dtype=BF16), mesh, [Replicate()])
