@@ -40,7 +40,7 @@ import json
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,9 @@ from epicute.epilogue.operands import RowVector
 from epicute.errors import ConfigError
 from epicute.nn import functional as EF
 from epicute.runtime.cache import JsonTable, code_versions
+
+if TYPE_CHECKING:
+    from epicute.runtime.precompile import Precompiled
 
 #: torch callables (as Dynamo records them) -> the epicute op each becomes
 FUNCTIONS: dict[Any, str] = {
@@ -86,6 +89,8 @@ class Report:
     measured: list[tuple[str, str]] = field(default_factory=list)
     #: each lifted node's call, its inputs as meta tensors of the graph's sizes (what :meth:`explain` plans)
     calls: dict[str, Candidate] = field(default_factory=dict)
+    #: how the candidates' kernels were compiled before measuring (:meth:`Measured.precompile`), where they were
+    precompiled: Precompiled | None = None
 
     def __str__(self) -> str:
         def kernel(steps: tuple[str, ...]) -> str:
@@ -101,6 +106,7 @@ class Report:
         lines = [f"lifted {node}: {kernel(steps)}" + (f" ({because[node]})" if node in because else "")
                  for node, steps in self.lifted]  # fmt: skip
         lines += [f"left {node}: {why}" for node, why in self.left]
+        lines += [f"kernels: {self.precompiled}"] if self.precompiled is not None else []
         return "\n".join(lines) or "no linear layers in the graph"
 
     def explain(self, file: TextIO | None = None) -> str:
@@ -246,10 +252,12 @@ class Measured:
     on random inputs like the graph's and remembered on disk (:data:`LIFTED`). Where the graph trains (an input
     requires grad) each side is timed forward and backward, as one joint function (:func:`_joint`); otherwise
     forward. ``timer`` (milliseconds of ``fn(*inputs)``) and ``peer`` (compiles a graph of the unlifted call) may be
-    replaced: tests do."""
+    replaced: tests do. :meth:`precompile` readies both sides of many candidates at once."""
 
     timer: Callable[[Callable, list], float] | None = None
     peer: Callable[[torch.fx.GraphModule, list], Callable] | None = None
+    #: candidates' sides readied by :meth:`precompile`, by key, until measured
+    _ready: dict[str, _Sides] = field(default_factory=dict, init=False, repr=False)
 
     def __call__(self, candidate: Candidate) -> tuple[bool, str]:
         key = candidate.key()
@@ -258,34 +266,91 @@ class Measured:
             return stored["lift"], stored["why"]
         return _outside_the_compile(functools.partial(self._measure, candidate, key))
 
-    def _measure(self, candidate: Candidate, key: str) -> tuple[bool, str]:
-        """Time both sides; the decision, remembered under ``key`` where both were measured."""
-        from torch._inductor.compile_fx import compile_fx
+    def precompile(self, candidates: list[Candidate]) -> Precompiled:
+        """Compile the kernels of every candidate that may be lifted (all but those measured before and left) in
+        worker processes at once (:func:`epicute.runtime.precompile.precompile`), while Inductor compiles the
+        unlifted calls to be measured against them: the measurements then find both sides compiled."""
+        from epicute.runtime.precompile import precompile
 
-        timer = self.timer or _time_ms
+        todo: dict[str, Candidate] = {}
+        unmeasured: set[str] = set()
+        for candidate in candidates:
+            stored = LIFTED.get(key := candidate.key())
+            if stored is None or stored["lift"]:
+                todo.setdefault(key, candidate)
+            if stored is None:
+                unmeasured.add(key)
+
+        def run() -> Precompiled:
+            sides = {key: self._sides(candidate) for key, candidate in todo.items()}
+            runs = [functools.partial(side.ours, *side.inputs) for side in sides.values()]
+            peers = [functools.partial(self._compile_peer, sides[key]) for key in sides if key in unmeasured]
+            with torch.no_grad():
+                done = precompile(runs, idle=peers)
+            self._ready.update((key, sides[key]) for key in sides if key in unmeasured)
+            return done
+
+        return _outside_the_compile(run)
+
+    def _sides(self, candidate: Candidate) -> _Sides:
+        """Random inputs like the graph's and both sides' calls on them, joint forward and backward where the graph
+        trains (the incoming gradient appended to the inputs)."""
         inputs = candidate.real_inputs()
         ours, theirs = candidate.epicute(), candidate.unlifted()
         trains = candidate.trains()
-        with torch.no_grad():
-            if trains:
-                needs = [t.requires_grad for t in candidate.inputs]
+        if trains:
+            needs = [t.requires_grad for t in candidate.inputs]
+            with torch.no_grad():
                 grad = torch.randn_like(theirs(*inputs)[0])  # the gradient both backward passes start from
-                inputs = [*inputs, grad]
-                ours, theirs = _joint(ours, needs), _joint(theirs, needs)
+            inputs = [*inputs, grad]
+            ours, theirs = _joint(ours, needs), _joint(theirs, needs)
+        return _Sides(inputs, ours, theirs, trains)
+
+    def _compile_peer(self, side: _Sides) -> None:
+        """Inductor's compile of the unlifted side (or why there is none), kept on ``side``."""
+        from torch._inductor.compile_fx import compile_fx
+
+        try:
+            with torch.no_grad():
+                graph = make_fx(side.theirs, tracing_mode="fake")(*side.inputs) if side.trains else side.theirs
+                side.peer = (self.peer or compile_fx)(graph, side.inputs)
+        except Exception as exc:  # noqa: BLE001 - no figure to beat: lifted, as without measuring
+            side.peer = exc
+
+    def _measure(self, candidate: Candidate, key: str) -> tuple[bool, str]:
+        """Time both sides; the decision, remembered under ``key`` where both were measured."""
+        timer = self.timer or _time_ms
+        side = self._ready.pop(key, None) or self._sides(candidate)
+        with torch.no_grad():
             try:
-                ours_ms = timer(ours, inputs)
+                ours_ms = timer(side.ours, side.inputs)
             except Exception as exc:  # noqa: BLE001 - epicute's call failed here: the chain stays Inductor's
                 return False, f"epicute's call failed on inputs like the graph's ({type(exc).__name__}: {exc})"
+            if side.peer is None:
+                self._compile_peer(side)
+            if isinstance(side.peer, Exception):
+                return True, f"Inductor's chain not measured ({type(side.peer).__name__}: {side.peer})"
             try:
-                graph = make_fx(theirs, tracing_mode="fake")(*inputs) if trains else theirs
-                theirs_ms = timer((self.peer or compile_fx)(graph, inputs), inputs)
-            except Exception as exc:  # noqa: BLE001 - no figure to beat: lifted, as without measuring
+                theirs_ms = timer(side.peer, side.inputs)
+            except Exception as exc:  # noqa: BLE001 - as above
                 return True, f"Inductor's chain not measured ({type(exc).__name__}: {exc})"
         lift = ours_ms <= theirs_ms
-        what = "measured (forward and backward)" if trains else "measured"
+        what = "measured (forward and backward)" if side.trains else "measured"
         why = f"{what}: epicute {ours_ms:.4g} ms, Inductor {theirs_ms:.4g} ms"
         LIFTED.put(key, {"lift": lift, "why": why})
         return lift, why
+
+
+@dataclass
+class _Sides:
+    """A candidate's two sides as :class:`Measured` times them: the inputs, epicute's call, the unlifted call and,
+    once compiled, Inductor's (or the exception its compile raised)."""
+
+    inputs: list
+    ours: Callable
+    theirs: Callable
+    trains: bool
+    peer: Callable | Exception | None = None
 
 
 def _joint(fn: Callable, trains: list[bool]) -> Callable:
@@ -361,7 +426,9 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, inner: str = "induct
     patches = _inductor_settings(inner, mode, options)
     if decide is None and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
         decide = Measured()
+    precompiled = decide.precompile(candidates_of(gm)) if isinstance(decide, Measured) else None
     report = lift_linear_epilogues(gm, decide)
+    report.precompiled = precompiled
     _REPORTS[:] = [*_REPORTS[-15:], report]
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
@@ -407,6 +474,19 @@ def lift_linear_epilogues(gm: torch.fx.GraphModule, decide: Callable[[Candidate]
     gm.graph.lint()
     gm.recompile()
     return report
+
+
+def candidates_of(gm: torch.fx.GraphModule) -> list[Candidate]:
+    """Every candidate :func:`lift_linear_epilogues` would decide in ``gm``, found by a pass that decides none (the
+    graph is left as it was)."""
+    found: list[Candidate] = []
+
+    def collect(candidate: Candidate) -> tuple[bool, str]:
+        found.append(candidate)
+        return False, "collected"
+
+    lift_linear_epilogues(gm, collect)
+    return found
 
 
 def _lift_gemm(gm: torch.fx.GraphModule, node: torch.fx.Node, decide, report: Report) -> None:
@@ -1116,6 +1196,7 @@ EXPLAINERS: dict[Callable, Callable] = {
 }  # fmt: skip
 
 
-__all__ = ["Candidate", "Measured", "Report", "always", "backend", "flex_peer", "last_report", "lift_linear_epilogues",
+__all__ = ["Candidate", "Measured", "Report", "always", "backend", "candidates_of", "flex_peer", "last_report",
+           "lift_linear_epilogues",
            "lifted_attention", "lifted_bmm", "lifted_flex_attention", "lifted_gemm", "lifted_grouped_gemm",
            "lifted_score_mod"]  # fmt: skip

@@ -23,6 +23,7 @@ SM count: one ahead-of-time cache serves every Hopper part.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,6 +37,21 @@ DSL_COMPILE_OPTIONS = "--enable-tvm-ffi"
 
 #: Base-address alignment every TMA operand is compiled to assume (checked per call on the host).
 OPERAND_ALIGN_BYTES = 16
+
+
+#: Set while :func:`epicute.runtime.precompile.precompile` runs code to learn the kernels it needs: a compile is then
+#: refused with :class:`KernelMissing`, which is also appended to :data:`MISSED` (whatever a caller between the
+#: family and the code wraps it in). Process-wide, not per thread: autograd runs a backward on a thread of its own.
+DISCOVERING = threading.Event()
+MISSED: list[KernelMissing] = []
+
+
+class KernelMissing(Exception):
+    """A variant neither in memory nor on disk, reached under :data:`DISCOVERING`: the call stops before its launch."""
+
+    def __init__(self, kind: str, variant: Any, key: Any) -> None:
+        super().__init__(f"{kind} kernel {key.label} is not compiled yet")
+        self.kind, self.variant, self.key = kind, variant, key
 
 
 def dsl_compile(variant, kernel, *args, constant_args: tuple[str, ...] = ()):
@@ -92,7 +108,11 @@ class KernelFamily:
         return resolve(fn) if isinstance(fn, str) else fn
 
     def compile(self, variant) -> Any:
-        """Compile ``variant`` now (no cache) with its arch's function."""
+        """Compile ``variant`` now (no cache) with its arch's function; :class:`KernelMissing` under
+        :data:`DISCOVERING` (the cache calls this only on a miss of memory and disk)."""
+        if DISCOVERING.is_set():
+            MISSED.append(missing := KernelMissing(self.kind, variant, self.key(variant)))
+            raise missing
         return self.compiler(variant.arch)(variant)
 
     def get(self, variant) -> Callable:
@@ -123,4 +143,5 @@ class KernelFamily:
 #: its declaration (:mod:`epicute.families`); a family module takes its own from here (``FAMILIES["gemm"]``).
 FAMILIES: Mapping[str, KernelFamily] = Declared(lambda spec: KernelFamily(spec.kind, spec.compilers))
 
-__all__ = ["DSL_COMPILE_OPTIONS", "FAMILIES", "OPERAND_ALIGN_BYTES", "KernelFamily", "dsl_compile"]
+__all__ = ["DISCOVERING", "DSL_COMPILE_OPTIONS", "FAMILIES", "MISSED", "OPERAND_ALIGN_BYTES", "KernelFamily",
+           "KernelMissing", "dsl_compile"]  # fmt: skip

@@ -331,6 +331,46 @@ def test_each_candidate_is_kept_only_where_it_wins(reference_layers, monkeypatch
     assert (tmp_path / "lifted.json").exists()
 
 
+def test_the_candidates_are_readied_together_before_they_are_decided(reference_layers, monkeypatch, tmp_path):
+    """With compile workers, every candidate is found first (a pass that lifts nothing), its kernels precompiled and
+    its peer compiled once, while nothing is decided; then the decisions, as without workers. A second compile finds
+    the decisions on disk: no peer is compiled again. (On the CPU the reference backend needs no kernel.)"""
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("EPICUTE_COMPILE_WORKERS", "2")
+    peers = []
+
+    def peer(gm, inputs):
+        peers.append(gm)
+        return gm
+
+    decide = EC.Measured(timer=_Timer(1.0, 2.0), peer=peer)
+    for compiles in (1, 2):
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend=functools.partial(EC.backend, inner="aot_eager", decide=decide))
+        errors = step_errors(compiled, block_leaves((3, 37), "cpu"))
+        assert all(e < TOL for e in errors.values()), errors
+        report = EC.last_report()
+        assert len(report.lifted) == 2 and len(peers) == 2 and not decide._ready
+        assert report.precompiled.workers == 2 and report.precompiled.compiled == []
+        assert str(report).splitlines()[-1] == "kernels: 0 kernels compiled in " + str(report).split(" in ")[-1]
+
+
+def test_candidates_of_finds_what_would_be_decided_and_changes_nothing(reference_layers):
+    found, unchanged = [], []
+
+    def spy(gm, example_inputs):
+        before = gm.code
+        found.extend(EC.candidates_of(gm))
+        unchanged.append(gm.code == before)
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(block, backend=spy, fullgraph=True)(*block_leaves((37,), "cpu").values())
+    assert unchanged == [True] and [c.lifted.__name__ for c in found] == ["lifted_gemm", "lifted_gemm"]
+    programs = [dict(c.options)["program"][0] for c in found]
+    assert [tuple(op for op, _ in steps) for steps in programs] == [("add", "gelu", "mul", "add"), ("silu", "add")]
+
+
 @pytest.mark.parametrize(("ours", "theirs", "lifted"), [(1.0, 2.0, True), (3.0, 2.0, False)])
 def test_attention_is_kept_only_where_it_wins(reference_layers, monkeypatch, tmp_path, ours, theirs, lifted):
     """An attention candidate is measured like a GEMM chain: SDPA (GQA 2:1, causal) stays where epicute loses."""

@@ -150,3 +150,43 @@ def test_flex_attention_trains_through_epicute(score_mod):
     assert ((y.detach().cpu().double() - want).norm() / want.norm()).item() < TOL
     for name, got, r in zip("qkv", (q, k, v), ref):
         assert ((got.grad.cpu().double() - r.grad).norm() / r.grad.norm()).item() < TOL, name
+
+
+COLD_COMPILE = """
+import functools, json, torch
+from epicute.integrations import compile as EC
+from epicute.runtime.cache import KERNEL_CACHE
+from tests.integrations.compile_cases import block, block_leaves, step_errors
+
+decide = EC.Measured(timer=lambda fn, inputs: (fn(*inputs), 1.0)[1])  # a tie: every candidate lifted
+compiled = torch.compile(block, backend=functools.partial(EC.backend, decide=decide), fullgraph=True)
+errors = step_errors(compiled, block_leaves((3, 333), "cuda"))
+report = EC.last_report()
+print(json.dumps({"errors": errors, "lifted": [list(s) for _, s in report.lifted], "report": str(report),
+                  "workers": report.precompiled.workers, "compiled": report.precompiled.compiled,
+                  "obtained": sorted({how for how, _ in KERNEL_CACHE.events.values()})}))
+"""
+
+
+def test_a_cold_compile_precompiles_the_lifted_kernels_in_worker_processes(tmp_path):
+    """A fresh process, an empty kernel cache, four compile workers: the block's candidates' kernels (the forward's
+    and those their backward derives) are compiled by the workers before the measurements, so the process compiles
+    none itself (every kernel it runs came from disk), and the step trains right."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import subprocess_env
+
+    env = subprocess_env(EPICUTE_CACHE_DIR=str(tmp_path / "cache"), EPICUTE_COMPILE_WORKERS="4")
+    env.pop("EPICUTE_CACHE", None)
+    repo = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", COLD_COMPILE], env=env, cwd=repo, capture_output=True, text=True,
+                         timeout=900, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert all(e < TOL for e in result["errors"].values()), result["errors"]
+    assert result["lifted"] == [["add", "gelu", "mul", "add"], ["silu", "add"]], result["report"]
+    assert result["workers"] == 4 and len(result["compiled"]) >= 4, result["report"]
+    assert result["obtained"] == ["disk"], result["report"]

@@ -1,0 +1,259 @@
+"""Compiling the kernels some code needs in worker processes, all at once, before the code runs for real.
+
+A variant is known only when a call reaches its family's :meth:`~epicute.runtime.compile.KernelFamily.get`:
+validation, the plan, the epilogue's lowering and an autograd backward's derived calls all come first, and a
+training call's backward variants only once its forward has run. So :func:`precompile` *runs* each piece of code
+with discovery on (:data:`~epicute.runtime.compile.DISCOVERING`): the first kernel found neither in memory nor on
+disk raises :class:`~epicute.runtime.compile.KernelMissing` before anything launches or caches it, a worker process
+compiles that variant into the disk cache, and the code runs again once it is there, until it runs to its end.
+The pieces advance side by side, each as soon as its own kernel is ready, so the wall time is about the longest
+piece's chain of compiles rather than the sum of all of them: one variant's compile is single-threaded (the DSL's
+IR building in Python, then its MLIR passes and ptxas, a few seconds each), and the host's other cores sit idle
+through a serial compile. Work that needs the host while the workers compile (Inductor's compiles, say) is
+handed in as ``idle`` tasks, run between the workers' results.
+
+The disk cache is where the workers' kernels meet the caller's, so nothing is precompiled with ``EPICUTE_CACHE=0``.
+``EPICUTE_COMPILE_WORKERS`` caps the pool (``0``: none); by default half the CPUs this process may use, at most 8:
+each worker holds a CuTe DSL compiler (~1 GiB).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from epicute.errors import CompileError, ConfigError
+from epicute.runtime.compile import DISCOVERING, FAMILIES, MISSED, KernelMissing
+
+#: The most worker processes by default: each holds a compiler, and a compiled graph rarely has more independent
+#: chains of variants than this.
+DEFAULT_MAX_WORKERS = 8
+
+
+@dataclass
+class Precompiled:
+    """What :func:`precompile` did: the variants its workers compiled (or found on disk), the ones that failed (by
+    their label, with the error; the code then compiles them itself when it runs, and meets the error there), the
+    pieces of code left before their end (a failed compile, a variant that would not pickle, or an error of the code's
+    own: none of them is precompile's to report) and the wall seconds."""
+
+    workers: int = 0
+    compiled: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    unfinished: int = 0
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        if not self.workers:
+            return "kernels compiled as the calls need them (no worker processes)"
+        text = f"{len(self.compiled)} kernels compiled in {self.seconds:.1f} s by {self.workers} worker processes"
+        return text + (f"; {len(self.failed)} failed there: {', '.join(self.failed)}" if self.failed else "")
+
+
+def compile_workers() -> int:
+    """How many worker processes :func:`precompile` may start: ``EPICUTE_COMPILE_WORKERS``, else half the CPUs this
+    process may run on, at most :data:`DEFAULT_MAX_WORKERS`. Fewer than two is none (one worker would only move
+    the serial compile to another process)."""
+    text = os.environ.get("EPICUTE_COMPILE_WORKERS", "").strip()
+    if text:
+        if not text.isdigit():
+            raise ConfigError(f"EPICUTE_COMPILE_WORKERS={text!r}: give a number of worker processes (0: none)")
+        workers = int(text)
+    else:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = min(DEFAULT_MAX_WORKERS, cpus // 2)
+    return workers if workers >= 2 else 0
+
+
+def first_missing(run: Callable[[], Any]) -> KernelMissing | None:
+    """Run ``run()`` with discovery on; the kernel it stopped at (None where it ran to its end, or stopped for a
+    reason of its own: the run's own errors are its caller's to meet when it runs for real)."""
+    MISSED.clear()
+    DISCOVERING.set()
+    try:
+        run()
+    except Exception:  # noqa: BLE001 - the stop, however wrapped on its way out, or the run's own error
+        pass
+    finally:
+        DISCOVERING.clear()
+    return MISSED[0] if MISSED else None
+
+
+def precompile(runs: Sequence[Callable[[], Any]], idle: Iterable[Callable[[], Any]] = (),
+               workers: int | None = None) -> Precompiled:  # fmt: skip
+    """Run each of ``runs`` until every kernel it needs is on disk, compiling the missing ones in up to ``workers``
+    processes (:func:`compile_workers` by default) side by side; call each of ``idle`` once meanwhile (all of them,
+    in order, by the time this returns). A piece of code runs once more than it has kernels to compile, each time
+    stopped before its first launch of a missing one, so it must be safe to repeat (a function of fresh inputs).
+
+    Example:
+        >>> import torch, epicute
+        >>> from epicute.runtime.precompile import precompile
+        >>> a, b = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 16, dtype=torch.bfloat16)
+        >>> print(precompile([lambda: epicute.gemm(a, b, backend="reference")], workers=0))
+        kernels compiled as the calls need them (no worker processes)
+    """
+    from epicute.runtime.cache import cache_dir
+
+    started, idle = time.perf_counter(), list(idle)
+    workers = compile_workers() if workers is None else workers
+    root = cache_dir()
+    done = Precompiled(workers=workers if root is not None else 0)
+    if not done.workers:
+        for task in idle:
+            task()
+        return done
+    pool: _Workers | None = None
+    compiles: dict[str, tuple[Future, str]] = {}  # key digest -> (the worker's compile, the variant's label)
+    waiting: dict[str, list[int]] = {}  # key digest -> the runs stopped at it
+
+    def advance(i: int) -> None:
+        nonlocal pool
+        missing = first_missing(runs[i])
+        if missing is None:
+            return
+        digest = missing.key.digest
+        if digest in compiles:
+            if compiles[digest][0].done():  # compiled, and still missing: leave it to the run itself, not a loop
+                done.unfinished += 1
+                return
+        else:
+            try:
+                payload = pickle.dumps((str(root), missing.kind, missing.variant))
+            except Exception:  # noqa: BLE001 - a variant holding a local function: compiled where it is called
+                done.unfinished += 1
+                return
+            if pool is None:
+                pool = _Workers(done.workers)
+            compiles[digest] = (pool.submit(payload), missing.key.label)
+        waiting.setdefault(digest, []).append(i)
+
+    try:
+        for i in range(len(runs)):
+            advance(i)
+        while waiting:
+            ready = [digest for digest in waiting if compiles[digest][0].done()]
+            if not ready:
+                if idle:
+                    idle.pop(0)()
+                else:
+                    wait([compiles[digest][0] for digest in waiting], return_when=FIRST_COMPLETED)
+                continue
+            for digest in ready:
+                future, label = compiles[digest]
+                stopped = waiting.pop(digest)
+                if future.exception() is not None:
+                    done.failed[label] = f"{type(future.exception()).__name__}: {future.exception()}"
+                    done.unfinished += len(stopped)
+                    continue
+                done.compiled.append(label)
+                for i in stopped:
+                    advance(i)
+        for task in idle:
+            task()
+    finally:
+        if pool is not None:
+            pool.close()
+    done.seconds = time.perf_counter() - started
+    return done
+
+
+class _Workers:
+    """Worker interpreters, each started as ``python -m epicute.runtime.precompile`` and fed one pickled variant at a
+    time through its stdin (its answer on its stdout). Not ``multiprocessing``: its children import the caller's main
+    module again, which runs a training script without a main guard a second time."""
+
+    def __init__(self, count: int) -> None:
+        import queue
+        import subprocess
+        import sys
+        from concurrent.futures import ThreadPoolExecutor
+        from pathlib import Path
+
+        import epicute
+
+        home = str(Path(epicute.__file__).resolve().parents[1])  # the epicute this process runs, installed or not
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (home, os.environ.get("PYTHONPATH")) if p)}
+        self._processes = [
+            subprocess.Popen([sys.executable, "-m", "epicute.runtime.precompile"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+            for _ in range(count)
+        ]  # fmt: skip
+        self._idle: queue.Queue = queue.Queue()
+        for process in self._processes:
+            self._idle.put(process)
+        self._threads = ThreadPoolExecutor(count)
+
+    def submit(self, payload: bytes) -> Future:
+        return self._threads.submit(self._compile, payload)
+
+    def _compile(self, payload: bytes) -> str:
+        process = self._idle.get()
+        try:
+            _write_message(process.stdin, payload)
+            answer = _read_message(process.stdout)
+        finally:
+            self._idle.put(process)
+        if answer is None:
+            raise CompileError(f"a compile worker exited (status {process.poll()})")
+        ok, value = pickle.loads(answer)
+        if not ok:
+            raise CompileError(value)
+        return value
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True, cancel_futures=True)
+        for process in self._processes:
+            process.stdin.close()  # the worker's loop ends at end of input
+        for process in self._processes:
+            try:
+                process.wait(timeout=30)
+            except Exception:  # noqa: BLE001 - a worker stuck in a compile: stop it
+                process.kill()
+
+
+def _write_message(stream: Any, data: bytes) -> None:
+    stream.write(len(data).to_bytes(8, "little") + data)
+    stream.flush()
+
+
+def _read_message(stream: Any) -> bytes | None:
+    """One length-prefixed message, None at end of stream."""
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    data = stream.read(int.from_bytes(head, "little"))
+    return data if len(data) == int.from_bytes(head, "little") else None
+
+
+def _serve() -> None:
+    """A worker's loop: compile each variant that arrives into the disk cache it names (the caller's, whatever
+    this process's environment says), answer ``(True, "compiled" | "cached")`` or ``(False, error)``. What the
+    compiler prints goes to stderr: stdout carries the answers."""
+    import sys
+
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    import cutlass.cute  # noqa: F401 - the DSL's import, most of a worker's start, before the first variant
+
+    while (message := _read_message(sys.stdin.buffer)) is not None:
+        try:
+            root, kind, variant = pickle.loads(message)
+            os.environ["EPICUTE_CACHE_DIR"] = root
+            os.environ.pop("EPICUTE_CACHE", None)
+            answer = (True, FAMILIES[kind].ensure_on_disk(variant)[0])
+        except Exception as exc:  # noqa: BLE001 - any failure is the caller's to report
+            answer = (False, f"{type(exc).__name__}: {exc}")
+        _write_message(answers, pickle.dumps(answer))
+
+
+__all__ = ["DEFAULT_MAX_WORKERS", "Precompiled", "compile_workers", "first_missing", "precompile"]
+
+
+if __name__ == "__main__":
+    _serve()

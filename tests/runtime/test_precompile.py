@@ -1,0 +1,100 @@
+"""Precompiling the kernels code needs in worker processes: discovery stops a call before a missing kernel, workers
+put it on disk, the code runs on until it needs none (no GPU: the variants compile for sm_90a on the CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from epicute.errors import ConfigError
+from epicute.runtime.aot import JOB_KINDS
+from epicute.runtime.cache import KERNEL_CACHE
+from epicute.runtime.compile import DISCOVERING, FAMILIES, KernelMissing
+from epicute.runtime.precompile import compile_workers, first_missing, precompile
+
+GEMMS = FAMILIES["gemm"]
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty disk cache and no kernel in this process's memory (restored after)."""
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(KERNEL_CACHE, "_fns", {})
+    monkeypatch.setattr(KERNEL_CACHE, "events", {})
+
+
+def _variants(*shapes: list[int]) -> list:
+    """Plain bf16 GEMM variants, one per shape's plan (odd sizes: a ragged last tile in each)."""
+    return [variant for variant, _ in JOB_KINDS["gemm"]({"shapes": [list(s) for s in shapes]}, None)]
+
+
+def test_chained_kernels_are_compiled_by_workers_and_then_loaded_from_disk(fresh):
+    first, second = _variants([257, 520, 136], [9, 520, 136])
+    assert GEMMS.key(first) != GEMMS.key(second)
+    runs = []
+
+    def chain():  # a forward and the backward it leads to: the second kernel is only reached after the first
+        runs.append(1)
+        GEMMS.get(first)
+        GEMMS.get(second)
+
+    done = precompile([chain, chain], workers=2)
+    assert done.workers == 2 and not done.failed and done.unfinished == 0
+    assert sorted(done.compiled) == sorted([GEMMS.key(first).label, GEMMS.key(second).label])
+    assert len(runs) == 2 * 3  # each stopped at the first kernel, then the second, then ran to its end
+    assert not DISCOVERING.is_set()
+    KERNEL_CACHE._fns.clear()
+    GEMMS.get(first), GEMMS.get(second)
+    assert [KERNEL_CACHE.events[GEMMS.key(v)][0] for v in (first, second)] == ["disk", "disk"]
+
+
+def test_a_failed_compile_is_reported_and_the_run_left_to_meet_it(fresh):
+    (plain,) = _variants([129, 72, 40])
+    other_arch = dataclasses.replace(plain, arch="sm_80")  # the workers have no gemm kernel for it
+    idle_calls = []
+    done = precompile([lambda: GEMMS.get(other_arch)], idle=[lambda: idle_calls.append(1)] * 3, workers=2)
+    assert done.compiled == [] and done.unfinished == 1
+    ((label, error),) = done.failed.items()
+    assert label == GEMMS.key(other_arch).label and "no gemm kernel for sm_80" in error
+    assert idle_calls == [1, 1, 1]
+    with pytest.raises(ConfigError, match="no gemm kernel for sm_80"):  # the run meets the error itself
+        GEMMS.get(other_arch)
+
+
+def test_discovery_finds_a_stop_however_the_call_wraps_it(fresh):
+    (plain,) = _variants([33, 40, 24])
+
+    def wrapped():
+        try:
+            GEMMS.get(plain)
+        except Exception:  # noqa: BLE001 - what a layer wrapping any error does
+            raise RuntimeError("a layer's own message") from None
+
+    missing = first_missing(wrapped)
+    assert isinstance(missing, KernelMissing) and missing.variant == plain and missing.kind == "gemm"
+    assert first_missing(lambda: None) is None
+    assert first_missing(lambda: 1 / 0) is None  # the run's own error: not a kernel to compile
+    assert not DISCOVERING.is_set() and GEMMS.key(plain) not in KERNEL_CACHE._fns
+
+
+def test_without_workers_the_idle_tasks_still_run_and_nothing_else(fresh):
+    calls = []
+    done = precompile([lambda: calls.append("run")], idle=[lambda: calls.append("idle")], workers=0)
+    assert calls == ["idle"] and done.workers == 0 and "no worker processes" in str(done)
+
+
+def test_compile_workers_reads_its_setting(monkeypatch):
+    for text, workers in (("0", 0), ("1", 0), ("3", 3), (" 12 ", 12)):
+        monkeypatch.setenv("EPICUTE_COMPILE_WORKERS", text)
+        assert compile_workers() == workers
+    monkeypatch.setenv("EPICUTE_COMPILE_WORKERS", "many")
+    with pytest.raises(ConfigError, match="EPICUTE_COMPILE_WORKERS='many': give a number"):
+        compile_workers()
+    monkeypatch.delenv("EPICUTE_COMPILE_WORKERS")
+    assert compile_workers() == 0 or 2 <= compile_workers() <= 8
+
+
+def test_no_disk_cache_means_no_workers(monkeypatch):
+    monkeypatch.setenv("EPICUTE_CACHE", "0")
+    assert precompile([lambda: None], workers=4).workers == 0
