@@ -297,6 +297,8 @@ def backward_of(
         # A gated accumulator's gradient comes paired (Graph.paired): gate and up in B's column order already.
         dacc = results[DACC]
         by_operand = {name: results[operand_grad_name(name)] for name in operands}
+    if dacc.dtype != acc_dtype:  # D stored wider than the inputs (a chain ending in ``.float()``): rounded back, as
+        dacc = dacc.to(acc_dtype)  # autograd rounds a cast's gradient, for GEMMs that take 16-bit operands
     da = kernels.data_grad(dacc) if needs[0] else None
     db = kernels.weight_grad(dacc) if needs[1] else None
     return da, db, by_operand

@@ -63,6 +63,23 @@ def test_a_chain_with_a_cast_trains_through_its_lifted_kernel():
     assert [steps for _, steps in EC.last_report().lifted] == [("add", "gelu", "to_float32", "mul", "add")]
 
 
+def test_a_linear_chain_ending_in_a_cast_trains_through_its_lifted_kernel():
+    """``(x @ w.T + r).float()`` (Llama's last down projection before the final norm): the gradient reaches the
+    backward's GEMMs as it comes, fp32, and is rounded to the inputs' dtype first, as autograd rounds a cast's."""
+
+    def f(x, w, r):
+        return (torch.nn.functional.linear(x, w) + r).float()
+
+    torch._dynamo.reset()
+    x = torch.randn(2, 301, 96, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(72, 96, device="cuda") / 8).to(torch.bfloat16)
+    r = torch.randn(2, 301, 72, device="cuda", dtype=torch.bfloat16)
+    leaves = [t.requires_grad_() for t in (x, w, r)]
+    errors = step_errors(torch.compile(f, backend=LIFT_ALL, fullgraph=True), dict(zip("xwr", leaves)), math=f)
+    assert all(e < TOL for e in errors.values()), errors
+    assert [steps for _, steps in EC.last_report().lifted] == [("add", "to_float32")]
+
+
 def _attention_trains(f, seqlen: int, steps: tuple[str, ...], **compile_options) -> None:
     """``f(q, k, v)`` (GQA 4:1, head_dim 128) compiled with every candidate lifted: one attention lifted with
     ``steps``, O and the q/k/v gradients against float64 autograd of ``f``."""
