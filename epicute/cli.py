@@ -303,6 +303,11 @@ def compile_cmd(
     target: str | None = typer.Option(
         None, help=TARGET_HELP + "; the kernels serve every GPU of its arch, the plans are this one's"
     ),
+    jobs: int | None = typer.Option(
+        None, "--jobs", "-j", min=0,
+        help="worker processes compiling side by side (default: EPICUTE_COMPILE_WORKERS, else half the CPUs, at "
+        "most 8; 0 or 1: one variant at a time, here)",
+    ),  # fmt: skip
 ) -> None:
     """Compile kernels ahead of time into the disk cache (no GPU needed); a GPU machine then loads them."""
     from rich.table import Table
@@ -319,7 +324,7 @@ def compile_cmd(
         with console.status(f"compiling for {resolved.arch}..."):
             results = compile_spec(
                 spec, dry_run=dry_run, on_result=lambda r: console.print(f"  {r.kind} {r.what}: {r.status}"),
-                target=resolved,
+                target=resolved, workers=jobs,
             )  # fmt: skip
     except EpicuteError as exc:
         raise _fail(exc) from exc

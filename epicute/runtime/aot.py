@@ -268,6 +268,7 @@ def compile_spec(
     dry_run: bool = False,
     on_result: Callable[[AotResult], None] | None = None,
     target: Target | str | None = None,
+    workers: int | None = None,
 ):
     """Compile every variant the spec needs into the disk cache; returns an :class:`AotResult` each.
 
@@ -275,12 +276,15 @@ def compile_spec(
     None: the visible GPU, else an H100 SXM) is what the spec's calls are planned for; the
     variants compile for its arch. The whole spec is checked (the target, and the cache
     directory unless ``dry_run``) before anything compiles, so a mistake in its last entry
-    costs no compile time.
+    costs no compile time. ``workers`` worker processes compile side by side (default
+    :func:`~epicute.runtime.precompile.compile_workers`; under two, this process compiles each in turn);
+    ``on_result`` then hears of each variant as it finishes, its seconds counted from the start.
     """
     import time
 
     from epicute.runtime.cache import cache_dir, check_cache_dir
     from epicute.runtime.compile import FAMILIES
+    from epicute.runtime.precompile import compile_workers, ensure_all_on_disk
     from epicute.runtime.target import resolve_target
 
     path = Path(path)
@@ -304,15 +308,27 @@ def compile_spec(
     # A job's variant names its own family: an entry may need kernels of several (fp8 attention: its value pass).
     for _, variant, _ in jobs:
         FAMILIES[variant.key().kind].compiler(variant.arch)  # no kernel for the arch: say so before compiling any
-    results = []
-    for kind, variant, what in jobs:
-        start = time.perf_counter()
-        status = "planned" if dry_run else FAMILIES[variant.key().kind].ensure_on_disk(variant)[0]
-        result = AotResult(kind, what, variant.key().digest, status, time.perf_counter() - start)
-        results.append(result)
-        if on_result is not None:
-            on_result(result)
-    return results
+    workers = compile_workers() if workers is None else workers
+    if dry_run or workers < 2 or len(jobs) < 2:
+        results = []
+        for kind, variant, what in jobs:
+            start = time.perf_counter()
+            status = "planned" if dry_run else FAMILIES[variant.key().kind].ensure_on_disk(variant)[0]
+            results.append(_reported(AotResult(kind, what, variant.key().digest, status, time.perf_counter() - start),
+                                     on_result))  # fmt: skip
+        return results
+    by_index: dict[int, AotResult] = {}
+    variants = [(variant.key().kind, variant) for _, variant, _ in jobs]
+    for i, status, seconds in ensure_all_on_disk(variants, min(workers, len(jobs))):
+        kind, variant, what = jobs[i]
+        by_index[i] = _reported(AotResult(kind, what, variant.key().digest, status, seconds), on_result)
+    return [by_index[i] for i in range(len(jobs))]
+
+
+def _reported(result: AotResult, on_result: Callable[[AotResult], None] | None) -> AotResult:
+    if on_result is not None:
+        on_result(result)
+    return result
 
 
 __all__ = [

@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +163,30 @@ def precompile(runs: Sequence[Callable[[], Any]], idle: Iterable[Callable[[], An
     return done
 
 
+def ensure_all_on_disk(jobs: Sequence[tuple[str, Any]], workers: int) -> Iterator[tuple[int, str, float]]:
+    """Compile each ``(kind, variant)`` of ``jobs`` into the disk cache unless it is there, ``workers`` at a time
+    in worker processes; yields ``(index, "compiled" | "cached", seconds)`` as each finishes (seconds from the
+    start: workers overlap). The first failure stops the rest and is raised, a :class:`CompileError` naming it.
+    Variants that do not pickle are compiled here, after the others."""
+    from epicute.runtime.cache import cache_dir
+
+    started, root = time.perf_counter(), cache_dir()
+    pool, futures, here = _Workers(workers), {}, []
+    try:
+        for i, (kind, variant) in enumerate(jobs):
+            try:
+                futures[pool.submit(pickle.dumps((str(root), kind, variant)))] = i
+            except Exception:  # noqa: BLE001 - a variant holding a local function
+                here.append(i)
+        for future in as_completed(futures):
+            yield futures[future], future.result(), time.perf_counter() - started
+    finally:
+        pool.close()
+    for i in here:
+        kind, variant = jobs[i]
+        yield i, FAMILIES[kind].ensure_on_disk(variant)[0], time.perf_counter() - started
+
+
 class _Workers:
     """Worker interpreters, each started as ``python -m epicute.runtime.precompile`` and fed one pickled variant at a
     time through its stdin (its answer on its stdout). Not ``multiprocessing``: its children import the caller's main
@@ -252,7 +276,7 @@ def _serve() -> None:
         _write_message(answers, pickle.dumps(answer))
 
 
-__all__ = ["DEFAULT_MAX_WORKERS", "Precompiled", "compile_workers", "first_missing", "precompile"]
+__all__ = ["DEFAULT_MAX_WORKERS", "Precompiled", "compile_workers", "ensure_all_on_disk", "first_missing", "precompile"]
 
 
 if __name__ == "__main__":

@@ -98,3 +98,26 @@ def test_compile_workers_reads_its_setting(monkeypatch):
 def test_no_disk_cache_means_no_workers(monkeypatch):
     monkeypatch.setenv("EPICUTE_CACHE", "0")
     assert precompile([lambda: None], workers=4).workers == 0
+
+
+@pytest.mark.compile
+def test_a_spec_compiles_in_worker_processes_and_reports_in_its_order(fresh, tmp_path):
+    from epicute.runtime.aot import compile_spec
+
+    spec = tmp_path / "k.toml"
+    spec.write_text("[[gemm]]\nshapes = [[257, 520, 136], [9, 520, 136]]\n")
+    heard = []
+    results = compile_spec(spec, workers=2, on_result=heard.append)
+    assert [r.what for r in results] == ["257x520x136", "9x520x136"] and sorted(heard, key=results.index) == results
+    assert [r.status for r in results] == ["compiled", "compiled"]
+    assert [r.status for r in compile_spec(spec, workers=2)] == ["cached", "cached"]
+
+
+def test_a_failed_compile_among_many_is_raised_naming_it(fresh):
+    from epicute.errors import CompileError
+    from epicute.runtime.precompile import ensure_all_on_disk
+
+    (plain,) = _variants([129, 72, 40])
+    jobs = [("gemm", dataclasses.replace(plain, arch="sm_80"))]
+    with pytest.raises(CompileError, match="ConfigError: no gemm kernel for sm_80"):
+        list(ensure_all_on_disk(jobs, workers=2))
