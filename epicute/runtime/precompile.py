@@ -51,6 +51,8 @@ class Precompiled:
     def __str__(self) -> str:
         if not self.workers:
             return "kernels compiled as the calls need them (no worker processes)"
+        if not self.compiled and not self.failed:
+            return f"none to compile (every kernel in memory or on disk; found in {self.seconds:.1f} s)"
         text = f"{len(self.compiled)} kernels compiled in {self.seconds:.1f} s by {self.workers} worker processes"
         return text + (f"; {len(self.failed)} failed there: {', '.join(self.failed)}" if self.failed else "")
 

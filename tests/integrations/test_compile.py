@@ -352,7 +352,7 @@ def test_the_candidates_are_readied_together_before_they_are_decided(reference_l
         report = EC.last_report()
         assert len(report.lifted) == 2 and len(peers) == 2 and not decide._ready
         assert report.precompiled.workers == 2 and report.precompiled.compiled == []
-        assert str(report).splitlines()[-1] == "kernels: 0 kernels compiled in " + str(report).split(" in ")[-1]
+        assert str(report).splitlines()[-1].startswith("kernels: none to compile (every kernel in memory or on disk")
 
 
 def test_candidates_of_finds_what_would_be_decided_and_changes_nothing(reference_layers):
