@@ -114,16 +114,19 @@ def _output(result):
 
 def step_of(module, inputs: dict, training: bool) -> Callable[[], object]:
     """One step of ``module`` on ``inputs``: the output (a loss, last logits or a layer's output), with its backward
-    where the case trains (the output summed; the inputs' gradients dropped after)."""
+    where the case trains (the output summed; every gradient dropped after, as a training loop's ``zero_grad``
+    does: a gradient kept into the next step would be a CUDA graph's output that step overwrites, under
+    ``mode="max-autotune"``)."""
     leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def run():
         if training:
             out = _output(module(**inputs))
             out.float().sum().backward()
+            module.zero_grad(set_to_none=True)
             for leaf in leaves:
                 leaf.grad = None
-            return out.detach()
+            return out.detach().clone()
         with torch.inference_mode():
             return _output(module(**inputs)).float()
 
