@@ -270,8 +270,11 @@ class Measured:
         """Compile the kernels of every candidate that may be lifted (all but those measured before and left) in
         worker processes at once (:func:`epicute.runtime.precompile.precompile`), while Inductor compiles the
         unlifted calls to be measured against them: the measurements then find both sides compiled."""
-        from epicute.runtime.precompile import precompile
+        from epicute.runtime.cache import cache_dir
+        from epicute.runtime.precompile import Precompiled, compile_workers, precompile
 
+        if not compile_workers() or cache_dir() is None:  # each kernel compiled where a measurement first needs it
+            return Precompiled()
         todo: dict[str, Candidate] = {}
         unmeasured: set[str] = set()
         for candidate in candidates:

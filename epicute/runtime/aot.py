@@ -319,7 +319,7 @@ def compile_spec(
         return results
     by_index: dict[int, AotResult] = {}
     variants = [(variant.key().kind, variant) for _, variant, _ in jobs]
-    for i, status, seconds in ensure_all_on_disk(variants, min(workers, len(jobs))):
+    for i, status, seconds in ensure_all_on_disk(variants, workers):
         kind, variant, what = jobs[i]
         by_index[i] = _reported(AotResult(kind, what, variant.key().digest, status, seconds), on_result)
     return [by_index[i] for i in range(len(jobs))]

@@ -348,6 +348,14 @@ class KernelCache:
             self._store(directory, key, self._compile(key, build))
         return "compiled", directory / f"{key.digest}.o"
 
+    def on_disk(self, key: CacheKey) -> bool:
+        """Whether ``key`` has an intact disk entry (nothing is loaded, nothing removed)."""
+        root = cache_dir()
+        try:
+            return root is not None and self._read_verified(_kernels_dir(root), key) is not None
+        except CorruptEntry:
+            return False
+
     def clear_memory(self) -> None:
         """Forget the in-process kernels (disk entries stay)."""
         self._fns.clear()

@@ -170,20 +170,26 @@ def ensure_all_on_disk(jobs: Sequence[tuple[str, Any]], workers: int) -> Iterato
     in worker processes; yields ``(index, "compiled" | "cached", seconds)`` as each finishes (seconds from the
     start: workers overlap). The first failure stops the rest and is raised, a :class:`CompileError` naming it.
     Variants that do not pickle are compiled here, after the others."""
-    from epicute.runtime.cache import cache_dir
+    from epicute.runtime.cache import KERNEL_CACHE, cache_dir
 
     started, root = time.perf_counter(), cache_dir()
-    pool, futures, here = _Workers(workers), {}, []
-    try:
-        for i, (kind, variant) in enumerate(jobs):
-            try:
-                futures[pool.submit(pickle.dumps((str(root), kind, variant)))] = i
-            except Exception:  # noqa: BLE001 - a variant holding a local function
-                here.append(i)
-        for future in as_completed(futures):
-            yield futures[future], future.result(), time.perf_counter() - started
-    finally:
-        pool.close()
+    payloads, here = {}, []
+    for i, (kind, variant) in enumerate(jobs):
+        if KERNEL_CACHE.on_disk(FAMILIES[kind].key(variant)):  # no worker started for a spec compiled before
+            yield i, "cached", time.perf_counter() - started
+            continue
+        try:
+            payloads[i] = pickle.dumps((str(root), kind, variant))
+        except Exception:  # noqa: BLE001 - a variant holding a local function
+            here.append(i)
+    if payloads:
+        pool = _Workers(min(workers, len(payloads)))
+        try:
+            futures = {pool.submit(payload): i for i, payload in payloads.items()}
+            for future in as_completed(futures):
+                yield futures[future], future.result(), time.perf_counter() - started
+        finally:
+            pool.close()
     for i in here:
         kind, variant = jobs[i]
         yield i, FAMILIES[kind].ensure_on_disk(variant)[0], time.perf_counter() - started

@@ -101,7 +101,8 @@ def test_no_disk_cache_means_no_workers(monkeypatch):
 
 
 @pytest.mark.compile
-def test_a_spec_compiles_in_worker_processes_and_reports_in_its_order(fresh, tmp_path):
+def test_a_spec_compiles_in_worker_processes_and_reports_in_its_order(fresh, tmp_path, monkeypatch):
+    from epicute.runtime import precompile as precompile_module
     from epicute.runtime.aot import compile_spec
 
     spec = tmp_path / "k.toml"
@@ -110,6 +111,7 @@ def test_a_spec_compiles_in_worker_processes_and_reports_in_its_order(fresh, tmp
     results = compile_spec(spec, workers=2, on_result=heard.append)
     assert [r.what for r in results] == ["257x520x136", "9x520x136"] and sorted(heard, key=results.index) == results
     assert [r.status for r in results] == ["compiled", "compiled"]
+    monkeypatch.setattr(precompile_module, "_Workers", lambda count: pytest.fail("a worker started for cached ones"))
     assert [r.status for r in compile_spec(spec, workers=2)] == ["cached", "cached"]
 
 
