@@ -344,7 +344,7 @@ def test_the_candidates_are_readied_together_before_they_are_decided(reference_l
         return gm
 
     decide = EC.Measured(timer=_Timer(1.0, 2.0), peer=peer)
-    for compiles in (1, 2):
+    for _ in range(2):  # the second compile finds the decisions on disk
         torch._dynamo.reset()
         compiled = torch.compile(block, backend=functools.partial(EC.backend, inner="aot_eager", decide=decide))
         errors = step_errors(compiled, block_leaves((3, 37), "cpu"))
