@@ -29,7 +29,7 @@ import torch
 from epicute.attention.backward_plan import BackwardConfig, backward_grid, stat_rows_start
 from epicute.epilogue.dtypes import TORCH_TO_IR
 from epicute.runtime.cache import CacheKey
-from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES, dsl_compile
+from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES, dsl_compile, launch_or_skip
 from epicute.runtime.target import DEFAULT_ARCH, current_target
 
 LOG2_E = math.log2(math.e)
@@ -269,7 +269,9 @@ def preprocess(
     else:  # row-major, dense: the kernel zeroes each query's row
         dq_accum = new_grad(o.shape, torch.float32, o.device)
     variant = PreprocessVariant(dtype, o.shape[-1], tile_m, bool(packed), dlse is not None, dq_fragment_order)
-    PREPROCESS_CACHE.get(variant)(o, do, lse, lse_log2, dsum, dq_accum, () if dlse is None else (dlse,), packed)
+    # Each pass of the backward reads the last one's buffers as values: while precompiling, a missing one is skipped.
+    launch_or_skip(PREPROCESS_CACHE, variant, o, do, lse, lse_log2, dsum, dq_accum, () if dlse is None else (dlse,),
+                   packed)  # fmt: skip
     return lse_log2, dsum, dq_accum
 
 
@@ -374,19 +376,19 @@ def attention_backward(
         heads, _, band = backward_grid(variant, p, current_target().l2_bytes)
         packed_k = (call.cu_seqlens_k, p.seqlen_k) if p.varlen else ()
         dkv_accum = (key_accumulators(k, cfg.tile_n, packed_k),) if variant.head_split else ()
-        BACKWARD_CACHE.get(variant)(
-            q4, k4, v4, do4, lse_log2, dsum, dq_accum, dk4, dv4, call.softmax_scale, band, heads, *score_operands,
-            varlen, dq_turns, partials, dkv_accum,
+        launch_or_skip(
+            BACKWARD_CACHE, variant, q4, k4, v4, do4, lse_log2, dsum, dq_accum, dk4, dv4, call.softmax_scale, band,
+            heads, *score_operands, varlen, dq_turns, partials, dkv_accum,
         )  # fmt: skip
         if cfg.dq_fragment_order:
             post = PostprocessVariant(variant.dtype, cfg.head_dim, cfg.tile_m, p.varlen)
-            POSTPROCESS_CACHE.get(post)(dq_accum, dq[None] if p.varlen else dq, call.softmax_scale, packed)
+            launch_or_skip(POSTPROCESS_CACHE, post, dq_accum, dq[None] if p.varlen else dq, call.softmax_scale, packed)
         else:
             torch.mul(dq_accum.view(q.shape), call.softmax_scale, out=dq)  # scaled and cast in one pass
         if variant.head_split:  # dK (scaled in the kernel) and dV in the key blocks' fragment order
             post = PostprocessVariant(variant.dtype, cfg.head_dim, cfg.tile_n, p.varlen)
             for accum, grad in zip((dkv_accum[0][0::2], dkv_accum[0][1::2]), (dk, dv)):
-                POSTPROCESS_CACHE.get(post)(accum, grad[None] if p.varlen else grad, 1.0, packed_k)
+                launch_or_skip(POSTPROCESS_CACHE, post, accum, grad[None] if p.varlen else grad, 1.0, packed_k)
     else:  # no queries: nothing flows back to the keys; no keys: none to the queries
         dq.zero_()
         dk.zero_()

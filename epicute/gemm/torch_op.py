@@ -35,6 +35,7 @@ from epicute.gemm.prepare import GemmRequest, lower_epilogue
 from epicute.gemm.validate import FP8_TORCH_DTYPES
 from epicute.runtime.backend import check_traced_backend
 from epicute.runtime.checks import check_operand_names, config_pins
+from epicute.runtime.compile import past_missing
 from epicute.runtime.torch_ops import (
     TorchOp,
     assume_constant_result,
@@ -210,8 +211,11 @@ def _gemm(a, b, epilogue=None, out_dtypes=None, operands=None, gated=False, scal
     if runs_eagerly(a, b):
         from epicute.gemm.api import gemm
 
-        return gemm(a, b, epilogue=epilogue, out_dtypes=out_dtypes, gated=gated, a_scale=scales.get("a_scale"),
-                    b_scale=scales.get("b_scale"), **(operands or {}))  # fmt: skip
+        kwargs = dict(epilogue=epilogue, out_dtypes=out_dtypes, gated=gated, a_scale=scales.get("a_scale"),
+                      b_scale=scales.get("b_scale"), **(operands or {}))  # fmt: skip
+        # While precompiling, a GEMM whose kernel is missing is computed by the reference: the backward's next
+        # GEMMs then find their kernels in the same pass.
+        return past_missing(lambda: gemm(a, b, **kwargs), lambda: gemm(a, b, **kwargs, backend="reference"))
     return gemm_op_call(
         a, b, epilogue=epilogue, out=None, out_dtype=None, out_dtypes=out_dtypes, outs=None,
         a_scale=scales.get("a_scale"), b_scale=scales.get("b_scale"), backend="kernel", config=None,

@@ -54,6 +54,32 @@ class KernelMissing(Exception):
         self.kind, self.variant, self.key = kind, variant, key
 
 
+def past_missing(launch: Callable[[], Any], stand_in: Callable[[], Any]) -> Any:
+    """``launch()``, except while discovering where it stops at a missing kernel: then ``stand_in()``, a result of
+    the same shapes (computed another way, or left unwritten), so that the launches after it, which need its
+    shapes but not its values, find their own kernels in the same pass (a backward's data- and weight-gradient
+    GEMMs behind its gradient pass). Outside discovery, exactly ``launch()``."""
+    if not DISCOVERING.is_set():
+        return launch()
+    missed = len(MISSED)
+    try:
+        return launch()
+    except Exception:
+        if len(MISSED) == missed:  # an error of the call's own
+            raise
+        return stand_in()
+
+
+def launch_or_skip(family: KernelFamily, variant: Any, *args: Any) -> None:
+    """``family.get(variant)(*args)``, a launch writing buffers its caller made; while discovering, skipped where its
+    kernel is missing (:func:`past_missing`): for passes whose successors read those buffers as values only (never
+    indices, counters or sizes), which find their own kernels in the same pass."""
+    if DISCOVERING.is_set():
+        past_missing(lambda: family.get(variant)(*args), lambda: None)
+    else:
+        family.get(variant)(*args)
+
+
 def dsl_compile(variant, kernel, *args, constant_args: tuple[str, ...] = ()):
     """``cute.compile(kernel, *args)`` with epicute's options; a DSL failure becomes a :class:`CompileError`
     naming ``variant``. ``constant_args`` name the arguments that may be empty tuples (no fused epilogue):
@@ -144,4 +170,4 @@ class KernelFamily:
 FAMILIES: Mapping[str, KernelFamily] = Declared(lambda spec: KernelFamily(spec.kind, spec.compilers))
 
 __all__ = ["DISCOVERING", "DSL_COMPILE_OPTIONS", "FAMILIES", "MISSED", "OPERAND_ALIGN_BYTES", "KernelFamily",
-           "KernelMissing", "dsl_compile"]  # fmt: skip
+           "KernelMissing", "dsl_compile", "launch_or_skip", "past_missing"]  # fmt: skip

@@ -4,8 +4,10 @@ A variant is known only when a call reaches its family's :meth:`~epicute.runtime
 validation, the plan, the epilogue's lowering and an autograd backward's derived calls all come first, and a
 training call's backward variants only once its forward has run. So :func:`precompile` *runs* each piece of code
 with discovery on (:data:`~epicute.runtime.compile.DISCOVERING`): the first kernel found neither in memory nor on
-disk raises :class:`~epicute.runtime.compile.KernelMissing` before anything launches or caches it, a worker process
-compiles that variant into the disk cache, and the code runs again once it is there, until it runs to its end.
+disk raises :class:`~epicute.runtime.compile.KernelMissing` before anything launches or caches it (code that can go
+on without that kernel's values, a backward's later GEMMs, goes on: :func:`~epicute.runtime.compile.past_missing`),
+worker processes compile what was missing into the disk cache, and the code runs again once it is there, until it
+runs to its end.
 The pieces advance side by side, each as soon as its own kernel is ready, so the wall time is about the longest
 piece's chain of compiles rather than the sum of all of them: one variant's compile is single-threaded (the DSL's
 IR building in Python, then its MLIR passes and ptxas, a few seconds each), and the host's other cores sit idle
@@ -72,9 +74,11 @@ def compile_workers() -> int:
     return workers if workers >= 2 else 0
 
 
-def first_missing(run: Callable[[], Any]) -> KernelMissing | None:
-    """Run ``run()`` with discovery on; the kernel it stopped at (None where it ran to its end, or stopped for a
-    reason of its own: the run's own errors are its caller's to meet when it runs for real)."""
+def missing_kernels(run: Callable[[], Any]) -> list[KernelMissing]:
+    """Run ``run()`` with discovery on; the kernels it found missing, each once (none where it ran to its end, or
+    stopped for a reason of its own: the run's own errors are its caller's to meet when it runs for real). A run
+    stops at its first missing kernel unless the code goes on past it (:func:`~epicute.runtime.compile.past_missing`:
+    a backward's GEMMs and attention passes), so one pass may find several."""
     MISSED.clear()
     DISCOVERING.set()
     try:
@@ -83,7 +87,7 @@ def first_missing(run: Callable[[], Any]) -> KernelMissing | None:
         pass
     finally:
         DISCOVERING.clear()
-    return MISSED[0] if MISSED else None
+    return list({missing.key.digest: missing for missing in MISSED}.values())
 
 
 def precompile(runs: Sequence[Callable[[], Any]], idle: Iterable[Callable[[], Any]] = (),
@@ -112,28 +116,31 @@ def precompile(runs: Sequence[Callable[[], Any]], idle: Iterable[Callable[[], An
         return done
     pool: _Workers | None = None
     compiles: dict[str, tuple[Future, str]] = {}  # key digest -> (the worker's compile, the variant's label)
-    waiting: dict[str, list[int]] = {}  # key digest -> the runs stopped at it
+    waiting: dict[str, list[int]] = {}  # key digest -> the runs waiting for it
+    pending: dict[int, set[str]] = {}  # run -> the compiles it waits for
 
     def advance(i: int) -> None:
         nonlocal pool
-        missing = first_missing(runs[i])
-        if missing is None:
+        found = missing_kernels(runs[i])
+        # Compiled, and still missing (a cache that cannot be read back): left to the run itself, not a loop.
+        if any(m.key.digest in compiles and compiles[m.key.digest][0].done() for m in found):
+            done.unfinished += 1
             return
-        digest = missing.key.digest
-        if digest in compiles:
-            if compiles[digest][0].done():  # compiled, and still missing: leave it to the run itself, not a loop
-                done.unfinished += 1
-                return
-        else:
-            try:
-                payload = pickle.dumps((str(root), missing.kind, missing.variant))
-            except Exception:  # noqa: BLE001 - a variant holding a local function: compiled where it is called
-                done.unfinished += 1
-                return
-            if pool is None:
-                pool = _Workers(done.workers)
-            compiles[digest] = (pool.submit(payload), missing.key.label)
-        waiting.setdefault(digest, []).append(i)
+        for missing in found:
+            digest = missing.key.digest
+            if digest not in compiles:
+                try:
+                    payload = pickle.dumps((str(root), missing.kind, missing.variant))
+                except Exception:  # noqa: BLE001 - a variant holding a local function: compiled where it is called
+                    done.unfinished += 1
+                    return
+                if pool is None:
+                    pool = _Workers(done.workers)
+                compiles[digest] = (pool.submit(payload), missing.key.label)
+        for missing in found:
+            waiting.setdefault(missing.key.digest, []).append(i)
+        if found:
+            pending[i] = {missing.key.digest for missing in found}
 
     try:
         for i in range(len(runs)):
@@ -148,14 +155,21 @@ def precompile(runs: Sequence[Callable[[], Any]], idle: Iterable[Callable[[], An
                 continue
             for digest in ready:
                 future, label = compiles[digest]
-                stopped = waiting.pop(digest)
-                if future.exception() is not None:
+                failed = future.exception() is not None
+                if failed:
                     done.failed[label] = f"{type(future.exception()).__name__}: {future.exception()}"
-                    done.unfinished += len(stopped)
-                    continue
-                done.compiled.append(label)
-                for i in stopped:
-                    advance(i)
+                else:
+                    done.compiled.append(label)
+                for i in waiting.pop(digest):
+                    if i not in pending:  # already given up on
+                        continue
+                    pending[i].discard(digest)
+                    if failed:  # the run meets the error itself when it runs for real
+                        del pending[i]
+                        done.unfinished += 1
+                    elif not pending[i]:
+                        del pending[i]
+                        advance(i)
         for task in idle:
             task()
     finally:
@@ -284,7 +298,14 @@ def _serve() -> None:
         _write_message(answers, pickle.dumps(answer))
 
 
-__all__ = ["DEFAULT_MAX_WORKERS", "Precompiled", "compile_workers", "ensure_all_on_disk", "first_missing", "precompile"]
+__all__ = [
+    "DEFAULT_MAX_WORKERS",
+    "Precompiled",
+    "compile_workers",
+    "ensure_all_on_disk",
+    "missing_kernels",
+    "precompile",
+]
 
 
 if __name__ == "__main__":

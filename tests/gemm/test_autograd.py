@@ -136,3 +136,34 @@ def test_a_compiled_backward_calls_the_op(reference_kernels):
         assert all(e < TOL for e in errors.values()), errors
     ops_called = [str(node.target) for node in graphs["backward"].graph.nodes if node.op == "call_function"]
     assert ops_called.count("epicute.gemm.default") == 3, ops_called  # the gradient pass, da and db
+
+
+def test_a_backward_finds_each_gradient_gemms_kernel_in_one_precompile_pass(monkeypatch, tmp_path):
+    """While precompiling, a backward GEMM whose kernel is missing is computed by the reference instead, so the
+    weight gradient's kernel is found in the same pass as the data gradient's; the values are the reference's."""
+    from epicute.gemm.torch_op import DenseKernels
+    from epicute.runtime.aot import JOB_KINDS
+    from epicute.runtime.compile import FAMILIES
+    from epicute.runtime.precompile import missing_kernels
+
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    api = sys.modules["epicute.gemm.api"]
+    reference_gemm = api.gemm
+    needed = iter(variant for variant, _ in JOB_KINDS["gemm"]({"shapes": [[33, 40, 24], [40, 24, 33]]}, None))
+
+    def gemm(a, b, /, backend=None, **kwargs):
+        if backend != "reference":  # the kernel path: a kernel of its own, missing from an empty cache
+            FAMILIES["gemm"].get(next(needed))
+        return reference_gemm(a, b, backend="reference", **kwargs)
+
+    monkeypatch.setattr(api, "gemm", gemm)
+    a, b = torch.randn(33, 24, dtype=torch.bfloat16), torch.randn(24, 40, dtype=torch.bfloat16)
+    dacc = torch.randn(33, 40, dtype=torch.bfloat16)
+    kernels, grads = DenseKernels(a, b, False, {}), {}
+
+    def backward():
+        grads["a"], grads["b"] = kernels.data_grad(dacc), kernels.weight_grad(dacc)
+
+    assert len(missing_kernels(backward)) == 2
+    for got, want in ((grads["a"], dacc.double() @ b.double().T), (grads["b"], a.double().T @ dacc.double())):
+        assert got.shape == want.shape and ((got.double() - want).norm() / want.norm()).item() < TOL

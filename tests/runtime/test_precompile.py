@@ -10,8 +10,8 @@ import pytest
 from epicute.errors import ConfigError
 from epicute.runtime.aot import JOB_KINDS
 from epicute.runtime.cache import KERNEL_CACHE
-from epicute.runtime.compile import DISCOVERING, FAMILIES, KernelMissing
-from epicute.runtime.precompile import compile_workers, first_missing, precompile
+from epicute.runtime.compile import DISCOVERING, FAMILIES, KernelMissing, past_missing
+from epicute.runtime.precompile import compile_workers, missing_kernels, precompile
 
 GEMMS = FAMILIES["gemm"]
 
@@ -71,11 +71,46 @@ def test_discovery_finds_a_stop_however_the_call_wraps_it(fresh):
         except Exception:  # noqa: BLE001 - what a layer wrapping any error does
             raise RuntimeError("a layer's own message") from None
 
-    missing = first_missing(wrapped)
+    (missing,) = missing_kernels(wrapped)
     assert isinstance(missing, KernelMissing) and missing.variant == plain and missing.kind == "gemm"
-    assert first_missing(lambda: None) is None
-    assert first_missing(lambda: 1 / 0) is None  # the run's own error: not a kernel to compile
+    assert missing_kernels(lambda: None) == []
+    assert missing_kernels(lambda: 1 / 0) == []  # the run's own error: not a kernel to compile
     assert not DISCOVERING.is_set() and GEMMS.key(plain) not in KERNEL_CACHE._fns
+
+
+def test_code_that_goes_past_a_missing_kernel_finds_the_next_ones_in_the_same_pass(fresh):
+    """A backward's gradient GEMMs behind its gradient pass: with each launch behind ``past_missing``, one pass finds
+    all three kernels, the workers compile them together, and the second pass runs to its end."""
+    kernels = _variants([257, 520, 136], [9, 520, 136], [1000, 72, 40])
+    passes, stand_ins = [], []
+
+    def backward():
+        passes.append(1)
+        for variant in kernels:
+            past_missing(lambda v=variant: GEMMS.get(v), lambda: stand_ins.append(1))
+
+    assert [m.variant for m in missing_kernels(backward)] == kernels and len(stand_ins) == 3
+    passes.clear()
+    done = precompile([backward], workers=3)
+    assert len(done.compiled) == 3 and not done.failed and len(passes) == 2  # found all at once, then ran through
+
+
+def test_past_missing_is_the_launch_itself_outside_discovery_and_for_other_errors(fresh):
+    (plain,) = _variants([33, 40, 24])
+    assert past_missing(lambda: 7, lambda: 0) == 7
+    with pytest.raises(ZeroDivisionError):  # not discovering: the error is the caller's
+        past_missing(lambda: 1 / 0, lambda: 0)
+
+    results = []
+
+    def run():
+        try:  # discovering, but no kernel missing in it: still the caller's
+            past_missing(lambda: 1 / 0, lambda: 0)
+        except ZeroDivisionError:
+            results.append("raised")
+        results.append(past_missing(lambda: GEMMS.get(plain), lambda: "stand-in"))
+
+    assert [m.variant for m in missing_kernels(run)] == [plain] and results == ["raised", "stand-in"]
 
 
 def test_without_workers_the_idle_tasks_still_run_and_nothing_else(fresh):
