@@ -285,7 +285,10 @@ class Measured:
                 unmeasured.add(key)
 
         def run() -> Precompiled:
-            sides = {key: self._sides(candidate) for key, candidate in todo.items()}
+            try:  # every candidate's inputs at once: where they do not fit, each is measured alone, as without workers
+                sides = {key: self._sides(candidate) for key, candidate in todo.items()}
+            except torch.OutOfMemoryError as exc:
+                return Precompiled(skipped=f"the candidates' inputs at once: {exc}".splitlines()[0])
             runs = [functools.partial(side.ours, *side.inputs) for side in sides.values()]
             peers = [functools.partial(self._compile_peer, sides[key]) for key in sides if key in unmeasured]
             with torch.no_grad():

@@ -49,8 +49,12 @@ class Precompiled:
     failed: dict[str, str] = field(default_factory=dict)
     unfinished: int = 0
     seconds: float = 0.0
+    #: why nothing was precompiled, where the caller gave up on it (the calls then compile as they go)
+    skipped: str = ""
 
     def __str__(self) -> str:
+        if self.skipped:
+            return f"not precompiled ({self.skipped}): compiled as the calls need them"
         if not self.workers:
             return "kernels compiled as the calls need them (no worker processes)"
         if not self.compiled and not self.failed:

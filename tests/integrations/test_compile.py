@@ -355,6 +355,32 @@ def test_the_candidates_are_readied_together_before_they_are_decided(reference_l
         assert str(report).splitlines()[-1].startswith("kernels: none to compile (every kernel in memory or on disk")
 
 
+def test_candidates_that_do_not_fit_at_once_are_measured_one_by_one(reference_layers, monkeypatch, tmp_path):
+    """Readying every candidate's inputs at once runs out of GPU memory: nothing is precompiled (the report says
+    why), and each candidate is then measured alone, as without workers."""
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("EPICUTE_COMPILE_WORKERS", "2")
+    made = []
+    real_sides = EC.Measured._sides
+
+    def sides(self, candidate):
+        made.append(1)
+        if len(made) == 2:  # the second candidate's inputs, while readying them all
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_sides(self, candidate)
+
+    monkeypatch.setattr(EC.Measured, "_sides", sides)
+    decide = EC.Measured(timer=_Timer(1.0, 2.0), peer=lambda gm, inputs: gm)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=functools.partial(EC.backend, inner="aot_eager", decide=decide))
+    errors = step_errors(compiled, block_leaves((3, 37), "cpu"))
+    assert all(e < TOL for e in errors.values()), errors
+    report = EC.last_report()
+    assert len(report.lifted) == 2 and not decide._ready and len(made) == 4  # two tried at once, then one each
+    assert str(report).splitlines()[-1] == ("kernels: not precompiled (the candidates' inputs at once: CUDA out of "
+                                            "memory. Tried to allocate 2.00 GiB): compiled as the calls need them")
+
+
 def test_candidates_of_finds_what_would_be_decided_and_changes_nothing(reference_layers):
     found, unchanged = [], []
 
