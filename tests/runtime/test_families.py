@@ -29,6 +29,8 @@ NOT_CODEGEN = {
     "epicute.runtime.target": "arch names (every key holds the arch) and SM counts (launch arguments, never code)",
     "epicute.runtime.family": "the declarations' type: which function compiles a variant, not what it generates",
     "epicute.runtime.buffers": "whether a launch's device buffers are kept between calls: never generated code",
+    "epicute.runtime.precompile": "which variants compile where: a worker imports the DSL early to pay for its import "
+    "before the first variant arrives, and compiles each through its family, as this process would",
 }
 
 
