@@ -98,8 +98,9 @@ def precompile(runs: Sequence[Callable[[], Any]], idle: Iterable[Callable[[], An
                workers: int | None = None) -> Precompiled:  # fmt: skip
     """Run each of ``runs`` until every kernel it needs is on disk, compiling the missing ones in up to ``workers``
     processes (:func:`compile_workers` by default) side by side; call each of ``idle`` once meanwhile (all of them,
-    in order, by the time this returns). A piece of code runs once more than it has kernels to compile, each time
-    stopped before its first launch of a missing one, so it must be safe to repeat (a function of fresh inputs).
+    in order, by the time this returns). A piece of code runs until a pass finds nothing missing, each pass stopped
+    at its first missing kernel (or going on past the ones its code can do without: :func:`missing_kernels`), so it
+    must be safe to repeat (a function of fresh inputs).
 
     Example:
         >>> import torch, epicute
