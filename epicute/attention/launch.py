@@ -27,7 +27,7 @@ from epicute.errors import CompileError
 from epicute.runtime import compile as compile_module
 from epicute.runtime.buffers import keep, stream_key
 from epicute.runtime.cache import CacheKey
-from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES
+from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES, launch_or_skip, past_missing
 from epicute.runtime.target import DEFAULT_ARCH, current_target
 
 
@@ -392,8 +392,9 @@ def launch_attention(
     lmn = (p.batch * p.heads_q, p.seqlen_q, p.head_dim)
     workspaces = {r.name: new_output(r.workspace_shape(*lmn, p.head_dim), torch.float32, device) for r in reductions}
     lse = new_lse((p.heads_q, call.q.size(0)) if p.varlen else (p.batch, p.heads_q, p.seqlen_q), device)
-    if out.numel():
-        kernel = ATTENTION_CACHE.get(variant)
+    # While precompiling, a missing kernel leaves O and LSE unwritten: the backward reads them as values only.
+    kernel = past_missing(lambda: ATTENTION_CACHE.get(variant), lambda: None) if out.numel() else None
+    if kernel is not None:
         if max_ctas is None:
             max_ctas = current_target().num_sms
         tensors, scalars = epi_operands
@@ -416,7 +417,8 @@ def launch_attention(
             partials, varlen, descales,
         )  # fmt: skip
         if partials:
-            COMBINE_CACHE.get(CombineVariant(variant.out_dtype, p.head_dim, variant.arch))(*partials, out, lse)
+            launch_or_skip(COMBINE_CACHE, CombineVariant(variant.out_dtype, p.head_dim, variant.arch), *partials, out,
+                           lse)  # fmt: skip
     results = {"D": out, **aux}
     for r in reductions:
         value = r.finalize(workspaces[r.name])

@@ -9,7 +9,7 @@ import torch
 
 from epicute.epilogue.group_quant import GROUP_N
 from epicute.runtime.cache import CacheKey
-from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES, dsl_compile
+from epicute.runtime.compile import FAMILIES, OPERAND_ALIGN_BYTES, dsl_compile, launch_or_skip
 from epicute.runtime.target import DEFAULT_ARCH
 
 #: Groups a thread of the kernel quantizes (their loads issued together) and values a lane takes of each: 8 (one
@@ -130,7 +130,7 @@ def launch_group_quantize(x: torch.Tensor, variant: QuantizeVariant, out_dtype: 
     groups = -(-k // variant.group_n)
     q, scales = new_output((m, k), out_dtype, x.device), new_output((groups, m), torch.float32, x.device)
     if m and k:
-        QUANTIZE_CACHE.get(variant)(x, q, scales)
+        launch_or_skip(QUANTIZE_CACHE, variant, x, q, scales)  # skipped where missing while precompiling
     return q, scales.t()
 
 
@@ -150,7 +150,7 @@ def launch_tile_quantize(x: torch.Tensor, variant: TileQuantizeVariant, out_dtyp
     scales_t = {"groups": (tiles_r, c), "blocks": (tiles_c, tiles_r), None: None}[variant.columns]
     scales_t = new_output(scales_t, torch.float32, device) if scales_t else unused_scales
     if r and c:
-        TILE_QUANTIZE_CACHE.get(variant)(x, q, scales, q_t, scales_t)
+        launch_or_skip(TILE_QUANTIZE_CACHE, variant, x, q, scales, q_t, scales_t)
     rows = (q, scales.t() if variant.rows == "groups" else scales) if variant.rows else None
     columns = (q_t, scales_t.t() if variant.columns == "groups" else scales_t) if variant.columns else None
     return rows, columns

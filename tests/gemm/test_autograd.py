@@ -138,10 +138,10 @@ def test_a_compiled_backward_calls_the_op(reference_kernels):
     assert ops_called.count("epicute.gemm.default") == 3, ops_called  # the gradient pass, da and db
 
 
-def test_a_backward_finds_each_gradient_gemms_kernel_in_one_precompile_pass(monkeypatch, tmp_path):
-    """While precompiling, a backward GEMM whose kernel is missing is computed by the reference instead, so the
-    weight gradient's kernel is found in the same pass as the data gradient's; the values are the reference's."""
-    from epicute.gemm.torch_op import DenseKernels
+def test_a_training_call_finds_all_its_kernels_in_one_precompile_pass(monkeypatch, tmp_path):
+    """While precompiling, a GEMM whose kernel is missing (the forward's through the op, then the backward's) is
+    computed by the reference instead, so one pass finds the forward's kernel and every one of the backward's; the
+    values are the reference's all along."""
     from epicute.runtime.aot import JOB_KINDS
     from epicute.runtime.compile import FAMILIES
     from epicute.runtime.precompile import missing_kernels
@@ -149,21 +149,31 @@ def test_a_backward_finds_each_gradient_gemms_kernel_in_one_precompile_pass(monk
     monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
     api = sys.modules["epicute.gemm.api"]
     reference_gemm = api.gemm
-    needed = iter(variant for variant, _ in JOB_KINDS["gemm"]({"shapes": [[33, 40, 24], [40, 24, 33]]}, None))
+    # Four distinct kernels (each of these sizes plans its own), one for each GEMM the kernel path runs.
+    shapes = [[33, 40, 24], [4096, 4096, 4096], [8, 4096, 4096], [1000, 14336, 4096]]
+    needed = [variant for variant, _ in JOB_KINDS["gemm"]({"shapes": shapes}, None)]
+    assert len({FAMILIES["gemm"].key(v) for v in needed}) == 4
+    launches = []
 
     def gemm(a, b, /, backend=None, **kwargs):
         if backend != "reference":  # the kernel path: a kernel of its own, missing from an empty cache
-            FAMILIES["gemm"].get(next(needed))
+            launches.append(1)
+            FAMILIES["gemm"].get(needed[len(launches) - 1])
         return reference_gemm(a, b, backend="reference", **kwargs)
 
     monkeypatch.setattr(api, "gemm", gemm)
-    a, b = torch.randn(33, 24, dtype=torch.bfloat16), torch.randn(24, 40, dtype=torch.bfloat16)
-    dacc = torch.randn(33, 40, dtype=torch.bfloat16)
-    kernels, grads = DenseKernels(a, b, False, {}), {}
+    a = torch.randn(33, 24, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(24, 40, dtype=torch.bfloat16, requires_grad=True)
+    grad, out = torch.randn(33, 40, dtype=torch.bfloat16), {}
 
-    def backward():
-        grads["a"], grads["b"] = kernels.data_grad(dacc), kernels.weight_grad(dacc)
+    def step():
+        out["d"] = epicute.gemm(a, b, epilogue=lambda acc: epicute.ops.tanh(acc))
+        out["d"].backward(grad)
 
-    assert len(missing_kernels(backward)) == 2
-    for got, want in ((grads["a"], dacc.double() @ b.double().T), (grads["b"], a.double().T @ dacc.double())):
-        assert got.shape == want.shape and ((got.double() - want).norm() / want.norm()).item() < TOL
+    # the forward, then the backward's recomputing gradient pass (K < RECOMPUTE_BELOW_K), data and weight gradients
+    assert len(missing_kernels(step)) == 4 == len(launches)
+    a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
+    want = torch.tanh(a64 @ b64)
+    want.backward(grad.double())
+    for got, expected in ((out["d"], want.detach()), (a.grad, a64.grad), (b.grad, b64.grad)):
+        assert got.shape == expected.shape and ((got.double() - expected).norm() / expected.norm()).item() < TOL
