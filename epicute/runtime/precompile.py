@@ -4,10 +4,11 @@ A variant is known only when a call reaches its family's :meth:`~epicute.runtime
 validation, the plan, the epilogue's lowering and an autograd backward's derived calls all come first, and a
 training call's backward variants only once its forward has run. So :func:`precompile` *runs* each piece of code
 with discovery on (:data:`~epicute.runtime.compile.DISCOVERING`): the first kernel found neither in memory nor on
-disk raises :class:`~epicute.runtime.compile.KernelMissing` before anything launches or caches it (code that can go
-on without that kernel's values, a backward's later GEMMs, goes on: :func:`~epicute.runtime.compile.past_missing`),
-worker processes compile what was missing into the disk cache, and the code runs again once it is there, until it
-runs to its end.
+disk raises :class:`~epicute.runtime.compile.KernelMissing` before anything launches or caches it; where the code
+can go on without that kernel's values it does (:func:`~epicute.runtime.compile.past_missing`: a GEMM computed by
+the reference instead, an attention pass skipped), so a training call's forward and backward kernels are found in
+one pass. Worker processes compile what was missing into the disk cache, and the code runs again once it is there,
+until it runs to its end.
 The pieces advance side by side, each as soon as its own kernel is ready, so the wall time is about the longest
 piece's chain of compiles rather than the sum of all of them: one variant's compile is single-threaded (the DSL's
 IR building in Python, then its MLIR passes and ptxas, a few seconds each), and the host's other cores sit idle
