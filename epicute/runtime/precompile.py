@@ -83,7 +83,7 @@ def missing_kernels(run: Callable[[], Any]) -> list[KernelMissing]:
     """Run ``run()`` with discovery on; the kernels it found missing, each once (none where it ran to its end, or
     stopped for a reason of its own: the run's own errors are its caller's to meet when it runs for real). A run
     stops at its first missing kernel unless the code goes on past it (:func:`~epicute.runtime.compile.past_missing`:
-    a backward's GEMMs and attention passes), so one pass may find several."""
+    epicute's GEMM ops, attention passes and quantizers), so one pass may find several."""
     MISSED.clear()
     DISCOVERING.set()
     try:
