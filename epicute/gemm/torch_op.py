@@ -35,7 +35,7 @@ from epicute.gemm.prepare import GemmRequest, lower_epilogue
 from epicute.gemm.validate import FP8_TORCH_DTYPES
 from epicute.runtime.backend import check_traced_backend
 from epicute.runtime.checks import check_operand_names, config_pins
-from epicute.runtime.compile import past_missing
+from epicute.runtime.compile import or_reference
 from epicute.runtime.torch_ops import (
     TorchOp,
     assume_constant_result,
@@ -80,10 +80,7 @@ def gemm_op(
 
     call = dense_call(a, b, operands, scalars, epilogue, spec)
     # An fp8 call's scales travel among the operands, under their parameter names.
-    kwargs = {**call.options, **operand_values(operands, scalars, call.spec)}
-    # While precompiling, a missing kernel's outputs are the reference's: the backward's kernels are then found in
-    # the same pass as the forward's.
-    result = past_missing(lambda: gemm(a, b, **kwargs), lambda: gemm(a, b, **kwargs, backend="reference"))
+    result = or_reference(gemm, a, b, **call.options, **operand_values(operands, scalars, call.spec))
     if isinstance(result, torch.Tensor):
         return [result]
     return [result[name] for name in call.outputs]
@@ -214,11 +211,9 @@ def _gemm(a, b, epilogue=None, out_dtypes=None, operands=None, gated=False, scal
     if runs_eagerly(a, b):
         from epicute.gemm.api import gemm
 
-        kwargs = dict(epilogue=epilogue, out_dtypes=out_dtypes, gated=gated, a_scale=scales.get("a_scale"),
-                      b_scale=scales.get("b_scale"), **(operands or {}))  # fmt: skip
-        # While precompiling, a GEMM whose kernel is missing is computed by the reference: the backward's next
-        # GEMMs then find their kernels in the same pass.
-        return past_missing(lambda: gemm(a, b, **kwargs), lambda: gemm(a, b, **kwargs, backend="reference"))
+        return or_reference(gemm, a, b, epilogue=epilogue, out_dtypes=out_dtypes, gated=gated,
+                            a_scale=scales.get("a_scale"), b_scale=scales.get("b_scale"),
+                            **(operands or {}))  # fmt: skip
     return gemm_op_call(
         a, b, epilogue=epilogue, out=None, out_dtype=None, out_dtypes=out_dtypes, outs=None,
         a_scale=scales.get("a_scale"), b_scale=scales.get("b_scale"), backend="kernel", config=None,

@@ -37,7 +37,7 @@ from epicute.gemm.torch_op import (
 from epicute.gemm.validate import FP8_TORCH_DTYPES
 from epicute.runtime.backend import check_traced_backend
 from epicute.runtime.checks import check_operand_names, config_pins
-from epicute.runtime.compile import past_missing
+from epicute.runtime.compile import or_reference
 from epicute.runtime.torch_ops import (
     TorchOp,
     assume_constant_result,
@@ -69,10 +69,7 @@ def grouped_gemm_op(
     from epicute.grouped.api import grouped_gemm
 
     call = grouped_call(a, b, offsets, operands, scalars, epilogue, spec)
-    kwargs = {**call.options, **operand_values(operands, scalars, call.spec)}
-    # While precompiling, a missing kernel's outputs are the reference's (as the dense op's).
-    result = past_missing(lambda: grouped_gemm(a, b, offsets, **kwargs),
-                          lambda: grouped_gemm(a, b, offsets, **kwargs, backend="reference"))  # fmt: skip
+    result = or_reference(grouped_gemm, a, b, offsets, **call.options, **operand_values(operands, scalars, call.spec))
     if isinstance(result, torch.Tensor):
         return [result]
     return [result[name] for name in call.outputs]
@@ -216,10 +213,8 @@ def _grouped(a, b, offsets, epilogue=None, out_dtypes=None, operands=None, gated
     if runs_eagerly(a, b):
         from epicute.grouped.api import grouped_gemm
 
-        kwargs = dict(epilogue=epilogue, out_dtypes=out_dtypes, gated=gated, **(loaders or {}), **(operands or {}))
-        # While precompiling, a missing kernel's result is the reference's (as the dense backward's GEMMs do).
-        return past_missing(lambda: grouped_gemm(a, b, offsets, **kwargs),
-                            lambda: grouped_gemm(a, b, offsets, **kwargs, backend="reference"))  # fmt: skip
+        return or_reference(grouped_gemm, a, b, offsets, epilogue=epilogue, out_dtypes=out_dtypes, gated=gated,
+                            **(loaders or {}), **(operands or {}))  # fmt: skip
     return grouped_gemm_op_call(
         a, b, offsets, epilogue=epilogue, out=None, out_dtype=None, out_dtypes=out_dtypes, backend="kernel",
         config=None, check_offsets=False, gated=gated, loader_args=loaders or {}, operands=operands or {},

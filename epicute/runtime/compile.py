@@ -70,6 +70,15 @@ def past_missing(launch: Callable[[], Any], stand_in: Callable[[], Any]) -> Any:
         return stand_in()
 
 
+def or_reference(entry: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``entry(*args, **kwargs)``, an epicute entry point; while discovering, where it stops at a missing kernel, the
+    same call on the reference backend (:func:`past_missing`): its outputs, right in shape and value, let the calls
+    after it (a training call's backward) find their own kernels in the same pass."""
+    if not DISCOVERING.is_set():
+        return entry(*args, **kwargs)
+    return past_missing(lambda: entry(*args, **kwargs), lambda: entry(*args, **kwargs, backend="reference"))
+
+
 def launch_or_skip(family: KernelFamily, variant: Any, *args: Any) -> None:
     """``family.get(variant)(*args)``, a launch writing buffers its caller made; while discovering, skipped where its
     kernel is missing (:func:`past_missing`): for passes whose successors read those buffers as values only (never
@@ -170,4 +179,4 @@ class KernelFamily:
 FAMILIES: Mapping[str, KernelFamily] = Declared(lambda spec: KernelFamily(spec.kind, spec.compilers))
 
 __all__ = ["DISCOVERING", "DSL_COMPILE_OPTIONS", "FAMILIES", "MISSED", "OPERAND_ALIGN_BYTES", "KernelFamily",
-           "KernelMissing", "dsl_compile", "launch_or_skip", "past_missing"]  # fmt: skip
+           "KernelMissing", "dsl_compile", "launch_or_skip", "or_reference", "past_missing"]  # fmt: skip
