@@ -31,7 +31,10 @@ def keeping() -> bool:
 
 def stream_key(device: torch.device) -> tuple:
     """``(device, its current stream's raw handle)``: the key of a buffer kept per stream. The raw handle, not
-    ``torch.cuda.current_stream()``, which builds a Stream object (a microsecond per call on the launch path)."""
+    ``torch.cuda.current_stream()``, which builds a Stream object (a microsecond per call on the launch path). A
+    device without an index (``torch.device("cuda")``) is the current one, as torch reads it."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
     return device, torch._C._cuda_getCurrentRawStream(device.index)
 
 
