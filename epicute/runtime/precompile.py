@@ -50,6 +50,11 @@ class Precompiled:
     failed: dict[str, str] = field(default_factory=dict)
     unfinished: int = 0
     seconds: float = 0.0
+    #: when the workers' last compile ended (seconds from the start), and the seconds the ``idle`` tasks took: the
+    #: wall time is about the larger of the two, so they say which one a shorter first call would have to shrink
+    kernels_done: float = 0.0
+    idle_seconds: float = 0.0
+    idle_tasks: int = 0
     #: why nothing was precompiled, where the caller gave up on it (the calls then compile as they go)
     skipped: str = ""
 
@@ -61,6 +66,9 @@ class Precompiled:
         if not self.compiled and not self.failed:
             return f"none to compile (every kernel in memory or on disk; found in {self.seconds:.1f} s)"
         text = f"{len(self.compiled)} kernels compiled in {self.seconds:.1f} s by {self.workers} worker processes"
+        if self.idle_tasks:
+            text += (f" (the last done at {self.kernels_done:.1f} s; {self.idle_tasks} other tasks meanwhile, "
+                     f"{self.idle_seconds:.1f} s)")  # fmt: skip
         return text + (f"; {len(self.failed)} failed there: {', '.join(self.failed)}" if self.failed else "")
 
 
@@ -116,9 +124,16 @@ def precompile(runs: Sequence[Callable[[], Any]], idle: Iterable[Callable[[], An
     workers = compile_workers() if workers is None else workers
     root = cache_dir()
     done = Precompiled(workers=workers if root is not None else 0)
+
+    def run_idle(task: Callable[[], Any]) -> None:
+        begun = time.perf_counter()
+        task()
+        done.idle_seconds += time.perf_counter() - begun
+        done.idle_tasks += 1
+
     if not done.workers:
         for task in idle:
-            task()
+            run_idle(task)
         return done
     pool: _Workers | None = None
     compiles: dict[str, tuple[Future, str]] = {}  # key digest -> (the worker's compile, the variant's label)
@@ -142,7 +157,11 @@ def precompile(runs: Sequence[Callable[[], Any]], idle: Iterable[Callable[[], An
                     return
                 if pool is None:
                     pool = _Workers(done.workers)
-                compiles[digest] = (pool.submit(payload), missing.key.label)
+                future = pool.submit(payload)
+                # When it ended, not when this loop sees it: an idle task may be running then.
+                future.add_done_callback(lambda _: setattr(done, "kernels_done", max(
+                    done.kernels_done, time.perf_counter() - started)))  # fmt: skip
+                compiles[digest] = (future, missing.key.label)
         for missing in found:
             waiting.setdefault(missing.key.digest, []).append(i)
         if found:
@@ -155,7 +174,7 @@ def precompile(runs: Sequence[Callable[[], Any]], idle: Iterable[Callable[[], An
             ready = [digest for digest in waiting if compiles[digest][0].done()]
             if not ready:
                 if idle:
-                    idle.pop(0)()
+                    run_idle(idle.pop(0))
                 else:
                     wait([compiles[digest][0] for digest in waiting], return_when=FIRST_COMPLETED)
                 continue
@@ -177,7 +196,7 @@ def precompile(runs: Sequence[Callable[[], Any]], idle: Iterable[Callable[[], An
                         del pending[i]
                         advance(i)
         for task in idle:
-            task()
+            run_idle(task)
     finally:
         if pool is not None:
             pool.close()

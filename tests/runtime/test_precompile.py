@@ -39,8 +39,12 @@ def test_chained_kernels_are_compiled_by_workers_and_then_loaded_from_disk(fresh
         GEMMS.get(first)
         GEMMS.get(second)
 
-    done = precompile([chain, chain], workers=2)
+    idle = []
+    done = precompile([chain, chain], idle=[lambda: idle.append(1)] * 2, workers=2)
     assert done.workers == 2 and not done.failed and done.unfinished == 0
+    # What the wall time went to: the workers' last compile, and the idle tasks run meanwhile.
+    assert idle == [1, 1] and done.idle_tasks == 2 and 0 < done.kernels_done <= done.seconds
+    assert "2 other tasks meanwhile" in str(done)
     assert sorted(done.compiled) == sorted([GEMMS.key(first).label, GEMMS.key(second).label])
     assert len(runs) == 2 * 3  # each stopped at the first kernel, then the second, then ran to its end
     assert not DISCOVERING.is_set()
