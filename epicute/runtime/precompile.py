@@ -50,8 +50,9 @@ class Precompiled:
     failed: dict[str, str] = field(default_factory=dict)
     unfinished: int = 0
     seconds: float = 0.0
-    #: when the workers' last compile ended (seconds from the start), and the seconds the ``idle`` tasks took: the
-    #: wall time is about the larger of the two, so they say which one a shorter first call would have to shrink
+    #: when the first pass over the code had sent every kernel it found to the workers, when their last compile
+    #: ended (seconds from the start), and the seconds the ``idle`` tasks took: where a shorter wall time must come from
+    found: float = 0.0
     kernels_done: float = 0.0
     idle_seconds: float = 0.0
     idle_tasks: int = 0
@@ -67,8 +68,8 @@ class Precompiled:
             return f"none to compile (every kernel in memory or on disk; found in {self.seconds:.1f} s)"
         text = f"{len(self.compiled)} kernels compiled in {self.seconds:.1f} s by {self.workers} worker processes"
         if self.idle_tasks:
-            text += (f" (the last done at {self.kernels_done:.1f} s; {self.idle_tasks} other tasks meanwhile, "
-                     f"{self.idle_seconds:.1f} s)")  # fmt: skip
+            text += (f" (the first pass over the code done at {self.found:.1f} s, the last compile at "
+                     f"{self.kernels_done:.1f} s; {self.idle_tasks} other tasks meanwhile, {self.idle_seconds:.1f} s)")
         return text + (f"; {len(self.failed)} failed there: {', '.join(self.failed)}" if self.failed else "")
 
 
@@ -170,6 +171,7 @@ def precompile(runs: Sequence[Callable[[], Any]], idle: Iterable[Callable[[], An
     try:
         for i in range(len(runs)):
             advance(i)
+        done.found = time.perf_counter() - started
         while waiting:
             ready = [digest for digest in waiting if compiles[digest][0].done()]
             if not ready:
