@@ -6,7 +6,9 @@ Usage: python bench/compile.py [--cases llama_train,llama_prefill,mixtral_train,
 Nothing in the models is changed: ``torch.compile(model, backend=epicute.integrations.compile.backend)`` lifts what
 it finds (linears with their elementwise chains, transformers' grouped experts, SDPA; each GEMM candidate measured
 against Inductor's own chain and kept where it wins), against ``torch.compile(model)`` (default mode) and, with
-``--max-autotune``, ``mode="max-autotune"``. Cases (bf16, random weights from configs, nothing downloaded):
+``--max-autotune``, ``mode="max-autotune"``, which epicute's contender then takes too (its candidates measured
+against Inductor's autotuned chains, the graph around them autotuned and replayed as CUDA graphs).
+Cases (bf16, random weights from configs, nothing downloaded):
 
 - ``llama_train`` / ``llama_prefill``: 2 Llama-3-8B-shaped decoder layers (bench/models.py's model), a training step
   on 2 x 4096 tokens / a forward over 4 x 2048;
@@ -142,7 +144,10 @@ def run_case(name: str, max_autotune: bool) -> tuple[Row, bool, Row]:
     model, inputs, tokens, training = case_model(name)
     row: Row = {"case": name}
     print(name)
-    contenders = {"epicute": dict(backend=EC.backend), "torch_compile": {}}
+    # Under --max-autotune epicute's backend takes the mode too: the rest of the graph autotuned and run as CUDA
+    # graphs like the peer's, and each candidate measured against Inductor's autotuned chain (Measured.settings).
+    contenders = {"epicute": dict(backend=EC.backend, **({"mode": "max-autotune"} if max_autotune else {})),
+                  "torch_compile": {}}  # fmt: skip
     if max_autotune:
         contenders["torch_compile_max_autotune"] = {"mode": "max-autotune"}
     models = {label: torch.compile(copy.deepcopy(model), dynamic=False, **options)

@@ -18,8 +18,9 @@ Everything else stays Inductor's. Lifted: ``F.linear``, ``x @ w``, ``torch.mm`` 
 (what ``F.grouped_mm`` and transformers' grouped experts record) with the same chains, as one
 :func:`epicute.grouped_gemm` (an MoE layer's SiLU and router weights ride in its epilogue). On a GPU
 each candidate, GEMM chain or attention, is kept only where it wins (:class:`Measured`: epicute's call against the
-unlifted call compiled by Inductor, forward and backward where the graph trains, on random inputs of the graph's
-sizes, once per call, sizes and GPU, remembered on disk); on a CPU every candidate is lifted. A lifted epilogue
+unlifted call compiled by Inductor with the graph's own settings, ``mode="max-autotune"``'s autotuning included,
+forward and backward where the graph trains, on random inputs of the graph's sizes, once per call, sizes, settings
+and GPU, remembered on disk); on a CPU every candidate is lifted. A lifted epilogue
 computes in fp32 without the intermediate roundings to bf16 that the unfused ops make. Attention is lifted without a
 mask or dropout, bf16 or fp16, head_dim 64, 128 or 256, any GQA ratio; causal only with as many queries as keys
 (torch aligns a causal mask top-left, epicute bottom-right: they agree only there). What models do around SDPA under
@@ -72,6 +73,8 @@ APPLY: dict[str, Callable] = {
     "to_float32": lambda value: value, "to_bfloat16": lambda value: value, "to_float16": lambda value: value,
 }  # fmt: skip
 LIFTED_DTYPES = (torch.bfloat16, torch.float16)
+#: Inductor settings of ``torch.compile``'s modes that a candidate's peer is compiled without (:class:`Measured`)
+CUDA_GRAPH_SETTINGS = frozenset(("triton.cudagraphs", "triton.cudagraph_trees"))
 #: the GEMM calls lifted: ``F.linear(x, w, b)`` (``w`` ``(out, in)``), ``x @ w`` / ``torch.mm(x, w)`` (``w``
 #: ``(in, out)``), ``torch.addmm(b, x, w)`` (``x @ w + b``) and the batched ``torch.bmm(a, b)`` (or ``a @ b`` of two 3-D
 #: tensors); as Dynamo records them, functions or tensor methods
@@ -91,6 +94,8 @@ class Report:
     calls: dict[str, Candidate] = field(default_factory=dict)
     #: how the candidates' kernels were compiled before measuring (:meth:`Measured.precompile`), where they were
     precompiled: Precompiled | None = None
+    #: the Inductor settings the measured candidates' peers were compiled with (:attr:`Measured.settings`)
+    peer_settings: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
         def kernel(steps: tuple[str, ...]) -> str:
@@ -107,6 +112,9 @@ class Report:
                  for node, steps in self.lifted]  # fmt: skip
         lines += [f"left {node}: {why}" for node, why in self.left]
         lines += [f"kernels: {self.precompiled}"] if self.precompiled is not None else []
+        if self.peer_settings and self.measured:
+            settings = ", ".join(f"{name}={value}" for name, value in sorted(self.peer_settings.items()))
+            lines.append(f"measured against Inductor compiled with {settings}")
         return "\n".join(lines) or "no linear layers in the graph"
 
     def explain(self, file: TextIO | None = None) -> str:
@@ -251,16 +259,33 @@ class Measured:
     """Keep a candidate where epicute's call takes no longer than the unlifted call compiled by Inductor, timed once
     on random inputs like the graph's and remembered on disk (:data:`LIFTED`). Where the graph trains (an input
     requires grad) each side is timed forward and backward, as one joint function (:func:`_joint`); otherwise
-    forward. ``timer`` (milliseconds of ``fn(*inputs)``) and ``peer`` (compiles a graph of the unlifted call) may be
+    forward. ``settings`` are the Inductor config the graph is compiled with (``torch.compile``'s ``mode`` and
+    ``options``, as :func:`backend` hands them on): the unlifted call is compiled with them too, so under
+    ``mode="max-autotune"`` a candidate meets Inductor's autotuned GEMM, and a decision is remembered per settings.
+    ``timer`` (milliseconds of ``fn(*inputs)``) and ``peer`` (compiles a graph of the unlifted call) may be
     replaced: tests do. :meth:`precompile` readies both sides of many candidates at once."""
 
     timer: Callable[[Callable, list], float] | None = None
     peer: Callable[[torch.fx.GraphModule, list], Callable] | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
     #: candidates' sides readied by :meth:`precompile`, by key, until measured
     _ready: dict[str, _Sides] = field(default_factory=dict, init=False, repr=False)
 
-    def __call__(self, candidate: Candidate) -> tuple[bool, str]:
+    def __post_init__(self) -> None:
+        # CUDA graphs change what the host costs, not the kernels a measurement compares, and a peer replayed from
+        # one would hand the timer outputs that its next replay overwrites.
+        self.settings = {name: value for name, value in self.settings.items() if name not in CUDA_GRAPH_SETTINGS}
+
+    def key(self, candidate: Candidate) -> str:
+        """The candidate's decision key (:meth:`Candidate.key`), and these settings where there are any."""
         key = candidate.key()
+        if not self.settings:
+            return key
+        text = json.dumps([key, sorted((name, repr(value)) for name, value in self.settings.items())])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def __call__(self, candidate: Candidate) -> tuple[bool, str]:
+        key = self.key(candidate)
         stored = LIFTED.get(key)
         if stored is not None:
             return stored["lift"], stored["why"]
@@ -278,7 +303,7 @@ class Measured:
         todo: dict[str, Candidate] = {}
         unmeasured: set[str] = set()
         for candidate in candidates:
-            stored = LIFTED.get(key := candidate.key())
+            stored = LIFTED.get(key := self.key(candidate))
             if stored is None or stored["lift"]:
                 todo.setdefault(key, candidate)
             if stored is None:
@@ -319,7 +344,8 @@ class Measured:
         try:
             with torch.no_grad():
                 graph = make_fx(side.theirs, tracing_mode="fake")(*side.inputs) if side.trains else side.theirs
-                side.peer = (self.peer or compile_fx)(graph, side.inputs)
+                side.peer = (self.peer or functools.partial(compile_fx, config_patches=self.settings))(graph,
+                                                                                                      side.inputs)
         except Exception as exc:  # noqa: BLE001 - no figure to beat: lifted, as without measuring
             side.peer = exc
 
@@ -431,10 +457,11 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, inner: str = "induct
     """
     patches = _inductor_settings(inner, mode, options)
     if decide is None and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
-        decide = Measured()
+        decide = Measured(settings=patches)
     precompiled = decide.precompile(candidates_of(gm)) if isinstance(decide, Measured) else None
     report = lift_linear_epilogues(gm, decide)
     report.precompiled = precompiled
+    report.peer_settings = dict(decide.settings) if isinstance(decide, Measured) else {}
     _REPORTS[:] = [*_REPORTS[-15:], report]
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx

@@ -331,6 +331,42 @@ def test_each_candidate_is_kept_only_where_it_wins(reference_layers, monkeypatch
     assert (tmp_path / "lifted.json").exists()
 
 
+def test_the_peers_are_compiled_with_the_modes_settings_and_decided_per_settings(reference_layers, monkeypatch,
+                                                                                  tmp_path):
+    """Under ``mode="max-autotune"`` a candidate meets Inductor's autotuned chain: its peer is compiled with the
+    mode's settings (CUDA graphs aside: they change host cost, not kernels), the report says so, and the decision is
+    remembered per settings (the default mode measures again; the same settings find it on disk)."""
+    from torch._inductor import compile_fx as inductor
+    from torch._inductor import list_mode_options
+
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    compiled_with = []
+
+    def compile_fx(gm, inputs, config_patches=None):
+        compiled_with.append(config_patches)
+        return gm
+
+    monkeypatch.setattr(inductor, "compile_fx", compile_fx)
+    autotuned = list_mode_options("max-autotune")
+    assert autotuned.get("triton.cudagraphs")
+    for settings, measures in ((autotuned, 2), ({}, 2), (autotuned, 0)):
+        timer, before = _Timer(1.0, 2.0), len(compiled_with)
+        decide = EC.Measured(timer=timer, settings=settings)
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend=functools.partial(EC.backend, inner="aot_eager", decide=decide))
+        errors = step_errors(compiled, block_leaves((3, 37), "cpu"))
+        assert all(e < TOL for e in errors.values()), errors
+        assert timer.calls == 2 * measures  # each side of each candidate timed where no decision was on disk
+        assert compiled_with[before:] == [decide.settings] * measures
+        last = str(EC.last_report()).splitlines()[-1]
+        if decide.settings:
+            assert decide.settings == {"max_autotune": True, "coordinate_descent_tuning": True}
+            assert last == "measured against Inductor compiled with coordinate_descent_tuning=True, max_autotune=True"
+        else:
+            assert not last.startswith("measured against")
+    assert len(compiled_with) == 4
+
+
 def test_the_candidates_are_readied_together_before_they_are_decided(reference_layers, monkeypatch, tmp_path):
     """With compile workers, every candidate is found first (a pass that lifts nothing), its kernels precompiled and
     its peer compiled once, while nothing is decided; then the decisions, as without workers. A second compile finds
