@@ -28,7 +28,8 @@ README_BENCHMARKS = (
     "attention_bwd", "fp8", "fp8_swiglu", "grouped", "grouped_wgrad_half", "decode", "decode_gqa", "decode_fp8",
     "quantize", "quantize_pairs", "training", "training_dense", "training_fp8", "training_moe_fp8", "models",
     "models_moe", "models_qwen3_moe", "models_fp8", "models_moe_fp8", "models_decode", "compile",
-    "compile_max_autotune", "compile_max_autotune_llama", "compile_time", "tp", "runtime",
+    "compile_max_autotune", "compile_max_autotune_llama", "compile_max_autotune_vit_prefill", "compile_time", "tp",
+    "runtime",
 )  # fmt: skip
 CHART_WIDTH = 40
 
