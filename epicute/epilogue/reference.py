@@ -173,8 +173,10 @@ def reference_gemm(
     out_dtypes: Mapping[str, torch.dtype] | None = None,
     compute_dtype: torch.dtype = torch.float32,
     gated: bool = False,
+    device: torch.device | str = "cpu",
 ) -> dict[str, Tensor]:
-    """``epilogue(a @ b, **operands)`` on the CPU: what ``epicute.gemm`` with this epilogue must return.
+    """``epilogue(a @ b, **operands)`` on the CPU (or ``device``): what ``epicute.gemm`` with this epilogue must
+    return.
 
     ``a`` is ``(M, K)``/``(L, M, K)`` and ``b`` ``(K, N)``/``(L, K, N)`` on any
     device; the product accumulates in ``compute_dtype``. D's dtype defaults to
@@ -192,8 +194,7 @@ def reference_gemm(
     graph = epi.trace(
         {k: s.kind for k, s in specs.items()}, {k: s.dtype for k, s in specs.items()}, out_dtypes, d_dtype=d_dtype
     )
-    cpu = torch.device("cpu")
-    acc = torch.matmul(a3.to(cpu, compute_dtype), b3.to(cpu, compute_dtype))
+    acc = torch.matmul(a3.to(device, compute_dtype), b3.to(device, compute_dtype))
     up = None
     if gated:
         acc, up = split_gate_up(acc)

@@ -61,6 +61,7 @@ from epicute.runtime.checks import (
     keyword_parameters,
     overlaps,
 )
+from epicute.runtime.compile import reference_device
 from epicute.runtime.target import Target, current_target, resolve_target
 from epicute.runtime.torch_ops import operand_values, traced
 
@@ -252,7 +253,8 @@ def gemm(
     check_outs(prepared.fusion, outs, (p.l, p.m, call.d_n), call.batched)  # as the kernel takes them
     stored = {name: IR_TO_TORCH[dtype] for name, dtype in prepared.output_dtypes.items()}
     a_ref, b_ref = _reference_inputs(call)
-    results = reference_gemm(a_ref, b_ref, request.epilogue, operands, stored, gated=call.gated)
+    results = reference_gemm(a_ref, b_ref, request.epilogue, operands, stored, gated=call.gated,
+                             device=reference_device(call.a))  # fmt: skip
     return _deliver(call, results, outs)
 
 
@@ -628,9 +630,12 @@ def _reference_inputs(call) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _reference_matmul(call) -> torch.Tensor:
-    """The plain GEMM in float32 on the CPU, stored like the kernel stores D (fp8 saturates)."""
+    """The plain GEMM in float32 on the CPU (:func:`~epicute.runtime.compile.reference_device`), stored like the
+    kernel stores D (fp8 saturates)."""
     a, b = _reference_inputs(call)
-    return round_to(torch.matmul(a.cpu().float(), b.cpu().float()), TORCH_TO_IR[call.out_dtype])
+    device = reference_device(call.a)
+    return round_to(torch.matmul(a.to(device, torch.float32), b.to(device, torch.float32)),
+                    TORCH_TO_IR[call.out_dtype])  # fmt: skip
 
 
 def _deliver(call, results: dict[str, torch.Tensor], outs: dict | None = None):

@@ -37,6 +37,7 @@ from epicute.runtime.checks import (
     config_pins,
     keyword_parameters,
 )
+from epicute.runtime.compile import reference_device
 from epicute.runtime.target import Target, resolve_target
 from epicute.runtime.torch_ops import traced
 
@@ -242,22 +243,24 @@ def _grouped_operand(spec: OperandSpec, groups: int) -> OperandSpec:
 
 
 def reference_grouped(call: GroupedCall, prepared: PreparedGrouped, specs: Mapping[str, OperandSpec]) -> dict:
-    """The grouped GEMM in float32 on the CPU, group by group (reads the offsets; checks them)."""
+    """The grouped GEMM in float32 on the CPU (:func:`~epicute.runtime.compile.reference_device`), group by group
+    (reads the offsets; checks them)."""
     p = call.problem
+    device = reference_device(call.a)
     offsets = call.offsets.cpu()
     if p.ragged == "k":  # fp8: groups on whole 128-row blocks of K, as the kernel sums them
         check_offsets_values(offsets, p.k, "K row", BLOCK_K if p.block_scaled else 1)
     else:
         check_offsets_values(offsets, p.total_m, "row")
     if call.block_scales is None:
-        a, b = call.a[0].cpu().float(), call.b.cpu().float()
+        a, b = call.a[0].to(device, torch.float32), call.b.to(device, torch.float32)
     else:  # fp8: dequantized (gathered rows: per token, before the gather), then float32 math
         a, b = dequantize_blockwise(call.a, call.b, call.block_scales)
-        a = a[0]
+        a, b = a[0].to(device), b.to(device)
     if call.a_index is not None:
         index = call.a_index.cpu().long()
         check_a_index_values(index, a.shape[0])
-        a = a[index]
+        a = a[index.to(device)]
     graph = None if prepared.epilogue is None else prepared.epilogue.graph
     # Reductions along rows or over whole tiles are per group (column sums (G, N), amax (G,)) when groups split M.
     per_group = set() if graph is None or p.ragged == "k" else {

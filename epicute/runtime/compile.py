@@ -79,6 +79,17 @@ def or_reference(entry: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return past_missing(lambda: entry(*args, **kwargs), lambda: entry(*args, **kwargs, backend="reference"))
 
 
+def reference_device(tensor: Any) -> Any:
+    """Where a reference computation of ``tensor``'s call runs: the CPU, the oracle the kernels are tested against,
+    independent of the GPU's math; while discovering, ``tensor``'s own device. A stand-in's values then only carry
+    the call on to its next kernels (:func:`or_reference`): computed on the GPU they stay where the calls after them
+    expect them, and a model's GEMMs in float32 on the CPU took longer than the compiles they stood in for
+    (bench/NOTES.md, ninth session of 2026-11-30)."""
+    import torch
+
+    return tensor.device if DISCOVERING.is_set() else torch.device("cpu")
+
+
 def launch_or_skip(family: KernelFamily, variant: Any, *args: Any) -> None:
     """``family.get(variant)(*args)``, a launch writing buffers its caller made; while discovering, skipped where its
     kernel is missing (:func:`past_missing`): for passes whose successors read those buffers as values only (never
@@ -179,4 +190,5 @@ class KernelFamily:
 FAMILIES: Mapping[str, KernelFamily] = Declared(lambda spec: KernelFamily(spec.kind, spec.compilers))
 
 __all__ = ["DISCOVERING", "DSL_COMPILE_OPTIONS", "FAMILIES", "MISSED", "OPERAND_ALIGN_BYTES", "KernelFamily",
-           "KernelMissing", "dsl_compile", "launch_or_skip", "or_reference", "past_missing"]  # fmt: skip
+           "KernelMissing", "dsl_compile", "launch_or_skip", "or_reference", "past_missing",
+           "reference_device"]  # fmt: skip

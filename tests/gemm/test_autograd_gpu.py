@@ -164,3 +164,33 @@ def test_gelus_derivative_op_matches_float64_on_the_gpu():
     assert torch.equal(out.isnan(), x.isnan())
     finite = ~x.isnan()
     assert (out.double()[finite] - want[finite]).abs().max().item() < 1e-6
+
+
+def test_a_training_call_finds_all_its_kernels_in_one_precompile_pass_on_the_gpu(monkeypatch, tmp_path):
+    """While precompiling from an empty cache, each GEMM whose kernel is missing is computed by the reference on the
+    GPU (its stand-in where the calls after it expect it), so one pass finds the forward's kernel and the backward's;
+    the values and gradients are the reference's, against float64 autograd."""
+    from epicute.runtime.cache import KERNEL_CACHE
+    from epicute.runtime.precompile import missing_kernels
+
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(KERNEL_CACHE, "_fns", {})
+    monkeypatch.setattr(KERNEL_CACHE, "events", {})
+    k = K_PLANS["save"] + 3
+    a = torch.randn(M, k, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    b = (torch.randn(k, N, device=DEVICE, dtype=torch.bfloat16) / k**0.5).requires_grad_()
+    grad, out = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16), {}
+
+    def step():
+        out["d"] = epicute.gemm(a, b, epilogue=lambda acc: epicute.ops.tanh(acc))
+        out["d"].backward(grad)
+
+    found = missing_kernels(step)
+    # the forward (storing acc), the zero-K gradient pass, and the data and weight gradients' GEMMs
+    assert len(found) >= 3, [m.key.label for m in found]
+    a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
+    want = torch.tanh(a64 @ b64)
+    want.backward(grad.double())
+    for got, expected in ((out["d"], want.detach()), (a.grad, a64.grad), (b.grad, b64.grad)):
+        assert got.device == a.device and got.shape == expected.shape
+        assert ((got.double() - expected).norm() / expected.norm()).item() < TOL

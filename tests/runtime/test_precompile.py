@@ -10,7 +10,7 @@ import pytest
 from epicute.errors import ConfigError
 from epicute.runtime.aot import JOB_KINDS
 from epicute.runtime.cache import KERNEL_CACHE
-from epicute.runtime.compile import DISCOVERING, FAMILIES, KernelMissing, past_missing
+from epicute.runtime.compile import DISCOVERING, FAMILIES, KernelMissing, past_missing, reference_device
 from epicute.runtime.precompile import compile_workers, missing_kernels, precompile
 
 GEMMS = FAMILIES["gemm"]
@@ -162,3 +162,16 @@ def test_a_failed_compile_among_many_is_raised_naming_it(fresh):
     jobs = [("gemm", dataclasses.replace(plain, arch="sm_80"))]
     with pytest.raises(CompileError, match="ConfigError: no gemm kernel for sm_80"):
         list(ensure_all_on_disk(jobs, workers=2))
+
+
+def test_the_reference_runs_on_the_inputs_device_only_while_discovering():
+    """The reference is the CPU's oracle; a stand-in while discovering stays on the device the calls after it use."""
+    import torch
+
+    on_meta = torch.empty(2, device="meta")
+    assert reference_device(on_meta) == torch.device("cpu")
+    DISCOVERING.set()
+    try:
+        assert reference_device(on_meta) == torch.device("meta")
+    finally:
+        DISCOVERING.clear()
