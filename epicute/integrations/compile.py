@@ -344,8 +344,8 @@ class Measured:
         try:
             with torch.no_grad():
                 graph = make_fx(side.theirs, tracing_mode="fake")(*side.inputs) if side.trains else side.theirs
-                side.peer = (self.peer or functools.partial(compile_fx, config_patches=self.settings))(graph,
-                                                                                                      side.inputs)
+                compile_peer = self.peer or functools.partial(compile_fx, config_patches=self.settings)
+                side.peer = compile_peer(graph, side.inputs)
         except Exception as exc:  # noqa: BLE001 - no figure to beat: lifted, as without measuring
             side.peer = exc
 

@@ -66,10 +66,10 @@ class Precompiled:
             return "kernels compiled as the calls need them (no worker processes)"
         if not self.compiled and not self.failed:
             return f"none to compile (every kernel in memory or on disk; found in {self.seconds:.1f} s)"
-        text = f"{len(self.compiled)} kernels compiled in {self.seconds:.1f} s by {self.workers} worker processes"
-        if self.idle_tasks:
-            text += (f" (the first pass over the code done at {self.found:.1f} s, the last compile at "
-                     f"{self.kernels_done:.1f} s; {self.idle_tasks} other tasks meanwhile, {self.idle_seconds:.1f} s)")
+        text = (f"{len(self.compiled)} kernels compiled in {self.seconds:.1f} s by {self.workers} worker processes "
+                f"(the first pass over the code done at {self.found:.1f} s, the last compile at "
+                f"{self.kernels_done:.1f} s")  # fmt: skip
+        text += f"; {self.idle_tasks} other tasks meanwhile, {self.idle_seconds:.1f} s)" if self.idle_tasks else ")"
         return text + (f"; {len(self.failed)} failed there: {', '.join(self.failed)}" if self.failed else "")
 
 
