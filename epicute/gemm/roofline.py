@@ -87,7 +87,11 @@ def roofline(
     tile_k: int | None = None,
     epilogue: EpilogueBuffers = NO_EPILOGUE,
     schedule: str = "cooperative",
+    split_k: int = 1,
 ) -> Roofline:
+    """The plan's time as the explain text shows it: compute-bound tiles in waves over the SMs (each of ``split_k``
+    CTAs of a tile runs its share of the k-tiles and stores an fp32 partial, which the tile's last split reads back),
+    or the HBM traffic, whichever is longer."""
     tile_k = tile_k or problem.tile_k
     flops = problem.flops
     # A gated epilogue's outputs and operand tiles have half of B's columns (gate and up pair into one).
@@ -100,13 +104,16 @@ def roofline(
     compute_s = flops / peak_flops
     memory_s = min_bytes / (hw.hbm_tb_per_s * 1e12)
     tiles = ceil_div(problem.m, tile_m) * ceil_div(problem.n, tile_n) * problem.l
-    waves = ceil_div(tiles, hw.num_sms) if tiles else 0
-    k_padded = ceil_div(problem.k, tile_k) * tile_k
+    units = tiles * split_k  # CTAs' worth of work: each split of a tile is one
+    waves = ceil_div(units, hw.num_sms) if units else 0
+    k_padded = ceil_div(ceil_div(problem.k, tile_k), split_k) * tile_k  # one split's k-tiles
     efficiency = BLOCK_SCALED_EFFICIENCY if problem.block_scaled else MAINLOOP_EFFICIENCY
     per_sm_flops = peak_flops / hw.num_sms * efficiency.get(tile_n, 0.5)
     epilogue_tile_s = tile_m * out_tile_n * extra_per_elem / (hw.hbm_tb_per_s * 1e12 / hw.num_sms)
     epilogue_alu_s = tile_m * out_tile_n * epilogue.instructions_per_element / (SM_ISSUE_PER_CYCLE * hw.tensor_clock_hz)
     mainloop_s = 2 * tile_m * tile_n * k_padded / per_sm_flops
+    if split_k > 1:  # its fp32 partial stored, and read back by the tile's last split: twice, at the SM's HBM share
+        mainloop_s += 2 * tile_m * tile_n * 4 / (hw.hbm_tb_per_s * 1e12 / hw.num_sms)
     if schedule == "pingpong":
         # Two tiles in flight per SM, each mainloop with the tensor cores to itself: an
         # epilogue slows the other warpgroup's mainloop by its share of the issue slots,
@@ -124,7 +131,7 @@ def roofline(
         compute_s=compute_s,
         memory_s=memory_s,
         predicted_s=predicted,
-        waves=tiles / hw.num_sms if tiles else 0.0,
+        waves=units / hw.num_sms if units else 0.0,
         bound="compute" if quantized_s >= memory_s else "memory",
         epilogue_bytes=epilogue_bytes,
         epilogue_tile_s=epilogue_tile_s,

@@ -71,3 +71,25 @@ def test_grouped_kernels_refuse_split_k():
     cfg = replace(plan_gemm(GemmProblem(16, 4096, 14336, b_major="k")).config, split_k=2)
     with pytest.raises(epicute.EpicuteError, match="does not split K"):
         GroupedGemmSm90(cfg, "bf16", "bf16", "k", "k")
+
+
+def test_a_split_plans_roofline_runs_each_split_as_a_cta():
+    """explain's prediction of a split plan: every split of a tile is a CTA in the waves, running its share of the
+    k-tiles, plus its fp32 partial stored and read back (a weight gradient's 1024 x 1024 x 12608)."""
+    from epicute.runtime.target import TARGETS
+
+    h200 = TARGETS["h200"]
+    problem = GemmProblem(1024, 1024, 12608, a_major="m")
+    whole = plan_gemm(problem, h200, tile_n=128, split_k=1).roofline
+    split = plan_gemm(problem, h200, tile_n=128, split_k=2).roofline
+    assert whole.waves == pytest.approx(64 / h200.num_sms) and split.waves == pytest.approx(128 / h200.num_sms)
+    from epicute.gemm.roofline import MAINLOOP_EFFICIENCY
+
+    per_sm_flops = h200.peak_tflops("bf16") * 1e12 / h200.num_sms * MAINLOOP_EFFICIENCY[128]
+
+    def mainloop_s(k_tiles: int) -> float:
+        return 2 * 128 * 128 * 64 * k_tiles / per_sm_flops
+
+    partial_s = 2 * 128 * 128 * 4 / (h200.hbm_tb_per_s * 1e12 / h200.num_sms)
+    k_tiles = -(-12608 // 64)  # 197: splits of 99
+    assert split.predicted_s - whole.predicted_s == pytest.approx(mainloop_s(99) + partial_s - mainloop_s(k_tiles))
