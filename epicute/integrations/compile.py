@@ -447,8 +447,9 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list, inner: str = "induct
             options: dict[str, Any] | None = None) -> Callable:  # fmt: skip
     """A ``torch.compile`` backend: :func:`lift_linear_epilogues` on Dynamo's graph, then ``inner`` (Inductor, or
     ``"aot_eager"``: AOTAutograd without Inductor's code generation) compiles the result. ``decide`` keeps or drops
-    each candidate: by default :class:`Measured` where the graph runs on a GPU, every candidate on a CPU (whose
-    epicute calls compute on the reference backend: nothing there to measure). ``mode`` and ``options`` are
+    each candidate: by default :class:`Measured` where the graph runs on a GPU (its peers compiled with ``mode``'s and
+    ``options``' settings; a ``decide`` of the caller's keeps its own), every candidate on a CPU (whose epicute calls
+    compute on the reference backend: nothing there to measure). ``mode`` and ``options`` are
     ``torch.compile``'s own, which it hands to its backend: Inductor's settings for the graph around the lifted calls
     (``mode="reduce-overhead"`` runs the step as CUDA graphs, epicute's calls recorded in them like any op).
 

@@ -46,6 +46,20 @@ def test_a_block_trains_through_its_lifted_kernels_in_cuda_graphs():
     assert [steps for _, steps in EC.last_report().lifted] == [("add", "gelu", "mul", "add"), ("silu", "add")]
 
 
+def test_each_candidate_is_measured_against_inductor_compiled_with_the_graphs_settings():
+    """``options={"max_autotune": True, ...}`` reach the measured peers (the default policy on a GPU): the report
+    names them, every candidate is decided by a measurement, and the step trains right whichever side won."""
+    torch._dynamo.reset()
+    options = {"max_autotune": True, "max_autotune_gemm_backends": "ATEN"}  # autotuning among cuBLAS's own choices
+    compiled = torch.compile(block, backend=EC.backend, options=options, fullgraph=True)
+    errors = step_errors(compiled, block_leaves((3, 333), "cuda"))
+    assert all(e < TOL for e in errors.values()), errors
+    report = EC.last_report()
+    assert len(report.measured) == 2 and all(why.startswith("measured") for _, why in report.measured), str(report)
+    assert str(report).splitlines()[-1] == ("measured against Inductor compiled with max_autotune=True, "
+                                            "max_autotune_gemm_backends=ATEN")
+
+
 def test_a_chain_with_a_cast_trains_through_its_lifted_kernel():
     """``gelu(x @ w.T + b).float() * 2 + r`` (an fp32 tile ``r``): one GEMM storing fp32, its backward reading the
     fp32 gradient; forward and every gradient against float64 autograd (ragged 333 tokens, 136 outputs)."""
