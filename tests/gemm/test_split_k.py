@@ -76,6 +76,7 @@ def test_grouped_kernels_refuse_split_k():
 def test_a_split_plans_roofline_runs_each_split_as_a_cta():
     """explain's prediction of a split plan: every split of a tile is a CTA in the waves, running its share of the
     k-tiles, plus its fp32 partial stored and read back (a weight gradient's 1024 x 1024 x 12608)."""
+    from epicute.gemm.roofline import MAINLOOP_EFFICIENCY
     from epicute.runtime.target import TARGETS
 
     h200 = TARGETS["h200"]
@@ -83,8 +84,6 @@ def test_a_split_plans_roofline_runs_each_split_as_a_cta():
     whole = plan_gemm(problem, h200, tile_n=128, split_k=1).roofline
     split = plan_gemm(problem, h200, tile_n=128, split_k=2).roofline
     assert whole.waves == pytest.approx(64 / h200.num_sms) and split.waves == pytest.approx(128 / h200.num_sms)
-    from epicute.gemm.roofline import MAINLOOP_EFFICIENCY
-
     per_sm_flops = h200.peak_tflops("bf16") * 1e12 / h200.num_sms * MAINLOOP_EFFICIENCY[128]
 
     def mainloop_s(k_tiles: int) -> float:
