@@ -24,6 +24,8 @@ except ImportError:  # pragma: no cover - older typer parses with click itself
     from click import exceptions as click_exceptions
 from typer.core import TyperGroup
 
+from epicute.runtime.precompile import DEFAULT_MAX_WORKERS  # stdlib and the cache: no dynamo, no DSL
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -306,7 +308,7 @@ def compile_cmd(
     jobs: int | None = typer.Option(
         None, "--jobs", "-j", min=0,
         help="worker processes compiling side by side (default: EPICUTE_COMPILE_WORKERS, else half the CPUs, at "
-        "most 8; 0 or 1: one variant at a time, here)",
+        f"most {DEFAULT_MAX_WORKERS}; 0 or 1: one variant at a time, here)",
     ),  # fmt: skip
 ) -> None:
     """Compile kernels ahead of time into the disk cache (no GPU needed); a GPU machine then loads them."""

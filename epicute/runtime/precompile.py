@@ -132,6 +132,9 @@ def precompile(runs: Sequence[Callable[[], Any]], idle: Iterable[Callable[[], An
         done.idle_seconds += time.perf_counter() - begun
         done.idle_tasks += 1
 
+    def compiled_now(_: Future) -> None:  # when a compile ended, not when the loop sees it (an idle task may run then)
+        done.kernels_done = max(done.kernels_done, time.perf_counter() - started)
+
     if not done.workers:
         for task in idle:
             run_idle(task)
@@ -159,9 +162,7 @@ def precompile(runs: Sequence[Callable[[], Any]], idle: Iterable[Callable[[], An
                 if pool is None:
                     pool = _Workers(done.workers)
                 future = pool.submit(payload)
-                # When it ended, not when this loop sees it: an idle task may be running then.
-                future.add_done_callback(lambda _: setattr(done, "kernels_done", max(
-                    done.kernels_done, time.perf_counter() - started)))  # fmt: skip
+                future.add_done_callback(compiled_now)
                 compiles[digest] = (future, missing.key.label)
         for missing in found:
             waiting.setdefault(missing.key.digest, []).append(i)
