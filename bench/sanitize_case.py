@@ -40,11 +40,16 @@ GEMM_CASES: dict[str, tuple[int, int, int, dict]] = {
     "reuse_smem_c": (2049, 3080, 72, {"schedule": "cooperative", "tile_n": 192, "reuse_smem_c": True}),
     # 224 columns: seven 32-column store subtiles; a ragged last tile (472 = 2 x 224 + 24) in a 2x1 cluster.
     "wide224": (257, 472, 72, {"schedule": "cooperative", "tile_n": 224, "cluster_m": 2}),
+    # 256-row tiles, two 64-row blocks a consumer warpgroup: swapped 256x144 (D^T stored column-major; the ragged
+    # M = 301 in three 144-wide tiles, the last one 13 rows), and unswapped 256x128 in a 2x1 cluster, ragged.
+    "swapped256": (301, 600, 72, {"swap_ab": True, "schedule": "cooperative", "tile_m": 256, "tile_n": 144}),
+    "tall256": (301, 264, 72, {"schedule": "cooperative", "tile_m": 256, "tile_n": 128, "cluster_m": 2}),
 }
 #: case -> the kernel family it watches (rows of bench/results/sanitize.json)
 FAMILIES = {
     "small": "gemm", "ragged": "gemm", "pingpong": "gemm", "epilogue": "gemm epilogue",
-    "wide224": "gemm (128x224 tiles)",
+    "wide224": "gemm (128x224 tiles)", "swapped256": "gemm (swapped 256x144 tiles)",
+    "tall256": "gemm (256x128 tiles)",
     "reuse_smem_c": "gemm epilogue (D staged in the operand ring)",
     "fp8_quantize": "fp8 blockwise + quantize_groups", "grouped": "grouped gemm",
     "attention": "attention forward (epilogue)", "attention_gqa": "attention forward (GQA prefill)",

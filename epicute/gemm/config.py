@@ -24,9 +24,18 @@ D_DTYPES = ("bf16", "fp16", "fp32", "fp8e4m3", "fp8e5m2")
 
 SCHEDULES = ("cooperative", "pingpong")
 TILE_N = (64, 128, 192, 224, 256)
-#: Tile N of a swap-AB kernel, whose N is the problem's small M: WGMMA N in steps of 16 (one stmatrix atom of
-#: the transposed D store), up to 128.
-SWAP_AB_TILE_N = (16, 32, 48, 64, 80, 96, 112, 128)
+#: Tile N of a swap-AB kernel, whose N is the problem's M: WGMMA N in steps of 16 (one stmatrix atom of the
+#: transposed D store).
+SWAP_AB_TILE_N = tuple(range(16, 257, 16))
+#: Tile M by schedule: a cooperative tile gives each of its two warpgroups one or two 64-row WGMMA blocks, a
+#: ping-pong tile its one warpgroup one or two.
+SCHEDULE_TILE_M = {"cooperative": (128, 256), "pingpong": (64, 128)}
+
+
+def epi_tile_m(schedule: str) -> int:
+    """An epilogue subtile's rows: one 64-row WGMMA block of each warpgroup of the team (so a 256-row cooperative
+    tile is two subtiles tall)."""
+    return 64 if schedule == "pingpong" else 128
 #: Accumulator registers a consumer thread may hold (of its 232): the rest is the epilogue's.
 MAX_ACC_REGS = 192
 #: Most CTAs one output tile's K is split across.
@@ -252,8 +261,7 @@ class GemmConfig(WarpRoles):
 
     @property
     def epi_tile_m(self) -> int:
-        """An epilogue subtile spans one 64-row WGMMA block of each warpgroup of the team."""
-        return 64 * self.tile_warpgroups
+        return epi_tile_m(self.schedule)
 
     @property
     def cluster_size(self) -> int:
@@ -271,24 +279,23 @@ class GemmConfig(WarpRoles):
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` for a configuration the kernel cannot run."""
-        swap_tile_m = 128 if self.schedule == "cooperative" else 64
-        if self.swap_ab and (self.tile_m != swap_tile_m or self.tile_n not in SWAP_AB_TILE_N or self.cluster_size != 1):
+        if self.swap_ab and (self.tile_n not in SWAP_AB_TILE_N or self.cluster_size != 1):
             raise ConfigError(
                 f"swap_ab with a {self.schedule} {self.tile_m}x{self.tile_n} tile in a {self.cluster_m}x"
-                f"{self.cluster_n} cluster: a swapped tile is 128 (cooperative) or 64 (pingpong) rows of B^T by "
-                f"one of {SWAP_AB_TILE_N} rows of A, with no cluster peer"
+                f"{self.cluster_n} cluster: a swapped tile is a multiple of 16 rows of A wide (16 to 256), with no "
+                "cluster peer"
             )
         if self.evict_first not in ("", "a", "b"):
             raise ConfigError(f"evict_first={self.evict_first!r}: must be 'a', 'b' or '' (no L2 hint)")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r}: must be one of {SCHEDULES}")
-        if self.schedule == "cooperative" and self.tile_m != 128:
+        if self.schedule == "cooperative" and self.tile_m not in SCHEDULE_TILE_M["cooperative"]:
             raise ConfigError(
-                f"tile_m={self.tile_m}: the cooperative schedule splits a 128-row tile "
-                "between its two consumer warpgroups (64 rows each); use tile_m=128"
+                f"tile_m={self.tile_m}: the cooperative schedule splits a 128- or 256-row tile "
+                "between its two consumer warpgroups (64 or 128 rows each); use tile_m=128"
             )
         if self.schedule == "pingpong":
-            if self.tile_m not in (64, 128):
+            if self.tile_m not in SCHEDULE_TILE_M["pingpong"]:
                 raise ConfigError(f"tile_m={self.tile_m}: a ping-pong warpgroup owns a 64- or 128-row tile")
             if not self.persistent:
                 raise ConfigError(
@@ -297,8 +304,8 @@ class GemmConfig(WarpRoles):
         if self.acc_regs > MAX_ACC_REGS:
             raise ConfigError(
                 f"tile {self.tile_m}x{self.tile_n} with schedule={self.schedule!r} needs {self.acc_regs} "
-                f"accumulator registers per thread (at most {MAX_ACC_REGS} leave room for the epilogue); "
-                "use a smaller tile or the cooperative schedule"
+                f"accumulator registers per thread (at most {MAX_ACC_REGS} leave room for the epilogue); use a "
+                + ("smaller tile or the cooperative schedule" if self.schedule == "pingpong" else "smaller tile")
             )
         if not self.swap_ab and self.tile_n not in TILE_N:
             raise ConfigError(f"tile_n={self.tile_n}: must be one of {TILE_N} (WGMMA N)")

@@ -39,7 +39,9 @@ The choices, in order (measurements behind them: ``bench/results/configs*.json``
    traffic) when there are at least two M tiles and at least half a wave of
    tiles (it pays most on small-M shapes with a long K, whose B panels stream
    from L2 with little reuse; bench/NOTES.md, 'Small M: split-K measured, and
-   removed'); otherwise 1x1, because an idle cluster peer costs an SM.
+   removed'), unless an odd count of row tiles would make the pairs take one
+   more wave than single tiles (then 1x2, or 1x1: :func:`choose_cluster_pair`);
+   otherwise 1x1, because an idle cluster peer costs an SM.
 3. **persistent or not**: persistent when there is more than one wave of tiles
    (the epilogue of tile i then overlaps the mainloop of tile i+1, so D needs
    its own staging buffers); a single wave gains nothing from persistence, so
@@ -66,6 +68,7 @@ from epicute.gemm.config import (
     GemmConfig,
     GemmProblem,
     b_scale_chunks,
+    epi_tile_m,
     validate_block_scaled,
 )
 from epicute.gemm.roofline import estimate_seconds
@@ -276,7 +279,7 @@ def _trial_configs(
     cooperative schedule one tile per CTA staging D in the A ring (the planner picks one by the tile count)."""
     base = {
         "schedule": schedule, "tile_m": tile_m, "tile_n": tile_n, "tile_k": problem.tile_k,
-        "epi_tile": (64 if schedule == "pingpong" else tile_m, epi_tile_n(epilogue.out_tile_n(tile_n))),
+        "epi_tile": (epi_tile_m(schedule), epi_tile_n(epilogue.out_tile_n(tile_n))),
     }  # fmt: skip
     kept = {name: value for name, value in pins.items() if name not in ("schedule", "tile_m", "tile_n", "reasons")}
     forms = [{"persistent": True, "epi_reuses_ab_smem": False}]
@@ -470,6 +473,12 @@ MIN_SPLIT_K_TILES = 16
 #: The most rows per batch the planner splits K for, and the most it widens the split tiles for.
 SPLIT_K_MAX_M = 64
 SPLIT_K_WIDE_M = 16
+#: k-tiles from which a problem of at least ``LONG_K_SPLIT_MIN_MN`` rows and columns whose 128x128 tiles fill at
+#: most half the SMs splits them in two (each split at least 64 k-tiles, its partial small against them): a weight
+#: gradient over many tokens, ViT's 1024 x 1024 x 12608 (bench/NOTES.md: 1.23x the unsplit 128x64 tiles, in 2x1
+#: clusters). Fewer rows stay unsplit: there the stream of B, not the CTAs, set the pace when last measured.
+LONG_K_SPLIT_TILES = 128
+LONG_K_SPLIT_MIN_MN = 512
 
 
 def choose_split_k(
@@ -480,16 +489,18 @@ def choose_split_k(
     batch) has too few tiles to keep the SMs streaming B, and the tile width that goes with it; ``why`` is
     None when there is nothing to say. Each split stores its tile's rows of fp32 partials: at M = 128 that
     traffic cost more than the extra CTAs gained. At M <= ``SPLIT_K_WIDE_M``, 128-wide tiles split in two
-    beat 64-wide ones, split or not (bench/NOTES.md)."""
+    beat 64-wide ones, split or not, and so they do for M and N of ``LONG_K_SPLIT_MIN_MN`` or more from
+    ``LONG_K_SPLIT_TILES`` k-tiles (bench/NOTES.md)."""
     if "split_k" in overrides:
         return overrides["split_k"], tile_n, "requested"
     tiles, wide_tiles = _num_tiles(problem, 128, tile_n), _num_tiles(problem, 128, 128)
     k_tiles = ceil_div(problem.k, problem.tile_k)
-    if (problem.block_scaled or epilogue.loads_tiles or schedule != "cooperative" or problem.m > SPLIT_K_MAX_M
-            or tiles == 0 or k_tiles < 2 * MIN_SPLIT_K_TILES):  # fmt: skip
+    if (problem.block_scaled or epilogue.loads_tiles or schedule != "cooperative" or tiles == 0
+            or k_tiles < 2 * MIN_SPLIT_K_TILES):  # fmt: skip
         return 1, tile_n, None
     wide_pins = tuple(sorted((k, v) for k, v in {**overrides, "split_k": 2}.items() if k != "reasons"))
-    if (problem.m <= SPLIT_K_WIDE_M and "tile_n" not in overrides and 2 * wide_tiles <= hw.num_sms
+    long_k = min(problem.m, problem.n) >= LONG_K_SPLIT_MIN_MN and k_tiles >= LONG_K_SPLIT_TILES
+    if ((problem.m <= SPLIT_K_WIDE_M or long_k) and "tile_n" not in overrides and 2 * wide_tiles <= hw.num_sms
             and tile_refusal(problem, hw, epilogue, schedule, tile_m, 128, wide_pins) is None):  # fmt: skip
         return (
             2,
@@ -500,6 +511,8 @@ def choose_split_k(
                 "partials in split order (deterministic) and runs the epilogue"
             ),
         )
+    if problem.m > SPLIT_K_MAX_M:
+        return 1, tile_n, None
     if 2 * tiles > hw.num_sms:
         return 1, tile_n, None
     split = min(MAX_SPLIT_K, hw.num_sms // tiles, k_tiles // MIN_SPLIT_K_TILES)
@@ -541,6 +554,29 @@ def swap_ab_refusal(problem: GemmProblem, epilogue: EpilogueBuffers) -> str | No
     if epilogue.transposed() is None:
         return "an epilogue with tile operands, aux tiles, reductions, group quantization or gating"
     return None
+
+
+def choose_cluster_pair(
+    problem: GemmProblem, hw: Target, schedule: str, tile_m: int, tile_n: int
+) -> tuple[tuple[int, int], str]:
+    """``(cluster, why)`` for a problem of enough tiles to pair them: 2x1 (B multicast to two M-neighbours) unless
+    pairing an odd number of row tiles adds a wave of clusters (the last pair's idle peer holds an SM all the
+    while): then 1x2 (A multicast to two N-neighbours) where that adds none, else 1x1."""
+    tiles_m, tiles_n = ceil_div(problem.m, tile_m), ceil_div(problem.n, tile_n)
+    in_flight = hw.num_sms * (2 if schedule == "pingpong" else 1)  # a ping-pong CTA holds two tiles
+
+    def waves(cluster_m: int, cluster_n: int) -> int:
+        clusters = ceil_div(tiles_m, cluster_m) * ceil_div(tiles_n, cluster_n) * problem.l
+        return ceil_div(clusters, in_flight // (cluster_m * cluster_n))
+
+    alone, paired = waves(1, 1), waves(2, 1)
+    if paired <= alone:
+        return (2, 1), "cluster 2x1: B tiles multicast to 2 CTAs, halving B's L2->SM traffic"
+    padded = (f"pairs along M would pad {tiles_m} rows of tiles to {tiles_m + 1}: {paired} waves of clusters "
+              f"against {alone} unpaired")  # fmt: skip
+    if tiles_n >= 2 and waves(1, 2) <= alone:
+        return (1, 2), f"cluster 1x2: A tiles multicast to 2 CTAs, halving A's L2->SM traffic ({padded})"
+    return (1, 1), f"cluster 1x1: {padded}, and pairs along N too"
 
 
 def choose_persistent(tiles: int, cluster_ctas: int, hw: Target, overrides: dict) -> tuple[bool, str]:
@@ -663,7 +699,9 @@ def _swap_ab_config(
         cluster_m=overrides.get("cluster_m", 1),
         cluster_n=overrides.get("cluster_n", 1),
         persistent=persistent,
-        epi_tile=overrides.get("epi_tile", (64 if pingpong else 128, epi_tile_n(tile_n))),
+        epi_tile=overrides.get(
+            "epi_tile", (epi_tile_m("pingpong" if pingpong else "cooperative"), epi_tile_n(tile_n))
+        ),
         epi_reuses_ab_smem=overrides.get("epi_reuses_ab_smem", not persistent),
         raster_along_m=raster_along_m,
         swizzle=overrides.get("swizzle", 8),
@@ -798,8 +836,8 @@ def choose_config(
         cluster = (overrides.get("cluster_m", 1), overrides.get("cluster_n", 1))
         reasons.append(f"cluster {cluster[0]}x{cluster[1]}: requested")
     elif tiles_m >= 2 and 2 * tiles >= hw.num_sms:
-        cluster = (2, 1)
-        reasons.append("cluster 2x1: B tiles multicast to 2 CTAs, halving B's L2->SM traffic")
+        cluster, cluster_why = choose_cluster_pair(problem, hw, schedule, tile_m, tile_n)
+        reasons.append(cluster_why)
     else:
         cluster = (1, 1)
         reasons.append(
@@ -839,7 +877,7 @@ def choose_config(
         cluster_n=cluster[1],
         persistent=persistent,
         epi_tile=overrides.get(
-            "epi_tile", (64 if schedule == "pingpong" else tile_m, epi_tile_n(epilogue.out_tile_n(tile_n)))
+            "epi_tile", (epi_tile_m(schedule), epi_tile_n(epilogue.out_tile_n(tile_n)))
         ),
         epi_reuses_ab_smem=overrides.get("epi_reuses_ab_smem", not persistent),
         raster_along_m=raster_along_m,

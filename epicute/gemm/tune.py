@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 from epicute.errors import ConfigError
 from epicute.gemm import GemmProblem
-from epicute.gemm.heuristics import WAVE_FIT_TILE_N, choose_config, wave_fit_widths
+from epicute.gemm.heuristics import WAVE_FIT_TILE_N, choose_config, swap_ab_refusal, wave_fit_widths
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.runtime.cache import JsonTable, code_versions
 from epicute.runtime.target import Target
@@ -30,6 +30,9 @@ from epicute.runtime.target import Target
 SCHEDULE_TILE_N = (("cooperative", (64, 128, 192, 224, 256)), ("pingpong", (64, 128, 192)))
 CLUSTERS = ((1, 1), (2, 1), (1, 2))
 PERSISTENT = (True, False)
+#: Widths of the swapped 256-row tile (the weight's rows as the MMA's M, two warpgroups of 128): M in whole tiles
+#: of one of these (cuBLAS runs 1000 x 14336 x 4096 as 256 x 144) where 128-row tiles of A would pad it.
+WIDE_SWAP_TILE_N = tuple(range(128, 193, 16))
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,24 @@ def candidates(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers = NO_
         if cfg.key() not in seen:
             seen.add(cfg.key())
             result.append(_overrides_of(cfg))
+    wide = wide_swap_pins(problem, epilogue)
+    if wide is not None:
+        try:
+            cfg = choose_config(problem, hw, epilogue, **wide)
+        except ConfigError:
+            return result
+        if cfg.key() not in seen:
+            result.append(_overrides_of(cfg))
     return result
+
+
+def wide_swap_pins(problem: GemmProblem, epilogue: EpilogueBuffers = NO_EPILOGUE) -> dict | None:
+    """The swapped cooperative 256-row tile whose width (:data:`WIDE_SWAP_TILE_N`) pads M least, for an M of more
+    than one such tile against a wider N; None where swap-AB cannot run the problem."""
+    if problem.m <= WIDE_SWAP_TILE_N[-1] or problem.n <= problem.m or swap_ab_refusal(problem, epilogue):
+        return None
+    width = min(reversed(WIDE_SWAP_TILE_N), key=lambda w: -problem.m % w)
+    return {"swap_ab": True, "schedule": "cooperative", "tile_m": 256, "tile_n": width, "persistent": True}
 
 
 def _overrides_of(cfg) -> dict:
@@ -80,7 +100,7 @@ def _overrides_of(cfg) -> dict:
         "schedule": cfg.schedule, "tile_n": cfg.tile_n, "cluster_m": cfg.cluster_m, "cluster_n": cfg.cluster_n,
         "persistent": cfg.persistent,
     }  # fmt: skip
-    return {**pins, "swap_ab": True} if cfg.swap_ab else pins
+    return {**pins, "swap_ab": True, "tile_m": cfg.tile_m} if cfg.swap_ab else pins
 
 
 def pick_fastest(

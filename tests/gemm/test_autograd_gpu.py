@@ -9,6 +9,8 @@ gradients alone).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -170,13 +172,17 @@ def test_a_training_call_finds_all_its_kernels_in_one_precompile_pass_on_the_gpu
     """While precompiling from an empty cache, each GEMM whose kernel is missing is computed by the reference on the
     GPU (its stand-in where the calls after it expect it), so one pass finds the forward's kernel and the backward's;
     the values and gradients are the reference's, against float64 autograd."""
+    from epicute.gemm.launch import kernel_for
     from epicute.runtime.cache import KERNEL_CACHE
     from epicute.runtime.precompile import missing_kernels
 
+    # nothing of this process's earlier tests: no kernel in memory, no repeated call bound to one
     monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(KERNEL_CACHE, "_fns", {})
     monkeypatch.setattr(KERNEL_CACHE, "events", {})
-    k = K_PLANS["save"] + 3
+    monkeypatch.setattr(sys.modules["epicute.gemm.api"], "_PREPARED_CALLS", {})
+    kernel_for.cache_clear()
+    k = K_PLANS["save"] + 8  # a TMA-aligned K (a multiple of 8 bf16 elements) past the recomputing passes
     a = torch.randn(M, k, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     b = (torch.randn(k, N, device=DEVICE, dtype=torch.bfloat16) / k**0.5).requires_grad_()
     grad, out = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16), {}

@@ -27,6 +27,8 @@ VARIANTS = [
      "bf16", "fp16", "m", "k"),
     (GemmConfig(tile_n=192, cluster_m=2, ab_stages=5, num_epi_stages=2), "bf16", "bf16", "k", "n"),
     (GemmConfig(tile_n=224, cluster_m=2, ab_stages=4, num_epi_stages=4), "bf16", "bf16", "k", "k"),
+    # 256 rows: each consumer warpgroup two 64-row WGMMA blocks, the epilogue two 128-row subtiles tall
+    (GemmConfig(tile_m=256, tile_n=128, cluster_m=2, ab_stages=4), "bf16", "bf16", "k", "n"),
     (GemmConfig(schedule="pingpong", tile_n=128, epi_tile=(64, 32), cluster_m=2, ab_stages=6),
      "bf16", "bf16", "k", "n"),
     (GemmConfig(schedule="pingpong", tile_n=192, epi_tile=(64, 64), ab_stages=5), "fp16", "fp32", "m", "k"),

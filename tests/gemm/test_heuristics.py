@@ -63,6 +63,26 @@ def test_big_problems_get_persistent_2x1_clusters_of_wide_tiles():
     assert any(reason.startswith("persistent grid of 132 CTAs") for reason in cfg.reasons)
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "cluster", "why"),
+    [
+        # 99 x 4 tiles of 128x256 (ViT's 12608 tokens): 3 waves alone, 50 x 4 pairs of them 4 waves, 99 x 2 three
+        (12608, 1024, (1, 2), ("cluster 1x2: A tiles multicast to 2 CTAs, halving A's L2->SM traffic (pairs along M "
+                               "would pad 99 rows of tiles to 100: 4 waves of clusters against 3 unpaired)")),
+        # 23 x 16 tiles: 3 waves alone, 12 x 16 pairs 3 waves too: the odd row of tiles costs no wave
+        (2944, 4096, (2, 1), "cluster 2x1: B tiles multicast to 2 CTAs"),
+        # 161 x 9 tiles: 11 waves alone, 12 paired along M, 12 along N (161 x 5 pairs)
+        (20608, 2304, (1, 1), ("cluster 1x1: pairs along M would pad 161 rows of tiles to 162: 12 waves of clusters "
+                               "against 11 unpaired, and pairs along N too")),
+    ],
+)  # fmt: skip
+def test_pairs_of_tiles_cost_no_wave_of_their_own(m, n, cluster, why):
+    cfg = choose_config(GemmProblem(m, n, 4096, b_major="k"), H100_SXM)
+    assert (cfg.schedule, cfg.tile_m, cfg.tile_n) == ("cooperative", 128, 256)
+    assert (cfg.cluster_m, cfg.cluster_n) == cluster
+    assert any(reason.startswith(why) for reason in cfg.reasons), cfg.reasons
+
+
 def test_8192_cubed_takes_ping_pong_tiles_in_bands_down_m():
     # 2752 tiles of 128x192 fill 20.85 of 21 waves, 2048 of 128x256 15.5 of 16; with two tiles
     # per SM in flight, bands of 8 clusters down M cover 2048x3264 instead of 4352x1536.

@@ -32,6 +32,17 @@ def test_no_split_with_enough_tiles_or_short_k_or_two_rows_of_tiles(shape):
     assert plan_gemm(GemmProblem(m, n, k, b_major="k"), swap_ab=False).config.split_k == 1
 
 
+def test_a_weight_gradient_of_few_tiles_and_a_long_k_splits_128_wide_tiles_in_two():
+    """ViT's 1024 x 1024 x 12608 (tokens as K): 64 tiles of 128x128 over 197 k-tiles run as 128 CTAs in 2x1 clusters;
+    fewer k-tiles, or rows and columns under 512 (128 x 4096 x 14336 above), stay unsplit."""
+    plan = epicute.explain(meta(12608, 1024).t(), meta(12608, 1024), file=None)
+    c = plan.config
+    assert (c.tile_m, c.tile_n, c.split_k, c.cluster_m, c.cluster_n) == (128, 128, 2, 2, 1)
+    assert any(r.startswith("split_k 2: M = 1024: 64 tiles of 128x128 fill 48% of the SMs") for r in c.reasons)
+    for unsplit in ((1024, 1024, 8128), (384, 1024, 12608), (1024, 384, 12608)):
+        assert plan_gemm(GemmProblem(*unsplit)).config.split_k == 1, unsplit
+
+
 def test_pinned_split_k_is_planned_around_and_validated():
     assert plan_gemm(GemmProblem(16, 4096, 4096), split_k=3).config.split_k == 3
     with pytest.raises(epicute.EpicuteError, match="split_k=9"):

@@ -82,3 +82,15 @@ def test_split_k_inside_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, x.float() @ w.float().t()) <= TOL
+
+
+def test_a_planned_long_k_weight_gradient_split_in_2x1_clusters():
+    """A weight gradient over 12600 tokens (ragged 1000 x 1000 output, 64 tiles of 128x128): the planner splits
+    each tile's 197 k-tiles in two, in 2x1 clusters; dy^T and x read M- and N-major as autograd hands them."""
+    dy = torch.randn(12600, 1000, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(12600, 1000, device="cuda", dtype=torch.bfloat16)
+    c = epicute.explain(dy.t(), x, file=None).config
+    assert (c.tile_n, c.split_k, c.cluster_m, c.cluster_n) == (128, 2, 2, 1)
+    out = torch.full((1000, 1000), float("nan"), device="cuda", dtype=torch.bfloat16)
+    epicute.gemm(dy.t(), x, out=out)
+    assert rel_err(out, dy.float().t() @ x.float()) <= TOL

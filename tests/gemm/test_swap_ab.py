@@ -15,6 +15,7 @@ from epicute.gemm import GemmProblem, plan_gemm
 from epicute.gemm.compile import compile_gemm
 from epicute.gemm.launch import variant_of
 from epicute.gemm.prepare import GemmRequest, prepare
+from epicute.gemm.tune import wide_swap_pins
 
 
 def meta(*shape, dtype=torch.bfloat16):
@@ -151,8 +152,10 @@ def test_pins_of_the_unswapped_tile_keep_it_and_swap_ab_pins_either_way():
     assert split.config.swap_ab and split.config.split_k == 3 and split.config.ab_stages == 5
     with pytest.raises(epicute.EpicuteError, match="swap_ab=True with L = 2"):
         plan_gemm(GemmProblem(16, 4096, 4096, 2, b_major="k"), swap_ab=True)
-    with pytest.raises(epicute.EpicuteError, match="swap_ab with a pingpong 128x16"):
-        plan_gemm(GemmProblem(16, 4096, 4096, b_major="k"), swap_ab=True, schedule="pingpong", tile_m=128)
+    with pytest.raises(epicute.EpicuteError, match="swap_ab with a cooperative 128x16 tile in a 2x1 cluster"):
+        plan_gemm(GemmProblem(16, 4096, 4096, b_major="k"), swap_ab=True, cluster_m=2)
+    with pytest.raises(epicute.EpicuteError, match="swap_ab with a pingpong 64x40 tile .* a multiple of 16 rows"):
+        plan_gemm(GemmProblem(40, 4096, 4096, b_major="k"), swap_ab=True, schedule="pingpong", tile_n=40)
     with pytest.raises(epicute.EpicuteError, match="split_k=2 with schedule='pingpong'"):
         plan_gemm(GemmProblem(64, 4096, 4096, b_major="k"), swap_ab=True, schedule="pingpong", split_k=2)
 
@@ -202,6 +205,8 @@ SWAPPED = {
     "m48-fp32-persistent": (GemmProblem(48, 20000, 1000, d_dtype="fp32", b_major="k"), {}),
     # a pinned swap of other majors (the kernel's A M-major, its B N-major) at M = 128
     "m128-mn-majors": (GemmProblem(128, 4096, 512, a_major="m", b_major="n"), {"swap_ab": True}),
+    # the tuner's wide swapped tile at M = 1000: 256 rows of B^T (two 64-row blocks a warpgroup) by 144
+    "m1000-256x144": (GemmProblem(1000, 14336, 4096, b_major="n"), wide_swap_pins(GemmProblem(1000, 14336, 4096))),
 }
 
 

@@ -113,3 +113,30 @@ def test_a_prepared_swapped_call_and_a_deterministic_split_sum():
         assert torch.equal(call(x, w.t()), first)
     x2 = torch.randn_like(x)
     assert rel_err(call(x2, w.t()), x2.float() @ w.float().t()) <= 1e-3
+
+
+WIDE_TILES = {
+    # the swapped 256-row tile the tuner offers at M = 1000 (cuBLAS's shape there): a 144-row ragged last band of
+    # B^T (3000 = 11 x 256 + 184), M = 997 in 7 tiles of 144 (the last one 133), a weight of rows (K-major)
+    "swapped-256x144": ({"swap_ab": True, "schedule": "cooperative", "tile_m": 256, "tile_n": 144}, (997, 3000, 520)),
+    # a 256-row swapped tile split in two, fp32 partials of 256 x 128
+    "swapped-256x128-split": (
+        {"swap_ab": True, "schedule": "cooperative", "tile_m": 256, "tile_n": 128, "split_k": 2}, (301, 1000, 1096)
+    ),
+    # the unswapped 256-row cooperative tile (two 64-row blocks a warpgroup), ragged M and N, a 2x1 cluster
+    "256x128": ({"schedule": "cooperative", "tile_m": 256, "tile_n": 128, "cluster_m": 2}, (1001, 1000, 264)),
+}
+
+
+@pytest.mark.parametrize("name", list(WIDE_TILES))
+@pytest.mark.parametrize("weight_rows", [True, False], ids=["w-rows", "kn"])
+def test_256_row_tiles_swapped_and_not(name, weight_rows):
+    pins, (m, n, k) = WIDE_TILES[name]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if weight_rows
+         else torch.randn(k, n, device="cuda", dtype=torch.bfloat16))  # fmt: skip
+    plan = epicute.explain(x, b, config=pins, file=None).config
+    assert (plan.tile_m, plan.tile_n, plan.swap_ab) == (256, pins["tile_n"], pins.get("swap_ab", False))
+    out = poisoned(m, n)
+    epicute.gemm(x, b, out=out, config=pins)
+    assert rel_err(out, x.float() @ b.float()) <= TOL

@@ -11,7 +11,15 @@ from epicute.gemm import api as gemm_api
 from epicute.gemm.api import _tune_identity, _tuned_overrides
 from epicute.gemm.heuristics import choose_config
 from epicute.gemm.smem import EpilogueBuffers
-from epicute.gemm.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry
+from epicute.gemm.tune import (
+    TuneResult,
+    candidates,
+    label,
+    pick_fastest,
+    store_winner,
+    stored_entry,
+    wide_swap_pins,
+)
 from epicute.runtime.target import H100_SXM
 
 
@@ -33,6 +41,19 @@ def test_candidates_are_distinct_valid_configs_with_the_planners_first():
     assert all(o["persistent"] for o in options if o["schedule"] == "pingpong")
     narrow = candidates(GemmProblem(4096, 96, 4096), H100_SXM)
     assert 64 in {o["tile_n"] for o in narrow}
+
+
+def test_ragged_rows_against_a_wide_n_add_the_swapped_256_row_tile():
+    """M = 1000 pads to 1024 in 128-row tiles and 1008 in 144-wide swapped ones (cuBLAS's 256 x 144 there)."""
+    problem = GemmProblem(1000, 14336, 4096, b_major="n")
+    wide = [o for o in candidates(problem, H100_SXM) if o.get("tile_m") == 256]
+    assert wide == [{"schedule": "cooperative", "tile_n": 144, "cluster_m": 1, "cluster_n": 1, "persistent": True,
+                     "swap_ab": True, "tile_m": 256}]  # fmt: skip
+    cfg = choose_config(problem, H100_SXM, **wide[0])
+    assert cfg.swap_ab and (cfg.tile_m, cfg.tile_n, cfg.epi_tile[0]) == (256, 144, 128)
+    assert wide_swap_pins(GemmProblem(1024, 14336, 4096))["tile_n"] == 128  # whole tiles: the widest that pads least
+    for no_swap in (GemmProblem(4096, 4096, 4096), GemmProblem(100, 14336, 4096), GemmProblem(1000, 14336, 4096, 2)):
+        assert wide_swap_pins(no_swap) is None  # N not wider than M; one tile of M; batched (swap-AB plans one)
 
 
 def test_candidates_respect_the_epilogue_budget():
