@@ -391,6 +391,36 @@ def test_the_candidates_are_readied_together_before_they_are_decided(reference_l
         assert str(report).splitlines()[-1].startswith("kernels: none to compile (every kernel in memory or on disk")
 
 
+def test_without_cuda_graphs_a_sides_host_time_counts_where_it_outlasts_its_gpu_time(
+    reference_layers, monkeypatch, tmp_path
+):
+    """The default timer: epicute's calls 1.0 ms of GPU time against Inductor's 2.0, but 5.0 ms of host time against
+    0.1. Without CUDA graphs the host's 5 ms decide (both candidates left, and the report says how they were timed);
+    under ``mode="reduce-overhead"``'s graphs the GPU's (both lifted), remembered under keys of their own."""
+    from torch._inductor import list_mode_options
+
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+
+    def ms(ours, theirs):  # a timer of each side's figure (the peer is its graph, run eagerly)
+        return lambda fn, inputs: (fn(*inputs), (theirs if isinstance(fn, torch.fx.GraphModule) else ours))[1]
+
+    monkeypatch.setattr(EC, "_time_ms", ms(1.0, 2.0))
+    monkeypatch.setattr(EC, "_host_ms", ms(5.0, 0.1))
+    graphs = list_mode_options("reduce-overhead")
+    for settings, lifted in (({}, 0), (graphs, 2), ({}, 0)):
+        decide = EC.Measured(peer=lambda gm, inputs: gm, settings=settings)
+        assert decide.counts_host == (not settings)
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend=functools.partial(EC.backend, inner="aot_eager", decide=decide))
+        errors = step_errors(compiled, block_leaves((3, 37), "cpu"))
+        assert all(e < TOL for e in errors.values()), errors
+        report = EC.last_report()
+        assert len(report.lifted) == lifted and len(report.left) == 2 - lifted
+        for _, why in report.left:
+            assert why.endswith("epicute 5 ms, Inductor 2 ms (each the longer of its GPU and host time: no CUDA "
+                                "graphs)")
+
+
 def test_candidates_that_do_not_fit_at_once_are_measured_one_by_one(reference_layers, monkeypatch, tmp_path):
     """Readying every candidate's inputs at once runs out of GPU memory: nothing is precompiled (the report says
     why), and each candidate is then measured alone, as without workers."""
