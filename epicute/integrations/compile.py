@@ -447,6 +447,8 @@ def always(candidate: Candidate) -> tuple[bool, str]:
 #: forward and backward through autograd, ~1 ms for epicute's, bench/NOTES.md) must pass under it, or the figure is
 #: host time rather than the kernels' that a compiled step, queued ahead by the host, runs at
 MEASURE_HOST_AHEAD_CYCLES = 4_000_000
+#: calls :func:`_host_ms` takes the median of
+HOST_ROUNDS = 7
 
 
 def _time_ms(fn: Callable, inputs: list) -> float:
@@ -469,10 +471,6 @@ def _host_ms(fn: Callable, inputs: list) -> float:
         times.append(time.perf_counter() - start)
     torch.cuda.synchronize()
     return 1e3 * statistics.median(times)
-
-
-#: calls :func:`_host_ms` takes the median of
-HOST_ROUNDS = 7
 
 
 def last_report() -> Report | None:
