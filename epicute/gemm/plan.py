@@ -108,7 +108,7 @@ class GemmPlan:
     def roofline(self) -> Roofline:
         c = self.config
         return roofline(self.kernel_problem, self.target, c.tile_m, c.tile_n, c.tile_k, self.kernel_epilogue,
-                        c.schedule, c.split_k)  # fmt: skip
+                        c.schedule, c.split_k, (c.cluster_m, c.cluster_n))  # fmt: skip
 
 
 def plan_gemm(

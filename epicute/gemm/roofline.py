@@ -88,10 +88,12 @@ def roofline(
     epilogue: EpilogueBuffers = NO_EPILOGUE,
     schedule: str = "cooperative",
     split_k: int = 1,
+    cluster: tuple[int, int] = (1, 1),
 ) -> Roofline:
     """The plan's time as the explain text shows it: compute-bound tiles in waves over the SMs (each of ``split_k``
-    CTAs of a tile runs its share of the k-tiles and stores an fp32 partial, which the tile's last split reads back),
-    or the HBM traffic, whichever is longer."""
+    CTAs of a tile runs its share of the k-tiles and stores an fp32 partial, which the tile's last split reads back;
+    a ``cluster`` of tiles holds its SMs whole, the padded tiles of a ragged last cluster included), or the HBM
+    traffic, whichever is longer."""
     tile_k = tile_k or problem.tile_k
     flops = problem.flops
     # A gated epilogue's outputs and operand tiles have half of B's columns (gate and up pair into one).
@@ -103,9 +105,11 @@ def roofline(
     peak_flops = hw.peak_tflops(problem.ab_dtype) * 1e12
     compute_s = flops / peak_flops
     memory_s = min_bytes / (hw.hbm_tb_per_s * 1e12)
-    tiles = ceil_div(problem.m, tile_m) * ceil_div(problem.n, tile_n) * problem.l
-    units = tiles * split_k  # CTAs' worth of work: each split of a tile is one
-    waves = ceil_div(units, hw.num_sms) if units else 0
+    cluster_m, cluster_n = cluster
+    clusters = ceil_div(ceil_div(problem.m, tile_m), cluster_m) * ceil_div(ceil_div(problem.n, tile_n), cluster_n)
+    units = clusters * cluster_m * cluster_n * problem.l * split_k  # CTAs' worth of work: each split of a tile is one
+    slots = hw.num_sms // (cluster_m * cluster_n) * cluster_m * cluster_n
+    waves = ceil_div(units, slots) if units else 0
     k_padded = ceil_div(ceil_div(problem.k, tile_k), split_k) * tile_k  # one split's k-tiles
     efficiency = BLOCK_SCALED_EFFICIENCY if problem.block_scaled else MAINLOOP_EFFICIENCY
     per_sm_flops = peak_flops / hw.num_sms * efficiency.get(tile_n, 0.5)
@@ -131,7 +135,7 @@ def roofline(
         compute_s=compute_s,
         memory_s=memory_s,
         predicted_s=predicted,
-        waves=units / hw.num_sms if units else 0.0,
+        waves=units / slots if units else 0.0,
         bound="compute" if quantized_s >= memory_s else "memory",
         epilogue_bytes=epilogue_bytes,
         epilogue_tile_s=epilogue_tile_s,

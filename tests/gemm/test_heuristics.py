@@ -83,6 +83,16 @@ def test_pairs_of_tiles_cost_no_wave_of_their_own(m, n, cluster, why):
     assert any(reason.startswith(why) for reason in cfg.reasons), cfg.reasons
 
 
+def test_the_roofline_counts_the_padded_tiles_of_a_ragged_last_cluster():
+    """99 x 4 tiles of 128x256 in 2x1 clusters are 50 x 4 clusters, 400 CTAs' worth: a fourth wave (the plan's 1x2
+    pairs run 396 in three)."""
+    problem = GemmProblem(12608, 1024, 4096, b_major="k")
+    planned = plan_gemm(problem, H100_SXM).roofline
+    paired = plan_gemm(problem, H100_SXM, cluster_m=2, cluster_n=1).roofline
+    assert planned.waves == pytest.approx(396 / 132) and paired.waves == pytest.approx(400 / 132)
+    assert paired.predicted_s == pytest.approx(planned.predicted_s * 4 / 3)
+
+
 def test_8192_cubed_takes_ping_pong_tiles_in_bands_down_m():
     # 2752 tiles of 128x192 fill 20.85 of 21 waves, 2048 of 128x256 15.5 of 16; with two tiles
     # per SM in flight, bands of 8 clusters down M cover 2048x3264 instead of 4352x1536.
