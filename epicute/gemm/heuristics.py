@@ -71,7 +71,7 @@ from epicute.gemm.config import (
     epi_tile_m,
     validate_block_scaled,
 )
-from epicute.gemm.roofline import estimate_seconds
+from epicute.gemm.roofline import cluster_ctas, cta_slots, estimate_seconds
 from epicute.gemm.smem import (
     NO_EPILOGUE,
     EpilogueBuffers,
@@ -566,8 +566,8 @@ def choose_cluster_pair(
     in_flight = hw.num_sms * (2 if schedule == "pingpong" else 1)  # a ping-pong CTA holds two tiles
 
     def waves(cluster_m: int, cluster_n: int) -> int:
-        clusters = ceil_div(tiles_m, cluster_m) * ceil_div(tiles_n, cluster_n) * problem.l
-        return ceil_div(clusters, in_flight // (cluster_m * cluster_n))
+        cluster = (cluster_m, cluster_n)
+        return ceil_div(cluster_ctas(problem, tile_m, tile_n, cluster), cta_slots(in_flight, cluster))
 
     alone, paired = waves(1, 1), waves(2, 1)
     if paired <= alone:

@@ -68,6 +68,20 @@ class Roofline:
         return self.flops / max(self.min_bytes, 1)
 
 
+def cluster_ctas(problem: GemmProblem, tile_m: int, tile_n: int, cluster: tuple[int, int]) -> int:
+    """CTAs' worth of work of the problem's tiles in ``cluster``-shaped clusters: a ragged last cluster's idle peers
+    hold their SMs too."""
+    cluster_m, cluster_n = cluster
+    clusters = ceil_div(ceil_div(problem.m, tile_m), cluster_m) * ceil_div(ceil_div(problem.n, tile_n), cluster_n)
+    return clusters * cluster_m * cluster_n * problem.l
+
+
+def cta_slots(in_flight: int, cluster: tuple[int, int]) -> int:
+    """Of ``in_flight`` CTA slots, those whole clusters of ``cluster`` fill."""
+    size = cluster[0] * cluster[1]
+    return in_flight // size * size
+
+
 def estimate_seconds(
     problem: GemmProblem,
     hw: Target,
@@ -105,10 +119,8 @@ def roofline(
     peak_flops = hw.peak_tflops(problem.ab_dtype) * 1e12
     compute_s = flops / peak_flops
     memory_s = min_bytes / (hw.hbm_tb_per_s * 1e12)
-    cluster_m, cluster_n = cluster
-    clusters = ceil_div(ceil_div(problem.m, tile_m), cluster_m) * ceil_div(ceil_div(problem.n, tile_n), cluster_n)
-    units = clusters * cluster_m * cluster_n * problem.l * split_k  # CTAs' worth of work: each split of a tile is one
-    slots = hw.num_sms // (cluster_m * cluster_n) * cluster_m * cluster_n
+    units = cluster_ctas(problem, tile_m, tile_n, cluster) * split_k  # each split of a tile is a CTA's work
+    slots = cta_slots(hw.num_sms, cluster)
     waves = ceil_div(units, slots) if units else 0
     k_padded = ceil_div(ceil_div(problem.k, tile_k), split_k) * tile_k  # one split's k-tiles
     efficiency = BLOCK_SCALED_EFFICIENCY if problem.block_scaled else MAINLOOP_EFFICIENCY
