@@ -4,16 +4,16 @@
   parallelism. A rank starts its GEMM on its own rows at once, while the copy engine pulls the peers' shards out of
   torch's symmetric memory; each peer's rows are multiplied as soon as they have landed, so the all-gather hides
   behind the GEMM. The fused epilogue runs unchanged on every block of rows.
-- :func:`gemm_reduce_scatter`: ``epilogue(reduce_scatter(a @ b))``, the row-parallel layer, as a ring of GEMMs:
-  each step multiplies the rows of the next rank around the ring and adds, in its epilogue, the running sum of those
-  rows that the previous rank left in its symmetric buffer, read in place; the last step's rows are the rank's own,
-  complete. The reduction is part of the GEMMs, with no pass and no copy of its own, and the user's epilogue applies
-  to the full sum.
+- :func:`gemm_reduce_scatter`: ``epilogue(reduce_scatter(a @ b))``, the row-parallel layer. A rank first multiplies
+  the other ranks' rows, one rank a step, and hands each partial sum to the rank that owns those rows (the copy
+  engine pushes it into the owner's symmetric buffer while the next GEMM runs; the last one is read in place);
+  then it multiplies its own rows, and that GEMM's epilogue adds the partials it was handed. The reduction is part
+  of the last GEMM, with no pass of its own, and the user's epilogue applies to the full sum.
 
 Both take what :func:`epicute.gemm` takes for the GEMM and the epilogue, and are differentiable: each one's input
 gradient is the other (``all_gather_gemm``'s a ``gemm_reduce_scatter`` of ``dacc`` and vice versa), and an
 epilogue's backward is the one :func:`epicute.gemm` derives for it (the gradient epilogue over the gathered rows, or
-over the ring's rows of the sum; the accumulator saved by the forward or recomputed, as the plan says).
+over the owner's rows of the sum; the accumulator saved by the forward or recomputed, as the plan says).
 On a group without symmetric memory (``gloo``, CPU tensors) the same schedule runs over plain collectives
 (:mod:`epicute.distributed.transport`). Every rank makes the same calls with the same shapes, as with any
 collective; a call is validated in full before its first collective, so a refused call leaves no peer waiting.
@@ -21,7 +21,6 @@ collective; a call is validated in full before its first collective, so a refuse
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -118,9 +117,9 @@ def gemm_reduce_scatter(
         group: the process group (default: the world).
         epilogue, operands: :func:`epicute.gemm`'s fused epilogue over this rank's ``(M / world, N)`` rows of the
             full sum (a bias, a residual, an activation: after the reduction, as the math says).
-        out_dtype: D's dtype (default: ``a``'s; bf16 for fp8 inputs). The running sums travel between neighbours
-            in ``a``'s dtype (bf16 for fp8 inputs), each added to the next rank's fp32 accumulator: ``world - 1``
-            roundings, as NCCL's ring reduces bf16.
+        out_dtype: D's dtype (default: ``a``'s; bf16 for fp8 inputs). The partial sums travel in ``a``'s dtype
+            (bf16 for fp8 inputs), each rounded once and added to the owner's fp32 accumulator, as torch's
+            async-TP reduces them.
         a_scale, b_scale: fp8 inputs' scales, as :func:`epicute.gemm` takes them: ``a_scale`` rowwise over all M
             rows or tensorwise.
 
@@ -195,43 +194,45 @@ def _all_gather_gemm(a_shard, b, group, epilogue, out_dtype, operands, scales=(N
 
 
 def _gemm_reduce_scatter(a, b, group, epilogue, out_dtype, operands, scales=(None, None), out_dtypes=None) -> Any:
-    """A ring: at step ``t`` rank ``r`` multiplies the rows of rank ``(r - 1 - t) mod w`` and adds the previous
-    rank's running sum of those rows (its step ``t - 1``), read from that rank's buffer, in the GEMM's epilogue; the
-    last step's rows are its own, every rank's partial in them, and the user's epilogue follows the sum."""
+    """Rank ``r`` multiplies the other ranks' rows first, one owner a step (``r + 1``, ``r + 2``, ...: the
+    transport's order), handing each partial to its owner, then its own rows, whose GEMM adds the ``world - 1``
+    partials it was handed in its epilogue, before the user's epilogue."""
     world, rank = group.size(), group.rank()
     rows, n = a.shape[0] // world, b.shape[1]
     a_scale, b_scale = scales
 
-    def rows_of(step: int) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Step ``step``'s rows of A, and their scales as :func:`gemm`'s arguments."""
-        owner = (rank - 1 - step) % world
+    def rows_of(owner: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Rank ``owner``'s rows of A, and their scales as :func:`gemm`'s arguments."""
         cut = slice(owner * rows, (owner + 1) * rows)
         return a[cut], {"a_scale": None if a_scale is None else a_scale[cut], "b_scale": b_scale}
 
     aux = {"out_dtypes": out_dtypes} if out_dtypes else {}
+    own_rows, own_scales = rows_of(rank)
     if world == 1:
-        a_rows, scaled = rows_of(0)
-        return gemm(a_rows, b, epilogue=epilogue, out_dtype=out_dtype, **scaled, **aux, **operands)
-    running = new_output((rows, n), _wide(a.dtype), a.device)
-    final = with_leading_operands(epilogue, ("running_sum",), ("tile",), operator.add, "gemm_reduce_scatter")
-    last = world - 1
-    # Every step's GEMM, checked with a stand-in for the running sum it reads (the same shape and dtype).
-    calls = [rows_of(step) for step in range(world)]
-    for step, (a_rows, scaled) in enumerate(calls):
-        if step == last:
-            extra = {"epilogue": final, "out_dtype": out_dtype, **aux, **operands}
-        else:
-            extra = {"out": running, **({"epilogue": _ADD_RUNNING} if step else {})}
-        _check_before_sending(a_rows, b, **scaled, **extra, **({"running_sum": Tile(running)} if step else {}))
+        return gemm(own_rows, b, epilogue=epilogue, out_dtype=out_dtype, **own_scales, **aux, **operands)
+    names = tuple(f"partial_{i}" for i in range(1, world))
+    final = with_leading_operands(epilogue, names, ("tile",) * len(names), _add_partials, "gemm_reduce_scatter")
+    steps = [rows_of((rank + 1 + step) % world) for step in range(world - 1)]
+    # Every GEMM checked before the first signal, a stand-in for the partials (their shape and dtype).
+    stand_in = new_output((rows, n), _wide(a.dtype), a.device)
+    for a_rows, scaled in steps:
+        _check_before_sending(a_rows, b, out=stand_in, **scaled)
+    _check_before_sending(own_rows, b, epilogue=final, out_dtype=out_dtype, **own_scales, **aux, **operands,
+                          **dict.fromkeys(names, Tile(stand_in)))  # fmt: skip
 
-    ring = transport(group, a).reduce_ring((rows, n), running.dtype, a.device)
-    for step, (a_rows, scaled) in enumerate(calls[:last]):
-        added = {"epilogue": _ADD_RUNNING, "running_sum": Tile(ring.received(step - 1))} if step else {}
-        gemm(a_rows, b, out=ring.out(step), **scaled, **added)
-        ring.send(step)
-    a_rows, scaled = calls[last]
-    return gemm(a_rows, b, epilogue=final, out_dtype=out_dtype, running_sum=Tile(ring.received(last - 1)), **scaled,
-                **aux, **operands)  # fmt: skip
+    exchange = transport(group, a).partials((rows, n), stand_in.dtype, a.device)
+    for step, (a_rows, scaled) in enumerate(steps):
+        gemm(a_rows, b, out=exchange.out(step), **scaled)
+        exchange.send(step)
+    partials = {name: Tile(part) for name, part in zip(names, exchange.received(), strict=True)}
+    return gemm(own_rows, b, epilogue=final, out_dtype=out_dtype, **own_scales, **aux, **operands, **partials)
+
+
+def _add_partials(acc, *partials):
+    """The own rows' accumulator plus the partials the other ranks sent, in the order they were computed."""
+    for part in partials:
+        acc = acc + part
+    return acc
 
 
 def _check_before_sending(a: torch.Tensor, b: torch.Tensor, **arguments: Any) -> None:
@@ -293,9 +294,6 @@ def _row_scales(a_scale: float | torch.Tensor | None, a: torch.Tensor) -> torch.
 def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An output this module fills (D, the gathered A): uninitialized (tests poison it with NaN here)."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-_ADD_RUNNING = with_leading_operands(None, ("running_sum",), ("tile",), operator.add, "gemm_reduce_scatter")
 
 
 #: Epilogue signatures whose outputs were found computable block by block (:class:`_RowBlocks`).
@@ -547,8 +545,8 @@ class _GatheredKernels(DenseKernels):
 
 
 class _RingKernels(DenseKernels):
-    """The backward of a ring's rows (``(M / world, N)`` of D): the gradient epilogue over them (a ``recompute``
-    plan runs the ring again with it), and ``dacc`` all-gathered once into both ``da`` and ``db``."""
+    """The backward of a rank's rows of a reduce-scatter (``(M / world, N)`` of D): the gradient epilogue over them
+    (a ``recompute`` plan runs the reduce-scatter again with it), and ``dacc`` all-gathered once into both ``da`` and ``db``."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, group) -> None:
         super().__init__(a, b, False, {})

@@ -4,9 +4,9 @@ Two transports with one interface, chosen by the group and the tensors' device:
 
 - :class:`Symmetric` (CUDA tensors, an NCCL group): torch's symmetric memory (``torch.distributed.
   _symmetric_memory``), one buffer per group mapped into every rank's address space. A peer's shard is pulled by the
-  copy engine on a side stream (no SM spent on it) while the GEMMs run; a neighbour's running sum is read in place,
-  from its buffer, by the GEMM that adds to it. Cross-rank order comes from the buffer's barriers and signals,
-  stream-ordered kernels of torch's.
+  copy engine on a side stream (no SM spent on it) while the GEMMs run; partial sums are pushed to the ranks that
+  own their rows by the copy engine as well, but for the last one, which its owner's GEMM reads in place.
+  Cross-rank order comes from the buffer's barriers and signals, stream-ordered kernels of torch's.
 - :class:`Collective` (any other group, e.g. ``gloo`` on CPU): the same schedule over plain collectives and
   point-to-point sends, with no overlap. It runs the host logic where symmetric memory does not exist (CI's CPU
   gloo world).
@@ -21,8 +21,9 @@ from collections.abc import Iterator
 import torch
 
 #: Signal channels of the symmetric buffer: 0 opens a call (a barrier: peers are done with the buffer's previous
-#: contents), 1 says every rank's shard is staged (a barrier), 2 passes a ring's running sum to the next rank.
-_OPEN, _STAGED, _RING = 0, 1, 2
+#: contents), 1 says every rank's shard is staged (a barrier), 2 says a partial sum was copied into its owner's
+#: buffer, 3 that the last partial sum waits in its producer's buffer.
+_OPEN, _STAGED, _PUSHED, _LEFT = 0, 1, 2, 3
 
 
 class Collective:
@@ -42,14 +43,26 @@ class Collective:
             _all_gather(out, shard.contiguous(), self.group)
         yield from ring(self.rank, self.world)
 
-    def reduce_ring(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> ReduceRing:
-        return _SentRing(self, shape, dtype, device)
+    def partials(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> PartialExchange:
+        return _SentPartials(self, shape, dtype, device)
 
 
-class ReduceRing:
-    """A ring reduction's data movement, one call's worth: at step ``t`` this rank writes its running sum into
-    :meth:`out` and passes it to the next rank (:meth:`send`); it reads the previous rank's running sum of step
-    ``t - 1`` from :meth:`received`."""
+class PartialExchange:
+    """One reduce-scatter's partial sums on their way to the ranks that own their rows. At step ``i`` (``0`` to
+    ``world - 2``) this rank computes into :meth:`out` the partial of the rows of rank :meth:`owner` and hands it
+    over with :meth:`send`; :meth:`received` gives the ``world - 1`` partials of its own rows, step order of their
+    producers, ready for work issued after it on the current stream."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def owner(self, step: int) -> int:
+        """The rank whose rows step ``step`` multiplies: the next ranks around the ring, one a step."""
+        return (self.rank + 1 + step) % self.world
+
+    def source(self, step: int) -> int:
+        """The rank whose step ``step`` computes this rank's partial."""
+        return (self.rank - 1 - step) % self.world
 
     def out(self, step: int) -> torch.Tensor:
         raise NotImplementedError
@@ -57,33 +70,35 @@ class ReduceRing:
     def send(self, step: int) -> None:
         raise NotImplementedError
 
-    def received(self, step: int) -> torch.Tensor:
+    def received(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
 
-class _SentRing(ReduceRing):
-    """Running sums in this rank's own tensors, sent to the next rank point to point."""
+class _SentPartials(PartialExchange):
+    """Partials in this rank's own tensors, sent to their owners point to point."""
 
     def __init__(self, transport: Collective, shape, dtype, device) -> None:
-        self.group, self.rank, self.world = transport.group, transport.rank, transport.world
-        self.slots = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.world - 1)]
+        super().__init__(transport.rank, transport.world)
+        self.group = transport.group
+        self.parts = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.world - 1)]
         self.pending: list = []
 
     def out(self, step: int) -> torch.Tensor:
-        return self.slots[step]
+        return self.parts[step]
 
     def send(self, step: int) -> None:
-        right = torch.distributed.get_global_rank(self.group, (self.rank + 1) % self.world)
-        self.pending.append(torch.distributed.isend(self.slots[step], right, group=self.group))
+        owner = torch.distributed.get_global_rank(self.group, self.owner(step))
+        self.pending.append(torch.distributed.isend(self.parts[step], owner, group=self.group))
 
-    def received(self, step: int) -> torch.Tensor:
-        left = torch.distributed.get_global_rank(self.group, (self.rank - 1) % self.world)
-        incoming = torch.empty_like(self.slots[step])
-        torch.distributed.recv(incoming, left, group=self.group)
-        if step == self.world - 2:  # this call's last receive: its sends complete (the next rank's last takes one)
-            for work in self.pending:
-                work.wait()
-        return incoming
+    def received(self) -> list[torch.Tensor]:
+        got = []
+        for step, part in enumerate(self.parts):
+            got.append(torch.empty_like(part))
+            torch.distributed.recv(got[-1], torch.distributed.get_global_rank(self.group, self.source(step)),
+                                   group=self.group)  # fmt: skip
+        for work in self.pending:  # every peer has received, so this rank's sends are done
+            work.wait()
+        return got
 
 
 class Symmetric:
@@ -139,30 +154,58 @@ class Symmetric:
             current.wait_stream(side)
             current.wait_stream(computes[1])
 
-    def reduce_ring(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> ReduceRing:
-        return _SymmetricRing(self, shape, dtype)
+    def partials(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> PartialExchange:
+        return _SymmetricPartials(self, shape, dtype)
 
 
-class _SymmetricRing(ReduceRing):
-    """Running sums in the symmetric buffer, a slot per step; the next rank reads them in place, told by a signal."""
+class _SymmetricPartials(PartialExchange):
+    """Partials through the symmetric buffers. Each one but the last goes into a local tensor, from which the copy
+    engine pushes it, on a side stream, into its owner's buffer (slot ``step``) while the next GEMMs run; a signal
+    follows the copy. The last one, ready only as the owner's own GEMM is about to start, is left in this rank's
+    buffer (slot ``world - 2``) and read in place by that GEMM's epilogue, over NVLink: copying it first would put
+    the whole copy before the GEMM. A GEMM that stores to or loads from a peer throughout runs about half as long
+    again as one on local memory (bench/NOTES.md, TP4's row-parallel timelines), so one step of ``world`` pays it."""
 
     def __init__(self, transport: Symmetric, shape, dtype) -> None:
-        self.rank, self.world, self.shape, self.dtype = transport.rank, transport.world, shape, dtype
+        super().__init__(transport.rank, transport.world)
+        self.shape, self.dtype, self.device = shape, dtype, transport.device
         self.slot = shape[0] * shape[1]
         nbytes = (self.world - 1) * self.slot * torch.empty((), dtype=dtype).element_size()
         self.handle = _buffer(transport.group, transport.device, nbytes)
+        self.side = _stream(transport.device, "copy")
+        self.parts: dict[int, torch.Tensor] = {}
         self.handle.barrier(channel=_OPEN)
 
+    def _slot(self, rank: int, index: int) -> torch.Tensor:
+        return self.handle.get_buffer(rank, self.shape, self.dtype, storage_offset=index * self.slot)
+
     def out(self, step: int) -> torch.Tensor:
-        return self.handle.get_buffer(self.rank, self.shape, self.dtype, storage_offset=step * self.slot)
+        if step == self.world - 2:
+            return self._slot(self.rank, step)
+        self.parts[step] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return self.parts[step]
 
     def send(self, step: int) -> None:
-        self.handle.put_signal((self.rank + 1) % self.world, channel=_RING)
+        if step == self.world - 2:
+            self.handle.put_signal(self.owner(step), channel=_LEFT)
+            return
+        part = self.parts.pop(step)
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side):
+            self._slot(self.owner(step), step).copy_(part)
+            self.handle.put_signal(self.owner(step), channel=_PUSHED)
+        part.record_stream(self.side)
 
-    def received(self, step: int) -> torch.Tensor:
-        left = (self.rank - 1) % self.world
-        self.handle.wait_signal(left, channel=_RING)
-        return self.handle.get_buffer(left, self.shape, self.dtype, storage_offset=step * self.slot)
+    def received(self) -> list[torch.Tensor]:
+        current = torch.cuda.current_stream(self.device)
+        for step in range(self.world - 2):
+            self.handle.wait_signal(self.source(step), channel=_PUSHED)
+        last = self.world - 2
+        self.handle.wait_signal(self.source(last), channel=_LEFT)
+        # The caller's stream owns all after this: this rank's pushes too (the next call's opening barrier, on it,
+        # then says that they have landed).
+        current.wait_stream(self.side)
+        return [self._slot(self.rank, step) for step in range(last)] + [self._slot(self.source(last), last)]
 
 
 def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
