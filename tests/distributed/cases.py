@@ -191,7 +191,7 @@ def _rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_rowwise_both_ways(rank: int, world: int, rows: int, k: int, n: int) -> None:
-    """fp8 e4m3 inputs with rowwise scales (A's gathered with its rows; cut by rows in the ring) through both
+    """fp8 e4m3 inputs with rowwise scales (A's gathered with its rows; cut by rows in the reduce-scatter) through both
     collective GEMMs, bf16 out, against float64 of the dequantized inputs."""
     _fresh_seed()
     dev = _device()
@@ -207,7 +207,7 @@ def fp8_rowwise_both_ways(rank: int, world: int, rows: int, k: int, n: int) -> N
     assert got.shape == (m, n) and got.dtype == BF16
     assert rel(got, want) < TOL, rel(got, want)
 
-    # The ring's shares of K: A's columns and W's, each share's product dequantized by the same row scales.
+    # The reduce-scatter's shares of K: A's columns and W's, each share's product dequantized by the same row scales.
     a8_k, w8_k = a8[:, cols].contiguous(), w8[:, cols].contiguous()
     got = ED.gemm_reduce_scatter(a8_k.to(dev), w8_k.to(dev).t(), a_scale=a_scale.to(dev),
                                  b_scale=w_scale.reshape(1, n).to(dev))  # fmt: skip
