@@ -191,8 +191,8 @@ def _rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_rowwise_both_ways(rank: int, world: int, rows: int, k: int, n: int) -> None:
-    """fp8 e4m3 inputs with rowwise scales (A's gathered with its rows; cut by rows in the reduce-scatter) through both
-    collective GEMMs, bf16 out, against float64 of the dequantized inputs."""
+    """fp8 e4m3 inputs with rowwise scales (A's gathered with its rows; cut by rows in the reduce-scatter) through
+    both collective GEMMs, bf16 out, against float64 of the dequantized inputs."""
     _fresh_seed()
     dev = _device()
     m = world * rows
