@@ -528,7 +528,7 @@ class _GemmReduceScatterEpilogue(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         group = ctx.group
-        da, db, *operand_grads = _Lowered.backward(ctx, grads[:-1], lambda a, b: _RingKernels(a, b, group))
+        da, db, *operand_grads = _Lowered.backward(ctx, grads[:-1], lambda a, b: _ReduceScatterKernels(a, b, group))
         return (da, db, None, None, *operand_grads)
 
 
@@ -544,9 +544,10 @@ class _GatheredKernels(DenseKernels):
         return _gemm_reduce_scatter(dacc, self.b.t(), self.group, None, None, {})
 
 
-class _RingKernels(DenseKernels):
+class _ReduceScatterKernels(DenseKernels):
     """The backward of a rank's rows of a reduce-scatter (``(M / world, N)`` of D): the gradient epilogue over them
-    (a ``recompute`` plan runs the reduce-scatter again with it), and ``dacc`` all-gathered once into both ``da`` and ``db``."""
+    (a ``recompute`` plan runs the reduce-scatter again with it), and ``dacc`` all-gathered once into both ``da``
+    and ``db``."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, group) -> None:
         super().__init__(a, b, False, {})
