@@ -20,8 +20,8 @@ Each contender's first call compiles, cold (:func:`cold_caches`: Inductor's and 
 kernels and lift decisions in an empty directory and none in memory); its wall time is printed. Each is checked
 against the eager model (loss, logits or output, relative error); then all are timed in interleaved rounds
 (``time_flushed``, L2 flushed, medians). Writes bench/results/compile.json (unit: thousand tokens per second), and
-the first calls' seconds to compile_time.json beside it. Also prints, per case, what epicute's backend lifted and
-left (``last_report``).
+the first calls' seconds beside it (compile_time.json; compile_time_X.json for an ``--out`` of compile_X.json).
+Also prints, per case, what epicute's backend lifted and left (``last_report``).
 """
 
 from __future__ import annotations
@@ -179,6 +179,13 @@ def run_case(name: str, max_autotune: bool) -> tuple[Row, bool, Row]:
     return row, measure_rates(row, runs, error, TOLERANCE, tokens), compile_seconds
 
 
+def times_path_of(out: Path) -> Path:
+    """Where the cold first calls of a run writing ``out`` go: compile.json's beside it as compile_time.json,
+    compile_X.json's as compile_time_X.json (two runs into one folder keep both)."""
+    rest = out.stem.removeprefix("compile") if out.stem.startswith("compile") else f"_{out.stem}"
+    return out.with_name(f"compile_time{rest}{out.suffix}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {list(CASES)}")
@@ -193,7 +200,7 @@ def main() -> int:
         oks.append(ok)
         compile_rows.append(seconds)
     command = " ".join(["python", "bench/compile.py", *sys.argv[1:]])
-    times_path = Path(args.out).with_name("compile_time.json")
+    times_path = times_path_of(Path(args.out))
     times = write_result(times_path, "compile_time", command, "s", False, compile_rows)
     print(f"wrote {times} (cold first calls, s): {compile_rows}")
     return finish_peer_run(args.out, "compile", rows, all(oks), unit="ktokens/s")

@@ -29,7 +29,9 @@ README_BENCHMARKS = (
     "quantize", "quantize_pairs", "training", "training_dense", "training_fp8", "training_moe_fp8", "models",
     "models_moe", "models_qwen3_moe", "models_fp8", "models_moe_fp8", "models_decode", "compile",
     "compile_max_autotune", "compile_max_autotune_llama", "compile_max_autotune_vit_prefill", "compile_time",
-    "compile_host", "compile_llama_host", "compile_time_host", "compile_time_llama_host", "tp",
+    "compile_host", "compile_llama_host", "compile_llama_prefill_host", "compile_mixtral_train_host",
+    "compile_time_host", "compile_time_llama_host", "compile_time_llama_prefill_host",
+    "compile_time_mixtral_train_host", "tp",
     "runtime",
 )  # fmt: skip
 CHART_WIDTH = 40
