@@ -265,10 +265,10 @@ class Measured:
     ``options``, as :func:`backend` hands them on): the unlifted call is compiled with them too, so under
     ``mode="max-autotune"`` a candidate meets Inductor's autotuned GEMM, and a decision is remembered per settings.
     Without CUDA graphs in them, a side's time is the longer of its GPU time and its host's: a step queued ahead by
-    the host hides its calls' host cost only while their GPU work outlasts it (ViT's block, whose linears take
-    0.15 ms of GPU time forward and backward and ~1 ms of epicute's host time through autograd, ran 0.70x plain
-    torch.compile with them lifted on GPU time alone; bench/NOTES.md). ``timer`` (the milliseconds that decide, of
-    ``fn(*inputs)``) and ``peer`` (compiles a graph of the unlifted call) may be replaced: tests do.
+    the host hides its calls' host cost only while their GPU work outlasts it (ViT's block, its linears lifted on GPU
+    time alone, ran 0.70x plain torch.compile; bench/NOTES.md). Epicute's side is timed as the compiled graph calls
+    its ops (:func:`_as_the_graph_calls`), so that its host time is the graph's. ``timer`` (the milliseconds that
+    decide, of ``fn(*inputs)``) and ``peer`` (compiles a graph of the unlifted call) may be replaced: tests do.
     :meth:`precompile` readies both sides of many candidates at once."""
 
     timer: Callable[[Callable, list], float] | None = None
@@ -331,7 +331,7 @@ class Measured:
                 sides = {key: self._sides(candidate) for key, candidate in todo.items()}
             except torch.OutOfMemoryError as exc:
                 return Precompiled(skipped=f"the candidates' inputs at once: {exc}".splitlines()[0])
-            runs = [functools.partial(side.ours, *side.inputs) for side in sides.values()]
+            runs = [functools.partial(side.eager, *side.inputs) for side in sides.values()]
             peers = [functools.partial(self._compile_peer, sides[key]) for key in sides if key in unmeasured]
             with torch.no_grad():
                 done = precompile(runs, idle=peers)
@@ -352,7 +352,7 @@ class Measured:
                 grad = torch.randn_like(theirs(*inputs)[0])  # the gradient both backward passes start from
             inputs = [*inputs, grad]
             ours, theirs = _joint(ours, needs), _joint(theirs, needs)
-        return _Sides(inputs, ours, theirs, trains)
+        return _Sides(inputs, _as_the_graph_calls(ours, inputs), theirs, trains, eager=ours)
 
     def _compile_peer(self, side: _Sides) -> None:
         """Inductor's compile of the unlifted side (or why there is none), kept on ``side``."""
@@ -372,7 +372,7 @@ class Measured:
         side = self._ready.pop(key, None) or self._sides(candidate)
         with torch.no_grad():
             try:
-                ours_ms = timer(side.ours, side.inputs)
+                ours_ms = _ours_ms(timer, side)
             except Exception as exc:  # noqa: BLE001 - epicute's call failed here: the chain stays Inductor's
                 return False, f"epicute's call failed on inputs like the graph's ({type(exc).__name__}: {exc})"
             if side.peer is None:
@@ -394,14 +394,27 @@ class Measured:
 
 @dataclass
 class _Sides:
-    """A candidate's two sides as :class:`Measured` times them: the inputs, epicute's call, the unlifted call and,
-    once compiled, Inductor's (or the exception its compile raised)."""
+    """A candidate's two sides as :class:`Measured` times them: the inputs, epicute's call (as the compiled graph
+    calls its ops, :func:`_as_the_graph_calls`; ``eager``: as written, what precompiling runs to find its kernels),
+    the unlifted call and, once compiled, Inductor's (or the exception its compile raised)."""
 
     inputs: list
     ours: Callable
     theirs: Callable
     trains: bool
+    eager: Callable
     peer: Callable | Exception | None = None
+
+
+def _ours_ms(timer: Callable, side: _Sides) -> float:
+    """``timer`` of epicute's side; where its traced calls cannot run here (the reference backend runs no attention
+    backward under a compiled graph's trace), of the side as written."""
+    try:
+        return timer(side.ours, side.inputs)
+    except Exception:
+        if side.ours is side.eager:
+            raise
+        return timer(side.eager, side.inputs)
 
 
 def _joint(fn: Callable, trains: list[bool]) -> Callable:
@@ -420,6 +433,19 @@ def _joint(fn: Callable, trains: list[bool]) -> Callable:
         return (out.detach(), *grads)
 
     return joint
+
+
+def _as_the_graph_calls(fn: Callable, inputs: list) -> Callable:
+    """``fn`` (epicute's side) traced into the calls of epicute's ops that a compiled graph makes: AOTAutograd
+    traces the lifted call's forward and backward ahead, so the graph runs those ops one after another, with no
+    autograd engine and none of the Python that decided them. Timed eagerly instead, the side's host time counted
+    that work too (ViT's linears: ~1 ms forward and backward against Inductor's 0.16; bench/NOTES.md). Where it does
+    not trace, ``fn`` itself (its host time then overstated, never understated)."""
+    try:
+        with torch.no_grad():
+            return make_fx(fn, tracing_mode="fake")(*inputs)
+    except Exception:  # noqa: BLE001 - measured as it is
+        return fn
 
 
 def _outside_the_compile(measure: Callable[[], Any]) -> Any:

@@ -288,6 +288,12 @@ def test_grouped_mm_epicute_cannot_take_is_left_with_the_reason():
     assert not report.lifted and "N=12" in report.left[0][1] and out.shape == (12, 12)
 
 
+def is_peer(fn) -> bool:
+    """Whether a timed side is the unlifted call (its graph, calling no epicute op) rather than epicute's (traced into
+    its ops' calls, as a compiled graph makes them)."""
+    return isinstance(fn, torch.fx.GraphModule) and "torch.ops.epicute." not in fn.code
+
+
 class _Timer:
     """Runs each timed call once and reports ``ours`` for epicute's call, ``theirs`` for the unlifted call (the peer
     here: its graph itself, run eagerly). Where the graph trains, each side is one function of the inputs and the
@@ -298,7 +304,7 @@ class _Timer:
         self.results: dict[bool, list] = {}
 
     def __call__(self, fn, inputs) -> float:
-        peer = isinstance(fn, torch.fx.GraphModule)
+        peer = is_peer(fn)
         out = fn(*inputs)
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         assert all(isinstance(t, torch.Tensor) and torch.isfinite(t.float()).all() for t in outs)
@@ -402,7 +408,7 @@ def test_without_cuda_graphs_a_sides_host_time_counts_where_it_outlasts_its_gpu_
     monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
 
     def ms(ours, theirs):  # a timer of each side's figure (the peer is its graph, run eagerly)
-        return lambda fn, inputs: (fn(*inputs), (theirs if isinstance(fn, torch.fx.GraphModule) else ours))[1]
+        return lambda fn, inputs: (fn(*inputs), (theirs if is_peer(fn) else ours))[1]
 
     monkeypatch.setattr(EC, "_time_ms", ms(1.0, 2.0))
     monkeypatch.setattr(EC, "_host_ms", ms(5.0, 0.1))
@@ -419,6 +425,42 @@ def test_without_cuda_graphs_a_sides_host_time_counts_where_it_outlasts_its_gpu_
         for _, why in report.left:
             assert why.endswith("epicute 5 ms, Inductor 2 ms (each the longer of its GPU and host time: no CUDA "
                                 "graphs)")
+
+
+def test_epicutes_side_is_timed_as_the_compiled_graph_calls_it(reference_layers, monkeypatch, tmp_path):
+    """The host time that decides is the compiled graph's: epicute's side of each training candidate is timed as the
+    calls of its ops that AOTAutograd traces ahead (the forward GEMM with its epilogue, then the backward's GEMMs),
+    not through autograd and the Python that decides those calls."""
+    monkeypatch.setenv("EPICUTE_CACHE_DIR", str(tmp_path))
+    timer, ours = _Timer(1.0, 2.0), []
+
+    def timed(fn, inputs):
+        if not is_peer(fn):
+            ours.append(fn)
+        return timer(fn, inputs)
+
+    torch._dynamo.reset()
+    decide = EC.Measured(timer=timed, peer=lambda gm, inputs: gm)
+    compiled = torch.compile(block, backend=functools.partial(EC.backend, inner="aot_eager", decide=decide))
+    errors = step_errors(compiled, block_leaves((3, 37), "cpu"))
+    assert all(e < TOL for e in errors.values()), errors
+    assert len(ours) == 2 and len(EC.last_report().lifted) == 2
+    for fn in ours:  # forward, data gradient and weight gradient at least, each a call of the op
+        assert isinstance(fn, torch.fx.GraphModule) and fn.code.count("torch.ops.epicute.gemm.default(") >= 3
+
+
+def test_a_side_that_does_not_trace_is_timed_as_it_is():
+    """Data-dependent Python (a value read on the host) cannot be traced ahead: that side is timed as it is."""
+
+    def reads_a_value(x):
+        return x * 2 if x.sum().item() > 0 else x
+
+    x = torch.randn(5, 7)
+    assert EC._as_the_graph_calls(reads_a_value, [x]) is reads_a_value
+    traced = EC._as_the_graph_calls(lambda x: torch.tanh(x) * 2, [x])
+    assert isinstance(traced, torch.fx.GraphModule)
+    want = torch.tanh(x) * 2
+    assert ((traced(x) - want).norm() / want.norm()).item() < 1e-6
 
 
 def test_candidates_that_do_not_fit_at_once_are_measured_one_by_one(reference_layers, monkeypatch, tmp_path):
