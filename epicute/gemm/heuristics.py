@@ -935,7 +935,11 @@ def choose_reuse_smem_c(
     if (reuse_smem_c_blocker(problem, epilogue) or cfg.schedule != "cooperative" or cfg.split_k > 1 or cfg.swap_ab
             or cfg.epi_reuses_ab_smem or problem.k == 0):  # fmt: skip
         return cfg, ""
-    reused = fit_reuse_smem_c(cfg, problem, budget, epilogue)
+    try:
+        reused = fit_reuse_smem_c(cfg, problem, budget, epilogue)
+    except ConfigError:  # the ring, deeper than an operand's own, crowds out the second A/B stage
+        return cfg, ("D keeps its own staging buffers: operand tile 0's ring made deep enough to stage D "
+                     "(ReuseSmemC) leaves no room for 2 A/B stages")  # fmt: skip
     if reused.ab_stages <= cfg.ab_stages:
         return cfg, (f"D keeps its own staging buffers: staging it in operand tile 0's ring (ReuseSmemC) buys no "
                      f"A/B stage beyond {cfg.ab_stages}")  # fmt: skip

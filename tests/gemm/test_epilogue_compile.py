@@ -51,6 +51,9 @@ EPILOGUES = {
                                             {"bias": "row", "residual": "tile"}, None,
                                             {"schedule": "cooperative", "tile_n": 192, "reuse_smem_c": True,
                                              "num_c_stages": 3, "num_epi_stages": 2, "ab_stages": 5}),
+    # a reduce-scatter's last GEMM at TP8: seven partials, D staged apart (ReuseSmemC would leave one A/B stage)
+    "seven_partial_tiles": (lambda acc, p0, p1, p2, p3, p4, p5, p6: acc + p0 + p1 + p2 + p3 + p4 + p5 + p6,
+                            {f"p{i}": "tile" for i in range(7)}, None, {}),
     "where_compare_fp16": (lambda acc, thr: ops.where(acc > thr, acc, ops.softplus(acc)), {"thr": "col"},
                            {"D": torch.float16}, {}),
     "pingpong_everything": (lambda acc, bias, scale_m, residual: {

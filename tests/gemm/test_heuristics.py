@@ -476,3 +476,20 @@ def test_d_is_staged_in_the_operand_ring_where_that_buys_a_stage():
                         config={**coop, "reuse_smem_c": True}, file=None)  # fmt: skip
     with pytest.raises(ConfigError, match="loads no operand tile"):
         epicute.explain(a, b, config={**coop, "reuse_smem_c": True}, file=None)
+
+
+def test_many_operand_tiles_keep_d_staged_apart_rather_than_refuse_the_call():
+    """Seven operand tiles (a reduce-scatter's partials at TP8) fill shared memory: ReuseSmemC's deeper ring would
+    leave no second A/B stage, so D keeps its own staging and the call is planned (it was refused)."""
+    import epicute
+
+    a = torch.empty(1024, 1024, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(1024, 8192, dtype=torch.bfloat16, device="meta")
+    tiles = {f"p{i}": torch.empty(1024, 8192, dtype=torch.bfloat16, device="meta") for i in range(7)}
+
+    def add_all(acc, p0, p1, p2, p3, p4, p5, p6):
+        return acc + p0 + p1 + p2 + p3 + p4 + p5 + p6
+
+    plan = epicute.explain(a, b, epilogue=add_all, **tiles, file=None)
+    assert not plan.config.reuse_smem_c and plan.config.ab_stages >= 2
+    assert any("leaves no room for 2 A/B stages" in why for why in plan.config.reasons)
