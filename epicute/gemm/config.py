@@ -30,12 +30,6 @@ SWAP_AB_TILE_N = tuple(range(16, 257, 16))
 #: Tile M by schedule: a cooperative tile gives each of its two warpgroups one or two 64-row WGMMA blocks, a
 #: ping-pong tile its one warpgroup one or two.
 SCHEDULE_TILE_M = {"cooperative": (128, 256), "pingpong": (64, 128)}
-
-
-def epi_tile_m(schedule: str) -> int:
-    """An epilogue subtile's rows: one 64-row WGMMA block of each warpgroup of the team (so a 256-row cooperative
-    tile is two subtiles tall)."""
-    return 64 if schedule == "pingpong" else 128
 #: Accumulator registers a consumer thread may hold (of its 232): the rest is the epilogue's.
 MAX_ACC_REGS = 192
 #: Most CTAs one output tile's K is split across.
@@ -47,6 +41,12 @@ BLOCK_SCALED_TILE_N = (64, 128, 192, 256)
 #: A bulk copy brings the k-tile's block of K with the others of its aligned group of four (a consumer reads the
 #: one at ``k_tile % B_SCALE_SLOT``); cp.async fills the first ``b_scale_chunks`` values instead.
 B_SCALE_SLOT = 4
+
+
+def epi_tile_m(schedule: str) -> int:
+    """An epilogue subtile's rows: one 64-row WGMMA block of each warpgroup of the team (so a 256-row cooperative
+    tile is two subtiles tall)."""
+    return 64 if schedule == "pingpong" else 128
 
 
 def b_scale_chunks(tile_n: int) -> int:
