@@ -114,8 +114,10 @@ class GemmLaunch:
     ``a``, ``b`` and ``d`` are in the kernel's rank: 2-D for a problem of one batch (an unbatched call's
     own tensors), else ``(L, ., .)``; the epilogue's tensors are always batch-first. ``fresh`` holds the
     ids of the tensors allocated empty for it (outputs and workspaces), ``constant`` those it may take again as
-    they are (read-only zeros standing in for K = 0): with the caller's tensors and views of them, they are all
-    a :class:`epicute.gemm.prepared.PreparedGemmCall` needs to repeat the launch for new tensors of the same
+    they are (read-only zeros standing in for K = 0, where kept), ``filled`` (id -> value) those allocated for
+    this launch alone holding one value (the same zeros where buffers are not kept, K = 0's blockwise scales of
+    ones): with the caller's tensors and views of them, they are all a
+    :class:`epicute.gemm.prepared.PreparedGemmCall` needs to repeat the launch for new tensors of the same
     signature.
     """
 
@@ -127,6 +129,7 @@ class GemmLaunch:
         "block_scales",
         "constant",
         "d",
+        "filled",
         "fresh",
         "fusion",
         "group_scales",
@@ -138,9 +141,9 @@ class GemmLaunch:
     )  # fmt: skip
 
     def __init__(self, kernel, plan, fusion, batched, a, b, d, inputs, aux, workspaces, group_scales, scalars,
-                 block_scales, fresh=frozenset(), constant=frozenset()):  # fmt: skip
+                 block_scales, fresh=frozenset(), constant=frozenset(), filled=None):  # fmt: skip
         self.kernel, self.plan, self.fusion, self.batched = kernel, plan, fusion, batched
-        self.constant = constant
+        self.constant, self.filled = constant, filled or {}
         self.a, self.b, self.d, self.inputs = a, b, d, inputs
         self.aux, self.workspaces, self.group_scales = aux, workspaces, group_scales
         self.scalars, self.block_scales, self.fresh = scalars, block_scales, fresh
@@ -275,7 +278,13 @@ def bind_gemm(
     if flat:
         a, b = a[0], b[0]
     kernel = kernel_for(plan, fusion) if runs else None
-    # Zero operands are constants a prepared call may take again only where they are kept.
-    constant = frozenset((id(a), id(b)) if zero_k and keeping() else ())
+    # Zero operands are constants a prepared call may take again where they are kept; elsewhere (a compiled graph's
+    # call) each replay allocates its own, as this call did.
+    kept = zero_k and keeping()
+    constant = frozenset((id(a), id(b)) if kept else ())
+    filled = {id(a): 0.0, id(b): 0.0} if zero_k and not kept else {}
+    block_scales = _block_scales(call)
+    if p.k == 0:
+        filled.update((id(s), 1.0) for s in block_scales)
     return GemmLaunch(kernel, plan, fusion, call.batched, a, b, d, tuple(epi_inputs), dict(aux or {}), workspaces,
-                      group_scales, tuple(epi_scalars), _block_scales(call), frozenset(fresh), constant)  # fmt: skip
+                      group_scales, tuple(epi_scalars), block_scales, frozenset(fresh), constant, filled)  # fmt: skip

@@ -45,7 +45,7 @@ PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 #: then the ``outs`` tensors.
 FIXED_SOURCES = ("a", "b", "out", "a_scale", "b_scale")
 
-_SAME, _VIEW, _FRESH, _CONST, _WITHIN = 0, 1, 2, 3, 4
+_SAME, _VIEW, _FRESH, _CONST, _WITHIN, _FILLED = 0, 1, 2, 3, 4, 5
 #: Stands for a tensor in the recorded launch, which keeps the launch's structure, not its memory.
 _VACANT = object()
 _FIX = "prepare a call for it (epicute.prepare_gemm), or call epicute.gemm, which prepares one per signature"
@@ -148,6 +148,12 @@ class PreparedGemmCall:
             if id(t) in launch.constant:
                 steps.append((_CONST, t))
                 continue
+            fill = launch.filled.get(id(t))
+            if fill is not None:  # allocated for the call holding one value: a replay allocates its own
+                numel = t.untyped_storage().nbytes() // t.element_size()
+                steps.append((_FILLED, fill, numel, t.dtype, t.device.index if t.is_cuda else t.device,
+                              tuple(t.shape), tuple(t.stride()), t.storage_offset()))  # fmt: skip
+                continue
             j = fresh_at.get(t.untyped_storage().data_ptr()) if t.untyped_storage().nbytes() else None
             if j is not None:  # a view of a new tensor (a paired D's D_up: D's own tensor)
                 steps.append((_WITHIN, j, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
@@ -224,6 +230,9 @@ class PreparedGemmCall:
                 tensors.append(step[1])
             elif kind == _WITHIN:
                 tensors.append(tensors[step[1]].as_strided(step[2], step[3], step[4]))
+            elif kind == _FILLED:
+                _, fill, numel, dtype, device, shape, stride, offset = step
+                tensors.append(torch.full((numel,), fill, dtype=dtype, device=device).as_strided(shape, stride, offset))
             else:
                 tensors.append(torch.empty(*step[1], dtype=step[2], device=step[3]))
         scalars = tuple(_number(sources[i]) for i in self._scalar_sources)

@@ -20,6 +20,7 @@ from epicute.epilogue.tracer import TraceMemo
 from epicute.gemm import api as api_module
 from epicute.gemm import launch as launch_module
 from epicute.gemm import validate as validate_module
+from epicute.runtime.buffers import per_call_buffers
 
 M, N, K, L = 136, 144, 256, 3
 E4 = torch.float8_e4m3fn
@@ -135,6 +136,44 @@ def test_a_repeat_call_launches_what_the_whole_path_would(kernel, monkeypatch, n
             assert g == w
         else:  # allocated for the call: a new tensor of the same shape, strides and dtype
             assert g[3] not in callers and g[:3] == w[:3]
+
+
+@pytest.mark.parametrize("buffers", ["kept", "per_call"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_blockwise"])
+def test_a_zero_k_repeat_is_replayed_over_zero_operands(kernel, monkeypatch, buffers, fp8):
+    """K = 0 (a backward's gradient pass, made anew every step): A and B stand in as zeros one k-tile long (and
+    blockwise scales as ones), kept between eager calls and allocated per call where buffers are not kept (a
+    compiled graph's op calls, epicute.runtime.buffers). Either way a repeat call takes the cached path and hands the
+    kernel tensors of the whole path's layouts and values; per call, new ones each time."""
+    run = epicute.gemm if buffers == "kept" else per_call_buffers(epicute.gemm)
+    dtype = E4 if fp8 else torch.bfloat16
+
+    def call():
+        a, w = torch.empty(M - 3, 0, dtype=dtype), torch.empty(N, 0, dtype=dtype)
+        scales = {"a_scale": torch.ones(M - 3, 0), "b_scale": torch.ones(2, 0)} if fp8 else {}
+        c = rand(M - 3, N)
+        run(a, w.t(), epilogue=lambda acc, c: {"D": acc + c, "cs": ops.col_sum(acc + c)}, c=c, **scales)
+        return kernel.calls[-1][0], c
+
+    call()
+    assert len(api_module._PREPARED_CALLS) == 1, "the first call's launch was not recorded"
+    whole_path = []
+    real_describe = api_module.describe_call
+    monkeypatch.setattr(api_module, "describe_call", lambda *args: whole_path.append(1) or real_describe(*args))
+    cached, c = call()
+    assert not whole_path, "the repeat call took the whole path"
+    monkeypatch.setattr(api_module, "_PREPARED_CALLS", {})
+    whole, _ = call()
+    assert whole_path
+    stand_ins = 4 if fp8 else 2  # A, B (and their scales) stand in for K = 0
+    for i in (0, 1, *range(len(whole) - stand_ins + 2, len(whole))):
+        got, want = cached[i], whole[i]
+        assert (got.shape, got.stride(), got.dtype, got.storage_offset()) == (
+            want.shape, want.stride(), want.dtype, want.storage_offset())  # fmt: skip
+        assert torch.equal(got.float(), torch.full(got.shape, 1.0 if i > 1 else 0.0))
+        same = got.untyped_storage().data_ptr() == want.untyped_storage().data_ptr()
+        assert same == (buffers == "kept" and i < 2), "zeros kept only by eager calls, scales of ones never"
+    assert any(t.untyped_storage().data_ptr() == c.untyped_storage().data_ptr() for t in cached), "c not handed"
 
 
 def _tensors(*values):

@@ -423,8 +423,25 @@ def test_without_cuda_graphs_a_sides_host_time_counts_where_it_outlasts_its_gpu_
         report = EC.last_report()
         assert len(report.lifted) == lifted and len(report.left) == 2 - lifted
         for _, why in report.left:
-            assert why.endswith("epicute 5 ms, Inductor 2 ms (each the longer of its GPU and host time: no CUDA "
-                                "graphs)")
+            assert "epicute 1 ms GPU, 5 ms host, Inductor 2 ms GPU, 0.1 ms host (no CUDA graphs: kept where" in why
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "kept"),
+    [
+        ((1.9, 1.9), (2.0, 1.5), False),  # a step of small calls (Inductor's host 0.75 of its GPU): host time adds
+        ((1.5, 1.0), (2.0, 0.2), True),  # a GPU-heavy call (0.1): epicute's extra host time hides behind the GPU
+        ((2.1, 0.1), (2.0, 0.1), False),  # slower on the GPU
+        ((1.0, 2.5), (2.0, 0.1), False),  # its host time outlasts Inductor's whole call
+    ],
+)
+def test_host_time_weighs_as_much_as_inductors_side_says_the_step_is_host_bound(ours, theirs, kept):
+    """Without CUDA graphs, epicute's side is kept where it is no worse by the longer of its GPU and host time and
+    by GPU time plus host time weighed by Inductor's host-to-GPU ratio; with CUDA graphs, GPU time alone decides."""
+    ours, theirs = EC.Cost(*ours), EC.Cost(*theirs)
+    assert ours.no_worse_than(theirs) == kept
+    assert EC.Cost(ours.gpu_ms).no_worse_than(EC.Cost(theirs.gpu_ms)) == (ours.gpu_ms <= theirs.gpu_ms)
+    assert EC.Cost.of(1.5) == EC.Cost(1.5) and EC.Cost.of(ours) is ours
 
 
 def test_epicutes_side_is_timed_as_the_compiled_graph_calls_it(reference_layers, monkeypatch, tmp_path):
