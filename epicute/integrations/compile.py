@@ -523,13 +523,25 @@ def always(candidate: Candidate) -> tuple[bool, str]:
 MEASURE_HOST_AHEAD_CYCLES = 4_000_000
 #: calls :func:`_host_ms` takes the median of
 HOST_ROUNDS = 7
+#: Milliseconds of GPU work a side's timing aims at: :func:`_time_ms` takes the median of as many calls as fit
+#: (between :data:`TIMED_CALLS`), so a long call is timed over fewer. A cold first call waits on every one: Llama's
+#: LM head, 37 ms forward and backward, took 25 calls a side (1.9 s of a 38 s first call; bench/NOTES.md).
+MEASURE_BUDGET_MS = 60.0
+#: The fewest and most timed calls of a side (after two warm-up calls)
+TIMED_CALLS = (5, 20)
 
 
 def _time_ms(fn: Callable, inputs: list) -> float:
-    """Median milliseconds of GPU work of ``fn(*inputs)`` (the host enqueues each call while the GPU sleeps)."""
+    """Median milliseconds of GPU work of ``fn(*inputs)`` (the host enqueues each call while the GPU sleeps), over
+    as many calls as :data:`MEASURE_BUDGET_MS` holds by a first call's time."""
     from epicute.benchmark import time_cuda
 
-    return time_cuda(lambda: fn(*inputs), warmup=5, iters=20, host_ahead_cycles=MEASURE_HOST_AHEAD_CYCLES)
+    def timed(warmup: int, iters: int) -> float:
+        return time_cuda(lambda: fn(*inputs), warmup=warmup, iters=iters, host_ahead_cycles=MEASURE_HOST_AHEAD_CYCLES)
+
+    fewest, most = TIMED_CALLS
+    first = timed(1, 1)
+    return timed(2, min(most, max(fewest, int(MEASURE_BUDGET_MS / max(first, 1e-3)))))
 
 
 def _host_ms(fn: Callable, inputs: list) -> float:
