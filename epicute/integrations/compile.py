@@ -371,7 +371,7 @@ class Measured:
         side = self._ready.pop(key, None) or self._sides(candidate)
         with torch.no_grad():
             try:
-                ours = Cost.of(_ours_ms(timer, side))
+                ours = Cost.of(_ours_cost(timer, side))
             except Exception as exc:  # noqa: BLE001 - epicute's call failed here: the chain stays Inductor's
                 return False, f"epicute's call failed on inputs like the graph's ({type(exc).__name__}: {exc})"
             if side.peer is None:
@@ -412,14 +412,16 @@ class Cost:
 
     def host_weight(self) -> float:
         """This side's host time over its GPU time, at most 1 (0 where host time does not count)."""
-        if self.host_ms is None or self.gpu_ms <= 0:
-            return 0.0 if self.host_ms is None else 1.0
-        return min(1.0, self.host_ms / self.gpu_ms)
+        if self.host_ms is None:
+            return 0.0
+        return min(1.0, self.host_ms / self.gpu_ms) if self.gpu_ms > 0 else 1.0
 
     def longer_ms(self) -> float:
+        """A step that queues the call ahead pays the longer of its GPU and host time."""
         return self.gpu_ms if self.host_ms is None else max(self.gpu_ms, self.host_ms)
 
     def weighed_ms(self, weight: float) -> float:
+        """GPU time plus ``weight`` times the host's: the step's price where that share of host time adds."""
         return self.gpu_ms + weight * (self.host_ms or 0.0)
 
     def no_worse_than(self, theirs: Cost) -> bool:
@@ -454,7 +456,7 @@ class _Sides:
     peer: Callable | Exception | None = None
 
 
-def _ours_ms(timer: Callable, side: _Sides) -> float | Cost:
+def _ours_cost(timer: Callable, side: _Sides) -> float | Cost:
     """``timer`` of epicute's side; where its traced calls cannot run here (the reference backend runs no attention
     backward under a compiled graph's trace), of the side as written."""
     try:
