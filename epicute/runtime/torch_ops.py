@@ -352,6 +352,7 @@ def define_op(op: TorchOp) -> Any:
             impl = per_call_buffers(op.impl)
             custom = torch.library.custom_op(op.name, impl, mutates_args=(), schema=schema)
             register_cuda_kernel(op.name, impl)
+            register_cuda_autograd(custom, impl)
             custom.register_fake(op.fake)
             register_meta(custom, op.fake)
             if op.backward is not None:
@@ -374,6 +375,43 @@ def register_cuda_kernel(name: str, impl: Callable) -> None:
     _CUDA_KERNELS.impl(name.split("::")[1], impl, "CUDA")
 
 
+def register_cuda_autograd(custom: Any, impl: Callable) -> None:
+    """Let a call on CUDA tensors that records no gradient run ``impl`` straight from the autograd key. The custom
+    op's autograd kernel, a Python function, otherwise runs first and re-enters the dispatcher for the CUDA kernel:
+    a second boxed call, 18-45 us of a compiled graph's call on the H200's host (bench/NOTES.md, twelfth session),
+    where the graphs AOTAutograd compiles call the op with no input requiring grad. Any other call (an input
+    requiring grad with grad mode on, a tensor subclass such as a fake or functional tensor, a dispatch mode
+    tracing) takes the custom op's own autograd kernel, as before. Where this torch has no such kernel to hand on
+    to, nothing is registered."""
+    try:
+        from torch._library.autograd import make_autograd_impl
+
+        autograd_kernel = make_autograd_impl(custom._opoverload, custom)
+    except (ImportError, AttributeError, TypeError):  # a torch without it: the custom op's kernel alone
+        return
+
+    def kernel(keyset, *args):
+        if records_no_gradient(args):
+            return impl(*args)
+        return autograd_kernel(keyset, *args)
+
+    _CUDA_KERNELS.impl(custom._name, kernel, "AutogradCUDA", with_keyset=True)
+
+
+def records_no_gradient(args: tuple) -> bool:
+    """Whether an op call on ``args`` is one autograd has nothing to do for: plain tensors (tensor lists included),
+    none requiring grad unless grad mode is off, and no dispatch mode (``make_fx``'s tracing, fake tensor modes)
+    that must see the op itself."""
+    if torch._C._len_torch_dispatch_stack():
+        return False
+    grad = torch.is_grad_enabled()
+    for arg in args:
+        for t in arg if isinstance(arg, list) else (arg,):
+            if isinstance(t, torch.Tensor) and (type(t) not in _PLAIN_TENSORS or (grad and t.requires_grad)):
+                return False
+    return True
+
+
 def register_meta(op, fake: Callable) -> None:
     """Run ``op``'s fake implementation on the meta device too, so shapes can be checked with no
     GPU; some torch versions already route Meta to the fake implementation (and refuse a second)."""
@@ -383,7 +421,8 @@ def register_meta(op, fake: Callable) -> None:
 
 __all__ = [
     "TorchOp", "assume_constant_result", "define_op", "define_ops", "dtype_name", "grad_slot", "operand_values",
-    "plain_fn", "plain_value", "register_cuda_kernel", "register_epilogue", "register_meta", "register_score_mod",
+    "plain_fn", "plain_value", "records_no_gradient", "register_cuda_autograd", "register_cuda_kernel",
+    "register_epilogue", "register_meta", "register_score_mod",
     "registered_casts", "registered_epilogue", "registered_outputs", "runs_eagerly", "spec_text", "split_operands",
     "traced",
 ]  # fmt: skip

@@ -273,5 +273,32 @@ def test_every_op_runs_its_cuda_kernel_straight_from_the_dispatcher():
     ops = define_ops()
     assert {"epicute::gemm", "epicute::attention", "epicute::grouped_gemm"} <= set(ops)
     for name in ops:
-        for key in ("CUDA", "Autograd", "Meta", "CompositeExplicitAutograd"):
+        for key in ("CUDA", "AutogradCUDA", "Autograd", "Meta", "CompositeExplicitAutograd"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(name, key), (name, key)
+
+
+def test_a_call_recording_no_gradient_skips_the_custom_ops_autograd_kernel():
+    """The CUDA autograd kernel runs the implementation itself only where autograd has nothing to do and nothing
+    traces the op: plain tensors, none requiring grad unless grad mode is off, no dispatch mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from epicute.runtime.torch_ops import records_no_gradient
+
+    a, w = torch.randn(3, 4), torch.randn(4, 5, requires_grad=True)
+    assert records_no_gradient((a, a.t(), [a, a], [], 0.5, "key"))
+    assert not records_no_gradient((a, w, [], [], "", ""))
+    assert not records_no_gradient((a, a, [a, w], [1.0], "", ""))
+    with torch.no_grad():
+        assert records_no_gradient((a, w, [w], [], "", ""))
+    assert not records_no_gradient((torch.nn.Parameter(torch.randn(2)), a))
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Watching():
+        assert not records_no_gradient((a, a))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(a)
+    assert not records_no_gradient((fake, a))
