@@ -25,6 +25,7 @@ from epicute.errors import (
     SignatureError,
 )
 from epicute.gemm import GemmPlan, render_plan
+from epicute.gemm.autograd import OpCall
 from epicute.gemm.config import GemmConfig
 from epicute.gemm.epilogue_args import aux_outputs, check_outs, check_outs_names, kernel_inputs
 from epicute.gemm.launch import GemmLaunch, bind_gemm
@@ -284,15 +285,20 @@ _TRAINING_CALLS: dict[tuple, PreparedTraining] = {}
 def _remember_training(key: tuple, a, b, args) -> None:
     """File the training call just made under ``key``, with the forward launch its op implementation recorded."""
     call = dense_call(a, b, args.tensors, args.scalars, args.epilogue, args.spec)
-    options = call.options
-    values = operand_values(args.tensors, args.scalars, call.spec)
-    inner = _fast_key(a, b, None, (None, None), options["epilogue"], values, None, options["out_dtype"],
-                      options["out_dtypes"], options["config"], options["gated"])  # fmt: skip
-    forward = _PREPARED_CALLS.get(inner.key) if inner is not None else None
+    forward = prepared_forward(a, b, call, operand_values(args.tensors, args.scalars, call.spec))
     if forward is not None:
         if len(_TRAINING_CALLS) >= 1024:
             _TRAINING_CALLS.clear()
         _TRAINING_CALLS[key] = PreparedTraining(args, call, forward)
+
+
+def prepared_forward(a: torch.Tensor, b: torch.Tensor, call: OpCall, values: dict) -> PreparedGemmCall | None:
+    """The prepared call that the op implementation's :func:`gemm` call of ``a``, ``b`` and the operand ``values``
+    (``call``: its :class:`~epicute.gemm.autograd.OpCall`) left, or None where it left none."""
+    options = call.options
+    inner = _fast_key(a, b, None, (None, None), options["epilogue"], values, None, options["out_dtype"],
+                      options["out_dtypes"], options["config"], options["gated"])  # fmt: skip
+    return _PREPARED_CALLS.get(inner.key) if inner is not None else None
 
 
 def prepare_gemm(

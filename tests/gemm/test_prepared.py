@@ -245,3 +245,62 @@ def test_a_recorded_launch_keeps_no_tensor_alive(kernel):
     held = [t for t in recorded._launch.tensors() if isinstance(t, torch.Tensor)]
     assert not held, "the record would keep the first call's inputs, outputs and workspaces in memory"
     assert recorded._launch.scalars == ()
+
+
+def _op_args(offset, k=K):
+    """The op's arguments of an epilogue call with operands and a scalar (as a compiled graph passes them)."""
+    from epicute.gemm.torch_op import op_arguments
+
+    kw = _cases()["epilogue"](offset)[1]
+    a, b = rand(M, k, offset=offset), rand(k, N, offset=offset)
+    epilogue, out_dtypes = kw.pop("epilogue"), kw.pop("out_dtypes")
+    args = op_arguments(a, b, epilogue=epilogue, out=None, out_dtype=None, out_dtypes=out_dtypes, outs=None,
+                        a_scale=None, b_scale=None, backend="kernel", config=None, operands=kw)  # fmt: skip
+    return a, b, args
+
+
+@pytest.mark.parametrize("buffers", ["kept", "per_call"])
+@pytest.mark.parametrize("k", [K, 0], ids=["mainloop", "zero_k"])
+def test_the_ops_repeat_call_replays_what_the_whole_path_would(kernel, monkeypatch, buffers, k):
+    """The op's implementation (what a compiled graph calls every step) replays a repeat call of an epilogue from the
+    forward it recorded, without epicute.gemm: the kernel gets what the whole path hands it, and the outputs come in
+    the op's order. Another backend, a tensor recording a gradient, or discovery take the whole path."""
+    from epicute.gemm import torch_op
+    from epicute.runtime.compile import DISCOVERING
+
+    impl = torch_op.gemm_op if buffers == "kept" else per_call_buffers(torch_op.gemm_op)
+    monkeypatch.setattr(torch_op, "_OP_REPEATS", {})
+    a, b, args = _op_args(0, k)
+    impl(a, b, args.tensors, args.scalars, args.epilogue, args.spec)
+    assert len(torch_op._OP_REPEATS) == 1, "the first call's forward was not remembered"
+
+    whole_path = []
+    real_gemm = api_module.gemm
+    monkeypatch.setattr(api_module, "gemm", lambda *a, **kw: whole_path.append(1) or real_gemm(*a, **kw))
+    a, b, args = _op_args(16, k)
+    call = (a, b, args.tensors, args.scalars, args.epilogue, args.spec)
+    replayed = impl(*call)
+    assert not whole_path, "the repeat call took the whole path"
+    cached = kernel.calls[-1]
+    monkeypatch.setattr(torch_op, "_OP_REPEATS", {})
+    whole = impl(*call)
+    assert whole_path
+    assert [(t.shape, t.dtype) for t in replayed] == [(t.shape, t.dtype) for t in whole]
+    callers = {t.untyped_storage().data_ptr() for t in _tensors(a, b, *args.tensors)}
+    got, want = _described(cached), _described(kernel.calls[-1])
+    assert got[1] == want[1], "scalars differ"
+    for g, w in zip(got[0], want[0], strict=True):
+        assert g == w if w[3] in callers else (g[3] not in callers and g[:3] == w[:3])
+
+    for detour in ("reference", "grad", "discovery"):
+        whole_path.clear()
+        grad = torch.enable_grad() if detour == "grad" else torch.no_grad()
+        a_grad = a.detach().requires_grad_(detour == "grad")
+        with epicute.use_backend("reference" if detour == "reference" else "kernel"), grad:
+            if detour == "discovery":
+                DISCOVERING.set()
+            try:
+                impl(a_grad, *call[1:])
+            finally:
+                DISCOVERING.clear()
+        assert whole_path, f"{detour}: the repeat call was replayed"
