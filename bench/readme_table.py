@@ -31,9 +31,10 @@ README_BENCHMARKS = (
     "compile_max_autotune", "compile_max_autotune_llama", "compile_max_autotune_vit_prefill", "compile_time",
     "compile_host", "compile_llama_host", "compile_llama_prefill_host", "compile_mixtral_train_host",
     "compile_time_host", "compile_time_llama_host", "compile_time_llama_prefill_host",
-    "compile_time_mixtral_train_host", "compile_vit_block_train_fast", "compile_gpt2_mlp_train_fast",
-    "compile_llama_prefill_cost", "compile_llama_train_cost", "compile_time_vit_block_train_fast",
-    "compile_time_gpt2_mlp_train_fast", "compile_time_llama_prefill_cost", "compile_time_llama_train_cost", "tp",
+    "compile_time_mixtral_train_host", "compile_vit_block_train_replay", "compile_gpt2_mlp_train_replay",
+    "compile_llama_prefill_replay", "compile_llama_train_replay", "compile_time_vit_block_train_replay",
+    "compile_time_gpt2_mlp_train_replay", "compile_time_llama_prefill_replay", "compile_time_llama_train_replay",
+    "tp",
     "runtime",
 )  # fmt: skip
 CHART_WIDTH = 40
