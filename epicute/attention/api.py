@@ -49,6 +49,7 @@ from epicute.epilogue.tracer import Epilogue, as_epilogue
 from epicute.errors import ConfigError, ShapeError
 from epicute.runtime.backend import resolve_backend
 from epicute.runtime.checks import (
+    PLAIN_TENSORS,
     TMA_ALIGN_BYTES,
     check_flags,
     check_has_values,
@@ -399,7 +400,7 @@ def _plain_signature(
     packed sequences whose longest lengths are read from the offsets). ``fp8``: the descales (their kinds: their
     values are checked and bound per call) and ``v_layout``."""
     tensors = (q, k, v, *(t for t in indices if t is not None))
-    if any(type(t) not in _PLAIN_TENSORS for t in tensors):
+    if any(type(t) not in PLAIN_TENSORS for t in tensors):
         return None
     if indices[2] is not None and (max_seqlen_q is None or max_seqlen_k is None):
         return None
@@ -424,8 +425,6 @@ def _remember(signature: tuple, call: AttentionCall, prepared) -> None:
                    cu_seqlens_k=None)  # fmt: skip
     _VALIDATED[signature] = (bare, prepared)
 
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _named_hooks(score_mod, epilogue) -> tuple[Epilogue | None, Epilogue | None]:

@@ -32,7 +32,6 @@ from epicute.gemm.launch import GemmLaunch, bind_gemm
 from epicute.gemm.prepare import GemmRequest, PreparedGemm, ir_items, prepare
 from epicute.gemm.prepared import (
     FIXED_SOURCES,
-    PLAIN_TENSORS,
     PreparedGemmCall,
     call_signature,
     source_signature,
@@ -51,6 +50,7 @@ from epicute.gemm.tune import TuneResult, candidates, label, pick_fastest, store
 from epicute.gemm.validate import D_TORCH_DTYPES, GemmCall, check_gemm_args, settle_d
 from epicute.runtime.backend import resolve_backend
 from epicute.runtime.checks import (
+    PLAIN_TENSORS,
     TMA_ALIGN_BYTES,
     check_flags,
     check_has_values,

@@ -36,11 +36,8 @@ import torch
 from epicute.epilogue.operands import Pin
 from epicute.errors import AlignmentError, OutputError, SignatureError
 from epicute.gemm.launch import GemmLaunch, launcher, split_workspace
-from epicute.runtime.checks import TMA_ALIGN_BYTES, check_no_grad, check_outputs_apart, overlaps
+from epicute.runtime.checks import PLAIN_TENSORS, TMA_ALIGN_BYTES, check_no_grad, check_outputs_apart, overlaps
 
-#: Tensor types whose data pointers and views are their own (tensor subclasses such as fake or
-#: functional tensors are not, and are never on a hot path).
-PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 #: The arguments a call's sources start with; the epilogue's operands follow (in the prepared order),
 #: then the ``outs`` tensors.
 FIXED_SOURCES = ("a", "b", "out", "a_scale", "b_scale")
@@ -406,4 +403,4 @@ def _number(value: Any) -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
-__all__ = ["FIXED_SOURCES", "PLAIN_TENSORS", "PreparedGemmCall", "call_signature", "source_signature", "unwrap"]
+__all__ = ["FIXED_SOURCES", "PreparedGemmCall", "call_signature", "source_signature", "unwrap"]

@@ -19,6 +19,9 @@ from epicute.errors import ConfigError, DeviceError, EpilogueError, GradientErro
 
 #: TMA moves whole 16-byte units: base addresses and every stride but the unit one are multiples of it.
 TMA_ALIGN_BYTES = 16
+#: Tensor types whose data pointers and views are their own, tested by ``type(t) in PLAIN_TENSORS`` on hot paths:
+#: subclasses (fake, functional or traced tensors) never reach one, and take the whole path.
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def with_aligned_unit_dims(t: torch.Tensor, contiguous_dim: int) -> torch.Tensor:

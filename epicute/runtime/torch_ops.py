@@ -43,6 +43,7 @@ from epicute.epilogue.score_mod import score_mod as as_score_mod
 from epicute.epilogue.tracer import Epilogue, as_epilogue, trace_key
 from epicute.errors import EpilogueError
 from epicute.runtime.buffers import per_call_buffers
+from epicute.runtime.checks import PLAIN_TENSORS
 
 _EPILOGUES: dict[str, Epilogue] = {}
 _OUTPUTS: dict[str, tuple[str, ...]] = {}
@@ -266,13 +267,11 @@ class TorchOp:
         return list(_EagerOp.apply(*flat, self, layout))
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
 
 def traced(t: torch.Tensor) -> bool:
     """Whether a call on ``t`` is being traced (torch.compile, or AOTAutograd tracing a compiled graph with fake or
     functional tensors, where ``is_compiling()`` can be False): the public functions then call their torch op."""
-    return torch.compiler.is_compiling() or (type(t) not in _PLAIN_TENSORS and isinstance(t, torch.Tensor))
+    return torch.compiler.is_compiling() or (type(t) not in PLAIN_TENSORS and isinstance(t, torch.Tensor))
 
 
 def runs_eagerly(*tensors: torch.Tensor) -> bool:
@@ -378,8 +377,8 @@ def register_cuda_kernel(name: str, impl: Callable) -> None:
 def register_cuda_autograd(custom: Any, impl: Callable) -> None:
     """Let a call on CUDA tensors that records no gradient run ``impl`` straight from the autograd key. The custom
     op's autograd kernel, a Python function, otherwise runs first and re-enters the dispatcher for the CUDA kernel:
-    a second boxed call, 18-45 us of a compiled graph's call on the H200's host (bench/NOTES.md, twelfth session),
-    where the graphs AOTAutograd compiles call the op with no input requiring grad. Any other call (an input
+    a second boxed call, 7-12 us of each call a compiled graph makes on the H200's host (bench/NOTES.md, thirteenth
+    session), where the graphs AOTAutograd compiles call the op with no input requiring grad. Any other call (an input
     requiring grad with grad mode on, a tensor subclass such as a fake or functional tensor, a dispatch mode
     tracing) takes the custom op's own autograd kernel, as before. Where this torch has no such kernel to hand on
     to, nothing is registered."""
@@ -407,7 +406,7 @@ def records_no_gradient(args: tuple) -> bool:
     grad = torch.is_grad_enabled()
     for arg in args:
         for t in arg if isinstance(arg, list) else (arg,):
-            if isinstance(t, torch.Tensor) and (type(t) not in _PLAIN_TENSORS or (grad and t.requires_grad)):
+            if isinstance(t, torch.Tensor) and (type(t) not in PLAIN_TENSORS or (grad and t.requires_grad)):
                 return False
     return True
 
