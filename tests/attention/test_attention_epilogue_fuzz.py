@@ -9,6 +9,7 @@ replays a run (fresh by default).
 from __future__ import annotations
 
 import collections
+import os
 import random
 
 import pytest
@@ -21,7 +22,7 @@ from epicute.attention.validate import check_attention_args
 from tests.attention import epilogue_fuzz as fuzz
 from tests.gemm import epilogue_fuzz as gemm_fuzz
 
-BASE_SEED = random.SystemRandom().getrandbits(32)
+BASE_SEED = int(os.environ.get("EPICUTE_FUZZ_SEED") or random.SystemRandom().getrandbits(32))
 
 
 def fusion_of(program, shape: fuzz.Shape):
@@ -30,11 +31,18 @@ def fusion_of(program, shape: fuzz.Shape):
     return hooks_of(call, None, program.fn, operands, {n: t for n, t in program.out_dtypes().items()})[1].fusion
 
 
+#: Programs whose fit is checked every run, and the most drawn until every kind of output and operand has appeared.
+#: Coverage is the generator's weights, not luck, only over enough programs: the rarest kind, a whole-problem
+#: amax, is in ~14 % of them, absent from sixty about once in 7000 runs (seed 3852289526), from 600 never.
+FIT_PROGRAMS, MAX_PROGRAMS = 60, 600
+COVERED = ("D bf16", "D fp8e4m3", "aux bf16", "row", "col", "all", "scalar", "tile")
+
+
 def test_programs_fit_attentions_epilogue_and_cover_it():
     rng = random.Random(BASE_SEED)
-    programs = [fuzz.random_program(rng.getrandbits(32)) for _ in range(60)]
     seen = collections.Counter()
-    for program in programs:
+    for drawn in range(1, MAX_PROGRAMS + 1):
+        program = fuzz.random_program(rng.getrandbits(32))
         fusion = fusion_of(program, fuzz.random_shape(program.seed))
         assert fusion.style.name == "attention_sm90", program.seed
         assert all(kind in ("scalar", "row", "tile") for _, kind, _ in fusion.operands), program.source
@@ -43,9 +51,10 @@ def test_programs_fit_attentions_epilogue_and_cover_it():
             seen[f"{'D' if name == 'D' else 'aux'} {dtype}"] += 1
         seen.update(r.axis for r in fusion.reductions)
         seen.update(kind for _, kind, _ in fusion.operands)
-    # Sixty programs cover every kind of output and operand (fixed weights: not a matter of luck).
-    for what in ("D bf16", "D fp8e4m3", "aux bf16", "row", "col", "all", "scalar", "tile"):
-        assert seen[what] > 0, f"{what} never generated (seed {BASE_SEED}): {seen}"
+        if drawn >= FIT_PROGRAMS and all(seen[what] for what in COVERED):
+            break
+    for what in COVERED:
+        assert seen[what] > 0, f"{what} never generated in {MAX_PROGRAMS} programs (seed {BASE_SEED}): {seen}"
 
 
 @pytest.mark.parametrize("index", range(6))
