@@ -32,7 +32,7 @@ from epicute.gemm.autograd import (
 )
 from epicute.gemm.config import GemmConfig, GemmProblem
 from epicute.gemm.prepare import GemmRequest, lower_epilogue
-from epicute.gemm.prepared import call_signature
+from epicute.gemm.prepared import PreparedGemmCall, call_signature
 from epicute.gemm.validate import FP8_TORCH_DTYPES
 from epicute.runtime.backend import check_traced_backend, resolve_backend
 from epicute.runtime.checks import check_operand_names, config_pins
@@ -76,7 +76,7 @@ def dense_call(a, b, operands, scalars, epilogue: str, spec: str) -> OpCall:
 #: The implementation's repeat calls (a compiled graph's, every step): by epilogue, spec and the sources' signatures,
 #: the outputs' names and the forward's prepared call that the first call recorded, replayed with none of
 #: ``epicute.gemm``'s keyword handling and keying (bench/NOTES.md, thirteenth session).
-_OP_REPEATS: dict[tuple, tuple[tuple[str, ...], Any]] = {}
+_OP_REPEATS: dict[tuple, tuple[tuple[str, ...], PreparedGemmCall]] = {}
 
 
 def gemm_op(
@@ -112,7 +112,7 @@ def forward_sources(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tenso
     return (a, b, None, None, None, *operands, *scalars)
 
 
-def _replays(forward: Any, sources: tuple) -> bool:
+def _replays(forward: PreparedGemmCall, sources: tuple) -> bool:
     """Whether a repeat call may replay ``forward`` as the whole path would have run it: the kernels' backend, no
     discovery (which stops at missing kernels), one tensor wherever the recorded call had one, no gradient recorded
     here (the whole path would route such a call through the op again)."""
@@ -389,7 +389,7 @@ class PreparedTraining:
     launch replayed directly: the op path, less the decisions already made (bench/NOTES.md, issue 57's host path).
     """
 
-    def __init__(self, args: OpArguments, call: OpCall, forward: Any) -> None:
+    def __init__(self, args: OpArguments, call: OpCall, forward: PreparedGemmCall) -> None:
         self.args, self.call, self.forward = args, call, forward
         self.op = TorchOp(GEMM_OP.name, self._impl, GEMM_OP.fake, GEMM_OP.backward, self._setup)
 
