@@ -15,7 +15,9 @@ Warp roles (as in the GEMM: producer warpgroup 0, consumers after it):
 
 - producer (warp 0): per tile, TMA loads of the first K block, then Q (through a
   one-stage ring: the previous tile's O is staged in Q's buffer, so the load
-  waits for the store warp to release it), then K and V through their own
+  waits for the store warp to release it; with ``o_buffer`` O has a buffer of
+  its own and the consumers release Q once their last QK^T has retired, so the
+  load runs under the last PV and the epilogue), then K and V through their own
   ``stages``-deep rings (:func:`make_tma_load_pipeline`), whose positions carry
   over from tile to tile. K runs one block ahead of V, so the consumers can
   issue QK^T of block j+1 before PV of block j.
@@ -37,10 +39,10 @@ Warp roles (as in the GEMM: producer warpgroup 0, consumers after it):
   diagonal is aligned bottom-right (query i sees keys <= i + seqlen_k - seqlen_q; :mod:`.mask`).
 - Epilogue: O normalized by the row sums, the user's epilogue per element, cast,
   ``stmatrix`` into Q's shared memory (the rows each warpgroup stages are the
-  rows only it read), TMA store (:class:`TmaStoreEpilogue`, which clips the
-  ragged seqlen_q edge); once the store has read the buffer, the store warp
-  hands it back to the producer for the next tile's Q. LSE (natural log, fp32)
-  written by one lane per row.
+  rows only it read) or O's own (``o_buffer``), TMA store (:class:`TmaStoreEpilogue`,
+  which clips the ragged seqlen_q edge); once the store has read Q's buffer, the
+  store warp hands it back to the producer for the next tile's Q. LSE (natural
+  log, fp32) written by one lane per row.
 
 Decode (``plan.decode_choices``): with ``pack_gqa`` a tile's rows are the query
 heads of one K/V head times its queries (Q, O and LSE viewed as ``((group,
@@ -158,7 +160,7 @@ class AttentionSm90:
         self.dtype = DSL_DTYPES[dtype]
         self.dtype_name = dtype
         #: fp8 inputs: V arrives keys-contiguous (epicute.attention.fp8), scales come with Q, K and V, and O is
-        #: stored in a wider dtype, staged in Q's buffer sized for it.
+        #: stored in a wider dtype, staged in Q's buffer sized for it (or in its own, ``o_buffer``).
         self.fp8 = dtype in FP8_INPUT_DTYPES
         self.causal = causal
         self.score_mod = score_mod
@@ -166,7 +168,7 @@ class AttentionSm90:
         #: The output epilogue the kernel runs: the fusion's chain, or the plain one (cast and store O).
         self.chain = (epilogue.stages if epilogue is not None
                       else schedule(plain_graph(stored_dtype(dtype)), style=ATTENTION_SM90).stages)  # fmt: skip
-        #: Each stored output's dtype (D first): all are staged in Q's buffer, one after the other.
+        #: Each stored output's dtype (D first): all are staged in one buffer (Q's, or O's own), one after the other.
         self.output_dtypes = epilogue.tile_output_dtypes if epilogue is not None else {"D": stored_dtype(dtype)}
         self.smem = attention_smem_layout(cfg, dtype)
         self.num_wg = cfg.num_mma_warpgroups
@@ -253,7 +255,7 @@ class AttentionSm90:
         tma_q, tma_mQ = self._rows_tma_atom(g2s, mQ, sQ_layout)
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (cfg.tile_n, d))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, (None, None, 0)), (cfg.tile_n, d))
-        # Every stored output (O first) is staged in Q's buffer, with the layout of its own dtype, and
+        # Every stored output (O first) is staged in one buffer, with the layout of its own dtype, and
         # TMA-stored from there; the rest of the fused epilogue's tensors are read element by element.
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         queries = QueryRange(mQ, varlen)
@@ -345,9 +347,12 @@ class AttentionSm90:
         storage = smem.allocate(self.shared_storage)
         kv_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         consumer_warps = cfg.num_mma_threads // 32
-        # Q's buffer: filled by the producer, handed back by the store warp alone (one arrive).
+        # Q's buffer: filled by the producer, handed back by the store warp alone once O's store has read it, or
+        # (o_buffer) by every consumer warp once its last QK^T has retired.
+        q_releases = consumer_warps if cutlass.const_expr(cfg.o_buffer) else 1
         q_pipe = make_tma_load_pipeline(
-            storage.q_barriers.data_ptr(), 1, cute.size_in_bytes(self.dtype, sQ_layout), 1, (1, 1), 1, defer_sync=True
+            storage.q_barriers.data_ptr(), 1, cute.size_in_bytes(self.dtype, sQ_layout), q_releases, (1, 1), 1,
+            defer_sync=True,
         )
         k_pipe, v_pipe = (
             make_tma_load_pipeline(
@@ -355,7 +360,7 @@ class AttentionSm90:
             )
             for barriers in (storage.k_barriers, storage.v_barriers)
         )
-        if cutlass.const_expr(self.fp8):  # Q's buffer is sized for the wider staged outputs
+        if cutlass.const_expr(self.fp8 and not cfg.o_buffer):  # Q's buffer is sized for the wider staged outputs
             sQ = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), sQ_layout.inner, dtype=self.dtype),
                                   sQ_layout.outer)  # fmt: skip
         else:
@@ -386,7 +391,7 @@ class AttentionSm90:
                 )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            # Each stored output's staging view: Q's bytes, in the output dtype's layout.
+            # Each stored output's staging view: Q's bytes (or O's own buffer's), in the output dtype's layout.
             staging = {name: self._staging_view(storage, sQ, name) for name in self.output_dtypes}
             stores = {"D": (tma_o, mO), **dict(zip(self.output_dtypes_aux, epi_stores))}
             self._consume(
@@ -429,13 +434,14 @@ class AttentionSm90:
         return row_major_smem_layout(DSL_DTYPES[self.output_dtypes[name]], self.cfg.tile_m, self.cfg.head_dim)
 
     def _staging_view(self, storage, sQ, name: str):
-        """Q's buffer viewed as output ``name``'s staging tile (Q's own view when the dtypes agree;
-        outputs no wider than Q's elements fit, which the host checks)."""
-        if cutlass.const_expr(self.output_dtypes[name] == self.dtype_name):
+        """The staging buffer (Q's, or O's own with ``o_buffer``) viewed as output ``name``'s staging tile (Q's own
+        view when the dtypes agree; outputs no wider than q's elements, bf16 for fp8 q, fit: the host checks)."""
+        if cutlass.const_expr(self.output_dtypes[name] == self.dtype_name and not self.cfg.o_buffer):
             return sQ
         layout = self._staging_layout(name)
         dtype = DSL_DTYPES[self.output_dtypes[name]]
-        return cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), layout.inner, dtype=dtype), layout.outer)
+        buffer = storage.sO if cutlass.const_expr(self.cfg.o_buffer) else storage.sQ
+        return cute.make_tensor(cute.recast_ptr(buffer.data_ptr(), layout.inner, dtype=dtype), layout.outer)
 
     def _rows_tma_atom(self, op, t_sdhb, smem_layout):
         """The TMA atom and tensor of a ``(seqlen, dim, heads, batch)`` Q, O or aux tile, boxes of
@@ -745,6 +751,9 @@ class AttentionSm90:
                     if cutlass.const_expr(not cfg.rescale_o_early):
                         self.softmax.rescale_lazy(acc_O, row_scale)
                 # ---- the last PV.
+                if cutlass.const_expr(cfg.o_buffer):
+                    # Every QK^T of the tile has retired (the loop's waits): the next tile's Q may land now.
+                    q_pipe.consumer_release(q_read)
                 if cutlass.const_expr(cfg.rescale_o_early):
                     self.softmax.rescale_lazy(acc_O, row_scale)
                 wait_full(v_pipe, read)
@@ -758,8 +767,9 @@ class AttentionSm90:
                     queries, bounds, epi_args, staging, stores, mma_tidx, is_store_warp, store, (split, partials),
                 )  # fmt: skip
                 # The O store has read Q's buffer (publish waits for that): the next tile's Q may land.
-                if is_store_warp:
-                    q_pipe.consumer_release(q_read)
+                if cutlass.const_expr(not cfg.o_buffer):  # noqa: SIM102 - a compile-time branch around a runtime one
+                    if is_store_warp:
+                        q_pipe.consumer_release(q_read)
                 q_read.advance()
             tile = tiles.follow(tile, q_pipe, q_read)
         store.drain(is_store_warp)

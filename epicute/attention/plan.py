@@ -99,6 +99,10 @@ class AttentionConfig(WarpRoles):
     #: Keep each row's reference max until a block raises it by more than 2**8, so O's rescale
     #: (head_dim / 2 multiplies per thread and block) runs only on the few blocks that move it.
     lazy_rescale: bool = True
+    #: Stage O (and the output epilogue's other tiles) in a buffer of their own instead of Q's, so the consumers
+    #: hand Q's buffer back once the tile's last QK^T has retired and the next tile's Q loads under the last PV
+    #: and the epilogue (persistent launches: see :func:`choose_o_buffer`).
+    o_buffer: bool = False
     #: WGMMA atoms along (M, N) of the QK^T tiled MMA; N must be 1 (whole rows per warp).
     mma_atoms_mn: tuple[int, int] = (2, 1)
     #: Causal launches walk the m-blocks longest-first (the last query rows see the most keys),
@@ -236,11 +240,12 @@ def row_ownership(cfg: AttentionConfig) -> RowOwnership:
 
 def default_config(
     head_dim: int, causal: bool, decode: dict | None = None, dtype: str = "bf16", score_mod: bool = False,
-    **overrides,
+    target: Target | str | None = None, **overrides,
 ) -> AttentionConfig:
     """The FA3 tile choices for H100, with every field overridable; ``decode``: the decode plan's
     choices (:func:`decode_choices`), which replace the head_dim rules; ``dtype``: the inputs'; ``score_mod``:
-    whether a score_mod runs (its registers count at fp8 head_dim 256)."""
+    whether a score_mod runs (its registers count at fp8 head_dim 256); ``target``: whose shared memory
+    bounds :func:`choose_o_buffer` (default: the visible GPU, else an H100 SXM)."""
     if head_dim not in HEAD_DIMS:
         raise ConfigError(f"head_dim={head_dim}: supported are {HEAD_DIMS}")
     if decode is not None:
@@ -320,7 +325,10 @@ def default_config(
             )
     if causal and base.get("lpt_order", True):
         order += "; longest query blocks first, a band of L2-sized heads at a time"
-    return AttentionConfig(**base, reasons=(why, order))
+    cfg = AttentionConfig(**base, reasons=(why, order))
+    if decode is None and "o_buffer" not in overrides:
+        cfg = choose_o_buffer(cfg, dtype, resolve_target(target))
+    return cfg
 
 
 def packed_rows(group: int) -> int:
@@ -419,9 +427,17 @@ def attention_smem_layout(cfg: AttentionConfig, dtype: str = "bf16") -> SmemLayo
     barrier = MBARRIER_BYTES
     fp8 = dtype in FP8_INPUT_DTYPES
     staged = stored_dtype(dtype)
-    q_what = (f"{cfg.tile_m}x{cfg.head_dim} {dtype} in the first half; the epilogue stages each {staged} output "
-              "tile in the whole buffer for its TMA store" if fp8 else
-              f"{cfg.tile_m}x{cfg.head_dim} {dtype}; the epilogue stages each output tile here for its TMA store")
+    tile = f"{cfg.tile_m}x{cfg.head_dim}"
+    if cfg.o_buffer:
+        q_what = f"{tile} {dtype}; handed back after the tile's last QK^T"
+    elif fp8:
+        q_what = (f"{tile} {dtype} in the first half; the epilogue stages each {staged} output tile in the whole "
+                  "buffer for its TMA store")
+    else:
+        q_what = f"{tile} {dtype}; the epilogue stages each output tile here for its TMA store"
+    outputs = SmemBuffer("sO", "outputs", staged, cfg.tile_m * cfg.head_dim,
+                         f"{tile} {staged}: each output tile staged in turn for its TMA store")
+    o_buffer = (outputs,) if cfg.o_buffer else ()
     v_what = (f"{cfg.stages} x {cfg.head_dim}x{cfg.tile_n} {dtype}, keys contiguous (the fp8 WGMMA reads V^T K-major)"
               if fp8 else f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}")
     return SmemLayout((
@@ -433,10 +449,12 @@ def attention_smem_layout(cfg: AttentionConfig, dtype: str = "bf16") -> SmemLayo
         SmemBuffer("tile_slot", "tile slot", "int32", 10,
                    "int32 x 5 x 2: a dynamic tile and its coordinates (m-block, head, batch, split), announced with "
                    "its Q load, in the half of the Q ring's phase", align=4),
-        SmemBuffer("sQ", "Q (then outputs)", staged, cfg.tile_m * cfg.head_dim, q_what),
+        SmemBuffer("sQ", "Q" if cfg.o_buffer else "Q (then outputs)", dtype if cfg.o_buffer else staged,
+                   cfg.tile_m * cfg.head_dim, q_what),
         SmemBuffer("sK", "K ring", dtype, cfg.tile_n * cfg.head_dim * cfg.stages,
                    f"{cfg.stages} x {cfg.tile_n}x{cfg.head_dim} {dtype}"),
         SmemBuffer("sV", "V ring", dtype, cfg.tile_n * cfg.head_dim * cfg.stages, v_what),
+        *o_buffer,
     ))  # fmt: skip
 
 
@@ -521,7 +539,7 @@ def plan_attention(
     (decode plans need the kernel to store O itself: :func:`decode_choices`); ``score_mod``: one runs."""
     hw = resolve_target(target)
     decode = decode_choices(problem, hw, plain_output)
-    cfg = default_config(problem.head_dim, problem.causal, decode, problem.dtype, score_mod, **overrides)
+    cfg = default_config(problem.head_dim, problem.causal, decode, problem.dtype, score_mod, hw, **overrides)
     if problem.page_size and problem.page_size % cfg.tile_n and "tile_n" not in overrides:
         tile_n = page_tile_n(cfg.tile_n, problem.page_size)
         why = f"{tile_n}-key blocks tile the {problem.page_size}-key pages"
@@ -542,6 +560,22 @@ def plan_attention(
             f"page (try tile_n={page_tile_n(cfg.tile_n, problem.page_size)})"
         )
     return AttentionPlan(problem, cfg, hw)
+
+
+def choose_o_buffer(cfg: AttentionConfig, dtype: str, hw: Target) -> AttentionConfig:
+    """``cfg`` with its outputs staged in a buffer of their own where a persistent prefill launch has the shared
+    memory for it: Q's buffer then goes back to the producer after the tile's last QK^T instead of after the O store,
+    and the next tile's Q loads under the last PV and the epilogue (2-4 % at 2K keys, nothing measurable at 8K:
+    bench/NOTES.md, 'O's own staging buffer'). Split-KV tiles store fp32 partials without staging."""
+    if not cfg.persistent or cfg.split_kv:
+        return cfg
+    staged = replace(cfg, o_buffer=True)
+    total = attention_smem_total(staged, dtype)
+    if total > hw.smem_per_cta_bytes:
+        return cfg
+    why = (f"outputs staged in their own {cfg.tile_m}x{cfg.head_dim} buffer ({total} B of smem in all): Q's buffer "
+           "goes back after the tile's last QK^T, so the next tile's Q loads under the last PV and the epilogue")
+    return replace(staged, reasons=(*cfg.reasons, why))
 
 
 def render_attention_plan(plan: AttentionPlan, chain: tuple = ()) -> str:
@@ -672,6 +706,7 @@ def render_attention_plan(plan: AttentionPlan, chain: tuple = ()) -> str:
             ),
         ]
     elif chain:
-        lines += ["", "output epilogue chain (the O tile is one subtile; outputs staged in Q's buffer in turn)"]
+        where = "their own buffer" if c.o_buffer else "Q's buffer"
+        lines += ["", f"output epilogue chain (the O tile is one subtile; outputs staged in {where} in turn)"]
         lines += [f"  {stage}" for stage in chain]
     return "\n".join(lines)

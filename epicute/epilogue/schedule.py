@@ -97,7 +97,8 @@ GEMM_SM90 = ChainStyle(
     acc="acc: this subtile's fp32 accumulators (registers)",
 )  # fmt: skip
 ATTENTION_SM90 = ChainStyle(
-    "attention_sm90", operands="global", staging="shared", staging_buffer="Q's smem buffer", subtiles=False,
+    "attention_sm90", operands="global", staging="shared", subtiles=False,
+    staging_buffer="the smem staging tile (Q's buffer, or the outputs' own)",
     acc="acc: the O tile, normalized by the row sums (fp32 registers)",
 )  # fmt: skip
 

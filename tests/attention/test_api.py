@@ -250,7 +250,7 @@ def test_explain_prints_the_chain_the_kernel_runs(monkeypatch):
     plan = epicute.explain_attention(q, kv, kv, causal=True, epilogue=epicute.epilogues.tensor_quant, scale=2.0,
                                      file=text)  # fmt: skip
     printed = text.getvalue()
-    for needle in ("output epilogue chain", "%2 quantize", "D: fp32 -> fp8e4m3 (saturating)", "Q's smem buffer",
+    for needle in ("output epilogue chain", "%2 quantize", "D: fp32 -> fp8e4m3 (saturating)", "the smem staging tile",
                    "amax = amax(%3)", "finalize_reductions"):  # fmt: skip
         assert needle in printed, needle
     seen = {}

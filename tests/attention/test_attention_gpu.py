@@ -143,6 +143,30 @@ def test_persistent_ctas_walk_many_tiles(d, causal, dynamic):
     assert tile_counter(q.device).item() == 0
 
 
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("own", (False, True), ids=("in_q", "own"))
+def test_outputs_staged_in_qs_buffer_or_their_own(d, causal, own):
+    """O and an aux tile staged one after the other in Q's buffer (the O store hands Q back) or in their own buffer
+    (the consumers hand Q back after the tile's last QK^T, so the next tile's Q lands under this one's epilogue),
+    over walks of many tiles: ragged m-blocks, GQA, both seqlen orders."""
+    config = {"o_buffer": own}
+    for b, sq, sk, hq, hkv in ((2, 1000, 1000, 24, 6), (3, 4097, 129, 8, 8), (2, 17, 4097, 96, 8)):
+        check(*qkv(b, sq, sk, hq, hkv, d), causal=causal, config=config)
+
+    def gated(o, gate):
+        return {"D": o * ops.sigmoid(gate), "pre": o}
+
+    q, k, v = qkv(2, 1000, 777, 24, 6, d)
+    gate = torch.randn_like(q)
+    got = epicute.attention(q, k, v, causal=causal, epilogue=gated, gate=gate, config=config)
+    call = check_attention_args(q, k, v, causal=causal, softmax_scale=None)
+    _, epi = hooks_of(call, None, gated, {"gate": gate})
+    ref, _ = reference_attention(call, None, epi, device="cuda")
+    for name in ("D", "pre"):
+        assert rel_err(got[name].float(), ref[name].float()) <= TOL, f"{name}, d{d} causal={causal} own={own}"
+
+
 def test_tile_counters_are_per_stream():
     # Two streams running dynamically scheduled launches at once must not share a counter.
     side = torch.cuda.Stream()

@@ -93,6 +93,16 @@ def test_fp8_odd_lengths(d, causal):
         check(q, k, v, causal, descales=(qs, ks, vs))
 
 
+@pytest.mark.parametrize("d", (128, 256))
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_fp8_o_staged_in_qs_buffer(d, causal):
+    """The planner stages fp8 attention's bf16 O in a buffer of its own; pinned back into Q's buffer (sized for
+    bf16 O, Q in its first half), over walks of many tiles, it gives the same results."""
+    for b, sq, sk, hq, hkv in ((2, 1000, 1000, 24, 6), (3, 4097, 129, 8, 8)):
+        (q, qs), (k, ks), (v, vs) = quantized((b, sq, hq, d)), quantized((b, sk, hkv, d)), quantized((b, sk, hkv, d))
+        check(q, k, v, causal, descales=(qs, ks, vs), config={"o_buffer": False})
+
+
 @pytest.mark.parametrize("d", (64, 128, 256))
 @pytest.mark.parametrize("hq,hkv", ((8, 2), (6, 1), (14, 2)), ids=("gqa4", "mqa6", "gqa7"))
 def test_fp8_gqa_with_per_head_descales(d, hq, hkv):

@@ -9,6 +9,7 @@ import pytest
 from epicute.attention.plan import (
     AttentionConfig,
     AttentionProblem,
+    attention_smem_layout,
     attention_smem_total,
     default_config,
     lpt_heads_per_band,
@@ -120,6 +121,32 @@ def test_lazy_rescale_is_a_planner_choice():
     eager = AttentionProblem(batch=1, seqlen_q=512, seqlen_k=512, heads_q=2, heads_kv=2, head_dim=64)
     assert "rescale         lazy" in render_attention_plan(plan_attention(lazy, H100_SXM))
     assert "rescale         every block" in render_attention_plan(plan_attention(eager, H100_SXM))
+
+
+def test_outputs_get_their_own_buffer_where_smem_allows():
+    """A persistent prefill launch stages O in a buffer of its own, so Q's goes back after the last QK^T, wherever
+    the smem holds both (bf16 d256's two 80-key stages leave no room); decode tiles and one CTA per tile keep
+    staging in Q's buffer. fp8 Q's buffer then holds fp8 Q alone."""
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for dtype in ("bf16", "fp8e4m3"):
+                cfg = default_config(d, causal, dtype=dtype, target=H100_SXM)
+                assert cfg.o_buffer == (dtype != "bf16" or d != 256), (d, causal, dtype)
+                cfg.validate(H100_SXM, dtype)
+                table = {item.name: item.bytes for item in attention_smem_layout(cfg, dtype).table()}
+                staged = 2 * cfg.tile_m * d  # bf16 O
+                assert table.get("outputs") == (staged if cfg.o_buffer else None)
+                q_bytes = table["Q"] if cfg.o_buffer else table["Q (then outputs)"]
+                assert q_bytes == (staged // 2 if cfg.o_buffer and dtype != "bf16" else staged)
+    assert not default_config(128, False, persistent=False).o_buffer
+    assert not default_config(128, False, o_buffer=False).o_buffer  # still overridable
+    assert default_config(128, False).key() != default_config(128, False, o_buffer=False).key()
+    with pytest.raises(ConfigError, match="shared memory"):
+        default_config(256, False, o_buffer=True).validate(H100_SXM)
+    assert not plan_attention(_decode(), H100_SXM).config.o_buffer  # split-KV: partials, no staging
+    assert not plan_attention(_decode(batch=64, seqlen_k=8192), H100_SXM).config.o_buffer
+    text = render_attention_plan(plan_attention(AttentionProblem(2, 2048, 2048, 16, 16, 128), H100_SXM))
+    assert "outputs staged in their own 128x128 buffer" in text and "handed back after the tile's last QK^T" in text
 
 
 def test_dynamic_tiles_need_persistent_ctas():
