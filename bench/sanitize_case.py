@@ -60,6 +60,7 @@ FAMILIES = {
     "moe_fp8_backward": "grouped gemm fp8 (gathered, gated, variable K)",
     "backward_head_split": "attention backward (GQA group split over CTAs, dK and dV reduce-added)",
     "backward_head_split_d256": "attention backward at head_dim 256 (the group split over CTAs)",
+    "backward_head_split_ragged": "attention backward (a group of 4 split 3 + 1 over CTAs)",
 }  # fmt: skip
 CASES = tuple(FAMILIES)
 TOLERANCE = 1e-2
@@ -337,6 +338,7 @@ SPECIAL_CASES = {
     "paired": paired_case, "attention_fp8": attention_fp8_case, "moe_fp8_backward": lambda: moe_backward_case(fp8=True),
     "backward_head_split": lambda: backward_case(heads=1),
     "backward_head_split_d256": lambda: backward_case(heads=1, head_dim=256),
+    "backward_head_split_ragged": lambda: backward_case(heads=3),
 }  # fmt: skip
 
 

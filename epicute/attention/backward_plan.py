@@ -207,10 +207,13 @@ def streamed_bytes(cfg: BackwardConfig, heads: int, seqlen_q: int, elem_bytes: i
 def heads_per_cta(cfg: BackwardConfig, causal: bool, deterministic: bool, group: int, seqlen_q: int,
                   l2_bytes: int, elem_bytes: int = 2) -> int:  # fmt: skip
     """Query heads of the GQA group one CTA walks: the whole group, unless (causal) two pairs' streams would not
-    fit L2 together; then the most heads (the group halved) whose stream fits twice, so :func:`grid_band` starts
-    the long key blocks of two pairs at once and both stay in L2; at least one. The group's CTAs are then split
-    ``group / heads`` ways and sum dK and dV in fp32 (``head_split``): a reduce-add of each CTA's dK and dV and a
-    postprocess pass, against (whole) every step's Q and dO read from HBM and, with few pairs, a ragged tail.
+    fit L2 together; then the most heads (the group halved, rounding up) whose stream fits twice, so
+    :func:`grid_band` starts the long key blocks of two pairs at once and both stay in L2; at least one. An odd
+    share is halved only while its own stream exceeds L2 (a 3:1 group at 16 K, whose stream just fits, lost 5 %
+    split in three; 7:1 at 8 K and 16 K gained 5.5 % and 11 % split, bench/NOTES.md). The group's CTAs are then
+    split ``ceil(group / heads)`` ways, the last taking what is left (7:1 at 8 K as 2 + 2 + 2 + 1), and sum dK and
+    dV in fp32 (``head_split``): a reduce-add of each CTA's dK and dV and a postprocess pass, against (whole) every
+    step's Q and dO read from HBM and, with few pairs, a ragged tail.
     Measured (H200, Llama-3-70B's 8:1, a 4:1 and a 16:1 group at 8 K, Qwen3-30B-A3B's at 32 K, bench/NOTES.md):
     1.02-1.31x the whole group as planned before; head_dim 256 at 8:1 1.04-1.10x (at 2:1 the same within the
     spread). Without a causal mask the group's CTAs walk the queries in step (one stream, L2-resident);
@@ -218,8 +221,10 @@ def heads_per_cta(cfg: BackwardConfig, causal: bool, deterministic: bool, group:
     if not causal or deterministic or group == 1:
         return group
     heads = group
-    while heads > 1 and heads % 2 == 0 and 2 * streamed_bytes(cfg, heads, seqlen_q, elem_bytes) > l2_bytes:
-        heads //= 2
+    while heads > 1 and 2 * streamed_bytes(cfg, heads, seqlen_q, elem_bytes) > l2_bytes:
+        if heads % 2 and streamed_bytes(cfg, heads, seqlen_q, elem_bytes) <= l2_bytes:
+            break
+        heads = -(-heads // 2)
     return heads
 
 
@@ -284,7 +289,7 @@ def backward_grid(variant, problem, l2_bytes: int) -> tuple[int, int, int]:
     of ``variant`` (a :class:`~epicute.attention.backward.BackwardVariant`) for ``problem``."""
     p = problem
     heads = variant.heads_per_cta or p.group
-    shares = p.heads_kv * (p.group // heads)
+    shares = p.heads_kv * -(-p.group // heads)
     band = grid_band(variant.config, p.causal, heads, p.seqlen_q, shares * p.batch, l2_bytes,
                      DTYPE_BYTES[variant.dtype])  # fmt: skip
     return heads, shares, band
@@ -315,7 +320,8 @@ def render_backward_plan(variant, problem, target) -> list[str]:
     key_blocks = -(-p.seqlen_k // cfg.tile_n)
     heads, shares, band = backward_grid(variant, p, target.l2_bytes)
     dq_share = "rows" if cfg.dq_split_rows else "head_dim columns" + (" (dQ^T = K^T dS^T)" if cfg.dq_swap_ab else "")
-    walked = f"{heads} of its {p.group} query heads" if variant.head_split else f"{p.group} query head(s)"
+    ragged = f" ({p.group % heads} in its last share)" if variant.head_split and p.group % heads else ""
+    walked = f"{heads} of its {p.group} query heads{ragged}" if variant.head_split else f"{p.group} query head(s)"
     lines = [
         "backward (training: dQ, dK, dV, after a preprocess kernel: D = rowsum(dO * O), LSE, dQ's fp32 sum zeroed; "
         + (
@@ -356,7 +362,8 @@ def render_backward_plan(variant, problem, target) -> list[str]:
     if variant.head_split:
         streamed = streamed_bytes(cfg, p.group, p.seqlen_q, DTYPE_BYTES[dtype]) / 2**20
         lines.append(
-            f"  dK, dV          split: the group's {p.group} query heads over {p.group // heads} CTAs per key block, "
+            f"  dK, dV          split: the group's {p.group} query heads over {shares // p.heads_kv} CTAs per key "
+            "block, "
             f"as a whole group's CTAs would stream {streamed:.0f} MiB of queries, more than L2 "
             f"({target.l2_bytes / 2**20:.0f} MiB); each CTA reduce-adds its fp32 dK and dV (staged in K's and V's "
             "buffers, fragment order), a postprocess kernel casts them"

@@ -9,7 +9,7 @@ preprocess), with ``P = exp(S - LSE)`` recomputed from ``S = Q K^T * scale``::
 A CTA owns ``tile_n`` keys of one (batch, key/value head) and walks every query block that
 sees them (causal: from the diagonal down), for each query head of its share of the GQA group, so
 dK and dV accumulate in registers. With the whole group (``heads`` = the group) they are stored
-once, the group's sum; split over ``group / heads`` CTAs (``head_split``: the planner's choice for
+once, the group's sum; split over ``ceil(group / heads)`` CTAs (``head_split``: the planner's choice for
 causal GQA, whose CTAs of one key/value head otherwise stream more queries than L2 holds), each CTA
 adds its fp32 part into a zeroed accumulator with a bulk reduce-add, in fragment order as dQ, and
 the postprocess casts it. Warp roles:
@@ -208,7 +208,8 @@ class AttentionBackwardSm90:
         in step order (no two writers share one: the sums are reproducible). ``band``: the grid visits
         its (key/value head, batch) pairs this many at a time, key block by key block
         (:func:`~epicute.sm90.tile_scheduler.band_coord`; :func:`~epicute.attention.backward_plan.grid_band`
-        chooses it). ``heads``: the query heads a CTA walks, the group or (``head_split``) a divisor of it;
+        chooses it). ``heads``: the query heads a CTA walks, the group or (``head_split``) fewer: the group's
+        ``ceil(group / heads)`` CTAs take ``heads`` each, the last one the rest;
         ``dkv_accum``: ``()``, or (``head_split``) one zeroed fp32 tensor of dK's and dV's accumulators ``(2 batch,
         heads_kv, key rows, head_dim)`` in fragment order (each batch's dK, then its dV), key rows padded to whole
         key blocks (packed: each sequence's from :func:`~epicute.attention.backward_plan.stat_rows_start` of its
@@ -293,7 +294,7 @@ class AttentionBackwardSm90:
             sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout, group, softmax_scale, band, heads,
             score_tensors, score_scalars, varlen, dq_turns, operand_grads, dkv_accum,
         ).launch(
-            grid=(n_blocks, cute.size(mK, mode=[2]) * (group // heads), batches),
+            grid=(n_blocks, cute.size(mK, mode=[2]) * cute.ceil_div(group, heads), batches),
             block=[cfg.num_threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
@@ -351,9 +352,10 @@ class AttentionBackwardSm90:
         linear = block_x + n_blocks * (block_y + shares * block_z)
         n_block, pair = band_coord(linear, n_blocks, shares * batches, band)
         share, batch = pair % shares, pair // shares
-        splits = group // heads
+        splits = cute.ceil_div(group, heads)
         kv_head = share // splits
-        cta_heads = (kv_head * group + share % splits * heads, heads)  # (first query head, count)
+        first = share % splits * heads  # in the group; its last share is short where heads does not divide it
+        cta_heads = (kv_head * group + first, cutlass.min(heads, group - first))  # (first query head, count)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
         if warp_idx == self.load_warp:

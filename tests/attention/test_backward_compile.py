@@ -130,7 +130,13 @@ def test_causal_gqa_groups_split_over_ctas_until_two_pairs_fit_l2():
     assert heads_per_cta(cfg, True, False, 16, 8192, 50 * mib) == 2
     assert heads_per_cta(cfg, True, False, 2, 8192, 50 * mib) == 2  # fits: the whole group
     assert heads_per_cta(cfg, True, False, 8, 32768, 50 * mib) == 1  # at least one head
-    assert heads_per_cta(cfg, True, False, 6, 8192, 50 * mib) == 3  # halved while even
+    assert heads_per_cta(cfg, True, False, 6, 8192, 50 * mib) == 3  # 3 fits twice
+    # Odd shares: halved (rounding up: the last share is short) only while one pair's stream exceeds L2.
+    assert heads_per_cta(cfg, True, False, 7, 8192, 50 * mib) == 2  # 56.4 MiB alone: 2 + 2 + 2 + 1
+    assert heads_per_cta(cfg, True, False, 7, 16384, 50 * mib) == 1
+    assert heads_per_cta(cfg, True, False, 7, 4096, 50 * mib) == 7  # 28.2 MiB: fits alone
+    assert heads_per_cta(cfg, True, False, 3, 16384, 50 * mib) == 3  # 48.4 MiB: fits alone
+    assert heads_per_cta(cfg, True, False, 24, 16384, 50 * mib) == 3  # 24 -> 12 -> 6 -> 3, which fits alone
     # Without a causal mask or deterministic: the whole group.
     assert heads_per_cta(cfg, False, False, 8, 32768, 50 * mib) == 8
     assert heads_per_cta(cfg, True, True, 8, 32768, 50 * mib) == 8

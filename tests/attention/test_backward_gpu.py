@@ -291,11 +291,12 @@ def test_grid_bands_of_heads_leave_the_gradients_unchanged(d, monkeypatch):
         assert torch.equal(a, b), f"{name}: bands of 3 pairs and of 1 sum dQ differently"
 
 
-@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("heads", [1, 2, 3])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_a_group_split_over_ctas_sums_dk_dv_in_fp32(d, heads, monkeypatch):
     # The planner splits a causal group only past L2's size (bench shapes); forced here at small ones: each CTA
-    # walks `heads` of the 4 query heads and reduce-adds its fp32 dK and dV, the postprocess casts them.
+    # walks `heads` of the group's query heads and reduce-adds its fp32 dK and dV, the postprocess casts them.
+    # Where `heads` does not divide the group (4 as 3 + 1, 7 as 2 + 2 + 2 + 1 or 3 + 3 + 1) the last share is short.
     monkeypatch.setattr(backward_plan, "heads_per_cta", lambda *args: heads)
     call = check_attention_args(*leaves(1, 17, 17, 4, 1, d), causal=True, softmax_scale=None)
     variant = prepare(call).backward_variant()
@@ -303,6 +304,7 @@ def test_a_group_split_over_ctas_sums_dk_dv_in_fp32(d, heads, monkeypatch):
     check(*leaves(2, 1000, 777, 8, 2, d), causal=True)
     check(*leaves(1, 4097, 129, 12, 3, d), causal=True)  # 129 keys: a ragged second key block
     check(*leaves(2, 129, 1000, 8, 2, d), causal=False)
+    check(*leaves(2, 1000, 1000, 14, 2, d), causal=True)  # a 7:1 group
 
 
 def test_deterministic_mode_trains_under_torch_compile():
