@@ -71,7 +71,7 @@ from epicute.gemm.config import (
     epi_tile_m,
     validate_block_scaled,
 )
-from epicute.gemm.roofline import cluster_ctas, cta_slots, estimate_seconds
+from epicute.gemm.roofline import cluster_ctas, cta_slots, estimate_seconds, roofline
 from epicute.gemm.smem import (
     NO_EPILOGUE,
     EpilogueBuffers,
@@ -541,6 +541,17 @@ SWAP_AB_PINGPONG_MIN_N = 64
 #: A swapped plan splits K until its CTAs fill this share of the SMs: with the weight loaded evict-first, half of
 #: them keep HBM streaming, and each further split only adds partials and the last split's serial reduction.
 SWAP_AB_SPLIT_SM_SHARE = 0.5
+#: Widths of the swapped 256-row tile (the weight's rows as the MMA's M, two warpgroups of 128 rows each): M in a few
+#: tiles of one of these where 128-row tiles of A would take a wave more (cuBLAS runs 1000 x 14336 x 4096 as
+#: 256 x 144). Wider ones need more than the 192 accumulator registers a thread may hold.
+WIDE_SWAP_TILE_N = tuple(range(128, 193, 16))
+#: A plain GEMM of fewer rows than this (A in at most 3 tiles of 128 rows) takes a swapped 256-row tile where the
+#: roofline puts it :data:`WIDE_SWAP_MIN_GAIN` ahead of cooperative 128x256 tiles of A: there a whole wave is saved
+#: (300 x 14336 x 4096: 29 % estimated, 35-42 % measured over the planned ping-pong tiles). From 512 rows the estimate
+#: misleads: 1000 x 5000 x 3000 lost 9 % to the planned ping-pong tiles, 2000 x 14336 x 4096 2 % (bench/NOTES.md,
+#: 'Swapped 256-row tiles for mid-size M').
+WIDE_SWAP_MAX_M = 512
+WIDE_SWAP_MIN_GAIN = 0.25
 #: Pins that fix the unswapped kernel's tile shape: the planner swaps only where they are not given.
 _TILE_PINS = frozenset(("schedule", "tile_m", "tile_n", "cluster_m", "cluster_n", "epi_tile"))
 
@@ -629,11 +640,12 @@ def choose_swap_ab(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, 
 
 
 def _swap_ab_config(
-    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, swap_why: str, overrides: dict
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, swap_why: str, overrides: dict, planned: bool = False
 ) -> GemmConfig:
     """The swap-AB plan: the kernel's problem is D^T = B^T A^T (``problem.swapped()``), 128 rows of B^T by M
     rounded up to 16 (cooperative, K split across CTAs while they fill under half the SMs), or for M > 48 64-row
-    ping-pong tiles, unsplit; no cluster."""
+    ping-pong tiles, unsplit; no cluster. ``planned``: ``overrides`` are :func:`choose_wide_swap`'s tile, not the
+    caller's pins (a 256-row tile is never split)."""
     kernel, kernel_epi = problem.swapped(), epilogue.transposed()
     tile_n = overrides.get("tile_n", min(n for n in SWAP_AB_TILE_N if n >= min(kernel.n, SWAP_AB_TILE_N[-1])))
     k_tiles = ceil_div(problem.k, problem.tile_k)
@@ -649,19 +661,22 @@ def _swap_ab_config(
             "128 weight rows)"
         )
     else:
-        reasons.append("schedule cooperative: the two consumer warpgroups take 64 rows of B^T each")
-    reasons += [
-        (
+        rows = tile_m // 2
+        reasons.append(f"schedule cooperative: the two consumer warpgroups take {rows} rows of B^T each")
+    if planned:
+        reasons.append(f"tile {tile_m}x{tile_n}x{kernel.tile_k} of D^T: M = {problem.m} in "
+                       f"{ceil_div(problem.m, tile_n)} tiles of {tile_n} (estimated fastest of {WIDE_SWAP_TILE_N})")
+    else:
+        reasons.append(
             f"tile {tile_m}x{tile_n}x{kernel.tile_k} of D^T: {tile_m} of N's {problem.n} rows by M = {problem.m} "
             "rounded up to a multiple of 16 (WGMMA N; one stmatrix atom of the transposed store)"
-        ),
-        "cluster 1x1: a cluster peer would share only the few rows of A",
-    ]
+        )
+    reasons.append("cluster 1x1: a cluster peer would share only the few rows of A")
     tiles = _num_tiles(kernel, tile_m, tile_n)
     if "split_k" in overrides:
         split_k = overrides["split_k"]
         reasons.append(f"split_k {split_k}: requested")
-    elif pingpong:
+    elif pingpong or planned:
         split_k = 1
     elif problem.m > SWAP_AB_MAX_M:  # choose_swap_ab swaps these for two long splits (a pinned swap may be short)
         split_k = 2 if k_tiles >= 2 * SWAP_AB_WIDE_SPLIT_K_TILES else 1
@@ -785,6 +800,45 @@ def choose_config(
     swap, swap_why = choose_swap_ab(problem, hw, epilogue, overrides)
     if swap:
         return _swap_ab_config(problem, hw, epilogue, swap_why, overrides)
+    wide = None if overrides else choose_wide_swap(problem, hw, epilogue)
+    return wide or _unswapped_config(problem, hw, epilogue, overrides)
+
+
+def wide_swap_refusal(problem: GemmProblem, epilogue: EpilogueBuffers = NO_EPILOGUE) -> str | None:
+    """Why a swapped 256-row tile is no candidate for ``problem`` (None when it is): M past a wide swap-AB plan's
+    rows and under N, and nothing swap-AB refuses (one batch of 16-bit inputs, a 16/32-bit D)."""
+    if problem.m <= SWAP_AB_WIDE_MAX_M or problem.n <= problem.m:
+        return f"M = {problem.m} is not between {SWAP_AB_WIDE_MAX_M} and N = {problem.n}"
+    return swap_ab_refusal(problem, epilogue)
+
+
+def choose_wide_swap(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers) -> GemmConfig | None:
+    """The swapped cooperative 256-row plan of a plain GEMM of fewer than :data:`WIDE_SWAP_MAX_M` rows where its
+    roofline beats cooperative 128x256 tiles of A by :data:`WIDE_SWAP_MIN_GAIN` (a wave saved), else None; its
+    width is the :data:`WIDE_SWAP_TILE_N` estimated fastest. Measured with A row-major and B a weight's transpose
+    (both K-major), as decode's swap takes them."""
+    majors = (problem.a_major, problem.b_major)
+    if (epilogue.chain or majors != ("k", "k") or problem.block_scaled or problem.m >= WIDE_SWAP_MAX_M
+            or wide_swap_refusal(problem, epilogue)):  # fmt: skip
+        return None
+    planned = roofline(problem, hw, 128, 256).predicted_s
+    kernel, kernel_epi = problem.swapped(), epilogue.transposed()
+    estimates = {w: roofline(kernel, hw, 256, w, epilogue=kernel_epi).predicted_s for w in WIDE_SWAP_TILE_N}
+    width = min(estimates, key=estimates.__getitem__)
+    if estimates[width] > (1 - WIDE_SWAP_MIN_GAIN) * planned:
+        return None
+    why = (
+        f"M = {problem.m} rows against N = {problem.n}: 256 x {width} tiles of D^T = B^T A^T (M in "
+        f"{ceil_div(problem.m, width)} tiles of {width}) estimated {estimates[width] * 1e6:.0f} us vs "
+        f"{planned * 1e6:.0f} us for cooperative 128x256 tiles of A (a wave saved); D^T's tiles are stored "
+        "column-major into D"
+    )
+    return _swap_ab_config(problem, hw, epilogue, why, {"schedule": "cooperative", "tile_m": 256, "tile_n": width},
+                           planned=True)  # fmt: skip
+
+
+def _unswapped_config(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, overrides: dict) -> GemmConfig:
+    """The plan of A's rows as the MMA's M (:func:`choose_config` without swap-AB)."""
     # The pins every candidate of the planner keeps (tile_refusal builds its configs around them).
     pins = tuple(sorted((name, value) for name, value in overrides.items() if name != "reasons"))
     if "schedule" in overrides:

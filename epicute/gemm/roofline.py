@@ -38,6 +38,10 @@ MAINLOOP_EFFICIENCY = {256: 0.82, 224: 0.82, 192: 0.81, 128: 0.70, 64: 0.55}
 #: 128x192 (one partial) calibrated at full waves on the do_bench method with A's scales TMA-loaded
 #: (bench/NOTES.md, 'Blockwise fp8: A scales by TMA'); 64 keeps the bf16 table's ratio to 128.
 BLOCK_SCALED_EFFICIENCY = {192: 0.585, 128: 0.58, 64: 0.46}
+#: The same for 256-row tiles (each warpgroup two 64-row WGMMA blocks), whatever their width: swapped 256x160
+#: one wave at 300 x 14336 x 4096 sustained 0.746 of the peak over its useful share, 256x176 at 777 x 5000 x 3000
+#: 0.73 (bench/NOTES.md, 'Swapped 256-row tiles for mid-size M').
+TALL_TILE_EFFICIENCY = 0.74
 #: Thread-instructions an SM issues per cycle: four schedulers, one warp (32 threads) each.
 SM_ISSUE_PER_CYCLE = 128
 #: Share of a ping-pong epilogue's issue time that the other warpgroup's mainloop loses.
@@ -124,7 +128,8 @@ def roofline(
     waves = ceil_div(units, slots) if units else 0
     k_padded = ceil_div(ceil_div(problem.k, tile_k), split_k) * tile_k  # one split's k-tiles
     efficiency = BLOCK_SCALED_EFFICIENCY if problem.block_scaled else MAINLOOP_EFFICIENCY
-    per_sm_flops = peak_flops / hw.num_sms * efficiency.get(tile_n, 0.5)
+    share = TALL_TILE_EFFICIENCY if tile_m == 256 and not problem.block_scaled else efficiency.get(tile_n, 0.5)
+    per_sm_flops = peak_flops / hw.num_sms * share
     epilogue_tile_s = tile_m * out_tile_n * extra_per_elem / (hw.hbm_tb_per_s * 1e12 / hw.num_sms)
     epilogue_alu_s = tile_m * out_tile_n * epilogue.instructions_per_element / (SM_ISSUE_PER_CYCLE * hw.tensor_clock_hz)
     mainloop_s = 2 * tile_m * tile_n * k_padded / per_sm_flops

@@ -21,7 +21,13 @@ from dataclasses import asdict, dataclass
 
 from epicute.errors import ConfigError
 from epicute.gemm import GemmProblem
-from epicute.gemm.heuristics import WAVE_FIT_TILE_N, choose_config, swap_ab_refusal, wave_fit_widths
+from epicute.gemm.heuristics import (
+    WAVE_FIT_TILE_N,
+    WIDE_SWAP_TILE_N,
+    choose_config,
+    wave_fit_widths,
+    wide_swap_refusal,
+)
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers
 from epicute.runtime.cache import JsonTable, code_versions
 from epicute.runtime.target import Target
@@ -30,9 +36,6 @@ from epicute.runtime.target import Target
 SCHEDULE_TILE_N = (("cooperative", (64, 128, 192, 224, 256)), ("pingpong", (64, 128, 192)))
 CLUSTERS = ((1, 1), (2, 1), (1, 2))
 PERSISTENT = (True, False)
-#: Widths of the swapped 256-row tile (the weight's rows as the MMA's M, two warpgroups of 128): M in whole tiles
-#: of one of these (cuBLAS runs 1000 x 14336 x 4096 as 256 x 144) where 128-row tiles of A would pad it.
-WIDE_SWAP_TILE_N = tuple(range(128, 193, 16))
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ def candidates(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers = NO_
 def wide_swap_pins(problem: GemmProblem, epilogue: EpilogueBuffers = NO_EPILOGUE) -> dict | None:
     """The swapped cooperative 256-row tile whose width (:data:`WIDE_SWAP_TILE_N`) pads M least, for an M of more
     than one such tile against a wider N; None where swap-AB cannot run the problem."""
-    if problem.m <= WIDE_SWAP_TILE_N[-1] or problem.n <= problem.m or swap_ab_refusal(problem, epilogue):
+    if problem.m <= WIDE_SWAP_TILE_N[-1] or wide_swap_refusal(problem, epilogue):
         return None
     width = min(reversed(WIDE_SWAP_TILE_N), key=lambda w: -problem.m % w)
     return {"swap_ab": True, "schedule": "cooperative", "tile_m": 256, "tile_n": width, "persistent": True}

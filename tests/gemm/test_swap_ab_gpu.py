@@ -128,6 +128,18 @@ WIDE_TILES = {
 }
 
 
+@pytest.mark.parametrize("m,n,k", [(301, 14336, 264), (131, 28672, 520)])
+def test_planned_256_row_swap_at_mid_size_m(m, n, k):
+    # The planner's swapped 256-row tile where it saves a wave (301 rows: two tiles of 160, one ragged; 131: one of
+    # 144); N's last weight tile is whole, M's ragged.
+    x, w = decode_operands(m, n, k)
+    plan = epicute.explain(x, w.t(), file=None).config
+    assert plan.swap_ab and plan.tile_m == 256
+    out = poisoned(m, n)
+    epicute.gemm(x, w.t(), out=out)
+    assert rel_err(out, x.float() @ w.float().t()) <= TOL, (m, n, k)
+
+
 @pytest.mark.parametrize("name", list(WIDE_TILES))
 @pytest.mark.parametrize("weight_rows", [True, False], ids=["w-rows", "kn"])
 def test_256_row_tiles_swapped_and_not(name, weight_rows):
