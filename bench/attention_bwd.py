@@ -44,6 +44,9 @@ CASES = {
     # head_dim 256 at 8:1 (Qwen3-Next's gated attention: 16 / 2 heads) and 2:1 (Gemma-3-12B's: 16 / 8)
     "b1_hq16_hkv2_s8192_d256_causal": (1, 8192, 16, 2, 256, True),
     "b1_hq16_hkv8_s16384_d256_causal": (1, 16384, 16, 8, 256, True),
+    # short causal walks, the widest grid band (backward_plan.SHORT_CAUSAL_SEQLEN): Qwen2.5-7B's 7:1 at 4 K, 4:1 at 2 K
+    "b2_hq28_hkv4_s4096_d128_causal": (2, 4096, 28, 4, 128, True),
+    "b4_hq32_hkv8_s2048_d128_causal": (4, 2048, 32, 8, 128, True),
 }
 #: name -> (sequence lengths, heads_q, heads_kv, head_dim, causal): 16 sequences of 257-8000 tokens (65 K).
 VARLEN_CASES = {

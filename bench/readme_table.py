@@ -24,8 +24,8 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 HEADLINE_START, HEADLINE_END = "<!-- bench-headline:start -->", "<!-- bench-headline:end -->"
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 README_BENCHMARKS = (
-    "gemm", "gemm_m1000", "gemm_wide224", "gemm_vit", "epilogue", "epilogue_wide224", "attention", "attention_fp8",
-    "attention_bwd", "fp8", "fp8_swiglu", "grouped", "grouped_wgrad_half", "decode", "decode_gqa", "decode_fp8",
+    "gemm", "gemm_m1000", "gemm_wide224", "gemm_vit", "gemm_mid_m", "epilogue", "epilogue_wide224", "attention",
+    "attention_fp8", "attention_bwd", "attention_bwd_short", "fp8", "fp8_swiglu", "grouped", "grouped_wgrad_half", "decode", "decode_gqa", "decode_fp8",
     "quantize", "quantize_pairs", "training", "training_dense", "training_fp8", "training_moe_fp8", "models",
     "models_moe", "models_qwen3_moe", "models_fp8", "models_moe_fp8", "models_decode", "compile",
     "compile_max_autotune", "compile_max_autotune_llama", "compile_max_autotune_vit_prefill", "compile_time",

@@ -195,6 +195,10 @@ def backward_config(head_dim: int, score_mod: bool = False) -> BackwardConfig:
 
 #: The widest band :func:`grid_band` takes (the widest measured).
 MAX_GRID_BAND = 8
+#: Causal queries up to this long take the widest band whatever L2 holds: their pairs' walks are short, so the
+#: launch's tail outweighs L2 (H200, bands forced, do_bench: Qwen2.5-7B's 28/4 heads at 4K 406 -> 477 TFLOPS, a
+#: 20/4 group at 4K 420 -> 494, 32/8 at 2K x 4 sequences 412 -> 439; at 8K the L2 band held, bench/NOTES.md).
+SHORT_CAUSAL_SEQLEN = 4096
 
 
 def streamed_bytes(cfg: BackwardConfig, heads: int, seqlen_q: int, elem_bytes: int = 2) -> int:
@@ -236,9 +240,12 @@ def grid_band(cfg: BackwardConfig, causal: bool, group: int, seqlen_q: int, pair
     runs each head's long blocks together and ends on a ragged tail; a band starts the long blocks of
     several heads at once and ends on short ones. It is as wide as L2 holds what its CTAs stream (each pair:
     Q, dO, dQ's fp32 sum, LSE and D of its ``group`` query heads, :func:`streamed_bytes`), a power of two, at most
-    :data:`MAX_GRID_BAND`. Without a causal mask the blocks are equal: one pair at a time."""
+    :data:`MAX_GRID_BAND`; up to :data:`SHORT_CAUSAL_SEQLEN` queries, the widest. Without a causal mask the blocks
+    are equal: one pair at a time."""
     if not causal:
         return 1
+    if seqlen_q <= SHORT_CAUSAL_SEQLEN:
+        return min(MAX_GRID_BAND, max(pairs, 1))
     fits = max(1, l2_bytes // max(streamed_bytes(cfg, group, seqlen_q, elem_bytes), 1))
     return min(1 << (fits.bit_length() - 1), MAX_GRID_BAND, max(pairs, 1))
 
@@ -295,13 +302,15 @@ def backward_grid(variant, problem, l2_bytes: int) -> tuple[int, int, int]:
     return heads, shares, band
 
 
-def _grid_order(band: int, causal: bool, pairs: int, varlen: bool, split: bool = False) -> str:
-    """explain's account of :func:`grid_band`'s choice (``split``: a pair is a share of a head's query heads)."""
+def _grid_order(band: int, causal: bool, pairs: int, varlen: bool, split: bool = False, short: bool = False) -> str:
+    """explain's account of :func:`grid_band`'s choice (``split``: a pair is a share of a head's query heads;
+    ``short``: at most :data:`SHORT_CAUSAL_SEQLEN` queries)."""
     pair = f"({'head share' if split else 'head'}, {'sequence' if varlen else 'batch'})"
     if band > 1:
+        why = "short walks: the launch's tail outweighs L2" if short else f"what {band} pairs' CTAs stream fits L2"
         return (f"key block by key block over {band} {pair} pairs at a time: causal key blocks shorten as they "
                 f"go, so the long ones of {band} pairs start together and the launch ends on short ones "
-                f"(what {band} pairs' CTAs stream fits L2)")  # fmt: skip
+                f"({why})")  # fmt: skip
     why = (
         "without a causal mask every key block sees every query"
         if not causal
@@ -334,7 +343,9 @@ def render_backward_plan(variant, problem, target) -> list[str]:
             f"head, {'sequence' if p.varlen else 'batch'}), walking {walked} x every query block "
             "that sees its keys" + (" (from the diagonal)" if p.causal else "")
         ),
-        "  grid order      " + _grid_order(band, p.causal, shares * p.batch, p.varlen, variant.head_split),
+        "  grid order      "
+        + _grid_order(band, p.causal, shares * p.batch, p.varlen, variant.head_split,
+                      p.seqlen_q <= SHORT_CAUSAL_SEQLEN),  # fmt: skip
         f"  steps           {cfg.tile_m} queries per step; Q, dO, LSE and D in a {cfg.stages}-stage TMA ring",
         f"  warpgroup 0     producer: warp 0 TMA loads, warp 1 reduce-adds dQ   setmaxnreg {cfg.producer_regs}",
     ]
@@ -381,6 +392,7 @@ def render_backward_plan(variant, problem, target) -> list[str]:
 __all__ = [
     "BACKWARD_HEAD_DIMS",
     "MAX_GRID_BAND",
+    "SHORT_CAUSAL_SEQLEN",
     "BackwardConfig",
     "backward_config",
     "backward_grid",

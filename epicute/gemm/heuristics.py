@@ -815,10 +815,9 @@ def wide_swap_refusal(problem: GemmProblem, epilogue: EpilogueBuffers = NO_EPILO
 def choose_wide_swap(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers) -> GemmConfig | None:
     """The swapped cooperative 256-row plan of a plain GEMM of fewer than :data:`WIDE_SWAP_MAX_M` rows where its
     roofline beats cooperative 128x256 tiles of A by :data:`WIDE_SWAP_MIN_GAIN` (a wave saved), else None; its
-    width is the :data:`WIDE_SWAP_TILE_N` estimated fastest. Measured with A row-major and B a weight's transpose
-    (both K-major), as decode's swap takes them."""
-    majors = (problem.a_major, problem.b_major)
-    if (epilogue.chain or majors != ("k", "k") or problem.block_scaled or problem.m >= WIDE_SWAP_MAX_M
+    width is the :data:`WIDE_SWAP_TILE_N` estimated fastest. A row-major; B a weight's transpose or ``(K, N)``
+    row-major (the swapped 256 x 144 ran alike on both at 1000 rows)."""
+    if (epilogue.chain or problem.a_major != "k" or problem.block_scaled or problem.m >= WIDE_SWAP_MAX_M
             or wide_swap_refusal(problem, epilogue)):  # fmt: skip
         return None
     planned = roofline(problem, hw, 128, 256).predicted_s

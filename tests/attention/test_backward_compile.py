@@ -119,6 +119,10 @@ def test_causal_grids_walk_bands_of_heads_that_fit_l2():
     assert grid_band(cfg, True, 1, 1000, 3, 50 * mib) == 3  # never wider than the pairs
     assert grid_band(cfg, True, 1, 1 << 20, 8, 50 * mib) == 1  # nothing fits: one pair
     assert grid_band(backward_config(64), True, 1, 16384, 64, 50 * mib) == 4  # 16384 x (64 x 8 + 8) B
+    # Up to 4K queries the widest band, whatever L2 holds: the launch's tail outweighs it there.
+    assert grid_band(cfg, True, 7, 4096, 8, 50 * mib) == MAX_GRID_BAND  # Qwen2.5-7B's 7 heads: 28 MiB a pair
+    assert grid_band(cfg, True, 7, 4097, 8, 50 * mib) == 1
+    assert grid_band(cfg, True, 7, 4096, 5, 50 * mib) == 5  # never wider than the pairs
 
 
 def test_causal_gqa_groups_split_over_ctas_until_two_pairs_fit_l2():

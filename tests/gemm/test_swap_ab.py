@@ -139,6 +139,9 @@ def test_mid_size_m_swaps_into_256_row_tiles_where_they_save_a_wave(m, n, k, wid
     assert (c.swap_ab, c.schedule, c.tile_m, c.tile_n, c.split_k) == (True, "cooperative", 256, width, 1)
     assert plan.num_tiles <= plan.target.num_sms < 2 * plan.num_tiles
     assert "a wave saved" in c.reasons[0] and f"in {-(-m // width)} tiles of {width}" in c.reasons[2]
+    kn = epicute.explain(meta(m, k), meta(k, n), file=None, target="h200").config  # B (K, N) row-major: the same
+    assert (kn.swap_ab, kn.tile_m, kn.tile_n) == (True, 256, width)
+    assert not plan_gemm(GemmProblem(m, n, k, a_major="m", b_major="k"), "h200").config.swap_ab  # A M-major
 
 
 @pytest.mark.parametrize(
@@ -154,8 +157,8 @@ def test_mid_size_m_swaps_into_256_row_tiles_where_they_save_a_wave(m, n, k, wid
     ids=["one_wave", "no_width", "m1000", "narrow_n", "epilogue", "pinned"],
 )
 def test_mid_size_m_keeps_128_row_tiles_elsewhere(m, n, k, kwargs):
-    assert not epicute.explain(meta(m, k), meta(n, k).t(), file=None, target="h200", **kwargs).config.swap_ab
-    assert not epicute.explain(meta(m, k), meta(k, n), file=None, target="h200").config.swap_ab  # a (K, N) B
+    for b in (meta(n, k).t(), meta(k, n)):
+        assert not epicute.explain(meta(m, k), b, file=None, target="h200", **kwargs).config.swap_ab
 
 
 @pytest.mark.parametrize(
