@@ -25,17 +25,16 @@ HEADLINE_START, HEADLINE_END = "<!-- bench-headline:start -->", "<!-- bench-head
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 README_BENCHMARKS = (
     "gemm", "gemm_m1000", "gemm_wide224", "gemm_vit", "gemm_mid_m", "epilogue", "epilogue_wide224", "attention",
-    "attention_fp8", "attention_bwd", "attention_bwd_short", "fp8", "fp8_swiglu", "grouped", "grouped_wgrad_half", "decode", "decode_gqa", "decode_fp8",
-    "quantize", "quantize_pairs", "training", "training_dense", "training_fp8", "training_moe_fp8", "models",
-    "models_moe", "models_qwen3_moe", "models_fp8", "models_moe_fp8", "models_decode", "compile",
-    "compile_max_autotune", "compile_max_autotune_llama", "compile_max_autotune_vit_prefill", "compile_time",
-    "compile_host", "compile_llama_host", "compile_llama_prefill_host", "compile_mixtral_train_host",
+    "attention_fp8", "attention_bwd", "attention_bwd_short", "fp8", "fp8_swiglu", "grouped", "grouped_wgrad_half",
+    "decode", "decode_gqa", "decode_fp8", "quantize", "quantize_pairs", "training", "training_dense", "training_fp8",
+    "training_moe_fp8", "models", "models_moe", "models_qwen3_moe", "models_fp8", "models_moe_fp8", "models_decode",
+    "compile", "compile_max_autotune", "compile_max_autotune_llama", "compile_max_autotune_vit_prefill",
+    "compile_time", "compile_host", "compile_llama_host", "compile_llama_prefill_host", "compile_mixtral_train_host",
     "compile_time_host", "compile_time_llama_host", "compile_time_llama_prefill_host",
     "compile_time_mixtral_train_host", "compile_vit_block_train_replay", "compile_gpt2_mlp_train_replay",
     "compile_llama_prefill_replay", "compile_llama_train_replay", "compile_time_vit_block_train_replay",
     "compile_time_gpt2_mlp_train_replay", "compile_time_llama_prefill_replay", "compile_time_llama_train_replay",
-    "tp",
-    "runtime",
+    "tp", "runtime",
 )  # fmt: skip
 CHART_WIDTH = 40
 

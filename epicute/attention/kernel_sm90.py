@@ -801,7 +801,8 @@ class AttentionSm90:
         """O normalized by the row sums and its LSE written, then the output epilogue's chain
         (:mod:`epicute.sm90.epilogue_chain`) over the tile as one subtile: every stored output is
         staged in Q's buffer -- whose rows each warpgroup stages were read only by its own QK^T
-        WGMMAs, all retired -- and TMA-stored from there, one after the other.
+        WGMMAs, all retired -- or (``o_buffer``) in the outputs' own, which the previous tile's last
+        store has finished reading, and TMA-stored from there, one after the other.
 
         With split-KV the normalized fp32 O and the LSE of the split's keys go to the partials
         instead (``split_args``: the split and the partial tensors), for the combine kernel.

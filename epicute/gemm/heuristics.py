@@ -14,8 +14,10 @@ The choices, in order (measurements behind them: ``bench/results/configs*.json``
   transpose of a row-major weight) whose epilogue has a transpose runs as D^T = B^T A^T, the weight's rows on
   the MMA's M side and M in a tile N of 16-64; its own plan (:func:`_swap_ab_config`) splits K while the CTAs
   fill under half the SMs, or from M = 49 takes 64-row ping-pong tiles (bench/NOTES.md, 'Swap-AB decode GEMMs',
-  'L2 evict-first for decode GEMMs'). The operand only one tile reads is loaded L2 evict-first
-  (:func:`choose_evict_first`, for every plan). The choices below are the unswapped kernel's.
+  'L2 evict-first for decode GEMMs'). A plain GEMM of 129-511 rows swaps into 256-row tiles of D^T where they
+  run in one wave what 128-row tiles of A run in two (:func:`choose_wide_swap`; bench/NOTES.md, 'Swapped 256-row
+  tiles for mid-size M'). The operand only one tile reads is loaded L2 evict-first (:func:`choose_evict_first`,
+  for every plan). The choices below are the unswapped kernel's.
 0. **schedule**: cooperative for a plain GEMM, unless ping-pong's 128x192 tile is
    estimated faster (it fills the last wave better on some shapes: 8192^3,
    1024x14336x4096). With a fused epilogue: cooperative when the problem has at
