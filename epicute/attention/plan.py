@@ -180,9 +180,9 @@ class AttentionConfig(WarpRoles):
         self.validate_registers()
         total = attention_smem_total(self, dtype)
         if total > hw.smem_per_cta_bytes:
-            raise ConfigError(
-                f"shared memory: {total} B needed, {hw.smem_per_cta_bytes} B available; lower stages or tile_n"
-            )
+            fix = ("o_buffer=False (stage O in Q's buffer), or lower stages or tile_n" if self.o_buffer
+                   else "lower stages or tile_n")  # fmt: skip
+            raise ConfigError(f"shared memory: {total} B needed, {hw.smem_per_cta_bytes} B available; {fix}")
 
 
 @dataclass(frozen=True)
