@@ -232,6 +232,12 @@ def heads_per_cta(cfg: BackwardConfig, causal: bool, deterministic: bool, group:
     return heads
 
 
+def short_causal(causal: bool, seqlen_q: int) -> bool:
+    """Whether a launch's causal walks are short enough (:data:`SHORT_CAUSAL_SEQLEN`) for :func:`grid_band`'s
+    widest band, whatever L2 holds."""
+    return causal and seqlen_q <= SHORT_CAUSAL_SEQLEN
+
+
 def grid_band(cfg: BackwardConfig, causal: bool, group: int, seqlen_q: int, pairs: int, l2_bytes: int,
                  elem_bytes: int = 2) -> int:  # fmt: skip
     """How many (key/value head, batch) pairs the backward's grid visits at a time, key block by key block
@@ -244,7 +250,7 @@ def grid_band(cfg: BackwardConfig, causal: bool, group: int, seqlen_q: int, pair
     are equal: one pair at a time."""
     if not causal:
         return 1
-    if seqlen_q <= SHORT_CAUSAL_SEQLEN:
+    if short_causal(causal, seqlen_q):
         return min(MAX_GRID_BAND, max(pairs, 1))
     fits = max(1, l2_bytes // max(streamed_bytes(cfg, group, seqlen_q, elem_bytes), 1))
     return min(1 << (fits.bit_length() - 1), MAX_GRID_BAND, max(pairs, 1))
@@ -304,7 +310,7 @@ def backward_grid(variant, problem, l2_bytes: int) -> tuple[int, int, int]:
 
 def _grid_order(band: int, causal: bool, pairs: int, varlen: bool, split: bool = False, short: bool = False) -> str:
     """explain's account of :func:`grid_band`'s choice (``split``: a pair is a share of a head's query heads;
-    ``short``: at most :data:`SHORT_CAUSAL_SEQLEN` queries)."""
+    ``short``: :func:`short_causal`)."""
     pair = f"({'head share' if split else 'head'}, {'sequence' if varlen else 'batch'})"
     if band > 1:
         why = "short walks: the launch's tail outweighs L2" if short else f"what {band} pairs' CTAs stream fits L2"
@@ -345,7 +351,7 @@ def render_backward_plan(variant, problem, target) -> list[str]:
         ),
         "  grid order      "
         + _grid_order(band, p.causal, shares * p.batch, p.varlen, variant.head_split,
-                      p.seqlen_q <= SHORT_CAUSAL_SEQLEN),  # fmt: skip
+                      short_causal(p.causal, p.seqlen_q)),  # fmt: skip
         f"  steps           {cfg.tile_m} queries per step; Q, dO, LSE and D in a {cfg.stages}-stage TMA ring",
         f"  warpgroup 0     producer: warp 0 TMA loads, warp 1 reduce-adds dQ   setmaxnreg {cfg.producer_regs}",
     ]
@@ -401,6 +407,7 @@ __all__ = [
     "grid_band",
     "heads_per_cta",
     "render_backward_plan",
+    "short_causal",
     "stat_rows_start",
     "streamed_bytes",
 ]
