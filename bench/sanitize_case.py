@@ -19,7 +19,7 @@ output (``D_up`` beside D, staged block-major) with a column sum (predicated par
 the same expert block trained in fp8 (gathered fp8 rows, the derivative's epilogue with the routing weight's row
 sum, variable-K fp8 weight gradients over padded experts); `backward_head_split` the `backward` case with its GQA
 group split over CTAs (dK and dV reduce-added in fp32, cast by the postprocess), `backward_head_split_d256` at
-head_dim 256.
+head_dim 256; `split_k` a tile's K in three splits, summed by the last to finish.
 Prints PASS/FAIL and exits 1 on failure.
 """
 
@@ -44,12 +44,13 @@ GEMM_CASES: dict[str, tuple[int, int, int, dict]] = {
     # M = 301 in three 144-wide tiles, the last one 13 rows), and unswapped 256x128 in a 2x1 cluster, ragged.
     "swapped256": (301, 600, 72, {"swap_ab": True, "schedule": "cooperative", "tile_m": 256, "tile_n": 144}),
     "tall256": (301, 264, 72, {"schedule": "cooperative", "tile_m": 256, "tile_n": 128, "cluster_m": 2}),
+    "split_k": (33, 600, 2000, {"split_k": 3}),
 }
 #: case -> the kernel family it watches (rows of bench/results/sanitize.json)
 FAMILIES = {
     "small": "gemm", "ragged": "gemm", "pingpong": "gemm", "epilogue": "gemm epilogue",
     "wide224": "gemm (128x224 tiles)", "swapped256": "gemm (swapped 256x144 tiles)",
-    "tall256": "gemm (256x128 tiles)",
+    "tall256": "gemm (256x128 tiles)", "split_k": "gemm (split-K)",
     "reuse_smem_c": "gemm epilogue (D staged in the operand ring)",
     "fp8_quantize": "fp8 blockwise + quantize_groups", "grouped": "grouped gemm",
     "attention": "attention forward (epilogue)", "attention_gqa": "attention forward (GQA prefill)",
