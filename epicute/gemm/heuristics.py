@@ -554,6 +554,19 @@ WIDE_SWAP_TILE_N = tuple(range(128, 193, 16))
 #: 'Swapped 256-row tiles for mid-size M').
 WIDE_SWAP_MAX_M = 512
 WIDE_SWAP_MIN_GAIN = 0.25
+#: From :data:`WIDE_SWAP_MAX_M` to this many rows a plain GEMM takes a swapped cooperative 128-row tile whose width
+#: fits M in the fewest tiles of at most 256 (:func:`fitted_swap_width`; cuBLAS runs 777 rows as 128 x 200 tiles)
+#: where 128-row tiles of A pad M by :data:`FITTED_SWAP_MIN_FIT` times as many rows or more, the width is at most
+#: :data:`FITTED_SWAP_MAX_WIDTH`, K has :data:`FITTED_SWAP_MIN_K_TILES` k-tiles and the swapped tiles fill half the
+#: SMs. Measured (bench/NOTES.md, 'Swapped 128-row tiles that fit M'), against the unswapped plan: 777 rows as 4 x 208
+#: (896 / 832 = 1.077) 1.02-1.18x at N of 4096 to 28672 and K of 4096 or 14336, 800 rows 1.14x, 513 and 520 rows as
+#: 3 x 176 1.29-1.40x; but 240-wide tiles lost (700 rows 0.86x, 900 rows 0.95x; 960 x 8192 x 8192 1.04x), as did
+#: 777 x 1024 x 4096 (32 tiles, 0.82x) and K = 264 (0.92x), and 1000 rows (5 x 208 against 8 x 128) 0.63-0.89x. The
+#: roofline is not the judge here: it misranked these.
+FITTED_SWAP_MAX_M = 1024
+FITTED_SWAP_MIN_FIT = 1.06
+FITTED_SWAP_MAX_WIDTH = 208
+FITTED_SWAP_MIN_K_TILES = 16
 #: Pins that fix the unswapped kernel's tile shape: the planner swaps only where they are not given.
 _TILE_PINS = frozenset(("schedule", "tile_m", "tile_n", "cluster_m", "cluster_n", "epi_tile"))
 
@@ -642,12 +655,12 @@ def choose_swap_ab(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, 
 
 
 def _swap_ab_config(
-    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, swap_why: str, overrides: dict, planned: bool = False
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, swap_why: str, overrides: dict, planned: str = ""
 ) -> GemmConfig:
     """The swap-AB plan: the kernel's problem is D^T = B^T A^T (``problem.swapped()``), 128 rows of B^T by M
     rounded up to 16 (cooperative, K split across CTAs while they fill under half the SMs), or for M > 48 64-row
-    ping-pong tiles, unsplit; no cluster. ``planned``: ``overrides`` are :func:`choose_wide_swap`'s tile, not the
-    caller's pins (a 256-row tile is never split)."""
+    ping-pong tiles, unsplit; no cluster. ``planned``: why :func:`choose_wide_swap` chose the tile ``overrides``
+    holds (they are its, not the caller's pins; its tiles are never split)."""
     kernel, kernel_epi = problem.swapped(), epilogue.transposed()
     tile_n = overrides.get("tile_n", min(n for n in SWAP_AB_TILE_N if n >= min(kernel.n, SWAP_AB_TILE_N[-1])))
     k_tiles = ceil_div(problem.k, problem.tile_k)
@@ -666,8 +679,7 @@ def _swap_ab_config(
         rows = tile_m // 2
         reasons.append(f"schedule cooperative: the two consumer warpgroups take {rows} rows of B^T each")
     if planned:
-        reasons.append(f"tile {tile_m}x{tile_n}x{kernel.tile_k} of D^T: M = {problem.m} in "
-                       f"{ceil_div(problem.m, tile_n)} tiles of {tile_n} (estimated fastest of {WIDE_SWAP_TILE_N})")
+        reasons.append(f"tile {tile_m}x{tile_n}x{kernel.tile_k} of D^T: {planned}")
     else:
         reasons.append(
             f"tile {tile_m}x{tile_n}x{kernel.tile_k} of D^T: {tile_m} of N's {problem.n} rows by M = {problem.m} "
@@ -814,14 +826,24 @@ def wide_swap_refusal(problem: GemmProblem, epilogue: EpilogueBuffers = NO_EPILO
     return swap_ab_refusal(problem, epilogue)
 
 
+def fitted_swap_width(m: int) -> int:
+    """The narrowest swapped tile width (a multiple of 16) that fits ``m`` rows in the fewest tiles of at most 256."""
+    tiles = ceil_div(m, SWAP_AB_TILE_N[-1])
+    return ceil_div(ceil_div(m, tiles), 16) * 16
+
+
 def choose_wide_swap(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers) -> GemmConfig | None:
-    """The swapped cooperative 256-row plan of a plain GEMM of fewer than :data:`WIDE_SWAP_MAX_M` rows where its
-    roofline beats cooperative 128x256 tiles of A by :data:`WIDE_SWAP_MIN_GAIN` (a wave saved), else None; its
-    width is the :data:`WIDE_SWAP_TILE_N` estimated fastest. A row-major; B a weight's transpose or ``(K, N)``
-    row-major (the swapped 256 x 144 ran alike on both at 1000 rows)."""
-    if (epilogue.chain or problem.a_major != "k" or problem.block_scaled or problem.m >= WIDE_SWAP_MAX_M
+    """A swapped plan for a plain GEMM of mid-size M, else None. Under :data:`WIDE_SWAP_MAX_M` rows: cooperative
+    256-row tiles where their roofline beats cooperative 128x256 tiles of A by :data:`WIDE_SWAP_MIN_GAIN` (a wave
+    saved), the :data:`WIDE_SWAP_TILE_N` width estimated fastest. Up to :data:`FITTED_SWAP_MAX_M`: cooperative
+    128-row tiles :func:`fitted_swap_width` wide, where they pad M :data:`FITTED_SWAP_MIN_FIT` times less than
+    128-row tiles of A. A row-major; B a weight's transpose or ``(K, N)`` row-major (the swapped 256 x 144 ran alike
+    on both at 1000 rows)."""
+    if (epilogue.chain or problem.a_major != "k" or problem.block_scaled or problem.m > FITTED_SWAP_MAX_M
             or wide_swap_refusal(problem, epilogue)):  # fmt: skip
         return None
+    if problem.m >= WIDE_SWAP_MAX_M:
+        return _fitted_swap(problem, hw, epilogue)
     planned = roofline(problem, hw, 128, 256).predicted_s
     kernel, kernel_epi = problem.swapped(), epilogue.transposed()
     estimates = {w: roofline(kernel, hw, 256, w, epilogue=kernel_epi).predicted_s for w in WIDE_SWAP_TILE_N}
@@ -834,8 +856,29 @@ def choose_wide_swap(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers
         f"{planned * 1e6:.0f} us for cooperative 128x256 tiles of A (a wave saved); D^T's tiles are stored "
         "column-major into D"
     )
+    tile_why = (f"M = {problem.m} in {ceil_div(problem.m, width)} tiles of {width} (estimated fastest of "
+                f"{WIDE_SWAP_TILE_N})")  # fmt: skip
     return _swap_ab_config(problem, hw, epilogue, why, {"schedule": "cooperative", "tile_m": 256, "tile_n": width},
-                           planned=True)  # fmt: skip
+                           planned=tile_why)  # fmt: skip
+
+
+def _fitted_swap(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers) -> GemmConfig | None:
+    """:func:`choose_wide_swap`'s 128-row tiles of D^T that fit M (see :data:`FITTED_SWAP_MAX_M`), or None."""
+    width = fitted_swap_width(problem.m)
+    tiles = ceil_div(problem.m, width)
+    padded, fitted = ceil_div(problem.m, 128) * 128, tiles * width
+    if (padded < FITTED_SWAP_MIN_FIT * fitted or width > FITTED_SWAP_MAX_WIDTH
+            or ceil_div(problem.k, problem.tile_k) < FITTED_SWAP_MIN_K_TILES
+            or 2 * ceil_div(problem.n, 128) * tiles < hw.num_sms):  # fmt: skip
+        return None
+    why = (
+        f"M = {problem.m} rows against N = {problem.n}: 128 x {width} tiles of D^T = B^T A^T hold M in {tiles} tiles "
+        f"({fitted} rows) where 128-row tiles of A pad it to {padded} ({padded / fitted:.3f}x the work; measured "
+        "1.02-1.40x at 513-800 rows); D^T's tiles are stored column-major into D"
+    )
+    tile_why = f"M = {problem.m} in {tiles} tiles of {width}: the fewest of at most 256, as narrow as they fit"
+    return _swap_ab_config(problem, hw, epilogue, why, {"schedule": "cooperative", "tile_m": 128, "tile_n": width},
+                           planned=tile_why)  # fmt: skip
 
 
 def _unswapped_config(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, overrides: dict) -> GemmConfig:

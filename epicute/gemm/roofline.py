@@ -72,6 +72,18 @@ class Roofline:
         return self.flops / max(self.min_bytes, 1)
 
 
+def width_efficiency(table: dict[int, float], tile_n: int) -> float:
+    """``table``'s efficiency of a ``tile_n``-wide tile: its own, else interpolated between the calibrated widths
+    around it (a swapped tile's N is any multiple of 16); 0.5 outside them."""
+    if tile_n in table:
+        return table[tile_n]
+    below = max((w for w in table if w < tile_n), default=None)
+    above = min((w for w in table if w > tile_n), default=None)
+    if below is None or above is None:
+        return 0.5
+    return table[below] + (table[above] - table[below]) * (tile_n - below) / (above - below)
+
+
 def cluster_ctas(problem: GemmProblem, tile_m: int, tile_n: int, cluster: tuple[int, int]) -> int:
     """CTAs' worth of work of the problem's tiles in ``cluster``-shaped clusters: a ragged last cluster's idle peers
     hold their SMs too."""
@@ -128,7 +140,7 @@ def roofline(
     waves = ceil_div(units, slots) if units else 0
     k_padded = ceil_div(ceil_div(problem.k, tile_k), split_k) * tile_k  # one split's k-tiles
     efficiency = BLOCK_SCALED_EFFICIENCY if problem.block_scaled else MAINLOOP_EFFICIENCY
-    share = TALL_TILE_EFFICIENCY if tile_m == 256 and not problem.block_scaled else efficiency.get(tile_n, 0.5)
+    share = TALL_TILE_EFFICIENCY if tile_m == 256 and not problem.block_scaled else width_efficiency(efficiency, tile_n)
     per_sm_flops = peak_flops / hw.num_sms * share
     epilogue_tile_s = tile_m * out_tile_n * extra_per_elem / (hw.hbm_tb_per_s * 1e12 / hw.num_sms)
     epilogue_alu_s = tile_m * out_tile_n * epilogue.instructions_per_element / (SM_ISSUE_PER_CYCLE * hw.tensor_clock_hz)

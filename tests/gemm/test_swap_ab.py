@@ -162,6 +162,34 @@ def test_mid_size_m_keeps_128_row_tiles_elsewhere(m, n, k, kwargs):
 
 
 @pytest.mark.parametrize(
+    "m,n,k,width",
+    [(777, 8192, 4096, 208), (777, 4096, 14336, 208), (800, 14336, 4096, 208), (520, 8192, 4096, 176),
+     (513, 4096, 4096, 176)],
+)
+def test_mid_size_m_swaps_into_128_row_tiles_that_fit_it(m, n, k, width):
+    """777 rows are 7 tiles of 128 (896 rows of work) or 4 of 208 (832): the planner swaps plain GEMMs of 512 to 1024
+    rows into the fewest 128-row tiles of D^T at most 256 wide, as narrow as they fit, where that pads M 1.06x less,
+    and says why."""
+    for b in (meta(n, k).t(), meta(k, n)):
+        c = epicute.explain(meta(m, k), b, file=None, target="h200").config
+        assert (c.swap_ab, c.schedule, c.tile_m, c.tile_n, c.split_k) == (True, "cooperative", 128, width, 1)
+        assert "128-row tiles of A pad it to" in c.reasons[0]
+        assert f"in {-(-m // width)} tiles of {width}" in c.reasons[2]
+    assert not plan_gemm(GemmProblem(m, n, k, a_major="m", b_major="k"), "h200").config.swap_ab  # A M-major
+
+
+@pytest.mark.parametrize(
+    "m,n,k",
+    [(700, 4096, 4096), (900, 14336, 4096), (1000, 14336, 4096), (600, 14336, 4096), (777, 1024, 4096),
+     (777, 8192, 264)],
+    ids=["width_240", "width_240_long_n", "no_better_fit", "fits_alike", "few_tiles", "short_k"],
+)
+def test_mid_size_m_keeps_128_row_tiles_of_a_where_no_fitted_swap_measured_faster(m, n, k):
+    for b in (meta(n, k).t(), meta(k, n)):
+        assert not epicute.explain(meta(m, k), b, file=None, target="h200").config.swap_ab
+
+
+@pytest.mark.parametrize(
     "epilogue,operands",
     [
         (lambda acc, res: acc + res, {"res": meta(16, 4096)}),

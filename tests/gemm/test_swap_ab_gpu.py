@@ -140,6 +140,21 @@ def test_planned_256_row_swap_at_mid_size_m(m, n, k):
     assert rel_err(out, x.float() @ w.float().t()) <= TOL, (m, n, k)
 
 
+@pytest.mark.parametrize("m,n,k,width", [(777, 4104, 1000, 208), (777, 8200, 1032, 208), (531, 3000, 1032, 192)])
+@pytest.mark.parametrize("weight_rows", [True, False], ids=["w-rows", "kn"])
+def test_planned_128_row_swap_that_fits_m(m, n, k, width, weight_rows):
+    # The planner's swapped 128-row tile whose width fits M (777 rows in 4 tiles of 208, the last ragged; 531 in 3 of
+    # 192), one tile per CTA (33 x 4 tiles) and persistent (65 x 4); N's last weight tile ragged.
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if weight_rows
+         else torch.randn(k, n, device="cuda", dtype=torch.bfloat16))  # fmt: skip
+    plan = epicute.explain(x, b, file=None).config
+    assert (plan.swap_ab, plan.tile_m, plan.tile_n) == (True, 128, width)
+    out = poisoned(m, n)
+    epicute.gemm(x, b, out=out)
+    assert rel_err(out, x.float() @ b.float()) <= TOL, (m, n, k)
+
+
 @pytest.mark.parametrize("name", list(WIDE_TILES))
 @pytest.mark.parametrize("weight_rows", [True, False], ids=["w-rows", "kn"])
 def test_256_row_tiles_swapped_and_not(name, weight_rows):
