@@ -22,9 +22,12 @@ from dataclasses import asdict, dataclass
 from epicute.errors import ConfigError
 from epicute.gemm import GemmProblem
 from epicute.gemm.heuristics import (
+    FITTED_SWAP_MAX_M,
+    SWAP_AB_WIDE_MAX_M,
     WAVE_FIT_TILE_N,
     WIDE_SWAP_TILE_N,
     choose_config,
+    fitted_swap_width,
     wave_fit_widths,
     wide_swap_refusal,
 )
@@ -76,13 +79,15 @@ def candidates(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers = NO_
         if cfg.key() not in seen:
             seen.add(cfg.key())
             result.append(_overrides_of(cfg))
-    wide = wide_swap_pins(problem, epilogue)
-    if wide is not None:
+    for swapped in (wide_swap_pins(problem, epilogue), fitted_swap_pins(problem, epilogue)):
+        if swapped is None:
+            continue
         try:
-            cfg = choose_config(problem, hw, epilogue, **wide)
+            cfg = choose_config(problem, hw, epilogue, **swapped)
         except ConfigError:
-            return result
+            continue
         if cfg.key() not in seen:
+            seen.add(cfg.key())
             result.append(_overrides_of(cfg))
     return result
 
@@ -94,6 +99,17 @@ def wide_swap_pins(problem: GemmProblem, epilogue: EpilogueBuffers = NO_EPILOGUE
         return None
     width = min(reversed(WIDE_SWAP_TILE_N), key=lambda w: -problem.m % w)
     return {"swap_ab": True, "schedule": "cooperative", "tile_m": 256, "tile_n": width, "persistent": True}
+
+
+def fitted_swap_pins(problem: GemmProblem, epilogue: EpilogueBuffers = NO_EPILOGUE) -> dict | None:
+    """The swapped cooperative 128-row tile as narrow as fits M in the fewest tiles of at most 256
+    (:func:`~epicute.gemm.heuristics.fitted_swap_width`), for an M of more than one swap-AB tile and at most
+    ``FITTED_SWAP_MAX_M`` against a wider N; None where swap-AB cannot run the problem. The planner takes it only
+    where it was measured faster (widths to 208); the tuner measures the rest."""
+    if not SWAP_AB_WIDE_MAX_M < problem.m <= FITTED_SWAP_MAX_M or wide_swap_refusal(problem, epilogue):
+        return None
+    width = fitted_swap_width(problem.m)
+    return {"swap_ab": True, "schedule": "cooperative", "tile_m": 128, "tile_n": width, "persistent": True}
 
 
 def _overrides_of(cfg) -> dict:

@@ -14,6 +14,7 @@ from epicute.gemm.smem import EpilogueBuffers
 from epicute.gemm.tune import (
     TuneResult,
     candidates,
+    fitted_swap_pins,
     label,
     pick_fastest,
     store_winner,
@@ -54,6 +55,18 @@ def test_ragged_rows_against_a_wide_n_add_the_swapped_256_row_tile():
     assert wide_swap_pins(GemmProblem(1024, 14336, 4096))["tile_n"] == 128  # whole tiles: the widest that pads least
     for no_swap in (GemmProblem(4096, 4096, 4096), GemmProblem(100, 14336, 4096), GemmProblem(1000, 14336, 4096, 2)):
         assert wide_swap_pins(no_swap) is None  # N not wider than M; one tile of M; batched (swap-AB plans one)
+
+
+def test_ragged_rows_add_the_swapped_128_row_tile_that_fits_them():
+    """900 rows fit 4 swapped tiles of 240 (the planner, measuring 240-wide tiles slower, keeps 128-row tiles of A;
+    the tuner times both), 777 rows 4 of 208 (the planner's own); one swapped tile of M is swap-AB's plan."""
+    for m, width in ((900, 240), (777, 208), (300, 160)):
+        options = candidates(GemmProblem(m, 14336, 4096, b_major="n"), H100_SXM)
+        fitted = [o for o in options if o.get("swap_ab") and o.get("tile_m") == 128]
+        assert [o["tile_n"] for o in fitted] == [width], (m, fitted)
+    assert fitted_swap_pins(GemmProblem(100, 14336, 4096)) is None
+    assert fitted_swap_pins(GemmProblem(1500, 14336, 4096)) is None
+    assert fitted_swap_pins(GemmProblem(900, 14336, 4096, 2)) is None  # batched
 
 
 def test_candidates_respect_the_epilogue_budget():
