@@ -334,8 +334,8 @@ def attention(
         signature = _plain_signature(q, k, v, indices, causal, softmax_scale, max_seqlen_q, max_seqlen_k, fp8_args)
     validated = _VALIDATED.get(signature) if signature is not None else None
     if validated is not None and not _misaligned(q, k, v, *indices):
-        call, prepared = replace(validated[0], q=q, k=k, v=v, page_table=page_table, seqused_k=seqused_k,
-                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k), validated[1]  # fmt: skip
+        call = validated[0].rebound(q, k, v, page_table, seqused_k, cu_seqlens_q, cu_seqlens_k)
+        prepared = validated[1]
         if call.descales is not None:  # fp8: this call's descales, checked against the remembered problem
             p = call.problem
             call.descales = fp8_descales(q_descale, k_descale, v_descale, p.batch, p.heads_kv, q.device)
@@ -404,7 +404,8 @@ def _plain_signature(
         return None
     if indices[2] is not None and (max_seqlen_q is None or max_seqlen_k is None):
         return None
-    layouts = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in (q, k, v, *indices))
+    # The device's index, not the device (a new torch.device each read); only CUDA calls are remembered.
+    layouts = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device()) for t in (q, k, v, *indices))
     numbers = tuple((type(x), x) for x in (softmax_scale, max_seqlen_q, max_seqlen_k))  # True is 1, not valid
     kinds = tuple((name, x if isinstance(x, str) else type(x)) for name, x in fp8.items() if x is not None)
     return (layouts, k is v, causal, numbers, kinds)

@@ -228,6 +228,11 @@ class PreparedAttention:
 
     def variant(self):
         """The compiled kernel this call runs (its cache key names it: the target's arch, not its SM count)."""
+        return self._variant
+
+    @functools.cached_property
+    def _variant(self):
+        # Once per prepared call: a repeat call (remembered by epicute.attention) launches it every time.
         from epicute.attention.launch import AttentionVariant
 
         p = self.plan.problem

@@ -13,7 +13,6 @@ seqlen_q)``, whatever the hooks are. fp8 calls' descales travel as operands name
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +30,7 @@ from epicute.runtime.torch_ops import (
     config_of,
     grad_slot,
     operand_values,
+    parsed_spec,
     plain_fn,
     register_score_mod_traced,
     register_traced,
@@ -59,7 +59,7 @@ def attention_op(
     """``epicute.attention(q, k, v, ..., return_lse=True)`` as an op: ``(O, LSE)`` (see the module docstring)."""
     from epicute.attention.api import attention
 
-    spec = json.loads(spec)
+    spec = parsed_spec(spec)
     with torch.no_grad():  # autograd sees this op, whose backward is registered below, not its insides
         return attention(
             q, k, v, causal=spec["causal"], softmax_scale=spec["softmax_scale"], return_lse=True,
@@ -116,7 +116,7 @@ def attention_backward_op(
     from epicute.attention.prepare import prepare
     from epicute.attention.validate import check_attention_args
 
-    spec = json.loads(spec)
+    spec = parsed_spec(spec)
     if resolve_backend(None) == "reference":  # a compiled graph run inside use_backend("reference")
         raise ConfigError("attention's backward under torch.compile runs on the kernels only; on the reference "
                           "backend, train without torch.compile (eager autograd differentiates it)")  # fmt: skip

@@ -51,6 +51,14 @@ class AttentionCall:
     #: fp8 v already in the kernel's value layout (``v_layout="slots"``), read as it is
     v_slots: bool = False
 
+    def rebound(self, q, k, v, page_table, seqused_k, cu_seqlens_q, cu_seqlens_k) -> AttentionCall:
+        """This validated call over other tensors of the same layouts (a repeat call's), nothing rechecked. Made
+        without ``__init__``: ``dataclasses.replace`` would rerun it, which cost more than the rest of the binding."""
+        call = object.__new__(AttentionCall)
+        call.__dict__.update(self.__dict__, q=q, k=k, v=v, page_table=page_table, seqused_k=seqused_k,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)  # fmt: skip
+        return call
+
 
 def tma_layout_problem(t: torch.Tensor, name: str) -> str | None:
     """Why TMA cannot read ``t`` as a ``(batch, seqlen, heads, head_dim)`` operand, with the fix, or None."""

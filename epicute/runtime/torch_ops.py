@@ -26,6 +26,7 @@ a 1-element tensor synchronizes.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Callable
@@ -176,6 +177,13 @@ def grad_slot(value: list):
     """No gradient for a list input of an op, in the structure autograd expects back: a list of tensors
     (an empty list included) is a list of slots, any other list one leaf."""
     return [None] * len(value) if all(isinstance(x, torch.Tensor) for x in value) else None
+
+
+@functools.lru_cache(maxsize=1024)
+def parsed_spec(spec: str) -> dict:
+    """:func:`spec_text`'s JSON read back, once per string (a compiled graph passes the same one every step): the
+    dict is shared between calls, so callers only read it."""
+    return json.loads(spec)
 
 
 def config_of(spec: dict) -> dict | None:

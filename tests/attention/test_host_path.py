@@ -1,0 +1,84 @@
+"""The attention call's host path with the kernel stubbed: a plain repeat call binds its own tensors to the
+remembered validation and plan, and the custom op's implementation reads its spec once per string."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+
+import epicute
+from epicute.attention import launch
+from epicute.attention.validate import check_attention_args
+from epicute.runtime import backend as backend_module
+from epicute.runtime.buffers import per_call_buffers
+from epicute.runtime.family import declarations, resolve
+from epicute.runtime.torch_ops import parsed_spec, spec_text
+
+api = importlib.import_module("epicute.attention.api")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch's (variant, arguments), on the CPU: the kernels' backend with CUDA's check lifted."""
+    recorded = []
+
+    class Recorder:
+        def __init__(self, variant):
+            self.variant = variant
+
+        def __call__(self, *args):
+            recorded.append((self.variant, args))
+
+    monkeypatch.setattr(backend_module, "_DEFAULT", ["kernel"])
+    monkeypatch.setattr(api, "check_attention_args",
+                        lambda *a, **kw: check_attention_args(*a, **{**kw, "require_cuda": False}))  # fmt: skip
+    monkeypatch.setattr(launch.ATTENTION_CACHE, "get", Recorder)
+    monkeypatch.setattr(launch, "current_target", lambda: type("Target", (), {"num_sms": 132})())
+    monkeypatch.setattr(launch, "tile_counter", lambda device, dynamic: None)
+    monkeypatch.setattr(api, "_VALIDATED", {})
+    return recorded
+
+
+def _qkv(batch=2, seqlen=197, heads=4, head_dim=64):
+    q = torch.randn(batch, seqlen, heads, head_dim, dtype=torch.bfloat16)
+    return q, torch.randn_like(q), torch.randn_like(q)
+
+
+def test_a_repeat_call_launches_its_own_tensors_on_the_remembered_plan(launches):
+    first, again = _qkv(), _qkv()
+    with torch.no_grad():
+        epicute.attention(*first, causal=True)
+        assert len(api._VALIDATED) == 1
+        epicute.attention(*again, causal=True)
+    (variant_1, args_1), (variant_2, args_2) = launches
+    assert variant_2 is variant_1  # the prepared call's variant, built once
+    assert all(a is b for a, b in zip(args_2[:3], again)) and all(a is b for a, b in zip(args_1[:3], first))
+    assert args_2[5] == args_1[5] == pytest.approx(64**-0.5)  # the remembered softmax scale
+    assert args_2[3] is not args_1[3] and args_2[3].shape == again[0].shape  # a fresh O per call
+
+
+def test_other_layouts_and_options_are_validated_anew(launches):
+    q, k, v = _qkv()
+    with torch.no_grad():
+        epicute.attention(q, k, v)
+        epicute.attention(q, k, v, causal=True)  # another option
+        epicute.attention(q, k[:, :100], v[:, :100])  # other key lengths (and strides)
+        epicute.attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v)  # q's other strides
+    assert len(api._VALIDATED) == 4
+    assert launches[2][1][1].shape[1] == 100 and launches[3][1][0].stride() != q.stride()
+
+
+def test_the_ops_implementation_reads_each_spec_once(launches):
+    op = next(s.torch_op for s in declarations() if s.torch_op and str(s.torch_op).endswith("ATTENTION_OP"))
+    impl = per_call_buffers(resolve(op).impl)
+    spec = spec_text((), (), (), (), (("causal", True), ("softmax_scale", 0.125)))
+    assert parsed_spec(spec) is parsed_spec(spec)
+    for q, k, v in (_qkv(), _qkv()):
+        o, lse = impl(q, k, v, [], [], "", "", spec, None, None, None, None)
+        assert o.shape == q.shape and lse.shape == (2, 4, 197)
+        variant, args = launches[-1]
+        assert variant.causal and args[5] == pytest.approx(0.125) and args[0] is q
+    assert parsed_spec(spec) == json.loads(spec)  # still what the string says: no caller wrote to it
