@@ -263,7 +263,19 @@ class PreparedAttention:
     def backward_variant(self, deterministic: bool = False, operand_grads: bool = False):
         """The backward kernel of this call (:mod:`epicute.attention.backward`), adding dQ's parts in a fixed
         order if ``deterministic`` and summing the score_mod's per-head vectors' gradients if ``operand_grads``;
-        raises :class:`~epicute.errors.ConfigError` naming what the backward does not cover."""
+        raises :class:`~epicute.errors.ConfigError` naming what the backward does not cover. Planned once per
+        prepared call and options (a training step's backward asks again every step)."""
+        key = (deterministic, operand_grads)
+        found = self._backward_variants.get(key)
+        if found is None:
+            found = self._backward_variants[key] = self._plan_backward(deterministic, operand_grads)
+        return found
+
+    @functools.cached_property
+    def _backward_variants(self) -> dict:
+        return {}
+
+    def _plan_backward(self, deterministic: bool, operand_grads: bool):
         from epicute.attention import backward_plan
         from epicute.attention.backward import BackwardVariant
 

@@ -82,3 +82,15 @@ def test_the_ops_implementation_reads_each_spec_once(launches):
         variant, args = launches[-1]
         assert variant.causal and args[5] == pytest.approx(0.125) and args[0] is q
     assert parsed_spec(spec) == json.loads(spec)  # still what the string says: no caller wrote to it
+
+
+def test_the_backward_is_planned_once_per_prepared_call_and_options(launches):
+    from epicute.attention.prepare import prepare
+
+    q, k, v = _qkv(heads=8)
+    prepared = prepare(check_attention_args(q, k, v, causal=True, softmax_scale=None, require_cuda=False))
+    plain = prepared.backward_variant()
+    assert prepared.backward_variant() is plain and prepared.backward_variant(False, False) is plain
+    deterministic = prepared.backward_variant(True)
+    assert deterministic is not plain and deterministic.deterministic and not plain.deterministic
+    assert prepared.backward_variant(True) is deterministic
