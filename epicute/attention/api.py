@@ -332,10 +332,9 @@ def attention(
     if backend == "kernel" and score_mod is None and epilogue is None and out is None and not (
             operands or out_dtypes or config):  # fmt: skip
         signature = _plain_signature(q, k, v, indices, causal, softmax_scale, max_seqlen_q, max_seqlen_k, fp8_args)
-    validated = _VALIDATED.get(signature) if signature is not None else None
-    if validated is not None and not _misaligned(q, k, v, *indices):
-        call = validated[0].rebound(q, k, v, page_table, seqused_k, cu_seqlens_q, cu_seqlens_k)
-        prepared = validated[1]
+    remembered = _remembered(signature, q, k, v, indices)
+    if remembered is not None:
+        call, prepared = remembered
         if call.descales is not None:  # fp8: this call's descales, checked against the remembered problem
             p = call.problem
             call.descales = fp8_descales(q_descale, k_descale, v_descale, p.batch, p.heads_kv, q.device)
@@ -409,6 +408,23 @@ def _plain_signature(
     numbers = tuple((type(x), x) for x in (softmax_scale, max_seqlen_q, max_seqlen_k))  # True is 1, not valid
     kinds = tuple((name, x if isinstance(x, str) else type(x)) for name, x in fp8.items() if x is not None)
     return (layouts, k is v, causal, numbers, kinds)
+
+
+def _remembered(signature: tuple | None, q, k, v, indices: tuple) -> tuple[AttentionCall, Any] | None:
+    """The remembered ``(call, prepared)`` of a plain call's ``signature`` bound to this call's tensors, or None
+    (none remembered, or a pointer off TMA's alignment, which the signature does not hold)."""
+    validated = _VALIDATED.get(signature) if signature is not None else None
+    if validated is None or _misaligned(q, k, v, *indices):
+        return None
+    return validated[0].rebound(q, k, v, *indices), validated[1]
+
+
+def remembered_plain_call(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, max_seqlen_q, max_seqlen_k):
+    """What :func:`attention` remembered of a plain bf16/fp16 call with these arguments, bound to these tensors
+    (``(call, prepared)``), or None: the custom op's backward takes it rather than validating and preparing again."""
+    indices = (None, None, cu_seqlens_q, cu_seqlens_k)
+    signature = _plain_signature(q, k, v, indices, causal, softmax_scale, max_seqlen_q, max_seqlen_k, {})
+    return _remembered(signature, q, k, v, indices)
 
 
 def _misaligned(*tensors: torch.Tensor | None) -> int:

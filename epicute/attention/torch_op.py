@@ -112,6 +112,7 @@ def attention_backward_op(
     """``(dQ, dK, dV, dOperands)`` of ``epicute::attention``'s ``(O, LSE)`` for their gradients ``do`` and
     ``dlse``. ``dOperands``: with ``operand_grads``, fp32 ``(len(operands), heads_q)``, row ``i`` the gradient
     of ``operands[i]`` (a per-head vector; zeros for one the score_mod does not read); else ``(0, heads_q)``."""
+    from epicute.attention.api import remembered_plain_call
     from epicute.attention.backward import attention_backward
     from epicute.attention.prepare import prepare
     from epicute.attention.validate import check_attention_args
@@ -120,13 +121,19 @@ def attention_backward_op(
     if resolve_backend(None) == "reference":  # a compiled graph run inside use_backend("reference")
         raise ConfigError("attention's backward under torch.compile runs on the kernels only; on the reference "
                           "backend, train without torch.compile (eager autograd differentiates it)")  # fmt: skip
-    call = check_attention_args(
-        q, k, v, causal=spec["causal"], softmax_scale=spec["softmax_scale"], **_packed(cu_seqlens_q, cu_seqlens_k, spec)
-    )
-    prepared = prepare(
-        call, registered_epilogue(score_mod) if score_mod else None, None, operand_values(operands, scalars, spec),
-        None, config_of(spec),
-    )  # fmt: skip
+    packed = _packed(cu_seqlens_q, cu_seqlens_k, spec)
+    remembered = None
+    if not (score_mod or operands or scalars or spec["config"]):  # a plain call: the forward's validation holds
+        remembered = remembered_plain_call(q, k, v, cu_seqlens_q, cu_seqlens_k, spec["causal"], spec["softmax_scale"],
+                                           packed.get("max_seqlen_q"), packed.get("max_seqlen_k"))  # fmt: skip
+    if remembered is not None:
+        call, prepared = remembered
+    else:
+        call = check_attention_args(q, k, v, causal=spec["causal"], softmax_scale=spec["softmax_scale"], **packed)
+        prepared = prepare(
+            call, registered_epilogue(score_mod) if score_mod else None, None, operand_values(operands, scalars, spec),
+            None, config_of(spec),
+        )  # fmt: skip
     score = prepared.score
     score_operands = score.kernel_operands(q.device) if score else ((), ())
     variant = prepared.backward_variant(spec.get("deterministic", False), operand_grads)

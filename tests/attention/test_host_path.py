@@ -94,3 +94,30 @@ def test_the_backward_is_planned_once_per_prepared_call_and_options(launches):
     deterministic = prepared.backward_variant(True)
     assert deterministic is not plain and deterministic.deterministic and not plain.deterministic
     assert prepared.backward_variant(True) is deterministic
+
+
+def test_the_compiled_backward_takes_the_forwards_validation(launches, monkeypatch):
+    """The custom op's backward of a plain call binds its tensors to what the forward validated and planned; a call
+    the forward did not see (here: a score_mod's) is validated as before."""
+    from epicute.attention import backward, torch_op
+    from epicute.attention import validate as validate_module
+
+    checked = []
+    monkeypatch.setattr(validate_module, "check_attention_args",
+                        lambda *a, **kw: checked.append(a) or check_attention_args(*a, **{**kw, "require_cuda": False}))
+    for cache in (backward.BACKWARD_CACHE, backward.PREPROCESS_CACHE, backward.POSTPROCESS_CACHE):
+        monkeypatch.setattr(cache, "get", lambda variant: lambda *args: launches.append((variant, args)))
+    monkeypatch.setattr(backward, "current_target", lambda: type("Target", (), {"l2_bytes": 50 << 20})())
+    op = next(s.torch_op for s in declarations() if s.torch_op and str(s.torch_op).endswith("ATTENTION_OP"))
+    forward = per_call_buffers(resolve(op).impl)
+    spec = spec_text((), (), (), (), (("causal", True), ("softmax_scale", None)))
+    q, k, v = _qkv(heads=8)
+    o, lse = forward(q, k, v, [], [], "", "", spec, None, None, None, None)
+    do = torch.randn_like(o)
+    dq, dk, dv, _ = torch_op.attention_backward_op(q, k, v, o, lse, do, None, [], [], "", spec, None, None, False)
+    assert not checked and dq.shape == q.shape and dk.shape == dv.shape == k.shape
+    main = next(args for variant, args in launches if isinstance(variant, backward.BackwardVariant))
+    assert main[0] is q and main[1] is k and main[2] is v
+    q2 = q.transpose(1, 2).contiguous().transpose(1, 2)  # strides the forward never saw
+    torch_op.attention_backward_op(q2, k, v, o, lse, do, None, [], [], "", spec, None, None, False)
+    assert len(checked) == 1
