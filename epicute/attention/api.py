@@ -438,9 +438,7 @@ def _misaligned(*tensors: torch.Tensor | None) -> int:
 def _remember(signature: tuple, call: AttentionCall, prepared) -> None:
     if len(_VALIDATED) >= 1024:  # packed batches vary their longest lengths: a bounded memo
         _VALIDATED.clear()
-    bare = replace(call, q=None, k=None, v=None, page_table=None, seqused_k=None, cu_seqlens_q=None,
-                   cu_seqlens_k=None)  # fmt: skip
-    _VALIDATED[signature] = (bare, prepared)
+    _VALIDATED[signature] = (call.rebound(None, None, None, None, None, None, None), prepared)  # kept without tensors
 
 
 
