@@ -47,6 +47,8 @@ CASES = {
     # short causal walks, the widest grid band (backward_plan.SHORT_CAUSAL_SEQLEN): Qwen2.5-7B's 7:1 at 4 K, 4:1 at 2 K
     "b2_hq28_hkv4_s4096_d128_causal": (2, 4096, 28, 4, 128, True),
     "b4_hq32_hkv8_s2048_d128_causal": (4, 2048, 32, 8, 128, True),
+    # a short ragged walk whose kernels take about what a step's host work does (Llama-3-8B's heads, 1000 tokens)
+    "b3_hq32_hkv8_s1000_d128_causal": (3, 1000, 32, 8, 128, True),
 }
 #: name -> (sequence lengths, heads_q, heads_kv, head_dim, causal): 16 sequences of 257-8000 tokens (65 K).
 VARLEN_CASES = {

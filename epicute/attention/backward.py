@@ -21,6 +21,7 @@ with symbolic sizes, like the forward, so CI compiles every variant without a GP
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -253,26 +254,39 @@ def preprocess(
     """The preprocess kernel: ``(LSE * log2 e, D)`` as :func:`preprocess_reference` returns them, and dQ's fp32
     accumulator zeroed: ``(batch, heads, rows, head_dim)``, its rows LSE's, in fragment order, else shaped
     like ``o``. ``packed``: ``(cu_seqlens_q, max_seqlen_q)`` for packed sequences."""
-    heads, dtype = o.shape[-2], TORCH_TO_IR[o.dtype]
+    sequences = packed[0].numel() - 1 if packed else None
+    variant, stats, accumulator = _preprocess_layout(o.shape, TORCH_TO_IR[o.dtype], tile_m, sequences,
+                                                     dlse is not None, dq_fragment_order)  # fmt: skip
     if packed:
-        batch, total = packed[0].numel() - 1, o.shape[0]
-        shape = (1, heads, stat_rows_start(total, batch, tile_m))
         o, do, lse = o[None], do[None], lse[None]
         dlse = None if dlse is None else dlse[None]
-    else:
-        shape = (o.shape[0], heads, -(-o.shape[1] // tile_m) * tile_m)
-    lse_log2, dsum = (torch.empty(shape, dtype=torch.float32, device=o.device) for _ in range(2))
-    if dq_fragment_order:  # the kernel zeroes every row
-        dq_accum = new_grad((*shape, o.shape[-1]), torch.float32, o.device)
-    elif packed:  # row-major: zeroed here, rows outside every sequence included
+    # LSE * log2 e and D in one allocation: an allocation costs a launch's host time
+    lse_log2, dsum = torch.empty((2, *stats), dtype=torch.float32, device=o.device).unbind(0)
+    if accumulator is None:  # packed and row-major: zeroed here, rows outside every sequence included
         dq_accum = torch.zeros(o.shape, dtype=torch.float32, device=o.device)
-    else:  # row-major, dense: the kernel zeroes each query's row
-        dq_accum = new_grad(o.shape, torch.float32, o.device)
-    variant = PreprocessVariant(dtype, o.shape[-1], tile_m, bool(packed), dlse is not None, dq_fragment_order)
+    else:  # the kernel zeroes each row
+        dq_accum = new_grad(accumulator, torch.float32, o.device)
     # Each pass of the backward reads the last one's buffers as values: while precompiling, a missing one is skipped.
     launch_or_skip(PREPROCESS_CACHE, variant, o, do, lse, lse_log2, dsum, dq_accum, () if dlse is None else (dlse,),
                    packed)  # fmt: skip
     return lse_log2, dsum, dq_accum
+
+
+@functools.lru_cache(maxsize=1024)
+def _preprocess_layout(
+    o_shape: tuple[int, ...], dtype: str, tile_m: int, sequences: int | None, has_dlse: bool, fragment_order: bool
+) -> tuple[PreprocessVariant, tuple[int, ...], tuple[int, ...] | None]:
+    """:func:`preprocess`'s kernel variant, its stats' shape ``(batch, heads, rows)`` and dQ's accumulator shape
+    (None: zeroed like O), for O of ``o_shape`` (``sequences`` packed ones, else None); worked out once per
+    problem, as a training step asks every step."""
+    heads, head_dim = o_shape[-2], o_shape[-1]
+    if sequences is not None:
+        stats = (1, heads, stat_rows_start(o_shape[0], sequences, tile_m))
+    else:
+        stats = (o_shape[0], heads, -(-o_shape[1] // tile_m) * tile_m)
+    accumulator = (*stats, head_dim) if fragment_order else None if sequences is not None else tuple(o_shape)
+    variant = PreprocessVariant(dtype, head_dim, tile_m, sequences is not None, has_dlse, fragment_order)
+    return variant, stats, accumulator
 
 
 def preprocess_reference(
@@ -331,6 +345,31 @@ def new_grad(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+@dataclass(frozen=True)
+class _LaunchSteps:
+    """What :func:`attention_backward` launches around its variant for one problem, worked out once: a training
+    step asks every step, and this arithmetic cost the host more than the launches (bench/NOTES.md)."""
+
+    heads: int  # query heads a CTA walks (backward_grid)
+    band: int  # the grid's band of pairs (backward_grid)
+    key_blocks: int  # the score_mod operands' partial sums: per key block...
+    warps: int  # ...and consumer warp
+    dq_post: PostprocessVariant | None  # dQ from its fragment-order accumulator, else a scaled cast
+    dkv_post: PostprocessVariant | None  # a head split's dK and dV from theirs
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_steps(variant: BackwardVariant, heads_per_cta: int, problem, l2_bytes: int) -> _LaunchSteps:
+    """``heads_per_cta`` keys the cache beside ``variant``, whose equality leaves it out (a launch argument)."""
+    cfg = variant.config
+    heads, _, band = backward_grid(variant, problem, l2_bytes)
+    post = functools.partial(PostprocessVariant, variant.dtype, cfg.head_dim, varlen=problem.varlen)
+    return _LaunchSteps(
+        heads, band, -(-problem.seqlen_k // cfg.tile_n), cfg.num_mma_threads // 32,
+        post(cfg.tile_m) if cfg.dq_fragment_order else None, post(cfg.tile_n) if variant.head_split else None,
+    )  # fmt: skip
+
+
 def attention_backward(
     call,
     o: torch.Tensor,
@@ -351,13 +390,13 @@ def attention_backward(
     score_mod's derivative by the operand: the kernel leaves per (batch, head, key block, consumer warp)
     partial sums, reduced here in a fixed order."""
     q, k, v, p = call.q, call.k, call.v, call.problem
+    steps = _launch_steps(variant, variant.heads_per_cta, p, current_target().l2_bytes)
     dk, dv = new_grad(k.shape, k.dtype, k.device), new_grad(v.shape, v.dtype, v.device)
     grad_names = [n for n, _, _ in variant.score_mod.tensor_operands] if variant.operand_grads else []
     sequences = call.cu_seqlens_q.numel() - 1 if p.varlen else p.batch
-    key_blocks = -(-p.seqlen_k // variant.config.tile_n)
-    warps = variant.config.num_mma_threads // 32
     partials = tuple(
-        torch.zeros(sequences, p.heads_q, key_blocks, warps, dtype=torch.float32, device=q.device) for _ in grad_names
+        torch.zeros(sequences, p.heads_q, steps.key_blocks, steps.warps, dtype=torch.float32, device=q.device)
+        for _ in grad_names
     )
     dq = new_grad(q.shape, q.dtype, q.device)
     if q.numel() and k.numel():
@@ -373,22 +412,21 @@ def attention_backward(
         if variant.deterministic:  # a counter per query block and head (LSE's rows are whole blocks)
             rows = lse_log2.shape
             dq_turns = (torch.zeros(*rows[:2], rows[2] // variant.config.tile_m, dtype=torch.int32, device=q.device),)
-        heads, _, band = backward_grid(variant, p, current_target().l2_bytes)
         packed_k = (call.cu_seqlens_k, p.seqlen_k) if p.varlen else ()
         dkv_accum = (key_accumulators(k, cfg.tile_n, packed_k),) if variant.head_split else ()
         launch_or_skip(
-            BACKWARD_CACHE, variant, q4, k4, v4, do4, lse_log2, dsum, dq_accum, dk4, dv4, call.softmax_scale, band,
-            heads, *score_operands, varlen, dq_turns, partials, dkv_accum,
+            BACKWARD_CACHE, variant, q4, k4, v4, do4, lse_log2, dsum, dq_accum, dk4, dv4, call.softmax_scale,
+            steps.band, steps.heads, *score_operands, varlen, dq_turns, partials, dkv_accum,
         )  # fmt: skip
-        if cfg.dq_fragment_order:
-            post = PostprocessVariant(variant.dtype, cfg.head_dim, cfg.tile_m, p.varlen)
-            launch_or_skip(POSTPROCESS_CACHE, post, dq_accum, dq[None] if p.varlen else dq, call.softmax_scale, packed)
+        if steps.dq_post is not None:
+            launch_or_skip(POSTPROCESS_CACHE, steps.dq_post, dq_accum, dq[None] if p.varlen else dq,
+                           call.softmax_scale, packed)  # fmt: skip
         else:
             torch.mul(dq_accum.view(q.shape), call.softmax_scale, out=dq)  # scaled and cast in one pass
-        if variant.head_split:  # dK (scaled in the kernel) and dV in the key blocks' fragment order
-            post = PostprocessVariant(variant.dtype, cfg.head_dim, cfg.tile_n, p.varlen)
+        if steps.dkv_post is not None:  # dK (scaled in the kernel) and dV in the key blocks' fragment order
             for accum, grad in zip((dkv_accum[0][0::2], dkv_accum[0][1::2]), (dk, dv)):
-                launch_or_skip(POSTPROCESS_CACHE, post, accum, grad[None] if p.varlen else grad, 1.0, packed_k)
+                launch_or_skip(POSTPROCESS_CACHE, steps.dkv_post, accum, grad[None] if p.varlen else grad, 1.0,
+                               packed_k)  # fmt: skip
     else:  # no queries: nothing flows back to the keys; no keys: none to the queries
         dq.zero_()
         dk.zero_()

@@ -161,11 +161,14 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a contiguous copy where TMA could not read it (the forward's operand rules): autograd
     hands over expanded or strided gradients (``o.sum().backward()`` gives stride 0, which those rules
     let through on dimensions a broadcast made, so it is refused here too)."""
-    from epicute.attention.validate import tma_layout_problem
+    from epicute.attention.validate import TMA_ALIGN_BYTES, tma_layout_problem
 
-    if 0 in t.stride() or tma_layout_problem(t, "dO"):
+    strides = t.stride()
+    if 0 in strides:
         return t.contiguous()
-    return t
+    if t.is_contiguous() and t.data_ptr() % TMA_ALIGN_BYTES == 0:  # the common case, without the full check
+        return t
+    return t.contiguous() if tma_layout_problem(t, "dO") else t
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -3,6 +3,7 @@ remembered validation and plan, and the custom op's implementation reads its spe
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 
@@ -121,3 +122,35 @@ def test_the_compiled_backward_takes_the_forwards_validation(launches, monkeypat
     q2 = q.transpose(1, 2).contiguous().transpose(1, 2)  # strides the forward never saw
     torch_op.attention_backward_op(q2, k, v, o, lse, do, None, [], [], "", spec, None, None, False)
     assert len(checked) == 1
+
+
+def test_the_backwards_launch_steps_are_worked_out_once_per_problem(launches, monkeypatch):
+    """A training step's backward reuses its launch steps (the grid, the postprocess variants) and the preprocess's
+    buffer shapes; the steps are keyed by heads per CTA, which the variant's equality leaves out. LSE * log2 e and D
+    share one allocation, apart."""
+    from epicute.attention import backward
+    from epicute.attention.prepare import prepare
+
+    for cache in (backward.BACKWARD_CACHE, backward.PREPROCESS_CACHE, backward.POSTPROCESS_CACHE):
+        monkeypatch.setattr(cache, "get", lambda variant: lambda *args: launches.append((variant, args)))
+    monkeypatch.setattr(backward, "current_target", lambda: type("Target", (), {"l2_bytes": 50 << 20})())
+    backward._launch_steps.cache_clear()
+    backward._preprocess_layout.cache_clear()
+    q, k, v = _qkv(heads=8)
+    k, v = k[:, :, :2].contiguous(), v[:, :, :2].contiguous()  # GQA 4:1, the group walked by one CTA
+    call = check_attention_args(q, k, v, causal=True, softmax_scale=None, require_cuda=False)
+    variant = prepare(call).backward_variant()
+    assert variant.heads_per_cta == 4
+    o, lse = torch.randn_like(q), torch.randn(2, 8, 197)
+    for _ in range(2):
+        backward.attention_backward(call, o, lse, torch.randn_like(q), variant)
+    assert backward._launch_steps.cache_info().hits == 1 and backward._preprocess_layout.cache_info().hits == 1
+    (pre, pre_args), (main, main_args) = launches[-3:-1]
+    assert isinstance(pre, backward.PreprocessVariant) and isinstance(main, backward.BackwardVariant)
+    lse_log2, dsum = pre_args[3:5]
+    assert lse_log2.shape == dsum.shape and main_args[4] is lse_log2 and main_args[5] is dsum
+    assert lse_log2.data_ptr() + lse_log2.numel() * 4 <= dsum.data_ptr()  # one allocation, the halves apart
+    other = dataclasses.replace(variant, heads_per_cta=2)
+    assert other == variant  # heads per CTA is a launch argument: equal variants...
+    steps = [backward._launch_steps(x, x.heads_per_cta, call.problem, 50 << 20) for x in (variant, other)]
+    assert steps[0].heads == 4 and steps[1].heads == 2  # ...with their own steps
