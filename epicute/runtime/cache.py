@@ -310,6 +310,12 @@ class KernelCache:
     def __len__(self) -> int:
         return len(self._fns)
 
+    @property
+    def memory(self) -> dict:
+        """The in-process kernels by key, for reading: replaced whole, never cleared in place, so a caller's memo
+        of kernels it got here stays valid while ``memory`` is the same object."""
+        return self._fns
+
     def __contains__(self, key: CacheKey) -> bool:
         return key in self._fns
 
@@ -358,7 +364,7 @@ class KernelCache:
 
     def clear_memory(self) -> None:
         """Forget the in-process kernels (disk entries stay)."""
-        self._fns.clear()
+        self._fns = {}
         self.events.clear()
 
     # ------------------------------------------------------------------ internals

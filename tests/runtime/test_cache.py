@@ -492,3 +492,46 @@ def test_kernel_families_key_each_variant_once(monkeypatch):
     family.key(Variant(4))  # a third variant: the family forgets the first two
     family.key(Variant(1))
     assert keyed == [1, 2, 3, 3, 4, 1]
+
+
+def test_a_family_finds_a_repeat_variants_kernel_by_identity(monkeypatch):
+    """The same variant object again gets its kernel without its key (the cache asked once); an equal but other
+    object, an unhashable variant, forgotten or replaced memory go to the cache again."""
+    from dataclasses import dataclass
+
+    from epicute.runtime import compile as compile_mod
+
+    monkeypatch.setattr(compile_mod, "KERNEL_CACHE", KernelCache())
+    monkeypatch.setenv("EPICUTE_CACHE", "0")
+    built = []
+
+    @dataclass(frozen=True)
+    class Variant:
+        n: int
+        arch: str = "sm_90a"
+
+        def key(self):
+            return CacheKey("identity_test", (self.n,), self.arch)
+
+    family = compile_mod.KernelFamily("identity_test", {"sm_90a": lambda v: built.append(v.n) or (lambda: v.n)})
+    lookups = []
+    real_get = compile_mod.KERNEL_CACHE.get
+    monkeypatch.setattr(compile_mod.KERNEL_CACHE, "get", lambda *a: lookups.append(a[0]) or real_get(*a))
+    one = Variant(1)
+    first = family.get(one)
+    assert family.get(one) is first and len(lookups) == 1  # by identity: no key, no cache lookup
+    assert family.get(Variant(1)) is first and len(lookups) == 2  # an equal object: the cache's memory
+    compile_mod.KERNEL_CACHE.clear_memory()
+    again = family.get(one)
+    assert again is not first and again() == 1 and built == [1, 1] and len(lookups) == 3  # forgotten: compiled anew
+
+    @dataclass(eq=True)  # eq without frozen: unhashable, so mutable under one id
+    class Loose:
+        n: int
+        arch: str = "sm_90a"
+        key = Variant.key
+
+    loose = Loose(2)
+    family.get(loose)
+    loose.n = 3
+    assert family.get(loose)() == 3 and built == [1, 1, 2, 3]
