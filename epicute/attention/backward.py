@@ -284,7 +284,12 @@ def _preprocess_layout(
         stats = (1, heads, stat_rows_start(o_shape[0], sequences, tile_m))
     else:
         stats = (o_shape[0], heads, -(-o_shape[1] // tile_m) * tile_m)
-    accumulator = (*stats, head_dim) if fragment_order else None if sequences is not None else tuple(o_shape)
+    if fragment_order:
+        accumulator = (*stats, head_dim)
+    elif sequences is None:  # row-major and dense: like O
+        accumulator = tuple(o_shape)
+    else:  # row-major and packed: zeroed by the caller
+        accumulator = None
     variant = PreprocessVariant(dtype, head_dim, tile_m, sequences is not None, has_dlse, fragment_order)
     return variant, stats, accumulator
 

@@ -163,8 +163,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     let through on dimensions a broadcast made, so it is refused here too)."""
     from epicute.attention.validate import TMA_ALIGN_BYTES, tma_layout_problem
 
-    strides = t.stride()
-    if 0 in strides:
+    if 0 in t.stride():
         return t.contiguous()
     if t.is_contiguous() and t.data_ptr() % TMA_ALIGN_BYTES == 0:  # the common case, without the full check
         return t
