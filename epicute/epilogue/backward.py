@@ -55,6 +55,7 @@ def operand_grad_name(operand: str) -> str:
     return f"d_{operand}"
 
 
+@functools.lru_cache(maxsize=1024)
 def differentiable_outputs(graph: Graph) -> tuple[str, ...]:
     """The outputs a gradient flows back through: tiles that are neither reductions, nor ``quantize_groups``
     results, nor stored in fp8."""

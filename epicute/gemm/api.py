@@ -39,13 +39,14 @@ from epicute.gemm.prepared import (
 )
 from epicute.gemm.torch_op import (
     GEMM_OP,
-    PreparedTraining,
     dense_call,
     gemm_op_call,
     needs_backward,
     op_arguments,
+    op_repeat,
     op_results,
 )
+from epicute.gemm.training import PreparedTraining
 from epicute.gemm.tune import TuneResult, candidates, label, pick_fastest, store_winner, stored_entry, tune_key
 from epicute.gemm.validate import D_TORCH_DTYPES, GemmCall, check_gemm_args, settle_d
 from epicute.runtime.backend import resolve_backend
@@ -262,7 +263,7 @@ def gemm(
 def _differentiable(a, b, epilogue, out_dtype, out_dtypes, a_scale, b_scale, config, gated, operands, fast=None):
     """A call autograd records: through the op, whose backward (:mod:`epicute.gemm.autograd`) is derived from the
     epilogue; eager and ``torch.compile`` then train through the same code. An eager call of a signature met before
-    (``fast``: its key) repeats through the :class:`~epicute.gemm.torch_op.PreparedTraining` its first call left."""
+    (``fast``: its key) repeats through the :class:`~epicute.gemm.training.PreparedTraining` its first call left."""
     if fast is not None:
         repeat = _TRAINING_CALLS.get(fast.key)
         if repeat is not None:
@@ -285,20 +286,32 @@ _TRAINING_CALLS: dict[tuple, PreparedTraining] = {}
 def _remember_training(key: tuple, a, b, args) -> None:
     """File the training call just made under ``key``, with the forward launch its op implementation recorded."""
     call = dense_call(a, b, args.tensors, args.scalars, args.epilogue, args.spec)
-    forward = prepared_forward(a, b, call, operand_values(args.tensors, args.scalars, call.spec))
+    # The op implementation recorded it in gemm's cached path, or replayed the forward it had kept before.
+    forward = prepared_forward(a, b, call, operand_values(args.tensors, args.scalars, call.spec)) or op_repeat(
+        a, b, args.tensors, args.scalars, args.epilogue, args.spec)  # fmt: skip
     if forward is not None:
         if len(_TRAINING_CALLS) >= 1024:
             _TRAINING_CALLS.clear()
-        _TRAINING_CALLS[key] = PreparedTraining(args, call, forward)
+        _TRAINING_CALLS[key] = PreparedTraining(a, b, args, call, forward)
 
 
 def prepared_forward(a: torch.Tensor, b: torch.Tensor, call: OpCall, values: dict) -> PreparedGemmCall | None:
     """The prepared call that the op implementation's :func:`gemm` call of ``a``, ``b`` and the operand ``values``
     (``call``: its :class:`~epicute.gemm.autograd.OpCall`) left, or None where it left none."""
-    options = call.options
-    inner = _fast_key(a, b, None, (None, None), options["epilogue"], values, None, options["out_dtype"],
-                      options["out_dtypes"], options["config"], options["gated"])  # fmt: skip
-    return _PREPARED_CALLS.get(inner.key) if inner is not None else None
+    opts = call.options
+    return recorded_call(a, b, values, epilogue=opts["epilogue"], out_dtype=opts["out_dtype"],
+                         out_dtypes=opts["out_dtypes"], config=opts["config"], gated=opts["gated"])  # fmt: skip
+
+
+def recorded_call(
+    a: torch.Tensor, b: torch.Tensor, operands: dict, *, epilogue: Callable | None = None,
+    out_dtype: torch.dtype | None = None, out_dtypes: dict | None = None, config: dict | None = None,
+    gated: bool = False,
+) -> PreparedGemmCall | None:  # fmt: skip
+    """The prepared call :func:`gemm`'s cached path keeps for a call of these arguments (no ``out``, ``outs`` or
+    scales), or None where it keeps none."""
+    fast = _fast_call(a, b, None, (None, None), epilogue, operands, None, out_dtype, out_dtypes, config, gated)
+    return _PREPARED_CALLS.get(fast.key) if fast is not None else None
 
 
 def prepare_gemm(

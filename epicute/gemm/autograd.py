@@ -28,7 +28,7 @@ import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -328,9 +328,8 @@ def setup_backward(
                          tuple(t.requires_grad for t in operands))  # fmt: skip
 
 
-@dataclass(frozen=True)
-class _Recorded:
-    """What an op's forward left for its backward (beside the saved tensors)."""
+class _Recorded(NamedTuple):
+    """What an op's forward left for its backward (beside the saved tensors); a tuple, made every training call."""
 
     plan: BackwardPlan | None
     spec: dict

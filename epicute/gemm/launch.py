@@ -195,20 +195,26 @@ class GemmLaunch:
 
     def results(self) -> torch.Tensor | dict[str, torch.Tensor]:
         """:meth:`run`'s results, once launched."""
-        fusion, d = self.fusion, self.caller_d(self.d)
-        if fusion is None or set(fusion.returned_outputs) == {"D"}:
-            return d
-        results = {"D": d}
-        for name, t in self.aux.items():
-            if not (fusion.paired and name == UP_OUTPUT):  # inside D
-                results[name] = t if self.batched else t[0]
-        for r in fusion.reductions:
-            value = r.finalize(self.workspaces[r.name])
-            results[r.name] = value if self.batched or r.axis == "all" else value[0]
-        if self.group_scales is not None:
-            scales = self.group_scales.transpose(1, 2)
-            results[fusion.group_quant.scales] = scales if self.batched else scales[0]
-        return results
+        return launch_results(self.fusion, self.batched, self.caller_d(self.d), self.aux, self.workspaces,
+                              self.group_scales)  # fmt: skip
+
+
+def launch_results(fusion, batched: bool, d: torch.Tensor, aux: dict, workspaces: dict, group_scales):
+    """A launch's results from its output tensors (``d`` in the caller's rank): D, or with an epilogue that has more
+    outputs a dict of all of them (aux tiles, reductions finalized here, group scales)."""
+    if fusion is None or set(fusion.returned_outputs) == {"D"}:
+        return d
+    results = {"D": d}
+    for name, t in aux.items():
+        if not (fusion.paired and name == UP_OUTPUT):  # inside D
+            results[name] = t if batched else t[0]
+    for r in fusion.reductions:
+        value = r.finalize(workspaces[r.name])
+        results[r.name] = value if batched or r.axis == "all" else value[0]
+    if group_scales is not None:
+        scales = group_scales.transpose(1, 2)
+        results[fusion.group_quant.scales] = scales if batched else scales[0]
+    return results
 
 
 #: Split-K workspaces by (device, stream): launches on one stream run one after another, so they share one;

@@ -35,7 +35,7 @@ import torch
 
 from epicute.epilogue.operands import Pin
 from epicute.errors import AlignmentError, OutputError, SignatureError
-from epicute.gemm.launch import GemmLaunch, launcher, split_workspace
+from epicute.gemm.launch import GemmLaunch, launch_results, launcher, split_workspace
 from epicute.runtime.checks import PLAIN_TENSORS, TMA_ALIGN_BYTES, check_no_grad, check_outputs_apart, overlaps
 
 #: The arguments a call's sources start with; the epilogue's operands follow (in the prepared order),
@@ -84,8 +84,8 @@ class PreparedGemmCall:
     ``out``/``outs``.
     """
 
-    __slots__ = ("_aliases", "_fn", "_inputs", "_launch", "_names", "_outs_names", "_parts", "_scalar_sources",
-                 "_scaled_plan", "_steps", "_whole")  # fmt: skip
+    __slots__ = ("_aliases", "_bounds", "_fn", "_inputs", "_launch", "_names", "_outs_names", "_parts",
+                 "_scalar_sources", "_scaled_plan", "_steps", "_whole")  # fmt: skip
 
     def __init__(self, parts: tuple, names: tuple, outs_names: tuple, launch: GemmLaunch | None = None,
                  steps: tuple | None = None, scalar_sources: tuple = (), aliases: tuple = (),
@@ -97,19 +97,25 @@ class PreparedGemmCall:
         # The sources the kernel's fp32 scalars are read from; pairs of sources that were one tensor.
         self._scalar_sources, self._aliases = scalar_sources, aliases
         self._whole = whole
-        # Where D is the only result, a replay calls the kernel's TVM-FFI function itself (the template launch
-        # keeps the kernel, its owner, alive), with the epilogue's first ``_inputs`` tensors its operands.
-        self._fn = self._inputs = None
-        alone = launch is not None and not (launch.aux or launch.workspaces or launch.group_scales is not None)
-        if alone and launch.kernel is not None:
+        # A replay calls the kernel's TVM-FFI function itself (the template launch keeps the kernel, its owner,
+        # alive): the tensors before ``_inputs`` are A, B, D and the epilogue's operands; ``_bounds`` (None where D
+        # is the only result) ends the aux outputs, the reductions' workspaces and the epilogue's tensors.
+        self._fn = self._inputs = self._bounds = None
+        if launch is not None and launch.kernel is not None:
             self._fn, self._inputs = launcher(launch.kernel), 3 + len(launch.inputs)
+            if launch.aux or launch.workspaces or launch.group_scales is not None:
+                aux_end = self._inputs + len(launch.aux)
+                workspaces_end = aux_end + len(launch.workspaces)
+                self._bounds = aux_end, workspaces_end, workspaces_end + (launch.group_scales is not None)
         self._scaled_plan = self._plan_scaled(steps, scalar_sources)
 
     def _plan_scaled(self, steps: tuple | None, scalar_sources: tuple) -> tuple | None:
         """How :meth:`scaled` launches without the generic replay: ``(D's shape, D's dtype, each kernel tensor after
         D as (its source, its view or None), how many of them are epilogue operands)``; None unless A and B go in
         as given, D is allocated, and every other tensor is a scale or a view of one."""
-        if self._fn is None or steps is None or scalar_sources or len(steps) < 3 or steps[2][0] != _FRESH:
+        if self._fn is None or self._bounds is not None or steps is None or scalar_sources or len(steps) < 3:
+            return None
+        if steps[2][0] != _FRESH:
             return None
         if steps[:2] != ((_SAME, 0), (_SAME, 1)) or any(s[0] == _FRESH or s[1] not in (3, 4) for s in steps[3:]):
             return None
@@ -235,11 +241,19 @@ class PreparedGemmCall:
         scalars = tuple(_number(sources[i]) for i in self._scalar_sources)
         if self._fn is None:
             return self._launch.with_tensors(tensors, scalars).run()
-        # GemmLaunch.run, less the object: the operands, then the blockwise scales (the only tensors after them).
-        a, b, d, plan, i = tensors[0], tensors[1], tensors[2], self._launch.plan, self._inputs
+        # GemmLaunch.run, less the object: the epilogue's tensors, then the blockwise scales (the only ones after).
+        launch, a, b, d, i = self._launch, tensors[0], tensors[1], tensors[2], self._inputs
+        plan, bounds = launch.plan, self._bounds
         split = split_workspace(plan, d.device) if plan.config.split_k > 1 else ()
-        self._fn(a, b, d, tuple(tensors[3:i]), scalars, tuple(tensors[i:]), split, plan.max_active_clusters)
-        return self._launch.caller_d(d)
+        end = i if bounds is None else bounds[2]
+        self._fn(a, b, d, tuple(tensors[3:end]), scalars, tuple(tensors[end:]), split, plan.max_active_clusters)
+        if bounds is None:
+            return launch.caller_d(d)
+        aux_end, spaces_end, end = bounds
+        aux = dict(zip(launch.aux, tensors[i:aux_end]))
+        workspaces = dict(zip(launch.workspaces, tensors[aux_end:spaces_end]))
+        return launch_results(launch.fusion, launch.batched, launch.caller_d(d), aux, workspaces,
+                              tensors[spaces_end] if end > spaces_end else None)  # fmt: skip
 
     def plain(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """:meth:`replay` of a plain call (no ``out``, scales or operands)."""

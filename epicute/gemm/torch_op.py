@@ -87,11 +87,10 @@ def gemm_op(
 
     # A plain call's own cached path (gemm's, keyed by A's and B's layouts alone) costs less than this one's key.
     sources = forward_sources(a, b, operands, scalars)
-    parts = call_signature(sources) if epilogue else None
-    key = None if parts is None else (epilogue, spec, parts)
+    key = _op_repeat_key(sources, epilogue, spec)
     repeat = _OP_REPEATS.get(key) if key is not None else None
     if repeat is not None and _replays(repeat[1], sources):
-        return _listed(repeat[1].replay(sources), repeat[0])
+        return listed(repeat[1].replay(sources), repeat[0])
     call = dense_call(a, b, operands, scalars, epilogue, spec)
     # An fp8 call's scales travel among the operands, under their parameter names.
     values = operand_values(operands, scalars, call.spec)
@@ -102,7 +101,18 @@ def gemm_op(
             if len(_OP_REPEATS) >= 1024:
                 _OP_REPEATS.clear()
             _OP_REPEATS[key] = (call.outputs, forward)
-    return _listed(result, call.outputs)
+    return listed(result, call.outputs)
+
+
+def _op_repeat_key(sources: tuple, epilogue: str, spec: str) -> tuple | None:
+    parts = call_signature(sources) if epilogue else None
+    return None if parts is None else (epilogue, spec, parts)
+
+
+def op_repeat(a, b, operands: list, scalars: list, epilogue: str, spec: str) -> PreparedGemmCall | None:
+    """The forward launch the op implementation keeps for a repeat of this call (None where it keeps none)."""
+    repeat = _OP_REPEATS.get(_op_repeat_key(forward_sources(a, b, operands, scalars), epilogue, spec))
+    return None if repeat is None else repeat[1]
 
 
 def forward_sources(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], scalars: list[float]) -> tuple:
@@ -121,7 +131,8 @@ def _replays(forward: PreparedGemmCall, sources: tuple) -> bool:
     return not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in sources))
 
 
-def _listed(result: torch.Tensor | dict[str, torch.Tensor], outputs: tuple[str, ...]) -> list[torch.Tensor]:
+def listed(result: torch.Tensor | dict[str, torch.Tensor], outputs: tuple[str, ...]) -> list[torch.Tensor]:
+    """:func:`epicute.gemm`'s result as the op's list of outputs (``outputs``: their names, in order)."""
     return [result] if isinstance(result, torch.Tensor) else [result[name] for name in outputs]
 
 
@@ -197,19 +208,27 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grads):
+    return dense_backward(ctx, grads)[0]
+
+
+def dense_backward(ctx, grads, kernels_type: type[DenseKernels] | None = None) -> tuple[tuple, Any, Any]:
+    """The op's backward: its gradients (in the op's argument order), the
+    :class:`~epicute.gemm.autograd.BackwardStep` and the kernels object (``kernels_type``, default
+    :class:`DenseKernels`) that ran it (both None where no differentiable output got a gradient)."""
     step = BackwardStep.of(ctx, grads, "epicute.gemm", SCALE_NAMES)
     if step is None:
-        return None, None, [None] * ctx.call.count, grad_slot(ctx.call.scalars), None, None
+        return (None, None, [None] * ctx.call.count, grad_slot(ctx.call.scalars), None, None), None, None
     a, b = step.inputs
-    kernels = DenseKernels(a, b, step.gated, step.loaders)
+    kernels = (kernels_type or DenseKernels)(a, b, step.gated, step.loaders)
     da, db, by_operand = step.run(kernels, tuple(ctx.needs_input_grad[:2]), saved_dtype(a.dtype))
-    return da, db, step.operand_grads(by_operand), grad_slot(ctx.call.scalars), None, None
+    return (da, db, step.operand_grads(by_operand), grad_slot(ctx.call.scalars), None, None), step, kernels
 
 
 class DenseKernels:
     """:class:`~epicute.gemm.autograd.GradientKernels` of ``epicute.gemm``: ``a @ b`` (batched or not) and its
     fp8 scales/gated flag. Each GEMM is a call of the op, which runs eagerly as well as under AOTAutograd's trace
-    of a compiled backward."""
+    of a compiled backward; :meth:`run_gemm` is where each goes (a repeat eager backward replays the launches its
+    first one went through, :mod:`epicute.gemm.training`)."""
 
     #: A gradient's column or row sums are the whole output's: torch's reduction of it serves.
     TORCH_REDUCTIONS = True
@@ -218,22 +237,30 @@ class DenseKernels:
         self.a, self.b, self.gated, self.scales = a, b, gated, scales
 
     def gradient_pass(self, epilogue, recompute, out_dtypes, operands):
-        a, b = self.a, self.b
         if recompute:
-            return _as_dict(_gemm(a, b, epilogue, out_dtypes, operands, self.gated, self.scales))
+            return results_by_name(self.run_gemm("pass", self.a, self.b, epilogue, out_dtypes, operands, self.gated,
+                                          self.scales))  # fmt: skip
         # An elementwise pass: the epilogue over a zero accumulator (K = 0), which it does not read.
+        zero_a, zero_b = self.zero_operands(out_dtypes[DACC])
+        return results_by_name(self.run_gemm("pass", zero_a, zero_b, epilogue, out_dtypes, operands))
+
+    def zero_operands(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A and B of the zero-K pass: ``(..., M, 0)`` and ``(..., 0, N)``, holding nothing."""
+        a, b = self.a, self.b
         lead, m, n = a.shape[:-2], a.shape[-2], output_columns(b.shape[-1], self.gated)
-        dtype = out_dtypes[DACC]
-        zero_a, zero_b = a.new_zeros((*lead, m, 0), dtype=dtype), a.new_zeros((*lead, 0, n), dtype=dtype)
-        return _as_dict(_gemm(zero_a, zero_b, epilogue, out_dtypes, operands))
+        return a.new_zeros((*lead, m, 0), dtype=dtype), a.new_zeros((*lead, 0, n), dtype=dtype)
 
     def data_grad(self, dacc):
-        return _gemm(dacc, self.b.transpose(-1, -2))
+        return self.run_gemm("data", dacc, self.b.transpose(-1, -2))
 
     def weight_grad(self, dacc):
         if stored_transposed(self.b):  # b = weight.t(): dB computed as weight's (N, K) (no transposing copy after)
-            return _gemm(dacc.transpose(-1, -2), self.a).transpose(-1, -2)
-        return _gemm(self.a.transpose(-1, -2), dacc)
+            return self.run_gemm("weight", dacc.transpose(-1, -2), self.a).transpose(-1, -2)
+        return self.run_gemm("weight", self.a.transpose(-1, -2), dacc)
+
+    def run_gemm(self, role: str, a, b, epilogue=None, out_dtypes=None, operands=None, gated=False, scales=None):
+        """The backward's GEMM ``role``: ``"pass"`` (the gradient epilogue's), ``"data"`` or ``"weight"``."""
+        return _gemm(a, b, epilogue, out_dtypes, operands, gated, scales)
 
 
 def stored_transposed(b: torch.Tensor) -> bool:
@@ -260,7 +287,8 @@ def _gemm(a, b, epilogue=None, out_dtypes=None, operands=None, gated=False, scal
     )  # fmt: skip
 
 
-def _as_dict(results) -> dict:
+def results_by_name(results) -> dict:
+    """:func:`epicute.gemm`'s result as a dict by output name (D alone as ``{"D": D}``)."""
     return results if isinstance(results, dict) else {"D": results}
 
 
@@ -382,34 +410,6 @@ def op_results(outputs: tuple, results: dict) -> torch.Tensor | dict[str, torch.
     return results["D"] if len(outputs) == 1 else results
 
 
-class PreparedTraining:
-    """An eager training call of one signature, as the op's first call of it decided: its arguments beside the
-    tensors, its :class:`~epicute.gemm.autograd.OpCall`, and the forward's prepared launch (the one the op's
-    implementation recorded). A repeat call runs the op's own autograd Function, setup and backward, with the
-    launch replayed directly: the op path, less the decisions already made (bench/NOTES.md, issue 57's host path).
-    """
-
-    def __init__(self, args: OpArguments, call: OpCall, forward: PreparedGemmCall) -> None:
-        self.args, self.call, self.forward = args, call, forward
-        self.op = TorchOp(GEMM_OP.name, self._impl, GEMM_OP.fake, GEMM_OP.backward, self._setup)
-
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, operands: dict) -> torch.Tensor | dict[str, torch.Tensor]:
-        _, tensors, _, scalars, _ = split_operands(operands)
-        args = self.args
-        return op_results(args.outputs, dict(zip(args.outputs, self.op(a, b, tensors, scalars, args.epilogue,
-                                                                           args.spec))))  # fmt: skip
-
-    def _impl(self, a, b, tensors, scalars, epilogue, spec) -> list[torch.Tensor]:
-        sources = forward_sources(a, b, tensors, scalars)
-        if not self.forward.fits(sources):  # the recorded call passed one tensor twice, this one two tensors
-            return gemm_op(a, b, tensors, scalars, epilogue, spec)
-        return _listed(self.forward.replay(sources), self.call.outputs)
-
-    def _setup(self, ctx, inputs, output) -> None:
-        a, b, operands, scalars, _, _ = inputs
-        setup_backward(ctx, self.call.plan, self.call.names, output, (a, b), operands, scalars, self.call.spec)
-
-
 def needs_backward(a, b, a_scale, b_scale, out, outs, operands: dict) -> bool:
     """Whether autograd records this call (grad mode on, and a, b or an epilogue operand requires grad); raises
     :class:`~epicute.errors.GradientError` for what has no gradient: fp8 inputs, scales, ``out=``/``outs=``."""
@@ -437,6 +437,6 @@ def needs_backward(a, b, a_scale, b_scale, out, outs, operands: dict) -> bool:
 
 
 __all__ = [
-    "GEMM_OP", "DenseKernels", "OpArguments", "PreparedTraining", "gemm_op", "gemm_op_call", "needs_backward",
-    "op_arguments", "op_options", "stored_transposed",
+    "GEMM_OP", "DenseKernels", "OpArguments", "dense_backward", "forward_sources", "gemm_op", "gemm_op_call",
+    "listed", "needs_backward", "op_arguments", "op_options", "op_repeat", "results_by_name", "stored_transposed",
 ]  # fmt: skip

@@ -66,7 +66,7 @@ def _rows(x: torch.Tensor, name: str, features: int) -> torch.Tensor:
     """``x`` as ``(tokens, features)``: its leading dimensions flattened (a view where they can be)."""
     if x.dim() < 1 or x.shape[-1] != features:
         raise ShapeError(f"{name} has shape {tuple(x.shape)}; its last dimension must be {features} (the weight's in)")
-    return x.reshape(-1, features)
+    return x if x.dim() == 2 else x.reshape(-1, features)  # no view of a 2-D x: one node less in autograd's graph
 
 
 def linear(

@@ -270,9 +270,18 @@ class TorchOp:
             return getattr(getattr(torch.ops, namespace), name)(*args)
         if self.backward is None:
             return self.impl(*args)
-        layout = tuple(_arg_kind(arg) for arg in args)
+        return self.eager(eager_layout(args), *args)
+
+    def eager(self, layout: tuple, *args: Any) -> list[torch.Tensor]:
+        """The op applied eagerly to ``args`` whose :func:`eager_layout` is ``layout`` (a caller repeating calls of
+        one signature works it out once)."""
         flat = [t for arg, (kind, _) in zip(args, layout) for t in (arg if kind == _LIST else (arg,))]
         return list(_EagerOp.apply(*flat, self, layout))
+
+
+def eager_layout(args: tuple) -> tuple:
+    """How :class:`_EagerOp` takes an op's arguments: each argument's kind and how many flat arguments it takes."""
+    return tuple(_arg_kind(arg) for arg in args)
 
 
 
@@ -427,7 +436,8 @@ def register_meta(op, fake: Callable) -> None:
 
 
 __all__ = [
-    "TorchOp", "assume_constant_result", "define_op", "define_ops", "dtype_name", "grad_slot", "operand_values",
+    "TorchOp", "assume_constant_result", "define_op", "define_ops", "dtype_name", "eager_layout", "grad_slot",
+    "operand_values",
     "plain_fn", "plain_value", "records_no_gradient", "register_cuda_autograd", "register_cuda_kernel",
     "register_epilogue", "register_meta", "register_score_mod",
     "registered_casts", "registered_epilogue", "registered_outputs", "runs_eagerly", "spec_text", "split_operands",

@@ -101,21 +101,39 @@ class _CountingForward:
         return self.inner.replay(sources)
 
 
-@pytest.mark.parametrize("name", ["bias", "tanh_scaled_with_aux", "swiglu", "geglu_row_scale"])
+class _CountingBackward:
+    """A prepared backward that counts its replays."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.replays = inner, 0
+
+    def __call__(self, ctx, grads):
+        self.replays += 1
+        return self.inner(ctx, grads)
+
+
+@pytest.mark.parametrize("name", ["plain", "bias", "gelu_bias_residual", "tanh_scaled_with_aux", "swiglu",
+                                  "geglu_row_scale"])  # fmt: skip
 @pytest.mark.parametrize("plan", list(K_PLANS))
-def test_a_repeat_training_call_replays_its_prepared_forward(name, plan):
+def test_a_repeat_training_call_replays_its_prepared_forward_and_backward(name, plan):
     """The first eager training call of a signature goes through the op and leaves a PreparedTraining; the next
-    one (fresh inputs) replays the forward launch it recorded, and trains as the first did (float64 reference)."""
+    one (fresh inputs) replays the forward launch it recorded and records its backward's launches, which the third
+    replays (epicute.gemm.training); each trains as the first did (float64 reference)."""
     from epicute.gemm import api as gemm_api
+    from epicute.gemm.training import PreparedBackward
 
     gemm_api._TRAINING_CALLS.clear()
     first = run_case(cases(M, N, DEVICE)[name], M, N, K_PLANS[plan], DEVICE)
     assert len(gemm_api._TRAINING_CALLS) == 1
     entry = next(iter(gemm_api._TRAINING_CALLS.values()))
     entry.forward = counting = _CountingForward(entry.forward)
-    again = run_case(cases(M, N, DEVICE)[name], M, N, K_PLANS[plan], DEVICE)
+    second = run_case(cases(M, N, DEVICE)[name], M, N, K_PLANS[plan], DEVICE)
     assert counting.replays == 1
-    for errors in (first, again):
+    assert len(entry.backwards) == 1 and all(isinstance(p, PreparedBackward) for p in entry.backwards.values())
+    entry.backwards = {key: _CountingBackward(p) for key, p in entry.backwards.items()}
+    third = run_case(cases(M, N, DEVICE)[name], M, N, K_PLANS[plan], DEVICE)
+    assert counting.replays == 2 and sum(p.replays for p in entry.backwards.values()) == 1
+    for errors in (first, second, third):
         assert errors.pop("differentiable outputs")
         assert all(e < TOL for e in errors.values()), errors
 

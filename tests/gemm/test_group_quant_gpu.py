@@ -33,25 +33,26 @@ def dequantize(q, scales):
 @pytest.mark.parametrize("mnk", [(1, 128, 64), (129, 400, 72), (1000, 4112, 1000)])
 def test_quantized_d_and_scales_match_the_reference(mnk, dtype, ue8m0):
     m, n, k = mnk
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    out = torch.full((m, n), float("nan"), device="cuda").to(dtype)  # fp8 NaN poison
-    got = epicute.gemm(a, b, epilogue=silu_quantized(dtype, ue8m0), bias=bias, out=out)
-    assert got["D"].data_ptr() == out.data_ptr() and got["scales"].shape == (m, -(-n // 128))
-    assert got["scales"].stride(0) == 1  # M-major: the blockwise a_scale layout
-    acc = a.float() @ b.float()
-    x = torch.nn.functional.silu(acc + bias.float())
-    _, scales_ref = group_quantize(x[None], {E4M3: "fp8e4m3", E5M2: "fp8e5m2"}[dtype], ue8m0)
-    # A scale is amax / fp8_max: off by the accumulation's rounding, or (UE8M0) equal unless amax sits
-    # within that rounding of a power of two.
-    if ue8m0:
-        assert (got["scales"] == scales_ref[0]).float().mean() > 0.99
-    else:
-        assert rel_err(got["scales"], scales_ref[0]) < 1e-5
-    step = 2.0**-4 if dtype == E4M3 else 2.0**-3
-    assert rel_err(dequantize(got["D"], got["scales"]), x) < step
-    assert rel_err(got["rows"], acc.sum(-1)) < 1e-4
+    for _ in range(2):  # the whole path, then the cached path's replay of it (new values)
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((m, n), float("nan"), device="cuda").to(dtype)  # fp8 NaN poison
+        got = epicute.gemm(a, b, epilogue=silu_quantized(dtype, ue8m0), bias=bias, out=out)
+        assert got["D"].data_ptr() == out.data_ptr() and got["scales"].shape == (m, -(-n // 128))
+        assert got["scales"].stride(0) == 1  # M-major: the blockwise a_scale layout
+        acc = a.float() @ b.float()
+        x = torch.nn.functional.silu(acc + bias.float())
+        _, scales_ref = group_quantize(x[None], {E4M3: "fp8e4m3", E5M2: "fp8e5m2"}[dtype], ue8m0)
+        # A scale is amax / fp8_max: off by the accumulation's rounding, or (UE8M0) equal unless amax sits
+        # within that rounding of a power of two.
+        if ue8m0:
+            assert (got["scales"] == scales_ref[0]).float().mean() > 0.99
+        else:
+            assert rel_err(got["scales"], scales_ref[0]) < 1e-5
+        step = 2.0**-4 if dtype == E4M3 else 2.0**-3
+        assert rel_err(dequantize(got["D"], got["scales"]), x) < step
+        assert rel_err(got["rows"], acc.sum(-1)) < 1e-4
 
 
 def test_quantized_output_feeds_the_next_blockwise_gemm():

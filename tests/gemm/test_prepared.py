@@ -81,6 +81,14 @@ def _cases():
         kw = {"epilogue": lambda acc, bias: acc + bias, "bias": rand(L, N, offset=offset), "out": out}
         return (rand(L, M, K, dtype=torch.float16, offset=offset), rand(L, K, N, dtype=torch.float16)), kw
 
+    def group_quant(offset):
+        def epilogue(acc, bias):
+            q, scales = ops.quantize_groups(ops.silu(acc + bias), E4)
+            return {"D": q, "scales": scales, "rows": ops.row_sum(acc)}
+
+        return (rand(M, K, offset=offset), rand(N, K, offset=offset).t()), {"epilogue": epilogue,
+                                                                             "bias": rand(N, offset=offset)}
+
     def fp8(a_scale, b_scale):
         def case(offset):
             a, w = rand(M, K, dtype=E4, offset=16 * offset), rand(N, K, dtype=E4)
@@ -92,6 +100,7 @@ def _cases():
         "plain": plain,
         "epilogue": epilogue,
         "batched_out": batched_out,
+        "group_quant": group_quant,
         "fp8_float_scales": fp8(lambda o: 0.5 + o, lambda o: 2.0 - o),
         "fp8_tensorwise": fp8(lambda o: rand(1, dtype=torch.float32, offset=o), lambda o: torch.rand(())),
         "fp8_rowwise": fp8(lambda o: rand(M, 1, dtype=torch.float32, offset=o), lambda o: torch.rand(1, N)),
