@@ -46,13 +46,16 @@ GEMM_CASES: dict[str, tuple[int, int, int, dict]] = {
     "tall256": (301, 264, 72, {"schedule": "cooperative", "tile_m": 256, "tile_n": 128, "cluster_m": 2}),
     "split_k": (33, 600, 2000, {"split_k": 3}),
     "swapped208": (301, 600, 72, {"swap_ab": True, "schedule": "cooperative", "tile_m": 128, "tile_n": 208}),
+    # Swapped 256 x 112 tiles over more tiles than SMs (46 x 3 = 138: some CTAs run two), M and N ragged.
+    "swapped256_persistent": (301, 11528, 72, {"swap_ab": True, "schedule": "cooperative", "tile_m": 256,
+                                               "tile_n": 112, "persistent": True}),
 }
 #: case -> the kernel family it watches (rows of bench/results/sanitize.json)
 FAMILIES = {
     "small": "gemm", "ragged": "gemm", "pingpong": "gemm", "epilogue": "gemm epilogue",
     "wide224": "gemm (128x224 tiles)", "swapped256": "gemm (swapped 256x144 tiles)",
     "tall256": "gemm (256x128 tiles)", "split_k": "gemm (split-K)",
-    "swapped208": "gemm (swapped 128x208 tiles)",
+    "swapped208": "gemm (swapped 128x208 tiles)", "swapped256_persistent": "gemm (swapped 256x112, persistent)",
     "reuse_smem_c": "gemm epilogue (D staged in the operand ring)",
     "fp8_quantize": "fp8 blockwise + quantize_groups", "grouped": "grouped gemm",
     "attention": "attention forward (epilogue)", "attention_gqa": "attention forward (GQA prefill)",

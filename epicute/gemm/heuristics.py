@@ -567,6 +567,15 @@ FITTED_SWAP_MAX_M = 1024
 FITTED_SWAP_MIN_FIT = 1.06
 FITTED_SWAP_MAX_WIDTH = 208
 FITTED_SWAP_MIN_K_TILES = 16
+#: In the same range, swapped 256-row tiles of one of these widths replace the plan where the roofline puts them
+#: :data:`WAVE_SWAP_MIN_GAIN` ahead of it: their count fills the last wave (cuBLAS runs 777 x 14336 x 4096 as
+#: 392 tiles of 256 x 112, 2.97 waves, where 128 x 208 tiles take 448, 3.39). Measured against the plan they
+#: replaced (bench/NOTES.md, 'Swapped 256-row tiles that fill the last wave'): 777 x 14336 x 4096 as 256 x 112
+#: 1.16-1.17x, 520 x 8192 x 4096 as 256 x 144 1.14-1.19x, 600 x 14336 x 4096 as 256 x 160 1.20-1.23x; where the
+#: roofline puts them behind they lost (0.81-0.98x). Narrower tiles lost wherever the roofline put them ahead
+#: (600 rows as 256 x 96 1.00x, 1024 rows as 256 x 64 0.66x): they are no candidates.
+WAVE_SWAP_TILE_N = tuple(range(112, 193, 16))
+WAVE_SWAP_MIN_GAIN = 0.05
 #: Pins that fix the unswapped kernel's tile shape: the planner swaps only where they are not given.
 _TILE_PINS = frozenset(("schedule", "tile_m", "tile_n", "cluster_m", "cluster_n", "epi_tile"))
 
@@ -814,8 +823,10 @@ def choose_config(
     swap, swap_why = choose_swap_ab(problem, hw, epilogue, overrides)
     if swap:
         return _swap_ab_config(problem, hw, epilogue, swap_why, overrides)
-    wide = None if overrides else choose_wide_swap(problem, hw, epilogue)
-    return wide or _unswapped_config(problem, hw, epilogue, overrides)
+    if overrides:
+        return _unswapped_config(problem, hw, epilogue, overrides)
+    planned = choose_wide_swap(problem, hw, epilogue) or _unswapped_config(problem, hw, epilogue, overrides)
+    return choose_wave_swap(problem, hw, epilogue, planned) or planned
 
 
 def wide_swap_refusal(problem: GemmProblem, epilogue: EpilogueBuffers = NO_EPILOGUE) -> str | None:
@@ -860,6 +871,42 @@ def choose_wide_swap(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers
                 f"{WIDE_SWAP_TILE_N})")  # fmt: skip
     return _swap_ab_config(problem, hw, epilogue, why, {"schedule": "cooperative", "tile_m": 256, "tile_n": width},
                            planned=tile_why)  # fmt: skip
+
+
+def choose_wave_swap(
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, planned: GemmConfig
+) -> GemmConfig | None:
+    """Swapped 256-row tiles for a plain GEMM of :data:`WIDE_SWAP_MAX_M` to :data:`FITTED_SWAP_MAX_M` rows where
+    their count fills the last wave: the :data:`WAVE_SWAP_TILE_N` width the roofline estimates fastest, where it
+    puts it :data:`WAVE_SWAP_MIN_GAIN` ahead of ``planned`` (else None)."""
+    if (problem.m < WIDE_SWAP_MAX_M or epilogue.chain or problem.a_major != "k" or problem.block_scaled
+            or problem.m > FITTED_SWAP_MAX_M or ceil_div(problem.k, problem.tile_k) < FITTED_SWAP_MIN_K_TILES
+            or wide_swap_refusal(problem, epilogue)):  # fmt: skip
+        return None
+    kernel, kernel_epi = problem.swapped(), epilogue.transposed()
+    estimates = {w: roofline(kernel, hw, 256, w, epilogue=kernel_epi) for w in WAVE_SWAP_TILE_N}
+    width = min(estimates, key=lambda w: estimates[w].predicted_s)
+    best, before = estimates[width], predicted(problem, hw, planned, epilogue)
+    if best.predicted_s > (1 - WAVE_SWAP_MIN_GAIN) * before.predicted_s:
+        return None
+    was = "swapped " if planned.swap_ab else ""
+    why = (
+        f"M = {problem.m} rows against N = {problem.n}: {best.waves:.2f} waves of 256 x {width} tiles of D^T = B^T A^T "
+        f"estimated {best.predicted_s * 1e6:.0f} us against {before.predicted_s * 1e6:.0f} us for {before.waves:.2f} "
+        f"waves of {was}{planned.tile_m} x {planned.tile_n} tiles (the last wave filled; measured 1.14-1.23x at "
+        "520-777 rows); D^T's tiles are stored column-major into D"
+    )
+    tile_why = (f"M = {problem.m} in {ceil_div(problem.m, width)} tiles of {width} (estimated fastest of "
+                f"{WAVE_SWAP_TILE_N})")  # fmt: skip
+    return _swap_ab_config(problem, hw, epilogue, why, {"schedule": "cooperative", "tile_m": 256, "tile_n": width},
+                           planned=tile_why)  # fmt: skip
+
+
+def predicted(problem: GemmProblem, hw: Target, config: GemmConfig, epilogue: EpilogueBuffers = NO_EPILOGUE):
+    """The roofline of ``config`` running ``problem`` (D^T's, where it swaps), as ``explain`` prints it."""
+    kernel, kernel_epi = (problem.swapped(), epilogue.transposed()) if config.swap_ab else (problem, epilogue)
+    return roofline(kernel, hw, config.tile_m, config.tile_n, config.tile_k, kernel_epi, config.schedule,
+                    config.split_k, (config.cluster_m, config.cluster_n))  # fmt: skip
 
 
 def _fitted_swap(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers) -> GemmConfig | None:

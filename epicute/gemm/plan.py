@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from epicute.epilogue.gated import output_columns
 from epicute.errors import ConfigError
 from epicute.gemm.config import GemmConfig, GemmProblem
-from epicute.gemm.heuristics import choose_config
-from epicute.gemm.roofline import Roofline, roofline
+from epicute.gemm.heuristics import choose_config, predicted
+from epicute.gemm.roofline import Roofline
 from epicute.gemm.smem import NO_EPILOGUE, EpilogueBuffers, SmemItem, smem_table
 from epicute.runtime.target import Target, resolve_target
 from epicute.sm90.tile_grid import ceil_div, cluster_counts, launched
@@ -106,9 +106,7 @@ class GemmPlan:
 
     @property
     def roofline(self) -> Roofline:
-        c = self.config
-        return roofline(self.kernel_problem, self.target, c.tile_m, c.tile_n, c.tile_k, self.kernel_epilogue,
-                        c.schedule, c.split_k, (c.cluster_m, c.cluster_n))  # fmt: skip
+        return predicted(self.problem, self.target, self.config, self.epilogue)
 
 
 def plan_gemm(

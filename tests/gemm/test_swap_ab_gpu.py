@@ -155,6 +155,21 @@ def test_planned_128_row_swap_that_fits_m(m, n, k, width, weight_rows):
     assert rel_err(out, x.float() @ b.float()) <= TOL, (m, n, k)
 
 
+@pytest.mark.parametrize("m,n,k,width", [(601, 14344, 2056, 160), (841, 11016, 1032, 144), (777, 5128, 1032, 144)])
+@pytest.mark.parametrize("weight_rows", [True, False], ids=["w-rows", "kn"])
+def test_planned_256_row_swap_that_fills_the_last_wave(m, n, k, width, weight_rows):
+    # The planner's swapped 256-row tile whose count fills the last wave: persistent over 57 x 4 and 44 x 6 tiles,
+    # one tile per CTA over 21 x 6; M's last tile and N's last weight tile ragged.
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if weight_rows
+         else torch.randn(k, n, device="cuda", dtype=torch.bfloat16))  # fmt: skip
+    plan = epicute.explain(x, b, file=None).config
+    assert (plan.swap_ab, plan.tile_m, plan.tile_n) == (True, 256, width)
+    out = poisoned(m, n)
+    epicute.gemm(x, b, out=out)
+    assert rel_err(out, x.float() @ b.float()) <= TOL, (m, n, k)
+
+
 @pytest.mark.parametrize("name", list(WIDE_TILES))
 @pytest.mark.parametrize("weight_rows", [True, False], ids=["w-rows", "kn"])
 def test_256_row_tiles_swapped_and_not(name, weight_rows):
