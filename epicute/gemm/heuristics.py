@@ -856,21 +856,16 @@ def choose_wide_swap(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers
     if problem.m >= WIDE_SWAP_MAX_M:
         return _fitted_swap(problem, hw, epilogue)
     planned = roofline(problem, hw, 128, 256).predicted_s
-    kernel, kernel_epi = problem.swapped(), epilogue.transposed()
-    estimates = {w: roofline(kernel, hw, 256, w, epilogue=kernel_epi).predicted_s for w in WIDE_SWAP_TILE_N}
-    width = min(estimates, key=estimates.__getitem__)
-    if estimates[width] > (1 - WIDE_SWAP_MIN_GAIN) * planned:
+    width, best = _fastest_swapped_256(problem, hw, epilogue, WIDE_SWAP_TILE_N)
+    if best.predicted_s > (1 - WIDE_SWAP_MIN_GAIN) * planned:
         return None
     why = (
         f"M = {problem.m} rows against N = {problem.n}: 256 x {width} tiles of D^T = B^T A^T (M in "
-        f"{ceil_div(problem.m, width)} tiles of {width}) estimated {estimates[width] * 1e6:.0f} us vs "
+        f"{ceil_div(problem.m, width)} tiles of {width}) estimated {best.predicted_s * 1e6:.0f} us vs "
         f"{planned * 1e6:.0f} us for cooperative 128x256 tiles of A (a wave saved); D^T's tiles are stored "
         "column-major into D"
     )
-    tile_why = (f"M = {problem.m} in {ceil_div(problem.m, width)} tiles of {width} (estimated fastest of "
-                f"{WIDE_SWAP_TILE_N})")  # fmt: skip
-    return _swap_ab_config(problem, hw, epilogue, why, {"schedule": "cooperative", "tile_m": 256, "tile_n": width},
-                           planned=tile_why)  # fmt: skip
+    return _swapped_256_config(problem, hw, epilogue, width, WIDE_SWAP_TILE_N, why)
 
 
 def choose_wave_swap(
@@ -883,21 +878,31 @@ def choose_wave_swap(
             or problem.m > FITTED_SWAP_MAX_M or ceil_div(problem.k, problem.tile_k) < FITTED_SWAP_MIN_K_TILES
             or wide_swap_refusal(problem, epilogue)):  # fmt: skip
         return None
-    kernel, kernel_epi = problem.swapped(), epilogue.transposed()
-    estimates = {w: roofline(kernel, hw, 256, w, epilogue=kernel_epi) for w in WAVE_SWAP_TILE_N}
-    width = min(estimates, key=lambda w: estimates[w].predicted_s)
-    best, before = estimates[width], predicted(problem, hw, planned, epilogue)
+    width, best = _fastest_swapped_256(problem, hw, epilogue, WAVE_SWAP_TILE_N)
+    before = predicted(problem, hw, planned, epilogue)
     if best.predicted_s > (1 - WAVE_SWAP_MIN_GAIN) * before.predicted_s:
         return None
     was = "swapped " if planned.swap_ab else ""
     why = (
         f"M = {problem.m} rows against N = {problem.n}: {best.waves:.2f} waves of 256 x {width} tiles of D^T = B^T A^T "
         f"estimated {best.predicted_s * 1e6:.0f} us against {before.predicted_s * 1e6:.0f} us for {before.waves:.2f} "
-        f"waves of {was}{planned.tile_m} x {planned.tile_n} tiles (the last wave filled; measured 1.14-1.23x at "
-        "520-777 rows); D^T's tiles are stored column-major into D"
+        f"waves of {was}{planned.tile_m} x {planned.tile_n} tiles (the last wave filled; measured 1.09-1.43x at "
+        "520-960 rows); D^T's tiles are stored column-major into D"
     )
-    tile_why = (f"M = {problem.m} in {ceil_div(problem.m, width)} tiles of {width} (estimated fastest of "
-                f"{WAVE_SWAP_TILE_N})")  # fmt: skip
+    return _swapped_256_config(problem, hw, epilogue, width, WAVE_SWAP_TILE_N, why)
+
+
+def _fastest_swapped_256(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, widths: tuple):
+    """The width of ``widths`` whose swapped 256-row tiles the roofline estimates fastest, and that estimate."""
+    kernel, kernel_epi = problem.swapped(), epilogue.transposed()
+    estimates = {w: roofline(kernel, hw, 256, w, epilogue=kernel_epi) for w in widths}
+    width = min(estimates, key=lambda w: estimates[w].predicted_s)
+    return width, estimates[width]
+
+
+def _swapped_256_config(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, width: int, widths: tuple,
+                        why: str) -> GemmConfig:  # fmt: skip
+    tile_why = f"M = {problem.m} in {ceil_div(problem.m, width)} tiles of {width} (estimated fastest of {widths})"
     return _swap_ab_config(problem, hw, epilogue, why, {"schedule": "cooperative", "tile_m": 256, "tile_n": width},
                            planned=tile_why)  # fmt: skip
 

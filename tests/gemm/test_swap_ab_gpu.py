@@ -140,31 +140,22 @@ def test_planned_256_row_swap_at_mid_size_m(m, n, k):
     assert rel_err(out, x.float() @ w.float().t()) <= TOL, (m, n, k)
 
 
-@pytest.mark.parametrize("m,n,k,width", [(777, 4104, 1000, 208), (777, 8200, 1032, 208), (531, 3000, 1032, 192)])
+@pytest.mark.parametrize(
+    "m,n,k,tile",
+    [(777, 4104, 1000, (128, 208)), (777, 8200, 1032, (128, 208)), (531, 3000, 1032, (128, 192)),
+     (601, 14344, 2056, (256, 160)), (841, 11016, 1032, (256, 144)), (777, 5128, 1032, (256, 144))],
+)
 @pytest.mark.parametrize("weight_rows", [True, False], ids=["w-rows", "kn"])
-def test_planned_128_row_swap_that_fits_m(m, n, k, width, weight_rows):
-    # The planner's swapped 128-row tile whose width fits M (777 rows in 4 tiles of 208, the last ragged; 531 in 3 of
-    # 192), one tile per CTA (33 x 4 tiles) and persistent (65 x 4); N's last weight tile ragged.
+def test_planned_mid_m_swap(m, n, k, tile, weight_rows):
+    # The planner's swapped tiles from 512 rows: 128-row ones whose width fits M (777 rows in 4 tiles of 208, the
+    # last ragged; 531 in 3 of 192), one tile per CTA (33 x 4 tiles) and persistent (65 x 4); 256-row ones whose
+    # count fills the last wave, persistent (57 x 4, 44 x 6 tiles) and one tile per CTA (21 x 6). N's last weight
+    # tile ragged.
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if weight_rows
          else torch.randn(k, n, device="cuda", dtype=torch.bfloat16))  # fmt: skip
     plan = epicute.explain(x, b, file=None).config
-    assert (plan.swap_ab, plan.tile_m, plan.tile_n) == (True, 128, width)
-    out = poisoned(m, n)
-    epicute.gemm(x, b, out=out)
-    assert rel_err(out, x.float() @ b.float()) <= TOL, (m, n, k)
-
-
-@pytest.mark.parametrize("m,n,k,width", [(601, 14344, 2056, 160), (841, 11016, 1032, 144), (777, 5128, 1032, 144)])
-@pytest.mark.parametrize("weight_rows", [True, False], ids=["w-rows", "kn"])
-def test_planned_256_row_swap_that_fills_the_last_wave(m, n, k, width, weight_rows):
-    # The planner's swapped 256-row tile whose count fills the last wave: persistent over 57 x 4 and 44 x 6 tiles,
-    # one tile per CTA over 21 x 6; M's last tile and N's last weight tile ragged.
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if weight_rows
-         else torch.randn(k, n, device="cuda", dtype=torch.bfloat16))  # fmt: skip
-    plan = epicute.explain(x, b, file=None).config
-    assert (plan.swap_ab, plan.tile_m, plan.tile_n) == (True, 256, width)
+    assert (plan.swap_ab, plan.tile_m, plan.tile_n) == (True, *tile)
     out = poisoned(m, n)
     epicute.gemm(x, b, out=out)
     assert rel_err(out, x.float() @ b.float()) <= TOL, (m, n, k)
