@@ -18,8 +18,9 @@ call, where a replay makes several and each costs microseconds of host time (ben
 prepared GEMM call"). An fp8 call with scale tensors and nothing else is keyed the same way plus the
 scales' layouts, and :meth:`PreparedGemmCall.scaled` rebuilds only the scales' views.
 
-Not recorded: launches that copied a tensor (a 2-D tile operand broadcast over a batch, K = 0's zero
-operands) and calls where distinct tensors share storage (which of them a view came from would be
+K = 0's zero operands are taken again as they are where they are kept (eager calls), and allocated anew each
+call where not. Not recorded: launches that copied a tensor (a 2-D tile operand broadcast over a batch) and calls
+where distinct tensors share storage (which of them a view came from would be
 ambiguous). ``epicute.gemm`` runs those the whole way every time; a prepared one checks its
 arguments and does the same. One tensor passed twice (``a_scale=s, b_scale=s``) is recorded, and
 replayed only for calls that pass one tensor twice there too.
