@@ -73,7 +73,7 @@ from epicute.gemm.config import (
     epi_tile_m,
     validate_block_scaled,
 )
-from epicute.gemm.roofline import cluster_ctas, cta_slots, estimate_seconds, roofline
+from epicute.gemm.roofline import Roofline, cluster_ctas, cta_slots, estimate_seconds, roofline
 from epicute.gemm.smem import (
     NO_EPILOGUE,
     EpilogueBuffers,
@@ -892,7 +892,9 @@ def choose_wave_swap(
     return _swapped_256_config(problem, hw, epilogue, width, WAVE_SWAP_TILE_N, why)
 
 
-def _fastest_swapped_256(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, widths: tuple):
+def _fastest_swapped_256(
+    problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers, widths: tuple
+) -> tuple[int, Roofline]:
     """The width of ``widths`` whose swapped 256-row tiles the roofline estimates fastest, and that estimate."""
     kernel, kernel_epi = problem.swapped(), epilogue.transposed()
     estimates = {w: roofline(kernel, hw, 256, w, epilogue=kernel_epi) for w in widths}
@@ -907,7 +909,9 @@ def _swapped_256_config(problem: GemmProblem, hw: Target, epilogue: EpilogueBuff
                            planned=tile_why)  # fmt: skip
 
 
-def predicted(problem: GemmProblem, hw: Target, config: GemmConfig, epilogue: EpilogueBuffers = NO_EPILOGUE):
+def predicted(
+    problem: GemmProblem, hw: Target, config: GemmConfig, epilogue: EpilogueBuffers = NO_EPILOGUE
+) -> Roofline:
     """The roofline of ``config`` running ``problem`` (D^T's, where it swaps), as ``explain`` prints it."""
     kernel, kernel_epi = (problem.swapped(), epilogue.transposed()) if config.swap_ab else (problem, epilogue)
     return roofline(kernel, hw, config.tile_m, config.tile_n, config.tile_k, kernel_epi, config.schedule,

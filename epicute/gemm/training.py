@@ -70,7 +70,7 @@ class PreparedTraining:
         _, tensors, _, scalars, _ = split_operands(operands)
         args = self.args
         results = self.op.eager(self.layout, a, b, tensors, scalars, args.epilogue, args.spec)
-        return results[0] if len(args.outputs) == 1 else op_results(args.outputs, dict(zip(args.outputs, results)))
+        return op_results(args.outputs, dict(zip(args.outputs, results)))
 
     def _impl(self, a, b, tensors, scalars, epilogue, spec) -> list[torch.Tensor]:
         sources = forward_sources(a, b, tensors, scalars)
@@ -176,28 +176,23 @@ class PreparedBackward:
         slots |= {name: 2 + recorded.count + i for i, name in enumerate(plan.saved)}
         slots |= {grad_name(name): len(saved) + i for i, name in enumerate(recorded.names)}
         slots |= {name: len(saved) + len(grads) + i for i, name in enumerate(spec["scalars"])}
-        constants: list = [None]
-        fixed = len(saved) + len(grads) + len(scalars)  # where the constants start
-
-        def slot(value: Any, name: str | None = None) -> int | None:
-            if name is not None:
-                return slots.get(name)
-            if value is step.inputs[0] or value is step.inputs[1]:
-                return 0 if value is step.inputs[0] else 1
-            constants.append(value)
-            return fixed + len(constants) - 1
-
+        fixed = len(saved) + len(grads) + len(scalars)  # where the constants start: None, then the pass's A and B
+        constants: tuple = (None,)
         calls, pass_call, pass_sources = {}, None, ()
         for role, (prepared, a, b, names) in kernels.seen.items():
             if prepared is None:
                 return None
-            if role == "pass":
-                pass_call = prepared
-                pass_sources = (slot(a), slot(b), fixed, fixed, fixed, *(slot(None, name) for name in names))
-                if None in pass_sources:
-                    return None
-            else:
+            if role != "pass":
                 calls[role] = prepared
+                continue
+            if a is step.inputs[0]:  # recomputing a @ b: the saved a and b
+                ab = (0, 1)
+            else:  # a zero-K pass: its empty A and B, kept with the record
+                constants, ab = (None, a, b), (fixed + 1, fixed + 2)
+            pass_call = prepared
+            pass_sources = (*ab, fixed, fixed, fixed, *(slots.get(name) for name in names))
+            if None in pass_sources:
+                return None
         forwarded = reduced = ()
         if plan.mode != "plain":
             grad_dtypes = tuple((name, ir_dtype(t.dtype, name)) for name, t in step.grads.items())
@@ -208,7 +203,7 @@ class PreparedBackward:
         operand_grads = tuple((operand_grad_name(name), plan.graph.input_node(name).kind) if name in step.needing
                               else None for name in spec["tensors"])  # fmt: skip
         return cls(
-            acc_dtype=saved_dtype(step.inputs[0].dtype), calls=calls, constants=tuple(constants),
+            acc_dtype=saved_dtype(step.inputs[0].dtype), calls=calls, constants=constants,
             dacc_slot=slots[grad_name(DACC)] if plan.mode == "plain" else None, forwarded=forwarded,
             needs=tuple(ctx.needs_input_grad[:2]), operand_grads=operand_grads, pass_call=pass_call,
             pass_sources=pass_sources, reduced=reduced,
