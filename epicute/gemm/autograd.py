@@ -319,13 +319,19 @@ def setup_backward(
     ``output``); ``inputs`` the GEMM's tensors (a, b and what else the backward needs); ``operands`` and
     ``scalars`` the op's operand lists."""
     ctx.set_materialize_grads(False)  # an output the loss does not use gets None: no zeros to fill and read
-    differentiable = differentiable_outputs(plan.graph) if plan is not None and plan.graph is not None else ("D",)
+    ctx.call = forward_record(plan, spec, scalars, names, len(inputs), tuple(t.requires_grad for t in operands))
     # One call with all of them: each call replaces the last one's set. The saved accumulators carry none either.
-    ctx.mark_non_differentiable(*(t for name, t in zip(names, output) if name not in differentiable),
+    ctx.mark_non_differentiable(*(t for name, t in zip(names, output) if name not in ctx.call.differentiable),
                                 *output[len(names):])  # fmt: skip
     ctx.save_for_backward(*inputs, *operands, *output[len(names):])
-    ctx.call = _Recorded(plan, spec, scalars, names, differentiable, len(inputs), len(operands),
-                         tuple(t.requires_grad for t in operands))  # fmt: skip
+
+
+def forward_record(plan: BackwardPlan | None, spec: dict, scalars, names: tuple, inputs: int, operand_needs: tuple):
+    """What an op's forward leaves for its backward beside the saved tensors (``ctx.call``): the plan, the spec, the
+    scalars, the outputs' names and which of them carry a gradient, how many saved tensors are the GEMM's inputs,
+    and which operands required grad."""
+    differentiable = differentiable_outputs(plan.graph) if plan is not None and plan.graph is not None else ("D",)
+    return _Recorded(plan, spec, scalars, names, differentiable, inputs, len(operand_needs), operand_needs)
 
 
 class _Recorded(NamedTuple):
@@ -416,7 +422,7 @@ def to_operand_shape(grad: torch.Tensor, operand: torch.Tensor, kind: str) -> to
 
 __all__ = [
     "PLANS", "RECOMPUTE_BELOW_K", "BackwardPlan", "BackwardStep", "GradientKernels", "OpCall", "backward_of",
-    "explain_backward", "op_call", "plan_backward", "saved_dtype", "saving_call", "saving_epilogue", "setup_backward",
-    "to_operand_shape",
+    "explain_backward", "forward_record", "op_call", "plan_backward", "saved_dtype", "saving_call", "saving_epilogue",
+    "setup_backward", "to_operand_shape",
 ]  # fmt: skip
 

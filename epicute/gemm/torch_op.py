@@ -29,6 +29,7 @@ from epicute.gemm.autograd import (
     op_call,
     saved_dtype,
     setup_backward,
+    to_operand_shape,
 )
 from epicute.gemm.config import GemmConfig, GemmProblem
 from epicute.gemm.prepare import GemmRequest, lower_epilogue
@@ -205,10 +206,32 @@ def _setup_context(ctx, inputs, output) -> None:
     a, b, operands, scalars, epilogue, spec = inputs
     call = dense_call(a, b, operands, scalars, epilogue, spec)
     setup_backward(ctx, call.plan, call.names, output, (a, b), operands, scalars, call.spec)
+    ctx.op_strings = epilogue, spec  # what a traced backward hands the backward op
 
 
 def _backward(ctx, grads):
-    return dense_backward(ctx, grads)[0]
+    if runs_eagerly(*ctx.saved_tensors[:2]):
+        return dense_backward(ctx, grads)[0]
+    # Traced (a compiled backward): the whole backward as one op call, whose implementation replays its GEMMs.
+    from epicute.gemm.training import GEMM_BACKWARD_OP, gemm_backward_outputs
+
+    sources = gemm_backward_outputs(ctx, grads)
+    recorded = ctx.call
+    if sources is None:
+        return None, None, [None] * recorded.count, grad_slot(recorded.scalars), None, None
+    tensors = ctx.saved_tensors
+    a, b = tensors[:2]
+    operands, saved = list(tensors[2 : 2 + recorded.count]), list(tensors[2 + recorded.count :])
+    needs = [*ctx.needs_input_grad[:2], *recorded.operand_needs]
+    outputs = iter(GEMM_BACKWARD_OP(a, b, operands, saved, list(grads), list(recorded.scalars), *ctx.op_strings,
+                                    needs))  # fmt: skip
+    results = [next(outputs) if source == "op" else source for source in sources]
+    graph = recorded.plan.graph
+    for i, (name, operand) in enumerate(zip(recorded.spec["tensors"], operands)):
+        if type(results[2 + i]) is int:  # a forwarded incoming gradient, as BackwardStep.of makes it contiguous
+            results[2 + i] = to_operand_shape(grads[results[2 + i]].contiguous(), operand, graph.input_node(name).kind)
+    da, db, *operand_grads = results
+    return da, db, operand_grads, grad_slot(recorded.scalars), None, None
 
 
 def dense_backward(ctx, grads, kernels_type: type[DenseKernels] | None = None) -> tuple[tuple, Any, Any]:
@@ -294,7 +317,8 @@ def results_by_name(results) -> dict:
 
 #: The op (defined by ``import epicute`` from the family's declaration, :mod:`epicute.families`), differentiable
 #: by the backward :mod:`epicute.gemm.autograd` derives from its epilogue.
-GEMM_OP = TorchOp("epicute::gemm", gemm_op, _gemm_fake, _backward, _setup_context)
+GEMM_OP = TorchOp("epicute::gemm", gemm_op, _gemm_fake, _backward, _setup_context,
+                  traced_backward="epicute.gemm.training:GEMM_BACKWARD_OP")
 
 
 def fake_operand_values(operands: list, scalars: list, spec: dict, not_scalars: tuple = ()) -> dict[str, Any]:

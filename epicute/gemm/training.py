@@ -13,33 +13,38 @@ repeats the same signatures every step, so:
 
 A replay makes the launches the whole path would make, with the same tensors (``tests/gemm/test_training.py``).
 Whatever a record does not cover takes the whole path: another backend, kernel discovery, a backward that records
-a graph of its own (``create_graph=True``), launches ``epicute.gemm`` could not record.
+a graph of its own (``create_graph=True``), launches ``epicute.gemm`` could not record. A compiled backward is one
+op, ``epicute::gemm_backward`` (:func:`gemm_backward_op`), whose implementation keeps the same records per forward
+signature: one op call a step for the backward's GEMMs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from epicute.epilogue.backward import DACC, grad_name, operand_grad_name
 from epicute.epilogue.dtypes import ir_dtype
 from epicute.epilogue.reference import reduce_tile
+from epicute.epilogue.scales import SCALE_NAMES
 from epicute.gemm.autograd import (
     BackwardStep,
     OpCall,
+    forward_record,
     gradient_pass_of,
     saved_dtype,
     setup_backward,
     to_operand_shape,
 )
-from epicute.gemm.prepared import PreparedGemmCall
+from epicute.gemm.prepared import PreparedGemmCall, call_signature
 from epicute.gemm.torch_op import (
     GEMM_OP,
     DenseKernels,
     OpArguments,
     dense_backward,
+    dense_call,
     forward_sources,
     gemm_op,
     listed,
@@ -49,7 +54,7 @@ from epicute.gemm.torch_op import (
 from epicute.runtime.backend import resolve_backend
 from epicute.runtime.checks import TMA_ALIGN_BYTES
 from epicute.runtime.compile import DISCOVERING
-from epicute.runtime.torch_ops import TorchOp, eager_layout, grad_slot, split_operands
+from epicute.runtime.torch_ops import TorchOp, eager_layout, grad_slot, runs_eagerly, split_operands
 
 
 class PreparedTraining:
@@ -83,22 +88,29 @@ class PreparedTraining:
         setup_backward(ctx, self.call.plan, self.call.names, output, (a, b), operands, scalars, self.call.spec)
 
     def _backward(self, ctx, grads: list) -> tuple:
-        # A backward recording its own graph (create_graph=True) calls the differentiable epicute.gemm.
-        if torch.is_grad_enabled() or resolve_backend(None) != "kernel" or DISCOVERING.is_set():
-            return dense_backward(ctx, grads)[0]
-        grads = [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]  # as BackwardStep.of has them
-        key = _gradient_key(ctx, grads)
-        if key in self.backwards:
-            prepared = self.backwards[key]
-            result = prepared(ctx, grads) if prepared is not None else None
-            if result is not None:
-                return result
-            return dense_backward(ctx, grads)[0]
-        result, step, kernels = dense_backward(ctx, grads, _RecordingKernels)
-        if len(self.backwards) >= 64:
-            self.backwards.clear()
-        self.backwards[key] = PreparedBackward.of(ctx, grads, step, kernels) if step is not None else None
-        return result
+        return replayed_backward(ctx, grads, self.backwards)
+
+
+def replayed_backward(ctx, grads: list, backwards: dict) -> tuple:
+    """The op's backward for ``ctx`` (an eager call's, or the traced backward op's stand-in) and ``grads``: replayed
+    from ``backwards``' record of its gradient signature (:func:`_gradient_key`), which the first backward of that
+    signature leaves there."""
+    # A backward recording its own graph (create_graph=True) calls the differentiable epicute.gemm.
+    if torch.is_grad_enabled() or resolve_backend(None) != "kernel" or DISCOVERING.is_set():
+        return dense_backward(ctx, grads)[0]
+    grads = [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]  # as BackwardStep.of has them
+    key = _gradient_key(ctx, grads)
+    if key in backwards:
+        prepared = backwards[key]
+        result = prepared(ctx, grads) if prepared is not None else None
+        if result is not None:
+            return result
+        return dense_backward(ctx, grads)[0]
+    result, step, kernels = dense_backward(ctx, grads, _RecordingKernels)
+    if len(backwards) >= 64:
+        backwards.clear()
+    backwards[key] = PreparedBackward.of(ctx, grads, step, kernels) if step is not None else None
+    return result
 
 
 def _gradient_key(ctx, grads: list) -> tuple:
@@ -233,4 +245,64 @@ class PreparedBackward:
         return da, db, operand_grads, grad_slot(scalars), None, None
 
 
-__all__ = ["PreparedBackward", "PreparedTraining"]
+class _TracedContext(NamedTuple):
+    """What the backward reads of an autograd context, rebuilt from the backward op's arguments."""
+
+    saved_tensors: tuple
+    call: Any
+    needs_input_grad: tuple
+
+
+def gemm_backward_op(
+    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], saved: list[torch.Tensor],
+    grads: list[torch.Tensor | None], scalars: list[float], epilogue: str, spec: str, needs: list[bool],
+) -> list[torch.Tensor]:  # fmt: skip
+    """``epicute::gemm``'s whole backward as one op, what a compiled backward graph calls (one op call for its
+    GEMMs, replayed from one record; :func:`gemm_backward_outputs` says which gradients it returns). ``saved``: a
+    ``save`` plan's accumulators; ``needs``: whether a and b need a gradient, then whether each operand required
+    one in the forward."""
+    call = dense_call(a, b, operands, scalars, epilogue, spec)
+    ctx = _TracedContext((a, b, *operands, *saved), forward_record(call.plan, call.spec, scalars, call.names, 2,
+                                                                   tuple(needs[2:])), tuple(needs[:2]))  # fmt: skip
+    if runs_eagerly(a, b):
+        key = (epilogue, spec, call_signature(forward_sources(a, b, operands, scalars)))
+        backwards = _OP_BACKWARDS.get(key)
+        if backwards is None:
+            if len(_OP_BACKWARDS) >= 1024:
+                _OP_BACKWARDS.clear()
+            backwards = _OP_BACKWARDS[key] = {}
+        da, db, operand_grads, *_ = replayed_backward(ctx, grads, backwards)
+    else:  # the fake: the backward's GEMMs as op calls on fake tensors give every gradient's layout
+        da, db, operand_grads, *_ = dense_backward(ctx, grads)[0]
+    sources = gemm_backward_outputs(ctx, grads)
+    return [t for t, source in zip((da, db, *operand_grads), sources, strict=True) if source == "op"]
+
+
+#: The backward op's records by the forward call's signature (epilogue, spec, sources), then by gradient signature.
+_OP_BACKWARDS: dict[tuple, dict] = {}
+
+
+def gemm_backward_outputs(ctx, grads: list) -> tuple | None:
+    """Where each of ``(da, db, *operand gradients)`` of a traced backward comes from: ``"op"`` (returned by
+    :func:`gemm_backward_op`), None (no gradient), or the index of the incoming gradient it is as it is (an operand's
+    gradient the gradient epilogue forwards: taken beside the op, which may return no alias of its inputs). None
+    where the backward runs nothing (no differentiable output got a gradient)."""
+    recorded = ctx.call
+    given = {name: g for name, g in zip(recorded.names, grads) if g is not None and name in recorded.differentiable}
+    if not given:
+        return None
+    plan, tensors = recorded.plan, recorded.spec["tensors"]
+    needing = tuple(name for name, needs in zip(tensors, recorded.operand_needs) if needs and name not in SCALE_NAMES)
+    forwarded = {}
+    if plan.mode != "plain":
+        grad_dtypes = tuple((name, ir_dtype(g.dtype, name)) for name, g in given.items())
+        step = gradient_pass_of(plan.graph, grad_dtypes, needing, plan.mode == "save", DenseKernels.TORCH_REDUCTIONS)
+        index = {grad_name(name): i for i, name in enumerate(recorded.names)}
+        forwarded = {out: index[name] for out, name in step.forwarded}
+    operands = (forwarded.get(operand_grad_name(name), "op") if name in needing else None for name in tensors)
+    return (*("op" if needs else None for needs in ctx.needs_input_grad[:2]), *operands)
+
+
+GEMM_BACKWARD_OP = TorchOp("epicute::gemm_backward", gemm_backward_op, gemm_backward_op)
+
+__all__ = ["GEMM_BACKWARD_OP", "PreparedBackward", "PreparedTraining", "gemm_backward_op", "replayed_backward"]

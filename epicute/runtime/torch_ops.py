@@ -259,6 +259,8 @@ class TorchOp:
     #: (``torch.library.register_autograd``)
     backward: Callable | None = None
     setup_context: Callable | None = None
+    #: ``"module:NAME"`` of the op its backward calls while traced (the whole backward as one op), defined with it
+    traced_backward: str | None = None
 
     def __call__(self, *args: Any) -> list[torch.Tensor]:
         """The op applied to ``args``: through ``torch.ops`` while torch.compile traces (or on meta and fake
@@ -374,7 +376,11 @@ def define_op(op: TorchOp) -> Any:
             if op.backward is not None:
                 custom.register_autograd(op.backward, setup_context=op.setup_context)
             _DEFINED[op.name] = custom
-        return _DEFINED[op.name]
+    if op.traced_backward is not None:
+        from epicute.runtime.family import resolve
+
+        define_op(resolve(op.traced_backward))
+    return _DEFINED[op.name]
 
 
 #: The ops' CUDA kernels, registered beside the custom ops' own (process lifetime, like them).

@@ -111,8 +111,9 @@ def test_the_gradient_graph_of_a_linear_epilogue_reads_no_accumulator():
 
 
 def test_a_compiled_backward_calls_the_op(reference_kernels):
-    """AOTAutograd traces the backward with fake tensors (``is_compiling()`` need not say so): the backward's
-    GEMMs must enter its graph as ``epicute::gemm`` ops, never run eagerly on the fakes."""
+    """AOTAutograd traces the backward with fake tensors (``is_compiling()`` need not say so): the backward's GEMMs
+    must enter its graph as one ``epicute::gemm_backward`` op (which replays them from one record), never run eagerly
+    on the fakes; a gradient the epilogue forwards as it is (the residual's: dD) is taken beside it."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -135,7 +136,8 @@ def test_a_compiled_backward_calls_the_op(reference_kernels):
         errors.pop("differentiable outputs")
         assert all(e < TOL for e in errors.values()), errors
     ops_called = [str(node.target) for node in graphs["backward"].graph.nodes if node.op == "call_function"]
-    assert ops_called.count("epicute.gemm.default") == 3, ops_called  # the gradient pass, da and db
+    assert ops_called.count("epicute.gemm_backward.default") == 1, ops_called  # the gradient pass, da and db
+    assert "epicute.gemm.default" not in ops_called, ops_called
 
 
 def test_a_training_call_finds_all_its_kernels_in_one_precompile_pass(monkeypatch, tmp_path):

@@ -16,7 +16,7 @@ import torch
 
 import epicute
 from epicute.gemm import api as api_module
-from epicute.gemm import torch_op
+from epicute.gemm import torch_op, training
 from epicute.gemm.autograd import RECOMPUTE_BELOW_K
 from epicute.gemm.training import PreparedBackward
 from tests.gemm.autograd_cases import _leaf, cases
@@ -60,13 +60,15 @@ def _inputs(name: str, k: int, batch: int | None):
     return epilogue, options, a, weight, operands
 
 
-def _step(kernel, epilogue, options, a, weight, operands, upstream):
-    """One forward and backward: the launches of the backward, and every leaf's gradient."""
+def _step(kernel, epilogue, options, a, weight, operands, upstream, call=None):
+    """One forward and backward through ``call`` (default :func:`epicute.gemm`): the launches of the backward, and
+    every leaf's gradient."""
     leaves = [a, weight, *(_leaf(v) for v in operands.values())]
     for t in leaves:
         t.grad = None
     b = weight.transpose(-1, -2)
-    out = epicute.gemm(a, b, epilogue=epilogue, **options, **operands) if epilogue else epicute.gemm(a, b)
+    call = call or epicute.gemm
+    out = call(a, b, epilogue=epilogue, **options, **operands) if epilogue else call(a, b)
     outs = out if isinstance(out, dict) else {"D": out}
     if not upstream:
         upstream |= {n: torch.randn_like(t) for n, t in outs.items() if t.requires_grad}
@@ -176,3 +178,41 @@ def test_a_training_call_the_op_replays_still_leaves_its_record(kernel):
     (entry,) = api_module._TRAINING_CALLS.values()
     (kept,) = torch_op._OP_REPEATS.values()
     assert entry.forward is kept[1]
+
+
+@pytest.mark.parametrize("name", ["gelu_bias_residual", "tanh_scaled_with_aux", "swiglu"])
+def test_a_compiled_backward_replays_what_the_whole_path_would(kernel, monkeypatch, name):
+    """A compiled training step's backward is one op (``epicute::gemm_backward``) whose implementation records its
+    launches on the first call and replays them after, as an eager backward does: the same launches as the whole
+    path for the same tensors, the same gradients."""
+    monkeypatch.setattr(training, "_OP_BACKWARDS", {})
+    torch._dynamo.reset()
+    compiled = torch.compile(epicute.gemm, fullgraph=True, backend="aot_eager")
+    inputs = _inputs(name, K_PLANS["save"], None)
+    upstream: dict = {}
+    for _ in range(2):
+        _step(kernel, *inputs, upstream, call=compiled)
+    (records,) = training._OP_BACKWARDS.values()
+    assert [type(r) for r in records.values()] == [PreparedBackward]
+    whole_path = []
+    real_describe = api_module.describe_call
+    monkeypatch.setattr(api_module, "describe_call", lambda *args: whole_path.append(1) or real_describe(*args))
+    replayed, replayed_grads = _step(kernel, *inputs, upstream, call=compiled)
+    assert not whole_path, "the compiled backward went through epicute.gemm's whole path"
+    records.clear()
+    api_module._PREPARED_CALLS.clear()
+    whole, whole_grads = _step(kernel, *inputs, upstream, call=compiled)
+    assert whole_path
+    _, _, a, weight, operands = inputs
+    callers = {t.untyped_storage().data_ptr() for t in (a, weight, *map(_leaf, operands.values()), *upstream.values())
+               if isinstance(t, torch.Tensor)}  # fmt: skip
+    for got_launch, want_launch in zip(replayed, whole, strict=True):
+        got, want = _described(got_launch), _described(want_launch)
+        assert got[1] == want[1], "scalars differ"
+        for g, w in zip(got[0], want[0], strict=True):
+            assert g == w if w[3] in callers else (g[3] not in callers and g[:3] == w[:3])
+    for got, want in zip(replayed_grads, whole_grads, strict=True):
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    assert all(torch.equal(got, want) for got, want in zip(replayed_grads[:2], whole_grads[:2]))

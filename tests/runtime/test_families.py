@@ -179,15 +179,17 @@ def test_declarations_name_real_functions_and_each_kind_once():
         assert all(callable(family.compiler(arch)) for arch in spec.compilers)
         assert spec.aot is None or callable(JOB_KINDS[spec.kind])
     ops = define_ops()
-    declared = [spec.torch_op for spec in declarations() if spec.torch_op]
-    assert sorted(ops) == sorted(
-        f"epicute::{name}" for name in ("gemm", "grouped_gemm", "attention", "attention_backward", "quantize")
-    ) and len(declared) == len(ops)
-    for name in ops:
-        assert hasattr(torch.ops.epicute, name.partition("::")[2])
     from epicute.runtime.family import resolve
 
-    assert all(isinstance(resolve(ref), TorchOp) for ref in declared)
+    declared = [resolve(spec.torch_op) for spec in declarations() if spec.torch_op]
+    traced_backwards = [resolve(op.traced_backward) for op in declared if op.traced_backward]  # defined with theirs
+    assert sorted(ops) == sorted(
+        f"epicute::{name}"
+        for name in ("gemm", "gemm_backward", "grouped_gemm", "attention", "attention_backward", "quantize")
+    ) and len(declared) + len(traced_backwards) == len(ops)
+    for name in ops:
+        assert hasattr(torch.ops.epicute, name.partition("::")[2])
+    assert all(isinstance(op, TorchOp) for op in (*declared, *traced_backwards))
 
 
 def test_each_family_module_uses_the_family_made_from_its_declaration():
