@@ -106,21 +106,28 @@ def test_a_repeat_backward_launches_what_the_whole_path_would(kernel, name, plan
     finally:
         api_module.describe_call = real_describe
 
+    assert len(replayed) == len(whole) > 0 or name == "bias"  # acc + bias: the gradients are torch's alone
+    _assert_replays_the_whole_path(inputs, upstream, (replayed, replayed_grads), (whole, whole_grads))
+
+
+def _assert_replays_the_whole_path(inputs, upstream: dict, replay: tuple, whole: tuple) -> None:
+    """``replay`` and ``whole`` (each a backward's launches and the leaves' gradients) made the same launches: the
+    same scalars, the caller's tensors wherever the whole path handed one, fresh tensors of the same layouts
+    elsewhere; and gradients of the same layouts, a's and b's equal."""
     _, _, a, weight, operands = inputs
     callers = {t.untyped_storage().data_ptr() for t in (a, weight, *map(_leaf, operands.values()), *upstream.values())
                if isinstance(t, torch.Tensor)}  # fmt: skip
-    assert len(replayed) == len(whole) > 0 or name == "bias"  # acc + bias: the gradients are torch's alone
-    for got_launch, want_launch in zip(replayed, whole, strict=True):
+    for got_launch, want_launch in zip(replay[0], whole[0], strict=True):
         got, want = _described(got_launch), _described(want_launch)
         assert got[1] == want[1], "scalars differ"
         for g, w in zip(got[0], want[0], strict=True):
             assert g == w if w[3] in callers else (g[3] not in callers and g[:3] == w[:3])
-    for got, want in zip(replayed_grads, whole_grads, strict=True):
+    for got, want in zip(replay[1], whole[1], strict=True):
         assert (got is None) == (want is None)
         if want is not None:
             assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
     # a and b's gradients are D of launches that read only what they were handed: equal if those were.
-    for got, want in zip(replayed_grads[:2], whole_grads[:2]):
+    for got, want in zip(replay[1][:2], whole[1][:2]):
         assert torch.equal(got, want)
 
 
@@ -203,16 +210,5 @@ def test_a_compiled_backward_replays_what_the_whole_path_would(kernel, monkeypat
     api_module._PREPARED_CALLS.clear()
     whole, whole_grads = _step(kernel, *inputs, upstream, call=compiled)
     assert whole_path
-    _, _, a, weight, operands = inputs
-    callers = {t.untyped_storage().data_ptr() for t in (a, weight, *map(_leaf, operands.values()), *upstream.values())
-               if isinstance(t, torch.Tensor)}  # fmt: skip
-    for got_launch, want_launch in zip(replayed, whole, strict=True):
-        got, want = _described(got_launch), _described(want_launch)
-        assert got[1] == want[1], "scalars differ"
-        for g, w in zip(got[0], want[0], strict=True):
-            assert g == w if w[3] in callers else (g[3] not in callers and g[:3] == w[:3])
-    for got, want in zip(replayed_grads, whole_grads, strict=True):
-        assert (got is None) == (want is None)
-        if want is not None:
-            assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
-    assert all(torch.equal(got, want) for got, want in zip(replayed_grads[:2], whole_grads[:2]))
+    assert len(replayed) == len(whole) > 0
+    _assert_replays_the_whole_path(inputs, upstream, (replayed, replayed_grads), (whole, whole_grads))
