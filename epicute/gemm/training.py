@@ -20,6 +20,7 @@ signature: one op call a step for the backward's GEMMs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -288,19 +289,24 @@ def gemm_backward_outputs(ctx, grads: list) -> tuple | None:
     gradient the gradient epilogue forwards: taken beside the op, which may return no alias of its inputs). None
     where the backward runs nothing (no differentiable output got a gradient)."""
     recorded = ctx.call
-    given = {name: g for name, g in zip(recorded.names, grads) if g is not None and name in recorded.differentiable}
-    if not given:
-        return None
-    plan, tensors = recorded.plan, recorded.spec["tensors"]
-    needing = tuple(name for name, needs in zip(tensors, recorded.operand_needs) if needs and name not in SCALE_NAMES)
+    given = tuple((name, g.dtype) for name, g in zip(recorded.names, grads)
+                  if g is not None and name in recorded.differentiable)  # fmt: skip
+    return _output_sources(recorded.plan, tuple(recorded.spec["tensors"]), recorded.names, given,
+                           recorded.operand_needs, tuple(ctx.needs_input_grad[:2])) if given else None  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _output_sources(plan, tensors: tuple, names: tuple, given: tuple, operand_needs: tuple, needs: tuple) -> tuple:
+    """:func:`gemm_backward_outputs` for one signature (decided once: every step of a compiled graph asks)."""
+    needing = tuple(name for name, need in zip(tensors, operand_needs) if need and name not in SCALE_NAMES)
     forwarded = {}
     if plan.mode != "plain":
-        grad_dtypes = tuple((name, ir_dtype(g.dtype, name)) for name, g in given.items())
+        grad_dtypes = tuple((name, ir_dtype(dtype, name)) for name, dtype in given)
         step = gradient_pass_of(plan.graph, grad_dtypes, needing, plan.mode == "save", DenseKernels.TORCH_REDUCTIONS)
-        index = {grad_name(name): i for i, name in enumerate(recorded.names)}
+        index = {grad_name(name): i for i, name in enumerate(names)}
         forwarded = {out: index[name] for out, name in step.forwarded}
     operands = (forwarded.get(operand_grad_name(name), "op") if name in needing else None for name in tensors)
-    return (*("op" if needs else None for needs in ctx.needs_input_grad[:2]), *operands)
+    return (*("op" if need else None for need in needs), *operands)
 
 
 GEMM_BACKWARD_OP = TorchOp("epicute::gemm_backward", gemm_backward_op, gemm_backward_op)
