@@ -843,6 +843,14 @@ def fitted_swap_width(m: int) -> int:
     return ceil_div(ceil_div(m, tiles), 16) * 16
 
 
+def _plain_mid_m_swappable(problem: GemmProblem, epilogue: EpilogueBuffers) -> bool:
+    """Whether the mid-M swap rules (:func:`choose_wide_swap`, :func:`choose_wave_swap`) may consider ``problem``: a
+    plain GEMM (no epilogue chain, no block scales) of row-major A, at most :data:`FITTED_SWAP_MAX_M` rows, that a
+    swapped 256-row tile could run (:func:`wide_swap_refusal`)."""
+    return not (epilogue.chain or problem.a_major != "k" or problem.block_scaled or problem.m > FITTED_SWAP_MAX_M
+                or wide_swap_refusal(problem, epilogue))  # fmt: skip
+
+
 def choose_wide_swap(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers) -> GemmConfig | None:
     """A swapped plan for a plain GEMM of mid-size M, else None. Under :data:`WIDE_SWAP_MAX_M` rows: cooperative
     256-row tiles where their roofline beats cooperative 128x256 tiles of A by :data:`WIDE_SWAP_MIN_GAIN` (a wave
@@ -850,8 +858,7 @@ def choose_wide_swap(problem: GemmProblem, hw: Target, epilogue: EpilogueBuffers
     128-row tiles :func:`fitted_swap_width` wide, where they pad M :data:`FITTED_SWAP_MIN_FIT` times less than
     128-row tiles of A. A row-major; B a weight's transpose or ``(K, N)`` row-major (the swapped 256 x 144 ran alike
     on both at 1000 rows)."""
-    if (epilogue.chain or problem.a_major != "k" or problem.block_scaled or problem.m > FITTED_SWAP_MAX_M
-            or wide_swap_refusal(problem, epilogue)):  # fmt: skip
+    if not _plain_mid_m_swappable(problem, epilogue):
         return None
     if problem.m >= WIDE_SWAP_MAX_M:
         return _fitted_swap(problem, hw, epilogue)
@@ -874,9 +881,8 @@ def choose_wave_swap(
     """Swapped 256-row tiles for a plain GEMM of :data:`WIDE_SWAP_MAX_M` to :data:`FITTED_SWAP_MAX_M` rows where
     their count fills the last wave: the :data:`WAVE_SWAP_TILE_N` width the roofline estimates fastest, where it
     puts it :data:`WAVE_SWAP_MIN_GAIN` ahead of ``planned`` (else None)."""
-    if (problem.m < WIDE_SWAP_MAX_M or epilogue.chain or problem.a_major != "k" or problem.block_scaled
-            or problem.m > FITTED_SWAP_MAX_M or ceil_div(problem.k, problem.tile_k) < FITTED_SWAP_MIN_K_TILES
-            or wide_swap_refusal(problem, epilogue)):  # fmt: skip
+    if (problem.m < WIDE_SWAP_MAX_M or ceil_div(problem.k, problem.tile_k) < FITTED_SWAP_MIN_K_TILES
+            or not _plain_mid_m_swappable(problem, epilogue)):  # fmt: skip
         return None
     width, best = _fastest_swapped_256(problem, hw, epilogue, WAVE_SWAP_TILE_N)
     before = predicted(problem, hw, planned, epilogue)
